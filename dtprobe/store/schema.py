@@ -1,0 +1,89 @@
+"""The run-store contract: table names, column dtypes and units, file layout; read by every writer and reader.
+
+Units live in column names: ``_ns`` (integer nanoseconds; ``*_ns`` timestamps are Unix-epoch nanoseconds on the
+writing rank's clock, which the reader shifts onto rank 0's clock), ``_bytes``, ``_frac`` (0..1), ``_w``, ``_c``,
+``_mhz``. A column missing from a row is stored as null.
+"""
+
+from __future__ import annotations
+
+SCHEMA_VERSION = 1
+"""Bumped whenever a column changes meaning or a table changes shape; readers refuse newer versions."""
+
+MANIFEST_FILE = "run.json"
+"""``<run>/run.json``: the manifest, written by the launcher (or the leader rank under ``attach``)."""
+RANK_INFO_FILE = "ranks/rank{rank:05d}.json"
+"""``<run>/ranks/rankNNNNN.json``: one per rank (host, node rank, local rank, device, clock offset, pid)."""
+EVENTS_FILE = "events/{table}/rank{rank:05d}.jsonl"
+"""``<run>/events/<table>/rankNNNNN.jsonl``: append-only, one JSON object per line, one file per table and rank."""
+COMPACT_FILE = "tables/{table}.parquet"
+"""``<run>/tables/<table>.parquet``: all ranks of one table, clock-aligned, written by compaction."""
+TRACES_DIR = "traces"
+"""``<run>/traces/<window>/rankNNNNN.pt.trace.json.gz``: Kineto traces of profiler windows."""
+CHECKPOINTS_DIR = "checkpoints"
+"""``<run>/checkpoints/``: DCP checkpoints with commit markers."""
+
+# Column -> dtype (pandas nullable dtypes). "rank" is always present.
+SCHEMAS: dict[str, dict[str, str]] = {
+    "steps": {
+        "rank": "int32", "step": "int64", "start_ns": "int64", "end_ns": "int64",
+        "data_ns": "int64", "fwd_ns": "int64", "bwd_ns": "int64", "opt_ns": "int64",
+        "loss": "float64", "tokens": "int64", "lr": "float64", "restart": "int32",
+    },
+    "collectives": {
+        "rank": "int32", "pg": "string", "pg_ranks": "string", "pg_size": "int32", "seq": "int64",
+        "op": "string", "num_bytes": "int64", "dtype": "string", "enqueue_ns": "int64",
+        "start_ns": "int64", "end_ns": "int64", "step": "int64", "peer": "int32", "timing": "string",
+    },
+    "devices": {
+        "rank": "int32", "host": "string", "time_ns": "int64", "source": "string", "gpu": "int32",
+        "util_frac": "float64", "mem_util_frac": "float64", "mem_used_bytes": "int64",
+        "mem_total_bytes": "int64", "power_w": "float64", "power_limit_w": "float64", "temp_c": "float64",
+        "sm_clock_mhz": "float64", "throttle_reasons": "int64", "pcie_tx_bytes_per_s": "float64",
+        "pcie_rx_bytes_per_s": "float64", "nvlink_tx_bytes_per_s": "float64",
+        "nvlink_rx_bytes_per_s": "float64", "xid": "int64", "cpu_frac": "float64", "rss_bytes": "int64",
+        "load1": "float64", "step": "int64",
+    },
+    "faults": {
+        "rank": "int32", "time_ns": "int64", "step": "int64", "kind": "string", "injected": "boolean",
+        "detail": "string",
+    },
+    "pipeline": {
+        "rank": "int32", "stage": "int32", "step": "int64", "microbatch": "int32", "action": "string",
+        "start_ns": "int64", "end_ns": "int64",
+    },
+    "amp": {
+        "rank": "int32", "step": "int64", "scale_before": "float64", "scale_after": "float64",
+        "found_inf": "boolean", "skipped": "boolean",
+    },
+    "checkpoints": {
+        "rank": "int32", "step": "int64", "kind": "string", "start_ns": "int64", "blocking_ns": "int64",
+        "async_ns": "int64", "total_ns": "int64", "num_bytes": "int64", "ok": "boolean", "path": "string",
+    },
+    "memory": {
+        "rank": "int32", "step": "int64", "param_bytes": "int64", "grad_bytes": "int64",
+        "optim_bytes": "int64", "peak_bytes": "int64", "rss_bytes": "int64",
+    },
+    "compression": {
+        "rank": "int32", "step": "int64", "bucket": "int32", "method": "string", "raw_bytes": "int64",
+        "sent_bytes": "int64", "encode_ns": "int64", "decode_ns": "int64", "residual_norm": "float64",
+    },
+    "kernels": {
+        "rank": "int32", "name": "string", "kind": "string", "stream": "int64", "start_ns": "int64",
+        "dur_ns": "int64", "step": "int64",
+    },
+}
+"""Every table's columns. Collectors write subsets of these; the reader fills the rest with nulls."""
+
+TIME_COLUMNS: dict[str, tuple[str, ...]] = {
+    "steps": ("start_ns", "end_ns"),
+    "collectives": ("enqueue_ns", "start_ns", "end_ns"),
+    "devices": ("time_ns",),
+    "faults": ("time_ns",),
+    "pipeline": ("start_ns", "end_ns"),
+    "checkpoints": ("start_ns",),
+    "kernels": ("start_ns",),
+}
+"""Columns holding a rank-clock timestamp: the reader adds that rank's clock offset to these."""
+
+RUN_STATUSES = ("running", "finished", "crashed")

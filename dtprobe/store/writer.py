@@ -1,0 +1,87 @@
+"""Per-rank append-only JSONL writers for the run store; written by collectors, read by ``store.reader``."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from dtprobe.store.schema import EVENTS_FILE, SCHEMAS
+
+
+class RankWriter:
+    """Appends rows to ``<run>/events/<table>/rankNNNNN.jsonl``, one file per table, for one rank.
+
+    Rows are buffered and flushed every ``flush_interval_s`` (from the caller's thread on the next ``write``)
+    and on ``flush``/``close``. Each flush writes whole lines with one ``write`` call, so a rank killed
+    mid-write leaves at most one torn last line, which the reader skips. Thread-safe.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, rank: int, *, flush_interval_s: float = 1.0) -> None:
+        self.run_dir = Path(run_dir)
+        self.rank = rank
+        self.flush_interval_s = flush_interval_s
+        self._buffers: dict[str, list[bytes]] = {}
+        self._files: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._last_flush = time.monotonic()
+        self._closed = False
+
+    def write(self, table: str, row: dict[str, Any]) -> None:
+        """Queue one row of ``table``; ``rank`` is filled in. Unknown tables or columns are programmer errors."""
+        columns = SCHEMAS.get(table)
+        assert columns is not None, f"unknown table {table!r}"
+        assert set(row) <= set(columns), f"unknown columns for {table}: {sorted(set(row) - set(columns))}"
+        line = orjson.dumps({"rank": self.rank, **row}) + b"\n"
+        with self._lock:
+            if self._closed:
+                return
+            self._buffers.setdefault(table, []).append(line)
+            if time.monotonic() - self._last_flush >= self.flush_interval_s:
+                self._flush_locked()
+
+    def flush(self) -> None:
+        """Write every buffered row to disk (and fsync nothing: the OS page cache survives a killed process)."""
+        with self._lock:
+            self._flush_locked()
+
+    def close(self) -> None:
+        """Flush and close all files; later writes are dropped."""
+        with self._lock:
+            self._flush_locked()
+            for f in self._files.values():
+                f.close()
+            self._files.clear()
+            self._closed = True
+
+    def _flush_locked(self) -> None:
+        self._last_flush = time.monotonic()
+        for table, lines in self._buffers.items():
+            if not lines:
+                continue
+            f = self._files.get(table)
+            if f is None:
+                path = self.run_dir / EVENTS_FILE.format(table=table, rank=self.rank)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                f = self._files[table] = open(path, "ab", buffering=0)
+            f.write(b"".join(lines))
+            lines.clear()
+
+
+class NullWriter:
+    """A writer that drops everything: used when telemetry is off, so callers never branch on ``enabled``."""
+
+    rank = -1
+
+    def write(self, table: str, row: dict[str, Any]) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

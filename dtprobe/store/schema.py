@@ -71,6 +71,8 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "kernels": {
         "rank": "int32", "name": "string", "kind": "string", "stream": "int64", "start_ns": "int64",
         "dur_ns": "int64", "step": "int64",
+        # added by TRACES (Kineto ingest): CUPTI correlation id and the host time of the launching runtime call
+        "correlation": "int64", "launch_ns": "int64",
     },
 }
 """Every table's columns. Collectors write subsets of these; the reader fills the rest with nulls."""
@@ -82,7 +84,7 @@ TIME_COLUMNS: dict[str, tuple[str, ...]] = {
     "faults": ("time_ns",),
     "pipeline": ("start_ns", "end_ns"),
     "checkpoints": ("start_ns",),
-    "kernels": ("start_ns",),
+    "kernels": ("start_ns", "launch_ns"),
 }
 """Columns holding a rank-clock timestamp: the reader adds that rank's clock offset to these."""
 

@@ -67,9 +67,34 @@ class RankWriter:
             if f is None:
                 path = self.run_dir / EVENTS_FILE.format(table=table, rank=self.rank)
                 path.parent.mkdir(parents=True, exist_ok=True)
-                f = self._files[table] = open(path, "ab", buffering=0)
+                f = self._files[table] = _open_for_append(path)
             f.write(b"".join(lines))
             lines.clear()
+
+
+def _open_for_append(path: Path) -> Any:
+    """Open ``path`` for appending whole lines, first cutting a torn last line left by a killed predecessor.
+
+    A rank restarted by torchrun appends to the file its previous incarnation was killed writing; without the
+    cut, the torn fragment and the next line would fuse into one corrupt line in the middle of the file.
+    """
+    f = open(path, "ab", buffering=0)
+    size = f.seek(0, os.SEEK_END)
+    if size:
+        with open(path, "rb") as r:
+            end = size
+            while end > 0:
+                start = max(0, end - 65536)
+                r.seek(start)
+                chunk = r.read(end - start)
+                nl = chunk.rfind(b"\n")
+                if nl >= 0:
+                    end = start + nl + 1
+                    break
+                end = start
+        if end != size:
+            f.truncate(end)
+    return f
 
 
 class NullWriter:

@@ -1,0 +1,302 @@
+"""``dtprobe.attach``: instrument a torchrun worker and return the ``Probe`` (steps, collectives, devices, traces).
+
+Launch example (a user script)::
+
+    torchrun --standalone --nproc-per-node 2 train.py      # train.py calls dtprobe.attach("runs/my-run")
+
+    probe = dtprobe.attach("runs/my-run", profile_steps=(10, 11), device_interval_s=1.0)
+    with probe.step(step) as s:
+        with s.phase("fwd"): loss = model(batch)
+        ...
+        s.record(loss=loss.item(), tokens=n, lr=lr)
+    probe.close()
+
+Written: ``ranks/rankNNNNN.json`` (every rank), ``run.json`` (attach-mode leader, when absent), ``events/*``
+(steps, collectives, devices, faults, anything given to ``probe.record``), ``traces/steps<a>-<b>/``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+import socket
+import sys
+import time
+import warnings
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any, Sequence
+
+import orjson
+import torch
+import torch.distributed as dist
+
+from collectors.clock import measure_clock_offset
+from collectors.config import CollectConfig
+from collectors.devices import DeviceSampler
+from collectors.kernels import ProfilerWindow
+from collectors.null import NullProbe
+from collectors.pg_wrapper import GLOO_BACKEND, NCCL_BACKEND, RECORDER, RecordingProcessGroup, register_backends
+from collectors.training import StepContext
+from dtprobe.store import manifest as store_manifest
+from dtprobe.store.errors import ConfigError
+from dtprobe.store.schema import MANIFEST_FILE, SCHEMAS
+from dtprobe.store.writer import RankWriter
+
+_CONFIG_FIELDS = frozenset(f.name for f in fields(CollectConfig))
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else default
+
+
+class Probe:
+    """The handle a worker records through; built by ``attach``. See the module docstring for the flow.
+
+    Attributes: ``rank``, ``world_size``, ``local_rank``, ``node_rank``, ``restart``, ``is_leader``, ``run_dir``,
+    ``writer`` (``RankWriter``), ``device`` (``"cpu"`` or ``"cuda:N"``), ``config``, ``clock_offset_ns``.
+    """
+
+    def __init__(self, run_dir: Path, config: CollectConfig, *, rank: int, world_size: int, local_rank: int,
+                 node_rank: int, restart: int, device: str, manage_status: bool) -> None:
+        self.run_dir = run_dir
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.local_rank = local_rank
+        self.node_rank = node_rank
+        self.restart = restart
+        self.device = device
+        self.manage_status = manage_status
+        """True in attach mode: the leader sets the run status at close; under ``dtprobe run`` the launcher does."""
+        self.writer = RankWriter(run_dir, rank, flush_interval_s=config.flush_interval_s)
+        self.clock_offset_ns = 0
+        self.clock_rtt_ns = 0
+        self._step = -1
+        self._sampler: DeviceSampler | None = None
+        self._profiler: ProfilerWindow | None = None
+        self._closed = False
+
+    # ---- roles ----
+    @property
+    def is_leader(self) -> bool:
+        """Rank 0: writes the manifest in attach mode and sets its status."""
+        return self.rank == 0
+
+    @property
+    def current_step(self) -> int:
+        """The step whose ``probe.step`` context is open, else -1."""
+        return self._step
+
+    # ---- training events ----
+    def step(self, step: int) -> StepContext:
+        """``with probe.step(n) as s:`` times step ``n``, marks collectives with it, writes its ``steps`` row."""
+        return StepContext(int(step), on_enter=self._on_step_enter, on_exit=self._on_step_exit)
+
+    def _on_step_enter(self, step: int) -> None:
+        self._step = step
+        RECORDER.step = step
+        if self._profiler is not None:
+            self._profiler.on_step_begin(step)
+
+    def _on_step_exit(self, ctx: StepContext) -> None:
+        self.writer.write("steps", ctx.row(restart=self.restart))
+        if self._profiler is not None:
+            self._profiler.on_step_end(ctx.step)
+        self._step = -1
+        RECORDER.step = -1
+
+    def fault(self, kind: str, *, step: Any = None, injected: bool = False, **detail: Any) -> None:
+        """Write a ``faults`` row; ``step`` (an int or the step context) defaults to the current step;
+        ``detail`` keywords are stored as a JSON object (e.g. ``delay_ms=40``)."""
+        self.writer.write("faults", {
+            "time_ns": time.time_ns(), "step": self._step if step is None else int(step), "kind": str(kind),
+            "injected": bool(injected), "detail": orjson.dumps(detail, default=str).decode(),
+        })
+
+    def record(self, table: str, row: dict[str, Any]) -> None:
+        """Write a row of any schema table (amp, checkpoints, pipeline, memory, ...); ``step`` defaults to the
+        current step when the table has that column."""
+        if table not in SCHEMAS:
+            raise ConfigError(f"probe.record: unknown table {table!r}; tables are {sorted(SCHEMAS)} "
+                              f"(dtprobe/store/schema.py).")
+        unknown = set(row) - set(SCHEMAS[table])
+        if unknown:
+            raise ConfigError(f"probe.record({table!r}): unknown columns {sorted(unknown)}; the table has "
+                              f"{sorted(SCHEMAS[table])}.")
+        if "step" in SCHEMAS[table] and "step" not in row:
+            row = {**row, "step": self._step}
+        self.writer.write(table, row)
+
+    # ---- groups ----
+    def new_group(self, ranks: Sequence[int] | None = None, *, name: str, timeout_s: float | None = None,
+                  **kwargs: Any) -> dist.ProcessGroup:
+        """``dist.new_group(ranks)`` on the recording backend, recorded as ``pg=name`` (e.g. "dp", "ckpt").
+
+        Collective over all ranks (like ``dist.new_group``). ``kwargs`` go to ``dist.new_group``.
+        """
+        if "backend" not in kwargs and self.config.collectives:
+            kwargs["backend"] = NCCL_BACKEND if self.device.startswith("cuda") else GLOO_BACKEND
+        if timeout_s is not None:
+            kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+        group = dist.new_group(list(ranks) if ranks is not None else None, **kwargs)
+        self.name_group(group, name)
+        return group
+
+    def name_group(self, group: Any, name: str) -> None:
+        """Record ``group``'s collectives as ``pg=name`` (no effect on non-recording groups / non-members)."""
+        if isinstance(group, RecordingProcessGroup):
+            group.dtprobe_name = name
+
+    def init_device_mesh(self, device_type: str, mesh_shape: Sequence[int], *,
+                         mesh_dim_names: Sequence[str]) -> Any:
+        """``torch.distributed.device_mesh.init_device_mesh`` whose per-axis groups record ``pg=<axis name>``.
+
+        The mesh creates its axis groups with ``new_group`` on the default group's backend; with the default
+        group on ``dtprobe_gloo``/``dtprobe_nccl`` they are recording groups, and ``name_mesh`` labels each
+        with its axis. A 1-D mesh over all ranks reuses the default group, which is then recorded under the
+        axis name too (e.g. "dp" instead of "world").
+        """
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device_type, tuple(mesh_shape), mesh_dim_names=tuple(mesh_dim_names))
+        self.name_mesh(mesh)
+        return mesh
+
+    def name_mesh(self, mesh: Any) -> None:
+        """Label the recording groups of every named axis of ``mesh`` (also for meshes built elsewhere, and
+        flattened axes such as ``mesh["dp", "tp"]._flatten("dp_tp")`` once flattened)."""
+        names = getattr(mesh, "mesh_dim_names", None) or ()
+        for name in names:
+            self.name_group(mesh.get_group(name), name)
+
+    def pending_collectives(self) -> list[dict[str, Any]]:
+        """Rows of this rank's collectives issued but not completed (what a hung rank waits on)."""
+        return RECORDER.pending()
+
+    # ---- lifecycle ----
+    def flush(self) -> None:
+        """Write buffered rows to disk now."""
+        self.writer.flush()
+
+    def close(self, status: str = "finished") -> None:
+        """Stop the profiler (exporting its trace) and the sampler, write in-flight collectives (end null),
+        flush and close the files; in attach mode the leader sets the run status. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._profiler is not None:
+                self._profiler.stop()
+            if self._sampler is not None:
+                self._sampler.close()
+            if RECORDER.writer is self.writer:
+                RECORDER.flush_in_flight()
+                RECORDER.writer = None
+                RECORDER.step = -1
+        finally:
+            self.writer.close()
+            if self.manage_status and self.is_leader:
+                store_manifest.set_status(self.run_dir, status)
+
+    def _close_at_exit(self) -> None:
+        self.close(status="crashed" if getattr(sys, "last_value", None) is not None else "finished")
+
+    def __enter__(self) -> "Probe":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.close(status="crashed" if exc_type is not None else "finished")
+
+
+def attach(run_dir: str | os.PathLike, *, timeout_s: float = 600.0, backend: str | None = None,
+           manage_status: bool | None = None, run_id: str | None = None, **collect: Any) -> Probe | NullProbe:
+    """Instrument this worker: returns a ``Probe`` (or a ``NullProbe`` with ``enabled=False``).
+
+    - ``collect``: the ``CollectConfig`` fields (``collectives``, ``devices``, ``device_interval_s``,
+      ``profile_steps``, ``enabled``, ...).
+    - Initializes ``torch.distributed`` from the torchrun environment (``env://``; a 1-rank group without it)
+      if not yet initialized, on ``backend`` (default: ``dtprobe_nccl`` with CUDA, else ``dtprobe_gloo``; a
+      plain ``gloo``/``nccl`` when collectives are off) with ``timeout_s``. If already initialized nothing is
+      wrapped: the default group is recorded only if it was created with ``backend="dtprobe_gloo"`` (call
+      ``collectors.register_backends()`` before ``init_process_group``).
+    - Measures the clock offset to rank 0, writes ``ranks/rankNNNNN.json``; the leader creates ``run.json``
+      when absent (attach mode); starts the device sampler; arms the profiler window.
+    - ``manage_status``: whether the leader sets the run status at close (default: True unless launched by
+      ``dtprobe run``, i.e. ``DTPROBE_JOB`` is unset). ``probe.close`` also runs at exit.
+    """
+    unknown = set(collect) - _CONFIG_FIELDS
+    if unknown:
+        raise ConfigError(f"dtprobe.attach got unknown options {sorted(unknown)}; valid: "
+                          f"{sorted(_CONFIG_FIELDS)} plus timeout_s, backend, manage_status, run_id.")
+    config = CollectConfig(**collect)
+    run_dir = Path(run_dir)
+    if manage_status is None:
+        manage_status = "DTPROBE_JOB" not in os.environ
+    cuda = torch.cuda.is_available()
+    local_rank = _env_int("LOCAL_RANK", 0)
+
+    if not dist.is_initialized():
+        register_backends()
+        if backend is None:
+            if config.enabled and config.collectives:
+                backend = NCCL_BACKEND if cuda else GLOO_BACKEND
+            else:
+                backend = "nccl" if cuda else "gloo"
+        if "nccl" in backend:
+            torch.cuda.set_device(local_rank)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if "RANK" in os.environ or "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend, timeout=timeout)
+        else:   # a plain `python train.py`: a 1-rank job
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    elif config.enabled and config.collectives and not isinstance(dist.group.WORLD, RecordingProcessGroup):
+        warnings.warn(
+            "dtprobe.attach: torch.distributed was already initialized, so the default group's collectives are "
+            "NOT recorded. Call dtprobe.attach before init_process_group, or run "
+            "`collectors.register_backends(); dist.init_process_group(backend=\"dtprobe_gloo\")` "
+            "(dtprobe_nccl on CUDA). probe.new_group(...) groups are still recorded.", stacklevel=2)
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    default_backend = str(dist.get_backend())
+    device = f"cuda:{torch.cuda.current_device()}" if cuda and "nccl" in default_backend else "cpu"
+    if not config.enabled:
+        return NullProbe(run_dir, rank=rank, world_size=world_size, local_rank=local_rank, device=device,
+                         config=config)
+
+    probe = Probe(run_dir, config, rank=rank, world_size=world_size, local_rank=local_rank,
+                  node_rank=_env_int("GROUP_RANK", 0), restart=_env_int("TORCHELASTIC_RESTART_COUNT", 0),
+                  device=device, manage_status=manage_status)
+
+    # Clock offset to rank 0 over a CPU-capable group (not recorded).
+    clock_group = None if "gloo" in default_backend else dist.new_group(backend="gloo")
+    with RECORDER.paused():
+        probe.clock_offset_ns, probe.clock_rtt_ns = measure_clock_offset(clock_group, rounds=config.clock_rounds)
+
+    if probe.is_leader and manage_status and not (run_dir / MANIFEST_FILE).exists():
+        store_manifest.create_manifest(
+            run_dir, run_id=run_id or run_dir.name, command=[sys.executable, *sys.argv],
+            config={"collect": asdict(config)}, world_size=world_size, nnodes=_env_int("GROUP_WORLD_SIZE", 1))
+    store_manifest.write_rank_info(
+        run_dir, rank, host=socket.gethostname(), node_rank=probe.node_rank, local_rank=local_rank,
+        device=device, pid=os.getpid(), clock_offset_ns=probe.clock_offset_ns, restart=probe.restart)
+
+    if config.collectives:
+        RECORDER.writer = probe.writer
+        RECORDER.timing = config.collective_timing
+        RECORDER.nccl_timing = config.nccl_timing
+        RECORDER.step = -1
+    if config.devices:
+        probe._sampler = DeviceSampler(probe.writer, interval_s=config.device_interval_s,
+                                       gpu_index=torch.cuda.current_device() if device.startswith("cuda") else None,
+                                       step_fn=lambda: probe.current_step)
+        probe._sampler.start()
+    if config.profile_steps is not None:
+        first, last = config.profile_steps
+        probe._profiler = ProfilerWindow(run_dir, rank, first=first, last=last,
+                                         record_shapes=config.profile_record_shapes,
+                                         cuda=device.startswith("cuda"))
+    atexit.register(probe._close_at_exit)
+    return probe

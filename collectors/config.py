@@ -1,0 +1,61 @@
+"""``CollectConfig``: what the probe records (collectives, devices, profiler windows); read by ``collectors.attach``."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+from dtprobe.store.errors import ConfigError
+
+
+@dataclass(kw_only=True, frozen=True)
+class CollectConfig:
+    """Telemetry switches for one run. Every field is also a keyword of ``dtprobe.attach``."""
+
+    enabled: bool = True
+    """False makes every probe call a no-op (no files, no wrapper backend): the baseline of overhead tests."""
+    collectives: bool = True
+    """Record every collective of groups created with the recording backend (``dtprobe_gloo``/``dtprobe_nccl``)."""
+    collective_timing: str = "wait"
+    """How a collective's completion (``end_ns``) is seen on the host: ``"wait"`` (when ``Work.wait()`` returns,
+    or, for callers that only use the future such as DDP's reducer, when the future's done-callback runs) or
+    ``"enqueue"`` (no completion time: ``end_ns`` is null; the cheapest)."""
+    nccl_timing: bool = True
+    """On NCCL, fill ``start_ns``/``end_ns`` from the completion hook when ``TORCH_NCCL_ENABLE_TIMING=1``."""
+    devices: bool = True
+    """Sample devices (NVML when present, else this process's CPU/RSS and the host load) in a thread."""
+    device_interval_s: float = 1.0
+    """Seconds between device samples; one sample is also taken at attach and at close."""
+    profile_steps: tuple[int, int] | None = None
+    """Inclusive step window ``(first, last)`` traced with torch.profiler into ``traces/steps<first>-<last>/``."""
+    profile_record_shapes: bool = True
+    """Record input shapes in the profiler window (HTA and Perfetto show them; costs a little more)."""
+    clock_rounds: int = 8
+    """Ping-pong rounds with rank 0 when measuring the clock offset at attach; the min-RTT round is kept."""
+    flush_interval_s: float = 1.0
+    """Seconds between flushes of buffered rows to ``events/`` (also flushed at every step end and at close)."""
+
+    def __post_init__(self) -> None:
+        if self.collective_timing not in ("wait", "enqueue"):
+            raise ConfigError(
+                f"collect.collective_timing = {self.collective_timing!r}; use 'wait' (completion seen on the "
+                f"host) or 'enqueue' (no completion time).")
+        if not self.device_interval_s > 0:
+            raise ConfigError(
+                f"collect.device_interval_s = {self.device_interval_s}; it must be > 0 seconds "
+                f"(e.g. 1.0), or set devices=False to turn the sampler off.")
+        if self.profile_steps is not None:
+            window = tuple(self.profile_steps)
+            if (len(window) != 2 or not all(isinstance(s, int) and not isinstance(s, bool) for s in window)
+                    or window[0] < 0 or window[1] < window[0]):
+                raise ConfigError(
+                    f"collect.profile_steps = {self.profile_steps!r}; give two step numbers (first, last) with "
+                    f"0 <= first <= last, e.g. (10, 11), or None for no profiler window.")
+            object.__setattr__(self, "profile_steps", (int(window[0]), int(window[1])))
+        if self.clock_rounds < 1:
+            raise ConfigError(f"collect.clock_rounds = {self.clock_rounds}; it must be >= 1 (8 is a good value).")
+        if not self.flush_interval_s > 0:
+            raise ConfigError(f"collect.flush_interval_s = {self.flush_interval_s}; it must be > 0 seconds.")
+        if not self.enabled and (self.profile_steps is not None):
+            warnings.warn("collect.profile_steps has no effect with enabled=False: nothing is recorded.",
+                          stacklevel=3)

@@ -1,0 +1,205 @@
+"""Device sampler thread: NVML (GPU util, memory, power, clocks, throttle, PCIe/NVLink, XID) or host metrics
+(this process's CPU and RSS, load1) when NVML is absent; writes ``devices`` rows (``source`` nvml/host)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from typing import Any, Callable
+
+import psutil
+
+
+def _load_pynvml() -> Any:
+    import pynvml
+
+    return pynvml
+
+
+class NvmlReader:
+    """Reads one GPU through ``pynvml``; every metric the device does not support is left out of the row."""
+
+    def __init__(self, nvml: Any, index: int) -> None:
+        self.nvml = nvml
+        self.index = index
+        self.handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        self._nvlink_prev: tuple[float, float, float] | None = None   # (time_s, tx_kib, rx_kib)
+        self._events = self._register_xid_events()
+
+    def _try(self, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except self.nvml.NVMLError:
+            return None
+
+    def _register_xid_events(self) -> Any:
+        nvml = self.nvml
+        try:
+            event_set = nvml.nvmlEventSetCreate()
+            nvml.nvmlDeviceRegisterEvents(self.handle, nvml.nvmlEventTypeXidCriticalError, event_set)
+            return event_set
+        except (nvml.NVMLError, AttributeError):
+            return None
+
+    def poll_xids(self) -> list[int]:
+        """XID error codes raised since the last poll (non-blocking)."""
+        if self._events is None:
+            return []
+        nvml = self.nvml
+        xids = []
+        while True:
+            try:
+                data = nvml.nvmlEventSetWait_v2(self._events, 0)
+            except nvml.NVMLError:      # NVML_ERROR_TIMEOUT: nothing pending
+                return xids
+            xids.append(int(data.eventData))
+
+    def sample(self) -> dict[str, Any]:
+        nvml, h = self.nvml, self.handle
+        row: dict[str, Any] = {"source": "nvml", "gpu": self.index}
+        util = self._try(lambda: nvml.nvmlDeviceGetUtilizationRates(h))
+        if util is not None:
+            row["util_frac"] = util.gpu / 100.0
+            row["mem_util_frac"] = util.memory / 100.0
+        mem = self._try(lambda: nvml.nvmlDeviceGetMemoryInfo(h))
+        if mem is not None:
+            row["mem_used_bytes"] = int(mem.used)
+            row["mem_total_bytes"] = int(mem.total)
+        power = self._try(lambda: nvml.nvmlDeviceGetPowerUsage(h))
+        if power is not None:
+            row["power_w"] = power / 1000.0
+        limit = self._try(lambda: nvml.nvmlDeviceGetEnforcedPowerLimit(h))
+        if limit is not None:
+            row["power_limit_w"] = limit / 1000.0
+        temp = self._try(lambda: nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU))
+        if temp is not None:
+            row["temp_c"] = float(temp)
+        clock = self._try(lambda: nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM))
+        if clock is not None:
+            row["sm_clock_mhz"] = float(clock)
+        reasons = self._try(lambda: nvml.nvmlDeviceGetCurrentClocksThrottleReasons(h))
+        if reasons is not None:
+            row["throttle_reasons"] = int(reasons)
+        tx = self._try(lambda: nvml.nvmlDeviceGetPcieThroughput(h, nvml.NVML_PCIE_UTIL_TX_BYTES))
+        rx = self._try(lambda: nvml.nvmlDeviceGetPcieThroughput(h, nvml.NVML_PCIE_UTIL_RX_BYTES))
+        if tx is not None:
+            row["pcie_tx_bytes_per_s"] = tx * 1024.0       # NVML reports KB/s
+        if rx is not None:
+            row["pcie_rx_bytes_per_s"] = rx * 1024.0
+        row.update(self._nvlink_rates())
+        return row
+
+    def _nvlink_rates(self) -> dict[str, float]:
+        nvml = self.nvml
+        fields = getattr(nvml, "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX", None), \
+            getattr(nvml, "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX", None)
+        if None in fields:
+            return {}
+        values = self._try(lambda: nvml.nvmlDeviceGetFieldValues(self.handle, list(fields)))
+        if not values or any(getattr(v, "nvmlReturn", 0) != 0 for v in values):
+            return {}
+        now = time.monotonic()
+        tx_kib, rx_kib = (float(v.value.ullVal) for v in values)   # cumulative KiB since driver load
+        prev, self._nvlink_prev = self._nvlink_prev, (now, tx_kib, rx_kib)
+        if prev is None or now <= prev[0]:
+            return {}
+        dt = now - prev[0]
+        return {"nvlink_tx_bytes_per_s": (tx_kib - prev[1]) * 1024.0 / dt,
+                "nvlink_rx_bytes_per_s": (rx_kib - prev[2]) * 1024.0 / dt}
+
+
+class HostReader:
+    """This process's CPU share of the machine (0..1, all cores = 1) and RSS, and the host's 1-minute load."""
+
+    def __init__(self) -> None:
+        self.process = psutil.Process(os.getpid())
+        self.num_cpus = psutil.cpu_count() or 1
+        self.process.cpu_percent(None)          # first call primes the counter
+
+    def sample(self) -> dict[str, Any]:
+        row: dict[str, Any] = {"source": "host"}
+        row.update(self.process_metrics())
+        return row
+
+    def process_metrics(self) -> dict[str, Any]:
+        with self.process.oneshot():
+            cpu = self.process.cpu_percent(None)
+            rss = self.process.memory_info().rss
+        return {"cpu_frac": cpu / 100.0 / self.num_cpus, "rss_bytes": int(rss), "load1": os.getloadavg()[0]}
+
+
+def open_nvml(gpu_index: int, nvml: Any = None) -> NvmlReader | None:
+    """An ``NvmlReader`` for ``gpu_index``, or None when NVML is absent (no driver / library / that GPU)."""
+    try:
+        nvml = nvml or _load_pynvml()
+    except ImportError:
+        return None
+    try:
+        nvml.nvmlInit()
+        if gpu_index >= nvml.nvmlDeviceGetCount():
+            return None
+        return NvmlReader(nvml, gpu_index)
+    except nvml.NVMLError:
+        return None
+
+
+class DeviceSampler:
+    """Background thread writing a ``devices`` row every ``interval_s`` (and at ``start`` and ``close``).
+
+    NVML rows describe this rank's GPU (``gpu`` = local CUDA index) and carry the process's CPU/RSS too; host
+    rows (no NVML) carry only the process CPU/RSS and load1.
+    """
+
+    def __init__(self, writer: Any, *, interval_s: float, gpu_index: int | None,
+                 step_fn: Callable[[], int] = lambda: -1, nvml: Any = None) -> None:
+        self.writer = writer
+        self.interval_s = interval_s
+        self.step_fn = step_fn
+        self.host = socket.gethostname()
+        self.host_reader = HostReader()
+        self.nvml_reader = open_nvml(gpu_index, nvml) if gpu_index is not None else None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def source(self) -> str:
+        return "nvml" if self.nvml_reader is not None else "host"
+
+    def sample_once(self) -> None:
+        """Take one sample now and write it (and one row per XID event seen since the last sample)."""
+        with self._lock:
+            now = time.time_ns()
+            step = self.step_fn()
+            if self.nvml_reader is not None:
+                row = self.nvml_reader.sample()
+                row.update(self.host_reader.process_metrics())
+                xids = self.nvml_reader.poll_xids()
+            else:
+                row = self.host_reader.sample()
+                xids = []
+            row.update(host=self.host, time_ns=now, step=step)
+            self.writer.write("devices", row)
+            for xid in xids:
+                self.writer.write("devices", {"host": self.host, "time_ns": now, "step": step, "source": "nvml",
+                                              "gpu": row.get("gpu"), "xid": xid})
+
+    def start(self) -> None:
+        self.sample_once()
+        self._thread = threading.Thread(target=self._run, name="dtprobe-devices", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample_once()
+
+    def close(self) -> None:
+        """Stop the thread and take a last sample."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=max(5.0, 2 * self.interval_s))
+        self.sample_once()

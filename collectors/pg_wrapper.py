@@ -1,0 +1,555 @@
+"""Recording process-group backends (``dtprobe_gloo``, ``dtprobe_nccl``): one ``collectives`` row per collective.
+
+A ``RecordingProcessGroup`` is a Python ``dist.ProcessGroup`` that forwards every call to a real process group
+(gloo, or NCCL on CUDA) and records op, group, logical bytes, dtype, step and times. Being the process group
+itself, it sees what a monkeypatch of ``torch.distributed`` misses: DDP's C++ reducer buckets, FSDP2
+all-gather/reduce-scatter, DTensor collectives and pipeline send/recv.
+
+Completion (``end_ns``): ``Work.wait()`` returning, or, for callers that only take the future (DDP's reducer,
+FSDP2), the future's done-callback. On NCCL ``wait()`` does not block the host, so NCCL rows carry device
+timings from the completion hook when ``TORCH_NCCL_ENABLE_TIMING=1`` (``timing="cuda_event"``) and no
+``end_ns`` otherwise. Rows are written once the collective completes; collectives still in flight at close
+(a hang) are written with ``end_ns`` null. Read by ``dtprobe.store`` (table ``collectives``).
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import itertools
+import os
+import threading
+import time
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+GLOO_BACKEND = "dtprobe_gloo"
+"""Name of the recording gloo backend: ``init_process_group(backend="dtprobe_gloo")``."""
+NCCL_BACKEND = "dtprobe_nccl"
+"""Name of the recording NCCL backend (CUDA tensors)."""
+WORLD_GROUP = "world"
+"""``pg`` value for the default group when nothing else names it."""
+
+_P2P_OPS = frozenset({"send", "recv"})
+
+
+class CollectiveRecorder:
+    """Process-wide sink shared by every recording group: the writer, the current step, the timing mode.
+
+    The backends are created by ``torch.distributed`` (not by the probe), so they reach the probe through this
+    one module-level object (``RECORDER``). Until ``attach`` sets a writer, rows are dropped.
+    """
+
+    def __init__(self) -> None:
+        self.writer: Any = None
+        """``RankWriter`` (or None: drop rows)."""
+        self.step = -1
+        """Training step current at enqueue; -1 outside ``probe.step``."""
+        self.timing = "wait"
+        """``"wait"``: rows get ``end_ns`` at completion; ``"enqueue"``: rows are written at once, no end."""
+        self.nccl_timing = True
+        """Use the NCCL completion hook for device timings when ``TORCH_NCCL_ENABLE_TIMING=1``."""
+        self._paused = threading.local()
+        self._in_flight: dict[int, dict[str, Any]] = {}
+        self._ids = itertools.count()
+
+    @property
+    def active(self) -> bool:
+        return self.writer is not None and not getattr(self._paused, "on", False)
+
+    def paused(self) -> "_Paused":
+        """Context manager: collectives issued by this thread inside it are not recorded (clock sync)."""
+        return _Paused(self._paused)
+
+    def emit(self, row: dict[str, Any]) -> None:
+        writer = self.writer
+        if writer is not None:
+            writer.write("collectives", row)
+
+    def track(self, row: dict[str, Any]) -> int:
+        key = next(self._ids)              # next() and dict set/pop are atomic under the GIL: no lock
+        self._in_flight[key] = row
+        return key
+
+    def untrack(self, key: int) -> bool:
+        """Forget an in-flight row; False if it was already written (completed, or flushed at close)."""
+        return self._in_flight.pop(key, None) is not None
+
+    def pending(self) -> list[dict[str, Any]]:
+        """Rows of collectives issued but not completed yet, oldest first (what a hung rank waits on)."""
+        return [dict(r) for r in list(self._in_flight.values())]
+
+    def flush_in_flight(self) -> int:
+        """Write every in-flight row with ``end_ns`` null (at close: a hang or a crash); returns how many."""
+        rows = []
+        for key in list(self._in_flight):
+            row = self._in_flight.pop(key, None)
+            if row is not None:
+                rows.append(row)
+        for row in rows:
+            self.emit(row)
+        return len(rows)
+
+
+class _Paused:
+    def __init__(self, local: threading.local) -> None:
+        self._local = local
+
+    def __enter__(self) -> None:
+        self._prev = getattr(self._local, "on", False)
+        self._local.on = True
+
+    def __exit__(self, *exc: object) -> None:
+        self._local.on = self._prev
+
+
+RECORDER = CollectiveRecorder()
+"""The recorder every ``RecordingProcessGroup`` writes through; ``collectors.attach`` configures it."""
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _flat(tensors: Any) -> list[torch.Tensor]:
+    """Tensors from a tensor, a list of tensors, or a list of lists of tensors."""
+    if isinstance(tensors, torch.Tensor):
+        return [tensors]
+    out: list[torch.Tensor] = []
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            out.append(t)
+        else:
+            out.extend(t)
+    return out
+
+
+def _sum_bytes(tensors: Any) -> tuple[int, str | None]:
+    if type(tensors) is list and len(tensors) == 1 and isinstance(tensors[0], torch.Tensor):   # the usual case
+        t = tensors[0]
+        return t.numel() * t.element_size(), dtype_name(t.dtype)
+    flat = _flat(tensors)
+    return sum(_nbytes(t) for t in flat), (dtype_name(flat[0].dtype) if flat else None)
+
+
+def _to_ns(value: Any) -> int | None:
+    """A WorkInfo time (datetime, timedelta, or a number of ns) as integer nanoseconds; None if unknown."""
+    if value is None:
+        return None
+    if isinstance(value, datetime.datetime):
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=datetime.timezone.utc) if _naive_is_utc() else value.astimezone()
+        return int(round(value.timestamp() * 1e9))
+    if isinstance(value, datetime.timedelta):
+        return (value.days * 86_400 + value.seconds) * 1_000_000_000 + value.microseconds * 1_000
+    return int(value)
+
+
+def _naive_is_utc() -> bool:
+    # pybind11 converts std::chrono::system_clock to a naive datetime in LOCAL time; treat it as such.
+    return False
+
+
+class RecordedWork(dist.Work):
+    """Wraps the real ``Work``: writes the row when ``wait()`` returns or the future completes (first wins)."""
+
+    def __init__(self, inner: dist.Work, row: dict[str, Any], recorder: CollectiveRecorder) -> None:
+        super().__init__()
+        self._inner = inner
+        self._row = row
+        self._recorder = recorder
+        self._key = recorder.track(row)
+        self._future: Any = None
+
+    def _complete(self, *_: object) -> None:
+        row = self._row
+        if row is None:
+            return
+        self._row = None
+        if self._recorder.untrack(self._key):
+            row["end_ns"] = time.time_ns()
+            self._recorder.emit(row)
+
+    def wait(self, timeout: Any = None) -> bool:
+        ok = self._inner.wait() if timeout is None else self._inner.wait(timeout)
+        self._complete()
+        return ok
+
+    def get_future(self) -> torch.futures.Future:
+        if self._future is None:
+            fut = self._inner.get_future()
+            fut.add_done_callback(self._complete)
+            self._future = fut
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._inner.is_completed()
+
+    def is_success(self) -> bool:
+        return self._inner.is_success()
+
+    def exception(self) -> Any:
+        return self._inner.exception()
+
+    def source_rank(self) -> int:
+        return self._inner.source_rank()
+
+    def result(self) -> list[torch.Tensor]:
+        return self._inner.result()
+
+    def synchronize(self) -> None:
+        self._inner.synchronize()
+
+    def __del__(self) -> None:
+        # Never waited and no future taken (fire-and-forget): write the row without an end time.
+        row = getattr(self, "_row", None)
+        if row is not None:
+            self._row = None
+            if self._recorder.untrack(self._key):
+                self._recorder.emit(row)
+
+
+class RecordingProcessGroup(dist.ProcessGroup):
+    """A process group that records each collective, then runs it on ``inner`` (a real ProcessGroup).
+
+    ``pg`` in the rows is ``dtprobe_name`` when set (``probe.new_group(..., name=)``, mesh axes), ``"world"``
+    for the default group, else ``"g<torch group name>"``. ``seq`` counts collectives on this group (1-based);
+    send/recv are numbered apart, per (peer, direction): the k-th send to rank B has seq k, and so does B's
+    k-th recv from this rank (same seq = same message). Never reorders or delays a collective: the row is built before
+    the call and the call is forwarded as is.
+    """
+
+    def __init__(self, inner: dist.ProcessGroup, rank: int, size: int, *, backend_name: str,
+                 recorder: CollectiveRecorder | None = None, device_timing: bool = False) -> None:
+        super().__init__(rank, size)
+        self._inner = inner
+        self._rank = rank
+        self._size = size
+        self._backend_name = backend_name
+        self._recorder = recorder or RECORDER
+        self._device_timing = device_timing
+        """True on NCCL: host ``wait()`` is not completion; rows come from the completion hook (or lack an end)."""
+        self._group_name = ""
+        self._group_desc = ""
+        self.dtprobe_name: str | None = None
+        """Recording name of this group (axis name); set by ``probe.new_group`` / ``probe.name_mesh``."""
+        self._ranks_str: str | None = None
+        self._fallback_name = ""
+        self._seq = itertools.count(1)     # next() is atomic under the GIL: no lock on the hot path
+        self._p2p_seq: dict[tuple[int, str], Any] = {}
+        self._matcher: NcclCompletionMatcher | None = None
+
+    # ---- identity (DeviceMesh, FSDP2 and DTensor need the group name) ----
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def getBackendName(self) -> str:
+        return self._backend_name
+
+    def _get_backend_name(self) -> str:
+        return self._backend_name
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+        self._inner._set_group_name(name)
+
+    @property
+    def group_desc(self) -> str:
+        return self._group_desc
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+        self._inner._set_group_desc(desc)
+
+    @property
+    def inner(self) -> dist.ProcessGroup:
+        """The real process group every call is forwarded to."""
+        return self._inner
+
+    def _get_backend(self, device: Any) -> Any:
+        return self._inner._get_backend(device)
+
+    @property
+    def _device_types(self) -> list:
+        return self._inner._device_types
+
+    @property
+    def bound_device_id(self) -> Any:
+        return self._inner.bound_device_id
+
+    def set_timeout(self, timeout: Any) -> None:
+        self._inner.set_timeout(timeout)
+
+    def _get_sequence_number_for_group(self) -> int:
+        return self._inner._get_sequence_number_for_group()
+
+    def _set_sequence_number_for_group(self) -> None:
+        self._inner._set_sequence_number_for_group()
+
+    def abort(self) -> None:
+        self._inner.abort()
+
+    def shutdown(self) -> None:
+        self._inner.shutdown()
+
+    def monitored_barrier(self, *args: Any, **kwargs: Any) -> Any:
+        return self._inner.monitored_barrier(*args, **kwargs)
+
+    # ---- naming ----
+    def _pg_fields(self) -> tuple[str, str]:
+        ranks = self._ranks_str
+        if ranks is None:
+            # Resolved once, at the first recorded collective (the group is registered by then).
+            try:
+                ranks = ",".join(str(r) for r in dist.get_process_group_ranks(self))
+                is_world = dist.distributed_c10d._get_default_group() is self
+            except (RuntimeError, ValueError, KeyError):
+                return self.dtprobe_name or f"g{self._group_name}", ""   # not registered yet
+            self._ranks_str = ranks
+            self._fallback_name = WORLD_GROUP if is_world else f"g{self._group_name}"
+        return self.dtprobe_name or self._fallback_name, ranks
+
+    # ---- recording core ----
+    def _issue(self, op: str, num_bytes: int, dtype: str | None, call: Callable[[], dist.Work],
+               peer: int | None = None) -> dist.Work:
+        recorder = self._recorder
+        if not recorder.active:
+            return call()
+        pg, ranks = self._pg_fields()
+        if peer is None:
+            seq = next(self._seq)
+        else:
+            counter = self._p2p_seq.get((peer, op))
+            if counter is None:
+                counter = self._p2p_seq.setdefault((peer, op), itertools.count(1))
+            seq = next(counter)
+        row: dict[str, Any] = {
+            "pg": pg, "pg_ranks": ranks, "pg_size": self._size, "seq": seq, "op": op,
+            "num_bytes": int(num_bytes), "dtype": dtype, "step": recorder.step, "timing": "host",
+            "enqueue_ns": time.time_ns(),
+        }
+        if peer is not None:
+            row["peer"] = peer
+        work = call()
+        if self._device_timing:
+            if self._matcher is not None:
+                self._matcher.expect(row, is_p2p=peer is not None)
+            else:
+                recorder.emit(row)         # NCCL without timing: no honest host end time
+            return work
+        if recorder.timing == "enqueue" or work is None:
+            recorder.emit(row)
+            return work
+        return RecordedWork(work, row, recorder)
+
+    def _global_peer(self, group_peer: int) -> int:
+        try:
+            return dist.get_global_rank(self, group_peer)
+        except (RuntimeError, ValueError, KeyError):
+            return group_peer
+
+    # ---- collectives (Python API names and C++ trampoline names) ----
+    def allreduce(self, tensors: Any, *args: Any, **kwargs: Any) -> dist.Work:
+        n, dt = _sum_bytes(tensors)
+        return self._issue("allreduce", n, dt, lambda: self._inner.allreduce(tensors, *args, **kwargs))
+
+    def allreduce_coalesced(self, tensors: Any, *args: Any, **kwargs: Any) -> dist.Work:
+        n, dt = _sum_bytes(tensors)
+        return self._issue("allreduce", n, dt,
+                           lambda: self._inner.allreduce_coalesced(tensors, *args, **kwargs))
+
+    def broadcast(self, tensors: Any, *args: Any, **kwargs: Any) -> dist.Work:
+        n, dt = _sum_bytes(tensors)
+        return self._issue("broadcast", n, dt, lambda: self._inner.broadcast(tensors, *args, **kwargs))
+
+    def reduce(self, tensors: Any, *args: Any, **kwargs: Any) -> dist.Work:
+        n, dt = _sum_bytes(tensors)
+        return self._issue("reduce", n, dt, lambda: self._inner.reduce(tensors, *args, **kwargs))
+
+    def allgather(self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> dist.Work:
+        n, dt = _sum_bytes(outputs)
+        return self._issue("allgather", n, dt, lambda: self._inner.allgather(outputs, inputs, *args, **kwargs))
+
+    def allgather_coalesced(self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> dist.Work:
+        n, dt = _sum_bytes(outputs)
+        return self._issue("allgather", n, dt,
+                           lambda: self._inner.allgather_coalesced(outputs, inputs, *args, **kwargs))
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> dist.Work:
+        return self._issue("allgather", _nbytes(output), dtype_name(output.dtype),
+                           lambda: self._inner._allgather_base(output, input, *args, **kwargs))
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> dist.Work:
+        return self._issue("allgather", _nbytes(output), dtype_name(output.dtype),
+                           lambda: self._inner._allgather_base(output, input, *args, **kwargs))
+
+    def all_gather_single_coalesced(self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> dist.Work:
+        n, dt = _sum_bytes(outputs)
+        return self._issue("allgather", n, dt,
+                           lambda: self._inner.allgather_into_tensor_coalesced(outputs, inputs, *args, **kwargs))
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def reduce_scatter(self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> dist.Work:
+        n, dt = _sum_bytes(inputs)
+        return self._issue("reduce_scatter", n, dt,
+                           lambda: self._inner.reduce_scatter(outputs, inputs, *args, **kwargs))
+
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> dist.Work:
+        return self._issue("reduce_scatter", _nbytes(input), dtype_name(input.dtype),
+                           lambda: self._inner._reduce_scatter_base(output, input, *args, **kwargs))
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> dist.Work:
+        return self._issue("reduce_scatter", _nbytes(input), dtype_name(input.dtype),
+                           lambda: self._inner._reduce_scatter_base(output, input, *args, **kwargs))
+
+    def reduce_scatter_single_coalesced(self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> dist.Work:
+        n, dt = _sum_bytes(inputs)
+        return self._issue("reduce_scatter", n, dt,
+                           lambda: self._inner.reduce_scatter_tensor_coalesced(outputs, inputs, *args, **kwargs))
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> dist.Work:
+        return self._issue("alltoall", _nbytes(input), dtype_name(input.dtype),
+                           lambda: self._inner.alltoall_base(output, input, *args, **kwargs))
+
+    all_to_all_single = alltoall_base
+
+    def alltoall(self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> dist.Work:
+        n, dt = _sum_bytes(inputs)
+        return self._issue("alltoall", n, dt, lambda: self._inner.alltoall(outputs, inputs, *args, **kwargs))
+
+    def gather(self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> dist.Work:
+        n, dt = _sum_bytes(inputs)    # logical: every member's input, gathered at the root
+        return self._issue("gather", n * self._size, dt,
+                           lambda: self._inner.gather(outputs, inputs, *args, **kwargs))
+
+    def scatter(self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> dist.Work:
+        n, dt = _sum_bytes(outputs)   # logical: every member's output, scattered from the root
+        return self._issue("scatter", n * self._size, dt,
+                           lambda: self._inner.scatter(outputs, inputs, *args, **kwargs))
+
+    def barrier(self, *args: Any, **kwargs: Any) -> dist.Work:
+        return self._issue("barrier", 0, None, lambda: self._inner.barrier(*args, **kwargs))
+
+    def send(self, tensors: Any, dst: int, tag: int = 0) -> dist.Work:
+        n, dt = _sum_bytes(tensors)
+        return self._issue("send", n, dt, lambda: self._inner.send(tensors, dst, tag), peer=self._global_peer(dst))
+
+    def recv(self, tensors: Any, src: int, tag: int = 0) -> dist.Work:
+        n, dt = _sum_bytes(tensors)
+        return self._issue("recv", n, dt, lambda: self._inner.recv(tensors, src, tag), peer=self._global_peer(src))
+
+    def recv_anysource(self, tensors: Any, tag: int = 0) -> dist.Work:
+        n, dt = _sum_bytes(tensors)
+        return self._issue("recv", n, dt, lambda: self._inner.recv_anysource(tensors, tag), peer=-1)
+
+    # ---- NCCL completion hook ----
+    def enable_completion_timing(self) -> bool:
+        """Take device timings from the inner NCCL group's completion hook; False if unavailable."""
+        try:
+            matcher = NcclCompletionMatcher(self._recorder)
+            self._inner._register_on_completion_hook(matcher.on_completion)
+        except (RuntimeError, AttributeError) as exc:
+            warnings.warn(f"dtprobe: NCCL completion hook unavailable ({exc}); collectives get no end time.",
+                          stacklevel=2)
+            return False
+        self._matcher = matcher
+        return True
+
+
+class NcclCompletionMatcher:
+    """Pairs NCCL ``WorkInfo`` completions with the rows issued on one group and writes them.
+
+    NCCL completes a group's collectives in issue order (one stream) and its p2p ops in issue order per peer
+    stream; the watchdog reports them in that order, so a FIFO per kind (collective / p2p) pairs them.
+    ``WorkInfo``: ``time_started`` (host call), ``time_finished`` (watchdog saw completion),
+    ``active_duration`` (CUDA-event duration launch -> completion). Rows get ``end_ns = time_finished`` and
+    ``start_ns = end_ns - active_duration``, ``timing="cuda_event"``.
+    """
+
+    _P2P_TYPES = ("SEND", "RECV", "RECVANYSOURCE")
+
+    def __init__(self, recorder: CollectiveRecorder) -> None:
+        self._recorder = recorder
+        self._queues: dict[bool, collections.deque] = {False: collections.deque(), True: collections.deque()}
+        self._lock = threading.Lock()
+
+    def expect(self, row: dict[str, Any], *, is_p2p: bool) -> None:
+        key = self._recorder.track(row)
+        with self._lock:
+            self._queues[is_p2p].append((key, row))
+
+    def on_completion(self, info: Any) -> None:
+        op_type = str(getattr(info, "op_type", "")).rsplit(".", 1)[-1].upper()
+        is_p2p = op_type in self._P2P_TYPES
+        with self._lock:
+            queue = self._queues[is_p2p]
+            if not queue:
+                return                # a collective issued before recording started, or not recorded
+            key, row = queue.popleft()
+        if not self._recorder.untrack(key):
+            return
+        end_ns = _to_ns(getattr(info, "time_finished", None))
+        duration_ns = _to_ns(getattr(info, "active_duration", None))
+        row["end_ns"] = end_ns
+        if end_ns is not None and duration_ns is not None and duration_ns >= 0:
+            row["start_ns"] = end_ns - duration_ns
+        row["timing"] = "cuda_event"
+        self._recorder.emit(row)
+
+
+# ---- backend registration ----
+
+def _make_gloo(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> RecordingProcessGroup:
+    inner = dist.ProcessGroup(store, rank, size)
+    backend = dist.ProcessGroupGloo(store, rank, size, timeout)
+    backend._set_sequence_number_for_group()
+    inner._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    inner._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    return RecordingProcessGroup(inner, rank, size, backend_name=GLOO_BACKEND)
+
+
+def _make_nccl(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> RecordingProcessGroup:
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = False
+    options._timeout = timeout
+    backend = dist.ProcessGroupNCCL(store, rank, size, options)
+    backend._set_sequence_number_for_group()
+    inner = dist.ProcessGroup(store, rank, size)
+    inner._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, backend)
+    inner._set_default_backend(dist.ProcessGroup.BackendType.NCCL)
+    pg = RecordingProcessGroup(inner, rank, size, backend_name=NCCL_BACKEND, device_timing=True)
+    if RECORDER.nccl_timing and os.environ.get("TORCH_NCCL_ENABLE_TIMING") == "1":
+        pg.enable_completion_timing()
+    return pg
+
+
+def register_backends() -> None:
+    """Register ``dtprobe_gloo`` (cpu) and, when NCCL is built in, ``dtprobe_nccl`` (cuda). Idempotent."""
+    plugins = dist.Backend._plugins
+    if GLOO_BACKEND.upper() not in plugins:
+        dist.Backend.register_backend(GLOO_BACKEND, _make_gloo, devices=["cpu"])
+    if dist.is_nccl_available() and NCCL_BACKEND.upper() not in plugins:
+        dist.Backend.register_backend(NCCL_BACKEND, _make_nccl, devices=["cuda"])

@@ -1,0 +1,122 @@
+"""Host-side communication exposure per (rank, step) and the EXPOSED_COMM detector; read by the facade.
+
+Without kernel timings, the exposed communication of a step is estimated from the collectives table as the
+communication tail: from the rank's last collective enqueue in the step (its compute has issued everything:
+for DDP/FSDP the last gradient bucket) to the completion of its last collective. The part of that tail spent
+waiting for a late peer (group's last arrival - own last enqueue) is straggler wait, reported apart and taken
+out (``exposed_net_ns``), so a straggler does not show up as a communication problem. Blocking collectives in
+the middle of fwd/bwd (TP) are not seen by this estimate; with kernels known, the kernel-level overlap
+(``dtprobe.analysis.overlap``) is the better number.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from dtprobe.analysis.findings import Finding, PredictedGain
+from dtprobe.analysis.tables import P2P_OPS, require_columns, step_durations
+
+EXPOSURE_COLUMNS = [
+    "rank", "step", "step_ns", "comm_ns", "exposed_ns", "straggler_wait_ns", "exposed_net_ns", "exposed_frac",
+    "overlap_frac",
+]
+BY_RANK_COLUMNS = ["rank", "num_steps", "step_ns", "comm_frac", "exposed_frac", "straggler_wait_frac",
+                   "overlap_frac"]
+
+
+def comm_exposure(collectives: pd.DataFrame, steps: pd.DataFrame, skew: pd.DataFrame) -> pd.DataFrame:
+    """Per (rank, step): communication time (union of enqueue..end spans), exposed tail, straggler wait inside it,
+    exposed net of that wait as a share of the step, overlap = 1 - exposed / comm. Columns: ``EXPOSURE_COLUMNS``."""
+    require_columns(collectives, ["rank", "pg", "pg_ranks", "seq", "op", "enqueue_ns", "end_ns", "step"],
+                    table="collectives")
+    c = collectives[collectives["enqueue_ns"].notna() & collectives["end_ns"].notna() & (collectives["step"] >= 0)]
+    if c.empty:
+        return pd.DataFrame({col: [] for col in EXPOSURE_COLUMNS})
+    d = pd.DataFrame({
+        "rank": c["rank"].astype("int64"), "step": c["step"].astype("int64"),
+        "pg": c["pg"].fillna("").astype(str), "pg_ranks": c["pg_ranks"].fillna("").astype(str),
+        "seq": c["seq"].astype("Int64"), "p2p": c["op"].isin(P2P_OPS).astype(bool),
+        "enq": c["enqueue_ns"].astype("int64"), "end": c["end_ns"].astype("int64"),
+    }).sort_values(["rank", "step", "enq"], kind="stable").reset_index(drop=True)
+    d["end"] = np.maximum(d["end"], d["enq"])
+    keys = [d["rank"], d["step"]]
+    prev = d.groupby(["rank", "step"])["end"].cummax().groupby(keys).shift()
+    seg = (prev.isna() | (d["enq"] > prev)).cumsum()
+    segs = d.groupby(seg).agg(rank=("rank", "first"), step=("step", "first"), a=("enq", "min"), b=("end", "max"))
+    comm = (segs["b"] - segs["a"]).groupby([segs["rank"], segs["step"]]).sum()
+    g = d.groupby(["rank", "step"])
+    last_enq = g["enq"].max()
+    last_end = g["end"].max()
+    out = pd.DataFrame({"comm_ns": comm, "last_enq": last_enq, "last_end": last_end})
+    out["exposed_ns"] = (out["last_end"] - out["last_enq"]).clip(lower=0)
+    # Straggler wait in the tail: the latest arrival of the group at collectives still running after our last enqueue.
+    coll = d[~d["p2p"] & d["seq"].notna()].merge(
+        skew[["pg", "pg_ranks", "seq", "last_enqueue_ns"]].astype({"seq": "Int64"}),
+        on=["pg", "pg_ranks", "seq"], how="inner") if not skew.empty else d.iloc[0:0].assign(last_enqueue_ns=0)
+    if not coll.empty:
+        coll = coll.join(out["last_enq"], on=["rank", "step"])
+        tail = coll[coll["end"] > coll["last_enq"]]
+        wait = (tail["last_enqueue_ns"] - tail["last_enq"]).clip(lower=0).groupby([tail["rank"], tail["step"]]).max()
+        out["straggler_wait_ns"] = wait.reindex(out.index).fillna(0).astype("int64")
+    else:
+        out["straggler_wait_ns"] = 0
+    out["straggler_wait_ns"] = np.minimum(out["straggler_wait_ns"], out["exposed_ns"])
+    out["exposed_net_ns"] = out["exposed_ns"] - out["straggler_wait_ns"]
+    out = out.reset_index()
+    out = out.merge(step_durations(steps), on=["rank", "step"], how="left")
+    out["exposed_frac"] = out["exposed_net_ns"] / out["step_ns"]
+    out["overlap_frac"] = np.where(out["comm_ns"] > 0, 1 - out["exposed_ns"] / out["comm_ns"].where(out["comm_ns"] > 0),
+                                   np.nan)
+    return out[EXPOSURE_COLUMNS].sort_values(["rank", "step"]).reset_index(drop=True)
+
+
+def exposure_by_rank(exposure: pd.DataFrame, *, step_ids: list[int] | None = None) -> pd.DataFrame:
+    """Per rank over ``step_ids`` (all when None): shares of the step time spent in communication, exposed (net of
+    straggler wait) and waiting for stragglers, and the overlap fraction. Columns: ``BY_RANK_COLUMNS``."""
+    require_columns(exposure, EXPOSURE_COLUMNS, table="comm_exposure")
+    e = exposure if step_ids is None else exposure[exposure["step"].isin(step_ids)]
+    e = e.dropna(subset=["step_ns"])
+    if e.empty:
+        return pd.DataFrame({col: [] for col in BY_RANK_COLUMNS})
+    g = e.groupby("rank")
+    total = g["step_ns"].sum()
+    out = pd.DataFrame({
+        "num_steps": g.size(), "step_ns": g["step_ns"].mean(),
+        "comm_frac": g["comm_ns"].sum() / total, "exposed_frac": g["exposed_net_ns"].sum() / total,
+        "straggler_wait_frac": g["straggler_wait_ns"].sum() / total,
+        "overlap_frac": 1 - g["exposed_ns"].sum() / g["comm_ns"].sum().where(g["comm_ns"].sum() > 0),
+    }).reset_index()
+    return out[BY_RANK_COLUMNS]
+
+
+def detect_exposed_comm(by_rank: pd.DataFrame, *, min_exposed_frac: float = 0.10,
+                        source: str = "host collectives tail") -> list[Finding]:
+    """EXPOSED_COMM when the ranks' mean exposed communication (net of straggler wait) is at least
+    ``min_exposed_frac`` of the step; names the ranks above the threshold. Gain bound: full overlap."""
+    require_columns(by_rank, BY_RANK_COLUMNS, table="exposure_by_rank")
+    if by_rank.empty:
+        return []
+    mean = float(by_rank["exposed_frac"].mean())
+    worst = by_rank[by_rank["exposed_frac"] >= min_exposed_frac]
+    if mean < min_exposed_frac or worst.empty:
+        return []
+    return [Finding(
+        code="EXPOSED_COMM", severity="warning", ranks=tuple(int(r) for r in worst["rank"]), group=None,
+        title=(f"{mean:.0%} of the step is communication not hidden behind compute "
+               f"(overlap {float(by_rank['overlap_frac'].mean()):.0%})"),
+        evidence={
+            "mean_exposed_frac": mean, "mean_comm_frac": float(by_rank["comm_frac"].mean()),
+            "mean_overlap_frac": float(by_rank["overlap_frac"].mean()),
+            "mean_straggler_wait_frac": float(by_rank["straggler_wait_frac"].mean()),
+            "per_rank": [{"rank": int(r.rank), "exposed_frac": float(r.exposed_frac),
+                          "overlap_frac": None if pd.isna(r.overlap_frac) else float(r.overlap_frac)}
+                         for r in by_rank.itertuples(index=False)],
+            "source": source,
+        },
+        recommendation=("Hide communication behind compute: let DDP start all-reduces earlier (smaller first "
+                        "bucket, gradient_as_bucket_view), prefetch FSDP all-gathers, or shrink the traffic "
+                        "(gradient compression, larger micro-batches so compute covers the same bytes)."),
+        predicted_gain=PredictedGain(metric="step_time", frac=mean),
+        rows=by_rank,
+    )]

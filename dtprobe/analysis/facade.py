@@ -1,0 +1,494 @@
+"""``RunAnalysis``: the one entry point to every metric and finding of a run (or a Kineto trace folder); read by
+``dtprobe analyze``, ``dtprobe export perfetto`` and the dashboard (which calls nothing else in analysis).
+
+Every method is one line over the pure analyzers and is cached on the instance: build a new ``RunAnalysis``
+after ``store.refresh()`` to see new rows. DataFrames have units in their column names; findings are
+``Finding`` records; ``report()`` is the ``dtprobe.findings/1`` JSON document.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import pandas as pd
+
+from dtprobe.analysis import amp as _amp
+from dtprobe.analysis import bubble as _bubble
+from dtprobe.analysis import checkpoints as _ckpt
+from dtprobe.analysis import comm_efficiency as _comm
+from dtprobe.analysis import compression as _compression
+from dtprobe.analysis import devices as _devices
+from dtprobe.analysis import exposed_comm as _exposed
+from dtprobe.analysis import hangs as _hangs
+from dtprobe.analysis import peaks as _peaks
+from dtprobe.analysis import stragglers as _stragglers
+from dtprobe.analysis import throughput as _throughput
+from dtprobe.analysis.findings import Finding, jsonable, sort_findings
+from dtprobe.analysis.tables import analyzed_steps, median_step_ns
+from dtprobe.store.errors import TraceError
+
+SCHEMA = "dtprobe.findings/1"
+"""Value of the ``schema`` key of the JSON document."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AnalysisOptions:
+    """Thresholds and assumptions of the analysis (the detectors' keyword arguments that users may change)."""
+
+    window_steps: int = 20
+    """Sliding window (steps) over which a straggler must persist."""
+    min_persist_frac: float = 0.6
+    """Share of the window's steps a rank must be the late rank in to be named a straggler."""
+    min_margin_frac: float = 0.05
+    """Minimum lead of the last arriver over the second-last, as a share of the step time, to count a step."""
+    skip_first_steps: int = 1
+    """Warm-up steps left out of step-time based metrics (DDP rebuilds buckets on step 0)."""
+    mtbf_hours: float = _ckpt.DEFAULT_MTBF_HOURS
+    """Mean time between failures for the Young/Daly checkpoint interval (default one failure a day)."""
+    hang_timeout_s: float = 60.0
+    """While a run is running, a collective some members have waited at this long is a hang."""
+    peak_busbw_gbps: float | None = None
+    """Link peak bus bandwidth (Gb/s) to judge large collectives against; None skips that check."""
+    min_exposed_frac: float = 0.10
+    """EXPOSED_COMM threshold (share of the step)."""
+    min_bubble_frac: float = 0.10
+    """PIPELINE_BUBBLE threshold (mean idle share of the pipeline window)."""
+
+    def __post_init__(self) -> None:
+        if self.window_steps < 1 or not 0 < self.min_persist_frac <= 1 or self.mtbf_hours <= 0:
+            raise ValueError(f"invalid analysis options: window_steps={self.window_steps} (>= 1), "
+                             f"min_persist_frac={self.min_persist_frac} (0..1], mtbf_hours={self.mtbf_hours} (> 0)")
+
+
+def open_source(path: str | os.PathLike, *, progress: Callable[[int, int, str], None] | None = None):
+    """A dtprobe run (``RunStore``) or a Kineto trace folder (``KinetoRun``) at ``path``; TraceError otherwise."""
+    from dtprobe.store.kineto import is_trace_dir, load_trace_dir
+
+    path = Path(path)
+    if (path / "run.json").is_file():
+        from dtprobe.store import RunStore
+
+        return RunStore.open(path)
+    if is_trace_dir(path):
+        return load_trace_dir(path, progress=progress)
+    if not path.exists():
+        raise TraceError(f"'{path}': no such file or directory. Pass a run directory (with run.json) made by "
+                         f"`dtprobe run`/`dtprobe.attach`, or a folder of Kineto traces (*.pt.trace.json[.gz]).")
+    raise TraceError(f"'{path}' is neither a dtprobe run (no run.json) nor a folder of Kineto traces (no *.json or "
+                     f"*.json.gz file). Pass a run directory made by `dtprobe run`/`dtprobe.attach`, or the folder "
+                     f"torch.profiler's tensorboard_trace_handler wrote.")
+
+
+class RunAnalysis:
+    """Metrics and findings of one run. ``RunAnalysis(RunStore.open(path))`` or ``RunAnalysis.open(path)``.
+
+    ``source`` is a ``dtprobe.store.RunStore`` or a ``dtprobe.store.kineto.KinetoRun`` (anything with
+    ``table(name)``); ``baseline`` an optional second source (loss gap of COMPRESSION, comparisons).
+    """
+
+    def __init__(self, source: Any, *, baseline: Any | None = None, options: AnalysisOptions | None = None,
+                 now_ns: int | None = None) -> None:
+        self.source = source
+        self.baseline = baseline
+        self.options = options or AnalysisOptions()
+        self._now_ns = now_ns
+        self._cache: dict[str, Any] = {}
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, *, baseline: str | os.PathLike | None = None,
+             options: AnalysisOptions | None = None) -> "RunAnalysis":
+        """Open ``path`` (run or trace folder) and the optional ``baseline`` the same way."""
+        return cls(open_source(path), baseline=open_source(baseline) if baseline else None, options=options)
+
+    # ------------------------------------------------------------------------------------------ source facts
+
+    def _memo(self, key: str, fn: Callable[[], Any]) -> Any:
+        if key not in self._cache:
+            self._cache[key] = fn()
+        return self._cache[key]
+
+    @property
+    def is_trace_folder(self) -> bool:
+        """True when the source is a folder of Kineto traces (no run manifest, clocks not aligned across ranks)."""
+        return not hasattr(self.source, "manifest")
+
+    @property
+    def path(self) -> Path:
+        """The run directory or trace folder."""
+        return Path(self.source.path)
+
+    @property
+    def manifest(self):
+        """The run's ``Manifest`` (None for a trace folder)."""
+        return getattr(self.source, "manifest", None)
+
+    @property
+    def config(self) -> dict:
+        """The run's job config (``run.json`` ``config``), {} for a trace folder."""
+        return dict(self.manifest.config) if self.manifest is not None else {}
+
+    @property
+    def status(self) -> str:
+        """``running``, ``finished``, ``crashed``, or ``trace`` for a trace folder."""
+        return self.manifest.status if self.manifest is not None else "trace"
+
+    @property
+    def world_size(self) -> int | None:
+        """Ranks in the job."""
+        return self.manifest.world_size if self.manifest is not None else self.source.world_size
+
+    def layout(self) -> dict:
+        """dp/tp/pp/zero and pipeline settings from the config (``layout`` section), {} when unknown."""
+        return dict(self.config.get("layout") or {})
+
+    def table(self, name: str) -> pd.DataFrame:
+        """A store table (cached)."""
+        return self._memo(f"table:{name}", lambda: self.source.table(name))
+
+    def steps_analyzed(self) -> list[int]:
+        """Steps the step-time based metrics use: every finished step but the first ``skip_first_steps``."""
+        return self._memo("steps_analyzed", lambda: analyzed_steps(self.table("steps"),
+                                                                   skip_first=self.options.skip_first_steps))
+
+    def step_time_ns(self) -> float | None:
+        """Median step time over ranks and analysed steps."""
+        return self._memo("step_ns", lambda: median_step_ns(self.table("steps"), self.steps_analyzed() or None))
+
+    def now_ns(self) -> int:
+        """Reference time for hang waits: now while the run is running, else its end (or last event)."""
+        if self._now_ns is not None:
+            return self._now_ns
+        if self.status == "running":
+            return time.time_ns()
+        ends = [self.manifest.ended_ns] if self.manifest is not None and self.manifest.ended_ns else []
+        for table, col in (("collectives", "end_ns"), ("collectives", "enqueue_ns"), ("steps", "end_ns")):
+            df = self.table(table)
+            if not df.empty and df[col].notna().any():
+                ends.append(int(df[col].max()))
+        return max(ends) if ends else 0
+
+    # ------------------------------------------------------------------------------------------ stragglers
+
+    def collective_skew(self) -> pd.DataFrame:
+        """Per collective (pg, pg_ranks, seq): arrival skew, late rank, its margin, victims' mean wait."""
+        return self._memo("skew", lambda: _stragglers.collective_skew(self.table("collectives")))
+
+    def collective_waits(self) -> pd.DataFrame:
+        """Per collective and member: how long it waited for the last arrival."""
+        return self._memo("waits", lambda: _stragglers.collective_waits(self.table("collectives"), self.collective_skew()))
+
+    def step_lateness(self) -> pd.DataFrame:
+        """Per (group, analysed step): the late rank and its margin as a share of the step time."""
+        return self._memo("lateness", lambda: _only_steps(
+            _stragglers.step_lateness(self.collective_skew(), self.table("steps")), self.steps_analyzed()))
+
+    def straggler_scores(self) -> pd.DataFrame:
+        """Per (group, rank): how often and how persistently (sliding window) it is the late rank."""
+        o = self.options
+        return self._memo("scores", lambda: _stragglers.straggler_scores(
+            self.step_lateness(), min_margin_frac=o.min_margin_frac, window_steps=o.window_steps))
+
+    def straggler_causes(self) -> pd.DataFrame:
+        """Per scored (group, rank) with late steps: excess data/compute/communication time, throttling, cause."""
+        return self._memo("causes", lambda: _stragglers.straggler_causes(
+            self.straggler_scores(), self.step_lateness(), self.table("steps"), self.table("collectives"),
+            self.collective_waits(), self.table("devices"), min_margin_frac=self.options.min_margin_frac))
+
+    def stragglers(self) -> list[Finding]:
+        """STRAGGLER findings (none for a trace folder: Kineto clocks are not aligned across ranks)."""
+        if self.is_trace_folder:
+            return []
+        o = self.options
+        return self._memo("f:stragglers", lambda: _stragglers.detect_stragglers(
+            self.straggler_scores(), self.straggler_causes(), links=_stragglers.linked_ranks(self.table("collectives")),
+            min_persist_frac=o.min_persist_frac, min_margin_frac=o.min_margin_frac,
+            injected=self.injected_faults("straggler"), lateness=self.step_lateness()))
+
+    def injected_faults(self, kind: str) -> dict[int, dict]:
+        """rank -> detail of the first injected fault of ``kind`` (cross-check of a verdict)."""
+        from dtprobe.analysis.hangs import _detail
+
+        f = self.table("faults")
+        if f.empty:
+            return {}
+        f = f[(f["kind"] == kind) & f["injected"].fillna(False).astype(bool)]
+        return {int(r.rank): _detail(r.detail) for r in f.drop_duplicates("rank").itertuples(index=False)}
+
+    # ------------------------------------------------------------------------------------------ overlap / time
+
+    def comm_exposure(self) -> pd.DataFrame:
+        """Per (rank, step): communication time, exposed tail, straggler wait, exposed share, overlap."""
+        return self._memo("exposure", lambda: _exposed.comm_exposure(
+            self.table("collectives"), self.table("steps"), self.collective_skew()))
+
+    def exposure_by_rank(self) -> pd.DataFrame:
+        """Per rank over the analysed steps: comm / exposed / straggler-wait shares of the step, overlap."""
+        return self._memo("exposure_rank", lambda: _exposed.exposure_by_rank(
+            self.comm_exposure(), step_ids=self.steps_analyzed() or None))
+
+    def trace_metrics(self):
+        """Kernel-level metrics (``trace_metrics.TraceMetrics``) of a trace folder, None for a run."""
+        if not self.is_trace_folder:
+            return None
+        from dtprobe.analysis.trace_metrics import analyze_traces
+
+        return self._memo("trace_metrics", lambda: analyze_traces(self.source))
+
+    def temporal_breakdown(self) -> pd.DataFrame:
+        """Per rank: idle / compute / non-compute share of the GPU kernel span (HTA semantics); empty without
+        kernels."""
+        def build() -> pd.DataFrame:
+            if self.is_trace_folder:
+                return self.trace_metrics().temporal
+            from dtprobe.analysis.temporal import temporal_breakdown
+
+            k = self.table("kernels")
+            return temporal_breakdown(k) if not k.empty else pd.DataFrame()
+        return self._memo("temporal", build)
+
+    def comm_comp_overlap(self) -> pd.DataFrame:
+        """Per rank: share of communication-kernel time overlapped by compute kernels; empty without kernels."""
+        def build() -> pd.DataFrame:
+            if self.is_trace_folder:
+                return self.trace_metrics().overlap
+            from dtprobe.analysis.overlap import comm_comp_overlap
+
+            k = self.table("kernels")
+            return comm_comp_overlap(k) if not k.empty else pd.DataFrame()
+        return self._memo("overlap", build)
+
+    def kernel_breakdown(self) -> pd.DataFrame:
+        """Exclusive time per kernel-type combination over all ranks; empty without kernels."""
+        def build() -> pd.DataFrame:
+            if self.is_trace_folder:
+                return self.trace_metrics().kernel_types
+            from dtprobe.analysis.kernel_breakdown import kernel_type_breakdown
+
+            k = self.table("kernels")
+            return kernel_type_breakdown(k) if not k.empty else pd.DataFrame()
+        return self._memo("kernel_types", build)
+
+    def exposed_comm(self) -> list[Finding]:
+        """EXPOSED_COMM from kernels when known (exposed comm kernel time), else from the host collectives tail."""
+        def build() -> list[Finding]:
+            overlap = self.comm_comp_overlap()
+            temporal = self.temporal_breakdown()
+            if not overlap.empty and not temporal.empty and "exposed_comm_us" in overlap.columns:
+                m = overlap.merge(temporal[["rank", "kernel_time_us"]], on="rank")
+                by_rank = pd.DataFrame({
+                    "rank": m["rank"], "num_steps": 0, "step_ns": m["kernel_time_us"] * 1e3,
+                    "comm_frac": m["comm_us"] / m["kernel_time_us"],
+                    "exposed_frac": m["exposed_comm_us"] / m["kernel_time_us"], "straggler_wait_frac": float("nan"),
+                    "overlap_frac": m["overlap_frac"]})
+                return _exposed.detect_exposed_comm(by_rank, min_exposed_frac=self.options.min_exposed_frac,
+                                                    source="kernels (exposed comm kernel time / kernel span)")
+            return _exposed.detect_exposed_comm(self.exposure_by_rank(), min_exposed_frac=self.options.min_exposed_frac)
+        return self._memo("f:exposed", build)
+
+    # ------------------------------------------------------------------------------------------ pipeline
+
+    def pipeline_bubble(self) -> pd.DataFrame:
+        """Per (rank, step): pipeline window, busy time, bubble fraction."""
+        return self._memo("bubble", lambda: _bubble.pipeline_bubble(self.table("pipeline")))
+
+    def bubble_by_rank(self) -> pd.DataFrame:
+        """Mean bubble per rank over the analysed steps."""
+        return self._memo("bubble_rank", lambda: _bubble.bubble_by_rank(self.pipeline_bubble(),
+                                                                        step_ids=self.steps_analyzed() or None))
+
+    def pipeline_shape(self):
+        """Schedule, ranks, virtual stages, micro-batches and measured action costs (``PipelineShape``) or None."""
+        return self._memo("pshape", lambda: _bubble.pipeline_shape(
+            self.table("pipeline"), schedule=self.layout().get("pp_schedule")))
+
+    def pipeline_findings(self) -> list[Finding]:
+        """PIPELINE_BUBBLE with the ideal bubble and the predicted gain of doubling the micro-batches."""
+        return self._memo("f:bubble", lambda: _bubble.detect_pipeline_bubble(
+            self.bubble_by_rank(), self.pipeline_shape(), step_ns=self.step_time_ns(),
+            min_bubble_frac=self.options.min_bubble_frac))
+
+    # ------------------------------------------------------------------------------------------ AMP / ckpt
+
+    def amp_steps(self) -> pd.DataFrame:
+        """Per step: overflow, skipped, overflowing ranks, loss scale before/after."""
+        return self._memo("amp", lambda: _amp.amp_steps(self.table("amp")))
+
+    def amp_findings(self) -> list[Finding]:
+        """AMP_OVERFLOW (rate, bursts, scale at its floor)."""
+        return self._memo("f:amp", lambda: _amp.detect_amp_overflow(self.amp_steps()))
+
+    def checkpoint_events(self) -> pd.DataFrame:
+        """Per checkpoint: slowest rank's blocking/async/total time, bytes, ok."""
+        return self._memo("ckpt", lambda: _ckpt.checkpoint_events(self.table("checkpoints")))
+
+    def checkpoint_summary(self) -> dict:
+        """Saves: blocking share of wall time, interval, Young/Daly interval for ``options.mtbf_hours``."""
+        return self._memo("ckpt_sum", lambda: _ckpt.checkpoint_summary(
+            self.checkpoint_events(), wall_ns=self.wall_ns(), step_ns=self.step_time_ns(),
+            mtbf_hours=self.options.mtbf_hours))
+
+    def wall_ns(self) -> float | None:
+        """First step start to last step end over all ranks."""
+        s = self.table("steps")
+        if s.empty or s["end_ns"].isna().all():
+            return None
+        return float(s["end_ns"].max() - s["start_ns"].min())
+
+    def checkpoint_findings(self) -> list[Finding]:
+        """CHECKPOINT_STALL."""
+        return self._memo("f:ckpt", lambda: _ckpt.detect_checkpoint_stall(self.checkpoint_events(),
+                                                                           self.checkpoint_summary()))
+
+    # ------------------------------------------------------------------------------------------ comm efficiency
+
+    def collective_bandwidth(self) -> pd.DataFrame:
+        """Per collective: transfer time, algbw, busbw (nccl-tests factors)."""
+        return self._memo("bw", lambda: _comm.collective_bandwidth(self.table("collectives")))
+
+    def bandwidth_fit(self) -> tuple[float, float] | None:
+        """(latency ns, bandwidth bytes/s) fitted on the most common op, or None."""
+        return self._memo("bw_fit", lambda: _comm.latency_bandwidth_fit(self.collective_bandwidth()))
+
+    def bandwidth_by_size(self) -> pd.DataFrame:
+        """Per (op, size bucket): count, time, median algbw/busbw, latency-bound flag."""
+        return self._memo("bw_size", lambda: _comm.bandwidth_by_size(self.collective_bandwidth(),
+                                                                     fit=self.bandwidth_fit()))
+
+    def comm_findings(self) -> list[Finding]:
+        """COMM_INEFFICIENT (latency-bound small messages with bucket advice; busbw vs a given link peak)."""
+        peak = self.options.peak_busbw_gbps
+        return self._memo("f:comm", lambda: _comm.detect_comm_inefficient(
+            self.collective_bandwidth(), self.bandwidth_by_size(), fit=self.bandwidth_fit(),
+            step_ns=self.step_time_ns(), num_steps=len(self.steps_analyzed()) or 1,
+            peak_busbw_bytes_per_s=peak * 1e9 / 8 if peak else None))
+
+    # ------------------------------------------------------------------------------------------ compression
+
+    def compression(self) -> pd.DataFrame:
+        """Per method: bytes before/after, ratio, encode/decode time per step."""
+        return self._memo("compression", lambda: _compression.compression_summary(self.table("compression")))
+
+    def loss_gap(self) -> pd.DataFrame:
+        """Loss of the last common steps vs the baseline run (empty without a baseline)."""
+        def build() -> pd.DataFrame:
+            if self.baseline is None:
+                return pd.DataFrame({c: [] for c in _compression.LOSS_GAP_COLUMNS})
+            return _compression.loss_gap(self.table("steps"), self.baseline.table("steps"))
+        return self._memo("loss_gap", build)
+
+    def compression_findings(self) -> list[Finding]:
+        """COMPRESSION per method (ratio, time saved net of encoding, loss gap vs the baseline)."""
+        def build() -> list[Finding]:
+            bw = self.collective_bandwidth()
+            ar = bw[bw["op"] == "allreduce"] if not bw.empty else bw
+            algbw = float(ar["algbw_bytes_per_s"].median()) if not ar.empty else None
+            base = str(self.baseline.path) if self.baseline is not None else None
+            return _compression.detect_compression(self.compression(), self.loss_gap(), algbw_bytes_per_s=algbw,
+                                                   step_ns=self.step_time_ns(), baseline=base)
+        return self._memo("f:compression", build)
+
+    # ------------------------------------------------------------------------------------------ devices / hangs
+
+    def device_health(self) -> pd.DataFrame:
+        """Per (rank, gpu): throttling, power cap, temperature, memory pressure, XIDs."""
+        return self._memo("health", lambda: _devices.device_health(self.table("devices")))
+
+    def device_findings(self) -> list[Finding]:
+        """DEVICE_THROTTLE, DEVICE_XID, MEMORY_PRESSURE."""
+        return self._memo("f:devices", lambda: _devices.detect_device_health(self.device_health()))
+
+    def missing_arrivals(self) -> pd.DataFrame:
+        """Per group: the first collective some members never reached (and how long the others waited)."""
+        def build() -> pd.DataFrame:
+            wait = 0 if self.status != "running" else int(self.options.hang_timeout_s * 1e9)
+            return _hangs.missing_arrivals(self.collective_skew(), self.table("collectives"), now_ns=self.now_ns(),
+                                           min_wait_ns=wait)
+        return self._memo("missing", build)
+
+    def last_seen(self) -> pd.DataFrame:
+        """Per rank: last step and last collective recorded."""
+        return self._memo("last_seen", lambda: _hangs.last_seen(self.table("steps"), self.table("collectives")))
+
+    def hangs(self) -> list[Finding]:
+        """HANG (missing arrivals, watchdog reports) and RANK_CRASH."""
+        if self.is_trace_folder:
+            return []
+        return self._memo("f:hangs", lambda: _hangs.detect_hangs(
+            self.missing_arrivals(), self.table("faults"), last_seen=self.last_seen())
+            + _hangs.detect_crashes(self.table("faults"), status=self.status))
+
+    # ------------------------------------------------------------------------------------------ throughput
+
+    def flops_per_token(self) -> float | None:
+        """Model training FLOPs per token: config ``model_flops_per_token``, else the built-in preset's shape."""
+        cfg = self.config
+        if cfg.get("model_flops_per_token"):
+            return float(cfg["model_flops_per_token"])
+        name = (cfg.get("model") or {}).get("name")
+        seq = (cfg.get("train") or {}).get("seq_len")
+        return _peaks.preset_flops_per_token(name, int(seq)) if name and seq else None
+
+    def device_peak(self) -> tuple[float | None, str]:
+        """(peak FLOP/s per device, reason) for the run's device model and compute dtype."""
+        dtype = (self.config.get("precision") or {}).get("dtype", "fp32")
+        name = self.config.get("device_name")
+        if name is None and self.manifest is not None and self.manifest.ranks:
+            device = self.manifest.ranks[0].device
+            name = "cpu" if device.startswith("cpu") else None
+        if name is None and self.is_trace_folder:
+            props = [p for m in self.source.ranks.values() for p in m.device_properties]
+            name = props[0].get("name") if props else "cpu"
+        return _peaks.peak_flops(name, dtype)
+
+    def throughput(self) -> pd.DataFrame:
+        """Per step: wall time, tokens (dp ranks only), tokens/s, model FLOP/s, MFU."""
+        def build() -> pd.DataFrame:
+            steps = self.table("steps")
+            lay = self.layout()
+            replicas = int(lay.get("tp") or 1) * int(lay.get("pp") or 1)
+            if replicas > 1 and not steps.empty:
+                steps = steps.assign(tokens=steps["tokens"].astype("float64") / replicas)
+            return _throughput.throughput(steps, flops_per_token=self.flops_per_token(),
+                                          peak_flops_per_device=self.device_peak()[0],
+                                          num_devices=self.world_size or 0)
+        return self._memo("throughput", build)
+
+    def throughput_summary(self) -> dict:
+        """Median step time, tokens/s, TFLOP/s, MFU (null with the reason, never a made-up peak)."""
+        return self._memo("tp_sum", lambda: _throughput.throughput_summary(
+            self.throughput(), step_ids=self.steps_analyzed(), peak_reason=self.device_peak()[1],
+            flops_per_token=self.flops_per_token()))
+
+    # ------------------------------------------------------------------------------------------ all together
+
+    def findings(self) -> list[Finding]:
+        """Every finding, worst first."""
+        return self._memo("findings", lambda: sort_findings(
+            self.hangs() + self.stragglers() + self.exposed_comm() + self.pipeline_findings() + self.amp_findings()
+            + self.checkpoint_findings() + self.comm_findings() + self.compression_findings()
+            + self.device_findings() + _throughput.detect_low_mfu(self.throughput_summary())))
+
+    def evidence_rows(self, finding: Finding) -> pd.DataFrame:
+        """The rows behind ``finding`` (empty frame when it has none)."""
+        return finding.rows if finding.rows is not None else pd.DataFrame()
+
+    def metrics(self) -> dict:
+        """The ``metrics`` object of the JSON document (plain JSON values)."""
+        from dtprobe.analysis.report import build_metrics
+
+        return self._memo("metrics", lambda: build_metrics(self))
+
+    def report(self) -> dict:
+        """The ``dtprobe.findings/1`` document: schema, source, metrics, findings."""
+        return jsonable({"schema": SCHEMA, "source": str(self.path), "metrics": self.metrics(),
+                         "findings": [f.to_json() for f in self.findings()]})
+
+
+def _only_steps(df: pd.DataFrame, step_ids: list[int]) -> pd.DataFrame:
+    if df.empty or not step_ids:
+        return df
+    return df[df["step"].isin(step_ids)].reset_index(drop=True)

@@ -1,0 +1,85 @@
+"""GPU kernel breakdown: exclusive time per kernel-type combination, and each rank's top kernels per type.
+
+Read by trace_metrics and RunAnalysis. Equal to HTA 0.5.0 ``get_gpu_kernel_breakdown(include_memory_kernels=True)``:
+the time the GPU ran only compute, only communication, compute overlapping communication, ... summed over ranks
+(types: COMPUTATION, COMMUNICATION, MEMORY; ``other`` events such as stream syncs are left out), and per rank and
+type the kernels covering ``duration_ratio`` of the time, at most ``num_kernels``, the rest grouped as ``others``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from dtprobe.analysis.temporal import (KERNEL_COLUMNS, _groups, merge_intervals, quantized_us, require_columns,
+                                       sweep_states)
+
+KERNEL_TYPES = {"compute": "COMPUTATION", "comm": "COMMUNICATION", "memory": "MEMORY"}
+"""``kernels.kind`` -> HTA's kernel type label, in HTA's bit order (labels combine in this order)."""
+
+TYPE_COLUMNS = ["kernel_type", "sum_us", "frac"]
+TOP_COLUMNS = ["rank", "kernel_type", "name", "sum_us", "max_us", "min_us", "mean_us", "std_us", "count"]
+
+
+def _label(state: int) -> str:
+    names = [label for bit, label in enumerate(KERNEL_TYPES.values()) if state & (1 << bit)]
+    return " overlapping ".join(names)
+
+
+def kernel_type_breakdown(kernels: pd.DataFrame) -> pd.DataFrame:
+    """Exclusive GPU time of each kernel-type combination over all ranks.
+
+    Columns: kernel_type (``COMPUTATION``, ``COMMUNICATION``, ``MEMORY``, ``COMPUTATION overlapping
+    COMMUNICATION`` ...), sum_us, frac (share of the total, 0..1); largest first.
+    """
+    require_columns(kernels, KERNEL_COLUMNS, "kernel_type_breakdown")
+    start, end = quantized_us(kernels)
+    kind = kernels["kind"].to_numpy(dtype=object, na_value="")
+    totals: dict[int, int] = {}
+    for _, idx in _groups(kernels, ["rank"]):
+        sets = [merge_intervals(start[idx][kind[idx] == k], end[idx][kind[idx] == k]) for k in KERNEL_TYPES]
+        state, dur = sweep_states(sets)
+        live = state > 0
+        sums = pd.Series(dur[live]).groupby(state[live]).sum()
+        for s, d in sums.items():
+            totals[int(s)] = totals.get(int(s), 0) + int(d)
+    out = pd.DataFrame({"kernel_type": [_label(s) for s in totals], "sum_us": list(totals.values())},
+                       columns=["kernel_type", "sum_us"]).astype({"sum_us": "int64"})
+    out = out.sort_values(["sum_us", "kernel_type"], ascending=[False, True], ignore_index=True)
+    total = out["sum_us"].sum()
+    out["frac"] = out["sum_us"] / total if total > 0 else np.nan
+    return out[TYPE_COLUMNS]
+
+
+def top_kernels(kernels: pd.DataFrame, *, num_kernels: int = 10, duration_ratio: float = 0.8) -> pd.DataFrame:
+    """Per rank and kernel type, the kernels taking the most GPU time (HTA ``_aggr_gpu_kernel_time``).
+
+    When a (rank, type) has more than ``num_kernels`` distinct kernels, those past the ``duration_ratio``
+    quantile of cumulative time or past the first ``num_kernels`` become one ``others`` row.
+    Columns: rank, kernel_type, name, sum_us, max_us, min_us, mean_us, std_us, count.
+    """
+    require_columns(kernels, KERNEL_COLUMNS + ("name",), "top_kernels")
+    start, end = quantized_us(kernels)
+    data = pd.DataFrame({"rank": kernels["rank"].to_numpy(dtype=np.int64), "name": kernels["name"].to_numpy(),
+                         "kernel_type": kernels["kind"].map(KERNEL_TYPES).to_numpy(), "dur": end - start})
+    data = data[data["kernel_type"].notna()]
+    frames = []
+    for (rank, ktype), group in data.groupby(["rank", "kernel_type"], sort=True):
+        agg = group.groupby("name")["dur"].agg(["sum", "max", "min", "mean", "std", "count"]).reset_index()
+        agg = agg.sort_values("sum", ascending=False, ignore_index=True).fillna({"std": 0.0})
+        if len(agg) > num_kernels:
+            cumsum = agg["sum"].cumsum()
+            past = (cumsum > cumsum.quantile(duration_ratio)) | (agg.index >= num_kernels)
+            agg.loc[past, "name"] = "others"
+            agg = (agg.groupby("name")
+                   .agg(sum=("sum", "sum"), max=("sum", "max"), min=("sum", "min"), mean=("sum", "mean"),
+                        std=("sum", "std"), count=("count", "sum"))
+                   .reset_index().fillna({"std": 0.0}).sort_values("sum", ascending=False, ignore_index=True))
+        agg.insert(0, "kernel_type", ktype)
+        agg.insert(0, "rank", rank)
+        frames.append(agg)
+    if not frames:
+        return pd.DataFrame(columns=TOP_COLUMNS)
+    out = pd.concat(frames, ignore_index=True).rename(columns={
+        "sum": "sum_us", "max": "max_us", "min": "min_us", "mean": "mean_us", "std": "std_us"})
+    return out[TOP_COLUMNS]

@@ -1,0 +1,61 @@
+"""`dtprobe dashboard [ROOT]`: serves the Streamlit dashboard over a folder of runs, one run or a trace folder."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from dtprobe.store.errors import ConfigError
+
+APP = Path(__file__).resolve().parents[2] / "dashboard" / "app.py"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "dashboard", help="live and post-mortem dashboard (Streamlit)",
+        description="Serve the dashboard on ROOT: a folder of runs, one run, or a folder of Kineto traces. "
+                    "Binds 127.0.0.1 by default; pages refresh live while a run is running.")
+    p.add_argument("root", nargs="?", default="runs", help="folder of runs, one run, or a trace folder (default: runs)")
+    p.add_argument("--port", type=int, default=8501, help="TCP port (default 8501)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1; anything else exposes your runs to the network)")
+    p.add_argument("--refresh-s", type=float, default=2.0, help="live refresh interval in seconds (default 2)")
+    p.set_defaults(func=main)
+
+
+def streamlit_argv(*, host: str, port: int) -> list[str]:
+    """The exact server command: safe settings on the command line so they hold whatever the CWD's config."""
+    allowed = ["127.0.0.1", "localhost"] if host in {"127.0.0.1", "localhost"} else [host]
+    return [
+        sys.executable, "-m", "streamlit", "run", str(APP),
+        "--server.address", host, "--server.port", str(port), "--server.headless", "true",
+        "--server.fileWatcherType", "none", "--server.enableStaticServing", "false",
+        *[arg for name in allowed for arg in ("--server.allowedHosts", name)],
+        "--browser.gatherUsageStats", "false", "--client.showErrorDetails", "type",
+        "--client.toolbarMode", "viewer",
+    ]
+
+
+def main(args: argparse.Namespace) -> int:
+    root = Path(args.root)
+    if not root.is_dir():
+        raise ConfigError(f"dashboard root '{args.root}' is not a directory: pass a folder of runs "
+                          f"(e.g. runs/), one run, or a folder of Kineto traces.")
+    if not 0 < args.port < 65536:
+        raise ConfigError(f"--port {args.port} is out of range 1..65535.")
+    env = dict(os.environ, DTPROBE_DASHBOARD_ROOT=str(root.resolve()), DTPROBE_REFRESH_S=str(args.refresh_s))
+    print(f"dtprobe dashboard: serving {root.resolve()} at http://{args.host}:{args.port}  (Ctrl-C to stop)",
+          flush=True)
+    proc = subprocess.Popen(streamlit_argv(host=args.host, port=args.port), env=env, cwd=APP.parent)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        return 0

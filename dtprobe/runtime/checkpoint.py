@@ -1,0 +1,352 @@
+"""DCP checkpoints with an atomic commit; produces the ``checkpoints`` table and checkpoint faults.
+
+Layout under ``<run>/checkpoints/`` (read back by ``Checkpointer.load_latest`` after a restart)::
+
+    .tmp-step00000010/        being written (DCP files of every rank + .metadata); never loaded
+    step00000010/             committed: the DCP files plus COMMIT.json
+    step00000010/COMMIT.json  {"step", "created_ns", "world_size", "files": {name: {"num_bytes", "crc32"}}}
+    LATEST                    "step00000010": pointer to the newest commit, swapped with os.replace
+
+Commit protocol (the leader, once every rank's data and DCP's ``.metadata`` are on disk, i.e. after
+``dcp.save`` returns or the ``async_save`` future completes): checksum every file, write ``COMMIT.json``
+(write aside + ``os.replace``), rename ``.tmp-stepN`` to ``stepN``, swap ``LATEST``, then prune all but the
+newest ``keep`` commits. A crash or SIGKILL at any point leaves the previous commit intact and loadable.
+``step`` is the number of the last completed training step; training resumes at ``step + 1``.
+
+Loading verifies sizes and CRC32s against ``COMMIT.json`` and walks back from the newest commit to the first
+that verifies; each rejected one gives a ``faults`` row ``kind="corrupt-ckpt", injected=false`` with detail
+``{"path", "reason"}``.
+
+Rows of ``checkpoints`` (one per save or load and rank): ``kind`` save|load, ``start_ns``, ``blocking_ns`` (the
+training thread was blocked: ``dcp.save``, or ``async_save`` up to its return), ``async_ns`` (from that return
+until the background write finished; 0 for sync), ``total_ns``, ``num_bytes`` (written or read by this rank;
+DCP deduplicates replicated tensors, so DDP ranks write unequal shares; for a load, the checkpoint's data
+size), ``ok``, ``path``.
+
+Async saves run on their own gloo process group (``process_group``): on the default group the background
+thread's collectives interleave with training collectives and deadlock (FSDP).
+Injected faults: ``slow-ckpt`` (rank R's storage writes sleep ``delay_ms``: in the background under async) and
+``corrupt-ckpt`` (after committing step S the leader damages a data file).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+import zlib
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import orjson
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+
+from dtprobe.store.errors import ConfigError, TraceError
+from dtprobe.store.schema import CHECKPOINTS_DIR
+
+COMMIT_FILE = "COMMIT.json"
+LATEST_FILE = "LATEST"
+_NAME = "step{step:08d}"
+_NAME_RE = re.compile(r"^step(\d{8})$")
+_TMP_PREFIX = ".tmp-"
+
+Recorder = Callable[[str, dict[str, Any]], None]
+FaultRecorder = Callable[..., None]
+
+
+@dataclass(kw_only=True, frozen=True)
+class CheckpointConfig:
+    """When and how the runtime checkpoints (``--ckpt-every``, ``--ckpt-async``, ``--ckpt-keep``)."""
+
+    every: int = 0
+    """Save after every ``every``-th completed step; 0 turns checkpointing off."""
+    async_save: bool = False
+    """``dcp.async_save`` on a dedicated process group: training continues while the files are written."""
+    keep: int = 2
+    """Committed checkpoints kept (newest first); 0 keeps all."""
+    resume: bool = True
+    """Load the newest verified checkpoint at start when one exists (always the case after a restart)."""
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ConfigError(f"ckpt.every = {self.every}; use 0 (off) or a step interval >= 1, e.g. --ckpt-every 5.")
+        if self.keep < 0:
+            raise ConfigError(f"ckpt.keep = {self.keep}; use 0 (keep all) or >= 1, e.g. --ckpt-keep 2.")
+        if self.async_save and self.every == 0:
+            import warnings
+
+            warnings.warn("--ckpt-async has no effect without --ckpt-every K.", stacklevel=3)
+
+    @property
+    def enabled(self) -> bool:
+        return self.every > 0
+
+
+class CorruptCheckpoint(TraceError):
+    """A committed checkpoint fails verification; the message names the file and what does not match."""
+
+
+class TrainState(Stateful):
+    """What a checkpoint holds: model and optimizer (DCP state dicts, any layout), step, and extras.
+
+    ``extras`` maps a key to an object with ``state_dict()``/``load_state_dict()`` (e.g. the loss scaler).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, step: int = -1,
+                 extras: dict[str, Any] | None = None) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.step = step
+        self.extras = dict(extras or {})
+
+    def state_dict(self) -> dict[str, Any]:
+        msd, osd = get_state_dict(self.model, self.optimizer)
+        return {"model": msd, "optim": osd, "step": self.step,
+                **{f"extra.{k}": v.state_dict() for k, v in self.extras.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        self.step = int(state["step"])
+        for k, v in self.extras.items():
+            v.load_state_dict(state[f"extra.{k}"])
+
+
+class _MeasuredWriter(FileSystemWriter):
+    """FileSystemWriter that counts this rank's bytes and can sleep before writing (``slow-ckpt``)."""
+
+    def __init__(self, path: Path, *, delay_s: float = 0.0) -> None:
+        super().__init__(str(path))
+        self.delay_s = delay_s
+        self.num_bytes = 0
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        fut = super().write_data(plan, planner)
+        self.num_bytes = sum(int(r.storage_data.length) for r in fut.wait())
+        return fut
+
+
+def checkpoint_name(step: int) -> str:
+    return _NAME.format(step=step)
+
+
+def committed_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """Committed checkpoint dirs under ``root`` (those with a COMMIT.json), newest step first."""
+    out = []
+    if root.is_dir():
+        for p in root.iterdir():
+            m = _NAME_RE.match(p.name)
+            if m and p.is_dir() and (p / COMMIT_FILE).is_file():
+                out.append((int(m.group(1)), p))
+    return sorted(out, reverse=True)
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def write_commit(path: Path, *, step: int, world_size: int) -> dict[str, Any]:
+    """Checksum every file of ``path`` and write its COMMIT.json atomically; returns the marker."""
+    files = {p.name: {"num_bytes": p.stat().st_size, "crc32": _crc32(p)}
+             for p in sorted(path.iterdir()) if p.is_file() and p.name != COMMIT_FILE}
+    marker = {"step": step, "created_ns": time.time_ns(), "world_size": world_size, "files": files}
+    tmp = path / (COMMIT_FILE + ".tmp")
+    tmp.write_bytes(orjson.dumps(marker, option=orjson.OPT_INDENT_2))
+    os.replace(tmp, path / COMMIT_FILE)
+    return marker
+
+
+def verify_checkpoint(path: Path) -> dict[str, Any]:
+    """The COMMIT.json of ``path`` once every listed file matches its size and CRC32; else CorruptCheckpoint."""
+    marker_path = path / COMMIT_FILE
+    try:
+        marker = orjson.loads(marker_path.read_bytes())
+        files = marker["files"]
+    except (OSError, orjson.JSONDecodeError, KeyError, TypeError) as e:
+        raise CorruptCheckpoint(f"{marker_path}: unreadable commit marker ({e}); this checkpoint is skipped.") from None
+    if ".metadata" not in files:
+        raise CorruptCheckpoint(f"{marker_path}: lists no DCP .metadata file; the save did not finish.")
+    for name, want in files.items():
+        f = path / name
+        if not f.is_file():
+            raise CorruptCheckpoint(f"{f}: listed in {COMMIT_FILE} but missing.")
+        size = f.stat().st_size
+        if size != want["num_bytes"]:
+            raise CorruptCheckpoint(f"{f}: {size} bytes, {COMMIT_FILE} says {want['num_bytes']} (truncated?).")
+        crc = _crc32(f)
+        if crc != want["crc32"]:
+            raise CorruptCheckpoint(f"{f}: CRC32 {crc:#010x} != {want['crc32']:#010x} in {COMMIT_FILE} "
+                                    f"(damaged after commit).")
+    return marker
+
+
+def corrupt_checkpoint(path: Path) -> str:
+    """Damage ``path`` after commit (the ``corrupt-ckpt`` fault): flip bytes in its largest data file."""
+    data = max((p for p in path.iterdir() if p.suffix == ".distcp"), key=lambda p: p.stat().st_size)
+    with open(data, "r+b") as f:
+        f.seek(data.stat().st_size // 2)
+        chunk = f.read(64)
+        f.seek(data.stat().st_size // 2)
+        f.write(bytes(b ^ 0xFF for b in chunk))
+    return data.name
+
+
+class Checkpointer:
+    """Saves every ``config.every`` steps, commits atomically, loads the newest verified checkpoint.
+
+    Call ``maybe_save(state, step=)`` after each completed step and ``close()`` at the end (waits for an async
+    save). ``record`` is ``probe.record``; ``fault`` is ``probe.fault``. ``process_group`` carries DCP's
+    collectives (for async saves, a group of its own, e.g. ``probe.new_group(ranks, name="ckpt")``); None uses
+    the default group for sync saves and creates a gloo group for async saves.
+    """
+
+    def __init__(self, config: CheckpointConfig, run_dir: str | os.PathLike, *, rank: int, world_size: int,
+                 is_leader: bool, process_group: Any = None, record: Recorder | None = None,
+                 fault: FaultRecorder | None = None, slow_delay_ms: int = 0,
+                 corrupt_steps: frozenset[int] = frozenset()) -> None:
+        self.config = config
+        self.root = Path(run_dir) / CHECKPOINTS_DIR
+        self.rank = rank
+        self.world_size = world_size
+        self.is_leader = is_leader
+        self._record = record or (lambda table, row: None)
+        self._fault = fault or (lambda kind, **kw: None)
+        self.slow_delay_ms = slow_delay_ms
+        self.corrupt_steps = corrupt_steps
+        if process_group is None and config.async_save and dist.is_initialized():
+            process_group = dist.new_group(backend="gloo")
+        self.process_group = process_group
+        self._pending: Future | None = None
+        if is_leader:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for p in self.root.glob(_TMP_PREFIX + "*"):      # unfinished saves of a crashed attempt
+                shutil.rmtree(p, ignore_errors=True)
+
+    # ---- save
+    def should_save(self, step: int, *, first_step: int = 0) -> bool:
+        return self.config.enabled and (step - first_step + 1) % self.config.every == 0
+
+    def maybe_save(self, state: TrainState, *, step: int, first_step: int = 0) -> bool:
+        """Save after step ``step`` when it is a multiple of ``every`` (counting from ``first_step``)."""
+        if not self.should_save(step, first_step=first_step):
+            return False
+        self.save(state, step=step)
+        return True
+
+    def save(self, state: TrainState, *, step: int) -> None:
+        """Write a checkpoint of ``state`` at ``step``: blocking, or in the background under async."""
+        self.wait()                                          # one save in flight at a time
+        state.step = step
+        tmp = self.root / (_TMP_PREFIX + checkpoint_name(step))
+        tmp.mkdir(parents=True, exist_ok=True)              # every rank: DCP writes rank files here
+        delay = self.slow_delay_ms / 1000.0
+        writer = _MeasuredWriter(tmp, delay_s=delay)
+        if delay:
+            self._fault("slow-ckpt", step=step, injected=True, delay_ms=self.slow_delay_ms)
+        start_ns = time.time_ns()
+        t0 = time.perf_counter_ns()
+        if self.config.async_save:
+            fut = dcp.async_save({"app": state}, storage_writer=writer, process_group=self.process_group)
+            blocking = time.perf_counter_ns() - t0
+            self._pending = fut
+            fut.add_done_callback(lambda f: self._finish(f, step=step, tmp=tmp, writer=writer, start_ns=start_ns,
+                                                         t0=t0, blocking=blocking))
+        else:
+            dcp.save({"app": state}, storage_writer=writer, process_group=self.process_group)
+            self._commit(step, tmp)
+            total = time.perf_counter_ns() - t0
+            self._record("checkpoints", {
+                "step": step, "kind": "save", "start_ns": start_ns, "blocking_ns": total, "async_ns": 0,
+                "total_ns": total, "num_bytes": writer.num_bytes, "ok": True,
+                "path": str(self.root / checkpoint_name(step))})
+
+    def _finish(self, fut: Future, *, step: int, tmp: Path, writer: _MeasuredWriter, start_ns: int, t0: int,
+                blocking: int) -> None:
+        # Runs on DCP's background thread when the async save ends.
+        total = time.perf_counter_ns() - t0
+        ok = fut.exception() is None
+        if ok:
+            try:
+                self._commit(step, tmp)
+            except OSError:
+                ok = False
+        self._record("checkpoints", {
+            "step": step, "kind": "save", "start_ns": start_ns, "blocking_ns": blocking,
+            "async_ns": total - blocking, "total_ns": total, "num_bytes": writer.num_bytes, "ok": ok,
+            "path": str(self.root / checkpoint_name(step))})
+
+    def _commit(self, step: int, tmp: Path) -> None:
+        if not self.is_leader:
+            return
+        final = self.root / checkpoint_name(step)
+        write_commit(tmp, step=step, world_size=self.world_size)
+        if final.exists():                                  # re-saving a step after a restart
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        latest_tmp = self.root / (LATEST_FILE + ".tmp")
+        latest_tmp.write_text(final.name + "\n")
+        os.replace(latest_tmp, self.root / LATEST_FILE)
+        if step in self.corrupt_steps:
+            damaged = corrupt_checkpoint(final)
+            self._fault("corrupt-ckpt", step=step, injected=True, path=str(final), file=damaged)
+        self._prune()
+
+    def _prune(self) -> None:
+        if self.config.keep:
+            for _, old in committed_checkpoints(self.root)[self.config.keep:]:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def wait(self) -> None:
+        """Block until an in-flight async save has finished (and been committed)."""
+        fut, self._pending = self._pending, None
+        if fut is not None:
+            fut.result()
+
+    def close(self) -> None:
+        self.wait()
+
+    # ---- load
+    def newest_verified(self) -> Path | None:
+        """Leader only: the newest committed checkpoint whose files verify; logs each one skipped."""
+        for step, path in committed_checkpoints(self.root):
+            try:
+                verify_checkpoint(path)
+                return path
+            except CorruptCheckpoint as e:
+                self._fault("corrupt-ckpt", step=step, injected=False, path=str(path), reason=str(e))
+        return None
+
+    def load_latest(self, state: TrainState) -> int | None:
+        """Load the newest verified checkpoint into ``state`` on every rank; its step, or None if none.
+
+        Collective: the leader verifies and broadcasts the choice on the default group, then all ranks load.
+        """
+        choice = [str(self.newest_verified() or "") if self.is_leader else None]
+        if dist.is_initialized() and self.world_size > 1:
+            dist.broadcast_object_list(choice, src=0)
+        if not choice[0]:
+            return None
+        path = Path(choice[0])
+        start_ns = time.time_ns()
+        t0 = time.perf_counter_ns()
+        dcp.load({"app": state}, checkpoint_id=str(path), process_group=None)
+        total = time.perf_counter_ns() - t0
+        num_bytes = sum(p.stat().st_size for p in path.iterdir() if p.suffix == ".distcp")
+        self._record("checkpoints", {
+            "step": state.step, "kind": "load", "start_ns": start_ns, "blocking_ns": total, "async_ns": 0,
+            "total_ns": total, "num_bytes": num_bytes, "ok": True, "path": str(path)})
+        return state.step

@@ -1,0 +1,356 @@
+"""Gradient compression as DDP communication hooks; produces one ``compression`` row per bucket and step.
+
+Methods (``--compress``): ``none`` (DDP's own all-reduce), ``fp16``, ``bf16`` (cast, all-reduce, cast back),
+``powersgd[:rank=2]`` (rank-r PowerSGD with warm start and error feedback), ``topk[:ratio=0.01]`` (top-k
+magnitudes with error feedback), ``signsgd`` (scaled sign, 1 bit per element, with error feedback).
+
+Every hook issues its collectives **synchronously from the autograd thread**, in the same order on every rank,
+and returns a finished future. torch's stock PowerSGD hook issues its second all-reduce from a ``Future.then``
+callback on a gloo worker thread, so with several buckets in flight ranks issue collectives in different orders
+(size-mismatch aborts or hangs on gloo); these hooks cannot. Correct on gloo and NCCL alike; on NCCL the price
+is no overlap of a bucket's communication with the rest of backward.
+
+Telemetry per bucket (table ``compression``, read by the analysis' compression finding): ``raw_bytes`` (the
+bucket's fp32 gradient, what DDP would all-reduce), ``sent_bytes`` (what this rank contributes to the
+collectives), ``encode_ns``/``decode_ns`` (compute only; communication excluded), ``residual_norm`` (L2 norm of
+the error-feedback memory after this step; null for fp16/bf16 which keep none). Compression ratio =
+raw_bytes / sent_bytes:
+
+- fp16/bf16: 2 exactly.
+- top-k: ``k = ceil(ratio * n)`` values (fp32) plus k **int32** indices, so ``4n / 8k`` (50x at ratio 0.01).
+- signsgd: ``ceil(n / 8)`` bytes of packed sign bits plus one fp32 scale: about 32x.
+- PowerSGD rank r: a gradient of shape (n, m...) viewed as an n x m matrix sends P (n x r) and Q (m x r), ratio
+  ``n*m / (r*(n+m))``; it is compressed only when that ratio is >= ``min_compression_rate`` (2), otherwise it
+  (like every 1-D tensor) is all-reduced raw and counted as sent raw. ``expected_ratio`` computes the model's
+  overall ratio from parameter shapes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from dtprobe.store.errors import ConfigError
+
+METHODS = ("none", "fp16", "bf16", "powersgd", "topk", "signsgd")
+_PARAMS = {"powersgd": {"rank", "min_compression_rate", "seed"}, "topk": {"ratio"}}
+
+Recorder = Callable[[str, dict[str, Any]], None]
+
+
+@dataclass(kw_only=True, frozen=True)
+class CompressionConfig:
+    """Gradient compression of DDP's bucket all-reduces (``--compress METHOD[:key=value,...]``)."""
+
+    method: str = "none"
+    """One of none, fp16, bf16, powersgd, topk, signsgd."""
+    rank: int = 2
+    """powersgd: the approximation rank r."""
+    min_compression_rate: float = 2.0
+    """powersgd: a matrix is compressed only if n*m / (r*(n+m)) reaches this; otherwise it is sent raw."""
+    seed: int = 0
+    """powersgd: seed of the initial Q matrices (must be the same on every rank)."""
+    ratio: float = 0.01
+    """topk: fraction of each bucket's elements sent (k = ceil(ratio * n))."""
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ConfigError(f"compress = {self.method!r}; choose one of {', '.join(METHODS)} "
+                              f"(e.g. --compress topk:ratio=0.01 or --compress powersgd:rank=2).")
+        if self.rank < 1:
+            raise ConfigError(f"compress powersgd rank = {self.rank}; it must be >= 1 (e.g. powersgd:rank=2).")
+        if not 0 < self.ratio <= 1:
+            raise ConfigError(f"compress topk ratio = {self.ratio}; it must be in (0, 1] (e.g. topk:ratio=0.01).")
+        if not self.min_compression_rate >= 1:
+            raise ConfigError(f"compress powersgd min_compression_rate = {self.min_compression_rate}; "
+                              f"it must be >= 1.")
+
+    @classmethod
+    def parse(cls, spec: str) -> "CompressionConfig":
+        """``"topk:ratio=0.01"`` -> ``CompressionConfig(method="topk", ratio=0.01)``."""
+        method, _, rest = spec.strip().partition(":")
+        method = method.strip()
+        if method not in METHODS:
+            raise ConfigError(f"--compress {spec!r}: unknown method {method!r}; choose one of {', '.join(METHODS)}.")
+        kwargs: dict[str, Any] = {}
+        allowed = _PARAMS.get(method, set())
+        for item in filter(None, (p.strip() for p in rest.split(","))):
+            key, eq, value = item.partition("=")
+            key = key.strip()
+            if not eq or key not in allowed:
+                hint = f"it takes {', '.join(sorted(allowed))}" if allowed else "it takes no parameters"
+                raise ConfigError(f"--compress {spec!r}: bad parameter {item!r} for {method}; {hint} "
+                                  f"(e.g. powersgd:rank=2, topk:ratio=0.01).")
+            try:
+                kwargs[key] = int(value) if key in ("rank", "seed") else float(value)
+            except ValueError:
+                raise ConfigError(f"--compress {spec!r}: {key}={value!r} is not a number.") from None
+        return cls(method=method, **kwargs)
+
+    @property
+    def spec(self) -> str:
+        """The canonical ``--compress`` string."""
+        if self.method == "powersgd":
+            return f"powersgd:rank={self.rank}"
+        if self.method == "topk":
+            return f"topk:ratio={self.ratio:g}"
+        return self.method
+
+
+# ---------------------------------------------------------------- ratios (for docs, tests and the planner)
+
+def powersgd_matrix_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int] | None:
+    """The (n, m) matrix view PowerSGD uses for a gradient of ``shape``; None for 1-D (sent raw)."""
+    if len(shape) < 2:
+        return None
+    return int(shape[0]), int(math.prod(shape[1:]))
+
+
+def powersgd_compresses(shape: torch.Size | tuple[int, ...], *, rank: int, min_compression_rate: float) -> bool:
+    nm = powersgd_matrix_shape(shape)
+    if nm is None:
+        return False
+    n, m = nm
+    return n * m >= min_compression_rate * rank * (n + m)
+
+
+def expected_ratio(config: CompressionConfig, shapes: Iterable[torch.Size | tuple[int, ...]]) -> float:
+    """Raw bytes / sent bytes over all gradients of ``shapes`` treated as one bucket each per method's rule.
+
+    Exact for fp16/bf16 and PowerSGD (bucketing does not change them); for top-k and signsgd it ignores the
+    per-bucket rounding of k and of the packed bits (under 1% for buckets above a few thousand elements).
+    """
+    numels = [int(math.prod(s)) for s in shapes]
+    raw = 4 * sum(numels)
+    if config.method == "none":
+        return 1.0
+    if config.method in ("fp16", "bf16"):
+        return 2.0
+    if config.method == "topk":
+        return 1.0 / (2.0 * config.ratio)
+    if config.method == "signsgd":
+        return 32.0
+    sent = 0
+    for s, n_el in zip(shapes, numels):
+        if powersgd_compresses(s, rank=config.rank, min_compression_rate=config.min_compression_rate):
+            n, m = powersgd_matrix_shape(s)
+            sent += 4 * config.rank * (n + m)
+        else:
+            sent += 4 * n_el
+    return raw / sent
+
+
+# ---------------------------------------------------------------- the hook
+
+@dataclass
+class _BucketStats:
+    sent_bytes: int
+    encode_ns: int
+    decode_ns: int
+    residual_norm: float | None
+
+
+class CompressionHook:
+    """DDP comm-hook state: the method's per-bucket memory, the current step, and the telemetry sink.
+
+    Register with ``register_compression(ddp, config, record=probe.record)``. Rows carry the step of
+    ``probe.step`` (or the one given to ``set_step``, for use without a probe).
+    """
+
+    def __init__(self, config: CompressionConfig, *, process_group: Any = None,
+                 record: Recorder | None = None) -> None:
+        assert config.method != "none"
+        self.config = config
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.step: int | None = None
+        """Set by ``set_step``; when never set, the probe's current step (``collectors.pg_wrapper.RECORDER``)."""
+        self._record = record or (lambda table, row: None)
+        self._residuals: dict[int, torch.Tensor] = {}
+        self._qs: dict[int, list[torch.Tensor]] = {}
+        self._reduce = {"fp16": self._cast, "bf16": self._cast, "topk": self._topk,
+                        "signsgd": self._signsgd, "powersgd": self._powersgd}[config.method]
+
+    def set_step(self, step: int) -> None:
+        self.step = int(step)
+
+    def __call__(self, bucket: dist.GradBucket) -> torch.Tensor:
+        """All-reduce (average) ``bucket`` in place through the method; returns the averaged buffer."""
+        buf = bucket.buffer()
+        stats = self._reduce(bucket.index(), buf, bucket.gradients())
+        self._record("compression", {
+            "step": self.step if self.step is not None else _probe_step(), "bucket": int(bucket.index()), "method": self.config.spec,
+            "raw_bytes": buf.numel() * buf.element_size(), "sent_bytes": stats.sent_bytes,
+            "encode_ns": stats.encode_ns, "decode_ns": stats.decode_ns, "residual_norm": stats.residual_norm})
+        return buf
+
+    # --- error feedback memory
+    def _residual(self, index: int, buf: torch.Tensor) -> torch.Tensor:
+        res = self._residuals.get(index)
+        if res is None or res.numel() != buf.numel():   # first step (one big bucket) or buckets rebuilt
+            res = self._residuals[index] = torch.zeros_like(buf)
+            self._qs.pop(index, None)
+        return res
+
+    # --- methods: each averages buf in place and reports its own encode/decode time
+    def _cast(self, index: int, buf: torch.Tensor, grads: list[torch.Tensor]) -> _BucketStats:
+        dtype = torch.float16 if self.config.method == "fp16" else torch.bfloat16
+        t0 = time.perf_counter_ns()
+        low = buf.div(self.world_size).to(dtype)
+        t1 = time.perf_counter_ns()
+        dist.all_reduce(low, group=self.process_group)
+        t2 = time.perf_counter_ns()
+        buf.copy_(low)
+        t3 = time.perf_counter_ns()
+        return _BucketStats(low.numel() * low.element_size(), t1 - t0, t3 - t2, None)
+
+    def _topk(self, index: int, buf: torch.Tensor, grads: list[torch.Tensor]) -> _BucketStats:
+        t0 = time.perf_counter_ns()
+        res = self._residual(index, buf)
+        res.add_(buf)                                       # res = grad + error memory
+        n = buf.numel()
+        k = max(1, math.ceil(self.config.ratio * n))
+        idx = res.abs().topk(k, sorted=False).indices
+        # values and int32 indices travel in one fp32 all_gather (indices bit-cast, never computed on)
+        payload = torch.cat([res[idx], idx.to(torch.int32).view(torch.float32)])
+        res[idx] = 0.0                                      # what was sent leaves the memory
+        t1 = time.perf_counter_ns()
+        gathered = [torch.empty_like(payload) for _ in range(self.world_size)]
+        dist.all_gather(gathered, payload, group=self.process_group)
+        t2 = time.perf_counter_ns()
+        buf.zero_()
+        for part in gathered:
+            buf.index_add_(0, part[k:].view(torch.int32).long(), part[:k])
+        buf.div_(self.world_size)
+        t3 = time.perf_counter_ns()
+        return _BucketStats(payload.numel() * 4, t1 - t0, t3 - t2, float(res.norm()))
+
+    def _signsgd(self, index: int, buf: torch.Tensor, grads: list[torch.Tensor]) -> _BucketStats:
+        t0 = time.perf_counter_ns()
+        res = self._residual(index, buf)
+        res.add_(buf)
+        n = buf.numel()
+        scale = res.abs().mean().reshape(1)                 # ||p||_1 / n (EF-signSGD, Karimireddy et al. 2019)
+        positive = res >= 0
+        res.sub_(torch.where(positive, scale, -scale))      # memory keeps what the scaled sign missed
+        payload = torch.cat([_pack_bits(positive), scale.view(torch.uint8)])
+        t1 = time.perf_counter_ns()
+        gathered = [torch.empty_like(payload) for _ in range(self.world_size)]
+        dist.all_gather(gathered, payload, group=self.process_group)
+        t2 = time.perf_counter_ns()
+        buf.zero_()
+        for part in gathered:
+            sign = _unpack_bits(part[:-4], n).to(buf.dtype).mul_(2).sub_(1)
+            buf.add_(sign.mul_(part[-4:].view(torch.float32)))
+        buf.div_(self.world_size)
+        t3 = time.perf_counter_ns()
+        return _BucketStats(payload.numel(), t1 - t0, t3 - t2, float(res.norm()))
+
+    def _powersgd(self, index: int, buf: torch.Tensor, grads: list[torch.Tensor]) -> _BucketStats:
+        cfg = self.config
+        t0 = time.perf_counter_ns()
+        res = self._residual(index, buf)
+        buf.add_(res)                                       # grads (views of buf) now include the memory
+        res.copy_(buf)                                      # res holds the local input until decode
+        mats, raws = [], []
+        for g in grads:
+            if powersgd_compresses(g.shape, rank=cfg.rank, min_compression_rate=cfg.min_compression_rate):
+                mats.append(g.view(g.shape[0], -1))
+            else:
+                raws.append(g)
+        qs = self._qs.get(index)
+        if qs is None:
+            gen = torch.Generator().manual_seed(cfg.seed + 7919 * index)
+            qs = [torch.randn(m.shape[1], cfg.rank, generator=gen, dtype=buf.dtype) for m in mats]
+            self._qs[index] = qs
+        raw_flat = torch.cat([g.reshape(-1) for g in raws]) if raws else buf.new_zeros(0)
+        ps = [m @ q for m, q in zip(mats, qs)]
+        p_flat = torch.cat([p.reshape(-1) for p in ps]) if ps else buf.new_zeros(0)
+        enc = time.perf_counter_ns() - t0
+        # Collective 1 and 2 (every rank, same order): raw tensors + P in one all-reduce; then Q.
+        first = torch.cat([raw_flat, p_flat])
+        dist.all_reduce(first, group=self.process_group)
+        t1 = time.perf_counter_ns()
+        raw_flat, p_flat = first[:raw_flat.numel()], first[raw_flat.numel():]
+        ps = [_orthonormalize(p) for p in _split_like(p_flat, ps)]
+        new_qs = [m.t() @ p for m, p in zip(mats, ps)]
+        q_flat = torch.cat([q.reshape(-1) for q in new_qs]) if new_qs else buf.new_zeros(0)
+        enc += time.perf_counter_ns() - t1
+        if q_flat.numel():
+            dist.all_reduce(q_flat, group=self.process_group)
+        t2 = time.perf_counter_ns()
+        q_flat.div_(self.world_size)
+        new_qs = _split_like(q_flat, new_qs)
+        for m, p, q in zip(mats, ps, new_qs):
+            torch.matmul(p, q.t(), out=m)
+        offset = 0
+        for g in raws:
+            g.copy_(raw_flat[offset:offset + g.numel()].view_as(g).div(self.world_size))
+            offset += g.numel()
+        res.sub_(buf)                                       # memory = local input - averaged approximation
+        for i, q in enumerate(new_qs):                      # warm start: next step's Q is this step's Q
+            qs[i] = q.clone()
+        t3 = time.perf_counter_ns()
+        sent = 4 * (raw_flat.numel() + sum(p.numel() for p in ps) + q_flat.numel())
+        return _BucketStats(sent, enc, t3 - t2, float(res.norm()))
+
+
+def _compression_hook(state: CompressionHook, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(state(bucket))
+    return fut
+
+
+# DDP checks the hook's annotations by identity; ``from __future__ import annotations`` made them strings.
+_compression_hook.__annotations__ = {"state": CompressionHook, "bucket": dist.GradBucket,
+                                     "return": torch.futures.Future[torch.Tensor]}
+
+
+def register_compression(ddp_model: Any, config: CompressionConfig, *, process_group: Any = None,
+                         record: Recorder | None = None) -> CompressionHook | None:
+    """Register the hook for ``config`` on a ``DistributedDataParallel`` model; None (DDP's default) for none."""
+    if config.method == "none":
+        return None
+    state = CompressionHook(config, process_group=process_group, record=record)
+    ddp_model.register_comm_hook(state, _compression_hook)
+    return state
+
+
+def _probe_step() -> int:
+    try:
+        from collectors.pg_wrapper import RECORDER
+    except ImportError:
+        return -1
+    return int(RECORDER.step)
+
+
+def _pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """Bool vector -> uint8, 8 per byte (MSB first), zero-padded."""
+    n = bits.numel()
+    padded = torch.zeros(math.ceil(n / 8) * 8, dtype=torch.uint8)
+    padded[:n] = bits
+    weights = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
+    return (padded.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
+
+
+def _unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
+    shifts = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0], dtype=torch.uint8)
+    return ((packed.view(-1, 1) >> shifts) & 1).view(-1)[:n]
+
+
+def _orthonormalize(p: torch.Tensor) -> torch.Tensor:
+    """Orthonormal columns spanning ``p`` (reduced QR); deterministic, so identical on every rank."""
+    return torch.linalg.qr(p, mode="reduced").Q
+
+
+def _split_like(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for t in like:
+        out.append(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+    return out

@@ -1,0 +1,204 @@
+"""Fault injection: the ``--inject kind:key=value,...`` parser, the registry of fault kinds, and the runtime's own
+faults (``straggler``, ``crash``). Read by the launcher (parsing, validation) and the train loop (injection).
+
+Every injected fault writes one ``faults`` row through ``probe.fault(kind, step=..., injected=True, **detail)``.
+
+Seam for RELIABILITY (overflow, slow-ckpt, corrupt-ckpt, hang): call ``register_fault_kind(FaultKind(...))`` at
+import time of your module (listed in ``runtime.config.PLUGIN_MODULES``) so ``--inject overflow:rank=0,step=3``
+parses and validates; at run time read your specs with ``job_faults_of(job.faults, "overflow")`` and write the
+row yourself with ``probe.fault`` when you inject. This module stays free of torch so the CLI parses fast.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from dtprobe.store.errors import ConfigError
+
+
+@dataclass(kw_only=True, frozen=True)
+class FaultKind:
+    """What one fault kind accepts; registered once, used to parse and validate ``--inject`` specs."""
+
+    name: str
+    """The kind as typed after ``--inject`` (also the ``faults.kind`` column)."""
+    keys: Mapping[str, type]
+    """Accepted keys and their types (int, float or str)."""
+    required: tuple[str, ...] = ()
+    """Keys that must be given."""
+    example: str = ""
+    """A complete valid spec, shown in error messages."""
+    help: str = ""
+    """One line for ``dtprobe run --help``."""
+    check: Callable[[dict[str, Any]], str | None] | None = None
+    """Extra validation of the parsed values: returns an error message (without the spec) or None."""
+
+
+FAULT_KINDS: dict[str, FaultKind] = {}
+"""Registered fault kinds by name."""
+
+
+def register_fault_kind(kind: FaultKind) -> None:
+    """Add (or replace) a fault kind; plugin modules call this at import time."""
+    FAULT_KINDS[kind.name] = kind
+
+
+@dataclass(kw_only=True, frozen=True)
+class FaultSpec:
+    """One parsed ``--inject`` value."""
+
+    kind: str
+    """Registered fault kind."""
+    params: Mapping[str, Any] = field(default_factory=dict)
+    """Typed key/values (``rank``, ``step``, ``delay_ms`` ...)."""
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.params.get(key, default)
+
+    @property
+    def rank(self) -> int | None:
+        """The target global rank, or None for kinds without one."""
+        return self.params.get("rank")
+
+    def to_string(self) -> str:
+        """The canonical ``kind:key=value,...`` form (parses back to an equal spec)."""
+        return self.kind + ":" + ",".join(f"{k}={v}" for k, v in self.params.items())
+
+    def check_against(self, *, world_size: int, steps: int) -> None:
+        """ConfigError if the fault targets a rank or a step the job does not have (it would silently do nothing)."""
+        if self.rank is not None and not 0 <= self.rank < world_size:
+            raise ConfigError(f"--inject {self.to_string()}: rank {self.rank} does not exist; WORLD_SIZE = "
+                              f"{world_size}, so use rank=0..{world_size - 1}.")
+        for key in ("step", "from_step"):
+            value = self.params.get(key)
+            if value is not None and not 0 <= value < steps:
+                raise ConfigError(f"--inject {self.to_string()}: {key}={value} is outside the run's steps "
+                                  f"0..{steps - 1}; lower it or raise --steps.")
+
+
+def parse_fault(text: str | Mapping[str, Any], *, source: str = "--inject") -> FaultSpec:
+    """``"straggler:rank=2,delay_ms=40"`` (or a TOML table ``{kind = "straggler", rank = 2, ...}``) -> FaultSpec."""
+    if isinstance(text, Mapping):
+        raw = dict(text)
+        kind_name = str(raw.pop("kind", ""))
+        pairs = {k: str(v) for k, v in raw.items()}
+        shown = f"{kind_name}:" + ",".join(f"{k}={v}" for k, v in pairs.items())
+    else:
+        shown = text
+        kind_name, _, rest = text.partition(":")
+        pairs = {}
+        for item in filter(None, (p.strip() for p in rest.split(","))):
+            key, eq, value = item.partition("=")
+            if not eq or not key.strip() or not value.strip():
+                raise ConfigError(f"{source} {shown!r}: '{item}' is not key=value. Write it as kind:key=value,... "
+                                  f"e.g. straggler:rank=2,delay_ms=40.")
+            if key.strip() in pairs:
+                raise ConfigError(f"{source} {shown!r}: key '{key.strip()}' is given twice.")
+            pairs[key.strip()] = value.strip()
+    kind = FAULT_KINDS.get(kind_name.strip())
+    if kind is None:
+        raise ConfigError(f"{source} {shown!r}: unknown fault kind '{kind_name.strip()}'; known kinds: "
+                          f"{sorted(FAULT_KINDS)} (e.g. straggler:rank=2,delay_ms=40 or crash:rank=1,step=10).")
+    params: dict[str, Any] = {}
+    for key, value in pairs.items():
+        if key not in kind.keys:
+            raise ConfigError(f"{source} {shown!r}: '{kind.name}' has no key '{key}'; it accepts "
+                              f"{sorted(kind.keys)}. Example: {kind.example}.")
+        typ = kind.keys[key]
+        try:
+            params[key] = typ(value)
+        except ValueError:
+            raise ConfigError(f"{source} {shown!r}: {key}={value} should be a {typ.__name__}. "
+                              f"Example: {kind.example}.") from None
+    missing = [k for k in kind.required if k not in params]
+    if missing:
+        raise ConfigError(f"{source} {shown!r}: '{kind.name}' needs {missing}. Example: {kind.example}.")
+    problem = kind.check(params) if kind.check else None
+    if problem:
+        raise ConfigError(f"{source} {shown!r}: {problem} Example: {kind.example}.")
+    return FaultSpec(kind=kind.name, params=params)
+
+
+def job_faults_of(faults: tuple[FaultSpec, ...], kind: str, *, rank: int | None = None) -> list[FaultSpec]:
+    """The specs of ``kind`` (targeting ``rank`` when given, or with no rank at all)."""
+    return [f for f in faults if f.kind == kind and (rank is None or f.rank in (None, rank))]
+
+
+def _check_straggler(p: dict[str, Any]) -> str | None:
+    if ("delay_ms" in p) == ("slowdown" in p):
+        return "give exactly one of delay_ms=<ms to sleep per step> or slowdown=<factor > 1>."
+    if "delay_ms" in p and not p["delay_ms"] > 0:
+        return f"delay_ms={p['delay_ms']} must be > 0."
+    if "slowdown" in p and not p["slowdown"] > 1:
+        return f"slowdown={p['slowdown']} must be > 1 (2 = twice as slow)."
+    return None
+
+
+register_fault_kind(FaultKind(
+    name="straggler", keys={"rank": int, "delay_ms": float, "slowdown": float, "from_step": int},
+    required=("rank",), example="straggler:rank=2,delay_ms=40",
+    help="rank R sleeps delay_ms (or (slowdown-1) x its compute time) in every step's compute from from_step on",
+    check=_check_straggler))
+register_fault_kind(FaultKind(
+    name="crash", keys={"rank": int, "step": int}, required=("rank", "step"), example="crash:rank=1,step=10",
+    help="rank R exits with code 1 at the start of step S (first attempt only; telemetry flushed first)"))
+
+
+class FaultInjector:
+    """The runtime's own faults for one rank, called by the train loop at fixed points of every step.
+
+    ``at_step_start`` (before the step row opens: crash), ``in_compute`` (start of the first forward of the step:
+    straggler sleep), ``after_compute`` (end of the last backward: measures compute for ``slowdown``).
+    """
+
+    def __init__(self, faults: tuple[FaultSpec, ...], *, rank: int, restart: int, probe: Any) -> None:
+        self.probe = probe
+        self._crashes = {f.get("step") for f in job_faults_of(faults, "crash", rank=rank)} if restart == 0 else set()
+        self._stragglers = job_faults_of(faults, "straggler", rank=rank)
+        self._announced: set[int] = set()
+        self._compute_start = 0.0
+        self._last_compute_s = 0.0
+
+    @property
+    def active(self) -> bool:
+        return bool(self._crashes or self._stragglers)
+
+    def at_step_start(self, step: int) -> None:
+        if step in self._crashes:
+            self.probe.fault("crash", step=step, injected=True)
+            _flush(self.probe)
+            os._exit(1)
+
+    def in_compute(self, step: int) -> None:
+        self._compute_start = time.perf_counter()
+        delay_s = 0.0
+        for i, spec in enumerate(self._stragglers):
+            from_step = spec.get("from_step", 0)
+            if step < from_step:
+                continue
+            if i not in self._announced:
+                self._announced.add(i)
+                detail = {k: v for k, v in spec.params.items() if k != "rank"}
+                self.probe.fault("straggler", step=step, injected=True, **{"from_step": from_step, **detail})
+            if "delay_ms" in spec.params:
+                delay_s += spec.get("delay_ms") / 1000.0
+            else:
+                delay_s += (spec.get("slowdown") - 1.0) * self._last_compute_s
+        if delay_s > 0:
+            time.sleep(delay_s)
+            self._compute_start = time.perf_counter()
+
+    def after_compute(self) -> None:
+        self._last_compute_s = time.perf_counter() - self._compute_start
+
+
+def _flush(probe: Any) -> None:
+    """Push every buffered telemetry row to disk before the process dies."""
+    flush = getattr(probe, "flush", None)
+    if flush is not None:
+        flush()
+    else:
+        probe.writer.flush()

@@ -1,0 +1,217 @@
+"""The launcher of ``dtprobe run``: validates the job, prepares the run directory, runs torchrun, shows progress,
+and finalizes the store (status, compaction). Called by ``dtprobe.commands.run``.
+
+One launcher per node. Node 0 creates ``<run>/job.json`` (the resolved ``JobConfig``) and the manifest; other
+nodes wait for both (the run dir must be on a shared filesystem) and pass the same job to their workers.
+torchrun runs in its own session; its log goes to ``<run>/logs/torchrun.node<K>.log`` and each worker's
+stdout/stderr to ``<run>/logs/node<K>/<rdzv id>/attempt_<n>/<local rank>/``. Progress is read from the leader's
+``events/steps/rank00000.jsonl`` (a file tail, nothing in the workers' loop). When torchrun exits, node 0 sets
+the status (``finished`` on exit code 0, else ``crashed``), compacts the store and prints a summary.
+Exit code: 0 finished, 1 crashed, 130 interrupted (Ctrl-C terminates the torchrun process group).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import orjson
+
+from dtprobe.runtime.config import JobConfig
+from dtprobe.store import manifest as store_manifest
+from dtprobe.store.errors import ConfigError
+from dtprobe.store.schema import EVENTS_FILE, MANIFEST_FILE
+
+JOB_FILE = "job.json"
+LOGS_DIR = "logs"
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+"""The directory holding the ``dtprobe`` and ``collectors`` packages (put on the workers' PYTHONPATH)."""
+_POLL_S = 0.5
+
+
+def default_run_dir(job: JobConfig, *, dp: int, root: str = "runs") -> Path:
+    """``runs/<YYYYmmdd-HHMMSS>-<model>-dp<N>`` (with a numeric suffix if taken)."""
+    base = Path(root) / f"{time.strftime('%Y%m%d-%H%M%S')}-{job.model.name}-dp{dp}"
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
+
+
+def prepare(job: JobConfig, *, command: list[str]) -> JobConfig:
+    """Validate everything that can be checked before launch; on node 0 create the run dir, job.json and the
+    manifest; on other nodes wait for them. Returns the job with an absolute ``run_dir``."""
+    layout = job.resolve_layout()
+    if job.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("--device cuda but torch sees no CUDA device here; use --device cpu or auto.")
+    run_dir = Path(job.run_dir) if job.run_dir else default_run_dir(job, dp=layout.dp)
+    job = replace(job, run_dir=str(run_dir.resolve()))
+    run_dir = Path(job.run_dir)
+    if job.node_rank != 0:
+        _wait_for(run_dir / MANIFEST_FILE, timeout_s=job.timeout_s,
+                  hint="node 0's launcher creates it; is --run-dir on a filesystem shared by every node?")
+        return replace(load_job_json(run_dir), node_rank=job.node_rank)
+    if (run_dir / MANIFEST_FILE).exists():
+        raise ConfigError(f"--run-dir {run_dir} already holds a run ({MANIFEST_FILE}); choose a new directory "
+                          f"or remove that one.")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / JOB_FILE).write_text(json.dumps(job.to_dict(), indent=1) + "\n")
+    store_manifest.create_manifest(run_dir, run_id=run_dir.name, command=command, config=job.to_dict(),
+                                   world_size=job.world_size, nnodes=job.nnodes)
+    return job
+
+
+def load_job_json(run_dir: Path) -> JobConfig:
+    from dtprobe.runtime.config import load_job
+
+    return load_job(run_dir / JOB_FILE)
+
+
+def torchrun_command(job: JobConfig) -> list[str]:
+    """``python -m torch.distributed.run ... -m dtprobe.runtime.worker`` for this node."""
+    run_dir = Path(job.run_dir)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(job.nnodes),
+           "--nproc-per-node", str(job.nproc), "--max-restarts", str(job.max_restarts),
+           "--monitor-interval", "0.5", "--log-dir", str(run_dir / LOGS_DIR / f"node{job.node_rank}"),
+           "--redirects", "3"]
+    if job.nnodes == 1 and not job.rdzv_endpoint:
+        cmd.append("--standalone")
+    else:
+        cmd += ["--node-rank", str(job.node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", job.rdzv_endpoint,
+                "--rdzv-id", run_dir.name]
+    return cmd + ["-m", "dtprobe.runtime.worker"]
+
+
+def worker_env(job: JobConfig) -> dict[str, str]:
+    env = dict(os.environ)
+    env["DTPROBE_JOB"] = str(Path(job.run_dir) / JOB_FILE)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), env.get("PYTHONPATH")]))
+    if job.device != "cuda":
+        env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def launch(job: JobConfig, *, command: list[str], console: object | None = None) -> int:
+    """Run the job on this node; returns the exit code (0 finished, 1 crashed, 130 interrupted)."""
+    from rich.console import Console
+
+    console = console or Console(stderr=True)
+    job = prepare(job, command=command)
+    run_dir = Path(job.run_dir)
+    layout = job.layout.resolve(job.world_size)
+    console.print(f"dtprobe run: {job.model.name} on {job.world_size} ranks (dp {layout.dp} tp {layout.tp} "
+                  f"pp {layout.pp}), {job.train.steps} steps, global batch {job.train.global_batch(layout.dp)} "
+                  f"x {job.train.seq_len} tokens, peak lr {job.train.peak_lr(layout.dp):.3g} -> {run_dir}")
+    log_path = run_dir / LOGS_DIR / f"torchrun.node{job.node_rank}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(torchrun_command(job), env=worker_env(job), stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            _follow(proc, job, console)
+            rc = proc.wait()
+        except KeyboardInterrupt:
+            console.print("dtprobe run: interrupted; stopping the workers ...")
+            _terminate(proc)
+            rc = 130
+    status = "finished" if rc == 0 else "crashed"
+    if job.node_rank == 0:
+        store_manifest.set_status(run_dir, status, exit_code=rc)
+        from dtprobe.store import compact
+
+        compact(run_dir)
+    if rc not in (0, 130):
+        _print_failure(console, run_dir, log_path)
+    _print_summary(console, run_dir, status)
+    return 0 if rc == 0 else (130 if rc == 130 else 1)
+
+
+def _follow(proc: subprocess.Popen, job: JobConfig, console: object) -> None:
+    """Progress bar fed by the leader's steps rows (tailed by byte offset) until torchrun exits."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    steps_file = Path(job.run_dir) / EVENTS_FILE.format(table="steps", rank=0)
+    offset, done, loss = 0, 0, float("nan")
+    columns = (TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn(), TextColumn("{task.fields[info]}"))
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task("steps", total=job.train.steps, info="starting workers")
+        while proc.poll() is None:
+            time.sleep(_POLL_S)
+            try:
+                with open(steps_file, "rb") as f:
+                    f.seek(offset)
+                    chunk = f.read()
+            except FileNotFoundError:
+                continue
+            complete = chunk[:chunk.rfind(b"\n") + 1]
+            offset += len(complete)
+            for line in complete.splitlines():
+                row = orjson.loads(line)
+                done = max(done, int(row["step"]) + 1)
+                loss = row.get("loss", loss)
+                step_ms = (row["end_ns"] - row["start_ns"]) / 1e6
+                progress.update(task, completed=done, info=f"loss {loss:.3f}  {step_ms:.0f} ms/step")
+
+
+def _terminate(proc: subprocess.Popen, *, grace_s: float = 15.0) -> None:
+    """SIGTERM the torchrun process group (the agent stops its workers), SIGKILL after ``grace_s``."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _wait_for(path: Path, *, timeout_s: float, hint: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise ConfigError(f"waited {timeout_s:.0f} s for {path}, which never appeared; {hint}")
+        time.sleep(0.2)
+
+
+def _print_failure(console: object, run_dir: Path, log_path: Path) -> None:
+    """The first failing worker's last stderr lines (torchrun writes error.json / stderr.log per worker)."""
+    logs = sorted((run_dir / LOGS_DIR).rglob("stderr.log"), key=lambda p: p.stat().st_mtime)
+    failing = [p for p in logs if b"Traceback" in p.read_bytes()] or logs
+    source = failing[0] if failing else log_path
+    tail = source.read_text(errors="replace").splitlines()[-12:]
+    console.print(f"[red]workers failed[/red]; last lines of {source}:")
+    for line in tail:
+        console.print("  " + line, markup=False, highlight=False)
+
+
+def _print_summary(console: object, run_dir: Path, status: str) -> None:
+    from dtprobe.store import RunStore
+
+    store = RunStore.open(run_dir, tables=["steps"])
+    steps = store.table("steps")
+    leader = steps[steps["rank"] == 0]
+    if len(leader):
+        step_ms = (leader["end_ns"] - leader["start_ns"]) / 1e6
+        later = step_ms.iloc[1:] if len(step_ms) > 1 else step_ms
+        loss = leader["loss"].dropna()
+        console.print(f"steps {int(leader['step'].max()) + 1} on rank 0, mean step {later.mean():.1f} ms "
+                      f"(median {later.median():.1f} ms, first step excluded), final loss "
+                      f"{loss.iloc[-1] if len(loss) else float('nan'):.4f}")
+    else:
+        console.print("steps: none recorded (telemetry off, or the workers failed before step 0)")
+    color = "green" if status == "finished" else "red"
+    console.print(f"status [{color}]{status}[/{color}]; run directory (also on stdout):")
+    print(run_dir, flush=True)

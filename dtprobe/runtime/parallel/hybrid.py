@@ -1,0 +1,197 @@
+"""``parallelize``: the built-in GPT on any dp x tp x pp x ZeRO layout on one DeviceMesh, with its optimizer and
+train step; called by the runtime's train loop (``dtprobe.runtime.train``).
+
+Order of application on each model part (the whole model, or each pipeline stage this rank holds), as in
+torchtitan: split into stages -> tensor parallel on ``tp`` -> activation checkpointing -> data parallel /
+ZeRO on ``dp`` -> ``PipelineStage`` on ``pp`` + the schedule. Everything is PyTorch's own building blocks
+(DTensor, FSDP2, ``replicate``, ZeroRedundancyOptimizer, ``torch.distributed.pipelining``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtprobe.runtime.model import lm_loss
+from dtprobe.runtime.parallel.ac import apply_ac
+from dtprobe.runtime.parallel.grad_norm import clip_grad_norm
+from dtprobe.runtime.parallel.memory import memory_row
+from dtprobe.runtime.parallel.mesh import ParallelDims, axis_mesh, build_mesh, check_layout, virtual_stages
+from dtprobe.runtime.parallel.pp import (PipelineTimer, SleepStage, StageSleep, build_schedule, local_stages,
+                                         sleep_loss, stage_module)
+from dtprobe.runtime.parallel.tp import apply_tp
+from dtprobe.runtime.parallel.zero import apply_data_parallel, build_optimizer
+from dtprobe.store.errors import ConfigError
+
+Record = Callable[[str, dict[str, Any]], None]
+"""``probe.record``: writes one row of a run-store table for this rank."""
+
+
+@dataclass(kw_only=True)
+class Parallelized:
+    """A model laid out on the mesh, its optimizer and the train step; what ``parallelize`` returns."""
+
+    model_parts: list[nn.Module]
+    """What this rank trains: ``[model]`` (possibly DDP-wrapped) or its pipeline stage modules."""
+    optimizer: torch.optim.Optimizer
+    """Optimizer over every local part (a ZeroRedundancyOptimizer with zero 1); set ``param_groups`` lr on it."""
+    dims: ParallelDims
+    """Resolved degrees."""
+    coords: dict[str, int]
+    """This rank's index on each axis: ``{"pp": .., "dp": .., "tp": ..}``."""
+    mesh: Any
+    """The DeviceMesh (None for a single process)."""
+    device: torch.device
+    schedule: Any = None
+    """The pipelining schedule (None without PP)."""
+    stage_indices: list[int] = field(default_factory=list)
+    """Global stage indices held by this rank (PP only)."""
+    timer: PipelineTimer | None = None
+    """Per-action pipeline timer (PP only); ``timer.rows`` holds the last step's actions."""
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss
+    """Loss of one micro-batch (mean over its tokens)."""
+    max_norm: float = 0.0
+    """Global gradient-norm clip; 0 disables it."""
+    record: Record | None = None
+    """``probe.record`` (memory rows every step, pipeline rows every action) or None."""
+
+    @property
+    def dp_rank(self) -> int:
+        """Data shard index for the loader: TP and PP peers of one replica read the same batch."""
+        return self.coords["dp"]
+
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp
+
+    @property
+    def has_first_stage(self) -> bool:
+        """True when this rank feeds the inputs (always without PP)."""
+        return self.schedule is None or 0 in self.stage_indices
+
+    @property
+    def has_loss(self) -> bool:
+        """True when this rank computes the loss (without PP every rank; with PP the last stage's ranks)."""
+        return self.schedule is None or self.num_stages - 1 in self.stage_indices
+
+    @property
+    def num_stages(self) -> int:
+        return self.dims.pp * max(1, len(self.stage_indices))
+
+    def train_step(self, micro_batches: Sequence[Any], *, step: int, step_ctx: Any = None) -> float | None:
+        """One optimizer step over this rank's micro-batches (``runtime.data.Batch`` or ``(inputs, targets)``
+        pairs of the dp shard; gradients are accumulated over them, or, with PP, they are concatenated and the
+        schedule splits them into ``layout.microbatches``). Returns this rank's mean loss, or None on a pipeline
+        rank without the loss. ``step_ctx`` is ``probe.step``'s context: phases fwd/bwd/opt are timed (with PP,
+        fwd and bwd are the summed F and B/I/W actions of this rank's stages, as the schedule interleaves them).
+        Gradients are clipped to ``max_norm`` (global norm over every layout axis) when it is > 0."""
+        phase = step_ctx.phase if step_ctx is not None else (lambda name: contextlib.nullcontext())
+        pairs = [(b.inputs, b.targets) if hasattr(b, "inputs") else tuple(b) for b in micro_batches]
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.schedule is None:
+            model = self.model_parts[0]
+            total = torch.zeros((), device=self.device)
+            for inputs, targets in pairs:
+                with phase("fwd"):
+                    loss = self.loss_fn(model(inputs), targets) / len(pairs)
+                with phase("bwd"):
+                    loss.backward()
+                total += loss.detach().float()
+            mean_loss: torch.Tensor | None = total
+        else:
+            assert self.timer is not None
+            inputs = torch.cat([x for x, _ in pairs]) if len(pairs) > 1 else pairs[0][0]
+            targets = torch.cat([y for _, y in pairs]) if len(pairs) > 1 else pairs[0][1]
+            self.timer.start_step(step)
+            losses: list[torch.Tensor] = []
+            args = (inputs,) if self.has_first_stage else ()
+            if self.has_loss:
+                self.schedule.step(*args, target=targets, losses=losses)
+            else:
+                self.schedule.step(*args)
+            fwd_ns, bwd_ns = self.timer.phase_ns()
+            phase_ns = getattr(step_ctx, "phase_ns", None)
+            if phase_ns is not None:
+                phase_ns["fwd"] = phase_ns.get("fwd", 0) + fwd_ns
+                phase_ns["bwd"] = phase_ns.get("bwd", 0) + bwd_ns
+            mean_loss = torch.stack([x.detach().float() for x in losses]).mean() if losses else None
+        with phase("opt"):
+            if self.max_norm > 0:
+                pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
+                clip_grad_norm(self.parameters(), self.max_norm, pp_group=pp_group)
+            self.optimizer.step()
+        if self.record is not None:
+            self.record("memory", memory_row(self.model_parts, self.optimizer, step=step, device=self.device))
+        return None if mean_loss is None else float(mean_loss)
+
+    def parameters(self) -> list[nn.Parameter]:
+        """Every parameter this rank trains (all local stages)."""
+        return [p for part in self.model_parts for p in part.parameters()]
+
+
+def parallelize(model: nn.Module, layout: Any, *, world_size: int, rank: int, device: torch.device,
+                optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+                optimizer_kwargs: dict[str, Any] | None = None, init_mesh: Callable[..., Any] | None = None,
+                max_norm: float = 0.0, record: Record | None = None, stage_sleep: StageSleep | None = None,
+                global_batch: int | None = None, seq_len: int | None = None) -> Parallelized:
+    """Lay the built-in GPT out on ``layout`` (a ``runtime.config.LayoutConfig``) and build its optimizer.
+
+    ``model`` is the full model, initialised identically on every rank (``build_model(name, seed=...)``).
+    ``init_mesh`` is ``probe.init_device_mesh`` when instrumented (collectives then carry the axis names);
+    ``record`` is ``probe.record`` (pipeline and memory rows); ``max_norm`` clips the global gradient norm. ``stage_sleep`` replaces each pipeline stage's
+    compute by a fixed sleep. ``global_batch``/``seq_len`` are only used to validate the layout.
+    """
+    cfg = getattr(model, "cfg", None)
+    dims = check_layout(layout, world_size=world_size, num_layers=len(model.blocks),
+                        num_heads=getattr(cfg, "num_heads", None), batch_size=global_batch, seq_len=seq_len)
+    if stage_sleep is not None and dims.pp == 1:
+        raise ConfigError("--stage-sleep replaces pipeline-stage compute and needs --pp > 1; drop it or add --pp.")
+    if stage_sleep is not None and dims.tp > 1:
+        raise ConfigError("--stage-sleep stages have no tensors to shard; use it with --tp 1 (dp and pp only).")
+    mesh = build_mesh(dims, device_type=device.type, init_mesh=init_mesh)
+    coords = dims.coords(rank)
+    model.to(device)
+    tp_mesh, dp_mesh, pp_mesh = (axis_mesh(mesh, a) for a in ("tp", "dp", "pp"))
+    optimizer_kwargs = dict(optimizer_kwargs or {"lr": 1e-3})
+
+    stage_indices: list[int] = []
+    if dims.pp > 1:
+        v = virtual_stages(layout)
+        num_stages = dims.pp * v
+        stage_indices = local_stages(layout.pp_schedule, pp=dims.pp, pp_rank=coords["pp"], virtual_stages=v)
+        if stage_sleep is not None:
+            parts = [SleepStage(stage_sleep, is_first=s == 0).to(device) for s in stage_indices]
+        else:
+            parts = [stage_module(model, s, num_stages) for s in stage_indices]
+    else:
+        parts = [model]
+
+    if stage_sleep is None:
+        for part in parts:
+            if tp_mesh is not None:
+                apply_tp(part, tp_mesh, sequence_parallel=bool(layout.sequence_parallel))
+            apply_ac(part, layout.activation_checkpointing)
+    if dp_mesh is not None:
+        only_dp = dims.tp == 1 and dims.pp == 1
+        parts = [apply_data_parallel(p, dp_mesh, zero=layout.zero, only_dp=only_dp) for p in parts]
+
+    params = [p for part in parts for p in part.parameters()]
+    optimizer = build_optimizer(params, zero=layout.zero, dp_mesh=dp_mesh, optimizer_class=optimizer_class,
+                                optimizer_kwargs=optimizer_kwargs)
+    result = Parallelized(model_parts=parts, optimizer=optimizer, dims=dims, coords=coords, mesh=mesh,
+                          device=device, record=record, stage_indices=stage_indices, max_norm=max_norm,
+                          loss_fn=sleep_loss if stage_sleep is not None else lm_loss)
+    if dims.pp > 1:
+        from torch.distributed.pipelining import PipelineStage
+
+        group = pp_mesh.get_group()
+        stages = [PipelineStage(part, s, num_stages, device, group=group) for part, s in zip(parts, stage_indices)]
+        result.timer = PipelineTimer(stages, record)
+        result.schedule = build_schedule(stages, layout.pp_schedule, microbatches=layout.microbatches,
+                                         loss_fn=result.loss_fn)
+    return result

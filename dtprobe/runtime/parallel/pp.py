@@ -1,0 +1,227 @@
+"""Pipeline parallelism with ``torch.distributed.pipelining``: stage split, schedules, per-action timing and
+sleep stages; used by ``parallelize``, its rows feed the ``pipeline`` table.
+
+Stages: the GPT's blocks are split evenly over ``pp * virtual_stages`` stages (embedding on the first, norm
+and head on the last); rank ``r`` holds stages ``r, r+pp, ...`` (looped) or ``r, 2pp-1-r`` for ``zbv``.
+Each stage module is a copy of the full model with the other parts removed, so parameter names (and
+checkpoints) stay those of the unsplit model.
+
+Timing: every ``forward_one_chunk`` (F), ``backward_one_chunk`` (B, or I when the schedule splits the
+backward) and ``backward_weight_one_chunk`` (W) of a stage is timed on the host; one row per action.
+The ideal timeline replays the schedule's own action list with the measured mean cost per (stage, action)
+(``dtprobe.schedule_sim``); torch's ``Schedule1F1B.pipeline_order`` is wrong on the last rank (it lists
+F1..F8 for 8 micro-batches and no F0), so 1F1B's list comes from the simulator instead.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtprobe.store.errors import ConfigError
+
+SCHEDULE_CLASSES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved-1f1b": "ScheduleInterleaved1F1B",
+    "zero-bubble": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+}
+"""``--pp-schedule`` name -> class in ``torch.distributed.pipelining``."""
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
+
+
+@dataclass(kw_only=True, frozen=True)
+class StageSleep:
+    """``--stage-sleep fwd_ms=F,bwd_ms=B``: each stage's compute is replaced by a fixed sleep per micro-batch,
+    so pipeline timing tests do not depend on a noisy CPU. The loss is then meaningless (mean activation)."""
+
+    fwd_ms: float
+    """Sleep of every forward (F) of one stage and micro-batch, in milliseconds."""
+    bwd_ms: float
+    """Sleep of every backward (B; I for split-backward schedules) of one stage and micro-batch."""
+
+    def __post_init__(self) -> None:
+        if not (self.fwd_ms >= 0 and self.bwd_ms >= 0):
+            raise ConfigError(f"stage_sleep = fwd_ms={self.fwd_ms},bwd_ms={self.bwd_ms}; both must be >= 0 ms.")
+
+
+def parse_stage_sleep(text: str | None) -> StageSleep | None:
+    """Parse ``"fwd_ms=10,bwd_ms=20"`` (``--stage-sleep``); None or empty -> None."""
+    if not text:
+        return None
+    values: dict[str, float] = {}
+    for part in str(text).split(","):
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if not sep or key not in ("fwd_ms", "bwd_ms"):
+            raise ConfigError(f"--stage-sleep {text!r}: expected 'fwd_ms=F,bwd_ms=B' (milliseconds), e.g. "
+                              f"'fwd_ms=10,bwd_ms=20'; got the part {part!r}.")
+        try:
+            values[key] = float(value)
+        except ValueError:
+            raise ConfigError(f"--stage-sleep {text!r}: {key} = {value!r} is not a number of milliseconds.") from None
+    if set(values) != {"fwd_ms", "bwd_ms"}:
+        raise ConfigError(f"--stage-sleep {text!r}: give both fwd_ms and bwd_ms, e.g. 'fwd_ms=10,bwd_ms=20'.")
+    return StageSleep(**values)
+
+
+def stage_layers(num_layers: int, num_stages: int) -> list[range]:
+    """Block indices of each stage: an even split, the remainder going to the middle-to-last stages."""
+    return [range(s * num_layers // num_stages, (s + 1) * num_layers // num_stages) for s in range(num_stages)]
+
+
+def local_stages(schedule: str, *, pp: int, pp_rank: int, virtual_stages: int) -> list[int]:
+    """Global stage indices held by pipeline rank ``pp_rank``, in local-chunk order."""
+    from dtprobe.schedule_sim import stage_ranks
+
+    return stage_ranks(schedule, num_ranks=pp, virtual_stages=virtual_stages)[pp_rank]
+
+
+def stage_module(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
+    """A copy of the GPT holding only ``stage``'s blocks (plus embedding first, norm and head last)."""
+    layers = stage_layers(len(model.blocks), num_stages)[stage]
+    part = copy.deepcopy(model)
+    for key in list(part.blocks.keys()):
+        if int(key) not in layers:
+            del part.blocks[key]
+    if stage != 0:
+        part.embed = None
+    if stage != num_stages - 1:
+        part.norm = None
+        part.head = None
+    return part
+
+
+class _Sleep(torch.autograd.Function):
+    """Identity whose forward sleeps ``fwd_s`` and whose backward sleeps ``bwd_s``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, fwd_s: float, bwd_s: float) -> torch.Tensor:
+        time.sleep(fwd_s)
+        ctx.bwd_s = bwd_s
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        time.sleep(ctx.bwd_s)
+        return grad, None, None
+
+
+class SleepStage(nn.Module):
+    """A stage whose compute is a fixed sleep: ``x * w`` (one scalar weight) wrapped in ``_Sleep``.
+    The first stage turns tokens into floats; activations are ``(batch, seq)``."""
+
+    def __init__(self, sleep: StageSleep, *, is_first: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(()))
+        self.fwd_s = sleep.fwd_ms / 1000.0
+        self.bwd_s = sleep.bwd_ms / 1000.0
+        self.is_first = is_first
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_first:
+            x = x.float()
+        return _Sleep.apply(x * self.weight, self.fwd_s, self.bwd_s)
+
+
+def sleep_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Loss of sleep stages: the mean output (it only has to be differentiable)."""
+    return output.float().mean()
+
+
+def build_schedule(stages: Sequence[Any], schedule: str, *, microbatches: int,
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Any:
+    """The torch pipelining schedule over this rank's ``PipelineStage`` objects (gradients scaled by
+    1/microbatches, so a mean loss per micro-batch gives the gradient of the global mean)."""
+    import torch.distributed.pipelining as pipelining
+
+    cls = getattr(pipelining, SCHEDULE_CLASSES[schedule])
+    if schedule in SINGLE_STAGE_SCHEDULES:
+        return cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
+    return cls(list(stages), n_microbatches=microbatches, loss_fn=loss_fn)
+
+
+class PipelineTimer:
+    """Times every pipeline action of this rank's stages; rows go to ``record("pipeline", row)``."""
+
+    def __init__(self, stages: Sequence[Any], record: Callable[[str, dict[str, Any]], None] | None) -> None:
+        self.step = -1
+        """Training step the next actions belong to (set by the train step)."""
+        self.rows: list[dict[str, Any]] = []
+        """Rows of the current step (kept for ``fwd_ns``/``bwd_ns`` and tests; cleared by ``start_step``)."""
+        self._record = record
+        for stage in stages:
+            self._wrap(stage)
+
+    def start_step(self, step: int) -> None:
+        self.step = step
+        self.rows = []
+
+    def _wrap(self, stage: Any) -> None:
+        forward, backward, weight = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
+
+        def forward_one_chunk(chunk: int, *args: Any, **kwargs: Any) -> Any:
+            t0 = time.time_ns()
+            out = forward(chunk, *args, **kwargs)
+            self._add(stage.stage_index, chunk, "F", t0)
+            return out
+
+        def backward_one_chunk(chunk: int, *args: Any, **kwargs: Any) -> Any:
+            full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
+            t0 = time.time_ns()
+            out = backward(chunk, *args, **kwargs)
+            self._add(stage.stage_index, chunk, "B" if full else "I", t0)
+            return out
+
+        def backward_weight_one_chunk(chunk: int, *args: Any, **kwargs: Any) -> Any:
+            t0 = time.time_ns()
+            out = weight(chunk, *args, **kwargs)
+            self._add(stage.stage_index, chunk, "W", t0)
+            return out
+
+        stage.forward_one_chunk = forward_one_chunk
+        stage.backward_one_chunk = backward_one_chunk
+        stage.backward_weight_one_chunk = backward_weight_one_chunk
+
+    def _add(self, stage: int, chunk: int, action: str, t0: int) -> None:
+        row = {"stage": stage, "step": self.step, "microbatch": int(chunk), "action": action,
+               "start_ns": t0, "end_ns": time.time_ns()}
+        self.rows.append(row)
+        if self._record is not None:
+            self._record("pipeline", row)
+
+    def phase_ns(self) -> tuple[int, int]:
+        """(forward ns, backward ns) of the current step: summed F, and summed B/I/W actions."""
+        fwd = sum(r["end_ns"] - r["start_ns"] for r in self.rows if r["action"] == "F")
+        bwd = sum(r["end_ns"] - r["start_ns"] for r in self.rows if r["action"] != "F")
+        return fwd, bwd
+
+
+def torch_action_order(schedule_obj: Any, schedule: str) -> list[list[Any]] | None:
+    """The schedule's own per-rank action lists (``pipeline_order``) as ``schedule_sim.Action`` lists, or None
+    where torch's list is known wrong (1F1B's last rank) or absent."""
+    from dtprobe.schedule_sim import Action
+
+    order = getattr(schedule_obj, "pipeline_order", None)
+    if order is None or schedule == "1f1b":
+        return None
+    out = []
+    for rank in sorted(order):
+        acts = []
+        for a in order[rank]:
+            if a is None:
+                continue
+            kind = str(getattr(a.computation_type, "value", a.computation_type))
+            kind = {"FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W", "FORWARD": "F"}.get(kind, kind)
+            if kind not in ("F", "B", "I", "W"):
+                continue
+            acts.append(Action(int(a.stage_index), kind, int(a.microbatch_index)))
+        out.append(acts)
+    return out

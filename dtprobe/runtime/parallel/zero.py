@@ -1,0 +1,63 @@
+"""Data parallelism and ZeRO on the ``dp`` axis (DDP / ``replicate`` / ZeroRedundancyOptimizer / FSDP2);
+applied by ``parallelize``.
+
+| zero | gradients | optimizer states | parameters | built on |
+|---|---|---|---|---|
+| 0 | all-reduced | replicated | replicated | ``DistributedDataParallel`` alone, ``replicate`` in hybrids |
+| 1 | all-reduced | sharded | replicated | the above + ``ZeroRedundancyOptimizer`` |
+| 2 | reduce-scattered | sharded | gathered once per step | FSDP2 ``fully_shard(reshard_after_forward=False)`` |
+| 3 | reduce-scattered | sharded | gathered for forward and again for backward | ``fully_shard(reshard_after_forward=True)`` |
+
+``nn.parallel.DistributedDataParallel`` is only used when dp is the only axis: it fails over DTensor (TP)
+parameters and inside pipeline stages; hybrids use the DTensor-aware ``replicate`` or FSDP2 instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def apply_data_parallel(module: nn.Module, dp_mesh: Any, *, zero: int, only_dp: bool) -> nn.Module:
+    """Wrap ``module`` (a whole GPT or one pipeline stage) for data parallelism over ``dp_mesh``.
+
+    Returns the module to train: a ``DistributedDataParallel`` wrapper when ``only_dp`` and ``zero`` <= 1,
+    else ``module`` itself, changed in place by FSDP2 / ``replicate``.
+    """
+    if zero >= 2:
+        from torch.distributed.fsdp import fully_shard
+
+        reshard = zero == 3
+        blocks = getattr(module, "blocks", None)
+        if blocks is not None:
+            for block in blocks.values():
+                fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
+        fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard)
+        return module
+    if only_dp:
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(module, process_group=dp_mesh.get_group())
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    replicate(module, mesh=dp_mesh)
+    return module
+
+
+def build_optimizer(params: list[nn.Parameter], *, zero: int, dp_mesh: Any,
+                    optimizer_class: type[torch.optim.Optimizer],
+                    optimizer_kwargs: dict[str, Any]) -> torch.optim.Optimizer:
+    """The optimizer over this rank's parameters; with ZeRO-1 its states are partitioned over the dp group."""
+    if zero == 1 and dp_mesh is not None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, process_group=dp_mesh.get_group(),
+                                       parameters_as_bucket_view=True, **optimizer_kwargs)
+    return optimizer_class(params, **optimizer_kwargs)
+
+
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that holds this rank's states (ZeroRedundancyOptimizer keeps them in ``.optim``)."""
+    return getattr(optimizer, "optim", optimizer)

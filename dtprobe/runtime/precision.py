@@ -1,0 +1,161 @@
+"""Mixed precision for the runtime: autocast with fp32 master weights, fp16 loss scaling, one ``amp`` row per step.
+
+Produces the ``amp`` table (per step and rank: ``scale_before``, ``scale_after``, ``found_inf``, ``skipped``) for
+the analysis' AMP-overflow finding, and the ``--inject overflow:step=S[,rank=R]`` fault.
+
+- ``fp32``: no autocast, no scaler, no ``amp`` rows.
+- ``bf16``: ``torch.autocast(dtype=bfloat16)``; parameters (master weights) and optimizer state stay fp32; bf16
+  has fp32's exponent range, so no loss scaling and no ``amp`` rows.
+- ``fp16``: ``torch.autocast(dtype=float16)`` with dynamic loss scaling: ``torch.amp.GradScaler`` with DDP,
+  ``ShardedGradScaler`` with FSDP2 (its ``unscale_`` all-reduces ``found_inf`` over the shard group, so every
+  rank skips together). An overflow halves the scale (``backoff_factor``) and skips ``optimizer.step``.
+
+An injected overflow multiplies this rank's loss by ``1e38`` before ``backward``: with any loss scale >= 4 the
+scaled loss and every gradient become inf; DDP/FSDP reductions spread the inf to all ranks, so every rank's
+row shows ``found_inf`` and ``skipped`` and the scale halved, exactly as a real overflow would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from dtprobe.store.errors import ConfigError
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+OVERFLOW_LOSS_FACTOR = 1e38
+"""Factor an injected overflow multiplies the loss by; times any loss scale >= 4 it exceeds fp32's max (3.4e38)."""
+
+Recorder = Callable[[str, dict[str, Any]], None]
+"""``probe.record``: ``(table, row)``; the rank is filled in by the probe's writer."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class PrecisionConfig:
+    """Numeric precision of the training step (``--precision``)."""
+
+    dtype: str = "fp32"
+    """Compute dtype under autocast: ``fp32`` (autocast off), ``bf16`` or ``fp16`` (adds dynamic loss scaling)."""
+    init_scale: float = 2.0 ** 16
+    """fp16 only: the loss scale at step 0."""
+    growth_interval: int = 2000
+    """fp16 only: consecutive overflow-free steps before the scale doubles."""
+    backoff_factor: float = 0.5
+    """fp16 only: the factor the scale is multiplied by after an overflow."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in PRECISIONS:
+            raise ConfigError(f"precision = {self.dtype!r}; choose one of {', '.join(PRECISIONS)} "
+                              f"(e.g. --precision bf16).")
+        if not self.init_scale > 0:
+            raise ConfigError(f"precision.init_scale = {self.init_scale}; it must be > 0 (2**16 = 65536 is usual).")
+        if self.growth_interval < 1:
+            raise ConfigError(f"precision.growth_interval = {self.growth_interval}; it must be >= 1 step.")
+        if not 0 < self.backoff_factor < 1:
+            raise ConfigError(f"precision.backoff_factor = {self.backoff_factor}; it must be in (0, 1), e.g. 0.5.")
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The autocast dtype, or None for fp32."""
+        return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[self.dtype]
+
+    @property
+    def uses_loss_scaling(self) -> bool:
+        return self.dtype == "fp16"
+
+
+class MixedPrecision:
+    """The step's precision policy: ``autocast()`` around forward, ``backward(loss)``, ``step(opt, step=)``.
+
+    ``sharded=True`` (FSDP2 layouts) uses ``ShardedGradScaler`` (``process_group`` = the shard group, default
+    the world). ``record`` receives one ``amp`` row per fp16 step.
+    """
+
+    def __init__(self, config: PrecisionConfig, *, device_type: str = "cpu", sharded: bool = False,
+                 process_group: Any = None, record: Recorder | None = None) -> None:
+        self.config = config
+        self.device_type = device_type
+        self._record = record or (lambda table, row: None)
+        self.scaler: Any = None
+        self.last_row: dict[str, Any] | None = None
+        if config.uses_loss_scaling:
+            kwargs = dict(init_scale=config.init_scale, growth_interval=config.growth_interval,
+                          backoff_factor=config.backoff_factor)
+            if sharded:
+                from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+                extra = {} if process_group is None else {"process_group": process_group}
+                self.scaler = ShardedGradScaler(device_type, **kwargs, **extra)
+            else:
+                self.scaler = torch.amp.GradScaler(device_type, **kwargs)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Context for the forward pass (and loss); a no-op for fp32."""
+        dtype = self.config.autocast_dtype
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=dtype)
+
+    def backward(self, loss: torch.Tensor, *, inject_overflow: bool = False) -> None:
+        """``loss.backward()``, scaled under fp16. ``inject_overflow`` forces inf gradients (fp16 only)."""
+        if inject_overflow:
+            if self.scaler is None:
+                raise ConfigError(
+                    f"--inject overflow needs --precision fp16 (got {self.config.dtype}): only fp16 has a loss "
+                    f"scaler that detects the inf gradients and skips the step; without it the weights would "
+                    f"become inf.")
+            loss = loss * OVERFLOW_LOSS_FACTOR
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
+        loss.backward()
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """Unscale gradients in place (call before gradient clipping); ``step`` does it if you do not."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+            self._unscaled = True
+
+    def step(self, optimizer: torch.optim.Optimizer, *, step: int) -> dict[str, Any] | None:
+        """``optimizer.step()`` (skipped by the scaler on overflow) and, under fp16, the ``amp`` row it records."""
+        if self.scaler is None:
+            optimizer.step()
+            return None
+        scale_before = float(self.scaler.get_scale())
+        if not getattr(self, "_unscaled", False):
+            self.scaler.unscale_(optimizer)
+        self._unscaled = False
+        # After unscale_ (which all-reduces found_inf under ShardedGradScaler) the per-device flags are final.
+        found = self.scaler._found_inf_per_device(optimizer)
+        found_inf = bool(sum(float(v.item()) for v in found.values()) > 0)
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        scale_after = float(self.scaler.get_scale())
+        row = {"step": int(step), "scale_before": scale_before, "scale_after": scale_after,
+               "found_inf": found_inf, "skipped": found_inf}
+        self.last_row = row
+        self._record("amp", row)
+        return row
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler's state (scale, growth tracker) for checkpoints; empty without a scaler."""
+        return {} if self.scaler is None else self.scaler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.scaler is not None and state:
+            self.scaler.load_state_dict(state)
+
+
+
+def _register() -> None:
+    from dtprobe.runtime.faults import FaultKind, register_fault_kind
+
+    register_fault_kind(FaultKind(
+        name="overflow", keys={"step": int, "rank": int}, required=("step",), example="overflow:step=10,rank=1",
+        help="at step S, rank R (every rank if omitted) multiplies its loss by 1e38: inf gradients, the fp16 loss "
+             "scale halves and the step is skipped (needs --precision fp16)"))
+
+
+_register()

@@ -1,0 +1,213 @@
+"""Kineto trace folders -> the run store's tables (``kernels``, ``collectives``, ``steps``) + per-rank metadata.
+
+Read by ``dtprobe analyze`` (via ``dtprobe.analysis.trace_metrics``) for foreign GPU traces (NCCL, ROCm/RCCL) and
+CPU/gloo traces, and by the dashboard. Layers, in the order data flows: find files -> parse each file in a worker
+(``kineto_events``: one file in memory at a time) -> check ranks -> assemble schema-typed DataFrames.
+
+Timestamps: ``*_ns`` columns are Unix-epoch nanoseconds (trace ``ts`` microseconds x 1000 +
+``baseTimeNanoseconds``) on each rank's own clock, exactly as in the file (no cross-rank alignment is applied:
+Kineto records none). Usage::
+
+    run = load_trace_dir("traces/dlrm_8rank_v100")
+    run.kernels          # rank, name, kind, stream, start_ns, dur_ns, step, correlation, launch_ns
+    run.ranks[3].world_size, run.steps_found
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pandas as pd
+
+from dtprobe.store.errors import TraceError
+from dtprobe.store.kineto_collectives import collective_rows, number_seq
+from dtprobe.store.kineto_events import RankMeta, RankParse, kernel_kind, parse_trace_file
+from dtprobe.store.schema import MANIFEST_FILE, SCHEMAS
+
+__all__ = ["KinetoRun", "RankMeta", "find_trace_files", "is_trace_dir", "kernel_kind", "load_trace_dir"]
+
+TRACE_SUFFIXES = (".json", ".json.gz")
+"""File names read as traces (covers ``*.pt.trace.json`` and ``*.pt.trace.json.gz``)."""
+
+_PANDAS_DTYPES = {"int32": "Int32", "int64": "Int64", "float64": "float64", "boolean": "boolean",
+                  "string": "string"}
+
+ProgressFn = Callable[[int, int, str], None]
+"""``progress(done, total, path)``, called after each file is parsed."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class KinetoRun:
+    """Tables and metadata of a folder of Kineto traces, one file per rank."""
+
+    path: Path
+    """The folder (or single file) that was loaded."""
+    ranks: dict[int, RankMeta]
+    """Rank -> its file's metadata (path, world size, backend, process groups, device properties)."""
+    kernels: pd.DataFrame
+    """Every GPU event (kernels, memcpy/memset, stream syncs); ``kind`` in {compute, comm, memory, other}."""
+    collectives: pd.DataFrame
+    """Collectives identified on each rank (NCCL kernels, gloo annotations); schema ``collectives``."""
+    steps: pd.DataFrame
+    """One row per (rank, ProfilerStep): rank, step, start_ns, end_ns (other ``steps`` columns null)."""
+
+    @property
+    def steps_found(self) -> list[int]:
+        """Distinct ``ProfilerStep#N`` numbers over all ranks, sorted."""
+        return sorted(int(s) for s in self.steps["step"].dropna().unique())
+
+    @property
+    def world_size(self) -> int | None:
+        """``distributedInfo.world_size`` (the largest any file states), None when no file states one."""
+        sizes = [m.world_size for m in self.ranks.values() if m.world_size is not None]
+        return max(sizes) if sizes else None
+
+    def table(self, name: str) -> pd.DataFrame:
+        """The table ``name`` with every schema column; tables a trace cannot fill come back empty."""
+        if name in ("kernels", "collectives", "steps"):
+            return getattr(self, name)
+        if name not in SCHEMAS:
+            raise TraceError(f"unknown table {name!r}; tables: {sorted(SCHEMAS)}")
+        return _typed_frame(name, {})
+
+    def file_of(self, rank: int) -> str:
+        """The trace file of ``rank``."""
+        return self.ranks[rank].path
+
+
+def _is_trace_name(name: str) -> bool:
+    return name.endswith(TRACE_SUFFIXES)
+
+
+def find_trace_files(path: str | os.PathLike) -> list[Path]:
+    """Trace files of a folder (not recursive), or ``[path]`` for a single file; TraceError if there are none."""
+    path = Path(path)
+    if path.is_file():
+        if not _is_trace_name(path.name):
+            raise TraceError(f"{path}: not a trace file name; expected *.json or *.json.gz "
+                             f"(torch.profiler writes *.pt.trace.json[.gz]).")
+        return [path]
+    if not path.is_dir():
+        raise TraceError(f"{path}: no such file or folder.")
+    files = sorted(p for p in path.iterdir() if p.is_file() and _is_trace_name(p.name))
+    if not files:
+        nested = sorted({p.parent.name for p in path.glob("*/*") if p.is_file() and _is_trace_name(p.name)})
+        hint = f" Sub-folders with traces: {', '.join(nested)}; pass one of them." if nested else ""
+        raise TraceError(f"{path}: no trace files (*.json, *.json.gz, *.pt.trace.json.gz) in this folder.{hint}")
+    return files
+
+
+def is_trace_dir(path: str | os.PathLike) -> bool:
+    """True for a trace file or a folder holding trace files that is not a dtprobe run (no ``run.json``)."""
+    path = Path(path)
+    if path.is_file():
+        return _is_trace_name(path.name)
+    if not path.is_dir() or (path / MANIFEST_FILE).exists():
+        return False
+    return any(p.is_file() and _is_trace_name(p.name) for p in path.iterdir())
+
+
+def load_trace_dir(path: str | os.PathLike, *, progress: ProgressFn | None = None,
+                   workers: int | None = None) -> KinetoRun:
+    """Parse every trace file of ``path`` (one per rank) into a ``KinetoRun``.
+
+    ``workers`` processes parse files in parallel (default: CPU count, at most the number of files); each holds
+    one file at a time, so peak memory is bounded by the largest files, not by their number. Raises TraceError
+    naming the file for unreadable, truncated or non-Kineto files, a file without ``distributedInfo.rank``,
+    and two files claiming the same rank.
+    """
+    files = find_trace_files(path)
+    parsed = _parse_all(files, progress=progress, workers=workers)
+    by_rank: dict[int, RankParse] = {}
+    for item in parsed:
+        rank = item.meta.rank
+        if rank in by_rank:
+            raise TraceError(
+                f"rank {rank} appears in two files: {by_rank[rank].meta.path} and {item.meta.path} "
+                f"(distributedInfo.rank). Keep one trace per rank in the folder (e.g. one profiler window).")
+        by_rank[rank] = item
+    ordered = [by_rank[r] for r in sorted(by_rank)]
+    return KinetoRun(
+        path=Path(path), ranks={p.meta.rank: p.meta for p in ordered},
+        kernels=_kernels_frame(ordered), collectives=_collectives_frame(ordered), steps=_steps_frame(ordered))
+
+
+def _parse_all(files: list[Path], *, progress: ProgressFn | None, workers: int | None) -> list[RankParse]:
+    total = len(files)
+    workers = min(workers or os.cpu_count() or 1, total)
+    results: list[RankParse] = []
+    if total == 1:
+        results.append(parse_trace_file(files[0], single_file=True))
+        if progress:
+            progress(1, 1, str(files[0]))
+        return results
+    if workers <= 1 or "fork" not in mp.get_all_start_methods():
+        for i, f in enumerate(files, 1):
+            results.append(parse_trace_file(f))
+            if progress:
+                progress(i, total, str(f))
+        return results
+    with mp.get_context("fork").Pool(workers) as pool:
+        for i, item in enumerate(pool.imap(parse_trace_file, [str(f) for f in files], chunksize=1), 1):
+            results.append(item)
+            if progress:
+                progress(i, total, item.meta.path)
+    return results
+
+
+def _typed_frame(table: str, columns: dict[str, Any], *, length: int = 0) -> pd.DataFrame:
+    """A frame with every schema column of ``table`` in its pandas (nullable) dtype; missing -> null."""
+    data = {}
+    for col, dtype in SCHEMAS[table].items():
+        pd_dtype = _PANDAS_DTYPES[dtype]
+        if col in columns:
+            data[col] = pd.array(columns[col], dtype=pd_dtype)
+        else:
+            data[col] = pd.array([None] * length, dtype=pd_dtype)
+    return pd.DataFrame(data)
+
+
+def _masked(values: np.ndarray, null_below: int = 0) -> pd.api.extensions.ExtensionArray:
+    """int64 array -> nullable Int64 with values < ``null_below`` as null."""
+    return pd.arrays.IntegerArray(values.astype(np.int64), values < null_below)
+
+
+def _kernels_frame(ranks: list[RankParse]) -> pd.DataFrame:
+    n = sum(len(p.kernels["name"]) for p in ranks)
+
+    def cat(key: str) -> np.ndarray:
+        parts = [p.kernels[key] for p in ranks]
+        return np.concatenate(parts) if parts else np.empty(0, np.int64)
+
+    rank_col = np.concatenate([np.full(len(p.kernels["name"]), p.meta.rank, np.int32) for p in ranks]) \
+        if ranks else np.empty(0, np.int32)
+    names = [name for p in ranks for name in p.kernels["name"]]
+    kinds = [kind for p in ranks for kind in p.kernels["kind"]]
+    columns = {
+        "rank": rank_col, "name": names, "kind": kinds, "stream": cat("stream"), "start_ns": cat("start_ns"),
+        "dur_ns": cat("dur_ns"), "step": cat("step"), "correlation": _masked(cat("correlation")),
+        "launch_ns": _masked(cat("launch_ns")),
+    }
+    return _typed_frame("kernels", columns, length=n)
+
+
+def _steps_frame(ranks: list[RankParse]) -> pd.DataFrame:
+    rows = [(p.meta.rank, s, lo, hi) for p in ranks for s, lo, hi in p.steps]
+    columns = {"rank": [r[0] for r in rows], "step": [r[1] for r in rows], "start_ns": [r[2] for r in rows],
+               "end_ns": [r[3] for r in rows]}
+    return _typed_frame("steps", columns, length=len(rows))
+
+
+def _collectives_frame(ranks: list[RankParse]) -> pd.DataFrame:
+    rows = [row for p in ranks for row in collective_rows(p)]
+    number_seq(rows)
+    cols = SCHEMAS["collectives"]
+    columns = {col: [row.get(col) for row in rows] for col in cols}
+    frame = _typed_frame("collectives", columns, length=len(rows))
+    return frame.sort_values(["rank", "enqueue_ns", "seq"], kind="stable", na_position="last",
+                             ignore_index=True)

@@ -1,0 +1,297 @@
+"""The run manifest (``run.json``) and per-rank info files (``ranks/rankNNNNN.json``): written by the launcher,
+the attach-mode leader and every rank; read by ``RunStore``, ``list_runs`` and the dashboard.
+
+Every write is atomic (temp file + ``os.replace``), so a reader never sees a half-written JSON file; the
+read-modify-write updates (``set_status``, ``add_restart``) also hold an ``fcntl`` lock on ``<run>/.run.json.lock``
+so a launcher and a leader updating the same run do not lose each other's changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from dtprobe.store.errors import TraceError
+from dtprobe.store.schema import MANIFEST_FILE, RANK_INFO_FILE, RUN_STATUSES, SCHEMA_VERSION
+
+RUN_FORMAT = "dtprobe-run"
+"""Value of the ``format`` key of every ``run.json`` dtprobe writes (tells ours from someone else's run.json)."""
+
+REQUIRED_MANIFEST_KEYS = ("format", "schema_version", "run_id", "status", "world_size")
+REQUIRED_RANK_KEYS = ("rank", "host", "node_rank", "local_rank", "device", "pid", "clock_offset_ns")
+_KNOWN_MANIFEST_KEYS = frozenset(
+    {"format", "schema_version", "run_id", "status", "world_size", "nnodes", "command", "config",
+     "created_ns", "ended_ns", "restarts"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankInfo:
+    """One rank as it described itself at attach (``ranks/rankNNNNN.json``)."""
+
+    rank: int
+    """Global rank."""
+    host: str
+    """Hostname the rank runs on."""
+    node_rank: int
+    """Node (torchrun GROUP_RANK) index."""
+    local_rank: int
+    """Rank within its node."""
+    device: str
+    """Device string, e.g. ``cuda:3`` or ``cpu``."""
+    pid: int
+    """Process id of the rank's latest incarnation."""
+    clock_offset_ns: int
+    """Rank 0's clock minus this rank's clock (ns); the reader adds it to every timestamp of this rank."""
+    restart: int = 0
+    """torchrun restart count when this file was (re)written."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Restart:
+    """One torchrun restart of the job, as recorded by ``add_restart``."""
+
+    restart: int
+    """Restart count after the restart (1 for the first)."""
+    time_ns: int
+    """When the restart was noticed (rank 0 clock, Unix ns)."""
+    steps_lost: int | None
+    """Steps recomputed because of the restart (null if unknown)."""
+    from_step: int | None
+    """Step training resumed from (null if unknown)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """Everything ``run.json`` and ``ranks/*.json`` say about a run."""
+
+    path: Path
+    """The run directory."""
+    schema_version: int
+    """Store schema version the run was written with."""
+    run_id: str
+    """Run identifier (usually the directory name)."""
+    status: str
+    """``running``, ``finished`` or ``crashed``."""
+    world_size: int
+    """Number of ranks."""
+    nnodes: int
+    """Number of nodes."""
+    command: list[str]
+    """Command line that started the run."""
+    config: dict[str, Any]
+    """Resolved job / collection config (free-form JSON)."""
+    created_ns: int | None
+    """When the run was created (Unix ns)."""
+    ended_ns: int | None
+    """When the run finished or crashed (Unix ns), null while running."""
+    restarts: tuple[Restart, ...]
+    """Restarts in the order recorded."""
+    ranks: tuple[RankInfo, ...]
+    """Per-rank info, sorted by rank (only ranks that wrote their file)."""
+    nodes: tuple[tuple[int, str], ...]
+    """Distinct (node_rank, host) pairs from ``ranks``, sorted."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Other keys of run.json (e.g. those passed to ``set_status(**extra)``)."""
+
+    def rank_info(self, rank: int) -> RankInfo | None:
+        """The info of ``rank``, or None if that rank never wrote ``ranks/rankNNNNN.json``."""
+        for info in self.ranks:
+            if info.rank == rank:
+                return info
+        return None
+
+    @property
+    def clock_offsets_ns(self) -> dict[int, int]:
+        """rank -> clock offset (ns) for every rank with an info file."""
+        return {info.rank: info.clock_offset_ns for info in self.ranks}
+
+
+# ---------------------------------------------------------------------------------------------------- writing
+
+
+def create_manifest(run_dir: str | os.PathLike, *, run_id: str, command: list[str], config: dict,
+                    world_size: int, nnodes: int = 1) -> None:
+    """Create ``<run_dir>/run.json`` with status ``running`` (creating the directory; replaces an existing one)."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _write_json_atomic(run_dir / MANIFEST_FILE, {
+        "format": RUN_FORMAT,
+        "schema_version": SCHEMA_VERSION,
+        "run_id": str(run_id),
+        "status": "running",
+        "world_size": int(world_size),
+        "nnodes": int(nnodes),
+        "command": [str(c) for c in command],
+        "config": config,
+        "created_ns": time.time_ns(),
+        "ended_ns": None,
+        "restarts": [],
+    })
+
+
+def set_status(run_dir: str | os.PathLike, status: str, **extra: Any) -> None:
+    """Set the run status (and ``ended_ns`` for finished/crashed); ``extra`` keys are stored in run.json too."""
+    if status not in RUN_STATUSES:
+        raise ValueError(f"status must be one of {RUN_STATUSES}, got {status!r}")
+    with _locked_manifest(run_dir) as data:
+        data["status"] = status
+        data["ended_ns"] = time.time_ns() if status in ("finished", "crashed") else None
+        data.update(extra)
+
+
+def add_restart(run_dir: str | os.PathLike, *, restart: int, time_ns: int, steps_lost: int | None,
+                from_step: int | None) -> None:
+    """Append one restart record to run.json (status goes back to ``running``)."""
+    with _locked_manifest(run_dir) as data:
+        data.setdefault("restarts", []).append(
+            {"restart": int(restart), "time_ns": int(time_ns), "steps_lost": steps_lost, "from_step": from_step})
+        data["status"] = "running"
+        data["ended_ns"] = None
+
+
+def write_rank_info(run_dir: str | os.PathLike, rank: int, *, host: str, node_rank: int, local_rank: int,
+                    device: str, pid: int, clock_offset_ns: int, restart: int = 0) -> None:
+    """Write ``<run_dir>/ranks/rankNNNNN.json`` atomically (call it before the rank's first event row)."""
+    path = Path(run_dir) / RANK_INFO_FILE.format(rank=rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_json_atomic(path, {
+        "rank": int(rank), "host": str(host), "node_rank": int(node_rank), "local_rank": int(local_rank),
+        "device": str(device), "pid": int(pid), "clock_offset_ns": int(clock_offset_ns),
+        "restart": int(restart), "time_ns": time.time_ns(),
+    })
+
+
+# ---------------------------------------------------------------------------------------------------- reading
+
+
+def read_manifest(run_dir: str | os.PathLike) -> Manifest:
+    """Read and validate run.json and every ranks/*.json; TraceError if the directory is not a usable run."""
+    run_dir = Path(run_dir)
+    data = read_run_json(run_dir)
+    ranks = tuple(sorted((_read_rank_info(p) for p in _rank_info_paths(run_dir)), key=lambda r: r.rank))
+    restarts = tuple(
+        Restart(restart=int(r["restart"]), time_ns=int(r["time_ns"]), steps_lost=r.get("steps_lost"),
+                from_step=r.get("from_step"))
+        for r in data.get("restarts") or [])
+    return Manifest(
+        path=run_dir,
+        schema_version=int(data["schema_version"]),
+        run_id=str(data["run_id"]),
+        status=str(data["status"]),
+        world_size=int(data["world_size"]),
+        nnodes=int(data.get("nnodes") or 1),
+        command=list(data.get("command") or []),
+        config=dict(data.get("config") or {}),
+        created_ns=data.get("created_ns"),
+        ended_ns=data.get("ended_ns"),
+        restarts=restarts,
+        ranks=ranks,
+        nodes=tuple(sorted({(r.node_rank, r.host) for r in ranks})),
+        extra={k: v for k, v in data.items() if k not in _KNOWN_MANIFEST_KEYS},
+    )
+
+
+def read_run_json(run_dir: Path) -> dict[str, Any]:
+    """The validated run.json of ``run_dir`` as a dict (TraceError on a missing, foreign or newer file)."""
+    path = run_dir / MANIFEST_FILE
+    hint = ("Point at a directory made by `dtprobe run` or `dtprobe.attach`, or use a Kineto trace folder "
+            "with `dtprobe analyze`.")
+    if not run_dir.is_dir():
+        raise TraceError(f"'{run_dir}' is not a dtprobe run: no such directory. {hint}")
+    if not path.is_file():
+        raise TraceError(f"'{run_dir}' is not a dtprobe run: no {MANIFEST_FILE} in it. {hint}")
+    try:
+        data = json.loads(path.read_bytes())
+    except (ValueError, OSError) as exc:
+        raise TraceError(f"'{path}' is not a dtprobe run manifest: it is not readable JSON ({exc}). {hint}") from None
+    if not isinstance(data, dict):
+        raise TraceError(f"'{path}' is not a dtprobe run manifest: it holds a JSON {type(data).__name__}, "
+                         f"not an object. {hint}")
+    missing = [k for k in REQUIRED_MANIFEST_KEYS if k not in data]
+    if missing or data.get("format") != RUN_FORMAT:
+        what = f"it lacks the keys {missing}" if missing else f"its format is {data.get('format')!r}"
+        raise TraceError(f"'{run_dir}' is not a dtprobe run: {path.name} is not ours ({what}; expected "
+                         f"format {RUN_FORMAT!r}). {hint}")
+    check_schema_version(data["schema_version"], path)
+    if data["status"] not in RUN_STATUSES:
+        raise TraceError(f"'{path}': status is {data['status']!r}, expected one of {list(RUN_STATUSES)}. "
+                         f"Fix the \"status\" key (e.g. set it to \"crashed\").")
+    return data
+
+
+def check_schema_version(version: Any, path: Path) -> None:
+    """TraceError unless ``version`` (read from ``path``) is this dtprobe's schema version."""
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise TraceError(f"'{path}': schema_version is {version!r}, expected an integer "
+                         f"(this dtprobe writes {SCHEMA_VERSION}). The file is damaged or not ours.")
+    if version > SCHEMA_VERSION:
+        raise TraceError(f"'{path}' has store schema_version {version}, but this dtprobe reads only up to "
+                         f"{SCHEMA_VERSION}. Upgrade dtprobe (pip install -U dtprobe) to read this run.")
+    if version < SCHEMA_VERSION:
+        raise TraceError(f"'{path}' has store schema_version {version}, older than this dtprobe's "
+                         f"{SCHEMA_VERSION}, and no migration exists. Read it with the dtprobe version that "
+                         f"wrote it, or re-collect the run.")
+
+
+def _rank_info_paths(run_dir: Path) -> list[Path]:
+    ranks_dir = run_dir / Path(RANK_INFO_FILE).parent
+    if not ranks_dir.is_dir():
+        return []
+    return sorted(p for p in ranks_dir.iterdir()
+                  if p.name.startswith("rank") and p.name.endswith(".json") and p.name[4:-5].isdigit())
+
+
+def _read_rank_info(path: Path) -> RankInfo:
+    try:
+        data = json.loads(path.read_bytes())
+    except (ValueError, OSError) as exc:
+        raise TraceError(f"'{path}' is not readable JSON ({exc}). It is written atomically by the rank at "
+                         f"attach; delete it and re-run, or restore it from the run's host.") from None
+    missing = [k for k in REQUIRED_RANK_KEYS if not isinstance(data, dict) or k not in data]
+    if missing:
+        raise TraceError(f"'{path}' lacks the keys {missing}; it was not written by "
+                         f"dtprobe.store.manifest.write_rank_info. Rewrite it with that function.")
+    expected = int(path.name[4:-5])
+    if int(data["rank"]) != expected:
+        raise TraceError(f"'{path}' says rank {data['rank']} but its name says rank {expected}; "
+                         f"rename the file or fix its \"rank\" key.")
+    return RankInfo(rank=int(data["rank"]), host=str(data["host"]), node_rank=int(data["node_rank"]),
+                    local_rank=int(data["local_rank"]), device=str(data["device"]), pid=int(data["pid"]),
+                    clock_offset_ns=int(data["clock_offset_ns"]), restart=int(data.get("restart") or 0))
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+
+
+def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def _locked_manifest(run_dir: str | os.PathLike) -> Iterator[dict[str, Any]]:
+    """Yield run.json as a dict under an exclusive lock; write it back atomically on normal exit."""
+    run_dir = Path(run_dir)
+    with open(run_dir / ".run.json.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            data = read_run_json(run_dir)
+            yield data
+            _write_json_atomic(run_dir / MANIFEST_FILE, data)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

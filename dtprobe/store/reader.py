@@ -1,0 +1,329 @@
+"""``RunStore``: the incremental, clock-aligned reader of a run directory; used by analysis, dashboard and CLI.
+
+Reading order for each table: the compacted ``tables/<table>.parquet`` if the run was compacted (its
+``tables/_compacted.json`` records how many bytes of every events file went into it), then every events line
+appended after that (``events/<table>/rankNNNNN.jsonl``, tailed by byte offset). ``refresh()`` parses only
+lines appended since the last call; a torn last line is left for later.
+
+Clock alignment: rows are kept on their rank's clock; ``table()`` adds the rank's ``clock_offset_ns`` (from
+``ranks/rankNNNNN.json``, re-read on every refresh) to the table's ``schema.TIME_COLUMNS``. Compacted Parquet
+holds aligned values and records the offsets it used, so the reader only shifts them if an offset changed
+since. A rank with events but no rank info is an error, never a silent offset of 0.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+import orjson
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from dtprobe.store.errors import TraceError
+from dtprobe.store.frames import SORT_KEYS, arrow_schema, arrow_to_frame, empty_frame, time_columns
+from dtprobe.store.jsonl import FileCursor, read_new_rows
+from dtprobe.store.manifest import Manifest, check_schema_version, read_manifest
+from dtprobe.store.schema import COMPACT_FILE, EVENTS_FILE, SCHEMAS
+
+EVENTS_DIR = Path(EVENTS_FILE).parts[0]
+TABLES_DIR = Path(COMPACT_FILE).parts[0]
+COMPACTED_MARKER = f"{TABLES_DIR}/_compacted.json"
+"""Written last by compaction: schema version, offsets used, rows per table, bytes of each events file read."""
+COMPACTED_FORMAT = "dtprobe-compacted"
+_MERGE_CHUNKS = 16
+
+
+@dataclass
+class _Chunk:
+    rows: pa.Table
+    """Rows with every schema column."""
+    basis: dict[int, int] | None
+    """Clock offsets already added to the time columns (None: raw rank-clock values)."""
+
+
+@dataclass
+class _TableState:
+    chunks: list[_Chunk] = field(default_factory=list)
+    cursors: dict[str, FileCursor] = field(default_factory=dict)
+    num_rows: int = 0
+    frame: pd.DataFrame | None = None
+    frame_offsets: dict[int, int] | None = None
+
+
+class RunStore:
+    """A run directory opened for reading. Build with ``RunStore.open(path)``. Safe to share between threads."""
+
+    def __init__(self, path: Path, manifest: Manifest) -> None:
+        self._path = path
+        self._manifest = manifest
+        self._states: dict[str, _TableState] = {}
+        self._compacted = _read_compacted_marker(path)
+        self._lock = threading.RLock()
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, *, tables: Iterable[str] | None = None) -> "RunStore":
+        """Open a run; reads every table now (or only ``tables``; others load on first ``table()`` call).
+
+        Raises TraceError for a directory that is not a dtprobe run, a newer schema, or damaged files.
+        """
+        path = Path(path)
+        store = cls(path, read_manifest(path))
+        for name in SCHEMAS if tables is None else tables:
+            store._load(_check_table_name(name))
+        return store
+
+    @property
+    def path(self) -> Path:
+        """The run directory."""
+        return self._path
+
+    @property
+    def manifest(self) -> Manifest:
+        """The manifest as of the last ``open``/``refresh``."""
+        return self._manifest
+
+    @property
+    def is_compacted(self) -> bool:
+        """True if ``tables/_compacted.json`` existed when the store was opened."""
+        return self._compacted is not None
+
+    def table(self, name: str) -> pd.DataFrame:
+        """All rows of table ``name`` so far: every schema column, schema dtypes, clock-aligned, sorted.
+
+        A table the run never wrote is an empty frame with the schema columns.
+        """
+        with self._lock:
+            state = self._load(_check_table_name(name))
+            offsets = self._manifest.clock_offsets_ns
+            if state.frame is None or state.frame_offsets != offsets:
+                state.frame = self._build_frame(name, state, offsets)
+                state.frame_offsets = offsets
+            return state.frame.copy(deep=False)
+
+    def tables(self) -> list[str]:
+        """Names of the tables that have at least one row (or, for tables not loaded yet, a data file)."""
+        with self._lock:
+            present = []
+            for name in SCHEMAS:
+                state = self._states.get(name)
+                if state is not None:
+                    if state.num_rows:
+                        present.append(name)
+                elif name in self._compacted_tables() or any(
+                        p.stat().st_size for p in _events_files(self._path, name).values()):
+                    present.append(name)
+            return present
+
+    def refresh(self) -> dict[str, int]:
+        """Re-read the manifest and rank infos and parse lines appended since the last read.
+
+        Returns ``{table: number of new rows}`` for the loaded tables that got new rows.
+        """
+        with self._lock:
+            self._manifest = read_manifest(self._path)
+            new = {}
+            for name, state in self._states.items():
+                n = self._tail(name, state)
+                if n:
+                    new[name] = n
+            return new
+
+    # ------------------------------------------------------------------------------------------------ internals
+
+    def _load(self, name: str) -> _TableState:
+        state = self._states.get(name)
+        if state is None:
+            state = _TableState()
+            if self._compacted is not None:
+                self._load_compacted(name, state)
+            self._tail(name, state)
+            self._states[name] = state
+        return state
+
+    def _compacted_tables(self) -> dict:
+        return (self._compacted or {}).get("tables", {})
+
+    def _load_compacted(self, name: str, state: _TableState) -> None:
+        marker = self._compacted
+        for rel, (offset, lines) in marker["events"].items():
+            if Path(rel).parts[1:2] == (name,):
+                state.cursors[rel] = FileCursor(offset_bytes=int(offset), lines=int(lines))
+        if name not in marker["tables"]:
+            return
+        path = self._path / COMPACT_FILE.format(table=name)
+        rows = read_compacted_table(path, name)
+        basis = {int(r): int(o) for r, o in marker["clock_offsets_ns"].items()}
+        missing = sorted(set(pc.unique(rows.column("rank")).to_pylist()) - set(basis) - {None})
+        if missing:
+            raise TraceError(f"'{path}' has rows of ranks {missing}, but {COMPACTED_MARKER} records no clock "
+                             f"offset for them. Delete {self._path / TABLES_DIR} and run "
+                             f"`dtprobe compact {self._path}` again.")
+        state.chunks.append(_Chunk(rows, basis))
+        state.num_rows += rows.num_rows
+
+    def _tail(self, name: str, state: _TableState) -> int:
+        known = self._manifest.clock_offsets_ns
+        new_chunks = []
+        try:
+            for rank, path in _events_files(self._path, name).items():
+                rel = path.relative_to(self._path).as_posix()
+                cursor = state.cursors.setdefault(rel, FileCursor())
+                if rank not in known and path.stat().st_size > cursor.offset_bytes:
+                    raise TraceError(
+                        f"rank {rank} has events in '{path}' but no rank info file "
+                        f"'{self._path / 'ranks' / f'rank{rank:05d}.json'}', so its clock offset is unknown and "
+                        f"its times cannot be aligned with the other ranks. Each rank writes that file at attach "
+                        f"(dtprobe.store.manifest.write_rank_info) before any event; restore it, or write it "
+                        f"with clock_offset_ns=0 if all ranks ran on one host.")
+                rows = read_new_rows(path, cursor, name, rank)
+                if rows is not None:
+                    new_chunks.append(rows)
+        finally:  # keep the rows of every file whose cursor advanced, even if a later file failed
+            num_new = self._append(state, new_chunks)
+        return num_new
+
+    @staticmethod
+    def _append(state: _TableState, new_chunks: list[pa.Table]) -> int:
+        if not new_chunks:
+            return 0
+        rows = pa.concat_tables(new_chunks)
+        state.chunks.append(_Chunk(rows, None))
+        state.num_rows += rows.num_rows
+        state.frame = None
+        raw = [i for i, c in enumerate(state.chunks) if c.basis is None]
+        if len(raw) > _MERGE_CHUNKS:
+            merged = pa.concat_tables([state.chunks[i].rows for i in raw]).combine_chunks()
+            state.chunks = [c for c in state.chunks if c.basis is not None] + [_Chunk(merged, None)]
+        return rows.num_rows
+
+    def _build_frame(self, name: str, state: _TableState, offsets: dict[int, int]) -> pd.DataFrame:
+        if not state.num_rows:
+            return empty_frame(name)
+        return arrow_to_frame(self._aligned(name, state, offsets), name)
+
+    def _aligned(self, name: str, state: _TableState, offsets: dict[int, int]) -> pa.Table:
+        if not state.num_rows:
+            return arrow_schema(name).empty_table()
+        aligned = pa.concat_tables([_align(c, name, offsets, self._path) for c in state.chunks])
+        return _sort(aligned, SORT_KEYS.get(name, ("rank",)))
+
+    def aligned_arrow(self, name: str) -> pa.Table:
+        """All rows of ``name`` as one clock-aligned, sorted Arrow table (what compaction writes)."""
+        with self._lock:
+            state = self._load(_check_table_name(name))
+            return self._aligned(name, state, self._manifest.clock_offsets_ns)
+
+    def cursors(self) -> dict[str, tuple[int, int]]:
+        """Events file (relative path) -> (bytes, lines) consumed so far, for every loaded table."""
+        with self._lock:
+            return {rel: (c.offset_bytes, c.lines) for s in self._states.values() for rel, c in s.cursors.items()}
+
+
+def read_compacted_table(path: Path, name: str) -> pa.Table:
+    """Read one compacted Parquet table with exactly the schema's columns and types (TraceError otherwise)."""
+    schema = arrow_schema(name)
+    try:
+        file_schema = pq.read_schema(path)
+    except (OSError, pa.ArrowException) as exc:
+        raise TraceError(f"'{path}' is not a readable Parquet file ({exc}). Delete {path.parent} and run "
+                         f"`dtprobe compact {path.parent.parent}` to rebuild it from the events files.") from None
+    missing = [c for c in schema.names if c not in file_schema.names]
+    if missing:
+        raise TraceError(f"'{path}' lacks the columns {missing} of the '{name}' table; it was written by an "
+                         f"older dtprobe or another tool. Delete {path.parent} and run "
+                         f"`dtprobe compact {path.parent.parent}` to rebuild it from the events files.")
+    meta = file_schema.metadata or {}
+    if b"dtprobe.schema_version" in meta:
+        check_schema_version(int(meta[b"dtprobe.schema_version"]), path)
+    try:
+        return pq.read_table(path, columns=schema.names).select(schema.names).cast(schema)
+    except (OSError, pa.ArrowException) as exc:
+        raise TraceError(f"'{path}' cannot be read as the '{name}' table ({exc}). Delete {path.parent} and run "
+                         f"`dtprobe compact {path.parent.parent}` to rebuild it.") from None
+
+
+def _align(chunk: _Chunk, name: str, offsets: dict[int, int], run_dir: Path) -> pa.Table:
+    cols = time_columns(name)
+    rows = chunk.rows
+    if not cols or not rows.num_rows:
+        return rows
+    basis = chunk.basis or {}
+    ranks = rows.column("rank").to_numpy(zero_copy_only=False)
+    present = np.unique(ranks)
+    missing = [int(r) for r in present if int(r) not in offsets]
+    if missing:
+        raise TraceError(f"ranks {missing} have '{name}' rows but no rank info file in {run_dir / 'ranks'}, so "
+                         f"their clock offsets are unknown. Restore ranks/rankNNNNN.json for them.")
+    deltas = {int(r): offsets[int(r)] - basis.get(int(r), 0) for r in present}
+    if not any(deltas.values()):
+        return rows
+    lookup = np.zeros(int(present.max()) + 1, dtype=np.int64)
+    for r, d in deltas.items():
+        lookup[r] = d
+    shift = pa.array(lookup[ranks], type=pa.int64())
+    for col in cols:
+        i = rows.schema.get_field_index(col)
+        rows = rows.set_column(i, col, pc.add(rows.column(col), shift))
+    return rows
+
+
+def _sort(rows: pa.Table, keys: tuple[str, ...]) -> pa.Table:
+    """Stable sort by ``keys`` ascending, nulls last."""
+    if rows.num_rows < 2:
+        return rows
+    try:  # pyarrow >= 25: null placement per key
+        order = pc.sort_indices(rows, options=pc.SortOptions([(k, "ascending", "at_end") for k in keys]))
+    except (TypeError, ValueError, pa.ArrowException):
+        order = pc.sort_indices(rows, options=pc.SortOptions([(k, "ascending") for k in keys],
+                                                             null_placement="at_end"))
+    return rows.take(order)
+
+
+def _events_files(run_dir: Path, name: str) -> dict[int, Path]:
+    folder = run_dir / EVENTS_DIR / name
+    try:
+        entries = list(os.scandir(folder))
+    except FileNotFoundError:
+        return {}
+    files = {}
+    for e in entries:
+        stem = e.name[4:-6]
+        if e.name.startswith("rank") and e.name.endswith(".jsonl") and stem.isdigit() and e.is_file():
+            files[int(stem)] = Path(e.path)
+    return dict(sorted(files.items()))
+
+
+def _read_compacted_marker(run_dir: Path) -> dict | None:
+    path = run_dir / COMPACTED_MARKER
+    tables_dir = run_dir / TABLES_DIR
+    if not path.is_file():
+        if tables_dir.is_dir() and any(tables_dir.glob("*.parquet")):
+            raise TraceError(f"'{tables_dir}' holds Parquet files but no {path.name}, so it is unknown which "
+                             f"events they cover (an interrupted or foreign compaction). Delete {tables_dir} and "
+                             f"run `dtprobe compact {run_dir}` to rebuild it from the events files.")
+        return None
+    try:
+        marker = orjson.loads(path.read_bytes())
+    except (orjson.JSONDecodeError, OSError) as exc:
+        raise TraceError(f"'{path}' is not readable JSON ({exc}). Delete {tables_dir} and run "
+                         f"`dtprobe compact {run_dir}` again.") from None
+    keys = ("format", "schema_version", "tables", "events", "clock_offsets_ns")
+    missing = [k for k in keys if not isinstance(marker, dict) or k not in marker]
+    if missing or marker.get("format") != COMPACTED_FORMAT:
+        raise TraceError(f"'{path}' is not a dtprobe compaction marker (missing {missing or ['format']}). Delete "
+                         f"{tables_dir} and run `dtprobe compact {run_dir}` again.")
+    check_schema_version(marker["schema_version"], path)
+    return marker
+
+
+def _check_table_name(name: str) -> str:
+    if name not in SCHEMAS:
+        raise TraceError(f"unknown table {name!r}; the run store has {sorted(SCHEMAS)}.")
+    return name

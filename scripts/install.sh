@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Installs dtprobe and what it needs on a fresh machine. Usage: bash scripts/install.sh [--dev]
+#   --dev  also the test tools (pytest, HTA, Playwright, kaleido) and Debian's chromium for browser tests.
+# torch is pinned FIRST to the CPU build (2.13.0): a plain `torch` requirement with no torch installed would
+# pull a multi-GB CUDA build. On a GPU machine install your CUDA torch (>=2.6) before running this script.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+dev=0
+[[ "${1:-}" == "--dev" ]] && dev=1
+
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  echo "[install] torch (CPU build 2.13.0)"
+  "$PY" -m pip install -q torch==2.13.0
+fi
+if [[ $dev == 1 ]]; then
+  echo "[install] dtprobe + dev extras"
+  "$PY" -m pip install -q -e '.[dev]'
+  if [[ ! -x /usr/bin/chromium ]]; then
+    if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+      echo "[install] Debian chromium (browser tests, PNG export)"
+      apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+    else
+      echo "[install] WARNING: /usr/bin/chromium missing and apt-get unavailable: browser tests will fail" >&2
+    fi
+  fi
+else
+  echo "[install] dtprobe"
+  "$PY" -m pip install -q -e .
+fi
+echo "[install] done: $("$PY" -c 'import torch; print("torch", torch.__version__)')"

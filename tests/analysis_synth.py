@@ -1,0 +1,163 @@
+"""Synthetic run tables with known answers for the analysis tests (hand-made, deterministic timelines).
+
+``dp_tables`` models DDP: per step data -> fwd -> bwd (bucket all-reduces enqueued during bwd, complete when the
+last member arrives + a transfer time) -> opt. ``dp_pp_tables`` models dp x pp with one micro-batch: stage 0 sends
+activations to stage 1, stage 1 sends gradients back, then each stage all-reduces over its dp group.
+Times in ms, converted to ns. ``write_run`` writes the tables as a real run directory (RankWriter + run.json).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pandas as pd
+
+from dtprobe.store.frames import frame_from_rows
+
+MS = 1_000_000
+T0 = 1_700_000_000_000_000_000
+
+
+def _ns(x_ms: float) -> int:
+    return int(round(x_ms * MS))
+
+
+def dp_tables(*, world: int = 4, num_steps: int = 20, straggler: int | None = None, delay_ms: float = 0.0,
+              phase: str = "fwd", num_buckets: int = 3, jitter_ms: float = 1.0, seed: int = 0,
+              from_step: int = 0, pg: str = "dp", xfer_ms: float = 3.0, throttle: bool = False) -> dict:
+    rng = random.Random(seed)
+    members = ",".join(str(r) for r in range(world))
+    steps, coll, devices = [], [], []
+    t = T0
+    seq = 0
+    for step in range(num_steps):
+        base = {}
+        for r in range(world):
+            data, fwd, comp = 5.0, 30.0, 50.0
+            data += rng.uniform(0, jitter_ms)
+            fwd += rng.uniform(0, jitter_ms)
+            comp += rng.uniform(0, jitter_ms)
+            if r == straggler and step >= from_step:
+                if phase == "data":
+                    data += delay_ms
+                elif phase == "fwd":
+                    fwd += delay_ms
+                else:
+                    comp += delay_ms
+            base[r] = (data, fwd, comp)
+        enq = {r: [t + _ns(base[r][0] + base[r][1] + (k + 1) / num_buckets * base[r][2])
+                   for k in range(num_buckets)] for r in range(world)}
+        done = []
+        prev_done = 0
+        for k in range(num_buckets):
+            last = max(enq[r][k] for r in range(world))
+            d = max(last, prev_done) + _ns(xfer_ms)
+            done.append(d)
+            prev_done = d
+        seq_base = seq
+        ends = {}
+        for r in range(world):
+            data, fwd, comp = base[r]
+            bwd_start = t + _ns(data + fwd)
+            bwd_end = max(bwd_start + _ns(comp), done[-1])
+            end = bwd_end + _ns(10.0)
+            ends[r] = end
+            steps.append({"rank": r, "step": step, "start_ns": t, "end_ns": end, "data_ns": _ns(data),
+                          "fwd_ns": _ns(fwd), "bwd_ns": bwd_end - bwd_start, "opt_ns": _ns(10.0),
+                          "loss": 5.0 - 0.1 * step, "tokens": 512, "lr": 1e-3, "restart": 0})
+            for k in range(num_buckets):
+                coll.append({"rank": r, "pg": pg, "pg_ranks": members, "pg_size": world, "seq": seq_base + k + 1,
+                             "op": "allreduce", "num_bytes": 4 << 20, "dtype": "float32",
+                             "enqueue_ns": enq[r][k], "end_ns": done[k], "step": step, "timing": "host"})
+            devices.append({"rank": r, "host": "h", "time_ns": t + _ns(20), "source": "nvml", "gpu": r,
+                            "throttle_reasons": (0x20 if throttle and r == straggler else 0),
+                            "util_frac": 0.9, "step": step})
+        seq += num_buckets
+        t = max(ends.values()) + _ns(1.0)
+    return {"steps": frame_from_rows("steps", steps), "collectives": frame_from_rows("collectives", coll),
+            "devices": frame_from_rows("devices", devices)}
+
+
+def dp_pp_tables(*, dp: int = 2, pp: int = 2, num_steps: int = 20, straggler: int | None = None,
+                 delay_ms: float = 0.0, jitter_ms: float = 1.0, seed: int = 0, xfer_ms: float = 1.0) -> dict:
+    """pp == 2 only: rank = d * pp + s; dp groups are ranks with the same stage."""
+    assert pp == 2
+    rng = random.Random(seed)
+    steps, coll = [], []
+    t = T0
+    dp_seq = {s: 0 for s in range(pp)}
+    p2p_seq = {}
+    for step in range(num_steps):
+        ends, ar_enq, ar_rows = {}, {}, {}
+        for d in range(dp):
+            r0, r1 = d * pp, d * pp + 1
+            f0, b0, f1, b1 = (30 + rng.uniform(0, jitter_ms), 50 + rng.uniform(0, jitter_ms),
+                              30 + rng.uniform(0, jitter_ms), 50 + rng.uniform(0, jitter_ms))
+            if straggler == r0:
+                f0 += delay_ms
+            if straggler == r1:
+                f1 += delay_ms
+            data = 5.0
+            send_act = t + _ns(data + f0)
+            act_arr = send_act + _ns(xfer_ms)
+            recv1_enq = t + _ns(data)
+            s1_fwd_end = act_arr + _ns(f1)
+            s1_bwd_end = s1_fwd_end + _ns(b1)
+            grad_arr = s1_bwd_end + _ns(xfer_ms)
+            s0_bwd_end = grad_arr + _ns(b0)
+
+            def p2p(rank, peer, op, enq, end):
+                key = (rank, peer)
+                p2p_seq[key] = p2p_seq.get(key, 0) + 1
+                coll.append({"rank": rank, "pg": "pp", "pg_ranks": f"{r0},{r1}", "pg_size": 2, "seq": p2p_seq[key],
+                             "op": op, "num_bytes": 1 << 20, "dtype": "float32", "enqueue_ns": enq,
+                             "end_ns": end, "step": step, "peer": peer, "timing": "host"})
+            p2p(r0, r1, "send", send_act, act_arr)
+            p2p(r1, r0, "recv", recv1_enq, act_arr)
+            p2p(r1, r0, "send", s1_bwd_end, grad_arr)
+            p2p(r0, r1, "recv", send_act + _ns(xfer_ms), grad_arr)
+            ar_enq[r0], ar_enq[r1] = s0_bwd_end, grad_arr
+            ar_rows[r0] = dict(data=data, fwd=f0, bwd=(s0_bwd_end - send_act) / MS)
+            ar_rows[r1] = dict(data=data, fwd=(s1_fwd_end - recv1_enq) / MS, bwd=b1)
+        for s in range(pp):
+            group = [d * pp + s for d in range(dp)]
+            dp_seq[s] += 1
+            done = max(ar_enq[r] for r in group) + _ns(3.0)
+            for r in group:
+                coll.append({"rank": r, "pg": "dp", "pg_ranks": ",".join(map(str, group)), "pg_size": dp,
+                             "seq": dp_seq[s], "op": "allreduce", "num_bytes": 4 << 20, "dtype": "float32",
+                             "enqueue_ns": ar_enq[r], "end_ns": done, "step": step, "timing": "host"})
+                end = done + _ns(10.0)
+                ends[r] = end
+                row = ar_rows[r]
+                steps.append({"rank": r, "step": step, "start_ns": t, "end_ns": end, "data_ns": _ns(row["data"]),
+                              "fwd_ns": _ns(row["fwd"]), "bwd_ns": _ns(row["bwd"]) + (done - ar_enq[r]),
+                              "opt_ns": _ns(10.0), "loss": 4.0, "tokens": 256, "lr": 1e-3, "restart": 0})
+        t = max(ends.values()) + _ns(1.0)
+    return {"steps": frame_from_rows("steps", steps), "collectives": frame_from_rows("collectives", coll)}
+
+
+def write_run(run_dir: Path, tables: dict[str, pd.DataFrame], *, world_size: int, config: dict | None = None,
+              status: str = "finished") -> Path:
+    """Write ``tables`` as a dtprobe run directory (events JSONL per rank, rank infos, run.json)."""
+    from dtprobe.store.manifest import create_manifest, set_status, write_rank_info
+    from dtprobe.store.writer import RankWriter
+
+    create_manifest(run_dir, run_id=run_dir.name, command=["synthetic"], config=config or {},
+                    world_size=world_size)
+    writers = {r: RankWriter(run_dir, r) for r in range(world_size)}
+    for r in range(world_size):
+        write_rank_info(run_dir, r, host="h", node_rank=0, local_rank=r, device="cpu", pid=1000 + r,
+                        clock_offset_ns=0)
+    for table, df in tables.items():
+        for row in df.to_dict(orient="records"):
+            clean = {k: (None if pd.isna(v) else (v.item() if hasattr(v, "item") else v))
+                     for k, v in row.items() if k != "rank"}
+            clean = {k: v for k, v in clean.items() if v is not None}
+            writers[int(row["rank"])].write(table, clean)
+    for w in writers.values():
+        w.close()
+    if status != "running":
+        set_status(run_dir, status)
+    return run_dir

@@ -1,0 +1,111 @@
+"""Multi-process worker of the layout tests: trains the tiny GPT for a few steps on several layouts in one launch
+and prints, from rank 0, one JSON line per layout with the global loss of every step.
+
+Launched by tests/test_layouts.py (one process per rank, gloo over 127.0.0.1):
+    OMP_NUM_THREADS=1 python tests/layouts_worker.py --rank R --world-size N --port P --cases dp2,tp2,...
+A case name is a key of CASES; the loss of a step is the mean over the ranks that compute a loss (every
+rank without PP, the last stage's ranks with PP) of their micro-batch-mean losses: the loss of the global batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from dtprobe.runtime.config import LayoutConfig  # noqa: E402
+from dtprobe.runtime.data import Sampler, synthetic_tokens  # noqa: E402
+from dtprobe.runtime.model import build_model  # noqa: E402
+from dtprobe.runtime.parallel import parallelize  # noqa: E402
+
+GLOBAL_BATCH = 8
+SEQ_LEN = 32
+STEPS = 5
+SEED = 3
+LR = 3e-3
+MAX_NORM = 1.0
+
+
+def layout(**kw) -> LayoutConfig:
+    return LayoutConfig(**kw).resolve(kw.get("dp", 1) * kw.get("tp", 1) * kw.get("pp", 1))
+
+
+CASES = {
+    "single": dict(),
+    "dp2": dict(dp=2),
+    "zero1_dp2": dict(dp=2, zero=1),
+    "zero2_dp2": dict(dp=2, zero=2),
+    "zero3_dp2": dict(dp=2, zero=3),
+    "tp2": dict(tp=2),
+    "tp2_sp": dict(tp=2, sequence_parallel=True),
+    "tp2_sp_ac_full": dict(tp=2, sequence_parallel=True, activation_checkpointing="full"),
+    "pp2_gpipe": dict(pp=2, pp_schedule="gpipe", microbatches=4),
+    "pp2_1f1b": dict(pp=2, pp_schedule="1f1b", microbatches=4),
+    "pp2_interleaved-1f1b": dict(pp=2, pp_schedule="interleaved-1f1b", microbatches=4),
+    "pp2_zero-bubble": dict(pp=2, pp_schedule="zero-bubble", microbatches=4),
+    "pp2_zbv": dict(pp=2, pp_schedule="zbv", microbatches=4),
+    "dp2_tp2": dict(dp=2, tp=2),
+    "dp2_tp2_zero3_sp": dict(dp=2, tp=2, zero=3, sequence_parallel=True),
+    "dp2_pp2": dict(dp=2, pp=2, pp_schedule="1f1b", microbatches=2),
+    "dp2_pp2_zero2_interleaved": dict(dp=2, pp=2, zero=2, pp_schedule="interleaved-1f1b", microbatches=2),
+    "tp2_pp2": dict(tp=2, pp=2, pp_schedule="gpipe", microbatches=4),
+    "dp2_tp2_pp2": dict(dp=2, tp=2, pp=2, zero=3, pp_schedule="1f1b", microbatches=2),
+    "single_ac_selective": dict(activation_checkpointing="selective"),
+}
+"""Layouts by name (LayoutConfig keys)."""
+
+
+def run_case(name: str, *, rank: int, world_size: int) -> list[float]:
+    lay = layout(**CASES[name])
+    assert lay.world_size == world_size, (name, world_size)
+    model = build_model("tiny", seed=SEED)
+    par = parallelize(model, lay, world_size=world_size, rank=rank, device=torch.device("cpu"),
+                      optimizer_kwargs={"lr": LR, "weight_decay": 0.1}, max_norm=MAX_NORM,
+                      global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN)
+    sampler = Sampler(synthetic_tokens(SEED, length=1 << 16), batch_size=GLOBAL_BATCH // par.dp_size,
+                      seq_len=SEQ_LEN, grad_accum=1, dp_rank=par.dp_rank, dp_size=par.dp_size, seed=SEED)
+    losses = []
+    for step in range(STEPS):
+        loss = par.train_step(sampler.micro_batches(step), step=step)
+        if world_size > 1:
+            t = torch.tensor([loss if loss is not None else 0.0, 1.0 if loss is not None else 0.0],
+                             dtype=torch.float64)
+            dist.all_reduce(t)
+            losses.append(float(t[0] / t[1]))
+        else:
+            losses.append(loss)
+    return losses
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--world-size", type=int, default=1)
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--cases", required=True)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    if args.world_size > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
+                                world_size=args.world_size, timeout=datetime.timedelta(seconds=120))
+    for name in args.cases.split(","):
+        t0 = time.perf_counter()
+        losses = run_case(name, rank=args.rank, world_size=args.world_size)
+        if args.rank == 0:
+            print(json.dumps({"case": name, "losses": losses, "seconds": time.perf_counter() - t0}), flush=True)
+    if args.world_size > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

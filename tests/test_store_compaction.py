@@ -1,0 +1,231 @@
+"""Compaction to Parquet: roundtrip equals the JSONL read, lines appended later, damaged tables, killed writers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+
+from dtprobe.store import RunStore, TraceError, compact
+from dtprobe.store.manifest import create_manifest, write_rank_info
+from dtprobe.store.schema import SCHEMAS
+from dtprobe.store.writer import RankWriter
+
+ROOT = Path(__file__).resolve().parents[1]
+T0 = 1_700_000_000_000_000_000
+OFFSETS = {0: 0, 1: 1_000_000, 2: -250_000}
+
+
+def make_run(run_dir: Path, *, steps: int = 4) -> Path:
+    """3 ranks with distinct clock offsets: steps, collectives (with a null start_ns), devices, one fault."""
+    create_manifest(run_dir, run_id=run_dir.name, command=["x"], config={}, world_size=len(OFFSETS))
+    for rank, offset in OFFSETS.items():
+        write_rank_info(run_dir, rank, host="h", node_rank=0, local_rank=rank, device="cpu", pid=rank,
+                        clock_offset_ns=offset)
+        w = RankWriter(run_dir, rank)
+        for s in range(steps):
+            t = T0 + s * 10_000
+            w.write("steps", {"step": s, "start_ns": t, "end_ns": t + 9_000, "loss": 3.0 / (s + 1), "tokens": 32})
+            for seq in (2 * s + 1, 2 * s + 2):
+                w.write("collectives", {"pg": "world", "pg_ranks": "0,1,2", "pg_size": 3, "seq": seq,
+                                        "op": "allreduce", "num_bytes": 1 << 20, "dtype": "float32",
+                                        "enqueue_ns": t + seq + rank * 7, "end_ns": t + 5_000 + seq, "step": s,
+                                        "timing": "host"})
+            w.write("devices", {"host": "h", "time_ns": t, "source": "host", "cpu_frac": 0.5, "rss_bytes": 1 << 30})
+        if rank == 1:
+            w.write("faults", {"time_ns": T0 + 1, "step": 0, "kind": "straggler", "injected": True,
+                               "detail": '{"delay_ms": 40}'})
+        w.close()
+    return run_dir
+
+
+def jsonl_frames(run: Path) -> dict[str, pd.DataFrame]:
+    store = RunStore.open(run)
+    assert not store.is_compacted
+    return {name: store.table(name) for name in SCHEMAS}
+
+
+def test_compact_writes_one_parquet_per_nonempty_table_with_rows_per_table(tmp_path):
+    run = make_run(tmp_path / "r")
+    rows = compact(run)
+    assert rows == {"steps": 12, "collectives": 24, "devices": 12, "faults": 1}
+    assert sorted(p.name for p in (run / "tables").iterdir()) == [
+        "_compacted.json", "collectives.parquet", "devices.parquet", "faults.parquet", "steps.parquet"]
+    assert not [p for p in run.iterdir() if p.name.startswith(".tables")]  # temp dirs swapped away
+    assert (run / "events").is_dir()  # events are kept
+
+
+def test_compacted_read_equals_jsonl_read_for_every_table(tmp_path):
+    run = make_run(tmp_path / "r")
+    before = jsonl_frames(run)
+    compact(run)
+    store = RunStore.open(run)
+    assert store.is_compacted
+    for name in SCHEMAS:
+        pd.testing.assert_frame_equal(store.table(name), before[name], check_exact=True, obj=name)
+    assert store.tables() == ["steps", "collectives", "devices", "faults"]
+
+
+def test_compacted_parquet_holds_clock_aligned_times(tmp_path):
+    run = make_run(tmp_path / "r")
+    compact(run)
+    steps = pq.read_table(run / "tables" / "steps.parquet").to_pandas()
+    r1 = steps[steps["rank"] == 1]
+    assert r1["start_ns"].tolist() == [T0 + 1_000_000 + s * 10_000 for s in range(4)]
+    marker = json.loads((run / "tables" / "_compacted.json").read_text())
+    assert marker["clock_offsets_ns"] == {"0": 0, "1": 1_000_000, "2": -250_000}
+    size = (run / "events" / "steps" / "rank00001.jsonl").stat().st_size
+    assert marker["events"]["events/steps/rank00001.jsonl"] == [size, 4]
+
+
+def test_lines_appended_after_compaction_are_read_once(tmp_path):
+    run = make_run(tmp_path / "r")
+    compact(run)
+    w = RankWriter(run, 2)  # e.g. rank 2 after a restart
+    w.write("steps", {"step": 4, "start_ns": T0 + 40_000, "restart": 1})
+    w.write("amp", {"step": 4, "scale_before": 65536.0, "scale_after": 32768.0, "found_inf": True})
+    w.close()
+    store = RunStore.open(run)
+    steps = store.table("steps")
+    assert len(steps) == 13
+    last = steps[steps["rank"] == 2].iloc[-1]
+    assert (last["step"], last["start_ns"], last["restart"]) == (4, T0 + 40_000 - 250_000, 1)
+    assert store.table("amp")["scale_after"].tolist() == [32768.0]
+    assert store.refresh() == {}
+
+    rows = compact(run)  # recompaction folds the new lines in; no duplicates
+    assert rows["steps"] == 13 and rows["amp"] == 1
+    pd.testing.assert_frame_equal(RunStore.open(run).table("steps"), steps)
+
+
+def test_changed_clock_offset_after_compaction_shifts_compacted_rows(tmp_path):
+    run = make_run(tmp_path / "r")
+    compact(run)
+    write_rank_info(run, 1, host="h", node_rank=0, local_rank=1, device="cpu", pid=1, clock_offset_ns=3_000_000)
+    steps = RunStore.open(run).table("steps")
+    assert steps.loc[steps["rank"] == 1, "start_ns"].iloc[0] == T0 + 3_000_000
+    assert steps.loc[steps["rank"] == 0, "start_ns"].iloc[0] == T0
+
+
+def test_compacted_run_still_loads_after_events_are_deleted(tmp_path):
+    run = make_run(tmp_path / "r")
+    before = jsonl_frames(run)
+    compact(run)
+    for path in sorted((run / "events").rglob("*.jsonl")):
+        path.unlink()
+    store = RunStore.open(run)
+    pd.testing.assert_frame_equal(store.table("collectives"), before["collectives"])
+
+
+@pytest.mark.parametrize("damage,match", [
+    ("drop_column", r"steps.parquet' lacks the columns \['loss'\] of the 'steps' table"),
+    ("no_marker", r"holds Parquet files but no _compacted.json"),
+    ("truncated_events", r"rank00000.jsonl' is \d+ bytes, shorter than the \d+ bytes already read"),
+    ("garbage_parquet", r"steps.parquet' is not a readable Parquet file"),
+])
+def test_damaged_compaction_gives_trace_error_with_fix(tmp_path, damage, match):
+    run = make_run(tmp_path / "r")
+    compact(run)
+    parquet = run / "tables" / "steps.parquet"
+    if damage == "drop_column":
+        pq.write_table(pq.read_table(parquet).drop_columns(["loss"]), parquet)
+    elif damage == "no_marker":
+        (run / "tables" / "_compacted.json").unlink()
+    elif damage == "truncated_events":
+        (run / "events" / "steps" / "rank00000.jsonl").write_bytes(b"")
+    elif damage == "garbage_parquet":
+        parquet.write_bytes(b"not parquet")
+    with pytest.raises(TraceError, match=match) as err:
+        RunStore.open(run)
+    assert "dtprobe compact" in str(err.value) or "Restore" in str(err.value)
+
+
+def _python(code: str, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-c", code, *args], env=env)
+
+
+def test_store_loads_after_writer_is_sigkilled_mid_run(tmp_path):
+    run = tmp_path / "r"
+    create_manifest(run, run_id="r", command=["x"], config={}, world_size=1)
+    write_rank_info(run, 0, host="h", node_rank=0, local_rank=0, device="cpu", pid=0, clock_offset_ns=0)
+    code = ("import sys, itertools\n"
+            "from dtprobe.store.writer import RankWriter\n"
+            "w = RankWriter(sys.argv[1], 0, flush_interval_s=0.0)\n"
+            "for s in itertools.count():\n"
+            "    w.write('steps', {'step': s, 'start_ns': s, 'loss': 1.0 / (s + 1)})\n"
+            "    w.write('collectives', {'seq': s, 'op': 'allreduce', 'pg': 'world' * 50})\n")
+    proc = _python(code, str(run))
+    path = run / "events" / "steps" / "rank00000.jsonl"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (not path.exists() or path.stat().st_size < 200_000):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert path.stat().st_size >= 200_000, "writer did not write enough before the deadline"
+
+    store = RunStore.open(run)
+    steps = store.table("steps")
+    complete = path.read_bytes().count(b"\n")
+    assert len(steps) == complete > 1000
+    assert steps["step"].tolist() == list(range(complete))  # nothing lost but possibly the torn last line
+    assert compact(run)["steps"] == complete
+
+
+def test_restarted_writer_cuts_torn_line_left_by_killed_predecessor(tmp_path):
+    run = tmp_path / "r"
+    create_manifest(run, run_id="r", command=["x"], config={}, world_size=1)
+    write_rank_info(run, 0, host="h", node_rank=0, local_rank=0, device="cpu", pid=0, clock_offset_ns=0)
+    code = ("import os, sys, orjson\n"
+            "from dtprobe.store.writer import RankWriter\n"
+            "w = RankWriter(sys.argv[1], 0)\n"
+            "for s in range(100): w.write('steps', {'step': s})\n"
+            "w.flush()\n"
+            "f = open(w.run_dir / 'events/steps/rank00000.jsonl', 'ab', buffering=0)\n"
+            "f.write(orjson.dumps({'rank': 0, 'step': 100, 'loss': 0.5})[:13])\n"
+            "os._exit(9)\n")
+    assert _python(code, str(run)).wait(timeout=60) == 9
+    path = run / "events" / "steps" / "rank00000.jsonl"
+    assert not path.read_bytes().endswith(b"\n")
+    store = RunStore.open(run)
+    assert store.table("steps")["step"].tolist() == list(range(100))
+
+    w = RankWriter(run, 0)  # the restarted rank appends to the same file
+    w.write("steps", {"step": 100, "restart": 1})
+    w.close()
+    assert store.refresh() == {"steps": 1}
+    assert store.table("steps")["step"].tolist() == list(range(101))
+    assert RunStore.open(run).table("steps")["restart"].tolist()[-1] == 1
+    assert all(orjson.loads(line) for line in path.read_bytes().splitlines())
+
+
+def test_live_refresh_while_a_writer_appends_matches_a_fresh_read(tmp_path):
+    run = tmp_path / "r"
+    create_manifest(run, run_id="r", command=["x"], config={}, world_size=1)
+    write_rank_info(run, 0, host="h", node_rank=0, local_rank=0, device="cpu", pid=0, clock_offset_ns=0)
+    code = ("import sys\n"
+            "from dtprobe.store.writer import RankWriter\n"
+            "w = RankWriter(sys.argv[1], 0, flush_interval_s=0.0)\n"
+            "for s in range(20000):\n"
+            "    w.write('steps', {'step': s, 'start_ns': s, 'loss': 0.5})\n"
+            "w.close()\n")
+    store = RunStore.open(run)
+    proc = _python(code, str(run))
+    total = 0
+    while proc.poll() is None:
+        total += store.refresh().get("steps", 0)
+    assert proc.wait(timeout=60) == 0
+    total += store.refresh().get("steps", 0)
+    assert total == 20000
+    steps = store.table("steps")
+    assert steps["step"].tolist() == list(range(20000))
+    pd.testing.assert_frame_equal(steps, RunStore.open(run).table("steps"))

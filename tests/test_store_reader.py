@@ -1,0 +1,259 @@
+"""RunStore: JSONL roundtrip with schema dtypes, torn and corrupt lines, clock alignment, refresh, clear errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from dtprobe.store import RunStore, TraceError
+from dtprobe.store.frames import PANDAS_DTYPES, conform, empty_frame, frame_from_rows
+from dtprobe.store.manifest import create_manifest, write_rank_info
+from dtprobe.store.schema import SCHEMA_VERSION, SCHEMAS
+from dtprobe.store.writer import RankWriter
+
+T0 = 1_700_000_000_000_000_000
+
+
+def make_run(run_dir: Path, *, offsets: dict[int, int], steps: int = 3) -> Path:
+    """A run with one steps row per (rank, step) and one straggler fault written by the last rank."""
+    create_manifest(run_dir, run_id=run_dir.name, command=["train.py"], config={"lr": 0.1},
+                    world_size=len(offsets))
+    for rank, offset in offsets.items():
+        write_rank_info(run_dir, rank, host="h0", node_rank=0, local_rank=rank, device="cpu", pid=100 + rank,
+                        clock_offset_ns=offset)
+        writer = RankWriter(run_dir, rank)
+        for step in range(steps):
+            writer.write("steps", {"step": step, "start_ns": T0 + step * 1000, "end_ns": T0 + step * 1000 + 900,
+                                   "fwd_ns": 300 + rank, "loss": 2.0 - 0.25 * step, "tokens": 64})
+        if rank == max(offsets):
+            writer.write("faults", {"time_ns": T0 + 5, "step": 1, "kind": "straggler", "injected": True,
+                                    "detail": json.dumps({"delay_ms": 40})})
+        writer.close()
+    return run_dir
+
+
+def events(run_dir: Path, table: str, rank: int) -> Path:
+    return run_dir / "events" / table / f"rank{rank:05d}.jsonl"
+
+
+def append(path: Path, data: bytes) -> None:
+    with open(path, "ab") as f:
+        f.write(data)
+
+
+def test_reader_roundtrips_writer_rows_with_schema_columns_and_dtypes(tmp_path):
+    run = make_run(tmp_path / "r", offsets={0: 0, 1: 0})
+    steps = RunStore.open(run).table("steps")
+
+    assert list(steps.columns) == list(SCHEMAS["steps"])
+    assert {c: str(t) for c, t in steps.dtypes.items()} == {
+        c: PANDAS_DTYPES[t] for c, t in SCHEMAS["steps"].items()}
+    assert steps[["rank", "step"]].values.tolist() == [[0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [1, 2]]
+    assert steps["loss"].tolist() == [2.0, 1.75, 1.5] * 2
+    assert steps["fwd_ns"].tolist() == [300, 300, 300, 301, 301, 301]
+    assert steps["opt_ns"].isna().all() and steps["lr"].isna().all()  # never written -> null
+    faults = RunStore.open(run).table("faults")
+    assert faults[["rank", "kind", "injected"]].values.tolist() == [[1, "straggler", True]]
+    assert json.loads(faults["detail"].iloc[0]) == {"delay_ms": 40}
+
+
+def test_reader_returns_empty_schema_frame_when_table_was_never_written(tmp_path):
+    store = RunStore.open(make_run(tmp_path / "r", offsets={0: 0}))
+    coll = store.table("collectives")
+    assert coll.empty
+    pd.testing.assert_frame_equal(coll, empty_frame("collectives"))
+    assert store.tables() == ["steps", "faults"]
+
+
+def test_reader_adds_each_ranks_clock_offset_to_time_columns_only(tmp_path):
+    run = make_run(tmp_path / "r", offsets={0: 0, 1: 1_000_000})
+    steps = RunStore.open(run).table("steps")
+    r0, r1 = steps[steps["rank"] == 0], steps[steps["rank"] == 1]
+    assert r0["start_ns"].tolist() == [T0, T0 + 1000, T0 + 2000]
+    assert r1["start_ns"].tolist() == [T0 + 1_000_000, T0 + 1_001_000, T0 + 1_002_000]
+    assert r1["end_ns"].tolist() == [T0 + 1_000_900, T0 + 1_001_900, T0 + 1_002_900]
+    assert r1["fwd_ns"].tolist() == [301] * 3  # durations are not shifted
+    assert RunStore.open(run).table("faults")["time_ns"].tolist() == [T0 + 5 + 1_000_000]
+
+
+def test_reader_skips_torn_last_line_then_reads_it_once_completed(tmp_path):
+    run = make_run(tmp_path / "r", offsets={0: 0})
+    line = json.dumps({"rank": 0, "step": 3, "start_ns": T0 + 3000, "loss": 1.25}).encode()
+    append(events(run, "steps", 0), line[:17])
+    store = RunStore.open(run)
+    assert store.table("steps")["step"].tolist() == [0, 1, 2]
+
+    append(events(run, "steps", 0), line[17:] + b"\n")
+    assert store.refresh() == {"steps": 1}
+    steps = store.table("steps")
+    assert steps["step"].tolist() == [0, 1, 2, 3]
+    assert steps["loss"].iloc[-1] == 1.25
+
+
+@pytest.mark.parametrize("bad_line,why", [
+    (b'{"rank": 0, "step": 3, "sta\n', "not valid JSON"),
+    (b'[1, 2, 3]\n', "not an object"),
+    (b'{"rank": 0, "step": "three"}\n', "does not match the 'steps' table schema"),
+])
+def test_reader_names_file_and_line_when_a_middle_line_is_corrupt(tmp_path, bad_line, why):
+    run = make_run(tmp_path / "r", offsets={0: 0})
+    path = events(run, "steps", 0)
+    append(path, bad_line + b'{"rank": 0, "step": 4}\n')
+    with pytest.raises(TraceError, match=why) as err:
+        RunStore.open(run)
+    assert f"'{path}' line 4 " in str(err.value)
+    assert "sed -i '4d'" in str(err.value)
+
+
+def test_reader_reports_line_number_of_corruption_found_by_refresh(tmp_path):
+    run = make_run(tmp_path / "r", offsets={0: 0})
+    store = RunStore.open(run)
+    append(events(run, "steps", 0), b'{"rank": 0, "step": 3}\n{"rank": 0, broken}\n{"rank": 0, "step": 5}\n')
+    with pytest.raises(TraceError, match=r"line 5 is not valid JSON"):
+        store.refresh()
+
+
+def test_refresh_returns_only_new_rows_per_table(tmp_path):
+    run = make_run(tmp_path / "r", offsets={0: 0, 1: 500})
+    store = RunStore.open(run)
+    assert store.refresh() == {}
+    w1 = RankWriter(run, 1)
+    w1.write("steps", {"step": 3, "start_ns": T0 + 3000})
+    w1.write("collectives", {"pg": "world", "seq": 1, "op": "allreduce", "num_bytes": 4096, "enqueue_ns": T0})
+    w1.write("collectives", {"pg": "world", "seq": 2, "op": "allreduce", "num_bytes": 4096, "enqueue_ns": T0 + 9})
+    w1.close()
+    assert store.refresh() == {"steps": 1, "collectives": 2}
+    assert store.refresh() == {}
+    assert len(store.table("steps")) == 7
+    coll = store.table("collectives")
+    assert coll["seq"].tolist() == [1, 2]
+    assert coll["enqueue_ns"].tolist() == [T0 + 500, T0 + 509]
+    assert store.tables() == ["steps", "collectives", "faults"]
+
+
+def test_refresh_picks_up_a_new_rank_file_and_changed_status(tmp_path):
+    run = make_run(tmp_path / "r", offsets={0: 0})
+    store = RunStore.open(run, tables=("steps",))
+    write_rank_info(run, 1, host="h1", node_rank=1, local_rank=0, device="cpu", pid=7, clock_offset_ns=-20)
+    w = RankWriter(run, 1)
+    w.write("steps", {"step": 0, "start_ns": T0 + 100})
+    w.close()
+    from dtprobe.store.manifest import set_status
+    set_status(run, "finished")
+    assert store.refresh() == {"steps": 1}
+    assert store.manifest.status == "finished" and store.manifest.ended_ns is not None
+    assert store.manifest.nodes == ((0, "h0"), (1, "h1"))
+    steps = store.table("steps")
+    assert steps.loc[steps["rank"] == 1, "start_ns"].tolist() == [T0 + 80]
+
+
+def test_table_result_can_be_modified_without_changing_the_store(tmp_path):
+    store = RunStore.open(make_run(tmp_path / "r", offsets={0: 0}))
+    df = store.table("steps")
+    df["extra"] = 1
+    df.loc[0, "loss"] = 99.0
+    again = store.table("steps")
+    assert "extra" not in again.columns and again["loss"].iloc[0] == 2.0
+
+
+def test_reader_refuses_rank_with_events_but_no_rank_info(tmp_path):
+    run = make_run(tmp_path / "r", offsets={0: 0})
+    w = RankWriter(run, 3)
+    w.write("steps", {"step": 0, "start_ns": T0})
+    w.close()
+    with pytest.raises(TraceError, match=r"rank 3 has events in .*rank00003.jsonl.* but no rank info file"):
+        RunStore.open(run)
+
+
+def test_reader_refuses_row_whose_rank_differs_from_its_file(tmp_path):
+    run = make_run(tmp_path / "r", offsets={0: 0, 1: 0})
+    append(events(run, "steps", 0), b'{"rank": 1, "step": 9}\n')
+    with pytest.raises(TraceError, match=r"line 4 has rank 1, but the file belongs to rank 0"):
+        RunStore.open(run)
+
+
+def test_reader_fills_missing_rank_from_file_name(tmp_path):
+    run = make_run(tmp_path / "r", offsets={0: 0, 1: 0})
+    append(events(run, "steps", 1), b'{"step": 9}\n')
+    steps = RunStore.open(run).table("steps")
+    assert steps.loc[steps["step"] == 9, "rank"].tolist() == [1]
+
+
+@pytest.mark.parametrize("setup,match", [
+    ("no_run_json", r"is not a dtprobe run: no run.json in it\. Point at a directory made by `dtprobe run`"),
+    ("missing_dir", r"is not a dtprobe run: no such directory"),
+    ("foreign_run_json", r"is not a dtprobe run: run.json is not ours \(it lacks the keys \['format', "
+                         r"'schema_version', 'world_size'\]"),
+    ("not_json", r"run.json' is not a dtprobe run manifest: it is not readable JSON"),
+    ("newer_schema", rf"schema_version {SCHEMA_VERSION + 1}, but this dtprobe reads only up to "
+                     rf"{SCHEMA_VERSION}\. Upgrade dtprobe"),
+    ("older_schema", r"schema_version 0, older than this dtprobe's"),
+    ("bad_status", r"status is 'paused', expected one of \['running', 'finished', 'crashed'\]"),
+    ("bad_rank_info", r"rank00000.json' lacks the keys \['clock_offset_ns'\]"),
+])
+def test_open_raises_clear_trace_error_for_foreign_or_unsupported_dirs(tmp_path, setup, match):
+    run = tmp_path / "r"
+    if setup != "missing_dir":
+        make_run(run, offsets={0: 0})
+    manifest = json.loads((run / "run.json").read_text()) if run.exists() else {}
+    if setup == "no_run_json":
+        (run / "run.json").unlink()
+    elif setup == "foreign_run_json":
+        (run / "run.json").write_text(json.dumps({"run_id": "x", "status": "running", "model": "bert"}))
+    elif setup == "not_json":
+        (run / "run.json").write_text("{oops")
+    elif setup in ("newer_schema", "older_schema", "bad_status"):
+        key, value = {"newer_schema": ("schema_version", SCHEMA_VERSION + 1),
+                      "older_schema": ("schema_version", 0), "bad_status": ("status", "paused")}[setup]
+        manifest[key] = value
+        (run / "run.json").write_text(json.dumps(manifest))
+    elif setup == "bad_rank_info":
+        info = run / "ranks" / "rank00000.json"
+        data = json.loads(info.read_text())
+        del data["clock_offset_ns"]
+        info.write_text(json.dumps(data))
+    with pytest.raises(TraceError, match=match) as err:
+        RunStore.open(run)
+    assert str(run) in str(err.value)
+
+
+def test_table_rejects_unknown_table_name(tmp_path):
+    store = RunStore.open(make_run(tmp_path / "r", offsets={0: 0}))
+    with pytest.raises(TraceError, match=r"unknown table 'step'; the run store has \["):
+        store.table("step")
+
+
+def test_frame_from_rows_matches_reader_dtypes():
+    df = frame_from_rows("collectives", [{"rank": 0, "seq": 1, "op": "allreduce", "num_bytes": 8}])
+    assert list(df.columns) == list(SCHEMAS["collectives"])
+    assert str(df["seq"].dtype) == "Int64" and str(df["op"].dtype) == "string"
+    assert df["enqueue_ns"].isna().all()
+    with pytest.raises(KeyError, match="bytes"):
+        frame_from_rows("collectives", [{"rank": 0, "bytes": 8}])
+
+
+def test_refresh_keeps_rows_of_good_files_when_another_file_is_corrupt(tmp_path):
+    run = make_run(tmp_path / "r", offsets={0: 0, 1: 0})
+    store = RunStore.open(run)
+    append(events(run, "steps", 0), b'{"rank": 0, "step": 3}\n')
+    append(events(run, "steps", 1), b'{"rank": 1, "step": 3, oops}\n{"rank": 1, "step": 4}\n')
+    with pytest.raises(TraceError, match=r"rank00001.jsonl' line 4 "):
+        store.refresh()
+    lines = events(run, "steps", 1).read_bytes().splitlines(keepends=True)
+    events(run, "steps", 1).write_bytes(b"".join(lines[:3] + lines[4:]))  # the fix the message suggests
+    assert store.refresh() == {"steps": 1}
+    steps = store.table("steps")
+    assert steps[["rank", "step"]].values.tolist() == [[0, 0], [0, 1], [0, 2], [0, 3], [1, 0], [1, 1], [1, 2], [1, 4]]
+    pd.testing.assert_frame_equal(steps, RunStore.open(run).table("steps"))
+
+
+def test_conform_adds_missing_columns_as_null_and_casts_to_schema_dtypes():
+    df = pd.DataFrame({"step": [2, 1], "rank": [3, 3], "loss": [0.5, None], "other": ["x", "y"]})
+    out = conform(df, "steps")
+    assert list(out.columns) == list(SCHEMAS["steps"])
+    assert str(out["rank"].dtype) == "Int32" and str(out["start_ns"].dtype) == "Int64"
+    assert out["step"].tolist() == [2, 1] and out["start_ns"].isna().all()
+    assert out["loss"].iloc[0] == 0.5 and pd.isna(out["loss"].iloc[1])

@@ -179,6 +179,8 @@ class Probe:
     # ---- lifecycle ----
     def flush(self) -> None:
         """Write buffered rows to disk now."""
+        if RECORDER.writer is self.writer:
+            RECORDER.drain()
         self.writer.flush()
 
     def close(self, status: str = "finished") -> None:
@@ -193,9 +195,7 @@ class Probe:
             if self._sampler is not None:
                 self._sampler.close()
             if RECORDER.writer is self.writer:
-                RECORDER.flush_in_flight()
-                RECORDER.writer = None
-                RECORDER.step = -1
+                RECORDER.stop()
         finally:
             self.writer.close()
             if self.manage_status and self.is_leader:
@@ -284,10 +284,8 @@ def attach(run_dir: str | os.PathLike, *, timeout_s: float = 600.0, backend: str
         device=device, pid=os.getpid(), clock_offset_ns=probe.clock_offset_ns, restart=probe.restart)
 
     if config.collectives:
-        RECORDER.writer = probe.writer
-        RECORDER.timing = config.collective_timing
-        RECORDER.nccl_timing = config.nccl_timing
-        RECORDER.step = -1
+        RECORDER.start(probe.writer, timing=config.collective_timing, nccl_timing=config.nccl_timing,
+                       flush_interval_s=config.flush_interval_s)
     if config.devices:
         probe._sampler = DeviceSampler(probe.writer, interval_s=config.device_interval_s,
                                        gpu_index=torch.cuda.current_device() if device.startswith("cuda") else None,

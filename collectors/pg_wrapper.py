@@ -40,7 +40,11 @@ class CollectiveRecorder:
     """Process-wide sink shared by every recording group: the writer, the current step, the timing mode.
 
     The backends are created by ``torch.distributed`` (not by the probe), so they reach the probe through this
-    one module-level object (``RECORDER``). Until ``attach`` sets a writer, rows are dropped.
+    one module-level object (``RECORDER``). Until ``start`` sets a writer, rows are dropped.
+
+    Rows are queued (a deque append, well under a microsecond) and handed to the writer by a drain thread
+    every ``flush_interval_s``, by ``drain()`` and at ``stop()``: the writer's per-row cost (validation and
+    JSON encoding, ~10 us) stays off the training thread's critical path.
     """
 
     def __init__(self) -> None:
@@ -55,6 +59,53 @@ class CollectiveRecorder:
         self._paused = threading.local()
         self._in_flight: dict[int, dict[str, Any]] = {}
         self._ids = itertools.count()
+        self._progress: dict[str, dict[str, Any]] = {}   # RELIABILITY (hang watchdog): see progress()
+        self._queue: collections.deque = collections.deque()
+        self._drain_lock = threading.Lock()
+        self._stop_drain = threading.Event()
+        self._drainer: threading.Thread | None = None
+
+    def start(self, writer: Any, *, timing: str = "wait", nccl_timing: bool = True,
+              flush_interval_s: float = 1.0) -> None:
+        """Begin recording into ``writer`` (attach)."""
+        self.stop()
+        self.writer = writer
+        self.timing = timing
+        self.nccl_timing = nccl_timing
+        self.step = -1
+        self._stop_drain = threading.Event()
+        self._drainer = threading.Thread(target=self._drain_loop, args=(self._stop_drain, flush_interval_s),
+                                         name="dtprobe-collectives", daemon=True)
+        self._drainer.start()
+
+    def stop(self) -> None:
+        """Write in-flight rows (end null), drain the queue and stop recording (close). Idempotent."""
+        if self._drainer is not None:
+            self._stop_drain.set()
+            self._drainer.join(timeout=10)
+            self._drainer = None
+        if self.writer is not None:
+            self.flush_in_flight()
+            self.drain()
+        self.writer = None
+        self.step = -1
+
+    def drain(self) -> None:
+        """Hand every queued row to the writer now."""
+        writer = self.writer
+        with self._drain_lock:
+            queue = self._queue
+            while queue:
+                try:
+                    row = queue.popleft()
+                except IndexError:
+                    break
+                if writer is not None:
+                    writer.write("collectives", row)
+
+    def _drain_loop(self, stop: threading.Event, interval_s: float) -> None:
+        while not stop.wait(interval_s):
+            self.drain()
 
     @property
     def active(self) -> bool:
@@ -65,18 +116,32 @@ class CollectiveRecorder:
         return _Paused(self._paused)
 
     def emit(self, row: dict[str, Any]) -> None:
-        writer = self.writer
-        if writer is not None:
-            writer.write("collectives", row)
+        if self.writer is not None:
+            self._queue.append(row)
 
     def track(self, row: dict[str, Any]) -> int:
         key = next(self._ids)              # next() and dict set/pop are atomic under the GIL: no lock
         self._in_flight[key] = row
+        if "peer" not in row:              # progress per group: collectives only (p2p has its own numbering)
+            p = self._progress.setdefault(row["pg"], {"pg_ranks": row["pg_ranks"], "last_completed_seq": 0,
+                                                       "last_completed_op": None})
+            p.update(last_issued_seq=row["seq"], last_issued_op=row["op"], last_issued_step=row["step"],
+                     last_issued_ns=row["enqueue_ns"])
         return key
 
     def untrack(self, key: int) -> bool:
         """Forget an in-flight row; False if it was already written (completed, or flushed at close)."""
-        return self._in_flight.pop(key, None) is not None
+        row = self._in_flight.pop(key, None)
+        if row is not None and "peer" not in row:
+            p = self._progress.get(row["pg"])
+            if p is not None and row["seq"] > p["last_completed_seq"]:
+                p.update(last_completed_seq=row["seq"], last_completed_op=row["op"])
+        return row is not None
+
+    def progress(self) -> dict[str, dict[str, Any]]:
+        """Per group name: ``pg_ranks``, ``last_issued_seq``/``_op``/``_step``/``_ns`` and ``last_completed_seq``/
+        ``_op`` of this rank's collectives (timing "wait" only); read by ``dtprobe.runtime.hang``'s watchdog."""
+        return {pg: dict(p) for pg, p in list(self._progress.items())}
 
     def pending(self) -> list[dict[str, Any]]:
         """Rows of collectives issued but not completed yet, oldest first (what a hung rank waits on)."""

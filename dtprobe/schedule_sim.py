@@ -175,6 +175,12 @@ def _inflight_budget(schedule: str, r: int, p: int, v: int) -> int:
 def _greedy_order(schedule: str, p: int, m: int, v: int, costs: Mapping[tuple[int, str], float],
                   p2p_latency: float) -> list[list[Action]]:
     """List-schedule F/I/W per rank: I first, then F within the in-flight budget, then W; else wait."""
+    return _greedy(schedule, p, m, v, costs, p2p_latency)[0]
+
+
+def _greedy(schedule: str, p: int, m: int, v: int, costs: Mapping[tuple[int, str], float],
+            p2p_latency: float) -> tuple[list[list[Action]], SimResult]:
+    """The greedy orders and their timeline (the same one ``_replay`` of those orders gives)."""
     placement = stage_ranks(schedule, num_ranks=p, virtual_stages=v)
     num_stages = p * v
     rank_of = {s: r for r, ss in enumerate(placement) for s in ss}
@@ -187,6 +193,9 @@ def _greedy_order(schedule: str, p: int, m: int, v: int, costs: Mapping[tuple[in
     inflight = [0] * p
     free = [0.0] * p
     orders: list[list[Action]] = [[] for _ in range(p)]
+    records: list[tuple[int, int, int, str, float, float]] = []
+    busy = [0.0] * p
+    peak = [0] * p
     events: list[float] = []   # heap of action ends (and arrival times): when a waiting rank retries
     remaining = num_stages * m * 3
     budget = [_inflight_budget(schedule, r, p, v) for r in range(p)]
@@ -256,6 +265,9 @@ def _greedy_order(schedule: str, p: int, m: int, v: int, costs: Mapping[tuple[in
         elif kind == "I":
             end_i[s][i] = end
         orders[r].append(Action(s, kind, i))
+        records.append((r, s, i, kind, t, end))
+        busy[r] += end - t
+        peak[r] = max(peak[r], inflight[r])
         free[r] = end
         remaining -= 1
         heapq.heappush(events, end)
@@ -263,7 +275,9 @@ def _greedy_order(schedule: str, p: int, m: int, v: int, costs: Mapping[tuple[in
             heapq.heappush(events, end + p2p_latency)
         seq += 1
         heapq.heappush(heap, (end, seq, r))
-    return orders
+    result = SimResult(schedule=schedule, num_ranks=p, num_microbatches=m, virtual_stages=v, records=tuple(records),
+                       makespan=max(free), busy=tuple(busy), peak_inflight=tuple(peak))
+    return orders, result
 
 
 def _per_stage(value: float | Sequence[float], num_stages: int, name: str) -> list[float]:
@@ -314,7 +328,7 @@ def simulate(schedule: str, *, num_ranks: int, num_microbatches: int, virtual_st
                     full[(s, "I")] = full[(s, "B")] - full[(s, "W")]
     if order is None:
         if schedule in SPLIT_BACKWARD:
-            order = _greedy_order(schedule, p, m, v, full, p2p_latency)
+            return _greedy(schedule, p, m, v, full, p2p_latency)[1]
         else:
             order = schedule_order(schedule, num_ranks=p, num_microbatches=m, virtual_stages=v)
     return _replay(schedule, p, m, v, order, full, p2p_latency)

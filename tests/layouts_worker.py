@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dtprobe.runtime.config import LayoutConfig  # noqa: E402
 from dtprobe.runtime.data import Sampler, synthetic_tokens  # noqa: E402
 from dtprobe.runtime.model import build_model  # noqa: E402
-from dtprobe.runtime.parallel import parallelize  # noqa: E402
+from dtprobe.runtime.parallel import parallelize_model  # noqa: E402
 
 GLOBAL_BATCH = 8
 SEQ_LEN = 32
@@ -68,7 +68,7 @@ def run_case(name: str, *, rank: int, world_size: int) -> list[float]:
     lay = layout(**CASES[name])
     assert lay.world_size == world_size, (name, world_size)
     model = build_model("tiny", seed=SEED)
-    par = parallelize(model, lay, world_size=world_size, rank=rank, device=torch.device("cpu"),
+    par = parallelize_model(model, lay, world_size=world_size, rank=rank, device=torch.device("cpu"),
                       optimizer_kwargs={"lr": LR, "weight_decay": 0.1}, max_norm=MAX_NORM,
                       global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN)
     sampler = Sampler(synthetic_tokens(SEED, length=1 << 16), batch_size=GLOBAL_BATCH // par.dp_size,
@@ -76,6 +76,7 @@ def run_case(name: str, *, rank: int, world_size: int) -> list[float]:
     losses = []
     for step in range(STEPS):
         loss = par.train_step(sampler.micro_batches(step), step=step)
+        loss = None if loss is None else float(loss)
         if world_size > 1:
             t = torch.tensor([loss if loss is not None else 0.0, 1.0 if loss is not None else 0.0],
                              dtype=torch.float64)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dtprobe.store import TraceError, is_run_dir, list_runs
+from dtprobe.store import TraceError, is_run_dir, list_runs, run_mtime_ns
 from dtprobe.store.manifest import (RankInfo, Restart, add_restart, create_manifest, read_manifest, set_status,
                                     write_rank_info)
 from dtprobe.store.schema import SCHEMA_VERSION
@@ -127,6 +127,24 @@ def test_list_runs_reports_status_world_size_steps_and_skips_non_runs(tmp_path):
     assert runs.loc[["a", "b", "c"], "error"].isna().all()
     assert (runs.loc[["a", "b", "c"], "age_s"] >= 0).all() and (runs.loc[["a", "b", "c"], "age_s"] < 600).all()
     assert list(list_runs(tmp_path)["name"][:3]) == ["c", "b", "a"]  # newest first
+    assert runs.loc[["a", "b", "c"], "num_restarts"].tolist() == [0, 0, 0]
+
+
+def test_list_runs_counts_restarts_and_idle_time_since_last_write(tmp_path):
+    run = new_run(tmp_path / "a")
+    _steps(run, 0, range(3))
+    add_restart(run, restart=1, time_ns=1, steps_lost=2, from_step=1)
+    old = time.time() - 3600
+    for path in [run / "run.json", *run.rglob("*.json*")]:
+        os.utime(path, (old, old))
+    row = list_runs(tmp_path).iloc[0]
+    assert row["num_restarts"] == 1
+    assert 3590 < row["idle_s"] < 3700
+    w = RankWriter(run, 0)
+    w.write("steps", {"step": 3})
+    w.close()
+    assert list_runs(tmp_path).iloc[0]["idle_s"] < 60
+    assert abs(run_mtime_ns(run) - (run / "events" / "steps" / "rank00000.jsonl").stat().st_mtime_ns) == 0
 
 
 def test_list_runs_includes_root_when_it_is_a_run(tmp_path):

@@ -127,6 +127,7 @@ def test_refresh_returns_only_new_rows_per_table(tmp_path):
     w1.close()
     assert store.refresh() == {"steps": 1, "collectives": 2}
     assert store.refresh() == {}
+    assert store.num_rows()["steps"] == 7 and store.num_rows()["collectives"] == 2
     assert len(store.table("steps")) == 7
     coll = store.table("collectives")
     assert coll["seq"].tolist() == [1, 2]

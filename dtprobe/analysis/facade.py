@@ -151,6 +151,8 @@ class RunAnalysis:
 
     def steps_analyzed(self) -> list[int]:
         """Steps the step-time based metrics use: every finished step but the first ``skip_first_steps``."""
+        if self.is_trace_folder:  # a profiler window: every ProfilerStep counts (HTA drops the last, we do not)
+            return self._memo("steps_analyzed", lambda: analyzed_steps(self.table("steps"), skip_first=0))
         return self._memo("steps_analyzed", lambda: analyzed_steps(self.table("steps"),
                                                                    skip_first=self.options.skip_first_steps))
 
@@ -221,7 +223,10 @@ class RunAnalysis:
     # ------------------------------------------------------------------------------------------ overlap / time
 
     def comm_exposure(self) -> pd.DataFrame:
-        """Per (rank, step): communication time, exposed tail, straggler wait, exposed share, overlap."""
+        """Per (rank, step): communication time, exposed tail, straggler wait, exposed share, overlap (host
+        estimate; empty for a trace folder, whose ranks' clocks are not aligned: use the kernel-level overlap)."""
+        if self.is_trace_folder:
+            return pd.DataFrame({c: [] for c in _exposed.EXPOSURE_COLUMNS})
         return self._memo("exposure", lambda: _exposed.comm_exposure(
             self.table("collectives"), self.table("steps"), self.collective_skew()))
 

@@ -34,7 +34,8 @@ def build_metrics(a: "RunAnalysis") -> dict[str, Any]:
             "clock_aligned": not a.is_trace_folder,
         },
         "steps_analyzed": {"first": steps[0] if steps else None, "last": steps[-1] if steps else None,
-                           "count": len(steps), "skipped_warmup_steps": a.options.skip_first_steps},
+                           "count": len(steps),
+                           "skipped_warmup_steps": 0 if a.is_trace_folder else a.options.skip_first_steps},
         "step_time_ms": a.step_time_ns() / 1e6 if a.step_time_ns() else None,
         "throughput": a.throughput_summary() or None,
     }

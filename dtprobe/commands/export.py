@@ -76,6 +76,8 @@ def main_perfetto(args: argparse.Namespace) -> int:
     console = Console()
     with console.status(f"Writing Perfetto trace of {args.run} ..."):
         store = RunStore.open(args.run)
-        export_perfetto(store, Path(args.out))
-    console.print(f"Wrote {args.out}; open it at https://ui.perfetto.dev")
+        summary = export_perfetto(store, Path(args.out))
+    num_events = getattr(summary, "num_events", None)
+    detail = f" ({num_events} events)" if num_events is not None else ""
+    console.print(f"Wrote {args.out}{detail}; open it at https://ui.perfetto.dev", highlight=False)
     return 0

@@ -77,6 +77,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--data", choices=("synthetic", "text"), help="token source (default synthetic)")
     g.add_argument("--precision", help="fp32, bf16 or fp16 (runtime.precision)")
     g.add_argument("--compress", metavar="METHOD[:k=v]", help="gradient compression (runtime.compression)")
+    g = p.add_argument_group("checkpoints and hangs (runtime.recovery, runtime.hang)")
+    g.add_argument("--ckpt-every", type=int, metavar="K", help="DCP checkpoint after every K-th step (default 0: off)")
+    g.add_argument("--ckpt-async", action="store_true", default=None,
+                   help="save in the background (dcp.async_save on its own process group)")
+    g.add_argument("--ckpt-keep", type=int, metavar="N", help="committed checkpoints kept, 0 = all (default 2)")
+    g.add_argument("--collective-timeout", type=float, metavar="T",
+                   help="hang watchdog: a collective pending T seconds -> faults row 'hang', exit (default 0: off)")
     g = p.add_argument_group("telemetry and faults")
     g.add_argument("--profile-steps", metavar="A-B", help="trace steps A..B with torch.profiler, e.g. 10-11")
     g.add_argument("--no-collect", action="store_true", default=None,
@@ -120,6 +127,11 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
         sections["collect"]["profile_steps"] = parse_step_window(args.profile_steps)
     if args.precision is not None:
         sections["precision"] = {"dtype": args.precision}
+    ckpt = pick(every="ckpt_every", async_save="ckpt_async", keep="ckpt_keep")   # RELIABILITY
+    if ckpt:
+        sections["ckpt"] = ckpt
+    if args.collective_timeout is not None:
+        sections["hang"] = {"collective_timeout_s": args.collective_timeout}
     if args.compress is not None:
         from dataclasses import asdict
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -28,14 +29,14 @@ def main(args: argparse.Namespace) -> int:
         console.print(f"No dtprobe runs in '{args.root}'. Start one with `dtprobe run` or `dtprobe.attach(...)`.")
         return 0
     colors = {"running": "yellow", "finished": "green", "crashed": "red", "invalid": "magenta"}
-    table = Table(title=f"dtprobe runs in {args.root}")
+    table = Table(title=f"dtprobe runs in {Path(args.root).resolve()}")
     for col, justify in (("run", "left"), ("status", "left"), ("ranks", "right"), ("steps", "right"),
-                         ("restarts", "right"), ("age", "right"), ("last write", "right"), ("path", "left")):
-        table.add_column(col, justify=justify)
+                         ("restarts", "right"), ("age", "right"), ("last write", "right")):
+        table.add_column(col, justify=justify, overflow="fold")
     for row in runs.itertuples(index=False):
         status = f"[{colors.get(row.status, 'white')}]{row.status}[/]"
         table.add_row(row.name, status, _fmt_int(row.world_size), _fmt_int(row.num_steps),
-                      _fmt_int(row.num_restarts), _fmt_age(row.age_s), _fmt_age(row.idle_s, suffix=" ago"), row.path)
+                      _fmt_int(row.num_restarts), _fmt_age(row.age_s), _fmt_age(row.idle_s, suffix=" ago"))
     console.print(table)
     for row in runs.itertuples(index=False):
         if row.status == "invalid":

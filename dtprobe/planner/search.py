@@ -163,12 +163,10 @@ def _why(this: pd.Series, nxt: pd.Series) -> str:
 
 def _overflow_reasons(rej: pd.DataFrame) -> list[str]:
     parts = list(_MEM_LABELS)
-    out = []
-    for r in rej[parts + ["total_gib", "usable_gib"]].itertuples(index=False):
-        d = r._asdict()
-        largest = max(parts, key=lambda k: d[k])
-        out.append(f"needs {d['total_gib']:.1f} GiB per GPU > {d['usable_gib']:.1f} GiB usable; largest part: "
-                   f"{_MEM_LABELS[largest]} {d[largest]:.1f} GiB (weights {d['weights_gib']:.1f}, gradients "
-                   f"{d['grads_gib']:.1f}, optimizer {d['optimizer_gib']:.1f}, activations "
-                   f"{d['activations_gib']:.1f} GiB)")
-    return out
+    values = rej[parts].to_numpy()
+    largest = [_MEM_LABELS[parts[i]] for i in values.argmax(axis=1)] if len(rej) else []
+    cols = [rej[c].to_numpy() for c in ("total_gib", "usable_gib", "weights_gib", "grads_gib", "optimizer_gib",
+                                        "activations_gib")]
+    return [f"needs {tot:.1f} GiB per GPU > {use:.1f} GiB usable; largest part: {name} {big:.1f} GiB "
+            f"(weights {w:.1f}, gradients {g:.1f}, optimizer {o:.1f}, activations {a:.1f} GiB)"
+            for name, big, tot, use, w, g, o, a in zip(largest, values.max(axis=1) if len(rej) else [], *cols)]

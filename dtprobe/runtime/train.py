@@ -121,7 +121,8 @@ def train(job: JobConfig, *, probe: Any, device: torch.device) -> TrainContext:
                 with s.phase("data"):
                     batches = sampler.micro_batches(step)
                 loss = parts.train_step(ctx, s, step, batches)
-                s.record(loss=loss.item(), tokens=tokens_per_step, lr=lr)
+                # LAYOUTS: a pipeline rank without the last stage has no loss (None -> null in steps).
+                s.record(loss=None if loss is None else loss.item(), tokens=tokens_per_step, lr=lr)
             for hook in ctx.hooks:
                 hook.step_end(ctx, step)
         status = "finished"

@@ -263,9 +263,15 @@ def parse_trace_file(path: str | Path, *, single_file: bool = False) -> RankPars
         if ts is None:
             continue
         args = ev.args
-        stream = _stream_id(args.stream) if args is not None else -1
-        name = ev.name if isinstance(ev.name, str) else str(ev.name)
-        corr = args.correlation if args is not None else None
+        if args is None:
+            stream, corr = -1, None
+        else:
+            stream, corr = args.stream, args.correlation
+            if type(stream) is not int:
+                stream = _stream_id(stream)
+        name = ev.name
+        if type(name) is not str:
+            name = str(name)
         if stream != -1:
             kind = kinds.get(name)
             if kind is None:
@@ -285,17 +291,19 @@ def parse_trace_file(path: str | Path, *, single_file: bool = False) -> RankPars
                 prev = launches.get(c)
                 if prev is None or ts < prev[0]:
                     launches[c] = (ts, ev.tid)
-        if name.startswith("ProfilerStep"):
+        first = name[:1]
+        if first == "P" and name.startswith("ProfilerStep"):
             m = STEP_RE.match(name)
             if m:
                 step_events.append((int(m.group(1)), ts, dur))
-        elif cat == "user_annotation" and (name.startswith("nccl:") or name.startswith("gloo:")):
-            annotations.append((ev.tid, ts, dur, name, args.input_dims if args else None,
-                                args.input_type if args else None))
-        elif name.startswith("c10d::"):
-            c10d_ops.append((ev.tid, ts, dur, name, args.input_dims if args else None,
-                             args.input_type if args else None))
+        elif (first == "n" or first == "g") and cat == "user_annotation" and (
+                name.startswith("nccl:") or name.startswith("gloo:")):
+            annotations.append((ev.tid, ts, dur, name, *_copied_inputs(args)))
+        elif first == "c" and name.startswith("c10d::"):
+            c10d_ops.append((ev.tid, ts, dur, name, *_copied_inputs(args)))
     del events
+    for kept in comm_args.values():   # drop views into the file's buffer so it can be freed
+        kept.input_dims = kept.input_type = None
 
     base = meta.base_time_ns
     n = len(g_name)
@@ -327,6 +335,13 @@ def parse_trace_file(path: str | Path, *, single_file: bool = False) -> RankPars
                  "step": step},
         launch_tid=launch_tid, steps=steps, comm_args=comm_args,
         annotations=_to_ns_rows(annotations, base), c10d_ops=_to_ns_rows(c10d_ops, base))
+
+
+def _copied_inputs(args: _Args | None) -> tuple[Any, Any]:
+    """``Input Dims`` / ``Input type`` raw JSON, copied out of the file buffer (a Raw view would pin it)."""
+    if args is None:
+        return None, None
+    return tuple(r.copy() if isinstance(r, msgspec.Raw) else None for r in (args.input_dims, args.input_type))
 
 
 def _to_ns_rows(rows: list[tuple], base: int) -> list[tuple]:

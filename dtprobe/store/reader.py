@@ -121,6 +121,11 @@ class RunStore:
                     present.append(name)
             return present
 
+    def num_rows(self) -> dict[str, int]:
+        """Rows so far of every loaded table (cheap: no frame is built); changes exactly when a table does."""
+        with self._lock:
+            return {name: state.num_rows for name, state in self._states.items()}
+
     def refresh(self) -> dict[str, int]:
         """Re-read the manifest and rank infos and parse lines appended since the last read.
 
@@ -134,6 +139,17 @@ class RunStore:
                 if n:
                     new[name] = n
             return new
+
+    def aligned_arrow(self, name: str) -> pa.Table:
+        """All rows of ``name`` as one clock-aligned, sorted Arrow table (what compaction writes)."""
+        with self._lock:
+            state = self._load(_check_table_name(name))
+            return self._aligned(name, state, self._manifest.clock_offsets_ns)
+
+    def cursors(self) -> dict[str, tuple[int, int]]:
+        """Events file (relative path) -> (bytes, lines) consumed so far, for every loaded table."""
+        with self._lock:
+            return {rel: (c.offset_bytes, c.lines) for s in self._states.values() for rel, c in s.cursors.items()}
 
     # ------------------------------------------------------------------------------------------------ internals
 
@@ -213,17 +229,6 @@ class RunStore:
             return arrow_schema(name).empty_table()
         aligned = pa.concat_tables([_align(c, name, offsets, self._path) for c in state.chunks])
         return _sort(aligned, SORT_KEYS.get(name, ("rank",)))
-
-    def aligned_arrow(self, name: str) -> pa.Table:
-        """All rows of ``name`` as one clock-aligned, sorted Arrow table (what compaction writes)."""
-        with self._lock:
-            state = self._load(_check_table_name(name))
-            return self._aligned(name, state, self._manifest.clock_offsets_ns)
-
-    def cursors(self) -> dict[str, tuple[int, int]]:
-        """Events file (relative path) -> (bytes, lines) consumed so far, for every loaded table."""
-        with self._lock:
-            return {rel: (c.offset_bytes, c.lines) for s in self._states.values() for rel, c in s.cursors.items()}
 
 
 def read_compacted_table(path: Path, name: str) -> pa.Table:

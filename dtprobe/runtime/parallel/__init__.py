@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Parallelized", "ParallelDims", "StageSleep", "check_layout", "parallelize", "parse_stage_sleep"]
+__all__ = ["Parallelized", "ParallelDims", "StageSleep", "check_layout", "parallelize", "parallelize_model",
+           "parse_stage_sleep"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("parallelize", "Parallelized"):
+    if name in ("parallelize", "parallelize_model", "Parallelized"):
         from dtprobe.runtime.parallel import hybrid
 
         return getattr(hybrid, name)

@@ -1,5 +1,5 @@
-"""``parallelize``: the built-in GPT on any dp x tp x pp x ZeRO layout on one DeviceMesh, with its optimizer and
-train step; called by the runtime's train loop (``dtprobe.runtime.train``).
+"""``parallelize_model``: the built-in GPT on any dp x tp x pp x ZeRO layout on one DeviceMesh, with its optimizer
+and train step; ``parallelize`` wraps it for the runtime's train loop (``dtprobe.runtime.train``).
 
 Order of application on each model part (the whole model, or each pipeline stage this rank holds), as in
 torchtitan: split into stages -> tensor parallel on ``tp`` -> activation checkpointing -> data parallel /
@@ -59,6 +59,7 @@ class Parallelized:
     """Global gradient-norm clip; 0 disables it."""
     record: Record | None = None
     """``probe.record`` (memory rows every step, pipeline rows every action) or None."""
+    _loss_scale: float = 1.0
 
     @property
     def dp_rank(self) -> int:
@@ -83,24 +84,31 @@ class Parallelized:
     def num_stages(self) -> int:
         return self.dims.pp * max(1, len(self.stage_indices))
 
-    def train_step(self, micro_batches: Sequence[Any], *, step: int, step_ctx: Any = None) -> float | None:
+    def train_step(self, micro_batches: Sequence[Any], *, step: int, step_ctx: Any = None, ops: Any = None,
+                   faults: Any = None, inject_overflow: bool = False) -> torch.Tensor | None:
         """One optimizer step over this rank's micro-batches (``runtime.data.Batch`` or ``(inputs, targets)``
         pairs of the dp shard; gradients are accumulated over them, or, with PP, they are concatenated and the
         schedule splits them into ``layout.microbatches``). Returns this rank's mean loss, or None on a pipeline
         rank without the loss. ``step_ctx`` is ``probe.step``'s context: phases fwd/bwd/opt are timed (with PP,
         fwd and bwd are the summed F and B/I/W actions of this rank's stages, as the schedule interleaves them).
-        Gradients are clipped to ``max_norm`` (global norm over every layout axis) when it is > 0."""
+        Gradients are clipped to ``max_norm`` (global norm over every layout axis) when it is > 0.
+        ``ops`` are the precision ops (``runtime.precision.MixedPrecision``; fp32 when None), ``faults`` the
+        runtime's ``FaultInjector`` (``in_compute``/``after_compute`` around the compute)."""
         phase = step_ctx.phase if step_ctx is not None else (lambda name: contextlib.nullcontext())
+        ops = ops if ops is not None else _Fp32Ops()
         pairs = [(b.inputs, b.targets) if hasattr(b, "inputs") else tuple(b) for b in micro_batches]
         self.optimizer.zero_grad(set_to_none=True)
         if self.schedule is None:
             model = self.model_parts[0]
             total = torch.zeros((), device=self.device)
-            for inputs, targets in pairs:
+            for i, (inputs, targets) in enumerate(pairs):
                 with phase("fwd"):
-                    loss = self.loss_fn(model(inputs), targets) / len(pairs)
+                    if i == 0 and faults is not None:
+                        faults.in_compute(step)
+                    with ops.autocast():
+                        loss = self.loss_fn(model(inputs), targets) / len(pairs)
                 with phase("bwd"):
-                    loss.backward()
+                    ops.backward(loss, inject_overflow=inject_overflow and i == len(pairs) - 1)
                 total += loss.detach().float()
             mean_loss: torch.Tensor | None = total
         else:
@@ -110,31 +118,58 @@ class Parallelized:
             self.timer.start_step(step)
             losses: list[torch.Tensor] = []
             args = (inputs,) if self.has_first_stage else ()
-            if self.has_loss:
-                self.schedule.step(*args, target=targets, losses=losses)
-            else:
-                self.schedule.step(*args)
+            scaler = getattr(ops, "scaler", None)
+            self._loss_scale = 1.0 if scaler is None else float(scaler.get_scale())
+            if faults is not None:
+                faults.in_compute(step)
+            with ops.autocast():
+                if self.has_loss:
+                    self.schedule.step(*args, target=targets, losses=losses)
+                else:
+                    self.schedule.step(*args)
             fwd_ns, bwd_ns = self.timer.phase_ns()
             phase_ns = getattr(step_ctx, "phase_ns", None)
             if phase_ns is not None:
                 phase_ns["fwd"] = phase_ns.get("fwd", 0) + fwd_ns
                 phase_ns["bwd"] = phase_ns.get("bwd", 0) + bwd_ns
-            mean_loss = torch.stack([x.detach().float() for x in losses]).mean() if losses else None
+            mean_loss = (torch.stack([x.detach().float() for x in losses]).mean() / self._loss_scale
+                         if losses else None)
+        if faults is not None:
+            faults.after_compute()
         with phase("opt"):
             if self.max_norm > 0:
+                ops.unscale(self.optimizer)
                 pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
                 clip_grad_norm(self.parameters(), self.max_norm, pp_group=pp_group)
-            self.optimizer.step()
+            ops.step(self.optimizer, step=step)
         if self.record is not None:
             self.record("memory", memory_row(self.model_parts, self.optimizer, step=step, device=self.device))
-        return None if mean_loss is None else float(mean_loss)
+        return mean_loss
 
     def parameters(self) -> list[nn.Parameter]:
         """Every parameter this rank trains (all local stages)."""
         return [p for part in self.model_parts for p in part.parameters()]
 
 
-def parallelize(model: nn.Module, layout: Any, *, world_size: int, rank: int, device: torch.device,
+class _Fp32Ops:
+    """fp32 step ops (the do-nothing twin of ``runtime.precision.MixedPrecision``)."""
+
+    scaler = None
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor, *, inject_overflow: bool = False) -> None:
+        loss.backward()
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        pass
+
+    def step(self, optimizer: torch.optim.Optimizer, *, step: int) -> None:
+        optimizer.step()
+
+
+def parallelize_model(model: nn.Module, layout: Any, *, world_size: int, rank: int, device: torch.device,
                 optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
                 optimizer_kwargs: dict[str, Any] | None = None, init_mesh: Callable[..., Any] | None = None,
                 max_norm: float = 0.0, record: Record | None = None, stage_sleep: StageSleep | None = None,
@@ -195,3 +230,40 @@ def parallelize(model: nn.Module, layout: Any, *, world_size: int, rank: int, de
         result.schedule = build_schedule(stages, layout.pp_schedule, microbatches=layout.microbatches,
                                          loss_fn=result.loss_fn)
     return result
+
+
+def parallelize(job: Any, layout: Any, *, probe: Any, device: torch.device) -> Any:
+    """The seam of ``runtime.train.build_context``: the job's GPT on ``layout`` as ``data_parallel.TrainParts``.
+
+    Collectives of the mesh's axis groups are recorded as ``pg`` = ``dp``/``tp``/``pp`` (the probe names the
+    mesh); pipeline actions and per-step memory go to the ``pipeline`` and ``memory`` tables. fp16 loss scaling
+    uses a ``ShardedGradScaler`` over the world, so every rank agrees on skipping a step.
+    """
+    from dtprobe.runtime.data_parallel import TrainParts
+    from dtprobe.runtime.model import build_model
+    from dtprobe.runtime.parallel.pp import parse_stage_sleep
+
+    tcfg = job.train
+    model = build_model(job.model.name, seed=tcfg.seed)
+    init_mesh = getattr(probe, "init_device_mesh", None)
+    par = parallelize_model(
+        model, layout, world_size=probe.world_size, rank=probe.rank, device=device,
+        optimizer_kwargs={"lr": tcfg.lr, "betas": (0.9, 0.95), "weight_decay": tcfg.weight_decay},
+        init_mesh=init_mesh, record=probe.record, max_norm=tcfg.clip,
+        stage_sleep=parse_stage_sleep(getattr(layout, "stage_sleep", None)),
+        global_batch=tcfg.batch_size * tcfg.grad_accum * layout.dp, seq_len=tcfg.seq_len)
+    ops = None
+    section = job.section("precision") if hasattr(job, "section") else None
+    if section is not None and getattr(section, "dtype", "fp32") != "fp32":
+        from dtprobe.runtime.precision import MixedPrecision
+
+        ops = MixedPrecision(section, device_type=device.type, sharded=True, record=probe.record)
+
+    def train_step(ctx: Any, s: Any, step: int, batches: list) -> torch.Tensor | None:
+        return par.train_step(batches, step=step, step_ctx=s, ops=ctx.ops, faults=ctx.faults,
+                              inject_overflow=step in ctx.overflow_steps)
+
+    parts = TrainParts(modules=par.model_parts, optimizer=par.optimizer, train_step=train_step,
+                       dp_rank=par.dp_rank, dp_size=par.dp_size, params=par.parameters(), ops=ops)
+    parts.parallelized = par   # the layout details (mesh, coords, schedule, timer) for hooks and tests
+    return parts

@@ -1,0 +1,213 @@
+"""Time dtprobe vs Holistic Trace Analysis 0.5.0 on large Kineto trace sets built from the shared DLRM traces.
+
+Launch:  python benchmarks/analysis_vs_hta.py --ranks 64 --mb-per-rank 50
+(builds the set once under --work-dir, then runs each tool in a fresh process, side by side, and prints ratios).
+
+The set: rank r of N is DLRM rank r % 8 (8x V100, NCCL) with its events replicated with shifted timestamps,
+correlation ids and ProfilerStep numbers until the file holds about --mb-per-rank MB of JSON, so every file has
+many steps, ~15k GPU events per 50 MB and real kernel names. Files are plain ``.json`` written with Python's
+default spacing (HTA finds ranks with the regex ``"rank":\\s+(\\d+)``).
+
+Measured per tool, same work: parse every file, temporal breakdown, comm/comp overlap, kernel breakdown
+(kernel-type split + per-rank top kernels); dtprobe also its per-step tables. HTA runs with
+``include_last_profiler_step=True`` (the semantics dtprobe matches) and its default fork pool (2 processes here),
+without the extra tracemalloc parse of the first file it runs by default for > 8 ranks (that would only slow
+HTA down). dtprobe uses 2 worker processes.
+Peak memory = the largest sum of RSS over the tool's process and its children, sampled every 50 ms (forked
+workers share pages with their parent, so this over-counts both tools alike).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_SOURCE = ROOT / "tests" / "data" / "traces" / "dlrm_8rank_v100"
+
+
+# ---------------------------------------------------------------- build the trace set
+
+def _load(path: Path) -> dict:
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rb") as fh:
+        return json.loads(fh.read())
+
+
+def _replicated_events(doc: dict, target_bytes: int) -> tuple[bytes, int]:
+    """The JSON text of ``traceEvents`` replicated until about ``target_bytes``; returns (text, replicas)."""
+    events = doc["traceEvents"]
+    timed = [e for e in events if "ts" in e]
+    t0 = min(e["ts"] for e in timed)
+    span = max(e["ts"] + e.get("dur", 0) for e in timed) - t0 + 1000
+    max_corr = max((e.get("args", {}).get("correlation", 0) for e in events), default=0) + 1
+    max_id = max((e.get("id", 0) for e in events if isinstance(e.get("id"), int)), default=0) + 1
+    one = len(json.dumps(events).encode())
+    replicas = max(1, round(target_bytes / one))
+    parts = []
+    for i in range(replicas):
+        for e in events:
+            if i and (e.get("ph") == "M" or e.get("cat") == "Trace"):
+                continue
+            e2 = dict(e)
+            if "ts" in e2 and e2.get("ph") != "M":
+                e2["ts"] = e2["ts"] + i * span
+            args = e2.get("args")
+            if isinstance(args, dict) and "correlation" in args:
+                e2["args"] = dict(args, correlation=args["correlation"] + i * max_corr)
+            if isinstance(e2.get("id"), int):
+                e2["id"] = e2["id"] + i * max_id
+            name = e2.get("name", "")
+            if isinstance(name, str) and name.startswith("ProfilerStep#"):
+                e2["name"] = f"ProfilerStep#{int(name.split('#')[1]) + i}"
+            parts.append(json.dumps(e2))
+    return ("[" + ", ".join(parts) + "]").encode(), replicas
+
+
+def build_set(source: Path, out: Path, *, num_ranks: int, mb_per_rank: float) -> Path:
+    """Write ``num_ranks`` trace files of about ``mb_per_rank`` MB under ``out`` (reused when already built)."""
+    stamp = out / "BUILT"
+    if stamp.exists() and stamp.read_text() == f"{source} {num_ranks} {mb_per_rank}":
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("*.json"):
+        old.unlink()
+    sources = sorted(p for p in source.iterdir() if p.name.endswith((".json", ".json.gz")))
+    bodies: dict[int, tuple[dict, bytes]] = {}
+    for i, path in enumerate(sources):
+        doc = _load(path)
+        text, replicas = _replicated_events(doc, int(mb_per_rank * 1e6))
+        head = {k: v for k, v in doc.items() if k not in ("traceEvents", "distributedInfo")}
+        bodies[i] = (head, text)
+        print(f"  source {path.name}: {replicas} replicas, {len(text) / 1e6:.1f} MB", flush=True)
+    for rank in range(num_ranks):
+        head, text = bodies[rank % len(sources)]
+        info = {"backend": "nccl", "rank": rank, "world_size": num_ranks}
+        prefix = json.dumps({"distributedInfo": info, **head})[:-1] + ', "traceEvents": '
+        with open(out / f"rank{rank:05d}.pt.trace.json", "wb") as fh:
+            fh.write(prefix.encode())
+            fh.write(text)
+            fh.write(b"}")
+    stamp.write_text(f"{source} {num_ranks} {mb_per_rank}")
+    return out
+
+
+# ---------------------------------------------------------------- the measured work (child processes)
+
+def run_dtprobe(trace_dir: str) -> dict:
+    t0 = time.perf_counter()
+    from dtprobe.analysis.trace_metrics import analyze_traces
+    from dtprobe.store.kineto import load_trace_dir
+    run = load_trace_dir(trace_dir, workers=2)
+    t1 = time.perf_counter()
+    metrics = analyze_traces(run)
+    t2 = time.perf_counter()
+    temporal = metrics.temporal.set_index("rank")
+    return {"parse_s": t1 - t0, "analyze_s": t2 - t1, "total_s": t2 - t0,
+            "idle_pct": (temporal["idle_frac"] * 100).round(4).to_dict(),
+            "overlap_pct": (metrics.overlap.set_index("rank")["overlap_frac"] * 100).round(4).to_dict(),
+            "num_kernels": int(len(run.kernels)), "num_steps": len(metrics.steps_analyzed)}
+
+
+def run_hta(trace_dir: str) -> dict:
+    import logging
+    import warnings
+    warnings.simplefilter("ignore")
+    t0 = time.perf_counter()
+    from hta.common.trace import Trace
+    from hta.trace_analysis import TraceAnalysis
+    logging.disable(logging.WARNING)
+    # = TraceAnalysis(trace_dir, include_last_profiler_step=True) minus the extra tracemalloc parse of the first
+    # file that HTA runs for > 8 ranks to size its pool (left out so the comparison does not favour dtprobe)
+    analysis = TraceAnalysis.__new__(TraceAnalysis)
+    analysis.t = Trace(trace_dir=trace_dir)
+    analysis.t.load_traces(include_last_profiler_step=True, use_memory_profiling=False)
+    t1 = time.perf_counter()
+    temporal = analysis.get_temporal_breakdown(visualize=False).set_index("rank")
+    overlap = analysis.get_comm_comp_overlap(visualize=False).set_index("rank")
+    analysis.get_gpu_kernel_breakdown(visualize=False)
+    t2 = time.perf_counter()
+    return {"parse_s": t1 - t0, "analyze_s": t2 - t1, "total_s": t2 - t0,
+            "idle_pct": temporal["idle_time_pctg"].to_dict(),
+            "overlap_pct": overlap["comp_comm_overlap_pctg"].to_dict()}
+
+
+def measure(tool: str, trace_dir: Path, timeout_s: float) -> dict:
+    """Run ``tool`` in a fresh interpreter; sample the RSS of its process tree; return its timings + peak."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, __file__, "--child", tool, str(trace_dir)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    root = psutil.Process(proc.pid)
+    peak = 0
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None:
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise SystemExit(f"{tool} exceeded {timeout_s:.0f} s")
+        try:
+            procs = [root] + root.children(recursive=True)
+            peak = max(peak, sum(p.memory_info().rss for p in procs if p.is_running()))
+        except psutil.Error:
+            pass
+        time.sleep(0.05)
+    out = proc.stdout.read().decode()
+    if proc.returncode != 0:
+        raise SystemExit(f"{tool} failed with exit code {proc.returncode}")
+    result = json.loads(out.strip().splitlines()[-1])
+    result["peak_rss_bytes"] = peak
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, default=64, help="trace files (ranks) in the set (default 64)")
+    parser.add_argument("--mb-per-rank", type=float, default=50.0, help="JSON MB per file (default 50)")
+    parser.add_argument("--source", type=Path, default=DEFAULT_SOURCE, help="folder of source traces (DLRM)")
+    parser.add_argument("--work-dir", type=Path, default=Path("/tmp/dtprobe_bench_traces"),
+                        help="where the set is built (and reused)")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="per tool, seconds")
+    parser.add_argument("--child", nargs=2, metavar=("TOOL", "DIR"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        tool, trace_dir = args.child
+        print(json.dumps(run_dtprobe(trace_dir) if tool == "dtprobe" else run_hta(trace_dir)))
+        return 0
+
+    trace_dir = args.work_dir / f"r{args.ranks}_mb{args.mb_per_rank:g}"
+    print(f"building {args.ranks} ranks x ~{args.mb_per_rank:g} MB in {trace_dir} ...", flush=True)
+    build_set(args.source, trace_dir, num_ranks=args.ranks, mb_per_rank=args.mb_per_rank)
+    files = sorted(trace_dir.glob("*.json"))
+    raw = sum(f.stat().st_size for f in files)
+    print(f"set: {len(files)} files, {raw / 1e6:.0f} MB of JSON (largest {max(f.stat().st_size for f in files) / 1e6:.1f} MB)")
+
+    results = {}
+    for tool in ("dtprobe", "hta"):
+        print(f"running {tool} ...", flush=True)
+        results[tool] = measure(tool, trace_dir, args.timeout)
+    ours, hta = results["dtprobe"], results["hta"]
+
+    print(f"\n{'':10s} {'parse s':>9s} {'analyses s':>11s} {'total s':>9s} {'peak MB':>9s} {'peak/raw':>9s}")
+    for tool, r in results.items():
+        print(f"{tool:10s} {r['parse_s']:9.2f} {r['analyze_s']:11.2f} {r['total_s']:9.2f} "
+              f"{r['peak_rss_bytes'] / 1e6:9.0f} {r['peak_rss_bytes'] / raw:9.2f}")
+    idle_diff = max(abs(ours["idle_pct"][str(k)] - v) for k, v in
+                    ((int(k), v) for k, v in hta["idle_pct"].items()))
+    print(f"\nspeed-up (HTA total / dtprobe total): {hta['total_s'] / ours['total_s']:.1f}x "
+          f"(parse {hta['parse_s'] / ours['parse_s']:.1f}x, analyses {hta['analyze_s'] / ours['analyze_s']:.1f}x)")
+    print(f"peak memory: dtprobe {ours['peak_rss_bytes'] / raw:.2f}x the raw JSON, "
+          f"HTA {hta['peak_rss_bytes'] / raw:.2f}x; dtprobe uses {ours['peak_rss_bytes'] / hta['peak_rss_bytes']:.2f}x HTA's")
+    print(f"agreement: max |idle % dtprobe - HTA| over ranks = {idle_diff:.3f} points; "
+          f"{ours['num_kernels']} GPU events, {ours['num_steps']} steps analysed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,10 @@
+"""Communication: placeholder until the page is drawn."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from dashboard import common
+
+source = common.page_setup("Communication")
+st.info("This page is not drawn yet.")

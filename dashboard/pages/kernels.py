@@ -1,0 +1,10 @@
+"""Kernels: placeholder until the page is drawn."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from dashboard import common
+
+source = common.page_setup("Kernels")
+st.info("This page is not drawn yet.")

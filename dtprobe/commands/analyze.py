@@ -1,0 +1,162 @@
+"""``dtprobe analyze PATH``: findings with evidence and recommendations for a run or a Kineto trace folder.
+
+Exit codes: 0 no critical finding, 1 at least one critical finding, 2 unusable input (the message names the
+file and what is wrong).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "analyze", help="diagnose a run or a folder of Kineto traces: findings, evidence, recommendations",
+        description=(
+            "Analyse PATH, a dtprobe run directory (running, finished or crashed) or a folder of Kineto traces "
+            "(torch.profiler *.pt.trace.json[.gz], one file per rank), and report findings: stragglers (culprit "
+            "vs victims per parallel group), exposed communication, pipeline bubbles, AMP overflows, checkpoint "
+            "stalls, inefficient collectives, hangs, device throttling, compression, MFU. Exit code 0: no "
+            "critical finding; 1: critical findings; 2: unusable input."),
+        epilog=("Codes and the JSON shape are documented in docs/findings.md. Example: "
+                "dtprobe analyze runs/dp4 --format json > findings.json"),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("path", metavar="PATH", help="run directory or Kineto trace folder")
+    parser.add_argument("--format", choices=("text", "json", "md"), default="text",
+                        help="text: tables for a terminal; json: the dtprobe.findings/1 document; md: Markdown")
+    parser.add_argument("--baseline", metavar="RUN", default=None,
+                        help="a comparable run (e.g. without compression) for the loss gap and comparisons")
+    parser.add_argument("-o", "--output", metavar="FILE", default=None, help="write the report here instead of stdout")
+    parser.add_argument("--mtbf-hours", type=float, default=24.0,
+                        help="mean time between failures assumed for the Young/Daly checkpoint interval")
+    parser.add_argument("--window-steps", type=int, default=20,
+                        help="sliding window (steps) over which a straggler must persist")
+    parser.add_argument("--skip-steps", type=int, default=1,
+                        help="warm-up steps left out of step-time metrics")
+    parser.add_argument("--link-gbps", type=float, default=None,
+                        help="link peak bus bandwidth in Gb/s to judge large collectives against (off when unset)")
+    parser.add_argument("--hang-timeout-s", type=float, default=60.0,
+                        help="while a run is running, a collective waited on this long counts as a hang")
+    parser.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from dtprobe.analysis.facade import AnalysisOptions, RunAnalysis, open_source
+    from dtprobe.store.errors import ConfigError, TraceError
+
+    err = Console(stderr=True)
+    try:
+        options = AnalysisOptions(window_steps=args.window_steps, skip_first_steps=args.skip_steps,
+                                  mtbf_hours=args.mtbf_hours, peak_busbw_gbps=args.link_gbps,
+                                  hang_timeout_s=args.hang_timeout_s)
+    except ValueError as exc:
+        raise ConfigError(f"{exc}. Fix the flag (see dtprobe analyze --help).") from None
+    with err.status(f"Reading {args.path} ...") as status:
+        def progress(done: int, total: int, path: str) -> None:
+            status.update(f"Parsing traces {done}/{total}: {Path(path).name}")
+
+        source = open_source(args.path, progress=progress)
+        baseline = None
+        if args.baseline:
+            status.update(f"Reading baseline {args.baseline} ...")
+            baseline = open_source(args.baseline)
+        analysis = RunAnalysis(source, baseline=baseline, options=options)
+        _check_not_empty(analysis, TraceError)
+        status.update("Analysing ...")
+        report = analysis.report()
+    if args.format == "json":
+        import json
+
+        text = json.dumps(report, indent=1) + "\n"
+    elif args.format == "md":
+        from dtprobe.analysis.report import render_markdown
+
+        text = render_markdown(report)
+    else:
+        text = None
+    if text is not None:
+        if args.output:
+            Path(args.output).write_text(text)
+            err.print(f"Wrote {args.output}")
+        else:
+            sys.stdout.write(text)
+    else:
+        out = Console(file=open(args.output, "w"), width=140) if args.output else Console()
+        render_text(report, out)
+        if args.output:
+            out.file.close()
+            err.print(f"Wrote {args.output}")
+    return 1 if any(f["severity"] == "critical" for f in report["findings"]) else 0
+
+
+def _check_not_empty(analysis, TraceError) -> None:
+    """TraceError when the source holds nothing to analyse (a run whose ranks never wrote a row)."""
+    for name in ("steps", "collectives", "kernels", "faults", "pipeline", "checkpoints", "amp", "devices"):
+        if not analysis.table(name).empty:
+            return
+    where = analysis.path / "events" if not analysis.is_trace_folder else analysis.path
+    raise TraceError(f"'{where}' holds no events: no rank wrote steps, collectives or any other table. Check that "
+                     f"the ranks called dtprobe.attach(...) and ran at least one step (status: {analysis.status}).")
+
+
+def render_text(report: dict, console) -> None:
+    """The report for a terminal: header, findings table by severity, recommendations, key metrics."""
+    from rich.panel import Panel
+    from rich.table import Table
+
+    m = report["metrics"]
+    run, sa = m["run"], m["steps_analyzed"]
+    head = [f"[bold]{report['source']}[/]  ({run['kind']}, status [bold]{run['status']}[/], "
+            f"world size {run['world_size']})"]
+    if sa["count"]:
+        head.append(f"steps analysed: {sa['first']}..{sa['last']} ({sa['count']} steps; first "
+                    f"{sa['skipped_warmup_steps']} skipped as warm-up)")
+    if m.get("step_time_ms"):
+        head.append(f"median step time: {m['step_time_ms']:.1f} ms")
+    tp = m.get("throughput") or {}
+    if tp.get("tokens_per_s"):
+        mfu = f"{tp['mfu']:.1%}" if tp.get("mfu") is not None else f"n/a ({tp.get('mfu_reason')})"
+        head.append(f"throughput: {tp['tokens_per_s']:,.0f} tokens/s; MFU {mfu}")
+    console.print(Panel("\n".join(head), title="dtprobe analyze", expand=False))
+    findings = report["findings"]
+    if not findings:
+        console.print("[green]No findings.[/]")
+    else:
+        table = Table(title=f"{len(findings)} finding(s)", show_lines=False)
+        for col in ("severity", "code", "ranks", "group", "title", "gain"):
+            table.add_column(col, overflow="fold")
+        for f in findings:
+            gain = (f"{f['predicted_gain']['frac']:.0%} {f['predicted_gain']['metric']}"
+                    if f["predicted_gain"] else "")
+            table.add_row(f"[{SEVERITY_STYLE[f['severity']]}]{f['severity']}[/]", f["code"],
+                          ",".join(map(str, f["ranks"])), f["group"] or "", f["title"], gain)
+        console.print(table)
+        for f in findings:
+            console.print(f"[{SEVERITY_STYLE[f['severity']]}]{f['code']}[/] {f['title']}\n  -> {f['recommendation']}")
+    if m.get("temporal_breakdown"):
+        t = Table(title="temporal breakdown (GPU kernels)")
+        for col in ("rank", "idle", "compute", "non-compute", "kernel time (us)", "comm overlap"):
+            t.add_column(col, justify="right")
+        overlap = {r["rank"]: r["overlap_frac"] for r in m.get("comm_comp_overlap", [])}
+        for r in m["temporal_breakdown"]:
+            t.add_row(str(r["rank"]), _pct(r["idle_frac"]), _pct(r["compute_frac"]), _pct(r["non_compute_frac"]),
+                      f"{r['kernel_time_us']:,}", _pct(overlap.get(r["rank"])))
+        console.print(t)
+    if m.get("comm_exposure"):
+        t = Table(title="communication per rank (host estimate, share of step)")
+        for col in ("rank", "comm", "exposed", "straggler wait", "overlap"):
+            t.add_column(col, justify="right")
+        for r in m["comm_exposure"]:
+            t.add_row(str(r["rank"]), _pct(r["comm_frac"]), _pct(r["exposed_frac"]), _pct(r["straggler_wait_frac"]),
+                      _pct(r["overlap_frac"]))
+        console.print(t)
+
+
+def _pct(x) -> str:
+    return "" if x is None else f"{x:.1%}"

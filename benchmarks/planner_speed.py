@@ -7,11 +7,12 @@ empty, as in a fresh ``dtprobe plan``), the warm search (cache filled), and thei
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
 from dtprobe.planner import TrainingSpec, make_cluster, model_preset, plan
-from dtprobe.planner.pipeline import _simulated
+from dtprobe.planner.pipeline import _simulated, clear_caches
 
 GOAL_S = 1.0
 
@@ -23,22 +24,25 @@ def main() -> None:
     model = model_preset("llama3-70b")
     cluster = make_cluster(gpu="a100-80", num_gpus=512, gpus_per_node=8)
     training = TrainingSpec(global_batch=1024, seq_len=8192, precision="bf16", optimizer="adam")
-    cold, warm = [], []
+    cold, warm, cold_cpu, warm_cpu = [], [], [], []
     for _ in range(args.repeat):
-        _simulated.cache_clear()
-        t0 = time.perf_counter()
+        clear_caches()
+        t0, c0 = time.perf_counter(), time.process_time()
         result = plan(model, cluster, training, top_k=5)
         cold.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
+        cold_cpu.append(time.process_time() - c0)
+        t0, c0 = time.perf_counter(), time.process_time()
         plan(model, cluster, training, top_k=5)
         warm.append(time.perf_counter() - t0)
+        warm_cpu.append(time.process_time() - c0)
     sims = _simulated.cache_info().currsize
     print(f"llama3-70b on 512 x a100-80: {result.num_candidates} layouts, {result.num_fit} fit, "
           f"{sims} pipeline simulations")
-    for name, xs in (("cold", cold), ("warm", warm)):
+    for name, xs, cpu in (("cold", cold, cold_cpu), ("warm", warm, warm_cpu)):
         med = statistics.median(xs)
-        print(f"{name:5s} search: median {med:.3f} s (min {min(xs):.3f}, max {max(xs):.3f}) = "
-              f"{med / GOAL_S:.2f} x the {GOAL_S:.0f} s goal")
+        print(f"{name:5s} search: median {med:.3f} s wall (min {min(xs):.3f}, max {max(xs):.3f}), "
+              f"{statistics.median(cpu):.3f} s CPU = {med / GOAL_S:.2f} x the {GOAL_S:.0f} s goal")
+    print(f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores while measuring)")
     best = result.best
     print(f"best: dp{best['dp']} tp{best['tp']} pp{best['pp']} {best['schedule']} {best['step_time_s']:.2f} s/step")
 

@@ -79,7 +79,9 @@ class NvmlReader:
         clock = self._try(lambda: nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM))
         if clock is not None:
             row["sm_clock_mhz"] = float(clock)
-        reasons = self._try(lambda: nvml.nvmlDeviceGetCurrentClocksThrottleReasons(h))
+        get_reasons = (getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+                       or nvml.nvmlDeviceGetCurrentClocksThrottleReasons)
+        reasons = self._try(lambda: get_reasons(h))
         if reasons is not None:
             row["throttle_reasons"] = int(reasons)
         tx = self._try(lambda: nvml.nvmlDeviceGetPcieThroughput(h, nvml.NVML_PCIE_UTIL_TX_BYTES))
@@ -203,3 +205,8 @@ class DeviceSampler:
         if self._thread is not None:
             self._thread.join(timeout=max(5.0, 2 * self.interval_s))
         self.sample_once()
+        if self.nvml_reader is not None:
+            try:
+                self.nvml_reader.nvml.nvmlShutdown()
+            except self.nvml_reader.nvml.NVMLError:
+                pass

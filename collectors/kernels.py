@@ -43,6 +43,7 @@ class ProfilerWindow:
         self.record_shapes = record_shapes
         self.cuda = torch.cuda.is_available() if cuda is None else cuda
         self._prof: Any = None
+        self._step_mark: Any = None
         self.path: Path | None = None
         """The exported trace, once written."""
         self._done = False
@@ -54,16 +55,26 @@ class ProfilerWindow:
     def on_step_begin(self, step: int) -> None:
         if self._done:
             return
-        if self._prof is None:
-            if step == self.first:
-                self._start(step)
-        else:
-            self._prof.step()           # closes ProfilerStep#<previous>, opens ProfilerStep#<step>
-            self._prof.step_num = step
+        if self._prof is None and step == self.first:
+            self._start(step)
+        if self._prof is not None:
+            from torch.profiler import record_function
+
+            self._end_step_mark()
+            self._step_mark = record_function(f"ProfilerStep#{step}")
+            self._step_mark.__enter__()
 
     def on_step_end(self, step: int) -> None:
-        if self._prof is not None and step >= self.last:
+        if self._prof is None:
+            return
+        self._end_step_mark()
+        if step >= self.last:
             self.stop()
+
+    def _end_step_mark(self) -> None:
+        mark, self._step_mark = self._step_mark, None
+        if mark is not None:
+            mark.__exit__(None, None, None)
 
     def _start(self, step: int) -> None:
         from torch.profiler import ProfilerActivity, profile
@@ -72,12 +83,12 @@ class ProfilerWindow:
         if self.cuda:
             activities.append(ProfilerActivity.CUDA)
         prof = profile(activities=activities, record_shapes=self.record_shapes)
-        prof.step_num = step
         prof.start()
         self._prof = prof
 
     def stop(self) -> Path | None:
         """Stop profiling and write the trace (no-op when not profiling)."""
+        self._end_step_mark()
         prof, self._prof = self._prof, None
         if prof is None:
             return self.path

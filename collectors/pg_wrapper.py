@@ -215,17 +215,12 @@ def _to_ns(value: Any) -> int | None:
     if value is None:
         return None
     if isinstance(value, datetime.datetime):
-        if value.tzinfo is None:
-            value = value.replace(tzinfo=datetime.timezone.utc) if _naive_is_utc() else value.astimezone()
-        return int(round(value.timestamp() * 1e9))
+        # pybind11 turns std::chrono::system_clock into a naive datetime in LOCAL time, which is what
+        # ``timestamp()`` assumes for naive values; aware values convert exactly. (Microsecond resolution.)
+        return int(round(value.timestamp() * 1e6)) * 1000
     if isinstance(value, datetime.timedelta):
         return (value.days * 86_400 + value.seconds) * 1_000_000_000 + value.microseconds * 1_000
     return int(value)
-
-
-def _naive_is_utc() -> bool:
-    # pybind11 converts std::chrono::system_clock to a naive datetime in LOCAL time; treat it as such.
-    return False
 
 
 class RecordedWork(dist.Work):

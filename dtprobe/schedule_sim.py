@@ -15,7 +15,8 @@ Schedules (``SCHEDULES``), with ``p`` ranks, ``m`` micro-batches and ``v`` stage
 - ``zbv``: V-shape, ``v = 2``: rank ``r`` holds stages ``r`` and ``2p-1-r``; I and W split.
 
 The zero-bubble orders are produced by a greedy list scheduler (backward first, forward while the in-flight
-budget allows, W when nothing else is ready) run on the given costs, so they adapt to the costs.
+budget allows, W when nothing else is ready) run on the given costs without p2p latency, so they adapt to
+the costs; like the runtime's schedules, the order is then fixed and replayed with the latency.
 """
 
 from __future__ import annotations
@@ -79,6 +80,13 @@ class SimResult:
     def idle(self) -> float:
         """Makespan minus the busiest rank's work: the time the step loses to the pipeline."""
         return self.makespan - max(self.busy)
+
+    def order(self) -> list[list[Action]]:
+        """The per-rank action lists this timeline ran (replay them with other costs via ``simulate(order=)``)."""
+        out: list[list[Action]] = [[] for _ in range(self.num_ranks)]
+        for rank, stage, mb, kind, _, _ in sorted(self.records, key=lambda x: (x[0], x[4], x[5])):
+            out[rank].append(Action(stage, kind, mb))
+        return out
 
     @property
     def timeline(self):
@@ -235,7 +243,15 @@ def _greedy(schedule: str, p: int, m: int, v: int, costs: Mapping[tuple[int, str
                     choice = (s, "F")
                     break
         if choice is None and pending_w[r]:
-            choice = pending_w[r][0][0], "W"
+            # fill with W unless an input already on its way (p2p latency) lands before the W would finish
+            soon = min([ready_i(x) for x in stage_pref[r]]
+                       + [ready_f(x) for x in stage_pref[r] if x != entry[r] or inflight[r] < budget[r]])
+            w_stage = pending_w[r][0][0]
+            if t < soon < t + costs[(w_stage, "W")]:
+                seq += 1
+                heapq.heappush(heap, (soon, seq, r))
+                continue
+            choice = w_stage, "W"
         if choice is None:
             while events and events[0] <= t:
                 heapq.heappop(events)   # ranks are popped in time order: older events are spent
@@ -328,7 +344,10 @@ def simulate(schedule: str, *, num_ranks: int, num_microbatches: int, virtual_st
                     full[(s, "I")] = full[(s, "B")] - full[(s, "W")]
     if order is None:
         if schedule in SPLIT_BACKWARD:
-            return _greedy(schedule, p, m, v, full, p2p_latency)[1]
+            # a static order, like the runtime's: planned without latency, then run with it
+            order, result = _greedy(schedule, p, m, v, full, 0.0)
+            if not p2p_latency:
+                return result
         else:
             order = schedule_order(schedule, num_ranks=p, num_microbatches=m, virtual_stages=v)
     return _replay(schedule, p, m, v, order, full, p2p_latency)

@@ -161,3 +161,25 @@ def write_run(run_dir: Path, tables: dict[str, pd.DataFrame], *, world_size: int
     if status != "running":
         set_status(run_dir, status)
     return run_dir
+
+
+def pipeline_tables(*, schedule: str = "gpipe", pp: int = 4, microbatches: int = 4, f_ms: float = 10.0,
+                    b_ms: float = 20.0, num_steps: int = 5, p2p_gap_ms: float = 0.0) -> dict:
+    """Pipeline rows replaying ``schedule_sim.simulate`` (so the measured bubble equals the ideal when
+    ``p2p_gap_ms`` is 0) plus steps rows spanning each step's pipeline window."""
+    from dtprobe.schedule_sim import simulate
+
+    res = simulate(schedule, num_ranks=pp, num_microbatches=microbatches, cost_f=f_ms, cost_b=b_ms,
+                   p2p_latency=p2p_gap_ms)
+    pipe, steps = [], []
+    t = T0
+    for step in range(num_steps):
+        for rank, stage, mb, action, a, b in res.records:
+            pipe.append({"rank": rank, "stage": stage, "step": step, "microbatch": mb, "action": action,
+                         "start_ns": t + _ns(a), "end_ns": t + _ns(b)})
+        end = t + _ns(res.makespan)
+        for rank in range(pp):
+            steps.append({"rank": rank, "step": step, "start_ns": t, "end_ns": end + _ns(2.0), "tokens": 256,
+                          "loss": 3.0})
+        t = end + _ns(5.0)
+    return {"pipeline": frame_from_rows("pipeline", pipe), "steps": frame_from_rows("steps", steps)}

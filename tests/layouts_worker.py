@@ -1,8 +1,9 @@
 """Multi-process worker of the layout tests: trains the tiny GPT for a few steps on several layouts in one launch
 and prints, from rank 0, one JSON line per layout with the global loss of every step.
 
-Launched by tests/test_layouts.py (one process per rank, gloo over 127.0.0.1):
+Launched by tests/test_layouts.py and tests/test_pipeline_bubble.py (one process per rank, gloo, 127.0.0.1):
     OMP_NUM_THREADS=1 python tests/layouts_worker.py --rank R --world-size N --port P --cases dp2,tp2,...
+    OMP_NUM_THREADS=1 python tests/layouts_worker.py --rank R --world-size 4 --port P --bubble gpipe,1f1b
 A case name is a key of CASES; the loss of a step is the mean over the ranks that compute a loss (every
 rank without PP, the last stage's ranks with PP) of their micro-batch-mean losses: the loss of the global batch.
 """
@@ -25,7 +26,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dtprobe.runtime.config import LayoutConfig  # noqa: E402
 from dtprobe.runtime.data import Sampler, synthetic_tokens  # noqa: E402
 from dtprobe.runtime.model import build_model  # noqa: E402
-from dtprobe.runtime.parallel import parallelize_model  # noqa: E402
+from dtprobe.runtime.parallel import parallelize_model, parse_stage_sleep  # noqa: E402
+from dtprobe.runtime.parallel.memory import memory_row  # noqa: E402
+from dtprobe.runtime.parallel.pp import torch_action_order  # noqa: E402
 
 GLOBAL_BATCH = 8
 SEQ_LEN = 32
@@ -60,11 +63,14 @@ CASES = {
     "tp2_pp2": dict(tp=2, pp=2, pp_schedule="gpipe", microbatches=4),
     "dp2_tp2_pp2": dict(dp=2, tp=2, pp=2, zero=3, pp_schedule="1f1b", microbatches=2),
     "single_ac_selective": dict(activation_checkpointing="selective"),
+    "zero0_dp4": dict(dp=4),
+    "zero1_dp4": dict(dp=4, zero=1),
+    "zero3_dp4": dict(dp=4, zero=3),
 }
 """Layouts by name (LayoutConfig keys)."""
 
 
-def run_case(name: str, *, rank: int, world_size: int) -> list[float]:
+def run_case(name: str, *, rank: int, world_size: int) -> tuple[list[float], list[dict]]:
     lay = layout(**CASES[name])
     assert lay.world_size == world_size, (name, world_size)
     model = build_model("tiny", seed=SEED)
@@ -84,7 +90,38 @@ def run_case(name: str, *, rank: int, world_size: int) -> list[float]:
             losses.append(float(t[0] / t[1]))
         else:
             losses.append(loss)
-    return losses
+    memory = memory_row(par.model_parts, par.optimizer, step=STEPS - 1, device=torch.device("cpu"))
+    memory["rank"] = rank
+    gathered = [None] * world_size
+    if world_size > 1:
+        dist.all_gather_object(gathered, memory)
+    else:
+        gathered = [memory]
+    return losses, gathered
+
+
+def run_bubble(schedule: str, *, rank: int, world_size: int, sleep: str, steps: int,
+               microbatches: int) -> dict | None:
+    """pp = world_size sleep stages; returns (on rank 0) every rank's pipeline rows and torch's action lists."""
+    lay = layout(pp=world_size, pp_schedule=schedule, microbatches=microbatches, stage_sleep=sleep)
+    model = build_model("tiny", seed=SEED)
+    par = parallelize_model(model, lay, world_size=world_size, rank=rank, device=torch.device("cpu"),
+                            stage_sleep=parse_stage_sleep(sleep))
+    batch = microbatches * 2
+    sampler = Sampler(synthetic_tokens(SEED, length=1 << 14), batch_size=batch, seq_len=8, grad_accum=1,
+                      dp_rank=0, dp_size=1, seed=SEED)
+    rows = []
+    for step in range(steps):
+        par.train_step(sampler.micro_batches(step), step=step)
+        rows += [{**r, "rank": rank} for r in par.timer.rows]
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, rows)
+    if rank != 0:
+        return None
+    order = torch_action_order(par.schedule, schedule)
+    return {"bubble": schedule, "rows": [r for g in gathered for r in g],
+            "order": None if order is None else [[list(a) for a in acts] for acts in order],
+            "virtual_stages": len(par.stage_indices)}
 
 
 def main() -> None:
@@ -92,17 +129,27 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--world-size", type=int, default=1)
     ap.add_argument("--port", type=int, default=0)
-    ap.add_argument("--cases", required=True)
+    ap.add_argument("--cases", default="")
+    ap.add_argument("--bubble", default="", help="schedules to time with sleep stages (pp = world size)")
+    ap.add_argument("--sleep", default="fwd_ms=30,bwd_ms=60")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--microbatches", type=int, default=8)
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.world_size > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
                                 world_size=args.world_size, timeout=datetime.timedelta(seconds=120))
-    for name in args.cases.split(","):
+    for name in filter(None, args.cases.split(",")):
         t0 = time.perf_counter()
-        losses = run_case(name, rank=args.rank, world_size=args.world_size)
+        losses, memory = run_case(name, rank=args.rank, world_size=args.world_size)
         if args.rank == 0:
-            print(json.dumps({"case": name, "losses": losses, "seconds": time.perf_counter() - t0}), flush=True)
+            print(json.dumps({"case": name, "losses": losses, "memory": memory,
+                              "seconds": time.perf_counter() - t0}), flush=True)
+    for schedule in filter(None, args.bubble.split(",")):
+        out = run_bubble(schedule, rank=args.rank, world_size=args.world_size, sleep=args.sleep,
+                         steps=args.steps, microbatches=args.microbatches)
+        if out is not None:
+            print(json.dumps(out), flush=True)
     if args.world_size > 1:
         dist.barrier()
         dist.destroy_process_group()

@@ -229,3 +229,16 @@ def test_live_refresh_while_a_writer_appends_matches_a_fresh_read(tmp_path):
     steps = store.table("steps")
     assert steps["step"].tolist() == list(range(20000))
     pd.testing.assert_frame_equal(steps, RunStore.open(run).table("steps"))
+
+
+def test_compact_of_run_without_events_writes_marker_and_later_events_are_read(tmp_path):
+    run = tmp_path / "r"
+    create_manifest(run, run_id="r", command=["x"], config={}, world_size=1)
+    write_rank_info(run, 0, host="h", node_rank=0, local_rank=0, device="cpu", pid=0, clock_offset_ns=0)
+    assert compact(run) == {}
+    assert sorted(p.name for p in (run / "tables").iterdir()) == ["_compacted.json"]
+    w = RankWriter(run, 0)
+    w.write("steps", {"step": 0})
+    w.close()
+    store = RunStore.open(run)
+    assert store.is_compacted and store.table("steps")["step"].tolist() == [0]

@@ -47,6 +47,17 @@ def test_set_status_sets_ended_ns_only_for_terminal_states(tmp_path, status, end
     assert m.extra == {"error": "rank 1 exited with code 1"}
 
 
+@pytest.mark.parametrize("update", [
+    lambda run: set_status(run, "finished"),
+    lambda run: add_restart(run, restart=1, time_ns=0, steps_lost=None, from_step=None),
+])
+def test_updates_raise_file_not_found_when_run_has_no_manifest_yet(tmp_path, update):
+    (tmp_path / "attach_run").mkdir()
+    with pytest.raises(FileNotFoundError, match="run.json"):
+        update(tmp_path / "attach_run")
+    assert list((tmp_path / "attach_run").iterdir()) == []  # no lock file litter
+
+
 def test_set_status_rejects_unknown_status(tmp_path):
     with pytest.raises(ValueError, match="paused"):
         set_status(new_run(tmp_path / "a"), "paused")

@@ -258,3 +258,75 @@ def test_conform_adds_missing_columns_as_null_and_casts_to_schema_dtypes():
     assert str(out["rank"].dtype) == "Int32" and str(out["start_ns"].dtype) == "Int64"
     assert out["step"].tolist() == [2, 1] and out["start_ns"].isna().all()
     assert out["loss"].iloc[0] == 0.5 and pd.isna(out["loss"].iloc[1])
+
+
+@pytest.mark.parametrize("line,column,expected", [
+    (b'{"rank": 0, "step": 3, "tokens": 64.0}\n', "tokens", 64),  # integral float into an int column
+    (b'{"rank": 0, "step": 3, "loss": 2}\n', "loss", 2.0),  # int into a float column
+    (b'{"rank": 0, "step": 3, "loss": null}\n', "loss", None),
+    (b'{"rank": 0, "step": 3, "future_column": [1, 2]}\n', "step", 3),  # unknown keys ignored
+])
+def test_reader_accepts_lossless_json_number_forms(tmp_path, line, column, expected):
+    run = make_run(tmp_path / "r", offsets={0: 0})
+    append(events(run, "steps", 0), line)
+    value = RunStore.open(run).table("steps")[column].iloc[-1]
+    assert (pd.isna(value) if expected is None else value == expected)
+
+
+def test_reader_refuses_fractional_value_in_int_column(tmp_path):
+    run = make_run(tmp_path / "r", offsets={0: 0})
+    append(events(run, "steps", 0), b'{"rank": 0, "step": 3, "tokens": 64.5}\n')
+    with pytest.raises(TraceError, match=r"line 4 does not match the 'steps' table schema"):
+        RunStore.open(run)
+
+
+def test_reader_reads_a_line_longer_than_the_arrow_block(tmp_path):
+    run = make_run(tmp_path / "r", offsets={0: 0})
+    detail = "x" * (5 << 20)
+    w = RankWriter(run, 0)
+    w.write("faults", {"time_ns": T0, "kind": "hang", "detail": detail})
+    w.write("faults", {"time_ns": T0 + 1, "kind": "crash"})
+    w.close()
+    faults = RunStore.open(run).table("faults")
+    assert faults["kind"].tolist() == ["hang", "crash", "straggler"] and faults["detail"].iloc[0] == detail
+
+
+def test_reader_reads_in_bounded_pieces_with_same_result(tmp_path, monkeypatch):
+    import dtprobe.store.jsonl as jsonl
+
+    run = make_run(tmp_path / "r", offsets={0: 0, 1: 1_000_000}, steps=50)
+    append(events(run, "steps", 1), b'{"rank": 1, "step": 50, "lo')  # torn last line
+    expected = RunStore.open(run).table("steps")
+    monkeypatch.setattr(jsonl, "_READ_BYTES", 100)  # lines are ~110 bytes: every read ends mid-line
+    got = RunStore.open(run).table("steps")
+    pd.testing.assert_frame_equal(got, expected)
+    assert len(got) == 100
+    append(events(run, "steps", 0), b'{"rank": 0, "step": 50}\n{"rank": 0, oops}\n{"rank": 0, "step": 52}\n')
+    with pytest.raises(TraceError, match=r"rank00000.jsonl' line 52 is not valid JSON"):
+        RunStore.open(run)
+
+
+def test_store_shared_by_threads_reads_each_row_once(tmp_path):
+    import threading
+
+    run = make_run(tmp_path / "r", offsets={0: 0}, steps=0)
+    store = RunStore.open(run)
+    stop = threading.Event()
+
+    def reader() -> None:
+        while not stop.is_set():
+            store.refresh()
+            store.table("steps")
+
+    threads = [threading.Thread(target=reader) for _ in range(3)]
+    for t in threads:
+        t.start()
+    w = RankWriter(run, 0, flush_interval_s=0.0)
+    for step in range(2000):
+        w.write("steps", {"step": step})
+    w.close()
+    stop.set()
+    for t in threads:
+        t.join(timeout=60)
+    store.refresh()
+    assert store.table("steps")["step"].tolist() == list(range(2000))

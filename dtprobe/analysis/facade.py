@@ -28,7 +28,7 @@ from dtprobe.analysis import peaks as _peaks
 from dtprobe.analysis import stragglers as _stragglers
 from dtprobe.analysis import throughput as _throughput
 from dtprobe.analysis.findings import Finding, jsonable, sort_findings
-from dtprobe.analysis.tables import analyzed_steps, median_step_ns
+from dtprobe.analysis.tables import analyzed_steps, axis_of, median_step_ns
 from dtprobe.store.errors import TraceError
 
 SCHEMA = "dtprobe.findings/1"
@@ -41,10 +41,10 @@ class AnalysisOptions:
 
     window_steps: int = 20
     """Sliding window (steps) over which a straggler must persist."""
-    min_persist_frac: float = 0.6
-    """Share of the window's steps a rank must be the late rank in to be named a straggler."""
-    min_margin_frac: float = 0.05
-    """Minimum lead of the last arriver over the second-last, as a share of the step time, to count a step."""
+    min_lateness_frac: float = 0.05
+    """A straggler's median lateness over the window (arrival minus its peers' median), as a share of the step."""
+    min_positive_frac: float = 0.8
+    """Share of the window's steps in which a straggler must arrive after its peers' median."""
     skip_first_steps: int = 1
     """Warm-up steps left out of step-time based metrics (DDP rebuilds buckets on step 0)."""
     mtbf_hours: float = _ckpt.DEFAULT_MTBF_HOURS
@@ -59,9 +59,9 @@ class AnalysisOptions:
     """PIPELINE_BUBBLE threshold (mean idle share of the pipeline window)."""
 
     def __post_init__(self) -> None:
-        if self.window_steps < 1 or not 0 < self.min_persist_frac <= 1 or self.mtbf_hours <= 0:
+        if self.window_steps < 1 or not 0 < self.min_positive_frac <= 1 or self.mtbf_hours <= 0:
             raise ValueError(f"invalid analysis options: window_steps={self.window_steps} (>= 1), "
-                             f"min_persist_frac={self.min_persist_frac} (0..1], mtbf_hours={self.mtbf_hours} (> 0)")
+                             f"min_positive_frac={self.min_positive_frac} (0..1], mtbf_hours={self.mtbf_hours} (> 0)")
 
 
 def open_source(path: str | os.PathLike, *, progress: Callable[[int, int, str], None] | None = None):
@@ -183,22 +183,37 @@ class RunAnalysis:
         """Per collective and member: how long it waited for the last arrival."""
         return self._memo("waits", lambda: _stragglers.collective_waits(self.table("collectives"), self.collective_skew()))
 
-    def step_lateness(self) -> pd.DataFrame:
-        """Per (group, analysed step): the late rank and its margin as a share of the step time."""
+    def late_rank_per_step(self) -> pd.DataFrame:
+        """Per (group, analysed step): the last arriver of the most skewed collective and its margin."""
+        return self._memo("late_rank", lambda: _only_steps(
+            _stragglers.late_rank_per_step(self.collective_skew(), self.table("steps")), self.steps_analyzed()))
+
+    def rank_lateness(self) -> pd.DataFrame:
+        """Per (group, analysed step, rank): arrival minus the median arrival of its peers, share of the step."""
         return self._memo("lateness", lambda: _only_steps(
-            _stragglers.step_lateness(self.collective_skew(), self.table("steps")), self.steps_analyzed()))
+            _stragglers.rank_lateness(self.table("collectives"), self.table("steps")), self.steps_analyzed()))
 
     def straggler_scores(self) -> pd.DataFrame:
-        """Per (group, rank): how often and how persistently (sliding window) it is the late rank."""
+        """Per (group, rank): worst-window median lateness, share of steps late, mean wait imposed on peers."""
         o = self.options
         return self._memo("scores", lambda: _stragglers.straggler_scores(
-            self.step_lateness(), min_margin_frac=o.min_margin_frac, window_steps=o.window_steps))
+            self.rank_lateness(), window_steps=o.window_steps, min_lateness_frac=o.min_lateness_frac,
+            min_positive_frac=o.min_positive_frac))
 
     def straggler_causes(self) -> pd.DataFrame:
-        """Per scored (group, rank) with late steps: excess data/compute/communication time, throttling, cause."""
+        """Per scored (group, rank): excess data/compute/communication time in its late steps, throttling, cause."""
         return self._memo("causes", lambda: _stragglers.straggler_causes(
-            self.straggler_scores(), self.step_lateness(), self.table("steps"), self.table("collectives"),
-            self.collective_waits(), self.table("devices"), min_margin_frac=self.options.min_margin_frac))
+            self.straggler_scores(), self.rank_lateness(), self.table("steps"), self.table("collectives"),
+            self.collective_waits(), self.table("devices")))
+
+    def group_axis(self, pg: str) -> str | None:
+        """``dp``/``tp``/``pp`` of a process-group name; the default group (``world``) is ``dp`` in a pure
+        data-parallel layout."""
+        axis = axis_of(pg)
+        lay = self.layout()
+        if axis is None and pg in ("world", "default", "0") and int(lay.get("tp") or 1) * int(lay.get("pp") or 1) == 1:
+            return "dp"
+        return axis
 
     def stragglers(self) -> list[Finding]:
         """STRAGGLER findings (none for a trace folder: Kineto clocks are not aligned across ranks)."""
@@ -207,8 +222,8 @@ class RunAnalysis:
         o = self.options
         return self._memo("f:stragglers", lambda: _stragglers.detect_stragglers(
             self.straggler_scores(), self.straggler_causes(), links=_stragglers.linked_ranks(self.table("collectives")),
-            min_persist_frac=o.min_persist_frac, min_margin_frac=o.min_margin_frac,
-            injected=self.injected_faults("straggler"), lateness=self.step_lateness()))
+            min_lateness_frac=o.min_lateness_frac, min_positive_frac=o.min_positive_frac,
+            injected=self.injected_faults("straggler"), lateness=self.rank_lateness(), axis_of_pg=self.group_axis))
 
     def injected_faults(self, kind: str) -> dict[int, dict]:
         """rank -> detail of the first injected fault of ``kind`` (cross-check of a verdict)."""

@@ -50,9 +50,9 @@ def build_metrics(a: "RunAnalysis") -> dict[str, Any]:
         m["comm_exposure"] = _records(exposure)
     scores = a.straggler_scores()
     if not scores.empty and not a.is_trace_folder:
-        worst = scores.sort_values("window_late_frac", ascending=False).drop_duplicates(["pg", "pg_ranks"])
-        m["late_rank_by_group"] = _records(worst, ["pg", "pg_ranks", "rank", "num_steps", "num_late_steps",
-                                                   "window_late_frac", "mean_margin_frac"])
+        worst = scores.sort_values("median_lateness_frac", ascending=False).drop_duplicates(["pg", "pg_ranks"])
+        m["latest_rank_by_group"] = _records(worst, ["pg", "pg_ranks", "rank", "num_steps", "median_lateness_frac",
+                                                     "positive_frac", "last_frac"])
     bw = a.bandwidth_by_size()
     if not bw.empty:
         fit = a.bandwidth_fit()

@@ -2,34 +2,41 @@
 STRAGGLER detector; read by the facade, ``dtprobe analyze`` and the dashboard's collectives page.
 
 The culprit of a collective is its last arriver (largest clock-aligned ``enqueue_ns`` among the members of
-(pg, pg_ranks, seq)); the other members are victims and wait ``culprit enqueue - own enqueue``. A rank is a
-straggler when it is the late rank of its group, by a margin over the second-last arriver of at least a share of
-the step time, in most steps of a window. Its cause class (data / compute / communication / device) comes
+(pg, pg_ranks, seq)); the other members are victims and wait ``culprit enqueue - own enqueue``. Per step, each
+member's lateness is its arrival minus the median arrival of its peers (at the step's collective where it was
+latest). A rank is a straggler when, over a window of steps, its median lateness is a clear share of the step
+time and it arrives after its peers in most of those steps: robust to the noise of busy hosts, where the last
+arriver of any one step is often random. Its cause class (data / compute / communication / device) comes
 from its step phases, its waits at other collectives and its device samples, compared with its group peers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+
+import warnings
 
 import numpy as np
 import pandas as pd
 
 from dtprobe.analysis.findings import Finding, PredictedGain
-from dtprobe.analysis.tables import P2P_OPS, axis_of, group_members, ms, require_columns, step_durations
+from dtprobe.analysis.tables import (P2P_OPS, axis_of, group_members, ms, require_columns, step_durations,
+                                     union_length)
 
 SKEW_COLUMNS = [
     "pg", "pg_ranks", "seq", "op", "step", "num_bytes", "num_members", "num_arrived", "complete",
     "first_enqueue_ns", "last_enqueue_ns", "skew_ns", "margin_ns", "victims_wait_ns", "late_rank",
 ]
-LATENESS_COLUMNS = [
+LATE_RANK_COLUMNS = [
     "pg", "pg_ranks", "step", "seq", "op", "late_rank", "skew_ns", "margin_ns", "victims_wait_ns", "step_ns",
     "margin_frac",
 ]
+LATENESS_COLUMNS = ["pg", "pg_ranks", "step", "rank", "lateness_ns", "victims_wait_ns", "is_last", "step_ns",
+                    "lateness_frac", "pre_excess_frac"]
 SCORE_COLUMNS = [
-    "pg", "pg_ranks", "rank", "num_steps", "num_late_steps", "late_frac", "window_steps", "window_late_frac",
-    "window_first_step", "window_last_step", "detected_at_step", "mean_margin_ns", "mean_margin_frac",
-    "mean_skew_ns", "mean_victims_wait_ns", "mean_step_ns",
+    "pg", "pg_ranks", "rank", "num_steps", "window_steps", "window_first_step", "window_last_step",
+    "median_lateness_frac", "positive_frac", "median_pre_excess_frac", "pre_positive_frac", "last_frac",
+    "mean_lateness_ns", "mean_victims_wait_ns", "mean_step_ns", "detected_at_step", "detected_by",
 ]
 CAUSE_COLUMNS = [
     "pg", "pg_ranks", "rank", "data_excess_ns", "compute_excess_ns", "comm_excess_ns", "throttled_frac", "cause",
@@ -83,9 +90,9 @@ def collective_skew(collectives: pd.DataFrame) -> pd.DataFrame:
 
 def collective_waits(collectives: pd.DataFrame, skew: pd.DataFrame) -> pd.DataFrame:
     """Per member of each collective: ``wait_ns`` = last arrival - own arrival (0 for the late rank).
-    Columns: pg, pg_ranks, seq, step, rank, wait_ns, late_rank."""
+    Columns: pg, pg_ranks, seq, step, rank, enqueue_ns, wait_ns, late_rank."""
     require_columns(collectives, _COLL_COLUMNS, table="collectives")
-    cols = ["pg", "pg_ranks", "seq", "step", "rank", "wait_ns", "late_rank"]
+    cols = ["pg", "pg_ranks", "seq", "step", "rank", "enqueue_ns", "wait_ns", "late_rank"]
     c = collectives[~collectives["op"].isin(P2P_OPS) & collectives["seq"].notna()
                     & collectives["enqueue_ns"].notna()]
     if c.empty or skew.empty:
@@ -100,122 +107,223 @@ def collective_waits(collectives: pd.DataFrame, skew: pd.DataFrame) -> pd.DataFr
     return m[cols].reset_index(drop=True)
 
 
-def step_lateness(skew: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
+def late_rank_per_step(skew: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     """Per (group, step): the complete collective with the largest margin, its late rank, and that margin as a
-    share of the group's median step time (``margin_frac``). Columns: ``LATENESS_COLUMNS``."""
+    share of the group's median step time (``margin_frac``). Columns: ``LATE_RANK_COLUMNS``."""
     require_columns(skew, SKEW_COLUMNS, table="collective_skew")
     done = skew[skew["complete"].astype(bool) & (skew["step"] >= 0) & (skew["num_members"] > 1)]
     if done.empty:
-        return pd.DataFrame({col: [] for col in LATENESS_COLUMNS})
+        return pd.DataFrame({col: [] for col in LATE_RANK_COLUMNS})
     top = done.loc[done.groupby(["pg", "pg_ranks", "step"], sort=True)["margin_ns"].idxmax()].copy()
+    top["step_ns"] = _group_step_ns(top, steps)
+    top["margin_frac"] = top["margin_ns"] / top["step_ns"]
+    return top[LATE_RANK_COLUMNS].sort_values(["pg", "pg_ranks", "step"], kind="stable").reset_index(drop=True)
+
+
+def _group_step_ns(rows: pd.DataFrame, steps: pd.DataFrame) -> pd.Series:
+    """For rows with pg_ranks and step: the median step time of the group's members at that step."""
     durations = step_durations(steps)
-    step_ns = durations.groupby("step")["step_ns"].median()
-    per_group = []
-    for (pg, pg_ranks), rows in top.groupby(["pg", "pg_ranks"], sort=False):
+    overall = durations.groupby("step")["step_ns"].median()
+    parts = []
+    for pg_ranks, grp in rows.groupby("pg_ranks", sort=False):
         members = group_members(pg_ranks)
         d = durations[durations["rank"].isin(members)] if members else durations
         med = d.groupby("step")["step_ns"].median()
-        per_group.append(rows["step"].map(med).fillna(rows["step"].map(step_ns)))
-    top["step_ns"] = pd.concat(per_group).astype("float64") if per_group else np.nan
-    top["margin_frac"] = top["margin_ns"] / top["step_ns"]
-    return top[LATENESS_COLUMNS].sort_values(["pg", "pg_ranks", "step"], kind="stable").reset_index(drop=True)
+        parts.append(grp["step"].map(med).fillna(grp["step"].map(overall)))
+    if not parts:
+        return pd.Series(np.nan, index=rows.index, dtype="float64")
+    return pd.concat(parts).reindex(rows.index).astype("float64")
 
 
-def straggler_scores(lateness: pd.DataFrame, *, min_margin_frac: float = 0.05,
-                     window_steps: int = 20) -> pd.DataFrame:
-    """Per (group, member rank): how often it is the late rank by at least ``min_margin_frac`` of the step time,
-    over the whole run and in its worst sliding window of ``window_steps`` steps. Columns: ``SCORE_COLUMNS``.
-    ``detected_at_step`` is the step closing that worst window (the earliest with the maximum count)."""
-    require_columns(lateness, LATENESS_COLUMNS, table="step_lateness")
+def rank_lateness(collectives: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
+    """Per (group, step, member rank): how much later than the median of its peers the rank arrived, at the
+    step's collective where it was latest (``lateness_ns``, negative when early), as a share of the group's
+    step time; the mean wait it imposed on its peers there (``victims_wait_ns``); whether it was the last to
+    arrive. Complete non-p2p collectives of steps >= 0 only. Columns: ``LATENESS_COLUMNS``."""
+    require_columns(collectives, _COLL_COLUMNS, table="collectives")
+    c = collectives[~collectives["op"].isin(P2P_OPS) & collectives["seq"].notna()
+                    & collectives["enqueue_ns"].notna() & (collectives["step"].fillna(-1) >= 0)]
+    if c.empty:
+        return pd.DataFrame({col: [] for col in LATENESS_COLUMNS})
+    c = pd.DataFrame({
+        "pg": c["pg"].fillna("").astype(str), "pg_ranks": c["pg_ranks"].fillna("").astype(str),
+        "seq": c["seq"].astype("int64"), "rank": c["rank"].astype("int64"),
+        "enqueue_ns": c["enqueue_ns"].astype("int64"), "step": c["step"].astype("int64"),
+    }).drop_duplicates(["pg", "pg_ranks", "seq", "rank"]).sort_values(["pg", "pg_ranks", "seq", "enqueue_ns"],
+                                                                      kind="stable")
+    members = c["pg_ranks"].map(lambda s: len(group_members(s)))
+    g = c.groupby(["pg", "pg_ranks", "seq"], sort=False)
+    c["n"] = g["rank"].transform("size")
+    c = c[(c["n"] >= 2) & ((members == 0) | (c["n"] >= members))].copy()
+    if c.empty:
+        return pd.DataFrame({col: [] for col in LATENESS_COLUMNS})
+    g = c.groupby(["pg", "pg_ranks", "seq"], sort=False)
+    c["gid"] = g.ngroup()
+    c["pos"] = g.cumcount()
+    c["x"] = (c["enqueue_ns"] - g["enqueue_ns"].transform("min")).astype("float64")
+    lookup = pd.Series(c["x"].to_numpy(), index=pd.MultiIndex.from_arrays([c["gid"], c["pos"]]))
+
+    def others_at(j: np.ndarray) -> np.ndarray:
+        """Value of the j-th (0-based) element of the sorted arrivals without the row's own."""
+        idx = np.where(j < c["pos"].to_numpy(), j, j + 1)
+        return lookup.reindex(pd.MultiIndex.from_arrays([c["gid"].to_numpy(), idx])).to_numpy()
+
+    n = c["n"].to_numpy()
+    j1 = np.where(n % 2 == 0, (n - 2) // 2, (n - 3) // 2)
+    j2 = np.where(n % 2 == 0, (n - 2) // 2, (n - 1) // 2)
+    median_others = (others_at(j1) + others_at(j2)) / 2.0
+    c["lateness_ns"] = c["x"].to_numpy() - median_others
+    before = g["x"].cumsum() - c["x"]
+    c["victims_wait_ns"] = (c["pos"] * c["x"] - before) / (c["n"] - 1)
+    c["is_last"] = c["pos"] == c["n"] - 1
+    top = c.loc[c.groupby(["pg", "pg_ranks", "step", "rank"], sort=True)["lateness_ns"].idxmax()]
+    top = top[["pg", "pg_ranks", "step", "rank", "lateness_ns", "victims_wait_ns", "is_last"]].copy()
+    top["step_ns"] = _group_step_ns(top, steps)
+    top["lateness_frac"] = top["lateness_ns"] / top["step_ns"]
+    top["pre_excess_frac"] = _pre_collective_excess(top, steps) / top["step_ns"]
+    return top[LATENESS_COLUMNS].sort_values(["pg", "pg_ranks", "rank", "step"], kind="stable").reset_index(drop=True)
+
+
+def _pre_collective_excess(rows: pd.DataFrame, steps: pd.DataFrame) -> pd.Series:
+    """For rows (pg_ranks, step, rank): the rank's data+fwd time minus the median of its group peers' (NaN when
+    phases are not recorded). Before its first gradient collective a data-parallel rank has waited on nobody,
+    so this is a second, independent view of who is slow."""
+    ph = steps.dropna(subset=["fwd_ns"])
+    if ph.empty:
+        return pd.Series(np.nan, index=rows.index, dtype="float64")
+    pre = (ph["data_ns"].astype("float64").fillna(0) + ph["fwd_ns"].astype("float64"))
+    pre.index = pd.MultiIndex.from_arrays([ph["rank"].astype("int64"), ph["step"].astype("int64")])
+    pre = pre[~pre.index.duplicated(keep="last")]
+    mine = pre.reindex(pd.MultiIndex.from_arrays([rows["rank"].astype("int64"), rows["step"].astype("int64")]))
+    r = rows.assign(_pre=mine.to_numpy())
+
+    def minus_median_of_others(x: pd.Series) -> pd.Series:
+        v = x.to_numpy(dtype="float64")
+        if len(v) < 2:
+            return pd.Series(np.nan, index=x.index)
+        return pd.Series([v[i] - np.nanmedian(np.delete(v, i)) for i in range(len(v))], index=x.index)
+
+    return r.groupby(["pg", "pg_ranks", "step"], sort=False)["_pre"].transform(minus_median_of_others)
+
+
+def straggler_scores(lateness: pd.DataFrame, *, window_steps: int = 20, min_lateness_frac: float = 0.05,
+                     min_positive_frac: float = 0.8) -> pd.DataFrame:
+    """Per (group, member rank), over sliding windows of ``window_steps`` steps (the whole run when shorter):
+    the first window where its median lateness (share of the step) is at least ``min_lateness_frac`` and it
+    arrived after its peers' median in at least ``min_positive_frac`` of the steps (else the window with the
+    largest median lateness), that median, the share of the window's
+    steps it arrived after the median of its peers (``positive_frac``) and was last (``last_frac``), its mean
+    lateness and the mean wait it imposed on peers. ``detected_at_step``: the last step of the first window with
+    median lateness >= ``min_lateness_frac`` and positive share >= ``min_positive_frac`` (null if none).
+    Columns: ``SCORE_COLUMNS``."""
+    require_columns(lateness, LATENESS_COLUMNS, table="rank_lateness")
     rows = []
-    for (pg, pg_ranks), grp in lateness.groupby(["pg", "pg_ranks"], sort=True):
+    for (pg, pg_ranks, rank), grp in lateness.groupby(["pg", "pg_ranks", "rank"], sort=True):
         grp = grp.sort_values("step")
-        members = group_members(pg_ranks) or tuple(sorted(grp["late_rank"].unique()))
-        n = len(grp)
+        frac = grp["lateness_frac"].to_numpy(dtype="float64")
+        pre = grp["pre_excess_frac"].to_numpy(dtype="float64")
+        n = len(frac)
         w = max(1, min(window_steps, n))
-        late_ok = (grp["margin_frac"] >= min_margin_frac).to_numpy()
-        for rank in members:
-            hit = late_ok & (grp["late_rank"].to_numpy() == rank)
-            roll = np.convolve(hit.astype(int), np.ones(w, dtype=int), mode="valid")
-            best = int(np.argmax(roll))
-            mine = grp[hit]
-            rows.append({
-                "pg": pg, "pg_ranks": pg_ranks, "rank": int(rank), "num_steps": n,
-                "num_late_steps": int(hit.sum()), "late_frac": float(hit.mean()) if n else 0.0,
-                "window_steps": w, "window_late_frac": float(roll[best]) / w,
-                "window_first_step": int(grp["step"].iloc[best]),
-                "window_last_step": int(grp["step"].iloc[best + w - 1]),
-                "detected_at_step": int(grp["step"].iloc[best + w - 1]),
-                "mean_margin_ns": float(mine["margin_ns"].mean()) if len(mine) else 0.0,
-                "mean_margin_frac": float(mine["margin_frac"].mean()) if len(mine) else 0.0,
-                "mean_skew_ns": float(mine["skew_ns"].mean()) if len(mine) else 0.0,
-                "mean_victims_wait_ns": float(mine["victims_wait_ns"].mean()) if len(mine) else 0.0,
-                "mean_step_ns": float(grp["step_ns"].mean()),
-            })
+        win = np.lib.stride_tricks.sliding_window_view(frac, w)
+        pwin = np.lib.stride_tricks.sliding_window_view(pre, w)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)   # all-NaN windows when phases are absent
+            med = np.nanmedian(win, axis=1)
+            pmed = np.nanmedian(pwin, axis=1)
+        pos = (win > 0).mean(axis=1)
+        ppos = (pwin > 0).mean(axis=1)
+        by_arrival = (med >= min_lateness_frac) & (pos >= min_positive_frac)
+        by_phases = (med >= min_lateness_frac) & (pmed >= min_lateness_frac) & (ppos >= min_positive_frac)
+        ok = np.nonzero(by_arrival | by_phases)[0]
+        best = int(ok[0]) if len(ok) else (int(np.nanargmax(med)) if np.isfinite(med).any() else 0)
+        sel = grp.iloc[best:best + w]
+        steps_ = grp["step"].to_numpy()
+        rows.append({
+            "pg": pg, "pg_ranks": pg_ranks, "rank": int(rank), "num_steps": n, "window_steps": w,
+            "window_first_step": int(steps_[best]), "window_last_step": int(steps_[best + w - 1]),
+            "median_lateness_frac": float(med[best]), "positive_frac": float(pos[best]),
+            "median_pre_excess_frac": float(pmed[best]), "pre_positive_frac": float(ppos[best]),
+            "last_frac": float(sel["is_last"].astype(bool).mean()),
+            "mean_lateness_ns": float(sel["lateness_ns"].mean()),
+            "mean_victims_wait_ns": float(sel["victims_wait_ns"].clip(lower=0).mean()),
+            "mean_step_ns": float(sel["step_ns"].mean()),
+            "detected_at_step": int(steps_[ok[0] + w - 1]) if len(ok) else None,
+            "detected_by": (None if not len(ok) else "arrival" if by_arrival[ok[0]] else "arrival+phases"),
+        })
     if not rows:
         return pd.DataFrame({col: [] for col in SCORE_COLUMNS})
-    return pd.DataFrame(rows)[SCORE_COLUMNS]
+    out = pd.DataFrame(rows)
+    out["detected_at_step"] = out["detected_at_step"].astype("Int64")
+    return out[SCORE_COLUMNS]
 
 
 def _blocking_waits(collectives: pd.DataFrame, waits: pd.DataFrame) -> pd.DataFrame:
-    """Per (rank, step, pg_ranks): time blocked waiting for peers: p2p spans plus collective waits."""
+    """Intervals a rank spent blocked on peers: p2p spans and [own arrival, last arrival] at collectives.
+    Columns: rank, step, pg_ranks (``p2p`` for p2p), a_ns, b_ns."""
     p2p = collectives[collectives["op"].isin(P2P_OPS) & collectives["end_ns"].notna()
                       & collectives["enqueue_ns"].notna()]
     parts = [pd.DataFrame({
-        "rank": p2p["rank"].astype("int64"), "step": p2p["step"].fillna(-1).astype("int64"),
-        "pg_ranks": "p2p", "wait_ns": (p2p["end_ns"] - p2p["enqueue_ns"]).astype("int64"),
+        "rank": p2p["rank"].astype("int64"), "step": p2p["step"].fillna(-1).astype("int64"), "pg_ranks": "p2p",
+        "a_ns": p2p["enqueue_ns"].astype("int64"), "b_ns": p2p["end_ns"].astype("int64"),
     })]
     if not waits.empty:
-        parts.append(waits[["rank", "step", "pg_ranks", "wait_ns"]])
+        w = waits[waits["wait_ns"] > 0]
+        parts.append(pd.DataFrame({"rank": w["rank"], "step": w["step"], "pg_ranks": w["pg_ranks"],
+                                   "a_ns": w["enqueue_ns"], "b_ns": w["enqueue_ns"] + w["wait_ns"]}))
     return pd.concat(parts, ignore_index=True)
+
+
+def _blocked_ns(b: pd.DataFrame) -> pd.Series:
+    """Per (rank, step): total time covered by the blocking intervals (overlaps counted once)."""
+    if b.empty:
+        return pd.Series(dtype="float64")
+    return b.groupby(["rank", "step"]).apply(
+        lambda g: float(union_length(g["a_ns"].to_numpy(), g["b_ns"].to_numpy())), include_groups=False)
 
 
 def straggler_causes(scores: pd.DataFrame, lateness: pd.DataFrame, steps: pd.DataFrame,
                      collectives: pd.DataFrame, waits: pd.DataFrame, devices: pd.DataFrame, *,
-                     min_margin_frac: float = 0.05,
                      min_explained_frac: float = 0.25, throttle_frac: float = 0.5) -> pd.DataFrame:
-    """For each scored (group, rank) with late steps: its excess over the median of its group peers in those
-    steps, by class: data (``data_ns``), compute (fwd+bwd+opt minus time blocked on peers), communication (time
-    blocked on peers outside this group: p2p and other groups' collectives), and the share of its device samples
-    with a slowing throttle reason. ``cause`` is ``device`` when throttled, else the largest excess if it explains
-    at least ``min_explained_frac`` of the mean margin, else ``unknown``. Columns: ``CAUSE_COLUMNS``."""
+    """For each scored (group, rank) late in its best window, over its late steps: how much of its mean lateness
+    comes from data loading (``data_ns`` above its peers' median), from waiting on other peers (p2p spans and
+    other groups' collectives, union, above its peers'), and the rest from its own compute; plus the share of its
+    device samples with a slowing throttle reason. ``cause`` is ``device`` when throttled, else the largest part
+    if it explains at least ``min_explained_frac`` of the lateness, else ``unknown``. Columns: ``CAUSE_COLUMNS``."""
     require_columns(steps, ["rank", "step", "start_ns", "end_ns", "data_ns", "fwd_ns", "bwd_ns", "opt_ns"],
                     table="steps")
     blocked = _blocking_waits(collectives, waits) if not collectives.empty else pd.DataFrame(
-        {"rank": [], "step": [], "pg_ranks": [], "wait_ns": []})
+        {"rank": [], "step": [], "pg_ranks": [], "a_ns": [], "b_ns": []})
     ph = steps.dropna(subset=["end_ns"]).copy()
     ph["rank"] = ph["rank"].astype("int64")
     ph["step"] = ph["step"].astype("int64")
     for col in ("data_ns", "fwd_ns", "bwd_ns", "opt_ns"):
         ph[col] = ph[col].astype("float64").fillna(0.0)
     rows = []
-    for s in scores[scores["num_late_steps"] > 0].itertuples(index=False):
-        late = lateness[(lateness["pg"] == s.pg) & (lateness["pg_ranks"] == s.pg_ranks)
-                        & (lateness["late_rank"] == s.rank) & (lateness["margin_frac"] >= min_margin_frac)]
+    for s in scores[scores["median_lateness_frac"] > 0].itertuples(index=False):
+        late = lateness[(lateness["pg"] == s.pg) & (lateness["pg_ranks"] == s.pg_ranks) & (lateness["rank"] == s.rank)
+                        & lateness["step"].between(s.window_first_step, s.window_last_step)
+                        & (lateness["lateness_ns"] > 0)]
         late_steps = set(int(x) for x in late["step"])
         members = group_members(s.pg_ranks)
         peers = [m for m in members if m != s.rank]
-        b = blocked[(blocked["pg_ranks"] != s.pg_ranks) & blocked["step"].isin(late_steps)]
-        comm = b.groupby(["rank", "step"])["wait_ns"].sum()
+        b = blocked[blocked["step"].isin(late_steps) & (blocked["pg_ranks"] != s.pg_ranks)]
         p = ph[ph["step"].isin(late_steps) & ph["rank"].isin(list(members))].set_index(["rank", "step"])
-        p["comm_ns"] = comm.reindex(p.index).fillna(0.0).astype("float64")
+        p["comm_ns"] = _blocked_ns(b).reindex(p.index).fillna(0.0).astype("float64")
         p = p.reset_index()
         diffs = {}
-        for col in ("data_ns", "fwd_ns", "bwd_ns", "opt_ns", "comm_ns"):
+        for col in ("data_ns", "comm_ns"):
             mine = p[p["rank"] == s.rank].set_index("step")[col]
             theirs = p[p["rank"].isin(peers)].groupby("step")[col].median()
             diff = (mine - theirs.reindex(mine.index)).dropna()
             diffs[col] = max(0.0, float(diff.mean())) if len(diff) else 0.0
-        # A phase that is longer only because the rank waited on peers inside it (p2p recv in fwd, the
-        # all-reduce wait at the end of bwd) is communication, not compute: peers' waits shorten nothing here,
-        # so compare phase by phase and take the waits out of the compute excess.
-        excess = {
-            "data": diffs["data_ns"],
-            "compute": max(0.0, diffs["fwd_ns"] + diffs["bwd_ns"] + diffs["opt_ns"] - diffs["comm_ns"]),
-            "communication": diffs["comm_ns"],
-        }
+        lateness_ns = float(late["lateness_ns"].mean()) if len(late) else 0.0
+        # Whatever of its lateness neither slower data loading nor waiting on other peers (p2p, other groups'
+        # collectives) explains is its own compute: phases after the first collective cannot be compared
+        # directly, since a victim's bwd is as long as the culprit's (DDP waits for the all-reduce inside it).
+        excess = {"data": diffs["data_ns"], "communication": diffs["comm_ns"],
+                  "compute": max(0.0, lateness_ns - diffs["data_ns"] - diffs["comm_ns"])}
         throttled = _throttled_frac(devices, s.rank, steps, late_steps)
-        margin = float(late["margin_ns"].mean()) if len(late) else 0.0
+        margin = lateness_ns
         best = max(excess, key=excess.get)
         if throttled is not None and throttled >= throttle_frac:
             cause = "device"
@@ -268,29 +376,38 @@ def linked_ranks(collectives: pd.DataFrame) -> set[frozenset[int]]:
 
 
 def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: set[frozenset[int]] = frozenset(),
-                      min_persist_frac: float = 0.6, min_late_steps: int = 3, min_margin_frac: float = 0.05,
+                      min_lateness_frac: float = 0.05, min_positive_frac: float = 0.8, min_steps: int = 3,
                       critical_wait_frac: float = 0.2, injected: dict[int, dict] | None = None,
-                      lateness: pd.DataFrame | None = None) -> list[Finding]:
-    """STRAGGLER for each rank that is its group's late rank in at least ``min_persist_frac`` of the steps of some
-    window (and ``min_late_steps`` steps). A flagged rank whose cause is communication and that shares a group or
-    p2p link with another flagged rank is that rank's victim (the delay propagated): it is reported inside the
-    culprit's finding, not as its own. Critical when victims wait ``critical_wait_frac`` of the step or more."""
+                      lateness: pd.DataFrame | None = None,
+                      axis_of_pg: Callable[[str], str | None] = axis_of) -> list[Finding]:
+    """STRAGGLER for each rank whose median lateness over some window is at least ``min_lateness_frac`` of the step
+    and which arrived after its peers' median in at least ``min_positive_frac`` of that window's steps (and the
+    window has ``min_steps`` steps or more), or whose data+fwd time exceeds its peers' by that share in that
+    many steps while its median lateness passes (arrivals jitter more than phases on busy hosts); only the latest such rank of a group (the others are its victims).
+    A flagged rank whose cause is communication and that shares a group or p2p link with another flagged rank
+    is that rank's victim (the delay propagated): it is reported inside the culprit's finding, not as its own.
+    Critical when the victims wait ``critical_wait_frac`` of the step or more. ``axis_of_pg`` maps a process
+    group name to ``dp``/``tp``/``pp``."""
     require_columns(scores, SCORE_COLUMNS, table="straggler_scores")
-    flagged = scores[(scores["window_late_frac"] >= min_persist_frac) & (scores["num_late_steps"] >= min_late_steps)]
+    by_arrival = scores["positive_frac"] >= min_positive_frac
+    by_phases = (scores["median_pre_excess_frac"].fillna(-1) >= min_lateness_frac) & (
+        scores["pre_positive_frac"] >= min_positive_frac)
+    flagged = scores[(scores["median_lateness_frac"] >= min_lateness_frac) & (by_arrival | by_phases)
+                     & (scores["window_steps"] >= min_steps)]
     if flagged.empty:
         return []
-    # One entry per rank: the group where it is most persistently late.
-    flagged = flagged.sort_values(["window_late_frac", "mean_margin_frac"], ascending=False)
-    best = flagged.drop_duplicates("rank")
+    flagged = flagged.sort_values(["median_lateness_frac"], ascending=False)
+    flagged = flagged.drop_duplicates(["pg", "pg_ranks"])      # one culprit per group: the latest
+    best = flagged.drop_duplicates("rank")                      # one entry per rank: its worst group
     cause_of = {(c.pg, c.pg_ranks, c.rank): c for c in causes.itertuples(index=False)}
     ranks = set(int(r) for r in best["rank"])
     propagated: dict[int, list[int]] = {}
     for row in best.itertuples(index=False):
         c = cause_of.get((row.pg, row.pg_ranks, row.rank))
         if c is not None and c.cause == "communication":
-            upstream = [r for r in ranks if r != row.rank and frozenset((r, row.rank)) in links]
-            for r in upstream:
-                propagated.setdefault(r, []).append(int(row.rank))
+            for r in ranks:
+                if r != row.rank and frozenset((r, row.rank)) in links:
+                    propagated.setdefault(r, []).append(int(row.rank))
     victims_of_others = {v for vs in propagated.values() for v in vs}
     findings = []
     for row in best.itertuples(index=False):
@@ -298,19 +415,20 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: set[
             continue
         c = cause_of.get((row.pg, row.pg_ranks, row.rank))
         cause = c.cause if c is not None else "unknown"
-        axis = axis_of(row.pg)
+        axis = axis_of_pg(row.pg)
         wait_frac = row.mean_victims_wait_ns / row.mean_step_ns if row.mean_step_ns else 0.0
-        group_label = axis or row.pg
+        members = list(group_members(row.pg_ranks))
         evidence = {
-            "rank": int(row.rank), "pg": row.pg, "pg_ranks": list(group_members(row.pg_ranks)),
-            "steps_analyzed": int(row.num_steps), "late_steps": int(row.num_late_steps),
-            "late_frac": row.late_frac, "window_steps": int(row.window_steps),
-            "window_late_frac": row.window_late_frac,
-            "window": [int(row.window_first_step), int(row.window_last_step)],
-            "detected_at_step": int(row.detected_at_step),
-            "mean_margin_ms": ms(row.mean_margin_ns), "mean_margin_frac": row.mean_margin_frac,
-            "mean_skew_ms": ms(row.mean_skew_ns), "victims_mean_wait_ms": ms(row.mean_victims_wait_ns),
-            "step_time_ms": ms(row.mean_step_ns), "victims_wait_frac": wait_frac,
+            "rank": int(row.rank), "pg": row.pg, "pg_ranks": members, "victims": [m for m in members if m != row.rank],
+            "steps_analyzed": int(row.num_steps), "window": [int(row.window_first_step), int(row.window_last_step)],
+            "window_steps": int(row.window_steps),
+            "median_lateness_frac": row.median_lateness_frac, "positive_frac": row.positive_frac,
+            "median_pre_excess_frac": None if pd.isna(row.median_pre_excess_frac) else row.median_pre_excess_frac,
+            "pre_positive_frac": row.pre_positive_frac, "detected_by": row.detected_by,
+            "last_frac": row.last_frac, "mean_lateness_ms": ms(row.mean_lateness_ns),
+            "victims_mean_wait_ms": ms(row.mean_victims_wait_ns), "step_time_ms": ms(row.mean_step_ns),
+            "victims_wait_frac": wait_frac,
+            "detected_at_step": None if pd.isna(row.detected_at_step) else int(row.detected_at_step),
             "cause": cause,
             "cause_excess_ms": {
                 "data": ms(c.data_excess_ns) if c is not None else None,
@@ -328,9 +446,9 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: set[
             code="STRAGGLER",
             severity="critical" if wait_frac >= critical_wait_frac else "warning",
             ranks=(int(row.rank),), group=axis,
-            title=(f"rank {row.rank} is the last to arrive in its {group_label} group "
-                   f"{list(group_members(row.pg_ranks))} in {row.num_late_steps}/{row.num_steps} steps "
-                   f"(+{ms(row.mean_margin_ns)} ms, {row.mean_margin_frac:.0%} of the step; cause: {cause})"),
+            title=(f"rank {row.rank} arrives late at its {axis or row.pg} group {members} collectives: "
+                   f"+{ms(row.mean_lateness_ns)} ms ({row.median_lateness_frac:.0%} of the step, median) in "
+                   f"{row.positive_frac:.0%} of steps {row.window_first_step}-{row.window_last_step}; cause: {cause}"),
             evidence=evidence,
             recommendation=_advice(cause, int(row.rank)),
             predicted_gain=PredictedGain(metric="step_time", frac=min(max(wait_frac, 0.0), 1.0)),

@@ -10,7 +10,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "compact", help="compact a run's events into Parquet tables",
         description="Compact the per-rank events files of RUN into RUN/tables/<table>.parquet (all ranks, "
-                    "clock-aligned) so it loads fast. A run that ends normally is compacted automatically; "
+                    "clock-aligned) so it loads fast. `dtprobe run` compacts a run when it ends; "
                     "use this for a run that crashed or was killed. Safe to rerun; the run status is not changed.")
     parser.add_argument("run", metavar="RUN", help="run directory (made by `dtprobe run` or `dtprobe.attach`)")
     parser.set_defaults(func=main)

@@ -26,6 +26,8 @@ faults (--inject, repeatable):
   straggler:rank=R,delay_ms=D[,from_step=S]   rank R sleeps D ms in the compute of every step from S on
   straggler:rank=R,slowdown=F[,from_step=S]   ... or (F-1) x its measured compute time
   crash:rank=R,step=S                         rank R exits (code 1) at the start of step S
+  overflow:step=S[,rank=R]                    fp16 loss-scale overflow at step S (with --precision fp16)
+  slow-ckpt, corrupt-ckpt, hang               checkpoint and hang faults (runtime.recovery, runtime.hang)
 learning rate: peak lr = --lr x global batch / --reference-batch (linear scaling rule), reached after --warmup
 steps; global batch = --batch-size x --grad-accum x dp sequences.
 exit code: 0 finished, 1 crashed, 2 bad configuration (nothing launched), 130 interrupted.
@@ -62,6 +64,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--virtual-stages", type=int, help="pipeline stages per rank (default: the schedule's)")
     g.add_argument("--sequence-parallel", action="store_true", default=None, help="sequence parallel with tp")
     g.add_argument("--activation-checkpointing", help="none, selective or full")
+    g.add_argument("--stage-sleep", metavar="fwd_ms=F,bwd_ms=B",
+                   help="replace each pipeline stage's compute by a fixed sleep (deterministic bubble demos)")
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int, help="optimizer steps (default 30)")
     g.add_argument("--batch-size", type=int, help="sequences per micro-batch per dp rank (default 8)")
@@ -111,7 +115,8 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "model": pick(name="model"),
         "layout": pick(dp="dp", tp="tp", pp="pp", zero="zero", pp_schedule="pp_schedule",
                        microbatches="microbatches", virtual_stages="virtual_stages",
-                       sequence_parallel="sequence_parallel", activation_checkpointing="activation_checkpointing"),
+                       sequence_parallel="sequence_parallel", activation_checkpointing="activation_checkpointing",
+                       stage_sleep="stage_sleep"),
         "train": pick(steps="steps", batch_size="batch_size", seq_len="seq_len", grad_accum="grad_accum", lr="lr",
                       lr_scaling="lr_scaling", reference_batch="reference_batch", warmup="warmup", clip="clip",
                       seed="seed", bucket_mb="bucket_mb", data="data"),

@@ -7,10 +7,11 @@ What is refit (all medians over the steps after ``warmup_steps``):
 
 - achieved bandwidth and latency: a least-squares alpha-beta fit ``t = alpha * hops + bus_bytes / B`` over the
   collectives (each timed by its last arriver: the smallest enqueue-to-end time among the members);
-- data-parallel overlap: 1 - exposed / total, where a rank's exposed DP time in a step is the tail from its last
-  DP collective's enqueue (backward compute done) to the last one's end;
+- data-parallel overlap: 1 - exposed / total, where the exposed DP time of a step is the last DP collective
+  (issued when backward ends) and the total is all of them, each timed by its last arriver;
 - compute efficiency: the model's FLOPs per rank over the measured compute time (forward + backward minus TP
-  collectives minus exposed DP time; with a pipeline, the busiest rank's summed F/B/I/W actions);
+  collectives minus exposed DP time; with a pipeline, the busiest rank's summed F/B/I/W actions); time spent
+  waiting for late ranks stays in compute (it is their compute variability);
 - memory-bandwidth efficiency from the optimizer phase, and the data phase as fixed host overhead.
 """
 
@@ -126,32 +127,32 @@ def _steady_steps(steps: pd.DataFrame, *, world: int, warmup_steps: int, run: st
     return steps[steps["step"].isin(keep)]
 
 
-def _union_ns(starts: np.ndarray, ends: np.ndarray) -> float:
-    total, cur_s, cur_e = 0.0, None, None
-    for s, e in sorted(zip(starts, ends)):
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    return total + (cur_e - cur_s if cur_e is not None else 0.0)
+def _instances(coll: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
+    """One row per collective instance (step, pg, pg_ranks, seq) as its last arriver saw it: ``dur_ns`` = the
+    smallest enqueue-to-end time among the members, ``in_fwd_bwd`` = issued inside the forward/backward phases."""
+    c = coll[~coll["op"].isin(P2P_OPS)]
+    if c.empty:
+        return pd.DataFrame(columns=["step", "pg", "pg_ranks", "seq", "op", "n", "num_bytes", "enq_ns", "dur_ns",
+                                     "in_fwd_bwd"])
+    win = steps[["rank", "step", "start_ns", "data_ns", "fwd_ns", "bwd_ns"]].rename(columns={"start_ns": "step_ns"})
+    c = c.merge(win, on=["rank", "step"], how="inner")
+    lo = c["step_ns"] + c["data_ns"].fillna(0)
+    hi = lo + c["fwd_ns"].fillna(0) + c["bwd_ns"].fillna(0)
+    c = c.assign(dur_ns=c["end_ns"] - c["enqueue_ns"], in_fwd_bwd=(c["enqueue_ns"] >= lo) & (c["enqueue_ns"] <= hi))
+    return c.groupby(["step", "pg", "pg_ranks", "seq"], observed=True).agg(
+        op=("op", "first"), n=("pg_size", "first"), num_bytes=("num_bytes", "first"), enq_ns=("enqueue_ns", "max"),
+        dur_ns=("dur_ns", "min"), in_fwd_bwd=("in_fwd_bwd", "all")).reset_index()
 
 
-def _fit_alpha_beta(coll: pd.DataFrame) -> tuple[float, float] | None:
-    """(alpha seconds, bandwidth bytes/s) of the non-p2p collectives, each timed by its last arriver."""
-    c = coll[~coll["op"].isin(P2P_OPS) & coll["op"].isin(list(BUS_FACTOR)) & (coll["num_bytes"] > 0)]
+def _fit_alpha_beta(inst: pd.DataFrame) -> tuple[float, float] | None:
+    """(alpha seconds, bandwidth bytes/s): least squares over the median time of each (op, n, size)."""
+    c = inst[inst["op"].isin(list(BUS_FACTOR)) & (inst["num_bytes"] > 0) & (inst["n"] > 1)]
     if c.empty:
         return None
-    dur = (c["end_ns"] - c["enqueue_ns"]).rename("dur")
-    g = c.assign(dur=dur).groupby(["pg", "seq", "op"], observed=True).agg(
-        dur=("dur", "min"), n=("pg_size", "first"), num_bytes=("num_bytes", "first")).reset_index()
-    g = g[g["n"] > 1]
-    if g.empty:
-        return None
+    g = c.groupby(["op", "n", "num_bytes"], observed=True)["dur_ns"].median().reset_index()
     hops = np.array([HOPS[o](n) for o, n in zip(g["op"], g["n"])], dtype=float)
     bus = np.array([BUS_FACTOR[o](n) * b for o, n, b in zip(g["op"], g["n"], g["num_bytes"])], dtype=float)
-    t = g["dur"].to_numpy(dtype=float) / 1e9
+    t = g["dur_ns"].to_numpy(dtype=float) / 1e9
     (alpha, inv_bw), *_ = np.linalg.lstsq(np.stack([hops, bus], axis=1), t, rcond=None)
     if alpha < 0 or inv_bw <= 0:
         return 0.0, float(bus.sum() / t.sum())
@@ -166,15 +167,14 @@ def calibrate(store, *, device: DeviceSpec | None = None, warmup_steps: int = 3)
     world = setup.cluster.world_size
     steps = _steady_steps(store.table("steps"), world=world, warmup_steps=warmup_steps, run=run)
     kept = set(steps["step"].unique())
-    per_step = steps.groupby("step").agg(start=("start_ns", "min"), end=("end_ns", "max"))
-    measured_step = float(((per_step["end"] - per_step["start"]) / 1e9).median())
+    measured_step = float(((steps["end_ns"] - steps["start_ns"]) / 1e9).median())
     phases = steps.groupby("step")[["data_ns", "fwd_ns", "bwd_ns", "opt_ns"]].mean() / 1e9
     notes: list[str] = []
 
     coll = store.table("collectives")
-    coll = coll[coll["step"].isin(kept)] if not coll.empty else coll
+    inst = _instances(coll[coll["step"].isin(kept)], steps) if not coll.empty else _instances(coll, steps)
     dev = setup.cluster.device
-    fit = _fit_alpha_beta(coll) if not coll.empty else None
+    fit = _fit_alpha_beta(inst)
     bw_eff = 0.8 if fit is None else fit[1] / dev.intra_bw_bytes_per_s
     if fit is None:
         notes.append("no collectives recorded: bandwidth and latency left at the preset")
@@ -182,31 +182,26 @@ def calibrate(store, *, device: DeviceSpec | None = None, warmup_steps: int = 3)
         dev = replace(dev, intra_latency_s=fit[0])
     cluster = replace(setup.cluster, device=dev)
 
-    tp_ns = pd.Series(0.0, index=pd.MultiIndex.from_frame(steps[["rank", "step"]]))
-    exposed_dp, total_dp = pd.Series(dtype=float), pd.Series(dtype=float)
-    if not coll.empty:
-        rs = coll.groupby(["rank", "step"])
-        tp_rows = coll[coll["pg"] == "tp"]
-        if not tp_rows.empty:
-            tp_ns = tp_ns.add((tp_rows["end_ns"] - tp_rows["enqueue_ns"]).groupby(
-                [tp_rows["rank"], tp_rows["step"]]).sum(), fill_value=0.0)
-        dp_rows = coll[~coll["pg"].isin(NON_DP_GROUPS) & ~coll["op"].isin(P2P_OPS)]
-        if not dp_rows.empty:
-            g = dp_rows.groupby(["rank", "step"])
-            exposed_dp = (g["end_ns"].max() - g["enqueue_ns"].max()).clip(lower=0) / 1e9
-            total_dp = g.apply(lambda d: _union_ns(d["enqueue_ns"].to_numpy(), d["end_ns"].to_numpy()),
-                               include_groups=False) / 1e9
-        del rs
-    tp_s = tp_ns.groupby(level="step").mean() / 1e9
-    exp_dp_s = exposed_dp.groupby(level="step").mean() if len(exposed_dp) else pd.Series(0.0, index=phases.index)
-    tot_dp_s = total_dp.groupby(level="step").mean() if len(total_dp) else pd.Series(0.0, index=phases.index)
-
+    # per step, averaged over the groups of an axis: TP time inside forward/backward, and the DP tail (the last
+    # DP collective, issued when backward ends) and total; waiting for late ranks stays in compute
+    fb = inst[inst["in_fwd_bwd"]]
+    tp = fb[fb["pg"] == "tp"]
+    tp_s = (tp.groupby(["step", "pg_ranks"], observed=True)["dur_ns"].sum().groupby(level="step").mean() / 1e9
+            if not tp.empty else pd.Series(0.0, index=phases.index))
+    dp = fb[~fb["pg"].isin(NON_DP_GROUPS)]
+    if not dp.empty:
+        last = dp.sort_values("enq_ns").groupby(["step", "pg", "pg_ranks"], observed=True).tail(1)
+        exp_dp_s = last.groupby("step")["dur_ns"].mean() / 1e9
+        tot_dp_s = dp.groupby(["step", "pg", "pg_ranks"], observed=True)["dur_ns"].sum().groupby(
+            level="step").mean() / 1e9
+    else:
+        exp_dp_s = tot_dp_s = pd.Series(0.0, index=phases.index)
     pipe = store.table("pipeline") if setup.layout["pp"] > 1 else pd.DataFrame()
     pipe = pipe[pipe["step"].isin(kept)] if not pipe.empty else pipe
     if setup.layout["pp"] > 1 and not pipe.empty:
         busy = ((pipe["end_ns"] - pipe["start_ns"]).groupby([pipe["step"], pipe["rank"]]).sum() / 1e9)
-        compute = float((busy - tp_ns.swaplevel().reindex(busy.index, fill_value=0.0) / 1e9)
-                        .groupby(level="step").max().median())
+        busiest = busy.groupby(level="step").max()
+        compute = float((busiest - tp_s.reindex(busiest.index, fill_value=0.0)).median())
     else:
         if setup.layout["pp"] > 1:
             notes.append("no pipeline table: compute taken from the fwd/bwd phases, which include the bubble")

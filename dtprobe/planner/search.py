@@ -129,7 +129,7 @@ def plan(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, *, top_
         raise ConfigError(f"--top ({top_k}) must be >= 1")
     eff = efficiency or Efficiency()
     table = evaluate(candidates(model, cluster, training), model=model, cluster=cluster, training=training,
-                     eff=eff)
+                     eff=eff, keep_all_times=False)
     fit = table[table["fits"]].sort_values(["step_time_s", "total_gib"], kind="stable")
     top = fit.head(top_k + 1).reset_index(drop=True)
     why = [_why(top.iloc[i], top.iloc[i + 1]) if i + 1 < len(top) else "the only layout that fits"

@@ -12,7 +12,8 @@ Per optimizer step, on the busiest pipeline rank (seconds):
   (ZeRO-2/3, which keep only a gradient shard), exposed part = max(t (1 - overlap), t - one micro-batch's
   backward); plus the post-step all-gather of updated weight shards (ZeRO-1/2), not overlapped.
 - ``zero3_gather_s``: ZeRO-3 weight all-gathers in forward and backward, exposed the same way.
-- ``pp_p2p_s``: activation sends on the fill and drain path: 2 (p v - 1) point-to-point transfers.
+- ``pp_p2p_s``: what the point-to-point transfers (alpha + activation bytes / bandwidth per hop, or the
+  calibrated hop time) add to the simulated pipeline makespan.
 - ``bubble_s``: the pipeline idle time from ``dtprobe.schedule_sim`` (``planner.pipeline``).
 - ``optimizer_s``: the optimizer step reading/writing its local state at memory bandwidth.
 - ``overhead_s``: host time per step (data loading; 0 unless calibrated).
@@ -55,6 +56,8 @@ class Efficiency:
     """Achieved share of memory bandwidth in the optimizer step."""
     overhead_s: float = 0.0
     """Fixed host time per step (data loading, launch); measured by calibration."""
+    p2p_latency_s: float | None = None
+    """Measured time of one pipeline hop (send to the next stage's start); None = alpha + bytes / bandwidth."""
 
     def __post_init__(self) -> None:
         for key in ("compute", "bw_intra", "bw_inter", "memory_bw"):   # > 1: the declared peak is too low
@@ -70,8 +73,10 @@ def _exposed(t, window, overlap):
 
 
 def evaluate(cands: pd.DataFrame, *, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
-             eff: Efficiency) -> pd.DataFrame:
+             eff: Efficiency, keep_all_times: bool = True) -> pd.DataFrame:
     """Add memory (``*_gib``), ``fits``, the time breakdown (``*_s``) and ``step_time_s`` to candidate rows.
+
+    With ``keep_all_times=False`` (the search) the p2p term is only simulated for layouts that fit.
 
     ``cands`` columns: dp, tp, pp, zero, micro_batch, grad_accum, recompute, schedule, virtual_stages.
     """
@@ -105,7 +110,17 @@ def evaluate(cands: pd.DataFrame, *, model: ModelSpec, cluster: ClusterSpec, tra
     fm = f_mb + tp_f_mb
     bm = 2 * f_mb + rec_frac * f_mb + tp_b_mb
     ratio = np.round(bm / np.maximum(fm, 1e-30) * 4) / 4
+    # pipeline point-to-point: one activation (or its gradient) per hop, on the critical path as simulated
+    pp_bw, pp_lat = link(span=tp * dp * pp, gpus_per_node=cluster.gpus_per_node, intra_bw=dev.intra_bw_bytes_per_s,
+                         inter_bw=dev.inter_bw_bytes_per_s, intra_latency=dev.intra_latency_s,
+                         inter_latency=dev.inter_latency_s,
+                         bw_eff=np.where(tp * dp * pp <= cluster.gpus_per_node, eff.bw_intra, eff.bw_inter))
+    hop = collective_time("send", num_bytes=s * mb * h * act_b / np.where(sp, tp, 1), n=pp, bw=pp_bw, latency=pp_lat)
+    if eff.p2p_latency_s is not None:
+        hop = np.full(len(cands), eff.p2p_latency_s)
+    lat_ratio = hop / np.maximum(fm / v, 1e-30)
     shapes = {}
+    p2p_units = np.zeros(len(cands))
     idle_units = np.zeros(len(cands))
     infl_first = np.ones(len(cands))
     infl_last = np.ones(len(cands))
@@ -150,6 +165,10 @@ def evaluate(cands: pd.DataFrame, *, model: ModelSpec, cluster: ClusterSpec, tra
     out["total_gib"] = worst.sum(axis=0) / GIB
     out["usable_gib"] = dev.memory_gib * (1 - training.memory_margin_frac)
     out["fits"] = out["total_gib"] <= out["usable_gib"]
+    fits = out["fits"].to_numpy()
+    for i in np.flatnonzero((pp > 1) & (fits | keep_all_times)):   # p2p latency: only where the time matters
+        p2p_units[i] = pipeline_shape(schedules[i], int(pp[i]), int(m[i]), int(v[i]), float(ratio[i]),
+                                      float(lat_ratio[i])).p2p_per_chunk_f
 
     # data parallel sync and ZeRO traffic (worst stage's local parameters)
     p_local = np.maximum(p_first, p_last)
@@ -170,14 +189,6 @@ def evaluate(cands: pd.DataFrame, *, model: ModelSpec, cluster: ClusterSpec, tra
     gathers = np.where(zero >= 3, m * (_exposed(ag, f_mb, eff.dp_overlap) + _exposed(ag, bwd_window, eff.dp_overlap)
                                        ), 0.0)
 
-    # pipeline point-to-point on the fill and drain path
-    pp_bw, pp_lat = link(span=tp * dp * pp, gpus_per_node=cluster.gpus_per_node, intra_bw=dev.intra_bw_bytes_per_s,
-                         inter_bw=dev.inter_bw_bytes_per_s, intra_latency=dev.intra_latency_s,
-                         inter_latency=dev.inter_latency_s,
-                         bw_eff=np.where(tp * dp * pp <= cluster.gpus_per_node, eff.bw_intra, eff.bw_inter))
-    p2p = collective_time("send", num_bytes=s * mb * h * act_b / np.where(sp, tp, 1), n=pp, bw=pp_bw, latency=pp_lat)
-    p2p_total = np.where(pp > 1, 2 * (pp * v - 1) * p2p, 0.0)
-
     opt_params = p_local / np.where(zero >= 1, dp, 1)
     opt_bytes = opt_params * (2 * training.optimizer_bytes + training.grad_bytes + training.param_bytes)
 
@@ -186,7 +197,7 @@ def evaluate(cands: pd.DataFrame, *, model: ModelSpec, cluster: ClusterSpec, tra
     out["tp_comm_s"] = m * (tp_f_mb + tp_b_mb)
     out["dp_sync_s"] = sync
     out["zero3_gather_s"] = gathers
-    out["pp_p2p_s"] = p2p_total
+    out["pp_p2p_s"] = p2p_units * fm / v
     out["bubble_s"] = bubble
     out["optimizer_s"] = opt_bytes / (dev.mem_bw_bytes_per_s * eff.memory_bw)
     out["overhead_s"] = eff.overhead_s

@@ -109,6 +109,9 @@ class LayoutConfig:
     """Shard LayerNorm/dropout activations along the sequence over the tp axis (needs tp > 1)."""
     activation_checkpointing: str = "none"
     """Recompute activations in backward: one of ``parallel.mesh.AC_MODES`` (none, selective, full)."""
+    stage_sleep: str = ""
+    """LAYOUTS (tests, demos): ``fwd_ms=F,bwd_ms=B`` replaces every pipeline stage's compute by a fixed sleep per
+    micro-batch (needs pp > 1; the loss is then meaningless); empty = real compute."""
 
     def __post_init__(self) -> None:
         if self.dp != -1 and self.dp < 1:
@@ -123,6 +126,10 @@ class LayoutConfig:
                               f"({self.virtual_stages}) must be >= 0 (0 = automatic).")
         if self.pp_schedule not in PP_SCHEDULES:
             raise ConfigError(f"layout.pp_schedule = {self.pp_schedule!r}; use one of {list(PP_SCHEDULES)}.")
+        if self.stage_sleep:   # LAYOUTS: validates 'fwd_ms=F,bwd_ms=B' (ConfigError naming the flag)
+            from dtprobe.runtime.parallel.stage_sleep import parse_stage_sleep
+
+            parse_stage_sleep(self.stage_sleep)
         if self.activation_checkpointing not in AC_MODES:
             raise ConfigError(f"layout.activation_checkpointing = {self.activation_checkpointing!r}; use one of "
                               f"{list(AC_MODES)}.")
@@ -157,7 +164,7 @@ class Layout(LayoutConfig):
     @property
     def is_pure_dp(self) -> bool:
         """Plain DDP: no TP, no PP, no ZeRO (the runtime's own path; anything else goes to ``runtime.parallel``)."""
-        return self.tp == 1 and self.pp == 1 and self.zero == 0
+        return self.tp == 1 and self.pp == 1 and self.zero == 0 and not self.stage_sleep
 
 
 @dataclass(kw_only=True, frozen=True)

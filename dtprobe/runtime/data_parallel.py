@@ -96,7 +96,10 @@ def ddp_train_step(ctx: "TrainContext", s: Any, step: int, batches: list) -> tor
                 if last:
                     loss = loss / len(batches)
             with s.phase("bwd"):
-                ops.backward(loss, inject_overflow=i == last and step in ctx.overflow_steps)
+                overflow = i == last and step in ctx.overflow_steps
+                if overflow:
+                    ctx.probe.fault("overflow", step=step, injected=True, loss_factor=1e38)
+                ops.backward(loss, inject_overflow=overflow)
         total = loss.detach() if total is None else total + loss.detach()
     ctx.faults.after_compute()
     with s.phase("opt"):

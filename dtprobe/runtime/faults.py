@@ -145,6 +145,9 @@ register_fault_kind(FaultKind(
 register_fault_kind(FaultKind(
     name="crash", keys={"rank": int, "step": int}, required=("rank", "step"), example="crash:rank=1,step=10",
     help="rank R exits with code 1 at the start of step S (first attempt only; telemetry flushed first)"))
+register_fault_kind(FaultKind(
+    name="overflow", keys={"rank": int, "step": int}, required=("step",), example="overflow:step=3,rank=0",
+    help="fp16 only: rank R (default every rank) multiplies its loss by 1e38 at step S (runtime.precision)"))
 
 
 class FaultInjector:

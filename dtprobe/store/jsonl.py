@@ -19,7 +19,10 @@ import pyarrow.json as pajson
 from dtprobe.store.errors import TraceError
 from dtprobe.store.frames import arrow_schema
 
-_BLOCK_BYTES = 8 << 20
+_BLOCK_BYTES = 4 << 20
+"""Arrow JSON block size; a line longer than this falls back to the (slower) line-by-line parser."""
+_READ_BYTES = 64 << 20
+"""Bytes read from an events file per parse (bounds memory on the first read of a long run)."""
 
 
 @dataclass
@@ -35,28 +38,33 @@ class FileCursor:
 def read_new_rows(path: Path, cursor: FileCursor, table: str, rank: int) -> pa.Table | None:
     """Parse the complete lines of ``path`` after ``cursor`` and advance it; None if there are none.
 
-    Every returned row has ``rank`` equal to the file's rank (filled in where the line had none).
+    Reads at most ``_READ_BYTES`` at a time (plus whatever completes a longer line), so memory stays bounded on
+    a first read of a long run. Every returned row has ``rank`` equal to the file's rank (filled in where the
+    line had none). On error the cursor is left where it was.
     """
+    offset, lines, parts = cursor.offset_bytes, cursor.lines, []
     with open(path, "rb") as f:
         size = f.seek(0, io.SEEK_END)
-        if size < cursor.offset_bytes:
+        if size < offset:
             raise TraceError(
-                f"'{path}' is {size} bytes, shorter than the {cursor.offset_bytes} bytes already read: it was "
+                f"'{path}' is {size} bytes, shorter than the {offset} bytes already read: it was "
                 f"truncated or replaced, but events files are append-only. Restore it, or if the run was "
                 f"compacted, delete tables/ and run `dtprobe compact` again.")
-        if size == cursor.offset_bytes:
-            return None
-        f.seek(cursor.offset_bytes)
-        data = f.read(size - cursor.offset_bytes)
-    end = data.rfind(b"\n")
-    if end < 0:
-        return None  # only a torn / in-progress line so far
-    block = data[: end + 1]
-    rows = parse_lines(block, table, path=path, first_line=cursor.lines + 1)
-    rows = _check_rank(rows, rank, path, first_line=cursor.lines + 1)
-    cursor.offset_bytes += end + 1
-    cursor.lines += block.count(b"\n")
-    return rows if rows.num_rows else None
+        f.seek(offset)
+        data = b""
+        while offset + len(data) < size:
+            data += f.read(min(_READ_BYTES, size - offset - len(data)))
+            end = data.rfind(b"\n")
+            if end < 0:
+                continue  # a line longer than one read (or a torn last line): read on
+            block, data = data[: end + 1], data[end + 1:]
+            rows = parse_lines(block, table, path=path, first_line=lines + 1)
+            parts.append(_check_rank(rows, rank, path, first_line=lines + 1))
+            offset += end + 1
+            lines += block.count(b"\n")
+    cursor.offset_bytes, cursor.lines = offset, lines
+    rows = pa.concat_tables(parts) if len(parts) > 1 else (parts[0] if parts else None)
+    return rows if rows is not None and rows.num_rows else None
 
 
 def parse_lines(block: bytes, table: str, *, path: Path, first_line: int) -> pa.Table:
@@ -69,7 +77,7 @@ def parse_lines(block: bytes, table: str, *, path: Path, first_line: int) -> pa.
     try:
         return pajson.read_json(
             io.BytesIO(block),
-            read_options=pajson.ReadOptions(block_size=max(_BLOCK_BYTES, 1 << 20), use_threads=False),
+            read_options=pajson.ReadOptions(block_size=_BLOCK_BYTES, use_threads=len(block) > _BLOCK_BYTES),
             parse_options=pajson.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore"),
         )
     except pa.ArrowException:
@@ -93,14 +101,27 @@ def _parse_lines_slow(block: bytes, table: str, schema: pa.Schema, *, path: Path
             raise TraceError(f"'{path}' line {n} is a JSON {type(row).__name__}, not an object. "
                              f"{fix.format(n=n, path=path)}")
         row = {k: v for k, v in row.items() if k in schema.names}
-        try:
-            pa.Table.from_pylist([row], schema=schema)
-        except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
-            raise TraceError(f"'{path}' line {n} does not match the '{table}' table schema ({exc}); "
-                             f"expected types: {dict(zip(schema.names, map(str, schema.types)))}. "
-                             f"{fix.format(n=n, path=path)}") from None
+        for key, value in row.items():
+            if value is not None and not _ACCEPTS[str(schema.field(key).type)](value):
+                raise TraceError(f"'{path}' line {n} does not match the '{table}' table schema: column "
+                                 f"'{key}' is {value!r}, expected {schema.field(key).type}. "
+                                 f"{fix.format(n=n, path=path)}")
         rows.append(row)
     return pa.Table.from_pylist(rows, schema=schema)
+
+
+def _is_int(v: object) -> bool:
+    return (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and v.is_integer())
+
+
+_ACCEPTS = {
+    "int32": lambda v: _is_int(v) and -2**31 <= v < 2**31,
+    "int64": lambda v: _is_int(v) and -2**63 <= v < 2**63,
+    "double": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "bool": lambda v: isinstance(v, bool),
+    "string": lambda v: isinstance(v, str),
+}
+"""Arrow type name -> does a parsed JSON value fit losslessly (integral floats count as ints)."""
 
 
 def _check_rank(rows: pa.Table, rank: int, path: Path, *, first_line: int) -> pa.Table:

@@ -9,6 +9,7 @@ so a launcher and a leader updating the same run do not lose each other's change
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -137,7 +138,10 @@ def create_manifest(run_dir: str | os.PathLike, *, run_id: str, command: list[st
 
 
 def set_status(run_dir: str | os.PathLike, status: str, **extra: Any) -> None:
-    """Set the run status (and ``ended_ns`` for finished/crashed); ``extra`` keys are stored in run.json too."""
+    """Set the run status (and ``ended_ns`` for finished/crashed); ``extra`` keys are stored in run.json too.
+
+    FileNotFoundError if the run has no run.json yet.
+    """
     if status not in RUN_STATUSES:
         raise ValueError(f"status must be one of {RUN_STATUSES}, got {status!r}")
     with _locked_manifest(run_dir) as data:
@@ -148,7 +152,7 @@ def set_status(run_dir: str | os.PathLike, status: str, **extra: Any) -> None:
 
 def add_restart(run_dir: str | os.PathLike, *, restart: int, time_ns: int, steps_lost: int | None,
                 from_step: int | None) -> None:
-    """Append one restart record to run.json (status goes back to ``running``)."""
+    """Append one restart record to run.json (status goes back to ``running``); FileNotFoundError if none yet."""
     with _locked_manifest(run_dir) as data:
         data.setdefault("restarts", []).append(
             {"restart": int(restart), "time_ns": int(time_ns), "steps_lost": steps_lost, "from_step": from_step})
@@ -204,7 +208,8 @@ def read_run_json(run_dir: Path) -> dict[str, Any]:
     hint = ("Point at a directory made by `dtprobe run` or `dtprobe.attach`, or use a Kineto trace folder "
             "with `dtprobe analyze`.")
     if not run_dir.is_dir():
-        raise TraceError(f"'{run_dir}' is not a dtprobe run: no such directory. {hint}")
+        what = "it is a file, not a directory" if run_dir.exists() else "no such directory"
+        raise TraceError(f"'{run_dir}' is not a dtprobe run: {what}. {hint}")
     if not path.is_file():
         raise TraceError(f"'{run_dir}' is not a dtprobe run: no {MANIFEST_FILE} in it. {hint}")
     try:
@@ -285,8 +290,15 @@ def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
 
 @contextlib.contextmanager
 def _locked_manifest(run_dir: str | os.PathLike) -> Iterator[dict[str, Any]]:
-    """Yield run.json as a dict under an exclusive lock; write it back atomically on normal exit."""
+    """Yield run.json as a dict under an exclusive lock; write it back atomically on normal exit.
+
+    FileNotFoundError if there is no run.json yet (e.g. attach mode before the leader created it); TraceError if
+    it is not a valid dtprobe manifest.
+    """
     run_dir = Path(run_dir)
+    path = run_dir / MANIFEST_FILE
+    if not path.is_file():
+        raise FileNotFoundError(errno.ENOENT, f"no {MANIFEST_FILE} to update (create_manifest first)", str(path))
     with open(run_dir / ".run.json.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:

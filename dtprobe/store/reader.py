@@ -228,6 +228,9 @@ class RunStore:
         if not state.num_rows:
             return arrow_schema(name).empty_table()
         aligned = pa.concat_tables([_align(c, name, offsets, self._path) for c in state.chunks])
+        basis = state.chunks[0].basis
+        if len(state.chunks) == 1 and basis is not None and all(offsets.get(r) == o for r, o in basis.items()):
+            return aligned  # exactly the compacted table, written in this order
         return _sort(aligned, SORT_KEYS.get(name, ("rank",)))
 
 

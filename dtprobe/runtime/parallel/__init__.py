@@ -25,7 +25,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(mesh, name)
     if name in ("StageSleep", "parse_stage_sleep"):
-        from dtprobe.runtime.parallel import pp
+        from dtprobe.runtime.parallel import stage_sleep as pp
 
         return getattr(pp, name)
     raise AttributeError(name)

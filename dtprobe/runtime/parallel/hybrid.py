@@ -241,7 +241,7 @@ def parallelize(job: Any, layout: Any, *, probe: Any, device: torch.device) -> A
     """
     from dtprobe.runtime.data_parallel import TrainParts
     from dtprobe.runtime.model import build_model
-    from dtprobe.runtime.parallel.pp import parse_stage_sleep
+    from dtprobe.runtime.parallel.stage_sleep import parse_stage_sleep
 
     tcfg = job.train
     model = build_model(job.model.name, seed=tcfg.seed)

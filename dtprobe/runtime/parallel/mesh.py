@@ -99,7 +99,7 @@ def check_layout(layout: Any, *, world_size: int, num_layers: int | None = None,
                                   f"{rounds} rounds and needs microbatches % rounds == 0; use a multiple of "
                                   f"{dims.pp}.")
         num_stages = dims.pp * stages_per_rank
-        if num_layers is not None and num_layers < num_stages:
+        if num_layers is not None and num_layers < num_stages and not getattr(layout, "stage_sleep", ""):
             raise ConfigError(f"the model has {num_layers} layers but the pipeline has {num_stages} stages "
                               f"(pp {dims.pp} x virtual_stages {stages_per_rank}); every stage needs a block. "
                               f"Use a bigger model preset or fewer stages.")

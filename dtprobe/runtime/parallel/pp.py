@@ -18,13 +18,12 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from dtprobe.store.errors import ConfigError
+from dtprobe.runtime.parallel.stage_sleep import StageSleep, parse_stage_sleep  # noqa: F401 (re-export)
 
 SCHEDULE_CLASSES = {
     "gpipe": "ScheduleGPipe",
@@ -35,41 +34,6 @@ SCHEDULE_CLASSES = {
 }
 """``--pp-schedule`` name -> class in ``torch.distributed.pipelining``."""
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
-
-
-@dataclass(kw_only=True, frozen=True)
-class StageSleep:
-    """``--stage-sleep fwd_ms=F,bwd_ms=B``: each stage's compute is replaced by a fixed sleep per micro-batch,
-    so pipeline timing tests do not depend on a noisy CPU. The loss is then meaningless (mean activation)."""
-
-    fwd_ms: float
-    """Sleep of every forward (F) of one stage and micro-batch, in milliseconds."""
-    bwd_ms: float
-    """Sleep of every backward (B; I for split-backward schedules) of one stage and micro-batch."""
-
-    def __post_init__(self) -> None:
-        if not (self.fwd_ms >= 0 and self.bwd_ms >= 0):
-            raise ConfigError(f"stage_sleep = fwd_ms={self.fwd_ms},bwd_ms={self.bwd_ms}; both must be >= 0 ms.")
-
-
-def parse_stage_sleep(text: str | None) -> StageSleep | None:
-    """Parse ``"fwd_ms=10,bwd_ms=20"`` (``--stage-sleep``); None or empty -> None."""
-    if not text:
-        return None
-    values: dict[str, float] = {}
-    for part in str(text).split(","):
-        key, sep, value = part.partition("=")
-        key = key.strip()
-        if not sep or key not in ("fwd_ms", "bwd_ms"):
-            raise ConfigError(f"--stage-sleep {text!r}: expected 'fwd_ms=F,bwd_ms=B' (milliseconds), e.g. "
-                              f"'fwd_ms=10,bwd_ms=20'; got the part {part!r}.")
-        try:
-            values[key] = float(value)
-        except ValueError:
-            raise ConfigError(f"--stage-sleep {text!r}: {key} = {value!r} is not a number of milliseconds.") from None
-    if set(values) != {"fwd_ms", "bwd_ms"}:
-        raise ConfigError(f"--stage-sleep {text!r}: give both fwd_ms and bwd_ms, e.g. 'fwd_ms=10,bwd_ms=20'.")
-    return StageSleep(**values)
 
 
 def stage_layers(num_layers: int, num_stages: int) -> list[range]:

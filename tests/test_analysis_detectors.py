@@ -1,0 +1,359 @@
+"""Metrics and detectors other than stragglers, on hand-made tables with known answers."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pandas as pd
+import pytest
+from analysis_synth import MS, T0, dp_tables, pipeline_tables
+
+from dtprobe.analysis import amp, bubble, checkpoints, comm_efficiency, compression, devices, exposed_comm, hangs
+from dtprobe.analysis import peaks, stragglers, throughput
+from dtprobe.store.frames import frame_from_rows
+
+# ---------------------------------------------------------------------------------------------------- bubble
+
+
+@pytest.mark.parametrize("schedule,pp,m,ideal", [("gpipe", 4, 4, 3 / 7), ("gpipe", 2, 4, 1 / 5), ("1f1b", 4, 8, 3 / 11)])
+def test_pipeline_bubble_measures_the_schedules_idle_share(schedule, pp, m, ideal):
+    t = pipeline_tables(schedule=schedule, pp=pp, microbatches=m)
+    by_rank = bubble.bubble_by_rank(bubble.pipeline_bubble(t["pipeline"]))
+    assert by_rank["bubble_frac"].mean() == pytest.approx(ideal, abs=1e-6)
+    shape = bubble.pipeline_shape(t["pipeline"], schedule=schedule)
+    assert (shape.num_ranks, shape.num_microbatches, shape.virtual_stages) == (pp, m, 1)
+    assert bubble.ideal_bubble(shape)[0] == pytest.approx(ideal, abs=1e-6)
+
+
+def test_pipeline_bubble_finding_on_gpipe_pp4_mb4_predicts_gain_of_more_microbatches():
+    t = pipeline_tables(schedule="gpipe", pp=4, microbatches=4, f_ms=10, b_ms=20)
+    by_rank = bubble.bubble_by_rank(bubble.pipeline_bubble(t["pipeline"]))
+    shape = bubble.pipeline_shape(t["pipeline"])          # schedule inferred from the action order
+    assert shape.schedule == "gpipe"
+    [f] = bubble.detect_pipeline_bubble(by_rank, shape, step_ns=210 * MS)
+    assert (f.code, f.group, f.ranks) == ("PIPELINE_BUBBLE", "pp", (0, 1, 2, 3))
+    assert f.evidence["ideal_bubble_frac"] == pytest.approx(3 / 7)
+    assert f.evidence["ideal_bubble_frac_2x_microbatches"] == pytest.approx(3 / 11)
+    # (4+3) x 30 ms -> (8+3) x 15 ms: 1 - 165/210
+    assert f.predicted_gain.metric == "step_time"
+    assert f.predicted_gain.frac == pytest.approx(1 - 165 / 210, abs=1e-6)
+    assert "from 4 to 8" in f.recommendation
+
+
+def test_pipeline_bubble_reports_the_excess_when_p2p_gaps_stretch_the_step():
+    t = pipeline_tables(schedule="gpipe", pp=4, microbatches=4, p2p_gap_ms=5.0)
+    by_rank = bubble.bubble_by_rank(bubble.pipeline_bubble(t["pipeline"]))
+    [f] = bubble.detect_pipeline_bubble(by_rank, bubble.pipeline_shape(t["pipeline"]), step_ns=None)
+    assert f.evidence["measured_bubble_frac"] > f.evidence["ideal_bubble_frac"] + 0.05
+
+
+@pytest.mark.parametrize("name,expected", [("GPipe", "gpipe"), ("Interleaved1F1B", "interleaved-1f1b"),
+                                           ("ScheduleZBVZeroBubble", "zbv"), ("zero-bubble", "zero-bubble"),
+                                           ("nonsense", None)])
+def test_normalize_schedule_maps_torch_and_planner_names(name, expected):
+    assert bubble.normalize_schedule(name) == expected
+
+
+# ---------------------------------------------------------------------------------------------------- AMP
+
+
+def _amp(rows):
+    return frame_from_rows("amp", [{"rank": r, **row} for row in rows for r in range(2)])
+
+
+def _scale_rows(num_steps, overflow_steps, start=65536.0):
+    rows, scale = [], start
+    for s in range(num_steps):
+        over = s in overflow_steps
+        after = scale / 2 if over else scale
+        rows.append({"step": s, "scale_before": scale, "scale_after": after, "found_inf": over, "skipped": over})
+        scale = after
+    return rows
+
+
+@pytest.mark.parametrize("overflows,severity", [
+    ({3}, "info"),                          # one overflow in 40 steps: how dynamic scaling works
+    ({3, 4, 5}, "warning"),                 # a burst of 3
+    (set(range(0, 40, 2)), "critical"),     # half the tail overflows
+])
+def test_amp_overflow_severity_follows_rate_and_bursts(overflows, severity):
+    per_step = amp.amp_steps(_amp(_scale_rows(40, overflows)))
+    [f] = amp.detect_amp_overflow(per_step)
+    assert f.code == "AMP_OVERFLOW" and f.severity == severity
+    assert f.evidence["num_overflows"] == len(overflows)
+    assert f.evidence["overflow_rate"] == pytest.approx(len(overflows) / 40)
+
+
+def test_amp_overflow_is_critical_when_the_scale_sits_at_its_floor():
+    per_step = amp.amp_steps(_amp(_scale_rows(20, {15}, start=1.0)))
+    [f] = amp.detect_amp_overflow(per_step)
+    assert f.severity == "critical" and f.evidence["at_floor"] is True
+
+
+def test_amp_overflow_detects_a_drop_in_scale_without_found_inf_and_names_the_ranks():
+    rows = [{"rank": 0, "step": 0, "scale_before": 8.0, "scale_after": 8.0, "found_inf": False},
+            {"rank": 0, "step": 1, "scale_before": 8.0, "scale_after": 4.0},
+            {"rank": 1, "step": 1, "scale_before": 8.0, "scale_after": 4.0, "found_inf": True}]
+    per_step = amp.amp_steps(frame_from_rows("amp", rows))
+    assert per_step["overflow"].tolist() == [False, True]
+    assert amp.detect_amp_overflow(per_step)[0].ranks == (1,)
+
+
+def test_amp_no_finding_without_overflow():
+    assert amp.detect_amp_overflow(amp.amp_steps(_amp(_scale_rows(10, set())))) == []
+
+
+# ---------------------------------------------------------------------------------------------------- checkpoints
+
+
+def _ckpt(blocking_ms, every, num_steps=40, ranks=2, slow_rank=1):
+    rows = []
+    for s in range(every - 1, num_steps, every):
+        for r in range(ranks):
+            b = blocking_ms * (2 if r == slow_rank else 1)
+            rows.append({"rank": r, "step": s, "kind": "save", "start_ns": T0 + s * 100 * MS,
+                         "blocking_ns": int(b * MS), "async_ns": 0, "total_ns": int(b * MS), "num_bytes": 1 << 20,
+                         "ok": True})
+    return frame_from_rows("checkpoints", rows)
+
+
+def test_checkpoint_stall_on_slow_blocking_saves_with_young_daly_interval():
+    events = checkpoints.checkpoint_events(_ckpt(500, every=5))
+    assert events["blocking_max_ns"].iloc[0] == 1000 * MS and events["slowest_rank"].iloc[0] == 1
+    wall = 40 * 100 * MS + 8 * 1000 * MS
+    summary = checkpoints.checkpoint_summary(events, wall_ns=wall, step_ns=100 * MS, mtbf_hours=24)
+    assert summary["blocking_share_of_wall"] == pytest.approx(8 / 12)
+    assert summary["young_daly_interval_s"] == pytest.approx(math.sqrt(2 * 1.0 * 24 * 3600))
+    assert summary["interval_steps"] == 5
+    [f] = checkpoints.detect_checkpoint_stall(events, summary)
+    assert (f.code, f.severity, f.ranks) == ("CHECKPOINT_STALL", "critical", (1,))
+    assert "async" in f.recommendation.lower()
+    # interval 0.5 s vs Young/Daly 416 s: nearly all the blocking share is saved
+    assert f.predicted_gain.metric == "wall_time" and f.predicted_gain.frac == pytest.approx(8 / 12 - 1 / 415.69, abs=1e-3)
+
+
+def test_checkpoint_stall_absent_when_saves_are_cheap():
+    events = checkpoints.checkpoint_events(_ckpt(1, every=20))
+    summary = checkpoints.checkpoint_summary(events, wall_ns=40 * 100 * MS, step_ns=100 * MS)
+    assert checkpoints.detect_checkpoint_stall(events, summary) == []
+
+
+def test_young_daly_interval_formula():
+    assert checkpoints.young_daly_interval_s(60.0, 3600.0 * 24) == pytest.approx(math.sqrt(2 * 60 * 86400))
+
+
+# ---------------------------------------------------------------------------------------------------- hangs
+
+
+def _hang_coll(missing_rank=3, seq=5):
+    rows = []
+    for s in range(1, seq + 1):
+        for r in range(4):
+            if s == seq and r == missing_rank:
+                continue
+            rows.append({"rank": r, "pg": "dp", "pg_ranks": "0,1,2,3", "pg_size": 4, "seq": s, "op": "allreduce",
+                         "num_bytes": 4096, "enqueue_ns": T0 + s * 100 * MS + r * MS,
+                         "end_ns": None if s == seq else T0 + s * 100 * MS + 10 * MS, "step": s})
+    return frame_from_rows("collectives", rows)
+
+
+def test_hang_names_the_rank_that_never_arrived_and_the_collective():
+    coll = _hang_coll(missing_rank=2)
+    skew = stragglers.collective_skew(coll)
+    missing = hangs.missing_arrivals(skew, coll, now_ns=T0 + 900 * MS, min_wait_ns=0)
+    [f] = hangs.detect_hangs(missing, frame_from_rows("faults", []),
+                             last_seen=hangs.last_seen(frame_from_rows("steps", []), coll))
+    assert (f.code, f.severity, f.ranks, f.group) == ("HANG", "critical", (2,), "dp")
+    assert (f.evidence["op"], f.evidence["seq"], f.evidence["arrived_ranks"]) == ("allreduce", 5, [0, 1, 3])
+    assert f.evidence["missing_last_seen"]["2"]["last_collective"] == "dp#4 allreduce"
+
+
+def test_hang_needs_the_timeout_while_the_run_is_still_running():
+    coll = _hang_coll()
+    skew = stragglers.collective_skew(coll)
+    assert hangs.missing_arrivals(skew, coll, now_ns=T0 + 510 * MS, min_wait_ns=60 * 10**9).empty
+
+
+def test_hang_from_a_watchdog_fault_row_names_the_ranks_in_its_detail():
+    faults = frame_from_rows("faults", [{"rank": 0, "time_ns": T0, "step": 7, "kind": "hang", "injected": False,
+                                         "detail": json.dumps({"missing_ranks": [3], "pg": "dp", "op": "allreduce"})}])
+    [f] = hangs.detect_hangs(frame_from_rows("collectives", []).iloc[0:0].pipe(
+        lambda _: pd.DataFrame({c: [] for c in hangs.MISSING_COLUMNS})), faults)
+    assert (f.ranks, f.group, f.evidence["reported_by"]) == ((3,), "dp", 0)
+
+
+def test_rank_crash_is_a_warning_when_the_run_recovered():
+    faults = frame_from_rows("faults", [
+        {"rank": 1, "time_ns": T0, "step": 10, "kind": "crash", "injected": True},
+        {"rank": 0, "time_ns": T0 + 1, "step": 10, "kind": "restart", "injected": False}])
+    [f] = hangs.detect_crashes(faults, status="finished")
+    assert (f.code, f.severity, f.ranks) == ("RANK_CRASH", "warning", (1,))
+    assert hangs.detect_crashes(faults.iloc[:1], status="crashed")[0].severity == "critical"
+
+
+# ---------------------------------------------------------------------------------------------------- comm
+
+
+@pytest.mark.parametrize("op,n,factor", [("allreduce", 4, 1.5), ("allreduce", 2, 1.0), ("allgather", 4, 0.75),
+                                         ("reduce_scatter", 8, 7 / 8), ("broadcast", 4, 1.0), ("send", 2, 1.0),
+                                         ("alltoall", 4, 0.75)])
+def test_busbw_factors_follow_nccl_tests(op, n, factor):
+    assert comm_efficiency.busbw_factor(op, n) == pytest.approx(factor)
+
+
+def _sized_coll(sizes, alpha_us=50.0, gbps=8.0, n=4, count=20, counts=None):
+    rows, seq = [], 0
+    beta = gbps * 1e9 / 8
+    for i, size in enumerate(sizes):
+        for _ in range(counts[i] if counts else count):
+            seq += 1
+            dur = int(alpha_us * 1000 + size / beta * 1e9)
+            for r in range(n):
+                rows.append({"rank": r, "pg": "dp", "pg_ranks": ",".join(map(str, range(n))), "pg_size": n,
+                             "seq": seq, "op": "allreduce", "num_bytes": size, "enqueue_ns": T0 + seq * 10 * MS + r,
+                             "end_ns": T0 + seq * 10 * MS + n + dur, "step": seq // 10, "timing": "host"})
+    return frame_from_rows("collectives", rows)
+
+
+def test_comm_efficiency_fits_latency_and_bandwidth_and_computes_busbw():
+    bw = comm_efficiency.collective_bandwidth(_sized_coll([4096, 65536, 1 << 20, 8 << 20]))
+    alpha, beta = comm_efficiency.latency_bandwidth_fit(bw)
+    assert alpha == pytest.approx(50_000, rel=0.02) and beta == pytest.approx(1e9, rel=0.02)
+    big = bw[bw["num_bytes"] == 8 << 20].iloc[0]
+    assert big["busbw_bytes_per_s"] == pytest.approx(big["algbw_bytes_per_s"] * 1.5)
+
+
+def test_comm_inefficient_on_latency_bound_small_messages_recommends_a_bucket_size():
+    coll = _sized_coll([4096, 8192, 16 << 20], counts=[400, 400, 2])
+    bw = comm_efficiency.collective_bandwidth(coll)
+    fit = comm_efficiency.latency_bandwidth_fit(bw)
+    by_size = comm_efficiency.bandwidth_by_size(bw, fit=fit)
+    assert by_size.set_index("size_bytes").loc[4096, "latency_bound"]
+    [f] = comm_efficiency.detect_comm_inefficient(bw, by_size, fit=fit, step_ns=100 * MS, num_steps=80)
+    assert f.code == "COMM_INEFFICIENT" and f.evidence["latency_bound_share"] > 0.5
+    # half-bandwidth size = 50 us x 1 GB/s = 50 kB; advice: >= 4x, rounded up to a power of two
+    assert f.evidence["half_bandwidth_bytes"] == pytest.approx(50_000, rel=0.05)
+    assert f.evidence["recommended_bucket_bytes"] == 262144
+    assert f.predicted_gain is not None and f.predicted_gain.frac > 0
+
+
+def test_comm_efficiency_flags_busbw_below_the_given_link_peak():
+    coll = _sized_coll([8 << 20], gbps=8.0)
+    bw = comm_efficiency.collective_bandwidth(coll)
+    by_size = comm_efficiency.bandwidth_by_size(bw)
+    [f] = comm_efficiency.detect_comm_inefficient(bw, by_size, fit=None, step_ns=None, num_steps=1,
+                                                  peak_busbw_bytes_per_s=100e9 / 8)
+    assert f.evidence["peak_frac"] < 0.2
+
+
+# ---------------------------------------------------------------------------------------------------- compression
+
+
+def _compression_rows(ratio=4, encode_ms=1.0):
+    return frame_from_rows("compression", [
+        {"rank": r, "step": s, "bucket": 0, "method": "topk", "raw_bytes": 4 << 20, "sent_bytes": (4 << 20) // ratio,
+         "encode_ns": int(encode_ms * MS), "decode_ns": int(encode_ms * MS)} for r in range(2) for s in range(10)])
+
+
+def test_compression_reports_ratio_time_saved_and_loss_gap():
+    summary = compression.compression_summary(_compression_rows(ratio=4))
+    assert summary["ratio"].iloc[0] == pytest.approx(4.0) and summary["bytes_saved_frac"].iloc[0] == 0.75
+    steps = frame_from_rows("steps", [{"rank": 0, "step": s, "loss": 2.0} for s in range(10)])
+    base = frame_from_rows("steps", [{"rank": 0, "step": s, "loss": 1.9} for s in range(10)])
+    gap = compression.loss_gap(steps, base)
+    assert gap["loss_gap_frac"].iloc[0] == pytest.approx(0.1 / 1.9)
+    [f] = compression.detect_compression(summary, gap, algbw_bytes_per_s=1e9, step_ns=100 * MS, baseline="b")
+    assert f.code == "COMPRESSION" and f.severity == "warning"            # 5% worse loss
+    assert f.evidence["transfer_saved_ms_per_step"] == pytest.approx(3 * (1 << 20) / 1e9 * 1e3)
+    assert f.evidence["net_saved_ms_per_step"] == pytest.approx(3 * (1 << 20) / 1e6 - 2.0)
+
+
+def test_compression_is_info_without_baseline_and_warns_when_encoding_costs_more():
+    summary = compression.compression_summary(_compression_rows(encode_ms=10.0))
+    [f] = compression.detect_compression(summary, None, algbw_bytes_per_s=10e9, step_ns=100 * MS)
+    assert f.severity == "warning" and f.predicted_gain.frac > 0
+    [g] = compression.detect_compression(compression.compression_summary(_compression_rows(encode_ms=0.01)), None,
+                                         algbw_bytes_per_s=1e9, step_ns=100 * MS)
+    assert g.severity == "info" and g.evidence["loss_gap_frac"] is None
+
+
+# ---------------------------------------------------------------------------------------------------- devices
+
+
+def test_device_health_flags_throttle_xid_and_memory_pressure():
+    rows = []
+    for i in range(10):
+        rows.append({"rank": 0, "gpu": 0, "time_ns": T0 + i, "throttle_reasons": 0x20 if i < 5 else 0x1,
+                     "power_w": 300.0, "power_limit_w": 400.0, "mem_used_bytes": 79 << 30, "mem_total_bytes": 80 << 30})
+        rows.append({"rank": 1, "gpu": 1, "time_ns": T0 + i, "throttle_reasons": 0x1, "xid": 79 if i == 3 else 0,
+                     "power_w": 100.0, "power_limit_w": 400.0, "mem_used_bytes": 10 << 30, "mem_total_bytes": 80 << 30})
+    health = devices.device_health(frame_from_rows("devices", rows)).set_index("rank")
+    assert health.loc[0, "throttled_frac"] == 0.5 and health.loc[0, "reasons"] == "sw_thermal"
+    assert health.loc[1, "throttled_frac"] == 0.0        # GPU idle is not throttling
+    found = {(f.code, f.ranks) for f in devices.detect_device_health(health.reset_index())}
+    assert found == {("DEVICE_THROTTLE", (0,)), ("MEMORY_PRESSURE", (0,)), ("DEVICE_XID", (1,))}
+
+
+def test_device_health_has_no_gpu_verdicts_on_host_only_samples():
+    rows = [{"rank": 0, "time_ns": T0 + i, "source": "host", "cpu_frac": 0.9, "rss_bytes": 1 << 30} for i in range(5)]
+    health = devices.device_health(frame_from_rows("devices", rows))
+    assert devices.detect_device_health(health) == []
+
+
+# ---------------------------------------------------------------------------------------------------- MFU
+
+
+def test_preset_flops_match_the_runtime_model_formula():
+    h, f, n, v, s = 128, 512, 4, 256, 64
+    expected = 3.0 * (2 * n * (4 * h * h + 2 * h * f) + 2 * n * 2 * s * h + 2 * h * v)
+    assert peaks.preset_flops_per_token("tiny", 64) == expected
+
+
+@pytest.mark.parametrize("device,dtype,peak", [("NVIDIA A100-SXM4-80GB", "bf16", 312e12),
+                                               ("NVIDIA H100 80GB HBM3", "fp16", 989e12),
+                                               ("Tesla V100-SXM2-32GB", "fp32", 15.7e12)])
+def test_peak_flops_looked_up_by_device_and_dtype(device, dtype, peak):
+    assert peaks.peak_flops(device, dtype)[0] == peak
+
+
+@pytest.mark.parametrize("device,reason", [("cpu", "CPU"), (None, "unknown"), ("Mystery GPU", "not in")])
+def test_peak_flops_is_none_with_a_reason_never_a_guess(device, reason):
+    value, why = peaks.peak_flops(device, "bf16")
+    assert value is None and reason in why
+
+
+def test_throughput_and_mfu_per_step():
+    steps = frame_from_rows("steps", [{"rank": r, "step": 0, "start_ns": T0, "end_ns": T0 + 500 * MS, "tokens": 1000}
+                                      for r in range(2)])
+    per = throughput.throughput(steps, flops_per_token=1e9, peak_flops_per_device=1e12, num_devices=2)
+    assert per["tokens_per_s"].iloc[0] == pytest.approx(4000)
+    assert per["mfu"].iloc[0] == pytest.approx(4000 * 1e9 / 2e12)
+    cpu = throughput.throughput(steps, flops_per_token=1e9, peak_flops_per_device=None, num_devices=2)
+    summary = throughput.throughput_summary(cpu, step_ids=[0], peak_reason="CPU: no declared peak",
+                                            flops_per_token=1e9)
+    assert summary["mfu"] is None and "CPU" in summary["mfu_reason"]
+
+
+# ---------------------------------------------------------------------------------------------------- exposure
+
+
+def test_comm_exposure_separates_the_tail_from_straggler_wait():
+    t = dp_tables(straggler=2, delay_ms=20, num_steps=5, jitter_ms=0.0, num_buckets=1, xfer_ms=3.0)
+    skew = stragglers.collective_skew(t["collectives"])
+    e = exposed_comm.comm_exposure(t["collectives"], t["steps"], skew).set_index(["rank", "step"])
+    # victims: 20 ms waiting for rank 2 + 3 ms transfer in the tail; the culprit only the 3 ms transfer
+    assert e.loc[(0, 3), "exposed_ns"] == pytest.approx(23 * MS, abs=0.01 * MS)
+    assert e.loc[(0, 3), "straggler_wait_ns"] == pytest.approx(20 * MS, abs=0.01 * MS)
+    assert e.loc[(2, 3), "exposed_net_ns"] == pytest.approx(3 * MS, abs=0.01 * MS)
+    by_rank = exposed_comm.exposure_by_rank(e.reset_index())
+    assert exposed_comm.detect_exposed_comm(by_rank) == []          # 3 ms of 100+ ms: hidden enough
+
+
+def test_exposed_comm_finding_when_the_tail_is_long():
+    t = dp_tables(num_steps=5, jitter_ms=0.0, num_buckets=1, xfer_ms=40.0)
+    skew = stragglers.collective_skew(t["collectives"])
+    by_rank = exposed_comm.exposure_by_rank(exposed_comm.comm_exposure(t["collectives"], t["steps"], skew))
+    [f] = exposed_comm.detect_exposed_comm(by_rank)
+    assert f.code == "EXPOSED_COMM" and f.ranks == (0, 1, 2, 3)
+    assert f.predicted_gain.frac == pytest.approx(40 / 136, abs=0.02)

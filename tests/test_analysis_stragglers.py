@@ -1,0 +1,117 @@
+"""Straggler metrics and detector on hand-made tables with known answers (analysis_synth)."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+from analysis_synth import MS, T0, dp_pp_tables, dp_tables
+
+from dtprobe.analysis import stragglers as st
+from dtprobe.store.errors import TraceError
+from dtprobe.store.frames import frame_from_rows
+
+
+def _findings(t: dict, **kw) -> list:
+    skew = st.collective_skew(t["collectives"])
+    lateness = st.rank_lateness(t["collectives"], t["steps"])
+    lateness = lateness[lateness["step"] >= 1]          # warm-up step skipped, as the facade does
+    scores = st.straggler_scores(lateness, **kw)
+    waits = st.collective_waits(t["collectives"], skew)
+    causes = st.straggler_causes(scores, lateness, t["steps"], t["collectives"], waits,
+                                 t.get("devices", pd.DataFrame()))
+    return st.detect_stragglers(scores, causes, links=st.linked_ranks(t["collectives"]), lateness=lateness)
+
+
+def _coll(rows):
+    return frame_from_rows("collectives", [
+        {"pg": "dp", "pg_ranks": "0,1,2", "pg_size": 3, "op": "allreduce", "num_bytes": 1024, "step": 1,
+         "end_ns": T0 + 100 * MS, **r} for r in rows])
+
+
+def test_collective_skew_names_last_arriver_with_skew_margin_and_victims_wait():
+    coll = _coll([{"rank": 0, "seq": 1, "enqueue_ns": T0}, {"rank": 1, "seq": 1, "enqueue_ns": T0 + 10 * MS},
+                  {"rank": 2, "seq": 1, "enqueue_ns": T0 + 40 * MS}])
+    skew = st.collective_skew(coll)
+    row = skew.iloc[0]
+    assert (row["late_rank"], row["skew_ns"], row["margin_ns"]) == (2, 40 * MS, 30 * MS)
+    assert row["victims_wait_ns"] == pytest.approx(35 * MS)     # (40 + 30) / 2
+    assert bool(row["complete"]) and row["num_members"] == 3
+
+
+def test_rank_lateness_is_arrival_minus_median_of_peers():
+    coll = _coll([{"rank": 0, "seq": 1, "enqueue_ns": T0}, {"rank": 1, "seq": 1, "enqueue_ns": T0 + 10 * MS},
+                  {"rank": 2, "seq": 1, "enqueue_ns": T0 + 40 * MS}])
+    steps = frame_from_rows("steps", [{"rank": r, "step": 1, "start_ns": T0 - 60 * MS, "end_ns": T0 + 140 * MS}
+                                      for r in range(3)])
+    late = st.rank_lateness(coll, steps).set_index("rank")
+    assert late.loc[2, "lateness_ns"] == 35 * MS          # 40 - median(0, 10)
+    assert late.loc[0, "lateness_ns"] == -25 * MS         # 0 - median(10, 40)
+    assert late.loc[1, "lateness_ns"] == -10 * MS         # 10 - median(0, 40)
+    assert late.loc[2, "lateness_frac"] == pytest.approx(35 / 200)
+    assert bool(late.loc[2, "is_last"]) and not bool(late.loc[0, "is_last"])
+    assert late.loc[2, "victims_wait_ns"] == pytest.approx(35 * MS)
+
+
+def test_rank_lateness_skips_collectives_some_member_never_reached():
+    coll = _coll([{"rank": 0, "seq": 1, "enqueue_ns": T0}, {"rank": 1, "seq": 1, "enqueue_ns": T0 + 10 * MS}])
+    assert st.rank_lateness(coll, frame_from_rows("steps", [])).empty
+
+
+@pytest.mark.parametrize("culprit", [0, 1, 2, 3])
+def test_stragglers_names_only_the_culprit_in_dp4_at_ten_percent_delay(culprit):
+    findings = _findings(dp_tables(straggler=culprit, delay_ms=11.0, num_steps=21, jitter_ms=3.0, seed=culprit))
+    assert [(f.code, f.ranks, f.group) for f in findings] == [("STRAGGLER", (culprit,), "dp")]
+    ev = findings[0].evidence
+    assert ev["victims"] == [r for r in range(4) if r != culprit]
+    assert ev["detected_at_step"] <= 20
+    assert ev["cause"] == "compute"
+    assert findings[0].predicted_gain.metric == "step_time"
+    assert 0.07 < findings[0].predicted_gain.frac < 0.15
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_stragglers_finds_nothing_in_a_clean_dp4_run(seed):
+    assert _findings(dp_tables(num_steps=40, jitter_ms=5.0, seed=seed)) == []
+
+
+def test_stragglers_ignores_a_delay_that_starts_after_the_window():
+    t = dp_tables(straggler=1, delay_ms=20, num_steps=30, from_step=28)
+    assert _findings(t) == []
+
+
+def test_stragglers_detects_a_delay_that_starts_mid_run_in_a_later_window():
+    f = _findings(dp_tables(straggler=1, delay_ms=20, num_steps=60, from_step=30))
+    assert [x.ranks for x in f] == [(1,)]
+    assert f[0].evidence["window"][0] >= 20
+
+
+@pytest.mark.parametrize("phase,throttle,cause", [
+    ("data", False, "data"), ("fwd", False, "compute"), ("bwd", False, "compute"), ("fwd", True, "device")])
+def test_straggler_cause_comes_from_phases_and_device_samples(phase, throttle, cause):
+    f = _findings(dp_tables(straggler=3, delay_ms=15, phase=phase, throttle=throttle, num_steps=21))
+    assert [x.ranks for x in f] == [(3,)]
+    assert f[0].evidence["cause"] == cause
+
+
+@pytest.mark.parametrize("culprit,victim", [(2, 3), (3, 2), (0, 1), (1, 0)])
+def test_stragglers_in_dp2_pp2_names_the_culprit_and_its_group_not_the_pipeline_victim(culprit, victim):
+    f = _findings(dp_pp_tables(straggler=culprit, delay_ms=20, num_steps=21))
+    assert [(x.code, x.ranks, x.group) for x in f] == [("STRAGGLER", (culprit,), "dp")]
+    assert f[0].evidence["propagated_to"] == [victim]
+    dp_peer = culprit ^ 2                                    # rank = dp_index * 2 + stage
+    assert f[0].evidence["pg_ranks"] == sorted([culprit, dp_peer])
+
+
+def test_stragglers_finds_nothing_in_a_clean_dp2_pp2_run():
+    assert _findings(dp_pp_tables(num_steps=30, jitter_ms=3.0)) == []
+
+
+def test_straggler_severity_is_critical_when_victims_wait_a_fifth_of_the_step():
+    f = _findings(dp_tables(straggler=0, delay_ms=40, num_steps=21))
+    assert f[0].severity == "critical"
+    assert f[0].evidence["victims_wait_frac"] >= 0.2
+
+
+def test_collective_skew_rejects_a_table_without_store_columns():
+    with pytest.raises(TraceError, match=r"table 'collectives' lacks the columns \['pg'"):
+        st.collective_skew(pd.DataFrame({"rank": [0], "seq": [1]}))

@@ -1,0 +1,163 @@
+"""``dtprobe run`` end to end: torchrun workers on CPU/gloo, the run store they leave, multi-node, crashes.
+
+Slow on a shared 2-core machine (each run starts torchrun and 2-4 workers): tiny model, short sequences, few
+steps, and an outer timeout on every process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dtprobe.store import RunStore
+
+pytestmark = pytest.mark.multiproc
+
+ROOT = Path(__file__).resolve().parents[1]
+# The CLI router with only `run` registered (the other commands are other engineers' and may be in progress).
+DRIVER = "import sys, dtprobe.cli as c; c.COMMANDS = ('run',); sys.exit(c.main(sys.argv[1:]))"
+
+
+def dtprobe_run(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-c", DRIVER, "run", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+
+
+def dtprobe_popen(*args: str, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-c", DRIVER, "run", *args], stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_grad_bytes() -> int:
+    from dtprobe.runtime.model import build_model
+
+    return sum(p.numel() * p.element_size() for p in build_model("tiny", seed=0).parameters())
+
+
+def test_run_rejects_a_layout_that_does_not_fit_before_launching_anything(tmp_path):
+    run_dir = tmp_path / "never"
+    proc = dtprobe_run("--dp", "3", "--nproc", "4", "--run-dir", str(run_dir), timeout=120)
+    assert proc.returncode == 2
+    assert "dtprobe run: error: layout.dp(3) * layout.tp(1) * layout.pp(1) = 3, but WORLD_SIZE = 4" in proc.stderr
+    assert "--dp -1 (or --dp 4)" in proc.stderr and "--nproc 3" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not run_dir.exists()
+
+
+def test_run_rejects_an_unknown_fault_kind_with_exit_2(tmp_path):
+    proc = dtprobe_run("--nproc", "2", "--inject", "meteor:rank=1", "--run-dir", str(tmp_path / "r"), timeout=120)
+    assert proc.returncode == 2 and "unknown fault kind 'meteor'" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def straggler_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, RunStore]:
+    run_dir = tmp_path_factory.mktemp("straggler") / "run"
+    proc = dtprobe_run("--nproc", "4", "--steps", "30", "--run-dir", str(run_dir), "--inject",
+                       "straggler:rank=2,delay_ms=40", "--profile-steps", "10-11", "--seq-len", "32",
+                       "--batch-size", "4")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc, RunStore.open(run_dir)
+
+
+def test_straggler_run_finishes_and_prints_its_run_directory(straggler_run):
+    proc, store = straggler_run
+    assert proc.stdout.strip().splitlines()[-1] == str(store.path.resolve())
+    assert store.manifest.status == "finished" and store.manifest.world_size == 4
+    assert (store.path / "tables" / "steps.parquet").exists()          # compacted by the launcher
+    assert json.loads((store.path / "job.json").read_text())["train"]["steps"] == 30
+
+
+def test_straggler_run_has_30_step_rows_on_each_of_4_ranks(straggler_run):
+    steps = straggler_run[1].table("steps")
+    assert steps.groupby("rank")["step"].apply(sorted).to_dict() == {r: list(range(30)) for r in range(4)}
+    assert steps["loss"].notna().all() and (steps["tokens"] == 4 * 32).all()
+
+
+def test_straggler_run_allreduce_bytes_per_step_equal_the_gradient_bytes(straggler_run):
+    coll = straggler_run[1].table("collectives")
+    allreduce = coll[(coll["op"] == "allreduce") & (coll["step"] >= 0)]
+    per_step = allreduce.groupby(["rank", "step"])["num_bytes"].sum()
+    assert sorted(per_step.index.get_level_values("rank").unique()) == [0, 1, 2, 3]
+    assert len(per_step) == 4 * 30
+    assert (per_step == tiny_grad_bytes()).all()
+
+
+def test_straggler_run_has_device_or_host_samples_from_every_rank(straggler_run):
+    devices = straggler_run[1].table("devices")
+    assert sorted(devices["rank"].unique()) == [0, 1, 2, 3]
+    assert devices.groupby("rank").size().min() >= 2
+
+
+def test_straggler_run_records_the_straggler_as_an_injected_fault(straggler_run):
+    faults = straggler_run[1].table("faults")
+    assert len(faults) == 1
+    row = faults.iloc[0]
+    assert (row["kind"], row["rank"], row["injected"], row["step"]) == ("straggler", 2, True, 0)
+    assert json.loads(row["detail"]) == {"from_step": 0, "delay_ms": 40.0}
+
+
+def test_straggler_run_traces_the_profile_window_on_every_rank(straggler_run):
+    traces = sorted(p.name for p in (straggler_run[1].path / "traces" / "steps10-11").iterdir())
+    assert traces == [f"rank{r:05d}.pt.trace.json.gz" for r in range(4)]
+
+
+def test_two_torchrun_agents_make_one_4_rank_run_with_both_nodes(tmp_path):
+    run_dir, port = tmp_path / "run", free_port()
+    common = ("--nnodes", "2", "--nproc", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--run-dir", str(run_dir),
+              "--steps", "3", "--seq-len", "32", "--batch-size", "4")
+    agents = [dtprobe_popen(*common, "--node-rank", str(k), log=tmp_path / f"node{k}.log") for k in (0, 1)]
+    try:
+        codes = [agent.wait(timeout=900) for agent in agents]
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+    logs = "\n".join((tmp_path / f"node{k}.log").read_text() for k in (0, 1))
+    assert codes == [0, 0], logs
+    store = RunStore.open(run_dir)
+    assert store.manifest.status == "finished" and store.manifest.world_size == 4 and store.manifest.nnodes == 2
+    assert [node_rank for node_rank, _host in store.manifest.nodes] == [0, 1]
+    assert sorted(store.table("steps")["rank"].unique()) == [0, 1, 2, 3]
+
+
+def test_crashed_run_leaves_a_store_that_loads_marked_crashed(tmp_path):
+    run_dir = tmp_path / "run"
+    toml = tmp_path / "job.toml"
+    toml.write_text('nproc = 2\n[train]\nsteps = 40\nseq_len = 32\nbatch_size = 4\n')
+    proc = dtprobe_run("--config", str(toml), "--steps", "12", "--inject", "crash:rank=1,step=5",
+                       "--run-dir", str(run_dir))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "workers failed" in proc.stderr
+    store = RunStore.open(run_dir)
+    assert store.manifest.status == "crashed" and store.manifest.config["train"]["steps"] == 12   # flag won
+    faults = store.table("faults")
+    crash = faults[faults["kind"] == "crash"]
+    assert (crash["rank"].tolist(), crash["step"].tolist(), crash["injected"].tolist()) == ([1], [5], [True])
+    steps = store.table("steps")
+    assert sorted(steps.loc[steps["rank"] == 1, "step"]) == [0, 1, 2, 3, 4]
+
+
+def test_same_seed_gives_the_same_losses_on_2_ranks(tmp_path):
+    args = ("--nproc", "2", "--steps", "3", "--seq-len", "32", "--batch-size", "4", "--no-collectives",
+            "--no-devices", "--data", "text", "--seed", "7")
+    losses = []
+    for name in ("a", "b"):
+        proc = dtprobe_run(*args, "--run-dir", str(tmp_path / name))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        steps = RunStore.open(tmp_path / name).table("steps").sort_values(["rank", "step"])
+        losses.append(steps[["rank", "step", "loss"]].to_numpy().tolist())
+    assert len(losses[0]) == 6 and losses[0] == losses[1]

@@ -137,7 +137,8 @@ def test_damaged_compaction_gives_trace_error_with_fix(tmp_path, damage, match):
     compact(run)
     parquet = run / "tables" / "steps.parquet"
     if damage == "drop_column":
-        pq.write_table(pq.read_table(parquet).drop_columns(["loss"]), parquet)
+        # a file without dtprobe's schema metadata (another tool, or a pre-metadata dtprobe) missing a column
+        pq.write_table(pq.read_table(parquet).drop_columns(["loss"]).replace_schema_metadata(None), parquet)
     elif damage == "no_marker":
         (run / "tables" / "_compacted.json").unlink()
     elif damage == "truncated_events":
@@ -147,6 +148,19 @@ def test_damaged_compaction_gives_trace_error_with_fix(tmp_path, damage, match):
     with pytest.raises(TraceError, match=match) as err:
         RunStore.open(run)
     assert "dtprobe compact" in str(err.value) or "Restore" in str(err.value)
+
+
+def test_column_added_to_the_schema_after_compaction_reads_as_null(tmp_path):
+    run = make_run(tmp_path / "r")
+    compact(run)
+    parquet = run / "tables" / "steps.parquet"
+    table = pq.read_table(parquet)
+    assert table.schema.metadata and b"dtprobe.schema_version" in table.schema.metadata
+    assert table.column("tokens").null_count == 0
+    pq.write_table(table.drop_columns(["tokens"]), parquet)   # as if `tokens` had been added to the schema later
+    steps = RunStore.open(run).table("steps")
+    assert steps["tokens"].isna().all() and len(steps) == table.num_rows
+    assert steps["loss"].notna().any()
 
 
 def _python(code: str, *args: str) -> subprocess.Popen:

@@ -12,6 +12,8 @@ What is refit (all medians over the steps after ``warmup_steps``):
 - compute efficiency: the model's FLOPs per rank over the measured compute time (forward + backward minus TP
   collectives minus exposed DP time; with a pipeline, the busiest rank's summed F/B/I/W actions); time spent
   waiting for late ranks stays in compute (it is their compute variability);
+- the pipeline hop time: median time from a stage's output to the next stage's start on another rank
+  (send/recv latency, blocking sends and the schedule's host work between actions), simulated as p2p latency;
 - memory-bandwidth efficiency from the optimizer phase, and the data phase as fixed host overhead.
 """
 
@@ -159,6 +161,22 @@ def _fit_alpha_beta(inst: pd.DataFrame) -> tuple[float, float] | None:
     return float(alpha), float(1.0 / inv_bw)
 
 
+def _pipeline_hop_s(pipe: pd.DataFrame) -> float | None:
+    """Effective hop time: median time from a stage's output being ready (producer's F, or B/I, end) to the
+    consumer's start on another rank, over every hop. It includes what a plain latency misses (a send that
+    blocks until the receiver posts its recv, the schedule's own host work between actions)."""
+    p = pipe[["rank", "step", "stage", "microbatch", "action", "start_ns", "end_ns"]].copy()
+    p["kind"] = p["action"].replace({"I": "B"})
+    p = p[p["kind"].isin(["F", "B"])].sort_values(["rank", "step", "start_ns"])
+    ends = p.set_index(["step", "stage", "microbatch", "kind"])[["end_ns", "rank"]]
+    src_stage = np.where(p["kind"] == "F", p["stage"] - 1, p["stage"] + 1)
+    key = pd.MultiIndex.from_arrays([p["step"], src_stage, p["microbatch"], p["kind"]])
+    src = ends.reindex(key)
+    gap = p["start_ns"].to_numpy() - src["end_ns"].to_numpy()
+    hops = (src["rank"].to_numpy() != p["rank"].to_numpy()) & ~np.isnan(gap.astype(float)) & (gap >= 0)
+    return float(np.median(gap[hops].astype(float))) / 1e9 if hops.any() else None
+
+
 def calibrate(store, *, device: DeviceSpec | None = None, warmup_steps: int = 3) -> Calibration:
     """Refit efficiencies from ``store`` (a ``dtprobe.store.RunStore``) and compare for the run's layout."""
     manifest = store.manifest
@@ -170,6 +188,7 @@ def calibrate(store, *, device: DeviceSpec | None = None, warmup_steps: int = 3)
     measured_step = float(((steps["end_ns"] - steps["start_ns"]) / 1e9).median())
     phases = steps.groupby("step")[["data_ns", "fwd_ns", "bwd_ns", "opt_ns"]].mean() / 1e9
     notes: list[str] = []
+    hop_s = None
 
     coll = store.table("collectives")
     inst = _instances(coll[coll["step"].isin(kept)], steps) if not coll.empty else _instances(coll, steps)
@@ -199,6 +218,7 @@ def calibrate(store, *, device: DeviceSpec | None = None, warmup_steps: int = 3)
     pipe = store.table("pipeline") if setup.layout["pp"] > 1 else pd.DataFrame()
     pipe = pipe[pipe["step"].isin(kept)] if not pipe.empty else pipe
     if setup.layout["pp"] > 1 and not pipe.empty:
+        hop_s = _pipeline_hop_s(pipe)
         busy = ((pipe["end_ns"] - pipe["start_ns"]).groupby([pipe["step"], pipe["rank"]]).sum() / 1e9)
         busiest = busy.groupby(level="step").max()
         compute = float((busiest - tp_s.reindex(busiest.index, fill_value=0.0)).median())
@@ -227,7 +247,7 @@ def calibrate(store, *, device: DeviceSpec | None = None, warmup_steps: int = 3)
     mem_eff = ideal["optimizer_s"] / opt_measured if opt_measured > 0 else 0.7
     eff = Efficiency(compute=float(compute_eff), bw_intra=bw_eff, bw_inter=bw_eff if cluster.num_nodes > 1 else 0.8,
                      dp_overlap=overlap, memory_bw=float(max(mem_eff, 1e-6)),
-                     overhead_s=float(phases["data_ns"].median()))
+                     overhead_s=float(phases["data_ns"].median()), p2p_latency_s=hop_s)
     pred = evaluate(row, model=setup.model, cluster=cluster, training=setup.training, eff=eff).iloc[0]
 
     measured_bubble = None

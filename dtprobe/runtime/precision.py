@@ -18,6 +18,7 @@ row shows ``found_inf`` and ``skipped`` and the scale halved, exactly as a real 
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -100,7 +101,8 @@ class MixedPrecision:
         return torch.autocast(self.device_type, dtype=dtype)
 
     def backward(self, loss: torch.Tensor, *, inject_overflow: bool = False) -> None:
-        """``loss.backward()``, scaled under fp16. ``inject_overflow`` forces inf gradients (fp16 only)."""
+        """``loss.backward()``, scaled under fp16. ``inject_overflow`` forces inf gradients (fp16 only) and writes
+        the ``faults`` row ``kind="overflow", injected=true`` (step: the probe's current step)."""
         if inject_overflow:
             if self.scaler is None:
                 raise ConfigError(
@@ -108,6 +110,8 @@ class MixedPrecision:
                     f"scaler that detects the inf gradients and skips the step; without it the weights would "
                     f"become inf.")
             loss = loss * OVERFLOW_LOSS_FACTOR
+            self._record("faults", {"time_ns": time.time_ns(), "kind": "overflow", "injected": True,
+                                    "detail": f'{{"loss_factor": {OVERFLOW_LOSS_FACTOR:g}}}'})
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
         loss.backward()

@@ -243,15 +243,20 @@ def read_compacted_table(path: Path, name: str) -> pa.Table:
         raise TraceError(f"'{path}' is not a readable Parquet file ({exc}). Delete {path.parent} and run "
                          f"`dtprobe compact {path.parent.parent}` to rebuild it from the events files.") from None
     missing = [c for c in schema.names if c not in file_schema.names]
-    if missing:
+    meta = file_schema.metadata or {}
+    ours = b"dtprobe.schema_version" in meta
+    if ours:
+        check_schema_version(int(meta[b"dtprobe.schema_version"]), path)
+    if missing and not ours:
         raise TraceError(f"'{path}' lacks the columns {missing} of the '{name}' table; it was written by an "
                          f"older dtprobe or another tool. Delete {path.parent} and run "
                          f"`dtprobe compact {path.parent.parent}` to rebuild it from the events files.")
-    meta = file_schema.metadata or {}
-    if b"dtprobe.schema_version" in meta:
-        check_schema_version(int(meta[b"dtprobe.schema_version"]), path)
     try:
-        return pq.read_table(path, columns=schema.names).select(schema.names).cast(schema)
+        table = pq.read_table(path, columns=[c for c in schema.names if c not in missing])
+        # Columns added to the schema (same version) after this file was written are null here.
+        for column in missing:
+            table = table.append_column(column, pa.nulls(table.num_rows, type=schema.field(column).type))
+        return table.select(schema.names).cast(schema)
     except (OSError, pa.ArrowException) as exc:
         raise TraceError(f"'{path}' cannot be read as the '{name}' table ({exc}). Delete {path.parent} and run "
                          f"`dtprobe compact {path.parent.parent}` to rebuild it.") from None

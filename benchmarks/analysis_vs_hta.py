@@ -3,9 +3,9 @@
 Launch:  python benchmarks/analysis_vs_hta.py --ranks 64 --mb-per-rank 50
 (builds the set once under --work-dir, then runs each tool in a fresh process, side by side, and prints ratios).
 
-The set: rank r of N is DLRM rank r % 8 (8x V100, NCCL) with its events replicated with shifted timestamps,
-correlation ids and ProfilerStep numbers until the file holds about --mb-per-rank MB of JSON, so every file has
-many steps, ~15k GPU events per 50 MB and real kernel names. Files are plain ``.json`` written with Python's
+The set: rank r of N is DLRM rank r % 8 (8x V100, NCCL) with its events replicated with shifted timestamps and
+correlation ids until the file holds about --mb-per-rank MB of JSON (~17k GPU events and ~180k events per 50 MB,
+real kernel names), the replicas grouped into --steps ProfilerSteps. Files are plain ``.json`` written with Python's
 default spacing (HTA finds ranks with the regex ``"rank":\\s+(\\d+)``).
 
 Measured per tool, same work: parse every file, temporal breakdown, comm/comp overlap, kernel breakdown
@@ -42,8 +42,12 @@ def _load(path: Path) -> dict:
         return json.loads(fh.read())
 
 
-def _replicated_events(doc: dict, target_bytes: int) -> tuple[bytes, int]:
-    """The JSON text of ``traceEvents`` replicated until about ``target_bytes``; returns (text, replicas)."""
+def _replicated_events(doc: dict, target_bytes: int, num_steps: int) -> tuple[bytes, int]:
+    """The JSON text of ``traceEvents`` replicated until about ``target_bytes``; returns (text, replicas).
+
+    Replicas are grouped into ``num_steps`` ProfilerSteps: the first replica of each group keeps the
+    ``ProfilerStep#N`` annotation, stretched over the group; the others drop it.
+    """
     events = doc["traceEvents"]
     timed = [e for e in events if "ts" in e]
     t0 = min(e["ts"] for e in timed)
@@ -52,10 +56,15 @@ def _replicated_events(doc: dict, target_bytes: int) -> tuple[bytes, int]:
     max_id = max((e.get("id", 0) for e in events if isinstance(e.get("id"), int)), default=0) + 1
     one = len(json.dumps(events).encode())
     replicas = max(1, round(target_bytes / one))
+    per_step = -(-replicas // max(1, num_steps))
     parts = []
     for i in range(replicas):
         for e in events:
             if i and (e.get("ph") == "M" or e.get("cat") == "Trace"):
+                continue
+            name = e.get("name", "")
+            is_step = isinstance(name, str) and name.startswith("ProfilerStep#")
+            if is_step and i % per_step:
                 continue
             e2 = dict(e)
             if "ts" in e2 and e2.get("ph") != "M":
@@ -65,17 +74,17 @@ def _replicated_events(doc: dict, target_bytes: int) -> tuple[bytes, int]:
                 e2["args"] = dict(args, correlation=args["correlation"] + i * max_corr)
             if isinstance(e2.get("id"), int):
                 e2["id"] = e2["id"] + i * max_id
-            name = e2.get("name", "")
-            if isinstance(name, str) and name.startswith("ProfilerStep#"):
-                e2["name"] = f"ProfilerStep#{int(name.split('#')[1]) + i}"
+            if is_step:
+                e2["name"] = f"ProfilerStep#{int(name.split('#')[1]) + i // per_step}"
+                e2["dur"] = e2["dur"] + (min(per_step, replicas - i) - 1) * span
             parts.append(json.dumps(e2))
     return ("[" + ", ".join(parts) + "]").encode(), replicas
 
 
-def build_set(source: Path, out: Path, *, num_ranks: int, mb_per_rank: float) -> Path:
+def build_set(source: Path, out: Path, *, num_ranks: int, mb_per_rank: float, num_steps: int) -> Path:
     """Write ``num_ranks`` trace files of about ``mb_per_rank`` MB under ``out`` (reused when already built)."""
     stamp = out / "BUILT"
-    if stamp.exists() and stamp.read_text() == f"{source} {num_ranks} {mb_per_rank}":
+    if stamp.exists() and stamp.read_text() == f"{source} {num_ranks} {mb_per_rank} {num_steps}":
         return out
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*.json"):
@@ -84,7 +93,7 @@ def build_set(source: Path, out: Path, *, num_ranks: int, mb_per_rank: float) ->
     bodies: dict[int, tuple[dict, bytes]] = {}
     for i, path in enumerate(sources):
         doc = _load(path)
-        text, replicas = _replicated_events(doc, int(mb_per_rank * 1e6))
+        text, replicas = _replicated_events(doc, int(mb_per_rank * 1e6), num_steps)
         head = {k: v for k, v in doc.items() if k not in ("traceEvents", "distributedInfo")}
         bodies[i] = (head, text)
         print(f"  source {path.name}: {replicas} replicas, {len(text) / 1e6:.1f} MB", flush=True)
@@ -96,7 +105,7 @@ def build_set(source: Path, out: Path, *, num_ranks: int, mb_per_rank: float) ->
             fh.write(prefix.encode())
             fh.write(text)
             fh.write(b"}")
-    stamp.write_text(f"{source} {num_ranks} {mb_per_rank}")
+    stamp.write_text(f"{source} {num_ranks} {mb_per_rank} {num_steps}")
     return out
 
 
@@ -170,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=64, help="trace files (ranks) in the set (default 64)")
     parser.add_argument("--mb-per-rank", type=float, default=50.0, help="JSON MB per file (default 50)")
+    parser.add_argument("--steps", type=int, default=3,
+                        help="ProfilerSteps per file (default 3, a typical profiler window; HTA's step assignment "
+                             "costs events x steps)")
     parser.add_argument("--source", type=Path, default=DEFAULT_SOURCE, help="folder of source traces (DLRM)")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/dtprobe_bench_traces"),
                         help="where the set is built (and reused)")
@@ -181,9 +193,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_dtprobe(trace_dir) if tool == "dtprobe" else run_hta(trace_dir)))
         return 0
 
-    trace_dir = args.work_dir / f"r{args.ranks}_mb{args.mb_per_rank:g}"
+    trace_dir = args.work_dir / f"r{args.ranks}_mb{args.mb_per_rank:g}_s{args.steps}"
     print(f"building {args.ranks} ranks x ~{args.mb_per_rank:g} MB in {trace_dir} ...", flush=True)
-    build_set(args.source, trace_dir, num_ranks=args.ranks, mb_per_rank=args.mb_per_rank)
+    build_set(args.source, trace_dir, num_ranks=args.ranks, mb_per_rank=args.mb_per_rank, num_steps=args.steps)
     files = sorted(trace_dir.glob("*.json"))
     raw = sum(f.stat().st_size for f in files)
     print(f"set: {len(files)} files, {raw / 1e6:.0f} MB of JSON (largest {max(f.stat().st_size for f in files) / 1e6:.1f} MB)")
@@ -191,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for tool in ("dtprobe", "hta"):
         print(f"running {tool} ...", flush=True)
-        results[tool] = measure(tool, trace_dir, args.timeout)
+        results[tool] = r = measure(tool, trace_dir, args.timeout)
+        print(f"  {tool}: {r['total_s']:.2f} s, peak {r['peak_rss_bytes'] / 1e6:.0f} MB", flush=True)
     ours, hta = results["dtprobe"], results["hta"]
 
     print(f"\n{'':10s} {'parse s':>9s} {'analyses s':>11s} {'total s':>9s} {'peak MB':>9s} {'peak/raw':>9s}")

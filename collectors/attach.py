@@ -11,6 +11,13 @@ Launch example (a user script)::
         s.record(loss=loss.item(), tokens=n, lr=lr)
     probe.close()
 
+Groups: every group on the recording backend is recorded. The default group is ``pg="world"``;
+``probe.new_group(ranks, name="ckpt")`` names a subgroup; ``probe.init_device_mesh(..., mesh_dim_names=("dp",
+"tp"))`` (or ``probe.name_mesh(mesh)`` for a mesh built elsewhere) names each axis group after its axis. A mesh
+builds its axis groups with ``new_group`` on the default group's backend, so they are recording groups as long
+as the default group is; an axis spanning all ranks reuses the default group, which is then recorded under
+that axis name.
+
 Written: ``ranks/rankNNNNN.json`` (every rank), ``run.json`` (attach-mode leader, when absent), ``events/*``
 (steps, collectives, devices, faults, anything given to ``probe.record``), ``traces/steps<a>-<b>/``.
 """
@@ -75,6 +82,8 @@ class Probe:
         self.clock_offset_ns = 0
         self.clock_rtt_ns = 0
         self._step = -1
+        self.owns_process_group = False
+        """True when ``attach`` initialized torch.distributed (then an NCCL group is destroyed at exit)."""
         self._sampler: DeviceSampler | None = None
         self._profiler: ProfilerWindow | None = None
         self._closed = False
@@ -203,6 +212,9 @@ class Probe:
 
     def _close_at_exit(self) -> None:
         self.close(status="crashed" if getattr(sys, "last_value", None) is not None else "finished")
+        # The NCCL completion hook runs Python on the watchdog thread: its group must go before the interpreter.
+        if self.owns_process_group and self.device.startswith("cuda") and dist.is_initialized():
+            dist.destroy_process_group()
 
     def __enter__(self) -> "Probe":
         return self
@@ -238,7 +250,8 @@ def attach(run_dir: str | os.PathLike, *, timeout_s: float = 600.0, backend: str
     cuda = torch.cuda.is_available()
     local_rank = _env_int("LOCAL_RANK", 0)
 
-    if not dist.is_initialized():
+    owns_process_group = not dist.is_initialized()
+    if owns_process_group:
         register_backends()
         if backend is None:
             if config.enabled and config.collectives:
@@ -269,6 +282,7 @@ def attach(run_dir: str | os.PathLike, *, timeout_s: float = 600.0, backend: str
     probe = Probe(run_dir, config, rank=rank, world_size=world_size, local_rank=local_rank,
                   node_rank=_env_int("GROUP_RANK", 0), restart=_env_int("TORCHELASTIC_RESTART_COUNT", 0),
                   device=device, manage_status=manage_status)
+    probe.owns_process_group = owns_process_group
 
     # Clock offset to rank 0 over a CPU-capable group (not recorded).
     clock_group = None if "gloo" in default_backend else dist.new_group(backend="gloo")

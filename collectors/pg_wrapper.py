@@ -357,6 +357,10 @@ class RecordingProcessGroup(dist.ProcessGroup):
     def bound_device_id(self) -> Any:
         return self._inner.bound_device_id
 
+    @bound_device_id.setter
+    def bound_device_id(self, device: Any) -> None:
+        self._inner.bound_device_id = device
+
     def set_timeout(self, timeout: Any) -> None:
         self._inner.set_timeout(timeout)
 
@@ -430,40 +434,58 @@ class RecordingProcessGroup(dist.ProcessGroup):
 
     # ---- collectives (Python API names and C++ trampoline names) ----
     def allreduce(self, tensors: Any, *args: Any, **kwargs: Any) -> dist.Work:
+        if not self._recorder.active:
+            return self._inner.allreduce(tensors, *args, **kwargs)
         n, dt = _sum_bytes(tensors)
         return self._issue("allreduce", n, dt, lambda: self._inner.allreduce(tensors, *args, **kwargs))
 
     def allreduce_coalesced(self, tensors: Any, *args: Any, **kwargs: Any) -> dist.Work:
+        if not self._recorder.active:
+            return self._inner.allreduce_coalesced(tensors, *args, **kwargs)
         n, dt = _sum_bytes(tensors)
         return self._issue("allreduce", n, dt,
                            lambda: self._inner.allreduce_coalesced(tensors, *args, **kwargs))
 
     def broadcast(self, tensors: Any, *args: Any, **kwargs: Any) -> dist.Work:
+        if not self._recorder.active:
+            return self._inner.broadcast(tensors, *args, **kwargs)
         n, dt = _sum_bytes(tensors)
         return self._issue("broadcast", n, dt, lambda: self._inner.broadcast(tensors, *args, **kwargs))
 
     def reduce(self, tensors: Any, *args: Any, **kwargs: Any) -> dist.Work:
+        if not self._recorder.active:
+            return self._inner.reduce(tensors, *args, **kwargs)
         n, dt = _sum_bytes(tensors)
         return self._issue("reduce", n, dt, lambda: self._inner.reduce(tensors, *args, **kwargs))
 
     def allgather(self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> dist.Work:
+        if not self._recorder.active:
+            return self._inner.allgather(outputs, inputs, *args, **kwargs)
         n, dt = _sum_bytes(outputs)
         return self._issue("allgather", n, dt, lambda: self._inner.allgather(outputs, inputs, *args, **kwargs))
 
     def allgather_coalesced(self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> dist.Work:
+        if not self._recorder.active:
+            return self._inner.allgather_coalesced(outputs, inputs, *args, **kwargs)
         n, dt = _sum_bytes(outputs)
         return self._issue("allgather", n, dt,
                            lambda: self._inner.allgather_coalesced(outputs, inputs, *args, **kwargs))
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> dist.Work:
+        if not self._recorder.active:
+            return self._inner._allgather_base(output, input, *args, **kwargs)
         return self._issue("allgather", _nbytes(output), dtype_name(output.dtype),
                            lambda: self._inner._allgather_base(output, input, *args, **kwargs))
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> dist.Work:
+        if not self._recorder.active:
+            return self._inner._allgather_base(output, input, *args, **kwargs)
         return self._issue("allgather", _nbytes(output), dtype_name(output.dtype),
                            lambda: self._inner._allgather_base(output, input, *args, **kwargs))
 
     def all_gather_single_coalesced(self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> dist.Work:
+        if not self._recorder.active:
+            return self._inner.allgather_into_tensor_coalesced(outputs, inputs, *args, **kwargs)
         n, dt = _sum_bytes(outputs)
         return self._issue("allgather", n, dt,
                            lambda: self._inner.allgather_into_tensor_coalesced(outputs, inputs, *args, **kwargs))
@@ -471,19 +493,27 @@ class RecordingProcessGroup(dist.ProcessGroup):
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def reduce_scatter(self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> dist.Work:
+        if not self._recorder.active:
+            return self._inner.reduce_scatter(outputs, inputs, *args, **kwargs)
         n, dt = _sum_bytes(inputs)
         return self._issue("reduce_scatter", n, dt,
                            lambda: self._inner.reduce_scatter(outputs, inputs, *args, **kwargs))
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> dist.Work:
+        if not self._recorder.active:
+            return self._inner._reduce_scatter_base(output, input, *args, **kwargs)
         return self._issue("reduce_scatter", _nbytes(input), dtype_name(input.dtype),
                            lambda: self._inner._reduce_scatter_base(output, input, *args, **kwargs))
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> dist.Work:
+        if not self._recorder.active:
+            return self._inner._reduce_scatter_base(output, input, *args, **kwargs)
         return self._issue("reduce_scatter", _nbytes(input), dtype_name(input.dtype),
                            lambda: self._inner._reduce_scatter_base(output, input, *args, **kwargs))
 
     def reduce_scatter_single_coalesced(self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> dist.Work:
+        if not self._recorder.active:
+            return self._inner.reduce_scatter_tensor_coalesced(outputs, inputs, *args, **kwargs)
         n, dt = _sum_bytes(inputs)
         return self._issue("reduce_scatter", n, dt,
                            lambda: self._inner.reduce_scatter_tensor_coalesced(outputs, inputs, *args, **kwargs))
@@ -491,37 +521,53 @@ class RecordingProcessGroup(dist.ProcessGroup):
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> dist.Work:
+        if not self._recorder.active:
+            return self._inner.alltoall_base(output, input, *args, **kwargs)
         return self._issue("alltoall", _nbytes(input), dtype_name(input.dtype),
                            lambda: self._inner.alltoall_base(output, input, *args, **kwargs))
 
     all_to_all_single = alltoall_base
 
     def alltoall(self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> dist.Work:
+        if not self._recorder.active:
+            return self._inner.alltoall(outputs, inputs, *args, **kwargs)
         n, dt = _sum_bytes(inputs)
         return self._issue("alltoall", n, dt, lambda: self._inner.alltoall(outputs, inputs, *args, **kwargs))
 
     def gather(self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> dist.Work:
+        if not self._recorder.active:
+            return self._inner.gather(outputs, inputs, *args, **kwargs)
         n, dt = _sum_bytes(inputs)    # logical: every member's input, gathered at the root
         return self._issue("gather", n * self._size, dt,
                            lambda: self._inner.gather(outputs, inputs, *args, **kwargs))
 
     def scatter(self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> dist.Work:
+        if not self._recorder.active:
+            return self._inner.scatter(outputs, inputs, *args, **kwargs)
         n, dt = _sum_bytes(outputs)   # logical: every member's output, scattered from the root
         return self._issue("scatter", n * self._size, dt,
                            lambda: self._inner.scatter(outputs, inputs, *args, **kwargs))
 
     def barrier(self, *args: Any, **kwargs: Any) -> dist.Work:
+        if not self._recorder.active:
+            return self._inner.barrier(*args, **kwargs)
         return self._issue("barrier", 0, None, lambda: self._inner.barrier(*args, **kwargs))
 
     def send(self, tensors: Any, dst: int, tag: int = 0) -> dist.Work:
+        if not self._recorder.active:
+            return self._inner.send(tensors, dst, tag)
         n, dt = _sum_bytes(tensors)
         return self._issue("send", n, dt, lambda: self._inner.send(tensors, dst, tag), peer=self._global_peer(dst))
 
     def recv(self, tensors: Any, src: int, tag: int = 0) -> dist.Work:
+        if not self._recorder.active:
+            return self._inner.recv(tensors, src, tag)
         n, dt = _sum_bytes(tensors)
         return self._issue("recv", n, dt, lambda: self._inner.recv(tensors, src, tag), peer=self._global_peer(src))
 
     def recv_anysource(self, tensors: Any, tag: int = 0) -> dist.Work:
+        if not self._recorder.active:
+            return self._inner.recv_anysource(tensors, tag)
         n, dt = _sum_bytes(tensors)
         return self._issue("recv", n, dt, lambda: self._inner.recv_anysource(tensors, tag), peer=-1)
 
@@ -582,19 +628,30 @@ class NcclCompletionMatcher:
 
 # ---- backend registration ----
 
-def _make_gloo(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> RecordingProcessGroup:
-    inner = dist.ProcessGroup(store, rank, size)
-    backend = dist.ProcessGroupGloo(store, rank, size, timeout)
+def _make_gloo(opts: Any, backend_options: Any = None) -> RecordingProcessGroup:
+    """Creator for ``dtprobe_gloo`` (extended API: ``opts`` is torch's ``_DistributedBackendOptions``)."""
+    store, rank, size = opts.store, opts.group_rank, opts.group_size
+    backend = dist.ProcessGroupGloo(store, rank, size, opts.timeout)
+    backend.options.global_ranks_in_group = list(opts.global_ranks_in_group)
+    backend.options.group_name = opts.group_id
     backend._set_sequence_number_for_group()
+    inner = dist.ProcessGroup(store, rank, size)
     inner._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
     inner._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
     return RecordingProcessGroup(inner, rank, size, backend_name=GLOO_BACKEND)
 
 
-def _make_nccl(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> RecordingProcessGroup:
-    options = dist.ProcessGroupNCCL.Options()
-    options.is_high_priority_stream = False
-    options._timeout = timeout
+def _make_nccl(opts: Any, backend_options: Any = None) -> RecordingProcessGroup:
+    """Creator for ``dtprobe_nccl``: a ProcessGroupNCCL built as ``init_process_group("nccl")`` would
+    (``pg_options`` of type ``ProcessGroupNCCL.Options`` are honoured), held by a plain ProcessGroup so the
+    completion hook can be registered on it."""
+    store, rank, size = opts.store, opts.group_rank, opts.group_size
+    options = backend_options if backend_options is not None else dist.ProcessGroupNCCL.Options()
+    if backend_options is None:
+        options.is_high_priority_stream = False
+    options._timeout = opts.timeout
+    options.global_ranks_in_group = list(opts.global_ranks_in_group)
+    options.group_name = opts.group_id
     backend = dist.ProcessGroupNCCL(store, rank, size, options)
     backend._set_sequence_number_for_group()
     inner = dist.ProcessGroup(store, rank, size)
@@ -607,9 +664,13 @@ def _make_nccl(store: Any, rank: int, size: int, timeout: datetime.timedelta) ->
 
 
 def register_backends() -> None:
-    """Register ``dtprobe_gloo`` (cpu) and, when NCCL is built in, ``dtprobe_nccl`` (cuda). Idempotent."""
+    """Register ``dtprobe_gloo`` (cpu) and, when NCCL is built in, ``dtprobe_nccl`` (cuda). Idempotent.
+
+    Both wrap a Python ``ProcessGroup``, so one backend serves one device type: use ``dtprobe_nccl`` on CUDA
+    (``"cpu:dtprobe_gloo,cuda:dtprobe_nccl"`` is not supported: torch keeps only the first Python group).
+    """
     plugins = dist.Backend._plugins
     if GLOO_BACKEND.upper() not in plugins:
-        dist.Backend.register_backend(GLOO_BACKEND, _make_gloo, devices=["cpu"])
+        dist.Backend.register_backend(GLOO_BACKEND, _make_gloo, extended_api=True, devices=["cpu"])
     if dist.is_nccl_available() and NCCL_BACKEND.upper() not in plugins:
-        dist.Backend.register_backend(NCCL_BACKEND, _make_nccl, devices=["cuda"])
+        dist.Backend.register_backend(NCCL_BACKEND, _make_nccl, extended_api=True, devices=["cuda"])

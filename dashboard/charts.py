@@ -1,4 +1,7 @@
-"""Pure chart builders: DataFrame in, plotly figure out (no streamlit, no I/O); drawn by the pages."""
+"""Pure chart builders: DataFrame in, plotly figure out (no streamlit, no I/O); drawn by the pages.
+
+Times on chart axes are milliseconds; ranks are categorical ("rank 3") so plotly never interpolates them.
+"""
 
 from __future__ import annotations
 
@@ -7,22 +10,315 @@ import plotly.express as px
 import plotly.graph_objects as go
 
 SEVERITY_COLORS = {"critical": "#d62728", "warning": "#ff7f0e", "info": "#1f77b4"}
+PHASE_COLORS = {"data": "#8c564b", "fwd": "#1f77b4", "bwd": "#ff7f0e", "opt": "#2ca02c", "step": "#c7c7c7",
+                "comm": "#9467bd", "F": "#1f77b4", "B": "#ff7f0e", "W": "#2ca02c", "I": "#17becf"}
+MARK_COLOR = "#d62728"
+_MARGIN = dict(l=10, r=10, t=40, b=10)
 
 
-def step_time_by_rank(steps: pd.DataFrame) -> go.Figure:
-    """Step duration (ms) per rank over the step axis."""
+def _layout(fig: go.Figure, title: str, *, height: int = 360) -> go.Figure:
+    fig.update_layout(title=title, height=height, margin=_MARGIN, legend=dict(orientation="h", y=-0.2))
+    return fig
+
+
+def _rank_label(rank) -> str:
+    return f"rank {int(rank)}"
+
+
+def empty(title: str, message: str) -> go.Figure:
+    """A blank figure that says why there is nothing to draw."""
+    fig = go.Figure()
+    fig.add_annotation(text=message, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper")
+    fig.update_xaxes(visible=False)
+    fig.update_yaxes(visible=False)
+    return _layout(fig, title, height=200)
+
+
+# ----------------------------------------------------------------------------------------------- steps
+
+
+def step_time_by_rank(steps: pd.DataFrame, *, marked: list[int] | None = None) -> go.Figure:
+    """Step duration (ms) per rank over the step axis; ``marked`` ranks drawn thick."""
     df = steps.dropna(subset=["start_ns", "end_ns"]).assign(
         step_ms=lambda d: (d["end_ns"] - d["start_ns"]).astype("float64") / 1e6,
-        rank=lambda d: d["rank"].astype(str))
-    fig = px.line(df, x="step", y="step_ms", color="rank", markers=True,
-                  labels={"step_ms": "step time (ms)", "rank": "rank"})
-    fig.update_layout(title="Step time by rank", height=360, margin=dict(l=10, r=10, t=40, b=10))
-    return fig
+        rank=lambda d: d["rank"].map(_rank_label))
+    fig = px.line(df, x="step", y="step_ms", color="rank", markers=len(df) < 2000,
+                  labels={"step_ms": "step time (ms)", "rank": ""})
+    for trace in fig.data:
+        if marked and trace.name in {_rank_label(r) for r in marked}:
+            trace.line.width = 4
+    return _layout(fig, "Step time by rank")
 
 
-def loss_curve(steps: pd.DataFrame) -> go.Figure:
-    """Mean loss over ranks per step."""
+def loss_curve(steps: pd.DataFrame, *, overflow_steps: list[int] | None = None) -> go.Figure:
+    """Mean loss over ranks per step, with AMP overflow steps as red markers."""
     df = steps.dropna(subset=["loss"]).groupby("step", as_index=False)["loss"].mean()
-    fig = px.line(df, x="step", y="loss", markers=True)
-    fig.update_layout(title="Loss", height=320, margin=dict(l=10, r=10, t=40, b=10))
+    fig = px.line(df, x="step", y="loss", markers=len(df) < 500)
+    if overflow_steps:
+        hit = df[df["step"].isin(overflow_steps)]
+        fig.add_trace(go.Scatter(x=hit["step"], y=hit["loss"], mode="markers", name="overflow (step skipped)",
+                                 marker=dict(color=MARK_COLOR, size=11, symbol="x")))
+    return _layout(fig, "Loss", height=320)
+
+
+# ----------------------------------------------------------------------------------------------- timeline
+
+
+def _bars(rows: pd.DataFrame, *, t0: int) -> go.Figure:
+    """Horizontal Gantt bars: rows with y, start_ns, end_ns, kind, label."""
+    fig = go.Figure()
+    for kind, grp in rows.groupby("kind", sort=False):
+        fig.add_trace(go.Bar(
+            y=grp["y"], x=(grp["end_ns"] - grp["start_ns"]).astype("float64") / 1e6,
+            base=(grp["start_ns"] - t0).astype("float64") / 1e6, orientation="h", name=str(kind),
+            marker_color=PHASE_COLORS.get(str(kind)), hovertext=grp["label"], hoverinfo="text+x"))
+    fig.update_layout(barmode="overlay")
+    fig.update_xaxes(title="time since window start (ms)")
     return fig
+
+
+def timeline(steps: pd.DataFrame, collectives: pd.DataFrame, pipeline: pd.DataFrame, *,
+             marked: list[int] | None = None) -> go.Figure:
+    """Per-rank Gantt of steps split into phases, collectives and pipeline actions (already cut to a window)."""
+    parts = []
+    s = steps.dropna(subset=["start_ns", "end_ns"])
+    if not s.empty:
+        parts.append(pd.DataFrame({"y": s["rank"].map(_rank_label) + " steps", "start_ns": s["start_ns"],
+                                   "end_ns": s["end_ns"], "kind": "step",
+                                   "label": "step " + s["step"].astype(str)}))
+        cursor = s["start_ns"].astype("float64")
+        for phase in ("data", "fwd", "bwd", "opt"):
+            dur = s[f"{phase}_ns"].astype("float64")
+            ok = dur.notna() & (dur > 0)
+            if ok.any():
+                parts.append(pd.DataFrame({"y": s.loc[ok, "rank"].map(_rank_label) + " steps",
+                                           "start_ns": cursor[ok], "end_ns": cursor[ok] + dur[ok], "kind": phase,
+                                           "label": phase + " step " + s.loc[ok, "step"].astype(str)}))
+            cursor = cursor + dur.fillna(0)
+    c = collectives.dropna(subset=["enqueue_ns", "end_ns"])
+    if not c.empty:
+        parts.append(pd.DataFrame({"y": c["rank"].map(_rank_label) + " comm", "start_ns": c["enqueue_ns"],
+                                   "end_ns": c["end_ns"], "kind": "comm",
+                                   "label": c["op"].astype(str) + " " + c["pg"].astype(str) + " seq "
+                                   + c["seq"].astype(str) + " " + c["num_bytes"].astype(str) + " B"}))
+    p = pipeline.dropna(subset=["start_ns", "end_ns"])
+    if not p.empty:
+        parts.append(pd.DataFrame({"y": p["rank"].map(_rank_label) + " pipeline", "start_ns": p["start_ns"],
+                                   "end_ns": p["end_ns"], "kind": p["action"].astype(str),
+                                   "label": p["action"].astype(str) + " mb " + p["microbatch"].astype(str)
+                                   + " stage " + p["stage"].astype(str)}))
+    if not parts:
+        return empty("Timeline", "No steps, collectives or pipeline actions in this window.")
+    rows = pd.concat(parts, ignore_index=True)
+    rows["rank_sort"] = rows["y"].str.extract(r"rank (\d+)")[0].astype(int)
+    rows = rows.sort_values(["rank_sort", "y"], kind="stable")
+    fig = _bars(rows, t0=int(rows["start_ns"].min()))
+    order = list(dict.fromkeys(rows["y"]))
+    fig.update_yaxes(categoryorder="array", categoryarray=order[::-1], autorange=True)
+    _mark_rows(fig, [y for y in order if marked and int(y.split()[1]) in marked])
+    return _layout(fig, "Timeline", height=max(300, 26 * len(order) + 120))
+
+
+def _mark_rows(fig: go.Figure, labels: list[str]) -> None:
+    for label in labels:
+        fig.add_annotation(x=0, xref="paper", y=label, yref="y", text="◀ marked", showarrow=False,
+                           xanchor="right", font=dict(color=MARK_COLOR))
+
+
+# ----------------------------------------------------------------------------------------------- stragglers
+
+
+def lateness_heatmap(lateness: pd.DataFrame, *, marked: list[int] | None = None) -> go.Figure:
+    """Rank × step heatmap of arrival lateness (share of the step, max over groups); marked ranks boxed."""
+    grid = (lateness.groupby(["rank", "step"])["lateness_frac"].max().unstack("step").sort_index())
+    labels = [_rank_label(r) for r in grid.index]
+    fig = go.Figure(go.Heatmap(z=grid.to_numpy(dtype="float64"), x=list(grid.columns), y=labels,
+                               colorscale="RdBu_r", zmid=0, colorbar=dict(title="late / step", tickformat=".0%"),
+                               hovertemplate="%{y} step %{x}: %{z:.1%} of the step late<extra></extra>"))
+    for rank in marked or []:
+        if rank in grid.index:
+            label = _rank_label(rank)
+            fig.add_shape(type="rect", xref="paper", x0=0, x1=1, yref="y", y0=labels.index(label) - 0.5,
+                          y1=labels.index(label) + 0.5, line=dict(color=MARK_COLOR, width=3))
+    fig.update_yaxes(autorange="reversed", title="")
+    fig.update_xaxes(title="step")
+    return _layout(fig, "Arrival lateness (rank × step): red = arrives after its peers",
+                   height=max(300, 22 * len(labels) + 140))
+
+
+def victims_wait(waits: pd.DataFrame) -> go.Figure:
+    """Mean time (ms) each rank waited for the last arrival of its collectives."""
+    col = "wait_ns" if "wait_ns" in waits.columns else [c for c in waits.columns if c.endswith("_ns")][-1]
+    df = waits.groupby("rank", as_index=False)[col].mean().assign(
+        wait_ms=lambda d: d[col].astype("float64") / 1e6, rank=lambda d: d["rank"].map(_rank_label))
+    fig = px.bar(df, x="rank", y="wait_ms", labels={"wait_ms": "mean wait per collective (ms)", "rank": ""})
+    return _layout(fig, "Who waits (victims)", height=300)
+
+
+# ----------------------------------------------------------------------------------------------- communication
+
+
+def bandwidth_by_size(by_size: pd.DataFrame) -> go.Figure:
+    """Median bus bandwidth (GB/s) per op over message size (log axes); latency-bound buckets hollow."""
+    df = by_size.assign(busbw_gbs=lambda d: d["busbw_bytes_per_s"].astype("float64") / 1e9)
+    fig = px.scatter(df, x="size_bytes", y="busbw_gbs", color="op", size="count", log_x=True,
+                     symbol="latency_bound", hover_data=["size", "count", "median_ns"],
+                     labels={"size_bytes": "message size (bytes)", "busbw_gbs": "median busbw (GB/s)"})
+    return _layout(fig, "Bus bandwidth by op and size")
+
+
+def bandwidth_by_group(bw: pd.DataFrame) -> go.Figure:
+    """Distribution of bus bandwidth per (group, op)."""
+    df = bw.dropna(subset=["busbw_bytes_per_s"]).assign(
+        busbw_gbs=lambda d: d["busbw_bytes_per_s"].astype("float64") / 1e9,
+        group=lambda d: d["pg"].astype(str) + " [" + d["pg_ranks"].astype(str) + "]")
+    fig = px.box(df, x="group", y="busbw_gbs", color="op", labels={"busbw_gbs": "busbw (GB/s)", "group": ""})
+    return _layout(fig, "Bus bandwidth by group")
+
+
+def exposure_by_rank(exposure: pd.DataFrame, *, marked: list[int] | None = None) -> go.Figure:
+    """Per rank: exposed communication, straggler wait and hidden (overlapped) communication, share of step."""
+    df = exposure.assign(rank=lambda d: d["rank"].map(_rank_label),
+                         hidden=lambda d: (d["comm_frac"] - d["exposed_frac"]
+                                           - d["straggler_wait_frac"].fillna(0)).clip(lower=0))
+    fig = go.Figure()
+    for col, name in (("exposed_frac", "exposed"), ("straggler_wait_frac", "waiting for a straggler"),
+                      ("hidden", "overlapped")):
+        fig.add_trace(go.Bar(x=df["rank"], y=df[col], name=name))
+    fig.update_layout(barmode="stack")
+    fig.update_yaxes(tickformat=".0%", title="share of the step")
+    return _layout(fig, "Communication per rank: exposed vs overlapped")
+
+
+def overlap_by_rank(overlap: pd.DataFrame) -> go.Figure:
+    """Share of communication overlapped by compute per rank (kernel level or host estimate)."""
+    df = overlap.assign(rank=lambda d: d["rank"].map(_rank_label))
+    fig = px.bar(df, x="rank", y="overlap_frac", labels={"overlap_frac": "comm overlapped by compute", "rank": ""})
+    fig.update_yaxes(tickformat=".0%", range=[0, 1])
+    return _layout(fig, "Compute / communication overlap per rank", height=300)
+
+
+def compression(summary: pd.DataFrame) -> go.Figure:
+    """Bytes per step before and after compression, per method."""
+    df = summary.melt(id_vars="method", value_vars=["raw_bytes_per_step", "sent_bytes_per_step"],
+                      var_name="bytes", value_name="value")
+    fig = px.bar(df, x="method", y="value", color="bytes", barmode="group", labels={"value": "bytes per step"})
+    return _layout(fig, "Gradient compression", height=300)
+
+
+# ----------------------------------------------------------------------------------------------- pipeline
+
+
+def pipeline_gantt(pipeline: pd.DataFrame) -> go.Figure:
+    """Stage × time Gantt of F/B/W actions of one step, labelled by micro-batch."""
+    p = pipeline.dropna(subset=["start_ns", "end_ns"]).assign(
+        y=lambda d: "stage " + d["stage"].astype(str) + " (rank " + d["rank"].astype(str) + ")",
+        kind=lambda d: d["action"].astype(str),
+        label=lambda d: d["action"].astype(str) + d["microbatch"].astype(str))
+    if p.empty:
+        return empty("Pipeline", "No pipeline actions in this step.")
+    t0 = int(p["start_ns"].min())
+    fig = _bars(p, t0=t0)
+    for trace in fig.data:
+        grp = p[p["kind"] == trace.name]
+        trace.text = grp["label"]
+        trace.textposition = "inside"
+    order = list(dict.fromkeys(p.sort_values(["stage", "rank"])["y"]))
+    fig.update_yaxes(categoryorder="array", categoryarray=order[::-1])
+    return _layout(fig, "Pipeline schedule (stage × time)", height=max(280, 50 * len(order) + 120))
+
+
+def bubble_measured_vs_ideal(by_rank: pd.DataFrame, *, ideal_frac: float | None) -> go.Figure:
+    """Measured bubble share per rank, with the schedule's ideal bubble as a dashed line."""
+    df = by_rank.assign(rank=lambda d: d["rank"].map(_rank_label))
+    fig = px.bar(df, x="rank", y="bubble_frac", labels={"bubble_frac": "bubble (share of window)", "rank": ""})
+    if ideal_frac is not None:
+        fig.add_hline(y=ideal_frac, line_dash="dash", line_color=MARK_COLOR,
+                      annotation_text=f"ideal {ideal_frac:.1%}")
+    fig.update_yaxes(tickformat=".0%")
+    return _layout(fig, "Bubble: measured vs ideal", height=300)
+
+
+# ----------------------------------------------------------------------------------------------- precision / ckpt
+
+
+def loss_scale(amp_steps: pd.DataFrame) -> go.Figure:
+    """Loss scale after each step (log axis) with overflow steps marked."""
+    fig = go.Figure(go.Scatter(x=amp_steps["step"], y=amp_steps["scale_after"], mode="lines+markers",
+                               name="loss scale"))
+    hit = amp_steps[amp_steps["overflow"].fillna(False).astype(bool)]
+    fig.add_trace(go.Scatter(x=hit["step"], y=hit["scale_after"], mode="markers", name="overflow",
+                             marker=dict(color=MARK_COLOR, size=11, symbol="x")))
+    fig.update_yaxes(type="log", title="scale")
+    fig.update_xaxes(title="step")
+    return _layout(fig, "Loss scale", height=300)
+
+
+def checkpoint_times(checkpoints: pd.DataFrame) -> go.Figure:
+    """Per save/load and rank: blocking and async time (ms)."""
+    df = checkpoints.assign(
+        event=lambda d: d["kind"].astype(str) + " @ step " + d["step"].astype(str),
+        rank=lambda d: d["rank"].map(_rank_label),
+        blocking_ms=lambda d: d["blocking_ns"].astype("float64") / 1e6,
+        async_ms=lambda d: d["async_ns"].astype("float64").fillna(0) / 1e6)
+    long = df.melt(id_vars=["event", "rank"], value_vars=["blocking_ms", "async_ms"], var_name="time",
+                   value_name="ms")
+    fig = px.bar(long, x="event", y="ms", color="time", facet_col="rank", barmode="stack",
+                 labels={"ms": "ms", "event": ""})
+    return _layout(fig, "Checkpoint time per event and rank: blocking vs async")
+
+
+# ----------------------------------------------------------------------------------------------- devices
+
+
+def device_series(devices: pd.DataFrame, *, column: str, label: str) -> go.Figure:
+    """One device metric per rank over the step axis (samples outside steps dropped)."""
+    df = devices.dropna(subset=[column])
+    df = df[df["step"].fillna(-1) >= 0].groupby(["rank", "step"], as_index=False)[column].mean()
+    df["rank"] = df["rank"].map(_rank_label)
+    fig = px.line(df, x="step", y=column, color="rank", labels={column: label, "rank": ""})
+    return _layout(fig, f"{label} by rank", height=300)
+
+
+# ----------------------------------------------------------------------------------------------- kernels
+
+
+def temporal_breakdown(temporal: pd.DataFrame) -> go.Figure:
+    """Per rank: idle / compute / non-compute share of the kernel span (HTA semantics)."""
+    df = temporal.assign(rank=lambda d: d["rank"].map(_rank_label))
+    fig = go.Figure()
+    for col, name in (("compute_frac", "compute"), ("non_compute_frac", "non-compute"), ("idle_frac", "idle")):
+        fig.add_trace(go.Bar(x=df["rank"], y=df[col], name=name))
+    fig.update_layout(barmode="stack")
+    fig.update_yaxes(tickformat=".0%", title="share of kernel span")
+    return _layout(fig, "Temporal breakdown per rank")
+
+
+def kernel_types(breakdown: pd.DataFrame) -> go.Figure:
+    """Exclusive kernel time per kernel-type combination."""
+    fig = px.pie(breakdown, names="kernel_type", values="sum_us", hole=0.4)
+    return _layout(fig, "Kernel time by type", height=320)
+
+
+# ----------------------------------------------------------------------------------------------- compare
+
+
+def compare_lines(df: pd.DataFrame, *, y: str, label: str, title: str) -> go.Figure:
+    """One line per run over the step axis (``run``, ``step``, ``y`` columns)."""
+    fig = px.line(df, x="step", y=y, color="run", labels={y: label, "run": ""})
+    return _layout(fig, title, height=300)
+
+
+# ----------------------------------------------------------------------------------------------- planner
+
+
+def plan_breakdown(layouts: pd.DataFrame, *, terms: list[str]) -> go.Figure:
+    """Predicted step-time breakdown (s) of each proposed layout."""
+    df = layouts.assign(layout=lambda d: "#" + d["rank"].astype(str))
+    fig = go.Figure()
+    for term in terms:
+        if term in df.columns:
+            fig.add_trace(go.Bar(x=df["layout"], y=df[term], name=term.removesuffix("_s")))
+    fig.update_layout(barmode="stack")
+    fig.update_yaxes(title="predicted seconds per step")
+    return _layout(fig, "Predicted step time by layout")

@@ -1,4 +1,5 @@
-"""The frame every page shares: root and run picker (validated), title, live refresh; no data logic here."""
+"""The frame every page shares: root and run picker (validated), title, live refresh, chart drawing with PNG
+export, finding links; no data logic here (that is the facade's, cached in data.py)."""
 
 from __future__ import annotations
 
@@ -8,24 +9,32 @@ from typing import Callable
 
 import streamlit as st
 
-from dashboard import data
+from dashboard import data, export
 from dashboard.paths import ROOT_IS_SOURCE, Source, resolve_choice, root_from_env
 from dtprobe.store.errors import ConfigError, TraceError
 
-
 SEVERITY_BADGE = {"critical": "red", "warning": "orange", "info": "blue"}
+REFRESH_ENV = "DTPROBE_REFRESH_S"
+"""Live refresh interval (seconds) handed over by `dtprobe dashboard --refresh-s`."""
 
 
 def refresh_s() -> float:
-    return float(os.environ.get("DTPROBE_REFRESH_S", "2"))
+    return float(os.environ.get(REFRESH_ENV, "2"))
+
+
+def _age(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 3600 else f"{seconds / 3600:.1f} h"
 
 
 def _label(source: Source) -> str:
+    from dtprobe.store import run_mtime_ns
+
     status = _status(source)
-    age_s = time.time() - source.path.stat().st_mtime
-    age = f"{age_s / 60:.0f} min" if age_s < 3600 else f"{age_s / 3600:.1f} h"
+    mtime_s = run_mtime_ns(source.path) / 1e9 if source.kind == "run" else source.path.stat().st_mtime
     name = source.path.name if source.name == ROOT_IS_SOURCE else source.name
-    return f"{name} · {status} · {age} ago"
+    return f"{name} · {status} · {_age(max(0.0, time.time() - mtime_s))} ago"
 
 
 def _status(source: Source) -> str:
@@ -35,6 +44,10 @@ def _status(source: Source) -> str:
         return data.load_status(str(source.path), mtime)
     except TraceError:
         return "unreadable"
+
+
+def _sync_run_param() -> None:
+    st.query_params["run"] = st.session_state["run"]
 
 
 def page_setup(title: str) -> Source:
@@ -57,13 +70,18 @@ def page_setup(title: str) -> Source:
     if requested is not None and requested not in names:
         try:
             resolve_choice(root, requested)
+            names.append(requested)  # valid but not listed yet (created after the listing was cached)
         except ConfigError as exc:
             st.sidebar.error(str(exc))
-        requested = None
-    if "run" not in st.session_state or st.session_state["run"] not in names:
-        st.session_state["run"] = requested or names[0]
+            requested = None
+    if requested is not None:
+        st.session_state["run"] = requested
+    elif st.session_state.get("run") not in names:
+        st.session_state["run"] = names[0]
     by_name = {s.name: s for s in sources}
-    choice = st.sidebar.selectbox("Run", names, key="run", format_func=lambda n: _label(by_name[n]))
+    choice = st.sidebar.selectbox(
+        "Run", names, key="run", on_change=_sync_run_param,
+        format_func=lambda n: _label(by_name[n]) if n in by_name else n)
     try:
         source = resolve_choice(root, choice)
     except ConfigError as exc:
@@ -81,7 +99,7 @@ def is_live(source: Source) -> bool:
 def render(source: Source, body: Callable[[Source], None]) -> None:
     """Draw ``body``; while the run is running, redraw it every ``refresh_s`` seconds (only new events are read)."""
     if is_live(source):
-        st.caption(f"Live: refreshing every {refresh_s():g} s")
+        st.caption(f":green[● live] refreshing every {refresh_s():g} s")
         st.fragment(run_every=refresh_s())(body)(source)
     else:
         body(source)
@@ -96,6 +114,13 @@ def load(source: Source):
         st.stop()
 
 
+def chart(fig, *, key: str) -> None:
+    """Draw a plotly figure with a PNG download button (the PNG is rendered only when clicked)."""
+    st.plotly_chart(fig, key=key)
+    st.download_button("PNG", data=lambda: export.figure_png(fig), file_name=f"{key}.png", mime="image/png",
+                       key=f"{key}_png", on_click="ignore", icon=":material/download:")
+
+
 def finding_params(source: Source, finding) -> dict[str, str]:
     """URL parameters that carry a finding to its page: the run, the code and the ranks to mark."""
     return {"run": source.name, "finding": finding.code, "ranks": ",".join(str(r) for r in finding.ranks)}
@@ -107,22 +132,47 @@ def marked_ranks() -> list[int]:
     return [int(part) for part in raw.split(",") if part.strip().isdigit()]
 
 
+def findings_for(analysis, codes: tuple[str, ...]) -> list:
+    """The run's findings whose code is one of ``codes`` (worst first)."""
+    return [f for f in analysis.findings() if f.code in codes]
+
+
+def show_findings(findings: list, *, key: str) -> None:
+    """Each finding as a bordered box: severity, ranks, title, recommendation, evidence rows on demand."""
+    for index, finding in enumerate(findings):
+        with st.container(border=True):
+            ranks = ", ".join(str(r) for r in finding.ranks) or "-"
+            st.markdown(f"**:{SEVERITY_BADGE[finding.severity]}[{finding.severity.upper()}] {finding.code}** · "
+                        f"ranks {ranks} · group {finding.group or '-'}  \n{finding.title}")
+            st.caption(finding.recommendation)
+            if finding.predicted_gain is not None:
+                st.caption(f"Predicted gain: {finding.predicted_gain.frac:.0%} shorter "
+                           f"{finding.predicted_gain.metric.replace('_', ' ')}")
+            if finding.rows is not None and not finding.rows.empty:
+                with st.expander(f"Evidence rows ({len(finding.rows)})"):
+                    st.dataframe(finding.rows, hide_index=True)
+
+
+def fmt(value, pattern: str) -> str:
+    return "-" if value is None else pattern.format(value)
+
+
 def key_figures(analysis) -> dict[str, str]:
-    """The Overview's headline numbers, formatted; '-' when a figure is unknown for this run."""
-    summary = analysis.throughput_summary()
-    metrics = analysis.metrics()
-
-    def fmt(value, pattern: str) -> str:
-        return "-" if value is None else pattern.format(value)
-
-    steps = analysis.table("steps")
+    """The Overview's headline numbers (``RunAnalysis.key_figures``), formatted; '-' when unknown."""
+    k = analysis.key_figures()
     return {
-        "steps": str(int(steps["step"].max()) + 1) if not steps.empty else "0",
-        "step time": fmt(summary.get("step_time_ms"), "{:.1f} ms"),
-        "tokens/s": fmt(summary.get("tokens_per_s"), "{:,.0f}"),
-        "MFU": fmt(summary.get("mfu"), "{:.1%}"),
-        "exposed comm": fmt(metrics.get("exposed_comm_frac"), "{:.1%}"),
-        "bubble": fmt(metrics.get("bubble_frac"), "{:.1%}"),
-        "overflows": fmt(metrics.get("amp_overflows"), "{:d}"),
-        "checkpoint share": fmt(metrics.get("checkpoint_share_frac"), "{:.1%}"),
+        "steps": str(k.num_steps),
+        "step time": fmt(k.step_time_ms, "{:.1f} ms"),
+        "tokens/s": fmt(k.tokens_per_s, "{:,.0f}"),
+        "MFU": fmt(k.mfu, "{:.1%}"),
+        "exposed comm": fmt(k.exposed_comm_frac, "{:.1%}"),
+        "bubble": fmt(k.bubble_frac, "{:.1%}"),
+        "overflows": fmt(k.num_overflows, "{:d}"),
+        "checkpoint share": fmt(k.checkpoint_share_frac, "{:.1%}"),
     }
+
+
+def other_sources(source: Source) -> list[Source]:
+    """Every other run or trace folder under the root, re-validated (for the Compare page)."""
+    root = root_from_env()
+    return [resolve_choice(root, s.name) for s in data.load_sources(root) if s.name != source.name]

@@ -177,7 +177,7 @@ def test_hang_needs_the_timeout_while_the_run_is_still_running():
 
 def test_hang_from_a_watchdog_fault_row_names_the_ranks_in_its_detail():
     faults = frame_from_rows("faults", [{"rank": 0, "time_ns": T0, "step": 7, "kind": "hang", "injected": False,
-                                         "detail": json.dumps({"missing_ranks": [3], "pg": "dp", "op": "allreduce"})}])
+                                         "detail": json.dumps({"waiting_for_ranks": [3], "pg": "dp", "op": "allreduce"})}])
     [f] = hangs.detect_hangs(frame_from_rows("collectives", []).iloc[0:0].pipe(
         lambda _: pd.DataFrame({c: [] for c in hangs.MISSING_COLUMNS})), faults)
     assert (f.ranks, f.group, f.evidence["reported_by"]) == ((3,), "dp", 0)

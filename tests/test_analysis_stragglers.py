@@ -115,3 +115,12 @@ def test_straggler_severity_is_critical_when_victims_wait_a_fifth_of_the_step():
 def test_collective_skew_rejects_a_table_without_store_columns():
     with pytest.raises(TraceError, match=r"table 'collectives' lacks the columns \['pg'"):
         st.collective_skew(pd.DataFrame({"rank": [0], "seq": [1]}))
+
+
+@pytest.mark.parametrize("values", [[1.0, 5.0], [3.0, 1.0, 2.0], [4.0, 1.0, 3.0, 2.0], [5.0, 5.0, 1.0, 9.0, 0.0]])
+def test_median_of_others_excludes_each_element_in_turn(values):
+    import numpy as np
+
+    v = np.array(values)
+    expected = [float(np.median(np.delete(v, i))) for i in range(len(v))]
+    assert st.median_of_others(v).tolist() == expected

@@ -205,6 +205,14 @@ def test_non_kineto_json_names_the_file(tmp_path, content, message):
         load_trace_dir(tmp_path)
 
 
+def test_non_numeric_timestamp_names_the_file(tmp_path):
+    doc = {"distributedInfo": {"rank": 0}, "traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "k", "ts": "soon", "dur": 3, "args": {"stream": 7}}]}
+    (tmp_path / "r0.json").write_text(json.dumps(doc))
+    with pytest.raises(TraceError, match=r"r0\.json: non-numeric timestamp or duration 'soon'"):
+        load_trace_dir(tmp_path)
+
+
 def test_empty_folder_and_missing_path_raise(tmp_path):
     with pytest.raises(TraceError, match="no trace files"):
         load_trace_dir(tmp_path)

@@ -37,7 +37,7 @@ def test_export_perfetto_writes_valid_json_with_expected_event_counts(tmp_path, 
 def test_perfetto_phases_follow_each_other_from_the_step_start():
     t = dp_tables(num_steps=1, jitter_ms=0.0)
     trace, counts = build_trace({"steps": t["steps"]})
-    r0 = [e for e in trace["traceEvents"] if e.get("pid") == 0 and e.get("tid") == 2]
+    r0 = [e for e in trace["traceEvents"] if e.get("pid") == 0 and e.get("tid") == 2 and e["ph"] == "X"]
     assert [e["name"] for e in r0] == ["data", "fwd", "bwd", "opt"]
     assert r0[1]["ts"] == r0[0]["ts"] + r0[0]["dur"]
     assert counts["phases"] == 16
@@ -48,5 +48,5 @@ def test_perfetto_has_pipeline_actions_per_stage(tmp_path):
     run = write_run(tmp_path / "pp", t, world_size=2)
     summary = export_perfetto(RunStore.open(run), tmp_path / "pp.json")
     assert summary.counts["pipeline"] == 2 * 2 * 2 * 2       # steps x ranks x microbatches x {F, B}
-    pipe = [e for e in json.loads((tmp_path / "pp.json").read_text())["traceEvents"] if e.get("tid") == 3]
+    pipe = [e for e in json.loads((tmp_path / "pp.json").read_text())["traceEvents"] if e.get("tid") == 3 and e["ph"] == "X"]
     assert {e["name"] for e in pipe} == {"F0", "F1", "B0", "B1"}

@@ -41,7 +41,7 @@ def test_precision_autocast_computes_in_dtype_and_keeps_fp32_master_weights(dtyp
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
-def test_precision_fp16_overflow_halves_scale_skips_step_and_records_it():
+def test_precision_fp16_overflow_halves_scale_and_skips_the_step():
     rows: list[tuple[str, dict]] = []
     model = build_model("tiny", seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -53,8 +53,7 @@ def test_precision_fp16_overflow_halves_scale_skips_step_and_records_it():
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))     # the step was skipped
     _, row = _one_step(mp, model, opt, step=2)
     assert row["found_inf"] is False and row["scale_before"] == row["scale_after"] == 32768.0
-    assert [t for t, _ in rows] == ["amp", "faults", "amp", "amp"]
-    assert rows[1][1]["kind"] == "overflow" and rows[1][1]["injected"] is True
+    assert [t for t, _ in rows] == ["amp", "amp", "amp"]
 
 
 def test_precision_bf16_and_fp32_write_no_amp_rows():

@@ -14,6 +14,9 @@ def body(source) -> None:
     cols = st.columns(len(figures))
     for col, (label, value) in zip(cols, figures.items()):
         col.metric(label, value)
+    reason = analysis.key_figures().mfu_reason
+    if analysis.key_figures().mfu is None and reason:
+        st.caption(f"MFU: {reason}")
     findings = analysis.findings()
     worst = findings[0].severity if findings else None
     if worst == "critical":
@@ -23,20 +26,20 @@ def body(source) -> None:
     else:
         st.success("Healthy: no critical finding or warning.")
     st.subheader(f"Findings ({len(findings)})")
-    for index, finding in enumerate(findings):
-        with st.container(border=True):
-            ranks = ", ".join(str(r) for r in finding.ranks) or "-"
-            group = finding.group or "-"
-            st.markdown(f"**:{common.SEVERITY_BADGE[finding.severity]}[{finding.severity.upper()}] "
-                        f"{finding.code}** · ranks {ranks} · group {group}  \n{finding.title}")
-            st.caption(finding.recommendation)
-            page = FINDING_PAGE.get(finding.code)
-            if page is not None:
-                st.page_link(page, label=f"Open evidence for {finding.code}",
-                             query_params=common.finding_params(source, finding))
+    for severity in ("critical", "warning", "info"):
+        for finding in (f for f in findings if f.severity == severity):
+            with st.container(border=True):
+                ranks = ", ".join(str(r) for r in finding.ranks) or "-"
+                st.markdown(f"**:{common.SEVERITY_BADGE[severity]}[{severity.upper()}] {finding.code}** · "
+                            f"ranks {ranks} · group {finding.group or '-'}  \n{finding.title}")
+                st.caption(finding.recommendation)
+                page = FINDING_PAGE.get(finding.code)
+                if page is not None:
+                    st.page_link(page, label=f"Open evidence for {finding.code}", icon=":material/arrow_forward:",
+                                 query_params=common.finding_params(source, finding))
     steps = analysis.table("steps")
     if not steps.empty:
-        st.plotly_chart(charts.step_time_by_rank(steps), key="overview_step_time")
+        common.chart(charts.step_time_by_rank(steps), key="overview_step_time")
 
 
 source = common.page_setup("Overview")

@@ -25,29 +25,36 @@ def device_health(devices: pd.DataFrame, *, power_cap_ratio: float = 0.97) -> pd
                               "util_frac", "mem_used_bytes", "mem_total_bytes", "xid", "rss_bytes"], table="devices")
     if devices.empty:
         return pd.DataFrame({col: [] for col in HEALTH_COLUMNS})
-    rows = []
-    for (rank, gpu), g in devices.groupby([devices["rank"], devices["gpu"].fillna(-1)], sort=True):
-        reasons = g["throttle_reasons"].dropna().astype("int64")
-        bits = reasons & THROTTLE_MASK
-        names = sorted({name for bit, name in THROTTLE_REASONS.items() if (bits & bit).any()})
-        power = g[["power_w", "power_limit_w"]].dropna()
-        mem = g[["mem_used_bytes", "mem_total_bytes"]].dropna()
-        mem = mem[mem["mem_total_bytes"] > 0]
-        xids = sorted({int(x) for x in g["xid"].dropna() if int(x) != 0})
-        rows.append({
-            "rank": int(rank), "gpu": int(gpu), "num_samples": len(g),
-            "throttled_frac": float((bits != 0).mean()) if len(reasons) else float("nan"),
-            "reasons": ",".join(names),
-            "power_cap_frac": (float((power["power_w"] >= power_cap_ratio * power["power_limit_w"]).mean())
-                               if len(power) else float("nan")),
-            "max_temp_c": float(g["temp_c"].max()) if g["temp_c"].notna().any() else float("nan"),
-            "mean_util_frac": float(g["util_frac"].mean()) if g["util_frac"].notna().any() else float("nan"),
-            "max_mem_frac": (float((mem["mem_used_bytes"] / mem["mem_total_bytes"]).max())
-                             if len(mem) else float("nan")),
-            "xids": ",".join(str(x) for x in xids),
-            "max_rss_bytes": float(g["rss_bytes"].max()) if g["rss_bytes"].notna().any() else float("nan"),
-        })
-    return pd.DataFrame(rows)[HEALTH_COLUMNS]
+    d = pd.DataFrame({"rank": devices["rank"].astype("int64"), "gpu": devices["gpu"].fillna(-1).astype("int64")})
+    reasons = devices["throttle_reasons"].astype("Int64")
+    bits = (reasons.fillna(0).astype("int64") & THROTTLE_MASK)
+    d["has_reason"] = reasons.notna()
+    d["throttled"] = (bits != 0).where(reasons.notna())
+    for bit, name in THROTTLE_REASONS.items():
+        d[name] = (bits & bit) != 0
+    power = devices["power_w"].astype("float64")
+    limit = devices["power_limit_w"].astype("float64")
+    d["capped"] = (power >= power_cap_ratio * limit).where(power.notna() & limit.notna())
+    total = devices["mem_total_bytes"].astype("float64")
+    d["mem_frac"] = (devices["mem_used_bytes"].astype("float64") / total).where(total > 0)
+    d["temp"] = devices["temp_c"].astype("float64")
+    d["util"] = devices["util_frac"].astype("float64")
+    d["rss"] = devices["rss_bytes"].astype("float64")
+    xid = devices["xid"].astype("Int64")
+    d["xid"] = xid.where(xid.fillna(0) != 0)
+    g = d.groupby(["rank", "gpu"], sort=True)
+    out = g.agg(num_samples=("rank", "size"), throttled_frac=("throttled", "mean"), power_cap_frac=("capped", "mean"),
+                max_temp_c=("temp", "max"), mean_util_frac=("util", "mean"), max_mem_frac=("mem_frac", "max"),
+                max_rss_bytes=("rss", "max"))
+    seen = g[list(THROTTLE_REASONS.values())].any()
+    out["reasons"] = [",".join(sorted(n for n in THROTTLE_REASONS.values() if row[n])) for _, row in seen.iterrows()]
+    xids = d.dropna(subset=["xid"]).groupby(["rank", "gpu"])["xid"].apply(
+        lambda x: ",".join(str(int(v)) for v in sorted(set(x))))
+    out["xids"] = xids.reindex(out.index).astype(object).where(lambda x: x.notna(), "") if len(xids) else ""
+    out = out.reset_index()
+    for col in ("throttled_frac", "power_cap_frac"):
+        out[col] = out[col].astype("float64")
+    return out[HEALTH_COLUMNS]
 
 
 def detect_device_health(health: pd.DataFrame, *, min_throttled_frac: float = 0.1, min_power_cap_frac: float = 0.2,

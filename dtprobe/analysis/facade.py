@@ -83,6 +83,30 @@ def open_source(path: str | os.PathLike, *, progress: Callable[[int, int, str], 
                      f"torch.profiler's tensorboard_trace_handler wrote.")
 
 
+@dataclass(frozen=True, kw_only=True)
+class KeyFigures:
+    """The headline numbers of a run (the dashboard's Overview); None when a figure is unknown for this run."""
+
+    num_steps: int
+    """Distinct steps recorded so far."""
+    step_time_ms: float | None
+    """Median step time over ranks and analysed steps."""
+    tokens_per_s: float | None
+    """Median tokens per second of the whole job."""
+    mfu: float | None
+    """Model FLOPs utilisation (None on CPU or with no known peak; ``mfu_reason`` says why)."""
+    mfu_reason: str | None
+    """Why MFU is (not) known: the peak used or the reason there is none."""
+    exposed_comm_frac: float | None
+    """Mean over ranks of the exposed communication share of the step (kernel-level for trace folders)."""
+    bubble_frac: float | None
+    """Mean measured pipeline bubble over ranks (None without pipeline parallelism)."""
+    num_overflows: int | None
+    """AMP overflow steps (None without AMP telemetry)."""
+    checkpoint_share_frac: float | None
+    """Blocking checkpoint time as a share of the wall time (None without saves)."""
+
+
 class RunAnalysis:
     """Metrics and findings of one run. ``RunAnalysis(RunStore.open(path))`` or ``RunAnalysis.open(path)``.
 
@@ -201,10 +225,11 @@ class RunAnalysis:
             min_positive_frac=o.min_positive_frac))
 
     def straggler_causes(self) -> pd.DataFrame:
-        """Per scored (group, rank): excess data/compute/communication time in its late steps, throttling, cause."""
+        """Per (group, rank) late enough to be a straggler candidate: excess data/compute/communication time in its
+        late steps, throttling, cause."""
         return self._memo("causes", lambda: _stragglers.straggler_causes(
             self.straggler_scores(), self.rank_lateness(), self.table("steps"), self.table("collectives"),
-            self.collective_waits(), self.table("devices")))
+            self.collective_waits(), self.table("devices"), min_lateness_frac=self.options.min_lateness_frac))
 
     def group_axis(self, pg: str) -> str | None:
         """``dp``/``tp``/``pp`` of a process-group name; the default group (``world``) is ``dp`` in a pure
@@ -492,6 +517,20 @@ class RunAnalysis:
             + self.checkpoint_findings() + self.comm_findings() + self.compression_findings()
             + self.device_findings() + _throughput.detect_low_mfu(self.throughput_summary())))
 
+    def key_figures(self) -> KeyFigures:
+        """Headline numbers: steps, step time, tokens/s, MFU, exposed comm, bubble, overflows, checkpoint share."""
+        return self._memo("key_figures", lambda: _key_figures(self))
+
+    def findings_table(self) -> pd.DataFrame:
+        """The findings as a frame (one row each, worst first): code, severity, ranks, group, title,
+        recommendation, gain_metric, gain_frac."""
+        rows = [{"code": f.code, "severity": f.severity, "ranks": ",".join(map(str, f.ranks)), "group": f.group,
+                 "title": f.title, "recommendation": f.recommendation,
+                 "gain_metric": f.predicted_gain.metric if f.predicted_gain else None,
+                 "gain_frac": f.predicted_gain.frac if f.predicted_gain else float("nan")} for f in self.findings()]
+        cols = ["code", "severity", "ranks", "group", "title", "recommendation", "gain_metric", "gain_frac"]
+        return pd.DataFrame(rows, columns=cols)
+
     def evidence_rows(self, finding: Finding) -> pd.DataFrame:
         """The rows behind ``finding`` (empty frame when it has none)."""
         return finding.rows if finding.rows is not None else pd.DataFrame()
@@ -512,3 +551,27 @@ def _only_steps(df: pd.DataFrame, step_ids: list[int]) -> pd.DataFrame:
     if df.empty or not step_ids:
         return df
     return df[df["step"].isin(step_ids)].reset_index(drop=True)
+
+
+def _key_figures(a: RunAnalysis) -> KeyFigures:
+    steps = a.table("steps")
+    summary = a.throughput_summary() or {}
+    exposed = None
+    overlap, temporal = a.comm_comp_overlap(), a.temporal_breakdown()
+    if a.is_trace_folder and not overlap.empty and not temporal.empty and "exposed_comm_us" in overlap.columns:
+        m = overlap.merge(temporal[["rank", "kernel_time_us"]], on="rank")
+        exposed = float((m["exposed_comm_us"] / m["kernel_time_us"]).mean())
+    elif not a.exposure_by_rank().empty:
+        exposed = float(a.exposure_by_rank()["exposed_frac"].mean())
+    bubble = a.bubble_by_rank()
+    amp = a.amp_steps()
+    step_ms = summary.get("step_time_ms")
+    if step_ms is None and a.step_time_ns():
+        step_ms = a.step_time_ns() / 1e6
+    return KeyFigures(
+        num_steps=int(steps["step"].nunique()) if not steps.empty else 0,
+        step_time_ms=step_ms, tokens_per_s=summary.get("tokens_per_s"), mfu=summary.get("mfu"),
+        mfu_reason=summary.get("mfu_reason"), exposed_comm_frac=exposed,
+        bubble_frac=float(bubble["bubble_frac"].mean()) if not bubble.empty else None,
+        num_overflows=int(amp["overflow"].sum()) if not amp.empty else None,
+        checkpoint_share_frac=a.checkpoint_summary().get("blocking_share_of_wall"))

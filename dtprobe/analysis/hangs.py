@@ -63,8 +63,9 @@ def _ints(value) -> list[int]:
 
 def detect_hangs(missing: pd.DataFrame, faults: pd.DataFrame, *, last_seen: pd.DataFrame | None = None) -> list[Finding]:
     """HANG for each group whose members wait at a collective others never reached (the missing ranks are named),
-    and for each watchdog/injected hang fault not already explained (ranks from its detail's ``missing_ranks``/
-    ``culprit``/``rank`` keys, else the reporting rank). ``last_seen``: per rank its last step and collective."""
+    and for each watchdog/injected hang fault not already explained (ranks from its detail's
+    ``waiting_for_ranks`` (``runtime.hang``'s watchdog) / ``missing_ranks`` / ``culprit`` keys, else the
+    reporting rank: an injected hang row is written by the rank that hangs). ``last_seen``: per rank its last step and collective."""
     findings: list[Finding] = []
     named: set[int] = set()
     last = {int(r.rank): r for r in last_seen.itertuples(index=False)} if last_seen is not None else {}
@@ -93,7 +94,7 @@ def detect_hangs(missing: pd.DataFrame, faults: pd.DataFrame, *, last_seen: pd.D
         hangs = faults[faults["kind"] == "hang"]
         for r in hangs.itertuples(index=False):
             d = _detail(r.detail)
-            ranks = (_ints(d.get("missing_ranks")) or _ints(d.get("culprit")) or _ints(d.get("rank"))
+            ranks = (_ints(d.get("waiting_for_ranks")) or _ints(d.get("missing_ranks")) or _ints(d.get("culprit"))
                      or [int(r.rank)])
             if set(ranks) <= named:
                 continue

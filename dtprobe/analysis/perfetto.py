@@ -40,6 +40,13 @@ class PerfettoSummary:
     """Events per kind: steps, phases, collectives, pipeline, checkpoints, faults, counters."""
 
 
+def _rows(df: pd.DataFrame, required: list[str]):
+    """Rows of ``df`` with every ``required`` column set (nothing for an empty or column-less frame)."""
+    if df.empty or any(c not in df.columns for c in required):
+        return iter(())
+    return df.dropna(subset=required).itertuples(index=False)
+
+
 def _us(ns: Any, t0: int) -> float:
     return (int(ns) - t0) / 1000.0
 
@@ -61,7 +68,7 @@ def build_trace(tables: dict[str, pd.DataFrame], *, rank_hosts: dict[int, str] |
             ranks.update(int(r) for r in df["rank"].dropna().unique())
 
     steps = tables.get("steps", pd.DataFrame())
-    for r in steps.dropna(subset=["start_ns", "end_ns"]).itertuples(index=False):
+    for r in _rows(steps, ["start_ns", "end_ns"]):
         events.append({"ph": "X", "pid": int(r.rank), "tid": TIDS["steps"], "name": f"step {r.step}",
                        "ts": _us(r.start_ns, t0), "dur": (int(r.end_ns) - int(r.start_ns)) / 1000.0,
                        "args": {"step": int(r.step), "loss": None if pd.isna(r.loss) else float(r.loss),
@@ -102,7 +109,7 @@ def build_trace(tables: dict[str, pd.DataFrame], *, rank_hosts: dict[int, str] |
             counts["collectives"] += 1
 
     pipe = tables.get("pipeline", pd.DataFrame())
-    for r in pipe.dropna(subset=["start_ns", "end_ns"]).itertuples(index=False):
+    for r in _rows(pipe, ["start_ns", "end_ns"]):
         events.append({"ph": "X", "pid": int(r.rank), "tid": TIDS["pipeline"],
                        "name": f"{r.action}{int(r.microbatch) if not pd.isna(r.microbatch) else ''}",
                        "ts": _us(r.start_ns, t0), "dur": (int(r.end_ns) - int(r.start_ns)) / 1000.0,
@@ -111,7 +118,7 @@ def build_trace(tables: dict[str, pd.DataFrame], *, rank_hosts: dict[int, str] |
         counts["pipeline"] += 1
 
     ckpt = tables.get("checkpoints", pd.DataFrame())
-    for r in ckpt.dropna(subset=["start_ns"]).itertuples(index=False):
+    for r in _rows(ckpt, ["start_ns"]):
         dur = r.blocking_ns if not pd.isna(r.blocking_ns) else r.total_ns
         events.append({"ph": "X", "pid": int(r.rank), "tid": TIDS["checkpoint"], "name": f"checkpoint {r.kind}",
                        "ts": _us(r.start_ns, t0), "dur": 0.0 if pd.isna(dur) else int(dur) / 1000.0,
@@ -121,7 +128,7 @@ def build_trace(tables: dict[str, pd.DataFrame], *, rank_hosts: dict[int, str] |
         counts["checkpoints"] += 1
 
     faults = tables.get("faults", pd.DataFrame())
-    for r in faults.dropna(subset=["time_ns"]).itertuples(index=False):
+    for r in _rows(faults, ["time_ns"]):
         events.append({"ph": "i", "s": "p", "pid": int(r.rank), "tid": TIDS["faults"], "name": f"fault: {r.kind}",
                        "ts": _us(r.time_ns, t0),
                        "args": {"injected": None if pd.isna(r.injected) else bool(r.injected),

@@ -151,7 +151,8 @@ def rank_lateness(collectives: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFram
         "enqueue_ns": c["enqueue_ns"].astype("int64"), "step": c["step"].astype("int64"),
     }).drop_duplicates(["pg", "pg_ranks", "seq", "rank"]).sort_values(["pg", "pg_ranks", "seq", "enqueue_ns"],
                                                                       kind="stable")
-    members = c["pg_ranks"].map(lambda s: len(group_members(s)))
+    sizes = {k: len(group_members(k)) for k in c["pg_ranks"].unique()}
+    members = c["pg_ranks"].map(sizes)
     g = c.groupby(["pg", "pg_ranks", "seq"], sort=False)
     c["n"] = g["rank"].transform("size")
     c = c[(c["n"] >= 2) & ((members == 0) | (c["n"] >= members))].copy()
@@ -184,6 +185,22 @@ def rank_lateness(collectives: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFram
     return top[LATENESS_COLUMNS].sort_values(["pg", "pg_ranks", "rank", "step"], kind="stable").reset_index(drop=True)
 
 
+def median_of_others(v: np.ndarray) -> np.ndarray:
+    """For each element of ``v`` (no NaN, len >= 2): the median of the other elements. O(n log n)."""
+    n = len(v)
+    order = np.argsort(v, kind="stable")
+    x = v[order]
+    pos = np.empty(n, dtype=np.int64)
+    pos[order] = np.arange(n)
+    if n % 2 == 0:
+        j1 = j2 = (n - 2) // 2
+    else:
+        j1, j2 = (n - 3) // 2, (n - 1) // 2
+    a = np.where(j1 < pos, x[j1], x[min(j1 + 1, n - 1)])
+    b = np.where(j2 < pos, x[j2], x[min(j2 + 1, n - 1)])
+    return (a + b) / 2.0
+
+
 def _pre_collective_excess(rows: pd.DataFrame, steps: pd.DataFrame) -> pd.Series:
     """For rows (pg_ranks, step, rank): the rank's data+fwd time minus the median of its group peers' (NaN when
     phases are not recorded). Before its first gradient collective a data-parallel rank has waited on nobody,
@@ -199,9 +216,9 @@ def _pre_collective_excess(rows: pd.DataFrame, steps: pd.DataFrame) -> pd.Series
 
     def minus_median_of_others(x: pd.Series) -> pd.Series:
         v = x.to_numpy(dtype="float64")
-        if len(v) < 2:
+        if len(v) < 2 or np.isnan(v).any():
             return pd.Series(np.nan, index=x.index)
-        return pd.Series([v[i] - np.nanmedian(np.delete(v, i)) for i in range(len(v))], index=x.index)
+        return pd.Series(v - median_of_others(v), index=x.index)
 
     return r.groupby(["pg", "pg_ranks", "step"], sort=False)["_pre"].transform(minus_median_of_others)
 
@@ -283,12 +300,14 @@ def _blocked_ns(b: pd.DataFrame) -> pd.Series:
 
 def straggler_causes(scores: pd.DataFrame, lateness: pd.DataFrame, steps: pd.DataFrame,
                      collectives: pd.DataFrame, waits: pd.DataFrame, devices: pd.DataFrame, *,
-                     min_explained_frac: float = 0.25, throttle_frac: float = 0.5) -> pd.DataFrame:
+                     min_explained_frac: float = 0.25, throttle_frac: float = 0.5,
+                     min_lateness_frac: float = 0.0) -> pd.DataFrame:
     """For each scored (group, rank) late in its best window, over its late steps: how much of its mean lateness
     comes from data loading (``data_ns`` above its peers' median), from waiting on other peers (p2p spans and
     other groups' collectives, union, above its peers'), and the rest from its own compute; plus the share of its
     device samples with a slowing throttle reason. ``cause`` is ``device`` when throttled, else the largest part
-    if it explains at least ``min_explained_frac`` of the lateness, else ``unknown``. Columns: ``CAUSE_COLUMNS``."""
+    if it explains at least ``min_explained_frac`` of the lateness, else ``unknown``. Only ranks whose median
+    lateness reaches ``min_lateness_frac`` are examined (0: every late rank). Columns: ``CAUSE_COLUMNS``."""
     require_columns(steps, ["rank", "step", "start_ns", "end_ns", "data_ns", "fwd_ns", "bwd_ns", "opt_ns"],
                     table="steps")
     blocked = _blocking_waits(collectives, waits) if not collectives.empty else pd.DataFrame(
@@ -299,7 +318,8 @@ def straggler_causes(scores: pd.DataFrame, lateness: pd.DataFrame, steps: pd.Dat
     for col in ("data_ns", "fwd_ns", "bwd_ns", "opt_ns"):
         ph[col] = ph[col].astype("float64").fillna(0.0)
     rows = []
-    for s in scores[scores["median_lateness_frac"] > 0].itertuples(index=False):
+    candidates = scores[(scores["median_lateness_frac"] > 0) & (scores["median_lateness_frac"] >= min_lateness_frac)]
+    for s in candidates.itertuples(index=False):
         late = lateness[(lateness["pg"] == s.pg) & (lateness["pg_ranks"] == s.pg_ranks) & (lateness["rank"] == s.rank)
                         & lateness["step"].between(s.window_first_step, s.window_last_step)
                         & (lateness["lateness_ns"] > 0)]

@@ -33,7 +33,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("model and cluster")
     g.add_argument("--model", help="model preset (see below)")
     g.add_argument("--gpus", type=int, help="total GPUs (default: --gpus-per-node, one node)")
-    g.add_argument("--gpu", default="h100-80", help="device preset (default h100-80)")
+    g.add_argument("--gpu", help="device preset (default h100-80; with --calibrate, the device the run used)")
     g.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node / NVLink domain (default 8)")
     g.add_argument("--gpu-memory-gib", type=float, help="override the preset's device memory")
     g.add_argument("--intra-bw", type=float, metavar="GB/S", help="per-GPU intra-node bandwidth per direction")
@@ -73,13 +73,18 @@ def main(args: argparse.Namespace) -> int:
             return 0
     if not args.model:
         raise ConfigError("--model is required (e.g. --model llama3-70b), unless you only --calibrate RUN")
+    gpu = args.gpu or (cal.setup.cluster.device.name if cal is not None else "h100-80")
+    if cal is not None and cal.setup.cluster.device.is_cpu != GPU_PRESETS[gpu].is_cpu:
+        raise ConfigError(f"the calibration comes from a {'CPU' if cal.setup.cluster.device.is_cpu else 'GPU'} run "
+                          f"and --gpu {gpu} is not: its efficiencies do not transfer. Plan with --gpu "
+                          f"{cal.setup.cluster.device.name}, or calibrate from a run on {gpu}.")
     gpus = args.gpus or args.gpus_per_node
     model = model_preset(args.model)
-    cluster = make_cluster(gpu=args.gpu, num_gpus=gpus, gpus_per_node=args.gpus_per_node,
+    cluster = make_cluster(gpu=gpu, num_gpus=gpus, gpus_per_node=args.gpus_per_node,
                            intra_bw_gb_s=args.intra_bw, inter_bw_gb_s=args.inter_bw,
                            intra_latency_us=args.intra_latency_us, inter_latency_us=args.inter_latency_us,
                            memory_gib=args.gpu_memory_gib)
-    precision = args.precision or ("fp32" if GPU_PRESETS[args.gpu].is_cpu else "bf16")
+    precision = args.precision or ("fp32" if GPU_PRESETS[gpu].is_cpu else "bf16")
     training = TrainingSpec(global_batch=args.global_batch or 2 * gpus, seq_len=args.seq_len or model.seq_len,
                             precision=precision, optimizer=args.optimizer, memory_margin_frac=args.memory_margin,
                             sequence_parallel=not args.no_sequence_parallel)
@@ -104,11 +109,14 @@ def _calibrate(args: argparse.Namespace):
     from dtprobe.planner import GPU_PRESETS
     from dtprobe.planner.calibrate import calibrate
     from dtprobe.store import RunStore
+    from dtprobe.store.errors import ConfigError
 
     with Console(stderr=True).status(f"calibrating from {args.calibrate} ..."):
         store = RunStore.open(args.calibrate)
         kinds = {str(r.device).split(":")[0] for r in store.manifest.ranks}
-        device = None if kinds <= {"cpu"} else GPU_PRESETS.get(args.gpu)
+        if args.gpu is not None and args.gpu not in GPU_PRESETS:
+            raise ConfigError(f"--gpu '{args.gpu}' is not a preset; choose one of {', '.join(GPU_PRESETS)}")
+        device = None if kinds <= {"cpu"} or args.gpu is None else GPU_PRESETS[args.gpu]
         return calibrate(store, device=device, warmup_steps=args.warmup_steps)
 
 
@@ -138,7 +146,8 @@ def _print_calibration(cal) -> None:
     console.print(f"  compute efficiency {e.compute:.3f} of {dev.peak(cal.setup.training.precision) / 1e9:.0f} "
                   f"GFLOP/s declared; bus bandwidth {e.bw_intra * dev.intra_bw_bytes_per_s / 1e9:.2f} GB/s, latency "
                   f"{dev.intra_latency_s * 1e6:.0f} us; DP overlap {e.dp_overlap:.2f}; host overhead "
-                  f"{e.overhead_s * 1e3:.1f} ms")
+                  f"{e.overhead_s * 1e3:.1f} ms"
+                  + (f"; pipeline hop {e.p2p_latency_s * 1e3:.2f} ms" if e.p2p_latency_s is not None else ""))
     table = Table("term", "predicted ms", "measured ms", "error")
     for r in cal.comparison.itertuples(index=False):
         measured = "-" if r.measured_s != r.measured_s else f"{r.measured_s * 1e3:.2f}"

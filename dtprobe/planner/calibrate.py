@@ -34,6 +34,8 @@ from dtprobe.store.errors import ConfigError, TraceError
 P2P_OPS = ("send", "recv")
 NON_DP_GROUPS = ("tp", "pp", "ckpt")
 NATURAL_VIRTUAL_STAGES = {"interleaved-1f1b": 2, "zbv": 2}
+SMALL_BYTES = 64 * 1024
+"""Messages below this are latency-bound: they fit alpha, not the bandwidth."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -146,8 +148,9 @@ def _instances(coll: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
         dur_ns=("dur_ns", "min"), in_fwd_bwd=("in_fwd_bwd", "all")).reset_index()
 
 
-def _fit_alpha_beta(inst: pd.DataFrame) -> tuple[float, float] | None:
-    """(alpha seconds, bandwidth bytes/s): least squares over the median time of each (op, n, size)."""
+def _fit_alpha_beta(inst: pd.DataFrame) -> tuple[float, float | None] | None:
+    """(alpha seconds, bandwidth bytes/s or None): least squares over the median time of each (op, n, size);
+    latency only when every message is under ``SMALL_BYTES``, bandwidth only when there is one large size."""
     c = inst[inst["op"].isin(list(BUS_FACTOR)) & (inst["num_bytes"] > 0) & (inst["n"] > 1)]
     if c.empty:
         return None
@@ -155,9 +158,14 @@ def _fit_alpha_beta(inst: pd.DataFrame) -> tuple[float, float] | None:
     hops = np.array([HOPS[o](n) for o, n in zip(g["op"], g["n"])], dtype=float)
     bus = np.array([BUS_FACTOR[o](n) * b for o, n, b in zip(g["op"], g["n"], g["num_bytes"])], dtype=float)
     t = g["dur_ns"].to_numpy(dtype=float) / 1e9
+    if bus.max() < SMALL_BYTES:        # only latency-bound messages: alpha only
+        return float(np.median(t / hops)), None
+    if len(g) == 1:                    # one large size: bandwidth only
+        return 0.0, float(bus[0] / t[0])
     (alpha, inv_bw), *_ = np.linalg.lstsq(np.stack([hops, bus], axis=1), t, rcond=None)
     if alpha < 0 or inv_bw <= 0:
-        return 0.0, float(bus.sum() / t.sum())
+        big = bus >= SMALL_BYTES
+        return 0.0, float(bus[big].sum() / t[big].sum())
     return float(alpha), float(1.0 / inv_bw)
 
 
@@ -194,11 +202,13 @@ def calibrate(store, *, device: DeviceSpec | None = None, warmup_steps: int = 3)
     inst = _instances(coll[coll["step"].isin(kept)], steps) if not coll.empty else _instances(coll, steps)
     dev = setup.cluster.device
     fit = _fit_alpha_beta(inst)
-    bw_eff = 0.8 if fit is None else fit[1] / dev.intra_bw_bytes_per_s
+    bw_eff = 0.8 if fit is None or fit[1] is None else fit[1] / dev.intra_bw_bytes_per_s
     if fit is None:
         notes.append("no collectives recorded: bandwidth and latency left at the preset")
     else:
         dev = replace(dev, intra_latency_s=fit[0])
+        if fit[1] is None:
+            notes.append(f"only messages under {SMALL_BYTES // 1024} KiB: bandwidth left at 0.8 of the preset")
     cluster = replace(setup.cluster, device=dev)
 
     # per step, averaged over the groups of an axis: TP time inside forward/backward, and the DP tail (the last

@@ -41,6 +41,9 @@ class ModelSpec:
     """Output head shares the input embedding's weights."""
     learned_positions: bool = False
     """A learned ``seq_len x h`` position embedding (GPT-2/3) instead of rotary."""
+    fused_qkv: bool = True
+    """One QKV projection (Megatron). Separate q/k/v column-parallel linears (dtprobe's built-in GPT under
+    DTensor TP) each all-reduce their input gradient: 2 more TP all-reduces per layer in backward."""
 
     def __post_init__(self) -> None:
         for key in ("num_layers", "hidden", "num_heads", "ffn_hidden", "vocab_size", "seq_len"):
@@ -93,11 +96,11 @@ def _model(name: str, **kw) -> ModelSpec:
 MODEL_PRESETS: dict[str, ModelSpec] = {
     # dtprobe's built-in GPT sizes (dtprobe/runtime/model.py PRESETS): GELU MLP, learned positions, untied head
     "tiny": _model("tiny", num_layers=4, hidden=128, num_heads=4, ffn_hidden=512, vocab_size=256, seq_len=256,
-                   learned_positions=True),
+                   learned_positions=True, fused_qkv=False),
     "small": _model("small", num_layers=8, hidden=256, num_heads=8, ffn_hidden=1024, vocab_size=256,
-                    seq_len=512, learned_positions=True),
+                    seq_len=512, learned_positions=True, fused_qkv=False),
     "medium": _model("medium", num_layers=12, hidden=512, num_heads=8, ffn_hidden=2048, vocab_size=256,
-                     seq_len=1024, learned_positions=True),
+                     seq_len=1024, learned_positions=True, fused_qkv=False),
     # Meta Llama 3 model card / params.json: GQA with 8 KV heads, SwiGLU, vocab 128256, untied head
     "llama3-8b": _model("llama3-8b", num_layers=32, hidden=4096, num_heads=32, num_kv_heads=8, ffn_hidden=14336,
                         vocab_size=128256, seq_len=8192, gated_mlp=True),

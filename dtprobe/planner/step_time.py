@@ -5,9 +5,9 @@ Per optimizer step, on the busiest pipeline rank (seconds):
 - ``compute_s``: m micro-batches x 3 x forward FLOPs / (tp pp) / (peak[precision] x compute_efficiency);
   forward FLOPs per token = 2 x weight matmuls + 4 s h per layer (attention scores).
 - ``recompute_s``: the re-run forward: all of it (full) or the attention scores (selective).
-- ``tp_comm_s``: per layer and micro-batch, one all-reduce (or all-gather + reduce-scatter with SP) of
-  ``s b h`` activations in forward and one in backward (two more forwards' worth with full recompute);
-  not overlapped.
+- ``tp_comm_s``: per layer and micro-batch, two all-reduces (or all-gather + reduce-scatter with SP) of
+  ``s b h`` activations in forward and two in backward (four with separate q/k/v linears; two more with full
+  recompute); not overlapped.
 - ``dp_sync_s``: the gradient all-reduce (ZeRO-0), reduce-scatter once (ZeRO-1) or per micro-batch
   (ZeRO-2/3, which keep only a gradient shard), exposed part = max(t (1 - overlap), t - one micro-batch's
   backward); plus the post-step all-gather of updated weight shards (ZeRO-1/2), not overlapped.
@@ -98,14 +98,15 @@ def evaluate(cands: pd.DataFrame, *, model: ModelSpec, cluster: ClusterSpec, tra
     peak = dev.peak(training.precision) * eff.compute
     f_mb = mb * s * fwd_flops_tok / (tp * pp) / peak          # forward of one micro-batch on one rank
 
-    # TP: one all-reduce-equivalent of s*b*h activations per layer per pass
+    # TP: all-reduces (or all-gather + reduce-scatter with SP) of s*b*h activations, per layer and pass
     tp_bw, tp_lat = link(span=tp, gpus_per_node=cluster.gpus_per_node, intra_bw=dev.intra_bw_bytes_per_s,
                          inter_bw=dev.inter_bw_bytes_per_s, intra_latency=dev.intra_latency_s,
                          inter_latency=dev.inter_latency_s, bw_eff=np.where(tp <= cluster.gpus_per_node,
                                                                             eff.bw_intra, eff.bw_inter))
     t_ar = collective_time("allreduce", num_bytes=s * mb * h * act_b, n=tp, bw=tp_bw, latency=tp_lat)
     tp_f_mb = 2 * t_ar * L / pp                    # attention + MLP, forward
-    tp_b_mb = 2 * t_ar * L / pp * np.where(rec == 2, 2, 1)   # backward (+ the re-run forward)
+    bwd_ars = 2 if model.fused_qkv else 4         # separate q/k/v linears each all-reduce their input gradient
+    tp_b_mb = t_ar * L / pp * (bwd_ars + np.where(rec == 2, 2, 0))   # backward (+ the re-run forward)
 
     fm = f_mb + tp_f_mb
     bm = 2 * f_mb + rec_frac * f_mb + tp_b_mb

@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import threading
 import time
 import zlib
 from concurrent.futures import Future
@@ -230,7 +231,7 @@ class Checkpointer:
         if process_group is None and config.async_save and dist.is_initialized():
             process_group = dist.new_group(backend="gloo")
         self.process_group = process_group
-        self._pending: Future | None = None
+        self._pending: tuple[Future, threading.Event] | None = None
         if is_leader:
             self.root.mkdir(parents=True, exist_ok=True)
             for p in self.root.glob(_TMP_PREFIX + "*"):      # unfinished saves of a crashed attempt
@@ -262,9 +263,10 @@ class Checkpointer:
         if self.config.async_save:
             fut = dcp.async_save({"app": state}, storage_writer=writer, process_group=self.process_group)
             blocking = time.perf_counter_ns() - t0
-            self._pending = fut
+            finished = threading.Event()
+            self._pending = (fut, finished)
             fut.add_done_callback(lambda f: self._finish(f, step=step, tmp=tmp, writer=writer, start_ns=start_ns,
-                                                         t0=t0, blocking=blocking))
+                                                         t0=t0, blocking=blocking, finished=finished))
         else:
             dcp.save({"app": state}, storage_writer=writer, process_group=self.process_group)
             self._commit(step, tmp)
@@ -275,19 +277,23 @@ class Checkpointer:
                 "path": str(self.root / checkpoint_name(step))})
 
     def _finish(self, fut: Future, *, step: int, tmp: Path, writer: _MeasuredWriter, start_ns: int, t0: int,
-                blocking: int) -> None:
-        # Runs on DCP's background thread when the async save ends.
-        total = time.perf_counter_ns() - t0
-        ok = fut.exception() is None
-        if ok:
-            try:
-                self._commit(step, tmp)
-            except OSError:
-                ok = False
-        self._record("checkpoints", {
-            "step": step, "kind": "save", "start_ns": start_ns, "blocking_ns": blocking,
-            "async_ns": total - blocking, "total_ns": total, "num_bytes": writer.num_bytes, "ok": ok,
-            "path": str(self.root / checkpoint_name(step))})
+                blocking: int, finished: threading.Event) -> None:
+        # Runs on DCP's background thread when the async save ends; ``wait`` blocks on ``finished``.
+        try:
+            total = time.perf_counter_ns() - t0
+            ok = fut.exception() is None
+            if ok:
+                try:
+                    self._commit(step, tmp)
+                except OSError as e:
+                    ok = False
+                    self._fault("ckpt-commit-failed", step=step, injected=False, path=str(tmp), reason=str(e))
+            self._record("checkpoints", {
+                "step": step, "kind": "save", "start_ns": start_ns, "blocking_ns": blocking,
+                "async_ns": total - blocking, "total_ns": total, "num_bytes": writer.num_bytes, "ok": ok,
+                "path": str(self.root / checkpoint_name(step))})
+        finally:
+            finished.set()
 
     def _commit(self, step: int, tmp: Path) -> None:
         if not self.is_leader:
@@ -312,9 +318,11 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until an in-flight async save has finished (and been committed)."""
-        fut, self._pending = self._pending, None
-        if fut is not None:
-            fut.result()
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            fut, finished = pending
+            fut.result()                                    # raises if the background save failed
+            finished.wait()                                 # ... and the commit (done-callback) has run
 
     def close(self) -> None:
         self.wait()

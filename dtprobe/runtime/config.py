@@ -18,7 +18,6 @@ import dataclasses
 import importlib
 import sys
 import tomllib
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -327,8 +326,8 @@ class JobConfig:
         out["collect"]["profile_steps"] = (list(self.collect.profile_steps)
                                            if self.collect.profile_steps is not None else None)
         out["inject"] = [spec.to_string() for spec in self.faults]
-        for name, value in self.extra.items():
-            out[name] = dataclasses.asdict(value)
+        for name in sorted({*SECTIONS, *self.extra}):
+            out[name] = dataclasses.asdict(self.section(name))
         for key in _LAUNCH_KEYS:
             out[key] = getattr(self, key)
         return out

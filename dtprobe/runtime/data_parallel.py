@@ -93,8 +93,8 @@ def ddp_train_step(ctx: "TrainContext", s: Any, step: int, batches: list) -> tor
                     ctx.faults.in_compute(step)
                 with ops.autocast():
                     loss = lm_loss(model(batch.inputs), batch.targets)
-                if last:
-                    loss = loss / len(batches)
+                if len(batches) > 1:
+                    loss = loss / len(batches)      # the step's loss and gradient are the mean over micro-batches
             with s.phase("bwd"):
                 overflow = i == last and step in ctx.overflow_steps
                 if overflow:

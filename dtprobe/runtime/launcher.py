@@ -210,6 +210,11 @@ def _print_summary(console: object, run_dir: Path, status: str) -> None:
         console.print(f"steps {int(leader['step'].max()) + 1} on rank 0, mean step {later.mean():.1f} ms "
                       f"(median {later.median():.1f} ms, first step excluded), final loss "
                       f"{loss.iloc[-1] if len(loss) else float('nan'):.4f}")
+    elif (run_dir / "loop_timing.json").exists():
+        timing = json.loads((run_dir / "loop_timing.json").read_text())
+        mean = timing["mean_step_s_after_first"]
+        console.print(f"steps {timing['steps']} (telemetry off), loop {timing['loop_s']:.2f} s"
+                      + (f", mean step {mean * 1e3:.1f} ms (first step excluded)" if mean is not None else ""))
     else:
         console.print("steps: none recorded (telemetry off, or the workers failed before step 0)")
     color = "green" if status == "finished" else "red"

@@ -18,7 +18,6 @@ row shows ``found_inf`` and ``skipped`` and the scale halved, exactly as a real 
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -101,8 +100,8 @@ class MixedPrecision:
         return torch.autocast(self.device_type, dtype=dtype)
 
     def backward(self, loss: torch.Tensor, *, inject_overflow: bool = False) -> None:
-        """``loss.backward()``, scaled under fp16. ``inject_overflow`` forces inf gradients (fp16 only) and writes
-        the ``faults`` row ``kind="overflow", injected=true`` (step: the probe's current step)."""
+        """``loss.backward()``, scaled under fp16. ``inject_overflow`` forces inf gradients (fp16 only; the train
+        loop writes the ``faults`` row)."""
         if inject_overflow:
             if self.scaler is None:
                 raise ConfigError(
@@ -110,8 +109,6 @@ class MixedPrecision:
                     f"scaler that detects the inf gradients and skips the step; without it the weights would "
                     f"become inf.")
             loss = loss * OVERFLOW_LOSS_FACTOR
-            self._record("faults", {"time_ns": time.time_ns(), "kind": "overflow", "injected": True,
-                                    "detail": f'{{"loss_factor": {OVERFLOW_LOSS_FACTOR:g}}}'})
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
         loss.backward()
@@ -152,14 +149,3 @@ class MixedPrecision:
             self.scaler.load_state_dict(state)
 
 
-
-def _register() -> None:
-    from dtprobe.runtime.faults import FaultKind, register_fault_kind
-
-    register_fault_kind(FaultKind(
-        name="overflow", keys={"step": int, "rank": int}, required=("step",), example="overflow:step=10,rank=1",
-        help="at step S, rank R (every rank if omitted) multiplies its loss by 1e38: inf gradients, the fp16 loss "
-             "scale halves and the step is skipped (needs --precision fp16)"))
-
-
-_register()

@@ -65,7 +65,8 @@ class CheckpointHooks(TrainHooks):
         probe, job = ctx.probe, ctx.job
         self.config = config
         slow = job_faults_of(job.faults, "slow-ckpt", rank=probe.rank)
-        corrupt = job_faults_of(job.faults, "corrupt-ckpt")
+        restart = int(getattr(probe, "restart", 0))
+        corrupt = job_faults_of(job.faults, "corrupt-ckpt") if restart == 0 else []   # first attempt only
         group = None
         if config.async_save and probe.world_size > 1:
             group = probe.new_group(None, name="ckpt")   # async DCP needs its own group (deadlock otherwise)
@@ -131,5 +132,6 @@ register_fault_kind(FaultKind(
     check=lambda p: None if p["delay_ms"] > 0 else f"delay_ms={p['delay_ms']} must be > 0."))
 register_fault_kind(FaultKind(
     name="corrupt-ckpt", keys={"step": int}, required=("step",), example="corrupt-ckpt:step=9",
-    help="the checkpoint saved after step S is damaged right after its commit (a resume must skip it)"))
+    help="the checkpoint saved after step S is damaged right after its commit, first attempt only (a resume "
+         "must skip it)"))
 register_hooks(_hooks_factory)

@@ -16,8 +16,10 @@ Seams:
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -42,6 +44,8 @@ class TrainHooks:
     def close(self, ctx: "TrainContext", status: str) -> None:
         """At the end of training (``finished``) or on an exception (``crashed``)."""
 
+
+LOOP_TIMING_FILE = "loop_timing.json"
 
 HOOK_FACTORIES: list[Callable[["TrainContext"], TrainHooks | None]] = []
 """Registered by plugin modules (``runtime.config.PLUGIN_MODULES``) at import time."""
@@ -111,8 +115,12 @@ def train(job: JobConfig, *, probe: Any, device: torch.device) -> TrainContext:
     if probe.is_leader:
         log_start(ctx)
     status = "crashed"
+    loop_start = time.perf_counter()
+    first_done = loop_start
     try:
         for step in range(ctx.start_step, tcfg.steps):
+            if step == ctx.start_step + 1:
+                first_done = time.perf_counter()
             ctx.faults.at_step_start(step)
             lr = warmup_lr(step, base_lr=ctx.peak_lr, warmup_steps=tcfg.warmup)
             for group in parts.optimizer.param_groups:
@@ -129,7 +137,19 @@ def train(job: JobConfig, *, probe: Any, device: torch.device) -> TrainContext:
     finally:
         for hook in ctx.hooks:
             hook.close(ctx, status)
+    if probe.is_leader:
+        write_loop_timing(job, steps=tcfg.steps - ctx.start_step, loop_s=time.perf_counter() - loop_start,
+                          first_step_s=first_done - loop_start)
     return ctx
+
+
+def write_loop_timing(job: JobConfig, *, steps: int, loop_s: float, first_step_s: float) -> None:
+    """``<run>/loop_timing.json``: the leader's wall time of the whole loop, measured outside the steps (so it
+    exists with telemetry off too; the launcher's summary and the overhead benchmark read it)."""
+    later = steps - 1
+    timing = {"steps": steps, "loop_s": loop_s, "first_step_s": first_step_s,
+              "mean_step_s_after_first": (loop_s - first_step_s) / later if later > 0 else None}
+    (Path(job.run_dir) / LOOP_TIMING_FILE).write_text(json.dumps(timing, indent=1) + "\n")
 
 
 def _precision_ops(job: JobConfig, *, probe: Any, device: torch.device) -> Any:

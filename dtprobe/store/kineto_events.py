@@ -225,7 +225,12 @@ def to_ns(values: list, base_ns: int) -> np.ndarray:
     arr = np.asarray(values)
     if arr.dtype.kind in "iu":
         return arr.astype(np.int64) * 1000 + base_ns
+    if arr.dtype.kind != "f":
+        bad = next((v for v in values if type(v) not in (int, float)), None)
+        raise ValueError(f"non-numeric timestamp or duration {bad!r}")
     arr = arr.astype(np.float64)
+    if not np.isfinite(arr).all():
+        raise ValueError("a timestamp or duration is NaN or infinite")
     whole = np.floor(arr)
     return whole.astype(np.int64) * 1000 + np.rint((arr - whole) * 1000).astype(np.int64) + base_ns
 
@@ -305,6 +310,17 @@ def parse_trace_file(path: str | Path, *, single_file: bool = False) -> RankPars
     for kept in comm_args.values():   # drop views into the file's buffer so it can be freed
         kept.input_dims = kept.input_type = None
 
+    try:
+        return _columns(meta, g_name, g_kind, g_stream, g_ts, g_dur, g_corr, comm_args, launches, step_events,
+                        annotations, c10d_ops)
+    except ValueError as exc:
+        raise TraceError(f"{path}: {exc} in an event's 'ts'/'dur' (Kineto writes numbers in microseconds). "
+                         f"Re-export the trace with torch.profiler.") from None
+
+
+def _columns(meta: RankMeta, g_name: list, g_kind: list, g_stream: list, g_ts: list, g_dur: list, g_corr: list,
+             comm_args: dict, launches: dict, step_events: list, annotations: list, c10d_ops: list) -> RankParse:
+    """Vectorize the collected GPU events: ns times, launch times, steps."""
     base = meta.base_time_ns
     n = len(g_name)
     start_ns = to_ns(g_ts, base) if n else np.empty(0, np.int64)

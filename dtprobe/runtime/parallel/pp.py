@@ -70,7 +70,7 @@ class _Sleep(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, fwd_s: float, bwd_s: float) -> torch.Tensor:
         time.sleep(fwd_s)
         ctx.bwd_s = bwd_s
-        return x.view_as(x)
+        return x.clone()   # not a view: the zero-bubble backward detaches stage outputs in place
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -1,0 +1,59 @@
+"""Stragglers on real runs made by `dtprobe run` (4 CPU/gloo workers under torchrun, tiny GPT, DDP).
+
+The injected delay (a sleep at the start of every step's forward on one rank) is made large enough to dominate
+the timing noise of a shared 2-core machine, and is checked to be at least 10% of the step time.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dtprobe.analysis import RunAnalysis
+
+pytestmark = pytest.mark.multiproc
+
+NUM_STEPS = 21            # step 0 is warm-up: 20 analysed steps, so "named within 20 steps"
+DELAY_MS = 200.0
+
+
+def _run(run_dir: Path, *extra: str) -> Path:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = ["timeout", "600", sys.executable, "-m", "dtprobe.cli", "run", "--nproc", "4", "--steps", str(NUM_STEPS),
+           "--timeout", "120", "--run-dir", str(run_dir), *extra]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=660)
+    assert proc.returncode == 0, f"dtprobe run failed ({proc.returncode}):\n{proc.stderr[-3000:]}"
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("real_runs")
+    return {
+        "clean": _run(root / "clean_dp4"),
+        1: _run(root / "straggler_rank1", "--inject", f"straggler:rank=1,delay_ms={DELAY_MS:g}"),
+        3: _run(root / "straggler_rank3", "--inject", f"straggler:rank=3,delay_ms={DELAY_MS:g}"),
+    }
+
+
+def test_clean_dp4_run_has_no_straggler(runs):
+    a = RunAnalysis.open(runs["clean"])
+    assert len(a.steps_analyzed()) == NUM_STEPS - 1
+    assert [f for f in a.findings() if f.code == "STRAGGLER"] == []
+
+
+@pytest.mark.parametrize("rank", [1, 3])
+def test_dp4_straggler_is_named_alone_within_20_steps(runs, rank):
+    a = RunAnalysis.open(runs[rank])
+    stragglers = [f for f in a.findings() if f.code == "STRAGGLER"]
+    assert [(f.ranks, f.group) for f in stragglers] == [((rank,), "dp")]
+    ev = stragglers[0].evidence
+    assert ev["detected_at_step"] is not None and ev["detected_at_step"] <= NUM_STEPS - 1
+    assert ev["injected"] == {"from_step": 0, "delay_ms": DELAY_MS}
+    assert DELAY_MS / ev["step_time_ms"] >= 0.10
+    assert ev["cause"] == "compute"                 # the sleep sits in the forward
+    assert ev["victims"] == [r for r in range(4) if r != rank]

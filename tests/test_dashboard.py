@@ -1,0 +1,227 @@
+"""Dashboard (Streamlit AppTest): every page renders on every sample_traces scenario and on the DLRM GPU traces
+and shows the findings `dtprobe analyze` reports; finding links carry the ranks to mark; live refresh reads new
+steps; run choices (picker and URL) are re-validated; charts export to PNG; the command's safe server flags."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import streamlit
+from streamlit.testing.v1 import AppTest
+
+from dashboard import charts, export
+from dashboard.nav import FINDING_PAGE, PAGES
+from dashboard.paths import ROOT_ENV, list_sources, resolve_choice
+from dashboard.synthetic import SyntheticRun, write_synthetic_run
+from dtprobe.analysis.facade import RunAnalysis
+from dtprobe.store.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+APP = REPO / "dashboard" / "app.py"
+SAMPLE_TRACES = REPO / "sample_traces"
+DLRM = next(p for p in (REPO / "tests/data/traces/dlrm_8rank_v100", REPO.parent / "shared/traces/dlrm_8rank_v100")
+            if p.is_dir())
+SCENARIOS = sorted(p for p in SAMPLE_TRACES.iterdir() if p.is_dir()) if SAMPLE_TRACES.is_dir() else []
+STRAGGLER_RANK = 2
+
+
+@pytest.fixture(autouse=True)
+def _fresh_streamlit(monkeypatch):
+    """Show full exceptions in AppTest (the server hides them) and start every test with empty caches."""
+    streamlit.config.set_option("client.showErrorDetails", "full")
+    streamlit.cache_data.clear()
+    streamlit.cache_resource.clear()
+    monkeypatch.delenv(ROOT_ENV, raising=False)
+
+
+def app(root: Path, monkeypatch, **query: str) -> AppTest:
+    monkeypatch.setenv(ROOT_ENV, str(root))
+    at = AppTest.from_file(str(APP), default_timeout=240)
+    for key, value in query.items():
+        at.query_params[key] = value
+    return at.run()
+
+
+def page_text(at: AppTest) -> str:
+    parts = [m.value for m in at.markdown] + [c.value for c in at.caption] + [t.value for t in at.title]
+    parts += [e.value for e in (*at.info, *at.error, *at.warning, *at.success)]
+    return "\n".join(str(p) for p in parts)
+
+
+def figures(at: AppTest) -> dict[str, dict]:
+    return {el.proto.id.split("-")[-1] if not getattr(el, "key", None) else el.key: json.loads(el.proto.spec)
+            for el in at.get("plotly_chart")}
+
+
+def page_links(at: AppTest) -> list:
+    return [el.proto for el in at.get("page_link")]
+
+
+@pytest.fixture(scope="module")
+def straggler_root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("runs")
+    write_synthetic_run(root / "dp4_straggler", num_ranks=4, num_steps=40, straggler_rank=STRAGGLER_RANK)
+    write_synthetic_run(root / "dp4_clean", num_ranks=4, num_steps=30)
+    return root
+
+
+# ------------------------------------------------------------------------------------------------ every page
+
+
+@pytest.mark.parametrize("source", [*SCENARIOS, DLRM], ids=lambda p: p.name)
+def test_dashboard_every_page_renders_and_overview_shows_analyze_findings(source: Path, monkeypatch):
+    report = RunAnalysis.open(source).report()  # exactly what `dtprobe analyze --format json` prints
+    at = app(source, monkeypatch)
+    assert not at.exception, [e.message for e in at.exception]
+    text = page_text(at)
+    assert f"Findings ({len(report['findings'])})" in text
+    for finding in report["findings"]:
+        assert f"{finding['code']}**" in text and finding["title"] in text, finding
+    linked = [json.loads(json.dumps(p.query_string)) for p in page_links(at)]
+    expected = [f for f in report["findings"] if f["code"] in FINDING_PAGE]
+    assert len(linked) == len(expected)
+    for page in PAGES[1:]:
+        at.switch_page(page.path).run()
+        assert not at.exception, (page.title, [e.message for e in at.exception])
+        assert at.title[0].value == page.title
+
+
+def test_overview_key_figures_come_from_the_facade(straggler_root, monkeypatch):
+    at = app(straggler_root, monkeypatch, run="dp4_straggler")
+    metrics = {m.label: m.value for m in at.metric}
+    k = RunAnalysis.open(straggler_root / "dp4_straggler").key_figures()
+    assert metrics["steps"] == "40"
+    assert metrics["step time"] == f"{k.step_time_ms:.1f} ms"
+    assert metrics["exposed comm"] == f"{k.exposed_comm_frac:.1%}"
+    assert metrics["MFU"] == "-" and metrics["bubble"] == "-"  # CPU run, no pipeline: unknown, not zero
+
+
+# ------------------------------------------------------------------------------------------------ drill down
+
+
+def test_straggler_finding_links_to_stragglers_page_with_its_rank(straggler_root, monkeypatch):
+    at = app(straggler_root, monkeypatch, run="dp4_straggler")
+    assert "Unhealthy" in page_text(at)
+    link = next(p for p in page_links(at) if "STRAGGLER" in p.label)
+    assert link.page.endswith("stragglers")
+    assert f"ranks={STRAGGLER_RANK}" in link.query_string and "run=dp4_straggler" in link.query_string
+
+    at = app(straggler_root, monkeypatch, run="dp4_straggler", finding="STRAGGLER", ranks=str(STRAGGLER_RANK))
+    at.switch_page("pages/stragglers.py").run()
+    assert not at.exception
+    assert f":red[rank {STRAGGLER_RANK}] (from the finding link)" in page_text(at)
+    heat = figures(at)["stragglers_heatmap"]
+    rows = heat["data"][0]["y"]
+    box = [s for s in heat["layout"]["shapes"] if s["type"] == "rect"]
+    assert len(box) == 1 and box[0]["y0"] == rows.index(f"rank {STRAGGLER_RANK}") - 0.5
+    table = next(d.value for d in at.dataframe if "role" in d.value.columns)
+    assert table.loc[table["role"] == "culprit", "rank"].tolist() == [STRAGGLER_RANK]
+    assert sorted(table.loc[table["role"] == "victim", "rank"]) == [0, 1, 3]
+
+
+def test_stragglers_page_marks_the_ranks_of_the_url_not_the_detected_ones(straggler_root, monkeypatch):
+    at = app(straggler_root, monkeypatch, run="dp4_straggler", ranks="1")
+    at.switch_page("pages/stragglers.py").run()
+    assert ":red[rank 1] (from the finding link)" in page_text(at)
+
+
+# ------------------------------------------------------------------------------------------------ live
+
+
+def test_live_run_shows_new_steps_on_rerun(tmp_path, monkeypatch):
+    run = SyntheticRun(tmp_path / "live", num_ranks=2)
+    run.write_steps(5)
+    at = app(tmp_path, monkeypatch)
+    assert "live" in page_text(at)
+    assert {m.label: m.value for m in at.metric}["steps"] == "5"
+    run.write_steps(3)
+    at.run()
+    assert {m.label: m.value for m in at.metric}["steps"] == "8"
+    run.finish()
+    at.run()
+    assert "live" not in page_text(at).split("Findings")[0]
+
+
+def test_live_refresh_parses_only_the_new_lines(tmp_path, monkeypatch):
+    from dashboard import data
+
+    run = SyntheticRun(tmp_path / "live", num_ranks=2)
+    run.write_steps(10)
+    app(tmp_path, monkeypatch)
+    store = data._run_store(str((tmp_path / "live").resolve()))
+    before = store.cursors()
+    run.write_steps(1)
+    app(tmp_path, monkeypatch)
+    after = store.cursors()
+    steps_file = "events/steps/rank00000.jsonl"
+    assert after[steps_file][1] - before[steps_file][1] == 1  # one new line read, not the whole file again
+
+
+# ------------------------------------------------------------------------------------------------ run choice
+
+
+def test_run_choice_refuses_traversal_absolute_paths_and_symlinks_out(tmp_path):
+    root = tmp_path / "root"
+    write_synthetic_run(root / "ok", num_ranks=2, num_steps=2)
+    outside = write_synthetic_run(tmp_path / "outside", num_ranks=2, num_steps=2)
+    (root / "escape").symlink_to(outside, target_is_directory=True)
+    assert resolve_choice(root, "ok").path == (root / "ok").resolve()
+    for bad in ["../outside", str(outside), "/etc", "ok/../../outside", "escape", "", ".."]:
+        with pytest.raises(ConfigError, match="refused"):
+            resolve_choice(root, bad)
+    assert [s.name for s in list_sources(root)] == ["ok"]  # the symlink is never offered
+
+
+@pytest.mark.parametrize("bad", ["../outside", "/etc", "escape"])
+def test_url_run_parameter_out_of_the_root_is_refused_on_the_page(tmp_path, monkeypatch, bad):
+    root = tmp_path / "root"
+    write_synthetic_run(root / "ok", num_ranks=2, num_steps=3)
+    outside = write_synthetic_run(tmp_path / "outside", num_ranks=2, num_steps=3)
+    (root / "escape").symlink_to(outside, target_is_directory=True)
+    at = app(root, monkeypatch, run=bad)
+    assert not at.exception
+    assert any("refused" in e.value for e in at.sidebar.error)
+    assert at.sidebar.selectbox(key="run").value == "ok"
+    assert at.sidebar.selectbox(key="run").options == ["ok"]
+    assert at.query_params["run"] == ["ok"] or at.query_params["run"] == "ok"
+
+
+def test_dashboard_without_root_says_how_to_start_it(monkeypatch):
+    at = AppTest.from_file(str(APP), default_timeout=60).run()
+    assert not at.exception
+    assert "dtprobe dashboard ROOT" in at.error[0].value
+
+
+# ------------------------------------------------------------------------------------------------ export, command
+
+
+def test_chart_exports_a_png(straggler_root):
+    steps = RunAnalysis.open(straggler_root / "dp4_clean").table("steps")
+    try:
+        png = export.figure_png(charts.step_time_by_rank(steps), width=800)
+    finally:
+        export.stop()
+    assert png[:8] == export.PNG_MAGIC
+    assert int.from_bytes(png[16:20], "big") == 800  # IHDR width
+
+
+def test_dashboard_command_passes_safe_server_flags():
+    from dtprobe.commands.dashboard import streamlit_argv
+
+    argv = streamlit_argv(host="127.0.0.1", port=8599)
+    flags = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
+    assert flags["--server.address"] == "127.0.0.1"
+    assert flags["--browser.gatherUsageStats"] == "false"
+    assert flags["--client.showErrorDetails"] == "type"
+    assert "--server.allowedHosts" in argv
+
+
+def test_dashboard_command_rejects_a_missing_root(tmp_path, capsys):
+    from dtprobe.cli import main
+
+    assert main(["dashboard", str(tmp_path / "nope")]) == 2
+    assert "is not a directory" in capsys.readouterr().err

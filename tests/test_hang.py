@@ -1,0 +1,126 @@
+"""Hang watchdog: detection logic on fake progress, and an injected hang on rank 1 through ``dtprobe run``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import orjson
+import pytest
+
+from dtprobe.runtime.hang import HANG_EXIT_CODE, HangConfig, Watchdog, stuck_ranks
+from dtprobe.store.errors import ConfigError
+
+
+class FakeStore:
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def set(self, key, value):
+        self.data[key] = value if isinstance(value, bytes) else str(value).encode()
+
+    def get(self, key):
+        return self.data[key]
+
+    def check(self, keys):
+        return all(k in self.data for k in keys)
+
+
+class FakeProbe:
+    current_step = 7
+
+    def __init__(self) -> None:
+        self.faults: list[tuple[str, dict]] = []
+        self.closed = None
+
+    def fault(self, kind, **kw):
+        self.faults.append((kind, kw))
+
+    def close(self, status="finished"):
+        self.closed = status
+
+
+def _progress(issued, completed):
+    return {"world": {"pg_ranks": "0,1,2", "last_issued_seq": issued, "last_issued_op": "allreduce",
+                      "last_completed_seq": completed, "last_completed_op": "allreduce"}}
+
+
+def test_stuck_ranks_lists_members_that_never_issued_the_collective_or_published_nothing():
+    published = {0: {"groups": _progress(12, 11)}, 1: {"groups": _progress(11, 11)}, 2: None}
+    assert stuck_ranks(12, "world", [0, 1, 2], published) == [1, 2]
+
+
+def test_watchdog_fires_after_timeout_with_the_rank_that_never_reached_the_collective():
+    store, probe, exits = FakeStore(), FakeProbe(), []
+    cfg = HangConfig(collective_timeout_s=2.0, poll_interval_s=0.05)
+    pending_since = time.time_ns() - int(2.5e9)
+    pending = [{"pg": "world", "pg_ranks": "0,1,2", "seq": 12, "op": "allreduce", "step": 7,
+                "enqueue_ns": pending_since}]
+    dogs = {r: Watchdog(cfg, store=store, rank=r, restart=0, probe=probe, exit=exits.append,
+                        progress=lambda r=r: _progress(12 if r != 1 else 11, 11),
+                        pending=lambda r=r: pending if r != 1 else []) for r in range(3)}
+    for dog in dogs.values():
+        dog.publish()
+    assert orjson.loads(store.get("dtprobe/hang/0/rank1"))["groups"]["world"]["last_issued_seq"] == 11
+    assert dogs[1].check() is None                                  # the hung rank waits on nothing
+    detail = dogs[0].check()
+    assert detail["waiting_for_ranks"] == [1] and detail["seq"] == 12 and detail["op"] == "allreduce"
+    assert detail["last_issued_seq"] == 12 and detail["last_completed_seq"] == 11
+    assert detail["ranks"]["1"]["last_issued_seq"] == 11 and detail["timeout_s"] == 2.0
+    assert detail["waited_s"] >= 2.5
+    dogs[0].fire(detail)
+    kind, row = probe.faults[0]
+    assert kind == "hang" and row["injected"] is False and row["step"] == 7 and row["waiting_for_ranks"] == [1]
+    assert exits == [HANG_EXIT_CODE] and probe.closed == "crashed"
+    assert store.get("dtprobe/hang/0/fired") == b"0"
+
+
+def test_watchdog_stays_quiet_before_the_timeout():
+    dog = Watchdog(HangConfig(collective_timeout_s=30.0), store=FakeStore(), rank=0, restart=0, probe=FakeProbe(),
+                   progress=lambda: _progress(3, 2),
+                   pending=lambda: [{"pg": "world", "pg_ranks": "0,1", "seq": 3, "op": "allreduce", "step": 1,
+                                     "enqueue_ns": time.time_ns()}])
+    assert dog.check() is None
+
+
+@pytest.mark.parametrize("kwargs,match", [({"collective_timeout_s": -1}, "collective_timeout_s = -1"),
+                                          ({"poll_interval_s": 0}, "poll_interval_s = 0")])
+def test_hang_config_rejects_bad_values(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        HangConfig(**kwargs)
+
+
+# ------------------------------------------------------------------------------ 2 ranks through dtprobe run
+
+TIMEOUT_S = 8
+
+
+def test_hang_on_rank1_fires_the_watchdog_within_timeout_and_names_the_missing_rank(tmp_path):
+    from dtprobe.store import RunStore
+
+    run_dir = tmp_path / "hang"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "dtprobe.cli", "run", "--run-dir", str(run_dir), "--no-devices", "--timeout", "120",
+           "--batch-size", "2", "--seq-len", "16", "--nproc", "2", "--steps", "12",
+           "--collective-timeout", str(TIMEOUT_S), "--inject", "hang:rank=1,step=5"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode != 0                        # the job ends (no restarts allowed) instead of hanging
+    store = RunStore.open(run_dir)
+    faults = store.table("faults")
+    injected = faults[(faults["kind"] == "hang") & faults["injected"]]
+    observed = faults[(faults["kind"] == "hang") & ~faults["injected"]]
+    assert list(injected["rank"]) == [1] and list(injected["step"]) == [5]
+    assert list(observed["rank"]) == [0], proc.stdout[-2000:] + proc.stderr[-2000:]
+    detail = json.loads(observed["detail"].iloc[0])
+    assert detail["waiting_for_ranks"] == [1] and detail["pg"] == "world" and detail["op"] == "allreduce"
+    assert detail["ranks"]["1"]["last_issued_seq"] < detail["seq"] == detail["last_issued_seq"]
+    assert detail["last_completed_seq"] < detail["seq"]
+    assert int(observed["step"].iloc[0]) == 5 and detail["timeout_s"] == TIMEOUT_S
+    fired_after_s = (int(observed["time_ns"].iloc[0]) - int(injected["time_ns"].iloc[0])) / 1e9
+    assert TIMEOUT_S - 1 <= fired_after_s <= TIMEOUT_S + 10     # rank 0 enqueues just after the hang
+    coll = store.table("collectives")
+    stuck = coll[(coll["rank"] == 0) & (coll["pg"] == "world") & (coll["seq"] == detail["seq"])]
+    assert len(stuck) == 1 and stuck["end_ns"].isna().all()   # written at exit, never completed

@@ -1,0 +1,47 @@
+"""Calibration on runs made here by `dtprobe run` (CPU, gloo, 4 ranks): after refitting, the predicted step time of
+the run's own layout is within 25% of the measured one for dp4, dp2 x tp2 and pp4.
+
+Each run is a real 4-process job (about a minute on a loaded 2-core machine)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dtprobe.planner.calibrate import calibrate
+
+LAYOUTS = {"dp4": [], "dp2tp2": ["--tp", "2"], "pp4": ["--pp", "4"]}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("planner_runs")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = {}
+    for name, flags in LAYOUTS.items():
+        run_dir = root / name
+        cmd = [sys.executable, "-m", "dtprobe.cli", "run", "--nproc", "4", "--device", "cpu", "--model", "tiny",
+               "--steps", "10", "--timeout", "120", "--run-dir", str(run_dir), *flags]
+        proc = subprocess.run(["timeout", "600", *cmd], env=env, capture_output=True, text=True)
+        assert proc.returncode == 0, f"{name}: {proc.stderr[-2000:]}"
+        out[name] = run_dir
+    return out
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_calibrated_prediction_matches_the_run_within_25pct(runs, name):
+    from dtprobe.store import RunStore
+
+    cal = calibrate(RunStore.open(runs[name]), warmup_steps=3)
+    cmp = cal.comparison.set_index("term")
+    print(f"{name}: predicted {cmp.loc['step_time_s', 'predicted_s'] * 1e3:.1f} ms, measured "
+          f"{cmp.loc['step_time_s', 'measured_s'] * 1e3:.1f} ms ({cal.step_time_error_frac:+.1%})")
+    assert cal.setup.cluster.device.is_cpu
+    assert abs(cal.step_time_error_frac) <= 0.25
+    if name == "pp4":
+        assert cal.efficiency.p2p_latency_s is not None and cmp.loc["bubble_s", "measured_s"] > 0
+    if name == "dp2tp2":
+        assert cmp.loc["tp_comm_s", "measured_s"] > 0

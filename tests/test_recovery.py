@@ -1,0 +1,138 @@
+"""Crash, restart and resume through ``dtprobe run`` (2 ranks, torchrun ``--max-restarts``, DCP checkpoints)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dtprobe.store import RunStore
+
+STEPS = 30
+COMMON = ("--nproc", "2", "--steps", str(STEPS), "--ckpt-every", "5")
+
+
+def dtprobe_cmd(run_dir: Path, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "dtprobe.cli", "run", "--run-dir", str(run_dir), "--no-devices", "--timeout", "120",
+            "--batch-size", "2", "--seq-len", "16", *flags]
+
+
+def run_dtprobe(run_dir: Path, *flags: str, timeout: float = 480) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(dtprobe_cmd(run_dir, *flags), env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def final_params(run_dir: Path, step: int = STEPS - 1) -> dict[str, torch.Tensor]:
+    """The model tensors of the checkpoint saved after ``step`` (the last step: the run's final parameters)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = run_dir / f"final{step}.pt"
+    dcp_to_torch_save(run_dir / "checkpoints" / f"step{step:08d}", out)
+    state = torch.load(out, weights_only=False)
+    return {k: v for k, v in state["app"]["model"].items()}
+
+
+def faults_of(store: RunStore, kind: str) -> list[dict]:
+    df = store.table("faults")
+    rows = df[df["kind"] == kind].sort_values("time_ns")
+    return [{"rank": int(r.rank), "step": int(r.step), "injected": bool(r.injected), **json.loads(r.detail)}
+            for r in rows.itertuples()]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("recovery") / "baseline"
+    proc = run_dtprobe(run_dir, *COMMON)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+def test_crash_at_step_15_resumes_and_ends_bit_identical_to_uninterrupted_run(tmp_path, uninterrupted):
+    run_dir = tmp_path / "crash"
+    proc = run_dtprobe(run_dir, *COMMON, "--max-restarts", "1", "--inject", "crash:rank=1,step=15")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ref, got = final_params(uninterrupted), final_params(run_dir)
+    assert ref.keys() == got.keys() and len(ref) > 10
+    assert all(torch.equal(ref[k], got[k]) for k in ref)                # bit-identical
+    store = RunStore.open(run_dir)
+    assert store.manifest.status == "finished"
+    assert [(c["rank"], c["step"], c["injected"]) for c in faults_of(store, "crash")] == [(1, 15, True)]
+    (restart,) = faults_of(store, "restart")
+    # the checkpoint after step 14 was committed before the crash at the start of step 15: nothing redone
+    assert restart["injected"] is False and restart["restart"] == 1
+    assert (restart["checkpoint_step"], restart["last_step"], restart["from_step"], restart["steps_lost"]) == \
+        (14, 14, 15, 0)
+    assert [(r.restart, r.steps_lost, r.from_step) for r in store.manifest.restarts] == [(1, 0, 15)]
+    steps = store.table("steps")                                        # telemetry appended in the same run dir
+    assert set(steps[steps["restart"] == 0]["step"].dropna()) >= set(range(15))
+    assert set(steps[steps["restart"] == 1]["step"]) == set(range(15, STEPS))
+    loads = store.table("checkpoints")
+    loads = loads[loads["kind"] == "load"]
+    assert sorted(loads["rank"]) == [0, 1] and set(loads["step"]) == {14}
+
+
+def test_corrupt_newest_checkpoint_then_crash_resumes_from_the_previous_one(tmp_path, uninterrupted):
+    run_dir = tmp_path / "corrupt"
+    proc = run_dtprobe(run_dir, *COMMON, "--max-restarts", "1", "--inject", "corrupt-ckpt:step=14",
+                       "--inject", "crash:rank=0,step=15")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    store = RunStore.open(run_dir)
+    corrupt = faults_of(store, "corrupt-ckpt")
+    assert [(c["step"], c["injected"]) for c in corrupt] == [(14, True), (14, False)]
+    assert "CRC32" in corrupt[1]["reason"] and "step00000014" in corrupt[1]["reason"]
+    (restart,) = faults_of(store, "restart")
+    assert (restart["checkpoint_step"], restart["from_step"], restart["steps_lost"]) == (9, 10, 5)
+    ref, got = final_params(uninterrupted), final_params(run_dir)
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+
+
+def _wait_for(predicate, *, timeout: float, proc: subprocess.Popen, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc.poll() is not None:
+            pytest.fail(f"dtprobe run ended ({proc.returncode}) before {what}:\n{proc.stderr.read()[-3000:]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def test_rank_killed_during_async_save_resumes_from_newest_complete_checkpoint(tmp_path):
+    run_dir = tmp_path / "killed"
+    ckpts = run_dir / "checkpoints"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # rank 1's background writes take 8 s, so the save after step 9 is still in flight when rank 1 is killed
+    proc = subprocess.Popen(dtprobe_cmd(run_dir, "--nproc", "2", "--steps", "20", "--ckpt-every", "5",
+                                        "--ckpt-async", "--max-restarts", "1",
+                                        "--inject", "slow-ckpt:rank=1,delay_ms=8000"),
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: (ckpts / "step00000004" / "COMMIT.json").exists() and (ckpts / ".tmp-step00000009").exists(),
+                  timeout=300, proc=proc, what="the async save after step 9 to start")
+        pid = json.loads((run_dir / "ranks" / "rank00001.json").read_text())["pid"]
+        os.kill(pid, signal.SIGKILL)
+        killed_at = time.time_ns()
+        out, err = proc.communicate(timeout=420)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert not (ckpts / "step00000009" / "COMMIT.json").exists() or \
+        (ckpts / "step00000009" / "COMMIT.json").stat().st_mtime_ns > killed_at   # only re-saved after the restart
+    store = RunStore.open(run_dir)
+    (restart,) = faults_of(store, "restart")
+    assert restart["checkpoint_step"] == 4 and restart["from_step"] == 5
+    loads = store.table("checkpoints")
+    loads = loads[loads["kind"] == "load"]
+    assert set(loads["step"]) == {4} and sorted(loads["rank"]) == [0, 1] and loads["ok"].all()
+    saves = store.table("checkpoints")
+    saves = saves[(saves["kind"] == "save") & (saves["rank"] == 1)]
+    assert (saves["async_ns"] >= 8e9 * 0.95).all() and (saves["blocking_ns"] < saves["async_ns"]).all()
+    assert store.manifest.status == "finished"

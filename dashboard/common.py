@@ -28,22 +28,31 @@ def _age(seconds: float) -> str:
     return f"{seconds / 60:.0f} min" if seconds < 3600 else f"{seconds / 3600:.1f} h"
 
 
-def _label(source: Source) -> str:
-    from dtprobe.store import run_mtime_ns
-
-    status = _status(source)
-    mtime_s = run_mtime_ns(source.path) / 1e9 if source.kind == "run" else source.path.stat().st_mtime
-    name = source.path.name if source.name == ROOT_IS_SOURCE else source.name
-    return f"{name} · {status} · {_age(max(0.0, time.time() - mtime_s))} ago"
-
-
-def _status(source: Source) -> str:
+def _info(source: Source) -> tuple[str, int | None]:
     manifest = source.path / "run.json"
     mtime = manifest.stat().st_mtime_ns if manifest.exists() else 0
     try:
-        return data.load_status(str(source.path), mtime)
+        return data.load_run_info(str(source.path), mtime)
     except TraceError:
-        return "unreadable"
+        return "unreadable", None
+
+
+def _status(source: Source) -> str:
+    return _info(source)[0]
+
+
+def _runs_table(sources: list[Source]) -> list[dict]:
+    from dtprobe.store import run_mtime_ns
+
+    now = time.time()
+    rows = []
+    for s in sources:
+        status, created_ns = _info(s)
+        updated = run_mtime_ns(s.path) / 1e9 if s.kind == "run" else s.path.stat().st_mtime
+        rows.append({"run": s.path.name if s.name == ROOT_IS_SOURCE else s.name, "status": status,
+                     "age": _age(now - created_ns / 1e9) if created_ns else "?",
+                     "last write": _age(max(0.0, now - updated)) + " ago"})
+    return rows
 
 
 def _sync_run_param() -> None:
@@ -78,10 +87,14 @@ def page_setup(title: str) -> Source:
         st.session_state["run"] = requested
     elif st.session_state.get("run") not in names:
         st.session_state["run"] = names[0]
-    by_name = {s.name: s for s in sources}
-    choice = st.sidebar.selectbox(
-        "Run", names, key="run", on_change=_sync_run_param,
-        format_func=lambda n: _label(by_name[n]) if n in by_name else n)
+    # option labels stay the bare names: a label that changes (status, age) would reset the widget's state
+    choice = st.sidebar.selectbox("Run", names, key="run", on_change=_sync_run_param)
+    runs = _runs_table(sources)
+    chosen = next((r for r in runs if r["run"] == (root.name if choice == ROOT_IS_SOURCE else choice)), None)
+    if chosen is not None:
+        st.sidebar.caption(f"{chosen['status']} · started {chosen['age']} ago · last write {chosen['last write']}")
+    with st.sidebar.expander(f"Runs under the root ({len(sources)})", expanded=len(sources) > 1):
+        st.dataframe(runs, hide_index=True)
     try:
         source = resolve_choice(root, choice)
     except ConfigError as exc:

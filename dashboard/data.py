@@ -52,13 +52,15 @@ def load_sources(root: Path) -> list[Source]:
 
 
 @st.cache_data(max_entries=256, show_spinner=False)
-def load_status(path: str, mtime_ns: int) -> str:
-    """A run's status from its manifest (re-read when run.json changes); ``traces`` for trace folders."""
+def load_run_info(path: str, mtime_ns: int) -> tuple[str, int | None]:
+    """(status, created Unix ns) of a run from its manifest, re-read when run.json changes; trace folders:
+    ("traces", folder mtime)."""
     from dtprobe.store import read_manifest
 
     if not (Path(path) / "run.json").is_file():
-        return "traces"
-    return read_manifest(path).status
+        return "traces", Path(path).stat().st_mtime_ns
+    manifest = read_manifest(path)
+    return manifest.status, manifest.created_ns
 
 
 @st.cache_data(max_entries=32, show_spinner="Searching layouts ...")

@@ -204,7 +204,6 @@ def _greedy(schedule: str, p: int, m: int, v: int, costs: Mapping[tuple[int, str
     records: list[tuple[int, int, int, str, float, float]] = []
     busy = [0.0] * p
     peak = [0] * p
-    events: list[float] = []   # heap of action ends (and arrival times): when a waiting rank retries
     remaining = num_stages * m * 3
     budget = [_inflight_budget(schedule, r, p, v) for r in range(p)]
     # prefer the later stage (drains micro-batches toward the loss and back first)
@@ -228,8 +227,11 @@ def _greedy(schedule: str, p: int, m: int, v: int, costs: Mapping[tuple[int, str
         return up
 
     heap = [(0.0, r, r) for r in range(p)]
-    seq, stuck = p, 0
+    seq = p
+    blocked = [False] * p          # waiting for an input whose producer is not scheduled yet
     while remaining:
+        if not heap:
+            raise RuntimeError(f"greedy {schedule} order deadlocked with {remaining} actions left")  # invariant
         t, _, r = heapq.heappop(heap)
         choice = None
         for s in stage_pref[r]:
@@ -242,27 +244,19 @@ def _greedy(schedule: str, p: int, m: int, v: int, costs: Mapping[tuple[int, str
                 if ready_f(s) <= t and (s != entry[r] or inflight[r] < budget[r]):
                     choice = (s, "F")
                     break
-        if choice is None and pending_w[r]:
-            # fill with W unless an input already on its way (p2p latency) lands before the W would finish
+        if choice is None:
             soon = min([ready_i(x) for x in stage_pref[r]]
                        + [ready_f(x) for x in stage_pref[r] if x != entry[r] or inflight[r] < budget[r]])
-            w_stage = pending_w[r][0][0]
-            if t < soon < t + costs[(w_stage, "W")]:
+            # fill with W unless an input already on its way lands before the W would finish
+            if pending_w[r] and not t < soon < t + costs[(pending_w[r][0][0], "W")]:
+                choice = pending_w[r][0][0], "W"
+            elif soon < inf:
                 seq += 1
-                heapq.heappush(heap, (soon, seq, r))
+                heapq.heappush(heap, (soon, seq, r))     # sleep until that input arrives
                 continue
-            choice = w_stage, "W"
-        if choice is None:
-            while events and events[0] <= t:
-                heapq.heappop(events)   # ranks are popped in time order: older events are spent
-            if not events:   # nothing finishes later: only ranks waiting at t could still act
-                stuck += 1
-                if stuck > p:
-                    raise RuntimeError(f"greedy {schedule} order deadlocked on rank {r} at t={t}")  # invariant
-            seq += 1
-            heapq.heappush(heap, (events[0] if events else t, seq, r))   # retry at the next action's end
-            continue
-        stuck = 0
+            else:
+                blocked[r] = True                        # woken when a producer of its inputs is scheduled
+                continue
         s, kind = choice
         if kind == "F":
             i = next_f[s]
@@ -278,17 +272,22 @@ def _greedy(schedule: str, p: int, m: int, v: int, costs: Mapping[tuple[int, str
         end = t + costs[(s, kind)]
         if kind == "F":
             end_f[s][i] = end
+            consumer = rank_of.get(s + 1)
         elif kind == "I":
             end_i[s][i] = end
+            consumer = rank_of.get(s - 1)
+        else:
+            consumer = None
+        if consumer is not None and blocked[consumer]:
+            blocked[consumer] = False
+            seq += 1
+            heapq.heappush(heap, (t, seq, consumer))
         orders[r].append(Action(s, kind, i))
         records.append((r, s, i, kind, t, end))
         busy[r] += end - t
         peak[r] = max(peak[r], inflight[r])
         free[r] = end
         remaining -= 1
-        heapq.heappush(events, end)
-        if p2p_latency:
-            heapq.heappush(events, end + p2p_latency)
         seq += 1
         heapq.heappush(heap, (end, seq, r))
     result = SimResult(schedule=schedule, num_ranks=p, num_microbatches=m, virtual_stages=v, records=tuple(records),
@@ -338,10 +337,19 @@ def simulate(schedule: str, *, num_ranks: int, num_microbatches: int, virtual_st
     full = _uniform_costs(schedule, p, v, cost_f=cost_f, cost_b=cost_b, cost_w=cost_w)
     if costs:
         full.update({(int(s), str(a)): float(c) for (s, a), c in costs.items()})
-        if schedule in SPLIT_BACKWARD:
+        given = {(int(s), str(a)) for s, a in costs}
+        if schedule in SPLIT_BACKWARD:   # keep B = I + W whichever of them was measured
             for s in range(p * v):
-                if (s, "B") in costs and (s, "I") not in costs:
+                has = {a for a in ("B", "I", "W") if (s, a) in given}
+                if has == {"B"}:
+                    full[(s, "W")] = full[(s, "B")] / 2 if cost_w is None else full[(s, "W")]
                     full[(s, "I")] = full[(s, "B")] - full[(s, "W")]
+                elif has == {"B", "W"}:
+                    full[(s, "I")] = full[(s, "B")] - full[(s, "W")]
+                elif has == {"B", "I"}:
+                    full[(s, "W")] = full[(s, "B")] - full[(s, "I")]
+                elif has == {"I", "W"} or has == {"I"} or has == {"W"}:
+                    full[(s, "B")] = full[(s, "I")] + full[(s, "W")]
     if order is None:
         if schedule in SPLIT_BACKWARD:
             # a static order, like the runtime's: planned without latency, then run with it

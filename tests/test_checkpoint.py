@@ -133,3 +133,18 @@ def test_commit_marker_is_json_listing_every_file(tmp_path):
     marker = orjson.loads((path / COMMIT_FILE).read_bytes())
     assert set(marker["files"]) == {p.name for p in path.iterdir() if p.name != COMMIT_FILE}
     assert all(marker["files"][n]["num_bytes"] == os.path.getsize(path / n) for n in marker["files"])
+
+
+def test_checkpoint_async_save_returns_before_the_slow_write_and_commits_on_close(tmp_path):
+    rows = []
+    config = CheckpointConfig(every=5, async_save=True)
+    ck = Checkpointer(config, tmp_path, rank=0, world_size=1, is_leader=True, record=lambda t, r: rows.append(r),
+                      slow_delay_ms=4000)
+    state = _state()
+    ck.save(state, step=4)
+    assert rows == [] and not (tmp_path / "checkpoints" / "step00000004").exists()    # still writing
+    ck.close()
+    (row,) = rows
+    assert row["ok"] and row["async_ns"] >= 4e9 and row["blocking_ns"] < row["async_ns"]
+    assert row["total_ns"] == row["blocking_ns"] + row["async_ns"]
+    verify_checkpoint(tmp_path / "checkpoints" / "step00000004")

@@ -48,6 +48,7 @@ def app(root: Path, monkeypatch, **query: str) -> AppTest:
 
 def page_text(at: AppTest) -> str:
     parts = [m.value for m in at.markdown] + [c.value for c in at.caption] + [t.value for t in at.title]
+    parts += [h.value for h in (*at.header, *at.subheader)]
     parts += [e.value for e in (*at.info, *at.error, *at.warning, *at.success)]
     return "\n".join(str(p) for p in parts)
 

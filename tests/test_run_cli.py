@@ -141,7 +141,7 @@ def test_crashed_run_leaves_a_store_that_loads_marked_crashed(tmp_path):
     proc = dtprobe_run("--config", str(toml), "--steps", "12", "--inject", "crash:rank=1,step=5",
                        "--run-dir", str(run_dir))
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "workers failed" in proc.stderr
+    assert "first failure on rank 1" in proc.stderr and "injected: crash on rank 1 at step 5" in proc.stderr
     store = RunStore.open(run_dir)
     assert store.manifest.status == "crashed" and store.manifest.config["train"]["steps"] == 12   # flag won
     faults = store.table("faults")
@@ -161,3 +161,15 @@ def test_same_seed_gives_the_same_losses_on_2_ranks(tmp_path):
         steps = RunStore.open(tmp_path / name).table("steps").sort_values(["rank", "step"])
         losses.append(steps[["rank", "step", "loss"]].to_numpy().tolist())
     assert len(losses[0]) == 6 and losses[0] == losses[1]
+
+
+def test_run_with_telemetry_off_writes_no_events_but_reports_its_loop_time(tmp_path):
+    run_dir = tmp_path / "off"
+    proc = dtprobe_run("--nproc", "1", "--steps", "3", "--seq-len", "16", "--batch-size", "2", "--no-collect",
+                       "--run-dir", str(run_dir))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not (run_dir / "events").exists()
+    timing = json.loads((run_dir / "loop_timing.json").read_text())
+    assert timing["steps"] == 3 and timing["loop_s"] >= timing["first_step_s"] > 0
+    assert "steps 3 (telemetry off)" in proc.stderr
+    assert RunStore.open(run_dir).manifest.status == "finished"

@@ -124,3 +124,11 @@ def test_replaying_the_zero_bubble_orders_gives_the_same_timeline(schedule, v):
                          cost_w=1.0, p2p_latency=latency, order=order)
         assert again.makespan == pytest.approx(r.makespan)
         assert again.peak_inflight == r.peak_inflight
+
+
+def test_measured_backward_of_a_split_schedule_is_divided_into_i_and_w():
+    r = simulate("zero-bubble", num_ranks=2, num_microbatches=2, costs={(1, "B"): 8.0, (0, "I"): 3.0, (0, "W"): 1.0})
+    tl = r.timeline
+    dur = (tl["end"] - tl["start"]).groupby([tl["stage"], tl["action"]]).first()
+    assert dur[(1, "I")] == 4.0 and dur[(1, "W")] == 4.0
+    assert dur[(0, "I")] == 3.0 and dur[(0, "W")] == 1.0

@@ -154,8 +154,9 @@ def ideal_bubble(shape: PipelineShape, *, microbatch_factor: float = 1.0) -> tup
 
 
 def detect_pipeline_bubble(by_rank: pd.DataFrame, shape: PipelineShape | None, *, step_ns: float | None,
-                           min_bubble_frac: float = 0.10, critical_bubble_frac: float = 0.5) -> list[Finding]:
-    """PIPELINE_BUBBLE when the mean measured bubble is at least ``min_bubble_frac``; compares with the ideal and
+                           min_bubble_frac: float = 0.10) -> list[Finding]:
+    """PIPELINE_BUBBLE (warning: costs time, never breaks a run) when the mean measured bubble is at least
+    ``min_bubble_frac``; compares with the ideal and
     predicts the step-time gain of doubling the micro-batches (simulated, scaled by the pipeline's share of
     the step)."""
     require_columns(by_rank, BY_RANK_COLUMNS, table="bubble_by_rank")
@@ -181,7 +182,7 @@ def detect_pipeline_bubble(by_rank: pd.DataFrame, shape: PipelineShape | None, *
     if excess > 0.1:
         advice.append(f"The measured bubble exceeds the ideal by {excess:.0%}: check p2p waits and stage balance.")
     return [Finding(
-        code="PIPELINE_BUBBLE", severity="critical" if measured >= critical_bubble_frac else "warning",
+        code="PIPELINE_BUBBLE", severity="warning",
         ranks=tuple(int(r) for r in by_rank["rank"]), group="pp",
         title=(f"pipeline idles {measured:.0%} of the step ({shape.schedule}, {shape.num_ranks} stages, "
                f"{m} micro-batches; ideal {ideal:.0%})"),

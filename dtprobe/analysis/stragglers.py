@@ -399,7 +399,8 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: set[
                       min_lateness_frac: float = 0.05, min_positive_frac: float = 0.8, min_steps: int = 3,
                       critical_wait_frac: float = 0.2, injected: dict[int, dict] | None = None,
                       lateness: pd.DataFrame | None = None,
-                      axis_of_pg: Callable[[str], str | None] = axis_of) -> list[Finding]:
+                      axis_of_pg: Callable[[str], str | None] = axis_of,
+                      skip_axes: tuple[str, ...] = ("pp",)) -> list[Finding]:
     """STRAGGLER for each rank whose median lateness over some window is at least ``min_lateness_frac`` of the step
     and which arrived after its peers' median in at least ``min_positive_frac`` of that window's steps (and the
     window has ``min_steps`` steps or more), or whose data+fwd time exceeds its peers' by that share in that
@@ -407,8 +408,11 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: set[
     A flagged rank whose cause is communication and that shares a group or p2p link with another flagged rank
     is that rank's victim (the delay propagated): it is reported inside the culprit's finding, not as its own.
     Critical when the victims wait ``critical_wait_frac`` of the step or more. ``axis_of_pg`` maps a process
-    group name to ``dp``/``tp``/``pp``."""
+    group name to ``dp``/``tp``/``pp``; groups of ``skip_axes`` are not judged (in a pipeline group the arrival
+    order follows the schedule: the first stage finishes its last backward last; a slow stage shows up as
+    stage imbalance in PIPELINE_BUBBLE and as a straggler of its dp group)."""
     require_columns(scores, SCORE_COLUMNS, table="straggler_scores")
+    scores = scores[[axis_of_pg(pg) not in skip_axes for pg in scores["pg"]]]
     by_arrival = scores["positive_frac"] >= min_positive_frac
     by_phases = (scores["median_pre_excess_frac"].fillna(-1) >= min_lateness_frac) & (
         scores["pre_positive_frac"] >= min_positive_frac)

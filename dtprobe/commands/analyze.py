@@ -128,17 +128,18 @@ def render_text(report: dict, console) -> None:
     if not findings:
         console.print("[green]No findings.[/]")
     else:
-        table = Table(title=f"{len(findings)} finding(s)", show_lines=False)
-        for col in ("severity", "code", "ranks", "group", "title", "gain"):
-            table.add_column(col, overflow="fold")
+        table = Table(title=f"{len(findings)} finding(s), worst first", show_lines=False)
+        for col in ("severity", "code", "ranks", "group", "predicted gain"):
+            table.add_column(col, no_wrap=True)
         for f in findings:
-            gain = (f"{f['predicted_gain']['frac']:.0%} {f['predicted_gain']['metric']}"
+            gain = (f"{f['predicted_gain']['frac']:.0%} of {f['predicted_gain']['metric']}"
                     if f["predicted_gain"] else "")
             table.add_row(f"[{SEVERITY_STYLE[f['severity']]}]{f['severity']}[/]", f["code"],
-                          ",".join(map(str, f["ranks"])), f["group"] or "", f["title"], gain)
+                          ",".join(map(str, f["ranks"])), f["group"] or "", gain)
         console.print(table)
         for f in findings:
-            console.print(f"[{SEVERITY_STYLE[f['severity']]}]{f['code']}[/] {f['title']}\n  -> {f['recommendation']}")
+            console.print(f"[{SEVERITY_STYLE[f['severity']]}]{f['code']}[/]: {f['title']}")
+            console.print(f"  [bold]->[/] {f['recommendation']}", highlight=False)
     if m.get("temporal_breakdown"):
         t = Table(title="temporal breakdown (GPU kernels)")
         for col in ("rank", "idle", "compute", "non-compute", "kernel time (us)", "comm overlap"):

@@ -291,6 +291,8 @@ class JobConfig:
             if name not in SECTIONS:
                 raise ConfigError(f"unknown config section [{name}]; known: "
                                   f"{sorted([*_CORE_SECTIONS, *SECTIONS])}.")
+        # every registered plugin section is present (its defaults when not given): job.json records them all
+        object.__setattr__(self, "extra", {**{n: cls() for n, cls in SECTIONS.items()}, **self.extra})
 
     @property
     def world_size(self) -> int:
@@ -326,8 +328,8 @@ class JobConfig:
         out["collect"]["profile_steps"] = (list(self.collect.profile_steps)
                                            if self.collect.profile_steps is not None else None)
         out["inject"] = [spec.to_string() for spec in self.faults]
-        for name in sorted({*SECTIONS, *self.extra}):
-            out[name] = dataclasses.asdict(self.section(name))
+        for name, value in sorted(self.extra.items()):
+            out[name] = dataclasses.asdict(value)
         for key in _LAUNCH_KEYS:
             out[key] = getattr(self, key)
         return out

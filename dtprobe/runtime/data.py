@@ -14,8 +14,8 @@ The text corpus (``data/corpus.txt``, ~330 KB) is the docstrings of ~60 Python s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -51,9 +51,9 @@ def token_stream(kind: str, *, seed: int) -> torch.Tensor:
     return synthetic_tokens(seed) if kind == "synthetic" else text_tokens()
 
 
-@dataclass(kw_only=True, frozen=True)
-class Batch:
-    """One micro-batch: ``inputs`` and next-token ``targets``, both [batch, seq] int64."""
+class Batch(NamedTuple):
+    """One micro-batch: ``inputs`` and next-token ``targets``, both [batch, seq] int64 (a tuple: cheap to build,
+    unpacks as ``inputs, targets``)."""
 
     inputs: torch.Tensor
     targets: torch.Tensor
@@ -90,8 +90,9 @@ class Sampler:
         windows = self.tokens[mine[:, None] + self._offsets].long()
         if self.device.type != "cpu":
             windows = windows.to(self.device, non_blocking=True)
-        return [Batch(inputs=chunk[:, :-1], targets=chunk[:, 1:])
-                for chunk in windows.split(self.batch_size)]
+        if self.grad_accum == 1:
+            return [Batch(windows[:, :-1], windows[:, 1:])]
+        return [Batch(chunk[:, :-1], chunk[:, 1:]) for chunk in windows.split(self.batch_size)]
 
 
 def build_corpus() -> str:

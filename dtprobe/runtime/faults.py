@@ -155,6 +155,8 @@ class FaultInjector:
 
     ``at_step_start`` (before the step row opens: crash), ``in_compute`` (start of the first forward of the step:
     straggler sleep), ``after_compute`` (end of the last backward: measures compute for ``slowdown``).
+    The compute time is host wall time; on CUDA it is the launch time unless the step synchronizes, so prefer
+    ``delay_ms`` there.
     """
 
     def __init__(self, faults: tuple[FaultSpec, ...], *, rank: int, restart: int, probe: Any) -> None:

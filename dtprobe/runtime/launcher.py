@@ -187,14 +187,45 @@ def _wait_for(path: Path, *, timeout_s: float, hint: str) -> None:
 
 
 def _print_failure(console: object, run_dir: Path, log_path: Path) -> None:
-    """The first failing worker's last stderr lines (torchrun writes error.json / stderr.log per worker)."""
+    """torchrun's root cause (rank, exit code), injected crashes, and the end of the failing worker's stderr."""
+    import re
+
+    text = log_path.read_text(errors="replace") if log_path.exists() else ""
+    root = text[text.rfind("Root Cause"):] if "Root Cause" in text else ""
+    rank = re.search(r"rank\s*:\s*(\d+) \(local_rank: (\d+)\)", root)
+    code = re.search(r"exitcode\s*:\s*(-?\d+)", root)
+    if rank:
+        console.print(f"[red]workers failed[/red]: first failure on rank {rank.group(1)} (local rank "
+                      f"{rank.group(2)}), exit code {code.group(1) if code else '?'}; torchrun log: {log_path}")
+    else:
+        console.print(f"[red]workers failed[/red]; torchrun log: {log_path}")
+    crashes = _injected_crashes(run_dir)
+    if crashes:
+        console.print(f"injected: {crashes}")
     logs = sorted((run_dir / LOGS_DIR).rglob("stderr.log"), key=lambda p: p.stat().st_mtime)
-    failing = [p for p in logs if b"Traceback" in p.read_bytes()] or logs
-    source = failing[0] if failing else log_path
-    tail = source.read_text(errors="replace").splitlines()[-12:]
-    console.print(f"[red]workers failed[/red]; last lines of {source}:")
-    for line in tail:
-        console.print("  " + line, markup=False, highlight=False)
+    if rank:
+        own = [p for p in logs if p.parent.name == rank.group(2) and p.stat().st_size]
+        logs = own[-1:] + logs
+    failing = [p for p in logs if p.stat().st_size and b"Error" in p.read_bytes()]
+    if failing:
+        tail = failing[0].read_text(errors="replace").splitlines()[-6:]
+        console.print(f"last lines of {failing[0]}:")
+        for line in tail:
+            console.print("  " + line, markup=False, highlight=False)
+
+
+def _injected_crashes(run_dir: Path) -> str:
+    path_glob = (run_dir / "events" / "faults").glob("rank*.jsonl")
+    found = []
+    for path in sorted(path_glob):
+        for line in path.read_bytes().splitlines():
+            try:
+                row = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                continue
+            if row.get("kind") == "crash" and row.get("injected"):
+                found.append(f"crash on rank {row['rank']} at step {row['step']}")
+    return ", ".join(found)
 
 
 def _print_summary(console: object, run_dir: Path, status: str) -> None:

@@ -1,0 +1,75 @@
+"""Findings on runs made by `dtprobe run` for each scenario (CPU/gloo, tiny GPT): the pipeline bubble of a pp4
+GPipe run with sleep stages, an fp16 overflow, a slow checkpoint, a hang, a straggler in dp2 x pp2."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dtprobe.analysis import RunAnalysis
+
+pytestmark = pytest.mark.multiproc
+
+
+def _run(run_dir: Path, *args: str, ok_codes: tuple[int, ...] = (0,)) -> Path:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = ["timeout", "600", sys.executable, "-m", "dtprobe.cli", "run", "--timeout", "120", "--run-dir",
+           str(run_dir), *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=660)
+    assert proc.returncode in ok_codes, f"dtprobe run failed ({proc.returncode}):\n{proc.stderr[-3000:]}"
+    return run_dir
+
+
+def _codes(a: RunAnalysis) -> list[str]:
+    return [f.code for f in a.findings()]
+
+
+def test_pipeline_bubble_on_pp4_gpipe_with_4_microbatches(tmp_path):
+    run = _run(tmp_path / "pp4_gpipe", "--nproc", "4", "--pp", "4", "--pp-schedule", "gpipe", "--microbatches", "4",
+               "--stage-sleep", "fwd_ms=10,bwd_ms=20", "--steps", "6")
+    a = RunAnalysis.open(run)
+    [f] = [f for f in a.findings() if f.code == "PIPELINE_BUBBLE"]
+    assert (f.group, f.ranks) == ("pp", (0, 1, 2, 3))
+    ev = f.evidence
+    assert (ev["schedule"], ev["num_microbatches"], ev["num_pp_ranks"]) == ("gpipe", 4, 4)
+    assert ev["ideal_bubble_frac"] == pytest.approx(3 / 7, abs=0.03)            # sleep stages: F=10, B=20 ms
+    assert ev["measured_bubble_frac"] >= ev["ideal_bubble_frac"] - 0.02
+    assert ev["ideal_bubble_frac_2x_microbatches"] == pytest.approx(3 / 11, abs=0.03)
+    assert f.predicted_gain.metric == "step_time" and 0.1 < f.predicted_gain.frac < 0.25
+    assert "STRAGGLER" not in _codes(a)
+
+
+def test_amp_overflow_on_the_fp16_overflow_run(tmp_path):
+    run = _run(tmp_path / "fp16", "--nproc", "2", "--precision", "fp16", "--inject", "overflow:step=3", "--steps", "8")
+    [f] = [f for f in RunAnalysis.open(run).findings() if f.code == "AMP_OVERFLOW"]
+    assert 3 in f.evidence["overflow_steps"]
+    assert f.evidence["num_overflows"] >= 1 and f.evidence["final_scale"] < 65536.0
+
+
+def test_checkpoint_stall_on_a_slow_checkpoint_run(tmp_path):
+    run = _run(tmp_path / "slow_ckpt", "--nproc", "2", "--ckpt-every", "2", "--inject", "slow-ckpt:rank=1,delay_ms=1500",
+               "--steps", "8")
+    [f] = [f for f in RunAnalysis.open(run).findings() if f.code == "CHECKPOINT_STALL"]
+    assert f.ranks == (1,)
+    assert f.evidence["num_saves"] >= 3 and f.evidence["mean_blocking_ms"] >= 1500
+    assert f.evidence["blocking_share_of_wall"] > 0.25 and f.severity == "critical"
+
+
+def test_hang_names_the_hung_rank(tmp_path):
+    run = _run(tmp_path / "hang", "--nproc", "2", "--collective-timeout", "10", "--inject", "hang:rank=1,step=3",
+               "--steps", "8", ok_codes=(0, 1))
+    a = RunAnalysis.open(run)
+    hangs = [f for f in a.findings() if f.code == "HANG"]
+    assert hangs and all(f.ranks == (1,) and f.severity == "critical" for f in hangs)
+    assert hangs[0].evidence.get("step", 3) == 3
+
+
+def test_straggler_in_dp2_pp2_names_the_rank_and_its_dp_group(tmp_path):
+    run = _run(tmp_path / "dp2pp2", "--nproc", "4", "--pp", "2", "--inject", "straggler:rank=2,delay_ms=200",
+               "--steps", "21")
+    stragglers = [f for f in RunAnalysis.open(run).findings() if f.code == "STRAGGLER"]
+    assert [(f.ranks, f.group) for f in stragglers] == [((2,), "dp")]

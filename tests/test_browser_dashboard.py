@@ -1,0 +1,212 @@
+"""Dashboard in a real browser (Playwright driving Debian's /usr/bin/chromium) against the server started with
+the exact flags of `dtprobe dashboard`: loopback only, foreign Host refused, live step count advancing on a
+running `dtprobe run` job without a reload, a STRAGGLER finding link landing on the Stragglers page with the
+culprit marked, and a screenshot of every page (test-artifacts/screenshots/)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+from playwright.sync_api import expect, sync_playwright
+
+from dashboard.nav import PAGES
+from dashboard.paths import ROOT_ENV
+from dashboard.synthetic import write_synthetic_run
+from dtprobe.commands.dashboard import APP, streamlit_argv
+
+REPO = Path(__file__).resolve().parents[1]
+CHROMIUM = "/usr/bin/chromium"
+SCREENSHOTS = REPO / "test-artifacts" / "screenshots"
+DLRM = next(p for p in (REPO / "tests/data/traces/dlrm_8rank_v100", REPO.parent / "shared/traces/dlrm_8rank_v100")
+            if p.is_dir())
+TIMEOUT_MS = 90_000
+STRAGGLER_RANK = 2
+
+pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian chromium (scripts/install.sh --dev)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("dash_root")
+    write_synthetic_run(root / "dp4_straggler", num_ranks=4, num_steps=40, straggler_rank=STRAGGLER_RANK)
+    write_synthetic_run(root / "dp4_clean", num_ranks=4, num_steps=30)
+    shutil.copytree(DLRM, root / "dlrm_8rank_v100")
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(root, tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("server") / "streamlit.log"
+    env = dict(os.environ, **{ROOT_ENV: str(root), "DTPROBE_REFRESH_S": "1"})
+    with open(log, "w") as out:
+        proc = subprocess.Popen(streamlit_argv(host="127.0.0.1", port=port), env=env, cwd=APP.parent, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while True:
+        assert proc.poll() is None, f"server exited:\n{log.read_text()}"
+        try:
+            if urllib.request.urlopen(url + "/_stcore/health", timeout=2).read() == b"ok":
+                break
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, f"server not healthy after 90 s:\n{log.read_text()}"
+        time.sleep(0.2)
+    yield {"url": url, "port": port, "proc": proc, "log": log}
+    proc.terminate()
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync"])
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser):
+    context = browser.new_context(viewport={"width": 1500, "height": 1100})
+    pg = context.new_page()
+    pg.set_default_timeout(TIMEOUT_MS)
+    expect.set_options(timeout=TIMEOUT_MS)
+    yield pg
+    context.close()
+
+
+def wait_drawn(pg, *, charts: bool = True) -> None:
+    """Wait until the script finished and every element (and plotly chart) is drawn."""
+    expect(pg.get_by_test_id("stApp")).to_be_visible()
+    expect(pg.get_by_test_id("stTitle").first).to_be_visible() if pg.get_by_test_id("stTitle").count() else None
+    expect(pg.get_by_test_id("stHeading").first).to_be_visible()
+    expect(pg.get_by_test_id("stSkeleton")).to_have_count(0)
+    expect(pg.get_by_test_id("stStatusWidget")).to_have_count(0)
+    if charts and pg.get_by_test_id("stPlotlyChart").count():
+        expect(pg.locator("[data-testid=stPlotlyChart] .main-svg").first).to_be_visible()
+
+
+def metric(pg, label: str):
+    return pg.get_by_test_id("stMetric").filter(has=pg.get_by_text(label, exact=True)).get_by_test_id("stMetricValue")
+
+
+# ------------------------------------------------------------------------------------------------ security
+
+
+def test_server_listens_on_loopback_only_and_refuses_a_foreign_host(server):
+    listening = [c.laddr.ip for c in psutil.Process(server["proc"].pid).net_connections("inet")
+                 if c.status == psutil.CONN_LISTEN]
+    assert listening == ["127.0.0.1"]
+
+    def upgrade(host: str) -> str:
+        with socket.create_connection(("127.0.0.1", server["port"]), timeout=20) as c:
+            c.sendall((f"GET /_stcore/stream HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\n"
+                       f"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                       f"Sec-WebSocket-Version: 13\r\nOrigin: http://{host}\r\n\r\n").encode())
+            return c.recv(200).decode(errors="replace").splitlines()[0]
+
+    assert " 403 " in upgrade(f"evil.example:{server['port']}")  # DNS rebinding: refused by allowedHosts
+    assert " 101 " in upgrade(f"127.0.0.1:{server['port']}")
+
+
+# ------------------------------------------------------------------------------------------------ drill down
+
+
+def test_clicking_a_straggler_finding_lands_on_stragglers_with_the_rank_marked(server, page):
+    page.goto(f"{server['url']}/?run=dp4_straggler")
+    wait_drawn(page)
+    expect(page.get_by_text("Unhealthy")).to_be_visible()
+    page.get_by_role("link", name="Open evidence for STRAGGLER").click()
+    expect(page).to_have_url(re.compile(rf"/stragglers\?.*ranks={STRAGGLER_RANK}"))
+    expect(page.get_by_test_id("stHeading").filter(has_text="Stragglers")).to_be_visible()
+    marked = page.get_by_test_id("stMarkdown").filter(has_text="Marked:")
+    expect(marked).to_contain_text(f"rank {STRAGGLER_RANK} (from the finding link)")
+    wait_drawn(page)
+    heatmap = page.get_by_test_id("stPlotlyChart").first
+    expect(heatmap.locator(".shapelayer path")).to_have_count(1)  # the box around the culprit's row
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SCREENSHOTS / "stragglers_from_finding_link.png"), full_page=True)
+
+
+# ------------------------------------------------------------------------------------------------ screenshots
+
+
+@pytest.mark.parametrize("spec", PAGES, ids=lambda s: s.url_path)
+def test_screenshot_of_every_page(server, page, spec):
+    run = "dlrm_8rank_v100" if spec.url_path == "kernels" else "dp4_straggler"
+    path = "" if spec.default else spec.url_path
+    page.goto(f"{server['url']}/{path}?run={run}")
+    wait_drawn(page)
+    expect(page.get_by_test_id("stHeading").filter(has_text=spec.title).first).to_be_visible()
+    expect(page.get_by_test_id("stException")).to_have_count(0)
+    if spec.url_path == "planner":
+        page.get_by_role("button", name="Plan").click()
+        expect(page.get_by_test_id("stPlotlyChart")).to_have_count(1, timeout=240_000)
+        wait_drawn(page)
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    shot = SCREENSHOTS / f"{spec.url_path}.png"
+    page.screenshot(path=str(shot), full_page=True)
+    assert shot.stat().st_size > 20_000  # a drawn page, not a blank or skeleton one
+
+
+# ------------------------------------------------------------------------------------------------ live
+
+
+def test_live_step_count_advances_without_a_reload(server, page, root):
+    run_dir = root / "live_job"
+    log = root.parent / "live_job.log"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    with open(log, "w") as out:
+        job = subprocess.Popen(["timeout", "-k", "10", "600", sys.executable, "-m", "dtprobe.cli", "run",
+                                "--nproc", "2", "--steps", "400", "--run-dir", str(run_dir), "--no-devices"],
+                               env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        steps_file = run_dir / "events" / "steps" / "rank00000.jsonl"
+        deadline = time.monotonic() + 240
+        while not (steps_file.exists() and steps_file.read_bytes().count(b"\n") >= 2):
+            assert job.poll() is None, f"dtprobe run exited early:\n{log.read_text()}"
+            assert time.monotonic() < deadline, f"no steps after 240 s:\n{log.read_text()}"
+            time.sleep(0.5)
+        page.goto(f"{server['url']}/?run=live_job")
+        expect(page.get_by_text("live", exact=False).first).to_be_visible()
+        value = metric(page, "steps")
+        expect(value).to_have_text(re.compile(r"^\d+$"))
+        first = int(value.inner_text())
+        page.evaluate("window.__not_reloaded = true")
+        expect(value).not_to_have_text(str(first))  # auto-waits while the fragment refreshes
+        assert int(value.inner_text()) > first
+        assert page.evaluate("window.__not_reloaded === true")
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(SCREENSHOTS / "overview_live.png"), full_page=True)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGINT)
+            try:
+                job.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(job.pid, signal.SIGKILL)
+                job.wait(10)

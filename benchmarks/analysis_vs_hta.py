@@ -13,7 +13,8 @@ Measured per tool, same work: parse every file, temporal breakdown, comm/comp ov
 ``include_last_profiler_step=True`` (the semantics dtprobe matches) and its default fork pool (2 processes here),
 without the extra tracemalloc parse of the first file it runs by default for > 8 ranks (that would only slow
 HTA down). dtprobe uses 2 worker processes.
-Peak memory = the largest sum of RSS over the tool's process and its children, sampled every 50 ms (forked
+CPU time (user + system of the tool's process and its worker pool) is printed beside wall time: on a shared,
+oversubscribed machine it is the steadier measure of work. Peak memory = the largest sum of RSS over the tool's process and its children, sampled every 50 ms (forked
 workers share pages with their parent, so this over-counts both tools alike).
 """
 
@@ -111,6 +112,13 @@ def build_set(source: Path, out: Path, *, num_ranks: int, mb_per_rank: float, nu
 
 # ---------------------------------------------------------------- the measured work (child processes)
 
+def cpu_seconds() -> float:
+    """User + system CPU time of this process and its reaped children (the tool's worker pool)."""
+    import resource
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def run_dtprobe(trace_dir: str) -> dict:
     t0 = time.perf_counter()
     from dtprobe.analysis.trace_metrics import analyze_traces
@@ -120,7 +128,7 @@ def run_dtprobe(trace_dir: str) -> dict:
     metrics = analyze_traces(run)
     t2 = time.perf_counter()
     temporal = metrics.temporal.set_index("rank")
-    return {"parse_s": t1 - t0, "analyze_s": t2 - t1, "total_s": t2 - t0,
+    return {"parse_s": t1 - t0, "analyze_s": t2 - t1, "total_s": t2 - t0, "cpu_s": cpu_seconds(),
             "idle_pct": (temporal["idle_frac"] * 100).round(4).to_dict(),
             "overlap_pct": (metrics.overlap.set_index("rank")["overlap_frac"] * 100).round(4).to_dict(),
             "num_kernels": int(len(run.kernels)), "num_steps": len(metrics.steps_analyzed)}
@@ -144,7 +152,7 @@ def run_hta(trace_dir: str) -> dict:
     overlap = analysis.get_comm_comp_overlap(visualize=False).set_index("rank")
     analysis.get_gpu_kernel_breakdown(visualize=False)
     t2 = time.perf_counter()
-    return {"parse_s": t1 - t0, "analyze_s": t2 - t1, "total_s": t2 - t0,
+    return {"parse_s": t1 - t0, "analyze_s": t2 - t1, "total_s": t2 - t0, "cpu_s": cpu_seconds(),
             "idle_pct": temporal["idle_time_pctg"].to_dict(),
             "overlap_pct": overlap["comp_comm_overlap_pctg"].to_dict()}
 
@@ -204,16 +212,19 @@ def main(argv: list[str] | None = None) -> int:
     for tool in ("dtprobe", "hta"):
         print(f"running {tool} ...", flush=True)
         results[tool] = r = measure(tool, trace_dir, args.timeout)
-        print(f"  {tool}: {r['total_s']:.2f} s, peak {r['peak_rss_bytes'] / 1e6:.0f} MB", flush=True)
+        print(f"  {tool}: {r['total_s']:.2f} s wall, {r['cpu_s']:.1f} s CPU, peak {r['peak_rss_bytes'] / 1e6:.0f} MB",
+              flush=True)
     ours, hta = results["dtprobe"], results["hta"]
 
-    print(f"\n{'':10s} {'parse s':>9s} {'analyses s':>11s} {'total s':>9s} {'peak MB':>9s} {'peak/raw':>9s}")
+    print(f"\n{'':10s} {'parse s':>9s} {'analyses s':>11s} {'total s':>9s} {'CPU s':>9s} {'peak MB':>9s} "
+          f"{'peak/raw':>9s}")
     for tool, r in results.items():
-        print(f"{tool:10s} {r['parse_s']:9.2f} {r['analyze_s']:11.2f} {r['total_s']:9.2f} "
+        print(f"{tool:10s} {r['parse_s']:9.2f} {r['analyze_s']:11.2f} {r['total_s']:9.2f} {r['cpu_s']:9.1f} "
               f"{r['peak_rss_bytes'] / 1e6:9.0f} {r['peak_rss_bytes'] / raw:9.2f}")
     idle_diff = max(abs(ours["idle_pct"][str(k)] - v) for k, v in
                     ((int(k), v) for k, v in hta["idle_pct"].items()))
-    print(f"\nspeed-up (HTA total / dtprobe total): {hta['total_s'] / ours['total_s']:.1f}x "
+    print(f"\nCPU-time ratio (HTA / dtprobe, robust on a shared machine): {hta['cpu_s'] / ours['cpu_s']:.1f}x")
+    print(f"speed-up (HTA total / dtprobe total): {hta['total_s'] / ours['total_s']:.1f}x "
           f"(parse {hta['parse_s'] / ours['parse_s']:.1f}x, analyses {hta['analyze_s'] / ours['analyze_s']:.1f}x)")
     print(f"peak memory: dtprobe {ours['peak_rss_bytes'] / raw:.2f}x the raw JSON, "
           f"HTA {hta['peak_rss_bytes'] / raw:.2f}x; dtprobe uses {ours['peak_rss_bytes'] / hta['peak_rss_bytes']:.2f}x HTA's")

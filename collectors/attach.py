@@ -54,6 +54,21 @@ from dtprobe.store.writer import RankWriter
 _CONFIG_FIELDS = frozenset(f.name for f in fields(CollectConfig))
 
 
+def _restart_store(timeout: datetime.timedelta) -> Any:
+    """After a torchrun restart, the agent's store with a per-attempt key prefix; None otherwise (RELIABILITY).
+
+    torchrun's agent shares one TCPStore server across restart rounds (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``
+    unset), so a restarted worker can read the previous attempt's gloo addresses under the same keys and fail
+    with "Gloo connectFullMesh failed ... Connection refused" when its peer has not re-published yet.
+    """
+    restart = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+    if restart == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    tcp = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), _env_int("WORLD_SIZE", 1),
+                        is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"dtprobe/attempt{restart}", tcp)
+
+
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
     return int(value) if value not in (None, "") else default
@@ -250,9 +265,9 @@ def attach(run_dir: str | os.PathLike, *, timeout_s: float = 600.0, backend: str
     cuda = torch.cuda.is_available()
     local_rank = _env_int("LOCAL_RANK", 0)
 
+    register_backends()                  # also when already initialized: probe.new_group needs them
     owns_process_group = not dist.is_initialized()
     if owns_process_group:
-        register_backends()
         if backend is None:
             if config.enabled and config.collectives:
                 backend = NCCL_BACKEND if cuda else GLOO_BACKEND
@@ -262,7 +277,12 @@ def attach(run_dir: str | os.PathLike, *, timeout_s: float = 600.0, backend: str
             torch.cuda.set_device(local_rank)
         timeout = datetime.timedelta(seconds=timeout_s)
         if "RANK" in os.environ or "MASTER_ADDR" in os.environ:
-            dist.init_process_group(backend, timeout=timeout)
+            store = _restart_store(timeout)
+            if store is not None:
+                dist.init_process_group(backend, store=store, rank=_env_int("RANK", 0),
+                                        world_size=_env_int("WORLD_SIZE", 1), timeout=timeout)
+            else:
+                dist.init_process_group(backend, timeout=timeout)
         else:   # a plain `python train.py`: a 1-rank job
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     elif config.enabled and config.collectives and not isinstance(dist.group.WORLD, RecordingProcessGroup):
@@ -301,9 +321,12 @@ def attach(run_dir: str | os.PathLike, *, timeout_s: float = 600.0, backend: str
         RECORDER.start(probe.writer, timing=config.collective_timing, nccl_timing=config.nccl_timing,
                        flush_interval_s=config.flush_interval_s)
     if config.devices:
-        probe._sampler = DeviceSampler(probe.writer, interval_s=config.device_interval_s,
-                                       gpu_index=torch.cuda.current_device() if device.startswith("cuda") else None,
-                                       step_fn=lambda: probe.current_step)
+        gpu_index = gpu_uuid = None
+        if device.startswith("cuda"):
+            gpu_index = torch.cuda.current_device()
+            gpu_uuid = str(getattr(torch.cuda.get_device_properties(gpu_index), "uuid", "")) or None
+        probe._sampler = DeviceSampler(probe.writer, interval_s=config.device_interval_s, gpu_index=gpu_index,
+                                       gpu_uuid=gpu_uuid, step_fn=lambda: probe.current_step)
         probe._sampler.start()
     if config.profile_steps is not None:
         first, last = config.profile_steps

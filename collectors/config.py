@@ -17,9 +17,10 @@ class CollectConfig:
     collectives: bool = True
     """Record every collective of groups created with the recording backend (``dtprobe_gloo``/``dtprobe_nccl``)."""
     collective_timing: str = "wait"
-    """How a collective's completion (``end_ns``) is seen on the host: ``"wait"`` (when ``Work.wait()`` returns,
-    or, for callers that only use the future such as DDP's reducer, when the future's done-callback runs) or
-    ``"enqueue"`` (no completion time: ``end_ns`` is null; the cheapest)."""
+    """How a collective's completion (``end_ns``) is seen on the host: ``"wait"`` (the done-callback of the
+    work's future, i.e. when the backend finished it; for works without a future, gloo send/recv and
+    reduce-scatter, when ``wait()`` returns) or ``"enqueue"`` (rows written at the call, ``end_ns`` null:
+    cheaper when a step issues many small collectives)."""
     nccl_timing: bool = True
     """On NCCL, fill ``start_ns``/``end_ns`` from the completion hook when ``TORCH_NCCL_ENABLE_TIMING=1``."""
     devices: bool = True

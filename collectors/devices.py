@@ -132,14 +132,21 @@ class HostReader:
         return {"cpu_frac": cpu / 100.0 / self.num_cpus, "rss_bytes": int(rss), "load1": os.getloadavg()[0]}
 
 
-def open_nvml(gpu_index: int, nvml: Any = None) -> NvmlReader | None:
-    """An ``NvmlReader`` for ``gpu_index``, or None when NVML is absent (no driver / library / that GPU)."""
+def open_nvml(gpu_index: int, nvml: Any = None, *, uuid: str | None = None) -> NvmlReader | None:
+    """An ``NvmlReader`` for the GPU with ``uuid`` (CUDA's device uuid; robust to CUDA_VISIBLE_DEVICES, which
+    NVML ignores) or else NVML index ``gpu_index``; None when NVML is absent (no driver / library / that GPU)."""
     try:
         nvml = nvml or _load_pynvml()
     except ImportError:
         return None
     try:
         nvml.nvmlInit()
+        if uuid is not None:
+            try:
+                handle = nvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+                gpu_index = int(nvml.nvmlDeviceGetIndex(handle))
+            except (nvml.NVMLError, AttributeError):
+                pass
         if gpu_index >= nvml.nvmlDeviceGetCount():
             return None
         return NvmlReader(nvml, gpu_index)
@@ -155,13 +162,13 @@ class DeviceSampler:
     """
 
     def __init__(self, writer: Any, *, interval_s: float, gpu_index: int | None,
-                 step_fn: Callable[[], int] = lambda: -1, nvml: Any = None) -> None:
+                 step_fn: Callable[[], int] = lambda: -1, nvml: Any = None, gpu_uuid: str | None = None) -> None:
         self.writer = writer
         self.interval_s = interval_s
         self.step_fn = step_fn
         self.host = socket.gethostname()
         self.host_reader = HostReader()
-        self.nvml_reader = open_nvml(gpu_index, nvml) if gpu_index is not None else None
+        self.nvml_reader = open_nvml(gpu_index, nvml, uuid=gpu_uuid) if gpu_index is not None else None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()

@@ -1,4 +1,4 @@
-"""Profiler windows: torch.profiler over steps (first..last) -> ``<run>/traces/steps<first>-<last>/rankNNNNN.pt.trace.json.gz``.
+"""Profiler windows: torch.profiler over steps first..last -> ``traces/steps<a>-<b>/rankNNNNN.pt.trace.json.gz``.
 
 The trace is exported with the profiler's own ``export_chrome_trace`` and gzipped by streaming the file's bytes
 unchanged: HTA finds the rank with the regex ``"rank":\\s+(\\d+)``, which a compact re-dump would break. Read by

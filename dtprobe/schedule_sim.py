@@ -15,13 +15,15 @@ Schedules (``SCHEDULES``), with ``p`` ranks, ``m`` micro-batches and ``v`` stage
 - ``zbv``: V-shape, ``v = 2``: rank ``r`` holds stages ``r`` and ``2p-1-r``; I and W split.
 
 The zero-bubble orders are produced by a greedy list scheduler (backward first, forward while the in-flight
-budget allows, W when nothing else is ready) run on the given costs without p2p latency, so they adapt to
-the costs; like the runtime's schedules, the order is then fixed and replayed with the latency.
+budget allows, W when nothing else is ready). ``simulate`` plans them once at the reference costs
+(F = I = W = 1, no latency) and, like the runtime's static schedules, replays that order with the costs and
+latency given; ``schedule_order(..., costs=)`` plans an order for other costs (replay it with ``order=``).
 """
 
 from __future__ import annotations
 
 import heapq
+from functools import lru_cache
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -117,7 +119,8 @@ def _check(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages:
         raise ValueError(f"schedule {schedule!r} holds one stage per rank; got virtual_stages={virtual_stages}. "
                          f"Use interleaved-1f1b, zero-bubble or zbv for several stages per rank.")
     if schedule == "zbv" and virtual_stages != 2:
-        raise ValueError(f"schedule 'zbv' holds exactly 2 stages per rank (V shape); got virtual_stages={virtual_stages}")
+        raise ValueError(f"schedule 'zbv' holds exactly 2 stages per rank (V shape); "
+                         f"got virtual_stages={virtual_stages}")
     if schedule == "interleaved-1f1b" and num_microbatches % num_ranks:
         raise ValueError(f"interleaved-1f1b needs num_microbatches ({num_microbatches}) to be a multiple of "
                          f"num_ranks ({num_ranks}); change the micro-batch count or use 1f1b")
@@ -178,6 +181,13 @@ def _inflight_budget(schedule: str, r: int, p: int, v: int) -> int:
     if schedule == "zbv":
         return 2 * p
     return (v - 1) * p + 2 * (p - 1 - r) + 1 if v > 1 else p - r
+
+
+@lru_cache(maxsize=512)
+def _canonical_order(schedule: str, p: int, m: int, v: int) -> tuple[tuple[Action, ...], ...]:
+    """The zero-bubble order planned at F = I = W = 1 (the reference costs), reused for any costs."""
+    costs = _uniform_costs(schedule, p, v, cost_f=1.0, cost_b=2.0, cost_w=None)
+    return tuple(tuple(o) for o in _greedy(schedule, p, m, v, costs, 0.0)[0])
 
 
 def _greedy_order(schedule: str, p: int, m: int, v: int, costs: Mapping[tuple[int, str], float],
@@ -352,10 +362,7 @@ def simulate(schedule: str, *, num_ranks: int, num_microbatches: int, virtual_st
                     full[(s, "B")] = full[(s, "I")] + full[(s, "W")]
     if order is None:
         if schedule in SPLIT_BACKWARD:
-            # a static order, like the runtime's: planned without latency, then run with it
-            order, result = _greedy(schedule, p, m, v, full, 0.0)
-            if not p2p_latency:
-                return result
+            order = _canonical_order(schedule, p, m, v)   # static, like the runtime's schedules
         else:
             order = schedule_order(schedule, num_ranks=p, num_microbatches=m, virtual_stages=v)
     return _replay(schedule, p, m, v, order, full, p2p_latency)

@@ -11,7 +11,6 @@ rank without PP, the last stage's ranks with PP) of their micro-batch-mean losse
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
@@ -63,6 +62,10 @@ CASES = {
     "tp2_pp2": dict(tp=2, pp=2, pp_schedule="gpipe", microbatches=4),
     "dp2_tp2_pp2": dict(dp=2, tp=2, pp=2, zero=3, pp_schedule="1f1b", microbatches=2),
     "single_ac_selective": dict(activation_checkpointing="selective"),
+    "zero1_dp2_accum2": dict(dp=2, zero=1, grad_accum=2),
+    "zero3_dp2_accum2": dict(dp=2, zero=3, grad_accum=2),
+    "zero3_dp2_ac_full": dict(dp=2, zero=3, activation_checkpointing="full"),
+    "dp2_pp2_zero1": dict(dp=2, pp=2, zero=1, pp_schedule="gpipe", microbatches=2),
     "zero0_dp4": dict(dp=4),
     "zero1_dp4": dict(dp=4, zero=1),
     "zero3_dp4": dict(dp=4, zero=3),
@@ -71,14 +74,16 @@ CASES = {
 
 
 def run_case(name: str, *, rank: int, world_size: int) -> tuple[list[float], list[dict]]:
-    lay = layout(**CASES[name])
+    kw = dict(CASES[name])
+    accum = kw.pop("grad_accum", 1)
+    lay = layout(**kw)
     assert lay.world_size == world_size, (name, world_size)
     model = build_model("tiny", seed=SEED)
     par = parallelize_model(model, lay, world_size=world_size, rank=rank, device=torch.device("cpu"),
                       optimizer_kwargs={"lr": LR, "weight_decay": 0.1}, max_norm=MAX_NORM,
                       global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN)
-    sampler = Sampler(synthetic_tokens(SEED, length=1 << 16), batch_size=GLOBAL_BATCH // par.dp_size,
-                      seq_len=SEQ_LEN, grad_accum=1, dp_rank=par.dp_rank, dp_size=par.dp_size, seed=SEED)
+    sampler = Sampler(synthetic_tokens(SEED, length=1 << 16), batch_size=GLOBAL_BATCH // par.dp_size // accum,
+                      seq_len=SEQ_LEN, grad_accum=accum, dp_rank=par.dp_rank, dp_size=par.dp_size, seed=SEED)
     losses = []
     for step in range(STEPS):
         loss = par.train_step(sampler.micro_batches(step), step=step)

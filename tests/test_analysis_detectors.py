@@ -357,3 +357,14 @@ def test_exposed_comm_finding_when_the_tail_is_long():
     [f] = exposed_comm.detect_exposed_comm(by_rank)
     assert f.code == "EXPOSED_COMM" and f.ranks == (0, 1, 2, 3)
     assert f.predicted_gain.frac == pytest.approx(40 / 136, abs=0.02)
+
+
+def test_a_collective_missed_by_a_crashed_rank_is_reported_as_rank_crash_not_hang():
+    coll = _hang_coll(missing_rank=3, seq=5)
+    skew = stragglers.collective_skew(coll)
+    missing = hangs.missing_arrivals(skew, coll, now_ns=T0 + 900 * MS, min_wait_ns=0)
+    faults = frame_from_rows("faults", [{"rank": 3, "time_ns": T0, "step": 5, "kind": "crash", "injected": True}])
+    assert hangs.detect_hangs(missing, faults) == []
+    [f] = hangs.detect_crashes(faults, status="crashed", missing=missing)
+    assert (f.code, f.ranks, f.severity) == ("RANK_CRASH", (3,), "critical")
+    assert [(w["op"], w["seq"], w["arrived_ranks"]) for w in f.evidence["waited_at"]] == [("allreduce", 5, [0, 1, 2])]

@@ -36,9 +36,19 @@ def test_pipeline_bubble_on_pp4_gpipe_with_4_microbatches(tmp_path):
     assert (f.group, f.ranks) == ("pp", (0, 1, 2, 3))
     ev = f.evidence
     assert (ev["schedule"], ev["num_microbatches"], ev["num_pp_ranks"]) == ("gpipe", 4, 4)
-    assert ev["ideal_bubble_frac"] == pytest.approx(3 / 7, abs=0.03)            # sleep stages: F=10, B=20 ms
+    # Sleep stages (F=10, B=20 ms) make the ideal close to GPipe's (p-1)/(m+p-1) = 3/7; the measured costs also
+    # hold the last stage's loss and the host's scheduling delays, so the ideal (simulated with them) moves a bit.
+    shape = a.pipeline_shape()
+    from dtprobe.schedule_sim import simulate
+
+    f_costs = [shape.costs[(s, "F")] for s in range(4)]
+    b_costs = [shape.costs[(s, "B")] for s in range(4)]
+    sim = simulate("gpipe", num_ranks=4, num_microbatches=4, cost_f=f_costs, cost_b=b_costs)
+    assert ev["ideal_bubble_frac"] == pytest.approx(sim.bubble_frac)
+    assert ev["ideal_bubble_frac"] == pytest.approx(3 / 7, abs=0.07)
     assert ev["measured_bubble_frac"] >= ev["ideal_bubble_frac"] - 0.02
-    assert ev["ideal_bubble_frac_2x_microbatches"] == pytest.approx(3 / 11, abs=0.03)
+    assert ev["ideal_bubble_frac_2x_microbatches"] == pytest.approx(3 / 11, abs=0.07)
+    assert ev["ideal_bubble_frac_2x_microbatches"] < ev["ideal_bubble_frac"] - 0.1
     assert f.predicted_gain.metric == "step_time" and 0.1 < f.predicted_gain.frac < 0.25
     assert "STRAGGLER" not in _codes(a)
 
@@ -54,7 +64,8 @@ def test_checkpoint_stall_on_a_slow_checkpoint_run(tmp_path):
     run = _run(tmp_path / "slow_ckpt", "--nproc", "2", "--ckpt-every", "2", "--inject", "slow-ckpt:rank=1,delay_ms=1500",
                "--steps", "8")
     [f] = [f for f in RunAnalysis.open(run).findings() if f.code == "CHECKPOINT_STALL"]
-    assert f.ranks == (1,)
+    assert 1 in f.ranks                       # DCP saves are collective: every rank waits for the slow writer
+    assert f.evidence["per_rank_blocking_ms"]["1"] >= 1500
     assert f.evidence["num_saves"] >= 3 and f.evidence["mean_blocking_ms"] >= 1500
     assert f.evidence["blocking_share_of_wall"] > 0.25 and f.severity == "critical"
 
@@ -65,6 +76,7 @@ def test_hang_names_the_hung_rank(tmp_path):
     a = RunAnalysis.open(run)
     hangs = [f for f in a.findings() if f.code == "HANG"]
     assert hangs and all(f.ranks == (1,) and f.severity == "critical" for f in hangs)
+    assert hangs[0].group == "dp"
     assert hangs[0].evidence.get("step", 3) == 3
 
 
@@ -73,3 +85,23 @@ def test_straggler_in_dp2_pp2_names_the_rank_and_its_dp_group(tmp_path):
                "--steps", "21")
     stragglers = [f for f in RunAnalysis.open(run).findings() if f.code == "STRAGGLER"]
     assert [(f.ranks, f.group) for f in stragglers] == [((2,), "dp")]
+
+
+def test_compression_report_against_a_baseline_run(tmp_path):
+    base = _run(tmp_path / "base", "--nproc", "2", "--steps", "8")
+    run = _run(tmp_path / "fp16c", "--nproc", "2", "--steps", "8", "--compress", "fp16")
+    [f] = [f for f in RunAnalysis.open(run, baseline=base).findings() if f.code == "COMPRESSION"]
+    ev = f.evidence
+    assert ev["method"] == "fp16" and ev["ratio"] == pytest.approx(2.0)
+    assert abs(ev["loss_gap_frac"]) < 0.01            # fp16 gradients: same loss curve within 1%
+    assert ev["measured_transfer_saved_ms_per_step"] is not None
+
+
+def test_crash_with_restart_is_a_recovered_rank_crash_not_a_hang(tmp_path):
+    run = _run(tmp_path / "crash", "--nproc", "2", "--steps", "10", "--max-restarts", "1", "--ckpt-every", "2",
+               "--inject", "crash:rank=1,step=5")
+    findings = RunAnalysis.open(run).findings()
+    assert "HANG" not in [f.code for f in findings]
+    [f] = [f for f in findings if f.code == "RANK_CRASH"]
+    assert (f.ranks, f.severity, f.evidence["recovered"]) == ((1,), "warning", True)
+    assert "STRAGGLER" not in [f.code for f in findings]   # restarted collectives are not compared across attempts

@@ -141,3 +141,79 @@ def test_stragglers_does_not_judge_pipeline_groups_where_the_schedule_sets_the_a
     scores = st.straggler_scores(lateness)
     assert scores.set_index("rank").loc[0, "median_lateness_frac"] > 0.1      # the metric sees it ...
     assert _findings(t) == []                                                 # ... the detector does not judge it
+
+
+def _two_stage_pipeline(sleep_rank: int | None, sleep_ms: float = 50.0, steps: int = 3):
+    """One pipeline (ranks 0, 1 = stages 0, 1), GPipe with 2 micro-batches, F = 10 ms, B = 20 ms; the
+    ``sleep_rank`` idles ``sleep_ms`` before its first action of every step."""
+    pipe, step_rows, coll = [], [], []
+    for step in range(steps):
+        t0 = T0 + step * 1000 * MS
+        s0 = t0 + (int(sleep_ms * MS) if sleep_rank == 0 else 0)
+        f0 = [(s0 + i * 10 * MS, s0 + (i + 1) * 10 * MS) for i in range(2)]
+        s1 = t0 + (int(sleep_ms * MS) if sleep_rank == 1 else 0)
+        f1, prev = [], s1
+        for i in range(2):
+            a = max(prev, f0[i][1])
+            f1.append((a, a + 10 * MS))
+            prev = a + 10 * MS
+        b1 = [(prev + i * 20 * MS, prev + (i + 1) * 20 * MS) for i in range(2)]
+        prev = f0[-1][1]
+        b0 = []
+        for i in range(2):
+            a = max(prev, b1[i][1])
+            b0.append((a, a + 20 * MS))
+            prev = a + 20 * MS
+        for rank, acts in ((0, [("F", f0), ("B", b0)]), (1, [("F", f1), ("B", b1)])):
+            for action, spans in acts:
+                for mb, (a, b) in enumerate(spans):
+                    pipe.append({"rank": rank, "stage": rank, "step": step, "microbatch": mb, "action": action,
+                                 "start_ns": int(a), "end_ns": int(b)})
+            step_rows.append({"rank": rank, "step": step, "start_ns": t0, "end_ns": t0 + 500 * MS})
+            coll.append({"rank": rank, "pg": "pp", "pg_ranks": "0,1", "pg_size": 2, "seq": step + 1, "op": "allreduce",
+                         "num_bytes": 4, "enqueue_ns": t0 + 400 * MS, "end_ns": t0 + 401 * MS, "step": step})
+    return (frame_from_rows("pipeline", pipe), frame_from_rows("steps", step_rows),
+            frame_from_rows("collectives", coll))
+
+
+@pytest.mark.parametrize("sleeper", [0, 1])
+def test_pipeline_own_delay_blames_the_rank_idle_outside_its_actions_not_the_one_waiting_for_input(sleeper):
+    pipe, steps, coll = _two_stage_pipeline(sleeper)
+    groups = st.pipeline_groups(coll)
+    assert groups == {0: (0, 1), 1: (0, 1)}
+    own = st.pipeline_own_delay(pipe, steps, groups).groupby("rank")["own_delay_ns"].median()
+    # stage 1 could not start before stage 0's first forward ended (10 ms): only 40 ms of its sleep delayed it
+    assert own[sleeper] == pytest.approx((50 if sleeper == 0 else 40) * MS)
+    assert own[1 - sleeper] == pytest.approx(0)
+
+
+def test_stragglers_linked_by_a_pipeline_keep_the_one_with_the_larger_own_delay():
+    scores = pd.DataFrame([
+        {"pg": "dp", "pg_ranks": pr, "rank": r, "num_steps": 20, "window_steps": 20, "window_first_step": 1,
+         "window_last_step": 20, "median_lateness_frac": 0.15, "positive_frac": 0.9, "median_pre_excess_frac": 0.0,
+         "pre_positive_frac": 0.5, "last_frac": 0.9, "mean_lateness_ns": 1e8, "mean_victims_wait_ns": 1e8,
+         "mean_step_ns": 1e9, "detected_at_step": 20, "detected_by": "arrival"}
+        for pr, r in (("0,1", 0), ("2,3", 2))])[st.SCORE_COLUMNS]
+    causes = pd.DataFrame({c: [] for c in st.CAUSE_COLUMNS})
+    links = {frozenset((0, 2))}
+    f = st.detect_stragglers(scores, causes, links=links, own_delay_ns={0: 4e7, 2: 1.6e8, 1: 3e7, 3: 5e7})
+    assert [(x.ranks, x.evidence["propagated_to"]) for x in f] == [((2,), [0])]
+
+
+def test_unique_seq_separates_collectives_of_different_torchrun_attempts():
+    from dtprobe.analysis.arrivals import ATTEMPT_SEQ_STRIDE, unique_seq
+
+    rows = []
+    for attempt, t in ((0, T0), (1, T0 + 10_000 * MS)):
+        for seq in (1, 2, 3):
+            for r in (0, 1):
+                rows.append({"rank": r, "pg": "dp", "pg_ranks": "0,1", "pg_size": 2, "seq": seq, "op": "allreduce",
+                             "enqueue_ns": t + seq * 100 * MS + r * MS, "end_ns": t + seq * 100 * MS + 5 * MS,
+                             "step": seq})
+    coll = unique_seq(frame_from_rows("collectives", rows))
+    assert sorted(coll["seq"].unique()) == [1, 2, 3, ATTEMPT_SEQ_STRIDE + 1, ATTEMPT_SEQ_STRIDE + 2,
+                                            ATTEMPT_SEQ_STRIDE + 3]
+    skew = st.collective_skew(coll)
+    assert len(skew) == 6 and (skew["skew_ns"] == MS).all()
+    clean = frame_from_rows("collectives", rows[:6])
+    assert unique_seq(clean) is clean

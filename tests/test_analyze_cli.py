@@ -135,3 +135,13 @@ def test_facade_exposes_metrics_and_evidence_rows(straggler_run):
     assert set(rows["rank"]) == {0, 1, 2, 3} and "lateness_frac" in rows
     assert a.group_axis("world") == "dp"
     assert a.now_ns() >= T0
+
+
+def test_facade_key_figures_and_findings_table(straggler_run):
+    a = RunAnalysis.open(straggler_run)
+    k = a.key_figures()
+    assert k.num_steps == 21 and k.step_time_ms > 100 and k.tokens_per_s > 0          # steps recorded so far
+    assert k.mfu is None and "CPU" in k.mfu_reason
+    assert k.bubble_frac is None and k.num_overflows is None and k.checkpoint_share_frac is None
+    table = a.findings_table()
+    assert table[["code", "ranks", "group"]].values.tolist() == [["STRAGGLER", "2", "dp"]]

@@ -97,6 +97,18 @@ def _worker(rank: int, port: int, run_dir: str) -> None:
             fopt.step()
             fopt.zero_grad()
 
+    # DTensor tensor parallel over a "tp" axis (the same 2 ranks: the default group, now recorded as "tp").
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    import torch.distributed._functional_collectives as funcol
+
+    tp_mesh = probe.init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
+    tmodel = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+    parallelize_module(tmodel, tp_mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    with probe.step(15):
+        tmodel(torch.randn(4, 16)).sum().backward()
+        gathered = funcol.all_gather_tensor(torch.ones(3), 0, tp_mesh)
+        assert gathered.sum().item() == 3 * WORLD
+
     # A named subgroup.
     ckpt = probe.new_group(list(range(WORLD)), name="ckpt")
     with probe.step(20):
@@ -206,6 +218,17 @@ def test_fsdp2_records_allgather_and_reduce_scatter_on_the_mesh_axis_group(run_d
             assert {r["num_bytes"] for r in scatters} == FSDP_UNIT_BYTES            # full gradient input
 
 
+def test_dtensor_tp_collectives_are_recorded_on_the_tp_axis(run_dir):
+    for rank in range(WORLD):
+        rows = _coll(run_dir, rank, step=15)
+        assert {r["pg"] for r in rows} == {"tp"}
+        # RowwiseParallel all-reduces the (4, 16) fp32 output; the functional all-gather outputs 2 x 3 floats
+        assert {"op": "allreduce", "num_bytes": 4 * 16 * 4} in [{"op": r["op"], "num_bytes": r["num_bytes"]}
+                                                               for r in rows]
+        assert {"op": "allgather", "num_bytes": 3 * WORLD * 4} in [{"op": r["op"], "num_bytes": r["num_bytes"]}
+                                                                  for r in rows]
+
+
 def test_named_subgroup_records_its_name_and_own_seq(run_dir):
     for rank in range(WORLD):
         (row,) = _coll(run_dir, rank, step=20)
@@ -216,7 +239,7 @@ def test_named_subgroup_records_its_name_and_own_seq(run_dir):
 def test_steps_rows_have_accumulated_phases_and_recorded_values(run_dir):
     for rank in range(WORLD):
         steps = {r["step"]: r for r in _rows(run_dir, "steps", rank)}
-        assert sorted(steps) == [0, 1, 2, 3, 10, 11, 20]
+        assert sorted(steps) == [0, 1, 2, 3, 10, 11, 15, 20]
         for step in range(4):
             row = steps[step]
             assert row["start_ns"] < row["end_ns"]
@@ -282,3 +305,47 @@ def test_attach_context_marks_the_run_crashed_on_exception(tmp_path):
     manifest = json.loads((run / "run.json").read_text())
     assert manifest["status"] == "crashed" and manifest["ended_ns"] is not None
     assert [r["step"] for r in _rows(run, "steps", 0)] == [0]
+
+
+def _run_script(script: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "MASTER_ADDR", "DTPROBE_JOB")}
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(script).format(repo=str(REPO), run=str(tmp_path))],
+                          env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_attach_disabled_returns_a_null_probe_that_writes_nothing(tmp_path):
+    proc = _run_script("""
+        import sys
+        sys.path.insert(0, {repo!r})
+        import torch, torch.distributed as dist, dtprobe
+        probe = dtprobe.attach({run!r} + "/off", enabled=False)
+        with probe.step(0) as s:
+            with s.phase("fwd"):
+                dist.all_reduce(torch.ones(2))
+        probe.close()
+        print(type(probe).__name__, dist.get_backend())
+    """, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["NullProbe", "gloo"]
+    assert not (tmp_path / "off").exists()
+
+
+def test_attach_after_plain_init_warns_and_records_only_probe_groups(tmp_path):
+    proc = _run_script("""
+        import sys, warnings
+        sys.path.insert(0, {repo!r})
+        import torch, torch.distributed as dist, dtprobe
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            probe = dtprobe.attach({run!r} + "/late", devices=False)
+        print("WARNED" if any("NOT recorded" in str(w.message) for w in caught) else "SILENT")
+        dist.all_reduce(torch.ones(2))
+        dist.all_reduce(torch.ones(3), group=probe.new_group([0], name="mine"))
+        probe.close()
+    """, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["WARNED"]
+    rows = _rows(tmp_path / "late", "collectives", 0)
+    assert [(r["pg"], r["op"], r["num_bytes"]) for r in rows] == [("mine", "allreduce", 12)]

@@ -71,6 +71,13 @@ class FakeNvml:
         return [types.SimpleNamespace(nvmlReturn=0, value=types.SimpleNamespace(ullVal=self.nvlink_kib * k))
                 for k in (1, 2)]
 
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        if uuid != "GPU-abc":
+            raise self.NVMLError("not found")
+        return ("gpu", 0)
+
+    def nvmlDeviceGetIndex(self, h): return h[1]
+
     def nvmlEventSetCreate(self): return "event-set"
     def nvmlDeviceRegisterEvents(self, h, types_, event_set): pass
 
@@ -103,6 +110,12 @@ def test_nvml_sampler_writes_known_readings_when_nvml_is_present(monkeypatch):
     # counters advanced 1024 KiB (tx) and 2048 KiB (rx) in 2 s
     assert (second["nvlink_tx_bytes_per_s"], second["nvlink_rx_bytes_per_s"]) == (512 * 1024.0, 1024 * 1024.0)
     assert first["rss_bytes"] > 0 and "cpu_frac" in first           # the process's host metrics ride along
+
+
+def test_nvml_reader_is_found_by_cuda_uuid_not_by_the_visible_index():
+    reader = devices.open_nvml(5, FakeNvml(), uuid="abc")      # CUDA index 5 under CUDA_VISIBLE_DEVICES
+    assert reader is not None and reader.index == 0
+    assert devices.open_nvml(5, FakeNvml(), uuid="zzz") is None    # unknown uuid, no NVML index 5
 
 
 def test_nvml_sampler_samples_at_start_and_close_and_shuts_nvml_down():
@@ -207,6 +220,40 @@ def test_nccl_without_timing_writes_rows_at_enqueue_with_no_end_time():
     recorder.stop()
     (row,) = writer.table("collectives")
     assert row["timing"] == "host" and "end_ns" not in row and row["enqueue_ns"] > 0
+
+
+class NoFutureWork(FakeWork):
+    def get_future(self):
+        raise RuntimeError("Work::getFuture not implemented.")
+
+
+def test_gloo_group_keeps_the_backend_work_and_stamps_end_when_its_future_completes():
+    recorder, writer, inner = CollectiveRecorder(), ListWriter(), FakeInner()
+    recorder.start(writer)
+    pg = RecordingProcessGroup(inner, 0, 2, backend_name="dtprobe_gloo", recorder=recorder)
+    work = pg.allreduce([torch.ones(3, dtype=torch.float64)])
+    assert type(work) is FakeWork                       # no wrapper handed back to C++ callers (DDP)
+    assert [r["op"] for r in recorder.pending()] == ["allreduce"]
+    time.sleep(0.01)
+    work.fut.set_result(None)                           # the gloo thread finishes the work
+    recorder.stop()
+    (row,) = writer.table("collectives")
+    assert (row["op"], row["seq"], row["num_bytes"], row["dtype"]) == ("allreduce", 1, 24, "float64")
+    assert row["end_ns"] - row["enqueue_ns"] >= 10_000_000 and recorder.pending() == []
+
+
+def test_gloo_group_wraps_works_without_future_and_times_them_at_wait():
+    recorder, writer, inner = CollectiveRecorder(), ListWriter(), FakeInner()
+    inner.send = lambda tensors, dst, tag: NoFutureWork()
+    recorder.start(writer)
+    pg = RecordingProcessGroup(inner, 0, 2, backend_name="dtprobe_gloo", recorder=recorder)
+    work = pg.send([torch.ones(5)], 1, 0)
+    assert isinstance(work, RecordedWork) and writer.table("collectives") == []
+    work.wait()
+    recorder.stop()
+    (row,) = writer.table("collectives")
+    assert (row["op"], row["peer"], row["seq"], row["num_bytes"]) == ("send", 1, 1, 20)
+    assert row["end_ns"] >= row["enqueue_ns"]
 
 
 def test_recorded_work_writes_one_row_when_future_completes_then_wait_returns():

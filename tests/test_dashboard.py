@@ -112,7 +112,7 @@ def test_straggler_finding_links_to_stragglers_page_with_its_rank(straggler_root
     assert f"ranks={STRAGGLER_RANK}" in link.query_string and "run=dp4_straggler" in link.query_string
 
     at = app(straggler_root, monkeypatch, run="dp4_straggler", finding="STRAGGLER", ranks=str(STRAGGLER_RANK))
-    at.switch_page("pages/stragglers.py").run()
+    at.switch_page("views/stragglers.py").run()
     assert not at.exception
     assert f":red[rank {STRAGGLER_RANK}] (from the finding link)" in page_text(at)
     heat = figures(at)["stragglers_heatmap"]
@@ -126,7 +126,7 @@ def test_straggler_finding_links_to_stragglers_page_with_its_rank(straggler_root
 
 def test_stragglers_page_marks_the_ranks_of_the_url_not_the_detected_ones(straggler_root, monkeypatch):
     at = app(straggler_root, monkeypatch, run="dp4_straggler", ranks="1")
-    at.switch_page("pages/stragglers.py").run()
+    at.switch_page("views/stragglers.py").run()
     assert ":red[rank 1] (from the finding link)" in page_text(at)
 
 

@@ -3,7 +3,7 @@ micro-batches, the measured bubble of every pipeline rank is within 3 points of 
 action list simulated with the measured per-action costs) for GPipe, 1F1B and interleaved 1F1B; the pipeline
 table has one row per (stage, micro-batch, action), with I and W for zero-bubble.
 
-The sleeps (F 80 ms, B 160 ms per stage and micro-batch) dominate the ~1 ms of host overhead per action that a
+The sleeps (F 150 ms, B 300 ms per stage and micro-batch) dominate the 1-5 ms of host overhead per action that a
 loaded 2-core machine adds, so the verdict does not depend on CPU contention.
 """
 
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from layouts_launch import launch  # noqa: E402
 
 PP, M = 4, 8
-SLEEP = "fwd_ms=80,bwd_ms=160"
+SLEEP = "fwd_ms=150,bwd_ms=300"
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b"]
 
 
@@ -59,6 +59,8 @@ def test_measured_bubble_is_within_3_points_of_the_schedule_ideal(schedule):
     run = bubble_runs()[schedule]
     cmp = compare_bubble(run["rows"], schedule=schedule, num_ranks=PP, num_microbatches=M,
                          virtual_stages=run["virtual_stages"], order=_order(run))
+    print(f"{schedule}: measured {[round(x, 3) for x in cmp.measured_frac]} ideal "
+          f"{[round(x, 3) for x in cmp.ideal_frac]}")
     for rank, (measured, ideal) in enumerate(zip(cmp.measured_frac, cmp.ideal_frac)):
         assert abs(measured - ideal) <= 0.03, (
             f"{schedule} rank {rank}: measured bubble {measured:.3f} vs ideal {ideal:.3f} "

@@ -113,3 +113,45 @@ def test_calibrate_asks_for_the_gpu_preset_when_ranks_ran_on_cuda(tmp_path):
     run = write_dp2_tp2_run(tmp_path / "run", device="cuda:0")
     with pytest.raises(ConfigError, match="--gpu"):
         calibrate(_open(run))
+
+
+def write_pp2_run(run_dir, *, f_s=0.010, b_s=0.020, hop_s=0.005, opt_s=0.005, steps=6):
+    """A 2-rank pp2 1F1B run (4 micro-batches) whose pipeline rows are a simulated timeline with a known hop."""
+    from dtprobe.schedule_sim import simulate
+
+    cfg = {"model": {"name": "tiny"},
+           "layout": {"dp": 1, "tp": 1, "pp": 2, "zero": 0, "pp_schedule": "1f1b", "microbatches": 4,
+                      "virtual_stages": 0, "sequence_parallel": False, "activation_checkpointing": "none"},
+           "train": {"batch_size": 4, "seq_len": 64, "grad_accum": 1}}
+    create_manifest(run_dir, run_id="pp2", command=["dtprobe", "run"], config=cfg, world_size=2)
+    sim = simulate("1f1b", num_ranks=2, num_microbatches=4, cost_f=f_s, cost_b=b_s, p2p_latency=hop_s)
+    step_ns = int((sim.makespan + opt_s) * 1e9)
+    t0 = 1_700_000_000 * 10**9
+    for rank in range(2):
+        write_rank_info(run_dir, rank, host="h0", node_rank=0, local_rank=rank, device="cpu", pid=200 + rank,
+                        clock_offset_ns=0)
+        w = RankWriter(run_dir, rank)
+        mine = [r for r in sim.records if r[0] == rank]
+        fwd = int(sum(e - s for _, _, _, k, s, e in mine if k == "F") * 1e9)
+        bwd = int(sum(e - s for _, _, _, k, s, e in mine if k != "F") * 1e9)
+        for step in range(steps):
+            start = t0 + step * (step_ns + MS)
+            w.write("steps", {"step": step, "start_ns": start, "end_ns": start + step_ns, "data_ns": 0,
+                              "fwd_ns": fwd, "bwd_ns": bwd, "opt_ns": int(opt_s * 1e9), "loss": 1.0,
+                              "tokens": 256, "lr": 1e-3, "restart": 0})
+            for _, stage, mb, kind, s0, s1 in mine:
+                w.write("pipeline", {"stage": stage, "step": step, "microbatch": mb, "action": kind,
+                                     "start_ns": start + int(round(s0 * 1e9)), "end_ns": start + int(round(s1 * 1e9))})
+        w.close()
+    set_status(run_dir, "finished")
+    return run_dir, sim
+
+
+def test_calibrate_recovers_the_pipeline_hop_of_a_simulated_pp2_run(tmp_path):
+    run, sim = write_pp2_run(tmp_path / "run")
+    cal = calibrate(_open(run), warmup_steps=2)
+    assert cal.efficiency.p2p_latency_s == pytest.approx(0.005, rel=0.02)
+    cmp = cal.comparison.set_index("term")
+    assert cmp.loc["compute_s", "measured_s"] == pytest.approx(4 * 0.030, rel=1e-6)   # 4 micro-batches x (F + B)
+    assert cmp.loc["step_time_s", "predicted_s"] == pytest.approx(sim.makespan + 0.005, rel=0.02)
+    assert "no collectives recorded: bandwidth and latency left at the preset" in cal.notes

@@ -136,3 +136,31 @@ def test_rank_killed_during_async_save_resumes_from_newest_complete_checkpoint(t
     saves = saves[(saves["kind"] == "save") & (saves["rank"] == 1)]
     assert (saves["async_ns"] >= 8e9 * 0.95).all() and (saves["blocking_ns"] < saves["async_ns"]).all()
     assert store.manifest.status == "finished"
+
+
+def test_pipeline_stages_resume_from_their_own_checkpoint_shards(tmp_path):
+    # each pp stage holds different parameters: the optimizer state is saved flattened per parameter, so the
+    # stages' param groups do not overwrite each other (they did with the nested optimizer state dict)
+    run_dir = tmp_path / "pp"
+    proc = run_dtprobe(run_dir, "--nproc", "2", "--pp", "2", "--batch-size", "4", "--steps", "6", "--ckpt-every", "3",
+                       "--max-restarts", "1", "--inject", "crash:rank=1,step=4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    store = RunStore.open(run_dir)
+    (restart,) = faults_of(store, "restart")
+    # the last stage (rank 1) holds the losses: step 3 completed before the crash at the start of step 4
+    assert (restart["checkpoint_step"], restart["last_step"], restart["steps_lost"]) == (2, 3, 1)
+    assert store.manifest.status == "finished"
+
+
+def test_last_completed_step_ignores_rows_without_loss_torn_lines_and_the_current_attempt(tmp_path):
+    from dtprobe.runtime.recovery import last_completed_step
+
+    steps = tmp_path / "events" / "steps"
+    steps.mkdir(parents=True)
+    (steps / "rank00000.jsonl").write_bytes(b'{"step": 3, "restart": 0}\n{"step": 2, "restart": 0}\n')
+    (steps / "rank00001.jsonl").write_bytes(
+        b'{"step": 2, "restart": 0, "loss": 5.0}\n{"step": 3, "restart": 0}\n{"step": 9, "restart": 1, "loss": 4.0}\n'
+        b'{"step": 4, "rest')
+    assert last_completed_step(tmp_path, before_restart=1) == 2
+    assert last_completed_step(tmp_path, before_restart=2) == 9
+    assert last_completed_step(tmp_path / "nothing", before_restart=1) == -1

@@ -173,3 +173,27 @@ def test_run_with_telemetry_off_writes_no_events_but_reports_its_loop_time(tmp_p
     assert timing["steps"] == 3 and timing["loop_s"] >= timing["first_step_s"] > 0
     assert "steps 3 (telemetry off)" in proc.stderr
     assert RunStore.open(run_dir).manifest.status == "finished"
+
+
+def test_ctrl_c_stops_every_worker_and_marks_the_run_crashed(tmp_path):
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    launcher = dtprobe_popen("--nproc", "2", "--steps", "100000", "--seq-len", "16", "--batch-size", "2",
+                             "--no-devices", "--run-dir", str(run_dir), log=tmp_path / "log")
+    try:
+        steps_file = run_dir / "events" / "steps" / "rank00000.jsonl"
+        deadline = time.monotonic() + 600
+        while not (steps_file.exists() and steps_file.stat().st_size) and time.monotonic() < deadline:
+            assert launcher.poll() is None, (tmp_path / "log").read_text()
+            time.sleep(0.5)
+        launcher.send_signal(signal.SIGINT)
+        assert launcher.wait(timeout=120) == 130
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    store = RunStore.open(run_dir)
+    assert store.manifest.status == "crashed" and store.manifest.extra["exit_code"] == 130
+    for info in store.manifest.ranks:
+        assert not Path(f"/proc/{info.pid}").exists() or "zombie" in Path(f"/proc/{info.pid}/status").read_text()

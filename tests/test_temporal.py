@@ -193,3 +193,15 @@ def test_top_kernels_groups_the_tail_as_others():
 def test_analyses_name_missing_columns():
     with pytest.raises(TraceError, match=r"missing \['dur_ns'\]"):
         temporal_breakdown(pd.DataFrame({"rank": [0], "kind": ["compute"], "start_ns": [0]}))
+
+
+def test_kernels_in_steps_keeps_launches_up_to_the_last_step_end_and_ranks_without_steps():
+    k = pd.DataFrame({"rank": [0, 0, 0, 1], "kind": ["compute"] * 4, "start_ns": [0, 0, 0, 0],
+                      "dur_ns": [1000] * 4, "launch_ns": pd.array([500_000, 2_000_000, None, 9_000_000],
+                                                                  dtype="Int64")})
+    steps = pd.DataFrame({"rank": [0, 0], "step": [1, 2], "start_ns": [0, 1_000_000],
+                          "end_ns": [1_000_000, 2_000_000]})
+    kept = kernels_in_steps(k, steps)
+    # rank 0: launched at 0.5 ms and exactly at the last step's end kept; unknown launch dropped; rank 1 kept
+    assert kept["launch_ns"].tolist() == [500_000, 2_000_000, 9_000_000]
+    assert kernels_in_steps(k, steps[steps["step"] == 1]).equals(k)   # one step: everything kept (as HTA)

@@ -12,6 +12,7 @@ from typing import Any
 _LAZY = {
     "RunAnalysis": "dtprobe.analysis.facade",
     "AnalysisOptions": "dtprobe.analysis.facade",
+    "KeyFigures": "dtprobe.analysis.facade",
     "open_source": "dtprobe.analysis.facade",
     "SCHEMA": "dtprobe.analysis.facade",
     "Finding": "dtprobe.analysis.findings",

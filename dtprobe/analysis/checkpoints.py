@@ -46,9 +46,10 @@ def young_daly_interval_s(cost_s: float, mtbf_s: float) -> float:
 
 
 def checkpoint_summary(events: pd.DataFrame, *, wall_ns: float | None, step_ns: float | None,
-                       mtbf_hours: float = DEFAULT_MTBF_HOURS) -> dict:
+                       mtbf_hours: float = DEFAULT_MTBF_HOURS, checkpoints: pd.DataFrame | None = None) -> dict:
     """Saves only: count, mean/max blocking (slowest rank), async share, blocking share of the wall time, current
-    interval (steps and seconds) and the Young/Daly interval for ``mtbf_hours``. Plain JSON values."""
+    interval (steps and seconds), the Young/Daly interval for ``mtbf_hours``, and (with the raw ``checkpoints``
+    table) each rank's mean blocking time. Plain JSON values."""
     saves = events[events["kind"] == "save"]
     if saves.empty:
         return {}
@@ -68,11 +69,21 @@ def checkpoint_summary(events: pd.DataFrame, *, wall_ns: float | None, step_ns: 
         "mtbf_hours": mtbf_hours, "young_daly_interval_s": yd_s,
         "young_daly_interval_steps": yd_s * 1e9 / step_ns if step_ns else None,
         "all_ok": bool(saves["ok"].all()),
+        "per_rank_blocking_ms": _per_rank_blocking_ms(checkpoints),
     }
 
 
+def _per_rank_blocking_ms(checkpoints: pd.DataFrame | None) -> dict[str, float]:
+    """rank -> mean blocking time of its saves (ms); {} without the raw table."""
+    if checkpoints is None or checkpoints.empty:
+        return {}
+    saves = checkpoints[checkpoints["kind"].fillna("save") == "save"]
+    blocking = saves["blocking_ns"].astype("float64").fillna(saves["total_ns"].astype("float64"))
+    return {str(int(r)): float(v) / 1e6 for r, v in blocking.groupby(saves["rank"]).mean().items()}
+
+
 def detect_checkpoint_stall(events: pd.DataFrame, summary: dict, *, warn_share: float = 0.05,
-                            critical_share: float = 0.25) -> list[Finding]:
+                            critical_share: float = 0.25, injected: dict[int, dict] | None = None) -> list[Finding]:
     """CHECKPOINT_STALL when blocking checkpoint time is at least ``warn_share`` of the wall time (critical from
     ``critical_share``). Gain: moving to the Young/Daly interval (when saving more often than it) and/or async."""
     share = summary.get("blocking_share_of_wall")
@@ -83,6 +94,9 @@ def detect_checkpoint_stall(events: pd.DataFrame, summary: dict, *, warn_share: 
     interval = summary["interval_s"]
     advice = []
     gain = None
+    per_rank = summary.get("per_rank_blocking_ms") or {}
+    top = max(per_rank.values()) if per_rank else 0.0
+    ranks = tuple(int(r) for r, v in per_rank.items() if v >= 0.9 * top) or (summary["slowest_rank"],)
     if interval is not None and interval < yd:
         new_share = cost_s / yd
         gain = max(0.0, share - new_share)
@@ -91,13 +105,17 @@ def detect_checkpoint_stall(events: pd.DataFrame, summary: dict, *, warn_share: 
     if not summary["is_async"]:
         advice.append("Use asynchronous saves (torch.distributed.checkpoint.async_save on its own process "
                       "group): only the staging copy blocks training.")
-    advice.append(f"Rank {summary['slowest_rank']} is the slowest saver; check its storage path and bandwidth.")
+    if len(ranks) == 1:
+        advice.append(f"Rank {ranks[0]} blocks longest; check its storage path and bandwidth.")
+    else:
+        advice.append("Every rank blocks about as long (a collective save waits for its slowest writer): check the "
+                      "storage bandwidth shared by the job.")
     return [Finding(
         code="CHECKPOINT_STALL", severity="critical" if share >= critical_share else "warning",
-        ranks=(summary["slowest_rank"],), group=None,
+        ranks=ranks, group=None,
         title=(f"checkpoints block training {share:.0%} of the wall time ({summary['num_saves']} saves, "
                f"{summary['mean_blocking_ms']:.0f} ms blocking each on the slowest rank)"),
-        evidence=dict(summary),
+        evidence={**summary, "injected_slow_ckpt": {str(r): d for r, d in (injected or {}).items()} or None},
         recommendation=" ".join(advice),
         predicted_gain=PredictedGain(metric="wall_time", frac=gain) if gain else None,
         rows=events,

@@ -33,11 +33,15 @@ def busbw_factor(op: str, n: int) -> float:
 
 
 def collective_bandwidth(collectives: pd.DataFrame) -> pd.DataFrame:
-    """Per complete non-p2p collective with bytes: transfer time, algbw, busbw. Columns: ``BANDWIDTH_COLUMNS``."""
+    """Per complete non-p2p collective with bytes, inside training steps (all of them when no row has a step):
+    transfer time, algbw, busbw. Columns: ``BANDWIDTH_COLUMNS``."""
     require_columns(collectives, ["rank", "pg", "pg_ranks", "pg_size", "seq", "op", "num_bytes", "enqueue_ns",
                                   "start_ns", "end_ns", "step", "timing"], table="collectives")
     c = collectives[~collectives["op"].isin(P2P_OPS) & collectives["seq"].notna() & collectives["end_ns"].notna()
                     & (collectives["num_bytes"].fillna(0) > 0)]
+    in_steps = c["step"].fillna(-1) >= 0
+    if in_steps.any():      # training collectives only: setup broadcasts and checkpoint metadata run outside steps
+        c = c[in_steps]
     if c.empty:
         return pd.DataFrame({col: [] for col in BANDWIDTH_COLUMNS})
     c = c.assign(pg=c["pg"].fillna("").astype(str), pg_ranks=c["pg_ranks"].fillna("").astype(str))
@@ -58,15 +62,16 @@ def collective_bandwidth(collectives: pd.DataFrame) -> pd.DataFrame:
     return out[BANDWIDTH_COLUMNS]
 
 
-def latency_bandwidth_fit(bw: pd.DataFrame) -> tuple[float, float] | None:
-    """Least-squares fit of transfer time = alpha + bytes / beta over ``bw``'s collectives of the most common op,
-    using per-size medians; (alpha_ns, beta_bytes_per_s), or None with fewer than two distinct sizes or a
-    non-physical fit."""
+def latency_bandwidth_fit(bw: pd.DataFrame, *, min_samples: int = 3) -> tuple[float, float] | None:
+    """Least-squares fit of transfer time = alpha + bytes / beta over ``bw``'s collectives of the op taking the most
+    time, using per-size medians of sizes seen ``min_samples`` times; (alpha_ns, beta_bytes_per_s), or None with
+    fewer than two such sizes or a non-physical fit."""
     if bw.empty:
         return None
-    op = bw["op"].value_counts().idxmax()
+    op = bw.groupby("op")["duration_ns"].sum().idxmax()
     d = bw[bw["op"] == op]
-    med = d.groupby("num_bytes")["duration_ns"].median()
+    sizes = d.groupby("num_bytes")["duration_ns"]
+    med = sizes.median()[sizes.size() >= min_samples]
     if len(med) < 2:
         return None
     x, y = med.index.to_numpy(dtype="float64"), med.to_numpy(dtype="float64")
@@ -99,8 +104,9 @@ def detect_comm_inefficient(bw: pd.DataFrame, by_size: pd.DataFrame, *, fit: tup
                             step_ns: float | None, num_steps: int, peak_busbw_bytes_per_s: float | None = None,
                             min_latency_share: float = 0.2, min_small_count: int = 10,
                             min_peak_frac: float = 0.5) -> list[Finding]:
-    """COMM_INEFFICIENT when latency-bound small messages take at least ``min_latency_share`` of the collective
-    time (advice: buckets of at least 4x the half-bandwidth size, gain: the latencies saved by merging), or
+    """COMM_INEFFICIENT when latency-bound small messages (``min_small_count`` or more) take at least
+    ``min_latency_share`` of the collective time and could be merged (several in the same group and step, at
+    least one mergeable per step on average) (advice: buckets of at least 4x the half-bandwidth size, gain: the latencies saved by merging), or
     when the large messages' busbw is below ``min_peak_frac`` of a given link peak."""
     require_columns(by_size, BY_SIZE_COLUMNS, table="bandwidth_by_size")
     if by_size.empty:
@@ -109,13 +115,18 @@ def detect_comm_inefficient(bw: pd.DataFrame, by_size: pd.DataFrame, *, fit: tup
     total = float(by_size["total_ns"].sum())
     small = by_size[by_size["latency_bound"]]
     small_ns, small_count = float(small["total_ns"].sum()), int(small["count"].sum())
-    if total > 0 and small_ns / total >= min_latency_share and small_count >= min_small_count:
-        half = fit[0] * fit[1] / 1e9 if fit else 256 * 1024
+    half = fit[0] * fit[1] / 1e9 if fit else 256 * 1024
+    # Only collectives that could be merged matter: several latency-bound ones in the same group and step.
+    small_rows = bw[bw["num_bytes"] < half]
+    per_group_step = small_rows.groupby(["pg_ranks", "step"]).size()
+    mergeable = int((per_group_step - 1).clip(lower=0).sum())
+    if (total > 0 and small_ns / total >= min_latency_share and small_count >= min_small_count
+            and mergeable >= max(1, num_steps)):      # at least one mergeable collective per step
         target = int(2 ** np.ceil(np.log2(max(4 * half, 1))))
-        small_bytes = float((small["size_bytes"] * small["count"]).sum())
-        merged = max(1.0, small_bytes / target)
         alpha = fit[0] if fit else float(small["median_ns"].min())
-        saved_ns = max(0.0, (small_count - merged) * alpha)
+        sizes = small_rows.groupby(["pg_ranks", "step"])["num_bytes"].sum()
+        merged = np.maximum(1.0, np.ceil(sizes / target))
+        saved_ns = float(((per_group_step - merged.reindex(per_group_step.index)).clip(lower=0) * alpha).sum())
         gain = None
         if step_ns and num_steps:
             gain = PredictedGain(metric="step_time", frac=min(1.0, saved_ns / num_steps / step_ns))
@@ -125,6 +136,7 @@ def detect_comm_inefficient(bw: pd.DataFrame, by_size: pd.DataFrame, *, fit: tup
                    f"{small_ns / total:.0%} of the collective time"),
             evidence={
                 "latency_bound_share": small_ns / total, "num_latency_bound": small_count,
+                "num_mergeable": mergeable,
                 "num_collectives": int(by_size["count"].sum()),
                 "latency_us": alpha / 1e3 if alpha else None,
                 "bandwidth_gbps": fit[1] * 8 / 1e9 if fit else None,

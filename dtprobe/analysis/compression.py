@@ -59,11 +59,12 @@ def loss_gap(steps: pd.DataFrame, baseline_steps: pd.DataFrame, *, last_steps: i
 
 
 def detect_compression(summary: pd.DataFrame, gap: pd.DataFrame | None, *, algbw_bytes_per_s: float | None,
-                       step_ns: float | None, baseline: str | None = None,
-                       max_loss_gap_frac: float = 0.02) -> list[Finding]:
+                       step_ns: float | None, baseline: str | None = None, max_loss_gap_frac: float = 0.02,
+                       measured_saved_ns: float | None = None) -> list[Finding]:
     """COMPRESSION for each method used: info with ratio and estimated time saved (bytes saved / measured
     all-reduce algbw, minus encode+decode); warning when the loss gap to the baseline reaches
-    ``max_loss_gap_frac`` or the encode/decode cost exceeds the transfer time saved."""
+    ``max_loss_gap_frac`` or the encode/decode cost exceeds the transfer time saved. ``measured_saved_ns``: the
+    baseline's median per-step collective transfer time minus this run's (when a baseline is given)."""
     require_columns(summary, COMPRESSION_COLUMNS, table="compression_summary")
     findings = []
     for r in summary.itertuples(index=False):
@@ -91,6 +92,8 @@ def detect_compression(summary: pd.DataFrame, gap: pd.DataFrame | None, *, algbw
                 "transfer_saved_ms_per_step": transfer_saved_ns / 1e6 if transfer_saved_ns is not None else None,
                 "net_saved_ms_per_step": net_ns / 1e6 if net_ns is not None else None,
                 "algbw_gbps_used": algbw_bytes_per_s * 8 / 1e9 if algbw_bytes_per_s else None,
+                "measured_transfer_saved_ms_per_step": (measured_saved_ns / 1e6 if measured_saved_ns is not None
+                                                        else None),
                 "baseline": baseline, "loss": float(g["loss"]) if g is not None else None,
                 "baseline_loss": float(g["baseline_loss"]) if g is not None else None,
                 "loss_gap_frac": gap_frac,

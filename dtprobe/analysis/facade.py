@@ -27,6 +27,7 @@ from dtprobe.analysis import hangs as _hangs
 from dtprobe.analysis import peaks as _peaks
 from dtprobe.analysis import stragglers as _stragglers
 from dtprobe.analysis import throughput as _throughput
+from dtprobe.analysis.arrivals import unique_seq
 from dtprobe.analysis.findings import Finding, jsonable, sort_findings
 from dtprobe.analysis.tables import analyzed_steps, axis_of, median_step_ns
 from dtprobe.store.errors import TraceError
@@ -170,7 +171,10 @@ class RunAnalysis:
         return dict(self.config.get("layout") or {})
 
     def table(self, name: str) -> pd.DataFrame:
-        """A store table (cached)."""
+        """A store table (cached). ``collectives`` has its ``seq`` made unique across torchrun restarts
+        (``arrivals.unique_seq``)."""
+        if name == "collectives":
+            return self._memo("table:collectives", lambda: unique_seq(self.source.table("collectives")))
         return self._memo(f"table:{name}", lambda: self.source.table(name))
 
     def steps_analyzed(self) -> list[int]:
@@ -231,6 +235,12 @@ class RunAnalysis:
             self.straggler_scores(), self.rank_lateness(), self.table("steps"), self.table("collectives"),
             self.collective_waits(), self.table("devices"), min_lateness_frac=self.options.min_lateness_frac))
 
+    def pipeline_own_delay(self) -> pd.DataFrame:
+        """Per (pipeline rank, step): time neither running a pipeline action nor waiting for its input."""
+        return self._memo("own_delay", lambda: _only_steps(_stragglers.pipeline_own_delay(
+            self.table("pipeline"), self.table("steps"), _stragglers.pipeline_groups(self.table("collectives"))),
+            self.steps_analyzed()))
+
     def group_axis(self, pg: str) -> str | None:
         """``dp``/``tp``/``pp`` of a process-group name; the default group (``world``) is ``dp`` in a pure
         data-parallel layout."""
@@ -248,7 +258,12 @@ class RunAnalysis:
         return self._memo("f:stragglers", lambda: _stragglers.detect_stragglers(
             self.straggler_scores(), self.straggler_causes(), links=_stragglers.linked_ranks(self.table("collectives")),
             min_lateness_frac=o.min_lateness_frac, min_positive_frac=o.min_positive_frac,
-            injected=self.injected_faults("straggler"), lateness=self.rank_lateness(), axis_of_pg=self.group_axis))
+            injected=self.injected_faults("straggler"), lateness=self.rank_lateness(), axis_of_pg=self.group_axis,
+            own_delay_ns=self._median_own_delay()))
+
+    def _median_own_delay(self) -> dict[int, float]:
+        d = self.pipeline_own_delay()
+        return {int(r): float(v) for r, v in d.groupby("rank")["own_delay_ns"].median().items()} if not d.empty else {}
 
     def injected_faults(self, kind: str) -> dict[int, dict]:
         """rank -> detail of the first injected fault of ``kind`` (cross-check of a verdict)."""
@@ -374,7 +389,7 @@ class RunAnalysis:
         """Saves: blocking share of wall time, interval, Young/Daly interval for ``options.mtbf_hours``."""
         return self._memo("ckpt_sum", lambda: _ckpt.checkpoint_summary(
             self.checkpoint_events(), wall_ns=self.wall_ns(), step_ns=self.step_time_ns(),
-            mtbf_hours=self.options.mtbf_hours))
+            mtbf_hours=self.options.mtbf_hours, checkpoints=self.table("checkpoints")))
 
     def wall_ns(self) -> float | None:
         """First step start to last step end over all ranks."""
@@ -385,8 +400,8 @@ class RunAnalysis:
 
     def checkpoint_findings(self) -> list[Finding]:
         """CHECKPOINT_STALL."""
-        return self._memo("f:ckpt", lambda: _ckpt.detect_checkpoint_stall(self.checkpoint_events(),
-                                                                           self.checkpoint_summary()))
+        return self._memo("f:ckpt", lambda: _ckpt.detect_checkpoint_stall(
+            self.checkpoint_events(), self.checkpoint_summary(), injected=self.injected_faults("slow-ckpt")))
 
     # ------------------------------------------------------------------------------------------ comm efficiency
 
@@ -432,8 +447,15 @@ class RunAnalysis:
             ar = bw[bw["op"] == "allreduce"] if not bw.empty else bw
             algbw = float(ar["algbw_bytes_per_s"].median()) if not ar.empty else None
             base = str(self.baseline.path) if self.baseline is not None else None
+            saved = None
+            if self.baseline is not None and not bw.empty:
+                base_bw = RunAnalysis(self.baseline, options=self.options).collective_bandwidth()
+                if not base_bw.empty:
+                    saved = (base_bw.groupby("step")["duration_ns"].sum().median()
+                             - bw.groupby("step")["duration_ns"].sum().median())
             return _compression.detect_compression(self.compression(), self.loss_gap(), algbw_bytes_per_s=algbw,
-                                                   step_ns=self.step_time_ns(), baseline=base)
+                                                   step_ns=self.step_time_ns(), baseline=base,
+                                                   measured_saved_ns=None if saved is None else float(saved))
         return self._memo("f:compression", build)
 
     # ------------------------------------------------------------------------------------------ devices / hangs
@@ -463,8 +485,8 @@ class RunAnalysis:
         if self.is_trace_folder:
             return []
         return self._memo("f:hangs", lambda: _hangs.detect_hangs(
-            self.missing_arrivals(), self.table("faults"), last_seen=self.last_seen())
-            + _hangs.detect_crashes(self.table("faults"), status=self.status))
+            self.missing_arrivals(), self.table("faults"), last_seen=self.last_seen(), axis_of_pg=self.group_axis)
+            + _hangs.detect_crashes(self.table("faults"), status=self.status, missing=self.missing_arrivals()))
 
     # ------------------------------------------------------------------------------------------ throughput
 

@@ -4,6 +4,7 @@ kind ``hang``), crashes; detectors HANG and RANK_CRASH. Read by the facade and t
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import pandas as pd
 
@@ -61,19 +62,24 @@ def _ints(value) -> list[int]:
     return [int(x) for x in value]
 
 
-def detect_hangs(missing: pd.DataFrame, faults: pd.DataFrame, *, last_seen: pd.DataFrame | None = None) -> list[Finding]:
+def detect_hangs(missing: pd.DataFrame, faults: pd.DataFrame, *, last_seen: pd.DataFrame | None = None,
+                 axis_of_pg: Callable[[str], str | None] = axis_of) -> list[Finding]:
     """HANG for each group whose members wait at a collective others never reached (the missing ranks are named),
+    unless every missing rank crashed (a ``crash`` fault) by then: RANK_CRASH reports those;
     and for each watchdog/injected hang fault not already explained (ranks from its detail's
     ``waiting_for_ranks`` (``runtime.hang``'s watchdog) / ``missing_ranks`` / ``culprit`` keys, else the
     reporting rank: an injected hang row is written by the rank that hangs). ``last_seen``: per rank its last step and collective."""
     findings: list[Finding] = []
     named: set[int] = set()
     last = {int(r.rank): r for r in last_seen.itertuples(index=False)} if last_seen is not None else {}
+    crashed = crash_steps(faults)
     for r in missing.itertuples(index=False):
         miss = _ints(r.missing_ranks)
+        if all(m in crashed and crashed[m] <= r.step + 1 for m in miss):
+            continue                                  # they died: RANK_CRASH reports it (with this wait)
         named.update(miss)
         findings.append(Finding(
-            code="HANG", severity="critical", ranks=tuple(miss), group=axis_of(r.pg),
+            code="HANG", severity="critical", ranks=tuple(miss), group=axis_of_pg(r.pg),
             title=(f"rank(s) {miss} never arrived at {r.op} #{r.seq} on group {r.pg} {list(group_members(r.pg_ranks))}"
                    f" (step {r.step}); {r.arrived_ranks} waited {r.waited_ns / 1e9:.1f} s"),
             evidence={
@@ -101,7 +107,8 @@ def detect_hangs(missing: pd.DataFrame, faults: pd.DataFrame, *, last_seen: pd.D
             named.update(ranks)
             where = ", ".join(f"{k}={d[k]}" for k in ("pg", "op", "seq") if k in d)
             findings.append(Finding(
-                code="HANG", severity="critical", ranks=tuple(ranks), group=axis_of(d.get("pg")),
+                code="HANG", severity="critical", ranks=tuple(ranks),
+                group=axis_of_pg(d["pg"]) if d.get("pg") else None,
                 title=(f"rank(s) {ranks} hung at step {_int_or_none(r.step)}"
                        + (f" ({where})" if where else "") + (" [injected]" if r.injected is True else "")),
                 evidence={"reported_by": int(r.rank), "step": _int_or_none(r.step), "injected": r.injected is True,
@@ -113,8 +120,17 @@ def detect_hangs(missing: pd.DataFrame, faults: pd.DataFrame, *, last_seen: pd.D
     return findings
 
 
-def detect_crashes(faults: pd.DataFrame, *, status: str | None) -> list[Finding]:
-    """RANK_CRASH for crash faults: critical if the run ended crashed, warning if it recovered (restarts)."""
+def crash_steps(faults: pd.DataFrame | None) -> dict[int, int]:
+    """rank -> the first step at which it crashed (``crash`` faults)."""
+    if faults is None or faults.empty:
+        return {}
+    c = faults[faults["kind"] == "crash"]
+    return {int(r): int(s) for r, s in c.groupby("rank")["step"].min().fillna(-1).items()}
+
+
+def detect_crashes(faults: pd.DataFrame, *, status: str | None, missing: pd.DataFrame | None = None) -> list[Finding]:
+    """RANK_CRASH for crash faults: critical if the run ended crashed, warning if it recovered (restarts).
+    ``missing``: collectives others waited at because the crashed ranks never arrived (``waited_at``)."""
     if faults is None or faults.empty:
         return []
     crashes = faults[faults["kind"] == "crash"]
@@ -129,6 +145,10 @@ def detect_crashes(faults: pd.DataFrame, *, status: str | None) -> list[Finding]
         title=(f"rank(s) {ranks} crashed at step(s) {steps}" + (f"; the job recovered ({restarts} restart(s))"
                                                                if recovered else "")),
         evidence={"crash_steps": steps, "num_crashes": int(len(crashes)), "num_restarts": restarts,
+                  "waited_at": [] if missing is None or missing.empty else [
+                      {"pg": m.pg, "seq": int(m.seq), "op": m.op, "step": int(m.step), "waited_s": m.waited_ns / 1e9,
+                       "arrived_ranks": _ints(m.arrived_ranks)}
+                      for m in missing.itertuples(index=False) if set(_ints(m.missing_ranks)) <= set(ranks)],
                   "injected": bool(crashes["injected"].fillna(False).astype(bool).all()),
                   "details": [_detail(d) for d in crashes["detail"]], "recovered": recovered},
         recommendation=("Read the crashed ranks' stderr; keep torchrun --max-restarts and frequent enough "

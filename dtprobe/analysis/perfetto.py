@@ -18,6 +18,8 @@ from typing import Any
 
 import pandas as pd
 
+from dtprobe.analysis.arrivals import unique_seq
+
 TIDS = {"steps": 1, "phases": 2, "pipeline": 3, "checkpoint": 4, "faults": 5}
 PHASES = ("data", "fwd", "bwd", "opt")
 COUNTERS = {
@@ -164,6 +166,8 @@ def export_perfetto(store: Any, out: Path) -> PerfettoSummary:
     """Write ``store``'s run (a ``RunStore``) as one Chrome-trace JSON file at ``out`` (parents created)."""
     names = ("steps", "collectives", "pipeline", "checkpoints", "faults", "devices")
     tables = {name: store.table(name) for name in names}
+    if not tables["collectives"].empty:
+        tables["collectives"] = unique_seq(tables["collectives"])   # restarts renumber collectives from 1
     manifest = getattr(store, "manifest", None)
     hosts = {info.rank: info.host for info in manifest.ranks} if manifest is not None else {}
     trace, counts = build_trace(tables, rank_hosts=hosts, run_id=manifest.run_id if manifest is not None else "")

@@ -12,27 +12,19 @@ from its step phases, its waits at other collectives and its device samples, com
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-
 import warnings
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import pandas as pd
 
+from dtprobe.analysis.arrivals import (  # noqa: F401 (re-exported: the straggler metrics live there)
+    LATE_RANK_COLUMNS, LATENESS_COLUMNS, SKEW_COLUMNS, collective_skew, collective_waits, late_rank_per_step,
+    median_of_others, rank_lateness)
 from dtprobe.analysis.findings import Finding, PredictedGain
-from dtprobe.analysis.tables import (P2P_OPS, axis_of, group_members, ms, require_columns, step_durations,
-                                     union_length)
+from dtprobe.analysis.pipeline_delay import OWN_DELAY_COLUMNS, pipeline_groups, pipeline_own_delay  # noqa: F401
+from dtprobe.analysis.tables import P2P_OPS, axis_of, group_members, ms, require_columns, union_length
 
-SKEW_COLUMNS = [
-    "pg", "pg_ranks", "seq", "op", "step", "num_bytes", "num_members", "num_arrived", "complete",
-    "first_enqueue_ns", "last_enqueue_ns", "skew_ns", "margin_ns", "victims_wait_ns", "late_rank",
-]
-LATE_RANK_COLUMNS = [
-    "pg", "pg_ranks", "step", "seq", "op", "late_rank", "skew_ns", "margin_ns", "victims_wait_ns", "step_ns",
-    "margin_frac",
-]
-LATENESS_COLUMNS = ["pg", "pg_ranks", "step", "rank", "lateness_ns", "victims_wait_ns", "is_last", "step_ns",
-                    "lateness_frac", "pre_excess_frac"]
 SCORE_COLUMNS = [
     "pg", "pg_ranks", "rank", "num_steps", "window_steps", "window_first_step", "window_last_step",
     "median_lateness_frac", "positive_frac", "median_pre_excess_frac", "pre_positive_frac", "last_frac",
@@ -46,182 +38,6 @@ CAUSES = ("data", "compute", "communication", "device", "unknown")
 
 THROTTLE_MASK = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
 """NVML clock-throttle reasons that slow a GPU: SW power cap, HW slowdown, SW/HW thermal, power brake."""
-
-_COLL_COLUMNS = ["rank", "pg", "pg_ranks", "pg_size", "seq", "op", "num_bytes", "enqueue_ns", "end_ns", "step"]
-
-
-def collective_skew(collectives: pd.DataFrame) -> pd.DataFrame:
-    """One row per collective (pg, pg_ranks, seq): arrival skew (last - first enqueue), margin of the last arriver
-    over the second-last, victims' mean wait, the late rank. P2P ops excluded. Columns: ``SKEW_COLUMNS``."""
-    require_columns(collectives, _COLL_COLUMNS, table="collectives")
-    c = collectives[~collectives["op"].isin(P2P_OPS) & collectives["seq"].notna()
-                    & collectives["enqueue_ns"].notna()]
-    if c.empty:
-        return pd.DataFrame({col: [] for col in SKEW_COLUMNS})
-    c = pd.DataFrame({
-        "pg": c["pg"].fillna("").astype(str), "pg_ranks": c["pg_ranks"].fillna("").astype(str),
-        "seq": c["seq"].astype("int64"), "op": c["op"].astype(str), "rank": c["rank"].astype("int64"),
-        "enqueue_ns": c["enqueue_ns"].astype("int64"), "step": c["step"].fillna(-1).astype("int64"),
-        "num_bytes": c["num_bytes"].fillna(0).astype("int64"), "pg_size": c["pg_size"].astype("float64"),
-    }).sort_values(["pg", "pg_ranks", "seq", "enqueue_ns"], kind="stable")
-    keys = ["pg", "pg_ranks", "seq"]
-    g = c.groupby(keys, sort=False)
-    c["_from_end"] = g.cumcount(ascending=False)
-    c["_rel"] = (c["enqueue_ns"] - g["enqueue_ns"].transform("min")).astype("float64")
-    agg = g.agg(op=("op", "first"), num_bytes=("num_bytes", "max"), num_arrived=("rank", "nunique"),
-                first_enqueue_ns=("enqueue_ns", "min"), pg_size=("pg_size", "max"), rel_sum=("_rel", "sum"))
-    last = c[c["_from_end"] == 0].set_index(keys)
-    second = c[c["_from_end"] == 1].set_index(keys)["enqueue_ns"]
-    out = agg.join(last[["rank", "enqueue_ns", "step"]].rename(
-        columns={"rank": "late_rank", "enqueue_ns": "last_enqueue_ns"}))
-    out["second_ns"] = second
-    members = pd.Series([len(group_members(k[1])) for k in out.index], index=out.index)
-    out["num_members"] = out["pg_size"].fillna(members).where(members == 0, members).astype("int64")
-    out["complete"] = out["num_arrived"] >= out["num_members"]
-    out["skew_ns"] = out["last_enqueue_ns"] - out["first_enqueue_ns"]
-    out["margin_ns"] = (out["last_enqueue_ns"] - out["second_ns"]).fillna(0).astype("int64")
-    n = out["num_arrived"].astype("float64")
-    last_rel = out["skew_ns"].astype("float64")
-    out["victims_wait_ns"] = np.where(n > 1, last_rel - (out["rel_sum"] - last_rel) / (n - 1).clip(lower=1), 0.0)
-    out = out.reset_index()
-    out["late_rank"] = out["late_rank"].astype("int64")
-    return out[SKEW_COLUMNS].sort_values(["pg", "pg_ranks", "seq"], kind="stable").reset_index(drop=True)
-
-
-def collective_waits(collectives: pd.DataFrame, skew: pd.DataFrame) -> pd.DataFrame:
-    """Per member of each collective: ``wait_ns`` = last arrival - own arrival (0 for the late rank).
-    Columns: pg, pg_ranks, seq, step, rank, enqueue_ns, wait_ns, late_rank."""
-    require_columns(collectives, _COLL_COLUMNS, table="collectives")
-    cols = ["pg", "pg_ranks", "seq", "step", "rank", "enqueue_ns", "wait_ns", "late_rank"]
-    c = collectives[~collectives["op"].isin(P2P_OPS) & collectives["seq"].notna()
-                    & collectives["enqueue_ns"].notna()]
-    if c.empty or skew.empty:
-        return pd.DataFrame({col: [] for col in cols})
-    c = pd.DataFrame({
-        "pg": c["pg"].fillna("").astype(str), "pg_ranks": c["pg_ranks"].fillna("").astype(str),
-        "seq": c["seq"].astype("int64"), "rank": c["rank"].astype("int64"),
-        "enqueue_ns": c["enqueue_ns"].astype("int64"), "step": c["step"].fillna(-1).astype("int64"),
-    })
-    m = c.merge(skew[["pg", "pg_ranks", "seq", "last_enqueue_ns", "late_rank"]], on=["pg", "pg_ranks", "seq"])
-    m["wait_ns"] = (m["last_enqueue_ns"] - m["enqueue_ns"]).astype("int64")
-    return m[cols].reset_index(drop=True)
-
-
-def late_rank_per_step(skew: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
-    """Per (group, step): the complete collective with the largest margin, its late rank, and that margin as a
-    share of the group's median step time (``margin_frac``). Columns: ``LATE_RANK_COLUMNS``."""
-    require_columns(skew, SKEW_COLUMNS, table="collective_skew")
-    done = skew[skew["complete"].astype(bool) & (skew["step"] >= 0) & (skew["num_members"] > 1)]
-    if done.empty:
-        return pd.DataFrame({col: [] for col in LATE_RANK_COLUMNS})
-    top = done.loc[done.groupby(["pg", "pg_ranks", "step"], sort=True)["margin_ns"].idxmax()].copy()
-    top["step_ns"] = _group_step_ns(top, steps)
-    top["margin_frac"] = top["margin_ns"] / top["step_ns"]
-    return top[LATE_RANK_COLUMNS].sort_values(["pg", "pg_ranks", "step"], kind="stable").reset_index(drop=True)
-
-
-def _group_step_ns(rows: pd.DataFrame, steps: pd.DataFrame) -> pd.Series:
-    """For rows with pg_ranks and step: the median step time of the group's members at that step."""
-    durations = step_durations(steps)
-    overall = durations.groupby("step")["step_ns"].median()
-    parts = []
-    for pg_ranks, grp in rows.groupby("pg_ranks", sort=False):
-        members = group_members(pg_ranks)
-        d = durations[durations["rank"].isin(members)] if members else durations
-        med = d.groupby("step")["step_ns"].median()
-        parts.append(grp["step"].map(med).fillna(grp["step"].map(overall)))
-    if not parts:
-        return pd.Series(np.nan, index=rows.index, dtype="float64")
-    return pd.concat(parts).reindex(rows.index).astype("float64")
-
-
-def rank_lateness(collectives: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
-    """Per (group, step, member rank): how much later than the median of its peers the rank arrived, at the
-    step's collective where it was latest (``lateness_ns``, negative when early), as a share of the group's
-    step time; the mean wait it imposed on its peers there (``victims_wait_ns``); whether it was the last to
-    arrive. Complete non-p2p collectives of steps >= 0 only. Columns: ``LATENESS_COLUMNS``."""
-    require_columns(collectives, _COLL_COLUMNS, table="collectives")
-    c = collectives[~collectives["op"].isin(P2P_OPS) & collectives["seq"].notna()
-                    & collectives["enqueue_ns"].notna() & (collectives["step"].fillna(-1) >= 0)]
-    if c.empty:
-        return pd.DataFrame({col: [] for col in LATENESS_COLUMNS})
-    c = pd.DataFrame({
-        "pg": c["pg"].fillna("").astype(str), "pg_ranks": c["pg_ranks"].fillna("").astype(str),
-        "seq": c["seq"].astype("int64"), "rank": c["rank"].astype("int64"),
-        "enqueue_ns": c["enqueue_ns"].astype("int64"), "step": c["step"].astype("int64"),
-    }).drop_duplicates(["pg", "pg_ranks", "seq", "rank"]).sort_values(["pg", "pg_ranks", "seq", "enqueue_ns"],
-                                                                      kind="stable")
-    sizes = {k: len(group_members(k)) for k in c["pg_ranks"].unique()}
-    members = c["pg_ranks"].map(sizes)
-    g = c.groupby(["pg", "pg_ranks", "seq"], sort=False)
-    c["n"] = g["rank"].transform("size")
-    c = c[(c["n"] >= 2) & ((members == 0) | (c["n"] >= members))].copy()
-    if c.empty:
-        return pd.DataFrame({col: [] for col in LATENESS_COLUMNS})
-    g = c.groupby(["pg", "pg_ranks", "seq"], sort=False)
-    c["gid"] = g.ngroup()
-    c["pos"] = g.cumcount()
-    c["x"] = (c["enqueue_ns"] - g["enqueue_ns"].transform("min")).astype("float64")
-    lookup = pd.Series(c["x"].to_numpy(), index=pd.MultiIndex.from_arrays([c["gid"], c["pos"]]))
-
-    def others_at(j: np.ndarray) -> np.ndarray:
-        """Value of the j-th (0-based) element of the sorted arrivals without the row's own."""
-        idx = np.where(j < c["pos"].to_numpy(), j, j + 1)
-        return lookup.reindex(pd.MultiIndex.from_arrays([c["gid"].to_numpy(), idx])).to_numpy()
-
-    n = c["n"].to_numpy()
-    j1 = np.where(n % 2 == 0, (n - 2) // 2, (n - 3) // 2)
-    j2 = np.where(n % 2 == 0, (n - 2) // 2, (n - 1) // 2)
-    median_others = (others_at(j1) + others_at(j2)) / 2.0
-    c["lateness_ns"] = c["x"].to_numpy() - median_others
-    before = g["x"].cumsum() - c["x"]
-    c["victims_wait_ns"] = (c["pos"] * c["x"] - before) / (c["n"] - 1)
-    c["is_last"] = c["pos"] == c["n"] - 1
-    top = c.loc[c.groupby(["pg", "pg_ranks", "step", "rank"], sort=True)["lateness_ns"].idxmax()]
-    top = top[["pg", "pg_ranks", "step", "rank", "lateness_ns", "victims_wait_ns", "is_last"]].copy()
-    top["step_ns"] = _group_step_ns(top, steps)
-    top["lateness_frac"] = top["lateness_ns"] / top["step_ns"]
-    top["pre_excess_frac"] = _pre_collective_excess(top, steps) / top["step_ns"]
-    return top[LATENESS_COLUMNS].sort_values(["pg", "pg_ranks", "rank", "step"], kind="stable").reset_index(drop=True)
-
-
-def median_of_others(v: np.ndarray) -> np.ndarray:
-    """For each element of ``v`` (no NaN, len >= 2): the median of the other elements. O(n log n)."""
-    n = len(v)
-    order = np.argsort(v, kind="stable")
-    x = v[order]
-    pos = np.empty(n, dtype=np.int64)
-    pos[order] = np.arange(n)
-    if n % 2 == 0:
-        j1 = j2 = (n - 2) // 2
-    else:
-        j1, j2 = (n - 3) // 2, (n - 1) // 2
-    a = np.where(j1 < pos, x[j1], x[min(j1 + 1, n - 1)])
-    b = np.where(j2 < pos, x[j2], x[min(j2 + 1, n - 1)])
-    return (a + b) / 2.0
-
-
-def _pre_collective_excess(rows: pd.DataFrame, steps: pd.DataFrame) -> pd.Series:
-    """For rows (pg_ranks, step, rank): the rank's data+fwd time minus the median of its group peers' (NaN when
-    phases are not recorded). Before its first gradient collective a data-parallel rank has waited on nobody,
-    so this is a second, independent view of who is slow."""
-    ph = steps.dropna(subset=["fwd_ns"])
-    if ph.empty:
-        return pd.Series(np.nan, index=rows.index, dtype="float64")
-    pre = (ph["data_ns"].astype("float64").fillna(0) + ph["fwd_ns"].astype("float64"))
-    pre.index = pd.MultiIndex.from_arrays([ph["rank"].astype("int64"), ph["step"].astype("int64")])
-    pre = pre[~pre.index.duplicated(keep="last")]
-    mine = pre.reindex(pd.MultiIndex.from_arrays([rows["rank"].astype("int64"), rows["step"].astype("int64")]))
-    r = rows.assign(_pre=mine.to_numpy())
-
-    def minus_median_of_others(x: pd.Series) -> pd.Series:
-        v = x.to_numpy(dtype="float64")
-        if len(v) < 2 or np.isnan(v).any():
-            return pd.Series(np.nan, index=x.index)
-        return pd.Series(v - median_of_others(v), index=x.index)
-
-    return r.groupby(["pg", "pg_ranks", "step"], sort=False)["_pre"].transform(minus_median_of_others)
-
 
 def straggler_scores(lateness: pd.DataFrame, *, window_steps: int = 20, min_lateness_frac: float = 0.05,
                      min_positive_frac: float = 0.8) -> pd.DataFrame:
@@ -400,19 +216,23 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: set[
                       critical_wait_frac: float = 0.2, injected: dict[int, dict] | None = None,
                       lateness: pd.DataFrame | None = None,
                       axis_of_pg: Callable[[str], str | None] = axis_of,
-                      skip_axes: tuple[str, ...] = ("pp",)) -> list[Finding]:
+                      skip_axes: tuple[str, ...] = ("pp",),
+                      own_delay_ns: dict[int, float] | None = None) -> list[Finding]:
     """STRAGGLER for each rank whose median lateness over some window is at least ``min_lateness_frac`` of the step
     and which arrived after its peers' median in at least ``min_positive_frac`` of that window's steps (and the
     window has ``min_steps`` steps or more), or whose data+fwd time exceeds its peers' by that share in that
     many steps while its median lateness passes (arrivals jitter more than phases on busy hosts); only the latest such rank of a group (the others are its victims).
-    A flagged rank whose cause is communication and that shares a group or p2p link with another flagged rank
-    is that rank's victim (the delay propagated): it is reported inside the culprit's finding, not as its own.
+    Of two flagged ranks sharing a group or p2p link, the victim (the delay propagated to it) is the one with
+    the smaller median pipeline ``own_delay_ns`` (rank -> ns, from ``pipeline_own_delay``) when both are known,
+    else the one whose cause is communication: it is reported inside the culprit's finding, not as its own.
     Critical when the victims wait ``critical_wait_frac`` of the step or more. ``axis_of_pg`` maps a process
     group name to ``dp``/``tp``/``pp``; groups of ``skip_axes`` are not judged (in a pipeline group the arrival
     order follows the schedule: the first stage finishes its last backward last; a slow stage shows up as
     stage imbalance in PIPELINE_BUBBLE and as a straggler of its dp group)."""
     require_columns(scores, SCORE_COLUMNS, table="straggler_scores")
-    scores = scores[[axis_of_pg(pg) not in skip_axes for pg in scores["pg"]]]
+    if scores.empty:
+        return []
+    scores = scores.loc[np.array([axis_of_pg(pg) not in skip_axes for pg in scores["pg"]], dtype=bool)]
     by_arrival = scores["positive_frac"] >= min_positive_frac
     by_phases = (scores["median_pre_excess_frac"].fillna(-1) >= min_lateness_frac) & (
         scores["pre_positive_frac"] >= min_positive_frac)
@@ -425,13 +245,19 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: set[
     best = flagged.drop_duplicates("rank")                      # one entry per rank: its worst group
     cause_of = {(c.pg, c.pg_ranks, c.rank): c for c in causes.itertuples(index=False)}
     ranks = set(int(r) for r in best["rank"])
+    own = own_delay_ns or {}
     propagated: dict[int, list[int]] = {}
     for row in best.itertuples(index=False):
         c = cause_of.get((row.pg, row.pg_ranks, row.rank))
-        if c is not None and c.cause == "communication":
-            for r in ranks:
-                if r != row.rank and frozenset((r, row.rank)) in links:
+        for r in ranks:
+            if r == row.rank or frozenset((r, row.rank)) not in links:
+                continue
+            if row.rank in own and r in own:
+                # Both late and linked (same pipeline): the one idle outside its actions longer is the origin.
+                if own[r] > own[row.rank]:
                     propagated.setdefault(r, []).append(int(row.rank))
+            elif c is not None and c.cause == "communication":
+                propagated.setdefault(r, []).append(int(row.rank))
     victims_of_others = {v for vs in propagated.values() for v in vs}
     findings = []
     for row in best.itertuples(index=False):

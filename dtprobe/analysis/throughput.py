@@ -48,7 +48,10 @@ def throughput_summary(per_step: pd.DataFrame, *, step_ids: list[int] | None, pe
         "model_tflops_per_s": (float(p["model_flops_per_s"].median()) / 1e12
                                if p["model_flops_per_s"].notna().any() else None),
         "mfu": None if pd.isna(mfu) else float(mfu),
-        "mfu_reason": peak_reason if pd.isna(mfu) else f"vs {peak_reason}",
+        "mfu_reason": (f"vs {peak_reason}" if not pd.isna(mfu) else
+                       "model FLOPs per token unknown (no built-in preset in the config; set "
+                       "config.model_flops_per_token)" if not flops_per_token else
+                       "tokens per step not recorded" if p["tokens_per_s"].isna().all() else peak_reason),
     }
 
 

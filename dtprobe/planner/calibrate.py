@@ -12,8 +12,8 @@ What is refit (all medians over the steps after ``warmup_steps``):
 - compute efficiency: the model's FLOPs per rank over the measured compute time (forward + backward minus TP
   collectives minus exposed DP time; with a pipeline, the busiest rank's summed F/B/I/W actions); time spent
   waiting for late ranks stays in compute (it is their compute variability);
-- the pipeline hop time: median time from a stage's output to the next stage's start on another rank
-  (send/recv latency, blocking sends and the schedule's host work between actions), simulated as p2p latency;
+- the pipeline hop time: the p2p latency with which the planner's pipeline model (schedule simulator)
+  reproduces the measured pipeline span (send/recv latency, blocking sends, host work between actions);
 - memory-bandwidth efficiency from the optimizer phase, and the data phase as fixed host overhead.
 """
 
@@ -59,7 +59,8 @@ class Calibration:
     efficiency: Efficiency
     """Refit efficiencies: pass to ``plan(..., efficiency=)``."""
     comparison: pd.DataFrame
-    """Columns term, predicted_s, measured_s, error_frac (predicted / measured - 1); first row step_time_s."""
+    """Columns term, predicted_s, measured_s, error_frac (predicted / measured - 1); rows step_time_s,
+    compute_s, tp_comm_s, dp_sync_s (exposed), pipeline_idle_s (bubble + p2p), optimizer_s, overhead_s."""
     num_steps: int
     """Steps measured (after the warm-up)."""
     notes: tuple[str, ...]
@@ -149,12 +150,12 @@ def _instances(coll: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
 
 
 def _fit_alpha_beta(inst: pd.DataFrame) -> tuple[float, float | None] | None:
-    """(alpha seconds, bandwidth bytes/s or None): least squares over the median time of each (op, n, size);
+    """(alpha seconds, bandwidth bytes/s or None): least squares over the mean time of each (op, n, size);
     latency only when every message is under ``SMALL_BYTES``, bandwidth only when there is one large size."""
     c = inst[inst["op"].isin(list(BUS_FACTOR)) & (inst["num_bytes"] > 0) & (inst["n"] > 1)]
     if c.empty:
         return None
-    g = c.groupby(["op", "n", "num_bytes"], observed=True)["dur_ns"].median().reset_index()
+    g = c.groupby(["op", "n", "num_bytes"], observed=True)["dur_ns"].mean().reset_index()   # totals matter
     hops = np.array([HOPS[o](n) for o, n in zip(g["op"], g["n"])], dtype=float)
     bus = np.array([BUS_FACTOR[o](n) * b for o, n, b in zip(g["op"], g["n"], g["num_bytes"])], dtype=float)
     t = g["dur_ns"].to_numpy(dtype=float) / 1e9
@@ -169,114 +170,146 @@ def _fit_alpha_beta(inst: pd.DataFrame) -> tuple[float, float | None] | None:
     return float(alpha), float(1.0 / inv_bw)
 
 
-def _pipeline_hop_s(pipe: pd.DataFrame) -> float | None:
-    """Effective hop time: median time from a stage's output being ready (producer's F, or B/I, end) to the
-    consumer's start on another rank, over every hop. It includes what a plain latency misses (a send that
-    blocks until the receiver posts its recv, the schedule's own host work between actions)."""
-    p = pipe[["rank", "step", "stage", "microbatch", "action", "start_ns", "end_ns"]].copy()
-    p["kind"] = p["action"].replace({"I": "B"})
-    p = p[p["kind"].isin(["F", "B"])].sort_values(["rank", "step", "start_ns"])
-    ends = p.set_index(["step", "stage", "microbatch", "kind"])[["end_ns", "rank"]]
-    src_stage = np.where(p["kind"] == "F", p["stage"] - 1, p["stage"] + 1)
-    key = pd.MultiIndex.from_arrays([p["step"], src_stage, p["microbatch"], p["kind"]])
-    src = ends.reindex(key)
-    gap = p["start_ns"].to_numpy() - src["end_ns"].to_numpy()
-    hops = (src["rank"].to_numpy() != p["rank"].to_numpy()) & ~np.isnan(gap.astype(float)) & (gap >= 0)
-    return float(np.median(gap[hops].astype(float))) / 1e9 if hops.any() else None
+def _fit_hop(row: pd.DataFrame, setup: RunSetup, cluster: ClusterSpec, eff: Efficiency, *, span_s: float) -> float:
+    """Effective pipeline hop time: the p2p latency with which the planner's pipeline model (compute + bubble
+    + p2p, from ``dtprobe.schedule_sim``) reproduces the measured pipeline span. It absorbs what a plain
+    latency misses on gloo (sends that block until the receiver posts its recv, host work between actions).
+    Bisection: the modelled span grows with the latency."""
+    def span(hop: float) -> float:
+        out = evaluate(row, model=setup.model, cluster=cluster, training=setup.training,
+                       eff=replace(eff, p2p_latency_s=hop)).iloc[0]
+        return float(out["compute_s"] + out["recompute_s"] + out["bubble_s"] + out["pp_p2p_s"])
+
+    lo, hi = 0.0, span_s
+    if span(lo) >= span_s:
+        return 0.0
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if span(mid) < span_s else (lo, mid)
+    return (lo + hi) / 2
 
 
-def calibrate(store, *, device: DeviceSpec | None = None, warmup_steps: int = 3) -> Calibration:
-    """Refit efficiencies from ``store`` (a ``dtprobe.store.RunStore``) and compare for the run's layout."""
-    manifest = store.manifest
+@dataclass(kw_only=True, frozen=True)
+class Measured:
+    """Medians over the steady steps of a run (seconds)."""
+
+    step_s: float
+    """Step time (per rank: end - start)."""
+    compute_s: float
+    """Forward + backward minus TP collectives minus exposed DP; with a pipeline the busiest rank's actions."""
+    tp_s: float
+    """TP collectives issued inside forward/backward (last arriver's times, summed per step)."""
+    dp_exposed_s: float
+    """The last DP collective of the step (issued when backward ends)."""
+    dp_total_s: float
+    """All DP collectives of the step."""
+    optimizer_s: float
+    """The optimizer phase."""
+    data_s: float
+    """The data phase."""
+    pipeline_span_s: float | None
+    """First action start to last action end of the pipeline (None without a pipeline table)."""
+    fit: tuple[float, float | None] | None
+    """(alpha, bandwidth) of the collectives, or None."""
+    num_steps: int
+    """Steps measured."""
+
+
+def measure(store, setup: RunSetup, *, warmup_steps: int) -> tuple[Measured, list[str]]:
+    """The measured terms of ``store``'s steady steps, and notes on what could not be measured."""
     run = str(store.path)
-    setup = run_setup(manifest, device=device)
-    world = setup.cluster.world_size
-    steps = _steady_steps(store.table("steps"), world=world, warmup_steps=warmup_steps, run=run)
+    steps = _steady_steps(store.table("steps"), world=setup.cluster.world_size, warmup_steps=warmup_steps, run=run)
     kept = set(steps["step"].unique())
-    measured_step = float(((steps["end_ns"] - steps["start_ns"]) / 1e9).median())
     phases = steps.groupby("step")[["data_ns", "fwd_ns", "bwd_ns", "opt_ns"]].mean() / 1e9
     notes: list[str] = []
-    hop_s = None
-
     coll = store.table("collectives")
-    inst = _instances(coll[coll["step"].isin(kept)], steps) if not coll.empty else _instances(coll, steps)
-    dev = setup.cluster.device
+    inst = _instances(coll[coll["step"].isin(kept)] if not coll.empty else coll, steps)
     fit = _fit_alpha_beta(inst)
-    bw_eff = 0.8 if fit is None or fit[1] is None else fit[1] / dev.intra_bw_bytes_per_s
     if fit is None:
         notes.append("no collectives recorded: bandwidth and latency left at the preset")
-    else:
-        dev = replace(dev, intra_latency_s=fit[0])
-        if fit[1] is None:
-            notes.append(f"only messages under {SMALL_BYTES // 1024} KiB: bandwidth left at 0.8 of the preset")
-    cluster = replace(setup.cluster, device=dev)
+    elif fit[1] is None:
+        notes.append(f"only messages under {SMALL_BYTES // 1024} KiB: bandwidth left at 0.8 of the preset")
 
-    # per step, averaged over the groups of an axis: TP time inside forward/backward, and the DP tail (the last
-    # DP collective, issued when backward ends) and total; waiting for late ranks stays in compute
-    fb = inst[inst["in_fwd_bwd"]]
+    # per step, averaged over the groups of an axis; waiting for late ranks stays in compute
+    fb = inst[inst["in_fwd_bwd"].astype(bool)]
     tp = fb[fb["pg"] == "tp"]
+    zeros = pd.Series(0.0, index=phases.index)
     tp_s = (tp.groupby(["step", "pg_ranks"], observed=True)["dur_ns"].sum().groupby(level="step").mean() / 1e9
-            if not tp.empty else pd.Series(0.0, index=phases.index))
+            if not tp.empty else zeros)
     dp = fb[~fb["pg"].isin(NON_DP_GROUPS)]
+    exp_dp_s = tot_dp_s = zeros
     if not dp.empty:
         last = dp.sort_values("enq_ns").groupby(["step", "pg", "pg_ranks"], observed=True).tail(1)
         exp_dp_s = last.groupby("step")["dur_ns"].mean() / 1e9
         tot_dp_s = dp.groupby(["step", "pg", "pg_ranks"], observed=True)["dur_ns"].sum().groupby(
             level="step").mean() / 1e9
-    else:
-        exp_dp_s = tot_dp_s = pd.Series(0.0, index=phases.index)
+    elif setup.layout["dp"] > 1:
+        notes.append("no data-parallel collectives: overlap left at 0.8")
+
+    span_s = None
     pipe = store.table("pipeline") if setup.layout["pp"] > 1 else pd.DataFrame()
     pipe = pipe[pipe["step"].isin(kept)] if not pipe.empty else pipe
-    if setup.layout["pp"] > 1 and not pipe.empty:
-        hop_s = _pipeline_hop_s(pipe)
-        busy = ((pipe["end_ns"] - pipe["start_ns"]).groupby([pipe["step"], pipe["rank"]]).sum() / 1e9)
+    if not pipe.empty:
+        span_s = float((pipe.groupby("step")["end_ns"].max() - pipe.groupby("step")["start_ns"].min()).median()
+                       / 1e9)
+        busy = (pipe["end_ns"] - pipe["start_ns"]).groupby([pipe["step"], pipe["rank"]]).sum() / 1e9
         busiest = busy.groupby(level="step").max()
         compute = float((busiest - tp_s.reindex(busiest.index, fill_value=0.0)).median())
     else:
         if setup.layout["pp"] > 1:
             notes.append("no pipeline table: compute taken from the fwd/bwd phases, which include the bubble")
-        fb = phases["fwd_ns"] + phases["bwd_ns"]
-        compute = float((fb - tp_s.reindex(fb.index, fill_value=0.0)
-                         - exp_dp_s.reindex(fb.index, fill_value=0.0)).median())
+        fwd_bwd = phases["fwd_ns"] + phases["bwd_ns"]
+        compute = float((fwd_bwd - tp_s.reindex(fwd_bwd.index, fill_value=0.0)
+                         - exp_dp_s.reindex(fwd_bwd.index, fill_value=0.0)).median())
     if not compute > 0:
         raise TraceError(f"{run}: measured compute time is {compute:.3g} s after removing communication; the "
                          f"steps/collectives tables disagree (clock or phase timing problem)")
+    measured = Measured(step_s=float(((steps["end_ns"] - steps["start_ns"]) / 1e9).median()), compute_s=compute,
+                        tp_s=float(tp_s.median()), dp_exposed_s=float(exp_dp_s.median()),
+                        dp_total_s=float(tot_dp_s.median()), optimizer_s=float(phases["opt_ns"].median()),
+                        data_s=float(phases["data_ns"].median()), pipeline_span_s=span_s, fit=fit,
+                        num_steps=len(kept))
+    return measured, notes
+
+
+def calibrate(store, *, device: DeviceSpec | None = None, warmup_steps: int = 3) -> Calibration:
+    """Refit efficiencies from ``store`` (a ``dtprobe.store.RunStore``) and compare for the run's layout."""
+    setup = run_setup(store.manifest, device=device)
+    got, notes = measure(store, setup, warmup_steps=warmup_steps)
+    dev = setup.cluster.device
+    bw_eff = 0.8 if got.fit is None or got.fit[1] is None else got.fit[1] / dev.intra_bw_bytes_per_s
+    if got.fit is not None:
+        dev = replace(dev, intra_latency_s=got.fit[0])
+    cluster = replace(setup.cluster, device=dev)
 
     # the model at efficiency 1 gives the ideal times; measured / ideal = 1 / efficiency
     row = pd.DataFrame([setup.layout])[LAYOUT_COLUMNS]
     ideal = evaluate(row, model=setup.model, cluster=cluster, training=setup.training,
                      eff=Efficiency(compute=1.0, bw_intra=bw_eff, bw_inter=bw_eff, dp_overlap=0.0,
                                     memory_bw=1.0)).iloc[0]
-    compute_eff = (ideal["compute_s"] + ideal["recompute_s"]) / compute
-    dp_total = float(tot_dp_s.median()) if len(tot_dp_s) else 0.0
-    dp_exposed = float(exp_dp_s.median()) if len(exp_dp_s) else 0.0
-    overlap = float(np.clip(1 - dp_exposed / dp_total, 0, 1)) if dp_total > 0 else 0.8
-    if dp_total <= 0 and setup.layout["dp"] > 1:
-        notes.append("no data-parallel collectives: overlap left at 0.8")
-    opt_measured = float(phases["opt_ns"].median())
-    mem_eff = ideal["optimizer_s"] / opt_measured if opt_measured > 0 else 0.7
-    eff = Efficiency(compute=float(compute_eff), bw_intra=bw_eff, bw_inter=bw_eff if cluster.num_nodes > 1 else 0.8,
-                     dp_overlap=overlap, memory_bw=float(max(mem_eff, 1e-6)),
-                     overhead_s=float(phases["data_ns"].median()), p2p_latency_s=hop_s)
+    overlap = float(np.clip(1 - got.dp_exposed_s / got.dp_total_s, 0, 1)) if got.dp_total_s > 0 else 0.8
+    mem_eff = ideal["optimizer_s"] / got.optimizer_s if got.optimizer_s > 0 else 0.7
+    eff = Efficiency(compute=float((ideal["compute_s"] + ideal["recompute_s"]) / got.compute_s), bw_intra=bw_eff,
+                     bw_inter=bw_eff if cluster.num_nodes > 1 else 0.8, dp_overlap=overlap,
+                     memory_bw=float(max(mem_eff, 1e-6)), overhead_s=got.data_s)
+    if got.pipeline_span_s is not None:
+        eff = replace(eff, p2p_latency_s=_fit_hop(row, setup, cluster, eff, span_s=got.pipeline_span_s))
     pred = evaluate(row, model=setup.model, cluster=cluster, training=setup.training, eff=eff).iloc[0]
 
-    measured_bubble = None
-    if setup.layout["pp"] > 1:
-        measured_bubble = max(measured_step - compute - float(phases["opt_ns"].median())
-                              - float(phases["data_ns"].median()), 0.0)
+    pipeline_idle = (max(got.step_s - got.compute_s - got.optimizer_s - got.data_s, 0.0)
+                     if setup.layout["pp"] > 1 else None)
     terms = [
-        ("step_time_s", pred["step_time_s"], measured_step),
-        ("compute_s", pred["compute_s"] + pred["recompute_s"], compute),
-        ("tp_comm_s", pred["tp_comm_s"], float(tp_s.median()) if len(tp_s) else 0.0),
-        ("dp_sync_s", pred["dp_sync_s"] + pred["zero3_gather_s"], dp_exposed),
-        ("bubble_s", pred["bubble_s"] + pred["pp_p2p_s"], measured_bubble),
-        ("optimizer_s", pred["optimizer_s"], opt_measured),
-        ("overhead_s", pred["overhead_s"], float(phases["data_ns"].median())),
+        ("step_time_s", pred["step_time_s"], got.step_s),
+        ("compute_s", pred["compute_s"] + pred["recompute_s"], got.compute_s),
+        ("tp_comm_s", pred["tp_comm_s"], got.tp_s),
+        ("dp_sync_s", pred["dp_sync_s"] + pred["zero3_gather_s"], got.dp_exposed_s),
+        ("pipeline_idle_s", pred["bubble_s"] + pred["pp_p2p_s"], pipeline_idle),   # bubble + p2p
+        ("optimizer_s", pred["optimizer_s"], got.optimizer_s),
+        ("overhead_s", pred["overhead_s"], got.data_s),
     ]
     comparison = pd.DataFrame(terms, columns=["term", "predicted_s", "measured_s"]).astype(
         {"predicted_s": float, "measured_s": float})
     comparison["error_frac"] = comparison["predicted_s"] / comparison["measured_s"].where(
         comparison["measured_s"] > 0) - 1
-    setup = replace(setup, cluster=cluster)
-    return Calibration(run_id=manifest.run_id, setup=setup, efficiency=eff, comparison=comparison,
-                       num_steps=len(kept), notes=tuple(notes))
+    return Calibration(run_id=store.manifest.run_id, setup=replace(setup, cluster=cluster), efficiency=eff,
+                       comparison=comparison, num_steps=got.num_steps, notes=tuple(notes))

@@ -47,7 +47,7 @@ def pipeline_shape(schedule: str, p: int, m: int, v: int, b_over_f: float, lat_o
     ``b_over_f`` is the backward/forward time ratio of a chunk (2, more with recompute), ``lat_over_f`` a
     p2p transfer's time over a chunk's forward. Without latency the idle time of the schedules that do not
     split the backward is (F + B) times a constant, so they are simulated once at F=1, B=2 and scaled; the
-    zero-bubble ones are simulated at the ratio (rounded to 1/2, W = F). The latency's cost grows linearly
+    zero-bubble ones replay their order at the ratio (rounded to 1/2, W = F). The latency's cost grows linearly
     with ``m`` past ``2p`` (steady state), so it is simulated at ``2p`` and ``3p`` and extrapolated.
     """
     m_sim = sim_microbatches(schedule, p, m)
@@ -78,22 +78,14 @@ def pipeline_shape(schedule: str, p: int, m: int, v: int, b_over_f: float, lat_o
 def _simulated(schedule: str, p: int, m: int, v: int, b_over_f: float, lat: float) -> tuple[float, float, int, int]:
     kw = dict(num_ranks=p, num_microbatches=m, virtual_stages=v, cost_f=1.0, cost_b=b_over_f,
               cost_w=min(1.0, b_over_f / 2) if schedule in SPLIT_BACKWARD else None)
-    if not lat:
-        r = _base(schedule, **kw)
-    else:
-        order = _base(schedule, **kw).order() if schedule in SPLIT_BACKWARD else None
-        r = simulate(schedule, **kw, p2p_latency=lat, order=order)
+    r = simulate(schedule, **kw, p2p_latency=lat)
     last_rank = 0 if schedule == "zbv" else p - 1
     return r.makespan, r.idle, r.peak_inflight[0], r.peak_inflight[last_rank]
 
 
-@lru_cache(maxsize=1024)
-def _base(schedule: str, **kw):
-    """The latency-free simulation (its greedy order is reused for the runs with latency)."""
-    return simulate(schedule, **kw)
-
-
 def clear_caches() -> None:
     """Forget every cached simulation (benchmarks measure a cold search)."""
+    from dtprobe.schedule_sim import _canonical_order
+
     _simulated.cache_clear()
-    _base.cache_clear()
+    _canonical_order.cache_clear()

@@ -153,10 +153,11 @@ def _why(this: pd.Series, nxt: pd.Series) -> str:
     """Which breakdown terms make ``this`` faster than ``nxt`` (largest savings first)."""
     gain = nxt["step_time_s"] - this["step_time_s"]
     diffs = sorted(((nxt[c] - this[c], c) for c in TIME_COLUMNS), reverse=True)
-    parts = [f"{_TIME_LABELS[c]} {d * 1e3:.1f} ms less" for d, c in diffs[:2] if d > 1e-9]
-    costs = [f"{_TIME_LABELS[c]} {-d * 1e3:.1f} ms more" for d, c in diffs[-1:] if d < -1e-9]
+    parts = [f"{_TIME_LABELS[c]} {d * 1e3:.1f} ms less" for d, c in diffs[:2] if d >= 5e-5]
+    costs = [f"{_TIME_LABELS[c]} {-d * 1e3:.1f} ms more" for d, c in diffs[-1:] if d <= -5e-5]
     if not parts:
-        return f"ties with {describe(nxt)} (same predicted time, less memory: {this['total_gib']:.1f} GiB)"
+        return (f"ties with {describe(nxt)} (predicted times within 0.1 ms; {this['total_gib']:.1f} vs "
+                f"{nxt['total_gib']:.1f} GiB per GPU)")
     return (f"{gain * 1e3:.1f} ms faster than {describe(nxt)}: " + ", ".join(parts)
             + (f" (but {costs[0]})" if costs else ""))
 

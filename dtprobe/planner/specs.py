@@ -236,8 +236,6 @@ class TrainingSpec:
     """Share of device memory kept free (allocator fragmentation, CUDA context, workspaces)."""
     sequence_parallel: bool = True
     """Use sequence parallelism with TP (Megatron SP): layer-norm/dropout activations sharded by TP."""
-    dp_overlap_frac: float = 0.8
-    """Share of the data-parallel gradient sync hidden behind backward compute (calibrated)."""
 
     def __post_init__(self) -> None:
         if self.global_batch < 1 or self.seq_len < 1:

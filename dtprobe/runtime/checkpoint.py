@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 from dtprobe.store.errors import ConfigError, TraceError
@@ -108,14 +108,19 @@ class TrainState(Stateful):
         self.step = step
         self.extras = dict(extras or {})
 
+    # Flattened optimizer state ("optim.state.<fqn>.exp_avg", "optim.param_groups.<fqn>.lr"): every entry is keyed
+    # by parameter, so pipeline stages holding different parameters never overwrite each other's param groups
+    # (DCP writes a non-tensor key once), and the checkpoint loads into any layout.
+    _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
     def state_dict(self) -> dict[str, Any]:
-        msd, osd = get_state_dict(self.model, self.optimizer)
+        msd, osd = get_state_dict(self.model, self.optimizer, options=self._OPTIONS)
         return {"model": msd, "optim": osd, "step": self.step,
                 **{f"extra.{k}": v.state_dict() for k, v in self.extras.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+                       optim_state_dict=state["optim"], options=self._OPTIONS)
         self.step = int(state["step"])
         for k, v in self.extras.items():
             v.load_state_dict(state[f"extra.{k}"])

@@ -266,7 +266,7 @@ class CompressionHook:
         qs = self._qs.get(index)
         if qs is None:
             gen = torch.Generator().manual_seed(cfg.seed + 7919 * index)
-            qs = [torch.randn(m.shape[1], cfg.rank, generator=gen, dtype=buf.dtype) for m in mats]
+            qs = [torch.randn(m.shape[1], cfg.rank, generator=gen, dtype=buf.dtype).to(buf.device) for m in mats]
             self._qs[index] = qs
         raw_flat = torch.cat([g.reshape(-1) for g in raws]) if raws else buf.new_zeros(0)
         ps = [m @ q for m, q in zip(mats, qs)]
@@ -332,14 +332,14 @@ def _probe_step() -> int:
 def _pack_bits(bits: torch.Tensor) -> torch.Tensor:
     """Bool vector -> uint8, 8 per byte (MSB first), zero-padded."""
     n = bits.numel()
-    padded = torch.zeros(math.ceil(n / 8) * 8, dtype=torch.uint8)
+    padded = torch.zeros(math.ceil(n / 8) * 8, dtype=torch.uint8, device=bits.device)
     padded[:n] = bits
-    weights = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
+    weights = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8, device=bits.device)
     return (padded.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
 
 
 def _unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
-    shifts = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0], dtype=torch.uint8)
+    shifts = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0], dtype=torch.uint8, device=packed.device)
     return ((packed.view(-1, 1) >> shifts) & 1).view(-1)[:n]
 
 

@@ -13,7 +13,7 @@ The leader then writes one ``faults`` row ``kind="restart", injected=false`` wit
      "checkpoint": path or null}
 
 and appends the same to ``run.json``'s ``restarts`` (``store.manifest.add_restart``). ``last_step`` comes from
-this rank's own ``steps`` rows of earlier attempts (a SIGKILLed rank may have lost its last second of rows,
+the ranks' ``steps`` rows of earlier attempts (a SIGKILLed rank may have lost its last second of rows,
 so ``steps_lost`` is then a lower bound).
 """
 
@@ -32,21 +32,22 @@ from dtprobe.runtime.train import TrainContext, TrainHooks, register_hooks
 from dtprobe.store.schema import EVENTS_FILE
 
 
-def last_completed_step(run_dir: str | Path, rank: int, *, before_restart: int) -> int:
-    """The highest completed step in ``rank``'s ``steps`` rows of attempts before ``before_restart``; -1 if none."""
-    path = Path(run_dir) / EVENTS_FILE.format(table="steps", rank=rank)
+def last_completed_step(run_dir: str | Path, *, before_restart: int) -> int:
+    """The highest completed step in any rank's ``steps`` rows of attempts before ``before_restart``; -1 if none.
+
+    A step that raised still writes its row, without a loss, so only rows with a loss count (under pipeline
+    parallelism only the last stage has losses: hence every rank's file is read).
+    """
     last = -1
-    if not path.is_file():
-        return last
-    for line in path.read_bytes().splitlines():
-        try:
-            row = orjson.loads(line)
-        except orjson.JSONDecodeError:
-            continue                                      # a torn last line of a killed rank
-        # a step that raised still writes its row, without a loss: only rows with a loss completed
-        if (int(row.get("restart") or 0) < before_restart and row.get("step") is not None
-                and row.get("loss") is not None):
-            last = max(last, int(row["step"]))
+    for path in sorted((Path(run_dir) / EVENTS_FILE.format(table="steps", rank=0)).parent.glob("rank*.jsonl")):
+        for line in path.read_bytes().splitlines():
+            try:
+                row = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                continue                                  # a torn last line of a killed rank
+            if (int(row.get("restart") or 0) < before_restart and row.get("step") is not None
+                    and row.get("loss") is not None):
+                last = max(last, int(row["step"]))
     return last
 
 
@@ -87,7 +88,7 @@ class CheckpointHooks(TrainHooks):
         if loaded is not None:
             ctx.start_step = loaded + 1
         if restart > 0 and probe.is_leader:
-            last = last_completed_step(probe.run_dir, probe.rank, before_restart=restart)
+            last = last_completed_step(probe.run_dir, before_restart=restart)
             ckpt_step = -1 if loaded is None else loaded
             lost = max(0, last - ckpt_step)
             ckpt_path = None if loaded is None else str(self.checkpointer.root / f"step{loaded:08d}")

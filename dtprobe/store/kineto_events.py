@@ -257,7 +257,7 @@ def parse_trace_file(path: str | Path, *, single_file: bool = False) -> RankPars
     step_events: list[tuple[int, Any, Any]] = []
     annotations: list[tuple[Any, Any, Any, str, Any, Any]] = []
     c10d_ops: list[tuple[Any, Any, Any, str, Any, Any]] = []
-    kinds: dict[str, str] = {}
+    kinds: dict[str, tuple[str, str]] = {}
 
     for ev in events:
         dur = ev.dur
@@ -278,9 +278,10 @@ def parse_trace_file(path: str | Path, *, single_file: bool = False) -> RankPars
         if type(name) is not str:
             name = str(name)
         if stream != -1:
-            kind = kinds.get(name)
-            if kind is None:
-                kind = kinds[name] = kernel_kind(name)
+            known = kinds.get(name)
+            if known is None:
+                known = kinds[name] = (name, kernel_kind(name))
+            name, kind = known   # one str object per distinct name: less memory, pickled once
             if kind == "comm" and args is not None and args.collective_name is not None:
                 comm_args[len(g_name)] = args
             g_name.append(name)

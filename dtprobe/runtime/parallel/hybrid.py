@@ -25,7 +25,7 @@ from dtprobe.runtime.parallel.mesh import ParallelDims, axis_mesh, build_mesh, c
 from dtprobe.runtime.parallel.pp import (PipelineTimer, SleepStage, StageSleep, build_schedule, local_stages,
                                          sleep_loss, stage_module)
 from dtprobe.runtime.parallel.tp import apply_tp
-from dtprobe.runtime.parallel.zero import apply_data_parallel, build_optimizer
+from dtprobe.runtime.parallel.zero import allreduce_grads, apply_data_parallel, build_optimizer
 from dtprobe.store.errors import ConfigError
 
 Record = Callable[[str, dict[str, Any]], None]
@@ -59,7 +59,16 @@ class Parallelized:
     """Global gradient-norm clip; 0 disables it."""
     record: Record | None = None
     """``probe.record`` (memory rows every step, pipeline rows every action) or None."""
+    grad_allreduce_group: Any = None
+    """The dp group whose gradients ``train_step`` all-reduces itself (ZeRO-1 with pipeline stages), or None."""
     _loss_scale: float = 1.0
+    _scaler: Any = None
+
+    def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss: ``loss_fn``, scaled by the fp16 loss scaler when there is one (the schedule runs
+        the backward itself, so the scaling has to happen inside the loss)."""
+        loss = self.loss_fn(output, target)
+        return loss if self._scaler is None else self._scaler.scale(loss)
 
     @property
     def dp_rank(self) -> int:
@@ -102,6 +111,7 @@ class Parallelized:
             model = self.model_parts[0]
             total = torch.zeros((), device=self.device)
             for i, (inputs, targets) in enumerate(pairs):
+                _set_grad_sync(model, i == len(pairs) - 1)   # reduce gradients once, after the last micro-batch
                 with phase("fwd"):
                     if i == 0 and faults is not None:
                         faults.in_compute(step)
@@ -118,8 +128,8 @@ class Parallelized:
             self.timer.start_step(step)
             losses: list[torch.Tensor] = []
             args = (inputs,) if self.has_first_stage else ()
-            scaler = getattr(ops, "scaler", None)
-            self._loss_scale = 1.0 if scaler is None else float(scaler.get_scale())
+            self._scaler = getattr(ops, "scaler", None)
+            self._loss_scale = 1.0 if self._scaler is None else float(self._scaler.get_scale())
             if faults is not None:
                 faults.in_compute(step)
             with ops.autocast():
@@ -134,6 +144,9 @@ class Parallelized:
                 phase_ns["bwd"] = phase_ns.get("bwd", 0) + bwd_ns
             mean_loss = (torch.stack([x.detach().float() for x in losses]).mean() / self._loss_scale
                          if losses else None)
+        if self.grad_allreduce_group is not None:
+            with phase("bwd"):
+                allreduce_grads(self.parameters(), self.grad_allreduce_group)
         if faults is not None:
             faults.after_compute()
         with phase("opt"):
@@ -149,6 +162,15 @@ class Parallelized:
     def parameters(self) -> list[nn.Parameter]:
         """Every parameter this rank trains (all local stages)."""
         return [p for part in self.model_parts for p in part.parameters()]
+
+
+def _set_grad_sync(model: nn.Module, enabled: bool) -> None:
+    """Turn gradient reduction on or off for the next backward (DDP ``require_backward_grad_sync``, FSDP2 /
+    ``replicate`` ``set_requires_gradient_sync``); a no-op for a model without data parallelism."""
+    if hasattr(model, "require_backward_grad_sync"):
+        model.require_backward_grad_sync = enabled
+    elif hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(enabled)
 
 
 class _Fp32Ops:
@@ -178,8 +200,9 @@ def parallelize_model(model: nn.Module, layout: Any, *, world_size: int, rank: i
 
     ``model`` is the full model, initialised identically on every rank (``build_model(name, seed=...)``).
     ``init_mesh`` is ``probe.init_device_mesh`` when instrumented (collectives then carry the axis names);
-    ``record`` is ``probe.record`` (pipeline and memory rows); ``max_norm`` clips the global gradient norm. ``stage_sleep`` replaces each pipeline stage's
-    compute by a fixed sleep. ``global_batch``/``seq_len`` are only used to validate the layout.
+    ``record`` is ``probe.record`` (pipeline and memory rows); ``max_norm`` clips the global gradient norm.
+    ``stage_sleep`` replaces each pipeline stage's compute by a fixed sleep. ``global_batch``/``seq_len`` are
+    only used to validate the layout.
     """
     cfg = getattr(model, "cfg", None)
     dims = check_layout(layout, world_size=world_size, num_layers=len(model.blocks),
@@ -221,6 +244,8 @@ def parallelize_model(model: nn.Module, layout: Any, *, world_size: int, rank: i
     result = Parallelized(model_parts=parts, optimizer=optimizer, dims=dims, coords=coords, mesh=mesh,
                           device=device, record=record, stage_indices=stage_indices, max_norm=max_norm,
                           loss_fn=sleep_loss if stage_sleep is not None else lm_loss)
+    if layout.zero == 1 and dp_mesh is not None and dims.pp > 1:
+        result.grad_allreduce_group = dp_mesh.get_group()
     if dims.pp > 1:
         from torch.distributed.pipelining import PipelineStage
 
@@ -228,7 +253,7 @@ def parallelize_model(model: nn.Module, layout: Any, *, world_size: int, rank: i
         stages = [PipelineStage(part, s, num_stages, device, group=group) for part, s in zip(parts, stage_indices)]
         result.timer = PipelineTimer(stages, record)
         result.schedule = build_schedule(stages, layout.pp_schedule, microbatches=layout.microbatches,
-                                         loss_fn=result.loss_fn)
+                                         loss_fn=result.pipeline_loss)
     return result
 
 

@@ -102,7 +102,7 @@ def check_layout(layout: Any, *, world_size: int, num_layers: int | None = None,
         if num_layers is not None and num_layers < num_stages and not getattr(layout, "stage_sleep", ""):
             raise ConfigError(f"the model has {num_layers} layers but the pipeline has {num_stages} stages "
                               f"(pp {dims.pp} x virtual_stages {stages_per_rank}); every stage needs a block. "
-                              f"Use a bigger model preset or fewer stages.")
+                              f"Use a deeper model (--model small: 8 layers, medium: 12) or fewer stages.")
         if batch_size is not None and (batch_size // dims.dp) % m:
             raise ConfigError(f"the per-replica batch ({batch_size} / dp {dims.dp} = {batch_size // dims.dp}) "
                               f"is not divisible by layout.microbatches = {m}; pick a batch size that is a "

@@ -11,9 +11,10 @@ from dashboard.nav import FINDING_PAGE
 def body(source) -> None:
     analysis = common.load(source)
     figures = common.key_figures(analysis)
-    cols = st.columns(len(figures))
-    for col, (label, value) in zip(cols, figures.items()):
-        col.metric(label, value)
+    items = list(figures.items())
+    for row in (items[:4], items[4:]):
+        for col, (label, value) in zip(st.columns(4), row):
+            col.metric(label, value)
     reason = analysis.key_figures().mfu_reason
     if analysis.key_figures().mfu is None and reason:
         st.caption(f"MFU: {reason}")

@@ -6,8 +6,7 @@ import streamlit as st
 
 from dashboard import charts, common
 
-MAX_RANKS = 16
-"""Ranks drawn at once (a 64-rank Gantt is unreadable); the rest are chosen in the rank filter."""
+MAX_RANKS = 16  # ranks drawn at once (a 64-rank Gantt is unreadable); the rest are chosen in the rank filter
 
 
 def body(source) -> None:

@@ -1,0 +1,83 @@
+"""Pipeline own delay: time a pipeline rank is neither running an action nor waiting for its input; read by the
+straggler detector (which of two late, linked pipeline ranks is the origin) and the facade."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from dtprobe.analysis.tables import P2P_OPS, axis_of, group_members, require_columns, step_durations
+
+OWN_DELAY_COLUMNS = ["rank", "step", "own_delay_ns", "num_actions"]
+
+
+def pipeline_groups(collectives: pd.DataFrame) -> dict[int, tuple[int, ...]]:
+    """rank -> the ranks of its pipeline: the members of its ``pp`` process group, else the connected p2p peers."""
+    groups: dict[int, tuple[int, ...]] = {}
+    if collectives.empty:
+        return groups
+    pp = collectives.loc[np.array([axis_of(pg) == "pp" for pg in collectives["pg"].fillna("")], dtype=bool)]
+    for pg_ranks in pp["pg_ranks"].dropna().unique():
+        members = group_members(pg_ranks)
+        groups.update({r: members for r in members})
+    p2p = collectives[collectives["op"].isin(P2P_OPS) & collectives["peer"].notna()]
+    parent: dict[int, int] = {}
+
+    def find(x: int) -> int:
+        while parent.setdefault(x, x) != x:
+            x = parent[x]
+        return x
+    for a, b in p2p[["rank", "peer"]].drop_duplicates().itertuples(index=False):
+        parent[find(int(a))] = find(int(b))
+    comps: dict[int, list[int]] = {}
+    for r in list(parent):
+        comps.setdefault(find(r), []).append(r)
+    for members in comps.values():
+        for r in members:
+            groups.setdefault(r, tuple(sorted(members)))
+    return groups
+
+
+def pipeline_own_delay(pipeline: pd.DataFrame, steps: pd.DataFrame,
+                       groups: dict[int, tuple[int, ...]]) -> pd.DataFrame:
+    """Per (rank, step) of a pipelined run: time the rank was neither running a pipeline action nor waiting for
+    its input (``own_delay_ns``): for each action, start - max(end of its previous action (the step start for
+    the first), end of the action producing its input on the neighbouring stage of the same pipeline: F after
+    F of stage-1, B/I after B/I of stage+1). A rank that sleeps or is slow outside its actions accumulates it;
+    its pipeline peers, which only wait, do not. Columns: ``OWN_DELAY_COLUMNS``."""
+    require_columns(pipeline, ["rank", "stage", "step", "microbatch", "action", "start_ns", "end_ns"], table="pipeline")
+    p = pipeline.dropna(subset=["start_ns", "end_ns", "stage", "step"])
+    if p.empty or not groups:
+        return pd.DataFrame({col: [] for col in OWN_DELAY_COLUMNS})
+    gid = {r: min(g) for r, g in groups.items()}
+    d = pd.DataFrame({
+        "rank": p["rank"].astype("int64"), "stage": p["stage"].astype("int64"), "step": p["step"].astype("int64"),
+        "mb": p["microbatch"].fillna(-1).astype("int64"), "action": p["action"].astype(str),
+        "start": p["start_ns"].astype("int64"), "end": p["end_ns"].astype("int64"),
+    })
+    base = int(d["start"].min())          # relative times: float64 cannot hold Unix nanoseconds exactly
+    d["start"] -= base
+    d["end"] -= base
+    d["g"] = d["rank"].map(gid).fillna(-1).astype("int64")
+    d = d[d["g"] >= 0]
+    produced = d[d["action"].isin(["F", "B", "I"])].assign(kind=lambda x: x["action"].replace({"I": "B"}))
+    produced = produced.groupby(["g", "step", "stage", "kind", "mb"])["end"].max().rename("dep_end")
+    d["dep_stage"] = np.where(d["action"] == "F", d["stage"] - 1, d["stage"] + 1)
+    d["kind"] = np.where(d["action"] == "F", "F", np.where(d["action"].isin(["B", "I"]), "B", "W"))
+    keys = pd.MultiIndex.from_arrays([d["g"], d["step"], d["dep_stage"], d["kind"], d["mb"]])
+    d["dep_end"] = produced.reindex(keys).to_numpy()
+    d = d.sort_values(["rank", "step", "start"], kind="stable")
+    d["prev_end"] = d.groupby(["rank", "step"])["end"].shift()
+    starts = step_durations(steps).merge(steps[["rank", "step", "start_ns"]].astype({"rank": "int64", "step": "int64"}),
+                                         on=["rank", "step"]) if not steps.empty else None
+    if starts is not None:
+        first = (d.merge(starts[["rank", "step", "start_ns"]], on=["rank", "step"], how="left")["start_ns"]
+                 - base).to_numpy(dtype="float64")
+        d["prev_end"] = d["prev_end"].fillna(pd.Series(first, index=d.index).astype("float64"))
+    d["prev_end"] = d["prev_end"].fillna(d["start"])
+    ready = np.fmax(d["prev_end"].to_numpy(dtype="float64"), d["dep_end"].to_numpy(dtype="float64"))
+    d["delay"] = np.clip(d["start"].to_numpy(dtype="float64") - ready, 0, None)
+    out = d.groupby(["rank", "step"]).agg(own_delay_ns=("delay", "sum"), num_actions=("delay", "size")).reset_index()
+    return out[OWN_DELAY_COLUMNS]
+
+

@@ -66,6 +66,8 @@ CASES = {
     "zero3_dp2_accum2": dict(dp=2, zero=3, grad_accum=2),
     "zero3_dp2_ac_full": dict(dp=2, zero=3, activation_checkpointing="full"),
     "dp2_pp2_zero1": dict(dp=2, pp=2, zero=1, pp_schedule="gpipe", microbatches=2),
+    "pp2_1f1b_fp16": dict(pp=2, pp_schedule="1f1b", microbatches=4, precision="fp16"),
+    "zero3_dp2_fp16": dict(dp=2, zero=3, precision="fp16"),
     "zero0_dp4": dict(dp=4),
     "zero1_dp4": dict(dp=4, zero=1),
     "zero3_dp4": dict(dp=4, zero=3),
@@ -76,6 +78,12 @@ CASES = {
 def run_case(name: str, *, rank: int, world_size: int) -> tuple[list[float], list[dict]]:
     kw = dict(CASES[name])
     accum = kw.pop("grad_accum", 1)
+    precision = kw.pop("precision", "fp32")
+    ops = None
+    if precision != "fp32":
+        from dtprobe.runtime.precision import MixedPrecision, PrecisionConfig
+
+        ops = MixedPrecision(PrecisionConfig(dtype=precision), sharded=True)
     lay = layout(**kw)
     assert lay.world_size == world_size, (name, world_size)
     model = build_model("tiny", seed=SEED)
@@ -86,7 +94,7 @@ def run_case(name: str, *, rank: int, world_size: int) -> tuple[list[float], lis
                       seq_len=SEQ_LEN, grad_accum=accum, dp_rank=par.dp_rank, dp_size=par.dp_size, seed=SEED)
     losses = []
     for step in range(STEPS):
-        loss = par.train_step(sampler.micro_batches(step), step=step)
+        loss = par.train_step(sampler.micro_batches(step), step=step, ops=ops)
         loss = None if loss is None else float(loss)
         if world_size > 1:
             t = torch.tensor([loss if loss is not None else 0.0, 1.0 if loss is not None else 0.0],

@@ -34,7 +34,7 @@ LAUNCHES = {
     1: ["single", "single_ac_selective"],
     2: ["dp2", "zero1_dp2", "zero2_dp2", "zero3_dp2", "tp2", "tp2_sp", "tp2_sp_ac_full", "pp2_gpipe", "pp2_1f1b",
         "pp2_interleaved-1f1b", "pp2_zero-bubble", "pp2_zbv", "zero1_dp2_accum2", "zero3_dp2_accum2",
-        "zero3_dp2_ac_full"],
+        "zero3_dp2_ac_full", "pp2_1f1b_fp16", "zero3_dp2_fp16"],
     4: ["dp2_tp2", "dp2_pp2", "tp2_pp2", "dp2_tp2_zero3_sp", "dp2_pp2_zero2_interleaved", "dp2_pp2_zero1",
         "zero0_dp4", "zero1_dp4", "zero3_dp4"],
 }
@@ -129,6 +129,16 @@ def test_layout_loss_matches_single_process_within_1e4(case):
     print(f"{case}: max rel loss diff vs single process {max(rel):.2e}")
     assert max(rel) < 1e-4, f"{case}: losses {got} vs single process {reference} (rel diff {rel})"
     assert got[0] != got[-1]   # it trained
+
+
+@pytest.mark.parametrize("case", ["pp2_1f1b_fp16", "zero3_dp2_fp16"])
+def test_fp16_loss_scaling_trains_on_pipeline_and_fsdp_layouts(case):
+    """fp16 autocast + ShardedGradScaler (runtime.precision) through the layout's train step: the scaler is
+    initialised on pipeline ranks without a loss, and the loss stays within fp16 rounding of fp32."""
+    reference = single_results()["single"]["losses"]
+    got = results(2)[case]["losses"]
+    rel = [abs(g - r) / r for g, r in zip(got, reference)]
+    assert max(rel) < 5e-3, (case, got, reference)
 
 
 def test_zero_shards_optimizer_states_and_parameters_about_n_fold_over_4_ranks():

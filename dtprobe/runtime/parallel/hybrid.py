@@ -129,6 +129,8 @@ class Parallelized:
             losses: list[torch.Tensor] = []
             args = (inputs,) if self.has_first_stage else ()
             self._scaler = getattr(ops, "scaler", None)
+            if self._scaler is not None:   # initialise the scale on ranks that never compute a loss
+                self._scaler.scale(torch.zeros((), device=self.device))
             self._loss_scale = 1.0 if self._scaler is None else float(self._scaler.get_scale())
             if faults is not None:
                 faults.in_compute(step)
@@ -278,7 +280,10 @@ def parallelize(job: Any, layout: Any, *, probe: Any, device: torch.device) -> A
         stage_sleep=parse_stage_sleep(getattr(layout, "stage_sleep", None)),
         global_batch=tcfg.batch_size * tcfg.grad_accum * layout.dp, seq_len=tcfg.seq_len)
     ops = None
-    section = job.section("precision") if hasattr(job, "section") else None
+    try:
+        section = job.section("precision")
+    except KeyError:   # runtime.precision not registered: fp32
+        section = None
     if section is not None and getattr(section, "dtype", "fp32") != "fp32":
         from dtprobe.runtime.precision import MixedPrecision
 

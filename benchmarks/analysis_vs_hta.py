@@ -16,6 +16,13 @@ HTA down). dtprobe uses 2 worker processes.
 CPU time (user + system of the tool's process and its worker pool) is printed beside wall time: on a shared,
 oversubscribed machine it is the steadier measure of work. Peak memory = the largest sum of RSS over the tool's process and its children, sampled every 50 ms (forked
 workers share pages with their parent, so this over-counts both tools alike).
+
+Measured 2026-11-22 (64 ranks x 50 MB = 3194 MB JSON, 1.10 M GPU events, 3 steps; 2 vCPU shared with other jobs,
+load average 3-30 during the run):
+            wall s   CPU s   peak RSS   peak / raw JSON
+  dtprobe    508.9    61.2    2575 MB   0.81   (rerun alone at load ~3: 55.6 s wall, 58.4 s CPU, 0.83x)
+  HTA       2379.9   665.0    7270 MB   2.28
+  CPU-time ratio 10.9x; same-run wall ratio 4.7x (dtprobe ran under the heavier load); max |idle %| gap 0.004.
 """
 
 from __future__ import annotations

@@ -25,7 +25,20 @@ APP = REPO / "dashboard" / "app.py"
 SAMPLE_TRACES = REPO / "sample_traces"
 DLRM = next(p for p in (REPO / "tests/data/traces/dlrm_8rank_v100", REPO.parent / "shared/traces/dlrm_8rank_v100")
             if p.is_dir())
-SCENARIOS = sorted(p for p in SAMPLE_TRACES.iterdir() if p.is_dir()) if SAMPLE_TRACES.is_dir() else []
+
+
+
+def _scenario_sources() -> list[Path]:
+    """Each scenario folder that is a run or trace folder, and the runs inside a scenario that holds several
+    (e.g. topk_vs_baseline: a compressed run and its baseline)."""
+    found = []
+    for folder in sorted(p for p in SAMPLE_TRACES.iterdir() if p.is_dir()) if SAMPLE_TRACES.is_dir() else []:
+        inner = sorted(p for p in folder.iterdir() if (p / "run.json").is_file())
+        found += inner if not (folder / "run.json").is_file() and inner else [folder]
+    return found
+
+
+SCENARIOS = _scenario_sources()
 STRAGGLER_RANK = 2
 
 
@@ -73,7 +86,7 @@ def straggler_root(tmp_path_factory) -> Path:
 # ------------------------------------------------------------------------------------------------ every page
 
 
-@pytest.mark.parametrize("source", [*SCENARIOS, DLRM], ids=lambda p: p.name)
+@pytest.mark.parametrize("source", [*SCENARIOS, DLRM], ids=lambda p: p.parent.name + "/" + p.name)
 def test_dashboard_every_page_renders_and_overview_shows_analyze_findings(source: Path, monkeypatch):
     report = RunAnalysis.open(source).report()  # exactly what `dtprobe analyze --format json` prints
     at = app(source, monkeypatch)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dtprobe.runtime.data_parallel import PlainOps
 from dtprobe.runtime.model import lm_loss
 from dtprobe.runtime.parallel.ac import apply_ac
 from dtprobe.runtime.parallel.grad_norm import clip_grad_norm
@@ -104,7 +105,7 @@ class Parallelized:
         ``ops`` are the precision ops (``runtime.precision.MixedPrecision``; fp32 when None), ``faults`` the
         runtime's ``FaultInjector`` (``in_compute``/``after_compute`` around the compute)."""
         phase = step_ctx.phase if step_ctx is not None else (lambda name: contextlib.nullcontext())
-        ops = ops if ops is not None else _Fp32Ops()
+        ops = ops if ops is not None else PlainOps()
         pairs = [(b.inputs, b.targets) if hasattr(b, "inputs") else tuple(b) for b in micro_batches]
         self.optimizer.zero_grad(set_to_none=True)
         if self.schedule is None:
@@ -173,24 +174,6 @@ def _set_grad_sync(model: nn.Module, enabled: bool) -> None:
         model.require_backward_grad_sync = enabled
     elif hasattr(model, "set_requires_gradient_sync"):
         model.set_requires_gradient_sync(enabled)
-
-
-class _Fp32Ops:
-    """fp32 step ops (the do-nothing twin of ``runtime.precision.MixedPrecision``)."""
-
-    scaler = None
-
-    def autocast(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
-    def backward(self, loss: torch.Tensor, *, inject_overflow: bool = False) -> None:
-        loss.backward()
-
-    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
-        pass
-
-    def step(self, optimizer: torch.optim.Optimizer, *, step: int) -> None:
-        optimizer.step()
 
 
 def parallelize_model(model: nn.Module, layout: Any, *, world_size: int, rank: int, device: torch.device,

@@ -87,22 +87,31 @@ def build_metrics(a: "RunAnalysis") -> dict[str, Any]:
     return jsonable(m)
 
 
-def render_markdown(report: dict[str, Any]) -> str:
-    """The document as Markdown: a findings table by severity, then each finding, then key metrics."""
+def summary_facts(report: dict[str, Any]) -> list[str]:
+    """The run's headline facts as plain lines (steps analysed, median step time, throughput and MFU), shared by
+    the text and Markdown renderers; a fact the run lacks is left out."""
     m = report["metrics"]
-    lines = [f"# dtprobe analysis of `{report['source']}`", ""]
-    run = m["run"]
     sa = m["steps_analyzed"]
-    lines.append(f"- source: {run['kind']}, status **{run['status']}**, world size {run['world_size']}")
+    facts = []
     if sa["count"]:
-        lines.append(f"- steps analysed: {sa['first']}..{sa['last']} ({sa['count']} steps, first "
+        facts.append(f"steps analysed: {sa['first']}..{sa['last']} ({sa['count']} steps, first "
                      f"{sa['skipped_warmup_steps']} skipped as warm-up)")
     if m.get("step_time_ms"):
-        lines.append(f"- median step time: {m['step_time_ms']:.1f} ms")
+        facts.append(f"median step time: {m['step_time_ms']:.1f} ms")
     tp = m.get("throughput") or {}
     if tp.get("tokens_per_s"):
         mfu = f"{tp['mfu']:.1%}" if tp.get("mfu") is not None else f"n/a ({tp.get('mfu_reason')})"
-        lines.append(f"- throughput: {tp['tokens_per_s']:.0f} tokens/s, MFU {mfu}")
+        facts.append(f"throughput: {tp['tokens_per_s']:,.0f} tokens/s, MFU {mfu}")
+    return facts
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """The document as Markdown: a findings table by severity, then each finding, then key metrics."""
+    m = report["metrics"]
+    run = m["run"]
+    lines = [f"# dtprobe analysis of `{report['source']}`", ""]
+    lines.append(f"- source: {run['kind']}, status **{run['status']}**, world size {run['world_size']}")
+    lines += [f"- {fact}" for fact in summary_facts(report)]
     lines += ["", "## Findings", ""]
     findings = report["findings"]
     if not findings:

@@ -110,19 +110,12 @@ def render_text(report: dict, console) -> None:
     from rich.panel import Panel
     from rich.table import Table
 
+    from dtprobe.analysis.report import summary_facts
+
     m = report["metrics"]
-    run, sa = m["run"], m["steps_analyzed"]
+    run = m["run"]
     head = [f"[bold]{report['source']}[/]  ({run['kind']}, status [bold]{run['status']}[/], "
-            f"world size {run['world_size']})"]
-    if sa["count"]:
-        head.append(f"steps analysed: {sa['first']}..{sa['last']} ({sa['count']} steps; first "
-                    f"{sa['skipped_warmup_steps']} skipped as warm-up)")
-    if m.get("step_time_ms"):
-        head.append(f"median step time: {m['step_time_ms']:.1f} ms")
-    tp = m.get("throughput") or {}
-    if tp.get("tokens_per_s"):
-        mfu = f"{tp['mfu']:.1%}" if tp.get("mfu") is not None else f"n/a ({tp.get('mfu_reason')})"
-        head.append(f"throughput: {tp['tokens_per_s']:,.0f} tokens/s; MFU {mfu}")
+            f"world size {run['world_size']})", *summary_facts(report)]
     console.print(Panel("\n".join(head), title="dtprobe analyze", expand=False))
     findings = report["findings"]
     if not findings:

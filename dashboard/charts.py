@@ -50,6 +50,37 @@ def step_time_by_rank(steps: pd.DataFrame, *, marked: list[int] | None = None) -
     return _layout(fig, "Step time by rank")
 
 
+MAX_RANK_LINES = 8
+"""Above this many ranks, step-time charts draw the spread over ranks and the slowest ranks, not a line each."""
+
+
+def step_time_overview(steps: pd.DataFrame, *, marked: list[int] | None = None, slowest: int = 3) -> go.Figure:
+    """Step duration (ms) over the step axis: a line per rank up to ``MAX_RANK_LINES`` ranks; beyond that the
+    median over ranks, the min-max band, and the ``slowest`` ranks (by median step time) plus ``marked`` ranks as
+    lines, so a 64-rank run stays readable and light to draw."""
+    if steps["rank"].nunique() <= MAX_RANK_LINES:
+        return step_time_by_rank(steps, marked=marked)
+    df = steps.dropna(subset=["start_ns", "end_ns"]).assign(
+        step_ms=lambda d: (d["end_ns"] - d["start_ns"]).astype("float64") / 1e6)
+    per_step = df.groupby("step")["step_ms"].agg(["min", "median", "max"]).reset_index()
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=per_step["step"], y=per_step["max"], mode="lines", line=dict(width=0),
+                             showlegend=False, hoverinfo="skip"))
+    fig.add_trace(go.Scatter(x=per_step["step"], y=per_step["min"], mode="lines", line=dict(width=0),
+                             fill="tonexty", fillcolor="rgba(31,119,180,0.18)", name="min-max over ranks"))
+    fig.add_trace(go.Scatter(x=per_step["step"], y=per_step["median"], mode="lines", name="median over ranks",
+                             line=dict(color="#1f77b4", width=2)))
+    by_rank = df.groupby("rank")["step_ms"].median().sort_values(ascending=False)
+    shown = list(dict.fromkeys([*(marked or []), *by_rank.index[:slowest]]))
+    for rank in shown:
+        one = df[df["rank"] == rank]
+        fig.add_trace(go.Scatter(x=one["step"], y=one["step_ms"], mode="lines", name=_rank_label(rank),
+                                 line=dict(width=4 if marked and rank in marked else 1.5)))
+    fig.update_xaxes(title="step")
+    fig.update_yaxes(title="step time (ms)")
+    return _layout(fig, f"Step time over {len(by_rank)} ranks (slowest {slowest} drawn)")
+
+
 def loss_curve(steps: pd.DataFrame, *, overflow_steps: list[int] | None = None) -> go.Figure:
     """Mean loss over ranks per step, with AMP overflow steps as red markers."""
     df = steps.dropna(subset=["loss"]).groupby("step", as_index=False)["loss"].mean()

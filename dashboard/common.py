@@ -101,12 +101,20 @@ def page_setup(title: str) -> Source:
         st.error(str(exc))
         st.stop()
     st.query_params["run"] = choice
+    _whole_run_toggle(source)
     st.title(title)
     return source
 
 
 def is_live(source: Source) -> bool:
     return source.kind == "run" and _status(source) == "running"
+
+
+def _whole_run_toggle(source: Source) -> None:
+    if is_live(source) and data.live_window_steps() > 0:
+        st.sidebar.toggle("Whole run", key=WHOLE_RUN_KEY,
+                          help=f"While a run is running, pages analyze its newest {data.live_window_steps()} "
+                               f"steps so that every refresh stays fast; switch on to analyze every step.")
 
 
 def render(source: Source, body: Callable[[Source], None]) -> None:
@@ -118,13 +126,24 @@ def render(source: Source, body: Callable[[Source], None]) -> None:
         body(source)
 
 
+WHOLE_RUN_KEY = "whole_run"
+"""Session key of the sidebar toggle that analyzes a live run whole instead of its newest steps."""
+
+
 def load(source: Source):
-    """The analysis of the chosen source, or a readable stop when its data is unusable."""
+    """The analysis of the chosen source (a live run: its newest steps unless the sidebar asks for the whole
+    run, said in a caption), or a readable stop when its data is unusable."""
     try:
-        return data.load_analysis(source)
+        with st.spinner("Analyzing ...", show_time=True):
+            analysis = data.load_analysis(source, whole_run=bool(st.session_state.get(WHOLE_RUN_KEY)))
     except (TraceError, ConfigError) as exc:
         st.error(f"Cannot read {source.name}: {exc}")
         st.stop()
+    window = data.window_of(analysis)
+    if window is not None:
+        st.caption(f"Live view of {window.describe()} of {window.total_steps} steps; switch on "
+                   f"**Whole run** in the sidebar to analyze every step.")
+    return analysis
 
 
 def chart(fig, *, key: str) -> None:
@@ -173,8 +192,9 @@ def fmt(value, pattern: str) -> str:
 def key_figures(analysis) -> dict[str, str]:
     """The Overview's headline numbers (``RunAnalysis.key_figures``), formatted; '-' when unknown."""
     k = analysis.key_figures()
+    window = data.window_of(analysis)
     return {
-        "steps": str(k.num_steps),
+        "steps": str(window.total_steps if window is not None else k.num_steps),
         "step time": fmt(k.step_time_ms, "{:.1f} ms"),
         "tokens/s": fmt(k.tokens_per_s, "{:,.0f}"),
         "MFU": fmt(k.mfu, "{:.1%}"),

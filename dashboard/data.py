@@ -1,50 +1,126 @@
 """The dashboard's only caching site: run stores tailed incrementally, analyses keyed by what was read.
 
-A run's ``RunStore`` is kept (``cache_resource``) and refreshed on every page run: only lines appended since
-the last read are parsed, so reading a live run costs the new events, not the run's length. The ``RunAnalysis``
-over it is rebuilt only when the store's row counts (``RunStore.num_rows``, no frame built) or its status
-changed. Trace folders are parsed once per mtime. Planner results are cached by their inputs.
+A run's ``RunStore`` is opened once and refreshed on every page run: only lines appended since the last read are
+parsed. While a run is running, pages analyze its newest ``live_window_steps()`` steps (``StepWindow``) unless
+the user asks for the whole run, so a live refresh costs the window, not the run's length; a finished run is
+always analyzed whole. An analysis is rebuilt only when the store's row counts or status changed. Trace folders
+are parsed once per mtime. Planner results are cached by their inputs.
+
+The caches are plain module state (not ``st.cache_resource``) so that ``dashboard.serve`` can warm them in a
+thread while the server starts, before any browser session exists.
 """
 
 from __future__ import annotations
 
+import os
 import threading
+from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import streamlit as st
 
 from dashboard.paths import Source, list_sources
 from dtprobe.analysis.facade import RunAnalysis, open_source
+from dtprobe.analysis.window import StepWindow
 
+LIVE_WINDOW_ENV = "DTPROBE_LIVE_WINDOW"
+"""Steps a live run is analyzed over (`dtprobe dashboard --live-window`); 0 analyzes the whole run."""
+DEFAULT_LIVE_WINDOW = 100
+MAX_SOURCES = 16
+"""Runs or trace folders kept open at once (least recently used ones are dropped)."""
+
+
+def live_window_steps() -> int:
+    return int(os.environ.get(LIVE_WINDOW_ENV, DEFAULT_LIVE_WINDOW))
+
+
+@dataclass
+class _Entry:
+    source: Any
+    """``RunStore`` or ``KinetoRun``."""
+    version: tuple
+    """What the source held when it was last read (row counts and status, or the trace folder's mtime)."""
+    analyses: dict[bool, tuple[tuple, RunAnalysis]]
+    """whole_run -> (version it was built at, analysis)."""
+    lock: threading.RLock
+
+
+_ENTRIES: "OrderedDict[str, _Entry]" = OrderedDict()
 _LOCK = threading.Lock()
 
 
-@st.cache_resource(max_entries=64, show_spinner=False)
-def _run_store(path: str):
-    """One incremental reader per run directory (or parsed trace folder), shared by sessions."""
-    return open_source(path)
-
-
-@st.cache_resource(max_entries=64, show_spinner="Analyzing ...")
-def _analysis(path: str, version: tuple) -> RunAnalysis:
-    """The analysis of ``path`` as of ``version`` (row counts per table and status, or the folder's mtime)."""
-    return RunAnalysis(_run_store(path))
-
-
-def store_version(source: Source) -> tuple:
-    """Tail the run's new lines and return what identifies its content now (cheap for a live run)."""
+def _entry(path: str, version_now: tuple | None) -> _Entry:
+    """The open source at ``path`` (opened on first use; trace folders reopened when their mtime changed)."""
     with _LOCK:
-        store = _run_store(str(source.path))
-        store.refresh()
-        return tuple(sorted(store.num_rows().items())) + (store.manifest.status,)
+        entry = _ENTRIES.get(path)
+        if entry is not None and version_now is not None and entry.version != version_now:
+            entry = None  # a trace folder that changed on disk: parse it again
+        if entry is None:
+            entry = _ENTRIES[path] = _Entry(None, version_now or (), {}, threading.RLock())
+        _ENTRIES.move_to_end(path)
+        while len(_ENTRIES) > MAX_SOURCES:
+            _ENTRIES.popitem(last=False)
+        return entry
 
 
-def load_analysis(source: Source) -> RunAnalysis:
-    """The current analysis of ``source``; for runs, reads only what was appended since the last call."""
-    key = str(source.path)
-    if source.kind != "run":
-        return _analysis(key, ("traces", _mtime(source.path)))
-    return _analysis(key, store_version(source))
+def _read(entry: _Entry, path: str, kind: str) -> None:
+    """Open the source on first use; for runs, tail the lines appended since the last call."""
+    if entry.source is None:
+        entry.source = open_source(path)
+    elif kind == "run":
+        entry.source.refresh()
+    if kind == "run":
+        store = entry.source
+        entry.version = tuple(sorted(store.num_rows().items())) + (store.manifest.status,)
+
+
+def load_analysis(source: Source, *, whole_run: bool = False) -> RunAnalysis:
+    """The current analysis of ``source``: for a running run its newest ``live_window_steps()`` steps unless
+    ``whole_run``; reads only what was appended since the last call. Raises TraceError for unusable data."""
+    path = str(source.path)
+    entry = _entry(path, None if source.kind == "run" else ("traces", _mtime(source.path)))
+    with entry.lock:
+        _read(entry, path, source.kind)
+        window = live_window_steps()
+        live = source.kind == "run" and entry.source.manifest.status == "running" and window > 0
+        whole = whole_run or not live
+        cached = entry.analyses.get(whole)
+        if cached is not None and cached[0] == entry.version:
+            return cached[1]
+        src = entry.source
+        if not whole:
+            last = src.last_step()
+            if last is not None and last >= window:  # older steps exist: analyze the window only
+                src = StepWindow(src, window)
+        analysis = RunAnalysis(src)
+        analysis.key_figures()  # computed here, under the entry's lock, so sessions never repeat the work
+        analysis.findings()
+        entry.analyses[whole] = (entry.version, analysis)
+        return analysis
+
+
+def window_of(analysis: RunAnalysis) -> StepWindow | None:
+    """The step window an analysis covers, or None when it covers the whole run."""
+    return analysis.source if isinstance(analysis.source, StepWindow) else None
+
+
+def warm(source: Source) -> None:
+    """Analyze ``source`` ahead of the first page (``dashboard.serve`` calls it while the server starts)."""
+    load_analysis(source)
+
+
+def clear() -> None:
+    """Drop every open source and analysis (tests)."""
+    with _LOCK:
+        _ENTRIES.clear()
+
+
+def open_store(source: Source):
+    """The open ``RunStore`` (or ``KinetoRun``) behind ``source``, as last read (tests, diagnostics)."""
+    entry = _ENTRIES.get(str(source.path))
+    return entry.source if entry is not None else None
 
 
 def load_sources(root: Path) -> list[Source]:

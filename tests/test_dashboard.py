@@ -13,7 +13,7 @@ import pytest
 import streamlit
 from streamlit.testing.v1 import AppTest
 
-from dashboard import charts, export
+from dashboard import charts, data, export
 from dashboard.nav import FINDING_PAGE, PAGES
 from dashboard.paths import ROOT_ENV, list_sources, resolve_choice
 from dashboard.synthetic import SyntheticRun, write_synthetic_run
@@ -48,6 +48,7 @@ def _fresh_streamlit(monkeypatch):
     streamlit.config.set_option("client.showErrorDetails", "full")
     streamlit.cache_data.clear()
     streamlit.cache_resource.clear()
+    data.clear()
     monkeypatch.delenv(ROOT_ENV, raising=False)
 
 
@@ -166,13 +167,82 @@ def test_live_refresh_parses_only_the_new_lines(tmp_path, monkeypatch):
     run = SyntheticRun(tmp_path / "live", num_ranks=2)
     run.write_steps(10)
     app(tmp_path, monkeypatch)
-    store = data._run_store(str((tmp_path / "live").resolve()))
+    store = data.open_store(resolve_choice(tmp_path, "live"))
     before = store.cursors()
     run.write_steps(1)
     app(tmp_path, monkeypatch)
     after = store.cursors()
     steps_file = "events/steps/rank00000.jsonl"
     assert after[steps_file][1] - before[steps_file][1] == 1  # one new line read, not the whole file again
+
+
+def test_live_run_longer_than_the_window_is_analyzed_over_its_newest_steps(tmp_path, monkeypatch):
+    monkeypatch.setenv(data.LIVE_WINDOW_ENV, "25")
+    run = SyntheticRun(tmp_path / "live", num_ranks=4, straggler_rank=2)
+    run.write_steps(60)
+    at = app(tmp_path, monkeypatch)
+    assert "Live view of steps 35-59 (the last 25) of 60 steps" in page_text(at)
+    assert {m.label: m.value for m in at.metric}["steps"] == "60"
+    assert "STRAGGLER" in page_text(at) and "ranks 2 " in page_text(at)
+    source = resolve_choice(tmp_path, "live")
+    window = data.load_analysis(source)
+    assert sorted(window.table("steps")["step"].unique()) == list(range(35, 60))
+    rows_before = len(window.table("collectives"))
+    run.write_steps(5)  # the run grows; a refresh still analyzes 25 steps
+    window = data.load_analysis(source)
+    assert sorted(window.table("steps")["step"].unique()) == list(range(40, 65))
+    assert len(window.table("collectives")) == rows_before == 25 * 4 * 2
+    at.toggle(key="whole_run").set_value(True).run()  # the sidebar switch: every step
+    assert "Live view" not in page_text(at) and "STRAGGLER" in page_text(at)
+    whole = data.load_analysis(source, whole_run=True)
+    assert whole.table("steps")["step"].nunique() == 65 and data.window_of(whole) is None
+    run.finish()
+    at.toggle(key="whole_run").set_value(False).run()
+    assert "Live view" not in page_text(at)  # a finished run is always analyzed whole
+    assert data.load_analysis(source).table("steps")["step"].nunique() == 65
+
+
+def test_live_window_keeps_whole_run_events(tmp_path, monkeypatch):
+    from dtprobe.analysis.window import StepWindow
+    from dtprobe.store import RunStore
+    from dtprobe.store.writer import RankWriter
+
+    run = SyntheticRun(tmp_path / "live", num_ranks=2)
+    run.write_steps(30)
+    w = RankWriter(run.run_dir, 1)
+    w.write("faults", {"time_ns": run.t_ns, "step": 3, "kind": "restart", "injected": False,
+                       "detail": '{"steps_lost": 2}'})
+    w.close()
+    window = StepWindow(RunStore.open(run.run_dir), 10)
+    assert (window.first_step, window.last_step, window.total_steps) == (20, 29, 30)
+    assert window.table("steps")["step"].min() == 20 and len(window.table("faults")) == 1
+
+
+def test_step_time_overview_draws_the_spread_and_the_slowest_ranks_beyond_eight_ranks(tmp_path):
+    from dtprobe.store import RunStore
+
+    run = write_synthetic_run(tmp_path / "r", num_ranks=16, num_steps=12, straggler_rank=11)
+    steps = RunStore.open(run).table("steps")
+    fig = charts.step_time_overview(steps, marked=[11])
+    names = [t.name for t in fig.data]
+    assert names[1:3] == ["min-max over ranks", "median over ranks"]
+    assert names[3] == "rank 11" and fig.data[3].line.width == 4 and len(names) == 3 + 1 + 3
+    assert len(fig.data[2].x) == 12  # one median point per step, not one per (rank, step)
+    step_ms = (steps["end_ns"] - steps["start_ns"]) / 1e6
+    assert list(fig.data[2].y) == list(step_ms.groupby(steps["step"]).median())
+    assert len(charts.step_time_overview(steps[steps["rank"] < 4]).data) == 4  # few ranks: a line each
+
+
+def test_server_warms_the_newest_run_before_the_first_page(tmp_path, monkeypatch):
+    from dashboard import serve
+
+    old = write_synthetic_run(tmp_path / "old", num_ranks=2, num_steps=4)
+    os.utime(old, (1, 1))
+    write_synthetic_run(tmp_path / "new", num_ranks=2, num_steps=4)
+    monkeypatch.setenv(ROOT_ENV, str(tmp_path))
+    serve._warm()
+    assert data.open_store(resolve_choice(tmp_path, "new")) is not None
+    assert data.open_store(resolve_choice(tmp_path, "old")) is None
 
 
 # ------------------------------------------------------------------------------------------------ run choice

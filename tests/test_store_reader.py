@@ -330,3 +330,70 @@ def test_store_shared_by_threads_reads_each_row_once(tmp_path):
         t.join(timeout=60)
     store.refresh()
     assert store.table("steps")["step"].tolist() == list(range(2000))
+
+
+# ------------------------------------------------------------------------------------------------ many ranks, windows
+
+
+def test_many_ranks_are_parsed_side_by_side_with_the_same_rows_as_one_by_one(tmp_path, monkeypatch):
+    from dtprobe.store import reader
+
+    run = make_run(tmp_path / "r", offsets={r: 100 * r for r in range(12)}, steps=5)
+    parallel = RunStore.open(run)
+    monkeypatch.setattr(reader, "_PARSE_THREADS", 1)
+    serial = RunStore.open(run)
+    assert len(serial.table("steps")) == 60
+    pd.testing.assert_frame_equal(parallel.table("steps"), serial.table("steps"))
+    assert parallel.cursors() == serial.cursors()
+
+
+def test_a_damaged_file_among_many_is_named_and_the_other_ranks_rows_are_kept(tmp_path):
+    run = make_run(tmp_path / "r", offsets={r: 0 for r in range(10)}, steps=2)
+    store = RunStore.open(run)
+    for rank in range(10):
+        append(events(run, "steps", rank), b'{"step": 2}\n' + (b'{"step": 3, bad}\n{"step": 4}\n' if rank == 6 else b""))
+    with pytest.raises(TraceError) as err:
+        store.refresh()
+    assert f"'{events(run, 'steps', 6)}' line 4 is not valid JSON" in str(err.value)
+    assert store.num_rows()["steps"] == 20 + 9  # the nine intact files advanced; rank 6 stays where it was
+    assert store.cursors()["events/steps/rank00006.jsonl"][1] == 2
+
+
+def test_a_step_window_equals_the_filtered_whole_table_and_skips_rows_outside_steps(tmp_path):
+    run = make_run(tmp_path / "r", offsets={0: 0, 1: 700}, steps=6)
+    w = RankWriter(run, 1)
+    w.write("collectives", {"pg": "world", "seq": 1, "op": "barrier", "enqueue_ns": T0, "step": -1})
+    for step in range(6):
+        w.write("collectives", {"pg": "world", "seq": step + 2, "op": "allreduce", "enqueue_ns": T0 + step,
+                                "step": step})
+    w.close()
+    store = RunStore.open(run)
+    assert store.last_step() == 5 and store.num_steps() == 6 and store.last_step("collectives") == 5
+    for table in ("steps", "collectives"):
+        whole = store.table(table)
+        window = store.table(table, min_step=4)
+        expected = whole[whole["step"] >= 4].reset_index(drop=True)
+        pd.testing.assert_frame_equal(window.reset_index(drop=True), expected)
+    assert sorted(store.table("steps", min_step=4)["step"].unique()) == [4, 5]
+    win = store.table("steps", min_step=4)
+    assert win.loc[(win["rank"] == 1) & (win["step"] == 4), "start_ns"].item() == T0 + 4000 + 700  # aligned
+    assert len(store.table("faults", min_step=4)) == 0 and len(store.table("faults", min_step=1)) == 1
+
+
+def test_a_refresh_parses_the_small_increments_of_every_rank_in_one_call_with_the_same_rows(tmp_path, monkeypatch):
+    from dtprobe.store import jsonl, reader
+
+    run = make_run(tmp_path / "r", offsets={r: 10 * r for r in range(12)}, steps=3)
+    store = RunStore.open(run)
+    calls = []
+    real = jsonl.pajson.read_json
+    monkeypatch.setattr(jsonl.pajson, "read_json", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for rank in range(12):  # one rank's line has no "rank" key: it is filled in from the file, as one by one
+        line = b'{"step": 3, "start_ns": 5}\n' if rank == 7 else b'{"rank": %d, "step": 3, "start_ns": 5}\n' % rank
+        append(events(run, "steps", rank), line + b'{"rank": %d, "step": 4, "sta' % rank)  # + a torn line
+    assert store.refresh() == {"steps": 12} and len(calls) == 1
+    monkeypatch.setattr(reader, "_BATCH_BYTES", 0)
+    one_by_one = RunStore.open(run)
+    pd.testing.assert_frame_equal(store.table("steps"), one_by_one.table("steps"))
+    assert store.cursors() == one_by_one.cursors()
+    assert store.table("steps").query("step == 3")["start_ns"].tolist() == [5 + 10 * r for r in range(12)]

@@ -40,7 +40,8 @@ def body(source) -> None:
                                  query_params=common.finding_params(source, finding))
     steps = analysis.table("steps")
     if not steps.empty:
-        common.chart(charts.step_time_by_rank(steps), key="overview_step_time")
+        marked = sorted({r for f in findings if f.code == "STRAGGLER" for r in f.ranks})
+        common.chart(charts.step_time_overview(steps, marked=marked), key="overview_step_time")
 
 
 source = common.page_setup("Overview")

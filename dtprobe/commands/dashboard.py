@@ -23,6 +23,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1; anything else exposes your runs to the network)")
     p.add_argument("--refresh-s", type=float, default=2.0, help="live refresh interval in seconds (default 2)")
+    p.add_argument("--live-window", type=int, default=100, metavar="STEPS",
+                   help="while a run is running, analyze its newest STEPS steps so that refreshes stay fast "
+                        "whatever the run's length; the sidebar's 'Whole run' switch analyzes every step "
+                        "(default 100; 0 always analyzes the whole run)")
     p.set_defaults(func=main)
 
 
@@ -30,7 +34,7 @@ def streamlit_argv(*, host: str, port: int) -> list[str]:
     """The exact server command: safe settings on the command line so they hold whatever the CWD's config."""
     allowed = ["127.0.0.1", "localhost"] if host in {"127.0.0.1", "localhost"} else [host]
     return [
-        sys.executable, "-m", "streamlit", "run", str(APP),
+        sys.executable, "-m", "dashboard.serve", "run", str(APP),
         "--server.address", host, "--server.port", str(port), "--server.headless", "true",
         "--server.fileWatcherType", "none", "--server.enableStaticServing", "false",
         *[arg for name in allowed for arg in ("--server.allowedHosts", name)],
@@ -46,7 +50,13 @@ def main(args: argparse.Namespace) -> int:
                           f"(e.g. runs/), one run, or a folder of Kineto traces.")
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port {args.port} is out of range 1..65535.")
-    env = dict(os.environ, DTPROBE_DASHBOARD_ROOT=str(root.resolve()), DTPROBE_REFRESH_S=str(args.refresh_s))
+    if args.live_window < 0:
+        raise ConfigError(f"--live-window {args.live_window} is negative: pass a number of steps, or 0 to "
+                          f"always analyze the whole run.")
+    if not args.refresh_s > 0:
+        raise ConfigError(f"--refresh-s {args.refresh_s} must be a positive number of seconds.")
+    env = dict(os.environ, DTPROBE_DASHBOARD_ROOT=str(root.resolve()), DTPROBE_REFRESH_S=str(args.refresh_s),
+               DTPROBE_LIVE_WINDOW=str(args.live_window))
     print(f"dtprobe dashboard: serving {root.resolve()} at http://{args.host}:{args.port}  (Ctrl-C to stop)",
           flush=True)
     proc = subprocess.Popen(streamlit_argv(host=args.host, port=args.port), env=env, cwd=APP.parent)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
@@ -28,7 +29,7 @@ import pyarrow.parquet as pq
 
 from dtprobe.store.errors import TraceError
 from dtprobe.store.frames import SORT_KEYS, arrow_schema, arrow_to_frame, empty_frame, time_columns
-from dtprobe.store.jsonl import FileCursor, read_new_rows
+from dtprobe.store.jsonl import FileCursor, read_new_rows, read_new_rows_batched
 from dtprobe.store.manifest import Manifest, check_schema_version, read_manifest
 from dtprobe.store.schema import COMPACT_FILE, EVENTS_FILE, SCHEMAS
 
@@ -38,6 +39,11 @@ COMPACTED_MARKER = f"{TABLES_DIR}/_compacted.json"
 """Written last by compaction: schema version, offsets used, rows per table, bytes of each events file read."""
 COMPACTED_FORMAT = "dtprobe-compacted"
 _MERGE_CHUNKS = 16
+_PARALLEL_FILES = 8
+"""Parse events files on a thread pool when at least this many grew since the last read."""
+_PARSE_THREADS = min(8, os.cpu_count() or 1)
+_BATCH_BYTES = 4 << 20
+"""New bytes over all files of a table up to which a refresh parses them in one call (live tailing)."""
 
 
 @dataclass
@@ -94,18 +100,41 @@ class RunStore:
         """True if ``tables/_compacted.json`` existed when the store was opened."""
         return self._compacted is not None
 
-    def table(self, name: str) -> pd.DataFrame:
+    def table(self, name: str, *, min_step: int | None = None) -> pd.DataFrame:
         """All rows of table ``name`` so far: every schema column, schema dtypes, clock-aligned, sorted.
 
+        ``min_step``: only rows with ``step >= min_step`` (tables without a ``step`` column are whole); the rows
+        are filtered before alignment and conversion, so a window of a long run costs the window, not the run.
         A table the run never wrote is an empty frame with the schema columns.
         """
         with self._lock:
             state = self._load(_check_table_name(name))
             offsets = self._manifest.clock_offsets_ns
+            if min_step is not None and "step" in SCHEMAS[name]:
+                if not state.num_rows:
+                    return empty_frame(name)
+                return arrow_to_frame(self._aligned(name, state, offsets, min_step=min_step), name)
             if state.frame is None or state.frame_offsets != offsets:
                 state.frame = self._build_frame(name, state, offsets)
                 state.frame_offsets = offsets
             return state.frame.copy(deep=False)
+
+    def last_step(self, name: str = "steps") -> int | None:
+        """Highest ``step`` recorded so far in table ``name`` (None when it has no rows with a step)."""
+        with self._lock:
+            state = self._load(_check_table_name(name))
+            highs = [pc.max(c.rows.column("step")).as_py() for c in state.chunks if c.rows.num_rows]
+            highs = [h for h in highs if h is not None]
+            return max(highs) if highs else None
+
+    def num_steps(self, name: str = "steps") -> int:
+        """Distinct ``step`` values recorded so far in table ``name``."""
+        with self._lock:
+            state = self._load(_check_table_name(name))
+            cols = [c.rows.column("step") for c in state.chunks if c.rows.num_rows]
+            if not cols:
+                return 0
+            return pc.count_distinct(pa.chunked_array([a for c in cols for a in c.chunks], type=pa.int64())).as_py()
 
     def tables(self) -> list[str]:
         """Names of the tables that have at least one row (or, for tables not loaded yet, a data file)."""
@@ -186,11 +215,23 @@ class RunStore:
 
     def _tail(self, name: str, state: _TableState) -> int:
         known = self._manifest.clock_offsets_ns
-        new_chunks = []
-        try:
-            for rank, path in _events_files(self._path, name).items():
-                rel = path.relative_to(self._path).as_posix()
-                cursor = state.cursors.setdefault(rel, FileCursor())
+        grown = []
+        for rank, path in _events_files(self._path, name).items():
+            rel = path.relative_to(self._path).as_posix()
+            cursor = state.cursors.setdefault(rel, FileCursor())
+            if path.stat().st_size == cursor.offset_bytes:
+                continue  # nothing appended (a file shorter than its cursor is reported by read_new_rows)
+            grown.append((rank, path, cursor))
+        if 1 < len(grown) and sum(p.stat().st_size - c.offset_bytes for _, p, c in grown) <= _BATCH_BYTES \
+                and all(rank in known for rank, _, _ in grown):
+            rows = read_new_rows_batched([(path, cursor, rank) for rank, path, cursor in grown], name)
+            if rows is not None:  # else read file by file below, which names any damage exactly
+                return self._append(state, [rows])
+        results: list[pa.Table | None | TraceError] = [None] * len(grown)
+
+        def read(i: int) -> None:
+            rank, path, cursor = grown[i]
+            try:
                 if rank not in known and path.stat().st_size > cursor.offset_bytes:
                     raise TraceError(
                         f"rank {rank} has events in '{path}' but no rank info file "
@@ -198,11 +239,22 @@ class RunStore:
                         f"its times cannot be aligned with the other ranks. Each rank writes that file at attach "
                         f"(dtprobe.store.manifest.write_rank_info) before any event; restore it, or write it "
                         f"with clock_offset_ns=0 if all ranks ran on one host.")
-                rows = read_new_rows(path, cursor, name, rank)
-                if rows is not None:
-                    new_chunks.append(rows)
-        finally:  # keep the rows of every file whose cursor advanced, even if a later file failed
-            num_new = self._append(state, new_chunks)
+                results[i] = read_new_rows(path, cursor, name, rank)
+            except TraceError as exc:
+                results[i] = exc
+
+        if len(grown) >= _PARALLEL_FILES and _PARSE_THREADS > 1:
+            # Arrow's JSON parser releases the GIL: parse many ranks' files side by side (first read of a long run)
+            with ThreadPoolExecutor(_PARSE_THREADS, thread_name_prefix="dtprobe-parse") as pool:
+                list(pool.map(read, range(len(grown))))
+        else:
+            for i in range(len(grown)):
+                read(i)
+        # keep the rows of every file whose cursor advanced, even if another file failed; then report the first error
+        num_new = self._append(state, [r for r in results if isinstance(r, pa.Table)])
+        errors = [r for r in results if isinstance(r, TraceError)]
+        if errors:
+            raise errors[0]
         return num_new
 
     @staticmethod
@@ -224,12 +276,17 @@ class RunStore:
             return empty_frame(name)
         return arrow_to_frame(self._aligned(name, state, offsets), name)
 
-    def _aligned(self, name: str, state: _TableState, offsets: dict[int, int]) -> pa.Table:
+    def _aligned(self, name: str, state: _TableState, offsets: dict[int, int], *,
+                 min_step: int | None = None) -> pa.Table:
         if not state.num_rows:
             return arrow_schema(name).empty_table()
-        aligned = pa.concat_tables([_align(c, name, offsets, self._path) for c in state.chunks])
-        basis = state.chunks[0].basis
-        if len(state.chunks) == 1 and basis is not None and all(offsets.get(r) == o for r, o in basis.items()):
+        chunks = state.chunks
+        if min_step is not None:
+            chunks = [_Chunk(c.rows.filter(pc.greater_equal(c.rows.column("step"), min_step)), c.basis)
+                      for c in chunks]
+        aligned = pa.concat_tables([_align(c, name, offsets, self._path) for c in chunks])
+        basis = chunks[0].basis
+        if len(chunks) == 1 and basis is not None and all(offsets.get(r) == o for r, o in basis.items()):
             return aligned  # exactly the compacted table, written in this order
         return _sort(aligned, SORT_KEYS.get(name, ("rank",)))
 

@@ -1,0 +1,61 @@
+"""``StepWindow``: the last N steps of a run as an analysis source, so a live view costs the window, not the run.
+
+``RunAnalysis(StepWindow(store, 100))`` computes every metric and finding over the newest 100 steps of the
+per-step tables (steps, collectives, devices, pipeline, amp, memory, compression, kernels); the event tables
+(faults, checkpoints) stay whole, so a crash, a hang report or a checkpoint stall earlier in the run is never
+dropped. Rows outside any step (``step`` null or -1, e.g. set-up collectives) are outside every window.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+WHOLE_RUN_TABLES = ("faults", "checkpoints")
+"""Tables read whole even in a window: rare events that matter wherever they happened."""
+
+
+class StepWindow:
+    """Steps ``first_step .. last_step`` of ``store`` (a ``RunStore``): the newest ``num_steps`` recorded.
+
+    The window is fixed when it is built (``store.last_step()`` then); build a new one after ``store.refresh()``.
+    """
+
+    def __init__(self, store, num_steps: int) -> None:
+        if num_steps < 1:
+            raise ValueError(f"a step window needs at least 1 step, got {num_steps}")
+        self.store = store
+        self.num_steps = num_steps
+        last = store.last_step()
+        self.last_step: int | None = last
+        """Newest step recorded (None before the first step row)."""
+        self.first_step: int = 0 if last is None else max(0, last - num_steps + 1)
+        """Oldest step in the window."""
+        self.total_steps: int = store.num_steps()
+        """Distinct steps the whole run has recorded so far."""
+
+    @property
+    def manifest(self):
+        return self.store.manifest
+
+    @property
+    def path(self) -> Path:
+        return Path(self.store.path)
+
+    @property
+    def is_whole_run(self) -> bool:
+        """True when the run has no step before the window (the window is the whole run so far)."""
+        return self.first_step == 0
+
+    def table(self, name: str) -> pd.DataFrame:
+        """Rows of ``name`` in the window (whole for ``WHOLE_RUN_TABLES``)."""
+        if name in WHOLE_RUN_TABLES:
+            return self.store.table(name)
+        return self.store.table(name, min_step=self.first_step)
+
+    def describe(self) -> str:
+        """``steps 900-999 (the last 100)`` for captions."""
+        if self.last_step is None:
+            return "no step yet"
+        return f"steps {self.first_step}-{self.last_step} (the last {self.last_step - self.first_step + 1})"

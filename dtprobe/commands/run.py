@@ -26,7 +26,8 @@ faults (--inject, repeatable):
   straggler:rank=R,delay_ms=D[,from_step=S]   rank R sleeps D ms in the compute of every step from S on
   straggler:rank=R,slowdown=F[,from_step=S]   ... or (F-1) x its measured compute time
   crash:rank=R,step=S                         rank R exits (code 1) at the start of step S
-  overflow:step=S[,rank=R]                    fp16 loss-scale overflow at step S (with --precision fp16)
+  overflow:step=S[,rank=R]                    fp16 loss-scale overflow at step S, any layout (needs
+                                              --precision fp16: refused at launch otherwise)
   slow-ckpt, corrupt-ckpt, hang               checkpoint and hang faults (runtime.recovery, runtime.hang)
 learning rate: peak lr = --lr x global batch / --reference-batch (linear scaling rule), reached after --warmup
 steps; global batch = --batch-size x --grad-accum x dp sequences.

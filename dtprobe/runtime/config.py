@@ -302,7 +302,7 @@ class JobConfig:
         """The layout for ``nproc * nnodes`` ranks, after checking the faults target existing ranks and steps."""
         layout = self.layout.resolve(self.world_size)
         for spec in self.faults:
-            spec.check_against(world_size=self.world_size, steps=self.train.steps)
+            spec.check_against(world_size=self.world_size, steps=self.train.steps, job=self)
         if not layout.is_pure_dp:
             from dtprobe.runtime.model import model_config
             from dtprobe.runtime.parallel.mesh import check_layout

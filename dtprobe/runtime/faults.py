@@ -35,6 +35,9 @@ class FaultKind:
     """One line for ``dtprobe run --help``."""
     check: Callable[[dict[str, Any]], str | None] | None = None
     """Extra validation of the parsed values: returns an error message (without the spec) or None."""
+    check_job: Callable[[Any], str | None] | None = None
+    """Validation against the whole ``JobConfig`` (e.g. the precision it needs), run by the launcher before any
+    process starts: returns an error message naming the flag to add (without the spec) or None."""
 
 
 FAULT_KINDS: dict[str, FaultKind] = {}
@@ -67,8 +70,13 @@ class FaultSpec:
         """The canonical ``kind:key=value,...`` form (parses back to an equal spec)."""
         return self.kind + ":" + ",".join(f"{k}={v}" for k, v in self.params.items())
 
-    def check_against(self, *, world_size: int, steps: int) -> None:
-        """ConfigError if the fault targets a rank or a step the job does not have (it would silently do nothing)."""
+    def check_against(self, *, world_size: int, steps: int, job: Any = None) -> None:
+        """ConfigError if the fault targets a rank or a step the job does not have (it would silently do nothing),
+        or, given the ``job``, if its kind's ``check_job`` refuses it (e.g. overflow without fp16)."""
+        kind = FAULT_KINDS.get(self.kind)
+        problem = kind.check_job(job) if job is not None and kind is not None and kind.check_job else None
+        if problem:
+            raise ConfigError(f"--inject {self.to_string()}: {problem}")
         if self.rank is not None and not 0 <= self.rank < world_size:
             raise ConfigError(f"--inject {self.to_string()}: rank {self.rank} does not exist; WORLD_SIZE = "
                               f"{world_size}, so use rank=0..{world_size - 1}.")
@@ -145,9 +153,21 @@ register_fault_kind(FaultKind(
 register_fault_kind(FaultKind(
     name="crash", keys={"rank": int, "step": int}, required=("rank", "step"), example="crash:rank=1,step=10",
     help="rank R exits with code 1 at the start of step S (first attempt only; telemetry flushed first)"))
+def _check_overflow_job(job: Any) -> str | None:
+    precision = job.section("precision")
+    dtype = getattr(precision, "dtype", "fp32")
+    if dtype != "fp16":
+        return (f"an overflow needs fp16 loss scaling, but the run uses --precision {dtype}: only fp16 has a "
+                f"loss scaler that detects the inf gradients and skips the step (without one the weights would "
+                f"become inf). Add --precision fp16, or drop this --inject.")
+    return None
+
+
 register_fault_kind(FaultKind(
     name="overflow", keys={"rank": int, "step": int}, required=("step",), example="overflow:step=3,rank=0",
-    help="fp16 only: rank R (default every rank) multiplies its loss by 1e38 at step S (runtime.precision)"))
+    help="fp16 only: rank R (default every rank) multiplies its loss by 1e38 at step S (a pipeline rank without "
+         "the loss sets a gradient to inf instead); every rank skips the step (runtime.precision)",
+    check_job=_check_overflow_job))
 
 
 class FaultInjector:

@@ -4,8 +4,9 @@ and finalizes the store (status, compaction). Called by ``dtprobe.commands.run``
 One launcher per node. Node 0 creates ``<run>/job.json`` (the resolved ``JobConfig``) and the manifest; other
 nodes wait for both (the run dir must be on a shared filesystem) and pass the same job to their workers.
 torchrun runs in its own session; its log goes to ``<run>/logs/torchrun.node<K>.log`` and each worker's
-stdout/stderr to ``<run>/logs/node<K>/<rdzv id>/attempt_<n>/<local rank>/``. Progress is read from the leader's
-``events/steps/rank00000.jsonl`` (a file tail, nothing in the workers' loop). When torchrun exits, node 0 sets
+stdout/stderr to ``<run>/logs/node<K>/<rdzv id>/attempt_<n>/<local rank>/``. Progress is read from the steps rows
+of the rank that reports the loss (rank 0, or with pipeline parallelism the first rank holding the last stage:
+``parallel.mesh.loss_rank``) by tailing its ``events/steps/rankNNNNN.jsonl`` (nothing in the workers' loop). When torchrun exits, node 0 sets
 the status (``finished`` on exit code 0, else ``crashed``), compacts the store and prints a summary.
 Exit code: 0 finished, 1 crashed, 130 interrupted (Ctrl-C terminates the torchrun process group).
 """
@@ -24,6 +25,7 @@ from pathlib import Path
 import orjson
 
 from dtprobe.runtime.config import JobConfig
+from dtprobe.runtime.parallel.mesh import loss_rank
 from dtprobe.store import manifest as store_manifest
 from dtprobe.store.errors import ConfigError
 from dtprobe.store.schema import EVENTS_FILE, MANIFEST_FILE
@@ -118,7 +120,7 @@ def launch(job: JobConfig, *, command: list[str], console: object | None = None)
         proc = subprocess.Popen(torchrun_command(job), env=worker_env(job), stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
         try:
-            _follow(proc, job, console)
+            _follow(proc, job, console, rank=loss_rank(layout))
             rc = proc.wait()
         except KeyboardInterrupt:
             console.print("dtprobe run: interrupted; stopping the workers ...")
@@ -132,15 +134,16 @@ def launch(job: JobConfig, *, command: list[str], console: object | None = None)
         compact(run_dir)
     if rc not in (0, 130):
         _print_failure(console, run_dir, log_path)
-    _print_summary(console, run_dir, status)
+    _print_summary(console, run_dir, status, loss_rank=loss_rank(layout))
     return 0 if rc == 0 else (130 if rc == 130 else 1)
 
 
-def _follow(proc: subprocess.Popen, job: JobConfig, console: object) -> None:
-    """Progress bar fed by the leader's steps rows (tailed by byte offset) until torchrun exits."""
+def _follow(proc: subprocess.Popen, job: JobConfig, console: object, *, rank: int = 0) -> None:
+    """Progress bar fed by ``rank``'s steps rows (tailed by byte offset) until torchrun exits; ``rank`` is the
+    one that reports the loss (a pipeline rank without the last stage has none)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    steps_file = Path(job.run_dir) / EVENTS_FILE.format(table="steps", rank=0)
+    steps_file = Path(job.run_dir) / EVENTS_FILE.format(table="steps", rank=rank)
     offset, done, loss = 0, 0, float("nan")
     columns = (TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn(), TextColumn("{task.fields[info]}"))
@@ -159,7 +162,7 @@ def _follow(proc: subprocess.Popen, job: JobConfig, console: object) -> None:
             for line in complete.splitlines():
                 row = orjson.loads(line)
                 done = max(done, int(row["step"]) + 1)
-                loss = row.get("loss", loss)
+                loss = row["loss"] if row.get("loss") is not None else loss
                 step_ms = (row["end_ns"] - row["start_ns"]) / 1e6
                 progress.update(task, completed=done, info=f"loss {loss:.3f}  {step_ms:.0f} ms/step")
 
@@ -228,7 +231,7 @@ def _injected_crashes(run_dir: Path) -> str:
     return ", ".join(found)
 
 
-def _print_summary(console: object, run_dir: Path, status: str) -> None:
+def _print_summary(console: object, run_dir: Path, status: str, *, loss_rank: int = 0) -> None:
     from dtprobe.store import RunStore
 
     store = RunStore.open(run_dir, tables=["steps"])
@@ -237,9 +240,10 @@ def _print_summary(console: object, run_dir: Path, status: str) -> None:
     if len(leader):
         step_ms = (leader["end_ns"] - leader["start_ns"]) / 1e6
         later = step_ms.iloc[1:] if len(step_ms) > 1 else step_ms
-        loss = leader["loss"].dropna()
+        loss = steps[steps["rank"] == loss_rank].sort_values("step")["loss"].dropna()
+        where = "" if loss_rank == 0 else f" (rank {loss_rank}, last pipeline stage)"
         console.print(f"steps {int(leader['step'].max()) + 1} on rank 0, mean step {later.mean():.1f} ms "
-                      f"(median {later.median():.1f} ms, first step excluded), final loss "
+                      f"(median {later.median():.1f} ms, first step excluded), final loss{where} "
                       f"{loss.iloc[-1] if len(loss) else float('nan'):.4f}")
     elif (run_dir / "loop_timing.json").exists():
         timing = json.loads((run_dir / "loop_timing.json").read_text())

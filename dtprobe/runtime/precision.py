@@ -7,8 +7,10 @@ the analysis' AMP-overflow finding, and the ``--inject overflow:step=S[,rank=R]`
 - ``bf16``: ``torch.autocast(dtype=bfloat16)``; parameters (master weights) and optimizer state stay fp32; bf16
   has fp32's exponent range, so no loss scaling and no ``amp`` rows.
 - ``fp16``: ``torch.autocast(dtype=float16)`` with dynamic loss scaling: ``torch.amp.GradScaler`` with DDP,
-  ``ShardedGradScaler`` with FSDP2 (its ``unscale_`` all-reduces ``found_inf`` over the shard group, so every
-  rank skips together). An overflow halves the scale (``backoff_factor``) and skips ``optimizer.step``.
+  ``LocalShardGradScaler`` with every other layout (ZeRO, FSDP2, TP, PP): it checks and unscales each rank's
+  local gradients (the local shard of a DTensor gradient) and all-reduces ``found_inf`` over the world, so every
+  rank (every pipeline stage, every TP/dp shard) skips the same step. An overflow halves the scale
+  (``backoff_factor``) and skips ``optimizer.step``.
 
 An injected overflow multiplies this rank's loss by ``1e38`` before ``backward``: with any loss scale >= 4 the
 scaled loss and every gradient become inf; DDP/FSDP reductions spread the inf to all ranks, so every rank's
@@ -67,11 +69,55 @@ class PrecisionConfig:
         return self.dtype == "fp16"
 
 
+def local_shard_grad_scaler(device_type: str, **kwargs: Any) -> Any:
+    """A ``ShardedGradScaler`` whose unscale works on every rank's local gradients, DTensor or not.
+
+    torch's ``ShardedGradScaler`` hands all gradients to one ``_amp_foreach_non_finite_check_and_unscale_``
+    call; with tensor parallelism that list mixes DTensor (sharded) and plain (LayerNorm) gradients and the call
+    fails (``got mixed torch.Tensor and DTensor``). Here each DTensor gradient is replaced by its local shard
+    (unscaled in place, so the DTensor sees it), and ``found_inf`` is then all-reduced over ``process_group``
+    (default: the world) by ``ShardedGradScaler.unscale_``: a global verdict that is correct for replicated,
+    sharded and pipeline-split gradients alike.
+    """
+    from collections import defaultdict
+
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    class LocalShardGradScaler(ShardedGradScaler):
+        def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
+                            found_inf: torch.Tensor, allow_fp16: bool = True) -> dict[torch.device, torch.Tensor]:
+            grads: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+            with torch.no_grad():
+                for group in optimizer.param_groups:
+                    for param in group["params"]:
+                        grad = param.grad
+                        if grad is None:
+                            continue
+                        if hasattr(grad, "to_local"):
+                            grad = grad.to_local()
+                        if not allow_fp16 and grad.dtype == torch.float16:
+                            raise ValueError("Attempting to unscale FP16 gradients.")
+                        if grad.numel():
+                            grads[(grad.device, grad.dtype)].append(grad)
+                found: dict[torch.device, torch.Tensor] = {}
+                for (device, _), group_grads in grads.items():
+                    if device not in found:
+                        found[device] = found_inf.to(device, copy=True)
+                    torch._amp_foreach_non_finite_check_and_unscale_(group_grads, found[device],
+                                                                     inv_scale.to(device))
+            if not found:   # no local gradient: still take part in the found_inf all-reduce
+                assert self._scale is not None
+                found[self._scale.device] = found_inf.to(self._scale.device, copy=True)
+            return found
+
+    return LocalShardGradScaler(device_type, **kwargs)
+
+
 class MixedPrecision:
     """The step's precision policy: ``autocast()`` around forward, ``backward(loss)``, ``step(opt, step=)``.
 
-    ``sharded=True`` (FSDP2 layouts) uses ``ShardedGradScaler`` (``process_group`` = the shard group, default
-    the world). ``record`` receives one ``amp`` row per fp16 step.
+    ``sharded=True`` (every layout but plain DDP) uses ``local_shard_grad_scaler`` (``found_inf`` all-reduced
+    over ``process_group``, default the world). ``record`` receives one ``amp`` row per fp16 step.
     """
 
     def __init__(self, config: PrecisionConfig, *, device_type: str = "cpu", sharded: bool = False,
@@ -85,10 +131,8 @@ class MixedPrecision:
             kwargs = dict(init_scale=config.init_scale, growth_interval=config.growth_interval,
                           backoff_factor=config.backoff_factor)
             if sharded:
-                from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
                 extra = {} if process_group is None else {"process_group": process_group}
-                self.scaler = ShardedGradScaler(device_type, **kwargs, **extra)
+                self.scaler = local_shard_grad_scaler(device_type, **kwargs, **extra)
             else:
                 self.scaler = torch.amp.GradScaler(device_type, **kwargs)
 

@@ -62,14 +62,23 @@ class Parallelized:
     """``probe.record`` (memory rows every step, pipeline rows every action) or None."""
     grad_allreduce_group: Any = None
     """The dp group whose gradients ``train_step`` all-reduces itself (ZeRO-1 with pipeline stages), or None."""
-    _loss_scale: float = 1.0
     _scaler: Any = None
+    _loss_factor: float = 1.0
+    _raw_losses: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The schedule's loss: ``loss_fn``, scaled by the fp16 loss scaler when there is one (the schedule runs
-        the backward itself, so the scaling has to happen inside the loss)."""
+        """The schedule's loss: ``loss_fn``, times the injected-overflow factor at an ``--inject overflow`` step,
+        scaled by the fp16 loss scaler when there is one (the schedule runs the backward itself, so the scaling
+        has to happen inside the loss). The plain loss is kept, by the identity of the returned tensor, for the
+        step's reported loss (torch also calls this once for shape inference on the first step; that call's
+        result never reaches the schedule's ``losses``)."""
         loss = self.loss_fn(output, target)
-        return loss if self._scaler is None else self._scaler.scale(loss)
+        raw = loss.detach().float()
+        if self._loss_factor != 1.0:
+            loss = loss * self._loss_factor
+        out = loss if self._scaler is None else self._scaler.scale(loss)
+        self._raw_losses[id(out)] = raw
+        return out
 
     @property
     def dp_rank(self) -> int:
@@ -132,21 +141,27 @@ class Parallelized:
             self._scaler = getattr(ops, "scaler", None)
             if self._scaler is not None:   # initialise the scale on ranks that never compute a loss
                 self._scaler.scale(torch.zeros((), device=self.device))
-            self._loss_scale = 1.0 if self._scaler is None else float(self._scaler.get_scale())
+            self._raw_losses = {}
+            self._loss_factor = _overflow_factor(ops) if inject_overflow and self.has_loss else 1.0
             if faults is not None:
                 faults.in_compute(step)
-            with ops.autocast():
-                if self.has_loss:
-                    self.schedule.step(*args, target=targets, losses=losses)
-                else:
-                    self.schedule.step(*args)
+            try:
+                with ops.autocast():
+                    if self.has_loss:
+                        self.schedule.step(*args, target=targets, losses=losses)
+                    else:
+                        self.schedule.step(*args)
+            finally:
+                self._loss_factor = 1.0
+            if inject_overflow and not self.has_loss:
+                _poison_grads(self.parameters(), ops)   # no loss on this stage: make its own gradients inf
             fwd_ns, bwd_ns = self.timer.phase_ns()
             phase_ns = getattr(step_ctx, "phase_ns", None)
             if phase_ns is not None:
                 phase_ns["fwd"] = phase_ns.get("fwd", 0) + fwd_ns
                 phase_ns["bwd"] = phase_ns.get("bwd", 0) + bwd_ns
-            mean_loss = (torch.stack([x.detach().float() for x in losses]).mean() / self._loss_scale
-                         if losses else None)
+            mean_loss = torch.stack([self._raw_losses[id(x)] for x in losses]).mean() if losses else None
+            self._raw_losses = {}
         if self.grad_allreduce_group is not None:
             with phase("bwd"):
                 allreduce_grads(self.parameters(), self.grad_allreduce_group)
@@ -165,6 +180,30 @@ class Parallelized:
     def parameters(self) -> list[nn.Parameter]:
         """Every parameter this rank trains (all local stages)."""
         return [p for part in self.model_parts for p in part.parameters()]
+
+
+def _overflow_factor(ops: Any) -> float:
+    """The loss factor of an injected overflow (``runtime.precision.OVERFLOW_LOSS_FACTOR``); ConfigError without a
+    loss scaler, as ``MixedPrecision.backward`` does on the other layouts."""
+    from dtprobe.runtime.precision import OVERFLOW_LOSS_FACTOR
+
+    if getattr(ops, "scaler", None) is None:
+        raise ConfigError("--inject overflow needs --precision fp16: only fp16 has a loss scaler that detects the "
+                          "inf gradients and skips the step; without it the weights would become inf.")
+    return OVERFLOW_LOSS_FACTOR
+
+
+def _poison_grads(params: list[nn.Parameter], ops: Any) -> None:
+    """An injected overflow on a pipeline rank without the loss: set this rank's first local gradient to inf
+    (what 1e38 x loss does to every gradient on the last stage), so the scaler's found_inf is set here."""
+    _overflow_factor(ops)
+    for p in params:
+        if p.grad is not None:
+            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            if grad.numel():
+                with torch.no_grad():
+                    grad.fill_(float("inf"))
+                return
 
 
 def _set_grad_sync(model: nn.Module, enabled: bool) -> None:
@@ -247,7 +286,8 @@ def parallelize(job: Any, layout: Any, *, probe: Any, device: torch.device) -> A
 
     Collectives of the mesh's axis groups are recorded as ``pg`` = ``dp``/``tp``/``pp`` (the probe names the
     mesh); pipeline actions and per-step memory go to the ``pipeline`` and ``memory`` tables. fp16 loss scaling
-    uses a ``ShardedGradScaler`` over the world, so every rank agrees on skipping a step.
+    uses ``precision.local_shard_grad_scaler`` (found_inf all-reduced over the world), so every rank
+    agrees on skipping a step; ``--inject overflow`` works on every layout (faults row written here).
     """
     from dtprobe.runtime.data_parallel import TrainParts
     from dtprobe.runtime.model import build_model
@@ -273,8 +313,15 @@ def parallelize(job: Any, layout: Any, *, probe: Any, device: torch.device) -> A
         ops = MixedPrecision(section, device_type=device.type, sharded=True, record=probe.record)
 
     def train_step(ctx: Any, s: Any, step: int, batches: list) -> torch.Tensor | None:
+        overflow = step in ctx.overflow_steps
+        if overflow:   # the faults row, as the DDP step writes it (how: loss x 1e38, or inf grads without a loss)
+            from dtprobe.runtime.precision import OVERFLOW_LOSS_FACTOR
+
+            detail = ({"loss_factor": OVERFLOW_LOSS_FACTOR} if par.has_loss else
+                      {"inf_grads": True, "stages": par.stage_indices})
+            ctx.probe.fault("overflow", step=step, injected=True, **detail)
         return par.train_step(batches, step=step, step_ctx=s, ops=ctx.ops, faults=ctx.faults,
-                              inject_overflow=step in ctx.overflow_steps)
+                              inject_overflow=overflow)
 
     parts = TrainParts(modules=par.model_parts, optimizer=par.optimizer, train_step=train_step,
                        dp_rank=par.dp_rank, dp_size=par.dp_size, params=par.parameters(), ops=ops)

@@ -142,6 +142,20 @@ def virtual_stages(layout: Any) -> int:
     return 2 if layout.pp_schedule in ("interleaved-1f1b", "zbv") else 1
 
 
+def loss_rank(layout: Any) -> int:
+    """The global rank that reports the training loss: rank 0 without pipeline parallelism, else the first
+    rank (dp 0, tp 0) of the pipeline rank that holds the last stage (``pp - 1``, or 0 for the V-shaped zbv).
+    Its ``steps`` rows carry the loss; the launcher's progress bar and summary read them."""
+    if layout.pp <= 1:
+        return 0
+    from dtprobe.schedule_sim import stage_ranks
+
+    v = virtual_stages(layout)
+    held = stage_ranks(layout.pp_schedule, num_ranks=layout.pp, virtual_stages=v)
+    pp_rank = next(r for r, stages in enumerate(held) if layout.pp * v - 1 in stages)
+    return pp_rank * layout.dp * layout.tp
+
+
 def build_mesh(dims: ParallelDims, *, device_type: str,
                init_mesh: Callable[..., Any] | None = None) -> Any:
     """The DeviceMesh over the axes of degree > 1, or None for a single process.

@@ -40,7 +40,8 @@ def _port() -> int:
 
 
 def server_to_overview_s(root: Path, run: str) -> float:
-    """Seconds from server process start until the Overview (metrics, findings, chart) is drawn in Chromium."""
+    """Seconds from server process start until the Overview (key figures with their trends, findings) is drawn
+    in Chromium and the page is idle."""
     from playwright.sync_api import expect, sync_playwright
 
     port = _port()
@@ -63,7 +64,8 @@ def server_to_overview_s(root: Path, run: str) -> float:
             page.goto(f"http://127.0.0.1:{port}/?run={run}")
             expect(page.get_by_test_id("stMetricValue").first).to_be_visible(timeout=600_000)
             expect(page.get_by_text("STRAGGLER").first).to_be_visible(timeout=600_000)
-            expect(page.locator("[data-testid=stPlotlyChart] .main-svg").first).to_be_visible(timeout=600_000)
+            expect(page.locator("[data-testid=stMetricChart] canvas, [data-testid=stMetricChart] svg").first
+                   ).to_be_visible(timeout=600_000)  # the step-time trend
             expect(page.get_by_test_id("stStatusWidget")).to_have_count(0, timeout=600_000)
             return time.perf_counter() - t0
         finally:

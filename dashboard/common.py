@@ -55,6 +55,11 @@ def _runs_table(sources: list[Source]) -> list[dict]:
     return rows
 
 
+def _md_cell(text: str) -> str:
+    """A run name as literal text in a Markdown table cell (names come from the file system)."""
+    return "".join("\\" + c if c in "\\`*_{}[]()<>#+-.!|~" else c for c in text)
+
+
 def _sync_run_param() -> None:
     st.query_params["run"] = st.session_state["run"]
 
@@ -94,7 +99,9 @@ def page_setup(title: str) -> Source:
     if chosen is not None:
         st.sidebar.caption(f"{chosen['status']} · started {chosen['age']} ago · last write {chosen['last write']}")
     with st.sidebar.expander(f"Runs under the root ({len(sources)})", expanded=len(sources) > 1):
-        st.dataframe(runs, hide_index=True)
+        # a Markdown table: the interactive grid's script bundle alone delays the first page by about a second
+        st.markdown("| run | status | age | last write |\n|---|---|---|---|\n" + "\n".join(
+            f"| {_md_cell(r['run'])} | {r['status']} | {r['age']} | {r['last write']} |" for r in runs))
     try:
         source = resolve_choice(root, choice)
     except ConfigError as exc:
@@ -203,6 +210,29 @@ def key_figures(analysis) -> dict[str, str]:
         "overflows": fmt(k.num_overflows, "{:d}"),
         "checkpoint share": fmt(k.checkpoint_share_frac, "{:.1%}"),
     }
+
+
+TREND_POINTS = 200
+"""Most points a key figure's sparkline draws (longer series are averaged in bins)."""
+
+
+def key_trends(analysis) -> dict[str, list[float]]:
+    """Per-step series behind the Overview's step time and tokens/s (``RunAnalysis.throughput``), for the
+    metrics' sparklines; at most ``TREND_POINTS`` points each (bin means beyond that)."""
+    per_step = analysis.throughput()
+    if per_step.empty:
+        return {}
+    per_step = per_step.sort_values("step")
+    step_ms = per_step["step_ns"].astype("float64") / 1e6
+    trends = {"step time": step_ms, "tokens/s": per_step["tokens_per_s"].astype("float64")}
+    out = {}
+    for label, series in trends.items():
+        series = series.dropna().reset_index(drop=True)
+        if len(series) > TREND_POINTS:
+            series = series.groupby(series.index * TREND_POINTS // len(series)).mean()
+        if len(series) >= 2:
+            out[label] = [round(float(v), 3) for v in series]
+    return out
 
 
 def other_sources(source: Source) -> list[Source]:

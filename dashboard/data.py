@@ -12,7 +12,6 @@ thread while the server starts, before any browser session exists.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -21,19 +20,12 @@ from typing import Any
 
 import streamlit as st
 
-from dashboard.paths import Source, list_sources
+from dashboard.paths import LIVE_WINDOW_ENV, Source, list_sources, live_window_steps  # noqa: F401 (re-exported)
 from dtprobe.analysis.facade import RunAnalysis, open_source
 from dtprobe.analysis.window import StepWindow
 
-LIVE_WINDOW_ENV = "DTPROBE_LIVE_WINDOW"
-"""Steps a live run is analyzed over (`dtprobe dashboard --live-window`); 0 analyzes the whole run."""
-DEFAULT_LIVE_WINDOW = 100
 MAX_SOURCES = 16
 """Runs or trace folders kept open at once (least recently used ones are dropped)."""
-
-
-def live_window_steps() -> int:
-    return int(os.environ.get(LIVE_WINDOW_ENV, DEFAULT_LIVE_WINDOW))
 
 
 @dataclass
@@ -67,8 +59,8 @@ def _entry(path: str, version_now: tuple | None) -> _Entry:
 
 def _read(entry: _Entry, path: str, kind: str) -> None:
     """Open the source on first use; for runs, tail the lines appended since the last call."""
-    if entry.source is None:
-        entry.source = open_source(path)
+    if entry.source is None:  # a live run is read from its newest steps; the rest only if asked for
+        entry.source = open_source(path, live_tail_steps=live_window_steps() or None)
     elif kind == "run":
         entry.source.refresh()
     if kind == "run":
@@ -94,6 +86,11 @@ def load_analysis(source: Source, *, whole_run: bool = False) -> RunAnalysis:
             last = src.last_step()
             if last is not None and last >= window:  # older steps exist: analyze the window only
                 src = StepWindow(src, window)
+        needed = src.first_step if isinstance(src, StepWindow) else 0
+        tail = entry.source.tail_from_step if source.kind == "run" else None
+        if tail is not None and needed < tail:
+            entry.source.load_head()  # the whole run (or a wider window) was asked for: read the skipped part
+            entry.version = tuple(sorted(entry.source.num_rows().items())) + (entry.source.manifest.status,)
         analysis = RunAnalysis(src)
         analysis.key_figures()  # computed here, under the entry's lock, so sessions never repeat the work
         analysis.findings()
@@ -106,8 +103,14 @@ def window_of(analysis: RunAnalysis) -> StepWindow | None:
     return analysis.source if isinstance(analysis.source, StepWindow) else None
 
 
-def warm(source: Source) -> None:
-    """Analyze ``source`` ahead of the first page (``dashboard.serve`` calls it while the server starts)."""
+def warm(source: Source, *, opened: Any | None = None) -> None:
+    """Analyze ``source`` ahead of the first page (``dashboard.serve`` calls it while the server starts);
+    ``opened``: the source already opened with ``open_source`` (kept unless the page got there first)."""
+    if opened is not None:
+        entry = _entry(str(source.path), None if source.kind == "run" else ("traces", _mtime(source.path)))
+        with entry.lock:
+            if entry.source is None:
+                entry.source = opened
     load_analysis(source)
 
 

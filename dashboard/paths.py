@@ -16,6 +16,16 @@ from dtprobe.store.errors import ConfigError
 ROOT_ENV = "DTPROBE_DASHBOARD_ROOT"
 """Environment variable through which `dtprobe dashboard` hands the root to the Streamlit process."""
 
+LIVE_WINDOW_ENV = "DTPROBE_LIVE_WINDOW"
+"""Steps a live run is analyzed over (`dtprobe dashboard --live-window`); 0 analyzes the whole run."""
+DEFAULT_LIVE_WINDOW = 100
+
+
+def live_window_steps() -> int:
+    """The live window in steps (0: live runs are analyzed whole)."""
+    return int(os.environ.get(LIVE_WINDOW_ENV, DEFAULT_LIVE_WINDOW))
+
+
 ROOT_IS_SOURCE = "."
 """The choice that means "the root itself" when the root is one run or one trace folder."""
 

@@ -15,17 +15,27 @@ from __future__ import annotations
 import sys
 import threading
 
+_STREAMLIT_READY = threading.Event()
+
 
 def _warm() -> None:
-    """Analyze the default run ahead of the first page; a failure is left for the page to report readably."""
+    """Open and analyze the default run ahead of the first page; a failure is left for the page to report.
+
+    The events are parsed (Arrow, outside the GIL) while the main thread imports Streamlit; the analysis and
+    the chart imports follow once Streamlit is imported, so no module is ever seen half-imported by two threads.
+    """
     try:
+        from dashboard.paths import list_sources, live_window_steps, root_from_env
+        from dtprobe.analysis.facade import open_source
+
+        sources = list_sources(root_from_env())
+        opened = open_source(sources[0].path, live_tail_steps=live_window_steps() or None) if sources else None
+        _STREAMLIT_READY.wait()
         from dashboard import charts  # noqa: F401  (plotly: every page imports it)
         from dashboard import data
-        from dashboard.paths import root_from_env
 
-        sources = data.load_sources(root_from_env())
         if sources:
-            data.warm(sources[0])
+            data.warm(sources[0], opened=opened)
     except Exception as exc:  # noqa: BLE001 - the page shows the same error where the user can act on it
         print(f"dtprobe dashboard: pre-loading the newest run failed ({exc}); the page will say why.",
               file=sys.stderr, flush=True)
@@ -40,13 +50,18 @@ def _skip_component_scan() -> None:
 
 
 def main() -> None:
-    # Import the shared third-party stack on this thread first: a module half-imported by another thread is
-    # visible in sys.modules, and plotly's optional pandas check would see it half-built.
+    # pandas and pyarrow first, on this thread: plotly and Streamlit look modules up in sys.modules, where one
+    # half-imported by another thread would be visible
     import pandas  # noqa: F401
-    from streamlit.web import cli
+    import pyarrow  # noqa: F401
 
-    _skip_component_scan()
     threading.Thread(target=_warm, name="dtprobe-warm", daemon=True).start()
+    try:
+        from streamlit.web import cli
+
+        _skip_component_scan()
+    finally:
+        _STREAMLIT_READY.set()
     sys.argv = ["streamlit", *sys.argv[1:]]
     cli.main(prog_name="streamlit")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,18 @@ def test_overview_key_figures_come_from_the_facade(straggler_root, monkeypatch):
     assert metrics["step time"] == f"{k.step_time_ms:.1f} ms"
     assert metrics["exposed comm"] == f"{k.exposed_comm_frac:.1%}"
     assert metrics["MFU"] == "-" and metrics["bubble"] == "-"  # CPU run, no pipeline: unknown, not zero
+    trend = {m.label: list(m.proto.chart_data) for m in at.metric}
+    per_step = RunAnalysis.open(straggler_root / "dp4_straggler").throughput().sort_values("step")
+    assert trend["step time"] == [round(v / 1e6, 3) for v in per_step["step_ns"]]  # one point per step
+    assert len(trend["tokens/s"]) == 40 and trend["MFU"] == []
+
+
+def test_key_figure_trends_of_a_long_run_are_binned(tmp_path):
+    from dashboard import common
+
+    run = write_synthetic_run(tmp_path / "long", num_ranks=2, num_steps=450)
+    trends = common.key_trends(RunAnalysis.open(run))
+    assert len(trends["step time"]) == common.TREND_POINTS and len(trends["tokens/s"]) == common.TREND_POINTS
 
 
 # ------------------------------------------------------------------------------------------------ drill down
@@ -151,14 +164,14 @@ def test_live_run_shows_new_steps_on_rerun(tmp_path, monkeypatch):
     run = SyntheticRun(tmp_path / "live", num_ranks=2)
     run.write_steps(5)
     at = app(tmp_path, monkeypatch)
-    assert "live" in page_text(at)
+    assert "● live" in page_text(at) and "| live | running |" in page_text(at)
     assert {m.label: m.value for m in at.metric}["steps"] == "5"
     run.write_steps(3)
     at.run()
     assert {m.label: m.value for m in at.metric}["steps"] == "8"
     run.finish()
     at.run()
-    assert "live" not in page_text(at).split("Findings")[0]
+    assert "● live" not in page_text(at) and "| live | finished |" in page_text(at)
 
 
 def test_live_refresh_parses_only_the_new_lines(tmp_path, monkeypatch):
@@ -187,6 +200,8 @@ def test_live_run_longer_than_the_window_is_analyzed_over_its_newest_steps(tmp_p
     source = resolve_choice(tmp_path, "live")
     window = data.load_analysis(source)
     assert sorted(window.table("steps")["step"].unique()) == list(range(35, 60))
+    assert data.open_store(source).is_partial  # opened at the tail: steps before 35 were never parsed
+    assert data.open_store(source).num_rows()["steps"] == 25 * 4
     rows_before = len(window.table("collectives"))
     run.write_steps(5)  # the run grows; a refresh still analyzes 25 steps
     window = data.load_analysis(source)
@@ -196,6 +211,7 @@ def test_live_run_longer_than_the_window_is_analyzed_over_its_newest_steps(tmp_p
     assert "Live view" not in page_text(at) and "STRAGGLER" in page_text(at)
     whole = data.load_analysis(source, whole_run=True)
     assert whole.table("steps")["step"].nunique() == 65 and data.window_of(whole) is None
+    assert not data.open_store(source).is_partial  # the skipped head was read for the whole run
     run.finish()
     at.toggle(key="whole_run").set_value(False).run()
     assert "Live view" not in page_text(at)  # a finished run is always analyzed whole
@@ -240,7 +256,14 @@ def test_server_warms_the_newest_run_before_the_first_page(tmp_path, monkeypatch
     os.utime(old, (1, 1))
     write_synthetic_run(tmp_path / "new", num_ranks=2, num_steps=4)
     monkeypatch.setenv(ROOT_ENV, str(tmp_path))
-    serve._warm()
+    monkeypatch.setattr(serve, "_STREAMLIT_READY", threading.Event())
+    warm = threading.Thread(target=serve._warm, daemon=True)
+    warm.start()
+    warm.join(2)
+    assert warm.is_alive()  # the events are parsed, then it waits for the server's Streamlit import
+    serve._STREAMLIT_READY.set()
+    warm.join(60)
+    assert not warm.is_alive()
     assert data.open_store(resolve_choice(tmp_path, "new")) is not None
     assert data.open_store(resolve_choice(tmp_path, "old")) is None
 
@@ -309,3 +332,19 @@ def test_dashboard_command_rejects_a_missing_root(tmp_path, capsys):
 
     assert main(["dashboard", str(tmp_path / "nope")]) == 2
     assert "is not a directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag,value,match", [("--live-window", "-1", "--live-window -1 is negative"),
+                                              ("--refresh-s", "0", "--refresh-s 0.0 must be a positive")])
+def test_dashboard_command_rejects_bad_live_settings(tmp_path, capsys, flag, value, match):
+    from dtprobe.cli import main
+
+    assert main(["dashboard", str(tmp_path), flag, value]) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_dashboard_server_command_runs_streamlit_through_the_warming_entry_point():
+    from dtprobe.commands.dashboard import streamlit_argv
+
+    argv = streamlit_argv(host="127.0.0.1", port=8599)
+    assert argv[1:5] == ["-m", "dashboard.serve", "run", str(APP)]

@@ -397,3 +397,65 @@ def test_a_refresh_parses_the_small_increments_of_every_rank_in_one_call_with_th
     pd.testing.assert_frame_equal(store.table("steps"), one_by_one.table("steps"))
     assert store.cursors() == one_by_one.cursors()
     assert store.table("steps").query("step == 3")["start_ns"].tolist() == [5 + 10 * r for r in range(12)]
+
+
+# ------------------------------------------------------------------------------------------------ tail-first open
+
+
+def _long_run(run_dir: Path, *, ranks: int = 3, steps: int = 50) -> Path:
+    """Steps and collectives (two per step, a step -1 one every 10 steps, as checkpoint barriers are) per rank."""
+    create_manifest(run_dir, run_id=run_dir.name, command=["t"], config={}, world_size=ranks)
+    for rank in range(ranks):
+        write_rank_info(run_dir, rank, host="h", node_rank=0, local_rank=rank, device="cpu", pid=rank,
+                        clock_offset_ns=0)
+        w = RankWriter(run_dir, rank)
+        seq = 0
+        for step in range(steps):
+            w.write("steps", {"step": step, "start_ns": T0 + step, "end_ns": T0 + step + 1})
+            for _ in range(2):
+                seq += 1
+                w.write("collectives", {"pg": "world", "seq": seq, "op": "allreduce", "enqueue_ns": T0 + seq,
+                                        "step": step})
+            if step % 10 == 9:
+                seq += 1
+                w.write("collectives", {"pg": "world", "seq": seq, "op": "barrier", "enqueue_ns": T0 + seq, "step": -1})
+        w.write("faults", {"time_ns": T0, "step": 2, "kind": "restart", "injected": False})
+        w.close()
+    return run_dir
+
+
+def test_a_tail_open_reads_only_the_newest_steps_and_load_head_completes_it(tmp_path):
+    run = _long_run(tmp_path / "r")
+    full = RunStore.open(run)
+    tail = RunStore.open(run, tail_steps=15)
+    assert tail.is_partial and tail.tail_from_step == 35 and not full.is_partial
+    assert tail.num_rows()["steps"] == 3 * 15 and tail.num_rows()["faults"] == 3  # rare events: whole
+    assert tail.last_step() == 49 and tail.num_steps() == 50 == full.num_steps()
+    for table in ("steps", "collectives"):
+        pd.testing.assert_frame_equal(tail.table(table, min_step=35), full.table(table, min_step=35))
+    assert tail.cursors() == full.cursors()  # exact byte and line positions: errors name the right line
+    tail_collectives = 3 * (15 * 2 + 2)  # two per step and the step -1 barriers after step 39 and step 49
+    assert tail.num_rows()["collectives"] == tail_collectives
+    assert tail.load_head() == len(full.table("steps")) - 45 + len(full.table("collectives")) - tail_collectives
+    assert not tail.is_partial and tail.tail_from_step is None
+    for table in ("steps", "collectives", "faults"):
+        pd.testing.assert_frame_equal(tail.table(table), full.table(table))
+
+
+def test_a_tail_open_of_a_short_run_reads_everything(tmp_path):
+    run = _long_run(tmp_path / "r", steps=8)
+    store = RunStore.open(run, tail_steps=15)
+    assert not store.is_partial and store.num_rows()["steps"] == 24
+
+
+def test_a_tail_open_keeps_new_lines_and_skips_a_torn_one(tmp_path):
+    run = _long_run(tmp_path / "r")
+    append(events(run, "steps", 1), b'{"step": 50, "start_ns": 7}\n{"step": 51, "sta')
+    tail = RunStore.open(run, tail_steps=10)
+    assert tail.tail_from_step == 41 and sorted(tail.table("steps").query("rank == 1")["step"]) == list(range(41, 51))
+    append(events(run, "steps", 1), b'rt_ns": 8}\n')
+    assert tail.refresh() == {"steps": 1}
+    bad = events(run, "steps", 2)
+    append(bad, b'{"step": 50, oops}\n')
+    with pytest.raises(TraceError, match=f"'{bad}' line 51 is not valid JSON"):
+        tail.refresh()

@@ -1,20 +1,22 @@
-"""Overview: health, findings by severity (each linking to its page), key figures of the chosen run."""
+"""Overview: health, findings by severity (each linking to its page), key figures of the chosen run with the trend
+of step time and tokens/s (per-rank charts are on the pages the findings link to)."""
 
 from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import charts, common
+from dashboard import common
 from dashboard.nav import FINDING_PAGE
 
 
 def body(source) -> None:
     analysis = common.load(source)
     figures = common.key_figures(analysis)
+    trends = common.key_trends(analysis)
     items = list(figures.items())
     for row in (items[:4], items[4:]):
         for col, (label, value) in zip(st.columns(4), row):
-            col.metric(label, value)
+            col.metric(label, value, chart_data=trends.get(label), border=True)
     reason = analysis.key_figures().mfu_reason
     if analysis.key_figures().mfu is None and reason:
         st.caption(f"MFU: {reason}")
@@ -38,10 +40,6 @@ def body(source) -> None:
                 if page is not None:
                     st.page_link(page, label=f"Open evidence for {finding.code}", icon=":material/arrow_forward:",
                                  query_params=common.finding_params(source, finding))
-    steps = analysis.table("steps")
-    if not steps.empty:
-        marked = sorted({r for f in findings if f.code == "STRAGGLER" for r in f.ranks})
-        common.chart(charts.step_time_overview(steps, marked=marked), key="overview_step_time")
 
 
 source = common.page_setup("Overview")

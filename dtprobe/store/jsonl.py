@@ -8,6 +8,7 @@ complete one is damage, and raises ``TraceError`` naming the file and the 1-base
 from __future__ import annotations
 
 import io
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,12 @@ _BLOCK_BYTES = 4 << 20
 """Arrow JSON block size; a line longer than this falls back to the (slower) line-by-line parser."""
 _READ_BYTES = 64 << 20
 """Bytes read from an events file per parse (bounds memory on the first read of a long run)."""
+
+
+_SCAN_BYTES = 1 << 20
+"""Bytes read per step when scanning an events file backwards for its tail."""
+_STEP_KEY = re.compile(rb'"step":\s*(-?\d+)')
+"""The ``step`` key of a row (a string value cannot hold it: its quotes would be escaped)."""
 
 
 @dataclass
@@ -60,7 +67,7 @@ def read_new_rows(path: Path, cursor: FileCursor, table: str, rank: int) -> pa.T
                 continue  # a line longer than one read (or a torn last line): read on
             block, data = data[: end + 1], data[end + 1:]
             rows = parse_lines(block, table, path=path, first_line=lines + 1)
-            parts.append(_check_rank(rows, rank, path, first_line=lines + 1))
+            parts.append(check_rank(rows, rank, path, first_line=lines + 1))
             offset += end + 1
             lines += block.count(b"\n")
     cursor.offset_bytes, cursor.lines = offset, lines
@@ -166,7 +173,7 @@ _ACCEPTS = {
 """Arrow type name -> does a parsed JSON value fit losslessly (integral floats count as ints)."""
 
 
-def _check_rank(rows: pa.Table, rank: int, path: Path, *, first_line: int) -> pa.Table:
+def check_rank(rows: pa.Table, rank: int, path: Path, *, first_line: int) -> pa.Table:
     col = rows.column("rank")
     if col.null_count:
         rows = rows.set_column(rows.schema.get_field_index("rank"), "rank",
@@ -179,3 +186,54 @@ def _check_rank(rows: pa.Table, rank: int, path: Path, *, first_line: int) -> pa
             raise TraceError(f"'{path}' line {first_line + bad} has rank {col[bad].as_py()}, but the file "
                              f"belongs to rank {rank}. Each rank must write only its own events file.")
     return rows
+
+
+def tail_cursor(path: Path, first_step: int) -> FileCursor:
+    """The cursor just after the last complete line of ``path`` whose ``step`` is in ``[0, first_step)``, so that
+    reading from it gives the newest steps; the start of the file if no such line exists. Scans backwards, so
+    it costs the tail, not the file (plus a newline count of the part skipped, for exact line numbers)."""
+    with open(path, "rb") as f:
+        size = f.seek(0, io.SEEK_END)
+        pos, carry, newest = size, b"", True
+        while pos > 0:
+            n = min(_SCAN_BYTES, pos)
+            pos -= n
+            f.seek(pos)
+            chunk = f.read(n) + carry
+            cut = chunk.find(b"\n") + 1 if pos > 0 else 0  # bytes before it continue a line that starts earlier
+            carry, body, start = chunk[:cut], chunk[cut:], pos + cut
+            if newest:  # a torn last line is not a line yet
+                body = body[: body.rfind(b"\n") + 1]
+                newest = False
+            end = len(body)
+            while end > 0:
+                begin = body.rfind(b"\n", 0, end - 1) + 1
+                match = _STEP_KEY.search(body, begin, end)
+                if match is not None and 0 <= int(match.group(1)) < first_step:
+                    offset = start + end
+                    return FileCursor(offset_bytes=offset, lines=_count_lines(f, offset))
+                end = begin
+    return FileCursor()
+
+
+def last_step_in_file(path: Path) -> int | None:
+    """``step`` of the newest complete line of ``path`` that has one (None if none in its last megabyte)."""
+    with open(path, "rb") as f:
+        size = f.seek(0, io.SEEK_END)
+        f.seek(max(0, size - _SCAN_BYTES))
+        data = f.read()
+    data = data[: data.rfind(b"\n") + 1]
+    matches = _STEP_KEY.findall(data)
+    return int(matches[-1]) if matches else None
+
+
+def _count_lines(f, offset: int) -> int:
+    f.seek(0)
+    lines, left = 0, offset
+    while left > 0:
+        block = f.read(min(16 << 20, left))
+        if not block:
+            break
+        lines += block.count(b"\n")
+        left -= len(block)
+    return lines

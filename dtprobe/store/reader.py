@@ -29,9 +29,10 @@ import pyarrow.parquet as pq
 
 from dtprobe.store.errors import TraceError
 from dtprobe.store.frames import SORT_KEYS, arrow_schema, arrow_to_frame, empty_frame, time_columns
-from dtprobe.store.jsonl import FileCursor, read_new_rows, read_new_rows_batched
+from dtprobe.store.jsonl import (FileCursor, check_rank, last_step_in_file, parse_lines, read_new_rows,
+                                 read_new_rows_batched, tail_cursor)
 from dtprobe.store.manifest import Manifest, check_schema_version, read_manifest
-from dtprobe.store.schema import COMPACT_FILE, EVENTS_FILE, SCHEMAS
+from dtprobe.store.schema import COMPACT_FILE, EVENTS_FILE, SCHEMAS, STEP_TABLES
 
 EVENTS_DIR = Path(EVENTS_FILE).parts[0]
 TABLES_DIR = Path(COMPACT_FILE).parts[0]
@@ -61,6 +62,8 @@ class _TableState:
     num_rows: int = 0
     frame: pd.DataFrame | None = None
     frame_offsets: dict[int, int] | None = None
+    heads: dict[str, FileCursor] = field(default_factory=dict)
+    """Events files opened at their tail (``open(tail_steps=...)``): the part before the cursor, not read yet."""
 
 
 class RunStore:
@@ -72,18 +75,62 @@ class RunStore:
         self._states: dict[str, _TableState] = {}
         self._compacted = _read_compacted_marker(path)
         self._lock = threading.RLock()
+        self._tail_from_step: int | None = None
 
     @classmethod
-    def open(cls, path: str | os.PathLike, *, tables: Iterable[str] | None = None) -> "RunStore":
+    def open(cls, path: str | os.PathLike, *, tables: Iterable[str] | None = None,
+             tail_steps: int | None = None) -> "RunStore":
         """Open a run; reads every table now (or only ``tables``; others load on first ``table()`` call).
 
+        ``tail_steps``: read only the end of the per-step tables (``STEP_TABLES``) of a run that is not compacted:
+        in each rank's events file, the lines after the last line of a step older than the newest
+        ``tail_steps`` steps (rows outside steps, ``step`` null or -1, are skipped there). Opening a live run for
+        a recent-steps view then costs the window, not the run's length; ``load_head()`` reads the rest later.
         Raises TraceError for a directory that is not a dtprobe run, a newer schema, or damaged files.
         """
         path = Path(path)
         store = cls(path, read_manifest(path))
+        if tail_steps is not None and store._compacted is None:
+            if tail_steps < 1:
+                raise ValueError(f"tail_steps must be at least 1, got {tail_steps}")
+            last = _last_step_on_disk(path)
+            if last is not None and last >= tail_steps:
+                store._tail_from_step = last - tail_steps + 1
         for name in SCHEMAS if tables is None else tables:
             store._load(_check_table_name(name))
         return store
+
+    @property
+    def is_partial(self) -> bool:
+        """True while some per-step rows before the tail read by ``open(tail_steps=...)`` are not loaded."""
+        with self._lock:
+            return any(state.heads for state in self._states.values()) or self._tail_from_step is not None \
+                and any(name not in self._states for name in STEP_TABLES)
+
+    @property
+    def tail_from_step(self) -> int | None:
+        """The oldest step whose rows a partial store is sure to hold (None when it holds everything)."""
+        return self._tail_from_step if self.is_partial else None
+
+    def load_head(self) -> int:
+        """Read the parts of the events files that ``open(tail_steps=...)`` skipped; afterwards the store holds
+        every row. Returns the number of rows added."""
+        with self._lock:
+            added = 0
+            for name, state in self._states.items():
+                chunks = []
+                for rel, head in list(state.heads.items()):
+                    path = self._path / rel
+                    with open(path, "rb") as f:
+                        block = f.read(head.offset_bytes)
+                    rank = int(Path(rel).name[4:-6])
+                    rows = parse_lines(block, name, path=path, first_line=1) if block else None
+                    if rows is not None and rows.num_rows:
+                        chunks.append(check_rank(rows, rank, path, first_line=1))
+                    del state.heads[rel]
+                added += self._append(state, chunks)
+            self._tail_from_step = None
+            return added
 
     @property
     def path(self) -> Path:
@@ -128,13 +175,17 @@ class RunStore:
             return max(highs) if highs else None
 
     def num_steps(self, name: str = "steps") -> int:
-        """Distinct ``step`` values recorded so far in table ``name``."""
+        """Distinct ``step`` values recorded so far in table ``name``. In a partial store (``is_partial``) the
+        steps before the tail are counted as the lines of the longest skipped head (one line per step per rank;
+        a step re-run after a restart counts twice there)."""
         with self._lock:
             state = self._load(_check_table_name(name))
             cols = [c.rows.column("step") for c in state.chunks if c.rows.num_rows]
+            head = max((h.lines for h in state.heads.values()), default=0)
             if not cols:
-                return 0
-            return pc.count_distinct(pa.chunked_array([a for c in cols for a in c.chunks], type=pa.int64())).as_py()
+                return head
+            return head + pc.count_distinct(
+                pa.chunked_array([a for c in cols for a in c.chunks], type=pa.int64())).as_py()
 
     def tables(self) -> list[str]:
         """Names of the tables that have at least one row (or, for tables not loaded yet, a data file)."""
@@ -218,7 +269,14 @@ class RunStore:
         grown = []
         for rank, path in _events_files(self._path, name).items():
             rel = path.relative_to(self._path).as_posix()
-            cursor = state.cursors.setdefault(rel, FileCursor())
+            cursor = state.cursors.get(rel)
+            if cursor is None:
+                cursor = state.cursors[rel] = FileCursor()
+                if self._tail_from_step is not None and name in STEP_TABLES:
+                    head = tail_cursor(path, self._tail_from_step)
+                    if head.offset_bytes:
+                        cursor.offset_bytes, cursor.lines = head.offset_bytes, head.lines
+                        state.heads[rel] = head
             if path.stat().st_size == cursor.offset_bytes:
                 continue  # nothing appended (a file shorter than its cursor is reported by read_new_rows)
             grown.append((rank, path, cursor))
@@ -368,6 +426,13 @@ def _events_files(run_dir: Path, name: str) -> dict[int, Path]:
         if e.name.startswith("rank") and e.name.endswith(".jsonl") and stem.isdigit() and e.is_file():
             files[int(stem)] = Path(e.path)
     return dict(sorted(files.items()))
+
+
+def _last_step_on_disk(run_dir: Path) -> int | None:
+    """Newest step in the steps table's events files (their last complete lines), None without any."""
+    steps = [last_step_in_file(path) for path in _events_files(run_dir, "steps").values()]
+    steps = [s for s in steps if s is not None]
+    return max(steps) if steps else None
 
 
 def _read_compacted_marker(run_dir: Path) -> dict | None:

@@ -88,4 +88,8 @@ TIME_COLUMNS: dict[str, tuple[str, ...]] = {
 }
 """Columns holding a rank-clock timestamp: the reader adds that rank's clock offset to these."""
 
+STEP_TABLES = ("steps", "collectives", "devices", "pipeline", "amp", "memory", "compression", "kernels")
+"""Tables with rows every step (their volume grows with the run); the others (faults, checkpoints) hold rare
+events. A recent-steps view reads these from the newest steps only."""
+
 RUN_STATUSES = ("running", "finished", "crashed")

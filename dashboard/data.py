@@ -64,8 +64,12 @@ def _read(entry: _Entry, path: str, kind: str) -> None:
     elif kind == "run":
         entry.source.refresh()
     if kind == "run":
-        store = entry.source
-        entry.version = tuple(sorted(store.num_rows().items())) + (store.manifest.status,)
+        entry.version = _version(entry.source)
+
+
+def _version(store) -> tuple:
+    """What identifies a run store's content: rows per table (no frame built) and the run's status."""
+    return tuple(sorted(store.num_rows().items())) + (store.manifest.status,)
 
 
 def load_analysis(source: Source, *, whole_run: bool = False) -> RunAnalysis:
@@ -90,7 +94,7 @@ def load_analysis(source: Source, *, whole_run: bool = False) -> RunAnalysis:
         tail = entry.source.tail_from_step if source.kind == "run" else None
         if tail is not None and needed < tail:
             entry.source.load_head()  # the whole run (or a wider window) was asked for: read the skipped part
-            entry.version = tuple(sorted(entry.source.num_rows().items())) + (entry.source.manifest.status,)
+            entry.version = _version(entry.source)
         analysis = RunAnalysis(src)
         analysis.key_figures()  # computed here, under the entry's lock, so sessions never repeat the work
         analysis.findings()

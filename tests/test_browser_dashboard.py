@@ -146,7 +146,7 @@ def test_clicking_a_straggler_finding_lands_on_stragglers_with_the_rank_marked(s
     marked = page.get_by_test_id("stMarkdown").filter(has_text="Marked:")
     expect(marked).to_contain_text(f"rank {STRAGGLER_RANK} (from the finding link)")
     wait_drawn(page)
-    heatmap = page.get_by_test_id("stPlotlyChart").first
+    heatmap = page.locator(".st-key-stragglers_heatmap").get_by_test_id("stPlotlyChart")
     expect(heatmap.locator(".shapelayer path")).to_have_count(1)  # the box around the culprit's row
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SCREENSHOTS / "stragglers_from_finding_link.png"), full_page=True)
@@ -157,12 +157,19 @@ def test_clicking_a_straggler_finding_lands_on_stragglers_with_the_rank_marked(s
 
 @pytest.mark.parametrize("spec", PAGES, ids=lambda s: s.url_path)
 def test_screenshot_of_every_page(server, page, spec):
-    run = "dp4_straggler"  # DLRM traces are covered on every page by the AppTest suite
+    # Kernels on the foreign DLRM traces (8 V100 ranks); DLRM on the other pages is covered by the AppTest suite
+    run = "dlrm_8rank_v100" if spec.url_path == "kernels" else "dp4_straggler"
     path = "" if spec.default else spec.url_path
     page.goto(f"{server['url']}/{path}?run={run}")
     wait_drawn(page)
     expect(page.get_by_test_id("stHeading").filter(has_text=spec.title).first).to_be_visible()
     expect(page.get_by_test_id("stException")).to_have_count(0)
+    if spec.url_path == "kernels":  # temporal breakdown: 3 stacked shares for each of the 8 ranks, + kernel types
+        expect(page.get_by_text("Kineto trace folder: 8 ranks.")).to_be_visible()
+        expect(page.get_by_test_id("stPlotlyChart")).to_have_count(2)
+        temporal = page.get_by_test_id("stPlotlyChart").first
+        expect(temporal.locator(".barlayer .trace")).to_have_count(3)
+        expect(temporal.locator(".xtick text")).to_have_text([f"rank {r}" for r in range(8)])
     if spec.url_path == "planner":
         page.get_by_role("button", name="Plan").click()
         expect(page.get_by_test_id("stPlotlyChart")).to_have_count(1, timeout=240_000)

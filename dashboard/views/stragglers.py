@@ -15,9 +15,6 @@ def body(source) -> None:
         st.markdown("**Marked:** " + ", ".join(f":red[rank {r}]" for r in marked)
                     + (" (from the finding link)" if common.marked_ranks() else " (detected culprits)"))
     common.show_findings(findings, key="stragglers")
-    steps = analysis.table("steps")
-    if not steps.empty:
-        common.chart(charts.step_time_overview(steps, marked=marked), key="stragglers_step_time")
     if analysis.is_trace_folder:
         st.info("Kineto trace folders carry no cross-rank clock alignment, so arrival skew is not measured. "
                 "Record the job with `dtprobe run` or `dtprobe.attach` for straggler analysis.")
@@ -41,6 +38,9 @@ def body(source) -> None:
     waits = analysis.collective_waits()
     if not waits.empty:
         common.chart(charts.victims_wait(waits), key="stragglers_victims")
+    steps = analysis.table("steps")
+    if not steps.empty:
+        common.chart(charts.step_time_overview(steps, marked=marked), key="stragglers_step_time")
 
 
 source = common.page_setup("Stragglers")

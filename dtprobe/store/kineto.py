@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -152,12 +153,23 @@ def _parse_all(files: list[Path], *, progress: ProgressFn | None, workers: int |
             if progress:
                 progress(i, total, str(f))
         return results
-    with mp.get_context("fork").Pool(workers) as pool:
+    with mp.get_context("fork").Pool(workers, initializer=_init_worker) as pool:
         for i, item in enumerate(pool.imap(parse_trace_file, [str(f) for f in files], chunksize=1), 1):
             results.append(item)
             if progress:
                 progress(i, total, item.meta.path)
+        pool.close()  # workers leave on their own; terminate() (SIGTERM) is only for errors and Ctrl-C
+        pool.join()
     return results
+
+
+def _init_worker() -> None:
+    """Pool workers are forked from the caller and inherit its Python signal handlers. A server's handler
+    (Streamlit's SIGTERM handler only schedules a shutdown and returns) would make ``Pool.terminate()``'s SIGTERM
+    a no-op and the caller would wait forever in ``Pool.__exit__``: restore the default SIGTERM. Ctrl-C is the
+    parent's to handle (it terminates the pool), so workers ignore SIGINT instead of each printing a traceback."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _typed_frame(table: str, columns: dict[str, Any], *, length: int = 0) -> pd.DataFrame:

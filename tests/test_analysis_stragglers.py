@@ -217,3 +217,59 @@ def test_unique_seq_separates_collectives_of_different_torchrun_attempts():
     assert len(skew) == 6 and (skew["skew_ns"] == MS).all()
     clean = frame_from_rows("collectives", rows[:6])
     assert unique_seq(clean) is clean
+
+
+def test_collective_skew_margin_is_exact_nanoseconds_when_another_collective_has_one_arrival():
+    # A collective with one arrival has no second-last arrival; the margins must stay exact integers, not
+    # Unix nanoseconds rounded through float64 (256 ns steps near 1.7e18).
+    coll = _coll([{"rank": 0, "seq": 1, "enqueue_ns": T0 + 1}, {"rank": 1, "seq": 1, "enqueue_ns": T0 + 3},
+                  {"rank": 2, "seq": 1, "enqueue_ns": T0 + 10}, {"rank": 0, "seq": 2, "enqueue_ns": T0 + MS}])
+    skew = st.collective_skew(coll)
+    assert skew["margin_ns"].tolist() == [7, 0]
+    assert skew["skew_ns"].tolist() == [9, 0]
+
+
+def _scores_one_group_at_a_time(lateness: pd.DataFrame, window_steps: int) -> pd.DataFrame:
+    """Reference: every window of every (group, rank) scored with plain numpy, one group at a time."""
+    import warnings
+
+    import numpy as np
+
+    rows = []
+    for (pg, pg_ranks, rank), grp in lateness.groupby(["pg", "pg_ranks", "rank"], sort=True):
+        grp = grp.sort_values("step", kind="stable")
+        frac, pre = grp["lateness_frac"].to_numpy(), grp["pre_excess_frac"].to_numpy()
+        w = max(1, min(window_steps, len(grp)))
+        win = np.lib.stride_tricks.sliding_window_view(frac, w)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            med = np.nanmedian(win, axis=1)
+            pmed = np.nanmedian(np.lib.stride_tricks.sliding_window_view(pre, w), axis=1)
+        best = int(np.nanargmax(med)) if np.isfinite(med).any() else 0
+        rows.append({"pg": pg, "rank": int(rank), "window_steps": w, "window_first_step": int(grp["step"].iloc[best]),
+                     "median_lateness_frac": med[best], "median_pre_excess_frac": pmed[best],
+                     "positive_frac": float((win[best] > 0).mean()),
+                     "mean_lateness_ns": float(grp["lateness_ns"].iloc[best:best + w].mean())})
+    return pd.DataFrame(rows)
+
+
+def test_straggler_scores_scores_each_rank_alone_when_ranks_have_different_step_counts_and_gaps():
+    import numpy as np
+
+    rng = np.random.default_rng(7)
+    rows = []
+    for pg, num_steps in (("dp", 30), ("tp", 6)):            # tp: fewer steps than the window
+        for rank in range(3):
+            steps = np.sort(rng.choice(60, num_steps - rank, replace=False))
+            for s in steps:
+                rows.append({"pg": pg, "pg_ranks": "0,1,2", "step": int(s), "rank": rank,
+                             "lateness_ns": float(rng.normal(1e6, 1e6)), "victims_wait_ns": 0.0, "is_last": False,
+                             "step_ns": 1e8, "lateness_frac": float(rng.normal(0.0, 0.01)) if rng.random() > 0.1
+                             else float("nan"), "pre_excess_frac": float("nan") if rng.random() < 0.3 else 0.0})
+    lateness = pd.DataFrame(rows).sample(frac=1.0, random_state=1)   # any row order
+    # thresholds no window reaches: every rank's window is the one with the largest median
+    got = st.straggler_scores(lateness, window_steps=10, min_lateness_frac=1.0)
+    want = _scores_one_group_at_a_time(lateness, 10)
+    assert got["window_steps"].tolist() == want["window_steps"].tolist() == [10, 10, 10, 6, 5, 4]
+    pd.testing.assert_frame_equal(got[want.columns].reset_index(drop=True), want, check_dtype=False, rtol=1e-12)
+    assert got["detected_at_step"].isna().all()

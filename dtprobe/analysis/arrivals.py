@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from dtprobe.analysis.tables import P2P_OPS, group_members, require_columns, step_durations
+from dtprobe.analysis.tables import (P2P_OPS, coded_rows, group_members, lookup_group_codes, require_columns,
+                                     run_starts, step_durations)
 
 ATTEMPT_SEQ_STRIDE = 1_000_000_000
 """``seq`` offset per torchrun attempt after ``unique_seq`` (attempt k's seq n becomes k * stride + n)."""
@@ -26,17 +27,19 @@ def unique_seq(collectives: pd.DataFrame) -> pd.DataFrame:
     mask = ~c["op"].isin(P2P_OPS) & c["seq"].notna() & c["enqueue_ns"].notna()
     if not mask.any():
         return collectives
-    d = c.loc[mask, ["rank", "pg", "pg_ranks", "seq", "enqueue_ns"]].copy()
-    d["pg"] = d["pg"].fillna("")
-    d["pg_ranks"] = d["pg_ranks"].fillna("")
-    d = d.sort_values(["rank", "pg", "pg_ranks", "enqueue_ns"], kind="stable")
-    prev = d.groupby(["rank", "pg", "pg_ranks"])["seq"].shift()
-    attempt = (prev.notna() & (d["seq"] <= prev)).astype("int64").groupby(
-        [d["rank"], d["pg"], d["pg_ranks"]]).cumsum()
-    if not attempt.any():
+    d, code, _, _ = coded_rows(c, mask, ["rank", "seq", "enqueue_ns"])
+    rank = d["rank"].to_numpy(dtype="int64")
+    order = np.lexsort((d["enqueue_ns"].to_numpy(dtype="int64"), code, rank))   # by rank, group, arrival
+    seq = d["seq"].to_numpy(dtype="int64")[order]
+    first = run_starts(rank[order], code[order])
+    restart = np.zeros(len(seq), dtype=bool)
+    restart[1:] = ~first[1:] & (seq[1:] <= seq[:-1])
+    if not restart.any():
         return collectives
+    done = np.cumsum(restart)
+    attempt = done - (done - restart)[np.flatnonzero(first)][np.cumsum(first) - 1]
     out = collectives.copy()
-    out.loc[attempt.index, "seq"] = (d["seq"] + attempt * ATTEMPT_SEQ_STRIDE).astype("Int64")
+    out.loc[d.index[order], "seq"] = pd.array(seq + attempt * ATTEMPT_SEQ_STRIDE, dtype="Int64")
     return out
 
 SKEW_COLUMNS = [
@@ -56,38 +59,40 @@ def collective_skew(collectives: pd.DataFrame) -> pd.DataFrame:
     """One row per collective (pg, pg_ranks, seq): arrival skew (last - first enqueue), margin of the last arriver
     over the second-last, victims' mean wait, the late rank. P2P ops excluded. Columns: ``SKEW_COLUMNS``."""
     require_columns(collectives, _COLL_COLUMNS, table="collectives")
-    c = collectives[~collectives["op"].isin(P2P_OPS) & collectives["seq"].notna()
-                    & collectives["enqueue_ns"].notna()]
+    c, code, pg_names, pr_names = coded_rows(
+        collectives, ~collectives["op"].isin(P2P_OPS) & collectives["seq"].notna() & collectives["enqueue_ns"].notna(),
+        ["rank", "seq", "op", "num_bytes", "enqueue_ns", "step", "pg_size"])
     if c.empty:
         return pd.DataFrame({col: [] for col in SKEW_COLUMNS})
-    c = pd.DataFrame({
-        "pg": c["pg"].fillna("").astype(str), "pg_ranks": c["pg_ranks"].fillna("").astype(str),
-        "seq": c["seq"].astype("int64"), "op": c["op"].astype(str), "rank": c["rank"].astype("int64"),
-        "enqueue_ns": c["enqueue_ns"].astype("int64"), "step": c["step"].fillna(-1).astype("int64"),
-        "num_bytes": c["num_bytes"].fillna(0).astype("int64"), "pg_size": c["pg_size"].astype("float64"),
-    }).sort_values(["pg", "pg_ranks", "seq", "enqueue_ns"], kind="stable")
-    keys = ["pg", "pg_ranks", "seq"]
-    g = c.groupby(keys, sort=False)
-    c["_from_end"] = g.cumcount(ascending=False)
-    c["_rel"] = (c["enqueue_ns"] - g["enqueue_ns"].transform("min")).astype("float64")
-    agg = g.agg(op=("op", "first"), num_bytes=("num_bytes", "max"), num_arrived=("rank", "nunique"),
-                first_enqueue_ns=("enqueue_ns", "min"), pg_size=("pg_size", "max"), rel_sum=("_rel", "sum"))
-    last = c[c["_from_end"] == 0].set_index(keys)
-    second = c[c["_from_end"] == 1].set_index(keys)["enqueue_ns"]
-    out = agg.join(last[["rank", "enqueue_ns", "step"]].rename(
-        columns={"rank": "late_rank", "enqueue_ns": "last_enqueue_ns"}))
-    out["second_ns"] = second
-    members = pd.Series([len(group_members(k[1])) for k in out.index], index=out.index)
-    out["num_members"] = out["pg_size"].fillna(members).where(members == 0, members).astype("int64")
-    out["complete"] = out["num_arrived"] >= out["num_members"]
-    out["skew_ns"] = out["last_enqueue_ns"] - out["first_enqueue_ns"]
-    out["margin_ns"] = (out["last_enqueue_ns"] - out["second_ns"]).fillna(0).astype("int64")
-    n = out["num_arrived"].astype("float64")
-    last_rel = out["skew_ns"].astype("float64")
-    out["victims_wait_ns"] = np.where(n > 1, last_rel - (out["rel_sum"] - last_rel) / (n - 1).clip(lower=1), 0.0)
-    out = out.reset_index()
-    out["late_rank"] = out["late_rank"].astype("int64")
-    return out[SKEW_COLUMNS].sort_values(["pg", "pg_ranks", "seq"], kind="stable").reset_index(drop=True)
+    seq, enq = c["seq"].to_numpy(dtype="int64"), c["enqueue_ns"].to_numpy(dtype="int64")
+    order = np.lexsort((enq, seq, code))             # by collective, then arrival (stable: ties keep table order)
+    code, seq, enq = code[order], seq[order], enq[order]
+    rank = c["rank"].to_numpy(dtype="int64")[order]
+    first = np.flatnonzero(run_starts(code, seq))    # first and last arrival of each collective
+    last = np.append(first[1:], len(code)) - 1
+    coll = np.repeat(np.arange(len(first)), last - first + 1)
+    rank_sorted = np.lexsort((rank, coll))
+    new_rank = run_starts(coll[rank_sorted], rank[rank_sorted])
+    num_arrived = np.bincount(coll[rank_sorted][new_rank], minlength=len(first))
+    size_of = np.array([len(group_members(p)) for p in pr_names], dtype="int64")[code[first]]
+    pg_size = np.fmax.reduceat(c["pg_size"].to_numpy(dtype="float64", na_value=np.nan)[order], first)
+    num_members = np.where(size_of == 0, np.nan_to_num(pg_size, nan=0.0), size_of).astype("int64")
+    skew_ns = enq[last] - enq[first]
+    rel_sum = np.add.reduceat(enq - enq[first][coll], first).astype("float64")
+    n = num_arrived.astype("float64")
+    last_rel = skew_ns.astype("float64")
+    out = pd.DataFrame({
+        "pg": pg_names.take(code[first]), "pg_ranks": pr_names.take(code[first]), "seq": seq[first],
+        "op": c["op"].iloc[order[first]].astype(str).to_numpy(),
+        "step": c["step"].fillna(-1).to_numpy(dtype="int64")[order[last]],
+        "num_bytes": np.maximum.reduceat(c["num_bytes"].fillna(0).to_numpy(dtype="int64")[order], first),
+        "num_members": num_members, "num_arrived": num_arrived, "complete": num_arrived >= num_members,
+        "first_enqueue_ns": enq[first], "last_enqueue_ns": enq[last], "skew_ns": skew_ns,
+        "margin_ns": enq[last] - enq[np.maximum(last - 1, first)],         # exact: never through float64
+        "victims_wait_ns": np.where(n > 1, last_rel - (rel_sum - last_rel) / np.clip(n - 1, 1, None), 0.0),
+        "late_rank": rank[last],
+    })
+    return out[SKEW_COLUMNS]
 
 
 def collective_waits(collectives: pd.DataFrame, skew: pd.DataFrame) -> pd.DataFrame:
@@ -95,18 +100,28 @@ def collective_waits(collectives: pd.DataFrame, skew: pd.DataFrame) -> pd.DataFr
     Columns: pg, pg_ranks, seq, step, rank, enqueue_ns, wait_ns, late_rank."""
     require_columns(collectives, _COLL_COLUMNS, table="collectives")
     cols = ["pg", "pg_ranks", "seq", "step", "rank", "enqueue_ns", "wait_ns", "late_rank"]
-    c = collectives[~collectives["op"].isin(P2P_OPS) & collectives["seq"].notna()
-                    & collectives["enqueue_ns"].notna()]
-    if c.empty or skew.empty:
+    if collectives.empty or skew.empty:
         return pd.DataFrame({col: [] for col in cols})
-    c = pd.DataFrame({
-        "pg": c["pg"].fillna("").astype(str), "pg_ranks": c["pg_ranks"].fillna("").astype(str),
-        "seq": c["seq"].astype("int64"), "rank": c["rank"].astype("int64"),
-        "enqueue_ns": c["enqueue_ns"].astype("int64"), "step": c["step"].fillna(-1).astype("int64"),
+    c, code, pg_names, pr_names = coded_rows(
+        collectives, ~collectives["op"].isin(P2P_OPS) & collectives["seq"].notna() & collectives["enqueue_ns"].notna(),
+        ["rank", "seq", "enqueue_ns", "step"])
+    if c.empty:
+        return pd.DataFrame({col: [] for col in cols})
+    skew_code = lookup_group_codes(skew["pg"], skew["pg_ranks"], pg_names, pr_names)
+    m = pd.DataFrame({"code": code, "seq": c["seq"].to_numpy(dtype="int64"), "row": np.arange(len(c))}).merge(
+        pd.DataFrame({"code": skew_code, "seq": skew["seq"].to_numpy(dtype="int64"),
+                      "last_enqueue_ns": skew["last_enqueue_ns"].to_numpy(),
+                      "late_rank": skew["late_rank"].to_numpy()}),
+        on=["code", "seq"])
+    rows = m["row"].to_numpy()
+    enq = c["enqueue_ns"].to_numpy(dtype="int64")[rows]
+    out = pd.DataFrame({
+        "pg": pg_names.take(code[rows]), "pg_ranks": pr_names.take(code[rows]), "seq": m["seq"].to_numpy(),
+        "step": c["step"].fillna(-1).to_numpy(dtype="int64")[rows], "rank": c["rank"].to_numpy(dtype="int64")[rows],
+        "enqueue_ns": enq, "wait_ns": (m["last_enqueue_ns"].to_numpy() - enq).astype("int64"),
+        "late_rank": m["late_rank"].to_numpy(),
     })
-    m = c.merge(skew[["pg", "pg_ranks", "seq", "last_enqueue_ns", "late_rank"]], on=["pg", "pg_ranks", "seq"])
-    m["wait_ns"] = (m["last_enqueue_ns"] - m["enqueue_ns"]).astype("int64")
-    return m[cols].reset_index(drop=True)
+    return out[cols]
 
 
 def late_rank_per_step(skew: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
@@ -117,24 +132,30 @@ def late_rank_per_step(skew: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     if done.empty:
         return pd.DataFrame({col: [] for col in LATE_RANK_COLUMNS})
     top = done.loc[done.groupby(["pg", "pg_ranks", "step"], sort=True)["margin_ns"].idxmax()].copy()
-    top["step_ns"] = _group_step_ns(top, steps)
+    codes, pg_ranks = pd.factorize(top["pg_ranks"])
+    top["step_ns"] = _group_step_ns(pg_ranks, codes, top["step"].to_numpy(dtype="int64"), steps)
     top["margin_frac"] = top["margin_ns"] / top["step_ns"]
     return top[LATE_RANK_COLUMNS].sort_values(["pg", "pg_ranks", "step"], kind="stable").reset_index(drop=True)
 
 
-def _group_step_ns(rows: pd.DataFrame, steps: pd.DataFrame) -> pd.Series:
-    """For rows with pg_ranks and step: the median step time of the group's members at that step."""
+def _group_step_ns(pg_ranks: pd.Index, codes: np.ndarray, step: np.ndarray, steps: pd.DataFrame) -> np.ndarray:
+    """Per row (``pg_ranks[codes]``, ``step``): the median step time of the group's members at that step; of all
+    ranks when the group names no members or none of them recorded the step (NaN when no rank did)."""
     durations = step_durations(steps)
     overall = durations.groupby("step")["step_ns"].median()
-    parts = []
-    for pg_ranks, grp in rows.groupby("pg_ranks", sort=False):
-        members = group_members(pg_ranks)
-        d = durations[durations["rank"].isin(members)] if members else durations
-        med = d.groupby("step")["step_ns"].median()
-        parts.append(grp["step"].map(med).fillna(grp["step"].map(overall)))
-    if not parts:
-        return pd.Series(np.nan, index=rows.index, dtype="float64")
-    return pd.concat(parts).reindex(rows.index).astype("float64")
+    out = overall.reindex(step).to_numpy(dtype="float64")
+    membership = pd.DataFrame([(k, m) for k in np.unique(codes) for m in group_members(pg_ranks[k])],
+                              columns=["code", "rank"], dtype="int64")
+    if membership.empty or durations.empty:
+        return out
+    m = durations.merge(membership, on="rank")
+    if m.empty:
+        return out
+    low = min(int(m["step"].min()), int(step.min()))
+    span = max(int(m["step"].max()), int(step.max())) - low + 1      # one integer key per (code, step)
+    med = m["step_ns"].groupby((m["code"] * span + m["step"] - low).to_numpy()).median()
+    mine = med.reindex(codes * span + step - low).to_numpy(dtype="float64")
+    return np.where(np.isnan(mine), out, mine)
 
 
 def rank_lateness(collectives: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
@@ -143,85 +164,93 @@ def rank_lateness(collectives: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFram
     step time; the mean wait it imposed on its peers there (``victims_wait_ns``); whether it was the last to
     arrive. Complete non-p2p collectives of steps >= 0 only. Columns: ``LATENESS_COLUMNS``."""
     require_columns(collectives, _COLL_COLUMNS, table="collectives")
-    c = collectives[~collectives["op"].isin(P2P_OPS) & collectives["seq"].notna()
-                    & collectives["enqueue_ns"].notna() & (collectives["step"].fillna(-1) >= 0)]
+    c, code, pg_names, pr_names = coded_rows(
+        collectives, ~collectives["op"].isin(P2P_OPS) & collectives["seq"].notna() & collectives["enqueue_ns"].notna()
+        & (collectives["step"].fillna(-1) >= 0), ["rank", "seq", "enqueue_ns", "step"])
     if c.empty:
         return pd.DataFrame({col: [] for col in LATENESS_COLUMNS})
-    c = pd.DataFrame({
-        "pg": c["pg"].fillna("").astype(str), "pg_ranks": c["pg_ranks"].fillna("").astype(str),
-        "seq": c["seq"].astype("int64"), "rank": c["rank"].astype("int64"),
-        "enqueue_ns": c["enqueue_ns"].astype("int64"), "step": c["step"].astype("int64"),
-    }).drop_duplicates(["pg", "pg_ranks", "seq", "rank"]).sort_values(["pg", "pg_ranks", "seq", "enqueue_ns"],
-                                                                      kind="stable")
-    sizes = {k: len(group_members(k)) for k in c["pg_ranks"].unique()}
-    members = c["pg_ranks"].map(sizes)
-    g = c.groupby(["pg", "pg_ranks", "seq"], sort=False)
-    c["n"] = g["rank"].transform("size")
-    c = c[(c["n"] >= 2) & ((members == 0) | (c["n"] >= members))].copy()
-    if c.empty:
+    seq, rank = c["seq"].to_numpy(dtype="int64"), c["rank"].to_numpy(dtype="int64")
+    keep = ~pd.DataFrame({"code": code, "seq": seq, "rank": rank}).duplicated().to_numpy()   # first row per member
+    enq, step = c["enqueue_ns"].to_numpy(dtype="int64")[keep], c["step"].to_numpy(dtype="int64")[keep]
+    code, seq, rank = code[keep], seq[keep], rank[keep]
+    order = np.lexsort((enq, seq, code))                 # by collective, then arrival
+    code, seq, rank, enq, step = code[order], seq[order], rank[order], enq[order], step[order]
+    coll = np.cumsum(run_starts(code, seq)) - 1
+    n = np.bincount(coll)[coll]
+    members = np.array([len(group_members(p)) for p in pr_names], dtype="int64")[code]
+    complete = (n >= 2) & ((members == 0) | (n >= members))
+    if not complete.any():
         return pd.DataFrame({col: [] for col in LATENESS_COLUMNS})
-    g = c.groupby(["pg", "pg_ranks", "seq"], sort=False)
-    c["gid"] = g.ngroup()
-    c["pos"] = g.cumcount()
-    c["x"] = (c["enqueue_ns"] - g["enqueue_ns"].transform("min")).astype("float64")
-    lookup = pd.Series(c["x"].to_numpy(), index=pd.MultiIndex.from_arrays([c["gid"], c["pos"]]))
+    code, seq, rank, enq, step, n = (v[complete] for v in (code, seq, rank, enq, step, n))
+    start = np.flatnonzero(run_starts(code, seq))
+    coll = np.cumsum(run_starts(code, seq)) - 1
+    pos = np.arange(len(code)) - start[coll]
+    rel = enq - enq[start][coll]                          # arrival after the first one (ns)
+    x = rel.astype("float64")
+    lateness = x - _median_of_others_sorted(x, start[coll], pos, n)
+    before = pd.Series(rel).groupby(coll).cumsum().to_numpy() - rel
+    victims = (pos * x - before) / (n - 1)
+    # Per (group, step, rank): its collective with the largest lateness (the first of equals).
+    top = np.lexsort((np.arange(len(code)), -lateness, rank, step, code))
+    top = top[run_starts(code[top], step[top], rank[top])]
+    top = top[np.lexsort((step[top], rank[top], code[top]))]
+    step_ns = _group_step_ns(pr_names, code[top], step[top], steps)
+    out = pd.DataFrame({
+        "pg": pg_names.take(code[top]), "pg_ranks": pr_names.take(code[top]), "step": step[top], "rank": rank[top],
+        "lateness_ns": lateness[top], "victims_wait_ns": victims[top], "is_last": (pos == n - 1)[top],
+        "step_ns": step_ns, "lateness_frac": lateness[top] / step_ns,
+        "pre_excess_frac": _pre_collective_excess(code[top], step[top], rank[top], steps) / step_ns,
+    })
+    return out[LATENESS_COLUMNS]
 
-    def others_at(j: np.ndarray) -> np.ndarray:
-        """Value of the j-th (0-based) element of the sorted arrivals without the row's own."""
-        idx = np.where(j < c["pos"].to_numpy(), j, j + 1)
-        return lookup.reindex(pd.MultiIndex.from_arrays([c["gid"].to_numpy(), idx])).to_numpy()
 
-    n = c["n"].to_numpy()
+def _median_of_others_sorted(x: np.ndarray, start: np.ndarray, pos: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """For ``x`` sorted within groups (``start``: first index of the row's group, ``pos``: index within it, ``n``:
+    group size >= 2): the median of the group's other elements."""
     j1 = np.where(n % 2 == 0, (n - 2) // 2, (n - 3) // 2)
     j2 = np.where(n % 2 == 0, (n - 2) // 2, (n - 1) // 2)
-    median_others = (others_at(j1) + others_at(j2)) / 2.0
-    c["lateness_ns"] = c["x"].to_numpy() - median_others
-    before = g["x"].cumsum() - c["x"]
-    c["victims_wait_ns"] = (c["pos"] * c["x"] - before) / (c["n"] - 1)
-    c["is_last"] = c["pos"] == c["n"] - 1
-    top = c.loc[c.groupby(["pg", "pg_ranks", "step", "rank"], sort=True)["lateness_ns"].idxmax()]
-    top = top[["pg", "pg_ranks", "step", "rank", "lateness_ns", "victims_wait_ns", "is_last"]].copy()
-    top["step_ns"] = _group_step_ns(top, steps)
-    top["lateness_frac"] = top["lateness_ns"] / top["step_ns"]
-    top["pre_excess_frac"] = _pre_collective_excess(top, steps) / top["step_ns"]
-    return top[LATENESS_COLUMNS].sort_values(["pg", "pg_ranks", "rank", "step"], kind="stable").reset_index(drop=True)
+    a = x[start + np.where(j1 < pos, j1, j1 + 1)]
+    b = x[start + np.where(j2 < pos, j2, j2 + 1)]
+    return (a + b) / 2.0
+
+
+def _median_of_others_grouped(v: np.ndarray, gid: np.ndarray) -> np.ndarray:
+    """For each element of ``v``: the median of the other elements of its group (``gid``); NaN in groups of fewer
+    than two elements or with a NaN."""
+    order = np.lexsort((v, gid))                          # NaN sorts last in its group
+    g, x = gid[order], v[order]
+    new = run_starts(g)
+    start = np.flatnonzero(new)
+    idx = np.cumsum(new) - 1
+    n = np.bincount(idx)
+    has_nan = np.add.reduceat(np.isnan(x).astype("int64"), start) > 0
+    ok = ((n >= 2) & ~has_nan)[idx]
+    pos = np.arange(len(x)) - start[idx]
+    med = np.where(ok, _median_of_others_sorted(x, start[idx], np.where(ok, pos, 0), np.where(ok, n[idx], 2)),
+                   np.nan)
+    out = np.empty(len(v), dtype="float64")
+    out[order] = med
+    return out
 
 
 def median_of_others(v: np.ndarray) -> np.ndarray:
     """For each element of ``v`` (no NaN, len >= 2): the median of the other elements. O(n log n)."""
-    n = len(v)
-    order = np.argsort(v, kind="stable")
-    x = v[order]
-    pos = np.empty(n, dtype=np.int64)
-    pos[order] = np.arange(n)
-    if n % 2 == 0:
-        j1 = j2 = (n - 2) // 2
-    else:
-        j1, j2 = (n - 3) // 2, (n - 1) // 2
-    a = np.where(j1 < pos, x[j1], x[min(j1 + 1, n - 1)])
-    b = np.where(j2 < pos, x[j2], x[min(j2 + 1, n - 1)])
-    return (a + b) / 2.0
+    return _median_of_others_grouped(np.asarray(v, dtype="float64"), np.zeros(len(v), dtype="int64"))
 
 
-def _pre_collective_excess(rows: pd.DataFrame, steps: pd.DataFrame) -> pd.Series:
-    """For rows (pg_ranks, step, rank): the rank's data+fwd time minus the median of its group peers' (NaN when
+def _pre_collective_excess(code: np.ndarray, step: np.ndarray, rank: np.ndarray, steps: pd.DataFrame) -> np.ndarray:
+    """For rows (group code, step, rank): the rank's data+fwd time minus the median of its group peers' (NaN when
     phases are not recorded). Before its first gradient collective a data-parallel rank has waited on nobody,
     so this is a second, independent view of who is slow."""
     ph = steps.dropna(subset=["fwd_ns"])
     if ph.empty:
-        return pd.Series(np.nan, index=rows.index, dtype="float64")
-    pre = (ph["data_ns"].astype("float64").fillna(0) + ph["fwd_ns"].astype("float64"))
-    pre.index = pd.MultiIndex.from_arrays([ph["rank"].astype("int64"), ph["step"].astype("int64")])
-    pre = pre[~pre.index.duplicated(keep="last")]
-    mine = pre.reindex(pd.MultiIndex.from_arrays([rows["rank"].astype("int64"), rows["step"].astype("int64")]))
-    r = rows.assign(_pre=mine.to_numpy())
-
-    def minus_median_of_others(x: pd.Series) -> pd.Series:
-        v = x.to_numpy(dtype="float64")
-        if len(v) < 2 or np.isnan(v).any():
-            return pd.Series(np.nan, index=x.index)
-        return pd.Series(v - median_of_others(v), index=x.index)
-
-    return r.groupby(["pg", "pg_ranks", "step"], sort=False)["_pre"].transform(minus_median_of_others)
-
-
+        return np.full(len(code), np.nan)
+    pre = pd.DataFrame({
+        "rank": ph["rank"].to_numpy(dtype="int64"), "step": ph["step"].to_numpy(dtype="int64"),
+        "pre": ph["data_ns"].astype("float64").fillna(0).to_numpy() + ph["fwd_ns"].to_numpy(dtype="float64"),
+    }).drop_duplicates(["rank", "step"], keep="last")
+    mine = pd.DataFrame({"rank": rank, "step": step}).merge(pre, on=["rank", "step"], how="left")["pre"].to_numpy()
+    order = np.lexsort((step, code))
+    group = np.empty(len(code), dtype="int64")
+    group[order] = np.cumsum(run_starts(code[order], step[order])) - 1     # per (group, step)
+    return mine - _median_of_others_grouped(mine, group)

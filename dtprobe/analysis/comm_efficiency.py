@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from dtprobe.analysis.findings import Finding, PredictedGain
-from dtprobe.analysis.tables import P2P_OPS, require_columns, size_label
+from dtprobe.analysis.tables import P2P_OPS, coded_rows, require_columns, run_starts, size_label
 
 BANDWIDTH_COLUMNS = ["pg", "pg_ranks", "seq", "op", "step", "num_bytes", "num_members", "duration_ns",
                      "algbw_bytes_per_s", "busbw_bytes_per_s", "timing"]
@@ -37,29 +37,59 @@ def collective_bandwidth(collectives: pd.DataFrame) -> pd.DataFrame:
     transfer time, algbw, busbw. Columns: ``BANDWIDTH_COLUMNS``."""
     require_columns(collectives, ["rank", "pg", "pg_ranks", "pg_size", "seq", "op", "num_bytes", "enqueue_ns",
                                   "start_ns", "end_ns", "step", "timing"], table="collectives")
-    c = collectives[~collectives["op"].isin(P2P_OPS) & collectives["seq"].notna() & collectives["end_ns"].notna()
-                    & (collectives["num_bytes"].fillna(0) > 0)]
-    in_steps = c["step"].fillna(-1) >= 0
+    mask = (~collectives["op"].isin(P2P_OPS) & collectives["seq"].notna() & collectives["end_ns"].notna()
+            & (collectives["num_bytes"].fillna(0) > 0))
+    in_steps = mask & (collectives["step"].fillna(-1) >= 0)
     if in_steps.any():      # training collectives only: setup broadcasts and checkpoint metadata run outside steps
-        c = c[in_steps]
+        mask = in_steps
+    c, code, pg_names, pr_names = coded_rows(collectives, mask, ["rank", "pg_size", "seq", "op", "num_bytes",
+                                                                 "enqueue_ns", "start_ns", "end_ns", "step", "timing"])
     if c.empty:
         return pd.DataFrame({col: [] for col in BANDWIDTH_COLUMNS})
-    c = c.assign(pg=c["pg"].fillna("").astype(str), pg_ranks=c["pg_ranks"].fillna("").astype(str))
-    g = c.groupby(["pg", "pg_ranks", "seq"], sort=False)
-    out = g.agg(op=("op", "first"), step=("step", "max"), num_bytes=("num_bytes", "max"),
-                num_members=("rank", "nunique"), pg_size=("pg_size", "max"), last_enq=("enqueue_ns", "max"),
-                last_start=("start_ns", "max"), last_end=("end_ns", "max"), timing=("timing", "first"))
-    out = out[out["num_members"] >= out["pg_size"].fillna(out["num_members"])]
-    device = out["last_start"].notna()
-    start = out["last_start"].where(device, out["last_enq"])
-    out["duration_ns"] = (out["last_end"] - start).astype("float64").clip(lower=1.0)
-    out["algbw_bytes_per_s"] = out["num_bytes"].astype("float64") / (out["duration_ns"] / 1e9)
-    factors = [busbw_factor(op, int(n)) for op, n in zip(out["op"], out["num_members"])]
-    out["busbw_bytes_per_s"] = out["algbw_bytes_per_s"] * np.asarray(factors)
-    out["timing"] = out["timing"].fillna("host").astype(str)
-    out = out.reset_index()
-    out["num_members"] = out["num_members"].astype("int64")
+    seq, rank = c["seq"].to_numpy(dtype="int64"), c["rank"].to_numpy(dtype="int64")
+    order = np.lexsort((np.arange(len(c)), seq, code))      # by collective, then table order
+    new = run_starts(code[order], seq[order])
+    starts, coll = np.flatnonzero(new), np.cumsum(new) - 1
+    by_rank = np.lexsort((rank[order], coll))
+    num_members = np.bincount(coll[by_rank][run_starts(coll[by_rank], rank[order][by_rank])], minlength=len(starts))
+    pg_size = np.fmax.reduceat(c["pg_size"].to_numpy(dtype="float64", na_value=np.nan)[order], starts)
+    whole = num_members >= np.where(np.isnan(pg_size), num_members, pg_size)
+    # Collectives in order of first appearance, as they were recorded.
+    keep = np.flatnonzero(whole)[np.argsort(order[starts][whole], kind="stable")]
+    first_row = order[starts][keep]
+    step, num_bytes, last_enq, last_start, last_end = (_max_per_group(c[col], order, starts)[keep] for col in (
+        "step", "num_bytes", "enqueue_ns", "start_ns", "end_ns"))
+    start = last_start.fillna(last_enq)                        # device start when known, else the last arrival
+    duration = np.clip((last_end - start).to_numpy(dtype="float64", na_value=np.nan), 1.0, None)
+    algbw = num_bytes.to_numpy(dtype="float64", na_value=np.nan) / (duration / 1e9)
+    op = _first_valid(c["op"], order, starts)[keep]
+    members = num_members[keep]
+    ops = op.to_numpy(dtype=object, na_value=None)
+    factor = {(o, n): busbw_factor(o, int(n)) for o, n in set(zip(ops, members))}
+    out = pd.DataFrame({
+        "pg": pg_names.take(code[first_row]), "pg_ranks": pr_names.take(code[first_row]),
+        "seq": pd.array(seq[first_row], dtype="Int64"), "op": op, "step": step, "num_bytes": num_bytes,
+        "num_members": members.astype("int64"), "duration_ns": duration, "algbw_bytes_per_s": algbw,
+        "busbw_bytes_per_s": algbw * np.array([factor[o, n] for o, n in zip(ops, members)], dtype="float64"),
+        "timing": pd.Series(_first_valid(c["timing"], order, starts)[keep]).fillna("host").astype(str),
+    })
     return out[BANDWIDTH_COLUMNS]
+
+
+def _max_per_group(col: pd.Series, order: np.ndarray, starts: np.ndarray) -> pd.arrays.IntegerArray:
+    """Max of an integer column per group (rows ``order``-ed, groups beginning at ``starts``), null when all are."""
+    low = np.iinfo("int64").min
+    top = np.maximum.reduceat(col.to_numpy(dtype="int64", na_value=low)[order], starts)
+    return pd.arrays.IntegerArray(top, top == low)
+
+
+def _first_valid(col: pd.Series, order: np.ndarray, starts: np.ndarray):
+    """First non-null value of a column per group (rows ``order``-ed, groups beginning at ``starts``), as ``first``."""
+    valid = np.flatnonzero(col.notna().to_numpy(dtype=bool)[order])
+    pos = np.full(len(starts), -1, dtype="int64")
+    group = np.searchsorted(starts, valid, side="right") - 1
+    pos[group[::-1]] = order[valid[::-1]]                    # the first valid row of each group wins
+    return col.array.take(pos, allow_fill=True)
 
 
 def latency_bandwidth_fit(bw: pd.DataFrame, *, min_samples: int = 3) -> tuple[float, float] | None:
@@ -89,15 +119,37 @@ def bandwidth_by_size(bw: pd.DataFrame, *, fit: tuple[float, float] | None = Non
     require_columns(bw, BANDWIDTH_COLUMNS, table="collective_bandwidth")
     if bw.empty:
         return pd.DataFrame({col: [] for col in BY_SIZE_COLUMNS})
-    size = (2 ** np.ceil(np.log2(bw["num_bytes"].astype("float64").clip(lower=1)))).astype("int64")
-    g = bw.assign(size_bytes=size).groupby(["op", "size_bytes"])
-    out = g.agg(count=("seq", "size"), total_ns=("duration_ns", "sum"), median_ns=("duration_ns", "median"),
-                algbw_bytes_per_s=("algbw_bytes_per_s", "median"),
-                busbw_bytes_per_s=("busbw_bytes_per_s", "median")).reset_index()
+    size = (2 ** np.ceil(np.log2(bw["num_bytes"].astype("float64").clip(lower=1)))).to_numpy(dtype="int64")
+    op_code, ops = pd.factorize(bw["op"], sort=True)
+    known = np.flatnonzero(op_code >= 0)                       # collectives without an op are left out
+    if not len(known):
+        return pd.DataFrame({col: [] for col in BY_SIZE_COLUMNS})
+    order = known[np.lexsort((size[known], op_code[known]))]   # by (op, size bucket)
+    starts = np.flatnonzero(run_starts(op_code[order], size[order]))
+    duration = bw["duration_ns"].to_numpy(dtype="float64", na_value=np.nan)[order]
+    out = pd.DataFrame({
+        "op": ops.take(op_code[order][starts]), "size_bytes": size[order][starts],
+        "count": pd.array(np.diff(np.append(starts, len(order))), dtype="Int64"),
+        "total_ns": np.add.reduceat(np.nan_to_num(duration, nan=0.0), starts),
+        "median_ns": _median_per_group(duration, starts),
+        "algbw_bytes_per_s": _median_per_group(bw["algbw_bytes_per_s"].to_numpy(dtype="float64")[order], starts),
+        "busbw_bytes_per_s": _median_per_group(bw["busbw_bytes_per_s"].to_numpy(dtype="float64")[order], starts),
+    })
     half = fit[0] * fit[1] / 1e9 if fit else small_bytes
     out["latency_bound"] = out["size_bytes"] < half
     out["size"] = [size_label(s) for s in out["size_bytes"]]
     return out[BY_SIZE_COLUMNS]
+
+
+def _median_per_group(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Median of the non-NaN values of each group (the runs of ``values`` beginning at ``starts``), NaN when none."""
+    begins = np.zeros(len(values), dtype=bool)
+    begins[starts] = True
+    order = np.lexsort((values, np.cumsum(begins)))           # NaN last within its group
+    x = values[order]
+    count = np.add.reduceat(~np.isnan(x), starts)
+    lo, hi = x[starts + np.maximum(count - 1, 0) // 2], x[starts + count // 2]
+    return np.where(count > 0, (lo + hi) / 2, np.nan)
 
 
 def detect_comm_inefficient(bw: pd.DataFrame, by_size: pd.DataFrame, *, fit: tuple[float, float] | None,

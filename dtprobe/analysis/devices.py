@@ -3,11 +3,12 @@ DEVICE_THROTTLE, DEVICE_XID, MEMORY_PRESSURE. Host-only samples (CPU/RSS fallbac
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 
 from dtprobe.analysis.findings import Finding
 from dtprobe.analysis.stragglers import THROTTLE_MASK
-from dtprobe.analysis.tables import require_columns
+from dtprobe.analysis.tables import require_columns, run_starts
 
 THROTTLE_REASONS = {
     0x4: "sw_power_cap", 0x8: "hw_slowdown", 0x20: "sw_thermal", 0x40: "hw_thermal", 0x80: "hw_power_brake",
@@ -25,35 +26,53 @@ def device_health(devices: pd.DataFrame, *, power_cap_ratio: float = 0.97) -> pd
                               "util_frac", "mem_used_bytes", "mem_total_bytes", "xid", "rss_bytes"], table="devices")
     if devices.empty:
         return pd.DataFrame({col: [] for col in HEALTH_COLUMNS})
-    d = pd.DataFrame({"rank": devices["rank"].astype("int64"), "gpu": devices["gpu"].fillna(-1).astype("int64")})
     reasons = devices["throttle_reasons"].astype("Int64")
-    bits = (reasons.fillna(0).astype("int64") & THROTTLE_MASK)
-    d["has_reason"] = reasons.notna()
-    d["throttled"] = (bits != 0).where(reasons.notna())
-    for bit, name in THROTTLE_REASONS.items():
-        d[name] = (bits & bit) != 0
-    power = devices["power_w"].astype("float64")
-    limit = devices["power_limit_w"].astype("float64")
-    d["capped"] = (power >= power_cap_ratio * limit).where(power.notna() & limit.notna())
-    total = devices["mem_total_bytes"].astype("float64")
-    d["mem_frac"] = (devices["mem_used_bytes"].astype("float64") / total).where(total > 0)
-    d["temp"] = devices["temp_c"].astype("float64")
-    d["util"] = devices["util_frac"].astype("float64")
-    d["rss"] = devices["rss_bytes"].astype("float64")
+    has_reason = reasons.notna().to_numpy()
+    bits = reasons.fillna(0).to_numpy(dtype="int64") & THROTTLE_MASK
+    power = devices["power_w"].to_numpy(dtype="float64", na_value=np.nan)
+    limit = devices["power_limit_w"].to_numpy(dtype="float64", na_value=np.nan)
+    total = devices["mem_total_bytes"].to_numpy(dtype="float64", na_value=np.nan)
+    used = devices["mem_used_bytes"].to_numpy(dtype="float64", na_value=np.nan)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        mem_frac = np.where(total > 0, used / total, np.nan)
+    rank = devices["rank"].to_numpy(dtype="int64")
+    gpu = devices["gpu"].fillna(-1).to_numpy(dtype="int64")
+    order = np.lexsort((gpu, rank))                     # by (rank, gpu)
+    new = run_starts(rank[order], gpu[order])
+    starts = np.flatnonzero(new)
+
+    def mean(x: np.ndarray) -> np.ndarray:
+        """Per (rank, gpu): mean of the measured (non-NaN) values, NaN when none."""
+        v = x[order]
+        count = np.add.reduceat(~np.isnan(v), starts)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(count > 0, np.add.reduceat(np.nan_to_num(v, nan=0.0), starts) / count, np.nan)
+
+    def peak(x: np.ndarray) -> np.ndarray:
+        """Per (rank, gpu): max of the measured values, NaN when none."""
+        return np.fmax.reduceat(x[order], starts)
+
+    seen = np.bitwise_or.reduceat(bits[order], starts)
+    out = pd.DataFrame({
+        "rank": rank[order][starts], "gpu": gpu[order][starts],
+        "num_samples": np.diff(np.append(starts, len(order))),
+        # shares of the samples that measured it: 1.0 / 0.0 per sample, NaN when not measured
+        "throttled_frac": mean(np.where(has_reason, (bits != 0).astype("float64"), np.nan)),
+        "reasons": [",".join(sorted(n for bit, n in THROTTLE_REASONS.items() if b & bit)) for b in seen],
+        "power_cap_frac": mean(np.where(np.isnan(power) | np.isnan(limit), np.nan,
+                                        (power >= power_cap_ratio * limit).astype("float64"))),
+        "max_temp_c": peak(devices["temp_c"].to_numpy(dtype="float64", na_value=np.nan)),
+        "mean_util_frac": mean(devices["util_frac"].to_numpy(dtype="float64", na_value=np.nan)),
+        "max_mem_frac": peak(mem_frac), "xids": "",
+        "max_rss_bytes": peak(devices["rss_bytes"].to_numpy(dtype="float64", na_value=np.nan)),
+    })
     xid = devices["xid"].astype("Int64")
-    d["xid"] = xid.where(xid.fillna(0) != 0)
-    g = d.groupby(["rank", "gpu"], sort=True)
-    out = g.agg(num_samples=("rank", "size"), throttled_frac=("throttled", "mean"), power_cap_frac=("capped", "mean"),
-                max_temp_c=("temp", "max"), mean_util_frac=("util", "mean"), max_mem_frac=("mem_frac", "max"),
-                max_rss_bytes=("rss", "max"))
-    seen = g[list(THROTTLE_REASONS.values())].any()
-    out["reasons"] = [",".join(sorted(n for n in THROTTLE_REASONS.values() if row[n])) for _, row in seen.iterrows()]
-    xids = d.dropna(subset=["xid"]).groupby(["rank", "gpu"])["xid"].apply(
-        lambda x: ",".join(str(int(v)) for v in sorted(set(x))))
-    out["xids"] = xids.reindex(out.index).astype(object).where(lambda x: x.notna(), "") if len(xids) else ""
-    out = out.reset_index()
-    for col in ("throttled_frac", "power_cap_frac"):
-        out[col] = out[col].astype("float64")
+    has_xid = (xid.fillna(0) != 0).to_numpy()
+    if has_xid.any():
+        xids = pd.DataFrame({"rank": rank[has_xid], "gpu": gpu[has_xid], "xid": xid[has_xid].to_numpy(dtype="int64")})
+        xids = xids.groupby(["rank", "gpu"])["xid"].apply(lambda x: ",".join(str(int(v)) for v in sorted(set(x))))
+        found = xids.reindex(pd.MultiIndex.from_frame(out[["rank", "gpu"]])).to_numpy(dtype=object)
+        out["xids"] = pd.Series(found, index=out.index, dtype=object).where(lambda x: x.notna(), "")
     return out[HEALTH_COLUMNS]
 
 

@@ -15,7 +15,8 @@ import numpy as np
 import pandas as pd
 
 from dtprobe.analysis.findings import Finding, PredictedGain
-from dtprobe.analysis.tables import P2P_OPS, require_columns, step_durations
+from dtprobe.analysis.tables import (P2P_OPS, coded_rows, lookup_group_codes, require_columns, run_starts,
+                                     step_durations)
 
 EXPOSURE_COLUMNS = [
     "rank", "step", "step_ns", "comm_ns", "exposed_ns", "straggler_wait_ns", "exposed_net_ns", "exposed_frac",
@@ -30,45 +31,52 @@ def comm_exposure(collectives: pd.DataFrame, steps: pd.DataFrame, skew: pd.DataF
     exposed net of that wait as a share of the step, overlap = 1 - exposed / comm. Columns: ``EXPOSURE_COLUMNS``."""
     require_columns(collectives, ["rank", "pg", "pg_ranks", "seq", "op", "enqueue_ns", "end_ns", "step"],
                     table="collectives")
-    c = collectives[collectives["enqueue_ns"].notna() & collectives["end_ns"].notna() & (collectives["step"] >= 0)]
+    c, code, pg_names, pr_names = coded_rows(
+        collectives, collectives["enqueue_ns"].notna() & collectives["end_ns"].notna() & (collectives["step"] >= 0),
+        ["rank", "step", "enqueue_ns", "end_ns", "seq", "op"])
     if c.empty:
         return pd.DataFrame({col: [] for col in EXPOSURE_COLUMNS})
-    d = pd.DataFrame({
-        "rank": c["rank"].astype("int64"), "step": c["step"].astype("int64"),
-        "pg": c["pg"].fillna("").astype(str), "pg_ranks": c["pg_ranks"].fillna("").astype(str),
-        "seq": c["seq"].astype("Int64"), "p2p": c["op"].isin(P2P_OPS).astype(bool),
-        "enq": c["enqueue_ns"].astype("int64"), "end": c["end_ns"].astype("int64"),
-    }).sort_values(["rank", "step", "enq"], kind="stable").reset_index(drop=True)
-    d["end"] = np.maximum(d["end"], d["enq"])
-    keys = [d["rank"], d["step"]]
-    prev = d.groupby(["rank", "step"])["end"].cummax().groupby(keys).shift()
-    seg = (prev.isna() | (d["enq"] > prev)).cumsum()
-    segs = d.groupby(seg).agg(rank=("rank", "first"), step=("step", "first"), a=("enq", "min"), b=("end", "max"))
-    comm = (segs["b"] - segs["a"]).groupby([segs["rank"], segs["step"]]).sum()
-    g = d.groupby(["rank", "step"])
-    last_enq = g["enq"].max()
-    last_end = g["end"].max()
-    out = pd.DataFrame({"comm_ns": comm, "last_enq": last_enq, "last_end": last_end})
-    out["exposed_ns"] = (out["last_end"] - out["last_enq"]).clip(lower=0)
+    rank, step = c["rank"].to_numpy(dtype="int64"), c["step"].to_numpy(dtype="int64")
+    enq = c["enqueue_ns"].to_numpy(dtype="int64")
+    order = np.lexsort((enq, step, rank))                # per (rank, step), in arrival order
+    rank, step, enq = rank[order], step[order], enq[order]
+    end = np.maximum(c["end_ns"].to_numpy(dtype="int64")[order], enq)
+    new = run_starts(rank, step)
+    gid = np.cumsum(new) - 1
+    first = np.flatnonzero(new)
+    last = np.append(first[1:], len(gid)) - 1
+    # Communication time: union of the [enqueue, end] spans of the (rank, step) (segments of overlapping spans).
+    prev_end = pd.Series(end).groupby(gid).cummax().to_numpy()
+    seg = new.copy()
+    seg[1:] |= enq[1:] > prev_end[:-1]
+    seg_first = np.flatnonzero(seg)
+    seg_len = np.maximum.reduceat(end, seg_first) - enq[seg_first]
+    comm = np.add.reduceat(seg_len, np.flatnonzero(new[seg_first]))
+    last_enq, last_end = enq[last], np.maximum.reduceat(end, first)
+    exposed = np.clip(last_end - last_enq, 0, None)
     # Straggler wait in the tail: the latest arrival of the group at collectives still running after our last enqueue.
-    coll = d[~d["p2p"] & d["seq"].notna()].merge(
-        skew[["pg", "pg_ranks", "seq", "last_enqueue_ns"]].astype({"seq": "Int64"}),
-        on=["pg", "pg_ranks", "seq"], how="inner") if not skew.empty else d.iloc[0:0].assign(last_enqueue_ns=0)
-    if not coll.empty:
-        coll = coll.join(out["last_enq"], on=["rank", "step"])
-        tail = coll[coll["end"] > coll["last_enq"]]
-        wait = (tail["last_enqueue_ns"] - tail["last_enq"]).clip(lower=0).groupby([tail["rank"], tail["step"]]).max()
-        out["straggler_wait_ns"] = wait.reindex(out.index).fillna(0).astype("int64")
-    else:
-        out["straggler_wait_ns"] = 0
-    out["straggler_wait_ns"] = np.minimum(out["straggler_wait_ns"], out["exposed_ns"])
-    out["exposed_net_ns"] = out["exposed_ns"] - out["straggler_wait_ns"]
-    out = out.reset_index()
+    wait = np.zeros(len(first), dtype="int64")
+    seq = c["seq"].to_numpy(dtype="float64", na_value=np.nan)[order]
+    coll = np.flatnonzero(~c["op"].isin(P2P_OPS).to_numpy(dtype=bool)[order] & ~np.isnan(seq))
+    if not skew.empty and len(coll):
+        arrivals = pd.DataFrame({
+            "code": lookup_group_codes(skew["pg"], skew["pg_ranks"], pg_names, pr_names),
+            "seq": skew["seq"].to_numpy(dtype="int64"),
+            "last_enqueue_ns": skew["last_enqueue_ns"].to_numpy(dtype="int64"),
+        }).groupby(["code", "seq"])["last_enqueue_ns"].max()
+        latest = pd.DataFrame({"code": code[order][coll], "seq": seq[coll].astype("int64")}).join(
+            arrivals.astype("Int64"), on=["code", "seq"])["last_enqueue_ns"]
+        in_tail = latest.notna().to_numpy() & (end[coll] > last_enq[gid[coll]])
+        waited = np.clip(latest.to_numpy(dtype="int64", na_value=0)[in_tail] - last_enq[gid[coll][in_tail]], 0, None)
+        np.maximum.at(wait, gid[coll][in_tail], waited)
+    straggler_wait = np.minimum(wait, exposed)
+    out = pd.DataFrame({"rank": rank[first], "step": step[first], "comm_ns": comm, "exposed_ns": exposed,
+                        "straggler_wait_ns": straggler_wait, "exposed_net_ns": exposed - straggler_wait})
     out = out.merge(step_durations(steps), on=["rank", "step"], how="left")
     out["exposed_frac"] = out["exposed_net_ns"] / out["step_ns"]
     out["overlap_frac"] = np.where(out["comm_ns"] > 0, 1 - out["exposed_ns"] / out["comm_ns"].where(out["comm_ns"] > 0),
                                    np.nan)
-    return out[EXPOSURE_COLUMNS].sort_values(["rank", "step"]).reset_index(drop=True)
+    return out[EXPOSURE_COLUMNS]
 
 
 def exposure_by_rank(exposure: pd.DataFrame, *, step_ids: list[int] | None = None) -> pd.DataFrame:

@@ -65,15 +65,21 @@ class AnalysisOptions:
                              f"min_positive_frac={self.min_positive_frac} (0..1], mtbf_hours={self.mtbf_hours} (> 0)")
 
 
-def open_source(path: str | os.PathLike, *, progress: Callable[[int, int, str], None] | None = None):
-    """A dtprobe run (``RunStore``) or a Kineto trace folder (``KinetoRun``) at ``path``; TraceError otherwise."""
+def open_source(path: str | os.PathLike, *, progress: Callable[[int, int, str], None] | None = None,
+                live_tail_steps: int | None = None):
+    """A dtprobe run (``RunStore``) or a Kineto trace folder (``KinetoRun``) at ``path``; TraceError otherwise.
+
+    ``live_tail_steps``: if the run is running, read only its newest that many steps of the per-step tables
+    (``RunStore.open(tail_steps=...)``; ``load_head()`` reads the rest): for recent-steps views of live runs.
+    """
     from dtprobe.store.kineto import is_trace_dir, load_trace_dir
 
     path = Path(path)
     if (path / "run.json").is_file():
-        from dtprobe.store import RunStore
+        from dtprobe.store import RunStore, read_manifest
 
-        return RunStore.open(path)
+        live = live_tail_steps is not None and read_manifest(path).status == "running"
+        return RunStore.open(path, tail_steps=live_tail_steps if live else None)
     if is_trace_dir(path):
         return load_trace_dir(path, progress=progress)
     if not path.exists():
@@ -237,9 +243,12 @@ class RunAnalysis:
 
     def pipeline_own_delay(self) -> pd.DataFrame:
         """Per (pipeline rank, step): time neither running a pipeline action nor waiting for its input."""
-        return self._memo("own_delay", lambda: _only_steps(_stragglers.pipeline_own_delay(
-            self.table("pipeline"), self.table("steps"), _stragglers.pipeline_groups(self.table("collectives"))),
-            self.steps_analyzed()))
+        def build() -> pd.DataFrame:
+            pipeline = self.table("pipeline")       # no pipeline rows: no need to find the pipelines
+            groups = _stragglers.pipeline_groups(self.table("collectives")) if not pipeline.empty else {}
+            return _only_steps(_stragglers.pipeline_own_delay(pipeline, self.table("steps"), groups),
+                               self.steps_analyzed())
+        return self._memo("own_delay", build)
 
     def group_axis(self, pg: str) -> str | None:
         """``dp``/``tp``/``pp`` of a process-group name; the default group (``world``) is ``dp`` in a pure

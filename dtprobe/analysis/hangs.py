@@ -164,9 +164,12 @@ def last_seen(steps: pd.DataFrame, collectives: pd.DataFrame) -> pd.DataFrame:
         for rank, s in steps.groupby("rank")["step"].max().items():
             out.setdefault(int(rank), {"rank": int(rank), "last_step": s, "last_collective": None})
     if not collectives.empty:
-        c = collectives.dropna(subset=["enqueue_ns"]).sort_values("enqueue_ns")
-        for rank, g in c.groupby("rank"):
-            x = g.iloc[-1]
+        arrival = collectives["enqueue_ns"].reset_index(drop=True).dropna().sort_values()  # positions by arrival
+        ranks = collectives["rank"].reset_index(drop=True).loc[arrival.index]
+        last = ranks.groupby(ranks).tail(1)                                   # each rank's last arrival
+        named = collectives[["step", "pg", "seq", "op"]]
+        for pos, rank in sorted(last.items(), key=lambda kv: kv[1]):
+            x = named.iloc[pos]
             row = out.setdefault(int(rank), {"rank": int(rank), "last_step": x["step"], "last_collective": None})
             row["last_collective"] = f"{x['pg']}#{x['seq']} {x['op']}"
     if not out:

@@ -16,10 +16,13 @@ def pipeline_groups(collectives: pd.DataFrame) -> dict[int, tuple[int, ...]]:
     groups: dict[int, tuple[int, ...]] = {}
     if collectives.empty:
         return groups
-    pp = collectives.loc[np.array([axis_of(pg) == "pp" for pg in collectives["pg"].fillna("")], dtype=bool)]
-    for pg_ranks in pp["pg_ranks"].dropna().unique():
-        members = group_members(pg_ranks)
-        groups.update({r: members for r in members})
+    names = collectives["pg"].fillna("").unique()
+    pp_names = [pg for pg in names if axis_of(pg) == "pp"]      # per group name, not per row
+    if pp_names:
+        pp = collectives.loc[collectives["pg"].isin(pp_names), "pg_ranks"]
+        for pg_ranks in pp.dropna().unique():
+            members = group_members(pg_ranks)
+            groups.update({r: members for r in members})
     p2p = collectives[collectives["op"].isin(P2P_OPS) & collectives["peer"].notna()]
     parent: dict[int, int] = {}
 

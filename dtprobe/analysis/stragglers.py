@@ -12,7 +12,6 @@ from its step phases, its waits at other collectives and its device samples, com
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -23,7 +22,7 @@ from dtprobe.analysis.arrivals import (  # noqa: F401 (re-exported: the straggle
     median_of_others, rank_lateness)
 from dtprobe.analysis.findings import Finding, PredictedGain
 from dtprobe.analysis.pipeline_delay import OWN_DELAY_COLUMNS, pipeline_groups, pipeline_own_delay  # noqa: F401
-from dtprobe.analysis.tables import P2P_OPS, axis_of, group_members, ms, require_columns, union_length
+from dtprobe.analysis.tables import P2P_OPS, axis_of, group_members, ms, require_columns, run_starts
 
 SCORE_COLUMNS = [
     "pg", "pg_ranks", "rank", "num_steps", "window_steps", "window_first_step", "window_last_step",
@@ -48,70 +47,138 @@ def straggler_scores(lateness: pd.DataFrame, *, window_steps: int = 20, min_late
     steps it arrived after the median of its peers (``positive_frac``) and was last (``last_frac``), its mean
     lateness and the mean wait it imposed on peers. ``detected_at_step``: the last step of the first window with
     median lateness >= ``min_lateness_frac`` and positive share >= ``min_positive_frac`` (null if none).
-    Columns: ``SCORE_COLUMNS``."""
+    Medians ignore NaN (phases not recorded). Every window of every (group, rank) is scored at once (one
+    windows x steps matrix), so the cost grows with the rows. Columns: ``SCORE_COLUMNS``."""
     require_columns(lateness, LATENESS_COLUMNS, table="rank_lateness")
-    rows = []
-    for (pg, pg_ranks, rank), grp in lateness.groupby(["pg", "pg_ranks", "rank"], sort=True):
-        grp = grp.sort_values("step")
-        frac = grp["lateness_frac"].to_numpy(dtype="float64")
-        pre = grp["pre_excess_frac"].to_numpy(dtype="float64")
-        n = len(frac)
-        w = max(1, min(window_steps, n))
-        win = np.lib.stride_tricks.sliding_window_view(frac, w)
-        pwin = np.lib.stride_tricks.sliding_window_view(pre, w)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)   # all-NaN windows when phases are absent
-            med = np.nanmedian(win, axis=1)
-            pmed = np.nanmedian(pwin, axis=1)
-        pos = (win > 0).mean(axis=1)
-        ppos = (pwin > 0).mean(axis=1)
-        by_arrival = (med >= min_lateness_frac) & (pos >= min_positive_frac)
-        by_phases = (med >= min_lateness_frac) & (pmed >= min_lateness_frac) & (ppos >= min_positive_frac)
-        ok = np.nonzero(by_arrival | by_phases)[0]
-        best = int(ok[0]) if len(ok) else (int(np.nanargmax(med)) if np.isfinite(med).any() else 0)
-        sel = grp.iloc[best:best + w]
-        steps_ = grp["step"].to_numpy()
-        rows.append({
-            "pg": pg, "pg_ranks": pg_ranks, "rank": int(rank), "num_steps": n, "window_steps": w,
-            "window_first_step": int(steps_[best]), "window_last_step": int(steps_[best + w - 1]),
-            "median_lateness_frac": float(med[best]), "positive_frac": float(pos[best]),
-            "median_pre_excess_frac": float(pmed[best]), "pre_positive_frac": float(ppos[best]),
-            "last_frac": float(sel["is_last"].astype(bool).mean()),
-            "mean_lateness_ns": float(sel["lateness_ns"].mean()),
-            "mean_victims_wait_ns": float(sel["victims_wait_ns"].clip(lower=0).mean()),
-            "mean_step_ns": float(sel["step_ns"].mean()),
-            "detected_at_step": int(steps_[ok[0] + w - 1]) if len(ok) else None,
-            "detected_by": (None if not len(ok) else "arrival" if by_arrival[ok[0]] else "arrival+phases"),
-        })
-    if not rows:
+    keys = ["pg", "pg_ranks", "rank"]
+    lat = lateness.dropna(subset=keys) if lateness[keys].isna().any(axis=None) else lateness
+    if lat.empty:
         return pd.DataFrame({col: [] for col in SCORE_COLUMNS})
-    out = pd.DataFrame(rows)
-    out["detected_at_step"] = out["detected_at_step"].astype("Int64")
+    gid = lat.groupby(keys, sort=True).ngroup().to_numpy(dtype="int64")
+    order = np.lexsort((lat["step"].to_numpy(), gid))          # by (group, rank), then step
+
+    def column(name: str, dtype: str) -> np.ndarray:
+        """The column in (group, rank, step) order."""
+        if dtype == "float64":
+            return lat[name].to_numpy(dtype=dtype, na_value=np.nan)[order]
+        return lat[name].to_numpy(dtype=dtype)[order]
+
+    gid = gid[order]
+    n = np.bincount(gid)                                        # steps per (group, rank)
+    first_row = np.cumsum(n) - n
+    w = np.maximum(1, np.minimum(window_steps, n))              # window length per (group, rank)
+    num_windows = n - w + 1
+    first_window = np.cumsum(num_windows) - num_windows
+    win_gid = np.repeat(np.arange(len(n)), num_windows)
+    win_start = first_row[win_gid] + np.arange(len(win_gid)) - first_window[win_gid]
+    frac = _windows(column("lateness_frac", "float64"), win_start, w[win_gid])
+    pre = _windows(column("pre_excess_frac", "float64"), win_start, w[win_gid])
+    med, pmed = _nanmedian_rows(frac), _nanmedian_rows(pre)
+    pos = (frac > 0).sum(axis=1) / w[win_gid]
+    ppos = (pre > 0).sum(axis=1) / w[win_gid]
+    by_arrival = (med >= min_lateness_frac) & (pos >= min_positive_frac)
+    by_phases = (med >= min_lateness_frac) & (pmed >= min_lateness_frac) & (ppos >= min_positive_frac)
+    ok = by_arrival | by_phases
+    detected = _first_true(ok, win_gid, len(n))                 # first qualifying window (global index) or -1
+    # Else the window with the largest median (the first of equals, NaN ignored), or the first window when no
+    # median is finite.
+    med_or_low = np.where(np.isnan(med), -np.inf, med)
+    is_max = med_or_low == np.maximum.reduceat(med_or_low, first_window)[win_gid]
+    any_finite = np.add.reduceat(np.isfinite(med).astype("int64"), first_window) > 0
+    fallback = np.where(any_finite, _first_true(is_max, win_gid, len(n)), first_window)
+    best = np.where(detected >= 0, detected, fallback)
+    sel_start = win_start[best]                                 # first row of each (group, rank)'s chosen window
+    steps_ = column("step", "int64")
+    victims = np.clip(column("victims_wait_ns", "float64"), 0, None)
+    out = lat[keys].iloc[order[first_row]].reset_index(drop=True)
+    out = pd.DataFrame({
+        "pg": list(out["pg"]), "pg_ranks": list(out["pg_ranks"]), "rank": out["rank"].astype("int64"),
+        "num_steps": n, "window_steps": w, "window_first_step": steps_[sel_start],
+        "window_last_step": steps_[sel_start + w - 1],
+        "median_lateness_frac": med[best], "positive_frac": pos[best], "median_pre_excess_frac": pmed[best],
+        "pre_positive_frac": ppos[best],
+        "last_frac": np.nansum(_windows(column("is_last", "bool"), sel_start, w), axis=1) / w,
+        "mean_lateness_ns": _nanmean_rows(_windows(column("lateness_ns", "float64"), sel_start, w)),
+        "mean_victims_wait_ns": _nanmean_rows(_windows(victims, sel_start, w)),
+        "mean_step_ns": _nanmean_rows(_windows(column("step_ns", "float64"), sel_start, w)),
+        "detected_at_step": pd.array([int(steps_[win_start[d] + w[g] - 1]) if d >= 0 else None
+                                      for g, d in enumerate(detected)], dtype="Int64"),
+        "detected_by": [None if d < 0 else "arrival" if by_arrival[d] else "arrival+phases" for d in detected],
+    })
     return out[SCORE_COLUMNS]
+
+
+def _windows(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Rows ``values[start:start + length]``, right-padded with NaN to the longest length."""
+    width = int(lengths.max()) if len(lengths) else 1
+    padded = np.concatenate([values.astype("float64"), np.full(width, np.nan)])
+    out = np.lib.stride_tricks.sliding_window_view(padded, width)[starts]
+    return np.where(np.arange(width) < lengths[:, None], out, np.nan)
+
+
+def _nanmedian_rows(x: np.ndarray) -> np.ndarray:
+    """Median of each row ignoring NaN (NaN for a row without values): ``np.nanmedian(x, axis=1)``, faster."""
+    x = np.sort(x, axis=1)                                      # NaN sort last
+    k = (~np.isnan(x)).sum(axis=1)
+    rows = np.arange(len(x))
+    lo, hi = x[rows, np.maximum(k - 1, 0) // 2], x[rows, k // 2]
+    return np.where(k > 0, (lo + hi) / 2, np.nan)
+
+
+def _nanmean_rows(x: np.ndarray) -> np.ndarray:
+    """Mean of each row ignoring NaN (NaN for a row without values), as ``Series.mean`` does."""
+    k = (~np.isnan(x)).sum(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(k > 0, np.nansum(x, axis=1) / k, np.nan)
+
+
+def _first_true(flags: np.ndarray, gid: np.ndarray, num_groups: int) -> np.ndarray:
+    """Per group (``gid`` sorted): the index of its first true flag, -1 when none."""
+    out = np.full(num_groups, -1, dtype="int64")
+    idx = np.flatnonzero(flags)
+    groups, first = np.unique(gid[idx], return_index=True)
+    out[groups] = idx[first]
+    return out
 
 
 def _blocking_waits(collectives: pd.DataFrame, waits: pd.DataFrame) -> pd.DataFrame:
     """Intervals a rank spent blocked on peers: p2p spans and [own arrival, last arrival] at collectives.
-    Columns: rank, step, pg_ranks (``p2p`` for p2p), a_ns, b_ns."""
+    Columns: rank, step, pg_ranks (categorical; ``p2p`` for p2p), a_ns, b_ns."""
     p2p = collectives[collectives["op"].isin(P2P_OPS) & collectives["end_ns"].notna()
                       & collectives["enqueue_ns"].notna()]
-    parts = [pd.DataFrame({
-        "rank": p2p["rank"].astype("int64"), "step": p2p["step"].fillna(-1).astype("int64"), "pg_ranks": "p2p",
-        "a_ns": p2p["enqueue_ns"].astype("int64"), "b_ns": p2p["end_ns"].astype("int64"),
-    })]
-    if not waits.empty:
-        w = waits[waits["wait_ns"] > 0]
-        parts.append(pd.DataFrame({"rank": w["rank"], "step": w["step"], "pg_ranks": w["pg_ranks"],
-                                   "a_ns": w["enqueue_ns"], "b_ns": w["enqueue_ns"] + w["wait_ns"]}))
-    return pd.concat(parts, ignore_index=True)
+    w = waits["wait_ns"].to_numpy(dtype="int64") > 0
+    group, names = pd.factorize(waits["pg_ranks"])          # codes, not copies of the long pg_ranks strings
+    enq = waits["enqueue_ns"].to_numpy(dtype="int64")[w]
+    return pd.DataFrame({
+        "rank": np.concatenate([p2p["rank"].to_numpy(dtype="int64"), waits["rank"].to_numpy(dtype="int64")[w]]),
+        "step": np.concatenate([p2p["step"].fillna(-1).to_numpy(dtype="int64"),
+                                waits["step"].to_numpy(dtype="int64")[w]]),
+        "pg_ranks": pd.Categorical.from_codes(np.concatenate([np.zeros(len(p2p), dtype="int64"), group[w] + 1]),
+                                              categories=["p2p", *names]),
+        "a_ns": np.concatenate([p2p["enqueue_ns"].to_numpy(dtype="int64"), enq]),
+        "b_ns": np.concatenate([p2p["end_ns"].to_numpy(dtype="int64"),
+                                enq + waits["wait_ns"].to_numpy(dtype="int64")[w]]),
+    })
 
 
 def _blocked_ns(b: pd.DataFrame) -> pd.Series:
-    """Per (rank, step): total time covered by the blocking intervals (overlaps counted once)."""
+    """Per (rank, step): total time covered by the blocking intervals (overlaps counted once, ``union_length``
+    for all (rank, step) at once)."""
     if b.empty:
         return pd.Series(dtype="float64")
-    return b.groupby(["rank", "step"]).apply(
-        lambda g: float(union_length(g["a_ns"].to_numpy(), g["b_ns"].to_numpy())), include_groups=False)
+    rank, step = b["rank"].to_numpy(dtype="int64"), b["step"].to_numpy(dtype="int64")
+    start = b["a_ns"].to_numpy(dtype="int64")
+    order = np.lexsort((start, step, rank))
+    rank, step, start, end = rank[order], step[order], start[order], b["b_ns"].to_numpy(dtype="int64")[order]
+    new = run_starts(rank, step)
+    reach = pd.Series(end).groupby(np.cumsum(new)).cummax().to_numpy()     # furthest end so far in the (rank, step)
+    seg = new.copy()
+    seg[1:] |= start[1:] > reach[:-1]
+    seg_first = np.flatnonzero(seg)
+    covered = np.add.reduceat(np.maximum.reduceat(end, seg_first) - start[seg_first], np.flatnonzero(new[seg_first]))
+    first = np.flatnonzero(new)
+    return pd.Series(covered.astype("float64"),
+                     index=pd.MultiIndex.from_arrays([rank[first], step[first]], names=["rank", "step"]))
 
 
 def straggler_causes(scores: pd.DataFrame, lateness: pd.DataFrame, steps: pd.DataFrame,
@@ -201,8 +268,8 @@ def linked_ranks(collectives: pd.DataFrame) -> set[frozenset[int]]:
     pairs: set[frozenset[int]] = set()
     if collectives.empty:
         return pairs
-    for pg_ranks in collectives["pg_ranks"].dropna().unique():
-        members = group_members(pg_ranks)
+    for pg_ranks in collectives["pg_ranks"].unique():
+        members = group_members(None if pd.isna(pg_ranks) else pg_ranks)
         pairs.update(frozenset((a, b)) for a in members for b in members if a < b)
     p2p = collectives[collectives["op"].isin(P2P_OPS) & collectives["peer"].notna()]
     for a, b in p2p[["rank", "peer"]].drop_duplicates().itertuples(index=False):

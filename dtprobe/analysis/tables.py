@@ -1,4 +1,5 @@
-"""Small shared helpers of the analyzers: required-column checks, step windows, interval unions, size labels."""
+"""Small shared helpers of the analyzers: required-column checks, step windows, interval unions, process-group
+codes, size labels."""
 
 from __future__ import annotations
 
@@ -26,12 +27,12 @@ def require_columns(df: pd.DataFrame, columns: Iterable[str], *, table: str) -> 
 def step_durations(steps: pd.DataFrame) -> pd.DataFrame:
     """Per (rank, step): ``step_ns`` = end - start; rows without both timestamps dropped. Columns: rank, step, step_ns."""
     require_columns(steps, ["rank", "step", "start_ns", "end_ns"], table="steps")
-    ok = steps.dropna(subset=["start_ns", "end_ns"])
-    out = pd.DataFrame({
-        "rank": ok["rank"].astype("int64"), "step": ok["step"].astype("int64"),
-        "step_ns": (ok["end_ns"] - ok["start_ns"]).astype("int64"),
+    ok = (steps["start_ns"].notna() & steps["end_ns"].notna()).to_numpy(dtype=bool)
+    return pd.DataFrame({
+        "rank": steps["rank"].to_numpy()[ok].astype("int64"), "step": steps["step"].to_numpy()[ok].astype("int64"),
+        "step_ns": (steps["end_ns"].to_numpy(dtype="int64", na_value=0)
+                    - steps["start_ns"].to_numpy(dtype="int64", na_value=0))[ok],
     })
-    return out[["rank", "step", "step_ns"]].reset_index(drop=True)
 
 
 def analyzed_steps(steps: pd.DataFrame, *, skip_first: int = 1) -> list[int]:
@@ -74,6 +75,48 @@ def group_members(pg_ranks: str | None) -> tuple[int, ...]:
     if pg_ranks is None or pg_ranks is pd.NA or not str(pg_ranks).strip():
         return ()
     return tuple(int(r) for r in str(pg_ranks).split(",") if r.strip())
+
+
+def group_codes(pg: pd.Series, pg_ranks: pd.Series) -> tuple[np.ndarray, pd.Index, pd.Index]:
+    """Per row, an integer code of its (pg, pg_ranks) pair (nulls as ""), numbered in the sorted order of the pairs,
+    and the pg and pg_ranks of each code: sorting and grouping by the code is sorting and grouping by the two
+    strings, without hashing long ``pg_ranks`` strings again."""
+    pg_codes, pg_names = pd.factorize(pg.fillna("").astype(str), sort=True)
+    pr_codes, pr_names = pd.factorize(pg_ranks.fillna("").astype(str), sort=True)
+    width = max(len(pr_names), 1)
+    codes, pairs = pd.factorize(pg_codes.astype("int64") * width + pr_codes, sort=True)
+    return codes.astype("int64"), pd.Index(pg_names).take(pairs // width), pd.Index(pr_names).take(pairs % width)
+
+
+def coded_rows(collectives: pd.DataFrame, mask: pd.Series, columns: list[str]
+               ) -> tuple[pd.DataFrame, np.ndarray, pd.Index, pd.Index]:
+    """The ``columns`` of the collectives rows where ``mask`` holds and their ``group_codes`` (pg, pg_ranks code,
+    pg names, pg_ranks names): the long ``pg_ranks`` strings are coded once and never copied."""
+    code, pg_names, pr_names = group_codes(collectives["pg"], collectives["pg_ranks"])
+    keep = mask.to_numpy(dtype=bool, na_value=False)
+    return collectives.loc[keep, columns], code[keep], pg_names, pr_names
+
+
+def lookup_group_codes(pg: pd.Series, pg_ranks: pd.Series, pg_names: pd.Index, pr_names: pd.Index) -> np.ndarray:
+    """Per row, the code ``group_codes`` gave its (pg, pg_ranks) pair (``pg_names``/``pr_names``), -1 if none."""
+    pg_codes, pg_u = pd.factorize(pg.fillna("").astype(str))
+    pr_codes, pr_u = pd.factorize(pg_ranks.fillna("").astype(str))
+    width = max(len(pr_u), 1)
+    pairs, pair_u = pd.factorize(pg_codes.astype("int64") * width + pr_codes)
+    known = pd.MultiIndex.from_arrays([pg_names, pr_names]).get_indexer(
+        pd.MultiIndex.from_arrays([pd.Index(pg_u).take(pair_u // width), pd.Index(pr_u).take(pair_u % width)]))
+    return known[pairs].astype("int64")
+
+
+def run_starts(*keys: np.ndarray) -> np.ndarray:
+    """For arrays sorted by ``keys``: True where a run of equal keys begins."""
+    n = len(keys[0])
+    new = np.zeros(n, dtype=bool)
+    if n:
+        new[0] = True
+        for k in keys:
+            new[1:] |= k[1:] != k[:-1]
+    return new
 
 
 def axis_of(pg: str | None) -> str | None:

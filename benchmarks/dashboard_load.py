@@ -6,6 +6,7 @@ Measured side by side in one run:
 - live: the run is still running, so the Overview analyzes its newest ``--live-window`` steps (the default of
   `dtprobe dashboard`);
 - finished: the same run finished and compacted (what `dtprobe run` leaves), analyzed whole;
+- floor: a page holding one metric, served by plain `streamlit run` the same way;
 - live refresh: what one refresh of a page does after one more step (``dashboard.data.load_analysis``: tail the
   new lines, re-analyze the window), for runs of 100, 1,000 and 3,000 steps.
 
@@ -39,19 +40,18 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def server_to_overview_s(root: Path, run: str) -> float:
-    """Seconds from server process start until the Overview (key figures with their trends, findings) is drawn
-    in Chromium and the page is idle."""
-    from playwright.sync_api import expect, sync_playwright
+def _server_to_drawn_s(argv: list[str], env: dict, cwd: Path, path: str, wait) -> float:
+    """Seconds from starting the server process ``argv`` until ``wait(page)`` returns for ``path``."""
+    from playwright.sync_api import sync_playwright
 
     port = _port()
-    env = dict(os.environ, **{ROOT_ENV: str(root)})
+    argv = [*argv, "--server.port", str(port)]
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox", "--disable-gpu"])
         page = browser.new_page()
         t0 = time.perf_counter()
-        proc = subprocess.Popen(streamlit_argv(host="127.0.0.1", port=port), env=env, cwd=APP.parent,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
         try:
             while True:
                 try:
@@ -59,19 +59,49 @@ def server_to_overview_s(root: Path, run: str) -> float:
                     break
                 except OSError:
                     if proc.poll() is not None:
-                        raise SystemExit(f"the dashboard server exited with {proc.returncode}")
+                        raise SystemExit(f"the server exited with {proc.returncode}: {' '.join(argv)}")
                     time.sleep(0.02)
-            page.goto(f"http://127.0.0.1:{port}/?run={run}")
-            expect(page.get_by_test_id("stMetricValue").first).to_be_visible(timeout=600_000)
-            expect(page.get_by_text("STRAGGLER").first).to_be_visible(timeout=600_000)
-            expect(page.locator("[data-testid=stMetricChart] canvas, [data-testid=stMetricChart] svg").first
-                   ).to_be_visible(timeout=600_000)  # the step-time trend
-            expect(page.get_by_test_id("stStatusWidget")).to_have_count(0, timeout=600_000)
+            page.goto(f"http://127.0.0.1:{port}/{path}")
+            wait(page)
             return time.perf_counter() - t0
         finally:
             proc.terminate()
             proc.wait(20)
             browser.close()
+
+
+def server_to_overview_s(root: Path, run: str) -> float:
+    """Seconds from server process start (the `dtprobe dashboard` server command) until the Overview (key
+    figures with their trends, findings) is drawn in Chromium and the page is idle."""
+    from playwright.sync_api import expect
+
+    def drawn(page) -> None:
+        expect(page.get_by_test_id("stMetricValue").first).to_be_visible(timeout=600_000)
+        expect(page.get_by_text("STRAGGLER").first).to_be_visible(timeout=600_000)
+        expect(page.locator("[data-testid=stMetricChart] canvas, [data-testid=stMetricChart] svg").first
+               ).to_be_visible(timeout=600_000)  # the step-time trend
+        expect(page.get_by_test_id("stStatusWidget")).to_have_count(0, timeout=600_000)
+
+    argv = streamlit_argv(host="127.0.0.1", port=0)
+    argv = argv[: argv.index("--server.port")] + argv[argv.index("--server.port") + 2:]
+    return _server_to_drawn_s(argv, dict(os.environ, **{ROOT_ENV: str(root)}), APP.parent, f"?run={run}", drawn)
+
+
+def streamlit_floor_s(folder: Path) -> float:
+    """The same measurement for a Streamlit page holding one metric (plain `streamlit run`): the floor set by
+    Streamlit's start and the browser on this machine, whatever the page computes."""
+    from playwright.sync_api import expect
+
+    script = folder / "one_metric.py"
+    script.write_text("import streamlit as st\nst.metric('steps', 1)\n")
+    argv = [sys.executable, "-m", "streamlit", "run", str(script), "--server.address", "127.0.0.1",
+            "--server.headless", "true", "--server.fileWatcherType", "none", "--browser.gatherUsageStats", "false"]
+
+    def drawn(page) -> None:
+        expect(page.get_by_test_id("stMetricValue").first).to_be_visible(timeout=600_000)
+        expect(page.get_by_test_id("stStatusWidget")).to_have_count(0, timeout=600_000)
+
+    return _server_to_drawn_s(argv, dict(os.environ), folder, "", drawn)
 
 
 def refresh_cost_s(run: SyntheticRun) -> tuple[float, float]:
@@ -113,10 +143,19 @@ def main() -> None:
         shutil.copytree(live_root / "big", done_root / "big")
         set_status(done_root / "big", "finished")
         compact(done_root / "big")
-        for label, root in (("live (running, newest steps)", live_root), ("finished (compacted, whole run)", done_root)):
-            times = [server_to_overview_s(root, "big") for _ in range(args.repeats)]
-            print(f"server start -> Overview drawn, {label}: median {statistics.median(times):.2f} s "
-                  f"(runs: {', '.join(f'{x:.2f}' for x in times)}; goal <= 3 s)")
+        cases = [("live (running, newest steps)", lambda: server_to_overview_s(live_root, "big")),
+                 ("finished (compacted, whole run)", lambda: server_to_overview_s(done_root, "big")),
+                 ("floor: a one-metric Streamlit page", lambda: streamlit_floor_s(Path(tmp)))]
+        times: dict[str, list[float]] = {label: [] for label, _ in cases}
+        for _ in range(args.repeats):  # interleaved, so that a change in the machine's load hits every case
+            for label, measure in cases:
+                times[label].append(measure())
+        for label, values in times.items():
+            print(f"server start -> page drawn, {label}: median {statistics.median(values):.2f} s "
+                  f"(runs: {', '.join(f'{x:.2f}' for x in values)})")
+        floor = statistics.median(times[cases[2][0]])
+        print(f"Overview vs the floor: live {statistics.median(times[cases[0][0]]) / floor:.2f}x, finished "
+              f"{statistics.median(times[cases[1][0]]) / floor:.2f}x (goal: Overview drawn within 3 s)")
         lengths = sorted({max(1, args.steps // 10), args.steps, 3 * args.steps})
         for n in lengths:
             run = big if n == args.steps else SyntheticRun(Path(tmp) / f"run{n}", num_ranks=args.ranks,

@@ -107,14 +107,8 @@ def window_of(analysis: RunAnalysis) -> StepWindow | None:
     return analysis.source if isinstance(analysis.source, StepWindow) else None
 
 
-def warm(source: Source, *, opened: Any | None = None) -> None:
-    """Analyze ``source`` ahead of the first page (``dashboard.serve`` calls it while the server starts);
-    ``opened``: the source already opened with ``open_source`` (kept unless the page got there first)."""
-    if opened is not None:
-        entry = _entry(str(source.path), None if source.kind == "run" else ("traces", _mtime(source.path)))
-        with entry.lock:
-            if entry.source is None:
-                entry.source = opened
+def warm(source: Source) -> None:
+    """Open and analyze ``source`` ahead of the first page (``dashboard.serve`` calls it while the server starts)."""
     load_analysis(source)
 
 

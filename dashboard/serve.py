@@ -3,9 +3,9 @@
 Runs Streamlit's own command line after two start-up savings, so that the first page is drawn soon after the
 server starts (``benchmarks/dashboard_load.py`` measures it):
 
-- a thread opens and analyzes the run the picker shows first (the newest under the root) and imports the
-  charting stack while the server starts and the browser loads the page; the page then finds the analysis in
-  ``dashboard.data``'s cache (it waits on the same lock if the thread is not done);
+- a thread opens and analyzes the run the picker shows first (the newest under the root) while the server
+  starts and the browser loads the page; the page then finds the analysis in ``dashboard.data``'s cache (it
+  waits on the same lock if the thread is not done);
 - Streamlit's scan of every installed distribution for custom-component manifests is skipped: the dashboard
   uses no custom components, and the scan reads the metadata of every installed package (~0.4 s here).
 """
@@ -15,27 +15,15 @@ from __future__ import annotations
 import sys
 import threading
 
-_STREAMLIT_READY = threading.Event()
-
-
 def _warm() -> None:
-    """Open and analyze the default run ahead of the first page; a failure is left for the page to report.
-
-    The events are parsed (Arrow, outside the GIL) while the main thread imports Streamlit; the analysis and
-    the chart imports follow once Streamlit is imported, so no module is ever seen half-imported by two threads.
-    """
+    """Open and analyze the default run ahead of the first page; a failure is left for the page to report."""
     try:
-        from dashboard.paths import list_sources, live_window_steps, root_from_env
-        from dtprobe.analysis.facade import open_source
+        from dashboard import data
+        from dashboard.paths import list_sources, root_from_env
 
         sources = list_sources(root_from_env())
-        opened = open_source(sources[0].path, live_tail_steps=live_window_steps() or None) if sources else None
-        _STREAMLIT_READY.wait()
-        from dashboard import charts  # noqa: F401  (plotly: every page imports it)
-        from dashboard import data
-
         if sources:
-            data.warm(sources[0], opened=opened)
+            data.warm(sources[0])
     except Exception as exc:  # noqa: BLE001 - the page shows the same error where the user can act on it
         print(f"dtprobe dashboard: pre-loading the newest run failed ({exc}); the page will say why.",
               file=sys.stderr, flush=True)
@@ -50,18 +38,13 @@ def _skip_component_scan() -> None:
 
 
 def main() -> None:
-    # pandas and pyarrow first, on this thread: plotly and Streamlit look modules up in sys.modules, where one
-    # half-imported by another thread would be visible
-    import pandas  # noqa: F401
-    import pyarrow  # noqa: F401
+    from streamlit.web import cli
 
+    _skip_component_scan()
+    # Streamlit is imported before the thread starts: plotly's checks at Streamlit's import look pandas up in
+    # sys.modules, where a pandas half-imported by another thread would be visible. The thread's reading and
+    # analysis then overlap with the browser loading the page (another process), not with this import.
     threading.Thread(target=_warm, name="dtprobe-warm", daemon=True).start()
-    try:
-        from streamlit.web import cli
-
-        _skip_component_scan()
-    finally:
-        _STREAMLIT_READY.set()
     sys.argv = ["streamlit", *sys.argv[1:]]
     cli.main(prog_name="streamlit")
 

@@ -5,6 +5,7 @@ culprit marked, and a screenshot of every page (test-artifacts/screenshots/)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -33,7 +34,6 @@ DLRM = next(p for p in (REPO / "tests/data/traces/dlrm_8rank_v100", REPO.parent 
 TIMEOUT_MS = 90_000
 STRAGGLER_RANK = 2
 
-pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian chromium (scripts/install.sh --dev)")
 
 
 def free_port() -> int:
@@ -51,37 +51,67 @@ def root(tmp_path_factory) -> Path:
     return root
 
 
+def kill_tree(pid: int) -> None:
+    """Kill ``pid`` and every process it started (by PID), e.g. kaleido's chromium left by a hard kill."""
+    try:
+        procs = psutil.Process(pid).children(recursive=True) + [psutil.Process(pid)]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+@contextlib.contextmanager
+def dashboard_server(root: Path, log_name: str, **env: str):
+    """The dashboard served on ``root`` with the exact command of `dtprobe dashboard` on a free loopback port;
+    stopped (with every process it started, by PID) on exit."""
+    port = free_port()
+    log = REPO / "test-artifacts" / log_name
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as out:
+        proc = subprocess.Popen(streamlit_argv(host="127.0.0.1", port=port), env=dict(os.environ, **{ROOT_ENV: str(root)}, **env),
+                                cwd=APP.parent, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, f"server exited:\n{log.read_text()}"
+            try:
+                if urllib.request.urlopen(url + "/_stcore/health", timeout=2).read() == b"ok":
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, f"server not healthy after 90 s:\n{log.read_text()}"
+            time.sleep(0.2)
+        yield {"url": url, "port": port, "proc": proc, "log": log}
+    finally:
+        try:
+            children = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            children = []
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc.pid)
+            proc.wait(5)
+        for child in children:  # kaleido's chromium, pool workers: must not outlive the server
+            if child.is_running() and child.status() != psutil.STATUS_ZOMBIE:
+                kill_tree(child.pid)
+
+
 @pytest.fixture(scope="module")
 def server(root):
-    port = free_port()
-    log = REPO / "test-artifacts" / "dashboard-server.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, **{ROOT_ENV: str(root), "DTPROBE_REFRESH_S": "1"})
-    with open(log, "w") as out:
-        proc = subprocess.Popen(streamlit_argv(host="127.0.0.1", port=port), env=env, cwd=APP.parent, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while True:
-        assert proc.poll() is None, f"server exited:\n{log.read_text()}"
-        try:
-            if urllib.request.urlopen(url + "/_stcore/health", timeout=2).read() == b"ok":
-                break
-        except OSError:
-            pass
-        assert time.monotonic() < deadline, f"server not healthy after 90 s:\n{log.read_text()}"
-        time.sleep(0.2)
-    yield {"url": url, "port": port, "proc": proc, "log": log}
-    proc.terminate()
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
+    with dashboard_server(root, "dashboard-server.log", DTPROBE_REFRESH_S="1") as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
 def browser():
+    assert Path(CHROMIUM).exists(), f"{CHROMIUM} is missing: install it with `bash scripts/install.sh --dev`"
     with sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
             "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",

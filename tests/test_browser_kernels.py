@@ -18,20 +18,16 @@ import subprocess
 import sys
 import textwrap
 import time
-import urllib.request
 import zlib
 from pathlib import Path
 
-import psutil
 import pytest
 from PIL import Image  # a Streamlit dependency
 from playwright.sync_api import expect
 
 from dashboard.export import PNG_MAGIC
-from dashboard.paths import ROOT_ENV
 from dashboard.synthetic import write_synthetic_run
-from dtprobe.commands.dashboard import APP, streamlit_argv
-from test_browser_dashboard import CHROMIUM, DLRM, REPO, SCREENSHOTS, browser, free_port, page, wait_drawn  # noqa: F401
+from test_browser_dashboard import DLRM, REPO, SCREENSHOTS, browser, dashboard_server, page, wait_drawn  # noqa: F401
 
 DLRM_RANKS = 8
 HTA_KERNEL_TIME_US = [13009, 18749, 11350, 18853, 16589, 16392, 11410, 10967]
@@ -39,10 +35,6 @@ HTA_IDLE_PCT = [49.34, 34.28, 62.08, 43.20, 53.57, 55.64, 61.80, 75.75]
 """HTA 0.5.0 on the same traces, per rank (shared/traces/README.md)."""
 FIRST_DRAW_MS = 120_000
 """A cold DLRM Kernels page draws in ~10 s on the loaded 2-core machine; a stall never does."""
-
-needs_chromium = pytest.mark.skipif(not Path(CHROMIUM).exists(),
-                                    reason="needs Debian chromium (scripts/install.sh --dev)")
-
 
 # ------------------------------------------------------------------------------------------------ no browser
 
@@ -88,20 +80,6 @@ def test_trace_pool_finishes_in_a_process_whose_sigterm_handler_returns(tmp_path
 # ------------------------------------------------------------------------------------------------ fixtures
 
 
-def _kill_tree(pid: int) -> None:
-    """Kill ``pid`` and every process it started (by PID), e.g. kaleido's chromium left by a hard kill."""
-    try:
-        procs = psutil.Process(pid).children(recursive=True) + [psutil.Process(pid)]
-    except psutil.NoSuchProcess:
-        return
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(procs, timeout=10)
-
-
 @pytest.fixture(scope="module")
 def kernels_root(tmp_path_factory) -> Path:
     """A synthetic run (the newest: the server pre-loads it) and a copy of the DLRM traces (older), so the
@@ -114,41 +92,8 @@ def kernels_root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(kernels_root):
-    port = free_port()
-    log = REPO / "test-artifacts" / "dashboard-kernels-server.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, **{ROOT_ENV: str(kernels_root)})
-    with open(log, "w") as out:
-        proc = subprocess.Popen(streamlit_argv(host="127.0.0.1", port=port), env=env, cwd=APP.parent, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, f"server exited:\n{log.read_text()}"
-            try:
-                if urllib.request.urlopen(url + "/_stcore/health", timeout=2).read() == b"ok":
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, f"server not healthy after 90 s:\n{log.read_text()}"
-            time.sleep(0.2)
-        yield {"url": url, "proc": proc, "log": log}
-    finally:
-        children = []
-        try:
-            children = psutil.Process(proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            pass
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            _kill_tree(proc.pid)
-            proc.wait(5)
-        for child in children:  # kaleido's chromium, pool workers: must not outlive the server
-            if child.is_running() and child.status() != psutil.STATUS_ZOMBIE:
-                _kill_tree(child.pid)
+    with dashboard_server(kernels_root, "dashboard-kernels-server.log") as running:
+        yield running
 
 
 def open_kernels(server, pg) -> None:
@@ -160,7 +105,6 @@ def open_kernels(server, pg) -> None:
 # ------------------------------------------------------------------------------------------------ Kernels page
 
 
-@needs_chromium
 def test_kernels_page_draws_the_dlrm_traces_for_all_8_ranks(server, page):
     t0 = time.monotonic()
     open_kernels(server, page)
@@ -220,7 +164,6 @@ def png_facts(data: bytes) -> dict:
     return {"width": width, "height": height, "color": color, "pixels": pixels}
 
 
-@needs_chromium
 def test_png_button_downloads_a_valid_png_of_the_chart(server, page, tmp_path):
     open_kernels(server, page)
     button = page.locator(".st-key-kernels_temporal_png").get_by_role("button", name=re.compile("PNG"))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 import threading
 
+
 def _warm() -> None:
     """Open and analyze the default run ahead of the first page; a failure is left for the page to report."""
     try:

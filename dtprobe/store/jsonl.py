@@ -43,8 +43,10 @@ class FileCursor:
     """Complete lines consumed (for error messages)."""
 
 
-def read_new_rows(path: Path, cursor: FileCursor, table: str, rank: int) -> pa.Table | None:
-    """Parse the complete lines of ``path`` after ``cursor`` and advance it; None if there are none.
+def read_new_rows(path: Path, cursor: FileCursor, table: str, rank: int, *, end: int | None = None
+                  ) -> pa.Table | None:
+    """Parse the complete lines of ``path`` after ``cursor`` (up to byte ``end``, a line boundary, if given) and
+    advance it; None if there are none.
 
     Reads at most ``_READ_BYTES`` at a time (plus whatever completes a longer line), so memory stays bounded on
     a first read of a long run. Every returned row has ``rank`` equal to the file's rank (filled in where the
@@ -58,6 +60,8 @@ def read_new_rows(path: Path, cursor: FileCursor, table: str, rank: int) -> pa.T
                 f"'{path}' is {size} bytes, shorter than the {offset} bytes already read: it was "
                 f"truncated or replaced, but events files are append-only. Restore it, or if the run was "
                 f"compacted, delete tables/ and run `dtprobe compact` again.")
+        if end is not None:
+            size = min(size, end)
         f.seek(offset)
         data = b""
         while offset + len(data) < size:
@@ -67,7 +71,7 @@ def read_new_rows(path: Path, cursor: FileCursor, table: str, rank: int) -> pa.T
                 continue  # a line longer than one read (or a torn last line): read on
             block, data = data[: end + 1], data[end + 1:]
             rows = parse_lines(block, table, path=path, first_line=lines + 1)
-            parts.append(check_rank(rows, rank, path, first_line=lines + 1))
+            parts.append(_check_rank(rows, rank, path, first_line=lines + 1))
             offset += end + 1
             lines += block.count(b"\n")
     cursor.offset_bytes, cursor.lines = offset, lines
@@ -96,11 +100,8 @@ def read_new_rows_batched(files: list[tuple[Path, FileCursor, int]], table: str)
         counts.append(block.count(b"\n"))
     if not sum(counts):
         return None
-    joined = b"".join(blocks)
     try:
-        rows = pajson.read_json(io.BytesIO(joined), read_options=pajson.ReadOptions(block_size=max(_BLOCK_BYTES, len(joined))),
-                                parse_options=pajson.ParseOptions(explicit_schema=arrow_schema(table),
-                                                                  unexpected_field_behavior="ignore"))
+        rows = _read_json(b"".join(blocks), arrow_schema(table))
     except pa.ArrowException:
         return None
     if rows.num_rows != sum(counts):  # blank lines: let the exact per-file path count them
@@ -124,13 +125,18 @@ def parse_lines(block: bytes, table: str, *, path: Path, first_line: int) -> pa.
     """
     schema = arrow_schema(table)
     try:
-        return pajson.read_json(
-            io.BytesIO(block),
-            read_options=pajson.ReadOptions(block_size=_BLOCK_BYTES, use_threads=len(block) > _BLOCK_BYTES),
-            parse_options=pajson.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore"),
-        )
+        return _read_json(block, schema)
     except pa.ArrowException:
         return _parse_lines_slow(block, table, schema, path=path, first_line=first_line)
+
+
+def _read_json(block: bytes, schema: pa.Schema) -> pa.Table:
+    """Arrow's JSON reader over newline-terminated lines with the table's schema (ArrowException if it refuses)."""
+    return pajson.read_json(
+        io.BytesIO(block),
+        read_options=pajson.ReadOptions(block_size=_BLOCK_BYTES, use_threads=len(block) > _BLOCK_BYTES),
+        parse_options=pajson.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore"),
+    )
 
 
 def _parse_lines_slow(block: bytes, table: str, schema: pa.Schema, *, path: Path, first_line: int) -> pa.Table:
@@ -173,7 +179,7 @@ _ACCEPTS = {
 """Arrow type name -> does a parsed JSON value fit losslessly (integral floats count as ints)."""
 
 
-def check_rank(rows: pa.Table, rank: int, path: Path, *, first_line: int) -> pa.Table:
+def _check_rank(rows: pa.Table, rank: int, path: Path, *, first_line: int) -> pa.Table:
     col = rows.column("rank")
     if col.null_count:
         rows = rows.set_column(rows.schema.get_field_index("rank"), "rank",

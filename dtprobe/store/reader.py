@@ -29,8 +29,7 @@ import pyarrow.parquet as pq
 
 from dtprobe.store.errors import TraceError
 from dtprobe.store.frames import SORT_KEYS, arrow_schema, arrow_to_frame, empty_frame, time_columns
-from dtprobe.store.jsonl import (FileCursor, check_rank, last_step_in_file, parse_lines, read_new_rows,
-                                 read_new_rows_batched, tail_cursor)
+from dtprobe.store.jsonl import FileCursor, last_step_in_file, read_new_rows, read_new_rows_batched, tail_cursor
 from dtprobe.store.manifest import Manifest, check_schema_version, read_manifest
 from dtprobe.store.schema import COMPACT_FILE, EVENTS_FILE, SCHEMAS, STEP_TABLES
 
@@ -120,13 +119,10 @@ class RunStore:
             for name, state in self._states.items():
                 chunks = []
                 for rel, head in list(state.heads.items()):
-                    path = self._path / rel
-                    with open(path, "rb") as f:
-                        block = f.read(head.offset_bytes)
-                    rank = int(Path(rel).name[4:-6])
-                    rows = parse_lines(block, name, path=path, first_line=1) if block else None
-                    if rows is not None and rows.num_rows:
-                        chunks.append(check_rank(rows, rank, path, first_line=1))
+                    rows = read_new_rows(self._path / rel, FileCursor(), name, int(Path(rel).name[4:-6]),
+                                         end=head.offset_bytes)
+                    if rows is not None:
+                        chunks.append(rows)
                     del state.heads[rel]
                 added += self._append(state, chunks)
             self._tail_from_step = None
@@ -277,20 +273,21 @@ class RunStore:
                     if head.offset_bytes:
                         cursor.offset_bytes, cursor.lines = head.offset_bytes, head.lines
                         state.heads[rel] = head
-            if path.stat().st_size == cursor.offset_bytes:
+            size = path.stat().st_size
+            if size == cursor.offset_bytes:
                 continue  # nothing appended (a file shorter than its cursor is reported by read_new_rows)
-            grown.append((rank, path, cursor))
-        if 1 < len(grown) and sum(p.stat().st_size - c.offset_bytes for _, p, c in grown) <= _BATCH_BYTES \
-                and all(rank in known for rank, _, _ in grown):
-            rows = read_new_rows_batched([(path, cursor, rank) for rank, path, cursor in grown], name)
+            grown.append((rank, path, cursor, size))
+        if 1 < len(grown) and sum(size - c.offset_bytes for _, _, c, size in grown) <= _BATCH_BYTES \
+                and all(rank in known for rank, *_ in grown):
+            rows = read_new_rows_batched([(path, cursor, rank) for rank, path, cursor, _ in grown], name)
             if rows is not None:  # else read file by file below, which names any damage exactly
                 return self._append(state, [rows])
         results: list[pa.Table | None | TraceError] = [None] * len(grown)
 
         def read(i: int) -> None:
-            rank, path, cursor = grown[i]
+            rank, path, cursor, size = grown[i]
             try:
-                if rank not in known and path.stat().st_size > cursor.offset_bytes:
+                if rank not in known and size > cursor.offset_bytes:
                     raise TraceError(
                         f"rank {rank} has events in '{path}' but no rank info file "
                         f"'{self._path / 'ranks' / f'rank{rank:05d}.json'}', so its clock offset is unknown and "

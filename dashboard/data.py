@@ -87,9 +87,9 @@ def load_analysis(source: Source, *, whole_run: bool = False) -> RunAnalysis:
             return cached[1]
         src = entry.source
         if not whole:
-            last = src.last_step()
-            if last is not None and last >= window:  # older steps exist: analyze the window only
-                src = StepWindow(src, window)
+            newest = StepWindow(src, window)
+            if not newest.is_whole_run:  # older steps exist: analyze the window only
+                src = newest
         needed = src.first_step if isinstance(src, StepWindow) else 0
         tail = entry.source.tail_from_step if source.kind == "run" else None
         if tail is not None and needed < tail:

@@ -1,8 +1,8 @@
 """``StepWindow``: the last N steps of a run as an analysis source, so a live view costs the window, not the run.
 
 ``RunAnalysis(StepWindow(store, 100))`` computes every metric and finding over the newest 100 steps of the
-per-step tables (steps, collectives, devices, pipeline, amp, memory, compression, kernels); the event tables
-(faults, checkpoints) stay whole, so a crash, a hang report or a checkpoint stall earlier in the run is never
+per-step tables (``schema.STEP_TABLES``: the ones a tail-opened store reads from its newest steps); the event
+tables (faults, checkpoints) stay whole, so a crash, a hang report or a checkpoint stall earlier in the run is never
 dropped. Rows outside any step (``step`` null or -1, e.g. set-up collectives) are outside every window.
 """
 
@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pandas as pd
 
-WHOLE_RUN_TABLES = ("faults", "checkpoints")
-"""Tables read whole even in a window: rare events that matter wherever they happened."""
+from dtprobe.store.schema import STEP_TABLES
 
 
 class StepWindow:
@@ -49,8 +48,8 @@ class StepWindow:
         return self.first_step == 0
 
     def table(self, name: str) -> pd.DataFrame:
-        """Rows of ``name`` in the window (whole for ``WHOLE_RUN_TABLES``)."""
-        if name in WHOLE_RUN_TABLES:
+        """Rows of ``name`` in the window; tables outside ``STEP_TABLES`` (rare events) are read whole."""
+        if name not in STEP_TABLES:
             return self.store.table(name)
         return self.store.table(name, min_step=self.first_step)
 

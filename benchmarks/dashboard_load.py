@@ -40,12 +40,12 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _server_to_drawn_s(argv: list[str], env: dict, cwd: Path, path: str, wait) -> float:
-    """Seconds from starting the server process ``argv`` until ``wait(page)`` returns for ``path``."""
+def _server_to_drawn_s(argv_for_port, env: dict, cwd: Path, path: str, wait) -> float:
+    """Seconds from starting the server process ``argv_for_port(port)`` until ``wait(page)`` returns for ``path``."""
     from playwright.sync_api import sync_playwright
 
     port = _port()
-    argv = [*argv, "--server.port", str(port)]
+    argv = argv_for_port(port)
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox", "--disable-gpu"])
         page = browser.new_page()
@@ -82,9 +82,8 @@ def server_to_overview_s(root: Path, run: str) -> float:
                ).to_be_visible(timeout=600_000)  # the step-time trend
         expect(page.get_by_test_id("stStatusWidget")).to_have_count(0, timeout=600_000)
 
-    argv = streamlit_argv(host="127.0.0.1", port=0)
-    argv = argv[: argv.index("--server.port")] + argv[argv.index("--server.port") + 2:]
-    return _server_to_drawn_s(argv, dict(os.environ, **{ROOT_ENV: str(root)}), APP.parent, f"?run={run}", drawn)
+    return _server_to_drawn_s(lambda port: streamlit_argv(host="127.0.0.1", port=port),
+                              dict(os.environ, **{ROOT_ENV: str(root)}), APP.parent, f"?run={run}", drawn)
 
 
 def streamlit_floor_s(folder: Path) -> float:
@@ -94,8 +93,10 @@ def streamlit_floor_s(folder: Path) -> float:
 
     script = folder / "one_metric.py"
     script.write_text("import streamlit as st\nst.metric('steps', 1)\n")
-    argv = [sys.executable, "-m", "streamlit", "run", str(script), "--server.address", "127.0.0.1",
-            "--server.headless", "true", "--server.fileWatcherType", "none", "--browser.gatherUsageStats", "false"]
+    def argv(port: int) -> list[str]:
+        return [sys.executable, "-m", "streamlit", "run", str(script), "--server.address", "127.0.0.1",
+                "--server.port", str(port), "--server.headless", "true", "--server.fileWatcherType", "none",
+                "--browser.gatherUsageStats", "false"]
 
     def drawn(page) -> None:
         expect(page.get_by_test_id("stMetricValue").first).to_be_visible(timeout=600_000)

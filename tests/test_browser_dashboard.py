@@ -72,8 +72,9 @@ def dashboard_server(root: Path, log_name: str, **env: str):
     log = REPO / "test-artifacts" / log_name
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as out:
-        proc = subprocess.Popen(streamlit_argv(host="127.0.0.1", port=port), env=dict(os.environ, **{ROOT_ENV: str(root)}, **env),
-                                cwd=APP.parent, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(streamlit_argv(host="127.0.0.1", port=port),
+                                env=dict(os.environ, **{ROOT_ENV: str(root)}, **env), cwd=APP.parent, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 90

@@ -351,7 +351,8 @@ def test_a_damaged_file_among_many_is_named_and_the_other_ranks_rows_are_kept(tm
     run = make_run(tmp_path / "r", offsets={r: 0 for r in range(10)}, steps=2)
     store = RunStore.open(run)
     for rank in range(10):
-        append(events(run, "steps", rank), b'{"step": 2}\n' + (b'{"step": 3, bad}\n{"step": 4}\n' if rank == 6 else b""))
+        damage = b'{"step": 3, bad}\n{"step": 4}\n' if rank == 6 else b""
+        append(events(run, "steps", rank), b'{"step": 2}\n' + damage)
     with pytest.raises(TraceError) as err:
         store.refresh()
     assert f"'{events(run, 'steps', 6)}' line 4 is not valid JSON" in str(err.value)

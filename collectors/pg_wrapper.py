@@ -233,15 +233,28 @@ def _to_ns(value: Any) -> int | None:
     return int(value)
 
 
+def _failed(future: Any) -> bool:
+    """True if a work's future finished with an error (a peer died, the group was aborted): that is no
+    completion, so the row stays in flight and is written at close with ``end_ns`` null, like a hang's."""
+    try:
+        future.value()
+    except Exception:  # noqa: BLE001 - any backend error means the collective never completed
+        return True
+    return False
+
+
 class _FutureDone:
-    """Done-callback of a work's future: stamps ``end_ns`` and writes the row (unless flushed at close)."""
+    """Done-callback of a work's future: stamps ``end_ns`` and writes the row (unless flushed at close or the
+    work failed)."""
 
     __slots__ = ("recorder", "key", "row")
 
     def __init__(self, recorder: CollectiveRecorder, key: int, row: dict[str, Any]) -> None:
         self.recorder, self.key, self.row = recorder, key, row
 
-    def __call__(self, _future: Any) -> None:
+    def __call__(self, future: Any) -> None:
+        if _failed(future):
+            return
         if self.recorder.untrack(self.key):
             self.row["end_ns"] = time.time_ns()
             self.recorder.emit(self.row)
@@ -259,9 +272,9 @@ class RecordedWork(dist.Work):
         self._key = recorder.track(row)
         self._future: Any = None
 
-    def _complete(self, *_: object) -> None:
+    def _complete(self, future: Any = None) -> None:
         row = self._row
-        if row is None:
+        if row is None or (future is not None and _failed(future)):
             return
         self._row = None
         if self._recorder.untrack(self._key):

@@ -271,6 +271,22 @@ def test_recorded_work_writes_one_row_when_future_completes_then_wait_returns():
     assert row["end_ns"] >= row["enqueue_ns"] and recorder.pending() == []
 
 
+def test_a_work_whose_future_fails_is_not_a_completion_and_is_written_at_stop_without_end_time():
+    recorder, writer, inner = CollectiveRecorder(), ListWriter(), FakeInner()
+    recorder.start(writer)
+    pg = RecordingProcessGroup(inner, 0, 2, backend_name="dtprobe_gloo", recorder=recorder)
+    work = pg.allreduce([torch.ones(3)])
+    work.fut.set_exception(RuntimeError("Connection closed by peer"))  # the peer died: gloo fails the work
+    wrapped = RecordedWork(FakeWork(), {"op": "allreduce", "pg": "world", "pg_ranks": "0,1", "seq": 2, "step": 5,
+                                        "enqueue_ns": time.time_ns()}, recorder)
+    wrapped.get_future().set_exception(RuntimeError("Connection closed by peer"))
+    assert [r["seq"] for r in recorder.pending()] == [1, 2] and writer.table("collectives") == []
+    assert recorder.progress()["world"]["last_completed_seq"] == 0  # the watchdog still sees them waiting
+    recorder.stop()
+    rows = writer.table("collectives")
+    assert [r["seq"] for r in rows] == [1, 2] and all("end_ns" not in r for r in rows)
+
+
 def test_collectives_in_flight_at_stop_are_written_without_end_time():
     recorder, writer = CollectiveRecorder(), ListWriter()
     recorder.start(writer)

@@ -191,10 +191,14 @@ def test_screenshot_of_every_page(server, page, spec):
     # Kernels on the foreign DLRM traces (8 V100 ranks); DLRM on the other pages is covered by the AppTest suite
     run = "dlrm_8rank_v100" if spec.url_path == "kernels" else "dp4_straggler"
     path = "" if spec.default else spec.url_path
+    outside: list[str] = []  # the pages must not fetch anything from elsewhere (fonts, icons, telemetry)
+    page.on("request", lambda request: None if request.url.startswith((server["url"], "data:", "blob:"))
+            else outside.append(request.url))
     page.goto(f"{server['url']}/{path}?run={run}")
     wait_drawn(page)
     expect(page.get_by_test_id("stHeading").filter(has_text=spec.title).first).to_be_visible()
     expect(page.get_by_test_id("stException")).to_have_count(0)
+    assert not outside, f"{spec.title} fetched from outside the dashboard's server: {outside}"
     if spec.url_path == "kernels":  # temporal breakdown: 3 stacked shares for each of the 8 ranks, + kernel types
         expect(page.get_by_text("Kineto trace folder: 8 ranks.")).to_be_visible()
         expect(page.get_by_test_id("stPlotlyChart")).to_have_count(2)

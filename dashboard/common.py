@@ -3,7 +3,9 @@ export, finding links; no data logic here (that is the facade's, cached in data.
 
 from __future__ import annotations
 
+import base64
 import os
+import threading
 import time
 from typing import Callable
 
@@ -64,10 +66,17 @@ def _sync_run_param() -> None:
     st.query_params["run"] = st.session_state["run"]
 
 
+_PICKER = threading.local()
+"""The run picker waiting to be drawn by this script run (Streamlit runs each session's script in one thread)."""
+
+
 def page_setup(title: str) -> Source:
     """Sidebar run picker + page title; stops the page with a readable message when there is nothing to show.
 
     The choice comes from the picker or the ``run`` URL parameter and is always re-validated against the root.
+    The picker keeps its place at the top of the sidebar but is sent to the browser after the page's content
+    (``render`` draws it last): the select box's script bundle, loaded when the box first appears, would
+    otherwise hold up the whole first page by about 0.4 s.
     """
     try:
         root = root_from_env()
@@ -92,8 +101,8 @@ def page_setup(title: str) -> Source:
         st.session_state["run"] = requested
     elif st.session_state.get("run") not in names:
         st.session_state["run"] = names[0]
-    # option labels stay the bare names: a label that changes (status, age) would reset the widget's state
-    choice = st.sidebar.selectbox("Run", names, key="run", on_change=_sync_run_param)
+    choice = st.session_state["run"]  # what the picker shows when render() draws it
+    _PICKER.pending = (st.sidebar.empty(), names)
     runs = _runs_table(sources)
     chosen = next((r for r in runs if r["run"] == (root.name if choice == ROOT_IS_SOURCE else choice)), None)
     if chosen is not None:
@@ -106,11 +115,26 @@ def page_setup(title: str) -> Source:
         source = resolve_choice(root, choice)
     except ConfigError as exc:
         st.error(str(exc))
-        st.stop()
+        _stop()
     st.query_params["run"] = choice
     _whole_run_toggle(source)
     st.title(title)
     return source
+
+
+def _draw_picker() -> None:
+    """Draw the run picker ``page_setup`` left pending (once per script run)."""
+    pending, _PICKER.pending = getattr(_PICKER, "pending", None), None
+    if pending is not None:
+        slot, names = pending
+        # option labels stay the bare names: a label that changes (status, age) would reset the widget's state
+        slot.selectbox("Run", names, key="run", on_change=_sync_run_param)
+
+
+def _stop() -> None:
+    """``st.stop()`` the page, with the run picker drawn first (nothing can be drawn once a stop is asked for)."""
+    _draw_picker()
+    st.stop()
 
 
 def is_live(source: Source) -> bool:
@@ -124,13 +148,17 @@ def _whole_run_toggle(source: Source) -> None:
                                f"steps so that every refresh stays fast; switch on to analyze every step.")
 
 
-def render(source: Source, body: Callable[[Source], None]) -> None:
-    """Draw ``body``; while the run is running, redraw it every ``refresh_s`` seconds (only new events are read)."""
-    if is_live(source):
-        st.caption(f":green[● live] refreshing every {refresh_s():g} s")
-        st.fragment(run_every=refresh_s())(body)(source)
-    else:
-        body(source)
+def render(source: Source, body: Callable[[Source], None], *, live: bool = True) -> None:
+    """Draw ``body``, then the run picker; while the run is running (and ``live``), redraw ``body`` every
+    ``refresh_s`` seconds (only new events are read). When ``body`` fails, the picker is drawn all the same."""
+    try:
+        if live and is_live(source):
+            st.caption(f":green[● live] refreshing every {refresh_s():g} s")
+            st.fragment(run_every=refresh_s())(body)(source)
+        else:
+            body(source)
+    finally:
+        _draw_picker()
 
 
 WHOLE_RUN_KEY = "whole_run"
@@ -145,7 +173,7 @@ def load(source: Source):
             analysis = data.load_analysis(source, whole_run=bool(st.session_state.get(WHOLE_RUN_KEY)))
     except (TraceError, ConfigError) as exc:
         st.error(f"Cannot read {source.name}: {exc}")
-        st.stop()
+        _stop()
     window = data.window_of(analysis)
     if window is not None:
         st.caption(f"Live view of {window.describe()} of {window.total_steps} steps; switch on "
@@ -233,6 +261,29 @@ def key_trends(analysis) -> dict[str, list[float]]:
         if len(series) >= 2:
             out[label] = [round(float(v), 3) for v in series]
     return out
+
+
+SPARK_SIZE = (240, 36)
+"""Width and height (px) of a key figure's sparkline; it shrinks with its card."""
+SPARK_COLOR = "#4c78a8"
+
+
+def sparkline(label: str, values: list[float]) -> str:
+    """A key figure's trend as a Markdown image: an inline SVG polyline drawn by the browser itself, so the
+    Overview needs no chart library (Streamlit's metric charts load a 0.8 MB bundle before they draw)."""
+    width, height = SPARK_SIZE
+    lo, hi = min(values), max(values)
+    dx = width / max(1, len(values) - 1)
+
+    def y(v: float) -> float:  # the highest value at the top, 2 px from the edge; a flat series across the middle
+        return height / 2 if hi == lo else height - 2 - (v - lo) / (hi - lo) * (height - 4)
+
+    points = " ".join(f"{i * dx:.1f},{y(v):.1f}" for i, v in enumerate(values))
+    svg = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'viewBox="0 0 {width} {height}" preserveAspectRatio="none"><polyline fill="none" '
+           f'stroke="{SPARK_COLOR}" stroke-width="1.5" points="{points}"/></svg>')
+    alt = f"{label} over {len(values)} points, {lo:,.3g} to {hi:,.3g}"
+    return f"![{alt}](data:image/svg+xml;base64,{base64.b64encode(svg.encode()).decode()})"
 
 
 def other_sources(source: Source) -> list[Source]:

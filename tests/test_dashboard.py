@@ -113,10 +113,47 @@ def test_overview_key_figures_come_from_the_facade(straggler_root, monkeypatch):
     assert metrics["step time"] == f"{k.step_time_ms:.1f} ms"
     assert metrics["exposed comm"] == f"{k.exposed_comm_frac:.1%}"
     assert metrics["MFU"] == "-" and metrics["bubble"] == "-"  # CPU run, no pipeline: unknown, not zero
-    trend = {m.label: list(m.proto.chart_data) for m in at.metric}
+    trend = sparklines(at)
     per_step = RunAnalysis.open(straggler_root / "dp4_straggler").throughput().sort_values("step")
-    assert trend["step time"] == [round(v / 1e6, 3) for v in per_step["step_ns"]]  # one point per step
-    assert len(trend["tokens/s"]) == 40 and trend["MFU"] == []
+    step_ms = [v / 1e6 for v in per_step["step_ns"]]
+    assert set(trend) == {"step time", "tokens/s"}  # no trend for a figure without a series (MFU)
+    xs, ys = zip(*trend["step time"])
+    assert len(xs) == 40 and xs == tuple(sorted(xs))  # one point per step, left to right
+    slowest, fastest = step_ms.index(max(step_ms)), step_ms.index(min(step_ms))
+    assert ys[slowest] == min(ys) and ys[fastest] == max(ys)  # SVG y grows downwards: the slowest step on top
+    assert len(trend["tokens/s"]) == 40
+
+
+def sparklines(at) -> dict[str, list[tuple[float, float]]]:
+    """The Overview's sparklines: label -> the (x, y) points of its SVG polyline."""
+    import base64
+    import re
+
+    out = {}
+    for md in at.markdown:
+        match = re.fullmatch(r"!\[(.+?) over \d+ points, [^\]]*\]\(data:image/svg\+xml;base64,([A-Za-z0-9+/=]+)\)",
+                             md.value)
+        if match:
+            svg = base64.b64decode(match.group(2)).decode()
+            points = re.search(r'points="([^"]+)"', svg).group(1).split()
+            out[match.group(1)] = [tuple(float(v) for v in p.split(",")) for p in points]
+    return out
+
+
+def test_sparkline_scales_to_its_box_and_draws_a_flat_series_midway():
+    from dashboard import common
+
+    def points(values):
+        import base64
+        import re
+
+        svg = base64.b64decode(common.sparkline("x", values).split("base64,")[1][:-1]).decode()
+        return [tuple(float(v) for v in p.split(",")) for p in re.search(r'points="([^"]+)"', svg).group(1).split()]
+
+    width, height = common.SPARK_SIZE
+    assert points([1.0, 3.0, 2.0]) == [(0.0, height - 2), (width / 2, 2.0), (width, height / 2)]
+    assert {y for _, y in points([5.0, 5.0, 5.0])} == {height / 2}
+    assert "x over 3 points, 1 to 3" in common.sparkline("x", [1.0, 3.0, 2.0])
 
 
 def test_key_figure_trends_of_a_long_run_are_binned(tmp_path):
@@ -287,6 +324,21 @@ def test_url_run_parameter_out_of_the_root_is_refused_on_the_page(tmp_path, monk
     assert at.sidebar.selectbox(key="run").value == "ok"
     assert at.sidebar.selectbox(key="run").options == ["ok"]
     assert at.query_params["run"] == ["ok"] or at.query_params["run"] == "ok"
+
+
+def test_run_picker_is_drawn_after_the_page_and_also_when_the_page_stops(tmp_path, monkeypatch):
+    root = tmp_path / "root"
+    write_synthetic_run(root / "ok", num_ranks=2, num_steps=3)
+    broken = root / "broken"
+    shutil.copytree(root / "ok", broken)
+    (broken / "ranks" / "rank00001.json").unlink()  # unreadable: the page stops with an error
+    at = app(root, monkeypatch, run="broken")
+    assert any("Cannot read broken" in e.value for e in at.error)
+    assert sorted(at.sidebar.selectbox(key="run").options) == ["broken", "ok"]  # drawn although the page stopped
+    at.sidebar.selectbox(key="run").set_value("ok").run()  # the user can still pick another run
+    assert not at.exception and not at.error and at.query_params["run"] in ("ok", ["ok"])
+    assert at.sidebar.selectbox(key="run").value == "ok"
+    assert at.title[0].value == "Overview" and at.metric  # the other run's Overview
 
 
 def test_dashboard_without_root_says_how_to_start_it(monkeypatch):

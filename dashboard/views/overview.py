@@ -15,8 +15,10 @@ def body(source) -> None:
     trends = common.key_trends(analysis)
     items = list(figures.items())
     for row in (items[:4], items[4:]):
-        for col, (label, value) in zip(st.columns(4), row):
-            col.metric(label, value, chart_data=trends.get(label), border=True)
+        for col, (label, value) in zip(st.columns(4, border=True), row):
+            col.metric(label, value)
+            if label in trends:
+                col.markdown(common.sparkline(label, trends[label]))
     reason = analysis.key_figures().mfu_reason
     if analysis.key_figures().mfu is None and reason:
         st.caption(f"MFU: {reason}")

@@ -1,13 +1,16 @@
 """The dashboard's server process: ``python -m dashboard.serve run dashboard/app.py [streamlit flags]``.
 
-Runs Streamlit's own command line after two start-up savings, so that the first page is drawn soon after the
+Runs Streamlit's own command line after three start-up savings, so that the first page is drawn soon after the
 server starts (``benchmarks/dashboard_load.py`` measures it):
 
 - a thread opens and analyzes the run the picker shows first (the newest under the root) while the server
   starts and the browser loads the page; the page then finds the analysis in ``dashboard.data``'s cache (it
   waits on the same lock if the thread is not done);
 - Streamlit's scan of every installed distribution for custom-component manifests is skipped: the dashboard
-  uses no custom components, and the scan reads the metadata of every installed package (~0.4 s here).
+  uses no custom components, and the scan reads the metadata of every installed package (~0.4 s here);
+- Streamlit's check, when the first element of the first page is drawn, whether it was started from a Python
+  prompt is skipped: it walks ``inspect.stack()`` (~0.3 s here, on the first page's way), and this process is a
+  ``streamlit run``.
 """
 
 from __future__ import annotations
@@ -38,10 +41,22 @@ def _skip_component_scan() -> None:
     manifest_scanner.scan_component_manifests = lambda *args, **kwargs: []
 
 
+def _skip_direct_run_check() -> None:
+    # the check only prints "use streamlit run" when not run by `streamlit run`; mark it done (private name: an
+    # older or newer Streamlit without it just pays the check)
+    try:
+        from streamlit import delta_generator
+    except ImportError:
+        return
+    if hasattr(delta_generator, "_use_warning_has_been_displayed"):
+        delta_generator._use_warning_has_been_displayed = True
+
+
 def main() -> None:
     from streamlit.web import cli
 
     _skip_component_scan()
+    _skip_direct_run_check()
     # Streamlit is imported before the thread starts: plotly's checks at Streamlit's import look pandas up in
     # sys.modules, where a pandas half-imported by another thread would be visible. The thread's reading and
     # analysis then overlap with the browser loading the page (another process), not with this import.

@@ -39,7 +39,7 @@ def streamlit_argv(*, host: str, port: int) -> list[str]:
         "--server.fileWatcherType", "none", "--server.enableStaticServing", "false",
         *[arg for name in allowed for arg in ("--server.allowedHosts", name)],
         "--browser.gatherUsageStats", "false", "--client.showErrorDetails", "type",
-        "--client.toolbarMode", "viewer",
+        "--client.toolbarMode", "viewer", "--runner.magicEnabled", "false",
     ]
 
 

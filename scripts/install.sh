@@ -28,4 +28,7 @@ else
   echo "[install] dtprobe"
   "$PY" -m pip install -q -e .
 fi
+# An editable install leaves the project's modules uncompiled, and with PYTHONDONTWRITEBYTECODE set (as on CI
+# machines) every process would compile them again at import: compile them once here, as pip does for wheels.
+"$PY" -m compileall -q dtprobe dashboard collectors >/dev/null
 echo "[install] done: $("$PY" -c 'import torch; print("torch", torch.__version__)')"

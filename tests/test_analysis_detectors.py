@@ -169,6 +169,20 @@ def test_hang_names_the_rank_that_never_arrived_and_the_collective():
     assert f.evidence["missing_last_seen"]["2"]["last_collective"] == "dp#4 allreduce"
 
 
+def test_a_collective_the_arrived_ranks_finished_is_not_a_hang_on_the_rank_whose_row_is_missing():
+    # rank 2 took part in allreduce #5 (the others finished it) but its row was lost, e.g. the rank was killed
+    # before its buffered rows were written: no HANG, and a real hang later in the group is still found
+    coll = _hang_coll(missing_rank=2)
+    coll.loc[coll["seq"] == 5, "end_ns"] = T0 + 510 * MS
+    skew = stragglers.collective_skew(coll)
+    assert hangs.missing_arrivals(skew, coll, now_ns=T0 + 900 * MS, min_wait_ns=0).empty
+    later = _hang_coll(missing_rank=1, seq=6)
+    later = later[~((later["seq"] == 5) & (later["rank"] == 2))]
+    later.loc[later["seq"] == 5, "end_ns"] = T0 + 510 * MS
+    missing = hangs.missing_arrivals(stragglers.collective_skew(later), later, now_ns=T0 + 900 * MS, min_wait_ns=0)
+    assert missing[["seq", "missing_ranks"]].values.tolist() == [[6, "1"]]
+
+
 def test_hang_needs_the_timeout_while_the_run_is_still_running():
     coll = _hang_coll()
     skew = stragglers.collective_skew(coll)

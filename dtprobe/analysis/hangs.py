@@ -17,11 +17,18 @@ MISSING_COLUMNS = ["pg", "pg_ranks", "seq", "op", "step", "arrived_ranks", "miss
 
 
 def missing_arrivals(skew: pd.DataFrame, collectives: pd.DataFrame, *, now_ns: int, min_wait_ns: int) -> pd.DataFrame:
-    """Per group, its first collective that some members never arrived at, if the arrived ones have waited at
-    least ``min_wait_ns`` by ``now_ns`` (the run's last timestamp, or the current time while it runs).
+    """Per group, its first collective that some members never arrived at and some arrived member never finished,
+    if the arrived ones have waited at least ``min_wait_ns`` by ``now_ns`` (the run's last timestamp, or the
+    current time while it runs).
     Columns: ``MISSING_COLUMNS``."""
     require_columns(skew, SKEW_COLUMNS, table="collective_skew")
     open_ = skew[~skew["complete"].astype(bool) & (skew["num_members"] > 1)]
+    # A collective every arrived rank finished did not wait for the missing ones: they took part, and their rows
+    # were lost (a rank killed before its buffered rows were written) or are not written yet. A hang leaves at
+    # least one arrived rank's row unfinished (written at close, end_ns null).
+    unfinished = collectives.loc[collectives["end_ns"].isna()]
+    keys = set(zip(unfinished["pg"], unfinished["pg_ranks"].fillna(""), unfinished["seq"].astype("int64")))
+    open_ = open_[[key in keys for key in zip(open_["pg"], open_["pg_ranks"].fillna(""), open_["seq"].astype("int64"))]]
     if open_.empty:
         return pd.DataFrame({col: [] for col in MISSING_COLUMNS})
     first = open_.sort_values("seq").drop_duplicates(["pg", "pg_ranks"], keep="first")

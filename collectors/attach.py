@@ -214,12 +214,15 @@ class Probe:
             return
         self._closed = True
         try:
+            # In-flight collectives first, written and flushed at once: a rank killed while it closes (torchrun
+            # stops the others when one exits) keeps them; the profiler's export and the sampler's join are slow.
+            if RECORDER.writer is self.writer:
+                RECORDER.stop()
+            self.writer.flush()
             if self._profiler is not None:
                 self._profiler.stop()
             if self._sampler is not None:
                 self._sampler.close()
-            if RECORDER.writer is self.writer:
-                RECORDER.stop()
         finally:
             self.writer.close()
             if self.manage_status and self.is_leader:

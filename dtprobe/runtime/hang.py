@@ -178,6 +178,7 @@ class Watchdog:
         self.fired = detail
         step = detail.pop("step", None)
         self.probe.fault("hang", step=-1 if step is None else step, injected=False, **detail)
+        self.probe.flush()  # the report first: the other ranks' watchdogs fire too, and torchrun kills the rest
         try:
             self.store.set(_key(self.restart, "fired"), str(self.rank))
         except Exception:  # noqa: BLE001 - best effort: the row above is what matters

@@ -27,7 +27,9 @@ def hang_run(tmp_path_factory) -> Path:
     t = dp_tables(num_steps=6)
     coll = t["collectives"]
     last = coll["seq"].max()
-    t["collectives"] = coll[~((coll["seq"] == last) & (coll["rank"] == 1))]
+    coll = coll[~((coll["seq"] == last) & (coll["rank"] == 1))].copy()
+    coll.loc[coll["seq"] == last, "end_ns"] = None  # the others wait in it: written at close, unfinished
+    t["collectives"] = coll
     run = tmp_path_factory.mktemp("runs") / "dp4_hang_rank1"
     return write_run(run, t, world_size=4, config=CONFIG, status="crashed")
 

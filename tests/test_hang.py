@@ -39,6 +39,9 @@ class FakeProbe:
     def fault(self, kind, **kw):
         self.faults.append((kind, kw))
 
+    def flush(self):
+        self.flushed_faults = len(self.faults)
+
     def close(self, status="finished"):
         self.closed = status
 

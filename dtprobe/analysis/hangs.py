@@ -26,9 +26,11 @@ def missing_arrivals(skew: pd.DataFrame, collectives: pd.DataFrame, *, now_ns: i
     # A collective every arrived rank finished did not wait for the missing ones: they took part, and their rows
     # were lost (a rank killed before its buffered rows were written) or are not written yet. A hang leaves at
     # least one arrived rank's row unfinished (written at close, end_ns null).
-    unfinished = collectives.loc[collectives["end_ns"].isna()]
-    keys = set(zip(unfinished["pg"], unfinished["pg_ranks"].fillna(""), unfinished["seq"].astype("int64")))
-    open_ = open_[[key in keys for key in zip(open_["pg"], open_["pg_ranks"].fillna(""), open_["seq"].astype("int64"))]]
+    def keys(frame: pd.DataFrame):
+        return zip(frame["pg"], frame["pg_ranks"].fillna(""), frame["seq"].astype("int64"))
+
+    unfinished = set(keys(collectives.loc[collectives["end_ns"].isna()]))
+    open_ = open_[[key in unfinished for key in keys(open_)]]
     if open_.empty:
         return pd.DataFrame({col: [] for col in MISSING_COLUMNS})
     first = open_.sort_values("seq").drop_duplicates(["pg", "pg_ranks"], keep="first")

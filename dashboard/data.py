@@ -98,7 +98,6 @@ def load_analysis(source: Source, *, whole_run: bool = False) -> RunAnalysis:
         analysis = RunAnalysis(src)
         analysis.key_figures()  # computed here, under the entry's lock, so sessions never repeat the work
         analysis.findings()
-        analysis.throughput()  # the Overview's trends
         entry.analyses[whole] = (entry.version, analysis)
         return analysis
 

@@ -4,8 +4,10 @@ steps; run choices (picker and URL) are re-validated; charts export to PNG; the 
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -124,31 +126,25 @@ def test_overview_key_figures_come_from_the_facade(straggler_root, monkeypatch):
     assert len(trend["tokens/s"]) == 40
 
 
-def sparklines(at) -> dict[str, list[tuple[float, float]]]:
-    """The Overview's sparklines: label -> the (x, y) points of its SVG polyline."""
-    import base64
-    import re
+SPARKLINE = re.compile(r"!\[(.+?) over \d+ points, [^\]]*\]\(data:image/svg\+xml;base64,([A-Za-z0-9+/=]+)\)")
 
-    out = {}
-    for md in at.markdown:
-        match = re.fullmatch(r"!\[(.+?) over \d+ points, [^\]]*\]\(data:image/svg\+xml;base64,([A-Za-z0-9+/=]+)\)",
-                             md.value)
-        if match:
-            svg = base64.b64decode(match.group(2)).decode()
-            points = re.search(r'points="([^"]+)"', svg).group(1).split()
-            out[match.group(1)] = [tuple(float(v) for v in p.split(",")) for p in points]
-    return out
+
+def svg_points(b64: str) -> list[tuple[float, float]]:
+    """The (x, y) points of the polyline in a base64 SVG sparkline."""
+    svg = base64.b64decode(b64).decode()
+    return [tuple(float(v) for v in p.split(",")) for p in re.search(r'points="([^"]+)"', svg).group(1).split()]
+
+
+def sparklines(at) -> dict[str, list[tuple[float, float]]]:
+    """The Overview's sparklines: label -> the points of its SVG polyline."""
+    return {m.group(1): svg_points(m.group(2)) for m in (SPARKLINE.fullmatch(md.value) for md in at.markdown) if m}
 
 
 def test_sparkline_scales_to_its_box_and_draws_a_flat_series_midway():
     from dashboard import common
 
     def points(values):
-        import base64
-        import re
-
-        svg = base64.b64decode(common.sparkline("x", values).split("base64,")[1][:-1]).decode()
-        return [tuple(float(v) for v in p.split(",")) for p in re.search(r'points="([^"]+)"', svg).group(1).split()]
+        return svg_points(SPARKLINE.fullmatch(common.sparkline("x", values)).group(2))
 
     width, height = common.SPARK_SIZE
     assert points([1.0, 3.0, 2.0]) == [(0.0, height - 2), (width / 2, 2.0), (width, height / 2)]
@@ -326,7 +322,7 @@ def test_url_run_parameter_out_of_the_root_is_refused_on_the_page(tmp_path, monk
     assert at.query_params["run"] == ["ok"] or at.query_params["run"] == "ok"
 
 
-def test_run_picker_is_drawn_after_the_page_and_also_when_the_page_stops(tmp_path, monkeypatch):
+def test_run_picker_is_drawn_also_when_the_page_stops_on_unreadable_data(tmp_path, monkeypatch):
     root = tmp_path / "root"
     write_synthetic_run(root / "ok", num_ranks=2, num_steps=3)
     broken = root / "broken"

@@ -40,7 +40,7 @@ class FakeProbe:
         self.faults.append((kind, kw))
 
     def flush(self):
-        self.flushed_faults = len(self.faults)
+        self.flushed_faults = len(self.faults)  # rows written so far (the report must be on disk before closing)
 
     def close(self, status="finished"):
         self.closed = status
@@ -78,6 +78,7 @@ def test_watchdog_fires_after_timeout_with_the_rank_that_never_reached_the_colle
     kind, row = probe.faults[0]
     assert kind == "hang" and row["injected"] is False and row["step"] == 7 and row["waiting_for_ranks"] == [1]
     assert exits == [HANG_EXIT_CODE] and probe.closed == "crashed"
+    assert probe.flushed_faults == 1  # the report was flushed on its own, before the slower close
     assert store.get("dtprobe/hang/0/fired") == b"0"
 
 

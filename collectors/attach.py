@@ -201,9 +201,12 @@ class Probe:
         return RECORDER.pending()
 
     # ---- lifecycle ----
-    def flush(self) -> None:
-        """Write buffered rows to disk now."""
+    def flush(self, *, in_flight: bool = False) -> None:
+        """Write buffered rows to disk now; ``in_flight``: also the collectives not completed yet (end null, as
+        at close), e.g. when the hang watchdog gives up on them: they are the evidence of who never arrived."""
         if RECORDER.writer is self.writer:
+            if in_flight:
+                RECORDER.flush_in_flight()
             RECORDER.drain()
         self.writer.flush()
 

@@ -61,7 +61,7 @@ class NullProbe:
     def pending_collectives(self) -> list[dict[str, Any]]:
         return []
 
-    def flush(self) -> None:
+    def flush(self, *, in_flight: bool = False) -> None:
         pass
 
     def close(self, status: str = "finished") -> None:

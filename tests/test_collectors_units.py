@@ -372,3 +372,19 @@ def test_null_probe_offers_every_public_probe_method_and_attribute():
     probe.fault("crash", injected=True)
     probe.close()
     assert not probe.is_leader and int(s) == 3
+
+
+def test_in_flight_rows_flushed_early_by_the_watchdog_are_written_once():
+    recorder, writer = CollectiveRecorder(), ListWriter()
+    recorder.start(writer)
+    inner = FakeWork()
+    work = RecordedWork(inner, {"op": "allreduce", "pg": "dp", "pg_ranks": "0,1", "seq": 4, "step": 3,
+                                "enqueue_ns": time.time_ns()}, recorder)
+    fut = work.get_future()
+    assert recorder.flush_in_flight() == 1        # the watchdog gives up: the pending row goes out first ...
+    recorder.drain()
+    assert [(r["seq"], "end_ns" in r) for r in writer.table("collectives")] == [(4, False)]
+    fut.set_result([torch.ones(1)])               # ... a late completion does not write a second row ...
+    recorder.stop()                               # ... and neither does the close
+    assert [(r["seq"], "end_ns" in r) for r in writer.table("collectives")] == [(4, False)]
+    assert recorder.pending() == []

@@ -39,7 +39,8 @@ class FakeProbe:
     def fault(self, kind, **kw):
         self.faults.append((kind, kw))
 
-    def flush(self):
+    def flush(self, *, in_flight=False):
+        self.flushed_in_flight = in_flight
         self.flushed_faults = len(self.faults)  # rows written so far (the report must be on disk before closing)
 
     def close(self, status="finished"):
@@ -79,6 +80,7 @@ def test_watchdog_fires_after_timeout_with_the_rank_that_never_reached_the_colle
     assert kind == "hang" and row["injected"] is False and row["step"] == 7 and row["waiting_for_ranks"] == [1]
     assert exits == [HANG_EXIT_CODE] and probe.closed == "crashed"
     assert probe.flushed_faults == 1  # the report was flushed on its own, before the slower close
+    assert probe.flushed_in_flight    # with the pending collectives: the evidence of who never arrived
     assert store.get("dtprobe/hang/0/fired") == b"0"
 
 

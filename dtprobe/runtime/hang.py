@@ -178,7 +178,9 @@ class Watchdog:
         self.fired = detail
         step = detail.pop("step", None)
         self.probe.fault("hang", step=-1 if step is None else step, injected=False, **detail)
-        self.probe.flush()  # the report first: the other ranks' watchdogs fire too, and torchrun kills the rest
+        # The report and the pending collectives (end null) on disk first: the other ranks' watchdogs fire too, and
+        # torchrun SIGTERMs the rest as soon as one exits; the close below (profiler export, sampler) is slow.
+        self.probe.flush(in_flight=True)
         try:
             self.store.set(_key(self.restart, "fired"), str(self.rank))
         except Exception:  # noqa: BLE001 - best effort: the row above is what matters

@@ -75,7 +75,8 @@ def _server_to_drawn_s(argv_for_port, env: dict, cwd: Path, path: str, drawn_js:
         page = browser.new_page()
         time.sleep(BROWSER_SETTLE_S)  # a browser that is open already, as the user's is: not still starting
         t0 = time.perf_counter()
-        proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        errors = tempfile.TemporaryFile()
+        proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=errors,
                                 start_new_session=True)
         try:
             while True:
@@ -84,7 +85,9 @@ def _server_to_drawn_s(argv_for_port, env: dict, cwd: Path, path: str, drawn_js:
                     break
                 except OSError:
                     if proc.poll() is not None:
-                        raise SystemExit(f"the server exited with {proc.returncode}: {' '.join(argv)}")
+                        errors.seek(0)
+                        raise SystemExit(f"the server exited with {proc.returncode}: {' '.join(argv)}\n"
+                                         + errors.read().decode(errors="replace")[-2000:])
                     time.sleep(0.02)
             page.goto(f"http://127.0.0.1:{port}/{path}", wait_until="commit")
             page.wait_for_function(drawn_js, polling="raf", timeout=600_000)
@@ -92,6 +95,7 @@ def _server_to_drawn_s(argv_for_port, env: dict, cwd: Path, path: str, drawn_js:
         finally:
             proc.terminate()
             proc.wait(20)
+            errors.close()
             browser.close()
 
 

@@ -9,6 +9,10 @@ import pandas as pd
 import plotly.express as px
 import plotly.graph_objects as go
 
+from dashboard import startup
+
+startup.plotly_theme()  # Streamlit's template becomes plotly's default before any figure here is made
+
 SEVERITY_COLORS = {"critical": "#d62728", "warning": "#ff7f0e", "info": "#1f77b4"}
 PHASE_COLORS = {"data": "#8c564b", "fwd": "#1f77b4", "bwd": "#ff7f0e", "opt": "#2ca02c", "step": "#c7c7c7",
                 "comm": "#9467bd", "F": "#1f77b4", "B": "#ff7f0e", "W": "#2ca02c", "I": "#17becf"}

@@ -11,7 +11,7 @@ from typing import Callable
 
 import streamlit as st
 
-from dashboard import data, export
+from dashboard import data
 from dashboard.paths import ROOT_IS_SOURCE, Source, resolve_choice, root_from_env
 from dtprobe.store.errors import ConfigError, TraceError
 
@@ -176,13 +176,34 @@ def load(source: Source):
         _stop()
     window = data.window_of(analysis)
     if window is not None:
-        st.caption(f"Live view of {window.describe()} of {window.total_steps} steps; switch on "
-                   f"**Whole run** in the sidebar to analyze every step.")
+        _window_caption(window.describe(), window.total_steps)
     return analysis
+
+
+def load_overview(source: Source):
+    """What the Overview draws of the chosen source (``data.load_overview``), with the same caption and the same
+    readable stop as ``load``."""
+    try:
+        with st.spinner("Analyzing ...", show_time=True):
+            overview = data.load_overview(source, whole_run=bool(st.session_state.get(WHOLE_RUN_KEY)))
+    except (TraceError, ConfigError) as exc:
+        st.error(f"Cannot read {source.name}: {exc}")
+        _stop()
+    if overview.window is not None:
+        _window_caption(overview.window, overview.num_steps)
+    return overview
+
+
+def _window_caption(window: str, total_steps: int) -> None:
+    st.caption(f"Live view of {window} of {total_steps} steps; switch on **Whole run** in the sidebar to analyze "
+               f"every step.")
 
 
 def chart(fig, *, key: str) -> None:
     """Draw a plotly figure with a PNG download button (the PNG is rendered only when clicked)."""
+    from dashboard import export, startup
+
+    startup.plotly_theme()
     st.plotly_chart(fig, key=key)
     st.download_button("PNG", data=lambda: export.figure_png(fig), file_name=f"{key}.png", mime="image/png",
                        key=f"{key}_png", on_click="ignore", icon=":material/download:")
@@ -224,43 +245,20 @@ def fmt(value, pattern: str) -> str:
     return "-" if value is None else pattern.format(value)
 
 
-def key_figures(analysis) -> dict[str, str]:
-    """The Overview's headline numbers (``RunAnalysis.key_figures``), formatted; '-' when unknown."""
-    k = analysis.key_figures()
-    window = data.window_of(analysis)
+def key_figures(overview) -> dict[str, str]:
+    """The Overview's headline numbers (``RunAnalysis.key_figures`` via ``summary.Overview``), formatted; '-' when
+    unknown."""
+    k = overview.figures
     return {
-        "steps": str(window.total_steps if window is not None else k.num_steps),
-        "step time": fmt(k.step_time_ms, "{:.1f} ms"),
-        "tokens/s": fmt(k.tokens_per_s, "{:,.0f}"),
-        "MFU": fmt(k.mfu, "{:.1%}"),
-        "exposed comm": fmt(k.exposed_comm_frac, "{:.1%}"),
-        "bubble": fmt(k.bubble_frac, "{:.1%}"),
-        "overflows": fmt(k.num_overflows, "{:d}"),
-        "checkpoint share": fmt(k.checkpoint_share_frac, "{:.1%}"),
+        "steps": str(overview.num_steps),
+        "step time": fmt(k["step_time_ms"], "{:.1f} ms"),
+        "tokens/s": fmt(k["tokens_per_s"], "{:,.0f}"),
+        "MFU": fmt(k["mfu"], "{:.1%}"),
+        "exposed comm": fmt(k["exposed_comm_frac"], "{:.1%}"),
+        "bubble": fmt(k["bubble_frac"], "{:.1%}"),
+        "overflows": fmt(k["num_overflows"], "{:d}"),
+        "checkpoint share": fmt(k["checkpoint_share_frac"], "{:.1%}"),
     }
-
-
-TREND_POINTS = 200
-"""Most points a key figure's sparkline draws (longer series are averaged in bins)."""
-
-
-def key_trends(analysis) -> dict[str, list[float]]:
-    """Per-step series behind the Overview's step time and tokens/s (``RunAnalysis.throughput``), for the
-    metrics' sparklines; at most ``TREND_POINTS`` points each (bin means beyond that)."""
-    per_step = analysis.throughput()
-    if per_step.empty:
-        return {}
-    per_step = per_step.sort_values("step")
-    step_ms = per_step["step_ns"].astype("float64") / 1e6
-    trends = {"step time": step_ms, "tokens/s": per_step["tokens_per_s"].astype("float64")}
-    out = {}
-    for label, series in trends.items():
-        series = series.dropna().reset_index(drop=True)
-        if len(series) > TREND_POINTS:
-            series = series.groupby(series.index * TREND_POINTS // len(series)).mean()
-        if len(series) >= 2:
-            out[label] = [round(float(v), 3) for v in series]
-    return out
 
 
 SPARK_SIZE = (240, 36)

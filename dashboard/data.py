@@ -6,23 +6,30 @@ the user asks for the whole run, so a live refresh costs the window, not the run
 always analyzed whole. An analysis is rebuilt only when the store's row counts or status changed. Trace folders
 are parsed once per mtime. Planner results are cached by their inputs.
 
-The caches are plain module state (not ``st.cache_resource``) so that ``dashboard.serve`` can warm them in a
-thread while the server starts, before any browser session exists.
+The first Overview after the server starts can come from ``dashboard.summary``'s child process instead
+(``put_summary``): the server then analyzes that run itself shortly after the page is sent.
+
+The caches are plain module state (not ``st.cache_resource``) so that ``dashboard.serve`` can fill them before
+any browser session exists.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import streamlit as st
 
+from dashboard import summary
 from dashboard.paths import LIVE_WINDOW_ENV, Source, list_sources, live_window_steps  # noqa: F401 (re-exported)
-from dtprobe.analysis.facade import RunAnalysis, open_source
-from dtprobe.analysis.window import StepWindow
+
+if TYPE_CHECKING:  # imported where used: the first Overview can be drawn before pandas is imported
+    from dtprobe.analysis.facade import RunAnalysis
+    from dtprobe.analysis.window import StepWindow
 
 MAX_SOURCES = 16
 """Runs or trace folders kept open at once (least recently used ones are dropped)."""
@@ -60,6 +67,8 @@ def _entry(path: str, version_now: tuple | None) -> _Entry:
 def _read(entry: _Entry, path: str, kind: str) -> None:
     """Open the source on first use; for runs, tail the lines appended since the last call."""
     if entry.source is None:  # a live run is read from its newest steps; the rest only if asked for
+        from dtprobe.analysis.facade import open_source
+
         entry.source = open_source(path, live_tail_steps=live_window_steps() or None)
     elif kind == "run":
         entry.source.refresh()
@@ -85,37 +94,76 @@ def load_analysis(source: Source, *, whole_run: bool = False) -> RunAnalysis:
         cached = entry.analyses.get(whole)
         if cached is not None and cached[0] == entry.version:
             return cached[1]
-        src = entry.source
-        if not whole:
-            newest = StepWindow(src, window)
-            if not newest.is_whole_run:  # older steps exist: analyze the window only
-                src = newest
-        needed = src.first_step if isinstance(src, StepWindow) else 0
-        tail = entry.source.tail_from_step if source.kind == "run" else None
-        if tail is not None and needed < tail:
-            entry.source.load_head()  # the whole run (or a wider window) was asked for: read the skipped part
-            entry.version = _version(entry.source)
-        analysis = RunAnalysis(src)
-        analysis.key_figures()  # computed here, under the entry's lock, so sessions never repeat the work
-        analysis.findings()
+        # key figures and findings are computed here, under the entry's lock, so sessions never repeat the work
+        analysis = summary.analyze(entry.source, source.kind, whole_run=whole, window=window)
+        if source.kind == "run":
+            entry.version = _version(entry.source)  # the skipped head may have been read
         entry.analyses[whole] = (entry.version, analysis)
         return analysis
 
 
 def window_of(analysis: RunAnalysis) -> StepWindow | None:
     """The step window an analysis covers, or None when it covers the whole run."""
+    from dtprobe.analysis.window import StepWindow
+
     return analysis.source if isinstance(analysis.source, StepWindow) else None
 
 
-def warm(source: Source) -> None:
-    """Open and analyze ``source`` ahead of the first page (``dashboard.serve`` calls it while the server starts)."""
-    load_analysis(source)
+SUMMARY_WAIT_S = 60.0
+"""Longest a page waits for the summary child before analyzing in the server itself."""
+SUMMARY_MAX_AGE_S = 30.0
+"""A child's summary older than this is not shown (the run has moved on): the page analyzes it afresh."""
+ANALYZE_AFTER_S = 1.0
+"""Delay between a page drawn from a child's summary and the server's own analysis of that run: the browser is
+still fetching the page's scripts from this server meanwhile."""
+
+_SUMMARIES: dict[str, summary.Overview] = {}
+_SUMMARY_READY = threading.Event()
+_SUMMARY_READY.set()  # no child running
+
+
+def expect_summary() -> None:
+    """A summary child is running: pages wait for ``put_summary`` (up to ``SUMMARY_WAIT_S``) before analyzing."""
+    _SUMMARY_READY.clear()
+
+
+def put_summary(overview: summary.Overview | None) -> None:
+    """Hand over the child's summary (None: the child printed none); pages stop waiting for it."""
+    if overview is not None:
+        _SUMMARIES[overview.path] = overview
+    _SUMMARY_READY.set()
+
+
+def load_overview(source: Source, *, whole_run: bool = False) -> summary.Overview:
+    """What the Overview draws of ``source`` (see ``load_analysis``). Before the server has analyzed it, the
+    summary a child made at the server's start is used once, if it covers what was asked for and is recent; the
+    server's own analysis then starts ``ANALYZE_AFTER_S`` later."""
+    path = str(source.path)
+    entry = _ENTRIES.get(path)
+    if entry is None or not entry.analyses:
+        _SUMMARY_READY.wait(SUMMARY_WAIT_S)
+        made = _SUMMARIES.pop(path, None)
+        if made is not None and (made.whole or not whole_run) and time.time() - made.made_s < SUMMARY_MAX_AGE_S:
+            timer = threading.Timer(ANALYZE_AFTER_S, _analyze_quietly, (source, whole_run))
+            timer.daemon = True
+            timer.start()
+            return made
+    return summary.summarize(load_analysis(source, whole_run=whole_run), path=path)
+
+
+def _analyze_quietly(source: Source, whole_run: bool) -> None:
+    try:
+        load_analysis(source, whole_run=whole_run)
+    except Exception:  # noqa: BLE001 - a page asking for it reports the same error where the user can act
+        pass
 
 
 def clear() -> None:
-    """Drop every open source and analysis (tests)."""
+    """Drop every open source, analysis and summary (tests)."""
     with _LOCK:
         _ENTRIES.clear()
+    _SUMMARIES.clear()
+    _SUMMARY_READY.set()
 
 
 def open_store(source: Source):

@@ -1,11 +1,15 @@
 """The dashboard's server process: ``python -m dashboard.serve run dashboard/app.py [streamlit flags]``.
 
-Runs Streamlit's own command line after three start-up savings, so that the first page is drawn soon after the
+Runs Streamlit's own command line after four start-up savings, so that the first page is drawn soon after the
 server starts (``benchmarks/dashboard_load.py`` measures it):
 
-- a thread opens and analyzes the run the picker shows first (the newest under the root) while the server
-  starts and the browser loads the page; the page then finds the analysis in ``dashboard.data``'s cache (it
-  waits on the same lock if the thread is not done);
+- before anything else it starts ``python -m dashboard.summary``, which opens and analyzes the run the picker
+  shows first (the newest under the root) on the machine's other core while this process imports Streamlit and
+  the browser loads the page; the first Overview is drawn from the summary it prints (``dashboard.data``), and
+  this process analyzes the run itself once that page is sent. Analyzing here instead, in a thread, shared the
+  one interpreter lock with the server sending the page's ~100 script files;
+- Streamlit's plotly template is set up when the first chart is made, not at Streamlit's import
+  (``dashboard.startup``);
 - Streamlit's scan of every installed distribution for custom-component manifests is skipped: the dashboard
   uses no custom components, and the scan reads the metadata of every installed package (~0.4 s here);
 - Streamlit's check, when the first element of the first page is drawn, whether it was started from a Python
@@ -15,22 +19,41 @@ server starts (``benchmarks/dashboard_load.py`` measures it):
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import threading
 
+SUMMARY_TIMEOUT_S = 300.0
+"""The summary child is stopped after this long (pages stop waiting for it long before: ``data.SUMMARY_WAIT_S``)."""
 
-def _warm() -> None:
-    """Open and analyze the default run ahead of the first page; a failure is left for the page to report."""
+
+def _start_summary() -> subprocess.Popen | None:
     try:
-        from dashboard import data
-        from dashboard.paths import list_sources, root_from_env
-
-        sources = list_sources(root_from_env())
-        if sources:
-            data.warm(sources[0])
-    except Exception as exc:  # noqa: BLE001 - the page shows the same error where the user can act on it
-        print(f"dtprobe dashboard: pre-loading the newest run failed ({exc}); the page will say why.",
+        return subprocess.Popen([sys.executable, "-m", "dashboard.summary"], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    except OSError as exc:
+        print(f"dtprobe dashboard: could not start the summary process ({exc}); pages analyze in the server.",
               file=sys.stderr, flush=True)
+        return None
+
+
+def _collect_summary(proc: subprocess.Popen) -> None:
+    """Hand the child's summary to ``dashboard.data``; a child that fails leaves the analysis to the page, which
+    reports the same error where the user can act on it."""
+    from dashboard import data, summary
+
+    overview = None
+    try:
+        out, _ = proc.communicate(timeout=SUMMARY_TIMEOUT_S)
+        if proc.returncode == 0 and out:
+            overview = summary.Overview.from_json(out)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+    except ValueError as exc:  # not a summary document: a version mismatch or a stray print
+        print(f"dtprobe dashboard: ignoring the summary process's output ({exc}).", file=sys.stderr, flush=True)
+    finally:
+        data.put_summary(overview)
 
 
 def _skip_component_scan() -> None:
@@ -53,14 +76,19 @@ def _skip_direct_run_check() -> None:
 
 
 def main() -> None:
+    proc = _start_summary()  # first: it runs while Streamlit is imported below
+    from dashboard import startup
+
+    startup.defer_plotly_theme()
     from streamlit.web import cli
+
+    from dashboard import data
 
     _skip_component_scan()
     _skip_direct_run_check()
-    # Streamlit is imported before the thread starts: plotly's checks at Streamlit's import look pandas up in
-    # sys.modules, where a pandas half-imported by another thread would be visible. The thread's reading and
-    # analysis then overlap with the browser loading the page (another process), not with this import.
-    threading.Thread(target=_warm, name="dtprobe-warm", daemon=True).start()
+    if proc is not None:
+        data.expect_summary()  # before the server starts: no page can run earlier
+        threading.Thread(target=_collect_summary, args=(proc,), name="dtprobe-summary", daemon=True).start()
     sys.argv = ["streamlit", *sys.argv[1:]]
     cli.main(prog_name="streamlit")
 

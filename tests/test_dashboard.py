@@ -5,17 +5,21 @@ steps; run choices (picker and URL) are re-validated; charts export to PNG; the 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import os
 import re
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import streamlit
 from streamlit.testing.v1 import AppTest
 
-from dashboard import charts, data, export
+from dashboard import charts, data, export, summary
 from dashboard.nav import FINDING_PAGE, PAGES
 from dashboard.paths import ROOT_ENV, list_sources, resolve_choice
 from dashboard.synthetic import SyntheticRun, write_synthetic_run
@@ -153,11 +157,12 @@ def test_sparkline_scales_to_its_box_and_draws_a_flat_series_midway():
 
 
 def test_key_figure_trends_of_a_long_run_are_binned(tmp_path):
-    from dashboard import common
-
     run = write_synthetic_run(tmp_path / "long", num_ranks=2, num_steps=450)
-    trends = common.key_trends(RunAnalysis.open(run))
-    assert len(trends["step time"]) == common.TREND_POINTS and len(trends["tokens/s"]) == common.TREND_POINTS
+    trends = summary.trends(RunAnalysis.open(run))
+    assert len(trends["step time"]) == summary.TREND_POINTS and len(trends["tokens/s"]) == summary.TREND_POINTS
+    per_step = RunAnalysis.open(run).throughput().sort_values("step")
+    first_bin = per_step["step_ns"].iloc[:3] / 1e6  # 450 steps in 200 bins: steps 0, 1 and 2 (0*200//450 ...)
+    assert trends["step time"][0] == pytest.approx(first_bin.mean(), abs=1e-3)
 
 
 # ------------------------------------------------------------------------------------------------ drill down
@@ -281,16 +286,86 @@ def test_step_time_overview_draws_the_spread_and_the_slowest_ranks_beyond_eight_
     assert len(charts.step_time_overview(steps[steps["rank"] < 4]).data) == 4  # few ranks: a line each
 
 
-def test_server_warms_the_newest_run_before_the_first_page(tmp_path, monkeypatch):
-    from dashboard import serve
-
+def test_summary_process_prints_the_overview_of_the_newest_run(tmp_path):
     old = write_synthetic_run(tmp_path / "old", num_ranks=2, num_steps=4)
     os.utime(old, (1, 1))
-    write_synthetic_run(tmp_path / "new", num_ranks=2, num_steps=4)
-    monkeypatch.setenv(ROOT_ENV, str(tmp_path))
-    serve._warm()
-    assert data.open_store(resolve_choice(tmp_path, "new")) is not None
-    assert data.open_store(resolve_choice(tmp_path, "old")) is None
+    new = write_synthetic_run(tmp_path / "new", num_ranks=4, num_steps=12, straggler_rank=STRAGGLER_RANK)
+    env = dict(os.environ, **{ROOT_ENV: str(tmp_path)})
+    done = subprocess.run([sys.executable, "-m", "dashboard.summary"], env=env, capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr.decode()
+    child = summary.Overview.from_json(done.stdout)
+    here = summary.summarize(RunAnalysis.open(new), path=str(new.resolve()))
+    assert child.path == str(new.resolve()) and child.whole and child.window is None
+    assert child.figures == pytest.approx(here.figures) and child.num_steps == here.num_steps == 12
+    assert child.trends == here.trends and len(child.trends["step time"]) == 12
+    assert child.findings == here.findings and "STRAGGLER" in [f.code for f in child.findings]
+    assert Path(child.path).name == "new"
+
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "run.json").write_text("{not json")
+    done = subprocess.run([sys.executable, "-m", "dashboard.summary"], env=env, capture_output=True, timeout=120)
+    assert done.returncode == 2 and b"run.json" in done.stderr and not done.stdout
+
+
+def _child_overview(path: Path, **changes) -> summary.Overview:
+    """An Overview as the summary child would print it, with a title no analysis writes."""
+    made = summary.summarize(RunAnalysis.open(path), path=str(path.resolve()))
+    lines = tuple(dataclasses.replace(f, title="from the summary process") for f in made.findings)
+    return dataclasses.replace(made, findings=lines, **changes)
+
+
+def test_first_overview_comes_from_the_summary_process_then_from_the_servers_analysis(straggler_root, monkeypatch):
+    monkeypatch.setattr(data, "ANALYZE_AFTER_S", 0.0)
+    run = straggler_root / "dp4_straggler"
+    source = resolve_choice(straggler_root, "dp4_straggler")
+    data.expect_summary()
+    data.put_summary(summary.Overview.from_json(_child_overview(run).to_json()))
+    at = app(straggler_root, monkeypatch, run="dp4_straggler")
+    assert not at.exception and "from the summary process" in page_text(at)
+    assert {m.label: m.value for m in at.metric}["steps"] == "40"
+    deadline = time.monotonic() + 60  # the server analyzes the run itself right after
+    while data.open_store(source) is None or not data._ENTRIES[str(source.path)].analyses:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    at.run()
+    assert not at.exception and "from the summary process" not in page_text(at) and "STRAGGLER" in page_text(at)
+
+
+def test_a_stale_or_narrower_summary_is_not_shown(straggler_root, monkeypatch):
+    run = straggler_root / "dp4_straggler"
+    source = resolve_choice(straggler_root, "dp4_straggler")
+    data.put_summary(_child_overview(run, made_s=time.time() - data.SUMMARY_MAX_AGE_S - 1))
+    assert "from the summary process" not in {f.title for f in data.load_overview(source).findings}
+    data.clear()
+    data.put_summary(_child_overview(run, whole=False, window="steps 30-39 (the last 10)"))
+    assert data.load_overview(source, whole_run=True).window is None  # the whole run was asked for
+    data.clear()
+    data.put_summary(_child_overview(run))
+    assert data.load_overview(source).findings[0].title == "from the summary process"
+    assert data.load_overview(source).findings[0].title != "from the summary process"  # once only
+
+
+def test_first_overview_needs_neither_pandas_nor_plotly_in_the_server():
+    code = """if True:
+        import sys
+        from dashboard import startup
+        startup.defer_plotly_theme()
+        import streamlit
+        from dashboard import common, data, nav, summary
+        overview = summary.Overview(path="/r", whole=True, figures=dict(
+            num_steps=3, step_time_ms=12.5, tokens_per_s=1000.0, mfu=None, mfu_reason="CPU", exposed_comm_frac=0.1,
+            bubble_frac=None, num_overflows=None, checkpoint_share_frac=None), num_steps=3,
+            trends={"step time": [1.0, 2.0]}, findings=(), window=None, made_s=0.0)
+        overview = summary.Overview.from_json(overview.to_json())
+        print(common.key_figures(overview)["step time"], common.sparkline("step time", overview.trends["step time"])[:16])
+        print(sorted(m for m in ("pandas", "plotly", "pyarrow") if m in sys.modules))
+        from dashboard import charts  # the first chart sets Streamlit's plotly template up
+        import plotly.io as pio
+        print(pio.templates.default)
+    """
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["12.5 ms ![step time over", "[]", "streamlit"]
 
 
 # ------------------------------------------------------------------------------------------------ run choice

@@ -1,5 +1,6 @@
 """Overview: health, findings by severity (each linking to its page), key figures of the chosen run with the trend
-of step time and tokens/s (per-rank charts are on the pages the findings link to)."""
+of step time and tokens/s (per-rank charts are on the pages the findings link to). Drawn from a
+``summary.Overview`` (``data.load_overview``), so it needs neither pandas nor plotly."""
 
 from __future__ import annotations
 
@@ -10,19 +11,17 @@ from dashboard.nav import FINDING_PAGE
 
 
 def body(source) -> None:
-    analysis = common.load(source)
-    figures = common.key_figures(analysis)
-    trends = common.key_trends(analysis)
-    items = list(figures.items())
+    overview = common.load_overview(source)
+    items = list(common.key_figures(overview).items())
     for row in (items[:4], items[4:]):
         for col, (label, value) in zip(st.columns(4, border=True), row):
             col.metric(label, value)
-            if label in trends:
-                col.markdown(common.sparkline(label, trends[label]))
-    reason = analysis.key_figures().mfu_reason
-    if analysis.key_figures().mfu is None and reason:
+            if label in overview.trends:
+                col.markdown(common.sparkline(label, overview.trends[label]))
+    reason = overview.figures["mfu_reason"]
+    if overview.figures["mfu"] is None and reason:
         st.caption(f"MFU: {reason}")
-    findings = analysis.findings()
+    findings = overview.findings
     worst = findings[0].severity if findings else None
     if worst == "critical":
         st.error(f"Unhealthy: {sum(f.severity == 'critical' for f in findings)} critical finding(s).")

@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-
-import pandas as pd
+from typing import TYPE_CHECKING
 
 from dtprobe.store.errors import TraceError
 from dtprobe.store.schema import MANIFEST_FILE
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 RUN_COLUMNS = {
     "name": "string", "path": "string", "status": "string", "world_size": "Int64", "num_steps": "Int64",
@@ -84,5 +86,7 @@ def list_runs(root: str | os.PathLike) -> pd.DataFrame:
         except TraceError as exc:
             record.update(status="invalid", error=str(exc))
         records.append(record)
+    import pandas as pd  # here: the dashboard lists runs and reads run ages on its first page without pandas
+
     df = pd.DataFrame.from_records(records, columns=list(RUN_COLUMNS)).astype(RUN_COLUMNS)
     return df.sort_values("created_ns", ascending=False, na_position="last", kind="stable").reset_index(drop=True)

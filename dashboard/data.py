@@ -118,20 +118,23 @@ ANALYZE_AFTER_S = 1.0
 still fetching the page's scripts from this server meanwhile."""
 
 _SUMMARIES: dict[str, summary.Overview] = {}
-_SUMMARY_READY = threading.Event()
-_SUMMARY_READY.set()  # no child running
+_SUMMARY_DONE: dict[str, threading.Event] = {}
+"""Path of a source a summary child works on -> set when it is done."""
 
 
-def expect_summary() -> None:
-    """A summary child is running: pages wait for ``put_summary`` (up to ``SUMMARY_WAIT_S``) before analyzing."""
-    _SUMMARY_READY.clear()
+def expect_summary(path: str) -> None:
+    """A summary child is analyzing the source at ``path``: its Overview waits for ``put_summary`` (at most
+    ``SUMMARY_WAIT_S``) rather than analyzing it a second time."""
+    _SUMMARY_DONE[path] = threading.Event()
 
 
-def put_summary(overview: summary.Overview | None) -> None:
-    """Hand over the child's summary (None: the child printed none); pages stop waiting for it."""
+def put_summary(path: str, overview: summary.Overview | None) -> None:
+    """Hand over the child's summary of ``path`` (None: the child printed none); pages stop waiting for it."""
     if overview is not None:
-        _SUMMARIES[overview.path] = overview
-    _SUMMARY_READY.set()
+        _SUMMARIES[path] = overview
+    done = _SUMMARY_DONE.get(path)
+    if done is not None:
+        done.set()
 
 
 def load_overview(source: Source, *, whole_run: bool = False) -> summary.Overview:
@@ -141,7 +144,9 @@ def load_overview(source: Source, *, whole_run: bool = False) -> summary.Overvie
     path = str(source.path)
     entry = _ENTRIES.get(path)
     if entry is None or not entry.analyses:
-        _SUMMARY_READY.wait(SUMMARY_WAIT_S)
+        done = _SUMMARY_DONE.get(path)
+        if done is not None:
+            done.wait(SUMMARY_WAIT_S)
         made = _SUMMARIES.pop(path, None)
         if made is not None and (made.whole or not whole_run) and time.time() - made.made_s < SUMMARY_MAX_AGE_S:
             timer = threading.Timer(ANALYZE_AFTER_S, _analyze_quietly, (source, whole_run))
@@ -163,7 +168,7 @@ def clear() -> None:
     with _LOCK:
         _ENTRIES.clear()
     _SUMMARIES.clear()
-    _SUMMARY_READY.set()
+    _SUMMARY_DONE.clear()
 
 
 def open_store(source: Source):

@@ -27,9 +27,21 @@ SUMMARY_TIMEOUT_S = 300.0
 """The summary child is stopped after this long (pages stop waiting for it long before: ``data.SUMMARY_WAIT_S``)."""
 
 
-def _start_summary() -> subprocess.Popen | None:
+def _newest_source() -> str | None:
+    """The folder of the run or trace folder the picker shows first, or None (no root, nothing under it)."""
+    from dashboard.paths import list_sources, root_from_env
+    from dtprobe.store.errors import ConfigError
+
     try:
-        return subprocess.Popen([sys.executable, "-m", "dashboard.summary"], stdin=subprocess.DEVNULL,
+        sources = list_sources(root_from_env())
+    except (ConfigError, OSError):  # the page says what is wrong with the root
+        return None
+    return str(sources[0].path) if sources else None
+
+
+def _start_summary(path: str) -> subprocess.Popen | None:
+    try:
+        return subprocess.Popen([sys.executable, "-m", "dashboard.summary", path], stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     except OSError as exc:
         print(f"dtprobe dashboard: could not start the summary process ({exc}); pages analyze in the server.",
@@ -37,23 +49,27 @@ def _start_summary() -> subprocess.Popen | None:
         return None
 
 
-def _collect_summary(proc: subprocess.Popen) -> None:
-    """Hand the child's summary to ``dashboard.data``; a child that fails leaves the analysis to the page, which
-    reports the same error where the user can act on it."""
+def _collect_summary(path: str, proc: subprocess.Popen) -> None:
+    """Hand the child's summary of ``path`` to ``dashboard.data``; a child that fails leaves the analysis to the
+    page, which reports the same error where the user can act on it."""
     from dashboard import data, summary
 
     overview = None
     try:
-        out, _ = proc.communicate(timeout=SUMMARY_TIMEOUT_S)
+        out, err = proc.communicate(timeout=SUMMARY_TIMEOUT_S)
         if proc.returncode == 0 and out:
             overview = summary.Overview.from_json(out)
+        elif proc.returncode not in (0, 1, 2):  # not a refusal of the data (the page shows those): a failure
+            tail = err.decode(errors="replace").strip().splitlines()[-3:]
+            print(f"dtprobe dashboard: the summary process failed (exit {proc.returncode}); pages analyze in the "
+                  f"server. " + " | ".join(tail), file=sys.stderr, flush=True)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.communicate()
     except ValueError as exc:  # not a summary document: a version mismatch or a stray print
         print(f"dtprobe dashboard: ignoring the summary process's output ({exc}).", file=sys.stderr, flush=True)
     finally:
-        data.put_summary(overview)
+        data.put_summary(path, overview)
 
 
 def _skip_component_scan() -> None:
@@ -76,7 +92,8 @@ def _skip_direct_run_check() -> None:
 
 
 def main() -> None:
-    proc = _start_summary()  # first: it runs while Streamlit is imported below
+    path = _newest_source()
+    proc = _start_summary(path) if path is not None else None  # first: it runs while Streamlit is imported below
     from dashboard import startup
 
     startup.defer_plotly_theme()
@@ -87,8 +104,8 @@ def main() -> None:
     _skip_component_scan()
     _skip_direct_run_check()
     if proc is not None:
-        data.expect_summary()  # before the server starts: no page can run earlier
-        threading.Thread(target=_collect_summary, args=(proc,), name="dtprobe-summary", daemon=True).start()
+        data.expect_summary(path)  # before the server starts: no page can run earlier
+        threading.Thread(target=_collect_summary, args=(path, proc), name="dtprobe-summary", daemon=True).start()
     sys.argv = ["streamlit", *sys.argv[1:]]
     cli.main(prog_name="streamlit")
 

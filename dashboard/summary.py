@@ -18,6 +18,7 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 SCHEMA = "dtprobe.overview/1"
@@ -135,26 +136,34 @@ def trends(analysis: Any) -> dict[str, list[float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dashboard.paths import list_sources, live_window_steps, root_from_env
+    from dashboard.paths import list_sources, live_window_steps, root_from_env, source_kind
     from dtprobe.store.errors import ConfigError, TraceError
 
     ap = argparse.ArgumentParser(
         prog="python -m dashboard.summary",
-        description=f"Print the dashboard Overview of the newest run or trace folder under the dashboard's root "
-                    f"(DTPROBE_DASHBOARD_ROOT) as one {SCHEMA} JSON document; the dashboard's server runs it at "
-                    f"its start. Exit 0 printed, 1 nothing to show, 2 unusable input (message on stderr).")
-    ap.parse_args(argv)
+        description=f"Print the dashboard Overview of a run or trace folder as one {SCHEMA} JSON document; the "
+                    f"dashboard's server runs it at its start. Exit 0 printed, 1 nothing to show, 2 unusable input "
+                    f"(message on stderr).")
+    ap.add_argument("path", nargs="?", help="run or trace folder (default: the newest under the dashboard's root, "
+                                            "DTPROBE_DASHBOARD_ROOT)")
+    args = ap.parse_args(argv)
     try:
-        sources = list_sources(root_from_env())
-        if not sources:
-            return 1
+        if args.path is None:
+            sources = list_sources(root_from_env())
+            if not sources:
+                return 1
+            path = sources[0].path
+        else:
+            path = Path(args.path).resolve()
+        kind = source_kind(path) if path.is_dir() else None
+        if kind is None:
+            raise ConfigError(f"'{path}' is neither a run (no run.json) nor a folder of Kineto traces.")
         from dtprobe.analysis.facade import open_source
 
-        source = sources[0]
         window = live_window_steps()
-        store = open_source(source.path, live_tail_steps=window or None)
-        analysis = analyze(store, source.kind, whole_run=False, window=window)
-        sys.stdout.write(summarize(analysis, path=str(source.path)).to_json())
+        store = open_source(path, live_tail_steps=window or None)
+        analysis = analyze(store, kind, whole_run=False, window=window)
+        sys.stdout.write(summarize(analysis, path=str(path)).to_json())
     except (ConfigError, TraceError) as exc:
         print(f"dtprobe dashboard: {exc}", file=sys.stderr)
         return 2

@@ -301,10 +301,29 @@ def test_summary_process_prints_the_overview_of_the_newest_run(tmp_path):
     assert child.findings == here.findings and "STRAGGLER" in [f.code for f in child.findings]
     assert Path(child.path).name == "new"
 
+    done = subprocess.run([sys.executable, "-m", "dashboard.summary", str(old)], env=env, capture_output=True,
+                          timeout=120)
+    assert done.returncode == 0 and summary.Overview.from_json(done.stdout).num_steps == 4  # a named folder
+
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "run.json").write_text("{not json")
     done = subprocess.run([sys.executable, "-m", "dashboard.summary"], env=env, capture_output=True, timeout=120)
     assert done.returncode == 2 and b"run.json" in done.stderr and not done.stdout
+    done = subprocess.run([sys.executable, "-m", "dashboard.summary", str(tmp_path / "nothing")], env=env,
+                          capture_output=True, timeout=120)
+    assert done.returncode == 2 and b"neither a run" in done.stderr and not done.stdout
+
+
+def test_server_starts_the_summary_of_the_run_the_picker_shows_first(tmp_path, monkeypatch):
+    from dashboard import serve
+
+    old = write_synthetic_run(tmp_path / "old", num_ranks=2, num_steps=4)
+    os.utime(old, (1, 1))
+    new = write_synthetic_run(tmp_path / "new", num_ranks=2, num_steps=4)
+    monkeypatch.setenv(ROOT_ENV, str(tmp_path))
+    assert serve._newest_source() == str(new.resolve()) == str(list_sources(tmp_path)[0].path)
+    monkeypatch.setenv(ROOT_ENV, str(tmp_path / "missing"))
+    assert serve._newest_source() is None  # the page says what is wrong with the root
 
 
 def _child_overview(path: Path, **changes) -> summary.Overview:
@@ -318,8 +337,8 @@ def test_first_overview_comes_from_the_summary_process_then_from_the_servers_ana
     monkeypatch.setattr(data, "ANALYZE_AFTER_S", 0.0)
     run = straggler_root / "dp4_straggler"
     source = resolve_choice(straggler_root, "dp4_straggler")
-    data.expect_summary()
-    data.put_summary(summary.Overview.from_json(_child_overview(run).to_json()))
+    data.expect_summary(str(source.path))
+    data.put_summary(str(source.path), summary.Overview.from_json(_child_overview(run).to_json()))
     at = app(straggler_root, monkeypatch, run="dp4_straggler")
     assert not at.exception and "from the summary process" in page_text(at)
     assert {m.label: m.value for m in at.metric}["steps"] == "40"
@@ -334,15 +353,24 @@ def test_first_overview_comes_from_the_summary_process_then_from_the_servers_ana
 def test_a_stale_or_narrower_summary_is_not_shown(straggler_root, monkeypatch):
     run = straggler_root / "dp4_straggler"
     source = resolve_choice(straggler_root, "dp4_straggler")
-    data.put_summary(_child_overview(run, made_s=time.time() - data.SUMMARY_MAX_AGE_S - 1))
+    path = str(source.path)
+    data.put_summary(path, _child_overview(run, made_s=time.time() - data.SUMMARY_MAX_AGE_S - 1))
     assert "from the summary process" not in {f.title for f in data.load_overview(source).findings}
     data.clear()
-    data.put_summary(_child_overview(run, whole=False, window="steps 30-39 (the last 10)"))
+    data.put_summary(path, _child_overview(run, whole=False, window="steps 30-39 (the last 10)"))
     assert data.load_overview(source, whole_run=True).window is None  # the whole run was asked for
     data.clear()
-    data.put_summary(_child_overview(run))
+    data.put_summary(path, _child_overview(run))
     assert data.load_overview(source).findings[0].title == "from the summary process"
     assert data.load_overview(source).findings[0].title != "from the summary process"  # once only
+
+
+def test_another_runs_pending_summary_does_not_hold_a_page_up(straggler_root, monkeypatch):
+    monkeypatch.setattr(data, "SUMMARY_WAIT_S", 30.0)
+    data.expect_summary(str(resolve_choice(straggler_root, "dp4_straggler").path))  # a child that never answers
+    started = time.monotonic()
+    overview = data.load_overview(resolve_choice(straggler_root, "dp4_clean"))
+    assert overview.num_steps == 30 and time.monotonic() - started < 20  # analyzed at once, not after the wait
 
 
 def test_first_overview_needs_neither_pandas_nor_plotly_in_the_server():

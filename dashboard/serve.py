@@ -59,7 +59,7 @@ def _collect_summary(path: str, proc: subprocess.Popen) -> None:
         out, err = proc.communicate(timeout=SUMMARY_TIMEOUT_S)
         if proc.returncode == 0 and out:
             overview = summary.Overview.from_json(out)
-        elif proc.returncode not in (0, 1, 2):  # not a refusal of the data (the page shows those): a failure
+        elif proc.returncode not in (0, 2):  # not a refusal of the data (the page shows those): a failure
             tail = err.decode(errors="replace").strip().splitlines()[-3:]
             print(f"dtprobe dashboard: the summary process failed (exit {proc.returncode}); pages analyze in the "
                   f"server. " + " | ".join(tail), file=sys.stderr, flush=True)

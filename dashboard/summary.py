@@ -64,11 +64,15 @@ class Overview:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "Overview":
+        """Raises ValueError for anything but a whole ``dtprobe.overview/1`` document."""
         doc = json.loads(text)
-        if doc.pop("schema", None) != SCHEMA:
+        if not isinstance(doc, dict) or doc.pop("schema", None) != SCHEMA:
             raise ValueError(f"not a {SCHEMA} document")
-        doc["findings"] = tuple(FindingLine(**{**f, "ranks": tuple(f["ranks"])}) for f in doc["findings"])
-        return cls(**doc)
+        try:
+            doc["findings"] = tuple(FindingLine(**{**f, "ranks": tuple(f["ranks"])}) for f in doc["findings"])
+            return cls(**doc)
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"incomplete {SCHEMA} document ({exc})") from None
 
 
 def _plain(value: Any) -> Any:
@@ -142,8 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m dashboard.summary",
         description=f"Print the dashboard Overview of a run or trace folder as one {SCHEMA} JSON document; the "
-                    f"dashboard's server runs it at its start. Exit 0 printed, 1 nothing to show, 2 unusable input "
-                    f"(message on stderr).")
+                    f"dashboard's server runs it at its start. Exit 0 (nothing printed when the root holds no run), "
+                    f"2 unusable input (message on stderr).")
     ap.add_argument("path", nargs="?", help="run or trace folder (default: the newest under the dashboard's root, "
                                             "DTPROBE_DASHBOARD_ROOT)")
     args = ap.parse_args(argv)
@@ -151,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.path is None:
             sources = list_sources(root_from_env())
             if not sources:
-                return 1
+                return 0
             path = sources[0].path
         else:
             path = Path(args.path).resolve()

@@ -312,6 +312,9 @@ def test_summary_process_prints_the_overview_of_the_newest_run(tmp_path):
     done = subprocess.run([sys.executable, "-m", "dashboard.summary", str(tmp_path / "nothing")], env=env,
                           capture_output=True, timeout=120)
     assert done.returncode == 2 and b"neither a run" in done.stderr and not done.stdout
+    for text in ("[]", '{"schema": "dtprobe.findings/1"}', '{"schema": "dtprobe.overview/1", "path": "/r"}', "{"):
+        with pytest.raises(ValueError):  # the server ignores such output and analyzes the run itself
+            summary.Overview.from_json(text)
 
 
 def test_server_starts_the_summary_of_the_run_the_picker_shows_first(tmp_path, monkeypatch):

@@ -9,8 +9,8 @@ server starts. Measured side by side in one run:
   `dtprobe dashboard`);
 - finished: the same run finished and compacted (what `dtprobe run` leaves), analyzed whole;
 - floor: a page holding one metric, served by plain `streamlit run` the same way;
-- live refresh: what one refresh of a page does after one more step (``dashboard.data.load_analysis``: tail the
-  new lines, re-analyze the window), for runs of 100, 1,000 and 3,000 steps.
+- live refresh: what one refresh of the Overview does after one more step (``dashboard.data.load_overview``:
+  tail the new lines, re-analyze the window, summarize it), for runs of 100, 1,000 and 3,000 steps.
 
     python benchmarks/dashboard_load.py [--ranks 64] [--steps 1000] [--repeats 3]
 """
@@ -133,16 +133,14 @@ def refresh_cost_s(run: SyntheticRun) -> tuple[float, float]:
     t1 = time.perf_counter()
     run.write_steps(1)
     t2 = time.perf_counter()
-    analysis = data.load_analysis(source)  # tails the newest step too, then re-analyzes the window
-    analysis.key_figures()
-    analysis.findings()
+    data.load_overview(source)  # what the Overview's refresh does: tail the new lines, re-analyze the window
     return t1 - t0, time.perf_counter() - t2
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ranks", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=1000)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", type=int, default=64, help="ranks of the synthetic run (default 64)")
+    ap.add_argument("--steps", type=int, default=1000, help="steps of the synthetic run (default 1000)")
     ap.add_argument("--repeats", type=int, default=3, help="server starts per case (the median is printed)")
     args = ap.parse_args()
     from dashboard.data import live_window_steps

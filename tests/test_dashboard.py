@@ -489,7 +489,7 @@ def test_dashboard_command_rejects_bad_live_settings(tmp_path, capsys, flag, val
     assert match in capsys.readouterr().err
 
 
-def test_dashboard_server_command_runs_streamlit_through_the_warming_entry_point():
+def test_dashboard_server_command_runs_streamlit_through_the_serve_entry_point():
     from dtprobe.commands.dashboard import streamlit_argv
 
     argv = streamlit_argv(host="127.0.0.1", port=8599)

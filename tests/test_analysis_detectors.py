@@ -382,3 +382,22 @@ def test_a_collective_missed_by_a_crashed_rank_is_reported_as_rank_crash_not_han
     [f] = hangs.detect_crashes(faults, status="crashed", missing=missing)
     assert (f.code, f.ranks, f.severity) == ("RANK_CRASH", (3,), "critical")
     assert [(w["op"], w["seq"], w["arrived_ranks"]) for w in f.evidence["waited_at"]] == [("allreduce", 5, [0, 1, 2])]
+
+
+def test_group_codes_of_a_collectives_frame_are_computed_once_and_not_for_its_copies(monkeypatch):
+    from dtprobe.analysis import tables
+
+    c = dp_tables(world=3, num_steps=4)["collectives"]
+    calls = []
+    real = tables.group_codes
+    monkeypatch.setattr(tables, "group_codes", lambda pg, pr: calls.append(len(pg)) or real(pg, pr))
+    every = pd.Series(True, index=c.index)
+    first = tables.coded_rows(c, every, ["rank", "seq"])
+    again = tables.coded_rows(c, c["rank"] == 1, ["rank", "seq"])
+    assert calls == [len(c)]                                        # the second analysis reused the codes
+    assert (again[1] == first[1][(c["rank"] == 1).to_numpy()]).all() and list(again[2]) == list(first[2])
+    expected = c["pg"].astype(str) + "|" + c["pg_ranks"].astype(str)  # one code per (pg, pg_ranks) pair
+    assert pd.Series(first[1]).groupby(expected.to_numpy()).nunique().eq(1).all()
+    tables.coded_rows(c.iloc[:5], every.iloc[:5], ["rank"])
+    tables.coded_rows(c.copy(), every, ["rank"])
+    assert calls == [len(c), 5, len(c)]                             # a slice or a copy is coded afresh

@@ -88,11 +88,20 @@ def group_codes(pg: pd.Series, pg_ranks: pd.Series) -> tuple[np.ndarray, pd.Inde
     return codes.astype("int64"), pd.Index(pg_names).take(pairs // width), pd.Index(pr_names).take(pairs % width)
 
 
+_GROUP_CODES = "_dtprobe_group_codes"
+"""Attribute of a collectives frame holding its ``group_codes`` (set with ``object.__setattr__``: not a column)."""
+
+
 def coded_rows(collectives: pd.DataFrame, mask: pd.Series, columns: list[str]
                ) -> tuple[pd.DataFrame, np.ndarray, pd.Index, pd.Index]:
     """The ``columns`` of the collectives rows where ``mask`` holds and their ``group_codes`` (pg, pg_ranks code,
-    pg names, pg_ranks names): the long ``pg_ranks`` strings are coded once and never copied."""
-    code, pg_names, pr_names = group_codes(collectives["pg"], collectives["pg_ranks"])
+    pg names, pg_ranks names): the long ``pg_ranks`` strings are coded once per frame (six analyses code the
+    same collectives table; a copy or a slice of it is coded again) and never copied."""
+    coded = collectives.__dict__.get(_GROUP_CODES)
+    if coded is None or len(coded[0]) != len(collectives):
+        coded = group_codes(collectives["pg"], collectives["pg_ranks"])
+        object.__setattr__(collectives, _GROUP_CODES, coded)
+    code, pg_names, pr_names = coded
     keep = mask.to_numpy(dtype=bool, na_value=False)
     return collectives.loc[keep, columns], code[keep], pg_names, pr_names
 

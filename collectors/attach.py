@@ -244,6 +244,11 @@ class Probe:
         self.close(status="crashed" if exc_type is not None else "finished")
 
 
+def _destroy_default_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def attach(run_dir: str | os.PathLike, *, timeout_s: float = 600.0, backend: str | None = None,
            manage_status: bool | None = None, run_id: str | None = None, **collect: Any) -> Probe | NullProbe:
     """Instrument this worker: returns a ``Probe`` (or a ``NullProbe`` with ``enabled=False``).
@@ -291,6 +296,10 @@ def attach(run_dir: str | os.PathLike, *, timeout_s: float = 600.0, backend: str
                 dist.init_process_group(backend, timeout=timeout)
         else:   # a plain `python train.py`: a 1-rank job
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+            # Left to the interpreter's exit, gloo's threads were once torn down mid-flight (the C++ runtime's
+            # "terminate called without an active exception", exit -6) in a CI run; with no peer, nothing can
+            # be pending on it, so destroying it at exit cannot block (probe.close runs first: atexit is LIFO).
+            atexit.register(_destroy_default_group)
     elif config.enabled and config.collectives and not isinstance(dist.group.WORLD, RecordingProcessGroup):
         warnings.warn(
             "dtprobe.attach: torch.distributed was already initialized, so the default group's collectives are "

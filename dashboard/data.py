@@ -120,6 +120,8 @@ still fetching the page's scripts from this server meanwhile."""
 _SUMMARIES: dict[str, summary.Overview] = {}
 _SUMMARY_DONE: dict[str, threading.Event] = {}
 """Path of a source a summary child works on -> set when it is done."""
+_TIMERS: list[threading.Timer] = []
+"""The server's own analyses scheduled after pages drawn from a summary (``clear`` cancels those not started)."""
 
 
 def expect_summary(path: str) -> None:
@@ -151,6 +153,7 @@ def load_overview(source: Source, *, whole_run: bool = False) -> summary.Overvie
         if made is not None and (made.whole or not whole_run) and time.time() - made.made_s < SUMMARY_MAX_AGE_S:
             timer = threading.Timer(ANALYZE_AFTER_S, _analyze_quietly, (source, whole_run))
             timer.daemon = True
+            _TIMERS[:] = [t for t in _TIMERS if t.is_alive()] + [timer]
             timer.start()
             return made
     return summary.summarize(load_analysis(source, whole_run=whole_run), path=path)
@@ -169,6 +172,8 @@ def clear() -> None:
         _ENTRIES.clear()
     _SUMMARIES.clear()
     _SUMMARY_DONE.clear()
+    while _TIMERS:
+        _TIMERS.pop().cancel()
 
 
 def open_store(source: Source):

@@ -354,6 +354,7 @@ def test_first_overview_comes_from_the_summary_process_then_from_the_servers_ana
 
 
 def test_a_stale_or_narrower_summary_is_not_shown(straggler_root, monkeypatch):
+    monkeypatch.setattr(data, "ANALYZE_AFTER_S", 600.0)  # the server's own analysis: not in this test
     run = straggler_root / "dp4_straggler"
     source = resolve_choice(straggler_root, "dp4_straggler")
     path = str(source.path)

@@ -168,12 +168,7 @@ WHOLE_RUN_KEY = "whole_run"
 def load(source: Source):
     """The analysis of the chosen source (a live run: its newest steps unless the sidebar asks for the whole
     run, said in a caption), or a readable stop when its data is unusable."""
-    try:
-        with st.spinner("Analyzing ...", show_time=True):
-            analysis = data.load_analysis(source, whole_run=bool(st.session_state.get(WHOLE_RUN_KEY)))
-    except (TraceError, ConfigError) as exc:
-        st.error(f"Cannot read {source.name}: {exc}")
-        _stop()
+    analysis = _loaded(source, data.load_analysis)
     window = data.window_of(analysis)
     if window is not None:
         _window_caption(window.describe(), window.total_steps)
@@ -183,15 +178,21 @@ def load(source: Source):
 def load_overview(source: Source):
     """What the Overview draws of the chosen source (``data.load_overview``), with the same caption and the same
     readable stop as ``load``."""
-    try:
-        with st.spinner("Analyzing ...", show_time=True):
-            overview = data.load_overview(source, whole_run=bool(st.session_state.get(WHOLE_RUN_KEY)))
-    except (TraceError, ConfigError) as exc:
-        st.error(f"Cannot read {source.name}: {exc}")
-        _stop()
+    overview = _loaded(source, data.load_overview)
     if overview.window is not None:
         _window_caption(overview.window, overview.num_steps)
     return overview
+
+
+def _loaded(source: Source, loader: Callable):
+    """``loader(source, whole_run=<the sidebar switch>)`` under a spinner; a readable stop when the data is
+    unusable."""
+    try:
+        with st.spinner("Analyzing ...", show_time=True):
+            return loader(source, whole_run=bool(st.session_state.get(WHOLE_RUN_KEY)))
+    except (TraceError, ConfigError) as exc:
+        st.error(f"Cannot read {source.name}: {exc}")
+        _stop()
 
 
 def _window_caption(window: str, total_steps: int) -> None:
@@ -201,9 +202,8 @@ def _window_caption(window: str, total_steps: int) -> None:
 
 def chart(fig, *, key: str) -> None:
     """Draw a plotly figure with a PNG download button (the PNG is rendered only when clicked)."""
-    from dashboard import export, startup
+    from dashboard import export
 
-    startup.plotly_theme()
     st.plotly_chart(fig, key=key)
     st.download_button("PNG", data=lambda: export.figure_png(fig), file_name=f"{key}.png", mime="image/png",
                        key=f"{key}_png", on_click="ignore", icon=":material/download:")

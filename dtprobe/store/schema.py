@@ -34,6 +34,7 @@ SCHEMAS: dict[str, dict[str, str]] = {
         "rank": "int32", "pg": "string", "pg_ranks": "string", "pg_size": "int32", "seq": "int64",
         "op": "string", "num_bytes": "int64", "dtype": "string", "enqueue_ns": "int64",
         "start_ns": "int64", "end_ns": "int64", "step": "int64", "peer": "int32", "timing": "string",
+        "restart": "int32",
     },
     "devices": {
         "rank": "int32", "host": "string", "time_ns": "int64", "source": "string", "gpu": "int32",
@@ -74,6 +75,21 @@ SCHEMAS: dict[str, dict[str, str]] = {
         # added by TRACES (Kineto ingest): CUPTI correlation id and the host time of the launching runtime call
         "correlation": "int64", "launch_ns": "int64",
     },
+    # A rank's life as its probe saw it: one "attach" row when the probe starts, one "close" row when it closes
+    # (status finished/crashed; reason: "exit", "exception", "SIGTERM", "watchdog", ...). A rank/restart with an
+    # "attach" row and no "close" row stopped without closing (killed, frozen or still running).
+    "lifecycle": {
+        "rank": "int32", "restart": "int32", "time_ns": "int64", "event": "string", "status": "string",
+        "reason": "string", "pid": "int64", "step": "int64",
+    },
+    # Collectives in flight, spilled to disk by the recorder while they are still pending (each at most once), so
+    # a rank killed inside a collective leaves a row naming it. A pending row with no ``collectives`` row of the
+    # same (rank, restart, pg, pg_ranks, seq, peer, op) never completed.
+    "pending": {
+        "rank": "int32", "restart": "int32", "pg": "string", "pg_ranks": "string", "pg_size": "int32",
+        "seq": "int64", "op": "string", "num_bytes": "int64", "dtype": "string", "enqueue_ns": "int64",
+        "step": "int64", "peer": "int32", "timing": "string",
+    },
 }
 """Every table's columns. Collectors write subsets of these; the reader fills the rest with nulls."""
 
@@ -85,6 +101,8 @@ TIME_COLUMNS: dict[str, tuple[str, ...]] = {
     "pipeline": ("start_ns", "end_ns"),
     "checkpoints": ("start_ns",),
     "kernels": ("start_ns", "launch_ns"),
+    "lifecycle": ("time_ns",),
+    "pending": ("enqueue_ns",),
 }
 """Columns holding a rank-clock timestamp: the reader adds that rank's clock offset to these."""
 

@@ -1,0 +1,47 @@
+"""Chaos suite fixtures: jobs, CPU hogs and CPU quotas that are always cleaned up, even when a test fails.
+
+The functions behind them live in ``harness.py`` (importable by the benchmark too). A test asks for
+``run_dir("scenario")`` (kept under ``$DTPROBE_CHAOS_RUNS/scenario`` when that is set), ``launch(cmd, run_dir)``
+(a started ``Job``), ``busy_loop(core)`` and ``cpu_quota(frac)``; each is stopped or removed in a finalizer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from harness import BusyLoop, CpuQuota, Job, job_env, scenario_dir
+
+
+@pytest.fixture
+def run_dir(tmp_path) -> Callable[[str], Path]:
+    return lambda scenario: scenario_dir(scenario, tmp_path)
+
+
+@pytest.fixture
+def launch(request) -> Callable[..., Job]:
+    def start(cmd: list[str], run_dir: Path, *, timeout_s: float, **env: str) -> Job:
+        job = Job(cmd=cmd, run_dir=run_dir, timeout_s=timeout_s, env=job_env(**env))
+        request.addfinalizer(job.stop)
+        return job.start()
+    return start
+
+
+@pytest.fixture
+def busy_loop(request) -> Callable[[int], BusyLoop]:
+    def start(core: int) -> BusyLoop:
+        hog = BusyLoop(core)
+        request.addfinalizer(hog.stop)
+        return hog.start()
+    return start
+
+
+@pytest.fixture
+def cpu_quota(request) -> Callable[[float], CpuQuota]:
+    def create(frac: float) -> CpuQuota:
+        quota = CpuQuota(frac)
+        request.addfinalizer(quota.remove)
+        return quota.create()
+    return create

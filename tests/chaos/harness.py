@@ -1,0 +1,356 @@
+"""Chaos harness: start a real job, find its workers, hurt them from outside, read the verdict.
+
+Used by the chaos tests beside it (through ``conftest.py``'s fixtures and imports) and by
+``benchmarks/verdicts.py``. Every fault here is caused from outside the training processes (a signal, CPU
+pinning and a busy process, a CPU quota, bytes changed on disk): nothing is injected with ``--inject``, so a
+verdict can only come from telemetry.
+
+Every process a helper starts is stopped by its PID when the helper ends (``Job.stop``, ``BusyLoop.stop``,
+``CpuQuota.remove``); the callers register those in finalizers so a failing test cleans up too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[2]
+CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
+RUNS_ENV = "DTPROBE_CHAOS_RUNS"
+"""When set, each scenario's run directory is kept as ``$DTPROBE_CHAOS_RUNS/<scenario>`` (for inspection)."""
+TINY = ("--batch-size", "2", "--seq-len", "16")
+"""The tiny-job flags every chaos run uses."""
+
+
+class ChaosError(RuntimeError):
+    """The job did not reach the state a fault needs (it ended early, or took too long)."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def job_env(**extra: str) -> dict[str, str]:
+    """The environment of every job: one OpenMP thread per rank, the checkout importable."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "MASTER_ADDR": "127.0.0.1", **extra}
+
+
+def scenario_dir(scenario: str, fallback: Path) -> Path:
+    """``$DTPROBE_CHAOS_RUNS/<scenario>`` (emptied) when that variable is set, else ``fallback/<scenario>``."""
+    keep = os.environ.get(RUNS_ENV)
+    run_dir = Path(keep) / scenario if keep else Path(fallback) / scenario
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def dtprobe_run_cmd(run_dir: Path, *flags: str, devices: bool = False, pg_timeout_s: int = 60) -> list[str]:
+    """``dtprobe run`` of the tiny job into ``run_dir`` with ``flags`` (device sampling off unless ``devices``)."""
+    return [sys.executable, "-m", "dtprobe.cli", "run", "--run-dir", str(run_dir), "--timeout", str(pg_timeout_s),
+            *TINY, *(() if devices else ("--no-devices",)), *flags]
+
+
+def torchrun_cmd(script: Path, *args: str, nproc: int) -> list[str]:
+    """Plain torchrun (no ``dtprobe run``) of ``script`` on ``nproc`` local ranks, rendezvous on a free port."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--monitor-interval", "0.5",
+            str(script), *args]
+
+
+# ---------------------------------------------------------------------------------------------- the job
+
+
+def rank_file(run_dir: Path, rank: int) -> Path:
+    return Path(run_dir) / "ranks" / f"rank{rank:05d}.json"
+
+
+def read_rank(run_dir: Path, rank: int) -> dict | None:
+    """The rank's ``ranks/rankNNNNN.json`` (pid, restart, ...), or None while it is absent or half-written."""
+    try:
+        return json.loads(rank_file(run_dir, rank).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def steps_done(run_dir: Path, rank: int, *, restart: int = 0) -> int:
+    """How many step rows of ``restart`` the rank has written to ``events/steps/rankNNNNN.jsonl`` so far."""
+    path = Path(run_dir) / "events" / "steps" / f"rank{rank:05d}.jsonl"
+    try:
+        lines = path.read_bytes().splitlines()
+    except FileNotFoundError:
+        return 0
+    count = 0
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:        # a torn last line
+            continue
+        count += int(row.get("restart", 0) == restart and row.get("end_ns") is not None)
+    return count
+
+
+def is_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie counts as dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+@dataclass
+class Job:
+    """One launched job (``dtprobe run`` or torchrun) and the worker pids it reported; ``stop`` ends them all.
+
+    torchrun starts each worker in its own session, so stopping the launcher's process group does not reach
+    them: ``stop`` also kills every worker pid seen in ``ranks/*.json`` that still runs a Python process.
+    """
+
+    cmd: list[str]
+    run_dir: Path
+    timeout_s: float
+    env: dict[str, str] = field(default_factory=job_env)
+    proc: subprocess.Popen | None = None
+    worker_pids: set[int] = field(default_factory=set)
+    stopped_pids: set[int] = field(default_factory=set)
+    started: float = 0.0
+
+    def start(self) -> "Job":
+        self.run_dir.parent.mkdir(parents=True, exist_ok=True)
+        self.log = open(self.run_dir.parent / f"{self.run_dir.name}.launcher.log", "w")
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True, cwd=str(ROOT))
+        self.started = time.monotonic()
+        return self
+
+    @property
+    def remaining_s(self) -> float:
+        return self.timeout_s - (time.monotonic() - self.started)
+
+    def output(self) -> str:
+        self.log.flush()
+        return (self.run_dir.parent / f"{self.run_dir.name}.launcher.log").read_text(errors="replace")
+
+    def worker_pid(self, rank: int, *, restart: int = 0) -> int:
+        """The pid of ``rank`` in attempt ``restart`` (waits for its ``ranks/`` file)."""
+        def current():
+            info = read_rank(self.run_dir, rank)
+            return info if info and info.get("restart", 0) == restart and info.get("pid") else None
+        self.wait_for(lambda: current() is not None, what=f"rank {rank}'s ranks/ file (restart {restart})")
+        pid = int(current()["pid"])
+        self.worker_pids.add(pid)
+        return pid
+
+    def wait_for(self, predicate: Callable[[], bool], *, what: str, timeout_s: float | None = None,
+                 poll_s: float = 0.05) -> None:
+        """Poll ``predicate`` until true; ChaosError if the job ends first or the time runs out."""
+        deadline = time.monotonic() + (self.remaining_s if timeout_s is None else min(timeout_s, self.remaining_s))
+        while not predicate():
+            if self.proc.poll() is not None:
+                raise ChaosError(f"the job ended (exit {self.proc.returncode}) before {what}:\n{self.output()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise ChaosError(f"timed out waiting for {what}:\n{self.output()[-3000:]}")
+            time.sleep(poll_s)
+
+    def wait_steps(self, rank: int, num_steps: int, *, restart: int = 0) -> None:
+        self.wait_for(lambda: steps_done(self.run_dir, rank, restart=restart) >= num_steps,
+                      what=f"rank {rank} to finish {num_steps} steps (restart {restart})")
+
+    def signal(self, rank: int, sig: signal.Signals, *, restart: int = 0) -> int:
+        """Send ``sig`` to ``rank``'s worker process; returns its pid."""
+        pid = self.worker_pid(rank, restart=restart)
+        if sig == signal.SIGSTOP:
+            self.stopped_pids.add(pid)
+        os.kill(pid, sig)
+        if sig == signal.SIGCONT:
+            self.stopped_pids.discard(pid)
+        return pid
+
+    def wait(self) -> int:
+        """Wait for the launcher to exit within the job's time; its exit code."""
+        try:
+            return self.proc.wait(timeout=max(1.0, self.remaining_s))
+        except subprocess.TimeoutExpired:
+            raise ChaosError(f"the job ran past {self.timeout_s:.0f} s:\n{self.output()[-3000:]}") from None
+
+    def stop(self) -> None:
+        """Kill what is left: the stopped workers first (SIGKILL reaches a stopped process), then the launcher's
+        process group and every worker pid the job reported that is still a live Python process."""
+        for rank in range(64):
+            info = read_rank(self.run_dir, rank)
+            if info is None:
+                if not rank_file(self.run_dir, rank).exists():
+                    break
+                continue
+            if info.get("pid"):
+                self.worker_pids.add(int(info["pid"]))
+        for pid in sorted(self.stopped_pids | self.worker_pids):
+            if is_alive(pid) and "python" in _cmdline(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=30)
+        if getattr(self, "log", None):
+            self.log.close()
+
+
+# -------------------------------------------------------------------------------------------- CPU faults
+
+
+@dataclass
+class BusyLoop:
+    """A Python busy loop pinned to ``core`` (a CPU hog beside one rank); ``stop`` kills it by PID."""
+
+    core: int
+    proc: subprocess.Popen | None = None
+
+    def start(self) -> "BusyLoop":
+        self.proc = subprocess.Popen(["taskset", "-c", str(self.core), sys.executable, "-c", "while True: pass"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+def pin(pid: int, core: int) -> None:
+    """Pin every thread of ``pid`` to ``core`` (threads it starts later inherit the mask)."""
+    subprocess.run(["taskset", "-a", "-p", "-c", str(core), str(pid)], check=True, capture_output=True, timeout=10)
+
+
+def cgroup_v1_cpu_available() -> bool:
+    return (CGROUP_CPU / "cpu.cfs_quota_us").is_file() and os.access(CGROUP_CPU, os.W_OK)
+
+
+@dataclass
+class CpuQuota:
+    """A cgroup v1 cpu cgroup limiting its processes to ``frac`` of one core (``cpu.cfs_quota_us`` /
+    ``cpu.cfs_period_us``). ``add`` moves a process (all its threads) in; ``remove`` moves them back to the
+    cgroup each came from and deletes the cgroup."""
+
+    frac: float
+    name: str = ""
+    period_us: int = 100_000
+    path: Path | None = None
+    origins: dict[int, Path] = field(default_factory=dict)
+
+    def create(self) -> "CpuQuota":
+        self.name = self.name or f"dtprobe-chaos-{os.getpid()}-{time.monotonic_ns()}"
+        self.path = CGROUP_CPU / self.name
+        self.path.mkdir()
+        (self.path / "cpu.cfs_period_us").write_text(str(self.period_us))
+        (self.path / "cpu.cfs_quota_us").write_text(str(max(1000, int(self.frac * self.period_us))))
+        return self
+
+    def add(self, pid: int) -> None:
+        self.origins[pid] = CGROUP_CPU / _cpu_cgroup_of(pid).lstrip("/")
+        (self.path / "cgroup.procs").write_text(str(pid))
+
+    def remove(self) -> None:
+        if self.path is None or not self.path.exists():
+            return
+        for pid in (self.path / "cgroup.procs").read_text().split():
+            origin = self.origins.get(int(pid), CGROUP_CPU)
+            try:
+                (origin / "cgroup.procs").write_text(pid)
+            except OSError:          # exited meanwhile, or the origin is gone: the root always takes it
+                try:
+                    (CGROUP_CPU / "cgroup.procs").write_text(pid)
+                except OSError:
+                    pass
+        for _ in range(50):          # rmdir fails while the kernel still counts an exiting task
+            try:
+                self.path.rmdir()
+                return
+            except OSError:
+                time.sleep(0.1)
+        self.path.rmdir()
+
+
+def _cpu_cgroup_of(pid: int) -> str:
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "cpu" in controllers.split(","):
+            return path
+    return "/"
+
+
+# ---------------------------------------------------------------------------------------- files on disk
+
+
+def committed_checkpoints(run_dir: Path) -> list[Path]:
+    """Committed checkpoint dirs (with COMMIT.json), oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    return sorted(p for p in root.glob("step*") if (p / "COMMIT.json").is_file())
+
+
+def largest_data_file(ckpt: Path) -> Path:
+    """The biggest file a checkpoint's COMMIT.json lists (a rank's DCP shard)."""
+    files = json.loads((ckpt / "COMMIT.json").read_text())["files"]
+    return ckpt / max(files, key=lambda name: (files[name]["num_bytes"], name))
+
+
+def truncate(path: Path, *, keep_frac: float = 0.5) -> None:
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.truncate(int(size * keep_frac))
+
+
+def flip_bit(path: Path, *, offset: int | None = None, bit: int = 3) -> int:
+    """Flip one bit of ``path`` (in the middle by default); returns the byte offset."""
+    offset = path.stat().st_size // 2 if offset is None else offset
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ (1 << bit)]))
+    return offset
+
+
+# -------------------------------------------------------------------------------------------- verdicts
+
+
+def analyze(run_dir: Path, *, timeout_s: float = 180) -> dict:
+    """``dtprobe analyze RUN --format json``: the dtprobe.findings/1 document (exit 0 or 1, else ChaosError)."""
+    proc = subprocess.run([sys.executable, "-m", "dtprobe.cli", "analyze", str(run_dir), "--format", "json"],
+                          env=job_env(), capture_output=True, text=True, timeout=timeout_s, cwd=str(ROOT))
+    if proc.returncode not in (0, 1):
+        raise ChaosError(f"dtprobe analyze {run_dir} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout)
+
+
+def findings_of(doc: dict, code: str) -> list[dict]:
+    return [f for f in doc["findings"] if f["code"] == code]
+
+
+def summary(doc: dict) -> str:
+    """One line per finding (code, severity, ranks, title): what an assertion message shows."""
+    return "\n".join(f"{f['code']} {f['severity']} ranks={f['ranks']} {f['title']}" for f in doc["findings"])

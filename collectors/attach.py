@@ -19,7 +19,13 @@ as the default group is; an axis spanning all ranks reuses the default group, wh
 that axis name.
 
 Written: ``ranks/rankNNNNN.json`` (every rank), ``run.json`` (attach-mode leader, when absent), ``events/*``
-(steps, collectives, devices, faults, anything given to ``probe.record``), ``traces/steps<a>-<b>/``.
+(steps, collectives, pending, lifecycle, devices, faults, anything given to ``probe.record``),
+``traces/steps<a>-<b>/``.
+
+Loss bound: rows reach the OS every ``flush_interval_s`` (0.1 s) from background threads, so a killed rank
+loses at most its last 0.1 s of rows, and a collective it waited in for more than 0.2 s is on disk (``pending``).
+``lifecycle`` gets an "attach" row at attach and a "close" row at close (``probe.close``, the ``with`` block, the
+interpreter's exit, or SIGTERM, see ``collectors.sigterm``): a rank with no close row was killed or frozen.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import datetime
 import os
 import socket
 import sys
+import threading
 import time
 import warnings
 from dataclasses import asdict, fields
@@ -39,6 +46,7 @@ import orjson
 import torch
 import torch.distributed as dist
 
+from collectors import sigterm
 from collectors.clock import measure_clock_offset
 from collectors.config import CollectConfig
 from collectors.devices import DeviceSampler
@@ -93,7 +101,7 @@ class Probe:
         self.device = device
         self.manage_status = manage_status
         """True in attach mode: the leader sets the run status at close; under ``dtprobe run`` the launcher does."""
-        self.writer = RankWriter(run_dir, rank, flush_interval_s=config.flush_interval_s)
+        self.writer = RankWriter(run_dir, rank, flush_interval_s=config.flush_interval_s, autoflush=True)
         self.clock_offset_ns = 0
         self.clock_rtt_ns = 0
         self._step = -1
@@ -102,6 +110,7 @@ class Probe:
         self._sampler: DeviceSampler | None = None
         self._profiler: ProfilerWindow | None = None
         self._closed = False
+        self._close_lock = threading.RLock()     # SIGTERM closes from another thread: a second caller waits
 
     # ---- roles ----
     @property
@@ -210,26 +219,40 @@ class Probe:
             RECORDER.drain()
         self.writer.flush()
 
-    def close(self, status: str = "finished") -> None:
-        """Stop the profiler (exporting its trace) and the sampler, write in-flight collectives (end null),
-        flush and close the files; in attach mode the leader sets the run status. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            # In-flight collectives first, written and flushed at once: a rank killed while it closes (torchrun
-            # stops the others when one exits) keeps them; the profiler's export and the sampler's join are slow.
-            if RECORDER.writer is self.writer:
-                RECORDER.stop()
-            self.writer.flush()
-            if self._profiler is not None:
-                self._profiler.stop()
-            if self._sampler is not None:
-                self._sampler.close()
-        finally:
-            self.writer.close()
-            if self.manage_status and self.is_leader:
-                store_manifest.set_status(self.run_dir, status)
+    def close(self, status: str = "finished", *, reason: str | None = None) -> None:
+        """Write in-flight collectives (end null) and the ``lifecycle`` close row, stop the profiler (exporting
+        its trace) and the sampler, flush and close the files; in attach mode the leader sets the run status.
+
+        ``status``: "finished" or "crashed". ``reason``: why it closes, stored in the close row: "exit",
+        "exception", "SIGTERM", "watchdog" (default: "exit" when finished, else "exception"). Idempotent and
+        thread-safe: a second caller returns once the first one's close is done.
+        """
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+            if reason is None:
+                reason = "exit" if status == "finished" else "exception"
+            try:
+                # In-flight collectives and the close row first, flushed at once: a rank killed while it closes
+                # (torchrun stops the others when one exits) keeps them; the profiler's export and the
+                # sampler's join are slow.
+                if RECORDER.writer is self.writer:
+                    RECORDER.stop()
+                self._lifecycle("close", status=status, reason=reason, step=self._step)
+                self.writer.flush()
+                if self._profiler is not None:
+                    self._profiler.stop()
+                if self._sampler is not None:
+                    self._sampler.close()
+            finally:
+                self.writer.close()
+                if self.manage_status and self.is_leader:
+                    store_manifest.set_status(self.run_dir, status)
+
+    def _lifecycle(self, event: str, **row: Any) -> None:
+        self.writer.write("lifecycle", {"restart": self.restart, "time_ns": time.time_ns(), "event": event,
+                                        "pid": os.getpid(), **row})
 
     def _close_at_exit(self) -> None:
         self.close(status="crashed" if getattr(sys, "last_value", None) is not None else "finished")
@@ -263,7 +286,8 @@ def attach(run_dir: str | os.PathLike, *, timeout_s: float = 600.0, backend: str
     - Measures the clock offset to rank 0, writes ``ranks/rankNNNNN.json``; the leader creates ``run.json``
       when absent (attach mode); starts the device sampler; arms the profiler window.
     - ``manage_status``: whether the leader sets the run status at close (default: True unless launched by
-      ``dtprobe run``, i.e. ``DTPROBE_JOB`` is unset). ``probe.close`` also runs at exit.
+      ``dtprobe run``, i.e. ``DTPROBE_JOB`` is unset). ``probe.close`` also runs at exit, and on SIGTERM
+      (``close_on_sigterm``, from the main thread only: see ``collectors.sigterm``).
     """
     unknown = set(collect) - _CONFIG_FIELDS
     if unknown:
@@ -331,10 +355,12 @@ def attach(run_dir: str | os.PathLike, *, timeout_s: float = 600.0, backend: str
     store_manifest.write_rank_info(
         run_dir, rank, host=socket.gethostname(), node_rank=probe.node_rank, local_rank=local_rank,
         device=device, pid=os.getpid(), clock_offset_ns=probe.clock_offset_ns, restart=probe.restart)
+    probe._lifecycle("attach")
+    probe.writer.flush()
 
     if config.collectives:
         RECORDER.start(probe.writer, timing=config.collective_timing, nccl_timing=config.nccl_timing,
-                       flush_interval_s=config.flush_interval_s)
+                       flush_interval_s=config.flush_interval_s, restart=probe.restart)
     if config.devices:
         gpu_index = gpu_uuid = None
         if device.startswith("cuda"):
@@ -349,4 +375,6 @@ def attach(run_dir: str | os.PathLike, *, timeout_s: float = 600.0, backend: str
                                          record_shapes=config.profile_record_shapes,
                                          cuda=device.startswith("cuda"))
     atexit.register(probe._close_at_exit)
+    if config.close_on_sigterm:
+        sigterm.install(lambda: probe.close(status="crashed", reason="SIGTERM"))
     return probe

@@ -33,8 +33,16 @@ class CollectConfig:
     """Record input shapes in the profiler window (HTA and Perfetto show them; costs a little more)."""
     clock_rounds: int = 8
     """Ping-pong rounds with rank 0 when measuring the clock offset at attach; the min-RTT round is kept."""
-    flush_interval_s: float = 1.0
-    """Seconds between flushes of buffered rows to ``events/`` (also flushed at every step end and at close)."""
+    flush_interval_s: float = 0.1
+    """Seconds between flushes of buffered rows to ``events/`` by a background thread (also at close): the loss
+    bound. A rank killed by SIGKILL loses at most the rows of its last ``flush_interval_s``; a collective it
+    waited in for more than ``2 * flush_interval_s`` is on disk (table ``pending``), even when its training
+    thread was blocked."""
+    close_on_sigterm: bool = True
+    """Close the probe when the worker gets SIGTERM (torchrun stopping the surviving ranks): its in-flight
+    collectives and a ``lifecycle`` close row (reason ``"SIGTERM"``) are written, then the process dies of
+    SIGTERM as it would have, after a SIGTERM handler installed before ``attach`` (which still runs). Works
+    while the main thread is blocked in a collective. Installed only when ``attach`` runs in the main thread."""
 
     def __post_init__(self) -> None:
         if self.collective_timing not in ("wait", "enqueue"):

@@ -64,7 +64,7 @@ class NullProbe:
     def flush(self, *, in_flight: bool = False) -> None:
         pass
 
-    def close(self, status: str = "finished") -> None:
+    def close(self, status: str = "finished", *, reason: str | None = None) -> None:
         pass
 
     def __enter__(self) -> "NullProbe":

@@ -15,7 +15,10 @@ on every ``getFuture`` and destruction). Cost, measured as process CPU per step 
 On NCCL ``wait()`` does not block the host, so NCCL rows carry device timings from the completion hook when
 ``TORCH_NCCL_ENABLE_TIMING=1`` (``timing="cuda_event"``) and no ``end_ns`` otherwise. Rows are written once
 the collective completes; collectives still in flight at close (a hang) are written with ``end_ns`` null.
-Read by ``dtprobe.store`` (table ``collectives``) and ``dtprobe.runtime.hang`` (``RECORDER.progress()``).
+A collective still in flight after one drain tick is also spilled once to the ``pending`` table, so a rank
+killed inside it (SIGKILL: no close) still names it.
+Read by ``dtprobe.store`` (tables ``collectives``, ``pending``) and ``dtprobe.runtime.hang``
+(``RECORDER.progress()``).
 """
 
 from __future__ import annotations
@@ -32,12 +35,15 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from dtprobe.store.schema import SCHEMAS
+
 GLOO_BACKEND = "dtprobe_gloo"
 """Name of the recording gloo backend: ``init_process_group(backend="dtprobe_gloo")``."""
 NCCL_BACKEND = "dtprobe_nccl"
 """Name of the recording NCCL backend (CUDA tensors)."""
 WORLD_GROUP = "world"
 """``pg`` value for the default group when nothing else names it."""
+_PENDING_COLUMNS = tuple(c for c in SCHEMAS["pending"] if c != "rank")
 
 class CollectiveRecorder:
     """Process-wide sink shared by every recording group: the writer, the current step, the timing mode.
@@ -47,7 +53,10 @@ class CollectiveRecorder:
 
     Rows are queued (a deque append, well under a microsecond) and handed to the writer by a drain thread
     every ``flush_interval_s``, by ``drain()`` and at ``stop()``: the writer's per-row cost (validation and
-    JSON encoding, ~10 us) stays off the training thread's critical path.
+    JSON encoding, ~10 us) stays off the training thread's critical path. Each tick of the drain thread
+    (``tick()``) drains the queue, spills to ``pending`` every collective that was already in flight at the
+    previous tick (each at most once), and flushes the writer: a completed row reaches the OS within one
+    interval, a collective pending for two intervals is on disk, even while the training thread is blocked.
     """
 
     def __init__(self) -> None:
@@ -59,6 +68,8 @@ class CollectiveRecorder:
         """``"wait"``: rows get ``end_ns`` at completion; ``"enqueue"``: rows are written at once, no end."""
         self.nccl_timing = True
         """Use the NCCL completion hook for device timings when ``TORCH_NCCL_ENABLE_TIMING=1``."""
+        self.restart = 0
+        """torchrun restart count of this worker (``TORCHELASTIC_RESTART_COUNT``), copied into every row."""
         self._paused = threading.local()
         self._in_flight: dict[int, dict[str, Any]] = {}
         self._ids = itertools.count()
@@ -67,15 +78,20 @@ class CollectiveRecorder:
         self._drain_lock = threading.Lock()
         self._stop_drain = threading.Event()
         self._drainer: threading.Thread | None = None
+        self._tick_lock = threading.Lock()
+        self._seen_at_tick: set[int] = set()     # in-flight keys at the previous tick
+        self._spilled: set[int] = set()          # in-flight keys already written to ``pending``
 
     def start(self, writer: Any, *, timing: str = "wait", nccl_timing: bool = True,
-              flush_interval_s: float = 1.0) -> None:
-        """Begin recording into ``writer`` (attach)."""
+              flush_interval_s: float = 1.0, restart: int = 0) -> None:
+        """Begin recording into ``writer`` (attach); ``restart`` is the worker's torchrun restart count."""
         self.stop()
         self.writer = writer
         self.timing = timing
         self.nccl_timing = nccl_timing
+        self.restart = int(restart)
         self.step = -1
+        self._seen_at_tick, self._spilled = set(), set()
         self._stop_drain = threading.Event()
         self._drainer = threading.Thread(target=self._drain_loop, args=(self._stop_drain, flush_interval_s),
                                          name="dtprobe-collectives", daemon=True)
@@ -110,12 +126,31 @@ class CollectiveRecorder:
                 if writer is not None:
                     writer.write("collectives", row)
 
-    def _drain_loop(self, stop: threading.Event, interval_s: float) -> None:
-        while not stop.wait(interval_s):
+    def tick(self) -> int:
+        """One drain-thread tick: drain the queue, spill to ``pending`` the collectives in flight since the previous
+        tick and not spilled yet, flush the writer. Returns how many rows were spilled."""
+        with self._tick_lock:
             self.drain()
             writer = self.writer
-            if writer is not None:
-                writer.flush()          # every table reaches disk within ~2 intervals, even when a rank hangs
+            if writer is None:
+                return 0
+            in_flight = self._in_flight
+            now = set(in_flight)               # a C-level copy under the GIL: safe against concurrent track/untrack
+            spill = (now & self._seen_at_tick) - self._spilled
+            for key in sorted(spill):          # keys grow with issue order: oldest first
+                row = in_flight.get(key)
+                if row is not None:
+                    writer.write("pending", {c: row[c] for c in _PENDING_COLUMNS if c in row})
+            self._spilled = (self._spilled | spill) & now   # keys never come back once completed
+            self._seen_at_tick = now
+            flush = getattr(writer, "flush", None)
+            if flush is not None:
+                flush()          # every table reaches the OS each tick, even while the training thread is blocked
+            return len(spill)
+
+    def _drain_loop(self, stop: threading.Event, interval_s: float) -> None:
+        while not stop.wait(interval_s):
+            self.tick()
 
     @property
     def active(self) -> bool:
@@ -449,7 +484,7 @@ class RecordingProcessGroup(dist.ProcessGroup):
         row: dict[str, Any] = {
             "pg": pg, "pg_ranks": ranks, "pg_size": self._size, "seq": seq, "op": op,
             "num_bytes": int(num_bytes), "dtype": dtype, "step": recorder.step, "timing": "host",
-            "enqueue_ns": time.time_ns(),
+            "enqueue_ns": time.time_ns(), "restart": recorder.restart,
         }
         if peer is not None:
             row["peer"] = peer

@@ -16,12 +16,16 @@ from dtprobe.store.schema import EVENTS_FILE, SCHEMAS
 class RankWriter:
     """Appends rows to ``<run>/events/<table>/rankNNNNN.jsonl``, one file per table, for one rank.
 
-    Rows are buffered and flushed every ``flush_interval_s`` (from the caller's thread on the next ``write``)
-    and on ``flush``/``close``. Each flush writes whole lines with one ``write`` call, so a rank killed
-    mid-write leaves at most one torn last line, which the reader skips. Thread-safe.
+    Rows are buffered and reach the OS (``write(2)``; no fsync: the page cache survives a killed process) at
+    ``flush``/``close`` and every ``flush_interval_s``: with ``autoflush`` from a background thread, so a rank
+    blocked in a collective or a long step still gets its rows out and a killed rank loses at most the rows of
+    its last ``flush_interval_s``; without it, from the caller's thread on the next ``write``. Each flush writes
+    whole lines with one ``write`` call per table, so a rank killed mid-write leaves at most one torn last line,
+    which the reader skips. Thread-safe.
     """
 
-    def __init__(self, run_dir: str | os.PathLike, rank: int, *, flush_interval_s: float = 1.0) -> None:
+    def __init__(self, run_dir: str | os.PathLike, rank: int, *, flush_interval_s: float = 1.0,
+                 autoflush: bool = False) -> None:
         self.run_dir = Path(run_dir)
         self.rank = rank
         self.flush_interval_s = flush_interval_s
@@ -30,6 +34,11 @@ class RankWriter:
         self._lock = threading.Lock()
         self._last_flush = time.monotonic()
         self._closed = False
+        self._stop_flusher = threading.Event()
+        self._flusher: threading.Thread | None = None
+        if autoflush:
+            self._flusher = threading.Thread(target=self._flush_loop, name=f"dtprobe-writer-{rank}", daemon=True)
+            self._flusher.start()
 
     def write(self, table: str, row: dict[str, Any]) -> None:
         """Queue one row of ``table``; ``rank`` is filled in. Unknown tables or columns are programmer errors."""
@@ -41,22 +50,33 @@ class RankWriter:
             if self._closed:
                 return
             self._buffers.setdefault(table, []).append(line)
-            if time.monotonic() - self._last_flush >= self.flush_interval_s:
+            if self._flusher is None and time.monotonic() - self._last_flush >= self.flush_interval_s:
                 self._flush_locked()
 
     def flush(self) -> None:
-        """Write every buffered row to disk (and fsync nothing: the OS page cache survives a killed process)."""
+        """Write every buffered row to the OS now (no fsync: the page cache survives a killed process)."""
         with self._lock:
-            self._flush_locked()
+            if not self._closed:
+                self._flush_locked()
 
     def close(self) -> None:
-        """Flush and close all files; later writes are dropped."""
+        """Stop the background flusher, flush and close all files; later writes are dropped. Idempotent."""
+        self._stop_flusher.set()
+        flusher, self._flusher = self._flusher, None
+        if flusher is not None and flusher is not threading.current_thread():
+            flusher.join(timeout=10)
         with self._lock:
+            if self._closed:
+                return
             self._flush_locked()
             for f in self._files.values():
                 f.close()
             self._files.clear()
             self._closed = True
+
+    def _flush_loop(self) -> None:
+        while not self._stop_flusher.wait(self.flush_interval_s):
+            self.flush()
 
     def _flush_locked(self) -> None:
         self._last_flush = time.monotonic()

@@ -1,0 +1,357 @@
+"""What a killed rank leaves: the recorder's spill of in-flight collectives to ``pending`` (each once, only after a
+tick), the writers' flush bound, ``lifecycle`` rows, and (2 real ranks, CPU + gloo) a rank SIGKILLed or SIGTERMed
+while blocked in an all_reduce its peer never issues."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from collectors.attach import Probe
+from collectors.config import CollectConfig
+from collectors.null import NullProbe
+from collectors.pg_wrapper import CollectiveRecorder, RecordedWork, RecordingProcessGroup
+from dtprobe.store import RunStore
+from dtprobe.store.schema import SCHEMAS
+from dtprobe.store.writer import RankWriter
+
+REPO = Path(__file__).resolve().parents[1]
+KEY = ["rank", "restart", "pg", "pg_ranks", "seq", "peer", "op"]
+"""A collective's identity across ``pending`` and ``collectives`` (schema.py)."""
+
+
+class SinkWriter:
+    """In-memory writer: rows per table, and how often it was flushed."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, dict]] = []
+        self.flushes = 0
+
+    def write(self, table: str, row: dict) -> None:
+        self.rows.append((table, dict(row)))
+
+    def flush(self) -> None:
+        self.flushes += 1
+
+    def table(self, name: str) -> list[dict]:
+        return [r for t, r in self.rows if t == name]
+
+
+class FakeWork:
+    def __init__(self) -> None:
+        self.fut = torch.futures.Future()
+
+    def get_future(self):
+        return self.fut
+
+    def wait(self, timeout=None):
+        return True
+
+
+class FakeInner:
+    def allreduce(self, tensors, *args):
+        return FakeWork()
+
+    def _set_group_name(self, name):
+        pass
+
+
+def _row(seq: int, **extra) -> dict:
+    return {"op": "allreduce", "pg": "dp", "pg_ranks": "0,1", "pg_size": 2, "seq": seq, "step": 7,
+            "num_bytes": 16, "dtype": "float32", "timing": "host", "enqueue_ns": time.time_ns(), "restart": 1,
+            **extra}
+
+
+def _manual_recorder(writer) -> CollectiveRecorder:
+    """A started recorder whose drain thread never ticks on its own: the test calls ``tick()``."""
+    recorder = CollectiveRecorder()
+    recorder.start(writer, flush_interval_s=3600, restart=1)
+    return recorder
+
+
+# ---------------------------------------------------------------------------------------------- spill (unit)
+
+def test_in_flight_collective_is_spilled_once_and_only_after_a_whole_tick():
+    writer = SinkWriter()
+    recorder = _manual_recorder(writer)
+    work = RecordedWork(FakeWork(), _row(4), recorder)
+    assert recorder.tick() == 0 and writer.table("pending") == []      # first seen: not a whole tick yet
+    assert recorder.tick() == 1                                          # in flight at two ticks: spilled
+    assert recorder.tick() == 0 and recorder.tick() == 0                 # ... once
+    (row,) = writer.table("pending")
+    assert row == {k: v for k, v in _row(4, enqueue_ns=row["enqueue_ns"]).items()}
+    assert set(row) <= set(SCHEMAS["pending"]) and "end_ns" not in row
+    work.wait()                                                          # completes: collectives row as usual
+    recorder.tick()
+    assert [(r["seq"], "end_ns" in r) for r in writer.table("collectives")] == [(4, True)]
+    recorder.stop()
+    assert len(writer.table("pending")) == 1 and len(writer.table("collectives")) == 1
+
+
+def test_collective_completed_between_ticks_never_reaches_pending():
+    writer = SinkWriter()
+    recorder = _manual_recorder(writer)
+    for seq in range(1, 6):                   # healthy collectives: issued and done within a tick
+        recorder.tick()
+        RecordedWork(FakeWork(), _row(seq), recorder).wait()
+    recorder.tick()
+    recorder.tick()
+    recorder.stop()
+    assert writer.table("pending") == [] and [r["seq"] for r in writer.table("collectives")] == [1, 2, 3, 4, 5]
+
+
+def test_spill_covers_collectives_and_p2p_oldest_first_and_each_tick_flushes():
+    writer = SinkWriter()
+    recorder = _manual_recorder(writer)
+    pg = RecordingProcessGroup(FakeInner(), 0, 2, backend_name="dtprobe_gloo", recorder=recorder)
+    pg.dtprobe_name = "pp"
+    first = pg.allreduce([torch.ones(4)])                                # on the future path
+    recv = RecordedWork(FakeWork(), _row(1, op="recv", peer=1, pg="pp"), recorder)
+    recorder.tick()
+    late = RecordedWork(FakeWork(), _row(9), recorder)                   # issued after the first tick
+    flushes = writer.flushes
+    assert recorder.tick() == 2 and writer.flushes == flushes + 1
+    assert [(r["op"], r["seq"], r.get("peer")) for r in writer.table("pending")] == [
+        ("allreduce", 1, None), ("recv", 1, 1)]
+    assert writer.table("pending")[0]["restart"] == 1                    # the recorder's restart, on every row
+    assert recorder.tick() == 1 and writer.table("pending")[-1]["seq"] == 9
+    first.fut.set_result(None)
+    recorder.stop()                           # close: the still-open ones go to collectives with end null
+    closed = {(r["op"], r["seq"]): "end_ns" in r for r in writer.table("collectives")}
+    assert closed == {("allreduce", 1): True, ("recv", 1): False, ("allreduce", 9): False}
+    assert len(writer.table("pending")) == 3
+    del recv, late
+
+
+def test_recorded_rows_carry_the_restart_given_at_start():
+    writer = SinkWriter()
+    recorder = CollectiveRecorder()
+    recorder.start(writer, flush_interval_s=3600, restart=3)
+    pg = RecordingProcessGroup(FakeInner(), 0, 2, backend_name="dtprobe_gloo", recorder=recorder)
+    pg.allreduce([torch.ones(2)]).fut.set_result(None)
+    recorder.stop()
+    (row,) = writer.table("collectives")
+    assert row["restart"] == 3 and set(row) <= set(SCHEMAS["collectives"])
+
+
+# ---------------------------------------------------------------------------------------------- flush bound
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def _wait_for_lines(path: Path, count: int, *, timeout_s: float) -> float:
+    """Seconds until ``path`` holds ``count`` lines (polling), or ``inf``."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if len(_lines(path)) >= count:
+            return time.monotonic() - t0
+        time.sleep(0.005)
+    return float("inf")
+
+
+def test_autoflush_writer_gets_a_lone_row_to_the_os_without_another_write(tmp_path):
+    auto = RankWriter(tmp_path / "auto", 0, flush_interval_s=0.05, autoflush=True)
+    lazy = RankWriter(tmp_path / "lazy", 0, flush_interval_s=0.05)
+    for w in (auto, lazy):
+        w.write("steps", {"step": 1})
+    waited = _wait_for_lines(tmp_path / "auto" / "events" / "steps" / "rank00000.jsonl", 1, timeout_s=5)
+    assert waited < 5                          # a generous ceiling: the machine may be loaded
+    time.sleep(0.2)                            # the caller-flushed writer waits for its next write ...
+    assert _lines(tmp_path / "lazy" / "events" / "steps" / "rank00000.jsonl") == []
+    auto.close()
+    lazy.close()                               # ... or its close
+    assert _lines(tmp_path / "lazy" / "events" / "steps" / "rank00000.jsonl") == [{"rank": 0, "step": 1}]
+    auto.close()                               # idempotent, and no file is reopened after close
+    auto.flush()
+
+
+def test_drain_thread_gets_completed_and_pending_rows_to_disk_while_the_caller_is_blocked(tmp_path):
+    interval = 0.05
+    writer = RankWriter(tmp_path, 0, flush_interval_s=interval, autoflush=True)
+    recorder = CollectiveRecorder()
+    recorder.start(writer, flush_interval_s=interval, restart=0)
+    try:
+        done = RecordedWork(FakeWork(), _row(1), recorder)
+        done.wait()
+        stuck = RecordedWork(FakeWork(), _row(2), recorder)   # never completes: the caller "hangs" here
+        coll = tmp_path / "events" / "collectives" / "rank00000.jsonl"
+        pend = tmp_path / "events" / "pending" / "rank00000.jsonl"
+        assert _wait_for_lines(coll, 1, timeout_s=5) < 5      # no drain(), flush() or stop() called
+        assert _wait_for_lines(pend, 1, timeout_s=5) < 5
+        time.sleep(5 * interval)
+        assert [r["seq"] for r in _lines(pend)] == [2] and [r["seq"] for r in _lines(coll)] == [1]
+    finally:
+        recorder.stop()
+        writer.close()
+    assert [(r["seq"], "end_ns" in r) for r in _lines(coll)] == [(1, True), (2, False)]
+    del stuck
+
+
+# ---------------------------------------------------------------------------------------------- API
+
+def test_close_takes_a_reason_on_the_probe_and_the_null_probe():
+    for cls in (Probe, NullProbe):
+        params = inspect.signature(cls.close).parameters
+        assert params["reason"].kind is inspect.Parameter.KEYWORD_ONLY and params["reason"].default is None
+    NullProbe(rank=0).close(status="crashed", reason="watchdog")
+
+
+def test_default_flush_interval_is_the_documented_bound():
+    cfg = CollectConfig()
+    assert cfg.flush_interval_s == 0.1 and cfg.close_on_sigterm is True
+
+
+# ---------------------------------------------------------------------------------------------- real ranks
+
+WORKER = textwrap.dedent("""
+    import os, sys, time, signal
+    import torch, torch.distributed as dist
+    import dtprobe
+
+    run_dir, mode = sys.argv[1], sys.argv[2]
+    rank = int(os.environ["RANK"])
+    if mode == "chain":
+        def user_handler(signum, frame):
+            print("user handler", flush=True)
+            sys.exit(7)
+        signal.signal(signal.SIGTERM, user_handler)
+    probe = dtprobe.attach(run_dir, timeout_s=60, devices=False)
+    dist.barrier()                                    # both attached
+    if rank == 0:
+        with probe.step(3):
+            print("issuing", flush=True)
+            dist.all_reduce(torch.ones(5))            # rank 1 never issues it: blocks in gloo (C++, GIL released)
+        print("all_reduce returned", flush=True)
+    else:
+        print("issuing", flush=True)
+        time.sleep(120)
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_ranks(tmp_path: Path, mode: str, *, restart: int) -> tuple[Path, list[subprocess.Popen]]:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    run = tmp_path / "run"
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("DTPROBE_", "TORCHELASTIC_"))}
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                   LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", PYTHONPATH=str(REPO),
+                   TORCHELASTIC_RESTART_COUNT=str(restart))
+        procs.append(subprocess.Popen([sys.executable, str(script), str(run), mode], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return run, procs
+
+
+def _await_line(proc: subprocess.Popen, text: str, *, timeout_s: float) -> None:
+    """Read ``proc``'s stdout until a line equals ``text`` (readline blocks: the outer deadline is a kill)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.strip() == text:
+            return
+        if line == "" and proc.poll() is not None:
+            raise AssertionError(f"worker exited {proc.returncode} before {text!r}: {proc.stderr.read()[-3000:]}")
+    raise AssertionError(f"no {text!r} from the worker within {timeout_s} s")
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(timeout=30)
+        p.stdout.close()
+        p.stderr.close()
+
+
+def _table(run: Path, name: str):
+    df = RunStore.open(run).table(name)
+    return df[df["rank"] == 0]
+
+
+def _never_completed(run: Path):
+    """Rank 0's pending rows with no ``collectives`` row of the same collective."""
+    pending, coll = _table(run, "pending"), _table(run, "collectives")
+    merged = pending.merge(coll[KEY].assign(done=True), on=KEY, how="left")
+    return merged[merged["done"].isna()]
+
+
+@pytest.mark.multiproc
+def test_rank_killed_inside_an_all_reduce_leaves_a_pending_row_naming_it_and_no_close(tmp_path):
+    run, procs = _start_ranks(tmp_path, "block", restart=2)
+    try:
+        _await_line(procs[0], "issuing", timeout_s=120)
+        time.sleep(1.0)                       # well past the bound (2 x flush_interval_s = 0.2 s)
+        procs[0].send_signal(signal.SIGKILL)
+        assert procs[0].wait(timeout=30) == -signal.SIGKILL
+    finally:
+        _stop(procs)
+    lost = _never_completed(run)
+    assert len(lost) == 1, lost
+    row = lost.iloc[0]
+    assert (row["op"], row["pg"], row["pg_ranks"], row["seq"], row["step"], row["restart"], row["num_bytes"]) == (
+        "allreduce", "world", "0,1", 2, 3, 2, 20)         # seq 1 is the barrier
+    life = _table(run, "lifecycle")
+    assert life["event"].tolist() == ["attach"] and life["restart"].tolist() == [2]
+    assert life["pid"].tolist() == [procs[0].pid]
+    coll = _table(run, "collectives")
+    assert coll["restart"].tolist() == [2] * len(coll) and not (coll["op"] == "allreduce").any()
+
+
+@pytest.mark.multiproc
+def test_rank_sigtermed_inside_an_all_reduce_closes_its_probe_then_dies_of_sigterm(tmp_path):
+    run, procs = _start_ranks(tmp_path, "block", restart=0)
+    try:
+        _await_line(procs[0], "issuing", timeout_s=120)
+        time.sleep(0.5)
+        procs[0].send_signal(signal.SIGTERM)
+        assert procs[0].wait(timeout=30) == -signal.SIGTERM   # the main thread never left gloo's wait
+        out = procs[0].stdout.read()
+    finally:
+        _stop(procs)
+    assert "all_reduce returned" not in out
+    life = _table(run, "lifecycle")
+    assert life["event"].tolist() == ["attach", "close"]
+    close = life.iloc[1]
+    assert (close["status"], close["reason"], close["step"], close["pid"]) == ("crashed", "SIGTERM", 3, procs[0].pid)
+    coll = _table(run, "collectives")
+    open_rows = coll[coll["end_ns"].isna()]
+    assert open_rows[["op", "seq", "step"]].values.tolist() == [["allreduce", 2, 3]]
+    assert _never_completed(run).empty        # the close wrote it: pending (if spilled) now has its pair
+    assert RunStore.open(run).manifest.status == "crashed"
+
+
+@pytest.mark.multiproc
+def test_sigterm_closes_the_probe_then_runs_the_handler_installed_before_attach(tmp_path):
+    run, procs = _start_ranks(tmp_path, "chain", restart=0)
+    try:
+        _await_line(procs[1], "issuing", timeout_s=120)      # rank 1 sleeps in Python: its handler can run
+        time.sleep(0.5)
+        procs[1].send_signal(signal.SIGTERM)
+        assert procs[1].wait(timeout=30) == 7                 # the user's handler decided: sys.exit(7)
+        out = procs[1].stdout.read()
+    finally:
+        _stop(procs)
+    assert "user handler" in out
+    life = RunStore.open(run).table("lifecycle")
+    life = life[life["rank"] == 1]
+    assert life["event"].tolist() == ["attach", "close"] and life["reason"].tolist()[1] == "SIGTERM"

@@ -342,9 +342,14 @@ def analyze(run_dir: Path, *, timeout_s: float = 180) -> dict:
     """``dtprobe analyze RUN --format json``: the dtprobe.findings/1 document (exit 0 or 1, else ChaosError)."""
     proc = subprocess.run([sys.executable, "-m", "dtprobe.cli", "analyze", str(run_dir), "--format", "json"],
                           env=job_env(), capture_output=True, text=True, timeout=timeout_s, cwd=str(ROOT))
-    if proc.returncode not in (0, 1):
-        raise ChaosError(f"dtprobe analyze {run_dir} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout)
+    try:                                 # exit 1 is also Python's for an uncaught error: parse to tell
+        doc = json.loads(proc.stdout) if proc.returncode in (0, 1) else None
+    except json.JSONDecodeError:
+        doc = None
+    if doc is None:
+        raise ChaosError(f"dtprobe analyze {run_dir} exited {proc.returncode} without a report:\n"
+                         f"{proc.stderr[-3000:]}")
+    return doc
 
 
 def findings_of(doc: dict, code: str) -> list[dict]:

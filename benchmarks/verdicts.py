@@ -1,0 +1,276 @@
+"""Verdict quality: precision, recall and time-to-detect of dtprobe's findings over a matrix of real faults.
+
+    python benchmarks/verdicts.py [--repeats 10] [--layouts dp2 dp4 dp2xtp2 dp2xpp2] [--seed 0] [--quick]
+
+Scenario classes, on every layout (dp2, dp4, dp2xtp2, dp2xpp2) unless said otherwise:
+- ``clean``: ``--repeats`` undisturbed runs. Any verdict here is a false positive.
+- ``inject-5/10/20``: a randomly drawn rank computes 5, 10 or 20% slower from step ``--fault-step`` on
+  (``--inject straggler:rank=R,slowdown=F,from_step=S``; the injector's own ``faults`` row is not evidence).
+- ``quota-5/10/20``: the same slowdown caused from outside: the rank's CPU use is measured over a few steps, then
+  a cgroup v1 cpu quota (``cpu.cfs_quota_us``) holds it to 1/(1+F) of that.
+- ``kill``: the rank is SIGKILLed mid-run (``--max-restarts 1 --ckpt-every 5``: the run recovers).
+- ``stop``: the rank is SIGSTOPped mid-run (``--collective-timeout`` ends the job).
+- ``mismatch`` (4 ranks, a user's torchrun script, tests/chaos/mismatch_job.py): the rank all_gathers where its
+  peers all_reduce, and the job dies on the process-group timeout.
+
+Scoring. A *verdict* is a warning or critical STRAGGLER, HANG, RANK_CRASH, COLLECTIVE_MISMATCH or SLOW_LINK
+finding; each (verdict, named rank) pair is judged. It is a true positive when it is the scenario's expected
+code (STRAGGLER with cause ``compute`` for a slowdown, RANK_CRASH for kill, HANG for stop, COLLECTIVE_MISMATCH for
+mismatch) naming the faulted rank (a run counts at most one); every other pair is a false positive (any verdict
+on a clean run, on another rank, or of the wrong code or cause). Recall = runs with a true positive / faulted
+runs; precision = true positives / (true positives + false positives). Time-to-detect = the finding's
+``detected_at_step`` minus the fault's first step (blank when the finding has no ``detected_at_step``).
+
+Faults are caused with the chaos suite's harness (tests/chaos/harness.py). Takes about an hour with the
+defaults; ``--quick`` runs one of each class on dp2 (slowdowns of 20% only) as a smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import signal
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "chaos"))
+
+from harness import (CpuQuota, Job, analyze, cgroup_v1_cpu_available, dtprobe_run_cmd, is_alive,  # noqa: E402
+                     steps_done, torchrun_cmd)
+
+LAYOUTS = {"dp2": ("--nproc", "2"), "dp4": ("--nproc", "4"), "dp2xtp2": ("--nproc", "4", "--tp", "2"),
+           "dp2xpp2": ("--nproc", "4", "--pp", "2", "--batch-size", "4")}
+"""Layout name -> ``dtprobe run`` flags (a pipeline of 2 stages runs 4 micro-batches: batch 4)."""
+WORLD_SIZE = {"dp2": 2, "dp4": 4, "dp2xtp2": 4, "dp2xpp2": 4}
+VERDICT_CODES = ("STRAGGLER", "HANG", "RANK_CRASH", "COLLECTIVE_MISMATCH", "SLOW_LINK")
+EXPECTED_CODE = {"inject": "STRAGGLER", "quota": "STRAGGLER", "kill": "RANK_CRASH", "stop": "HANG",
+                 "mismatch": "COLLECTIVE_MISMATCH"}
+SLOWDOWN_CAUSE = "compute"
+JOB_TIMEOUT_S = 600
+
+
+@dataclass(kw_only=True)
+class Scenario:
+    """One run of the matrix."""
+
+    kind: str
+    """``clean``, ``inject``, ``quota``, ``kill``, ``stop`` or ``mismatch``."""
+    layout: str
+    rank: int | None = None
+    """The faulted rank (None on a clean run)."""
+    slowdown: float = 0.0
+    """For inject/quota: 0.1 = 10% slower compute."""
+    fault_step: int | None = None
+    """The fault's first step (set when the fault is caused)."""
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind}-{round(self.slowdown * 100)}" if self.kind in ("inject", "quota") else self.kind
+
+
+@dataclass(kw_only=True)
+class Outcome:
+    scenario: Scenario
+    true_positive: bool = False
+    false_positives: list[str] = field(default_factory=list)
+    detect_steps: int | None = None
+    error: str | None = None
+    wall_s: float = 0.0
+
+
+# ---------------------------------------------------------------------------------------------- the runs
+
+
+def _run_dtprobe(sc: Scenario, run_dir: Path, args: argparse.Namespace, *flags: str) -> Job:
+    cmd = dtprobe_run_cmd(run_dir, *LAYOUTS[sc.layout], "--steps", str(args.steps), *flags)
+    return Job(cmd=cmd, run_dir=run_dir, timeout_s=JOB_TIMEOUT_S).start()
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")      # utime + stime
+
+
+def run_scenario(sc: Scenario, run_dir: Path, args: argparse.Namespace) -> None:
+    """Run ``sc`` into ``run_dir``, causing its fault; sets ``sc.fault_step``. Every process is stopped after."""
+    job, quota = None, None
+    try:
+        if sc.kind == "clean":
+            job = _run_dtprobe(sc, run_dir, args)
+        elif sc.kind == "inject":
+            sc.fault_step = args.fault_step
+            job = _run_dtprobe(sc, run_dir, args, "--inject",
+                               f"straggler:rank={sc.rank},slowdown={1 + sc.slowdown:g},from_step={sc.fault_step}")
+        elif sc.kind == "quota":
+            job = _run_dtprobe(sc, run_dir, args)
+            pid = job.worker_pid(sc.rank)
+            job.wait_steps(sc.rank, max(2, args.fault_step - 4))
+            cpu0, t0 = _cpu_seconds(pid), time.monotonic()
+            job.wait_steps(sc.rank, args.fault_step)
+            share = (_cpu_seconds(pid) - cpu0) / (time.monotonic() - t0)        # cores it used unhindered
+            quota = CpuQuota(share / (1 + sc.slowdown)).create()
+            quota.add(pid)
+            sc.fault_step = steps_done(run_dir, sc.rank)
+        elif sc.kind == "kill":
+            job = _run_dtprobe(sc, run_dir, args, "--ckpt-every", "5", "--max-restarts", "1")
+            job.wait_steps(sc.rank, args.fault_step)
+            sc.fault_step = steps_done(run_dir, sc.rank)
+            job.signal(sc.rank, signal.SIGKILL)
+        elif sc.kind == "stop":
+            job = _run_dtprobe(sc, run_dir, args, "--collective-timeout", "6", devices=True)
+            job.wait_steps(sc.rank, args.fault_step)
+            sc.fault_step = steps_done(run_dir, sc.rank)
+            job.signal(sc.rank, signal.SIGSTOP)
+            others = [job.worker_pid(r) for r in range(WORLD_SIZE[sc.layout]) if r != sc.rank]
+            job.wait_for(lambda: not any(map(is_alive, others)), what="the other ranks' watchdogs to end them")
+            job.signal(sc.rank, signal.SIGKILL)         # torchrun's SIGTERM stays pending on a stopped process
+        elif sc.kind == "mismatch":
+            sc.fault_step = args.fault_step
+            cmd = torchrun_cmd(ROOT / "tests" / "chaos" / "mismatch_job.py", str(run_dir), "--odd-rank",
+                               str(sc.rank), "--odd-step", str(sc.fault_step), "--steps", str(sc.fault_step + 4),
+                               "--pg-timeout-s", "8", nproc=WORLD_SIZE[sc.layout])
+            job = Job(cmd=cmd, run_dir=run_dir, timeout_s=JOB_TIMEOUT_S).start()
+        else:
+            raise ValueError(f"unknown scenario kind {sc.kind!r}")
+        job.wait()
+    finally:
+        if job is not None:
+            job.stop()
+        if quota is not None:
+            quota.remove()
+
+
+def score(sc: Scenario, doc: dict) -> Outcome:
+    """Judge every (verdict, rank) pair of the findings document against the scenario."""
+    out = Outcome(scenario=sc)
+    expected = EXPECTED_CODE.get(sc.kind)
+    for f in doc["findings"]:
+        if f["code"] not in VERDICT_CODES or f["severity"] not in ("warning", "critical"):
+            continue
+        ev = f.get("evidence") or {}
+        for rank in f["ranks"]:
+            right = (f["code"] == expected and rank == sc.rank
+                     and (expected != "STRAGGLER" or ev.get("cause") == SLOWDOWN_CAUSE))
+            if right and not out.true_positive:
+                out.true_positive = True
+                if ev.get("detected_at_step") is not None and sc.fault_step is not None:
+                    out.detect_steps = int(ev["detected_at_step"]) - sc.fault_step
+            elif not right:
+                cause = f" cause={ev.get('cause')}" if f["code"] == "STRAGGLER" else ""
+                out.false_positives.append(f"{f['code']}({f['severity']}) rank {rank}{cause}")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ matrix
+
+
+def build_matrix(args: argparse.Namespace) -> list[Scenario]:
+    rng = random.Random(args.seed)
+    matrix: list[Scenario] = []
+    for layout in args.layouts:
+        world = WORLD_SIZE[layout]
+        matrix += [Scenario(kind="clean", layout=layout) for _ in range(args.repeats)]
+        for kind in ("inject", "quota"):
+            if kind == "quota" and not cgroup_v1_cpu_available():
+                print("no writable cgroup v1 cpu controller at /sys/fs/cgroup/cpu: quota scenarios skipped")
+                continue
+            matrix += [Scenario(kind=kind, layout=layout, rank=rng.randrange(world), slowdown=s)
+                       for s in args.slowdowns]
+        matrix += [Scenario(kind=k, layout=layout, rank=rng.randrange(world)) for k in ("kill", "stop")]
+    if args.mismatch:
+        matrix.append(Scenario(kind="mismatch", layout="dp4", rank=rng.randrange(4)))
+    return matrix
+
+
+def _fmt(x: float | None, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def report(outcomes: list[Outcome]) -> str:
+    """The table: per scenario class and overall, runs, TP, FN, FP, precision, recall, time-to-detect."""
+    def row(name: str, group: list[Outcome]) -> str:
+        faulted = [o for o in group if o.scenario.kind != "clean" and o.error is None]
+        tp = sum(o.true_positive for o in faulted)
+        fp = sum(len(o.false_positives) for o in group if o.error is None)
+        errors = sum(o.error is not None for o in group)
+        precision = tp / (tp + fp) if tp + fp else None
+        recall = tp / len(faulted) if faulted else None
+        ttd = [o.detect_steps for o in faulted if o.detect_steps is not None]
+        return (f"{name:<14} {len(group):>4} {tp:>4} {len(faulted) - tp:>4} {fp:>4} {errors:>4} "
+                f"{_fmt(precision):>9} {_fmt(recall):>6} {_fmt(statistics.median(ttd) if ttd else None, '.0f'):>8} "
+                f"{_fmt(max(ttd) if ttd else None, '.0f'):>8}")
+
+    lines = [f"{'class':<14} {'runs':>4} {'TP':>4} {'FN':>4} {'FP':>4} {'err':>4} {'precision':>9} {'recall':>6} "
+             f"{'ttd med':>8} {'ttd max':>8}"]
+    labels = sorted({o.scenario.label for o in outcomes},
+                    key=lambda s: (list(EXPECTED_CODE).index(s.split("-")[0]) + 1 if s != "clean" else 0, s))
+    for label in labels:
+        lines.append(row(label, [o for o in outcomes if o.scenario.label == label]))
+    big = [o for o in outcomes if o.scenario.kind in ("inject", "quota") and o.scenario.slowdown >= 0.1]
+    if big:
+        lines.append(row("slow>=10%", big))
+    lines.append(row("overall", outcomes))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=10, help="clean runs per layout (default 10)")
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--slowdowns", nargs="+", type=float, default=[0.05, 0.1, 0.2],
+                        help="compute slowdowns of the inject and quota classes (default 0.05 0.1 0.2)")
+    parser.add_argument("--steps", type=int, default=40, help="steps per dtprobe run (default 40)")
+    parser.add_argument("--fault-step", type=int, default=10, help="step at which faults start (default 10)")
+    parser.add_argument("--no-mismatch", dest="mismatch", action="store_false", help="leave the mismatch job out")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the faulted-rank draws (default 0)")
+    parser.add_argument("--work-dir", type=Path, default=Path("/tmp/dtprobe_verdicts"), help="run directories")
+    parser.add_argument("--keep", action="store_true", help="keep every run directory (default: only missed and "
+                        "falsely flagged ones)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: dp2 only, 1 clean run, slowdowns of 20%% only, 30 steps")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.layouts, args.repeats, args.slowdowns, args.steps = ["dp2"], 1, [0.2], 30
+    if args.steps < args.fault_step + 10:
+        parser.error(f"--steps {args.steps} leaves fewer than 10 steps after --fault-step {args.fault_step}")
+
+    matrix = build_matrix(args)
+    print(f"{len(matrix)} runs: layouts {' '.join(args.layouts)}, {args.repeats} clean each, slowdowns "
+          f"{' '.join(f'{s:.0%}' for s in args.slowdowns)}, faults from step {args.fault_step}, seed {args.seed}",
+          flush=True)
+    outcomes: list[Outcome] = []
+    for i, sc in enumerate(matrix, 1):
+        run_dir = args.work_dir / f"{i:03d}-{sc.layout}-{sc.label}"
+        if run_dir.exists():
+            shutil.rmtree(run_dir)
+        t0 = time.monotonic()
+        try:
+            run_scenario(sc, run_dir, args)
+            out = score(sc, analyze(run_dir))
+        except Exception as exc:          # one broken run must not lose the hour's other results
+            out = Outcome(scenario=sc, error=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        out.wall_s = time.monotonic() - t0
+        outcomes.append(out)
+        verdict = ("error: " + out.error if out.error else
+                   ("TP" if out.true_positive else ("FN" if sc.kind != "clean" else "ok"))
+                   + (f" (detected +{out.detect_steps} steps)" if out.detect_steps is not None else "")
+                   + (f"; FP {', '.join(out.false_positives)}" if out.false_positives else ""))
+        target = "" if sc.rank is None else f" rank {sc.rank} from step {sc.fault_step}"
+        print(f"[{i}/{len(matrix)}] {sc.layout:<8} {sc.label:<10}{target}: {verdict} ({out.wall_s:.0f} s)",
+              flush=True)
+        if not args.keep and out.error is None and not out.false_positives and \
+                (out.true_positive or sc.kind == "clean"):
+            shutil.rmtree(run_dir, ignore_errors=True)
+    print()
+    print(report(outcomes))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

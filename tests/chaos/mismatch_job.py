@@ -1,0 +1,60 @@
+"""A user's torchrun job with one rank issuing the wrong collective: the chaos suite's COLLECTIVE_MISMATCH case.
+
+Every rank all_reduces its flattened gradients each step (hand-written data parallelism, with ``dtprobe.attach``);
+at ``--odd-step`` the ``--odd-rank`` all_gathers them instead ("incorrect ordering of collective operations").
+gloo then waits on both sides until the process-group timeout and every rank dies of it.
+
+    torchrun --standalone --nproc-per-node 3 tests/chaos/mismatch_job.py RUN_DIR --odd-rank 2 --odd-step 4
+"""
+
+import argparse
+
+import torch
+import torch.distributed as dist
+
+import dtprobe
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir")
+    parser.add_argument("--odd-rank", type=int, default=1, help="the rank that issues the wrong collective")
+    parser.add_argument("--odd-step", type=int, default=4, help="the step at which it does")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--pg-timeout-s", type=float, default=10.0, help="process-group timeout (the job's end)")
+    args = parser.parse_args()
+
+    probe = dtprobe.attach(args.run_dir, timeout_s=args.pg_timeout_s, devices=False)
+    is_odd_rank = probe.rank == args.odd_rank
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(probe.rank)
+    for step in range(args.steps):
+        with probe.step(step) as s:
+            with s.phase("data"):
+                x = torch.randn(8, 32, generator=gen)
+            with s.phase("fwd"):
+                loss = (model(x) - x).pow(2).mean()
+            with s.phase("bwd"):
+                loss.backward()
+                grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+                if is_odd_rank and step == args.odd_step:
+                    gathered = [torch.empty_like(grads) for _ in range(dist.get_world_size())]
+                    dist.all_gather(gathered, grads)          # the bug: its peers all_reduce here
+                else:
+                    dist.all_reduce(grads)
+                grads /= dist.get_world_size()
+            with s.phase("opt"):
+                offset = 0
+                for p in model.parameters():
+                    p.grad.copy_(grads[offset:offset + p.numel()].view_as(p))
+                    offset += p.numel()
+                opt.step()
+                opt.zero_grad()
+            s.record(loss=loss.item(), tokens=x.numel())
+    probe.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""Faults caused from outside the training processes (no ``--inject``): the verdict must come from telemetry.
+
+Each test starts a tiny real job, hurts one worker with a signal, a CPU hog or quota, or damaged checkpoint bytes,
+and asserts the finding ``dtprobe analyze RUN --format json`` gives: its code, its severity and the rank.
+Set ``DTPROBE_CHAOS_RUNS=/some/dir`` to keep each scenario's run directory there for inspection.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+
+from harness import (analyze, cgroup_v1_cpu_available, committed_checkpoints, dtprobe_run_cmd, findings_of,
+                     flip_bit, is_alive, largest_data_file, pin, summary, torchrun_cmd, truncate)
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.chaos]
+
+HERE = Path(__file__).resolve().parent
+JOB_TIMEOUT_S = 300
+"""Outer bound of every job: launcher, workers and their restarts."""
+VERDICT_SEVERITIES = ("warning", "critical")
+
+
+def _per_rank(value) -> dict[int, object]:
+    """A per-rank evidence value as {rank: value}: a JSON object keyed by rank, or a list of {"rank", ...}."""
+    if isinstance(value, dict):
+        return {int(k): v for k, v in value.items()}
+    return {int(item["rank"]): item for item in value or ()}
+
+
+def _crash_causes(finding: dict) -> dict[int, str]:
+    """{rank: cause class} of a RANK_CRASH finding: from its per-crash ``details`` (rank, cause), or its
+    top-level ``cause`` when it names one rank."""
+    ev = finding["evidence"]
+    causes = {int(d["rank"]): d.get("cause") for d in ev.get("details") or () if isinstance(d, dict) and "rank" in d}
+    if isinstance(ev.get("cause"), str) and len(finding["ranks"]) == 1:
+        causes.setdefault(finding["ranks"][0], ev["cause"])
+    return causes
+
+
+def _liveness(finding: dict) -> dict[int, str]:
+    """{rank: liveness verdict} of a HANG finding (evidence ``liveness``)."""
+    return {r: v if isinstance(v, str) else v["liveness"] for r, v in _per_rank(finding["evidence"]["liveness"]).items()}
+
+
+def _verdicts_on(doc: dict, codes: tuple[str, ...], rank: int | None = None) -> list[dict]:
+    """Warning/critical findings of ``codes`` (naming ``rank`` when given)."""
+    return [f for f in doc["findings"] if f["code"] in codes and f["severity"] in VERDICT_SEVERITIES
+            and (rank is None or rank in f["ranks"])]
+
+
+# --------------------------------------------------------------------------------------- SIGKILL of a worker
+
+
+def test_sigkill_of_a_worker_with_restart_is_a_recovered_rank_crash_naming_it(run_dir, launch):
+    run = run_dir("sigkill_restart")
+    job = launch(dtprobe_run_cmd(run, "--nproc", "2", "--steps", "20", "--ckpt-every", "5", "--max-restarts", "1"),
+                 run, timeout_s=JOB_TIMEOUT_S)
+    job.wait_steps(1, 7)
+    job.signal(1, signal.SIGKILL)
+    assert job.wait() == 0, job.output()[-3000:]           # restarted from the checkpoint and finished
+
+    doc = analyze(run)
+    crashes = findings_of(doc, "RANK_CRASH")
+    assert [(f["severity"], f["ranks"]) for f in crashes] == [("warning", [1])], summary(doc)
+    assert _crash_causes(crashes[0]).get(1) == "killed_by_signal", crashes[0]["evidence"]
+    assert not _verdicts_on(doc, ("HANG", "STRAGGLER", "COLLECTIVE_MISMATCH")), summary(doc)
+
+
+def test_sigkill_of_a_worker_without_restart_is_a_critical_rank_crash_naming_it(run_dir, launch):
+    run = run_dir("sigkill_no_restart")
+    job = launch(dtprobe_run_cmd(run, "--nproc", "2", "--steps", "20"), run, timeout_s=JOB_TIMEOUT_S)
+    job.wait_steps(0, 6)
+    job.signal(0, signal.SIGKILL)
+    assert job.wait() != 0
+
+    doc = analyze(run)
+    crashes = findings_of(doc, "RANK_CRASH")
+    assert [(f["severity"], f["ranks"]) for f in crashes] == [("critical", [0])], summary(doc)
+    assert _crash_causes(crashes[0]).get(0) == "killed_by_signal", crashes[0]["evidence"]
+    # rank 1 died of the lost connection (or torchrun's SIGTERM): a consequence, not a second culprit
+    assert not _verdicts_on(doc, ("HANG", "STRAGGLER", "COLLECTIVE_MISMATCH")), summary(doc)
+
+
+# --------------------------------------------------------------------------------------- SIGSTOP of a worker
+
+
+def test_sigstop_of_a_worker_is_a_hang_naming_it_stopped(run_dir, launch):
+    run = run_dir("sigstop")
+    # devices on: the liveness verdict reads the host sampler's rows after the stall
+    job = launch(dtprobe_run_cmd(run, "--nproc", "2", "--steps", "60", "--collective-timeout", "6",
+                                 "--device-interval", "0.2", devices=True), run, timeout_s=JOB_TIMEOUT_S)
+    job.wait_steps(1, 6)
+    job.signal(1, signal.SIGSTOP)
+    rank0 = job.worker_pid(0)
+    job.wait_for(lambda: not is_alive(rank0), what="rank 0's watchdog to end it")
+    # torchrun's SIGTERM stays pending on a stopped process; end it as torchrun would after its grace period
+    job.signal(1, signal.SIGKILL)
+    assert job.wait() != 0
+
+    doc = analyze(run)
+    hangs = findings_of(doc, "HANG")
+    assert [(f["severity"], f["ranks"]) for f in hangs] == [("critical", [1])], summary(doc)
+    assert _liveness(hangs[0]).get(1) == "stopped", hangs[0]["evidence"]
+    assert not _verdicts_on(doc, ("RANK_CRASH", "STRAGGLER", "COLLECTIVE_MISMATCH")), summary(doc)
+
+
+# ------------------------------------------------------------------------------------ CPU slowdown of one rank
+
+
+def _straggler_verdict(doc: dict, rank: int) -> dict:
+    stragglers = _verdicts_on(doc, ("STRAGGLER",))
+    assert [f["ranks"] for f in stragglers] == [[rank]], summary(doc)
+    assert stragglers[0]["evidence"]["cause"] == "compute", stragglers[0]["evidence"]
+    assert not _verdicts_on(doc, ("HANG", "RANK_CRASH", "COLLECTIVE_MISMATCH")), summary(doc)
+    return stragglers[0]
+
+
+def test_busy_process_on_one_ranks_core_makes_it_a_compute_straggler(run_dir, launch, busy_loop):
+    run = run_dir("cpu_hog_2ranks")
+    job = launch(dtprobe_run_cmd(run, "--nproc", "2", "--steps", "40"), run, timeout_s=JOB_TIMEOUT_S)
+    for rank in (0, 1):                       # each rank alone on its core; the hog shares rank 1's
+        pin(job.worker_pid(rank), rank)
+    job.wait_steps(1, 3)
+    busy_loop(1)
+    assert job.wait() == 0, job.output()[-3000:]
+    _straggler_verdict(analyze(run), 1)
+
+
+@pytest.mark.skipif(not cgroup_v1_cpu_available(), reason="needs a writable cgroup v1 cpu controller at "
+                    "/sys/fs/cgroup/cpu (root)")
+def test_cpu_quota_of_one_rank_among_more_ranks_than_cores_makes_it_a_compute_straggler(run_dir, launch, cpu_quota):
+    run = run_dir("cpu_quota_4ranks")
+    job = launch(dtprobe_run_cmd(run, "--nproc", "4", "--steps", "30"), run, timeout_s=JOB_TIMEOUT_S)
+    pid = job.worker_pid(2)
+    job.wait_steps(2, 3)
+    cpu_quota(0.15).add(pid)                  # 15% of one core; its peers share 2 cores three ways
+    assert job.wait() == 0, job.output()[-3000:]
+    _straggler_verdict(analyze(run), 2)
+
+
+# ------------------------------------------------------------------------- checkpoint damaged before a restart
+
+
+@pytest.mark.parametrize("damage", [truncate, flip_bit], ids=["truncated", "bit_flipped"])
+def test_damaged_newest_checkpoint_is_checkpoint_corrupt_and_recovery_falls_back(run_dir, launch, damage):
+    run = run_dir(f"ckpt_{damage.__name__}")
+    job = launch(dtprobe_run_cmd(run, "--nproc", "2", "--steps", "20", "--ckpt-every", "4", "--max-restarts", "1"),
+                 run, timeout_s=JOB_TIMEOUT_S)
+    job.wait_for(lambda: len(committed_checkpoints(run)) >= 2, what="two committed checkpoints")
+    for rank in (0, 1):                       # freeze the job so no newer checkpoint appears meanwhile
+        job.signal(rank, signal.SIGSTOP)
+    *_, previous, newest = committed_checkpoints(run)
+    damaged = largest_data_file(newest)
+    damage(damaged)
+    job.signal(1, signal.SIGKILL)             # the crash; the restart must find the damage on load
+    job.signal(0, signal.SIGCONT)
+    assert job.wait() == 0, job.output()[-3000:]
+
+    prev_step, newest_step = (int(p.name.removeprefix("step")) for p in (previous, newest))
+    doc = analyze(run)
+    corrupt = findings_of(doc, "CHECKPOINT_CORRUPT")
+    assert [f["severity"] for f in corrupt] == ["warning"], summary(doc)   # fell back: recovered
+    ev = corrupt[0]["evidence"]
+    assert f"{newest.name}/{damaged.name}" in json.dumps(ev), ev            # names the file
+    assert ev["step"] == newest_step and ev["fell_back_to_step"] == prev_step, ev
+    crashes = findings_of(doc, "RANK_CRASH")
+    assert [(f["severity"], f["ranks"]) for f in crashes] == [("warning", [1])], summary(doc)
+
+
+# --------------------------------------------------------------------------------- a collective issued wrong
+
+
+def test_rank_issuing_a_different_collective_is_a_collective_mismatch_not_a_hang(run_dir, launch):
+    run = run_dir("collective_mismatch")
+    # 3 ranks, so the odd one is the minority; rank 2 all_gathers at step 4 where its peers all_reduce, and
+    # every rank dies on the 8 s process-group timeout
+    job = launch(torchrun_cmd(HERE / "mismatch_job.py", str(run), "--odd-rank", "2", "--odd-step", "4",
+                              "--pg-timeout-s", "8", nproc=3), run, timeout_s=JOB_TIMEOUT_S)
+    assert job.wait() != 0
+
+    doc = analyze(run)
+    mismatches = findings_of(doc, "COLLECTIVE_MISMATCH")
+    assert [(f["severity"], f["ranks"]) for f in mismatches] == [("critical", [2])], summary(doc)
+    ev = json.dumps(mismatches[0]["evidence"])
+    assert "allgather" in ev and "allreduce" in ev, ev                     # what each issued
+    assert mismatches[0]["evidence"]["step"] == 4, ev
+    assert not findings_of(doc, "HANG") and not _verdicts_on(doc, ("STRAGGLER",)), summary(doc)

@@ -183,3 +183,121 @@ def pipeline_tables(*, schedule: str = "gpipe", pp: int = 4, microbatches: int =
                           "loss": 3.0})
         t = end + _ns(5.0)
     return {"pipeline": frame_from_rows("pipeline", pipe), "steps": frame_from_rows("steps", steps)}
+
+
+# ---------------------------------------------------------------------------------------------------- crashes / hangs
+# Small lockstep runs for the crash, hang and mismatch verdicts: every rank runs steps of ``step_ms`` (data 10 ms,
+# fwd 30, bwd 40, opt 20), issues one all-reduce of ``num_bytes`` at 60 ms into each step (bwd), and its sampler
+# writes a devices row every 50 ms while it lives. Times in ms after ``t0``.
+
+def lockstep_tables(*, world: int = 2, num_steps: int = 5, step_ms: float = 100.0, t0: int = T0, first_step: int = 0,
+                    first_seq: int = 1, restart: int = 0, pg: str = "dp", ops: dict | None = None,
+                    num_bytes: int = 4 << 20) -> dict[str, list[dict]]:
+    """Row dicts (not frames: tests edit them) of ``steps``, ``collectives``, ``devices`` and ``lifecycle``
+    (attach + close finished/exit). ``ops``: {(rank, step): op} to issue another op than ``allreduce``."""
+    members = ",".join(map(str, range(world)))
+    out = {"steps": [], "collectives": [], "devices": [], "lifecycle": []}
+    for r in range(world):
+        out["lifecycle"].append({"rank": r, "restart": restart, "time_ns": t0 - _ns(5), "event": "attach",
+                                 "pid": 100 + r})
+        for i in range(num_steps):
+            step, start = first_step + i, t0 + _ns(i * step_ms)
+            out["steps"].append({"rank": r, "step": step, "start_ns": start, "end_ns": start + _ns(step_ms),
+                                 "data_ns": _ns(10), "fwd_ns": _ns(30), "bwd_ns": _ns(40), "opt_ns": _ns(20),
+                                 "restart": restart, "tokens": 64})
+            out["collectives"].append({"rank": r, "pg": pg, "pg_ranks": members, "pg_size": world,
+                                       "seq": first_seq + i, "op": (ops or {}).get((r, step), "allreduce"),
+                                       "num_bytes": num_bytes, "dtype": "float32",
+                                       "enqueue_ns": start + _ns(60 + r), "start_ns": start + _ns(60 + r),
+                                       "end_ns": start + _ns(70), "step": step, "timing": "host",
+                                       "restart": restart})
+        end = t0 + _ns(num_steps * step_ms)
+        out["devices"] += sampler_rows(r, t0, end)
+        out["lifecycle"].append({"rank": r, "restart": restart, "time_ns": end + _ns(5), "event": "close",
+                                 "status": "finished", "reason": "exit", "pid": 100 + r})
+    return out
+
+
+def sampler_rows(rank: int, from_ns: int, to_ns: int, *, every_ms: float = 50.0) -> list[dict]:
+    """A rank's host sampler rows every ``every_ms`` from ``from_ns`` to ``to_ns`` (its signs of life)."""
+    rows, t = [], from_ns
+    while t <= to_ns:
+        rows.append({"rank": rank, "host": f"h{rank}", "time_ns": t, "source": "host", "cpu_frac": 0.5})
+        t += _ns(every_ms)
+    return rows
+
+
+def frames(rows: dict[str, list[dict]]) -> dict[str, pd.DataFrame]:
+    """Schema-typed frames of row dicts (every table of the schema present, empty when no rows)."""
+    from dtprobe.store.schema import SCHEMAS
+
+    return {t: frame_from_rows(t, rows.get(t, [])) for t in SCHEMAS}
+
+
+def cut_rank(rows: dict[str, list[dict]], rank: int, after_ns: int, *, restart: int = 0) -> None:
+    """Drop every row ``rank`` wrote after ``after_ns`` in ``restart`` (its telemetry stops there) and its close."""
+    for table, cols in (("steps", "end_ns"), ("collectives", "enqueue_ns"), ("devices", "time_ns"),
+                        ("lifecycle", "time_ns")):
+        rows[table] = [x for x in rows[table] if not (x["rank"] == rank and x.get(cols) is not None
+                                                      and x[cols] > after_ns and x.get("restart", 0) == restart)]
+    rows["lifecycle"] = [x for x in rows["lifecycle"] if not (x["rank"] == rank and x["event"] == "close"
+                                                              and x.get("restart", 0) == restart)]
+
+
+def stall_rank(rows: dict[str, list[dict]], rank: int, at_ns: int, *, until_ns: int, restart: int = 0,
+               close: tuple[str, str] | None = None) -> None:
+    """``rank`` stops making progress at ``at_ns``: its step/collective rows after that are dropped; its sampler
+    (alive) keeps writing until ``until_ns``; ``close``: (status, reason) of its probe's close at ``until_ns``
+    (None: no close row)."""
+    for table, col in (("steps", "end_ns"), ("collectives", "enqueue_ns")):
+        rows[table] = [x for x in rows[table] if not (x["rank"] == rank and x[col] >= at_ns
+                                                      and x.get("restart", 0) == restart)]
+    rows["devices"] = [x for x in rows["devices"] if not (x["rank"] == rank and x["time_ns"] > at_ns)]
+    rows["devices"] += sampler_rows(rank, at_ns + _ns(50), until_ns)
+    rows["lifecycle"] = [x for x in rows["lifecycle"] if not (x["rank"] == rank and x["event"] == "close"
+                                                              and x.get("restart", 0) == restart)]
+    if close is not None:
+        rows["lifecycle"].append({"rank": rank, "restart": restart, "time_ns": until_ns, "event": "close",
+                                  "status": close[0], "reason": close[1], "pid": 100 + rank})
+
+
+def pending_row(rank: int, *, step: int, seq: int, t_ns: int, world: int = 2, pg: str = "dp", op: str = "allreduce",
+                restart: int = 0, peer: int | None = None, pg_ranks: str | None = None,
+                num_bytes: int = 4 << 20) -> dict:
+    """A ``pending`` row: ``rank`` entered this collective (or send/recv with ``peer``) at ``t_ns``."""
+    row = {"rank": rank, "restart": restart, "pg": pg, "pg_ranks": pg_ranks or ",".join(map(str, range(world))),
+           "pg_size": world if pg_ranks is None else len(pg_ranks.split(",")), "seq": seq, "op": op,
+           "num_bytes": num_bytes, "dtype": "float32", "enqueue_ns": t_ns, "step": step, "timing": "host"}
+    if peer is not None:
+        row["peer"] = peer
+    return row
+
+
+def write_rows_run(run_dir: Path, rows: dict[str, list[dict]], *, world_size: int, status: str,
+                   attempts: list[dict] | None = None, faults: list[dict] | None = None,
+                   node_of: dict[int, int] | None = None) -> Path:
+    """Write row dicts as a run directory (like ``write_run``), with run.json ``attempts`` and per-rank nodes."""
+    import json
+
+    from dtprobe.store.manifest import create_manifest, set_status, write_rank_info
+    from dtprobe.store.writer import RankWriter
+
+    create_manifest(run_dir, run_id=run_dir.name, command=["synthetic"], config={}, world_size=world_size)
+    for r in range(world_size):
+        node = (node_of or {}).get(r, 0)
+        write_rank_info(run_dir, r, host=f"node{node}", node_rank=node, local_rank=r, device="cpu", pid=100 + r,
+                        clock_offset_ns=0)
+    writers = {r: RankWriter(run_dir, r) for r in range(world_size)}
+    for table, table_rows in {**rows, "faults": (rows.get("faults") or []) + (faults or [])}.items():
+        for row in table_rows:
+            writers[int(row["rank"])].write(table, {k: v for k, v in row.items() if k != "rank" and v is not None})
+    for w in writers.values():
+        w.close()
+    if status != "running":
+        set_status(run_dir, status)
+    if attempts is not None:
+        path = run_dir / "run.json"
+        doc = json.loads(path.read_text())
+        doc["attempts"] = attempts
+        path.write_text(json.dumps(doc))
+    return run_dir

@@ -23,12 +23,17 @@ from dtprobe.analysis import comm_efficiency as _comm
 from dtprobe.analysis import compression as _compression
 from dtprobe.analysis import devices as _devices
 from dtprobe.analysis import exposed_comm as _exposed
+from dtprobe.analysis import ckpt_corrupt as _corrupt
+from dtprobe.analysis import crashes as _crashes
 from dtprobe.analysis import hangs as _hangs
+from dtprobe.analysis import links as _links
+from dtprobe.analysis import liveness as _liveness
+from dtprobe.analysis import mismatch as _mismatch
 from dtprobe.analysis import peaks as _peaks
 from dtprobe.analysis import stragglers as _stragglers
 from dtprobe.analysis import throughput as _throughput
 from dtprobe.analysis.arrivals import unique_seq
-from dtprobe.analysis.findings import Finding, jsonable, sort_findings
+from dtprobe.analysis.findings import Finding, info_without_gain, jsonable, sort_findings
 from dtprobe.analysis.tables import analyzed_steps, axis_of, median_step_ns
 from dtprobe.store.errors import TraceError
 
@@ -177,10 +182,13 @@ class RunAnalysis:
         return dict(self.config.get("layout") or {})
 
     def table(self, name: str) -> pd.DataFrame:
-        """A store table (cached). ``collectives`` has its ``seq`` made unique across torchrun restarts
-        (``arrivals.unique_seq``)."""
+        """A store table (cached). ``collectives`` also holds the ``pending`` rows no completed row matches
+        (collectives a rank was still in when it stopped writing: end_ns null, ``hangs.merge_pending``) and has its
+        ``seq`` made unique across torchrun restarts (``arrivals.unique_seq``)."""
         if name == "collectives":
-            return self._memo("table:collectives", lambda: unique_seq(self.source.table("collectives")))
+            return self._memo("table:collectives", lambda: unique_seq(_hangs.merge_pending(
+                self.source.table("collectives"),
+                self.source.table("pending") if not self.is_trace_folder else None)))
         return self._memo(f"table:{name}", lambda: self.source.table(name))
 
     def steps_analyzed(self) -> list[int]:
@@ -268,7 +276,15 @@ class RunAnalysis:
             self.straggler_scores(), self.straggler_causes(), links=_stragglers.linked_ranks(self.table("collectives")),
             min_lateness_frac=o.min_lateness_frac, min_positive_frac=o.min_positive_frac,
             injected=self.injected_faults("straggler"), lateness=self.rank_lateness(), axis_of_pg=self.group_axis,
-            own_delay_ns=self._median_own_delay()))
+            own_delay_ns=self._median_own_delay(), slow_link_ranks=_links.slow_link_ranks(self.slow_links())))
+
+    def slow_links(self) -> list[Finding]:
+        """SLOW_LINK: node pairs whose crossing collectives' bus bandwidth dropped mid-run (multi-node runs only)."""
+        if self.manifest is None:
+            return []
+        return self._memo("f:links", lambda: _links.find_slow_links(
+            _only_steps(self.collective_bandwidth(), self.steps_analyzed()), self.manifest.ranks, self.table("steps"),
+            axis_of_pg=self.group_axis))
 
     def _median_own_delay(self) -> dict[int, float]:
         d = self.pipeline_own_delay()
@@ -489,13 +505,69 @@ class RunAnalysis:
         """Per rank: last step and last collective recorded."""
         return self._memo("last_seen", lambda: _hangs.last_seen(self.table("steps"), self.table("collectives")))
 
-    def hangs(self) -> list[Finding]:
-        """HANG (missing arrivals, watchdog reports) and RANK_CRASH."""
+    def p2p_stalls(self) -> pd.DataFrame:
+        """Per stuck send/recv: the peer that never issued the matching op (and how long it waited)."""
+        def build() -> pd.DataFrame:
+            wait = 0 if self.status != "running" else int(self.options.hang_timeout_s * 1e9)
+            return _hangs.p2p_stalls(self.table("collectives"), now_ns=self.now_ns(), min_wait_ns=wait)
+        return self._memo("p2p_stalls", build)
+
+    def stalls(self) -> pd.DataFrame:
+        """Every stuck collective (``missing_arrivals``) and send/recv (``p2p_stalls``), oldest first."""
+        return self._memo("stalls", lambda: _hangs.stalls(self.missing_arrivals(), self.p2p_stalls()))
+
+    def attempts(self) -> list[dict]:
+        """run.json ``attempts``: the launcher's per-attempt record of every rank's exit ([] without one)."""
+        return _liveness.attempts_of(self.manifest)
+
+    def rank_exits(self) -> pd.DataFrame:
+        """Per (rank, restart): how it ended (exit code, signal, first failure, error; probe close status/reason)."""
+        return self._memo("exits", lambda: _liveness.rank_exits(self.attempts(), self.table("lifecycle")))
+
+    def activity(self) -> _liveness.Activity:
+        """Every rank's signs of life (the timestamps of all its rows), for liveness verdicts."""
+        return self._memo("activity", lambda: _liveness.Activity(
+            {t: self.table(t) for t in ("devices", "steps", "collectives", "faults", "lifecycle")}))
+
+    def attempt_starts(self) -> list[int]:
+        """Start (ns) of attempts 1, 2, ... (torchrun restarts) from the launcher or the first rows of each."""
+        return self._memo("attempt_starts", lambda: _liveness.attempt_starts(
+            self.attempts(), {t: self.table(t) for t in ("lifecycle", "steps", "collectives")}))
+
+    def restarts(self) -> list[dict]:
+        """The run's restarts: manifest ``restarts`` completed by the runtime's ``restart`` fault rows."""
+        return self._memo("restarts", lambda: _crashes.restarts_of(self.manifest, self.table("faults")))
+
+    def crash_events(self) -> pd.DataFrame:
+        """Per failed attempt: the rank that died first, step, how, cause, what it was doing, recovery."""
+        return self._memo("crash_events", lambda: _crashes.crash_events(
+            self.rank_exits(), activity=self.activity(), collectives=self.table("collectives"),
+            steps=self.table("steps"), devices=self.table("devices"), restarts=self.restarts(),
+            status=self.status, attempts_known=bool(self.attempts()),
+            stale_ns=int(self.options.hang_timeout_s * 1e9), now_ns=self.now_ns()))
+
+    def collective_mismatches(self) -> pd.DataFrame:
+        """Per group and attempt: the first collective its members issued differently (or one skipped)."""
+        return self._memo("mismatches", lambda: _mismatch.collective_mismatches(self.table("collectives"),
+                                                                               self.table("steps")))
+
+    def mismatch_findings(self) -> list[Finding]:
+        """COLLECTIVE_MISMATCH (none for a trace folder)."""
         if self.is_trace_folder:
             return []
-        return self._memo("f:hangs", lambda: _hangs.detect_hangs(
-            self.missing_arrivals(), self.table("faults"), last_seen=self.last_seen(), axis_of_pg=self.group_axis)
-            + _hangs.detect_crashes(self.table("faults"), status=self.status, missing=self.missing_arrivals()))
+        return self._memo("f:mismatch", lambda: _mismatch.detect_mismatches(self.collective_mismatches(),
+                                                                            axis_of_pg=self.group_axis))
+
+    def corrupt_checkpoints(self) -> list[Finding]:
+        """CHECKPOINT_CORRUPT from the ranks' observed ``corrupt-ckpt`` rows."""
+        return self._memo("f:corrupt", lambda: _corrupt.detect_corrupt_checkpoints(self.table("faults")))
+
+    def hangs(self) -> list[Finding]:
+        """HANG (stuck collectives and send/recv, from collective rows; liveness of each stuck rank) and RANK_CRASH
+        (from attempts/lifecycle/restarts), neither for a group a COLLECTIVE_MISMATCH explains."""
+        if self.is_trace_folder:
+            return []
+        return self._memo("f:hangs", lambda: _hang_and_crash_findings(self))
 
     # ------------------------------------------------------------------------------------------ throughput
 
@@ -542,11 +614,13 @@ class RunAnalysis:
     # ------------------------------------------------------------------------------------------ all together
 
     def findings(self) -> list[Finding]:
-        """Every finding, worst first."""
-        return self._memo("findings", lambda: sort_findings(
-            self.hangs() + self.stragglers() + self.exposed_comm() + self.pipeline_findings() + self.amp_findings()
+        """Every finding, worst first; a finding whose predicted gain rounds to 0% is ``info``; no STRAGGLER in
+        a group a COLLECTIVE_MISMATCH explains."""
+        return self._memo("findings", lambda: sort_findings(info_without_gain(_not_explained_by_mismatch(
+            self.hangs() + self.mismatch_findings() + self.corrupt_checkpoints()
+            + self.stragglers() + self.slow_links() + self.exposed_comm() + self.pipeline_findings() + self.amp_findings()
             + self.checkpoint_findings() + self.comm_findings() + self.compression_findings()
-            + self.device_findings() + _throughput.detect_low_mfu(self.throughput_summary())))
+            + self.device_findings() + _throughput.detect_low_mfu(self.throughput_summary())))))
 
     def key_figures(self) -> KeyFigures:
         """Headline numbers: steps, step time, tokens/s, MFU, exposed comm, bubble, overflows, checkpoint share."""
@@ -576,6 +650,34 @@ class RunAnalysis:
         """The ``dtprobe.findings/1`` document: schema, source, metrics, findings."""
         return jsonable({"schema": SCHEMA, "source": str(self.path), "metrics": self.metrics(),
                          "findings": [f.to_json() for f in self.findings()]})
+
+
+def _hang_and_crash_findings(a: RunAnalysis) -> list[Finding]:
+    """HANG then RANK_CRASH: a crash whose first failure is a rank the hangs or mismatches already hold (a
+    survivor's timeout error) is their consequence, not a crash."""
+    mismatched = a.collective_mismatches()
+    skip = frozenset(zip(mismatched["pg"], mismatched["pg_ranks"])) if not mismatched.empty else frozenset()
+    nodes = {info.rank: info.node_rank for info in a.manifest.ranks} if a.manifest is not None else {}
+    hangs = _hangs.detect_hangs(a.stalls(), a.table("faults"), last_seen=a.last_seen(), axis_of_pg=a.group_axis,
+                                activity=a.activity(), exits=a.rank_exits(), nodes=nodes, skip_groups=skip,
+                                starts=a.attempt_starts())
+    held = {r for f in hangs for r in (*f.ranks, *f.evidence["arrived_ranks"])}
+    for pg_ranks in (m for _, m in skip):
+        held.update(int(x) for x in str(pg_ranks).split(",") if x.strip().lstrip("-").isdigit())
+    faults = a.table("faults")
+    injected = frozenset(int(r) for r in faults[(faults["kind"] == "crash")
+                                                & faults["injected"].fillna(False).astype(bool)]["rank"]) \
+        if not faults.empty else frozenset()
+    crashes = _crashes.detect_crashes(a.crash_events(), num_restarts=len(a.restarts()), missing=a.stalls(),
+                                      injected_ranks=injected, explained_ranks=frozenset(held))
+    return hangs + crashes
+
+
+def _not_explained_by_mismatch(findings: list[Finding]) -> list[Finding]:
+    """``findings`` without the STRAGGLER findings about a rank of a group a COLLECTIVE_MISMATCH names: the
+    late arrivals there are the mismatch's consequence."""
+    groups = [set(f.evidence["pg_ranks"]) for f in findings if f.code == "COLLECTIVE_MISMATCH"]
+    return [f for f in findings if not (f.code == "STRAGGLER" and any(set(f.ranks) & g for g in groups))]
 
 
 def _only_steps(df: pd.DataFrame, step_ids: list[int]) -> pd.DataFrame:

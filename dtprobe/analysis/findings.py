@@ -8,7 +8,7 @@ recommendation and, where one can be computed, the predicted gain of following i
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 import pandas as pd
@@ -22,6 +22,7 @@ GROUPS = ("dp", "tp", "pp")
 CODES = (
     "STRAGGLER", "EXPOSED_COMM", "PIPELINE_BUBBLE", "AMP_OVERFLOW", "CHECKPOINT_STALL", "COMM_INEFFICIENT",
     "HANG", "DEVICE_THROTTLE", "DEVICE_XID", "MEMORY_PRESSURE", "COMPRESSION", "LOW_MFU", "RANK_CRASH",
+    "SLOW_LINK",
 )
 """Every finding code the detectors emit (documented one by one in docs/findings.md)."""
 
@@ -90,6 +91,17 @@ class Finding:
 def sort_findings(findings: list[Finding]) -> list[Finding]:
     """Worst first, then by code and ranks (stable, so reports are reproducible)."""
     return sorted(findings, key=lambda f: (f.severity_rank, f.code, f.ranks))
+
+
+MIN_GAIN_FRAC = 0.005
+"""A predicted gain below this (it rounds to 0%) leaves nothing to gain: the finding is ``info``."""
+
+
+def info_without_gain(findings: list[Finding]) -> list[Finding]:
+    """``findings`` with every one whose predicted gain rounds to 0% (``|frac| < MIN_GAIN_FRAC``) made ``info``:
+    following its recommendation would change nothing measurable."""
+    return [replace(f, severity="info") if f.predicted_gain is not None and abs(f.predicted_gain.frac) < MIN_GAIN_FRAC
+            and f.severity != "info" else f for f in findings]
 
 
 def jsonable(value: Any) -> Any:

@@ -1,5 +1,7 @@
-"""Hang forensics: collectives some members never arrived at, hang reports of the watchdog (``faults`` rows of
-kind ``hang``), crashes; detectors HANG and RANK_CRASH. Read by the facade and the dashboard."""
+"""Hang forensics from collective rows alone: collectives some members never arrived at (or that every member
+entered and none left), point-to-point ops whose peer never issued the matching op, the liveness of every stuck
+rank; detector HANG. The watchdog's ``hang`` rows and the ranks' ``stack`` rows are evidence only. Read by the
+facade and the dashboard."""
 
 from __future__ import annotations
 
@@ -8,47 +10,119 @@ from collections.abc import Callable
 
 import pandas as pd
 
+from dtprobe.analysis.arrivals import ATTEMPT_SEQ_STRIDE
 from dtprobe.analysis.findings import Finding
+from dtprobe.analysis.liveness import Activity, liveness
 from dtprobe.analysis.stragglers import SKEW_COLUMNS
-from dtprobe.analysis.tables import axis_of, group_members, require_columns
+from dtprobe.analysis.tables import P2P_OPS, axis_of, group_members, require_columns
 
 MISSING_COLUMNS = ["pg", "pg_ranks", "seq", "op", "step", "arrived_ranks", "missing_ranks", "first_enqueue_ns",
                    "waited_ns"]
+STALL_COLUMNS = MISSING_COLUMNS + ["peer"]
+"""``stalls()``: ``MISSING_COLUMNS`` plus ``peer`` (the peer of a stuck send/recv; null for a collective)."""
+KEY_COLUMNS = ["rank", "restart", "pg", "pg_ranks", "seq", "peer", "op"]
+"""What identifies one collective call of one rank (``pending`` rows match ``collectives`` rows on these)."""
+
+
+def merge_pending(collectives: pd.DataFrame, pending: pd.DataFrame) -> pd.DataFrame:
+    """``collectives`` plus, as unfinished rows (``end_ns`` null), every ``pending`` row no ``collectives`` row
+    matches on ``KEY_COLUMNS``: the collectives a rank was still in when it stopped writing (killed, frozen, or
+    blocked when the run was read). Unchanged (same object) when there is nothing to add."""
+    if pending is None or pending.empty:
+        return collectives
+
+    def keys(df: pd.DataFrame) -> pd.Series:
+        return pd.Series(list(zip(df["rank"].astype("int64"), df["restart"].fillna(0).astype("int64"), df["pg"],
+                                  df["pg_ranks"].fillna(""), df["seq"].astype("int64"),
+                                  df["peer"].fillna(-2).astype("int64"), df["op"])), index=df.index)
+
+    done = set(keys(collectives)) if not collectives.empty else set()
+    new = pending[~keys(pending).isin(done)]
+    if new.empty:
+        return collectives
+    rows = pd.DataFrame({c: new[c] if c in new.columns else pd.Series(pd.NA, index=new.index)
+                         for c in collectives.columns}).astype(collectives.dtypes.to_dict())
+    return pd.concat([collectives, rows], ignore_index=True)
 
 
 def missing_arrivals(skew: pd.DataFrame, collectives: pd.DataFrame, *, now_ns: int, min_wait_ns: int) -> pd.DataFrame:
-    """Per group, its first collective that some members never arrived at and some arrived member never finished,
-    if the arrived ones have waited at least ``min_wait_ns`` by ``now_ns`` (the run's last timestamp, or the
-    current time while it runs).
-    Columns: ``MISSING_COLUMNS``."""
+    """Per group and attempt, its first stuck collective: one some members never arrived at while some arrived
+    member never finished it, or one every member entered and none finished (``missing_ranks`` empty: they wait
+    for each other, e.g. across a network partition); only once the arrived ones have waited ``min_wait_ns`` by
+    ``now_ns`` (the run's last timestamp, or the current time while it runs). Columns: ``MISSING_COLUMNS``."""
     require_columns(skew, SKEW_COLUMNS, table="collective_skew")
-    open_ = skew[~skew["complete"].astype(bool) & (skew["num_members"] > 1)]
+    cand = skew[skew["num_members"] > 1]
     # A collective every arrived rank finished did not wait for the missing ones: they took part, and their rows
     # were lost (a rank killed before its buffered rows were written) or are not written yet. A hang leaves at
-    # least one arrived rank's row unfinished (written at close, end_ns null).
+    # least one arrived rank's row unfinished (pending, or written at close with end_ns null).
     def keys(frame: pd.DataFrame):
         return zip(frame["pg"], frame["pg_ranks"].fillna(""), frame["seq"].astype("int64"))
 
-    unfinished = set(keys(collectives.loc[collectives["end_ns"].isna()]))
-    open_ = open_[[key in unfinished for key in keys(open_)]]
+    ends = collectives["end_ns"]
+    unfinished = set(keys(collectives.loc[ends.isna()]))
+    finished = set(keys(collectives.loc[ends.notna()]))
+    complete = cand["complete"].astype(bool).to_numpy()
+    k = list(keys(cand))
+    stuck = [key in unfinished and (not c or key not in finished) for key, c in zip(k, complete)]
+    open_ = cand[stuck]
     if open_.empty:
         return pd.DataFrame({col: [] for col in MISSING_COLUMNS})
-    first = open_.sort_values("seq").drop_duplicates(["pg", "pg_ranks"], keep="first")
+    open_ = open_.assign(_attempt=open_["seq"].astype("int64") // ATTEMPT_SEQ_STRIDE)
+    first = open_.sort_values("seq").drop_duplicates(["pg", "pg_ranks", "_attempt"], keep="first")
     rows = []
     for r in first.itertuples(index=False):
         arrived = sorted(int(x) for x in collectives.loc[
             (collectives["pg"] == r.pg) & (collectives["pg_ranks"].fillna("") == r.pg_ranks)
             & (collectives["seq"] == r.seq), "rank"].unique())
-        members = group_members(r.pg_ranks)
-        missing = [m for m in members if m not in arrived]
+        missing = [m for m in group_members(r.pg_ranks) if m not in arrived]
         waited = now_ns - int(r.first_enqueue_ns)
-        if missing and waited >= min_wait_ns:
-            rows.append({"pg": r.pg, "pg_ranks": r.pg_ranks, "seq": int(r.seq), "op": r.op, "step": int(r.step),
-                         "arrived_ranks": ",".join(map(str, arrived)), "missing_ranks": ",".join(map(str, missing)),
+        if waited >= min_wait_ns:
+            rows.append({"pg": r.pg, "pg_ranks": r.pg_ranks, "seq": int(r.seq), "op": r.op,
+                         "step": _int_or_none(r.step), "arrived_ranks": ",".join(map(str, arrived)),
+                         "missing_ranks": ",".join(map(str, missing)),
                          "first_enqueue_ns": int(r.first_enqueue_ns), "waited_ns": int(waited)})
     if not rows:
         return pd.DataFrame({col: [] for col in MISSING_COLUMNS})
     return pd.DataFrame(rows)[MISSING_COLUMNS]
+
+
+def p2p_stalls(collectives: pd.DataFrame, *, now_ns: int, min_wait_ns: int) -> pd.DataFrame:
+    """Per (rank, peer, op), its first send/recv that never finished and whose peer never issued the matching
+    op (the k-th send from A to B is B's k-th recv from A: the same ``seq``; the peer's matching op has a lower
+    count in the same attempt), once it has waited ``min_wait_ns``. ``arrived_ranks`` is the stuck rank,
+    ``missing_ranks`` the peer that never sent (or never received). Columns: ``STALL_COLUMNS``."""
+    empty = pd.DataFrame({col: [] for col in STALL_COLUMNS})
+    if collectives.empty:
+        return empty
+    p2p = collectives[collectives["op"].isin(P2P_OPS) & collectives["peer"].notna() & collectives["seq"].notna()]
+    p2p = p2p[p2p["peer"].astype("int64") >= 0]
+    if p2p.empty:
+        return empty
+    p2p = p2p.assign(restart=p2p["restart"].fillna(0).astype("int64"), rank=p2p["rank"].astype("int64"),
+                     peer=p2p["peer"].astype("int64"), seq=p2p["seq"].astype("int64"))
+    # highest seq each rank issued per (restart, pg, peer, op): the peer's side of a message
+    issued = p2p.groupby(["restart", "pg", "rank", "peer", "op"])["seq"].max().to_dict()
+    stuck = p2p[p2p["end_ns"].isna()].sort_values("seq").drop_duplicates(["restart", "rank", "peer", "op"])
+    rows = []
+    for r in stuck.itertuples(index=False):
+        other = "send" if r.op == "recv" else "recv"
+        reached = issued.get((r.restart, r.pg, r.peer, r.rank, other), 0)
+        waited = now_ns - int(r.enqueue_ns) if pd.notna(r.enqueue_ns) else 0
+        if reached < r.seq and waited >= min_wait_ns:
+            rows.append({"pg": r.pg, "pg_ranks": r.pg_ranks, "seq": int(r.seq), "op": r.op,
+                         "step": _int_or_none(r.step), "arrived_ranks": str(r.rank), "missing_ranks": str(r.peer),
+                         "first_enqueue_ns": int(r.enqueue_ns), "waited_ns": int(waited), "peer": int(r.peer)})
+    return pd.DataFrame(rows)[STALL_COLUMNS] if rows else empty
+
+
+def stalls(missing: pd.DataFrame, p2p: pd.DataFrame) -> pd.DataFrame:
+    """Collective stalls (``missing_arrivals``) and point-to-point ones (``p2p_stalls``) in one frame, oldest
+    first. Columns: ``STALL_COLUMNS``."""
+    frames = [f for f in (missing.assign(peer=pd.NA) if "peer" not in missing.columns else missing, p2p)
+              if not f.empty]
+    if not frames:
+        return pd.DataFrame({col: [] for col in STALL_COLUMNS})
+    return pd.concat(frames, ignore_index=True)[STALL_COLUMNS].sort_values("first_enqueue_ns").reset_index(drop=True)
 
 
 def _detail(raw) -> dict:
@@ -62,7 +136,7 @@ def _detail(raw) -> dict:
 
 
 def _ints(value) -> list[int]:
-    if value is None:
+    if value is None or value is pd.NA:
         return []
     if isinstance(value, (int, float)):
         return [int(value)]
@@ -71,99 +145,134 @@ def _ints(value) -> list[int]:
     return [int(x) for x in value]
 
 
-def detect_hangs(missing: pd.DataFrame, faults: pd.DataFrame, *, last_seen: pd.DataFrame | None = None,
-                 axis_of_pg: Callable[[str], str | None] = axis_of) -> list[Finding]:
-    """HANG for each group whose members wait at a collective others never reached (the missing ranks are named),
-    unless every missing rank crashed (a ``crash`` fault) by then: RANK_CRASH reports those;
-    and for each watchdog/injected hang fault not already explained (ranks from its detail's
-    ``waiting_for_ranks`` (``runtime.hang``'s watchdog) / ``missing_ranks`` / ``culprit`` keys, else the
-    reporting rank: an injected hang row is written by the rank that hangs). ``last_seen``: per rank its last step and collective."""
+def detect_hangs(missing: pd.DataFrame, faults: pd.DataFrame | None, *, last_seen: pd.DataFrame | None = None,
+                 axis_of_pg: Callable[[str], str | None] = axis_of, activity: Activity | None = None,
+                 exits: pd.DataFrame | None = None, nodes: dict[int, int] | None = None,
+                 skip_groups: frozenset = frozenset(), starts: list[int] = ()) -> list[Finding]:
+    """HANG for each stall (``missing_arrivals`` / ``stalls`` rows) with the liveness of every stuck rank
+    (``liveness.liveness``). Not a HANG: a stall whose missing ranks are all ``dead`` (RANK_CRASH reports it, with
+    this wait), one every member entered while a member died, one whose missing ranks are all themselves stuck
+    in another stall (a chain: its root is reported), and a group in ``skip_groups`` ((pg, pg_ranks) pairs that
+    COLLECTIVE_MISMATCH explains). ``cause`` is ``network`` when every rank involved is alive and waiting and they
+    span two or more nodes (``nodes``: rank -> node); ``missing_rank`` when some missing rank is not waiting;
+    ``mutual_wait`` otherwise. The watchdog's ``hang`` rows (non-injected) and ``stack`` rows are evidence;
+    injected rows only the ``injected`` cross-check. ``last_seen``: per rank its last step and collective;
+    ``starts``: ``liveness.attempt_starts``."""
     findings: list[Finding] = []
-    named: set[int] = set()
+    if missing is None or missing.empty:
+        return findings
     last = {int(r.rank): r for r in last_seen.itertuples(index=False)} if last_seen is not None else {}
-    crashed = crash_steps(faults)
-    for r in missing.itertuples(index=False):
+    observed, injected = _fault_rows(faults)
+    rows = list(missing.itertuples(index=False))
+    waiters_of = [set(_ints(r.arrived_ranks)) for r in rows]
+    blocked = set().union(*waiters_of)
+    verdicts: list[dict[int, str]] = []
+    for r, waiters in zip(rows, waiters_of):
         miss = _ints(r.missing_ranks)
-        if all(m in crashed and crashed[m] <= r.step + 1 for m in miss):
+        everyone = sorted(waiters | set(miss))
+        verdicts.append({m: liveness(m, int(r.first_enqueue_ns), in_collective=m in waiters or m in blocked,
+                                     activity=activity, exits=exits, peers=[p for p in everyone if p != m],
+                                     starts=starts)
+                         for m in everyone})
+    roots = [i for i, r in enumerate(rows) if set(_ints(r.missing_ranks)) - blocked]
+    for i, r in enumerate(rows):
+        miss, waiters, live = _ints(r.missing_ranks), sorted(waiters_of[i]), verdicts[i]
+        if (r.pg, r.pg_ranks) in skip_groups:
+            continue
+        if miss and all(live[m] == "dead" for m in miss):
             continue                                  # they died: RANK_CRASH reports it (with this wait)
-        named.update(miss)
+        if not miss and any(v == "dead" for v in live.values()):
+            continue                                  # a member died inside it: RANK_CRASH
+        if miss and not set(miss) - blocked and roots and i not in roots:
+            continue                                  # the missing ranks wait elsewhere: the root is reported
+        everyone = sorted(set(waiters) | set(miss))
+        waited_ns = int(r.waited_ns)
+        if activity is not None:            # a finished run's end may be long after the waiters gave up
+            ends = [activity.last_ns(w) for w in waiters]
+            ends = [t - int(r.first_enqueue_ns) for t in ends if t is not None and t > int(r.first_enqueue_ns)]
+            waited_ns = min(waited_ns, max(ends)) if ends else waited_ns
+        node_of = nodes or {}
+        spans = {node_of.get(m) for m in everyone}
+        if all(live[m] == "waiting" for m in everyone) and None not in spans and len(spans) >= 2:
+            cause = "network"
+        elif miss and any(live[m] != "waiting" for m in miss):
+            cause = "missing_rank"
+        else:
+            cause = "mutual_wait"
+        culprits = everyone if cause != "missing_rank" else [m for m in miss if live[m] != "dead"]
+        sides = ({f"node{n}": [m for m in everyone if node_of.get(m) == n] for n in sorted(spans)}
+                 if cause == "network" else None)
+        is_p2p = getattr(r, "peer", None) is not None and not pd.isna(getattr(r, "peer", None))
+        what = (f"{r.op} #{r.seq % ATTEMPT_SEQ_STRIDE}" + (f" with peer {int(r.peer)}" if is_p2p else "")
+                + f" on group {r.pg} {list(group_members(r.pg_ranks))} (step {r.step})")
+        if cause == "network":
+            title = (f"ranks on {' and '.join(f'{k} {v}' for k, v in sides.items())} wait for each other at "
+                     f"{what} for {waited_ns / 1e9:.1f} s, all alive: the network between the nodes")
+        elif miss:
+            title = (f"rank(s) {culprits} never " + ("sent" if r.op == "recv" and is_p2p else
+                                                     "received" if is_p2p else "arrived at")
+                     + f" {what}; {r.arrived_ranks} waited {waited_ns / 1e9:.1f} s"
+                     + f" ({', '.join(f'rank {m} {live[m]}' for m in miss)})")
+        else:
+            title = f"ranks {everyone} all entered {what} and none finished it in {waited_ns / 1e9:.1f} s"
+        report = _watchdog_report(observed, r)
         findings.append(Finding(
-            code="HANG", severity="critical", ranks=tuple(miss), group=axis_of_pg(r.pg),
-            title=(f"rank(s) {miss} never arrived at {r.op} #{r.seq} on group {r.pg} {list(group_members(r.pg_ranks))}"
-                   f" (step {r.step}); {r.arrived_ranks} waited {r.waited_ns / 1e9:.1f} s"),
+            code="HANG", severity="critical", ranks=tuple(culprits), group=axis_of_pg(r.pg), title=title,
             evidence={
-                "pg": r.pg, "pg_ranks": list(group_members(r.pg_ranks)), "seq": r.seq, "op": r.op, "step": r.step,
-                "arrived_ranks": _ints(r.arrived_ranks), "missing_ranks": miss, "waited_s": r.waited_ns / 1e9,
+                "pg": r.pg, "pg_ranks": list(group_members(r.pg_ranks)), "seq": r.seq % ATTEMPT_SEQ_STRIDE,
+                "op": r.op, "peer": int(r.peer) if is_p2p else None, "step": r.step,
+                "arrived_ranks": waiters, "missing_ranks": miss, "waited_s": waited_ns / 1e9,
+                "cause": cause, "sides": sides, "liveness": {str(m): live[m] for m in everyone},
                 "missing_last_seen": {str(m): ({"step": _int_or_none(last[m].last_step),
                                                 "last_collective": last[m].last_collective}
                                                if m in last else None) for m in miss},
+                "stacks": _stacks(observed, everyone),
+                "watchdog_report": report,
+                "injected": bool(injected is not None and not injected.empty and (
+                    injected[(injected["kind"] == "hang")]["rank"].astype("int64").isin(culprits).any())),
             },
-            recommendation=(f"Look at what rank(s) {miss} were doing at step {r.step}: py-spy dump --pid on their "
-                            f"host, their stderr, a dataloader or checkpoint stuck, or an exception that killed "
-                            f"them. Set a finite collective timeout (init_process_group(timeout=...)) so the job "
-                            f"fails fast and torchrun can restart it."),
+            recommendation=(
+                "Check the link between the two sides (ip link, switch port, firewall) and set a finite collective "
+                "timeout so the job fails fast and torchrun can restart it." if cause == "network" else
+                f"Look at what rank(s) {culprits} were doing at step {r.step}: their stacks in the evidence (or "
+                f"py-spy dump --pid on their host), their stderr, a dataloader or checkpoint stuck. Set a finite "
+                f"collective timeout (init_process_group(timeout=...)) so the job fails fast and torchrun can "
+                f"restart it."),
             predicted_gain=None, rows=missing,
         ))
-    if faults is not None and not faults.empty:
-        require_columns(faults, ["rank", "time_ns", "step", "kind", "injected", "detail"], table="faults")
-        hangs = faults[faults["kind"] == "hang"]
-        for r in hangs.itertuples(index=False):
-            d = _detail(r.detail)
-            ranks = (_ints(d.get("waiting_for_ranks")) or _ints(d.get("missing_ranks")) or _ints(d.get("culprit"))
-                     or [int(r.rank)])
-            if set(ranks) <= named:
-                continue
-            named.update(ranks)
-            where = ", ".join(f"{k}={d[k]}" for k in ("pg", "op", "seq") if k in d)
-            findings.append(Finding(
-                code="HANG", severity="critical", ranks=tuple(ranks),
-                group=axis_of_pg(d["pg"]) if d.get("pg") else None,
-                title=(f"rank(s) {ranks} hung at step {_int_or_none(r.step)}"
-                       + (f" ({where})" if where else "") + (" [injected]" if r.injected is True else "")),
-                evidence={"reported_by": int(r.rank), "step": _int_or_none(r.step), "injected": r.injected is True,
-                          "detail": d, "missing_ranks": ranks},
-                recommendation=("Inspect the stacks of the named ranks (py-spy dump) and the collective they "
-                                "stopped at; set a finite collective timeout so the job fails fast."),
-                predicted_gain=None,
-            ))
     return findings
 
 
-def crash_steps(faults: pd.DataFrame | None) -> dict[int, int]:
-    """rank -> the first step at which it crashed (``crash`` faults)."""
+def _fault_rows(faults: pd.DataFrame | None) -> tuple[pd.DataFrame | None, pd.DataFrame | None]:
+    """(observed, injected) fault rows."""
     if faults is None or faults.empty:
+        return None, None
+    require_columns(faults, ["rank", "time_ns", "step", "kind", "injected", "detail"], table="faults")
+    inj = faults["injected"].fillna(False).astype(bool)
+    return faults[~inj], faults[inj]
+
+
+def _watchdog_report(observed: pd.DataFrame | None, stall) -> dict | None:
+    """The detail of the watchdog's ``hang`` row about this stall's group (its rank as ``reported_by``)."""
+    if observed is None:
+        return None
+    for r in observed[observed["kind"] == "hang"].sort_values("time_ns").itertuples(index=False):
+        d = _detail(r.detail)
+        if d.get("pg") == stall.pg and d.get("pg_ranks", stall.pg_ranks) == stall.pg_ranks:
+            return {"reported_by": int(r.rank), **d}
+    return None
+
+
+def _stacks(observed: pd.DataFrame | None, ranks: list[int]) -> dict[str, str]:
+    """rank -> the Python stack its watchdog dumped (the latest ``stack`` row of each of ``ranks``)."""
+    if observed is None:
         return {}
-    c = faults[faults["kind"] == "crash"]
-    return {int(r): int(s) for r, s in c.groupby("rank")["step"].min().fillna(-1).items()}
-
-
-def detect_crashes(faults: pd.DataFrame, *, status: str | None, missing: pd.DataFrame | None = None) -> list[Finding]:
-    """RANK_CRASH for crash faults: critical if the run ended crashed, warning if it recovered (restarts).
-    ``missing``: collectives others waited at because the crashed ranks never arrived (``waited_at``)."""
-    if faults is None or faults.empty:
-        return []
-    crashes = faults[faults["kind"] == "crash"]
-    if crashes.empty:
-        return []
-    ranks = sorted(int(r) for r in crashes["rank"].unique())
-    restarts = int((faults["kind"] == "restart").sum())
-    recovered = status != "crashed" and (restarts > 0 or status == "finished")
-    steps = sorted({int(s) for s in crashes["step"].dropna()})
-    return [Finding(
-        code="RANK_CRASH", severity="warning" if recovered else "critical", ranks=tuple(ranks), group=None,
-        title=(f"rank(s) {ranks} crashed at step(s) {steps}" + (f"; the job recovered ({restarts} restart(s))"
-                                                               if recovered else "")),
-        evidence={"crash_steps": steps, "num_crashes": int(len(crashes)), "num_restarts": restarts,
-                  "waited_at": [] if missing is None or missing.empty else [
-                      {"pg": m.pg, "seq": int(m.seq), "op": m.op, "step": int(m.step), "waited_s": m.waited_ns / 1e9,
-                       "arrived_ranks": _ints(m.arrived_ranks)}
-                      for m in missing.itertuples(index=False) if set(_ints(m.missing_ranks)) <= set(ranks)],
-                  "injected": bool(crashes["injected"].fillna(False).astype(bool).all()),
-                  "details": [_detail(d) for d in crashes["detail"]], "recovered": recovered},
-        recommendation=("Read the crashed ranks' stderr; keep torchrun --max-restarts and frequent enough "
-                        "checkpoints (see CHECKPOINT_STALL / Young-Daly) so a crash loses few steps."),
-        predicted_gain=None, rows=crashes,
-    )]
+    s = observed[(observed["kind"] == "stack") & observed["rank"].isin(ranks)].sort_values("time_ns")
+    out = {}
+    for r in s.itertuples(index=False):
+        d = _detail(r.detail)
+        out[str(int(r.rank))] = d.get("stack") or d.get("raw") or ""
+    return out
 
 
 def last_seen(steps: pd.DataFrame, collectives: pd.DataFrame) -> pd.DataFrame:

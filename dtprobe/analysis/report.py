@@ -32,6 +32,7 @@ def build_metrics(a: "RunAnalysis") -> dict[str, Any]:
             "run_id": a.manifest.run_id if a.manifest is not None else None,
             "status": a.status, "world_size": a.world_size, "layout": a.layout() or None,
             "clock_aligned": not a.is_trace_folder,
+            **run_events(a),
         },
         "steps_analyzed": {"first": steps[0] if steps else None, "last": steps[-1] if steps else None,
                            "count": len(steps),
@@ -87,6 +88,35 @@ def build_metrics(a: "RunAnalysis") -> dict[str, Any]:
     return jsonable(m)
 
 
+def run_events(a: "RunAnalysis") -> dict[str, list[dict[str, Any]]]:
+    """``crashes`` (one per RANK_CRASH finding: rank, restart, step, cause, how, recovered, resumed_from_step,
+    steps_lost, time_to_recover_s, title) and ``restarts`` (restart, time_ns, from_step, checkpoint_step,
+    steps_lost) of ``metrics.run``; empty lists for a trace folder or a run without either."""
+    if a.is_trace_folder:
+        return {"crashes": [], "restarts": []}
+    from dtprobe.analysis.crashes import restart_summary
+
+    crashes = [{"rank": f.ranks[0], **{k: f.evidence.get(k) for k in (
+                   "restart", "step", "cause", "signal", "exit_code", "error_type", "recovered", "resumed_from_step",
+                   "steps_lost", "time_to_recover_s")}, "title": f.title}
+               for f in a.hangs() if f.code == "RANK_CRASH"]
+    return {"crashes": crashes, "restarts": restart_summary(a.restarts())}
+
+
+def event_lines(report: dict[str, Any]) -> list[str]:
+    """The header's crash and restart lines: every crash (its RANK_CRASH title), then every restart no crash line
+    mentions; shared by the text and Markdown renderers (the dashboard's Overview shows the same crash lines)."""
+    run = report["metrics"]["run"]
+    lines = [f"crash: {c['title']}" for c in run.get("crashes") or []]
+    told = {int(c["restart"]) + 1 for c in run.get("crashes") or [] if c.get("recovered")}
+    for r in run.get("restarts") or []:
+        if int(r["restart"]) not in told:
+            bits = [f"from step {r['from_step']}" if r.get("from_step") is not None else None,
+                    f"{r['steps_lost']} step(s) lost" if r.get("steps_lost") is not None else None]
+            lines.append(f"restart {r['restart']}: the job restarted " + ", ".join(b for b in bits if b))
+    return lines
+
+
 def summary_facts(report: dict[str, Any]) -> list[str]:
     """The run's headline facts as plain lines (steps analysed, median step time, throughput and MFU), shared by
     the text and Markdown renderers; a fact the run lacks is left out."""
@@ -111,6 +141,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     run = m["run"]
     lines = [f"# dtprobe analysis of `{report['source']}`", ""]
     lines.append(f"- source: {run['kind']}, status **{run['status']}**, world size {run['world_size']}")
+    lines += [f"- **{line}**" for line in event_lines(report)]
     lines += [f"- {fact}" for fact in summary_facts(report)]
     lines += ["", "## Findings", ""]
     findings = report["findings"]

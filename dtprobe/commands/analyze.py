@@ -110,12 +110,15 @@ def render_text(report: dict, console) -> None:
     from rich.panel import Panel
     from rich.table import Table
 
-    from dtprobe.analysis.report import summary_facts
+    from rich.markup import escape
+
+    from dtprobe.analysis.report import event_lines, summary_facts
 
     m = report["metrics"]
     run = m["run"]
     head = [f"[bold]{report['source']}[/]  ({run['kind']}, status [bold]{run['status']}[/], "
-            f"world size {run['world_size']})", *summary_facts(report)]
+            f"world size {run['world_size']})", *(f"[bold red]{escape(line)}[/]" for line in event_lines(report)),
+            *summary_facts(report)]
     console.print(Panel("\n".join(head), title="dtprobe analyze", expand=False))
     findings = report["findings"]
     if not findings:

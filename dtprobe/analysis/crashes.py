@@ -1,0 +1,308 @@
+"""Crashes and restarts from telemetry: per failed attempt, the rank that died first, when, at which step, how
+(exit code, signal, Python exception), a cause class, what it was doing, and how the job recovered; detector
+RANK_CRASH and the run's crash/restart summary (``metrics.run.crashes``/``restarts``). Read by the facade, the
+report header and the dashboard's Overview."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pandas as pd
+
+from dtprobe.analysis.arrivals import ATTEMPT_SEQ_STRIDE
+from dtprobe.analysis.findings import Finding
+from dtprobe.analysis.liveness import (CONSEQUENCE_REASONS, WATCHDOG_EXIT_CODE, Activity, _isna, is_own_failure)
+from dtprobe.analysis.phases import phase_at
+
+CRASH_COLUMNS = [
+    "restart", "rank", "time_ns", "step", "last_step", "exit_code", "signal", "error_type", "error_message",
+    "cause", "doing_pg", "doing_seq", "doing_op", "doing_peer", "doing_step", "doing_open", "phase", "also_lost",
+    "recovered", "resumed_from_step", "steps_lost", "time_to_recover_s", "source",
+]
+"""``crash_events()``: one row per failed attempt (its first failure)."""
+CAUSES = ("out_of_memory", "device", "communication", "user_exception", "killed_by_signal", "unknown")
+"""Cause classes of RANK_CRASH, in the order they are tested."""
+
+_OOM = re.compile(r"out of memory|OutOfMemory|MemoryError|\bOOM\b|Cannot allocate memory", re.I)
+_DEVICE = re.compile(r"\bXid\b|CUDA error|cudaError|CUBLAS_STATUS|CUDNN_STATUS|ECC error|device-side assert|"
+                     r"illegal memory access|uncorrectable", re.I)
+_COMM = re.compile(r"DistBackendError|DistNetworkError|ProcessGroup|\bgloo\b|\bNCCL\b|c10d|Connection (closed|reset|"
+                   r"refused)|closed by peer|Broken pipe|Timed out|timeout|socket", re.I)
+
+
+def classify_cause(*, exit_code: Any, signal: Any, error_type: Any, error_message: Any, reason: Any = None,
+                   closed: Any = None, xid: bool = False) -> str:
+    """The cause class (``CAUSES``) of one rank's failure from its exit and Python error (type + message)."""
+    text = " ".join(str(x) for x in (error_type, error_message) if not _isna(x))
+    if text and _OOM.search(text):
+        return "out_of_memory"
+    if xid or (text and _DEVICE.search(text)):
+        return "device"
+    if text and _COMM.search(text):
+        return "communication"
+    if text or reason == "exception":
+        return "user_exception"
+    if not _isna(signal) or (not _isna(exit_code) and int(exit_code) < 0) or closed is False:
+        return "killed_by_signal"          # only a signal (SIGKILL, SIGSEGV ...) ends a rank without its close
+    return "unknown"
+
+
+def crash_events(exits: pd.DataFrame, *, activity: Activity, collectives: pd.DataFrame, steps: pd.DataFrame,
+                 devices: pd.DataFrame, restarts: list[dict], status: str, attempts_known: bool,
+                 stale_ns: int, now_ns: int) -> pd.DataFrame:
+    """Per failed attempt, its first failure. Which attempts failed: with the launcher's ``attempts``
+    (``attempts_known``) the ranks' exits say it (the ``first_failure`` rank; a watchdog exit is a hang, not a
+    crash); else a rank whose probe closed ``crashed`` for its own reason, or never closed although its attempt is
+    over (a later restart, or the run is no longer running) or its rows stopped ``stale_ns`` before the others';
+    without any ``lifecycle`` rows, an attempt followed by a restart (``restarts``: the runtime's ``restart``
+    rows) is a failure too. The first to die is the first failure, else the lost rank whose rows stopped first;
+    the others lost in that attempt are ``also_lost`` (consequences: torchrun ends the survivors). Columns:
+    ``CRASH_COLUMNS``."""
+    # the attempt of a collective row: its restart column, else (older runs) the attempt unique_seq numbered
+    coll = collectives.assign(restart=collectives["restart"].fillna(
+        collectives["seq"].fillna(0).astype("int64") // ATTEMPT_SEQ_STRIDE).astype("int64")) \
+        if not collectives.empty else collectives
+    st = steps.assign(restart=steps["restart"].fillna(0).astype("int64")) if not steps.empty else steps
+    rows = []
+    candidates = _failed_attempts(exits, activity=activity, restarts=restarts, status=status, st=st, coll=coll,
+                                  attempts_known=attempts_known, stale_ns=stale_ns, now_ns=now_ns)
+    for restart, lost, culprit, ex in candidates:
+        t_end = _attempt_end_ns(st, coll, restart)
+        died_ns = ex.get("exit_ns") if ex and not _isna(ex.get("exit_ns")) else activity.last_ns(culprit,
+                                                                                                  before_ns=t_end)
+        mine_c = coll[(coll["rank"] == culprit) & (coll["restart"] == restart)] if not coll.empty else coll
+        if t_end is not None and not mine_c.empty:
+            mine_c = mine_c[mine_c["enqueue_ns"] < t_end]
+        open_ = mine_c[mine_c["end_ns"].isna()] if not mine_c.empty else mine_c
+        doing = (open_ if not open_.empty else mine_c)
+        doing = doing.sort_values("enqueue_ns").iloc[-1] if not doing.empty else None
+        st_r = st[st["restart"] == restart] if not st.empty else st
+        mine_s = st[(st["rank"] == culprit) & (st["restart"] == restart) & st["end_ns"].notna()] if not st.empty \
+            else st
+        last_step = int(mine_s["step"].max()) if not mine_s.empty else None
+        step = (int(doing["step"]) if doing is not None and not open_.empty and not _isna(doing["step"])
+                else last_step + 1 if last_step is not None else None)
+        xid = bool(not devices.empty and "xid" in devices.columns and
+                   (devices[(devices["rank"] == culprit)]["xid"].fillna(0) > 0).any())
+        cause = classify_cause(exit_code=ex.get("exit_code"), signal=ex.get("signal"),
+                               error_type=ex.get("error_type"), error_message=ex.get("error_message"),
+                               reason=ex.get("reason"), closed=ex.get("closed"), xid=xid) if ex else "unknown"
+        if doing is not None and not open_.empty and not _isna(doing["step"]) and not _isna(doing["enqueue_ns"]):
+            phase = phase_at(st_r, culprit, int(doing["step"]), int(doing["enqueue_ns"]))
+        else:                                   # not inside a collective: the phase it died in
+            phase = phase_at(st_r, culprit, step, int(died_ns)) if step is not None and not _isna(died_ns) else None
+        rec = _recovery(restart, st, restarts, died_ns, last_step)
+        rows.append({
+            "restart": restart, "rank": culprit, "time_ns": died_ns, "step": step, "last_step": last_step,
+            "exit_code": ex.get("exit_code") if ex else None, "signal": ex.get("signal") if ex else None,
+            "error_type": ex.get("error_type") if ex else None,
+            "error_message": ex.get("error_message") if ex else None, "cause": cause,
+            "doing_pg": doing["pg"] if doing is not None else None,
+            "doing_seq": int(doing["seq"]) % ATTEMPT_SEQ_STRIDE if doing is not None else None,
+            "doing_op": doing["op"] if doing is not None else None,
+            "doing_peer": None if doing is None or _isna(doing["peer"]) else int(doing["peer"]),
+            "doing_step": None if doing is None or _isna(doing["step"]) else int(doing["step"]),
+            "doing_open": bool(doing is not None and not open_.empty), "phase": phase,
+            "also_lost": sorted(r for r in lost if r != culprit), **rec,
+            "source": ex.get("source") if ex else "restart",
+        })
+    if not rows:
+        return pd.DataFrame({c: [] for c in CRASH_COLUMNS})
+    return pd.DataFrame(rows)[CRASH_COLUMNS]
+
+
+def _failed_attempts(exits: pd.DataFrame, *, activity: Activity, restarts: list[dict], status: str,
+                     st: pd.DataFrame, coll: pd.DataFrame, attempts_known: bool, stale_ns: int,
+                     now_ns: int) -> list[tuple[int, list[int], int, dict | None]]:
+    """[(restart, lost ranks, culprit, culprit's exit row)] per failed attempt."""
+    out = []
+    restart_ids = sorted({int(r["restart"]) for r in restarts})
+    if not exits.empty:
+        latest = int(exits["restart"].max())
+        for restart, g in exits.groupby("restart"):
+            restart = int(restart)
+            recs = [{k: (None if _isna(v) else v) for k, v in r.items()} for r in g.to_dict("records")]
+            over = restart < latest or restart + 1 in restart_ids or status != "running"
+            if attempts_known and any(r["source"] == "attempts" for r in recs):
+                lost = [r for r in recs if is_own_failure(r)]
+                firsts = [r for r in lost if r.get("first_failure")] or lost
+                if not firsts:
+                    continue
+                first = min(firsts, key=lambda r: (r.get("exit_ns") or 0, r["rank"]))
+                if first.get("exit_code") is not None and int(first["exit_code"]) == WATCHDOG_EXIT_CODE:
+                    continue                       # the watchdog ended a hang: HANG reports it
+                lost_ranks = [int(r["rank"]) for r in recs if r.get("exit_code") not in (None, 0)]
+                out.append((restart, lost_ranks, int(first["rank"]), first))
+                continue
+            if any(r.get("reason") == "watchdog" for r in recs):
+                continue                           # the attempt ended on a hang: HANG reports it
+            others_last = [activity.last_ns(r["rank"]) or 0 for r in recs]
+            newest = max(others_last) if others_last else 0
+            lost = [r for r in recs if (r.get("closed") is False and (
+                        over or newest - (activity.last_ns(r["rank"]) or 0) > stale_ns))
+                    or (r.get("closed") and r.get("status") == "crashed"
+                        and r.get("reason") not in CONSEQUENCE_REASONS)]
+            if not lost:
+                continue
+            own = [r for r in lost if r.get("closed")] or lost     # an exception closes first; else the first silent
+            first = min(own, key=lambda r: (activity.last_ns(r["rank"]) or 0, r["rank"]))
+            gone = [int(r["rank"]) for r in recs if r.get("closed") is False or r.get("status") == "crashed"]
+            out.append((restart, gone, int(first["rank"]), first))
+        return out
+    # no lifecycle rows at all (an older run): a restart says its previous attempt failed
+    for restart in restart_ids:
+        prev = restart - 1
+        t_end = _attempt_end_ns(st, coll, prev)
+        ranks = sorted({int(r) for r in st[st["restart"] == prev]["rank"].unique()}) if not st.empty else []
+        if not ranks:
+            continue
+        first = min(ranks, key=lambda r: (activity.last_ns(r, before_ns=t_end) or 0, r))
+        out.append((prev, ranks, first, None))
+    return out
+
+
+def _attempt_end_ns(st: pd.DataFrame, coll: pd.DataFrame, restart: int) -> int | None:
+    """The first row of a later attempt (a step's start or a collective's enqueue): rows before it belong to
+    ``restart`` or earlier. None when no later attempt wrote a row."""
+    firsts = []
+    if not st.empty:
+        firsts.append(st[st["restart"] > restart]["start_ns"].dropna().min())
+    if not coll.empty:
+        firsts.append(coll[coll["restart"] > restart]["enqueue_ns"].dropna().min())
+    firsts = [int(t) for t in firsts if not _isna(t)]
+    return min(firsts) if firsts else None
+
+
+def _recovery(restart: int, st: pd.DataFrame, restarts: list[dict], died_ns: Any, last_step: int | None) -> dict:
+    """recovered, resumed_from_step, steps_lost, time_to_recover_s of the attempt after ``restart``."""
+    rec = next((r for r in restarts if int(r["restart"]) == restart + 1), None)
+    nxt = st[st["restart"] == restart + 1] if not st.empty else st
+    if rec is None and nxt.empty:
+        return {"recovered": False, "resumed_from_step": None, "steps_lost": None, "time_to_recover_s": None}
+    from_step = rec.get("from_step") if rec else None
+    if from_step is None and not nxt.empty:
+        from_step = int(nxt["step"].min())
+    lost = rec.get("steps_lost") if rec else None
+    if lost is None and from_step is not None and last_step is not None:
+        lost = max(0, last_step - int(from_step) + 1)
+    first_ns = nxt["start_ns"].dropna().min() if not nxt.empty else None
+    ttr = ((int(first_ns) - int(died_ns)) / 1e9 if first_ns is not None and not _isna(first_ns)
+           and died_ns is not None and not _isna(died_ns) else None)
+    return {"recovered": not nxt.empty or rec is not None, "resumed_from_step": from_step, "steps_lost": lost,
+            "time_to_recover_s": ttr}
+
+
+def how(e: Any) -> str:
+    """``SIGKILL``, ``exit code 1``, ``RuntimeError: ...`` or ``no close`` for one crash row."""
+    if not _isna(e.error_type):
+        msg = "" if _isna(e.error_message) else f": {str(e.error_message).splitlines()[0][:120]}"
+        return f"{e.error_type}{msg}"
+    if not _isna(e.signal):
+        return str(e.signal)
+    if not _isna(e.exit_code):
+        return f"exit code {int(e.exit_code)}"
+    return "its probe never closed" if e.source == "lifecycle" else "stopped writing (the job restarted)"
+
+
+def crash_title(e: Any) -> str:
+    """One line naming a crash and its recovery (also the line the report header and the Overview show)."""
+    where = f" at step {int(e.step)}" if not _isna(e.step) else ""
+    doing = (f" in {e.doing_op} #{int(e.doing_seq)} on {e.doing_pg}" if e.doing_open and not _isna(e.doing_op)
+             else "")
+    head = f"rank {int(e.rank)} died{where}{doing} ({how(e)}; cause {e.cause})"
+    if e.recovered:
+        tail = f"; the job restarted (attempt {int(e.restart) + 1})"
+        if not _isna(e.resumed_from_step):
+            tail += f" from step {int(e.resumed_from_step)}"
+        if not _isna(e.steps_lost):
+            tail += f", {int(e.steps_lost)} step(s) lost"
+        if not _isna(e.time_to_recover_s):
+            tail += f", {e.time_to_recover_s:.1f} s to recover"
+        return head + tail
+    return head + "; the job did not recover"
+
+
+def detect_crashes(events: pd.DataFrame, *, num_restarts: int = 0, missing: pd.DataFrame | None = None,
+                   injected_ranks: frozenset = frozenset(), explained_ranks: frozenset = frozenset()) -> list[Finding]:
+    """RANK_CRASH per crash event (``crash_events``): critical when the job did not recover, warning when it
+    resumed. A first failure among ``explained_ranks`` (ranks a HANG or COLLECTIVE_MISMATCH already names or
+    holds waiting, e.g. a survivor's timeout error) is not reported. ``missing``: stalls whose missing ranks
+    include the crashed one (``waited_at``). ``injected_ranks``: ranks with an injected ``crash`` row (cross-check
+    only)."""
+    findings = []
+    for e in events.itertuples(index=False):
+        if int(e.rank) in explained_ranks and e.cause in ("communication", "unknown"):
+            continue
+        waited = [] if missing is None or missing.empty else [
+            {"pg": m.pg, "seq": int(m.seq) % ATTEMPT_SEQ_STRIDE, "op": m.op, "step": m.step,
+             "waited_s": m.waited_ns / 1e9, "arrived_ranks": [int(x) for x in str(m.arrived_ranks).split(",") if x]}
+            for m in missing.itertuples(index=False)
+            if str(int(e.rank)) in str(m.missing_ranks).split(",")
+            or (not m.missing_ranks and str(int(e.rank)) in str(m.arrived_ranks).split(","))]
+        findings.append(Finding(
+            code="RANK_CRASH", severity="warning" if e.recovered else "critical", ranks=(int(e.rank),), group=None,
+            title=crash_title(e),
+            evidence={
+                "rank": int(e.rank), "restart": int(e.restart), "step": e.step, "last_step": e.last_step,
+                "time_ns": e.time_ns, "exit_code": e.exit_code, "signal": e.signal, "error_type": e.error_type,
+                "error_message": e.error_message, "cause": e.cause,
+                "doing": None if _isna(e.doing_op) else {
+                    "pg": e.doing_pg, "seq": e.doing_seq, "op": e.doing_op, "peer": e.doing_peer,
+                    "step": e.doing_step, "open": bool(e.doing_open)},
+                "phase": e.phase, "also_lost": list(e.also_lost), "recovered": bool(e.recovered),
+                "resumed_from_step": e.resumed_from_step, "steps_lost": e.steps_lost,
+                "time_to_recover_s": e.time_to_recover_s, "num_restarts": int(num_restarts), "waited_at": waited,
+                "source": e.source, "injected": int(e.rank) in injected_ranks,
+            },
+            recommendation=_advice(e.cause, int(e.rank)),
+            predicted_gain=None,
+        ))
+    return findings
+
+
+def _advice(cause: str, rank: int) -> str:
+    tail = (" Keep torchrun --max-restarts and frequent enough checkpoints (see CHECKPOINT_STALL / Young-Daly) so "
+            "a crash loses few steps.")
+    return {
+        "out_of_memory": f"Rank {rank} ran out of memory: lower the micro-batch or sequence length, shard more "
+                         f"(ZeRO/FSDP), or enable activation checkpointing.",
+        "device": f"Rank {rank} hit a device error: check its GPU (nvidia-smi -q, dmesg for Xid) and drain the "
+                  f"node if it repeats.",
+        "communication": f"Rank {rank} failed first in communication: check its node's network (link, NIC, "
+                         f"firewall) and the peers it talked to.",
+        "user_exception": f"Rank {rank} raised an exception: read the traceback in its stderr (or the error above).",
+        "killed_by_signal": f"Rank {rank} was killed by a signal: look for the OOM killer (dmesg), a scheduler "
+                            f"preemption or an operator's kill.",
+    }.get(cause, f"Read rank {rank}'s stderr.") + tail
+
+
+def restart_summary(restarts: list[dict]) -> list[dict]:
+    """The run's restarts (``metrics.run.restarts``): restart, time_ns, from_step, checkpoint_step, steps_lost."""
+    return [{k: r.get(k) for k in ("restart", "time_ns", "from_step", "checkpoint_step", "steps_lost")}
+            for r in sorted(restarts, key=lambda r: int(r["restart"]))]
+
+
+def restarts_of(manifest: Any, faults: pd.DataFrame) -> list[dict]:
+    """Restarts from the manifest, completed by the runtime's ``restart`` fault rows (non-injected; detail:
+    from_step, checkpoint_step, last_step, steps_lost)."""
+    out: dict[int, dict] = {}
+    for r in getattr(manifest, "restarts", None) or ():
+        out[int(r.restart)] = {"restart": int(r.restart), "time_ns": r.time_ns, "from_step": r.from_step,
+                               "steps_lost": r.steps_lost}
+    if faults is not None and not faults.empty:
+        import json
+
+        rows = faults[(faults["kind"] == "restart") & ~faults["injected"].fillna(False).astype(bool)]
+        for f in rows.itertuples(index=False):
+            try:
+                d = json.loads(str(f.detail)) if not _isna(f.detail) else {}
+            except ValueError:
+                d = {}
+            if not isinstance(d, dict) or d.get("restart") is None:
+                continue
+            rec = out.setdefault(int(d["restart"]), {"restart": int(d["restart"]), "time_ns": int(f.time_ns)})
+            for k in ("from_step", "checkpoint_step", "last_step", "steps_lost"):
+                if rec.get(k) is None and d.get(k) is not None:
+                    rec[k] = d[k]
+    return [out[k] for k in sorted(out)]

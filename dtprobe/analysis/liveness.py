@@ -1,0 +1,198 @@
+"""How each rank's attempts ended and whether it was alive at a moment: per-rank exits (from the launcher's
+``attempts`` in run.json, else the probe's ``lifecycle`` rows), signs of life (any row a rank wrote), and the
+liveness verdict of a stuck rank (``dead``, ``stopped``, ``waiting``, ``alive``). Read by the HANG and RANK_CRASH
+detectors (``hangs.py``, ``crashes.py``) through the facade."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import numpy as np
+import pandas as pd
+
+WATCHDOG_EXIT_CODE = 124
+"""Exit code of a rank whose hang watchdog fired (``dtprobe.runtime.hang.HANG_EXIT_CODE``, as ``timeout(1)``):
+the end of a hang, not a crash."""
+CONSEQUENCE_REASONS = frozenset({"SIGTERM", "watchdog"})
+"""``lifecycle`` close reasons of a rank ended from outside (torchrun's SIGTERM after another rank failed) or by
+its own watchdog (a hang): never the first failure of an attempt."""
+LIVE_GRACE_NS = 1_000_000_000
+"""A row must be this much later than a stall's start to prove its rank alive after the stall (rows written
+just after it may have been produced before it)."""
+
+EXIT_COLUMNS = ["rank", "restart", "exit_ns", "exit_code", "signal", "first_failure", "status", "reason",
+                "error_type", "error_message", "traceback", "closed", "source"]
+LIVENESS = ("dead", "stopped", "waiting", "alive", "unknown")
+"""Liveness verdicts of a stuck rank (docs/findings.md, HANG)."""
+
+
+def attempts_of(manifest: Any) -> list[dict]:
+    """run.json ``attempts`` (the launcher's per-attempt, per-node record of every rank's exit); [] when the run
+    has none (plain torchrun with ``dtprobe.attach``, or an older run)."""
+    if manifest is None:
+        return []
+    attempts = getattr(manifest, "attempts", None)
+    if attempts is None:
+        attempts = (getattr(manifest, "extra", None) or {}).get("attempts")
+    return [dict(a) for a in attempts or ()]
+
+
+def rank_exits(attempts: list[dict], lifecycle: pd.DataFrame) -> pd.DataFrame:
+    """Per (rank, restart): how that incarnation ended. From ``attempts`` when the launcher recorded them (exit
+    code, signal, ``first_failure``, the Python error), with the ``lifecycle`` close row's status/reason merged in;
+    else from ``lifecycle`` alone (a rank with an ``attach`` row and no ``close`` row: ``closed`` False).
+    ``source``: ``attempts`` or ``lifecycle``. Columns: ``EXIT_COLUMNS``."""
+    rows: dict[tuple[int, int], dict] = {}
+    for a in attempts:
+        restart = int(a.get("attempt") or 0)
+        for r in a.get("ranks") or ():
+            err = r.get("error") or {}
+            rows[(int(r["rank"]), restart)] = {
+                "rank": int(r["rank"]), "restart": restart, "exit_ns": r.get("time_ns") or a.get("ended_ns"),
+                "exit_code": r.get("exit_code"), "signal": r.get("signal"),
+                "first_failure": bool(r.get("first_failure")), "status": None, "reason": None,
+                "error_type": err.get("type"), "error_message": err.get("message"),
+                "traceback": err.get("traceback"), "closed": None, "source": "attempts"}
+    if lifecycle is not None and not lifecycle.empty:
+        lc = lifecycle.assign(restart=lifecycle["restart"].fillna(0).astype("int64"))
+        for (rank, restart), g in lc.groupby(["rank", "restart"]):
+            key = (int(rank), int(restart))
+            close = g[g["event"] == "close"]
+            c = close.iloc[-1] if not close.empty else None
+            row = rows.setdefault(key, {
+                "rank": key[0], "restart": key[1], "exit_ns": None, "exit_code": None, "signal": None,
+                "first_failure": False, "status": None, "reason": None, "error_type": None, "error_message": None,
+                "traceback": None, "closed": None, "source": "lifecycle"})
+            row["closed"] = c is not None
+            if c is not None:
+                row["status"], row["reason"] = _str(c["status"]), _str(c["reason"])
+                if row["exit_ns"] is None and pd.notna(c["time_ns"]):
+                    row["exit_ns"] = int(c["time_ns"])
+    if not rows:
+        return pd.DataFrame({c: [] for c in EXIT_COLUMNS})
+    return pd.DataFrame(list(rows.values()))[EXIT_COLUMNS].sort_values(["restart", "rank"]).reset_index(drop=True)
+
+
+def is_own_failure(exit_row: Any) -> bool:
+    """True when this exit is a failure of the rank itself (not the watchdog's exit at a hang, not torchrun's
+    SIGTERM after another rank failed, not a clean exit): the attempts' ``first_failure``, a non-zero exit that
+    is no consequence, or a probe closed ``crashed`` for its own reason."""
+    if exit_row.get("first_failure"):
+        return True
+    code = exit_row.get("exit_code")
+    if exit_row.get("source") == "attempts" and code is not None and not pd.isna(code):
+        code = int(code)
+        return code > 0 and code != WATCHDOG_EXIT_CODE and exit_row.get("reason") not in CONSEQUENCE_REASONS
+    return exit_row.get("status") == "crashed" and exit_row.get("reason") not in CONSEQUENCE_REASONS
+
+
+class Activity:
+    """Every timestamp a rank wrote (its signs of life), per rank, sorted: sampler rows, steps, collectives
+    (incl. pending), non-injected faults (the watchdog's reports and stacks) and lifecycle rows."""
+
+    def __init__(self, tables: dict[str, pd.DataFrame]) -> None:
+        parts: list[pd.DataFrame] = []
+        for name, cols in (("devices", ["time_ns"]), ("steps", ["start_ns", "end_ns"]),
+                           ("collectives", ["enqueue_ns", "end_ns"]), ("faults", ["time_ns"]),
+                           ("lifecycle", ["time_ns"])):
+            df = tables.get(name)
+            if df is None or df.empty:
+                continue
+            if name == "faults":
+                df = df[~df["injected"].fillna(False).astype(bool)]
+            for col in cols:
+                part = df[["rank", col]].dropna()
+                parts.append(pd.DataFrame({"rank": part["rank"].astype("int64"),
+                                           "time_ns": part[col].astype("int64")}))
+        self.has_sampler = {int(r) for r in tables["devices"]["rank"].unique()} if (
+            tables.get("devices") is not None and not tables["devices"].empty) else set()
+        """Ranks with sampler rows (the only rows a rank blocked in a collective keeps writing)."""
+        self.has_lifecycle = {int(r) for r in tables["lifecycle"]["rank"].unique()} if (
+            tables.get("lifecycle") is not None and not tables["lifecycle"].empty) else set()
+        """Ranks with lifecycle rows."""
+        all_ = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame({"rank": [], "time_ns": []})
+        self._times = {int(r): np.sort(g["time_ns"].to_numpy(dtype="int64")) for r, g in all_.groupby("rank")}
+
+    def last_ns(self, rank: int, *, before_ns: int | None = None) -> int | None:
+        """The rank's last timestamp (before ``before_ns`` if given), None if it wrote nothing (then)."""
+        t = self._times.get(int(rank))
+        if t is None or not len(t):
+            return None
+        if before_ns is None:
+            return int(t[-1])
+        i = int(np.searchsorted(t, before_ns, side="left"))
+        return int(t[i - 1]) if i else None
+
+    def alive_after(self, rank: int, t_ns: int, *, until_ns: int | None = None) -> bool:
+        """True if the rank wrote a row later than ``t_ns + LIVE_GRACE_NS`` (and before ``until_ns``: the start
+        of the next attempt, whose new process proves nothing about the old one)."""
+        last = self.last_ns(rank, before_ns=until_ns)
+        return last is not None and last > t_ns + LIVE_GRACE_NS
+
+
+def attempt_starts(attempts: list[dict], tables: dict[str, pd.DataFrame]) -> list[int]:
+    """Start (ns) of attempts 1, 2, ... (restart k at index k - 1): the launcher's ``started_ns``, else the first
+    row any rank wrote with that ``restart`` (lifecycle attach, step, collective)."""
+    firsts: dict[int, int] = {}
+    for a in attempts:
+        if a.get("attempt") and a.get("started_ns"):
+            k = int(a["attempt"])
+            firsts[k] = min(firsts.get(k, int(a["started_ns"])), int(a["started_ns"]))
+    for name, col in (("lifecycle", "time_ns"), ("steps", "start_ns"), ("collectives", "enqueue_ns")):
+        df = tables.get(name)
+        if df is None or df.empty or "restart" not in df.columns:
+            continue
+        d = df[df["restart"].notna() & (df["restart"] > 0) & df[col].notna()]
+        for k, t in d.groupby("restart")[col].min().items():
+            firsts[int(k)] = min(firsts.get(int(k), int(t)), int(t))
+    out, last = [], None
+    for k in range(1, max(firsts, default=0) + 1):
+        last = firsts.get(k, last)
+        if last is None:
+            break
+        out.append(last)
+    return out
+
+
+def liveness(rank: int, since_ns: int, *, in_collective: bool, activity: Activity | None,
+             exits: pd.DataFrame | None, peers: Iterable[int] = (), starts: list[int] = ()) -> str:
+    """The liveness verdict of a rank stuck since ``since_ns``: ``waiting`` (rows continue after the stall and it
+    is inside the stuck collective: alive, blocked), ``alive`` (rows continue, it is elsewhere), ``dead`` (no row
+    after the stall and its process failed on its own: attempts' first failure / own exit, a probe closed
+    crashed, or no close while its ``peers`` were SIGTERMed, which torchrun does when a worker exits),
+    ``stopped`` (no row after the stall and no own death: frozen, e.g. SIGSTOP), ``unknown`` (no sampler and no
+    lifecycle rows to tell). ``starts``: ``attempt_starts`` (the verdict is about the incarnation alive at
+    ``since_ns``)."""
+    restart = int(np.searchsorted(np.asarray(starts, dtype="int64"), since_ns, side="right"))
+    until = starts[restart] if restart < len(starts) else None
+    if activity is not None and activity.alive_after(rank, since_ns, until_ns=until):
+        return "waiting" if in_collective else "alive"
+    ex = _exit_of(exits, rank, restart)
+    if ex is not None and is_own_failure(ex):
+        return "dead"
+    if ex is not None and ex.get("source") == "lifecycle" and ex.get("closed") is False:
+        peer_reasons = {(_exit_of(exits, p, restart) or {}).get("reason") for p in peers}
+        if "SIGTERM" in peer_reasons and "watchdog" not in peer_reasons:
+            return "dead"                 # torchrun SIGTERMs the others only after a worker exited
+    if activity is None or (rank not in activity.has_sampler and rank not in activity.has_lifecycle
+                            and ex is None):
+        return "unknown"
+    return "stopped"
+
+
+def _exit_of(exits: pd.DataFrame | None, rank: int, restart: int) -> dict | None:
+    """How ``rank``'s incarnation of attempt ``restart`` ended (None when unknown)."""
+    if exits is None or exits.empty:
+        return None
+    mine = exits[(exits["rank"] == rank) & (exits["restart"] == restart)]
+    if mine.empty:
+        return None
+    return {k: (None if _isna(v) else v) for k, v in mine.iloc[-1].to_dict().items()}
+
+
+def _isna(v: Any) -> bool:
+    return v is None or (not isinstance(v, (str, bool, dict, list)) and pd.isna(v))
+
+
+def _str(v: Any) -> str | None:
+    return None if _isna(v) else str(v)

@@ -1,0 +1,181 @@
+"""Collective mismatches: members of a group that issued different operations, dtypes or sizes at the same
+sequence number, or one member that skipped a collective (or issued an extra one) so that everything after is
+shifted; detector COLLECTIVE_MISMATCH. Read by the facade (which also silences the HANG and STRAGGLER findings
+of a mismatched group: their waits are this mismatch's consequence)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Callable
+
+import pandas as pd
+
+from dtprobe.analysis.arrivals import ATTEMPT_SEQ_STRIDE
+from dtprobe.analysis.findings import Finding
+from dtprobe.analysis.phases import phase_at
+from dtprobe.analysis.tables import P2P_OPS, axis_of, group_members, require_columns, size_label
+
+MISMATCH_COLUMNS = ["pg", "pg_ranks", "restart", "seq", "kind", "odd_ranks", "issued", "expected", "step", "phase"]
+"""``collective_mismatches()``: per mismatched group and attempt, its first mismatch. ``kind``: ``different``
+(other op/dtype/size at the same seq), ``skipped`` (the odd rank's calls from this seq are the others' from the
+next one), ``extra`` (the reverse); ``issued``: rank -> {op, dtype, num_bytes, step}; ``expected``: what the
+other members issued (null when the odd rank cannot be told); ``step``/``phase``: where the odd rank issued it."""
+_KEYS = ("op", "dtype", "num_bytes")
+
+
+def collective_mismatches(collectives: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
+    """The first mismatch of every (group, attempt) whose members did not issue the same collectives in the same
+    order. Columns: ``MISMATCH_COLUMNS``."""
+    require_columns(collectives, ["rank", "pg", "pg_ranks", "seq", "op", "num_bytes", "dtype", "step", "restart",
+                                  "enqueue_ns"], table="collectives")
+    c = collectives[~collectives["op"].isin(P2P_OPS) & collectives["seq"].notna()
+                    & (collectives["pg_size"].fillna(2) > 1)]
+    empty = pd.DataFrame({k: [] for k in MISMATCH_COLUMNS})
+    if c.empty:
+        return empty
+    seq = c["seq"].astype("int64")
+    c = c.assign(_attempt=c["restart"].fillna(seq // ATTEMPT_SEQ_STRIDE).astype("int64"), _seq=seq,
+                 pg_ranks=c["pg_ranks"].fillna(""),
+                 _sig=c["op"].astype(str) + "|" + c["dtype"].astype(str) + "|" + c["num_bytes"].astype(str))
+    key = ["pg", "pg_ranks", "_attempt", "_seq"]
+    per_seq = c.groupby(key, sort=False).agg(num_sig=("_sig", "nunique"), num_step=("step", "nunique"))
+    suspect = per_seq[(per_seq["num_sig"] > 1) | (per_seq["num_step"] > 1)].reset_index()
+    if suspect.empty:
+        return empty
+    rows = []
+    for (pg, pr, attempt), seqs in suspect.groupby(["pg", "pg_ranks", "_attempt"], sort=False):
+        g = c[(c["pg"] == pg) & (c["pg_ranks"] == pr) & (c["_attempt"] == attempt)]
+        calls = {int(r): d.sort_values("_seq") for r, d in g.groupby("rank")}
+        for s in sorted(seqs["_seq"]):
+            found = _judge(calls, int(s), steps)
+            if found is not None:
+                rows.append({"pg": pg, "pg_ranks": pr, "restart": int(attempt), "seq": int(s) % ATTEMPT_SEQ_STRIDE,
+                             **found})
+                break
+    return pd.DataFrame(rows)[MISMATCH_COLUMNS] if rows else empty
+
+
+def _judge(calls: dict[int, pd.DataFrame], s: int, steps: pd.DataFrame) -> dict | None:
+    """The mismatch at seq ``s`` of one group, or None when its members agree there after all (the same calls,
+    step numbers that differ without any member making fewer calls in a step: e.g. a call at a step boundary)."""
+    at = {r: d[d["_seq"] == s].iloc[0] for r, d in calls.items() if (d["_seq"] == s).any()}
+    if len(at) < 2:
+        return None
+    sigs = {r: row["_sig"] for r, row in at.items()}
+    counts = Counter(sigs.values()).most_common()
+    if len(counts) == 1:
+        odd = _skipper(calls, at)
+        if odd is None:
+            return None
+        kind = "skipped"
+    else:
+        normal_sig = counts[0][0] if counts[0][1] > counts[1][1] else _usual_sig(calls, at, s)
+        odd = sorted(at) if normal_sig is None else sorted(r for r, sig in sigs.items() if sig != normal_sig)
+        kind = _shift(calls, odd, [r for r in at if r not in odd], s)
+    normal = sorted(r for r in at if r not in odd)
+    first_odd = at[odd[0]]
+    step = None if pd.isna(first_odd["step"]) else int(first_odd["step"])
+    phase = (phase_at(steps, odd[0], step, int(first_odd["enqueue_ns"]))
+             if step is not None and not pd.isna(first_odd["enqueue_ns"]) else None)
+    expected = _call(at[normal[0]]) if normal else None
+    if kind == "skipped" and normal:   # what the odd rank skipped: the others' call at this seq
+        expected = _call(at[normal[0]])
+    return {"kind": kind, "odd_ranks": odd,
+            "issued": {str(r): _call(row) for r, row in sorted(at.items())},
+            "expected": expected, "step": step, "phase": phase}
+
+
+def _shift(calls: dict[int, pd.DataFrame], odd: list[int], normal: list[int], s: int) -> str:
+    """``skipped`` when the odd rank's calls from ``s`` are the others' from ``s + 1``, ``extra`` for the
+    reverse, else ``different``."""
+    if not odd or not normal:
+        return "different"
+    mine = list(calls[odd[0]].loc[calls[odd[0]]["_seq"] >= s, "_sig"])
+    theirs = list(calls[normal[0]].loc[calls[normal[0]]["_seq"] >= s, "_sig"])
+    k = min(len(mine), len(theirs) - 1)
+    if k >= 1 and mine[:k] == theirs[1:1 + k]:
+        return "skipped"
+    k = min(len(mine) - 1, len(theirs))
+    if k >= 1 and mine[1:1 + k] == theirs[:k]:
+        return "extra"
+    return "different"
+
+
+def _skipper(calls: dict[int, pd.DataFrame], at: dict) -> list[int] | None:
+    """With the same calls at a seq but different steps: the rank(s) that made fewer calls than the others in
+    some earlier step (they skipped one, so they run ahead), or None."""
+    per_step = {r: d[d["step"].notna()].groupby("step").size() for r, d in calls.items() if r in at}
+    ahead = max(int(row["step"]) for row in at.values() if not pd.isna(row["step"]))
+    for step in sorted({int(x) for c in per_step.values() for x in c.index if int(x) < ahead}):
+        n = {r: int(c.get(step, 0)) for r, c in per_step.items()}
+        if len(set(n.values())) > 1:
+            most = max(n.values())
+            return sorted(r for r, k in n.items() if k < most)
+    return None
+
+
+def _usual_sig(calls: dict[int, pd.DataFrame], at: dict, s: int) -> str | None:
+    """With no majority (e.g. two ranks), the call the group made at the same place of the previous step: the
+    members agreed then, so the member that repeats it is the normal one. None when that cannot be told."""
+    ref_rank = min(at)
+    row = at[ref_rank]
+    if pd.isna(row["step"]):
+        return None
+    prev_step = int(row["step"]) - 1
+    d = calls[ref_rank]
+    this_step = d[d["step"] == row["step"]]
+    prev = d[d["step"] == prev_step]
+    if prev.empty or this_step.empty:
+        return None
+    pos = int((this_step["_seq"] < s).sum())
+    if pos >= len(prev):
+        return None
+    usual = prev.iloc[pos]["_sig"]
+    same = [r for r, x in at.items() if x["_sig"] == usual]
+    return usual if same and len(same) < len(at) else None
+
+
+def _call(row: pd.Series) -> dict:
+    return {"op": row["op"], "dtype": None if pd.isna(row["dtype"]) else row["dtype"],
+            "num_bytes": None if pd.isna(row["num_bytes"]) else int(row["num_bytes"]),
+            "step": None if pd.isna(row["step"]) else int(row["step"])}
+
+
+def _say(call: dict | None) -> str:
+    if call is None:
+        return "?"
+    size = size_label(call["num_bytes"]) if call["num_bytes"] is not None else "? B"
+    return f"{call['op']} ({call['dtype'] or '?'}, {size})"
+
+
+def detect_mismatches(mismatches: pd.DataFrame, *, axis_of_pg: Callable[[str], str | None] = axis_of) -> list[Finding]:
+    """COLLECTIVE_MISMATCH (critical) per mismatched group: the odd rank(s), what every member issued, the step
+    and phase of the odd call."""
+    out = []
+    for m in mismatches.itertuples(index=False):
+        members = list(group_members(m.pg_ranks))
+        odd = list(m.odd_ranks)
+        mine = m.issued[str(odd[0])] if odd else None
+        where = f"#{m.seq} on group {m.pg} {members} (step {m.step}" + (f", {m.phase}" if m.phase else "") + ")"
+        if m.kind == "skipped":
+            title = f"rank(s) {odd} skipped {_say(m.expected)} {where}: every later call is shifted"
+        elif m.kind == "extra":
+            title = f"rank(s) {odd} issued an extra {_say(mine)} {where}: every later call is shifted"
+        elif m.expected is not None:
+            others = [r for r in members if r not in odd and str(r) in m.issued]
+            title = f"rank(s) {odd} issued {_say(mine)} where rank(s) {others} issued {_say(m.expected)} {where}"
+        else:
+            title = ("members issued different collectives " + where + ": "
+                     + "; ".join(f"rank {r} {_say(c)}" for r, c in m.issued.items()))
+        out.append(Finding(
+            code="COLLECTIVE_MISMATCH", severity="critical", ranks=tuple(odd), group=axis_of_pg(m.pg), title=title,
+            evidence={"pg": m.pg, "pg_ranks": members, "restart": m.restart, "seq": m.seq, "kind": m.kind,
+                      "odd_ranks": odd, "issued": m.issued, "expected": m.expected, "step": m.step,
+                      "phase": m.phase},
+            recommendation=(f"Make every member of group {m.pg} issue the same collectives in the same order: look "
+                            f"for a rank-dependent branch (if rank == ...), an early exit or a conditional "
+                            f"all-reduce around step {m.step} in rank(s) {odd}'s code path. The job otherwise "
+                            f"hangs until the collective timeout."),
+            predicted_gain=None,
+        ))
+    return out

@@ -1,0 +1,278 @@
+"""RANK_CRASH and HANG verdicts from telemetry (attempts, lifecycle, pending, sampler rows) on small hand-made runs:
+who died first and how, the survivors are no culprits, the liveness of stuck ranks, point-to-point stalls, a
+network partition, and no verdict from an injected row."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from analysis_synth import (MS, T0, cut_rank, frames, lockstep_tables, pending_row, sampler_rows, stall_rank,
+                            write_rows_run)
+
+from dtprobe.analysis import RunAnalysis
+from dtprobe.analysis.crashes import classify_cause
+from dtprobe.analysis.hangs import merge_pending
+
+S = 1000 * MS
+
+
+def _codes(a: RunAnalysis, *codes: str) -> list:
+    return [f for f in a.findings() if f.code in codes]
+
+
+def _attempt(attempt: int, result: str, ranks: list[dict], *, started: int = T0, ended: int | None = None) -> dict:
+    return {"attempt": attempt, "node_rank": 0, "started_ns": started, "ended_ns": ended, "result": result,
+            "ranks": [{"local_rank": r["rank"], "pid": 100 + r["rank"], "signal": None, "first_failure": False,
+                       "time_ns": ended, "error": None, **r} for r in ranks]}
+
+
+def _killed_rank1_at_step3(*, restart: bool, attempts: bool) -> tuple[dict, list | None, list]:
+    """2 ranks; rank 1 is SIGKILLed at 330 ms (step 3, in its forward); rank 0 enters all-reduce #4 at 360 ms
+    (a pending row), torchrun SIGTERMs it at 500 ms. With ``restart``: attempt 1 resumes from step 2 at 2 s."""
+    rows = lockstep_tables(world=2, num_steps=6)
+    cut_rank(rows, 1, T0 + 330 * MS)
+    stall_rank(rows, 0, T0 + 360 * MS, until_ns=T0 + 500 * MS, close=("crashed", "SIGTERM"))
+    rows["pending"] = [pending_row(0, step=3, seq=4, t_ns=T0 + 360 * MS)]
+    faults = []
+    att = [_attempt(0, "failed", [{"rank": 1, "exit_code": -9, "signal": "SIGKILL", "first_failure": True,
+                                   "time_ns": T0 + 330 * MS},
+                                  {"rank": 0, "exit_code": -15, "signal": "SIGTERM", "time_ns": T0 + 500 * MS}],
+                    ended=T0 + 500 * MS)]
+    if restart:
+        again = lockstep_tables(world=2, num_steps=4, t0=T0 + 2 * S, first_step=2, restart=1)
+        for table, new in again.items():
+            rows[table] += new
+        faults.append({"rank": 0, "time_ns": T0 + 2 * S - 10 * MS, "step": 2, "kind": "restart", "injected": False,
+                       "detail": json.dumps({"restart": 1, "from_step": 2, "checkpoint_step": 1, "last_step": 2,
+                                             "steps_lost": 1})})
+        att.append(_attempt(1, "succeeded", [{"rank": 0, "exit_code": 0}, {"rank": 1, "exit_code": 0}],
+                            started=T0 + 2 * S, ended=T0 + 3 * S))
+    return rows, att if attempts else None, faults
+
+
+@pytest.mark.parametrize("attempts", [True, False], ids=["dtprobe-run", "plain-torchrun"])
+def test_rank_crash_names_the_killed_rank_not_the_sigtermed_survivor_and_no_hang(tmp_path, attempts):
+    rows, att, faults = _killed_rank1_at_step3(restart=False, attempts=attempts)
+    a = RunAnalysis.open(write_rows_run(tmp_path / "run", rows, world_size=2, status="crashed", attempts=att,
+                                        faults=faults))
+    assert _codes(a, "HANG") == []                       # rank 0 waited for a dead rank: not a hang
+    [f] = _codes(a, "RANK_CRASH")
+    ev = f.evidence
+    assert (f.ranks, f.severity, ev["step"], ev["last_step"], ev["also_lost"]) == ((1,), "critical", 3, 2, [0])
+    # the phase it died in: from the launcher's exit time (330 ms: fwd), else from its last sign of life (its
+    # sampler row at 300 ms, the step's start: data)
+    assert (ev["cause"], ev["recovered"], ev["phase"]) == ("killed_by_signal", False, "fwd" if attempts else "data")
+    assert ev["signal"] == ("SIGKILL" if attempts else None)
+    assert ev["source"] == ("attempts" if attempts else "lifecycle")
+    assert [(w["op"], w["seq"], w["arrived_ranks"]) for w in ev["waited_at"]] == [("allreduce", 4, [0])]
+    assert ev["injected"] is False
+
+
+def test_a_recovered_crash_is_a_warning_with_steps_lost_and_time_to_recover(tmp_path):
+    rows, att, faults = _killed_rank1_at_step3(restart=True, attempts=True)
+    a = RunAnalysis.open(write_rows_run(tmp_path / "run", rows, world_size=2, status="finished", attempts=att,
+                                        faults=faults))
+    [f] = _codes(a, "RANK_CRASH")
+    ev = f.evidence
+    assert (f.ranks, f.severity, ev["recovered"], ev["resumed_from_step"], ev["steps_lost"]) == (
+        (1,), "warning", True, 2, 1)
+    assert ev["time_to_recover_s"] == pytest.approx(2.0 - 0.33)    # crash to the first step of attempt 1
+    assert "HANG" not in [x.code for x in a.findings()]
+    header = a.metrics()["run"]
+    assert [(c["rank"], c["step"], c["recovered"]) for c in header["crashes"]] == [(1, 3, True)]
+    assert [(r["restart"], r["from_step"], r["steps_lost"]) for r in header["restarts"]] == [(1, 2, 1)]
+    assert header["crashes"][0]["title"] == f.title
+
+
+def test_the_first_failure_is_the_culprit_and_its_cause_not_the_survivors_communication_errors(tmp_path):
+    rows, _, _ = _killed_rank1_at_step3(restart=False, attempts=True)
+    oom = {"type": "torch.OutOfMemoryError", "message": "CUDA out of memory. Tried to allocate 2.00 GiB",
+           "traceback": "..."}
+    gloo = {"type": "torch.distributed.DistBackendError", "message": "Connection closed by peer [127.0.0.1]:1234",
+            "traceback": "..."}
+    att = [_attempt(0, "failed", [{"rank": 1, "exit_code": 1, "first_failure": True, "time_ns": T0 + 330 * MS,
+                                   "error": oom},
+                                  {"rank": 0, "exit_code": 1, "time_ns": T0 + 400 * MS, "error": gloo}])]
+    a = RunAnalysis.open(write_rows_run(tmp_path / "run", rows, world_size=2, status="crashed", attempts=att))
+    [f] = _codes(a, "RANK_CRASH")
+    assert (f.ranks, f.evidence["cause"], f.evidence["error_type"]) == ((1,), "out_of_memory",
+                                                                        "torch.OutOfMemoryError")
+    assert "CUDA out of memory" in f.title
+
+
+@pytest.mark.parametrize("kw,cause", [
+    (dict(error_type="torch.OutOfMemoryError", error_message="CUDA out of memory"), "out_of_memory"),
+    (dict(error_type="MemoryError", error_message=""), "out_of_memory"),
+    (dict(error_type="RuntimeError", error_message="CUDA error: an illegal memory access was encountered"), "device"),
+    (dict(error_type=None, error_message=None, xid=True), "device"),
+    (dict(error_type="torch.distributed.DistBackendError", error_message="NCCL error in: ..."), "communication"),
+    (dict(error_type="RuntimeError", error_message="[../gloo/transport/tcp/pair.cc:534] Connection closed by peer"),
+     "communication"),
+    (dict(error_type="ValueError", error_message="bad batch"), "user_exception"),
+    (dict(error_type=None, error_message=None, exit_code=-9, signal="SIGKILL"), "killed_by_signal"),
+    (dict(error_type=None, error_message=None, closed=False), "killed_by_signal"),
+    (dict(error_type=None, error_message=None, exit_code=3), "unknown"),
+])
+def test_crash_cause_classes(kw, cause):
+    base = dict(exit_code=1, signal=None)
+    assert classify_cause(**{**base, **kw}) == cause
+
+
+def _frozen_rank1(*, attempts: bool, world: int = 2) -> tuple[dict, list | None]:
+    """Rank 1 freezes (SIGSTOP) at 330 ms; the others wait in all-reduce #4 from 360 ms, alive (sampler rows)
+    until their watchdog fires at 10.4 s; torchrun then SIGKILLs the frozen rank."""
+    rows = lockstep_tables(world=world, num_steps=6)
+    cut_rank(rows, 1, T0 + 330 * MS)
+    rows["pending"] = []
+    for r in [r for r in range(world) if r != 1]:
+        stall_rank(rows, r, T0 + 360 * MS, until_ns=T0 + 10_400 * MS, close=("crashed", "watchdog"))
+        rows["pending"].append(pending_row(r, step=3, seq=4, t_ns=T0 + 360 * MS + r * MS, world=world))
+    ranks = [{"rank": 0, "exit_code": 124, "first_failure": True, "time_ns": T0 + 10_400 * MS},
+             {"rank": 1, "exit_code": -9, "signal": "SIGKILL", "time_ns": T0 + 40 * S}]
+    return rows, [_attempt(0, "failed", ranks)] if attempts else None
+
+
+@pytest.mark.parametrize("attempts", [True, False], ids=["dtprobe-run", "plain-torchrun"])
+def test_a_frozen_rank_is_a_hang_with_liveness_stopped_and_the_waiter_waiting_not_a_crash(tmp_path, attempts):
+    rows, att = _frozen_rank1(attempts=attempts)
+    stack = {"reason": "watchdog", "stack": 'File "train.py", line 80, in train_step\n  dist.all_reduce(t)'}
+    faults = [{"rank": 0, "time_ns": T0 + 10_360 * MS, "step": 3, "kind": "stack", "injected": False,
+               "detail": json.dumps(stack)},
+              {"rank": 0, "time_ns": T0 + 10_360 * MS, "step": 3, "kind": "hang", "injected": False,
+               "detail": json.dumps({"pg": "dp", "pg_ranks": "0,1", "seq": 4, "op": "allreduce",
+                                     "waiting_for_ranks": [1]})}]
+    a = RunAnalysis.open(write_rows_run(tmp_path / "run", rows, world_size=2, status="crashed", attempts=att,
+                                        faults=faults))
+    assert _codes(a, "RANK_CRASH") == []                  # the watchdog ended a hang: not a crash
+    [f] = _codes(a, "HANG")
+    ev = f.evidence
+    assert (f.ranks, f.severity, f.group, ev["op"], ev["seq"], ev["step"]) == ((1,), "critical", "dp", "allreduce",
+                                                                              4, 3)
+    assert ev["liveness"] == {"0": "waiting", "1": "stopped"} and ev["cause"] == "missing_rank"
+    assert ev["stacks"] == {"0": stack["stack"]}
+    assert ev["watchdog_report"]["reported_by"] == 0 and ev["watchdog_report"]["waiting_for_ranks"] == [1]
+    assert ev["waited_s"] == pytest.approx(10.4 - 0.36, abs=0.2)
+
+
+def test_a_rank_alive_outside_the_collective_is_named_alive(tmp_path):
+    rows = lockstep_tables(world=2, num_steps=6)
+    stall_rank(rows, 1, T0 + 330 * MS, until_ns=T0 + 10_400 * MS, close=("crashed", "watchdog"))
+    stall_rank(rows, 0, T0 + 360 * MS, until_ns=T0 + 10_400 * MS, close=("crashed", "watchdog"))
+    rows["pending"] = [pending_row(0, step=3, seq=4, t_ns=T0 + 360 * MS)]
+    a = RunAnalysis.open(write_rows_run(tmp_path / "run", rows, world_size=2, status="crashed"))
+    [f] = _codes(a, "HANG")
+    assert f.ranks == (1,) and f.evidence["liveness"] == {"0": "waiting", "1": "alive"}
+
+
+def test_network_partition_is_a_hang_with_cause_network_and_both_sides_waiting(tmp_path):
+    rows = lockstep_tables(world=4, num_steps=6)
+    rows["pending"] = []
+    for r in range(4):
+        stall_rank(rows, r, T0 + 360 * MS, until_ns=T0 + 10_400 * MS, close=("crashed", "watchdog"))
+        rows["pending"].append(pending_row(r, step=3, seq=4, t_ns=T0 + 360 * MS + r * MS, world=4))
+    a = RunAnalysis.open(write_rows_run(tmp_path / "run", rows, world_size=4, status="crashed",
+                                        node_of={0: 0, 1: 0, 2: 1, 3: 1}))
+    [f] = _codes(a, "HANG")
+    ev = f.evidence
+    assert ev["cause"] == "network" and ev["sides"] == {"node0": [0, 1], "node1": [2, 3]}
+    assert ev["liveness"] == {str(r): "waiting" for r in range(4)}
+    assert f.ranks == (0, 1, 2, 3) and _codes(a, "RANK_CRASH") == []
+
+
+def test_all_entered_on_one_node_is_not_called_network(tmp_path):
+    rows = lockstep_tables(world=2, num_steps=6)
+    rows["pending"] = []
+    for r in range(2):
+        stall_rank(rows, r, T0 + 360 * MS, until_ns=T0 + 10_400 * MS, close=("crashed", "watchdog"))
+        rows["pending"].append(pending_row(r, step=3, seq=4, t_ns=T0 + 360 * MS))
+    a = RunAnalysis.open(write_rows_run(tmp_path / "run", rows, world_size=2, status="crashed"))
+    [f] = _codes(a, "HANG")
+    assert f.evidence["cause"] == "mutual_wait" and f.evidence["sides"] is None
+
+
+def _pipeline(world: int = 3) -> dict:
+    """A pipeline 0 -> 1 -> ...: each step stage s sends to s+1 (the k-th send = the peer's k-th recv)."""
+    rows = lockstep_tables(world=world, num_steps=6)
+    rows["collectives"] = []
+    for step in range(6):
+        t = T0 + step * 100 * MS
+        for s in range(world - 1):
+            for rank, peer, op in ((s, s + 1, "send"), (s + 1, s, "recv")):
+                rows["collectives"].append({"rank": rank, "pg": "pp", "pg_ranks": ",".join(map(str, range(world))),
+                                            "pg_size": world, "seq": step + 1, "op": op, "num_bytes": 1 << 20,
+                                            "dtype": "float32", "enqueue_ns": t + (10 + 10 * s) * MS,
+                                            "end_ns": t + (15 + 10 * s) * MS, "step": step, "peer": peer,
+                                            "restart": 0, "timing": "host"})
+    return rows
+
+
+def test_p2p_a_stage_blocked_in_recv_names_the_stage_that_never_sent_not_the_chain(tmp_path):
+    rows = _pipeline(world=3)
+    cut_rank(rows, 0, T0 + 305 * MS)               # stage 0 freezes before its step-3 send
+    stall_rank(rows, 1, T0 + 310 * MS, until_ns=T0 + 10_400 * MS, close=("crashed", "watchdog"))
+    stall_rank(rows, 2, T0 + 320 * MS, until_ns=T0 + 10_400 * MS, close=("crashed", "watchdog"))
+    rows["pending"] = [
+        pending_row(1, step=3, seq=4, t_ns=T0 + 310 * MS, world=3, pg="pp", op="recv", peer=0, num_bytes=1 << 20),
+        pending_row(2, step=3, seq=4, t_ns=T0 + 320 * MS, world=3, pg="pp", op="recv", peer=1, num_bytes=1 << 20)]
+    a = RunAnalysis.open(write_rows_run(tmp_path / "run", rows, world_size=3, status="crashed"))
+    [f] = _codes(a, "HANG")
+    ev = f.evidence
+    assert (f.ranks, ev["op"], ev["peer"], ev["arrived_ranks"], ev["liveness"]["0"]) == ((0,), "recv", 0, [1],
+                                                                                        "stopped")
+    assert "never sent" in f.title
+
+
+def test_p2p_recv_whose_peer_sent_is_no_stall():
+    from analysis_synth import _ns  # noqa: F401  (same helpers as the run tests)
+
+    from dtprobe.analysis.hangs import p2p_stalls
+
+    rows = _pipeline(world=2)
+    last = [x for x in rows["collectives"] if x["op"] == "recv" and x["step"] == 5][0]
+    last["end_ns"] = None                            # still finishing, but stage 0 did send #6
+    coll = frames(rows)["collectives"]
+    assert p2p_stalls(coll, now_ns=T0 + 10 * S, min_wait_ns=0).empty
+    rows["collectives"] = [x for x in rows["collectives"] if not (x["op"] == "send" and x["step"] == 5)]
+    [stall] = p2p_stalls(frames(rows)["collectives"], now_ns=T0 + 10 * S, min_wait_ns=0).itertuples()
+    assert (stall.arrived_ranks, stall.missing_ranks, stall.seq) == ("1", "0", 6)
+
+
+def test_a_clean_run_gives_no_crash_hang_or_mismatch(tmp_path):
+    a = RunAnalysis.open(write_rows_run(tmp_path / "run", lockstep_tables(world=4, num_steps=8), world_size=4,
+                                        status="finished",
+                                        attempts=[_attempt(0, "succeeded", [{"rank": r, "exit_code": 0}
+                                                                            for r in range(4)])]))
+    assert _codes(a, "HANG", "RANK_CRASH", "COLLECTIVE_MISMATCH", "CHECKPOINT_CORRUPT") == []
+    assert a.metrics()["run"]["crashes"] == [] and a.metrics()["run"]["restarts"] == []
+
+
+def test_injected_rows_alone_give_no_finding(tmp_path):
+    faults = [{"rank": 1, "time_ns": T0 + 200 * MS, "step": 2, "kind": kind, "injected": True, "detail": "{}"}
+              for kind in ("hang", "crash", "corrupt-ckpt", "straggler")]
+    a = RunAnalysis.open(write_rows_run(tmp_path / "run", lockstep_tables(world=2, num_steps=8), world_size=2,
+                                        status="finished", faults=faults))
+    assert _codes(a, "HANG", "RANK_CRASH", "CHECKPOINT_CORRUPT", "STRAGGLER") == []
+
+
+def test_a_running_run_whose_rank_went_silent_long_ago_reports_it_lost(tmp_path):
+    rows = lockstep_tables(world=2, num_steps=6)
+    cut_rank(rows, 1, T0 + 330 * MS)                 # no close: killed; rank 0 carries on alone (no collectives)
+    rows["lifecycle"] = [x for x in rows["lifecycle"] if x["event"] == "attach"]
+    rows["devices"] += sampler_rows(0, T0 + 600 * MS, T0 + 90 * S, every_ms=1000)
+    a = RunAnalysis(RunAnalysis.open(write_rows_run(tmp_path / "run", rows, world_size=2, status="running")).source,
+                    now_ns=T0 + 90 * S)
+    [f] = _codes(a, "RANK_CRASH")
+    assert f.ranks == (1,) and f.evidence["source"] == "lifecycle"
+
+
+def test_pending_rows_become_unfinished_collectives_unless_a_completed_row_matches():
+    rows = lockstep_tables(world=2, num_steps=3)
+    f = frames({**rows, "pending": [pending_row(0, step=2, seq=3, t_ns=T0 + 260 * MS),     # completed later
+                                    pending_row(0, step=3, seq=4, t_ns=T0 + 360 * MS)]})   # never completed
+    merged = merge_pending(f["collectives"], f["pending"])
+    assert len(merged) == len(f["collectives"]) + 1
+    new = merged.iloc[-1]
+    assert (int(new["seq"]), int(new["rank"]), new["op"]) == (4, 0, "allreduce") and new["end_ns"] is __import__(
+        "pandas").NA
+    assert merge_pending(f["collectives"], frames({})["pending"]) is f["collectives"]

@@ -6,9 +6,20 @@ nodes wait for both (the run dir must be on a shared filesystem) and pass the sa
 torchrun runs in its own session; its log goes to ``<run>/logs/torchrun.node<K>.log`` and each worker's
 stdout/stderr to ``<run>/logs/node<K>/<rdzv id>/attempt_<n>/<local rank>/``. Progress is read from the steps rows
 of the rank that reports the loss (rank 0, or with pipeline parallelism the first rank holding the last stage:
-``parallel.mesh.loss_rank``) by tailing its ``events/steps/rankNNNNN.jsonl`` (nothing in the workers' loop). When torchrun exits, node 0 sets
-the status (``finished`` on exit code 0, else ``crashed``), compacts the store and prints a summary.
-Exit code: 0 finished, 1 crashed, 130 interrupted (Ctrl-C terminates the torchrun process group).
+``parallel.mesh.loss_rank``) by tailing its ``events/steps/rankNNNNN.jsonl`` (nothing in the workers' loop).
+When torchrun exits, node 0 sets the status (``finished`` on exit code 0, else ``crashed``), compacts the store
+and prints a summary. Exit code: 0 finished, 1 crashed, 130 interrupted (Ctrl-C terminates the torchrun process group).
+
+Attempts: every node's launcher records each torchrun attempt of its own node in run.json's ``attempts``
+(``store.manifest.record_attempt``, under the manifest lock): an attempt once the next one has started (seen while
+following), the last one when torchrun exits. Per rank: pid, exit code, signal, whether torchrun reported it as
+the attempt's first observed failure, when, and its Python exception. Sources (``runtime.attempts``, most robust
+first): the per-attempt, per-local-rank directories of torchrun's ``--log-dir`` holding torchelastic's error file
+(the worker's ``@record`` writes the exception's type, message and traceback) and the worker's ``worker.json``
+(rank, pid, clean exit); torchrun's ``failed (exitcode: X) local_rank: L (pid: P)`` and ``Sending process P
+closing signal S`` log lines (exit code of the first failure; workers the agent stopped); and the ``Root Cause``
+summary torchrun prints when it gives up (exit codes of every failed worker of the last attempt). torchrun
+reports no other exit codes (workers it stopped for a restart have ``exit_code`` null and ``signal`` SIGTERM).
 """
 
 from __future__ import annotations
@@ -21,9 +32,11 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import orjson
 
+from dtprobe.runtime.attempts import attempt_dirs, read_attempts
 from dtprobe.runtime.config import JobConfig
 from dtprobe.runtime.parallel.mesh import loss_rank
 from dtprobe.store import manifest as store_manifest
@@ -116,16 +129,18 @@ def launch(job: JobConfig, *, command: list[str], console: object | None = None)
                   f"x {job.train.seq_len} tokens, peak lr {job.train.peak_lr(layout.dp):.3g} -> {run_dir}")
     log_path = run_dir / LOGS_DIR / f"torchrun.node{job.node_rank}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    attempts = AttemptRecorder(job, log_path)
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(torchrun_command(job), env=worker_env(job), stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
         try:
-            _follow(proc, job, console, rank=loss_rank(layout))
+            _follow(proc, job, console, rank=loss_rank(layout), on_poll=attempts.poll)
             rc = proc.wait()
         except KeyboardInterrupt:
             console.print("dtprobe run: interrupted; stopping the workers ...")
             _terminate(proc)
             rc = 130
+    attempts.finish(exit_code=rc, interrupted=rc == 130)
     status = "finished" if rc == 0 else "crashed"
     if job.node_rank == 0:
         store_manifest.set_status(run_dir, status, exit_code=rc)
@@ -138,9 +153,38 @@ def launch(job: JobConfig, *, command: list[str], console: object | None = None)
     return 0 if rc == 0 else (130 if rc == 130 else 1)
 
 
-def _follow(proc: subprocess.Popen, job: JobConfig, console: object, *, rank: int = 0) -> None:
+class AttemptRecorder:
+    """Records this node's torchrun attempts in run.json: each ended one while following, all at the end."""
+
+    def __init__(self, job: JobConfig, torchrun_log: Path) -> None:
+        self.job = job
+        self.run_dir = Path(job.run_dir)
+        self.log_dir = self.run_dir / LOGS_DIR / f"node{job.node_rank}"
+        self.torchrun_log = torchrun_log
+        self._num_seen = 0
+
+    def poll(self) -> None:
+        """Record the attempts that ended since the last call (one ended when the next one's directory appears)."""
+        num = len(attempt_dirs(self.log_dir))
+        if num > max(self._num_seen, 1):
+            self._record(final=False)
+        self._num_seen = num
+
+    def finish(self, *, exit_code: int, interrupted: bool) -> None:
+        """torchrun has exited with ``exit_code``: record every attempt, the last one included."""
+        self._record(final=True, exit_code=exit_code, ended_ns=time.time_ns(), interrupted=interrupted)
+
+    def _record(self, **kw: object) -> None:
+        for attempt in read_attempts(self.log_dir, self.torchrun_log, node_rank=self.job.node_rank,
+                                     nproc=self.job.nproc, **kw):
+            store_manifest.record_attempt(self.run_dir, attempt)
+
+
+def _follow(proc: subprocess.Popen, job: JobConfig, console: object, *, rank: int = 0,
+            on_poll: Callable[[], None] | None = None) -> None:
     """Progress bar fed by ``rank``'s steps rows (tailed by byte offset) until torchrun exits; ``rank`` is the
-    one that reports the loss (a pipeline rank without the last stage has none)."""
+    one that reports the loss (a pipeline rank without the last stage has none). ``on_poll`` runs at every
+    poll (the attempt recorder)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     steps_file = Path(job.run_dir) / EVENTS_FILE.format(table="steps", rank=rank)
@@ -151,6 +195,8 @@ def _follow(proc: subprocess.Popen, job: JobConfig, console: object, *, rank: in
         task = progress.add_task("steps", total=job.train.steps, info="starting workers")
         while proc.poll() is None:
             time.sleep(_POLL_S)
+            if on_poll is not None:
+                on_poll()
             try:
                 with open(steps_file, "rb") as f:
                     f.seek(offset)

@@ -3,19 +3,31 @@ attaches the probe, trains, and closes. Started by ``runtime.launcher`` through 
 
 After the probe is closed (every row flushed), the ranks meet at a last barrier before exiting, so when any
 node's agent exits (and node 0's launcher compacts the store) every rank's telemetry is already on disk.
+
+``main`` is decorated with torchelastic's ``@record``: an uncaught exception is written (type and message,
+traceback, time) to the error file torchrun names in ``TORCHELASTIC_ERROR_FILE``, i.e.
+``<log dir>/<run>_*/attempt_<n>/<local rank>/error.json`` under the launcher's ``--log-dir``. Beside it the worker
+writes ``worker.json`` (``WORKER_FILE``) first thing: ``{"rank", "local_rank", "node_rank", "pid", "restart",
+"started_ns"}``, and at a clean return ``"ended_ns"`` and ``"exit_code": 0`` too; the launcher reads both files
+to record each attempt's per-rank exits in run.json (``runtime.launcher.read_attempts``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
+import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 import dtprobe
 from collectors.pg_wrapper import GLOO_BACKEND
+from dtprobe.runtime.attempts import WORKER_FILE
 from dtprobe.runtime.config import JobConfig, load_job
 from dtprobe.runtime.train import train
 from dtprobe.store.errors import ConfigError
@@ -41,7 +53,33 @@ def attach_for(job: JobConfig, device: torch.device) -> object:
                           run_id=os.path.basename(os.path.normpath(job.run_dir)), **collect)
 
 
+def worker_file() -> Path | None:
+    """``<attempt dir>/<local rank>/worker.json`` (beside ``TORCHELASTIC_ERROR_FILE``); None outside torchrun or
+    without ``--log-dir``."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    return Path(error_file).with_name(WORKER_FILE) if error_file else None
+
+
+def write_worker_file(**update: object) -> None:
+    """Write (or update with ``update``) this worker's ``worker.json`` atomically; no-op without one."""
+    path = worker_file()
+    if path is None or not path.parent.is_dir():
+        return
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, ValueError):
+        info = {"rank": int(os.environ.get("RANK", "0")), "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
+                "node_rank": int(os.environ.get("GROUP_RANK", "0")), "pid": os.getpid(),
+                "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), "started_ns": time.time_ns()}
+    info.update(update)
+    tmp = path.with_name(f".{WORKER_FILE}.tmp")
+    tmp.write_text(json.dumps(info) + "\n")
+    os.replace(tmp, path)
+
+
+@record
 def main() -> int:
+    write_worker_file()
     path = os.environ.get("DTPROBE_JOB")
     if not path:
         print("dtprobe worker: DTPROBE_JOB is not set; start workers with `dtprobe run`.", file=sys.stderr)
@@ -58,6 +96,7 @@ def main() -> int:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    write_worker_file(ended_ns=time.time_ns(), exit_code=0)
     return 0
 
 

@@ -2,8 +2,9 @@
 the attach-mode leader and every rank; read by ``RunStore``, ``list_runs`` and the dashboard.
 
 Every write is atomic (temp file + ``os.replace``), so a reader never sees a half-written JSON file; the
-read-modify-write updates (``set_status``, ``add_restart``) also hold an ``fcntl`` lock on ``<run>/.run.json.lock``
-so a launcher and a leader updating the same run do not lose each other's changes.
+read-modify-write updates (``set_status``, ``add_restart``, ``record_attempt``) also hold an ``fcntl`` lock on
+``<run>/.run.json.lock`` so launchers (one per node) and a leader updating the same run do not lose each other's
+changes.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ REQUIRED_MANIFEST_KEYS = ("format", "schema_version", "run_id", "status", "world
 REQUIRED_RANK_KEYS = ("rank", "host", "node_rank", "local_rank", "device", "pid", "clock_offset_ns")
 _KNOWN_MANIFEST_KEYS = frozenset(
     {"format", "schema_version", "run_id", "status", "world_size", "nnodes", "command", "config",
-     "created_ns", "ended_ns", "restarts"})
+     "created_ns", "ended_ns", "restarts", "attempts"})
+ATTEMPT_RESULTS = ("succeeded", "failed", "interrupted")
+"""``result`` of an entry of run.json's ``attempts``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,6 +97,11 @@ class Manifest:
     """When the run finished or crashed (Unix ns), null while running."""
     restarts: tuple[Restart, ...]
     """Restarts in the order recorded."""
+    attempts: tuple[dict[str, Any], ...] = ()
+    """torchrun attempts, one entry per (attempt, node), sorted by both, as ``record_attempt`` stores them:
+    ``{"attempt", "node_rank", "started_ns", "ended_ns", "result", "ranks": [{"rank", "local_rank", "pid",
+    "exit_code", "signal", "first_failure", "time_ns", "error"}]}`` (docs/run-store.md). Empty for runs
+    recorded before attempts were (and for ``attach`` runs, which have no launcher)."""
     ranks: tuple[RankInfo, ...]
     """Per-rank info, sorted by rank (only ranks that wrote their file)."""
     nodes: tuple[tuple[int, str], ...]
@@ -134,6 +142,7 @@ def create_manifest(run_dir: str | os.PathLike, *, run_id: str, command: list[st
         "created_ns": time.time_ns(),
         "ended_ns": None,
         "restarts": [],
+        "attempts": [],
     })
 
 
@@ -158,6 +167,34 @@ def add_restart(run_dir: str | os.PathLike, *, restart: int, time_ns: int, steps
             {"restart": int(restart), "time_ns": int(time_ns), "steps_lost": steps_lost, "from_step": from_step})
         data["status"] = "running"
         data["ended_ns"] = None
+
+
+def record_attempt(run_dir: str | os.PathLike, attempt: dict[str, Any]) -> None:
+    """Store one torchrun attempt of one node in run.json's ``attempts`` (replacing an entry with the same
+    ``attempt`` and ``node_rank``: a launcher may record an attempt again once it knows more); kept sorted by
+    (attempt, node_rank). ``attempt`` has the shape documented on ``Manifest.attempts``. FileNotFoundError if the
+    run has no run.json yet; ValueError for a malformed entry (a programming error of the caller)."""
+    _check_attempt(attempt)
+    key = (int(attempt["attempt"]), int(attempt["node_rank"]))
+    with _locked_manifest(run_dir) as data:
+        kept = [a for a in data.get("attempts") or [] if (a.get("attempt"), a.get("node_rank")) != key]
+        data["attempts"] = sorted([*kept, attempt], key=lambda a: (a["attempt"], a["node_rank"]))
+
+
+_ATTEMPT_KEYS = ("attempt", "node_rank", "started_ns", "ended_ns", "result", "ranks")
+_ATTEMPT_RANK_KEYS = ("rank", "local_rank", "pid", "exit_code", "signal", "first_failure", "time_ns", "error")
+
+
+def _check_attempt(attempt: dict[str, Any]) -> None:
+    if set(attempt) != set(_ATTEMPT_KEYS):
+        raise ValueError(f"attempt keys must be {list(_ATTEMPT_KEYS)}, got {sorted(attempt)}")
+    if attempt["result"] not in ATTEMPT_RESULTS:
+        raise ValueError(f"attempt result must be one of {ATTEMPT_RESULTS}, got {attempt['result']!r}")
+    for r in attempt["ranks"]:
+        if set(r) != set(_ATTEMPT_RANK_KEYS):
+            raise ValueError(f"attempt rank keys must be {list(_ATTEMPT_RANK_KEYS)}, got {sorted(r)}")
+        if r["error"] is not None and set(r["error"]) != {"type", "message", "traceback"}:
+            raise ValueError(f"a rank's error must have keys type, message, traceback; got {sorted(r['error'])}")
 
 
 def write_rank_info(run_dir: str | os.PathLike, rank: int, *, host: str, node_rank: int, local_rank: int,
@@ -196,10 +233,21 @@ def read_manifest(run_dir: str | os.PathLike) -> Manifest:
         created_ns=data.get("created_ns"),
         ended_ns=data.get("ended_ns"),
         restarts=restarts,
+        attempts=tuple(_read_attempts(data.get("attempts"), run_dir / MANIFEST_FILE)),
         ranks=ranks,
         nodes=tuple(sorted({(r.node_rank, r.host) for r in ranks})),
         extra={k: v for k, v in data.items() if k not in _KNOWN_MANIFEST_KEYS},
     )
+
+
+def _read_attempts(raw: Any, path: Path) -> list[dict[str, Any]]:
+    """run.json's ``attempts`` (absent in older runs: empty); TraceError if present but not a list of objects."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list) or not all(isinstance(a, dict) and isinstance(a.get("ranks"), list) for a in raw):
+        raise TraceError(f"'{path}': \"attempts\" must be a list of objects with a \"ranks\" list (written by "
+                         f"the launcher); fix or delete that key.")
+    return sorted(raw, key=lambda a: (a.get("attempt", 0), a.get("node_rank", 0)))
 
 
 def read_run_json(run_dir: Path) -> dict[str, Any]:

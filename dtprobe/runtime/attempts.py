@@ -1,0 +1,259 @@
+"""Each torchrun attempt's per-rank exits on one node, read from what torchrun leaves; written by the launcher into
+run.json's ``attempts`` (``store.manifest.record_attempt``) and read by the analysis' crash verdict.
+
+Sources (torch 2.13's elastic agent), most robust first:
+
+1. torchrun's ``--log-dir``: one directory per attempt and local rank, ``<log dir>/<rdzv id>_*/attempt_<n>/<local
+   rank>/``, created by the agent when it starts the attempt's workers. In it ``error.json`` is torchelastic's error
+   file, written by ``@record`` on the worker's entry point for an uncaught exception (``{"message": {"message":
+   "<Type>: <text>", "extraInfo": {"py_callstack": <traceback>, "timestamp": <s>}}}``), and ``worker.json`` is the
+   worker's own record of who it is (``runtime.worker.WORKER_FILE``: rank, pid, start, and exit code 0 once it
+   returned cleanly).
+2. torchrun's log (``logs/torchrun.node<K>.log``, WARNING level and up), glog-prefixed lines (``E1123
+   22:27:20.790000 <agent pid> .../api.py:1002] ...``, local time):
+   ``failed (exitcode: X) local_rank: L (pid: P) of binary: ...`` once per failed attempt: the first observed
+   failure (``first_failure``; torchrun orders failures by the second of their error file's timestamp, or of their
+   discovery without one, so two failures within one second are ordered arbitrarily); ``Sending process P closing
+   signal S`` for every worker the agent stopped (exit code not reported: ``exit_code`` null, ``signal`` S).
+3. The ``ChildFailedError`` summary torchrun prints when it gives up (``Failures:`` ... ``Root Cause (first
+   observed failure):``): global rank, local rank, exit code and pid of every failed worker of the last attempt.
+
+Log lines belong to the attempt that started last before their time. Not used: torchelastic's worker events
+(``--event-log-handler``), which are emitted only once, for the final attempt.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+WORKER_FILE = "worker.json"
+"""Name of the worker's own record beside its error file (``runtime.worker.WORKER_FILE``)."""
+ERROR_FILE = "error.json"
+"""Name of torchelastic's per-worker error file."""
+
+_GLOG_RE = re.compile(r"^[IWEF](\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d{6}) ")
+_FAILED_RE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
+_CLOSING_RE = re.compile(r"Sending process (\d+) closing signal (SIG[A-Z0-9]+)")
+_SUMMARY_RE = re.compile(r"rank\s*:\s*(\d+) \(local_rank: (\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+) \(pid: (\d+)\)")
+_ATTEMPT_RE = re.compile(r"^attempt_(\d+)$")
+
+
+@dataclass
+class _LogEvents:
+    """What torchrun's log says about one attempt of this node."""
+
+    first_failure: tuple[int, int, int, int | None] | None = None
+    """(exit code, local rank, pid, time_ns) of the first observed failure."""
+    closed: dict[int, tuple[str, int | None]] = field(default_factory=dict)
+    """pid -> (signal name, time_ns) of workers the agent stopped."""
+
+
+def glog_time_ns(line: str, *, now_ns: int | None = None) -> int | None:
+    """Unix ns of a glog-prefixed line (``W1123 22:27:20.726000 ...``, local time, no year: the year that puts
+    it at most a day after ``now_ns``); None without that prefix."""
+    m = _GLOG_RE.match(line)
+    if not m:
+        return None
+    month, day, hh, mm, ss, us = (int(g) for g in m.groups())
+    now_ns = time.time_ns() if now_ns is None else now_ns
+    year = time.localtime(now_ns / 1e9).tm_year
+    for y in (year, year - 1):
+        try:
+            t = time.mktime((y, month, day, hh, mm, ss, 0, 0, -1))
+        except (OverflowError, ValueError):
+            return None
+        t_ns = int(t) * 1_000_000_000 + us * 1000
+        if t_ns <= now_ns + 86_400 * 1_000_000_000:
+            return t_ns
+    return None
+
+
+def attempt_dirs(log_dir: Path) -> dict[int, Path]:
+    """attempt number -> ``<log_dir>/<rdzv id>_*/attempt_<n>`` of the newest torchrun run under ``log_dir``."""
+    runs = sorted((p for p in log_dir.glob("*") if p.is_dir() and any(p.glob("attempt_*"))),
+                  key=lambda p: p.stat().st_mtime_ns) if log_dir.is_dir() else []
+    if not runs:
+        return {}
+    out = {}
+    for p in runs[-1].iterdir():
+        m = _ATTEMPT_RE.match(p.name)
+        if m and p.is_dir():
+            out[int(m.group(1))] = p
+    return dict(sorted(out.items()))
+
+
+def read_error_file(path: Path) -> dict[str, str] | None:
+    """``{"type", "message", "traceback"}`` from a torchelastic error file; None if absent or unreadable."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    msg = data.get("message") if isinstance(data, dict) else None
+    if isinstance(msg, dict):
+        text = str(msg.get("message", ""))
+        tb = str((msg.get("extraInfo") or {}).get("py_callstack", ""))
+    elif isinstance(msg, str):
+        text, tb = msg, ""
+    else:
+        return None
+    kind, sep, rest = text.partition(": ")
+    if not sep or not kind.replace(".", "").replace("_", "").isalnum():
+        kind, rest = "", text
+    return {"type": kind, "message": rest, "traceback": tb}
+
+
+def signal_name(exit_code: int | None) -> str | None:
+    """``SIGKILL`` for -9 etc.; None for a non-negative or unknown code."""
+    if exit_code is None or exit_code >= 0:
+        return None
+    try:
+        return signal.Signals(-exit_code).name
+    except ValueError:
+        return None
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _log_events(log_text: str, starts: dict[int, int | None], *, now_ns: int) -> dict[int, _LogEvents]:
+    """Assign torchrun's failure and closing lines to attempts by time (a line without a time: the attempt of the
+    line before it)."""
+    events = {n: _LogEvents() for n in starts}
+    order = sorted(starts)
+    current = order[0] if order else 0
+    for line in log_text.splitlines():
+        failed, closing = _FAILED_RE.search(line), _CLOSING_RE.search(line)
+        if not failed and not closing:
+            continue
+        t = glog_time_ns(line, now_ns=now_ns)
+        if t is not None:
+            started = [n for n in order if starts[n] is not None and starts[n] <= t]
+            current = started[-1] if started else (order[0] if order else 0)
+        ev = events.setdefault(current, _LogEvents())
+        if failed:
+            code, local_rank, pid = (int(g) for g in failed.groups())
+            if ev.first_failure is None:
+                ev.first_failure = (code, local_rank, pid, t)
+        else:
+            ev.closed.setdefault(int(closing.group(1)), (closing.group(2), t))
+    return events
+
+
+def _summary(log_text: str) -> dict[int, tuple[int, int, int]]:
+    """local rank -> (global rank, exit code, pid) from the last ChildFailedError summary in the log."""
+    start = log_text.rfind("Failures:")
+    if start < 0:
+        return {}
+    out = {}
+    for m in _SUMMARY_RE.finditer(log_text[start:]):
+        rank, local_rank, code, pid = (int(g) for g in m.groups())
+        out[local_rank] = (rank, code, pid)
+    return out
+
+
+def read_attempts(log_dir: Path, torchrun_log: Path, *, node_rank: int, nproc: int, final: bool,
+                  exit_code: int | None = None, ended_ns: int | None = None,
+                  interrupted: bool = False) -> list[dict[str, Any]]:
+    """run.json ``attempts`` entries of this node (shape: ``store.manifest.Manifest.attempts``).
+
+    ``final``: torchrun has exited with ``exit_code`` at ``ended_ns`` (``interrupted``: stopped by Ctrl-C), so
+    the last attempt is complete too; otherwise the last attempt (still running) is left out.
+    """
+    dirs = attempt_dirs(log_dir)
+    if not dirs:
+        return []
+    workers = {n: {int(p.name): (_read_json(p / WORKER_FILE), read_error_file(p / ERROR_FILE),
+                                 (p / ERROR_FILE).stat().st_mtime_ns if (p / ERROR_FILE).is_file() else None)
+                   for p in d.iterdir() if p.is_dir() and p.name.isdigit()}
+               for n, d in dirs.items()}
+    starts: dict[int, int | None] = {}
+    for n, d in dirs.items():
+        known = [w["started_ns"] for w, _, _ in workers[n].values() if w and w.get("started_ns")]
+        starts[n] = min(known) if known else d.stat().st_mtime_ns
+    now_ns = ended_ns or time.time_ns()
+    log_text = torchrun_log.read_text(errors="replace") if torchrun_log.is_file() else ""
+    events = _log_events(log_text, starts, now_ns=now_ns)
+    last = max(dirs)
+    summary = _summary(log_text) if final else {}
+    out = []
+    for n in sorted(dirs):
+        if n == last and not final:
+            break
+        ev = events.get(n, _LogEvents())
+        is_last = n == last
+        ranks = []
+        for local_rank, (info, error, error_mtime) in sorted(workers[n].items()):
+            ranks.append(_rank_entry(local_rank, info, error, error_mtime, ev,
+                                     summary.get(local_rank) if is_last else None,
+                                     node_rank=node_rank, nproc=nproc))
+        ranks = [r for r in ranks if r is not None]
+        result = _result(ranks, ev, is_last=is_last, exit_code=exit_code, interrupted=interrupted)
+        next_start = starts.get(n + 1)
+        times = [r["time_ns"] for r in ranks if r["time_ns"] is not None]
+        end = ended_ns if is_last else (ev.first_failure[3] if ev.first_failure and ev.first_failure[3]
+                                        else (max(times) if times else next_start))
+        out.append({"attempt": n, "node_rank": node_rank, "started_ns": starts[n], "ended_ns": end,
+                    "result": result, "ranks": ranks})
+    return out
+
+
+def _rank_entry(local_rank: int, info: dict[str, Any] | None, error: dict[str, str] | None,
+                error_mtime: int | None, ev: _LogEvents, summary: tuple[int, int, int] | None, *,
+                node_rank: int, nproc: int) -> dict[str, Any] | None:
+    """One rank's exit in one attempt, or None when nothing is known about it (no worker file, no report)."""
+    pid = info.get("pid") if info else None
+    first = ev.first_failure is not None and ev.first_failure[1] == local_rank and (
+        pid is None or ev.first_failure[2] == pid)
+    if pid is None:
+        pid = ev.first_failure[2] if first else (summary[2] if summary else None)
+    exit_code, time_ns, sig = None, None, None
+    if first:
+        exit_code, time_ns = ev.first_failure[0], ev.first_failure[3]
+    elif summary is not None:
+        exit_code = summary[1]
+    elif info and info.get("exit_code") is not None:
+        exit_code = int(info["exit_code"])
+    sig = signal_name(exit_code)
+    if pid in ev.closed:
+        closing_sig, closing_t = ev.closed[pid]
+        if exit_code is None or (sig is not None and sig == closing_sig):
+            sig = closing_sig
+            time_ns = time_ns or closing_t
+    if error_mtime is not None:
+        time_ns = time_ns or error_mtime
+    if exit_code == 0 and info:
+        time_ns = time_ns or info.get("ended_ns")
+    if info is None and not first and summary is None and error is None and pid not in ev.closed:
+        return None
+    if info and info.get("rank") is not None:
+        rank = int(info["rank"])
+    elif summary is not None:
+        rank = summary[0]
+    else:
+        rank = node_rank * nproc + local_rank          # torchrun's order for equal nproc on every node
+    return {"rank": rank, "local_rank": local_rank, "pid": pid, "exit_code": exit_code, "signal": sig,
+            "first_failure": first, "time_ns": time_ns, "error": error}
+
+
+def _result(ranks: list[dict[str, Any]], ev: _LogEvents, *, is_last: bool, exit_code: int | None,
+            interrupted: bool) -> str:
+    if is_last and exit_code == 0:
+        return "succeeded"
+    failed = ev.first_failure is not None or any(
+        r["error"] is not None or (r["exit_code"] not in (None, 0) and r["signal"] != "SIGTERM") for r in ranks)
+    if failed:
+        return "failed"
+    if is_last and not interrupted and exit_code not in (None, 0):
+        return "failed"
+    return "interrupted"

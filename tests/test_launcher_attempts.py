@@ -1,0 +1,182 @@
+"""Each torchrun attempt's per-rank exits in run.json (``attempts``): faults caused from outside the job (a worker
+SIGKILLed, a worker whose rank file cannot be written), and the error-file / log parsing they rest on."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dtprobe.runtime.attempts import glog_time_ns, read_attempts, read_error_file
+from dtprobe.store.manifest import create_manifest, read_manifest, record_attempt
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def dtprobe_cmd(run_dir: Path, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "dtprobe.cli", "run", "--run-dir", str(run_dir), "--no-devices", "--timeout", "60",
+            "--batch-size", "2", "--seq-len", "16", "--nproc", "2", *flags]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+def _wait_for(cond, *, timeout: float, proc: subprocess.Popen, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if proc.poll() is not None:
+            pytest.fail(f"dtprobe run ended ({proc.returncode}) before {what}:\n{proc.stderr.read()[-3000:]}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _has_step_row(path: Path) -> bool:
+    return path.is_file() and path.read_bytes().count(b"\n") >= 2
+
+
+@pytest.mark.multiproc
+def test_attempts_name_the_rank_killed_from_outside_and_the_attempt_that_recovered(tmp_path):
+    run_dir = tmp_path / "killed"
+    proc = subprocess.Popen(dtprobe_cmd(run_dir, "--steps", "40", "--max-restarts", "1"), env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        rank_file = run_dir / "ranks" / "rank00001.json"
+        _wait_for(lambda: _has_step_row(run_dir / "events" / "steps" / "rank00001.jsonl") and rank_file.is_file(),
+                  timeout=240, proc=proc, what="rank 1's second step row")
+        pid = json.loads(rank_file.read_text())["pid"]
+        os.kill(pid, signal.SIGKILL)
+        killed_ns = time.time_ns()
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    attempts = read_manifest(run_dir).attempts
+    assert [(a["attempt"], a["node_rank"], a["result"]) for a in attempts] == [(0, 0, "failed"), (1, 0, "succeeded")]
+    first, second = attempts
+    killed = [r for r in first["ranks"] if r["first_failure"]]
+    assert len(killed) == 1 and killed[0]["rank"] == 1 and killed[0]["local_rank"] == 1
+    assert killed[0]["pid"] == pid and killed[0]["exit_code"] == -9 and killed[0]["signal"] == "SIGKILL"
+    assert killed[0]["error"] is None
+    assert killed_ns - 1e9 < killed[0]["time_ns"] < killed_ns + 30e9        # the agent saw it after the kill
+    assert first["started_ns"] < killed_ns <= first["ended_ns"] <= second["started_ns"]
+    survivor = [r for r in first["ranks"] if r["rank"] == 0]
+    assert [r["first_failure"] for r in survivor] in ([], [False])
+    assert sorted(r["rank"] for r in second["ranks"]) == [0, 1]
+    assert all(r["exit_code"] == 0 and r["signal"] is None and not r["first_failure"] and r["error"] is None
+               for r in second["ranks"])
+    assert {r["pid"] for r in second["ranks"]}.isdisjoint({pid}) and second["ended_ns"] > second["started_ns"]
+
+
+@pytest.mark.multiproc
+def test_attempts_carry_the_python_exception_of_a_worker_that_raised(tmp_path):
+    run_dir = tmp_path / "raised"
+    # From outside the job: a file where the checkpoint directory goes, so the leader's checkpointer raises at
+    # setup (no --inject).
+    run_dir.mkdir()
+    (run_dir / "checkpoints").write_text("not a directory\n")
+    proc = subprocess.run(dtprobe_cmd(run_dir, "--steps", "4", "--ckpt-every", "2"), env=_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    (attempt,) = read_manifest(run_dir).attempts
+    assert attempt["result"] == "failed" and attempt["node_rank"] == 0
+    (failed,) = [r for r in attempt["ranks"] if r["first_failure"]]
+    assert failed["rank"] == 0 and failed["exit_code"] == 1 and failed["signal"] is None
+    assert failed["error"]["type"] == "FileExistsError"
+    assert str(run_dir / "checkpoints") in failed["error"]["message"]
+    assert "checkpoint.py" in failed["error"]["traceback"] and "Traceback" in failed["error"]["traceback"]
+    assert failed["pid"] is not None and attempt["started_ns"] <= failed["time_ns"] <= attempt["ended_ns"]
+    assert sorted(r["rank"] for r in attempt["ranks"]) == [0, 1]      # both exits reported in the final summary
+
+
+def test_error_file_written_by_torchelastic_is_read_into_type_message_and_traceback(tmp_path, monkeypatch):
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+
+    @record
+    def entry() -> None:
+        raise ValueError("batch of 3 does not split into 2 micro-batches")
+
+    with pytest.raises(ValueError):
+        entry()
+    assert read_error_file(error_file) == {
+        "type": "ValueError", "message": "batch of 3 does not split into 2 micro-batches",
+        "traceback": json.loads(error_file.read_text())["message"]["extraInfo"]["py_callstack"]}
+    assert "in entry" in read_error_file(error_file)["traceback"]
+    assert read_error_file(tmp_path / "absent.json") is None
+
+
+def _attempt_dir(log_dir: Path, n: int, local_rank: int, **worker) -> Path:
+    d = log_dir / "run_abc" / f"attempt_{n}" / str(local_rank)
+    d.mkdir(parents=True)
+    if worker:
+        (d / "worker.json").write_text(json.dumps(worker))
+    return d
+
+
+def _glog(t_ns: int, level: str = "E") -> str:
+    lt = time.localtime(t_ns / 1e9)
+    return f"{level}{lt.tm_mon:02d}{lt.tm_mday:02d} {time.strftime('%H:%M:%S', lt)}.{(t_ns // 1000) % 1_000_000:06d}"
+
+
+def test_read_attempts_assigns_log_lines_to_attempts_by_time_and_reads_the_final_summary(tmp_path):
+    log_dir, t0 = tmp_path / "node0", 1_790_000_000_000_000_000
+    _attempt_dir(log_dir, 0, 0, rank=2, pid=100, started_ns=t0)
+    _attempt_dir(log_dir, 0, 1, rank=3, pid=101, started_ns=t0)
+    _attempt_dir(log_dir, 1, 0, rank=2, pid=200, started_ns=t0 + 10e9)
+    _attempt_dir(log_dir, 1, 1, rank=3, pid=201, started_ns=t0 + 10e9)
+    log = tmp_path / "torchrun.log"
+    log.write_text("\n".join([
+        f"{_glog(t0 + int(5e9), 'W')} 9 api.py:1028] Sending process 100 closing signal SIGTERM",
+        f"{_glog(t0 + int(5e9))} 9 api.py:1002] failed (exitcode: -9) local_rank: 1 (pid: 101) of binary: py",
+        f"{_glog(t0 + int(15e9), 'W')} 9 api.py:1028] Sending process 201 closing signal SIGTERM",
+        f"{_glog(t0 + int(15e9))} 9 api.py:1002] failed (exitcode: 1) local_rank: 0 (pid: 200) of binary: py",
+        "Failures:", "[1]:", "  time      : x", "  host      : h", "  rank      : 3 (local_rank: 1)",
+        "  exitcode  : -15 (pid: 201) (SIGTERM)", "  error_file: <N/A>", "  traceback : Signal 15",
+        "Root Cause (first observed failure):", "[0]:", "  time      : x", "  host      : h",
+        "  rank      : 2 (local_rank: 0)", "  exitcode  : 1 (pid: 200)", "  error_file: e", "  traceback : t", ""]))
+    got = read_attempts(log_dir, log, node_rank=1, nproc=2, final=True, exit_code=1, ended_ns=t0 + int(16e9))
+    assert [(a["attempt"], a["node_rank"], a["result"]) for a in got] == [(0, 1, "failed"), (1, 1, "failed")]
+    a0 = {r["rank"]: r for r in got[0]["ranks"]}
+    assert (a0[3]["exit_code"], a0[3]["signal"], a0[3]["first_failure"]) == (-9, "SIGKILL", True)
+    assert (a0[2]["exit_code"], a0[2]["signal"], a0[2]["first_failure"]) == (None, "SIGTERM", False)
+    assert abs(a0[3]["time_ns"] - (t0 + 5e9)) < 1e6 and got[0]["ended_ns"] == a0[3]["time_ns"]
+    a1 = {r["rank"]: r for r in got[1]["ranks"]}
+    assert (a1[2]["exit_code"], a1[2]["signal"], a1[2]["first_failure"]) == (1, None, True)
+    assert (a1[3]["exit_code"], a1[3]["signal"], a1[3]["first_failure"]) == (-15, "SIGTERM", False)
+    assert got[1]["ended_ns"] == t0 + int(16e9)
+    # while torchrun still runs, the last attempt is left out
+    assert [a["attempt"] for a in read_attempts(log_dir, log, node_rank=1, nproc=2, final=False)] == [0]
+
+
+def test_glog_time_reads_the_local_time_prefix_and_rejects_other_lines():
+    t = 1_790_000_000_123_456_000
+    assert glog_time_ns(_glog(t) + " 1 x.py:1] failed", now_ns=t + 10**9) == t
+    assert glog_time_ns("Failures:", now_ns=t) is None
+
+
+def test_record_attempt_replaces_the_same_attempt_and_node_and_old_runs_read_without_attempts(tmp_path):
+    create_manifest(tmp_path, run_id="r", command=["x"], config={}, world_size=4, nnodes=2)
+    data = json.loads((tmp_path / "run.json").read_text())
+    del data["attempts"]
+    (tmp_path / "run.json").write_text(json.dumps(data))
+    assert read_manifest(tmp_path).attempts == ()
+    entry = {"attempt": 0, "node_rank": 1, "started_ns": 1, "ended_ns": None, "result": "failed", "ranks": []}
+    record_attempt(tmp_path, entry)
+    record_attempt(tmp_path, {**entry, "node_rank": 0})
+    record_attempt(tmp_path, {**entry, "ended_ns": 5})
+    got = read_manifest(tmp_path).attempts
+    assert [(a["attempt"], a["node_rank"], a["ended_ns"]) for a in got] == [(0, 0, None), (0, 1, 5)]
+    with pytest.raises(ValueError, match="result"):
+        record_attempt(tmp_path, {**entry, "result": "exploded"})

@@ -7,24 +7,33 @@ Every rank runs a daemon thread that, every ``poll_interval_s``:
    ``{"rank", "step", "time_ns", "groups": {pg: {"pg_ranks", "last_issued_seq", "last_issued_op",
    "last_completed_seq", "last_completed_op"}}}`` (from the recording process group,
    ``collectors.pg_wrapper.RECORDER.progress()``);
-2. checks its own oldest collective issued but not completed; once it has waited ``T`` seconds the watchdog
-   fires: it reads every member's published progress, writes one ``faults`` row and the key
-   ``dtprobe/hang/<restart>/fired``, flushes the telemetry (in-flight collectives are written with a null
-   ``end_ns``) and exits the process with ``HANG_EXIT_CODE`` so torchrun restarts the job
+2. checks its own oldest operation issued but not completed, collective or point-to-point (a pipeline stage
+   blocked in ``recv`` hangs too); once it has waited ``T`` seconds the watchdog fires: it reads every member's
+   published progress, writes one ``faults`` row and the key ``dtprobe/hang/<restart>/fired``, flushes the
+   telemetry (in-flight collectives are written with a null ``end_ns``), writes a ``stack`` row, closes the probe
+   (``reason="watchdog"``) and exits the process with ``HANG_EXIT_CODE`` so torchrun restarts the job
    (``--max-restarts``) or ends it. A rank that sees ``fired`` (e.g. the hung rank, which has nothing pending)
-   flushes and exits too.
+   writes a ``stack`` row, flushes, closes and exits too.
 
 The ``faults`` row (``kind="hang"``, ``injected=false``, ``step`` = the step of the stuck collective) has detail
 keys, read by the analysis' HANG finding:
 
-- ``pg``, ``pg_ranks``: the group of the stuck collective; ``seq``, ``op``: that collective (this rank's
-  ``seq`` on ``pg``, the same number on every member for the same collective);
-- ``last_issued_seq``, ``last_completed_seq``: this rank's on ``pg`` (issued == seq, completed < seq);
-- ``waiting_for_ranks``: members whose published ``last_issued_seq`` on ``pg`` is below ``seq`` (they never
-  reached it); members that published nothing are listed too (dead or never started);
+- ``pg``, ``pg_ranks``: the group of the stuck operation; ``seq``, ``op``: that operation (for a collective this
+  rank's ``seq`` on ``pg``, the same number on every member for the same collective; for ``send``/``recv`` the
+  number per (peer, direction), matching the peer's opposite operation);
+- ``peer``: for ``send``/``recv``, the global rank it exchanges with (-1: any source); null for collectives;
+- ``last_issued_seq``, ``last_completed_seq``: this rank's on ``pg`` (issued == seq, completed < seq; for p2p
+  both refer to the group's collectives);
+- ``waiting_for_ranks``: for a collective, members whose published ``last_issued_seq`` on ``pg`` is below
+  ``seq`` (they never reached it); members that published nothing are listed too (dead or never started); for
+  p2p, the peer (every other member for any-source);
 - ``ranks``: every member's published ``{"last_issued_seq", "last_completed_seq", "last_issued_op", "step",
   "age_s"}`` (``age_s``: seconds since it published; null if it never did);
 - ``timeout_s``: T; ``waited_s``: how long the collective had been pending when the watchdog fired.
+
+The ``stack`` row (``kind="stack"``, ``injected=false``, ``step`` = the stuck operation's step, or the current
+step on a rank leaving because a peer fired) has detail ``{"reason": "watchdog fired" | "peer watchdog fired",
+"stack": <the Python stack of every thread, main thread first, taken before anything else is done>}``.
 
 ``--inject hang:rank=R,step=S``: at the start of step S (first attempt only) rank R writes a ``faults`` row
 ``kind="hang", injected=true`` and stops issuing collectives (sleeps) while its watchdog thread keeps publishing.
@@ -32,9 +41,12 @@ keys, read by the analysis' HANG finding:
 
 from __future__ import annotations
 
+import inspect
 import os
+import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -86,6 +98,27 @@ def stuck_ranks(seq: int, pg: str, members: list[int], published: dict[int, dict
     return out
 
 
+def thread_stacks() -> str:
+    """The Python stack of every thread of this process, main thread first (``Thread <name> (<ident>):``
+    headers, innermost call last)."""
+    frames = sys._current_frames()
+    names = {t.ident: t.name for t in threading.enumerate()}
+    main = threading.main_thread().ident
+    out = []
+    for ident in sorted(frames, key=lambda i: (i != main, names.get(i, ""), i)):
+        out.append(f"Thread {names.get(ident, '?')} ({ident}):\n" + "".join(traceback.format_stack(frames[ident])))
+    return "\n".join(out)
+
+
+def close_crashed(probe: Any, *, reason: str) -> None:
+    """``probe.close(status="crashed", reason=reason)``, without ``reason`` for a probe whose close lacks it."""
+    try:
+        takes_reason = "reason" in inspect.signature(probe.close).parameters
+    except (TypeError, ValueError):
+        takes_reason = False
+    probe.close(status="crashed", **({"reason": reason} if takes_reason else {}))
+
+
 class Watchdog:
     """The per-rank watchdog thread. ``progress`` and ``pending`` default to the recording process group's."""
 
@@ -119,7 +152,7 @@ class Watchdog:
         while not self._stop.wait(self.config.poll_interval_s):
             self.publish()
             if self._peer_fired():
-                self._leave()
+                self._leave_after_peer()
                 return
             detail = self.check()
             if detail is not None:
@@ -147,8 +180,9 @@ class Watchdog:
         return out
 
     def check(self) -> dict[str, Any] | None:
-        """The hang detail when this rank's oldest pending collective has waited ``T`` seconds, else None."""
-        pending = [r for r in self._pending() if "peer" not in r]
+        """The hang detail when this rank's oldest pending collective or p2p operation has waited ``T`` seconds,
+        else None."""
+        pending = self._pending()
         if not pending:
             return None
         oldest = min(pending, key=lambda r: r["enqueue_ns"])
@@ -157,14 +191,20 @@ class Watchdog:
             return None
         pg, seq = oldest["pg"], int(oldest["seq"])
         members = [int(x) for x in str(oldest.get("pg_ranks") or "").split(",") if x != ""]
-        published = self.read_published(members)
+        peer = oldest.get("peer")
+        if peer is None:
+            published = self.read_published(members)
+        else:                                             # p2p: it waits for its peer (any member for -1)
+            published = self.read_published([int(peer)] if int(peer) >= 0 else
+                                            [r for r in members if r != self.rank])
         now = time.time_ns()
         mine = self._progress().get(pg, {})
         return {
-            "pg": pg, "pg_ranks": oldest.get("pg_ranks"), "seq": seq, "op": oldest["op"],
+            "pg": pg, "pg_ranks": oldest.get("pg_ranks"), "seq": seq, "op": oldest["op"], "peer": peer,
             "step": oldest.get("step"),
             "last_issued_seq": mine.get("last_issued_seq", seq), "last_completed_seq": mine.get("last_completed_seq"),
-            "waiting_for_ranks": stuck_ranks(seq, pg, members, published),
+            "waiting_for_ranks": (stuck_ranks(seq, pg, members, published) if peer is None
+                                  else sorted(published)),
             "ranks": {str(r): None if snap is None else {
                 "last_issued_seq": (snap["groups"].get(pg) or {}).get("last_issued_seq"),
                 "last_completed_seq": (snap["groups"].get(pg) or {}).get("last_completed_seq"),
@@ -175,6 +215,7 @@ class Watchdog:
         }
 
     def fire(self, detail: dict[str, Any]) -> None:
+        stack = thread_stacks()                         # before anything moves: where every thread is stuck
         self.fired = detail
         step = detail.pop("step", None)
         self.probe.fault("hang", step=-1 if step is None else step, injected=False, **detail)
@@ -185,14 +226,24 @@ class Watchdog:
             self.store.set(_key(self.restart, "fired"), str(self.rank))
         except Exception:  # noqa: BLE001 - best effort: the row above is what matters
             pass
-        print(f"[dtprobe] rank {self.rank}: collective {detail['op']} #{detail['seq']} on {detail['pg']} pending "
+        what = "collective" if detail.get("peer") is None else f"p2p (peer {detail['peer']})"
+        print(f"[dtprobe] rank {self.rank}: {what} {detail['op']} #{detail['seq']} on {detail['pg']} pending "
               f"{detail['waited_s']:.1f}s > --collective-timeout {detail['timeout_s']:g}s; waiting for ranks "
               f"{detail['waiting_for_ranks']}. Exiting with {HANG_EXIT_CODE}.", flush=True)
+        # The stack goes after the report's own flush; the close below flushes it first thing.
+        self.probe.fault("stack", step=-1 if step is None else step, injected=False, reason="watchdog fired",
+                         stack=stack)
+        self._leave()
+
+    def _leave_after_peer(self) -> None:
+        self.probe.fault("stack", step=int(getattr(self.probe, "current_step", -1)), injected=False,
+                         reason="peer watchdog fired", stack=thread_stacks())
+        self.probe.flush()
         self._leave()
 
     def _leave(self) -> None:
         try:
-            self.probe.close(status="crashed")
+            close_crashed(self.probe, reason="watchdog")
         finally:
             self._exit(HANG_EXIT_CODE)
 

@@ -1,0 +1,143 @@
+"""Hang watchdog: point-to-point hangs (a stage blocked in ``recv``), the ``stack`` rows it writes when it fires or
+when a peer's fired, and the close reason. Fake store/progress, no processes."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from dtprobe.runtime.hang import HANG_EXIT_CODE, HangConfig, Watchdog, close_crashed, thread_stacks
+
+
+class FakeStore:
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def set(self, key, value):
+        self.data[key] = value if isinstance(value, bytes) else str(value).encode()
+
+    def get(self, key):
+        return self.data[key]
+
+    def check(self, keys):
+        return all(k in self.data for k in keys)
+
+
+class Probe:
+    """Records the order of what the watchdog does: rows, flushes, close (with its reason)."""
+
+    current_step = 11
+
+    def __init__(self) -> None:
+        self.log: list[tuple] = []
+
+    def fault(self, kind, **kw):
+        self.log.append(("fault", kind, kw))
+
+    def flush(self, *, in_flight=False):
+        self.log.append(("flush", in_flight))
+
+    def close(self, status="finished", reason=None):
+        self.log.append(("close", status, reason))
+
+    def faults(self):
+        return [(e[1], e[2]) for e in self.log if e[0] == "fault"]
+
+
+CFG = HangConfig(collective_timeout_s=2.0, poll_interval_s=0.05)
+
+
+def _recv_pending(since_ns: int) -> list[dict]:
+    return [{"pg": "pp", "pg_ranks": "0,1", "seq": 4, "op": "recv", "peer": 0, "step": 3, "enqueue_ns": since_ns}]
+
+
+def test_watchdog_fires_on_a_recv_that_waited_past_the_timeout_and_names_the_peer():
+    store, probe, exits = FakeStore(), Probe(), []
+    stage1 = Watchdog(CFG, store=store, rank=1, restart=0, probe=probe, exit=exits.append, progress=lambda: {},
+                      pending=lambda: _recv_pending(time.time_ns() - int(2.5e9)))
+    stage0 = Watchdog(CFG, store=store, rank=0, restart=0, probe=Probe(), exit=exits.append, progress=lambda: {},
+                      pending=lambda: [])
+    stage0.publish()
+    detail = stage1.check()
+    assert detail["op"] == "recv" and detail["peer"] == 0 and detail["seq"] == 4 and detail["pg"] == "pp"
+    assert detail["waiting_for_ranks"] == [0] and detail["step"] == 3 and detail["waited_s"] >= 2.5
+    assert detail["ranks"]["0"]["step"] == 11 and detail["ranks"]["0"]["age_s"] >= 0   # rank 0 published
+    assert stage0.check() is None                                # the stage that never sent waits on nothing
+
+
+def test_watchdog_stays_quiet_on_a_recv_younger_than_the_timeout():
+    dog = Watchdog(CFG, store=FakeStore(), rank=1, restart=0, probe=Probe(), progress=lambda: {},
+                   pending=lambda: _recv_pending(time.time_ns()))
+    assert dog.check() is None
+
+
+def test_any_source_recv_waits_for_every_other_member():
+    dog = Watchdog(CFG, store=FakeStore(), rank=1, restart=0, probe=Probe(), progress=lambda: {},
+                   pending=lambda: [{**_recv_pending(time.time_ns() - int(3e9))[0], "peer": -1,
+                                     "pg_ranks": "0,1,2"}])
+    assert dog.check()["waiting_for_ranks"] == [0, 2]
+
+
+def test_fired_watchdog_writes_its_report_then_the_stack_and_closes_with_reason_watchdog():
+    store, probe, exits = FakeStore(), Probe(), []
+    dog = Watchdog(CFG, store=store, rank=1, restart=0, probe=probe, exit=exits.append, progress=lambda: {},
+                   pending=lambda: _recv_pending(time.time_ns() - int(3e9)))
+    dog.fire(dog.check())
+    kinds = [e[1] if e[0] == "fault" else e[0] for e in probe.log]
+    assert kinds == ["hang", "flush", "stack", "close"]           # the close flushes the stack first thing
+    stack = probe.faults()[1][1]
+    assert stack["injected"] is False and stack["step"] == 3 and stack["reason"] == "watchdog fired"
+    assert stack["stack"].startswith("Thread MainThread (") and "test_fired_watchdog_writes" in stack["stack"]
+    assert probe.log[-1] == ("close", "crashed", "watchdog") and exits == [HANG_EXIT_CODE]
+
+
+def test_rank_leaving_because_a_peer_fired_writes_its_stack_flushes_then_closes():
+    store, probe, exits = FakeStore(), Probe(), []
+    store.set("dtprobe/hang/0/fired", "0")
+    dog = Watchdog(HangConfig(collective_timeout_s=30.0, poll_interval_s=0.01), store=store, rank=1, restart=0,
+                   probe=probe, exit=exits.append, progress=lambda: {}, pending=lambda: [])
+    dog.start()
+    dog._thread.join(timeout=5)
+    assert [e[0] for e in probe.log] == ["fault", "flush", "close"]
+    kind, row = probe.faults()[0]
+    assert kind == "stack" and row["reason"] == "peer watchdog fired" and row["step"] == 11
+    assert row["injected"] is False and "dtprobe-hang-watchdog" in row["stack"]
+    assert probe.log[-1] == ("close", "crashed", "watchdog") and exits == [HANG_EXIT_CODE]
+
+
+def test_thread_stacks_lists_every_thread_main_first():
+    ready, done = threading.Event(), threading.Event()
+
+    def parked_worker_fn():
+        ready.set()
+        done.wait(5)
+
+    t = threading.Thread(target=parked_worker_fn, name="parked")
+    t.start()
+    ready.wait(5)
+    try:
+        text = thread_stacks()
+    finally:
+        done.set()
+        t.join()
+    headers = [line for line in text.splitlines() if line.startswith("Thread ")]
+    assert headers[0].startswith("Thread MainThread") and any(h.startswith("Thread parked") for h in headers)
+    assert "parked_worker_fn" in text and "test_thread_stacks_lists_every_thread_main_first" in text
+
+
+@pytest.mark.parametrize("takes_reason", [True, False])
+def test_close_crashed_passes_the_reason_only_to_a_close_that_takes_it(takes_reason):
+    calls = []
+
+    class WithReason:
+        def close(self, status="finished", reason=None):
+            calls.append((status, reason))
+
+    class Without:
+        def close(self, status="finished"):
+            calls.append((status,))
+
+    close_crashed(WithReason() if takes_reason else Without(), reason="watchdog")
+    assert calls == ([("crashed", "watchdog")] if takes_reason else [("crashed",)])

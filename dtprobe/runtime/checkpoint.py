@@ -14,8 +14,12 @@ newest ``keep`` commits. A crash or SIGKILL at any point leaves the previous com
 ``step`` is the number of the last completed training step; training resumes at ``step + 1``.
 
 Loading verifies sizes and CRC32s against ``COMMIT.json`` and walks back from the newest commit to the first
-that verifies; each rejected one gives a ``faults`` row ``kind="corrupt-ckpt", injected=false`` with detail
-``{"path", "reason"}``.
+that verifies (a truncated file fails the size check, a flipped bit the CRC32: CRC32 catches every single-bit and
+every burst error up to 32 bits); each rejected one gives a ``faults`` row ``kind="corrupt-ckpt",
+injected=false``, written by the leader (the rank that verifies) with ``step`` = the rejected checkpoint's step and
+detail ``{"path": checkpoint dir, "file": name of the file that failed in it, "ckpt_step", "reason",
+"fallback_step": step of the checkpoint loaded instead, or null when none verified (training then starts from
+step 0)}``.
 
 Rows of ``checkpoints`` (one per save or load and rank): ``kind`` save|load, ``start_ns``, ``blocking_ns`` (the
 training thread was blocked: ``dcp.save``, or ``async_save`` up to its return), ``async_ns`` (from that return
@@ -34,6 +38,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import sys
 import threading
 import time
 import zlib
@@ -92,7 +97,12 @@ class CheckpointConfig:
 
 
 class CorruptCheckpoint(TraceError):
-    """A committed checkpoint fails verification; the message names the file and what does not match."""
+    """A committed checkpoint fails verification; the message names the file and what does not match, ``file``
+    is that file's name inside the checkpoint directory."""
+
+    def __init__(self, message: str, *, file: str) -> None:
+        super().__init__(message)
+        self.file = file
 
 
 class TrainState(Stateful):
@@ -183,20 +193,27 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
         marker = orjson.loads(marker_path.read_bytes())
         files = marker["files"]
     except (OSError, orjson.JSONDecodeError, KeyError, TypeError) as e:
-        raise CorruptCheckpoint(f"{marker_path}: unreadable commit marker ({e}); this checkpoint is skipped.") from None
-    if ".metadata" not in files:
-        raise CorruptCheckpoint(f"{marker_path}: lists no DCP .metadata file; the save did not finish.")
+        raise CorruptCheckpoint(f"{marker_path}: unreadable commit marker ({e}); this checkpoint is skipped.",
+                                file=COMMIT_FILE) from None
+    if not isinstance(files, dict) or ".metadata" not in files:
+        raise CorruptCheckpoint(f"{marker_path}: lists no DCP .metadata file; the save did not finish.",
+                                file=".metadata")
     for name, want in files.items():
         f = path / name
         if not f.is_file():
-            raise CorruptCheckpoint(f"{f}: listed in {COMMIT_FILE} but missing.")
-        size = f.stat().st_size
-        if size != want["num_bytes"]:
-            raise CorruptCheckpoint(f"{f}: {size} bytes, {COMMIT_FILE} says {want['num_bytes']} (truncated?).")
-        crc = _crc32(f)
-        if crc != want["crc32"]:
-            raise CorruptCheckpoint(f"{f}: CRC32 {crc:#010x} != {want['crc32']:#010x} in {COMMIT_FILE} "
-                                    f"(damaged after commit).")
+            raise CorruptCheckpoint(f"{f}: listed in {COMMIT_FILE} but missing.", file=name)
+        try:
+            size, crc = f.stat().st_size, _crc32(f)
+            want_size, want_crc = int(want["num_bytes"]), int(want["crc32"])
+        except OSError as e:
+            raise CorruptCheckpoint(f"{f}: unreadable ({e}).", file=name) from None
+        except (KeyError, TypeError, ValueError):
+            raise CorruptCheckpoint(f"{marker_path}: bad entry for {name}: {want!r}.", file=COMMIT_FILE) from None
+        if size != want_size:
+            raise CorruptCheckpoint(f"{f}: {size} bytes, {COMMIT_FILE} says {want_size} (truncated?).", file=name)
+        if crc != want_crc:
+            raise CorruptCheckpoint(f"{f}: CRC32 {crc:#010x} != {want_crc:#010x} in {COMMIT_FILE} "
+                                    f"(damaged after commit).", file=name)
     return marker
 
 
@@ -334,14 +351,29 @@ class Checkpointer:
 
     # ---- load
     def newest_verified(self) -> Path | None:
-        """Leader only: the newest committed checkpoint whose files verify; logs each one skipped."""
+        """Leader only: the newest committed checkpoint whose files verify; a ``corrupt-ckpt`` fault for each newer
+        one rejected, naming the step loaded instead (null: none, training starts from step 0)."""
+        rejected: list[tuple[int, Path, CorruptCheckpoint]] = []
+        chosen: tuple[int, Path] | None = None
         for step, path in committed_checkpoints(self.root):
             try:
                 verify_checkpoint(path)
-                return path
             except CorruptCheckpoint as e:
-                self._fault("corrupt-ckpt", step=step, injected=False, path=str(path), reason=str(e))
-        return None
+                rejected.append((step, path, e))
+                continue
+            chosen = (step, path)
+            break
+        fallback = None if chosen is None else chosen[0]
+        for step, path, e in rejected:
+            self._fault("corrupt-ckpt", step=step, injected=False, path=str(path), file=e.file, ckpt_step=step,
+                        reason=str(e), fallback_step=fallback)
+        if rejected:
+            instead = (f"loading step {fallback}" if chosen else
+                       "no usable checkpoint remains: training starts from step 0")
+            print(f"[dtprobe] rank {self.rank}: rejected checkpoint(s) of step "
+                  f"{', '.join(str(s) for s, _, _ in rejected)} (failed verification); {instead}.", file=sys.stderr,
+                  flush=True)
+        return None if chosen is None else chosen[1]
 
     def load_latest(self, state: TrainState) -> int | None:
         """Load the newest verified checkpoint into ``state`` on every rank; its step, or None if none.

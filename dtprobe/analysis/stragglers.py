@@ -29,17 +29,24 @@ SCORE_COLUMNS = [
     "median_lateness_frac", "positive_frac", "median_pre_excess_frac", "pre_positive_frac", "last_frac",
     "mean_lateness_ns", "mean_victims_wait_ns", "mean_step_ns", "detected_at_step", "detected_by",
 ]
+NOISE_COLUMNS = ["noise_frac", "lateness_over_noise"]
+"""Extra columns of ``straggler_scores`` (after ``SCORE_COLUMNS``): the peers' lateness noise in the chosen window."""
 CAUSE_COLUMNS = [
     "pg", "pg_ranks", "rank", "data_excess_ns", "compute_excess_ns", "comm_excess_ns", "throttled_frac", "cause",
 ]
 CAUSES = ("data", "compute", "communication", "device", "unknown")
 """Cause classes of a straggler."""
 
+MIN_LATENESS_OVER_NOISE = 2.0
+"""A straggler's median lateness must be at least this many times its peers' lateness spread in the same window
+(``noise_frac``): calibrated on clean and slowed ``dtprobe run`` jobs of a busy 2-core host (docs/findings.md)."""
+
 THROTTLE_MASK = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
 """NVML clock-throttle reasons that slow a GPU: SW power cap, HW slowdown, SW/HW thermal, power brake."""
 
 def straggler_scores(lateness: pd.DataFrame, *, window_steps: int = 20, min_lateness_frac: float = 0.05,
-                     min_positive_frac: float = 0.8) -> pd.DataFrame:
+                     min_positive_frac: float = 0.8,
+                     min_lateness_over_noise: float = MIN_LATENESS_OVER_NOISE) -> pd.DataFrame:
     """Per (group, member rank), over sliding windows of ``window_steps`` steps (the whole run when shorter):
     the first window where its median lateness (share of the step) is at least ``min_lateness_frac`` and it
     arrived after its peers' median in at least ``min_positive_frac`` of the steps (else the window with the
@@ -47,13 +54,16 @@ def straggler_scores(lateness: pd.DataFrame, *, window_steps: int = 20, min_late
     steps it arrived after the median of its peers (``positive_frac``) and was last (``last_frac``), its mean
     lateness and the mean wait it imposed on peers. ``detected_at_step``: the last step of the first window with
     median lateness >= ``min_lateness_frac`` and positive share >= ``min_positive_frac`` (null if none).
-    Medians ignore NaN (phases not recorded). Every window of every (group, rank) is scored at once (one
-    windows x steps matrix), so the cost grows with the rows. Columns: ``SCORE_COLUMNS``."""
+    Medians ignore NaN (phases not recorded). ``noise_frac``: the run's own noise in that window, how late its
+    peers got by chance (robust spread or 90th percentile of their lateness over the window, ``peer_noise``); a
+    window qualifies only when its median lateness is also at least ``min_lateness_over_noise`` x that noise
+    (``lateness_over_noise``; unknown noise does not block). Every window of every (group, rank) is scored at once
+    (one windows x steps matrix), so the cost grows with the rows. Columns: ``SCORE_COLUMNS`` + ``NOISE_COLUMNS``."""
     require_columns(lateness, LATENESS_COLUMNS, table="rank_lateness")
     keys = ["pg", "pg_ranks", "rank"]
     lat = lateness.dropna(subset=keys) if lateness[keys].isna().any(axis=None) else lateness
     if lat.empty:
-        return pd.DataFrame({col: [] for col in SCORE_COLUMNS})
+        return pd.DataFrame({col: [] for col in SCORE_COLUMNS + NOISE_COLUMNS})
     gid = lat.groupby(keys, sort=True).ngroup().to_numpy(dtype="int64")
     order = np.lexsort((lat["step"].to_numpy(), gid))          # by (group, rank), then step
 
@@ -76,8 +86,17 @@ def straggler_scores(lateness: pd.DataFrame, *, window_steps: int = 20, min_late
     med, pmed = _nanmedian_rows(frac), _nanmedian_rows(pre)
     pos = (frac > 0).sum(axis=1) / w[win_gid]
     ppos = (pre > 0).sum(axis=1) / w[win_gid]
-    by_arrival = (med >= min_lateness_frac) & (pos >= min_positive_frac)
-    by_phases = (med >= min_lateness_frac) & (pmed >= min_lateness_frac) & (ppos >= min_positive_frac)
+    steps_ = column("step", "int64")
+    first_key = lat[keys].iloc[order[first_row]]
+    noise = peer_noise(lat, pd.DataFrame({
+        "pg": first_key["pg"].to_numpy()[win_gid], "pg_ranks": first_key["pg_ranks"].to_numpy()[win_gid],
+        "rank": first_key["rank"].to_numpy(dtype="int64")[win_gid], "first_step": steps_[win_start],
+        "last_step": steps_[win_start + w[win_gid] - 1]}))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        over = np.where(noise > 0, med / noise, np.where(noise == 0, np.inf, np.nan))
+    quiet = ~(over < min_lateness_over_noise)                   # NaN (noise unknown) does not block
+    by_arrival = (med >= min_lateness_frac) & (pos >= min_positive_frac) & quiet
+    by_phases = (med >= min_lateness_frac) & (pmed >= min_lateness_frac) & (ppos >= min_positive_frac) & quiet
     ok = by_arrival | by_phases
     detected = _first_true(ok, win_gid, len(n))                 # first qualifying window (global index) or -1
     # Else the window with the largest median (the first of equals, NaN ignored), or the first window when no
@@ -88,7 +107,6 @@ def straggler_scores(lateness: pd.DataFrame, *, window_steps: int = 20, min_late
     fallback = np.where(any_finite, _first_true(is_max, win_gid, len(n)), first_window)
     best = np.where(detected >= 0, detected, fallback)
     sel_start = win_start[best]                                 # first row of each (group, rank)'s chosen window
-    steps_ = column("step", "int64")
     victims = np.clip(column("victims_wait_ns", "float64"), 0, None)
     out = lat[keys].iloc[order[first_row]].reset_index(drop=True)
     out = pd.DataFrame({
@@ -104,8 +122,63 @@ def straggler_scores(lateness: pd.DataFrame, *, window_steps: int = 20, min_late
         "detected_at_step": pd.array([int(steps_[win_start[d] + w[g] - 1]) if d >= 0 else None
                                       for g, d in enumerate(detected)], dtype="Int64"),
         "detected_by": [None if d < 0 else "arrival" if by_arrival[d] else "arrival+phases" for d in detected],
+        "noise_frac": noise[best], "lateness_over_noise": over[best],
     })
-    return out[SCORE_COLUMNS]
+    return out[SCORE_COLUMNS + NOISE_COLUMNS]
+
+
+MAX_PEERS_EXCLUDED = 16
+"""Groups up to this size pool each rank's peers without it; larger ones pool every member (one rank's share of
+the pool is small there, and one pool per window instead of one per member keeps the cost linear in ranks)."""
+
+
+def peer_noise(lateness: pd.DataFrame, windows: pd.DataFrame) -> np.ndarray:
+    """For each window (rows of ``windows``: pg, pg_ranks, rank, first_step, last_step): the noise of the
+    lateness_frac of the rank's group peers at the steps first_step..last_step, pooled (between them and over
+    steps): the larger of 1.4826 x their median absolute deviation and their 90th percentile. NaN with fewer than
+    two peer values. In a clean run this is how late any rank gets by chance (on a busy host, or in a group whose
+    many collectives per step make every member's worst lateness positive); a straggler stands out of it."""
+    out = np.full(len(windows), np.nan)
+    if windows.empty:
+        return out
+    wkey = windows.groupby(["pg", "pg_ranks"], sort=False).ngroup().to_numpy()
+    for code, idx in pd.Series(np.arange(len(windows))).groupby(wkey):
+        idx = idx.to_numpy()
+        pg, pg_ranks = windows["pg"].iloc[idx[0]], windows["pg_ranks"].iloc[idx[0]]
+        g = lateness[(lateness["pg"] == pg) & (lateness["pg_ranks"] == pg_ranks)]
+        m = g.pivot_table(index="step", columns="rank", values="lateness_frac", aggfunc="first", dropna=False)
+        grid = m.index.to_numpy(dtype="int64")
+        values, members = m.to_numpy(dtype="float64"), m.columns.to_numpy(dtype="int64")
+        lo = np.searchsorted(grid, windows["first_step"].to_numpy(dtype="int64")[idx], side="left")
+        hi = np.searchsorted(grid, windows["last_step"].to_numpy(dtype="int64")[idx], side="right")
+        rank = windows["rank"].to_numpy(dtype="int64")[idx]
+        width = int((hi - lo).max())
+        padded = np.vstack([values, np.full((width, len(members)), np.nan)])
+        rows = np.lib.stride_tricks.sliding_window_view(padded, width, axis=0)[lo]       # windows x members x width
+        rows = np.where(np.arange(width)[None, None, :] < (hi - lo)[:, None, None], rows, np.nan)
+        if len(members) > MAX_PEERS_EXCLUDED:
+            out[idx] = _noise_rows(rows.reshape(len(idx), -1))
+            continue
+        for r in np.unique(rank):
+            sel = rank == r
+            peers = rows[sel][:, members != r, :]
+            out[idx[sel]] = _noise_rows(peers.reshape(int(sel.sum()), -1))
+    return out
+
+
+def _noise_rows(x: np.ndarray) -> np.ndarray:
+    """Per row, NaN ignored: the larger of 1.4826 x the median absolute deviation (robust spread) and the 90th
+    percentile (how late the values get); NaN for rows of fewer than two values."""
+    med = _nanmedian_rows(x)
+    mad = 1.4826 * _nanmedian_rows(np.abs(x - med[:, None]))
+    k = (~np.isnan(x)).sum(axis=1)
+    srt = np.sort(x, axis=1)                                    # NaN last: the k values first
+    pos = 0.9 * np.maximum(k - 1, 0)                            # linear interpolation, as np.nanquantile
+    lo = np.floor(pos).astype("int64")
+    hi = np.minimum(lo + 1, np.maximum(k - 1, 0))
+    rows = np.arange(len(x))
+    q90 = srt[rows, lo] + (pos - lo) * (srt[rows, hi] - srt[rows, lo])
+    return np.where(k >= 2, np.maximum(mad, q90), np.nan)
 
 
 def _windows(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -284,7 +357,9 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: set[
                       lateness: pd.DataFrame | None = None,
                       axis_of_pg: Callable[[str], str | None] = axis_of,
                       skip_axes: tuple[str, ...] = ("pp",),
-                      own_delay_ns: dict[int, float] | None = None) -> list[Finding]:
+                      own_delay_ns: dict[int, float] | None = None,
+                      min_lateness_over_noise: float = MIN_LATENESS_OVER_NOISE,
+                      slow_link_ranks: dict[int, int] | None = None) -> list[Finding]:
     """STRAGGLER for each rank whose median lateness over some window is at least ``min_lateness_frac`` of the step
     and which arrived after its peers' median in at least ``min_positive_frac`` of that window's steps (and the
     window has ``min_steps`` steps or more), or whose data+fwd time exceeds its peers' by that share in that
@@ -295,7 +370,12 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: set[
     Critical when the victims wait ``critical_wait_frac`` of the step or more. ``axis_of_pg`` maps a process
     group name to ``dp``/``tp``/``pp``; groups of ``skip_axes`` are not judged (in a pipeline group the arrival
     order follows the schedule: the first stage finishes its last backward last; a slow stage shows up as
-    stage imbalance in PIPELINE_BUBBLE and as a straggler of its dp group)."""
+    stage imbalance in PIPELINE_BUBBLE and as a straggler of its dp group).
+    Noise rule (when ``scores`` has ``NOISE_COLUMNS``): the median lateness must also be at least
+    ``min_lateness_over_noise`` x the spread of the peers' lateness in the same window, so a busy host's chance
+    lateness is not a verdict. ``slow_link_ranks`` (rank -> step a SLOW_LINK on its node began,
+    ``links.slow_link_ranks``): a rank late in a window reaching that step is not blamed unless its cause is
+    data or device (its lateness is the link's: the link's finding carries it)."""
     require_columns(scores, SCORE_COLUMNS, table="straggler_scores")
     if scores.empty:
         return []
@@ -303,8 +383,10 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: set[
     by_arrival = scores["positive_frac"] >= min_positive_frac
     by_phases = (scores["median_pre_excess_frac"].fillna(-1) >= min_lateness_frac) & (
         scores["pre_positive_frac"] >= min_positive_frac)
+    above_noise = (~(scores["lateness_over_noise"] < min_lateness_over_noise) if "lateness_over_noise" in scores
+                   else pd.Series(True, index=scores.index))
     flagged = scores[(scores["median_lateness_frac"] >= min_lateness_frac) & (by_arrival | by_phases)
-                     & (scores["window_steps"] >= min_steps)]
+                     & (scores["window_steps"] >= min_steps) & above_noise]
     if flagged.empty:
         return []
     flagged = flagged.sort_values(["median_lateness_frac"], ascending=False)
@@ -326,12 +408,16 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: set[
             elif c is not None and c.cause == "communication":
                 propagated.setdefault(r, []).append(int(row.rank))
     victims_of_others = {v for vs in propagated.values() for v in vs}
+    behind_link = slow_link_ranks or {}
     findings = []
     for row in best.itertuples(index=False):
         if row.rank in victims_of_others and row.rank not in propagated:
             continue
         c = cause_of.get((row.pg, row.pg_ranks, row.rank))
         cause = c.cause if c is not None else "unknown"
+        if (int(row.rank) in behind_link and row.window_last_step >= behind_link[int(row.rank)]
+                and cause not in ("data", "device")):
+            continue
         axis = axis_of_pg(row.pg)
         wait_frac = row.mean_victims_wait_ns / row.mean_step_ns if row.mean_step_ns else 0.0
         members = list(group_members(row.pg_ranks))
@@ -353,6 +439,8 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: set[
                 "communication": ms(c.comm_excess_ns) if c is not None else None,
             },
             "throttled_frac": (None if c is None or pd.isna(c.throttled_frac) else float(c.throttled_frac)),
+            "noise_frac": _opt_float(getattr(row, "noise_frac", None)),
+            "lateness_over_noise": _opt_float(getattr(row, "lateness_over_noise", None)),
             "propagated_to": sorted(propagated.get(int(row.rank), [])),
             "injected": (injected or {}).get(int(row.rank)),
         }
@@ -372,6 +460,11 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: set[
             rows=evidence_rows,
         ))
     return findings
+
+
+def _opt_float(x) -> float | None:
+    """``x`` as a float, None when missing or NaN (infinite stays: noise 0 with a late rank)."""
+    return None if x is None or pd.isna(x) else float(x)
 
 
 def _advice(cause: str, rank: int) -> str:

@@ -1,0 +1,105 @@
+"""The STRAGGLER noise rule: a rank's lateness is judged against how late its peers got in the same window
+(``peer_noise``), on hand-made lateness tables with known answers and on the checked-in dp4 scenarios."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from dtprobe.analysis import RunAnalysis
+from dtprobe.analysis import stragglers as st
+
+SAMPLES = Path(__file__).resolve().parents[1] / "sample_traces"
+STEP_NS = 100e6
+
+
+def _lateness(fracs: dict[int, list[float]], *, pg: str = "dp") -> pd.DataFrame:
+    """A ``rank_lateness`` table: rank -> lateness_frac per step (steps 1..n), pre_excess unknown."""
+    members = ",".join(map(str, sorted(fracs)))
+    rows = [{"pg": pg, "pg_ranks": members, "step": i + 1, "rank": r, "lateness_ns": f * STEP_NS,
+             "victims_wait_ns": max(f, 0.0) * STEP_NS, "is_last": False, "step_ns": STEP_NS, "lateness_frac": f,
+             "pre_excess_frac": np.nan} for r, series in fracs.items() for i, f in enumerate(series)]
+    return pd.DataFrame(rows)[st.LATENESS_COLUMNS]
+
+
+def _detect(lateness: pd.DataFrame, **kw) -> list:
+    scores = st.straggler_scores(lateness, **kw)
+    return st.detect_stragglers(scores, pd.DataFrame({c: [] for c in st.CAUSE_COLUMNS}), lateness=lateness, **kw)
+
+
+def _reference_noise(lateness: pd.DataFrame, rank: int, first: int, last: int) -> float:
+    peers = lateness[(lateness["rank"] != rank) & lateness["step"].between(first, last)]["lateness_frac"].to_numpy()
+    mad = 1.4826 * np.median(np.abs(peers - np.median(peers)))
+    return max(mad, float(np.quantile(peers, 0.9)))
+
+
+def test_peer_noise_pools_the_other_ranks_over_the_window_steps():
+    rng = np.random.default_rng(3)
+    lateness = _lateness({r: list(rng.normal(0.0, 0.05 * (r + 1), 12)) for r in range(4)})
+    windows = pd.DataFrame({"pg": "dp", "pg_ranks": "0,1,2,3", "rank": [0, 2, 3], "first_step": [1, 4, 3],
+                            "last_step": [12, 9, 3]})
+    got = st.peer_noise(lateness, windows)
+    want = [_reference_noise(lateness, r, a, b) for r, a, b in zip(windows["rank"], windows["first_step"],
+                                                                   windows["last_step"])]
+    assert got.tolist() == pytest.approx(want, rel=1e-12)
+
+
+def test_a_rank_late_by_chance_as_its_peers_are_is_no_straggler():
+    # rank 0 is 15% late in every step, but ranks 1 and 2 take turns being 25% late in the same window: on a
+    # busy host any rank gets that late. The fixed thresholds alone would name rank 0.
+    n = 20
+    fracs = {0: [0.15] * n, 1: [0.25] * 10 + [-0.30] * 10, 2: [-0.30] * 10 + [0.25] * 10,
+             3: [(-0.1 if i % 2 else 0.05) for i in range(n)]}
+    lateness = _lateness(fracs)
+    assert [f.ranks for f in _detect(lateness, min_lateness_over_noise=0.0)] == [(0,)]
+    assert _detect(lateness) == []
+    score = st.straggler_scores(lateness).set_index("rank").loc[0]
+    # peers pooled: 20 x 0.25, 20 x -0.3, 10 x 0.05, 10 x -0.1; median -0.025, every |deviation| 0.275 or 0.075
+    assert score["noise_frac"] == pytest.approx(1.4826 * 0.275)
+    assert score["lateness_over_noise"] == pytest.approx(0.15 / (1.4826 * 0.275))
+
+
+def test_a_rank_late_well_above_its_quiet_peers_is_a_straggler_with_its_noise_in_evidence():
+    rng = np.random.default_rng(0)
+    n = 20
+    fracs = {r: list(rng.uniform(-0.02, 0.01, n)) for r in range(1, 4)}
+    fracs[0] = list(0.10 + rng.uniform(-0.01, 0.01, n))
+    lateness = _lateness(fracs)
+    [f] = _detect(lateness)
+    assert f.ranks == (0,)
+    ev = f.evidence
+    want = _reference_noise(lateness, 0, 1, 20)
+    assert ev["noise_frac"] == pytest.approx(want)
+    assert ev["lateness_over_noise"] == pytest.approx(ev["median_lateness_frac"] / want)
+    assert ev["lateness_over_noise"] >= st.MIN_LATENESS_OVER_NOISE
+
+
+def test_in_a_group_where_every_member_is_always_a_little_late_the_later_one_is_no_straggler():
+    # TP-like: many collectives per step, so each member's worst lateness is positive in every step
+    n = 20
+    lateness = _lateness({0: [0.03 + 0.01 * (i % 3) for i in range(n)], 1: [0.06 + 0.01 * (i % 2) for i in range(n)]},
+                         pg="tp")
+    assert [f.ranks for f in _detect(lateness, min_lateness_over_noise=0.0)] == [(1,)]
+    assert _detect(lateness) == []
+
+
+def test_scores_without_noise_columns_are_judged_by_the_fixed_thresholds():
+    lateness = _lateness({0: [0.15] * 20, 1: [0.25] * 10 + [-0.3] * 10, 2: [-0.3] * 10 + [0.25] * 10})
+    scores = st.straggler_scores(lateness)[st.SCORE_COLUMNS]
+    assert [f.ranks for f in st.detect_stragglers(scores, pd.DataFrame({c: [] for c in st.CAUSE_COLUMNS}))] == [(0,)]
+
+
+def test_clean_dp4_scenario_has_no_straggler_and_the_straggler_scenario_keeps_rank2():
+    clean = RunAnalysis.open(SAMPLES / "dp4_clean")
+    assert [f for f in clean.findings() if f.code == "STRAGGLER"] == []
+    # the fixed thresholds alone named rank 3 here: 6% median lateness, inside its peers' noise
+    row = clean.straggler_scores().set_index("rank").loc[3]
+    assert row["median_lateness_frac"] >= 0.05 and row["lateness_over_noise"] < st.MIN_LATENESS_OVER_NOISE
+    slow = RunAnalysis.open(SAMPLES / "dp4_straggler_rank2")
+    [f] = [f for f in slow.findings() if f.code == "STRAGGLER"]
+    assert (f.ranks, f.group) == ((2,), "dp")
+    assert f.evidence["lateness_over_noise"] >= st.MIN_LATENESS_OVER_NOISE
+    assert 0 < f.evidence["noise_frac"] < f.evidence["median_lateness_frac"]

@@ -189,21 +189,40 @@ def test_hang_needs_the_timeout_while_the_run_is_still_running():
     assert hangs.missing_arrivals(skew, coll, now_ns=T0 + 510 * MS, min_wait_ns=60 * 10**9).empty
 
 
-def test_hang_from_a_watchdog_fault_row_names_the_ranks_in_its_detail():
+def test_a_watchdog_fault_row_is_evidence_of_the_hang_the_collective_rows_show_never_the_verdict():
     faults = frame_from_rows("faults", [{"rank": 0, "time_ns": T0, "step": 7, "kind": "hang", "injected": False,
                                          "detail": json.dumps({"waiting_for_ranks": [3], "pg": "dp", "op": "allreduce"})}])
-    [f] = hangs.detect_hangs(frame_from_rows("collectives", []).iloc[0:0].pipe(
-        lambda _: pd.DataFrame({c: [] for c in hangs.MISSING_COLUMNS})), faults)
-    assert (f.ranks, f.group, f.evidence["reported_by"]) == ((3,), "dp", 0)
+    assert hangs.detect_hangs(pd.DataFrame({c: [] for c in hangs.MISSING_COLUMNS}), faults) == []
+    coll = _hang_coll(missing_rank=3)
+    missing = hangs.missing_arrivals(stragglers.collective_skew(coll), coll, now_ns=T0 + 900 * MS, min_wait_ns=0)
+    [f] = hangs.detect_hangs(missing, faults)
+    assert (f.ranks, f.group, f.evidence["watchdog_report"]["reported_by"]) == ((3,), "dp", 0)
 
 
 def test_rank_crash_is_a_warning_when_the_run_recovered():
-    faults = frame_from_rows("faults", [
-        {"rank": 1, "time_ns": T0, "step": 10, "kind": "crash", "injected": True},
-        {"rank": 0, "time_ns": T0 + 1, "step": 10, "kind": "restart", "injected": False}])
-    [f] = hangs.detect_crashes(faults, status="finished")
-    assert (f.code, f.severity, f.ranks) == ("RANK_CRASH", "warning", (1,))
-    assert hangs.detect_crashes(faults.iloc[:1], status="crashed")[0].severity == "critical"
+    from dtprobe.analysis import crashes, liveness
+
+    steps = frame_from_rows("steps", [{"rank": r, "step": s, "start_ns": T0 + s * 100 * MS + k * 10**9,
+                                       "end_ns": T0 + (s + 1) * 100 * MS + k * 10**9, "restart": k}
+                                      for r in range(2) for k, s_ in ((0, range(10 + (r == 0))), (1, range(9, 12)))
+                                      for s in s_])
+    lifecycle = frame_from_rows("lifecycle", [
+        {"rank": 1, "restart": 0, "time_ns": T0, "event": "attach"},     # killed: no close
+        {"rank": 0, "restart": 0, "time_ns": T0, "event": "attach"},
+        {"rank": 0, "restart": 0, "time_ns": T0 + 1100 * MS, "event": "close", "status": "crashed",
+         "reason": "SIGTERM"}])
+    exits = liveness.rank_exits([], lifecycle)
+    tables = {"steps": steps, "lifecycle": lifecycle}
+
+    def events(s):
+        return crashes.crash_events(exits, activity=liveness.Activity(tables), collectives=frame_from_rows(
+            "collectives", []), steps=s, devices=frame_from_rows("devices", []), restarts=[], status="finished",
+            attempts_known=False, stale_ns=60 * 10**9, now_ns=T0 + 2 * 10**9)
+    [f] = crashes.detect_crashes(events(steps))
+    assert (f.code, f.severity, f.ranks, f.evidence["step"], f.evidence["resumed_from_step"]) == (
+        "RANK_CRASH", "warning", (1,), 10, 9)
+    [f] = crashes.detect_crashes(events(steps[steps["restart"] == 0]))
+    assert f.severity == "critical"
 
 
 # ---------------------------------------------------------------------------------------------------- comm
@@ -374,12 +393,22 @@ def test_exposed_comm_finding_when_the_tail_is_long():
 
 
 def test_a_collective_missed_by_a_crashed_rank_is_reported_as_rank_crash_not_hang():
+    from dtprobe.analysis import crashes, liveness
+
     coll = _hang_coll(missing_rank=3, seq=5)
     skew = stragglers.collective_skew(coll)
     missing = hangs.missing_arrivals(skew, coll, now_ns=T0 + 900 * MS, min_wait_ns=0)
-    faults = frame_from_rows("faults", [{"rank": 3, "time_ns": T0, "step": 5, "kind": "crash", "injected": True}])
-    assert hangs.detect_hangs(missing, faults) == []
-    [f] = hangs.detect_crashes(faults, status="crashed", missing=missing)
+    attempts = [{"attempt": 0, "result": "failed", "ranks": [
+        {"rank": 3, "exit_code": -9, "signal": "SIGKILL", "first_failure": True, "time_ns": T0 + 480 * MS}]
+        + [{"rank": r, "exit_code": -15, "signal": "SIGTERM", "time_ns": T0 + 600 * MS} for r in range(3)]}]
+    exits = liveness.rank_exits(attempts, frame_from_rows("lifecycle", []))
+    activity = liveness.Activity({"collectives": coll})
+    faults = frame_from_rows("faults", [])
+    assert hangs.detect_hangs(missing, faults, activity=activity, exits=exits) == []
+    events = crashes.crash_events(exits, activity=activity, collectives=coll, steps=frame_from_rows("steps", []),
+                                  devices=frame_from_rows("devices", []), restarts=[], status="crashed",
+                                  attempts_known=True, stale_ns=60 * 10**9, now_ns=T0 + 900 * MS)
+    [f] = crashes.detect_crashes(events, missing=missing)
     assert (f.code, f.ranks, f.severity) == ("RANK_CRASH", (3,), "critical")
     assert [(w["op"], w["seq"], w["arrived_ranks"]) for w in f.evidence["waited_at"]] == [("allreduce", 5, [0, 1, 2])]
 

@@ -22,7 +22,7 @@ GROUPS = ("dp", "tp", "pp")
 CODES = (
     "STRAGGLER", "EXPOSED_COMM", "PIPELINE_BUBBLE", "AMP_OVERFLOW", "CHECKPOINT_STALL", "COMM_INEFFICIENT",
     "HANG", "DEVICE_THROTTLE", "DEVICE_XID", "MEMORY_PRESSURE", "COMPRESSION", "LOW_MFU", "RANK_CRASH",
-    "SLOW_LINK",
+    "SLOW_LINK", "COLLECTIVE_MISMATCH", "CHECKPOINT_CORRUPT",
 )
 """Every finding code the detectors emit (documented one by one in docs/findings.md)."""
 

@@ -103,10 +103,15 @@ def _shift(calls: dict[int, pd.DataFrame], odd: list[int], normal: list[int], s:
 
 def _skipper(calls: dict[int, pd.DataFrame], at: dict) -> list[int] | None:
     """With the same calls at a seq but different steps: the rank(s) that made fewer calls than the others in
-    some earlier step (they skipped one, so they run ahead), or None."""
+    some earlier step every member has rows around (they skipped one, so they run ahead), or None."""
     per_step = {r: d[d["step"].notna()].groupby("step").size() for r, d in calls.items() if r in at}
+    if any(c.empty for c in per_step.values()):
+        return None
     ahead = max(int(row["step"]) for row in at.values() if not pd.isna(row["step"]))
-    for step in sorted({int(x) for c in per_step.values() for x in c.index if int(x) < ahead}):
+    # only the steps every member has rows on both sides of (a member numbering its steps from 1 is no skip)
+    lo = max(int(c.index.min()) for c in per_step.values())
+    hi = min(int(c.index.max()) for c in per_step.values())
+    for step in range(lo, min(hi, ahead - 1) + 1):
         n = {r: int(c.get(step, 0)) for r, c in per_step.items()}
         if len(set(n.values())) > 1:
             most = max(n.values())

@@ -1,0 +1,143 @@
+"""COLLECTIVE_MISMATCH (a member issued another op/dtype/size, or skipped a collective), CHECKPOINT_CORRUPT, and the
+rule that a finding with a 0% predicted gain is ``info``; on small hand-made runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from analysis_synth import (MS, T0, frames, lockstep_tables, pending_row, stall_rank, write_rows_run)
+
+from dtprobe.analysis import RunAnalysis
+from dtprobe.analysis.findings import Finding, PredictedGain, info_without_gain
+from dtprobe.analysis.mismatch import collective_mismatches
+
+
+def _codes(a: RunAnalysis, *codes: str) -> list:
+    return [f for f in a.findings() if f.code in codes]
+
+
+def _wrong_op_job(*, world: int, odd: int, at_step: int = 3, **row) -> dict:
+    """Every rank all-reduces once per step; at ``at_step`` rank ``odd`` issues ``row`` (e.g. op=broadcast)
+    instead; nobody finishes that call and the job dies on the timeout 10 s later."""
+    rows = lockstep_tables(world=world, num_steps=6)
+    t = T0 + at_step * 100 * MS
+    rows["pending"] = []
+    for r in range(world):
+        stall_rank(rows, r, t + 60 * MS, until_ns=t + 10_000 * MS, close=("crashed", "exception"))
+        p = pending_row(r, step=at_step, seq=at_step + 1, t_ns=t + (60 + r) * MS, world=world)
+        rows["pending"].append({**p, **row} if r == odd else p)
+    return rows
+
+
+def _timeout_attempt(world: int) -> list[dict]:
+    err = {"type": "torch.distributed.DistBackendError", "message": "[gloo] Timed out waiting 10000ms for recv",
+           "traceback": "..."}
+    return [{"attempt": 0, "node_rank": 0, "result": "failed", "ranks": [
+        {"rank": r, "exit_code": 1, "signal": None, "first_failure": r == 0, "time_ns": T0 + 10_400 * MS,
+         "error": err} for r in range(world)]}]
+
+
+def test_a_rank_issuing_another_collective_is_a_mismatch_not_a_hang_straggler_or_crash(tmp_path):
+    rows = _wrong_op_job(world=2, odd=1, op="broadcast")
+    a = RunAnalysis.open(write_rows_run(tmp_path / "run", rows, world_size=2, status="crashed",
+                                        attempts=_timeout_attempt(2)))
+    [f] = _codes(a, "COLLECTIVE_MISMATCH")
+    ev = f.evidence
+    assert (f.ranks, f.severity, f.group, ev["kind"], ev["seq"], ev["step"]) == ((1,), "critical", "dp", "different",
+                                                                                4, 3)
+    assert ev["issued"] == {"0": {"op": "allreduce", "dtype": "float32", "num_bytes": 4 << 20, "step": 3},
+                            "1": {"op": "broadcast", "dtype": "float32", "num_bytes": 4 << 20, "step": 3}}
+    assert ev["expected"]["op"] == "allreduce"
+    assert ev["phase"] == "bwd"                       # 61 ms into the step: data 10 + fwd 30 <= 61 < + bwd 40
+    assert _codes(a, "HANG", "STRAGGLER", "RANK_CRASH") == []
+
+
+@pytest.mark.parametrize("row,what", [(dict(dtype="float16"), "dtype"), (dict(num_bytes=1 << 20), "num_bytes")])
+def test_the_minority_member_is_the_odd_rank_when_dtype_or_size_differs(tmp_path, row, what):
+    rows = _wrong_op_job(world=4, odd=2, **row)
+    a = RunAnalysis.open(write_rows_run(tmp_path / "run", rows, world_size=4, status="crashed"))
+    [f] = _codes(a, "COLLECTIVE_MISMATCH")
+    assert f.ranks == (2,) and f.evidence["issued"]["2"][what] == row[what]
+    assert f.evidence["expected"][what] != row[what]
+
+
+def test_a_rank_that_skipped_a_collective_is_named_and_the_shift_is_seen():
+    # two calls per step (all-reduce 4 MiB, then all-gather 1 MiB); rank 1 skips step 3's all-gather, so from
+    # seq 8 on it issues the others' seq 9, 10, ...
+    rows = {"collectives": []}
+    for r in range(2):
+        seq = 0
+        for step in range(6):
+            for op, size in (("allreduce", 4 << 20), ("allgather", 1 << 20)):
+                if r == 1 and step == 3 and op == "allgather":
+                    continue
+                seq += 1
+                t = T0 + (step * 100 + (60 if op == "allreduce" else 80)) * MS
+                rows["collectives"].append({"rank": r, "pg": "dp", "pg_ranks": "0,1", "pg_size": 2, "seq": seq,
+                                            "op": op, "num_bytes": size, "dtype": "float32", "enqueue_ns": t,
+                                            "end_ns": t + 5 * MS, "step": step, "restart": 0})
+    f = frames(rows)
+    [m] = collective_mismatches(f["collectives"], f["steps"]).itertuples()
+    assert (m.kind, m.odd_ranks, m.seq, m.expected["op"], m.issued["1"]["op"]) == ("skipped", [1], 8, "allgather",
+                                                                                  "allreduce")
+
+
+def test_a_skip_among_identical_calls_is_found_from_the_step_counts():
+    rows = lockstep_tables(world=2, num_steps=6)
+    coll = [x for x in rows["collectives"] if not (x["rank"] == 1 and x["step"] == 3)]
+    for x in coll:
+        if x["rank"] == 1 and x["step"] > 3:
+            x["seq"] -= 1                                 # rank 1 numbers its later calls one lower
+    f = frames({**rows, "collectives": coll})
+    [m] = collective_mismatches(f["collectives"], f["steps"]).itertuples()
+    assert (m.kind, m.odd_ranks, m.seq) == ("skipped", [1], 4)
+
+
+def test_a_call_at_a_step_boundary_numbered_one_step_apart_is_no_mismatch():
+    rows = lockstep_tables(world=2, num_steps=6)
+    for x in rows["collectives"]:
+        if x["rank"] == 1:
+            x["step"] += 1                                # same calls, rank 1 counts its steps from 1
+    f = frames(rows)
+    assert collective_mismatches(f["collectives"], f["steps"]).empty
+
+
+def test_a_clean_run_has_no_mismatch():
+    f = frames(lockstep_tables(world=4, num_steps=8))
+    assert collective_mismatches(f["collectives"], f["steps"]).empty
+
+
+def _corrupt(rank: int, *, fallback, injected: bool = False) -> dict:
+    return {"rank": rank, "time_ns": T0 + 50 * MS, "step": 4, "kind": "corrupt-ckpt", "injected": injected,
+            "detail": json.dumps({"path": "/ckpt/step_00004", "file": "__0_0.distcp", "ckpt_step": 4,
+                                  "reason": "checksum mismatch", "fallback_step": fallback})}
+
+
+@pytest.mark.parametrize("fallback,severity", [(2, "warning"), (None, "critical")])
+def test_checkpoint_corrupt_names_file_step_finder_and_recovery(tmp_path, fallback, severity):
+    faults = [_corrupt(0, fallback=fallback), _corrupt(1, fallback=fallback)]
+    a = RunAnalysis.open(write_rows_run(tmp_path / "run", lockstep_tables(world=2, num_steps=3), world_size=2,
+                                        status="finished", faults=faults))
+    [f] = _codes(a, "CHECKPOINT_CORRUPT")
+    ev = f.evidence
+    assert (f.severity, f.ranks, ev["file"], ev["ckpt_step"], ev["fallback_step"]) == (
+        severity, (0, 1), "__0_0.distcp", 4, fallback)
+    assert ev["steps_lost"] == (2 if fallback is not None else None) and ev["injected"] is False
+
+
+def test_an_injected_corrupt_checkpoint_row_alone_is_no_finding(tmp_path):
+    a = RunAnalysis.open(write_rows_run(tmp_path / "run", lockstep_tables(world=2, num_steps=3), world_size=2,
+                                        status="finished", faults=[_corrupt(0, fallback=2, injected=True)]))
+    assert _codes(a, "CHECKPOINT_CORRUPT") == []
+
+
+@pytest.mark.parametrize("frac,severity", [(0.004, "info"), (-0.004, "info"), (0.005, "warning"), (0.2, "warning")])
+def test_a_finding_whose_gain_rounds_to_zero_is_info(frac, severity):
+    f = Finding(code="STRAGGLER", severity="warning", ranks=(1,), group="dp", title="t", evidence={},
+                recommendation="r", predicted_gain=PredictedGain(metric="step_time", frac=frac))
+    [g] = info_without_gain([f])
+    assert g.severity == severity
+    no_gain = Finding(code="HANG", severity="critical", ranks=(1,), group="dp", title="t", evidence={},
+                      recommendation="r")
+    assert info_without_gain([no_gain]) == [no_gain]       # no predicted gain: the severity stands

@@ -28,7 +28,6 @@ defaults; ``--quick`` runs one of each class on dp2 (slowdowns of 20% only) as a
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import shutil
 import signal
@@ -41,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "chaos"))
 
-from harness import (CpuQuota, Job, analyze, cgroup_v1_cpu_available, dtprobe_run_cmd, is_alive,  # noqa: E402
+from harness import (CpuQuota, Job, analyze, cgroup_v1_cpu_available, cpu_seconds, dtprobe_run_cmd,  # noqa: E402
                      steps_done, torchrun_cmd)
 
 LAYOUTS = {"dp2": ("--nproc", "2"), "dp4": ("--nproc", "4"), "dp2xtp2": ("--nproc", "4", "--tp", "2"),
@@ -92,11 +91,6 @@ def _run_dtprobe(sc: Scenario, run_dir: Path, args: argparse.Namespace, *flags: 
     return Job(cmd=cmd, run_dir=run_dir, timeout_s=JOB_TIMEOUT_S).start()
 
 
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")      # utime + stime
-
-
 def run_scenario(sc: Scenario, run_dir: Path, args: argparse.Namespace) -> None:
     """Run ``sc`` into ``run_dir``, causing its fault; sets ``sc.fault_step``. Every process is stopped after."""
     job, quota = None, None
@@ -111,9 +105,9 @@ def run_scenario(sc: Scenario, run_dir: Path, args: argparse.Namespace) -> None:
             job = _run_dtprobe(sc, run_dir, args)
             pid = job.worker_pid(sc.rank)
             job.wait_steps(sc.rank, max(2, args.fault_step - 4))
-            cpu0, t0 = _cpu_seconds(pid), time.monotonic()
+            cpu0, t0 = cpu_seconds(pid), time.monotonic()
             job.wait_steps(sc.rank, args.fault_step)
-            share = (_cpu_seconds(pid) - cpu0) / (time.monotonic() - t0)        # cores it used unhindered
+            share = (cpu_seconds(pid) - cpu0) / (time.monotonic() - t0)        # cores it used unhindered
             quota = CpuQuota(share / (1 + sc.slowdown)).create()
             quota.add(pid)
             sc.fault_step = steps_done(run_dir, sc.rank)
@@ -127,9 +121,7 @@ def run_scenario(sc: Scenario, run_dir: Path, args: argparse.Namespace) -> None:
             job.wait_steps(sc.rank, args.fault_step)
             sc.fault_step = steps_done(run_dir, sc.rank)
             job.signal(sc.rank, signal.SIGSTOP)
-            others = [job.worker_pid(r) for r in range(WORLD_SIZE[sc.layout]) if r != sc.rank]
-            job.wait_for(lambda: not any(map(is_alive, others)), what="the other ranks' watchdogs to end them")
-            job.signal(sc.rank, signal.SIGKILL)         # torchrun's SIGTERM stays pending on a stopped process
+            job.end_stopped(sc.rank)                    # once the others' watchdogs ended the job
         elif sc.kind == "mismatch":
             sc.fault_step = args.fault_step
             cmd = torchrun_cmd(ROOT / "tests" / "chaos" / "mismatch_job.py", str(run_dir), "--odd-rank",

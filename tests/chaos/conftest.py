@@ -31,8 +31,8 @@ def launch(request) -> Callable[..., Job]:
 
 @pytest.fixture
 def busy_loop(request) -> Callable[[int], BusyLoop]:
-    def start(core: int) -> BusyLoop:
-        hog = BusyLoop(core)
+    def start(core: int, **kw) -> BusyLoop:
+        hog = BusyLoop(core, **kw)
         request.addfinalizer(hog.stop)
         return hog.start()
     return start

@@ -111,6 +111,18 @@ def is_alive(pid: int) -> bool:
         return False
 
 
+def pending_signals(pid: int) -> set[int]:
+    """Signals sent to ``pid`` and not delivered yet (a stopped process keeps its SIGTERM pending)."""
+    mask = 0
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(("SigPnd:", "ShdPnd:")):
+                mask |= int(line.split()[1], 16)
+    except FileNotFoundError:
+        return set()
+    return {sig for sig in range(1, 65) if mask >> (sig - 1) & 1}
+
+
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
@@ -186,6 +198,14 @@ class Job:
             self.stopped_pids.discard(pid)
         return pid
 
+    def end_stopped(self, rank: int, *, restart: int = 0) -> None:
+        """End a SIGSTOPped rank the way torchrun does once the job failed, without its grace period: wait for
+        torchrun's SIGTERM to be pending on it (a stopped process cannot act on it), then SIGKILL it."""
+        pid = self.worker_pid(rank, restart=restart)
+        self.wait_for(lambda: signal.SIGTERM in pending_signals(pid) or not is_alive(pid),
+                      what=f"torchrun to SIGTERM the stopped rank {rank}")
+        self.signal(rank, signal.SIGKILL, restart=restart)
+
     def wait(self) -> int:
         """Wait for the launcher to exit within the job's time; its exit code."""
         try:
@@ -223,15 +243,34 @@ class Job:
 # -------------------------------------------------------------------------------------------- CPU faults
 
 
+HOG_SOURCE = """
+import sys, time
+busy_s, idle_s = float(sys.argv[1]), float(sys.argv[2])
+while True:
+    end = time.perf_counter() + busy_s
+    while time.perf_counter() < end:
+        pass
+    time.sleep(idle_s)
+"""
+
+
 @dataclass
 class BusyLoop:
-    """A Python busy loop pinned to ``core`` (a CPU hog beside one rank); ``stop`` kills it by PID."""
+    """A busy process pinned to ``core``: it spins ``duty`` of every 10 ms and sleeps the rest. At real-time
+    priority (SCHED_FIFO 1, the default) it takes that share of the core before any ordinary process, so the
+    slowdown it causes a rank on that core does not depend on what else the machine runs. ``stop`` kills it by
+    PID."""
 
     core: int
+    duty: float = 0.6
+    realtime: bool = True
     proc: subprocess.Popen | None = None
 
     def start(self) -> "BusyLoop":
-        self.proc = subprocess.Popen(["taskset", "-c", str(self.core), sys.executable, "-c", "while True: pass"],
+        period_s = 0.010
+        prio = ["chrt", "-f", "1"] if self.realtime else []
+        self.proc = subprocess.Popen([*prio, "taskset", "-c", str(self.core), sys.executable, "-c", HOG_SOURCE,
+                                      str(self.duty * period_s), str((1 - self.duty) * period_s)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         return self
 
@@ -239,6 +278,19 @@ class BusyLoop:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=10)
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) ``pid`` has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_share(pid: int, *, seconds: float) -> float:
+    """Cores ``pid`` used on average over the next ``seconds`` (what it gets now, load included)."""
+    cpu0, t0 = cpu_seconds(pid), time.monotonic()
+    time.sleep(seconds)
+    return (cpu_seconds(pid) - cpu0) / (time.monotonic() - t0)
 
 
 def pin(pid: int, core: int) -> None:

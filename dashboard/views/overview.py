@@ -1,4 +1,5 @@
-"""Overview: health, findings by severity (each linking to its page), key figures of the chosen run with the trend
+"""Overview: every crash and restart of the run (the RANK_CRASH titles, as `dtprobe analyze` heads its report),
+health, findings by severity (each linking to its page), key figures of the chosen run with the trend
 of step time and tokens/s (per-rank charts are on the pages the findings link to). Drawn from a
 ``summary.Overview`` (``data.load_overview``), so it needs neither pandas nor plotly."""
 
@@ -12,6 +13,8 @@ from dashboard.nav import FINDING_PAGE
 
 def body(source) -> None:
     overview = common.load_overview(source)
+    for crash in (f for f in overview.findings if f.code == "RANK_CRASH"):   # every crash and restart, first
+        st.markdown(f"**:{common.SEVERITY_BADGE[crash.severity]}[crash]** {crash.title}")
     items = list(common.key_figures(overview).items())
     for row in (items[:4], items[4:]):
         for col, (label, value) in zip(st.columns(4, border=True), row):

@@ -1,0 +1,45 @@
+"""Every crash and restart heads the report: `dtprobe analyze` (text, md, json ``metrics.run``) and the dashboard's
+Overview show the same line for each, on the sample run whose rank 1 crashed and was restarted."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from streamlit.testing.v1 import AppTest
+
+from dashboard.paths import ROOT_ENV
+from dtprobe.analysis import RunAnalysis
+from dtprobe.cli import main as cli_main
+
+REPO = Path(__file__).resolve().parents[1]
+RUN = REPO / "sample_traces" / "ckpt_crash_restart"
+
+
+def _crash_title() -> str:
+    [f] = [f for f in RunAnalysis.open(RUN).findings() if f.code == "RANK_CRASH"]
+    return f.title
+
+
+def test_analyze_names_the_crash_and_its_restart_first_in_every_format(capsys):
+    title = _crash_title()
+    assert title.startswith("rank 1 died at step 15") and "the job restarted (attempt 1) from step 15" in title
+    cli_main(["analyze", str(RUN), "--format", "json"])
+    run = json.loads(capsys.readouterr().out)["metrics"]["run"]
+    assert [(c["rank"], c["step"], c["recovered"], c["title"]) for c in run["crashes"]] == [(1, 15, True, title)]
+    assert [(r["restart"], r["from_step"], r["checkpoint_step"], r["steps_lost"]) for r in run["restarts"]] == [
+        (1, 15, 14, 0)]
+    cli_main(["analyze", str(RUN), "--format", "md"])
+    md = capsys.readouterr().out.splitlines()
+    assert md[3] == f"- **crash: {title}**"          # right under the source line, before the facts
+    cli_main(["analyze", str(RUN)])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"crash: {title}" in text and text.index("crash:") < text.index("finding(s), worst first")
+
+
+def test_overview_heads_the_page_with_the_crash_line(monkeypatch):
+    monkeypatch.setenv(ROOT_ENV, str(RUN))
+    at = AppTest.from_file(str(REPO / "dashboard" / "app.py"), default_timeout=240).run()
+    assert not at.exception, [e.message for e in at.exception]
+    crash_lines = [m.value for m in at.markdown if "[crash]**" in m.value]
+    assert crash_lines == [f"**:orange[crash]** {_crash_title()}"]

@@ -180,3 +180,44 @@ def test_record_attempt_replaces_the_same_attempt_and_node_and_old_runs_read_wit
     assert [(a["attempt"], a["node_rank"], a["ended_ns"]) for a in got] == [(0, 0, None), (0, 1, 5)]
     with pytest.raises(ValueError, match="result"):
         record_attempt(tmp_path, {**entry, "result": "exploded"})
+
+
+def test_proc_exit_reads_a_zombies_exit_status_before_it_is_reaped():
+    from dtprobe.runtime.attempts import proc_exit
+
+    killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    exited = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
+    try:
+        assert proc_exit(killed.pid) == (False, None)
+        os.kill(killed.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not (proc_exit(killed.pid)[0] and proc_exit(exited.pid)[0]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert proc_exit(killed.pid) == (True, -9) and proc_exit(exited.pid) == (True, 3)   # zombies, not reaped
+    finally:
+        killed.kill()
+        killed.wait(timeout=30)
+        exited.wait(timeout=30)
+    assert proc_exit(killed.pid) == (True, None)                                            # reaped: gone
+
+
+def test_first_failure_moves_to_the_rank_the_launcher_saw_exit_first_when_torchrun_tied_them(tmp_path):
+    log_dir, t0 = tmp_path / "node0", 1_790_000_000_000_000_000
+    survivor = _attempt_dir(log_dir, 0, 0, rank=0, pid=100, started_ns=t0)
+    _attempt_dir(log_dir, 0, 1, rank=1, pid=101, started_ns=t0)
+    (survivor / "error.json").write_text(json.dumps({"message": {
+        "message": "RuntimeError: Connection closed by peer", "extraInfo": {"py_callstack": "tb", "timestamp": "1"}}}))
+    log = tmp_path / "torchrun.log"
+    # torchrun's one-second ordering (and local rank 0 first within it) named the survivor
+    log.write_text(f"{_glog(t0 + int(5e9))} 9 api.py:1002] failed (exitcode: 1) local_rank: 0 (pid: 100) of b\n")
+    observed = {101: (t0 + int(4.5e9), -9), 100: (t0 + int(4.8e9), 1)}
+    (a0,) = read_attempts(log_dir, log, node_rank=0, nproc=2, final=True, exit_code=1, ended_ns=t0 + int(6e9),
+                          observed=observed)
+    ranks = {r["rank"]: r for r in a0["ranks"]}
+    assert (ranks[1]["first_failure"], ranks[1]["exit_code"], ranks[1]["signal"]) == (True, -9, "SIGKILL")
+    assert ranks[1]["time_ns"] == t0 + int(4.5e9)
+    assert (ranks[0]["first_failure"], ranks[0]["exit_code"], ranks[0]["error"]["type"]) == (False, 1, "RuntimeError")
+    # seen exiting in the same tick (or not seen at all): torchrun's report stands
+    (tied,) = read_attempts(log_dir, log, node_rank=0, nproc=2, final=True, exit_code=1, ended_ns=t0 + int(6e9),
+                            observed={101: (t0 + int(4.8e9), -9), 100: (t0 + int(4.8e9), 1)})
+    assert [r["rank"] for r in tied["ranks"] if r["first_failure"]] == [0]

@@ -18,6 +18,16 @@ Sources (torch 2.13's elastic agent), most robust first:
 3. The ``ChildFailedError`` summary torchrun prints when it gives up (``Failures:`` ... ``Root Cause (first
    observed failure):``): global rank, local rank, exit code and pid of every failed worker of the last attempt.
 
+4. The launcher's own sight of its node's workers (``ExitWatcher``): every 50 ms it checks each worker pid of
+   the current attempt (from ``worker.json``) in ``/proc``; a worker that exited is a zombie until torchrun's
+   next monitor poll (every 0.5 s) reaps it, and ``/proc/<pid>/stat`` then holds its exit status. This gives
+   ``time_ns`` (first seen exited) to within one tick and the exit code of workers torchrun does not report.
+
+``first_failure`` is the rank torchrun reported, unless the watcher saw another rank of the attempt exit at an
+earlier tick while torchrun's choice was still alive, that rank not stopped by the agent and not exiting 0:
+torchrun ranks failures by whole seconds (and by local rank within one), so a survivor that raised within the
+same second as a killed peer can be reported first.
+
 Log lines belong to the attempt that started last before their time. Not used: torchelastic's worker events
 (``--event-log-handler``), which are emitted only once, for the final attempt.
 """
@@ -27,6 +37,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -162,14 +173,91 @@ def _summary(log_text: str) -> dict[int, tuple[int, int, int]]:
     return out
 
 
+def proc_exit(pid: int) -> tuple[bool, int | None]:
+    """(exited, exit code) of ``pid`` from ``/proc``: a zombie's waitpid status (-N for signal N); a pid that is
+    gone: (True, None); a live one: (False, None)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return True, None
+    except OSError:
+        return False, None
+    fields = text[text.rindex(")") + 2:].split()
+    if fields[0] not in ("Z", "X"):
+        return False, None
+    if len(fields) < 50:                                  # kernels before 3.5 do not show the exit status
+        return True, None
+    status = int(fields[-1])
+    return True, (-(status & 0x7F) if status & 0x7F else (status >> 8) & 0xFF)
+
+
+class ExitWatcher:
+    """Watches the workers of this node's current attempt and notes when each exited and how (a thread of the
+    launcher; see the module docstring). ``observed()``: pid -> (time_ns first seen exited, exit code or None)."""
+
+    def __init__(self, log_dir: Path, *, interval_s: float = 0.05) -> None:
+        self.log_dir = log_dir
+        self.interval_s = interval_s
+        self._alive: set[int] = set()
+        self._known: set[int] = set()
+        self._observed: dict[int, tuple[int, int | None]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dtprobe-exit-watcher", daemon=True)
+
+    def start(self) -> "ExitWatcher":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.tick()                                       # a last look: exits since the last tick
+
+    def observed(self) -> dict[int, tuple[int, int | None]]:
+        with self._lock:
+            return dict(self._observed)
+
+    def _run(self) -> None:
+        next_scan = 0.0
+        while not self._stop.wait(self.interval_s):
+            if time.monotonic() >= next_scan:             # new workers appear at most once per attempt
+                self.scan()
+                next_scan = time.monotonic() + 0.25
+            self.tick()
+
+    def scan(self) -> None:
+        """Start watching the workers of the newest attempt that wrote their ``worker.json``."""
+        dirs = attempt_dirs(self.log_dir)
+        if not dirs:
+            return
+        for p in dirs[max(dirs)].iterdir():
+            info = _read_json(p / WORKER_FILE) if p.is_dir() else None
+            pid = info.get("pid") if info else None
+            if isinstance(pid, int) and pid not in self._known:
+                self._known.add(pid)
+                self._alive.add(pid)
+
+    def tick(self) -> None:
+        now = time.time_ns()
+        for pid in list(self._alive):
+            exited, code = proc_exit(pid)
+            if exited:
+                self._alive.discard(pid)
+                with self._lock:
+                    self._observed[pid] = (now, code)
+
+
 def read_attempts(log_dir: Path, torchrun_log: Path, *, node_rank: int, nproc: int, final: bool,
-                  exit_code: int | None = None, ended_ns: int | None = None,
-                  interrupted: bool = False) -> list[dict[str, Any]]:
+                  exit_code: int | None = None, ended_ns: int | None = None, interrupted: bool = False,
+                  observed: dict[int, tuple[int, int | None]] | None = None) -> list[dict[str, Any]]:
     """run.json ``attempts`` entries of this node (shape: ``store.manifest.Manifest.attempts``).
 
     ``final``: torchrun has exited with ``exit_code`` at ``ended_ns`` (``interrupted``: stopped by Ctrl-C), so
-    the last attempt is complete too; otherwise the last attempt (still running) is left out.
+    the last attempt is complete too; otherwise the last attempt (still running) is left out. ``observed``:
+    ``ExitWatcher.observed()``.
     """
+    observed = observed or {}
     dirs = attempt_dirs(log_dir)
     if not dirs:
         return []
@@ -196,8 +284,9 @@ def read_attempts(log_dir: Path, torchrun_log: Path, *, node_rank: int, nproc: i
         for local_rank, (info, error, error_mtime) in sorted(workers[n].items()):
             ranks.append(_rank_entry(local_rank, info, error, error_mtime, ev,
                                      summary.get(local_rank) if is_last else None,
-                                     node_rank=node_rank, nproc=nproc))
+                                     node_rank=node_rank, nproc=nproc, observed=observed))
         ranks = [r for r in ranks if r is not None]
+        _correct_first_failure(ranks, ev, observed)
         result = _result(ranks, ev, is_last=is_last, exit_code=exit_code, interrupted=interrupted)
         next_start = starts.get(n + 1)
         times = [r["time_ns"] for r in ranks if r["time_ns"] is not None]
@@ -208,9 +297,23 @@ def read_attempts(log_dir: Path, torchrun_log: Path, *, node_rank: int, nproc: i
     return out
 
 
+def _correct_first_failure(ranks: list[dict[str, Any]], ev: _LogEvents,
+                           observed: dict[int, tuple[int, int | None]]) -> None:
+    """Move ``first_failure`` to the rank the watcher saw exit first, when that was at a tick strictly before it
+    saw torchrun's choice exit (ranks the agent stopped and clean exits excluded; unseen exits change nothing)."""
+    chosen = [r for r in ranks if r["first_failure"]]
+    seen = [r for r in ranks if r["pid"] in observed and r["pid"] not in ev.closed and r["exit_code"] != 0]
+    if not chosen or not seen:
+        return
+    earliest = min(seen, key=lambda r: observed[r["pid"]][0])
+    first = chosen[0]
+    if first["pid"] in observed and observed[earliest["pid"]][0] < observed[first["pid"]][0]:
+        first["first_failure"], earliest["first_failure"] = False, True
+
+
 def _rank_entry(local_rank: int, info: dict[str, Any] | None, error: dict[str, str] | None,
                 error_mtime: int | None, ev: _LogEvents, summary: tuple[int, int, int] | None, *,
-                node_rank: int, nproc: int) -> dict[str, Any] | None:
+                node_rank: int, nproc: int, observed: dict[int, tuple[int, int | None]]) -> dict[str, Any] | None:
     """One rank's exit in one attempt, or None when nothing is known about it (no worker file, no report)."""
     pid = info.get("pid") if info else None
     first = ev.first_failure is not None and ev.first_failure[1] == local_rank and (
@@ -224,16 +327,21 @@ def _rank_entry(local_rank: int, info: dict[str, Any] | None, error: dict[str, s
         exit_code = summary[1]
     elif info and info.get("exit_code") is not None:
         exit_code = int(info["exit_code"])
+    seen = observed.get(pid) if pid is not None else None
+    if exit_code is None and seen is not None:
+        exit_code = seen[1]
     sig = signal_name(exit_code)
-    if pid in ev.closed:
+    if pid in ev.closed:                                  # the agent stopped it (after another rank failed)
         closing_sig, closing_t = ev.closed[pid]
-        if exit_code is None or (sig is not None and sig == closing_sig):
+        if sig is None or sig == closing_sig:
             sig = closing_sig
             time_ns = time_ns or closing_t
     if error_mtime is not None:
         time_ns = time_ns or error_mtime
     if exit_code == 0 and info:
         time_ns = time_ns or info.get("ended_ns")
+    if seen is not None:
+        time_ns = seen[0]                                 # the launcher's own sight: within one 50 ms tick
     if info is None and not first and summary is None and error is None and pid not in ev.closed:
         return None
     if info and info.get("rank") is not None:
@@ -251,7 +359,7 @@ def _result(ranks: list[dict[str, Any]], ev: _LogEvents, *, is_last: bool, exit_
     if is_last and exit_code == 0:
         return "succeeded"
     failed = ev.first_failure is not None or any(
-        r["error"] is not None or (r["exit_code"] not in (None, 0) and r["signal"] != "SIGTERM") for r in ranks)
+        r["error"] is not None or (r["exit_code"] not in (None, 0) and r["pid"] not in ev.closed) for r in ranks)
     if failed:
         return "failed"
     if is_last and not interrupted and exit_code not in (None, 0):

@@ -18,8 +18,10 @@ first): the per-attempt, per-local-rank directories of torchrun's ``--log-dir`` 
 (the worker's ``@record`` writes the exception's type, message and traceback) and the worker's ``worker.json``
 (rank, pid, clean exit); torchrun's ``failed (exitcode: X) local_rank: L (pid: P)`` and ``Sending process P
 closing signal S`` log lines (exit code of the first failure; workers the agent stopped); and the ``Root Cause``
-summary torchrun prints when it gives up (exit codes of every failed worker of the last attempt). torchrun
-reports no other exit codes (workers it stopped for a restart have ``exit_code`` null and ``signal`` SIGTERM).
+summary torchrun prints when it gives up (exit codes of every failed worker of the last attempt); and the
+launcher's own sight of the workers (a thread checking their pids in ``/proc`` every 50 ms: when each exited, and
+its exit status while it waits to be reaped), which also corrects torchrun's first failure when torchrun's
+one-second ordering picked a rank that exited later.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from typing import Callable
 
 import orjson
 
-from dtprobe.runtime.attempts import attempt_dirs, read_attempts
+from dtprobe.runtime.attempts import ExitWatcher, attempt_dirs, read_attempts
 from dtprobe.runtime.config import JobConfig
 from dtprobe.runtime.parallel.mesh import loss_rank
 from dtprobe.store import manifest as store_manifest
@@ -162,6 +164,7 @@ class AttemptRecorder:
         self.log_dir = self.run_dir / LOGS_DIR / f"node{job.node_rank}"
         self.torchrun_log = torchrun_log
         self._num_seen = 0
+        self.watcher = ExitWatcher(self.log_dir).start()
 
     def poll(self) -> None:
         """Record the attempts that ended since the last call (one ended when the next one's directory appears)."""
@@ -172,11 +175,13 @@ class AttemptRecorder:
 
     def finish(self, *, exit_code: int, interrupted: bool) -> None:
         """torchrun has exited with ``exit_code``: record every attempt, the last one included."""
-        self._record(final=True, exit_code=exit_code, ended_ns=time.time_ns(), interrupted=interrupted)
+        ended_ns = time.time_ns()
+        self.watcher.stop()
+        self._record(final=True, exit_code=exit_code, ended_ns=ended_ns, interrupted=interrupted)
 
     def _record(self, **kw: object) -> None:
         for attempt in read_attempts(self.log_dir, self.torchrun_log, node_rank=self.job.node_rank,
-                                     nproc=self.job.nproc, **kw):
+                                     nproc=self.job.nproc, observed=self.watcher.observed(), **kw):
             store_manifest.record_attempt(self.run_dir, attempt)
 
 

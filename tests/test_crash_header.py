@@ -3,14 +3,17 @@ Overview show the same line for each, on the sample run whose rank 1 crashed and
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
+from rich.console import Console
 from streamlit.testing.v1 import AppTest
 
 from dashboard.paths import ROOT_ENV
 from dtprobe.analysis import RunAnalysis
 from dtprobe.cli import main as cli_main
+from dtprobe.commands.analyze import render_text
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = REPO / "sample_traces" / "ckpt_crash_restart"
@@ -32,8 +35,9 @@ def test_analyze_names_the_crash_and_its_restart_first_in_every_format(capsys):
     cli_main(["analyze", str(RUN), "--format", "md"])
     md = capsys.readouterr().out.splitlines()
     assert md[3] == f"- **crash: {title}**"          # right under the source line, before the facts
-    cli_main(["analyze", str(RUN)])
-    text = " ".join(capsys.readouterr().out.split())
+    out = io.StringIO()
+    render_text(RunAnalysis.open(RUN).report(), Console(file=out, width=400))
+    text = out.getvalue()
     assert f"crash: {title}" in text and text.index("crash:") < text.index("finding(s), worst first")
 
 

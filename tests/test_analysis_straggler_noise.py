@@ -16,12 +16,15 @@ SAMPLES = Path(__file__).resolve().parents[1] / "sample_traces"
 STEP_NS = 100e6
 
 
-def _lateness(fracs: dict[int, list[float]], *, pg: str = "dp") -> pd.DataFrame:
-    """A ``rank_lateness`` table: rank -> lateness_frac per step (steps 1..n), pre_excess unknown."""
+def _lateness(fracs: dict[int, list[float]], *, pg: str = "dp", pre: dict[int, list[float]] | None = None
+              ) -> pd.DataFrame:
+    """A ``rank_lateness`` table: rank -> lateness_frac per step (steps 1..n); pre_excess_frac from ``pre``
+    (unknown without)."""
     members = ",".join(map(str, sorted(fracs)))
     rows = [{"pg": pg, "pg_ranks": members, "step": i + 1, "rank": r, "lateness_ns": f * STEP_NS,
              "victims_wait_ns": max(f, 0.0) * STEP_NS, "is_last": False, "step_ns": STEP_NS, "lateness_frac": f,
-             "pre_excess_frac": np.nan} for r, series in fracs.items() for i, f in enumerate(series)]
+             "pre_excess_frac": pre[r][i] if pre else np.nan}
+            for r, series in fracs.items() for i, f in enumerate(series)]
     return pd.DataFrame(rows)[st.LATENESS_COLUMNS]
 
 
@@ -75,6 +78,30 @@ def test_a_rank_late_well_above_its_quiet_peers_is_a_straggler_with_its_noise_in
     assert ev["noise_frac"] == pytest.approx(want)
     assert ev["lateness_over_noise"] == pytest.approx(ev["median_lateness_frac"] / want)
     assert ev["lateness_over_noise"] >= st.MIN_LATENESS_OVER_NOISE
+
+
+def test_a_rank_whose_forward_stands_out_of_its_peers_phase_noise_is_found_by_the_phases_view():
+    # arrivals as noisy as in the chance case above, but rank 0's data+fwd is 8% longer than its peers' in every
+    # step while theirs differ by at most 3%: the phases view names it
+    rng = np.random.default_rng(1)
+    n = 20
+    fracs = {0: [0.15] * n, 1: [0.25] * 10 + [-0.30] * 10, 2: [-0.30] * 10 + [0.25] * 10,
+             3: [(-0.1 if i % 2 else 0.05) for i in range(n)]}
+    pre = {r: list(rng.uniform(-0.03, 0.01, n)) for r in (1, 2, 3)}
+    pre[0] = list(0.08 + rng.uniform(-0.01, 0.01, n))
+    lateness = _lateness(fracs, pre=pre)
+    [f] = _detect(lateness)
+    ev = f.evidence
+    assert (f.ranks, ev["detected_by"]) == ((0,), "arrival+phases")
+    assert ev["lateness_over_noise"] < st.MIN_LATENESS_OVER_NOISE        # the arrival view alone: no verdict
+    peers = np.concatenate([pre[r] for r in (1, 2, 3)])
+    want = max(1.4826 * np.median(np.abs(peers - np.median(peers))), float(np.quantile(peers, 0.9)))
+    assert ev["phase_noise_frac"] == pytest.approx(want)
+    assert ev["pre_excess_over_noise"] == pytest.approx(ev["median_pre_excess_frac"] / want)
+    assert ev["pre_excess_over_noise"] >= st.MIN_PRE_EXCESS_OVER_NOISE
+    # the same excess inside the peers' phase noise: no verdict
+    noisy = {r: list(rng.uniform(-0.1, 0.1, n)) for r in (1, 2, 3)} | {0: pre[0]}
+    assert _detect(_lateness(fracs, pre=noisy)) == []
 
 
 def test_in_a_group_where_every_member_is_always_a_little_late_the_later_one_is_no_straggler():

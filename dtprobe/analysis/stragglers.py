@@ -29,24 +29,31 @@ SCORE_COLUMNS = [
     "median_lateness_frac", "positive_frac", "median_pre_excess_frac", "pre_positive_frac", "last_frac",
     "mean_lateness_ns", "mean_victims_wait_ns", "mean_step_ns", "detected_at_step", "detected_by",
 ]
-NOISE_COLUMNS = ["noise_frac", "lateness_over_noise"]
-"""Extra columns of ``straggler_scores`` (after ``SCORE_COLUMNS``): the peers' lateness noise in the chosen window."""
+NOISE_COLUMNS = ["noise_frac", "lateness_over_noise", "phase_noise_frac", "pre_excess_over_noise"]
+"""Extra columns of ``straggler_scores`` (after ``SCORE_COLUMNS``): the peers' noise in the chosen window, of the
+arrival view (lateness) and of the phases view (data+fwd excess)."""
 CAUSE_COLUMNS = [
     "pg", "pg_ranks", "rank", "data_excess_ns", "compute_excess_ns", "comm_excess_ns", "throttled_frac", "cause",
 ]
 CAUSES = ("data", "compute", "communication", "device", "unknown")
 """Cause classes of a straggler."""
 
-MIN_LATENESS_OVER_NOISE = 2.0
-"""A straggler's median lateness must be at least this many times its peers' lateness spread in the same window
-(``noise_frac``): calibrated on clean and slowed ``dtprobe run`` jobs of a busy 2-core host (docs/findings.md)."""
+MIN_LATENESS_OVER_NOISE = 2.5
+"""Arrival view: a straggler's median lateness must be at least this many times its peers' lateness noise in the
+same window (``noise_frac``). Calibrated on clean and slowed ``dtprobe run`` jobs of a busy host (docs/findings.md):
+arrivals there carry the whole step's scheduling noise, and clean runs reach 2.3."""
+MIN_PRE_EXCESS_OVER_NOISE = 1.5
+"""Phases view: a straggler's median data+fwd excess must be at least this many times its peers' excess noise in
+the same window (``phase_noise_frac``). The phases before the first gradient collective carry less noise than
+arrivals (no waits in them): clean runs stay near 1, ranks slowed by 10% reach 1.6 on the same host."""
 
 THROTTLE_MASK = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
 """NVML clock-throttle reasons that slow a GPU: SW power cap, HW slowdown, SW/HW thermal, power brake."""
 
 def straggler_scores(lateness: pd.DataFrame, *, window_steps: int = 20, min_lateness_frac: float = 0.05,
                      min_positive_frac: float = 0.8,
-                     min_lateness_over_noise: float = MIN_LATENESS_OVER_NOISE) -> pd.DataFrame:
+                     min_lateness_over_noise: float = MIN_LATENESS_OVER_NOISE,
+                     min_pre_excess_over_noise: float = MIN_PRE_EXCESS_OVER_NOISE) -> pd.DataFrame:
     """Per (group, member rank), over sliding windows of ``window_steps`` steps (the whole run when shorter):
     the first window where its median lateness (share of the step) is at least ``min_lateness_frac`` and it
     arrived after its peers' median in at least ``min_positive_frac`` of the steps (else the window with the
@@ -55,9 +62,11 @@ def straggler_scores(lateness: pd.DataFrame, *, window_steps: int = 20, min_late
     lateness and the mean wait it imposed on peers. ``detected_at_step``: the last step of the first window with
     median lateness >= ``min_lateness_frac`` and positive share >= ``min_positive_frac`` (null if none).
     Medians ignore NaN (phases not recorded). ``noise_frac``: the run's own noise in that window, how late its
-    peers got by chance (robust spread or 90th percentile of their lateness over the window, ``peer_noise``); a
-    window qualifies only when its median lateness is also at least ``min_lateness_over_noise`` x that noise
-    (``lateness_over_noise``; unknown noise does not block). Every window of every (group, rank) is scored at once
+    peers got by chance (robust spread or 90th percentile of their lateness over the window, ``peer_noise``); the
+    arrival view qualifies a window only when its median lateness is also at least ``min_lateness_over_noise`` x
+    that noise (``lateness_over_noise``), the phases view only when the median data+fwd excess is at least
+    ``min_pre_excess_over_noise`` x the peers' excess noise (``phase_noise_frac``, ``pre_excess_over_noise``);
+    unknown noise does not block. Every window of every (group, rank) is scored at once
     (one windows x steps matrix), so the cost grows with the rows. Columns: ``SCORE_COLUMNS`` + ``NOISE_COLUMNS``."""
     require_columns(lateness, LATENESS_COLUMNS, table="rank_lateness")
     keys = ["pg", "pg_ranks", "rank"]
@@ -88,15 +97,16 @@ def straggler_scores(lateness: pd.DataFrame, *, window_steps: int = 20, min_late
     ppos = (pre > 0).sum(axis=1) / w[win_gid]
     steps_ = column("step", "int64")
     first_key = lat[keys].iloc[order[first_row]]
-    noise = peer_noise(lat, pd.DataFrame({
+    windows = pd.DataFrame({
         "pg": first_key["pg"].to_numpy()[win_gid], "pg_ranks": first_key["pg_ranks"].to_numpy()[win_gid],
         "rank": first_key["rank"].to_numpy(dtype="int64")[win_gid], "first_step": steps_[win_start],
-        "last_step": steps_[win_start + w[win_gid] - 1]}))
-    with np.errstate(divide="ignore", invalid="ignore"):
-        over = np.where(noise > 0, med / noise, np.where(noise == 0, np.inf, np.nan))
-    quiet = ~(over < min_lateness_over_noise)                   # NaN (noise unknown) does not block
-    by_arrival = (med >= min_lateness_frac) & (pos >= min_positive_frac) & quiet
-    by_phases = (med >= min_lateness_frac) & (pmed >= min_lateness_frac) & (ppos >= min_positive_frac) & quiet
+        "last_step": steps_[win_start + w[win_gid] - 1]})
+    noise, pnoise = peer_noise(lat, windows), peer_noise(lat, windows, column="pre_excess_frac")
+    over, pover = _over(med, noise), _over(pmed, pnoise)
+    # NaN (noise unknown) does not block
+    by_arrival = (med >= min_lateness_frac) & (pos >= min_positive_frac) & ~(over < min_lateness_over_noise)
+    by_phases = ((med >= min_lateness_frac) & (pmed >= min_lateness_frac) & (ppos >= min_positive_frac)
+                 & ~(pover < min_pre_excess_over_noise))
     ok = by_arrival | by_phases
     detected = _first_true(ok, win_gid, len(n))                 # first qualifying window (global index) or -1
     # Else the window with the largest median (the first of equals, NaN ignored), or the first window when no
@@ -123,6 +133,7 @@ def straggler_scores(lateness: pd.DataFrame, *, window_steps: int = 20, min_late
                                       for g, d in enumerate(detected)], dtype="Int64"),
         "detected_by": [None if d < 0 else "arrival" if by_arrival[d] else "arrival+phases" for d in detected],
         "noise_frac": noise[best], "lateness_over_noise": over[best],
+        "phase_noise_frac": pnoise[best], "pre_excess_over_noise": pover[best],
     })
     return out[SCORE_COLUMNS + NOISE_COLUMNS]
 
@@ -132,9 +143,15 @@ MAX_PEERS_EXCLUDED = 16
 the pool is small there, and one pool per window instead of one per member keeps the cost linear in ranks)."""
 
 
-def peer_noise(lateness: pd.DataFrame, windows: pd.DataFrame) -> np.ndarray:
-    """For each window (rows of ``windows``: pg, pg_ranks, rank, first_step, last_step): the noise of the
-    lateness_frac of the rank's group peers at the steps first_step..last_step, pooled (between them and over
+def _over(value: np.ndarray, noise: np.ndarray) -> np.ndarray:
+    """value / noise; inf for a positive value over zero noise, NaN when the noise is unknown."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(noise > 0, value / noise, np.where(noise == 0, np.inf * np.sign(value), np.nan))
+
+
+def peer_noise(lateness: pd.DataFrame, windows: pd.DataFrame, *, column: str = "lateness_frac") -> np.ndarray:
+    """For each window (rows of ``windows``: pg, pg_ranks, rank, first_step, last_step): the noise of ``column``
+    (a share of the step) of the rank's group peers at the steps first_step..last_step, pooled (between them and over
     steps): the larger of 1.4826 x their median absolute deviation and their 90th percentile. NaN with fewer than
     two peer values. In a clean run this is how late any rank gets by chance (on a busy host, or in a group whose
     many collectives per step make every member's worst lateness positive); a straggler stands out of it."""
@@ -146,7 +163,7 @@ def peer_noise(lateness: pd.DataFrame, windows: pd.DataFrame) -> np.ndarray:
         idx = idx.to_numpy()
         pg, pg_ranks = windows["pg"].iloc[idx[0]], windows["pg_ranks"].iloc[idx[0]]
         g = lateness[(lateness["pg"] == pg) & (lateness["pg_ranks"] == pg_ranks)]
-        m = g.pivot_table(index="step", columns="rank", values="lateness_frac", aggfunc="first", dropna=False)
+        m = g.pivot_table(index="step", columns="rank", values=column, aggfunc="first", dropna=False)
         grid = m.index.to_numpy(dtype="int64")
         values, members = m.to_numpy(dtype="float64"), m.columns.to_numpy(dtype="int64")
         lo = np.searchsorted(grid, windows["first_step"].to_numpy(dtype="int64")[idx], side="left")
@@ -359,6 +376,7 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: set[
                       skip_axes: tuple[str, ...] = ("pp",),
                       own_delay_ns: dict[int, float] | None = None,
                       min_lateness_over_noise: float = MIN_LATENESS_OVER_NOISE,
+                      min_pre_excess_over_noise: float = MIN_PRE_EXCESS_OVER_NOISE,
                       slow_link_ranks: dict[int, int] | None = None) -> list[Finding]:
     """STRAGGLER for each rank whose median lateness over some window is at least ``min_lateness_frac`` of the step
     and which arrived after its peers' median in at least ``min_positive_frac`` of that window's steps (and the
@@ -371,8 +389,9 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: set[
     group name to ``dp``/``tp``/``pp``; groups of ``skip_axes`` are not judged (in a pipeline group the arrival
     order follows the schedule: the first stage finishes its last backward last; a slow stage shows up as
     stage imbalance in PIPELINE_BUBBLE and as a straggler of its dp group).
-    Noise rule (when ``scores`` has ``NOISE_COLUMNS``): the median lateness must also be at least
-    ``min_lateness_over_noise`` x the spread of the peers' lateness in the same window, so a busy host's chance
+    Noise rule (when ``scores`` has ``NOISE_COLUMNS``): the arrival view also needs the median lateness to be at
+    least ``min_lateness_over_noise`` x the peers' lateness noise in the same window, the phases view the median
+    data+fwd excess to be ``min_pre_excess_over_noise`` x the peers' excess noise, so a busy host's chance
     lateness is not a verdict. ``slow_link_ranks`` (rank -> step a SLOW_LINK on its node began,
     ``links.slow_link_ranks``): a rank late in a window reaching that step is not blamed unless its cause is
     data or device (its lateness is the link's: the link's finding carries it)."""
@@ -383,10 +402,11 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: set[
     by_arrival = scores["positive_frac"] >= min_positive_frac
     by_phases = (scores["median_pre_excess_frac"].fillna(-1) >= min_lateness_frac) & (
         scores["pre_positive_frac"] >= min_positive_frac)
-    above_noise = (~(scores["lateness_over_noise"] < min_lateness_over_noise) if "lateness_over_noise" in scores
-                   else pd.Series(True, index=scores.index))
+    if "lateness_over_noise" in scores:                         # NaN (noise unknown) does not block
+        by_arrival &= ~(scores["lateness_over_noise"] < min_lateness_over_noise)
+        by_phases &= ~(scores["pre_excess_over_noise"] < min_pre_excess_over_noise)
     flagged = scores[(scores["median_lateness_frac"] >= min_lateness_frac) & (by_arrival | by_phases)
-                     & (scores["window_steps"] >= min_steps) & above_noise]
+                     & (scores["window_steps"] >= min_steps)]
     if flagged.empty:
         return []
     flagged = flagged.sort_values(["median_lateness_frac"], ascending=False)
@@ -441,6 +461,8 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: set[
             "throttled_frac": (None if c is None or pd.isna(c.throttled_frac) else float(c.throttled_frac)),
             "noise_frac": _opt_float(getattr(row, "noise_frac", None)),
             "lateness_over_noise": _opt_float(getattr(row, "lateness_over_noise", None)),
+            "phase_noise_frac": _opt_float(getattr(row, "phase_noise_frac", None)),
+            "pre_excess_over_noise": _opt_float(getattr(row, "pre_excess_over_noise", None)),
             "propagated_to": sorted(propagated.get(int(row.rank), [])),
             "injected": (injected or {}).get(int(row.rank)),
         }

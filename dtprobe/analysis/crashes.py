@@ -50,15 +50,16 @@ def classify_cause(*, exit_code: Any, signal: Any, error_type: Any, error_messag
 
 def crash_events(exits: pd.DataFrame, *, activity: Activity, collectives: pd.DataFrame, steps: pd.DataFrame,
                  devices: pd.DataFrame, restarts: list[dict], status: str, attempts_known: bool,
-                 stale_ns: int, now_ns: int) -> pd.DataFrame:
+                 stale_ns: int, now_ns: int, stalls: pd.DataFrame | None = None) -> pd.DataFrame:
     """Per failed attempt, its first failure. Which attempts failed: with the launcher's ``attempts``
     (``attempts_known``) the ranks' exits say it (the ``first_failure`` rank; a watchdog exit is a hang, not a
     crash); else a rank whose probe closed ``crashed`` for its own reason, or never closed although its attempt is
     over (a later restart, or the run is no longer running) or its rows stopped ``stale_ns`` before the others';
     without any ``lifecycle`` rows, an attempt followed by a restart (``restarts``: the runtime's ``restart``
     rows) is a failure too. The first to die is the first failure, else the lost rank whose rows stopped first;
-    the others lost in that attempt are ``also_lost`` (consequences: torchrun ends the survivors). Columns:
-    ``CRASH_COLUMNS``."""
+    the others lost in that attempt are ``also_lost`` (consequences: torchrun ends the survivors). ``stalls``
+    (``hangs.stalls``): a collective the others entered and the dead rank never did bounds its step from below
+    (its last rows may have been lost with it). Columns: ``CRASH_COLUMNS``."""
     # the attempt of a collective row: its restart column, else (older runs) the attempt unique_seq numbered
     coll = collectives.assign(restart=collectives["restart"].fillna(
         collectives["seq"].fillna(0).astype("int64") // ATTEMPT_SEQ_STRIDE).astype("int64")) \
@@ -83,6 +84,13 @@ def crash_events(exits: pd.DataFrame, *, activity: Activity, collectives: pd.Dat
         last_step = int(mine_s["step"].max()) if not mine_s.empty else None
         step = (int(doing["step"]) if doing is not None and not open_.empty and not _isna(doing["step"])
                 else last_step + 1 if last_step is not None else None)
+        waited = ([int(x.step) for x in stalls.itertuples(index=False) if not _isna(x.step)
+                   and str(culprit) in str(x.missing_ranks).split(",")
+                   and (t_end is None or int(x.first_enqueue_ns) < t_end)
+                   and (died_ns is None or _isna(died_ns) or int(x.first_enqueue_ns) >= int(died_ns) - stale_ns)]
+                  if stalls is not None and not stalls.empty else [])
+        if waited and (step is None or min(waited) > step):
+            step = min(waited)
         xid = bool(not devices.empty and "xid" in devices.columns and
                    (devices[(devices["rank"] == culprit)]["xid"].fillna(0) > 0).any())
         cause = classify_cause(exit_code=ex.get("exit_code"), signal=ex.get("signal"),

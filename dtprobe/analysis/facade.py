@@ -544,7 +544,7 @@ class RunAnalysis:
             self.rank_exits(), activity=self.activity(), collectives=self.table("collectives"),
             steps=self.table("steps"), devices=self.table("devices"), restarts=self.restarts(),
             status=self.status, attempts_known=bool(self.attempts()),
-            stale_ns=int(self.options.hang_timeout_s * 1e9), now_ns=self.now_ns()))
+            stale_ns=int(self.options.hang_timeout_s * 1e9), now_ns=self.now_ns(), stalls=self.stalls()))
 
     def collective_mismatches(self) -> pd.DataFrame:
         """Per group and attempt: the first collective its members issued differently (or one skipped)."""

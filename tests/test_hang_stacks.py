@@ -141,3 +141,35 @@ def test_close_crashed_passes_the_reason_only_to_a_close_that_takes_it(takes_rea
 
     close_crashed(WithReason() if takes_reason else Without(), reason="watchdog")
     assert calls == ([("crashed", "watchdog")] if takes_reason else [("crashed",)])
+
+
+def test_fired_watchdog_waits_for_the_live_peer_to_dump_its_stack_before_leaving():
+    store, shared, exits = FakeStore(), [], []
+
+    class SharedProbe(Probe):
+        world_size = 2
+
+        def __init__(self, rank):
+            super().__init__()
+            self.log = shared
+            self.rank = rank
+
+        def fault(self, kind, **kw):
+            shared.append((self.rank, kind))
+
+        def close(self, status="finished", reason=None):
+            shared.append((self.rank, "close"))
+
+    hung = Watchdog(HangConfig(collective_timeout_s=30.0, poll_interval_s=0.2), store=store, rank=0, restart=0,
+                    probe=SharedProbe(0), exit=exits.append, progress=lambda: {}, pending=lambda: [])
+    waiting = Watchdog(CFG, store=store, rank=1, restart=0, probe=SharedProbe(1), exit=exits.append,
+                       progress=lambda: {}, pending=lambda: _recv_pending(time.time_ns() - int(3e9)))
+    hung.publish()
+    hung.start()
+    t0 = time.monotonic()
+    waiting.fire(waiting.check())
+    hung._thread.join(timeout=5)
+    order = [e for e in shared if e[1] in ("hang", "stack", "close")]
+    assert order.index((0, "stack")) < order.index((1, "close"))      # the hung rank's stack is on disk first
+    assert (1, "hang") in order and (1, "stack") in order and exits == [HANG_EXIT_CODE, HANG_EXIT_CODE]
+    assert time.monotonic() - t0 < 2 * 0.05 + 1.0 + 1.0               # bounded wait

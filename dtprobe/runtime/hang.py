@@ -10,10 +10,11 @@ Every rank runs a daemon thread that, every ``poll_interval_s``:
 2. checks its own oldest operation issued but not completed, collective or point-to-point (a pipeline stage
    blocked in ``recv`` hangs too); once it has waited ``T`` seconds the watchdog fires: it reads every member's
    published progress, writes one ``faults`` row and the key ``dtprobe/hang/<restart>/fired``, flushes the
-   telemetry (in-flight collectives are written with a null ``end_ns``), writes a ``stack`` row, closes the probe
-   (``reason="watchdog"``) and exits the process with ``HANG_EXIT_CODE`` so torchrun restarts the job
-   (``--max-restarts``) or ends it. A rank that sees ``fired`` (e.g. the hung rank, which has nothing pending)
-   writes a ``stack`` row, flushes, closes and exits too.
+   telemetry (in-flight collectives are written with a null ``end_ns``), writes a ``stack`` row, waits (at most
+   two polls and a second) until every live peer has dumped its stack too (key ``dtprobe/hang/<restart>/stack<r>``),
+   closes the probe (``reason="watchdog"``) and exits the process with ``HANG_EXIT_CODE`` so torchrun restarts
+   the job (``--max-restarts``) or ends it. A rank that sees ``fired`` (e.g. the hung rank, which has nothing
+   pending) writes a ``stack`` row, flushes, sets its ``stack<r>`` key, closes and exits too.
 
 The ``faults`` row (``kind="hang"``, ``injected=false``, ``step`` = the step of the stuck collective) has detail
 keys, read by the analysis' HANG finding:
@@ -233,12 +234,36 @@ class Watchdog:
         # The stack goes after the report's own flush; the close below flushes it first thing.
         self.probe.fault("stack", step=-1 if step is None else step, injected=False, reason="watchdog fired",
                          stack=stack)
+        self._await_peer_stacks()
         self._leave()
+
+    def _await_peer_stacks(self) -> None:
+        """Give the live peers' watchdogs time to see ``fired`` and dump their stacks (each sets
+        ``dtprobe/hang/<restart>/stack<r>``): once this rank exits, torchrun SIGTERMs them. Peers whose last
+        publication is older than three polls (dead or frozen) are not waited for."""
+        poll = self.config.poll_interval_s
+        world = int(getattr(self.probe, "world_size", 0) or 0)
+        peers = [r for r in range(world) if r != self.rank] or [int(r) for r in (self.fired or {}).get("ranks", {})
+                                                                if int(r) != self.rank]
+        try:
+            now = time.time_ns()
+            waiting = {r for r, snap in self.read_published(peers).items()
+                       if snap is not None and now - int(snap["time_ns"]) < 3 * poll * 1e9}
+            deadline = time.monotonic() + 2 * poll + 1.0
+            while waiting and time.monotonic() < deadline:
+                waiting = {r for r in waiting if not self.store.check([_key(self.restart, f"stack{r}")])}
+                time.sleep(0.05)
+        except Exception:  # noqa: BLE001 - the agent's store is gone: nobody is left to wait for
+            pass
 
     def _leave_after_peer(self) -> None:
         self.probe.fault("stack", step=int(getattr(self.probe, "current_step", -1)), injected=False,
                          reason="peer watchdog fired", stack=thread_stacks())
         self.probe.flush()
+        try:
+            self.store.set(_key(self.restart, f"stack{self.rank}"), "1")
+        except Exception:  # noqa: BLE001 - best effort: the row above is on disk
+            pass
         self._leave()
 
     def _leave(self) -> None:

@@ -1,16 +1,26 @@
 """Probe overhead: what dtprobe's collectors and its runtime cost per training step, measured side by side.
 
-    python benchmarks/probe_overhead.py [--nproc 2] [--steps 100] [--pairs 3]
+    python benchmarks/probe_overhead.py [--nproc 2] [--steps 100] [--pairs 3] [--flush-baseline 1.0]
 
 Two ratios of median step time, each from runs alternated in one invocation (A B A B ...) so that drift of
 the shared machine hits both sides alike:
 
 1. collectors on / off: `dtprobe run` with its default telemetry (every collective recorded by the wrapping
-   ProcessGroup, host/NVML sampler, steps) against `dtprobe run --no-collectives --no-devices` (only the steps
-   table, which both sides need to time the step). Goal <= 1.01.
+   ProcessGroup, host/NVML sampler, steps, and the loss bound: rows flushed every `collect.flush_interval_s`
+   and in-flight collectives spilled to `pending` by background threads, SIGTERM handler) against
+   `dtprobe run --no-collectives --no-devices` (only the steps table, which both sides need to time the step).
+   Goal <= 1.01.
 2. runtime / plain: `dtprobe run --no-collectives --no-devices` against benchmarks/plain_ddp.py, a 30-line
    torchrun DDP script of the same model, batch and optimizer, timed the same way (data, forward, backward,
    clip, optimizer, loss.item()). Goal <= 1.02.
+
+With `--flush-baseline S`, a third ratio isolates the loss bound: the default telemetry against the same with
+`collect.flush_interval_s = S` (e.g. 1.0, flushing ten times less often). Goal <= 1.01.
+
+3. bound threads' CPU (always, a few seconds, in this process): the thread CPU time of the writer's flusher and
+   the recorder's drain thread while rows arrive at a fixed rate (500 collectives/s, 1 in 50 left in flight for
+   0.3 s so it is spilled to `pending`, 10 steps rows/s), at the default interval and at 1 s. Per-thread CPU
+   clocks do not count time spent waiting for a core, so this figure holds on a loaded machine too.
 
 The first `--skip` steps of every run are left out (DDP rebuilds its buckets after step 0). Figures are CPU/gloo
 figures of this machine, not GPU ones.
@@ -34,11 +44,14 @@ def _env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
 
 
-def dtprobe_run(run_dir: Path, *, nproc: int, steps: int, collect: bool) -> list[float]:
+def dtprobe_run(run_dir: Path, *, nproc: int, steps: int, collect: bool,
+                flush_interval_s: float | None = None) -> list[float]:
     cmd = [sys.executable, "-m", "dtprobe.cli", "run", "--nproc", str(nproc), "--steps", str(steps),
            "--run-dir", str(run_dir), "--warmup", "0"]
     if not collect:
         cmd += ["--no-collectives", "--no-devices"]
+    if flush_interval_s is not None:
+        cmd += ["--set", f"collect.flush_interval_s={flush_interval_s}"]
     subprocess.run(cmd, check=True, env=_env(), timeout=900, stdout=subprocess.DEVNULL)
     from dtprobe.store import RunStore
 
@@ -54,6 +67,46 @@ def plain_run(out: Path, *, nproc: int, steps: int) -> list[float]:
     return json.loads(out.read_text())["step_s"]
 
 
+def bound_thread_cpu(run_dir: Path, *, interval_s: float, seconds: float = 3.0, rate_per_s: int = 500) -> float:
+    """Thread CPU seconds per wall second of the flusher and drain threads (see the module docstring, item 3)."""
+    import threading
+    import time
+
+    from collectors.pg_wrapper import CollectiveRecorder
+    from dtprobe.store.writer import RankWriter
+
+    writer = RankWriter(run_dir, 0, flush_interval_s=interval_s, autoflush=True)
+    recorder = CollectiveRecorder()
+    recorder.start(writer, flush_interval_s=interval_s)
+    threads = [writer._flusher, recorder._drainer]      # noqa: SLF001 - measuring our own threads
+    clocks = [time.pthread_getcpuclockid(t.ident) for t in threads if isinstance(t, threading.Thread)]
+    cpu0 = [time.clock_gettime(c) for c in clocks]
+    t0 = time.monotonic()
+    held: list[tuple[float, int, dict]] = []
+    n = 0
+    while (now := time.monotonic()) - t0 < seconds:
+        n += 1
+        row = {"pg": "world", "pg_ranks": "0,1", "pg_size": 2, "seq": n, "op": "allreduce", "num_bytes": 4096,
+               "dtype": "float32", "step": n // 50, "timing": "host", "enqueue_ns": time.time_ns(), "restart": 0}
+        key = recorder.track(row)
+        if n % 50 == 0:
+            held.append((now + 0.3, key, row))
+        elif recorder.untrack(key):
+            recorder.emit({**row, "end_ns": time.time_ns()})
+        while held and held[0][0] <= now:
+            _, key, row = held.pop(0)
+            if recorder.untrack(key):
+                recorder.emit({**row, "end_ns": time.time_ns()})
+        if n % (rate_per_s // 10) == 0:
+            writer.write("steps", {"step": n, "start_ns": time.time_ns(), "end_ns": time.time_ns()})
+        time.sleep(max(0.0, t0 + n / rate_per_s - time.monotonic()))
+    cpu = sum(time.clock_gettime(c) - c0 for c, c0 in zip(clocks, cpu0))
+    wall = time.monotonic() - t0
+    recorder.stop()
+    writer.close()
+    return cpu / wall
+
+
 def median_after(times: list[float], skip: int) -> float:
     return statistics.median(times[skip:])
 
@@ -64,20 +117,37 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=100, help="steps per run (default 100)")
     parser.add_argument("--pairs", type=int, default=3, help="alternated pairs per comparison (default 3)")
     parser.add_argument("--skip", type=int, default=5, help="warm-up steps left out of each run (default 5)")
+    parser.add_argument("--flush-baseline", type=float, default=None, metavar="S",
+                        help="also run the default telemetry with collect.flush_interval_s=S and print the ratio "
+                             "default / S (what the loss bound costs); default: not run")
     args = parser.parse_args()
 
-    medians: dict[str, list[float]] = {"on": [], "off": [], "plain": []}
+    from collectors.config import CollectConfig
+
+    defaults = CollectConfig()
+    print(f"collectors on = defaults: flush_interval_s={defaults.flush_interval_s}, "
+          f"close_on_sigterm={defaults.close_on_sigterm}, collective_timing={defaults.collective_timing}, "
+          f"devices every {defaults.device_interval_s} s", flush=True)
+    with tempfile.TemporaryDirectory(prefix="dtprobe-bench-") as tmp:
+        cpu_default = bound_thread_cpu(Path(tmp) / "default", interval_s=defaults.flush_interval_s)
+        cpu_slow = bound_thread_cpu(Path(tmp) / "slow", interval_s=1.0)
+    print(f"bound threads' CPU: {cpu_default * 1e3:.2f} ms per s at flush_interval_s={defaults.flush_interval_s}, "
+          f"{cpu_slow * 1e3:.2f} ms per s at 1.0 (difference {(cpu_default - cpu_slow) * 100:.3f}% of one core)",
+          flush=True)
+    names = ("on", "off", "plain") + (("slowflush",) if args.flush_baseline is not None else ())
+    medians: dict[str, list[float]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory(prefix="dtprobe-bench-") as tmp:
         tmp_path = Path(tmp)
         for i in range(args.pairs):
-            for name in ("on", "off", "plain"):
+            for name in names:
                 if name == "plain":
                     times = plain_run(tmp_path / f"plain{i}.json", nproc=args.nproc, steps=args.steps)
                 else:
                     times = dtprobe_run(tmp_path / f"{name}{i}", nproc=args.nproc, steps=args.steps,
-                                        collect=name == "on")
+                                        collect=name != "off",
+                                        flush_interval_s=args.flush_baseline if name == "slowflush" else None)
                 medians[name].append(median_after(times, args.skip))
-                print(f"pair {i + 1}/{args.pairs} {name:>5}: median step {medians[name][-1] * 1e3:7.2f} ms",
+                print(f"pair {i + 1}/{args.pairs} {name:>9}: median step {medians[name][-1] * 1e3:7.2f} ms",
                       flush=True)
 
     on, off, plain = (statistics.median(medians[k]) for k in ("on", "off", "plain"))
@@ -89,6 +159,11 @@ def main() -> int:
           f"{', '.join(f'{r:.3f}' for r in pair_collect)}; goal <= 1.01)")
     print(f"runtime/plain ratio:       {statistics.median(pair_runtime):.3f}  (per pair: "
           f"{', '.join(f'{r:.3f}' for r in pair_runtime)}; goal <= 1.02)")
+    if args.flush_baseline is not None:
+        pair_flush = [a / b for a, b in zip(medians["on"], medians["slowflush"])]
+        print(f"flush {defaults.flush_interval_s} s / {args.flush_baseline} s ratio: "
+              f"{statistics.median(pair_flush):.3f}  (per pair: {', '.join(f'{r:.3f}' for r in pair_flush)}; "
+              f"goal <= 1.01)")
     print(f"({args.nproc} ranks x {args.steps} steps per run, CPU + gloo on this machine)")
     return 0
 

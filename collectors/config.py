@@ -40,9 +40,10 @@ class CollectConfig:
     thread was blocked."""
     close_on_sigterm: bool = True
     """Close the probe when the worker gets SIGTERM (torchrun stopping the surviving ranks): its in-flight
-    collectives and a ``lifecycle`` close row (reason ``"SIGTERM"``) are written, then the process dies of
-    SIGTERM as it would have, after a SIGTERM handler installed before ``attach`` (which still runs). Works
-    while the main thread is blocked in a collective. Installed only when ``attach`` runs in the main thread."""
+    collectives and a ``lifecycle`` close row (reason ``"SIGTERM"``) are written, also while the main thread is
+    blocked in a collective; then the process dies of SIGTERM as it would have, or, if a Python SIGTERM handler
+    was installed before ``attach``, that handler runs and decides. Installed only from the main thread
+    (``collectors.sigterm``)."""
 
     def __post_init__(self) -> None:
         if self.collective_timing not in ("wait", "enqueue"):

@@ -12,8 +12,10 @@ dedicated thread does not: it needs SIGTERM blocked in every thread, and torch's
 
 After the close the process ends as SIGTERM would have ended it (killed by the signal: exit status 143 in a
 shell, -15 for ``subprocess``), unless a Python SIGTERM handler was installed before ``attach``: that handler
-is then called in the main thread (when it gets there) and decides. An ignored SIGTERM stays ignored (nothing
-is installed). A wakeup fd set before ``attach`` still receives every signal byte (forwarded).
+is then called in the main thread (when it gets there) and decides. A handler installed after ``attach``
+replaces this one entirely (the probe then closes at exit, as without it). An ignored SIGTERM stays ignored
+(nothing is installed). A wakeup fd set before ``attach`` still receives every signal byte (forwarded); one set
+after it (an asyncio loop in the main thread) leaves only the Python-level handler.
 """
 
 from __future__ import annotations
@@ -26,12 +28,22 @@ import time
 import warnings
 from typing import Any, Callable
 
+_WATCHER_GRACE_S = 1.0
+"""How long the main thread's handler waits for the watcher to report a SIGTERM before handling it alone."""
+_CLOSE_WAIT_S = 10.0
+"""How long the main thread's handler waits for the watcher's close before calling the earlier handler."""
+
 _lock = threading.Lock()
 _close: Callable[[], None] | None = None
 """What a SIGTERM runs first: the current probe's close (the latest ``install`` wins)."""
 _previous: Any = signal.SIG_DFL
 """The SIGTERM handler found at install (``SIG_DFL`` or a Python callable)."""
 _installed = False
+_seen = threading.Condition()
+_seen_by_watcher = 0                 # SIGTERMs the watcher read from the pipe
+_seen_by_handler = 0                 # SIGTERMs the main thread's handler ran for (signals coalesce: <= the above)
+_closed = threading.Event()
+_forward_fd = -1                     # the wakeup fd set before ours, restored in forked children
 
 
 def install(close: Callable[[], None]) -> bool:
@@ -40,7 +52,7 @@ def install(close: Callable[[], None]) -> bool:
     Call from the main thread. Returns False, with a warning, when it cannot be installed there (another thread)
     and False silently when SIGTERM is ignored or owned by a handler not installed from Python.
     """
-    global _close, _previous, _installed
+    global _close, _previous, _installed, _forward_fd
     if threading.current_thread() is not threading.main_thread():
         warnings.warn("dtprobe.attach ran outside the main thread, so SIGTERM will not close the probe (a killed "
                       "worker keeps the rows flushed so far). Call attach from the main thread, or pass "
@@ -48,6 +60,7 @@ def install(close: Callable[[], None]) -> bool:
         return False
     with _lock:
         _close = close
+        _closed.clear()
         if _installed:
             return True
         previous = signal.getsignal(signal.SIGTERM)
@@ -57,29 +70,78 @@ def install(close: Callable[[], None]) -> bool:
         read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)             # set_wakeup_fd requires a non-blocking fd
         signal.signal(signal.SIGTERM, _handle_in_main_thread)
-        forward_fd = signal.set_wakeup_fd(write_fd)
-        threading.Thread(target=_watch, args=(read_fd, forward_fd), name="dtprobe-sigterm", daemon=True).start()
+        _forward_fd = signal.set_wakeup_fd(write_fd)
+        threading.Thread(target=_watch, args=(read_fd, _forward_fd), name="dtprobe-sigterm", daemon=True).start()
+        os.register_at_fork(before=_block_before_fork, after_in_parent=_unblock_after_fork,
+                            after_in_child=_uninstall_in_child)
         _installed = True
         return True
 
 
+_fork_mask = threading.local()
+
+
+def _block_before_fork() -> None:
+    # The child inherits the forking thread's mask: a SIGTERM it gets before it restores its handler stays
+    # pending until then, instead of being written to the parent's pipe.
+    _fork_mask.old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+
+def _unblock_after_fork() -> None:
+    old = getattr(_fork_mask, "old", None)
+    if old is not None:
+        _fork_mask.old = None
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _uninstall_in_child() -> None:
+    """A forked child (a fork-started DataLoader worker) has no watcher and shares our pipe: a SIGTERM it gets
+    must neither reach the parent's watcher nor close the parent's probe. Restore what ``install`` found."""
+    global _installed, _close
+    try:
+        if _installed:
+            _installed, _close = False, None
+            signal.set_wakeup_fd(_forward_fd)
+            signal.signal(signal.SIGTERM, _previous)
+    except ValueError:              # forked from a thread other than the main one: nothing to restore from here
+        pass
+    finally:
+        _unblock_after_fork()
+
+
 def _run_close() -> None:
-    close = _close
-    if close is not None:
-        close()
+    try:
+        close = _close
+        if close is not None:
+            close()
+    finally:
+        _closed.set()
 
 
 def _handle_in_main_thread(signum: int, frame: Any) -> None:
-    """The Python-level handler: runs when the main thread reaches the interpreter (maybe never, if blocked)."""
-    _run_close()
+    """The Python-level handler: runs when the main thread reaches the interpreter (maybe never, if blocked).
+
+    The watcher closes the probe (and, with no earlier handler, ends the process); this thread must not: it may
+    be interrupted inside a writer's lock that the close needs. It closes alone only when the watcher never
+    reports the signal (another wakeup fd was set after ``attach``).
+    """
+    global _seen_by_handler
+    with _seen:
+        _seen_by_handler += 1
+        watcher_has_it = _seen.wait_for(lambda: _seen_by_watcher >= _seen_by_handler, timeout=_WATCHER_GRACE_S)
+    if not watcher_has_it:
+        _run_close()
     if callable(_previous):
+        _closed.wait(_CLOSE_WAIT_S)
         _previous(signum, frame)
-    else:
+    elif not watcher_has_it:
         die_of(signum)
+    # else: return to the interrupted code; the watcher ends the process once the probe is closed
 
 
 def _watch(read_fd: int, forward_fd: int) -> None:
     """Read signal numbers from the wakeup pipe; on SIGTERM close, then die unless a Python handler chains."""
+    global _seen_by_watcher
     while True:
         try:
             data = os.read(read_fd, 64)
@@ -92,7 +154,10 @@ def _watch(read_fd: int, forward_fd: int) -> None:
                 os.write(forward_fd, data)
             except OSError:          # a full or closed foreign pipe: its owner's loss, not ours
                 pass
-        if signal.SIGTERM in data:
+        if signal.SIGTERM in data and signal.getsignal(signal.SIGTERM) is _handle_in_main_thread:
+            with _seen:
+                _seen_by_watcher += data.count(signal.SIGTERM)
+                _seen.notify_all()
             _run_close()
             if not callable(_previous):
                 die_of(signal.SIGTERM)

@@ -222,12 +222,14 @@ WORKER = textwrap.dedent("""
 
     run_dir, mode = sys.argv[1], sys.argv[2]
     rank = int(os.environ["RANK"])
-    if mode == "chain":
-        def user_handler(signum, frame):
-            print("user handler", flush=True)
-            sys.exit(7)
+    def user_handler(signum, frame):
+        print("user handler", flush=True)
+        sys.exit(7)
+    if mode == "handler-before-attach":
         signal.signal(signal.SIGTERM, user_handler)
     probe = dtprobe.attach(run_dir, timeout_s=60, devices=False)
+    if mode == "handler-after-attach":
+        signal.signal(signal.SIGTERM, user_handler)
     dist.barrier()                                    # both attached
     if rank == 0:
         with probe.step(3):
@@ -341,8 +343,12 @@ def test_rank_sigtermed_inside_an_all_reduce_closes_its_probe_then_dies_of_sigte
 
 
 @pytest.mark.multiproc
-def test_sigterm_closes_the_probe_then_runs_the_handler_installed_before_attach(tmp_path):
-    run, procs = _start_ranks(tmp_path, "chain", restart=0)
+@pytest.mark.parametrize("mode,close_reason", [
+    ("handler-before-attach", "SIGTERM"),   # chained: the probe closes first, then the user's handler runs
+    ("handler-after-attach", "exit"),       # replaced: the user's handler alone; the probe closes at exit
+])
+def test_sigterm_leaves_the_decision_to_a_user_handler(tmp_path, mode, close_reason):
+    run, procs = _start_ranks(tmp_path, mode, restart=0)
     try:
         _await_line(procs[1], "issuing", timeout_s=120)      # rank 1 sleeps in Python: its handler can run
         time.sleep(0.5)
@@ -354,4 +360,61 @@ def test_sigterm_closes_the_probe_then_runs_the_handler_installed_before_attach(
     assert "user handler" in out
     life = RunStore.open(run).table("lifecycle")
     life = life[life["rank"] == 1]
+    assert life["event"].tolist() == ["attach", "close"] and life["reason"].tolist()[1] == close_reason
+
+
+FORKING_WORKER = textwrap.dedent("""
+    import os, sys, time
+    import dtprobe
+
+    probe = dtprobe.attach(sys.argv[1], devices=False)      # plain python: a 1-rank group
+    child = os.fork()                                        # like a fork-started DataLoader worker
+    if child == 0:
+        time.sleep(120)
+        os._exit(0)
+    print(child, flush=True)
+    time.sleep(120)
+""")
+
+
+def _zombie_exit_status(pid: int, *, timeout_s: float) -> int:
+    """The raw wait status of ``pid`` once it is a zombie (exited, not yet reaped by its parent): stat field 52."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        if fields[0] == "Z":
+            return int(fields[-1])
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} still running after {timeout_s} s")
+
+
+@pytest.mark.multiproc
+def test_sigterm_to_a_forked_child_neither_closes_nor_kills_the_parent(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(FORKING_WORKER)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("DTPROBE_", "TORCHELASTIC_")) and k not in ("RANK", "MASTER_ADDR")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "run")], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    child = None
+    try:
+        child = int(proc.stdout.readline())
+        os.kill(child, signal.SIGTERM)
+        assert _zombie_exit_status(child, timeout_s=30) == signal.SIGTERM    # killed by it, default action
+        time.sleep(1.0)                                  # the parent's watcher would have acted by now
+        assert proc.poll() is None                       # the parent lives on ...
+        life = RunStore.open(tmp_path / "run").table("lifecycle")
+        assert life["event"].tolist() == ["attach"]      # ... with its probe open
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == -signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        if child is not None and Path(f"/proc/{child}").exists():
+            os.kill(child, signal.SIGKILL)
+        proc.stdout.close()
+        proc.stderr.close()
+    life = RunStore.open(tmp_path / "run").table("lifecycle")
     assert life["event"].tolist() == ["attach", "close"] and life["reason"].tolist()[1] == "SIGTERM"

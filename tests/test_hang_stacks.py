@@ -1,8 +1,12 @@
 """Hang watchdog: point-to-point hangs (a stage blocked in ``recv``), the ``stack`` rows it writes when it fires or
-when a peer's fired, and the close reason. Fake store/progress, no processes."""
+when a peer's fired, and the close reason. Fake store/progress, then one 2-stage pipeline through ``dtprobe run``."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -173,3 +177,27 @@ def test_fired_watchdog_waits_for_the_live_peer_to_dump_its_stack_before_leaving
     assert order.index((0, "stack")) < order.index((1, "close"))      # the hung rank's stack is on disk first
     assert (1, "hang") in order and (1, "stack") in order and exits == [HANG_EXIT_CODE, HANG_EXIT_CODE]
     assert time.monotonic() - t0 < 2 * 0.05 + 1.0 + 1.0               # bounded wait
+
+
+@pytest.mark.multiproc
+def test_pipeline_stage_blocked_in_recv_fires_the_watchdog_naming_the_stage_that_never_sent(tmp_path):
+    from dtprobe.store import RunStore
+
+    run_dir = tmp_path / "pp"
+    cmd = [sys.executable, "-m", "dtprobe.cli", "run", "--run-dir", str(run_dir), "--no-devices", "--timeout", "120",
+           "--batch-size", "4", "--seq-len", "16", "--nproc", "2", "--pp", "2", "--steps", "10",
+           "--collective-timeout", "6", "--inject", "hang:rank=0,step=4"]
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=400)
+    assert proc.returncode != 0
+    faults = RunStore.open(run_dir).table("faults")
+    observed = faults[(faults["kind"] == "hang") & ~faults["injected"]]
+    assert list(observed["rank"]) == [1], proc.stderr[-3000:]
+    detail = json.loads(observed["detail"].iloc[0])
+    assert detail["op"] == "recv" and detail["peer"] == 0 and detail["waiting_for_ranks"] == [0]
+    assert int(observed["step"].iloc[0]) == 4
+    stacks = faults[faults["kind"] == "stack"]
+    by_rank = {int(r.rank): json.loads(r.detail) for r in stacks.itertuples()}
+    assert by_rank[1]["reason"] == "watchdog fired" and by_rank[0]["reason"] == "peer watchdog fired"
+    assert "inject_hang" in by_rank[0]["stack"]                   # where the stage that never sent was
+    assert not stacks["injected"].any()

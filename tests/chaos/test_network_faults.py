@@ -20,7 +20,7 @@ import pytest
 
 import netns
 from dtprobe.store import RunStore
-from harness import analyze, findings_of, scenario_dir, summary
+from harness import analyze, findings_of, is_alive, read_rank, scenario_dir, summary
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.chaos]
 
@@ -111,9 +111,14 @@ def test_link_down_mid_run_gives_network_hang_with_both_sides_waiting(two_nodes,
     cut = time.monotonic()
     # Node 0 ends on its own: its watchdog fires after --collective-timeout, its launcher marks the run crashed.
     assert netns.wait_all(procs[:1], timeout_s=collective_timeout_s + 60) == [1], _tail(run_dir)
-    # Node 1's rank gives up at the process-group timeout, but its torchrun agent (and the rank's exit) block on
-    # node 0's rendezvous store behind the cut link; heal the link after that timeout so they learn node 0 is gone.
-    time.sleep(max(0.0, cut + pg_timeout_s + 3 - time.monotonic()))
+    # Node 1's rank ends on its own too, at the process-group timeout (gloo gives up on the collective) ...
+    rank1 = read_rank(run_dir, 1)
+    assert rank1 is not None, _tail(run_dir)
+    while is_alive(int(rank1["pid"])):
+        assert time.monotonic() < cut + pg_timeout_s + 40, f"rank 1 outlived --timeout {pg_timeout_s}\n{_tail(run_dir)}"
+        time.sleep(0.25)
+    # ... but its torchrun agent waits on node 0's rendezvous store behind the cut link: heal the link so it
+    # learns that node 0 is gone.
     two_nodes.link_up(node1)
     netns.wait_all(procs[1:], timeout_s=60)
 

@@ -24,7 +24,7 @@ LINK_BW_COLUMNS = ["node_a", "node_b", "pg", "pg_ranks", "seq", "op", "step", "n
 LINK_CHANGE_COLUMNS = [
     "node_a", "node_b", "changed_at_step", "num_steps_before", "num_steps_after", "num_collectives_before",
     "num_collectives_after", "busbw_before_bytes_per_s", "busbw_after_bytes_per_s", "rel_busbw_ratio",
-    "after_below_frac", "duration_before_ns_per_step", "duration_after_ns_per_step", "pgs",
+    "after_below_frac", "change_over_noise", "duration_before_ns_per_step", "duration_after_ns_per_step", "pgs",
 ]
 
 
@@ -74,7 +74,9 @@ def link_changes(link_bw: pd.DataFrame, *, min_steps: int = 3) -> pd.DataFrame:
     more, with the least squared error), and on each side the number of steps and collectives, the median busbw,
     the mean crossing transfer time per step; ``rel_busbw_ratio`` = median rel busbw after / before;
     ``after_below_frac`` = share of the collectives after whose rel busbw is below the geometric middle of the
-    two medians (how consistent the change is). Columns: ``LINK_CHANGE_COLUMNS``."""
+    two medians (how consistent the change is); ``change_over_noise`` = the drop of the per-step mean log busbw
+    over the standard deviation of the per-step values around their segment's mean (how far the change stands out
+    of the link's own step-to-step noise; inf when the segments are flat). Columns: ``LINK_CHANGE_COLUMNS``."""
     require_columns(link_bw, LINK_BW_COLUMNS, table="link_bandwidth")
     rows = []
     for (a, b), d in link_bw.groupby(["node_a", "node_b"], sort=True):
@@ -86,8 +88,11 @@ def link_changes(link_bw: pd.DataFrame, *, min_steps: int = 3) -> pd.DataFrame:
         k = np.arange(min_steps, n - min_steps + 1)            # split: steps[:k] before, steps[k:] after
         c1, c2 = np.concatenate([[0.0], np.cumsum(y)]), np.concatenate([[0.0], np.cumsum(y * y)])
         sse = (c2[k] - c1[k] ** 2 / k) + ((c2[n] - c2[k]) - (c1[n] - c1[k]) ** 2 / (n - k))
-        split = int(k[np.argmin(sse)])
+        best = int(np.argmin(sse))
+        split = int(k[best])
         at = int(steps[split])
+        drop = c1[split] / split - (c1[n] - c1[split]) / (n - split)
+        spread = np.sqrt(max(float(sse[best]), 0.0) / (n - 2))
         before, after = d[d["step"] < at], d[d["step"] >= at]
         rel_b, rel_a = float(before["rel_busbw"].median()), float(after["rel_busbw"].median())
         middle = np.sqrt(rel_b * rel_a)
@@ -97,6 +102,7 @@ def link_changes(link_bw: pd.DataFrame, *, min_steps: int = 3) -> pd.DataFrame:
             "busbw_before_bytes_per_s": float(before["busbw_bytes_per_s"].median()),
             "busbw_after_bytes_per_s": float(after["busbw_bytes_per_s"].median()),
             "rel_busbw_ratio": rel_a / rel_b, "after_below_frac": float((after["rel_busbw"] < middle).mean()),
+            "change_over_noise": drop / spread if spread > 1e-12 else (np.inf if drop > 0 else 0.0),
             "duration_before_ns_per_step": float(before.groupby("step")["duration_ns"].sum().mean()),
             "duration_after_ns_per_step": float(after.groupby("step")["duration_ns"].sum().mean()),
             "pgs": sorted(set(str(p) for p in d["pg"])),
@@ -106,18 +112,20 @@ def link_changes(link_bw: pd.DataFrame, *, min_steps: int = 3) -> pd.DataFrame:
 
 def detect_slow_links(changes: pd.DataFrame, node_of: dict[int, str], steps: pd.DataFrame, *,
                       max_ratio: float = 0.5, min_collectives: int = 10, min_consistent_frac: float = 0.8,
-                      axis_of_pg=axis_of) -> list[Finding]:
+                      min_change_over_noise: float = 3.0, axis_of_pg=axis_of) -> list[Finding]:
     """SLOW_LINK (warning) for each link whose busbw after its change point is below ``max_ratio`` x before
-    (``rel_busbw_ratio``), with ``min_collectives`` collectives or more on each side and at least
+    (``rel_busbw_ratio``), with ``min_collectives`` collectives or more on each side, at least
     ``min_consistent_frac`` of the later ones below the middle of the two levels (a lasting drop, not a few slow
-    collectives). ``group``: the axis when every crossing group has the same one, else None. Predicted gain:
+    collectives) and a drop of at least ``min_change_over_noise`` x the link's step-to-step noise (on a busy host,
+    CPU contention alone moves host-timed transfers by 2-3x for stretches of steps). ``group``: the axis when every crossing group has the same one, else None. Predicted gain:
     ``step_time`` by the added crossing transfer time per step / the median step time after the change."""
     require_columns(changes, LINK_CHANGE_COLUMNS, table="link_changes")
     findings = []
     durations = step_durations(steps)
     for c in changes.itertuples(index=False):
         if not (c.rel_busbw_ratio < max_ratio and c.num_collectives_before >= min_collectives
-                and c.num_collectives_after >= min_collectives and c.after_below_frac >= min_consistent_frac):
+                and c.num_collectives_after >= min_collectives and c.after_below_frac >= min_consistent_frac
+                and c.change_over_noise >= min_change_over_noise):
             continue
         ranks = {node: sorted(r for r, n in node_of.items() if n == node) for node in (c.node_a, c.node_b)}
         axes = {axis_of_pg(pg) for pg in c.pgs}
@@ -136,6 +144,7 @@ def detect_slow_links(changes: pd.DataFrame, node_of: dict[int, str], steps: pd.
                 "nodes": [c.node_a, c.node_b], "ranks": ranks, "changed_at_step": int(c.changed_at_step),
                 "busbw_before_gbps": before_gbps, "busbw_after_gbps": after_gbps,
                 "busbw_ratio": c.rel_busbw_ratio, "after_below_frac": c.after_below_frac,
+                "change_over_noise": c.change_over_noise,
                 "num_collectives_before": int(c.num_collectives_before),
                 "num_collectives_after": int(c.num_collectives_after),
                 "num_steps_before": int(c.num_steps_before), "num_steps_after": int(c.num_steps_after),

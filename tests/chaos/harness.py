@@ -271,8 +271,13 @@ class BusyLoop:
         prio = ["chrt", "-f", "1"] if self.realtime else []
         self.proc = subprocess.Popen([*prio, "taskset", "-c", str(self.core), sys.executable, "-c", HOG_SOURCE,
                                       str(self.duty * period_s), str((1 - self.duty) * period_s)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        return self
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            err = self.proc.communicate(timeout=0.3)[1].decode(errors="replace")
+        except subprocess.TimeoutExpired:
+            return self                  # spinning
+        raise ChaosError(f"the busy process on core {self.core} exited ({self.proc.returncode}): {err.strip()} "
+                         f"(real-time priority needs root or CAP_SYS_NICE; pass realtime=False without them)")
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -20,8 +20,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "Analyse PATH, a dtprobe run directory (running, finished or crashed) or a folder of Kineto traces "
             "(torch.profiler *.pt.trace.json[.gz], one file per rank), and report findings: stragglers (culprit "
             "vs victims per parallel group), exposed communication, pipeline bubbles, AMP overflows, checkpoint "
-            "stalls, inefficient collectives, hangs, device throttling, compression, MFU. Exit code 0: no "
-            "critical finding; 1: critical findings; 2: unusable input."),
+            "stalls, inefficient collectives, hangs, crashes (which rank died first, how, and the recovery), "
+            "collective mismatches, corrupt checkpoints, device throttling, compression, MFU. Every crash and "
+            "restart is named at the top. Exit code 0: no critical finding; 1: critical findings; 2: unusable "
+            "input."),
         epilog=("Codes and the JSON shape are documented in docs/findings.md. Example: "
                 "dtprobe analyze runs/dp4 --format json > findings.json"),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -97,7 +99,8 @@ def main(args: argparse.Namespace) -> int:
 
 def _check_not_empty(analysis, TraceError) -> None:
     """TraceError when the source holds nothing to analyse (a run whose ranks never wrote a row)."""
-    for name in ("steps", "collectives", "kernels", "faults", "pipeline", "checkpoints", "amp", "devices"):
+    for name in ("steps", "collectives", "kernels", "faults", "pipeline", "checkpoints", "amp", "devices",
+                 "lifecycle"):
         if not analysis.table(name).empty:
             return
     where = analysis.path / "events" if not analysis.is_trace_folder else analysis.path

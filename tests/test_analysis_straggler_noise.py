@@ -50,6 +50,22 @@ def test_peer_noise_pools_the_other_ranks_over_the_window_steps():
     assert got.tolist() == pytest.approx(want, rel=1e-12)
 
 
+def test_peer_noise_of_a_large_group_pools_every_member_once_per_step_span():
+    rng = np.random.default_rng(5)
+    n_ranks = st.MAX_PEERS_EXCLUDED + 4
+    lateness = _lateness({r: list(rng.normal(0.0, 0.05, 30)) for r in range(n_ranks)})
+    members = ",".join(map(str, range(n_ranks)))
+    windows = pd.DataFrame({"pg": "dp", "pg_ranks": members, "rank": [0, 5, 7, 9], "first_step": [1, 3, 1, 11],
+                            "last_step": [20, 22, 20, 30]})
+    got = st.peer_noise(lateness, windows)
+
+    def everyone(a: int, b: int) -> float:
+        v = lateness[lateness["step"].between(a, b)]["lateness_frac"].to_numpy()
+        return max(1.4826 * np.median(np.abs(v - np.median(v))), float(np.quantile(v, 0.9)))
+    assert got.tolist() == pytest.approx([everyone(1, 20), everyone(3, 22), everyone(1, 20), everyone(11, 30)],
+                                         rel=1e-12)
+
+
 def test_a_rank_late_by_chance_as_its_peers_are_is_no_straggler():
     # rank 0 is 15% late in every step, but ranks 1 and 2 take turns being 25% late in the same window: on a
     # busy host any rank gets that late. The fixed thresholds alone would name rank 0.

@@ -159,7 +159,7 @@ def peer_noise(lateness: pd.DataFrame, windows: pd.DataFrame, *, column: str = "
     if windows.empty:
         return out
     wkey = windows.groupby(["pg", "pg_ranks"], sort=False).ngroup().to_numpy()
-    for code, idx in pd.Series(np.arange(len(windows))).groupby(wkey):
+    for _, idx in pd.Series(np.arange(len(windows))).groupby(wkey):
         idx = idx.to_numpy()
         pg, pg_ranks = windows["pg"].iloc[idx[0]], windows["pg_ranks"].iloc[idx[0]]
         g = lateness[(lateness["pg"] == pg) & (lateness["pg_ranks"] == pg_ranks)]
@@ -171,15 +171,21 @@ def peer_noise(lateness: pd.DataFrame, windows: pd.DataFrame, *, column: str = "
         rank = windows["rank"].to_numpy(dtype="int64")[idx]
         width = int((hi - lo).max())
         padded = np.vstack([values, np.full((width, len(members)), np.nan)])
-        rows = np.lib.stride_tricks.sliding_window_view(padded, width, axis=0)[lo]       # windows x members x width
-        rows = np.where(np.arange(width)[None, None, :] < (hi - lo)[:, None, None], rows, np.nan)
+        view = np.lib.stride_tricks.sliding_window_view(padded, width, axis=0)      # start x members x width
+
+        def pooled(sel: np.ndarray, cols: np.ndarray) -> np.ndarray:
+            """The values of members ``cols`` over the windows ``sel`` (positions in ``idx``), one row each."""
+            rows = view[lo[sel]][:, cols, :]
+            rows = np.where(np.arange(width)[None, None, :] < (hi - lo)[sel][:, None, None], rows, np.nan)
+            return rows.reshape(len(sel), -1)
+
         if len(members) > MAX_PEERS_EXCLUDED:
-            out[idx] = _noise_rows(rows.reshape(len(idx), -1))
+            _, first, inverse = np.unique(np.stack([lo, hi]), axis=1, return_index=True, return_inverse=True)
+            out[idx] = _noise_rows(pooled(first, np.arange(len(members))))[inverse.ravel()]   # once per step span
             continue
         for r in np.unique(rank):
-            sel = rank == r
-            peers = rows[sel][:, members != r, :]
-            out[idx[sel]] = _noise_rows(peers.reshape(int(sel.sum()), -1))
+            sel = np.flatnonzero(rank == r)
+            out[idx[sel]] = _noise_rows(pooled(sel, members != r))
     return out
 
 

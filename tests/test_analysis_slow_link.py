@@ -161,3 +161,34 @@ def test_a_compute_straggler_on_a_healthy_link_is_still_found():
     assert _slow_links(t) == []
     found = _stragglers(t, {})
     assert [(f.code, f.ranks, f.evidence["cause"]) for f in found] == [("STRAGGLER", (3,), "compute")]
+
+
+def _two_node_run(tmp_path, t: dict):
+    from analysis_synth import write_run
+
+    from dtprobe.store.manifest import write_rank_info
+
+    run = write_run(tmp_path / "two_nodes", {"steps": t["steps"], "collectives": t["collectives"]},
+                    world_size=len(t["ranks"]), config={"layout": {"dp": len(t["ranks"]), "tp": 1, "pp": 1}})
+    for r in t["ranks"]:                                    # the ranks as a two-node launch describes them
+        write_rank_info(run, r.rank, host=r.host, node_rank=r.node_rank, local_rank=r.rank % 2, device="cpu",
+                        pid=1000 + r.rank, clock_offset_ns=0)
+    return run
+
+
+def test_analysis_of_a_two_node_run_reports_the_slow_link_and_no_straggler(tmp_path):
+    from dtprobe.analysis import RunAnalysis
+
+    a = RunAnalysis.open(_two_node_run(tmp_path, two_node_tables(ranks_per_node=2, num_steps=50)))
+    found = [f for f in a.findings() if f.code in ("SLOW_LINK", "STRAGGLER")]
+    assert [(f.code, f.severity, f.group) for f in found] == [("SLOW_LINK", "warning", "dp")]
+    doc = [f for f in a.report()["findings"] if f["code"] == "SLOW_LINK"][0]
+    assert doc["evidence"]["nodes"] == ["node-a", "node-b"] and doc["evidence"]["changed_at_step"] == 20
+    assert doc["evidence"]["ranks"] == {"node-a": [0, 1], "node-b": [2, 3]}
+
+
+def test_analysis_of_a_one_node_run_has_no_slow_link_for_the_same_drop(tmp_path):
+    from dtprobe.analysis import RunAnalysis
+
+    a = RunAnalysis.open(_two_node_run(tmp_path, two_node_tables(ranks_per_node=2, num_steps=50, single_node=True)))
+    assert a.slow_links() == []

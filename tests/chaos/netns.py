@@ -92,7 +92,11 @@ class TwoNodes:
         n0, n1 = self.nodes
         hosts = "127.0.0.1 localhost\n" + "".join(f"{n.addr} {n.hostname}\n" for n in self.nodes)
         for n in self.nodes:
-            _sh(["ip", "netns", "add", n.ns])
+            proc = _sh(["ip", "netns", "add", n.ns], check=False)
+            if proc.returncode != 0:
+                raise NetnsError(f"`ip netns add {n.ns}` failed: {proc.stderr.strip()}; the chaos tests need root with "
+                                 f"CAP_SYS_ADMIN and CAP_NET_ADMIN (a container needs --privileged or --cap-add "
+                                 f"SYS_ADMIN --cap-add NET_ADMIN).")
             (NETNS_ETC / n.ns).mkdir(parents=True, exist_ok=True)
             (NETNS_ETC / n.ns / "hosts").write_text(hosts)
             _sh(["ip", "-n", n.ns, "link", "set", "lo", "up"])

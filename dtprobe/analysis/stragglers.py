@@ -6,7 +6,8 @@ The culprit of a collective is its last arriver (largest clock-aligned ``enqueue
 member's lateness is its arrival minus the median arrival of its peers (at the step's collective where it was
 latest). A rank is a straggler when, over a window of steps, its median lateness is a clear share of the step
 time and it arrives after its peers in most of those steps: robust to the noise of busy hosts, where the last
-arriver of any one step is often random. Its cause class (data / compute / communication / device) comes
+arriver of any one step is often random. That lateness must also stand out of the run's own noise: how late the
+rank's peers got in the same window (``peer_noise``), since on a busy host any rank can be late for a dozen steps. Its cause class (data / compute / communication / device) comes
 from its step phases, its waits at other collectives and its device samples, compared with its group peers.
 """
 

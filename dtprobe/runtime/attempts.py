@@ -28,8 +28,10 @@ earlier tick while torchrun's choice was still alive, that rank not stopped by t
 torchrun ranks failures by whole seconds (and by local rank within one), so a survivor that raised within the
 same second as a killed peer can be reported first.
 
-Log lines belong to the attempt that started last before their time. Not used: torchelastic's worker events
-(``--event-log-handler``), which are emitted only once, for the final attempt.
+Log lines belong to the attempt that started last before their time. Not used: the agent's restart messages
+(``Worker group FAILED. n/m attempts left; will restart worker group``) and start/finish messages, which are
+INFO while torchrun logs WARNING and up (the ``attempt_<n>`` folders mark attempts instead); torchelastic's worker
+events (``--event-log-handler``), emitted only once, for the final attempt.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ Scenario classes, on every layout (dp2, dp4, dp2xtp2, dp2xpp2) unless said other
   a cgroup v1 cpu quota (``cpu.cfs_quota_us``) holds it to 1/(1+F) of that.
 - ``kill``: the rank is SIGKILLed mid-run (``--max-restarts 1 --ckpt-every 5``: the run recovers).
 - ``stop``: the rank is SIGSTOPped mid-run (``--collective-timeout`` ends the job).
-- ``mismatch`` (4 ranks, a user's torchrun script, tests/chaos/mismatch_job.py): the rank all_gathers where its
-  peers all_reduce, and the job dies on the process-group timeout.
+- ``mismatch`` (a user's 4-rank torchrun script, tests/chaos/mismatch_job.py, as many runs as layouts): the rank
+  all_gathers where its peers all_reduce, and the job dies on the process-group timeout.
 
 Scoring. A *verdict* is a warning or critical STRAGGLER, HANG, RANK_CRASH, COLLECTIVE_MISMATCH or SLOW_LINK
 finding; each (verdict, named rank) pair is judged. It is a true positive when it is the scenario's expected
@@ -86,8 +86,8 @@ class Outcome:
 # ---------------------------------------------------------------------------------------------- the runs
 
 
-def _run_dtprobe(sc: Scenario, run_dir: Path, args: argparse.Namespace, *flags: str) -> Job:
-    cmd = dtprobe_run_cmd(run_dir, *LAYOUTS[sc.layout], "--steps", str(args.steps), *flags)
+def _run_dtprobe(sc: Scenario, run_dir: Path, args: argparse.Namespace, *flags: str, devices: bool = False) -> Job:
+    cmd = dtprobe_run_cmd(run_dir, *LAYOUTS[sc.layout], "--steps", str(args.steps), *flags, devices=devices)
     return Job(cmd=cmd, run_dir=run_dir, timeout_s=JOB_TIMEOUT_S).start()
 
 
@@ -117,7 +117,8 @@ def run_scenario(sc: Scenario, run_dir: Path, args: argparse.Namespace) -> None:
             sc.fault_step = steps_done(run_dir, sc.rank)
             job.signal(sc.rank, signal.SIGKILL)
         elif sc.kind == "stop":
-            job = _run_dtprobe(sc, run_dir, args, "--collective-timeout", "6", devices=True)
+            job = _run_dtprobe(sc, run_dir, args, "--collective-timeout", "6", "--device-interval", "0.2",
+                               devices=True)         # the liveness verdict reads the host sampler's rows
             job.wait_steps(sc.rank, args.fault_step)
             sc.fault_step = steps_done(run_dir, sc.rank)
             job.signal(sc.rank, signal.SIGSTOP)
@@ -175,8 +176,8 @@ def build_matrix(args: argparse.Namespace) -> list[Scenario]:
             matrix += [Scenario(kind=kind, layout=layout, rank=rng.randrange(world), slowdown=s)
                        for s in args.slowdowns]
         matrix += [Scenario(kind=k, layout=layout, rank=rng.randrange(world)) for k in ("kill", "stop")]
-    if args.mismatch:
-        matrix.append(Scenario(kind="mismatch", layout="dp4", rank=rng.randrange(4)))
+    if args.mismatch:                     # its own 4-rank data-parallel script, once per layout of the matrix
+        matrix += [Scenario(kind="mismatch", layout="dp4", rank=rng.randrange(4)) for _ in args.layouts]
     return matrix
 
 
@@ -225,10 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep every run directory (default: only missed and "
                         "falsely flagged ones)")
     parser.add_argument("--quick", action="store_true",
-                        help="smoke run: dp2 only, 1 clean run, slowdowns of 20%% only, 30 steps")
+                        help="smoke run: dp2 only, 1 clean run, slowdowns of 20%% only")
     args = parser.parse_args(argv)
     if args.quick:
-        args.layouts, args.repeats, args.slowdowns, args.steps = ["dp2"], 1, [0.2], 30
+        args.layouts, args.repeats, args.slowdowns = ["dp2"], 1, [0.2]
     if args.steps < args.fault_step + 10:
         parser.error(f"--steps {args.steps} leaves fewer than 10 steps after --fault-step {args.fault_step}")
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import psutil
+
 ROOT = Path(__file__).resolve().parents[2]
 CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
 RUNS_ENV = "DTPROBE_CHAOS_RUNS"
@@ -134,8 +136,9 @@ def _cmdline(pid: int) -> str:
 class Job:
     """One launched job (``dtprobe run`` or torchrun) and the worker pids it reported; ``stop`` ends them all.
 
-    torchrun starts each worker in its own session, so stopping the launcher's process group does not reach
-    them: ``stop`` also kills every worker pid seen in ``ranks/*.json`` that still runs a Python process.
+    torchrun starts each worker in its own session (and ``dtprobe run`` its agent), so stopping the launcher's
+    process group does not reach them: ``stop`` also kills the launcher's descendants and every worker pid seen in
+    ``ranks/*.json`` that still runs a Python process.
     """
 
     cmd: list[str]
@@ -224,7 +227,13 @@ class Job:
                 continue
             if info.get("pid"):
                 self.worker_pids.add(int(info["pid"]))
-        for pid in sorted(self.stopped_pids | self.worker_pids):
+        tree: set[int] = set()
+        if self.proc is not None and self.proc.poll() is None:
+            try:                          # the launcher's descendants: torchrun's agent runs in its own session
+                tree = {p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)}
+            except psutil.NoSuchProcess:
+                pass
+        for pid in sorted(self.stopped_pids | self.worker_pids | tree):
             if is_alive(pid) and "python" in _cmdline(pid):
                 try:
                     os.kill(pid, signal.SIGKILL)

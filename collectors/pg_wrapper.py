@@ -143,9 +143,11 @@ class CollectiveRecorder:
                     writer.write("pending", {c: row[c] for c in _PENDING_COLUMNS if c in row})
             self._spilled = (self._spilled | spill) & now   # keys never come back once completed
             self._seen_at_tick = now
+            # Every table reaches the OS each tick, even while the training thread is blocked (in-memory sinks
+            # given to the recorder in tests have no flush).
             flush = getattr(writer, "flush", None)
             if flush is not None:
-                flush()          # every table reaches the OS each tick, even while the training thread is blocked
+                flush()
             return len(spill)
 
     def _drain_loop(self, stop: threading.Event, interval_s: float) -> None:

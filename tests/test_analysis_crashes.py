@@ -224,8 +224,6 @@ def test_p2p_a_stage_blocked_in_recv_names_the_stage_that_never_sent_not_the_cha
 
 
 def test_p2p_recv_whose_peer_sent_is_no_stall():
-    from analysis_synth import _ns  # noqa: F401  (same helpers as the run tests)
-
     from dtprobe.analysis.hangs import p2p_stalls
 
     rows = _pipeline(world=2)

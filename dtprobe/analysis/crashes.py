@@ -12,8 +12,9 @@ import pandas as pd
 
 from dtprobe.analysis.arrivals import ATTEMPT_SEQ_STRIDE
 from dtprobe.analysis.findings import Finding
-from dtprobe.analysis.liveness import (CONSEQUENCE_REASONS, WATCHDOG_EXIT_CODE, Activity, _isna, is_own_failure)
+from dtprobe.analysis.liveness import (CONSEQUENCE_REASONS, WATCHDOG_EXIT_CODE, Activity, is_missing, is_own_failure)
 from dtprobe.analysis.phases import phase_at
+from dtprobe.analysis.tables import require_columns
 
 CRASH_COLUMNS = [
     "restart", "rank", "time_ns", "step", "last_step", "exit_code", "signal", "error_type", "error_message",
@@ -34,7 +35,7 @@ _COMM = re.compile(r"DistBackendError|DistNetworkError|ProcessGroup|\bgloo\b|\bN
 def classify_cause(*, exit_code: Any, signal: Any, error_type: Any, error_message: Any, reason: Any = None,
                    closed: Any = None, xid: bool = False) -> str:
     """The cause class (``CAUSES``) of one rank's failure from its exit and Python error (type + message)."""
-    text = " ".join(str(x) for x in (error_type, error_message) if not _isna(x))
+    text = " ".join(str(x) for x in (error_type, error_message) if not is_missing(x))
     if text and _OOM.search(text):
         return "out_of_memory"
     if xid or (text and _DEVICE.search(text)):
@@ -43,7 +44,7 @@ def classify_cause(*, exit_code: Any, signal: Any, error_type: Any, error_messag
         return "communication"
     if text or reason == "exception":
         return "user_exception"
-    if not _isna(signal) or (not _isna(exit_code) and int(exit_code) < 0) or closed is False:
+    if not is_missing(signal) or (not is_missing(exit_code) and int(exit_code) < 0) or closed is False:
         return "killed_by_signal"          # only a signal (SIGKILL, SIGSEGV ...) ends a rank without its close
     return "unknown"
 
@@ -61,6 +62,9 @@ def crash_events(exits: pd.DataFrame, *, activity: Activity, collectives: pd.Dat
     (``hangs.stalls``): a collective the others entered and the dead rank never did bounds its step from below
     (its last rows may have been lost with it). Columns: ``CRASH_COLUMNS``."""
     # the attempt of a collective row: its restart column, else (older runs) the attempt unique_seq numbered
+    require_columns(collectives, ["rank", "pg", "seq", "op", "peer", "step", "enqueue_ns", "end_ns", "restart"],
+                    table="collectives")
+    require_columns(steps, ["rank", "step", "start_ns", "end_ns", "restart"], table="steps")
     coll = collectives.assign(restart=collectives["restart"].fillna(
         collectives["seq"].fillna(0).astype("int64") // ATTEMPT_SEQ_STRIDE).astype("int64")) \
         if not collectives.empty else collectives
@@ -70,7 +74,7 @@ def crash_events(exits: pd.DataFrame, *, activity: Activity, collectives: pd.Dat
                                   attempts_known=attempts_known, stale_ns=stale_ns, now_ns=now_ns)
     for restart, lost, culprit, ex in candidates:
         t_end = _attempt_end_ns(st, coll, restart)
-        died_ns = ex.get("exit_ns") if ex and not _isna(ex.get("exit_ns")) else activity.last_ns(culprit,
+        died_ns = ex.get("exit_ns") if ex and not is_missing(ex.get("exit_ns")) else activity.last_ns(culprit,
                                                                                                   before_ns=t_end)
         mine_c = coll[(coll["rank"] == culprit) & (coll["restart"] == restart)] if not coll.empty else coll
         if t_end is not None and not mine_c.empty:
@@ -82,12 +86,12 @@ def crash_events(exits: pd.DataFrame, *, activity: Activity, collectives: pd.Dat
         mine_s = st[(st["rank"] == culprit) & (st["restart"] == restart) & st["end_ns"].notna()] if not st.empty \
             else st
         last_step = int(mine_s["step"].max()) if not mine_s.empty else None
-        step = (int(doing["step"]) if doing is not None and not open_.empty and not _isna(doing["step"])
+        step = (int(doing["step"]) if doing is not None and not open_.empty and not is_missing(doing["step"])
                 else last_step + 1 if last_step is not None else None)
-        waited = ([int(x.step) for x in stalls.itertuples(index=False) if not _isna(x.step)
+        waited = ([int(x.step) for x in stalls.itertuples(index=False) if not is_missing(x.step)
                    and str(culprit) in str(x.missing_ranks).split(",")
                    and (t_end is None or int(x.first_enqueue_ns) < t_end)
-                   and (died_ns is None or _isna(died_ns) or int(x.first_enqueue_ns) >= int(died_ns) - stale_ns)]
+                   and (died_ns is None or is_missing(died_ns) or int(x.first_enqueue_ns) >= int(died_ns) - stale_ns)]
                   if stalls is not None and not stalls.empty else [])
         if waited and (step is None or min(waited) > step):
             step = min(waited)
@@ -96,10 +100,13 @@ def crash_events(exits: pd.DataFrame, *, activity: Activity, collectives: pd.Dat
         cause = classify_cause(exit_code=ex.get("exit_code"), signal=ex.get("signal"),
                                error_type=ex.get("error_type"), error_message=ex.get("error_message"),
                                reason=ex.get("reason"), closed=ex.get("closed"), xid=xid) if ex else "unknown"
-        if doing is not None and not open_.empty and not _isna(doing["step"]) and not _isna(doing["enqueue_ns"]):
+        inside = doing is not None and not open_.empty
+        if inside and not is_missing(doing["step"]) and not is_missing(doing["enqueue_ns"]):
             phase = phase_at(st_r, culprit, int(doing["step"]), int(doing["enqueue_ns"]))
-        else:                                   # not inside a collective: the phase it died in
-            phase = phase_at(st_r, culprit, step, int(died_ns)) if step is not None and not _isna(died_ns) else None
+        elif step is not None and not is_missing(died_ns):   # not inside a collective: the phase it died in
+            phase = phase_at(st_r, culprit, step, int(died_ns))
+        else:
+            phase = None
         rec = _recovery(restart, st, restarts, died_ns, last_step)
         rows.append({
             "restart": restart, "rank": culprit, "time_ns": died_ns, "step": step, "last_step": last_step,
@@ -109,8 +116,8 @@ def crash_events(exits: pd.DataFrame, *, activity: Activity, collectives: pd.Dat
             "doing_pg": doing["pg"] if doing is not None else None,
             "doing_seq": int(doing["seq"]) % ATTEMPT_SEQ_STRIDE if doing is not None else None,
             "doing_op": doing["op"] if doing is not None else None,
-            "doing_peer": None if doing is None or _isna(doing["peer"]) else int(doing["peer"]),
-            "doing_step": None if doing is None or _isna(doing["step"]) else int(doing["step"]),
+            "doing_peer": None if doing is None or is_missing(doing["peer"]) else int(doing["peer"]),
+            "doing_step": None if doing is None or is_missing(doing["step"]) else int(doing["step"]),
             "doing_open": bool(doing is not None and not open_.empty), "phase": phase,
             "also_lost": sorted(r for r in lost if r != culprit), **rec,
             "source": ex.get("source") if ex else "restart",
@@ -130,7 +137,7 @@ def _failed_attempts(exits: pd.DataFrame, *, activity: Activity, restarts: list[
         latest = int(exits["restart"].max())
         for restart, g in exits.groupby("restart"):
             restart = int(restart)
-            recs = [{k: (None if _isna(v) else v) for k, v in r.items()} for r in g.to_dict("records")]
+            recs = [{k: (None if is_missing(v) else v) for k, v in r.items()} for r in g.to_dict("records")]
             over = restart < latest or restart + 1 in restart_ids or status != "running"
             if attempts_known and any(r["source"] == "attempts" for r in recs):
                 lost = [r for r in recs if is_own_failure(r)]
@@ -178,7 +185,7 @@ def _attempt_end_ns(st: pd.DataFrame, coll: pd.DataFrame, restart: int) -> int |
         firsts.append(st[st["restart"] > restart]["start_ns"].dropna().min())
     if not coll.empty:
         firsts.append(coll[coll["restart"] > restart]["enqueue_ns"].dropna().min())
-    firsts = [int(t) for t in firsts if not _isna(t)]
+    firsts = [int(t) for t in firsts if not is_missing(t)]
     return min(firsts) if firsts else None
 
 
@@ -195,37 +202,37 @@ def _recovery(restart: int, st: pd.DataFrame, restarts: list[dict], died_ns: Any
     if lost is None and from_step is not None and last_step is not None:
         lost = max(0, last_step - int(from_step) + 1)
     first_ns = nxt["start_ns"].dropna().min() if not nxt.empty else None
-    ttr = ((int(first_ns) - int(died_ns)) / 1e9 if first_ns is not None and not _isna(first_ns)
-           and died_ns is not None and not _isna(died_ns) else None)
+    ttr = ((int(first_ns) - int(died_ns)) / 1e9 if first_ns is not None and not is_missing(first_ns)
+           and died_ns is not None and not is_missing(died_ns) else None)
     return {"recovered": not nxt.empty or rec is not None, "resumed_from_step": from_step, "steps_lost": lost,
             "time_to_recover_s": ttr}
 
 
 def how(e: Any) -> str:
     """``SIGKILL``, ``exit code 1``, ``RuntimeError: ...`` or ``no close`` for one crash row."""
-    if not _isna(e.error_type):
-        msg = "" if _isna(e.error_message) else f": {str(e.error_message).splitlines()[0][:120]}"
+    if not is_missing(e.error_type):
+        msg = "" if is_missing(e.error_message) else f": {str(e.error_message).splitlines()[0][:120]}"
         return f"{e.error_type}{msg}"
-    if not _isna(e.signal):
+    if not is_missing(e.signal):
         return str(e.signal)
-    if not _isna(e.exit_code):
+    if not is_missing(e.exit_code):
         return f"exit code {int(e.exit_code)}"
     return "its probe never closed" if e.source == "lifecycle" else "stopped writing (the job restarted)"
 
 
 def crash_title(e: Any) -> str:
     """One line naming a crash and its recovery (also the line the report header and the Overview show)."""
-    where = f" at step {int(e.step)}" if not _isna(e.step) else ""
-    doing = (f" in {e.doing_op} #{int(e.doing_seq)} on {e.doing_pg}" if e.doing_open and not _isna(e.doing_op)
+    where = f" at step {int(e.step)}" if not is_missing(e.step) else ""
+    doing = (f" in {e.doing_op} #{int(e.doing_seq)} on {e.doing_pg}" if e.doing_open and not is_missing(e.doing_op)
              else "")
     head = f"rank {int(e.rank)} died{where}{doing} ({how(e)}; cause {e.cause})"
     if e.recovered:
         tail = f"; the job restarted (attempt {int(e.restart) + 1})"
-        if not _isna(e.resumed_from_step):
+        if not is_missing(e.resumed_from_step):
             tail += f" from step {int(e.resumed_from_step)}"
-        if not _isna(e.steps_lost):
+        if not is_missing(e.steps_lost):
             tail += f", {int(e.steps_lost)} step(s) lost"
-        if not _isna(e.time_to_recover_s):
+        if not is_missing(e.time_to_recover_s):
             tail += f", {e.time_to_recover_s:.1f} s to recover"
         return head + tail
     return head + "; the job did not recover"
@@ -255,7 +262,7 @@ def detect_crashes(events: pd.DataFrame, *, num_restarts: int = 0, missing: pd.D
                 "rank": int(e.rank), "restart": int(e.restart), "step": e.step, "last_step": e.last_step,
                 "time_ns": e.time_ns, "exit_code": e.exit_code, "signal": e.signal, "error_type": e.error_type,
                 "error_message": e.error_message, "cause": e.cause,
-                "doing": None if _isna(e.doing_op) else {
+                "doing": None if is_missing(e.doing_op) else {
                     "pg": e.doing_pg, "seq": e.doing_seq, "op": e.doing_op, "peer": e.doing_peer,
                     "step": e.doing_step, "open": bool(e.doing_open)},
                 "phase": e.phase, "also_lost": list(e.also_lost), "recovered": bool(e.recovered),
@@ -304,7 +311,7 @@ def restarts_of(manifest: Any, faults: pd.DataFrame) -> list[dict]:
         rows = faults[(faults["kind"] == "restart") & ~faults["injected"].fillna(False).astype(bool)]
         for f in rows.itertuples(index=False):
             try:
-                d = json.loads(str(f.detail)) if not _isna(f.detail) else {}
+                d = json.loads(str(f.detail)) if not is_missing(f.detail) else {}
             except ValueError:
                 d = {}
             if not isinstance(d, dict) or d.get("restart") is None:

@@ -187,12 +187,13 @@ def _exit_of(exits: pd.DataFrame | None, rank: int, restart: int) -> dict | None
     mine = exits[(exits["rank"] == rank) & (exits["restart"] == restart)]
     if mine.empty:
         return None
-    return {k: (None if _isna(v) else v) for k, v in mine.iloc[-1].to_dict().items()}
+    return {k: (None if is_missing(v) else v) for k, v in mine.iloc[-1].to_dict().items()}
 
 
-def _isna(v: Any) -> bool:
+def is_missing(v: Any) -> bool:
+    """True for None, NaN and pd.NA (a null cell of a row dict)."""
     return v is None or (not isinstance(v, (str, bool, dict, list)) and pd.isna(v))
 
 
 def _str(v: Any) -> str | None:
-    return None if _isna(v) else str(v)
+    return None if is_missing(v) else str(v)

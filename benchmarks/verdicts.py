@@ -16,9 +16,10 @@ Scenario classes, on every layout (dp2, dp4, dp2xtp2, dp2xpp2) unless said other
 Scoring. A *verdict* is a warning or critical STRAGGLER, HANG, RANK_CRASH, COLLECTIVE_MISMATCH or SLOW_LINK
 finding; each (verdict, named rank) pair is judged. It is a true positive when it is the scenario's expected
 code (STRAGGLER with cause ``compute`` for a slowdown, RANK_CRASH for kill, HANG for stop, COLLECTIVE_MISMATCH for
-mismatch) naming the faulted rank (a run counts at most one); every other pair is a false positive (any verdict
-on a clean run, on another rank, or of the wrong code or cause). Recall = runs with a true positive / faulted
-runs; precision = true positives / (true positives + false positives). Time-to-detect = the finding's
+mismatch) naming the faulted rank (a run counts at most one); a false positive is any verdict on a clean run or
+on another rank; any other verdict on the faulted rank (another code, or a STRAGGLER of another cause) is counted
+apart as ``other``. Recall = runs with a true positive / faulted runs; precision = true positives / (true
+positives + false positives). Time-to-detect = the finding's
 ``detected_at_step`` minus the fault's first step (blank when the finding has no ``detected_at_step``).
 
 Faults are caused with the chaos suite's harness (tests/chaos/harness.py). Takes about an hour with the
@@ -78,6 +79,8 @@ class Outcome:
     scenario: Scenario
     true_positive: bool = False
     false_positives: list[str] = field(default_factory=list)
+    other: list[str] = field(default_factory=list)
+    """Verdicts on the faulted rank that are not the expected one (another code or cause)."""
     detect_steps: int | None = None
     error: str | None = None
     wall_s: float = 0.0
@@ -156,7 +159,8 @@ def score(sc: Scenario, doc: dict) -> Outcome:
                     out.detect_steps = int(ev["detected_at_step"]) - sc.fault_step
             elif not right:
                 cause = f" cause={ev.get('cause')}" if f["code"] == "STRAGGLER" else ""
-                out.false_positives.append(f"{f['code']}({f['severity']}) rank {rank}{cause}")
+                (out.other if rank == sc.rank else out.false_positives).append(
+                    f"{f['code']}({f['severity']}) rank {rank}{cause}")
     return out
 
 
@@ -191,16 +195,17 @@ def report(outcomes: list[Outcome]) -> str:
         faulted = [o for o in group if o.scenario.kind != "clean" and o.error is None]
         tp = sum(o.true_positive for o in faulted)
         fp = sum(len(o.false_positives) for o in group if o.error is None)
+        other = sum(len(o.other) for o in group if o.error is None)
         errors = sum(o.error is not None for o in group)
         precision = tp / (tp + fp) if tp + fp else None
         recall = tp / len(faulted) if faulted else None
         ttd = [o.detect_steps for o in faulted if o.detect_steps is not None]
-        return (f"{name:<14} {len(group):>4} {tp:>4} {len(faulted) - tp:>4} {fp:>4} {errors:>4} "
+        return (f"{name:<14} {len(group):>4} {tp:>4} {len(faulted) - tp:>4} {fp:>4} {other:>5} {errors:>4} "
                 f"{_fmt(precision):>9} {_fmt(recall):>6} {_fmt(statistics.median(ttd) if ttd else None, '.0f'):>8} "
                 f"{_fmt(max(ttd) if ttd else None, '.0f'):>8}")
 
-    lines = [f"{'class':<14} {'runs':>4} {'TP':>4} {'FN':>4} {'FP':>4} {'err':>4} {'precision':>9} {'recall':>6} "
-             f"{'ttd med':>8} {'ttd max':>8}"]
+    lines = [f"{'class':<14} {'runs':>4} {'TP':>4} {'FN':>4} {'FP':>4} {'other':>5} {'err':>4} {'precision':>9} "
+             f"{'recall':>6} {'ttd med':>8} {'ttd max':>8}"]
     labels = sorted({o.scenario.label for o in outcomes},
                     key=lambda s: (list(EXPECTED_CODE).index(s.split("-")[0]) + 1 if s != "clean" else 0, s))
     for label in labels:
@@ -253,11 +258,12 @@ def main(argv: list[str] | None = None) -> int:
         verdict = ("error: " + out.error if out.error else
                    ("TP" if out.true_positive else ("FN" if sc.kind != "clean" else "ok"))
                    + (f" (detected +{out.detect_steps} steps)" if out.detect_steps is not None else "")
-                   + (f"; FP {', '.join(out.false_positives)}" if out.false_positives else ""))
+                   + (f"; FP {', '.join(out.false_positives)}" if out.false_positives else "")
+                   + (f"; other {', '.join(out.other)}" if out.other else ""))
         target = "" if sc.rank is None else f" rank {sc.rank} from step {sc.fault_step}"
         print(f"[{i}/{len(matrix)}] {sc.layout:<8} {sc.label:<10}{target}: {verdict} ({out.wall_s:.0f} s)",
               flush=True)
-        if not args.keep and out.error is None and not out.false_positives and \
+        if not args.keep and out.error is None and not out.false_positives and not out.other and \
                 (out.true_positive or sc.kind == "clean"):
             shutil.rmtree(run_dir, ignore_errors=True)
     print()

@@ -43,7 +43,8 @@ def _crash_causes(finding: dict) -> dict[int, str]:
 
 def _liveness(finding: dict) -> dict[int, str]:
     """{rank: liveness verdict} of a HANG finding (evidence ``liveness``)."""
-    return {r: v if isinstance(v, str) else v["liveness"] for r, v in _per_rank(finding["evidence"]["liveness"]).items()}
+    per_rank = _per_rank(finding["evidence"]["liveness"])
+    return {r: v if isinstance(v, str) else v["liveness"] for r, v in per_rank.items()}
 
 
 def _verdicts_on(doc: dict, codes: tuple[str, ...], rank: int | None = None) -> list[dict]:

@@ -274,3 +274,18 @@ def test_pending_rows_become_unfinished_collectives_unless_a_completed_row_match
     assert (int(new["seq"]), int(new["rank"]), new["op"]) == (4, 0, "allreduce") and new["end_ns"] is __import__(
         "pandas").NA
     assert merge_pending(f["collectives"], frames({})["pending"]) is f["collectives"]
+
+
+def test_a_rank_killed_inside_a_collective_is_named_with_the_collective_and_phase_not_a_hang(tmp_path):
+    rows = lockstep_tables(world=2, num_steps=6)
+    cut_rank(rows, 1, T0 + 361 * MS)                 # rank 1 entered all-reduce #4 at 361 ms and was killed there
+    rows["collectives"] = [x for x in rows["collectives"] if not (x["rank"] == 1 and x["seq"] == 4)]
+    stall_rank(rows, 0, T0 + 360 * MS, until_ns=T0 + 500 * MS, close=("crashed", "SIGTERM"))
+    rows["pending"] = [pending_row(0, step=3, seq=4, t_ns=T0 + 360 * MS),
+                       pending_row(1, step=3, seq=4, t_ns=T0 + 361 * MS)]
+    a = RunAnalysis.open(write_rows_run(tmp_path / "run", rows, world_size=2, status="crashed"))
+    assert _codes(a, "HANG") == []                       # both entered it; one of them died there
+    [f] = _codes(a, "RANK_CRASH")
+    assert f.ranks == (1,) and f.evidence["step"] == 3 and f.evidence["phase"] == "bwd"
+    assert f.evidence["doing"] == {"pg": "dp", "seq": 4, "op": "allreduce", "peer": None, "step": 3, "open": True}
+    assert "in allreduce #4 on dp" in f.title

@@ -35,16 +35,16 @@ def collective_mismatches(collectives: pd.DataFrame, steps: pd.DataFrame) -> pd.
         return empty
     seq = c["seq"].astype("int64")
     c = c.assign(_attempt=c["restart"].fillna(seq // ATTEMPT_SEQ_STRIDE).astype("int64"), _seq=seq,
-                 pg_ranks=c["pg_ranks"].fillna(""),
-                 _sig=c["op"].astype(str) + "|" + c["dtype"].astype(str) + "|" + c["num_bytes"].astype(str))
+                 pg_ranks=c["pg_ranks"].fillna(""), dtype=c["dtype"].fillna("?"), num_bytes=c["num_bytes"].fillna(-1))
     key = ["pg", "pg_ranks", "_attempt", "_seq"]
-    per_seq = c.groupby(key, sort=False).agg(num_sig=("_sig", "nunique"), num_step=("step", "nunique"))
-    suspect = per_seq[(per_seq["num_sig"] > 1) | (per_seq["num_step"] > 1)].reset_index()
+    per_seq = c.groupby(key, sort=False)[["op", "dtype", "num_bytes", "step"]].nunique()
+    suspect = per_seq[(per_seq > 1).any(axis=1)].reset_index()
     if suspect.empty:
         return empty
     rows = []
     for (pg, pr, attempt), seqs in suspect.groupby(["pg", "pg_ranks", "_attempt"], sort=False):
         g = c[(c["pg"] == pg) & (c["pg_ranks"] == pr) & (c["_attempt"] == attempt)]
+        g = g.assign(_sig=g["op"].astype(str) + "|" + g["dtype"].astype(str) + "|" + g["num_bytes"].astype(str))
         calls = {int(r): d.sort_values("_seq") for r, d in g.groupby("rank")}
         for s in sorted(seqs["_seq"]):
             found = _judge(calls, int(s), steps)
@@ -141,8 +141,8 @@ def _usual_sig(calls: dict[int, pd.DataFrame], at: dict, s: int) -> str | None:
 
 
 def _call(row: pd.Series) -> dict:
-    return {"op": row["op"], "dtype": None if pd.isna(row["dtype"]) else row["dtype"],
-            "num_bytes": None if pd.isna(row["num_bytes"]) else int(row["num_bytes"]),
+    return {"op": row["op"], "dtype": None if row["dtype"] == "?" else row["dtype"],
+            "num_bytes": None if int(row["num_bytes"]) < 0 else int(row["num_bytes"]),
             "step": None if pd.isna(row["step"]) else int(row["step"])}
 
 

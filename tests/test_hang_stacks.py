@@ -100,8 +100,9 @@ def test_fired_watchdog_writes_its_report_then_the_stack_and_closes_with_reason_
 def test_rank_leaving_because_a_peer_fired_writes_its_stack_flushes_then_closes():
     store, probe, exits = FakeStore(), Probe(), []
     store.set("dtprobe/hang/0/fired", "0")
+    store.set("dtprobe/hang/0/left", "0")
     dog = Watchdog(HangConfig(collective_timeout_s=30.0, poll_interval_s=0.01), store=store, rank=1, restart=0,
-                   probe=probe, exit=exits.append, progress=lambda: {}, pending=lambda: [])
+                   probe=probe, exit=exits.append, progress=lambda: {}, pending=lambda: [], peer_exit_grace_s=0.0)
     dog.start()
     dog._thread.join(timeout=5)
     assert [e[0] for e in probe.log] == ["fault", "flush", "close"]
@@ -148,7 +149,7 @@ def test_close_crashed_passes_the_reason_only_to_a_close_that_takes_it(takes_rea
 
 
 def test_fired_watchdog_waits_for_the_live_peer_to_dump_its_stack_before_leaving():
-    store, shared, exits = FakeStore(), [], []
+    store, shared = FakeStore(), []
 
     class SharedProbe(Probe):
         world_size = 2
@@ -165,17 +166,20 @@ def test_fired_watchdog_waits_for_the_live_peer_to_dump_its_stack_before_leaving
             shared.append((self.rank, "close"))
 
     hung = Watchdog(HangConfig(collective_timeout_s=30.0, poll_interval_s=0.2), store=store, rank=0, restart=0,
-                    probe=SharedProbe(0), exit=exits.append, progress=lambda: {}, pending=lambda: [])
-    waiting = Watchdog(CFG, store=store, rank=1, restart=0, probe=SharedProbe(1), exit=exits.append,
+                    probe=SharedProbe(0), exit=lambda code: shared.append((0, "exit")), progress=lambda: {},
+                    pending=lambda: [], peer_exit_grace_s=0.3)
+    waiting = Watchdog(CFG, store=store, rank=1, restart=0, probe=SharedProbe(1),
+                       exit=lambda code: shared.append((1, "exit")),
                        progress=lambda: {}, pending=lambda: _recv_pending(time.time_ns() - int(3e9)))
     hung.publish()
     hung.start()
     t0 = time.monotonic()
     waiting.fire(waiting.check())
     hung._thread.join(timeout=5)
-    order = [e for e in shared if e[1] in ("hang", "stack", "close")]
+    order = [e for e in shared if e[1] in ("hang", "stack", "close", "exit")]
     assert order.index((0, "stack")) < order.index((1, "close"))      # the hung rank's stack is on disk first
-    assert (1, "hang") in order and (1, "stack") in order and exits == [HANG_EXIT_CODE, HANG_EXIT_CODE]
+    assert order.index((1, "exit")) < order.index((0, "exit"))        # the firing rank leaves first
+    assert (1, "hang") in order and (1, "stack") in order
     assert time.monotonic() - t0 < 2 * 0.05 + 1.0 + 1.0               # bounded wait
 
 

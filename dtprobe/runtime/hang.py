@@ -12,9 +12,11 @@ Every rank runs a daemon thread that, every ``poll_interval_s``:
    published progress, writes one ``faults`` row and the key ``dtprobe/hang/<restart>/fired``, flushes the
    telemetry (in-flight collectives are written with a null ``end_ns``), writes a ``stack`` row, waits (at most
    two polls and a second) until every live peer has dumped its stack too (key ``dtprobe/hang/<restart>/stack<r>``),
-   closes the probe (``reason="watchdog"``) and exits the process with ``HANG_EXIT_CODE`` so torchrun restarts
-   the job (``--max-restarts``) or ends it. A rank that sees ``fired`` (e.g. the hung rank, which has nothing
-   pending) writes a ``stack`` row, flushes, sets its ``stack<r>`` key, closes and exits too.
+   closes the probe (``reason="watchdog"``), sets ``dtprobe/hang/<restart>/left`` and exits the process with
+   ``HANG_EXIT_CODE`` so torchrun restarts the job (``--max-restarts``) or ends it. A rank that sees ``fired``
+   (e.g. the hung rank, which has nothing pending) writes a ``stack`` row, flushes, sets its ``stack<r>`` key and
+   closes; it then waits for ``left`` and a grace period (torchrun stops it meanwhile, once the firing rank has
+   exited), then exits with ``HANG_EXIT_CODE`` too: the firing rank stays the attempt's first failure.
 
 The ``faults`` row (``kind="hang"``, ``injected=false``, ``step`` = the step of the stuck collective) has detail
 keys, read by the analysis' HANG finding:
@@ -126,7 +128,7 @@ class Watchdog:
     def __init__(self, config: HangConfig, *, store: Any, rank: int, restart: int, probe: Any,
                  progress: Callable[[], dict[str, dict[str, Any]]] | None = None,
                  pending: Callable[[], list[dict[str, Any]]] | None = None,
-                 exit: Callable[[int], None] = os._exit) -> None:
+                 exit: Callable[[int], None] = os._exit, peer_exit_grace_s: float = 5.0) -> None:
         from collectors.pg_wrapper import RECORDER
 
         self.config = config
@@ -137,6 +139,9 @@ class Watchdog:
         self._progress = progress or RECORDER.progress
         self._pending = pending or RECORDER.pending
         self._exit = exit
+        self.peer_exit_grace_s = peer_exit_grace_s
+        """A rank leaving because a peer fired exits this long after the firing rank left (if torchrun has not
+        stopped it by then), so that the firing rank is the attempt's first failure."""
         self._stop = threading.Event()
         self.fired: dict[str, Any] | None = None
         self._thread = threading.Thread(target=self._run, name="dtprobe-hang-watchdog", daemon=True)
@@ -264,12 +269,31 @@ class Watchdog:
             self.store.set(_key(self.restart, f"stack{self.rank}"), "1")
         except Exception:  # noqa: BLE001 - best effort: the row above is on disk
             pass
-        self._leave()
+        try:
+            close_crashed(self.probe, reason="watchdog")
+        finally:
+            self._await_firing_rank_left()
+            self._exit(HANG_EXIT_CODE)
+
+    def _await_firing_rank_left(self) -> None:
+        """Wait until the firing rank has left (key ``left``; at most two polls and 5 s for its close), then
+        ``peer_exit_grace_s`` more for torchrun to stop this rank, as it does once a worker exits."""
+        deadline = time.monotonic() + 2 * self.config.poll_interval_s + 5.0
+        try:
+            while not self.store.check([_key(self.restart, "left")]) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        except Exception:  # noqa: BLE001 - the agent's store is gone: the job is ending anyway
+            pass
+        time.sleep(self.peer_exit_grace_s)
 
     def _leave(self) -> None:
         try:
             close_crashed(self.probe, reason="watchdog")
         finally:
+            try:
+                self.store.set(_key(self.restart, "left"), str(self.rank))
+            except Exception:  # noqa: BLE001 - best effort: peers stop waiting after their deadline
+                pass
             self._exit(HANG_EXIT_CODE)
 
 

@@ -141,3 +141,11 @@ def test_a_finding_whose_gain_rounds_to_zero_is_info(frac, severity):
     no_gain = Finding(code="HANG", severity="critical", ranks=(1,), group="dp", title="t", evidence={},
                       recommendation="r")
     assert info_without_gain([no_gain]) == [no_gain]       # no predicted gain: the severity stands
+
+
+def test_all_to_all_with_uneven_splits_is_no_mismatch():
+    rows = lockstep_tables(world=2, num_steps=4)
+    for x in rows["collectives"]:
+        x["op"], x["num_bytes"] = "alltoall", (1 << 20) * (1 + x["rank"])    # each rank sends its own split
+    f = frames(rows)
+    assert collective_mismatches(f["collectives"], f["steps"]).empty

@@ -20,7 +20,8 @@ MISMATCH_COLUMNS = ["pg", "pg_ranks", "restart", "seq", "kind", "odd_ranks", "is
 (other op/dtype/size at the same seq), ``skipped`` (the odd rank's calls from this seq are the others' from the
 next one), ``extra`` (the reverse); ``issued``: rank -> {op, dtype, num_bytes, step}; ``expected``: what the
 other members issued (null when the odd rank cannot be told); ``step``/``phase``: where the odd rank issued it."""
-_KEYS = ("op", "dtype", "num_bytes")
+UNEVEN_OPS = frozenset({"alltoall"})
+"""Ops whose members may legally send different sizes (all-to-all with split sizes): their sizes are not compared."""
 
 
 def collective_mismatches(collectives: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
@@ -35,7 +36,8 @@ def collective_mismatches(collectives: pd.DataFrame, steps: pd.DataFrame) -> pd.
         return empty
     seq = c["seq"].astype("int64")
     c = c.assign(_attempt=c["restart"].fillna(seq // ATTEMPT_SEQ_STRIDE).astype("int64"), _seq=seq,
-                 pg_ranks=c["pg_ranks"].fillna(""), dtype=c["dtype"].fillna("?"), num_bytes=c["num_bytes"].fillna(-1))
+                 pg_ranks=c["pg_ranks"].fillna(""), dtype=c["dtype"].fillna("?"),
+                 num_bytes=c["num_bytes"].fillna(-1).where(~c["op"].isin(UNEVEN_OPS), -1))
     key = ["pg", "pg_ranks", "_attempt", "_seq"]
     per_seq = c.groupby(key, sort=False)[["op", "dtype", "num_bytes", "step"]].nunique()
     suspect = per_seq[(per_seq > 1).any(axis=1)].reset_index()

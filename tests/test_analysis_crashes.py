@@ -289,3 +289,14 @@ def test_a_rank_killed_inside_a_collective_is_named_with_the_collective_and_phas
     assert f.ranks == (1,) and f.evidence["step"] == 3 and f.evidence["phase"] == "bwd"
     assert f.evidence["doing"] == {"pg": "dp", "seq": 4, "op": "allreduce", "peer": None, "step": 3, "open": True}
     assert "in allreduce #4 on dp" in f.title
+
+
+def test_a_killed_leader_of_a_plain_torchrun_job_is_lost_although_run_json_still_says_running(tmp_path):
+    rows = lockstep_tables(world=2, num_steps=6)
+    cut_rank(rows, 0, T0 + 330 * MS)                 # rank 0 (which would have set the status) is SIGKILLed
+    stall_rank(rows, 1, T0 + 361 * MS, until_ns=T0 + 500 * MS, close=("crashed", "SIGTERM"))
+    rows["pending"] = [pending_row(1, step=3, seq=4, t_ns=T0 + 361 * MS)]
+    run = write_rows_run(tmp_path / "run", rows, world_size=2, status="running")
+    a = RunAnalysis(RunAnalysis.open(run).source, now_ns=T0 + 5 * S)
+    [f] = _codes(a, "RANK_CRASH")
+    assert f.ranks == (0,) and f.evidence["also_lost"] == [1] and _codes(a, "HANG") == []

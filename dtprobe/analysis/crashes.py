@@ -154,8 +154,11 @@ def _failed_attempts(exits: pd.DataFrame, *, activity: Activity, restarts: list[
                 continue                           # the attempt ended on a hang: HANG reports it
             others_last = [activity.last_ns(r["rank"]) or 0 for r in recs]
             newest = max(others_last) if others_last else 0
+            # a peer closed crashed (SIGTERMed, an exception): the attempt is ending, also when the run.json of a
+            # plain torchrun job still says running because its leader was the rank killed
+            ending = any(r.get("closed") and r.get("status") == "crashed" for r in recs)
             lost = [r for r in recs if (r.get("closed") is False and (
-                        over or newest - (activity.last_ns(r["rank"]) or 0) > stale_ns))
+                        over or ending or newest - (activity.last_ns(r["rank"]) or 0) > stale_ns))
                     or (r.get("closed") and r.get("status") == "crashed"
                         and r.get("reason") not in CONSEQUENCE_REASONS)]
             if not lost:

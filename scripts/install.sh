@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs dtprobe and what it needs on a fresh machine. Usage: bash scripts/install.sh [--dev]
-#   --dev  also the test tools (pytest, HTA, Playwright, kaleido) and Debian's chromium for browser tests.
+#   --dev  also the test tools (pytest, HTA, Playwright, kaleido) and the Debian packages the tests use (chromium for
+#          the browser tests; iproute2 and util-linux for the chaos tests).
 # torch is pinned FIRST to the CPU build (2.13.0): a plain `torch` requirement with no torch installed would
 # pull a multi-GB CUDA build. On a GPU machine install your CUDA torch (>=2.6) before running this script.
 set -euo pipefail
@@ -16,12 +17,18 @@ fi
 if [[ $dev == 1 ]]; then
   echo "[install] dtprobe + dev extras"
   "$PY" -m pip install -q -e '.[dev]'
-  if [[ ! -x /usr/bin/chromium ]]; then
+  # Debian packages the tests need: chromium (browser tests, PNG export); iproute2 and util-linux (the chaos
+  # tests' network namespaces, tc, unshare, taskset).
+  debs=()
+  [[ -x /usr/bin/chromium ]] || debs+=(chromium)
+  { command -v ip && command -v tc; } >/dev/null 2>&1 || debs+=(iproute2)
+  { command -v unshare && command -v taskset; } >/dev/null 2>&1 || debs+=(util-linux)
+  if (( ${#debs[@]} )); then
     if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
-      echo "[install] Debian chromium (browser tests, PNG export)"
-      apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+      echo "[install] Debian ${debs[*]}"
+      apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${debs[@]}" >/dev/null
     else
-      echo "[install] WARNING: /usr/bin/chromium missing and apt-get unavailable: browser tests will fail" >&2
+      echo "[install] WARNING: missing ${debs[*]} and apt-get unavailable (or not root): browser and chaos tests will fail" >&2
     fi
   fi
 else

@@ -300,3 +300,14 @@ def test_a_killed_leader_of_a_plain_torchrun_job_is_lost_although_run_json_still
     a = RunAnalysis(RunAnalysis.open(run).source, now_ns=T0 + 5 * S)
     [f] = _codes(a, "RANK_CRASH")
     assert f.ranks == (0,) and f.evidence["also_lost"] == [1] and _codes(a, "HANG") == []
+
+
+def test_a_frozen_rank_whose_peers_die_on_the_collective_timeout_is_a_hang_not_their_crash(tmp_path):
+    rows, _ = _frozen_rank1(attempts=False)
+    for x in rows["lifecycle"]:
+        if x["event"] == "close":
+            x["reason"] = "exception"                # gloo's timeout raised in rank 0 (no watchdog)
+    a = RunAnalysis.open(write_rows_run(tmp_path / "run", rows, world_size=2, status="crashed"))
+    [f] = _codes(a, "HANG")
+    assert f.ranks == (1,) and f.evidence["liveness"] == {"0": "waiting", "1": "stopped"}
+    assert _codes(a, "RANK_CRASH") == []

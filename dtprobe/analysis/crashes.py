@@ -245,13 +245,16 @@ def detect_crashes(events: pd.DataFrame, *, num_restarts: int = 0, missing: pd.D
                    injected_ranks: frozenset = frozenset(), explained_ranks: frozenset = frozenset()) -> list[Finding]:
     """RANK_CRASH per crash event (``crash_events``): critical when the job did not recover, warning when it
     resumed. A first failure among ``explained_ranks`` (ranks a HANG or COLLECTIVE_MISMATCH already names or
-    holds waiting, e.g. a survivor's timeout error) is not reported. ``missing``: stalls whose missing ranks
+    holds waiting) is not reported unless it has a cause of its own (out of memory, a device error, a Python
+    exception with its type known): a waiter's collective timeout is the hang's consequence. ``missing``: stalls whose missing ranks
     include the crashed one (``waited_at``). ``injected_ranks``: ranks with an injected ``crash`` row (cross-check
     only)."""
     findings = []
     for e in events.itertuples(index=False):
-        if int(e.rank) in explained_ranks and e.cause in ("communication", "unknown"):
-            continue
+        specific = e.cause in ("out_of_memory", "device") or (e.cause == "user_exception"
+                                                               and not is_missing(e.error_type))
+        if int(e.rank) in explained_ranks and not specific:
+            continue                       # e.g. a waiter's collective timeout, or its probe closed on it
         waited = [] if missing is None or missing.empty else [
             {"pg": m.pg, "seq": int(m.seq) % ATTEMPT_SEQ_STRIDE, "op": m.op, "step": m.step,
              "waited_s": m.waited_ns / 1e9, "arrived_ranks": [int(x) for x in str(m.arrived_ranks).split(",") if x]}

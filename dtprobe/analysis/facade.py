@@ -494,7 +494,8 @@ class RunAnalysis:
         return self._memo("f:devices", lambda: _devices.detect_device_health(self.device_health()))
 
     def missing_arrivals(self) -> pd.DataFrame:
-        """Per group: the first collective some members never reached (and how long the others waited)."""
+        """Per group and attempt: the first collective some members never reached, or every member entered and
+        none finished (and how long the others waited)."""
         def build() -> pd.DataFrame:
             wait = 0 if self.status != "running" else int(self.options.hang_timeout_s * 1e9)
             return _hangs.missing_arrivals(self.collective_skew(), self.table("collectives"), now_ns=self.now_ns(),

@@ -1,9 +1,10 @@
 """Probe overhead: what dtprobe's collectors and its runtime cost per training step, measured side by side.
 
-    python benchmarks/probe_overhead.py [--nproc 2] [--steps 100] [--pairs 3] [--flush-baseline 1.0]
+    python benchmarks/probe_overhead.py [--nproc 2] [--steps 100] [--pairs 3] [--flush-baseline 1.0] [--concurrent]
 
-Two ratios of median step time, each from runs alternated in one invocation (A B A B ...) so that drift of
-the shared machine hits both sides alike:
+Ratios of median step time, each from runs alternated in one invocation (A B A B ...) so that drift of the
+shared machine hits both sides alike; with `--concurrent` the sides of each pair run at the same time instead
+(they share the cores, so a burst of outside load hits every side at once; use it on a busy machine):
 
 1. collectors on / off: `dtprobe run` with its default telemetry (every collective recorded by the wrapping
    ProcessGroup, host/NVML sampler, steps, and the loss bound: rows flushed every `collect.flush_interval_s`
@@ -13,14 +14,13 @@ the shared machine hits both sides alike:
 2. runtime / plain: `dtprobe run --no-collectives --no-devices` against benchmarks/plain_ddp.py, a 30-line
    torchrun DDP script of the same model, batch and optimizer, timed the same way (data, forward, backward,
    clip, optimizer, loss.item()). Goal <= 1.02.
+3. with `--flush-baseline S`: the default telemetry against the same with `collect.flush_interval_s = S`
+   (e.g. 1.0, flushing ten times less often): what the loss bound costs. Goal <= 1.01.
 
-With `--flush-baseline S`, a third ratio isolates the loss bound: the default telemetry against the same with
-`collect.flush_interval_s = S` (e.g. 1.0, flushing ten times less often). Goal <= 1.01.
-
-3. bound threads' CPU (always, a few seconds, in this process): the thread CPU time of the writer's flusher and
-   the recorder's drain thread while rows arrive at a fixed rate (500 collectives/s, 1 in 50 left in flight for
-   0.3 s so it is spilled to `pending`, 10 steps rows/s), at the default interval and at 1 s. Per-thread CPU
-   clocks do not count time spent waiting for a core, so this figure holds on a loaded machine too.
+Printed first, in this process and in a few seconds: the thread CPU time of the writer's flusher and the
+recorder's drain thread while rows arrive at a fixed rate (500 collectives/s, 1 in 50 left in flight for
+0.3 s so it is spilled to `pending`, 10 steps rows/s), at the default interval and at 1 s. Per-thread CPU
+clocks do not count time spent waiting for a core, so this figure holds on a loaded machine too.
 
 The first `--skip` steps of every run are left out (DDP rebuilds its buckets after step 0). Figures are CPU/gloo
 figures of this machine, not GPU ones.
@@ -44,27 +44,51 @@ def _env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
 
 
-def dtprobe_run(run_dir: Path, *, nproc: int, steps: int, collect: bool,
-                flush_interval_s: float | None = None) -> list[float]:
+def side_command(name: str, out: Path, *, nproc: int, steps: int, flush_baseline: float | None) -> list[str]:
+    """The command of one side: "on", "off", "slowflush" (`dtprobe run`) or "plain" (benchmarks/plain_ddp.py)."""
+    if name == "plain":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                str(ROOT / "benchmarks" / "plain_ddp.py"), "--steps", str(steps), "--out", str(out)]
     cmd = [sys.executable, "-m", "dtprobe.cli", "run", "--nproc", str(nproc), "--steps", str(steps),
-           "--run-dir", str(run_dir), "--warmup", "0"]
-    if not collect:
+           "--run-dir", str(out), "--warmup", "0"]
+    if name == "off":
         cmd += ["--no-collectives", "--no-devices"]
-    if flush_interval_s is not None:
-        cmd += ["--set", f"collect.flush_interval_s={flush_interval_s}"]
-    subprocess.run(cmd, check=True, env=_env(), timeout=900, stdout=subprocess.DEVNULL)
+    if name == "slowflush":
+        cmd += ["--set", f"collect.flush_interval_s={flush_baseline}"]
+    return cmd
+
+
+def side_step_times(name: str, out: Path) -> list[float]:
+    """Rank 0's step times (s) of a finished side."""
+    if name == "plain":
+        return json.loads(out.read_text())["step_s"]
     from dtprobe.store import RunStore
 
-    steps_df = RunStore.open(run_dir).table("steps")
+    steps_df = RunStore.open(out).table("steps")
     leader = steps_df[steps_df["rank"] == 0].sort_values("step")
     return ((leader["end_ns"] - leader["start_ns"]).astype("float64") / 1e9).tolist()
 
 
-def plain_run(out: Path, *, nproc: int, steps: int) -> list[float]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           str(ROOT / "benchmarks" / "plain_ddp.py"), "--steps", str(steps), "--out", str(out)]
-    subprocess.run(cmd, check=True, env=_env(), timeout=900, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return json.loads(out.read_text())["step_s"]
+def run_sides(commands: dict[str, list[str]], logs: Path, *, concurrent: bool) -> None:
+    """Run the commands one after another, or all at once; a failing side raises with its log's tail."""
+    logs.mkdir(parents=True, exist_ok=True)
+    names = list(commands)
+    batches = [names] if concurrent else [[n] for n in names]
+    for batch in batches:
+        procs = {}
+        for name in batch:
+            with open(logs / f"{name}.log", "wb") as log:
+                procs[name] = subprocess.Popen(commands[name], env=_env(), stdout=log, stderr=subprocess.STDOUT)
+        for name, proc in procs.items():
+            try:
+                code = proc.wait(timeout=900)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                code = "timeout"
+            if code != 0:
+                tail = (logs / f"{name}.log").read_text(errors="replace")[-3000:]
+                raise SystemExit(f"side {name!r} failed ({code}): {' '.join(commands[name])}\n{tail}")
 
 
 def bound_thread_cpu(run_dir: Path, *, interval_s: float, seconds: float = 3.0, rate_per_s: int = 500) -> float:
@@ -120,6 +144,9 @@ def main() -> int:
     parser.add_argument("--flush-baseline", type=float, default=None, metavar="S",
                         help="also run the default telemetry with collect.flush_interval_s=S and print the ratio "
                              "default / S (what the loss bound costs); default: not run")
+    parser.add_argument("--concurrent", action="store_true",
+                        help="run the sides of each pair at the same time (fairer on a busy machine; every "
+                             "side is slower, the ratios are what counts)")
     args = parser.parse_args()
 
     from collectors.config import CollectConfig
@@ -139,14 +166,13 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="dtprobe-bench-") as tmp:
         tmp_path = Path(tmp)
         for i in range(args.pairs):
+            order = names[i % len(names):] + names[:i % len(names)]       # rotate who starts first
+            outs = {name: tmp_path / (f"{name}{i}.json" if name == "plain" else f"{name}{i}") for name in order}
+            commands = {name: side_command(name, outs[name], nproc=args.nproc, steps=args.steps,
+                                           flush_baseline=args.flush_baseline) for name in order}
+            run_sides(commands, tmp_path / f"logs{i}", concurrent=args.concurrent)
             for name in names:
-                if name == "plain":
-                    times = plain_run(tmp_path / f"plain{i}.json", nproc=args.nproc, steps=args.steps)
-                else:
-                    times = dtprobe_run(tmp_path / f"{name}{i}", nproc=args.nproc, steps=args.steps,
-                                        collect=name != "off",
-                                        flush_interval_s=args.flush_baseline if name == "slowflush" else None)
-                medians[name].append(median_after(times, args.skip))
+                medians[name].append(median_after(side_step_times(name, outs[name]), args.skip))
                 print(f"pair {i + 1}/{args.pairs} {name:>9}: median step {medians[name][-1] * 1e3:7.2f} ms",
                       flush=True)
 
@@ -164,7 +190,8 @@ def main() -> int:
         print(f"flush {defaults.flush_interval_s} s / {args.flush_baseline} s ratio: "
               f"{statistics.median(pair_flush):.3f}  (per pair: {', '.join(f'{r:.3f}' for r in pair_flush)}; "
               f"goal <= 1.01)")
-    print(f"({args.nproc} ranks x {args.steps} steps per run, CPU + gloo on this machine)")
+    mode = "sides run concurrently" if args.concurrent else "sides alternated"
+    print(f"({args.nproc} ranks x {args.steps} steps per run, {mode}, CPU + gloo on this machine)")
     return 0
 
 

@@ -18,6 +18,10 @@ Every rank runs a daemon thread that, every ``poll_interval_s``:
    closes; it then waits for ``left`` and a grace period (torchrun stops it meanwhile, once the firing rank has
    exited), then exits with ``HANG_EXIT_CODE`` too: the firing rank stays the attempt's first failure.
 
+The local check (own pending operations, time waited) comes before any store call, and every store call is bounded
+(``BoundedStore``, ``store_timeout_s``): a rank cut off from the store's host (a network partition) still fires on
+time, writes its ``hang`` row (the members it could not read listed as unreachable) and its ``stack`` row, and exits.
+
 The ``faults`` row (``kind="hang"``, ``injected=false``, ``step`` = the step of the stuck collective) has detail
 keys, read by the analysis' HANG finding:
 
@@ -27,11 +31,17 @@ keys, read by the analysis' HANG finding:
 - ``peer``: for ``send``/``recv``, the global rank it exchanges with (-1: any source); null for collectives;
 - ``last_issued_seq``, ``last_completed_seq``: this rank's on ``pg`` (issued == seq, completed < seq; for p2p
   both refer to the group's collectives);
-- ``waiting_for_ranks``: for a collective, members whose published ``last_issued_seq`` on ``pg`` is below
-  ``seq`` (they never reached it); members that published nothing are listed too (dead or never started); for
-  p2p, the peer (every other member for any-source);
+- ``waiting_for_ranks``: for a collective, reachable members whose published ``last_issued_seq`` on ``pg`` is
+  below ``seq`` (they never reached it); members that published nothing are listed too (dead or never started);
+  for p2p, the peer (every other member for any-source), reachable or not;
+- ``unreachable_ranks``: members whose state this rank does not know, so it asserts nothing about them: their last
+  publication is older than ``STALE_POLLS`` polls plus a second (``ranks[r]["age_s"]`` says how old; their
+  watchdog stopped publishing: dead, frozen, or cut off from the store), or the store did not answer when this
+  rank read them (``ranks[r]`` null, ``store_error`` set). This rank itself is never in it (read from memory);
 - ``ranks``: every member's published ``{"last_issued_seq", "last_completed_seq", "last_issued_op", "step",
-  "age_s"}`` (``age_s``: seconds since it published; null if it never did);
+  "age_s"}`` (``age_s``: seconds since it published, by this host's clock; this rank's own state with age 0);
+  null if it never published, or if it could not be read (then it is in ``unreachable_ranks``);
+- ``store_error``: why the store could not be read (timed out, connection lost), else null;
 - ``timeout_s``: T; ``waited_s``: how long the collective had been pending when the watchdog fired.
 
 The ``stack`` row (``kind="stack"``, ``injected=false``, ``step`` = the stuck operation's step, or the current
@@ -63,6 +73,8 @@ from dtprobe.store.errors import ConfigError
 HANG_EXIT_CODE = 124
 """Exit code of a rank whose watchdog fired (the same as ``timeout(1)``)."""
 KEY_PREFIX = "dtprobe/hang"
+STALE_POLLS = 3
+"""A member whose publication is older than this many polls (plus a second) is ``unreachable``."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -84,6 +96,58 @@ class HangConfig:
     @property
     def enabled(self) -> bool:
         return self.collective_timeout_s > 0
+
+
+class StoreUnreachable(RuntimeError):
+    """The c10d store did not answer in time, or failed (its host is gone or behind a cut link)."""
+
+
+class BoundedStore:
+    """The watchdog's view of the c10d store: each call runs on a helper thread and gives up after ``timeout_s``.
+
+    A TCPStore client blocks in its socket read for as long as the link to the store's host is down: neither
+    ``set_timeout`` nor the client's own timeout bounds ``check`` or ``get``, and the blocked call holds the
+    client's lock. So a call that gave up is left behind on its (daemon) thread, and until it returns every
+    further call fails at once instead of queueing behind it. Every failure raises ``StoreUnreachable``.
+    """
+
+    def __init__(self, store: Any, *, timeout_s: float) -> None:
+        self._store = store
+        self.timeout_s = timeout_s
+        self._blocked: threading.Thread | None = None
+        self._blocked_call = ""
+
+    def set(self, key: str, value: Any) -> None:
+        self._call("set", key, value)
+
+    def get(self, key: str) -> bytes:
+        return self._call("get", key)
+
+    def check(self, keys: list[str]) -> bool:
+        return bool(self._call("check", keys))
+
+    def _call(self, name: str, *args: Any) -> Any:
+        if self._blocked is not None and self._blocked.is_alive():
+            raise StoreUnreachable(f"{self._blocked_call} did not answer within {self.timeout_s:g}s (still waiting; "
+                                   f"store.{name} not tried)")
+        result: dict[str, Any] = {}
+
+        def call() -> None:
+            try:
+                result["value"] = getattr(self._store, name)(*args)
+            except Exception as e:  # noqa: BLE001 - handed to the caller as StoreUnreachable below
+                result["error"] = e
+
+        thread = threading.Thread(target=call, name=f"dtprobe-hang-store-{name}", daemon=True)
+        thread.start()
+        thread.join(self.timeout_s)
+        if thread.is_alive():
+            self._blocked, self._blocked_call = thread, f"store.{name}"
+            raise StoreUnreachable(f"store.{name} did not answer within {self.timeout_s:g}s")
+        if "error" in result:
+            e = result["error"]
+            raise StoreUnreachable(f"store.{name} failed: {type(e).__name__}: {e}") from e
+        return result.get("value")
 
 
 def _key(restart: int, what: str) -> str:
@@ -128,11 +192,13 @@ class Watchdog:
     def __init__(self, config: HangConfig, *, store: Any, rank: int, restart: int, probe: Any,
                  progress: Callable[[], dict[str, dict[str, Any]]] | None = None,
                  pending: Callable[[], list[dict[str, Any]]] | None = None,
-                 exit: Callable[[int], None] = os._exit, peer_exit_grace_s: float = 5.0) -> None:
+                 exit: Callable[[int], None] = os._exit, peer_exit_grace_s: float = 5.0,
+                 store_timeout_s: float = 2.0) -> None:
         from collectors.pg_wrapper import RECORDER
 
         self.config = config
-        self.store = store
+        self.store = BoundedStore(store, timeout_s=store_timeout_s)
+        """Every store call is bounded by ``store_timeout_s``: a rank cut off from the store still fires."""
         self.rank = rank
         self.restart = restart
         self.probe = probe
@@ -154,69 +220,113 @@ class Watchdog:
         self._stop.set()
         self._thread.join(timeout=5)
 
+    @property
+    def stale_after_s(self) -> float:
+        """A member whose last publication is older than this (three polls and a second) is ``unreachable``: its
+        watchdog stopped publishing (dead, frozen) or cannot reach the store (a network partition)."""
+        return STALE_POLLS * self.config.poll_interval_s + 1.0
+
     def _run(self) -> None:
         while not self._stop.wait(self.config.poll_interval_s):
-            self.publish()
+            # The local check first: it needs no store, so a rank cut off from the store still fires on time.
+            due = self._oldest_due()
+            if due is None:
+                self._publish_if_reachable()
             if self._peer_fired():
                 self._leave_after_peer()
                 return
-            detail = self.check()
-            if detail is not None:
-                self.fire(detail)
+            if due is not None:
+                self.fire(self._report(*due))
                 return
 
-    def publish(self) -> None:
-        snap = {"rank": self.rank, "step": int(getattr(self.probe, "current_step", -1)), "time_ns": time.time_ns(),
+    def _snapshot(self) -> dict[str, Any]:
+        return {"rank": self.rank, "step": int(getattr(self.probe, "current_step", -1)), "time_ns": time.time_ns(),
                 "groups": {pg: {k: p.get(k) for k in ("pg_ranks", "last_issued_seq", "last_issued_op",
                                                       "last_completed_seq", "last_completed_op")}
                            for pg, p in self._progress().items()}}
-        self.store.set(_key(self.restart, f"rank{self.rank}"), orjson.dumps(snap))
+
+    def publish(self) -> None:
+        """Publish this rank's progress; raises ``StoreUnreachable`` when the store does not answer in time."""
+        self.store.set(_key(self.restart, f"rank{self.rank}"), orjson.dumps(self._snapshot()))
+
+    def _publish_if_reachable(self) -> None:
+        try:
+            self.publish()
+        except StoreUnreachable:                # peers will see this rank's publication age and call it unreachable
+            pass
 
     def _peer_fired(self) -> bool:
         try:
             return bool(self.store.check([_key(self.restart, "fired")]))
-        except Exception:  # noqa: BLE001 - the agent's store is gone: the job is ending anyway
+        except StoreUnreachable:                # no peer can tell this rank; its own check still fires
             return False
 
     def read_published(self, ranks: list[int]) -> dict[int, dict[str, Any] | None]:
+        """Each rank's last publication (None: it never published); raises ``StoreUnreachable``."""
         out: dict[int, dict[str, Any] | None] = {}
         for r in ranks:
             key = _key(self.restart, f"rank{r}")
             out[r] = orjson.loads(self.store.get(key)) if self.store.check([key]) else None
         return out
 
-    def check(self) -> dict[str, Any] | None:
-        """The hang detail when this rank's oldest pending collective or p2p operation has waited ``T`` seconds,
-        else None."""
+    def _read_states(self, ranks: list[int]) -> tuple[dict[int, dict[str, Any] | None], str | None]:
+        """The publications of ``ranks`` this rank could read (its own from memory, never from the store), and the
+        store's failure (None if every one was read). A rank missing from the result could not be read."""
+        out: dict[int, dict[str, Any] | None] = {r: self._snapshot() for r in ranks if r == self.rank}
+        for r in ranks:
+            if r == self.rank:
+                continue
+            try:
+                out.update(self.read_published([r]))
+            except StoreUnreachable as e:
+                return out, str(e)
+        return out, None
+
+    def _oldest_due(self) -> tuple[dict[str, Any], float] | None:
+        """This rank's oldest pending operation and how long it waited, once that reached ``T`` (local only)."""
         pending = self._pending()
         if not pending:
             return None
         oldest = min(pending, key=lambda r: r["enqueue_ns"])
         waited_s = (time.time_ns() - oldest["enqueue_ns"]) / 1e9
-        if waited_s < self.config.collective_timeout_s:
-            return None
+        return (oldest, waited_s) if waited_s >= self.config.collective_timeout_s else None
+
+    def check(self) -> dict[str, Any] | None:
+        """The hang detail when this rank's oldest pending collective or p2p operation has waited ``T`` seconds,
+        else None."""
+        due = self._oldest_due()
+        return None if due is None else self._report(*due)
+
+    def _report(self, oldest: dict[str, Any], waited_s: float) -> dict[str, Any]:
+        """The ``hang`` detail of ``oldest``: the members' published states as far as the store answers."""
         pg, seq = oldest["pg"], int(oldest["seq"])
         members = [int(x) for x in str(oldest.get("pg_ranks") or "").split(",") if x != ""]
         peer = oldest.get("peer")
         if peer is None:
-            published = self.read_published(members)
+            asked = members
         else:                                             # p2p: it waits for its peer (any member for -1)
-            published = self.read_published([int(peer)] if int(peer) >= 0 else
-                                            [r for r in members if r != self.rank])
+            asked = [int(peer)] if int(peer) >= 0 else [r for r in members if r != self.rank]
+        published, store_error = self._read_states(asked)
         now = time.time_ns()
+        ages = {r: None if snap is None else (now - int(snap["time_ns"])) / 1e9 for r, snap in published.items()}
+        unreachable = sorted([r for r in asked if r not in published]
+                             + [r for r, age in ages.items() if age is not None and age > self.stale_after_s])
+        fresh = {r: snap for r, snap in published.items() if r not in unreachable}
         mine = self._progress().get(pg, {})
         return {
             "pg": pg, "pg_ranks": oldest.get("pg_ranks"), "seq": seq, "op": oldest["op"], "peer": peer,
             "step": oldest.get("step"),
             "last_issued_seq": mine.get("last_issued_seq", seq), "last_completed_seq": mine.get("last_completed_seq"),
-            "waiting_for_ranks": (stuck_ranks(seq, pg, members, published) if peer is None
-                                  else sorted(published)),
+            "waiting_for_ranks": (stuck_ranks(seq, pg, [r for r in members if r in fresh], fresh) if peer is None
+                                  else sorted(asked)),
+            "unreachable_ranks": unreachable,
             "ranks": {str(r): None if snap is None else {
                 "last_issued_seq": (snap["groups"].get(pg) or {}).get("last_issued_seq"),
                 "last_completed_seq": (snap["groups"].get(pg) or {}).get("last_completed_seq"),
                 "last_issued_op": (snap["groups"].get(pg) or {}).get("last_issued_op"),
-                "step": snap.get("step"), "age_s": round((now - snap["time_ns"]) / 1e9, 3)}
-                for r, snap in published.items()},
+                "step": snap.get("step"), "age_s": round(ages[r], 3)}
+                for r, snap in sorted(published.items())} | {str(r): None for r in asked if r not in published},
+            "store_error": store_error,
             "timeout_s": self.config.collective_timeout_s, "waited_s": round(waited_s, 3),
         }
 
@@ -230,12 +340,15 @@ class Watchdog:
         self.probe.flush(in_flight=True)
         try:
             self.store.set(_key(self.restart, "fired"), str(self.rank))
-        except Exception:  # noqa: BLE001 - best effort: the row above is what matters
+        except StoreUnreachable:                # peers see this rank's publication go stale instead
             pass
         what = "collective" if detail.get("peer") is None else f"p2p (peer {detail['peer']})"
         print(f"[dtprobe] rank {self.rank}: {what} {detail['op']} #{detail['seq']} on {detail['pg']} pending "
               f"{detail['waited_s']:.1f}s > --collective-timeout {detail['timeout_s']:g}s; waiting for ranks "
-              f"{detail['waiting_for_ranks']}. Exiting with {HANG_EXIT_CODE}.", flush=True)
+              f"{detail['waiting_for_ranks']}"
+              + (f", unreachable ranks {detail['unreachable_ranks']}" if detail.get("unreachable_ranks") else "")
+              + (f" ({detail['store_error']})" if detail.get("store_error") else "")
+              + f". Exiting with {HANG_EXIT_CODE}.", flush=True)
         # The stack goes after the report's own flush; the close below flushes it first thing.
         self.probe.fault("stack", step=-1 if step is None else step, injected=False, reason="watchdog fired",
                          stack=stack)
@@ -245,7 +358,7 @@ class Watchdog:
     def _await_peer_stacks(self) -> None:
         """Give the live peers' watchdogs time to see ``fired`` and dump their stacks (each sets
         ``dtprobe/hang/<restart>/stack<r>``): once this rank exits, torchrun SIGTERMs them. Peers whose last
-        publication is older than three polls (dead or frozen) are not waited for."""
+        publication is older than ``stale_after_s`` (dead, frozen or cut off) are not waited for."""
         poll = self.config.poll_interval_s
         world = int(getattr(self.probe, "world_size", 0) or 0)
         peers = [r for r in range(world) if r != self.rank] or [int(r) for r in (self.fired or {}).get("ranks", {})
@@ -253,12 +366,12 @@ class Watchdog:
         try:
             now = time.time_ns()
             waiting = {r for r, snap in self.read_published(peers).items()
-                       if snap is not None and now - int(snap["time_ns"]) < 3 * poll * 1e9}
+                       if snap is not None and now - int(snap["time_ns"]) <= self.stale_after_s * 1e9}
             deadline = time.monotonic() + 2 * poll + 1.0
             while waiting and time.monotonic() < deadline:
                 waiting = {r for r in waiting if not self.store.check([_key(self.restart, f"stack{r}")])}
                 time.sleep(0.05)
-        except Exception:  # noqa: BLE001 - the agent's store is gone: nobody is left to wait for
+        except StoreUnreachable:                # cut off from the store: no peer can see our key either
             pass
 
     def _leave_after_peer(self) -> None:
@@ -267,7 +380,7 @@ class Watchdog:
         self.probe.flush()
         try:
             self.store.set(_key(self.restart, f"stack{self.rank}"), "1")
-        except Exception:  # noqa: BLE001 - best effort: the row above is on disk
+        except StoreUnreachable:                # best effort: the row above is on disk
             pass
         try:
             close_crashed(self.probe, reason="watchdog")
@@ -282,7 +395,7 @@ class Watchdog:
         try:
             while not self.store.check([_key(self.restart, "left")]) and time.monotonic() < deadline:
                 time.sleep(0.05)
-        except Exception:  # noqa: BLE001 - the agent's store is gone: the job is ending anyway
+        except StoreUnreachable:                # the agent's store is gone: the job is ending anyway
             pass
         time.sleep(self.peer_exit_grace_s)
 
@@ -292,7 +405,7 @@ class Watchdog:
         finally:
             try:
                 self.store.set(_key(self.restart, "left"), str(self.rank))
-            except Exception:  # noqa: BLE001 - best effort: peers stop waiting after their deadline
+            except StoreUnreachable:            # best effort: peers stop waiting after their deadline
                 pass
             self._exit(HANG_EXIT_CODE)
 

@@ -68,6 +68,7 @@ def test_sigkill_of_a_worker_with_restart_is_a_recovered_rank_crash_naming_it(ru
     crashes = findings_of(doc, "RANK_CRASH")
     assert [(f["severity"], f["ranks"]) for f in crashes] == [("warning", [1])], summary(doc)
     assert _crash_causes(crashes[0]).get(1) == "killed_by_signal", crashes[0]["evidence"]
+    assert crashes[0]["evidence"]["recovered"] is True, crashes[0]["evidence"]
     assert not _verdicts_on(doc, ("HANG", "STRAGGLER", "COLLECTIVE_MISMATCH")), summary(doc)
 
 
@@ -82,6 +83,7 @@ def test_sigkill_of_a_worker_without_restart_is_a_critical_rank_crash_naming_it(
     crashes = findings_of(doc, "RANK_CRASH")
     assert [(f["severity"], f["ranks"]) for f in crashes] == [("critical", [0])], summary(doc)
     assert _crash_causes(crashes[0]).get(0) == "killed_by_signal", crashes[0]["evidence"]
+    assert crashes[0]["evidence"]["recovered"] is False, crashes[0]["evidence"]
     # rank 1 died of the lost connection (or torchrun's SIGTERM): a consequence, not a second culprit
     assert not _verdicts_on(doc, ("HANG", "STRAGGLER", "COLLECTIVE_MISMATCH")), summary(doc)
 

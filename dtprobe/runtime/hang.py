@@ -1,6 +1,7 @@
 """Hang watchdog (``--collective-timeout T``) and the ``hang`` fault; produces ``faults`` rows ``kind="hang"``.
 
-Every rank runs a daemon thread that, every ``poll_interval_s``:
+Every rank runs a daemon thread that, every ``poll_interval_s`` (the local check of 2. first; 1. only while
+nothing is due):
 
 1. publishes this rank's collective progress per group into the c10d store (the torchrun agent's store, which
    outlives the workers) under ``dtprobe/hang/<restart>/rank<r>``: JSON

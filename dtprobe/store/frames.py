@@ -42,6 +42,8 @@ SORT_KEYS: dict[str, tuple[str, ...]] = {
     "memory": ("rank", "step"),
     "compression": ("rank", "step", "bucket"),
     "kernels": ("rank", "start_ns"),
+    "lifecycle": ("rank", "restart", "time_ns"),
+    "pending": ("rank", "restart", "enqueue_ns", "seq"),
 }
 """Row order of each table as returned by the reader (stable: ties keep file order; nulls last)."""
 

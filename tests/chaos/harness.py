@@ -266,9 +266,10 @@ while True:
 @dataclass
 class BusyLoop:
     """A busy process pinned to ``core``: it spins ``duty`` of every 10 ms and sleeps the rest. At real-time
-    priority (SCHED_FIFO 1, the default) it takes that share of the core before any ordinary process, so the
-    slowdown it causes a rank on that core does not depend on what else the machine runs. ``stop`` kills it by
-    PID."""
+    priority (SCHED_FIFO 1, the default) it takes that share of the core before any ordinary process. A rank
+    pinned there keeps the rest; on a machine busy with other (unpinned) work the scheduler moves that work to
+    the other cores, which slows their ranks too, so the hog singles a rank out only when the rest of the
+    machine is quiet (a CPU quota, ``CpuQuota``, does regardless). ``stop`` kills it by PID."""
 
     core: int
     duty: float = 0.6

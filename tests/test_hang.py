@@ -10,41 +10,10 @@ import time
 
 import orjson
 import pytest
+from hang_fakes import FakeProbe, FakeStore
 
 from dtprobe.runtime.hang import HANG_EXIT_CODE, HangConfig, Watchdog, stuck_ranks
 from dtprobe.store.errors import ConfigError
-
-
-class FakeStore:
-    def __init__(self) -> None:
-        self.data: dict[str, bytes] = {}
-
-    def set(self, key, value):
-        self.data[key] = value if isinstance(value, bytes) else str(value).encode()
-
-    def get(self, key):
-        return self.data[key]
-
-    def check(self, keys):
-        return all(k in self.data for k in keys)
-
-
-class FakeProbe:
-    current_step = 7
-
-    def __init__(self) -> None:
-        self.faults: list[tuple[str, dict]] = []
-        self.closed = None
-
-    def fault(self, kind, **kw):
-        self.faults.append((kind, kw))
-
-    def flush(self, *, in_flight=False):
-        self.flushed_in_flight = in_flight
-        self.flushed_faults = len(self.faults)  # rows written so far (the report must be on disk before closing)
-
-    def close(self, status="finished"):
-        self.closed = status
 
 
 def _progress(issued, completed):
@@ -58,7 +27,7 @@ def test_stuck_ranks_lists_members_that_never_issued_the_collective_or_published
 
 
 def test_watchdog_fires_after_timeout_with_the_rank_that_never_reached_the_collective():
-    store, probe, exits = FakeStore(), FakeProbe(), []
+    store, probe, exits = FakeStore(), FakeProbe(current_step=7), []
     cfg = HangConfig(collective_timeout_s=2.0, poll_interval_s=0.05)
     pending_since = time.time_ns() - int(2.5e9)
     pending = [{"pg": "world", "pg_ranks": "0,1,2", "seq": 12, "op": "allreduce", "step": 7,
@@ -76,16 +45,17 @@ def test_watchdog_fires_after_timeout_with_the_rank_that_never_reached_the_colle
     assert detail["ranks"]["1"]["last_issued_seq"] == 11 and detail["timeout_s"] == 2.0
     assert detail["waited_s"] >= 2.5
     dogs[0].fire(detail)
-    kind, row = probe.faults[0]
+    kind, row = probe.faults()[0]
     assert kind == "hang" and row["injected"] is False and row["step"] == 7 and row["waiting_for_ranks"] == [1]
-    assert exits == [HANG_EXIT_CODE] and probe.closed == "crashed"
-    assert probe.flushed_faults == 1  # the report was flushed on its own, before the slower close
-    assert probe.flushed_in_flight    # with the pending collectives: the evidence of who never arrived
+    assert exits == [HANG_EXIT_CODE] and probe.log[-1] == ("close", "crashed", "watchdog")
+    assert probe.names() == ["hang", "flush", "stack", "close"]  # the report flushed on its own, before the close
+    assert probe.log[1] == ("flush", True)  # with the pending collectives: the evidence of who never arrived
     assert store.get("dtprobe/hang/0/fired") == b"0"
 
 
 def test_watchdog_stays_quiet_before_the_timeout():
-    dog = Watchdog(HangConfig(collective_timeout_s=30.0), store=FakeStore(), rank=0, restart=0, probe=FakeProbe(),
+    dog = Watchdog(HangConfig(collective_timeout_s=30.0), store=FakeStore(), rank=0, restart=0,
+                   probe=FakeProbe(current_step=7),
                    progress=lambda: _progress(3, 2),
                    pending=lambda: [{"pg": "world", "pg_ranks": "0,1", "seq": 3, "op": "allreduce", "step": 1,
                                      "enqueue_ns": time.time_ns()}])

@@ -11,43 +11,9 @@ import threading
 import time
 
 import pytest
+from hang_fakes import FakeProbe, FakeStore
 
-from dtprobe.runtime.hang import HANG_EXIT_CODE, HangConfig, Watchdog, close_crashed, thread_stacks
-
-
-class FakeStore:
-    def __init__(self) -> None:
-        self.data: dict[str, bytes] = {}
-
-    def set(self, key, value):
-        self.data[key] = value if isinstance(value, bytes) else str(value).encode()
-
-    def get(self, key):
-        return self.data[key]
-
-    def check(self, keys):
-        return all(k in self.data for k in keys)
-
-
-class Probe:
-    """Records the order of what the watchdog does: rows, flushes, close (with its reason)."""
-
-    current_step = 11
-
-    def __init__(self) -> None:
-        self.log: list[tuple] = []
-
-    def fault(self, kind, **kw):
-        self.log.append(("fault", kind, kw))
-
-    def flush(self, *, in_flight=False):
-        self.log.append(("flush", in_flight))
-
-    def close(self, status="finished", reason=None):
-        self.log.append(("close", status, reason))
-
-    def faults(self):
-        return [(e[1], e[2]) for e in self.log if e[0] == "fault"]
+from dtprobe.runtime.hang import HANG_EXIT_CODE, HangConfig, Watchdog, thread_stacks
 
 
 CFG = HangConfig(collective_timeout_s=2.0, poll_interval_s=0.05)
@@ -58,11 +24,11 @@ def _recv_pending(since_ns: int) -> list[dict]:
 
 
 def test_watchdog_fires_on_a_recv_that_waited_past_the_timeout_and_names_the_peer():
-    store, probe, exits = FakeStore(), Probe(), []
+    store, probe, exits = FakeStore(), FakeProbe(), []
     stage1 = Watchdog(CFG, store=store, rank=1, restart=0, probe=probe, exit=exits.append, progress=lambda: {},
                       pending=lambda: _recv_pending(time.time_ns() - int(2.5e9)))
-    stage0 = Watchdog(CFG, store=store, rank=0, restart=0, probe=Probe(), exit=exits.append, progress=lambda: {},
-                      pending=lambda: [])
+    stage0 = Watchdog(CFG, store=store, rank=0, restart=0, probe=FakeProbe(), exit=exits.append,
+                      progress=lambda: {}, pending=lambda: [])
     stage0.publish()
     detail = stage1.check()
     assert detail["op"] == "recv" and detail["peer"] == 0 and detail["seq"] == 4 and detail["pg"] == "pp"
@@ -72,25 +38,24 @@ def test_watchdog_fires_on_a_recv_that_waited_past_the_timeout_and_names_the_pee
 
 
 def test_watchdog_stays_quiet_on_a_recv_younger_than_the_timeout():
-    dog = Watchdog(CFG, store=FakeStore(), rank=1, restart=0, probe=Probe(), progress=lambda: {},
+    dog = Watchdog(CFG, store=FakeStore(), rank=1, restart=0, probe=FakeProbe(), progress=lambda: {},
                    pending=lambda: _recv_pending(time.time_ns()))
     assert dog.check() is None
 
 
 def test_any_source_recv_waits_for_every_other_member():
-    dog = Watchdog(CFG, store=FakeStore(), rank=1, restart=0, probe=Probe(), progress=lambda: {},
+    dog = Watchdog(CFG, store=FakeStore(), rank=1, restart=0, probe=FakeProbe(), progress=lambda: {},
                    pending=lambda: [{**_recv_pending(time.time_ns() - int(3e9))[0], "peer": -1,
                                      "pg_ranks": "0,1,2"}])
     assert dog.check()["waiting_for_ranks"] == [0, 2]
 
 
 def test_fired_watchdog_writes_its_report_then_the_stack_and_closes_with_reason_watchdog():
-    store, probe, exits = FakeStore(), Probe(), []
+    store, probe, exits = FakeStore(), FakeProbe(), []
     dog = Watchdog(CFG, store=store, rank=1, restart=0, probe=probe, exit=exits.append, progress=lambda: {},
                    pending=lambda: _recv_pending(time.time_ns() - int(3e9)))
     dog.fire(dog.check())
-    kinds = [e[1] if e[0] == "fault" else e[0] for e in probe.log]
-    assert kinds == ["hang", "flush", "stack", "close"]           # the close flushes the stack first thing
+    assert probe.names() == ["hang", "flush", "stack", "close"]   # the close flushes the stack first thing
     stack = probe.faults()[1][1]
     assert stack["injected"] is False and stack["step"] == 3 and stack["reason"] == "watchdog fired"
     assert stack["stack"].startswith("Thread MainThread (") and "test_fired_watchdog_writes" in stack["stack"]
@@ -98,7 +63,7 @@ def test_fired_watchdog_writes_its_report_then_the_stack_and_closes_with_reason_
 
 
 def test_rank_leaving_because_a_peer_fired_writes_its_stack_flushes_then_closes():
-    store, probe, exits = FakeStore(), Probe(), []
+    store, probe, exits = FakeStore(), FakeProbe(), []
     store.set("dtprobe/hang/0/fired", "0")
     store.set("dtprobe/hang/0/left", "0")
     dog = Watchdog(HangConfig(collective_timeout_s=30.0, poll_interval_s=0.01), store=store, rank=1, restart=0,
@@ -132,43 +97,13 @@ def test_thread_stacks_lists_every_thread_main_first():
     assert "parked_worker_fn" in text and "test_thread_stacks_lists_every_thread_main_first" in text
 
 
-@pytest.mark.parametrize("takes_reason", [True, False])
-def test_close_crashed_passes_the_reason_only_to_a_close_that_takes_it(takes_reason):
-    calls = []
-
-    class WithReason:
-        def close(self, status="finished", reason=None):
-            calls.append((status, reason))
-
-    class Without:
-        def close(self, status="finished"):
-            calls.append((status,))
-
-    close_crashed(WithReason() if takes_reason else Without(), reason="watchdog")
-    assert calls == ([("crashed", "watchdog")] if takes_reason else [("crashed",)])
-
-
 def test_fired_watchdog_waits_for_the_live_peer_to_dump_its_stack_before_leaving():
-    store, shared = FakeStore(), []
-
-    class SharedProbe(Probe):
-        world_size = 2
-
-        def __init__(self, rank):
-            super().__init__()
-            self.log = shared
-            self.rank = rank
-
-        def fault(self, kind, **kw):
-            shared.append((self.rank, kind))
-
-        def close(self, status="finished", reason=None):
-            shared.append((self.rank, "close"))
-
+    store, shared = FakeStore(), []                               # shared: (rank, what it did) of both ranks
     hung = Watchdog(HangConfig(collective_timeout_s=30.0, poll_interval_s=0.2), store=store, rank=0, restart=0,
-                    probe=SharedProbe(0), exit=lambda code: shared.append((0, "exit")), progress=lambda: {},
+                    probe=FakeProbe(rank=0, world_size=2, timeline=shared),
+                    exit=lambda code: shared.append((0, "exit")), progress=lambda: {},
                     pending=lambda: [], peer_exit_grace_s=0.3)
-    waiting = Watchdog(CFG, store=store, rank=1, restart=0, probe=SharedProbe(1),
+    waiting = Watchdog(CFG, store=store, rank=1, restart=0, probe=FakeProbe(rank=1, world_size=2, timeline=shared),
                        exit=lambda code: shared.append((1, "exit")),
                        progress=lambda: {}, pending=lambda: _recv_pending(time.time_ns() - int(3e9)))
     hung.publish()

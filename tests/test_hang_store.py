@@ -16,25 +16,12 @@ import time
 
 import orjson
 import pytest
+from hang_fakes import FakeProbe, FakeStore
 
 from dtprobe.runtime.hang import HANG_EXIT_CODE, BoundedStore, HangConfig, StoreUnreachable, Watchdog
 
 CFG = HangConfig(collective_timeout_s=2.0, poll_interval_s=0.05)
 STORE_TIMEOUT_S = 0.3
-
-
-class FakeStore:
-    def __init__(self) -> None:
-        self.data: dict[str, bytes] = {}
-
-    def set(self, key, value):
-        self.data[key] = value if isinstance(value, bytes) else str(value).encode()
-
-    def get(self, key):
-        return self.data[key]
-
-    def check(self, keys):
-        return all(k in self.data for k in keys)
 
 
 class CutOffStore(FakeStore):
@@ -68,26 +55,6 @@ class BrokenStore(FakeStore):
 
     def check(self, keys):
         raise ConnectionError("Broken pipe")
-
-
-class Probe:
-    current_step = 11
-    world_size = 2
-
-    def __init__(self) -> None:
-        self.log: list[tuple] = []
-
-    def fault(self, kind, **kw):
-        self.log.append(("fault", kind, kw))
-
-    def flush(self, *, in_flight=False):
-        self.log.append(("flush", in_flight))
-
-    def close(self, status="finished", reason=None):
-        self.log.append(("close", status, reason))
-
-    def faults(self) -> dict[str, dict]:
-        return {e[1]: e[2] for e in self.log if e[0] == "fault"}
 
 
 def _allreduce_pending(since_ns: int, seq: int = 18) -> list[dict]:
@@ -124,7 +91,7 @@ def test_bounded_store_turns_a_store_error_into_store_unreachable_naming_it():
 @pytest.mark.parametrize("store_kind", ["cut_off", "broken"])
 def test_watchdog_cut_off_from_the_store_still_fires_writes_its_rows_and_exits(store_kind):
     store = CutOffStore() if store_kind == "cut_off" else BrokenStore()
-    probe, exits = Probe(), []
+    probe, exits = FakeProbe(world_size=2), []
     dog = Watchdog(CFG, store=store, rank=1, restart=0, probe=probe, exit=exits.append,
                    progress=lambda: _progress(18, 17), pending=lambda: _allreduce_pending(time.time_ns() - int(3e9)),
                    store_timeout_s=STORE_TIMEOUT_S, peer_exit_grace_s=0.0)
@@ -138,7 +105,8 @@ def test_watchdog_cut_off_from_the_store_still_fires_writes_its_rows_and_exits(s
             store.healed.set()
     assert not dog._thread.is_alive() and exits == [HANG_EXIT_CODE]
     assert elapsed < 3 * STORE_TIMEOUT_S + 1.0                         # at most one call waits for the timeout
-    hang, stack = probe.faults()["hang"], probe.faults()["stack"]
+    faults = dict(probe.faults())                                      # kind -> row
+    hang, stack = faults["hang"], faults["stack"]
     assert hang["injected"] is False and hang["step"] == 9 and hang["seq"] == 18 and hang["op"] == "allreduce"
     assert hang["unreachable_ranks"] == [0] and hang["waiting_for_ranks"] == []   # rank 0 unknown, not accused
     assert hang["ranks"]["0"] is None                                  # could not be read
@@ -146,12 +114,11 @@ def test_watchdog_cut_off_from_the_store_still_fires_writes_its_rows_and_exits(s
     expected = "did not answer within 0.3s" if store_kind == "cut_off" else "Broken pipe"
     assert expected in hang["store_error"]
     assert stack["reason"] == "watchdog fired" and stack["step"] == 9 and "Thread MainThread" in stack["stack"]
-    kinds = [e[1] if e[0] == "fault" else e[0] for e in probe.log]
-    assert kinds == ["hang", "flush", "stack", "close"] and probe.log[-1] == ("close", "crashed", "watchdog")
+    assert probe.names() == ["hang", "flush", "stack", "close"] and probe.log[-1] == ("close", "crashed", "watchdog")
 
 
 def test_member_with_a_stale_publication_is_unreachable_not_waiting_and_a_fresh_laggard_is_waiting():
-    store, probe = FakeStore(), Probe()
+    store, probe = FakeStore(), FakeProbe(world_size=2)
     pending = [{"pg": "world", "pg_ranks": "0,1,2", "seq": 18, "op": "allreduce", "step": 9,
                 "enqueue_ns": time.time_ns() - int(9e9)}]
     dog = Watchdog(CFG, store=store, rank=0, restart=0, probe=probe, exit=lambda code: None,
@@ -168,8 +135,9 @@ def test_member_with_a_stale_publication_is_unreachable_not_waiting_and_a_fresh_
 
 
 def test_member_that_never_published_is_waiting_when_the_store_answers():
-    dog = Watchdog(CFG, store=FakeStore(), rank=0, restart=0, probe=Probe(), progress=lambda: _progress(18, 17),
-                   pending=lambda: _allreduce_pending(time.time_ns() - int(3e9)), store_timeout_s=STORE_TIMEOUT_S)
+    dog = Watchdog(CFG, store=FakeStore(), rank=0, restart=0, probe=FakeProbe(world_size=2),
+                   progress=lambda: _progress(18, 17), pending=lambda: _allreduce_pending(time.time_ns() - int(3e9)),
+                   store_timeout_s=STORE_TIMEOUT_S)
     detail = dog.check()
     assert detail["waiting_for_ranks"] == [1] and detail["unreachable_ranks"] == [] and detail["ranks"]["1"] is None
 
@@ -201,7 +169,7 @@ def test_watchdog_fires_when_the_real_tcpstore_server_stops_answering():
         assert server.stdout.readline().strip() == "ready"
         client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=5))
         store = dist.PrefixStore("0", client)
-        probe, exits = Probe(), []
+        probe, exits = FakeProbe(world_size=2), []
         dog = Watchdog(CFG, store=store, rank=1, restart=0, probe=probe, exit=exits.append,
                        progress=lambda: _progress(18, 17),
                        pending=lambda: _allreduce_pending(time.time_ns() - int(3e9)),
@@ -214,9 +182,10 @@ def test_watchdog_fires_when_the_real_tcpstore_server_stops_answering():
         dog._thread.join(timeout=10)
         assert not dog._thread.is_alive() and exits == [HANG_EXIT_CODE]
         assert time.monotonic() - t0 < 3 * STORE_TIMEOUT_S + 1.0
-        hang = probe.faults()["hang"]
+        faults = dict(probe.faults())
+        hang, stack = faults["hang"], faults["stack"]
         assert hang["unreachable_ranks"] == [0] and "did not answer" in hang["store_error"]
-        assert probe.faults()["stack"]["reason"] == "watchdog fired"
+        assert stack["reason"] == "watchdog fired"
     finally:
         os.kill(server.pid, signal.SIGKILL)
         server.wait(timeout=10)

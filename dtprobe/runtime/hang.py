@@ -55,7 +55,6 @@ step on a rank leaving because a peer fired) has detail ``{"reason": "watchdog f
 
 from __future__ import annotations
 
-import inspect
 import os
 import sys
 import threading
@@ -176,15 +175,6 @@ def thread_stacks() -> str:
     for ident in sorted(frames, key=lambda i: (i != main, names.get(i, ""), i)):
         out.append(f"Thread {names.get(ident, '?')} ({ident}):\n" + "".join(traceback.format_stack(frames[ident])))
     return "\n".join(out)
-
-
-def close_crashed(probe: Any, *, reason: str) -> None:
-    """``probe.close(status="crashed", reason=reason)``, without ``reason`` for a probe whose close lacks it."""
-    try:
-        takes_reason = "reason" in inspect.signature(probe.close).parameters
-    except (TypeError, ValueError):
-        takes_reason = False
-    probe.close(status="crashed", **({"reason": reason} if takes_reason else {}))
 
 
 class Watchdog:
@@ -384,7 +374,7 @@ class Watchdog:
         except StoreUnreachable:                # best effort: the row above is on disk
             pass
         try:
-            close_crashed(self.probe, reason="watchdog")
+            self.probe.close(status="crashed", reason="watchdog")
         finally:
             self._await_firing_rank_left()
             self._exit(HANG_EXIT_CODE)
@@ -402,7 +392,7 @@ class Watchdog:
 
     def _leave(self) -> None:
         try:
-            close_crashed(self.probe, reason="watchdog")
+            self.probe.close(status="crashed", reason="watchdog")
         finally:
             try:
                 self.store.set(_key(self.restart, "left"), str(self.rank))

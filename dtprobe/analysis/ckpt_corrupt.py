@@ -3,10 +3,9 @@ detector CHECKPOINT_CORRUPT. Read by the facade."""
 
 from __future__ import annotations
 
-import json
-
 import pandas as pd
 
+from dtprobe.analysis.fault_detail import fault_detail
 from dtprobe.analysis.findings import Finding
 from dtprobe.analysis.tables import require_columns
 
@@ -25,7 +24,7 @@ def detect_corrupt_checkpoints(faults: pd.DataFrame) -> list[Finding]:
     observed, injected = rows[~inj], rows[inj]
     found: dict[tuple, dict] = {}
     for r in observed.sort_values("time_ns").itertuples(index=False):
-        d = _detail(r.detail)
+        d = fault_detail(r.detail)
         key = (d.get("path"), d.get("ckpt_step"))
         f = found.setdefault(key, {"path": d.get("path"), "file": d.get("file"), "ckpt_step": d.get("ckpt_step"),
                                    "reason": d.get("reason"), "found_by": [], "fallback_step": d.get("fallback_step"),
@@ -57,13 +56,3 @@ def detect_corrupt_checkpoints(faults: pd.DataFrame) -> list[Finding]:
             predicted_gain=None,
         ))
     return out
-
-
-def _detail(raw) -> dict:
-    if raw is None or raw is pd.NA:
-        return {}
-    try:
-        value = json.loads(str(raw))
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}

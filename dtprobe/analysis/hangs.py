@@ -5,12 +5,12 @@ facade and the dashboard."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 
 import pandas as pd
 
 from dtprobe.analysis.arrivals import ATTEMPT_SEQ_STRIDE
+from dtprobe.analysis.fault_detail import fault_detail as _detail  # facade.injected_faults imports it from here
 from dtprobe.analysis.findings import Finding
 from dtprobe.analysis.liveness import Activity, liveness
 from dtprobe.analysis.stragglers import SKEW_COLUMNS
@@ -123,16 +123,6 @@ def stalls(missing: pd.DataFrame, p2p: pd.DataFrame) -> pd.DataFrame:
     if not frames:
         return pd.DataFrame({col: [] for col in STALL_COLUMNS})
     return pd.concat(frames, ignore_index=True)[STALL_COLUMNS].sort_values("first_enqueue_ns").reset_index(drop=True)
-
-
-def _detail(raw) -> dict:
-    if raw is None or raw is pd.NA:
-        return {}
-    try:
-        value = json.loads(str(raw))
-    except ValueError:
-        return {"raw": str(raw)}
-    return value if isinstance(value, dict) else {"value": value}
 
 
 def _ints(value) -> list[int]:

@@ -6,8 +6,8 @@ Scenario classes, on every layout (dp2, dp4, dp2xtp2, dp2xpp2) unless said other
 - ``clean``: ``--repeats`` undisturbed runs. Any verdict here is a false positive.
 - ``inject-5/10/20``: a randomly drawn rank computes 5, 10 or 20% slower from step ``--fault-step`` on
   (``--inject straggler:rank=R,slowdown=F,from_step=S``; the injector's own ``faults`` row is not evidence).
-- ``quota-5/10/20``: the same slowdown caused from outside: the rank's CPU use is measured over 0.5 s a few steps
-  before ``--fault-step``, then a cgroup v1 cpu quota (``cpu.cfs_quota_us``) holds it to 1/(1+F) of that. That
+- ``quota-5/10/20``: the same slowdown caused from outside: the rank's CPU use is measured over the 6 steps before
+  ``--fault-step``, then a cgroup v1 cpu quota (``cpu.cfs_quota_us``) holds it to 1/(1+F) of that. That
   share includes the time the rank waits on its peers at collectives, so a rank faster than its peers first loses
   that slack: its lateness grows by less than F.
 - ``kill``: the rank is SIGKILLed mid-run (``--max-restarts 1 --ckpt-every 5``: the run recovers).
@@ -43,7 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "chaos"))
 
-from harness import (CpuQuota, Job, analyze, cgroup_v1_cpu_available, cpu_share, dtprobe_run_cmd,  # noqa: E402
+from harness import (CpuQuota, Job, analyze, cgroup_v1_cpu_available, cpu_seconds, dtprobe_run_cmd,  # noqa: E402
                      steps_done, torchrun_cmd)
 
 LAYOUTS = {"dp2": ("--nproc", "2"), "dp4": ("--nproc", "4"), "dp2xtp2": ("--nproc", "4", "--tp", "2"),
@@ -110,7 +110,10 @@ def run_scenario(sc: Scenario, run_dir: Path, args: argparse.Namespace) -> None:
             job = _run_dtprobe(sc, run_dir, args)
             pid = job.worker_pid(sc.rank)
             job.wait_steps(sc.rank, max(3, args.fault_step - 6))               # past the warm-up steps
-            quota = CpuQuota(cpu_share(pid, seconds=0.5) / (1 + sc.slowdown)).create()   # of what it gets now
+            cpu0, t0 = cpu_seconds(pid), time.monotonic()
+            job.wait_steps(sc.rank, args.fault_step)
+            share = (cpu_seconds(pid) - cpu0) / (time.monotonic() - t0)        # cores it gets now
+            quota = CpuQuota(share / (1 + sc.slowdown)).create()
             quota.add(pid)
             sc.fault_step = steps_done(run_dir, sc.rank)
         elif sc.kind == "kill":

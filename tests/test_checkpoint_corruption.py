@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
-import time
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from background_run import background_run, wait_for
 
 from dtprobe.runtime.checkpoint import COMMIT_FILE, CheckpointConfig, Checkpointer, TrainState
 from dtprobe.runtime.model import build_model
@@ -114,20 +113,11 @@ def test_checkpoint_damaged_on_disk_before_a_restart_is_skipped_by_the_restart(t
            "--batch-size", "2", "--seq-len", "16", "--nproc", "2", "--steps", "30", "--ckpt-every", "5",
            "--ckpt-keep", "0", "--max-restarts", "1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 240
-        while not _has_commit(ckpts, 9):
-            assert proc.poll() is None, proc.stderr.read()[-3000:]
-            assert time.monotonic() < deadline, "no checkpoint of step 9"
-            time.sleep(0.02)
+    with background_run(cmd, env=env) as proc:
+        wait_for(lambda: _has_commit(ckpts, 9), timeout=240, proc=proc, what="the checkpoint of step 9", poll_s=0.02)
         damage(largest_data_file(ckpts / "step00000009"))     # from outside, while the job runs
         os.kill(json.loads((run_dir / "ranks" / "rank00001.json").read_text())["pid"], signal.SIGKILL)
         _, err = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert proc.returncode == 0, err[-3000:]
     from dtprobe.store import RunStore
 

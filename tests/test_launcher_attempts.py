@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from background_run import background_run, wait_for
 
 from dtprobe.runtime.attempts import glog_time_ns, read_attempts, read_error_file
 from dtprobe.store.manifest import create_manifest, read_manifest, record_attempt
@@ -28,16 +29,6 @@ def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
 
-def _wait_for(cond, *, timeout: float, proc: subprocess.Popen, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if proc.poll() is not None:
-            pytest.fail(f"dtprobe run ended ({proc.returncode}) before {what}:\n{proc.stderr.read()[-3000:]}")
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 def _has_step_row(path: Path) -> bool:
     return path.is_file() and path.read_bytes().count(b"\n") >= 2
 
@@ -45,20 +36,14 @@ def _has_step_row(path: Path) -> bool:
 @pytest.mark.multiproc
 def test_attempts_name_the_rank_killed_from_outside_and_the_attempt_that_recovered(tmp_path):
     run_dir = tmp_path / "killed"
-    proc = subprocess.Popen(dtprobe_cmd(run_dir, "--steps", "40", "--max-restarts", "1"), env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with background_run(dtprobe_cmd(run_dir, "--steps", "40", "--max-restarts", "1"), env=_env()) as proc:
         rank_file = run_dir / "ranks" / "rank00001.json"
-        _wait_for(lambda: _has_step_row(run_dir / "events" / "steps" / "rank00001.jsonl") and rank_file.is_file(),
-                  timeout=240, proc=proc, what="rank 1's second step row")
+        wait_for(lambda: _has_step_row(run_dir / "events" / "steps" / "rank00001.jsonl") and rank_file.is_file(),
+                 timeout=240, proc=proc, what="rank 1's second step row")
         pid = json.loads(rank_file.read_text())["pid"]
         os.kill(pid, signal.SIGKILL)
         killed_ns = time.time_ns()
         _, err = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert proc.returncode == 0, err[-3000:]
     attempts = read_manifest(run_dir).attempts
     assert [(a["attempt"], a["node_rank"], a["result"]) for a in attempts] == [(0, 0, "failed"), (1, 0, "succeeded")]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from background_run import background_run, wait_for
 
 from dtprobe.store import RunStore
 
@@ -93,36 +94,20 @@ def test_corrupt_newest_checkpoint_then_crash_resumes_from_the_previous_one(tmp_
     assert all(torch.equal(ref[k], got[k]) for k in ref)
 
 
-def _wait_for(predicate, *, timeout: float, proc: subprocess.Popen, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if proc.poll() is not None:
-            pytest.fail(f"dtprobe run ended ({proc.returncode}) before {what}:\n{proc.stderr.read()[-3000:]}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 def test_rank_killed_during_async_save_resumes_from_newest_complete_checkpoint(tmp_path):
     run_dir = tmp_path / "killed"
     ckpts = run_dir / "checkpoints"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # rank 1's background writes take 8 s, so the save after step 9 is still in flight when rank 1 is killed
-    proc = subprocess.Popen(dtprobe_cmd(run_dir, "--nproc", "2", "--steps", "20", "--ckpt-every", "5",
-                                        "--ckpt-async", "--max-restarts", "1",
-                                        "--inject", "slow-ckpt:rank=1,delay_ms=8000"),
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        _wait_for(lambda: (ckpts / "step00000004" / "COMMIT.json").exists() and (ckpts / ".tmp-step00000009").exists(),
-                  timeout=300, proc=proc, what="the async save after step 9 to start")
+    with background_run(dtprobe_cmd(run_dir, "--nproc", "2", "--steps", "20", "--ckpt-every", "5",
+                                    "--ckpt-async", "--max-restarts", "1",
+                                    "--inject", "slow-ckpt:rank=1,delay_ms=8000"), env=env) as proc:
+        wait_for(lambda: (ckpts / "step00000004" / "COMMIT.json").exists() and (ckpts / ".tmp-step00000009").exists(),
+                 timeout=300, proc=proc, what="the async save after step 9 to start")
         pid = json.loads((run_dir / "ranks" / "rank00001.json").read_text())["pid"]
         os.kill(pid, signal.SIGKILL)
         killed_at = time.time_ns()
         out, err = proc.communicate(timeout=420)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == 0, err[-3000:]
     assert not (ckpts / "step00000009" / "COMMIT.json").exists() or \
         (ckpts / "step00000009" / "COMMIT.json").stat().st_mtime_ns > killed_at   # only re-saved after the restart

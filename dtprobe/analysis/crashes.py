@@ -11,6 +11,7 @@ from typing import Any
 import pandas as pd
 
 from dtprobe.analysis.arrivals import ATTEMPT_SEQ_STRIDE
+from dtprobe.analysis.fault_detail import fault_detail
 from dtprobe.analysis.findings import Finding
 from dtprobe.analysis.liveness import (CONSEQUENCE_REASONS, WATCHDOG_EXIT_CODE, Activity, is_missing, is_own_failure)
 from dtprobe.analysis.phases import phase_at
@@ -312,15 +313,10 @@ def restarts_of(manifest: Any, faults: pd.DataFrame) -> list[dict]:
         out[int(r.restart)] = {"restart": int(r.restart), "time_ns": r.time_ns, "from_step": r.from_step,
                                "steps_lost": r.steps_lost}
     if faults is not None and not faults.empty:
-        import json
-
         rows = faults[(faults["kind"] == "restart") & ~faults["injected"].fillna(False).astype(bool)]
         for f in rows.itertuples(index=False):
-            try:
-                d = json.loads(str(f.detail)) if not is_missing(f.detail) else {}
-            except ValueError:
-                d = {}
-            if not isinstance(d, dict) or d.get("restart") is None:
+            d = fault_detail(f.detail)
+            if d.get("restart") is None:
                 continue
             rec = out.setdefault(int(d["restart"]), {"restart": int(d["restart"]), "time_ns": int(f.time_ns)})
             for k in ("from_step", "checkpoint_step", "last_step", "steps_lost"):

@@ -292,13 +292,13 @@ class RunAnalysis:
 
     def injected_faults(self, kind: str) -> dict[int, dict]:
         """rank -> detail of the first injected fault of ``kind`` (cross-check of a verdict)."""
-        from dtprobe.analysis.hangs import _detail
+        from dtprobe.analysis.fault_detail import fault_detail
 
         f = self.table("faults")
         if f.empty:
             return {}
         f = f[(f["kind"] == kind) & f["injected"].fillna(False).astype(bool)]
-        return {int(r.rank): _detail(r.detail) for r in f.drop_duplicates("rank").itertuples(index=False)}
+        return {int(r.rank): fault_detail(r.detail) for r in f.drop_duplicates("rank").itertuples(index=False)}
 
     # ------------------------------------------------------------------------------------------ overlap / time
 

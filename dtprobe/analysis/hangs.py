@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pandas as pd
 
 from dtprobe.analysis.arrivals import ATTEMPT_SEQ_STRIDE
-from dtprobe.analysis.fault_detail import fault_detail as _detail  # facade.injected_faults imports it from here
+from dtprobe.analysis.fault_detail import fault_detail
 from dtprobe.analysis.findings import Finding
 from dtprobe.analysis.liveness import Activity, liveness
 from dtprobe.analysis.stragglers import SKEW_COLUMNS
@@ -247,7 +247,7 @@ def _watchdog_report(observed: pd.DataFrame | None, stall) -> dict | None:
     if observed is None:
         return None
     for r in observed[observed["kind"] == "hang"].sort_values("time_ns").itertuples(index=False):
-        d = _detail(r.detail)
+        d = fault_detail(r.detail)
         if d.get("pg") == stall.pg and d.get("pg_ranks", stall.pg_ranks) == stall.pg_ranks:
             return {"reported_by": int(r.rank), **d}
     return None
@@ -260,7 +260,7 @@ def _stacks(observed: pd.DataFrame | None, ranks: list[int]) -> dict[str, str]:
     s = observed[(observed["kind"] == "stack") & observed["rank"].isin(ranks)].sort_values("time_ns")
     out = {}
     for r in s.itertuples(index=False):
-        d = _detail(r.detail)
+        d = fault_detail(r.detail)
         out[str(int(r.rank))] = d.get("stack") or d.get("raw") or ""
     return out
 

@@ -111,7 +111,8 @@ def test_the_first_failure_is_the_culprit_and_its_cause_not_the_survivors_commun
      "communication"),
     (dict(error_type="ValueError", error_message="bad batch"), "user_exception"),
     (dict(error_type=None, error_message=None, exit_code=-9, signal="SIGKILL"), "killed_by_signal"),
-    (dict(error_type=None, error_message=None, closed=False), "killed_by_signal"),
+    (dict(error_type=None, error_message=None, exit_code=None, closed=False), "killed_by_signal"),
+    (dict(error_type=None, error_message=None, exit_code=1, closed=False), "unknown"),   # os._exit(1): no signal
     (dict(error_type=None, error_message=None, exit_code=3), "unknown"),
 ])
 def test_crash_cause_classes(kw, cause):

@@ -45,9 +45,11 @@ def classify_cause(*, exit_code: Any, signal: Any, error_type: Any, error_messag
         return "communication"
     if text or reason == "exception":
         return "user_exception"
-    if not is_missing(signal) or (not is_missing(exit_code) and int(exit_code) < 0) or closed is False:
-        return "killed_by_signal"          # only a signal (SIGKILL, SIGSEGV ...) ends a rank without its close
-    return "unknown"
+    if not is_missing(signal) or (not is_missing(exit_code) and int(exit_code) < 0):
+        return "killed_by_signal"
+    if is_missing(exit_code) and closed is False:
+        return "killed_by_signal"          # no exit status known: a rank ends without its close on a signal
+    return "unknown"                       # exited by itself (os._exit, a C library's exit) with no Python error
 
 
 def crash_events(exits: pd.DataFrame, *, activity: Activity, collectives: pd.DataFrame, steps: pd.DataFrame,

@@ -12,7 +12,8 @@ slim() { rm -rf "$1/events" "$1/checkpoints"; if [ "${2:-}" != keep-logs ]; then
 rm -rf fp16_overflow hang_rank1 ckpt_crash_restart topk_vs_baseline
 dtprobe run --run-dir fp16_overflow --nproc 2 --steps 14 --precision fp16 --inject overflow:step=10,rank=1 "${C[@]}"
 slim fp16_overflow
-dtprobe run --run-dir hang_rank1 --nproc 2 --steps 12 --collective-timeout 8 --inject hang:rank=1,step=5 "${C[@]}" \
+dtprobe run --run-dir hang_rank1 --nproc 2 --steps 12 --collective-timeout 8 --inject hang:rank=1,step=5 \
+  --device-interval 0.5 --batch-size 2 --seq-len 16 \
   || true   # ends crashed by design (exit 1): the watchdog exits with 124 and there are no restarts
 slim hang_rank1 keep-logs
 dtprobe run --run-dir ckpt_crash_restart --nproc 2 --steps 30 --ckpt-every 5 --max-restarts 1 \

@@ -175,7 +175,8 @@ def test_run_with_telemetry_off_writes_no_events_but_reports_its_loop_time(tmp_p
     assert RunStore.open(run_dir).manifest.status == "finished"
 
 
-def test_ctrl_c_stops_every_worker_and_marks_the_run_crashed(tmp_path):
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_or_sigterm_stops_every_worker_and_marks_the_run_crashed(tmp_path, sig):
     import signal
     import time
 
@@ -188,7 +189,7 @@ def test_ctrl_c_stops_every_worker_and_marks_the_run_crashed(tmp_path):
         while not (steps_file.exists() and steps_file.stat().st_size) and time.monotonic() < deadline:
             assert launcher.poll() is None, (tmp_path / "log").read_text()
             time.sleep(0.5)
-        launcher.send_signal(signal.SIGINT)
+        launcher.send_signal(getattr(signal, sig))
         assert launcher.wait(timeout=120) == 130
     finally:
         if launcher.poll() is None:

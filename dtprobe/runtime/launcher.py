@@ -8,7 +8,8 @@ stdout/stderr to ``<run>/logs/node<K>/<rdzv id>/attempt_<n>/<local rank>/``. Pro
 of the rank that reports the loss (rank 0, or with pipeline parallelism the first rank holding the last stage:
 ``parallel.mesh.loss_rank``) by tailing its ``events/steps/rankNNNNN.jsonl`` (nothing in the workers' loop).
 When torchrun exits, node 0 sets the status (``finished`` on exit code 0, else ``crashed``), compacts the store
-and prints a summary. Exit code: 0 finished, 1 crashed, 130 interrupted (Ctrl-C terminates the torchrun process group).
+and prints a summary. Exit code: 0 finished, 1 crashed, 130 interrupted (Ctrl-C or SIGTERM terminates the
+torchrun process group; so does any error of the launcher itself).
 
 Attempts: every node's launcher records each torchrun attempt of its own node in run.json's ``attempts``
 (``store.manifest.record_attempt``, under the manifest lock): an attempt once the next one has started (seen while
@@ -135,6 +136,7 @@ def launch(job: JobConfig, *, command: list[str], console: object | None = None)
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(torchrun_command(job), env=worker_env(job), stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
+        previous = _interrupt_on_sigterm()
         try:
             _follow(proc, job, console, rank=loss_rank(layout), on_poll=attempts.poll)
             rc = proc.wait()
@@ -142,6 +144,12 @@ def launch(job: JobConfig, *, command: list[str], console: object | None = None)
             console.print("dtprobe run: interrupted; stopping the workers ...")
             _terminate(proc)
             rc = 130
+        except BaseException:
+            _terminate(proc)            # torchrun runs in its own session: never leave it training on
+            raise
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
     attempts.finish(exit_code=rc, interrupted=rc == 130)
     status = "finished" if rc == 0 else "crashed"
     if job.node_rank == 0:
@@ -216,6 +224,21 @@ def _follow(proc: subprocess.Popen, job: JobConfig, console: object, *, rank: in
                 loss = row["loss"] if row.get("loss") is not None else loss
                 step_ms = (row["end_ns"] - row["start_ns"]) / 1e6
                 progress.update(task, completed=done, info=f"loss {loss:.3f}  {step_ms:.0f} ms/step")
+
+
+def _interrupt_on_sigterm() -> object | None:
+    """SIGTERM (a supervisor or a script stopping ``dtprobe run``) is handled as Ctrl-C: the workers are stopped
+    and the run is marked crashed, instead of the launcher dying alone. Returns the previous handler (None when not
+    on the main thread, where handlers cannot be set)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    return signal.signal(signal.SIGTERM, interrupt)
 
 
 def _terminate(proc: subprocess.Popen, *, grace_s: float = 15.0) -> None:

@@ -30,9 +30,12 @@ SCORE_COLUMNS = [
     "median_lateness_frac", "positive_frac", "median_pre_excess_frac", "pre_positive_frac", "last_frac",
     "mean_lateness_ns", "mean_victims_wait_ns", "mean_step_ns", "detected_at_step", "detected_by",
 ]
-NOISE_COLUMNS = ["noise_frac", "lateness_over_noise", "phase_noise_frac", "pre_excess_over_noise"]
+NOISE_COLUMNS = ["noise_frac", "lateness_over_noise", "phase_noise_frac", "pre_excess_over_noise", "pre_excess_t",
+                 "peer_pre_excess_t"]
 """Extra columns of ``straggler_scores`` (after ``SCORE_COLUMNS``): the peers' noise in the chosen window, of the
-arrival view (lateness) and of the phases view (data+fwd excess)."""
+arrival view (lateness) and of the phases view (data+fwd excess); the persistence of the data+fwd excess (its
+median over its standard error, ``pre_excess_t``) and the largest such value among the group's peers in the same
+steps (``peer_pre_excess_t``)."""
 CAUSE_COLUMNS = [
     "pg", "pg_ranks", "rank", "data_excess_ns", "compute_excess_ns", "comm_excess_ns", "throttled_frac", "cause",
 ]
@@ -48,13 +51,28 @@ MIN_PRE_EXCESS_OVER_NOISE = 1.5
 the same window (``phase_noise_frac``). The phases before the first gradient collective carry less noise than
 arrivals (no waits in them): clean runs stay near 1, ranks slowed by 10% reach 1.6 on the same host."""
 
+MIN_PRE_EXCESS_T = 5.0
+"""Persistence view: a straggler's median data+fwd excess must be at least this many standard errors above zero
+(``pre_excess_t`` = median / (1.4826 x MAD / sqrt(steps))): a steady slowdown of a few percent passes, where the
+busy host's chance excess comes and goes with the steps and stays near zero on the median."""
+MIN_PRE_EXCESS_T_OVER_PEERS = 2.0
+"""Persistence view: ``pre_excess_t`` must also be this many times the largest of its peers' in the same steps
+(``peer_pre_excess_t``): on a host where several ranks lose CPU alike none of them is singled out."""
+MIN_PERSISTENT_PRE_OVER_NOISE = 1.3
+"""Persistence view: the median data+fwd excess must also reach the peers' excess noise (``pre_excess_over_noise``
+>= this; the phases view alone needs ``MIN_PRE_EXCESS_OVER_NOISE``): a steady excess smaller than what peers reach
+by chance is the host's, not the rank's. Clean runs of a busy host stay below 1, slowed ranks reach 1.05-1.4."""
+
 THROTTLE_MASK = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
 """NVML clock-throttle reasons that slow a GPU: SW power cap, HW slowdown, SW/HW thermal, power brake."""
 
 def straggler_scores(lateness: pd.DataFrame, *, window_steps: int = 20, min_lateness_frac: float = 0.05,
                      min_positive_frac: float = 0.8,
                      min_lateness_over_noise: float = MIN_LATENESS_OVER_NOISE,
-                     min_pre_excess_over_noise: float = MIN_PRE_EXCESS_OVER_NOISE) -> pd.DataFrame:
+                     min_pre_excess_over_noise: float = MIN_PRE_EXCESS_OVER_NOISE,
+                     min_pre_excess_t: float = MIN_PRE_EXCESS_T,
+                     min_pre_excess_t_over_peers: float = MIN_PRE_EXCESS_T_OVER_PEERS,
+                     min_persistent_pre_over_noise: float = MIN_PERSISTENT_PRE_OVER_NOISE) -> pd.DataFrame:
     """Per (group, member rank), over sliding windows of ``window_steps`` steps (the whole run when shorter):
     the first window where its median lateness (share of the step) is at least ``min_lateness_frac`` and it
     arrived after its peers' median in at least ``min_positive_frac`` of the steps (else the window with the
@@ -104,11 +122,16 @@ def straggler_scores(lateness: pd.DataFrame, *, window_steps: int = 20, min_late
         "last_step": steps_[win_start + w[win_gid] - 1]})
     noise, pnoise = peer_noise(lat, windows), peer_noise(lat, windows, column="pre_excess_frac")
     over, pover = _over(med, noise), _over(pmed, pnoise)
+    pre_t = _median_t(pre, pmed)
+    peer_t = _peer_max(pre_t, windows)
     # NaN (noise unknown) does not block
     by_arrival = (med >= min_lateness_frac) & (pos >= min_positive_frac) & ~(over < min_lateness_over_noise)
     by_phases = ((med >= min_lateness_frac) & (pmed >= min_lateness_frac) & (ppos >= min_positive_frac)
                  & ~(pover < min_pre_excess_over_noise))
-    ok = by_arrival | by_phases
+    by_persistence = _persistent(med, pmed, pre_t, peer_t, pover, min_lateness_frac=min_lateness_frac,
+                                 min_t=min_pre_excess_t, min_t_over_peers=min_pre_excess_t_over_peers,
+                                 min_over_noise=min_persistent_pre_over_noise)
+    ok = by_arrival | by_phases | by_persistence
     detected = _first_true(ok, win_gid, len(n))                 # first qualifying window (global index) or -1
     # Else the window with the largest median (the first of equals, NaN ignored), or the first window when no
     # median is finite.
@@ -132,11 +155,51 @@ def straggler_scores(lateness: pd.DataFrame, *, window_steps: int = 20, min_late
         "mean_step_ns": _nanmean_rows(_windows(column("step_ns", "float64"), sel_start, w)),
         "detected_at_step": pd.array([int(steps_[win_start[d] + w[g] - 1]) if d >= 0 else None
                                       for g, d in enumerate(detected)], dtype="Int64"),
-        "detected_by": [None if d < 0 else "arrival" if by_arrival[d] else "arrival+phases" for d in detected],
+        "detected_by": [None if d < 0 else "arrival" if by_arrival[d] else "arrival+phases" if by_phases[d]
+                        else "persistence" for d in detected],
         "noise_frac": noise[best], "lateness_over_noise": over[best],
         "phase_noise_frac": pnoise[best], "pre_excess_over_noise": pover[best],
+        "pre_excess_t": pre_t[best], "peer_pre_excess_t": peer_t[best],
     })
     return out[SCORE_COLUMNS + NOISE_COLUMNS]
+
+
+def _median_t(x: np.ndarray, med: np.ndarray) -> np.ndarray:
+    """Per row: the median ``med`` over its standard error, 1.4826 x MAD / sqrt(values) (NaN ignored); +-inf for
+    a non-zero median without spread, NaN with fewer than three values."""
+    k = (~np.isnan(x)).sum(axis=1)
+    se = 1.4826 * _nanmedian_rows(np.abs(x - med[:, None])) / np.sqrt(np.maximum(k, 1))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t = np.where(se > 0, med / se, np.where(med != 0, np.inf * np.sign(med), 0.0))
+    return np.where(k >= 3, t, np.nan)
+
+
+def _peer_max(values: np.ndarray, windows: pd.DataFrame) -> np.ndarray:
+    """Per window: the largest ``values`` among the other members' windows of the same group and steps (NaN
+    without any)."""
+    key = windows.groupby(["pg", "pg_ranks", "first_step", "last_step"], sort=False).ngroup().to_numpy()
+    v = np.where(np.isnan(values), -np.inf, values)
+    order = np.lexsort((-v, key))                               # by key, largest first
+    k, vs = key[order], v[order]
+    first = np.r_[True, k[1:] != k[:-1]]
+    starts = np.flatnonzero(first)
+    top1 = vs[starts][np.cumsum(first) - 1]
+    has2 = np.r_[~first[1:], False][starts]                     # key has a second member
+    top2 = np.where(has2, vs[np.minimum(starts + 1, len(vs) - 1)], -np.inf)[np.cumsum(first) - 1]
+    out = np.empty(len(v))
+    out[order] = np.where(first, top2, top1)                    # the largest member gets the second largest
+    return np.where(np.isneginf(out), np.nan, out)
+
+
+def _persistent(med: np.ndarray, pmed: np.ndarray, pre_t: np.ndarray, peer_t: np.ndarray, pover: np.ndarray, *,
+                min_lateness_frac: float, min_t: float, min_t_over_peers: float,
+                min_over_noise: float) -> np.ndarray:
+    """The persistence view: median data+fwd excess at least ``min_lateness_frac`` of the step, ``min_t``
+    standard errors above zero and ``min_t_over_peers`` x any peer's (a peer's non-positive value does not block),
+    at least ``min_over_noise`` x the peers' excess noise (unknown noise does not block), and a positive median
+    lateness (it does arrive late)."""
+    return ((pmed >= min_lateness_frac) & (med > 0) & (pre_t >= min_t)
+            & ~(pre_t < min_t_over_peers * np.maximum(peer_t, 0)) & ~(pover < min_over_noise))
 
 
 MAX_PEERS_EXCLUDED = 16
@@ -384,6 +447,9 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: set[
                       own_delay_ns: dict[int, float] | None = None,
                       min_lateness_over_noise: float = MIN_LATENESS_OVER_NOISE,
                       min_pre_excess_over_noise: float = MIN_PRE_EXCESS_OVER_NOISE,
+                      min_pre_excess_t: float = MIN_PRE_EXCESS_T,
+                      min_pre_excess_t_over_peers: float = MIN_PRE_EXCESS_T_OVER_PEERS,
+                      min_persistent_pre_over_noise: float = MIN_PERSISTENT_PRE_OVER_NOISE,
                       slow_link_ranks: dict[int, int] | None = None) -> list[Finding]:
     """STRAGGLER for each rank whose median lateness over some window is at least ``min_lateness_frac`` of the step
     and which arrived after its peers' median in at least ``min_positive_frac`` of that window's steps (and the
@@ -412,8 +478,18 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: set[
     if "lateness_over_noise" in scores:                         # NaN (noise unknown) does not block
         by_arrival &= ~(scores["lateness_over_noise"] < min_lateness_over_noise)
         by_phases &= ~(scores["pre_excess_over_noise"] < min_pre_excess_over_noise)
-    flagged = scores[(scores["median_lateness_frac"] >= min_lateness_frac) & (by_arrival | by_phases)
-                     & (scores["window_steps"] >= min_steps)]
+    ok = (scores["median_lateness_frac"] >= min_lateness_frac) & (by_arrival | by_phases)
+    if "pre_excess_t" in scores:
+        ok |= pd.Series(_persistent(
+            scores["median_lateness_frac"].to_numpy(dtype="float64"),
+            scores["median_pre_excess_frac"].to_numpy(dtype="float64", na_value=np.nan),
+            scores["pre_excess_t"].to_numpy(dtype="float64", na_value=np.nan),
+            scores["peer_pre_excess_t"].to_numpy(dtype="float64", na_value=np.nan),
+            scores["pre_excess_over_noise"].to_numpy(dtype="float64", na_value=np.nan),
+            min_lateness_frac=min_lateness_frac, min_t=min_pre_excess_t,
+            min_t_over_peers=min_pre_excess_t_over_peers,
+            min_over_noise=min_persistent_pre_over_noise), index=scores.index)
+    flagged = scores[ok & (scores["window_steps"] >= min_steps)]
     if flagged.empty:
         return []
     flagged = flagged.sort_values(["median_lateness_frac"], ascending=False)
@@ -470,6 +546,8 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: set[
             "lateness_over_noise": _opt_float(getattr(row, "lateness_over_noise", None)),
             "phase_noise_frac": _opt_float(getattr(row, "phase_noise_frac", None)),
             "pre_excess_over_noise": _opt_float(getattr(row, "pre_excess_over_noise", None)),
+            "pre_excess_t": _opt_float(getattr(row, "pre_excess_t", None)),
+            "peer_pre_excess_t": _opt_float(getattr(row, "peer_pre_excess_t", None)),
             "propagated_to": sorted(propagated.get(int(row.rank), [])),
             "injected": (injected or {}).get(int(row.rank)),
         }
@@ -482,7 +560,10 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: set[
             ranks=(int(row.rank),), group=axis,
             title=(f"rank {row.rank} arrives late at its {axis or row.pg} group {members} collectives: "
                    f"+{ms(row.mean_lateness_ns)} ms ({row.median_lateness_frac:.0%} of the step, median) in "
-                   f"{row.positive_frac:.0%} of steps {row.window_first_step}-{row.window_last_step}; cause: {cause}"),
+                   f"{row.positive_frac:.0%} of steps {row.window_first_step}-{row.window_last_step}"
+                   + (f"; its data+fwd is {row.median_pre_excess_frac:.0%} of the step longer than its peers' "
+                      f"(median, {row.pre_excess_t:.1f} standard errors)" if row.detected_by == "persistence" else "")
+                   + f"; cause: {cause}"),
             evidence=evidence,
             recommendation=_advice(cause, int(row.rank)),
             predicted_gain=PredictedGain(metric="step_time", frac=min(max(wait_frac, 0.0), 1.0)),

@@ -7,7 +7,9 @@ member's lateness is its arrival minus the median arrival of its peers (at the s
 latest). A rank is a straggler when, over a window of steps, its median lateness is a clear share of the step
 time and it arrives after its peers in most of those steps: robust to the noise of busy hosts, where the last
 arriver of any one step is often random. That lateness must also stand out of the run's own noise: how late the
-rank's peers got in the same window (``peer_noise``), since on a busy host any rank can be late for a dozen steps. Its cause class (data / compute / communication / device) comes
+rank's peers got in the same window (``peer_noise``), since on a busy host any rank can be late for a dozen steps;
+or, when its arrivals jitter too much for that, its data+fwd excess must be steady (many standard errors above
+zero, far more than any peer's: the persistence view). Its cause class (data / compute / communication / device) comes
 from its step phases, its waits at other collectives and its device samples, compared with its group peers.
 """
 
@@ -61,7 +63,8 @@ MIN_PRE_EXCESS_T_OVER_PEERS = 2.0
 MIN_PERSISTENT_PRE_OVER_NOISE = 1.3
 """Persistence view: the median data+fwd excess must also reach the peers' excess noise (``pre_excess_over_noise``
 >= this; the phases view alone needs ``MIN_PRE_EXCESS_OVER_NOISE``): a steady excess smaller than what peers reach
-by chance is the host's, not the rank's. Clean runs of a busy host stay below 1, slowed ranks reach 1.05-1.4."""
+by chance is the host's, not the rank's. Clean runs of a busy host stay below 1, slowed ranks reach 1.05-1.4; 1.3
+leaves an excess inside uniform +-10% peer noise unnamed."""
 
 THROTTLE_MASK = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
 """NVML clock-throttle reasons that slow a GPU: SW power cap, HW slowdown, SW/HW thermal, power brake."""
@@ -85,7 +88,10 @@ def straggler_scores(lateness: pd.DataFrame, *, window_steps: int = 20, min_late
     arrival view qualifies a window only when its median lateness is also at least ``min_lateness_over_noise`` x
     that noise (``lateness_over_noise``), the phases view only when the median data+fwd excess is at least
     ``min_pre_excess_over_noise`` x the peers' excess noise (``phase_noise_frac``, ``pre_excess_over_noise``);
-    unknown noise does not block. Every window of every (group, rank) is scored at once
+    unknown noise does not block. The persistence view qualifies a window when the median data+fwd excess is
+    at least ``min_lateness_frac``, ``min_pre_excess_t`` standard errors above zero (``pre_excess_t``),
+    ``min_pre_excess_t_over_peers`` x the largest of its peers' (``peer_pre_excess_t``), at least
+    ``min_persistent_pre_over_noise`` x the peers' excess noise, and the median lateness is positive. Every window of every (group, rank) is scored at once
     (one windows x steps matrix), so the cost grows with the rows. Columns: ``SCORE_COLUMNS`` + ``NOISE_COLUMNS``."""
     require_columns(lateness, LATENESS_COLUMNS, table="rank_lateness")
     keys = ["pg", "pg_ranks", "rank"]
@@ -465,7 +471,8 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: set[
     Noise rule (when ``scores`` has ``NOISE_COLUMNS``): the arrival view also needs the median lateness to be at
     least ``min_lateness_over_noise`` x the peers' lateness noise in the same window, the phases view the median
     data+fwd excess to be ``min_pre_excess_over_noise`` x the peers' excess noise, so a busy host's chance
-    lateness is not a verdict. ``slow_link_ranks`` (rank -> step a SLOW_LINK on its node began,
+    lateness is not a verdict; the persistence view (``_persistent``, with ``pre_excess_t`` in ``scores``) names a
+    rank whose data+fwd excess is steady where the other views' noise hides it. ``slow_link_ranks`` (rank -> step a SLOW_LINK on its node began,
     ``links.slow_link_ranks``): a rank late in a window reaching that step is not blamed unless its cause is
     data or device (its lateness is the link's: the link's finding carries it)."""
     require_columns(scores, SCORE_COLUMNS, table="straggler_scores")

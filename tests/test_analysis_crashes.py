@@ -181,6 +181,26 @@ def test_network_partition_is_a_hang_with_cause_network_and_both_sides_waiting(t
     assert f.ranks == (0, 1, 2, 3) and _codes(a, "RANK_CRASH") == []
 
 
+def test_partition_where_one_side_finished_the_collective_is_still_network(tmp_path):
+    # the link goes down during all-reduce #4's last message: rank 1 got everything, finished #4 and waits in #5;
+    # rank 0 never gets its last message and waits inside #4 (it never reaches #5): both wait, across two nodes
+    rows = lockstep_tables(world=2, num_steps=6)
+    rows["pending"] = []
+    for r in range(2):
+        stall_rank(rows, r, T0 + 360 * MS, until_ns=T0 + 10_400 * MS, close=("crashed", "watchdog"))
+    rows["pending"].append(pending_row(0, step=3, seq=4, t_ns=T0 + 360 * MS))
+    done = {**pending_row(1, step=3, seq=4, t_ns=T0 + 361 * MS), "end_ns": T0 + 380 * MS}
+    done.pop("restart")
+    rows["collectives"].append({**done, "restart": 0})
+    rows["pending"].append(pending_row(1, step=3, seq=5, t_ns=T0 + 390 * MS))
+    a = RunAnalysis.open(write_rows_run(tmp_path / "run", rows, world_size=2, status="crashed",
+                                        node_of={0: 0, 1: 1}))
+    [f] = _codes(a, "HANG")
+    ev = f.evidence
+    assert ev["cause"] == "network" and ev["sides"] == {"node0": [0], "node1": [1]}
+    assert ev["liveness"] == {"0": "waiting", "1": "waiting"} and f.ranks == (0, 1)
+
+
 def test_all_entered_on_one_node_is_not_called_network(tmp_path):
     rows = lockstep_tables(world=2, num_steps=6)
     rows["pending"] = []

@@ -661,7 +661,8 @@ def _hang_and_crash_findings(a: RunAnalysis) -> list[Finding]:
     nodes = {info.rank: info.node_rank for info in a.manifest.ranks} if a.manifest is not None else {}
     hangs = _hangs.detect_hangs(a.stalls(), a.table("faults"), last_seen=a.last_seen(), axis_of_pg=a.group_axis,
                                 activity=a.activity(), exits=a.rank_exits(), nodes=nodes, skip_groups=skip,
-                                starts=a.attempt_starts())
+                                starts=a.attempt_starts(),
+                                open_since=_hangs.unfinished_since(a.table("collectives")))
     held = {r for f in hangs for r in (*f.ranks, *f.evidence["arrived_ranks"])}
     for pg_ranks in (m for _, m in skip):
         held.update(int(x) for x in str(pg_ranks).split(",") if x.strip().lstrip("-").isdigit())

@@ -125,6 +125,14 @@ def stalls(missing: pd.DataFrame, p2p: pd.DataFrame) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True)[STALL_COLUMNS].sort_values("first_enqueue_ns").reset_index(drop=True)
 
 
+def unfinished_since(collectives: pd.DataFrame) -> dict[int, list[int]]:
+    """rank -> enqueue times of its collectives and p2p ops that never finished (``end_ns`` null)."""
+    if collectives.empty:
+        return {}
+    open_ = collectives[collectives["end_ns"].isna() & collectives["enqueue_ns"].notna()]
+    return {int(r): [int(t) for t in g] for r, g in open_.groupby("rank")["enqueue_ns"]}
+
+
 def _ints(value) -> list[int]:
     if value is None or value is pd.NA:
         return []
@@ -138,7 +146,8 @@ def _ints(value) -> list[int]:
 def detect_hangs(missing: pd.DataFrame, faults: pd.DataFrame | None, *, last_seen: pd.DataFrame | None = None,
                  axis_of_pg: Callable[[str], str | None] = axis_of, activity: Activity | None = None,
                  exits: pd.DataFrame | None = None, nodes: dict[int, int] | None = None,
-                 skip_groups: frozenset = frozenset(), starts: list[int] = ()) -> list[Finding]:
+                 skip_groups: frozenset = frozenset(), starts: list[int] = (),
+                 open_since: dict[int, list[int]] | None = None) -> list[Finding]:
     """HANG for each stall (``missing_arrivals`` / ``stalls`` rows) with the liveness of every stuck rank
     (``liveness.liveness``). Not a HANG: a stall whose missing ranks are all ``dead`` (RANK_CRASH reports it, with
     this wait), one every member entered while a member died, one whose missing ranks are all themselves stuck
@@ -147,7 +156,10 @@ def detect_hangs(missing: pd.DataFrame, faults: pd.DataFrame | None, *, last_see
     span two or more nodes (``nodes``: rank -> node); ``missing_rank`` when some missing rank is not waiting;
     ``mutual_wait`` otherwise. The watchdog's ``hang`` rows (non-injected) and ``stack`` rows are evidence;
     injected rows only the ``injected`` cross-check. ``last_seen``: per rank its last step and collective;
-    ``starts``: ``liveness.attempt_starts``."""
+    ``starts``: ``liveness.attempt_starts``. ``open_since``: per rank the enqueue times of its collectives that
+    never finished (``unfinished_since``): a missing rank still inside an earlier collective of its own (one
+    whose last message never reached it, while its peers finished it and moved on: a cut link) is waiting, not
+    merely alive."""
     findings: list[Finding] = []
     if missing is None or missing.empty:
         return findings
@@ -157,10 +169,15 @@ def detect_hangs(missing: pd.DataFrame, faults: pd.DataFrame | None, *, last_see
     waiters_of = [set(_ints(r.arrived_ranks)) for r in rows]
     blocked = set().union(*waiters_of)
     verdicts: list[dict[int, str]] = []
+    def inside(m: int, r) -> bool:            # entered an unfinished collective before this stall's wait ended
+        end = int(r.first_enqueue_ns) + int(r.waited_ns)
+        return any(t <= end for t in (open_since or {}).get(m, ()))
+
     for r, waiters in zip(rows, waiters_of):
         miss = _ints(r.missing_ranks)
         everyone = sorted(waiters | set(miss))
-        verdicts.append({m: liveness(m, int(r.first_enqueue_ns), in_collective=m in waiters or m in blocked,
+        verdicts.append({m: liveness(m, int(r.first_enqueue_ns), in_collective=m in waiters or m in blocked
+                                     or inside(m, r),
                                      activity=activity, exits=exits, peers=[p for p in everyone if p != m],
                                      starts=starts)
                          for m in everyone})

@@ -187,6 +187,17 @@ def test_pipeline_own_delay_blames_the_rank_idle_outside_its_actions_not_the_one
     assert own[1 - sleeper] == pytest.approx(0)
 
 
+def test_pipeline_own_delay_keeps_one_row_per_rank_and_step_when_a_restart_recomputes_steps():
+    # a torchrun restart runs the last steps again: their steps rows appear twice (one per attempt)
+    pipe, steps, coll = _two_stage_pipeline(0)
+    again = steps[steps["step"] >= steps["step"].max() - 1].assign(start_ns=lambda x: x["start_ns"] + 10**10,
+                                                                    end_ns=lambda x: x["end_ns"] + 10**10)
+    own = st.pipeline_own_delay(pipe, pd.concat([steps, again], ignore_index=True), st.pipeline_groups(coll))
+    assert len(own) == len(pipe[["rank", "step"]].drop_duplicates())
+    kept = own[(own["rank"] == 0) & (own["step"] < steps["step"].max() - 1)]["own_delay_ns"]   # not recomputed
+    assert len(kept) == 1 and kept.iloc[0] == pytest.approx(50 * MS)
+
+
 def test_stragglers_linked_by_a_pipeline_keep_the_one_with_the_larger_own_delay():
     scores = pd.DataFrame([
         {"pg": "dp", "pg_ranks": pr, "rank": r, "num_steps": 20, "window_steps": 20, "window_first_step": 1,

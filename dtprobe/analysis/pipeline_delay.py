@@ -74,6 +74,9 @@ def pipeline_own_delay(pipeline: pd.DataFrame, steps: pd.DataFrame,
     starts = step_durations(steps).merge(steps[["rank", "step", "start_ns"]].astype({"rank": "int64", "step": "int64"}),
                                          on=["rank", "step"]) if not steps.empty else None
     if starts is not None:
+        # a step recomputed after a torchrun restart has a row per attempt: the newest start serves (one per key,
+        # so the merge keeps d's length; the older attempt's actions only lose their first action's delay)
+        starts = starts.sort_values("start_ns", kind="stable").drop_duplicates(["rank", "step"], keep="last")
         first = (d.merge(starts[["rank", "step", "start_ns"]], on=["rank", "step"], how="left")["start_ns"]
                  - base).to_numpy(dtype="float64")
         d["prev_end"] = d["prev_end"].fillna(pd.Series(first, index=d.index).astype("float64"))

@@ -69,6 +69,21 @@ def test_rank_crash_names_the_killed_rank_not_the_sigtermed_survivor_and_no_hang
     assert ev["injected"] is False
 
 
+def test_a_killed_rank_whose_exit_status_torchrun_never_reported_is_still_the_crash_not_a_hang(tmp_path):
+    # the launcher saw rank 1's process go (its exit time) but torchrun reported no status for it and named no
+    # first failure; rank 0 raised on the dead peer (closed crashed, "exception") before torchrun's SIGTERM
+    rows, att, faults = _killed_rank1_at_step3(restart=False, attempts=True)
+    rows["lifecycle"] = [x for x in rows["lifecycle"] if not (x["rank"] == 0 and x["event"] == "close")]
+    rows["lifecycle"].append({"rank": 0, "restart": 0, "time_ns": T0 + 400 * MS, "event": "close",
+                              "status": "crashed", "reason": "exception", "pid": 100})
+    att[0]["ranks"][0].update(exit_code=None, signal=None, first_failure=False)
+    a = RunAnalysis.open(write_rows_run(tmp_path / "run", rows, world_size=2, status="crashed", attempts=att,
+                                        faults=faults))
+    assert _codes(a, "HANG") == []
+    [f] = _codes(a, "RANK_CRASH")
+    assert (f.ranks, f.severity, f.evidence["cause"]) == ((1,), "critical", "killed_by_signal")
+
+
 def test_a_recovered_crash_is_a_warning_with_steps_lost_and_time_to_recover(tmp_path):
     rows, att, faults = _killed_rank1_at_step3(restart=True, attempts=True)
     a = RunAnalysis.open(write_rows_run(tmp_path / "run", rows, world_size=2, status="finished", attempts=att,

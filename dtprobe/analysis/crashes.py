@@ -145,14 +145,15 @@ def _failed_attempts(exits: pd.DataFrame, *, activity: Activity, restarts: list[
             if attempts_known and any(r["source"] == "attempts" for r in recs):
                 lost = [r for r in recs if is_own_failure(r)]
                 firsts = [r for r in lost if r.get("first_failure")] or lost
-                if not firsts:
+                if firsts:
+                    first = min(firsts, key=lambda r: (r.get("exit_ns") or 0, r["rank"]))
+                    if first.get("exit_code") is not None and int(first["exit_code"]) == WATCHDOG_EXIT_CODE:
+                        continue                   # the watchdog ended a hang: HANG reports it
+                    lost_ranks = [int(r["rank"]) for r in recs if r.get("exit_code") not in (None, 0)]
+                    out.append((restart, lost_ranks, int(first["rank"]), first))
                     continue
-                first = min(firsts, key=lambda r: (r.get("exit_ns") or 0, r["rank"]))
-                if first.get("exit_code") is not None and int(first["exit_code"]) == WATCHDOG_EXIT_CODE:
-                    continue                       # the watchdog ended a hang: HANG reports it
-                lost_ranks = [int(r["rank"]) for r in recs if r.get("exit_code") not in (None, 0)]
-                out.append((restart, lost_ranks, int(first["rank"]), first))
-                continue
+                # the exits name no failure of a rank's own (its status was never reported, only the others'
+                # SIGTERMs): judge the attempt from the telemetry below, as without attempts
             if any(r.get("reason") == "watchdog" for r in recs):
                 continue                           # the attempt ended on a hang: HANG reports it
             others_last = [activity.last_ns(r["rank"]) or 0 for r in recs]
@@ -166,8 +167,11 @@ def _failed_attempts(exits: pd.DataFrame, *, activity: Activity, restarts: list[
                         and r.get("reason") not in CONSEQUENCE_REASONS)]
             if not lost:
                 continue
-            own = [r for r in lost if r.get("closed")] or lost     # an exception closes first; else the first silent
-            first = min(own, key=lambda r: (activity.last_ns(r["rank"]) or 0, r["rank"]))
+            if all(r.get("exit_ns") is not None for r in lost):   # the launcher saw each exit: the first to go
+                first = min(lost, key=lambda r: (int(r["exit_ns"]), r["rank"]))
+            else:
+                own = [r for r in lost if r.get("closed")] or lost  # an exception closes first; else the first silent
+                first = min(own, key=lambda r: (activity.last_ns(r["rank"]) or 0, r["rank"]))
             gone = [int(r["rank"]) for r in recs if r.get("closed") is False or r.get("status") == "crashed"]
             out.append((restart, gone, int(first["rank"]), first))
         return out
@@ -223,6 +227,8 @@ def how(e: Any) -> str:
         return str(e.signal)
     if not is_missing(e.exit_code):
         return f"exit code {int(e.exit_code)}"
+    if e.source == "attempts":
+        return "exited, status not reported; its probe never closed"
     return "its probe never closed" if e.source == "lifecycle" else "stopped writing (the job restarted)"
 
 

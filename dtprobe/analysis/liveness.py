@@ -23,6 +23,9 @@ just after it may have been produced before it)."""
 EXIT_COLUMNS = ["rank", "restart", "exit_ns", "exit_code", "signal", "first_failure", "status", "reason",
                 "error_type", "error_message", "traceback", "closed", "source"]
 LIVENESS = ("dead", "stopped", "waiting", "alive", "unknown")
+EXITED_AT_STALL_NS = 1_000_000_000
+"""A rank whose process exited (launcher's exit time) without closing at most this long after a stall began died
+then; one that exits later was frozen in the stall (a stopped rank is killed once the others give up)."""
 """Liveness verdicts of a stuck rank (docs/findings.md, HANG)."""
 
 
@@ -170,7 +173,10 @@ def liveness(rank: int, since_ns: int, *, in_collective: bool, activity: Activit
     ex = _exit_of(exits, rank, restart)
     if ex is not None and is_own_failure(ex):
         return "dead"
-    if ex is not None and ex.get("source") == "lifecycle" and ex.get("closed") is False:
+    if (ex is not None and ex.get("closed") is False and ex.get("exit_ns") is not None
+            and int(ex["exit_ns"]) <= since_ns + EXITED_AT_STALL_NS):
+        return "dead"                     # seen exiting unclosed as the stall began: killed, not frozen in it
+    if ex is not None and ex.get("closed") is False:
         peer_reasons = {(_exit_of(exits, p, restart) or {}).get("reason") for p in peers}
         if "SIGTERM" in peer_reasons and "watchdog" not in peer_reasons:
             return "dead"                 # torchrun SIGTERMs the others only after a worker exited

@@ -264,16 +264,25 @@ def _wait_for(path: Path, *, timeout_s: float, hint: str) -> None:
 
 
 def _print_failure(console: object, run_dir: Path, log_path: Path) -> None:
-    """torchrun's root cause (rank, exit code), injected crashes, and the end of the failing worker's stderr."""
+    """The first failure (rank, exit code or signal: the recorded ``attempts``, whose first failure corrects
+    torchrun's whole-second ordering, else torchrun's root cause), injected crashes, and the end of the failing
+    worker's stderr."""
     import re
 
-    text = log_path.read_text(errors="replace") if log_path.exists() else ""
-    root = text[text.rfind("Root Cause"):] if "Root Cause" in text else ""
-    rank = re.search(r"rank\s*:\s*(\d+) \(local_rank: (\d+)\)", root)
-    code = re.search(r"exitcode\s*:\s*(-?\d+)", root)
+    first = _first_failure(run_dir)
+    if first is not None:
+        rank = (str(first["rank"]), str(first.get("local_rank", "?")))
+        how = first.get("signal") or f"exit code {first.get('exit_code', '?')}"
+    else:
+        text = log_path.read_text(errors="replace") if log_path.exists() else ""
+        root = text[text.rfind("Root Cause"):] if "Root Cause" in text else ""
+        found = re.search(r"rank\s*:\s*(\d+) \(local_rank: (\d+)\)", root)
+        code = re.search(r"exitcode\s*:\s*(-?\d+)", root)
+        rank = found.groups() if found else None
+        how = f"exit code {code.group(1) if code else '?'}"
     if rank:
-        console.print(f"[red]workers failed[/red]: first failure on rank {rank.group(1)} (local rank "
-                      f"{rank.group(2)}), exit code {code.group(1) if code else '?'}; torchrun log: {log_path}")
+        console.print(f"[red]workers failed[/red]: first failure on rank {rank[0]} (local rank {rank[1]}), {how}; "
+                      f"torchrun log: {log_path}")
     else:
         console.print(f"[red]workers failed[/red]; torchrun log: {log_path}")
     crashes = _injected_crashes(run_dir)
@@ -281,7 +290,7 @@ def _print_failure(console: object, run_dir: Path, log_path: Path) -> None:
         console.print(f"injected: {crashes}")
     logs = sorted((run_dir / LOGS_DIR).rglob("stderr.log"), key=lambda p: p.stat().st_mtime)
     if rank:
-        own = [p for p in logs if p.parent.name == rank.group(2) and p.stat().st_size]
+        own = [p for p in logs if p.parent.name == rank[1] and p.stat().st_size]
         logs = own[-1:] + logs
     failing = [p for p in logs if p.stat().st_size and b"Error" in p.read_bytes()]
     if failing:
@@ -289,6 +298,19 @@ def _print_failure(console: object, run_dir: Path, log_path: Path) -> None:
         console.print(f"last lines of {failing[0]}:")
         for line in tail:
             console.print("  " + line, markup=False, highlight=False)
+
+
+def _first_failure(run_dir: Path) -> dict | None:
+    """The first failure of the newest failed attempt in run.json ``attempts`` (None when none is recorded)."""
+    try:
+        attempts = store_manifest.read_manifest(run_dir).attempts
+    except (OSError, ValueError):
+        return None
+    for attempt in sorted(attempts, key=lambda a: a["attempt"], reverse=True):
+        firsts = [r for r in attempt.get("ranks", ()) if r.get("first_failure")]
+        if attempt.get("result") == "failed" and firsts:
+            return firsts[0]
+    return None
 
 
 def _injected_crashes(run_dir: Path) -> str:

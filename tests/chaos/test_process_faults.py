@@ -96,7 +96,7 @@ def test_sigstop_of_a_worker_is_a_hang_naming_it_stopped(run_dir, launch):
     # devices on: the liveness verdict reads the host sampler's rows after the stall
     job = launch(dtprobe_run_cmd(run, "--nproc", "2", "--steps", "60", "--collective-timeout", "6",
                                  "--device-interval", "0.2", devices=True), run, timeout_s=JOB_TIMEOUT_S)
-    job.wait_steps(1, 6)
+    job.wait_steps(1, 22)                     # a full straggler window first: the verdict judges 20 steps
     job.signal(1, signal.SIGSTOP)
     job.end_stopped(1)                        # after rank 0's watchdog ended it and torchrun stopped the job
     assert job.wait() != 0

@@ -74,6 +74,7 @@ def test_hang_config_rejects_bad_values(kwargs, match):
 TIMEOUT_S = 8
 
 
+@pytest.mark.multiproc
 def test_hang_on_rank1_fires_the_watchdog_within_timeout_and_names_the_missing_rank(tmp_path):
     from dtprobe.store import RunStore
 

@@ -115,6 +115,17 @@ def test_straggler_run_traces_the_profile_window_on_every_rank(straggler_run):
     assert traces == [f"rank{r:05d}.pt.trace.json.gz" for r in range(4)]
 
 
+def test_straggler_run_binds_each_cpu_worker_to_its_share_of_the_cores(straggler_run):
+    cores = sorted(os.sched_getaffinity(0))          # the workers inherit the test's cores
+    if len(cores) >= 4:
+        k = len(cores) // 4
+        want = {r: cores[r * k:(r + 1) * k] for r in range(4)}
+    else:
+        want = {r: [cores[r % len(cores)]] for r in range(4)}
+    workers = [json.loads(p.read_text()) for p in (straggler_run[1].path / "logs").rglob("worker.json")]
+    assert {w["rank"]: w["cpus"] for w in workers} == want
+
+
 def test_two_torchrun_agents_make_one_4_rank_run_with_both_nodes(tmp_path):
     run_dir, port = tmp_path / "run", free_port()
     common = ("--nnodes", "2", "--nproc", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--run-dir", str(run_dir),

@@ -131,3 +131,45 @@ def test_multi_node_needs_endpoint_and_run_dir():
         JobConfig(nnodes=2, run_dir="/tmp/r")
     with pytest.raises(ConfigError, match=r"--run-dir"):
         JobConfig(nnodes=2, rdzv_endpoint="127.0.0.1:29500")
+
+
+def test_cpu_bind_is_auto_by_default_takes_off_from_flag_or_toml_and_rejects_other_values(tmp_path):
+    assert run_cmd.build_job(parse_run_args([])).cpu_bind == "auto"
+    assert run_cmd.build_job(parse_run_args(["--cpu-bind", "off"])).cpu_bind == "off"
+    toml = tmp_path / "job.toml"
+    toml.write_text('cpu_bind = "off"\n')
+    assert run_cmd.build_job(parse_run_args(["--config", str(toml)])).cpu_bind == "off"
+    with pytest.raises(ConfigError, match=r"--cpu-bind auto or off"):
+        JobConfig(cpu_bind="numa")
+
+
+@pytest.mark.parametrize("local_rank,world,cores,want", [
+    (0, 2, [0, 1], [0]), (1, 2, [0, 1], [1]),                        # one core each
+    (1, 2, [4, 5, 6, 7], [6, 7]), (2, 3, [0, 1, 2, 3, 4, 5, 6], [4, 5]),   # contiguous blocks, a remainder left
+    (2, 4, [0, 1], [0]), (3, 4, [0, 1], [1]),                        # more workers than cores: round-robin
+])
+def test_cores_for_gives_each_worker_its_own_block_or_round_robin_cores(local_rank, world, cores, want):
+    from dtprobe.runtime.worker import cores_for
+
+    assert cores_for(local_rank, world, cores) == want
+
+
+def test_bind_cores_binds_existing_and_later_threads_of_the_process():
+    import subprocess
+    import sys
+
+    code = """
+import os, threading, time, json
+from dtprobe.runtime.worker import bind_cores
+early = threading.Thread(target=time.sleep, args=(1,), daemon=True); early.start()
+cores = bind_cores(1, 2)
+seen = {}
+late = threading.Thread(target=lambda: seen.update(late=sorted(os.sched_getaffinity(0)))); late.start(); late.join()
+print(json.dumps({"cores": cores, "main": sorted(os.sched_getaffinity(0)),
+                  "early": sorted(os.sched_getaffinity(early.native_id)), **seen}))
+"""
+    cores = sorted(__import__("os").sched_getaffinity(0))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    got = __import__("json").loads(out.stdout.strip().splitlines()[-1])
+    want = cores[len(cores) // 2:2 * (len(cores) // 2)] if len(cores) >= 2 else cores
+    assert got == {"cores": want, "main": want, "early": want, "late": want}

@@ -14,7 +14,7 @@ from typing import Any
 
 _EPILOG = """\
 job.toml (every key optional; flags override it):
-  run_dir = "runs/exp1"        device = "cpu"      nproc = 4     nnodes = 1
+  run_dir = "runs/exp1"        device = "cpu"      nproc = 4     nnodes = 1     cpu_bind = "auto"
   inject = ["straggler:rank=2,delay_ms=40"]
   [model]   name = "tiny"
   [layout]  dp = -1   tp = 1   pp = 1   zero = 0   pp_schedule = "1f1b"   microbatches = 0
@@ -54,6 +54,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="process-group timeout in seconds (default 300)")
     g.add_argument("--run-dir", metavar="DIR", help="run directory (default runs/<timestamp>-<model>-dp<N>)")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), help="default auto: cuda when available")
+    g.add_argument("--cpu-bind", choices=("auto", "off"),
+                   help="auto (default): on CPU, bind each worker to its own share of the node's cores")
     g = p.add_argument_group("model and layout")
     g.add_argument("--model", help="GPT preset: tiny, small, medium (default tiny)")
     g.add_argument("--dp", type=int, help="data-parallel degree (default -1: all ranks left after tp*pp)")
@@ -111,7 +113,7 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
     out: dict[str, Any] = pick(nproc="nproc", nnodes="nnodes", node_rank="node_rank", rdzv_endpoint="rdzv_endpoint",
                                max_restarts="max_restarts", timeout_s="timeout_s", run_dir="run_dir",
-                               device="device")
+                               device="device", cpu_bind="cpu_bind")
     sections = {
         "model": pick(name="model"),
         "layout": pick(dp="dp", tp="tp", pp="pp", zero="zero", pp_schedule="pp_schedule",

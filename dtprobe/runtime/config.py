@@ -227,7 +227,7 @@ class TrainConfig:
 
 
 _LAUNCH_KEYS = ("run_dir", "device", "nproc", "nnodes", "node_rank", "rdzv_endpoint", "max_restarts",
-                "timeout_s")
+                "timeout_s", "cpu_bind")
 _CORE_SECTIONS = {"model": ModelConfig, "layout": LayoutConfig, "train": TrainConfig, "collect": CollectConfig}
 
 
@@ -263,8 +263,14 @@ class JobConfig:
     """torchrun ``--max-restarts``: how often the workers are restarted after a failure."""
     timeout_s: float = 300.0
     """Process-group timeout (seconds) for init and every collective: how long a hang lasts before it errors."""
+    cpu_bind: str = "auto"
+    """``auto``: on a CPU device each worker binds to its own share of the node's cores (``worker.bind_cores``),
+    so ranks do not migrate between cores and the scheduler's noise stays off their step times; ``off``: leave
+    placement to the OS."""
 
     def __post_init__(self) -> None:
+        if self.cpu_bind not in ("auto", "off"):
+            raise ConfigError(f"cpu_bind = {self.cpu_bind!r}; use --cpu-bind auto or off.")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device = {self.device!r}; use --device auto, cpu or cuda.")
         if self.nproc < 1 or self.nnodes < 1:

@@ -1,6 +1,10 @@
 """Verdict quality: precision, recall and time-to-detect of dtprobe's findings over a matrix of real faults.
 
-    python benchmarks/verdicts.py [--repeats 10] [--layouts dp2 dp4 dp2xtp2 dp2xpp2] [--seed 0] [--quick]
+    python benchmarks/verdicts.py [--repeats 10] [--layouts dp2 dp4 dp2xtp2 dp2xpp2] [--kinds clean inject ...]
+                                  [--seq-len 256] [--seed 0] [--quick]
+
+Every run is ``dtprobe run`` of the tiny GPT with 2 sequences of ``--seq-len`` tokens per rank (steps of a tenth
+to a third of a second here, as ``--cpu-bind auto`` places each worker on its own share of the cores).
 
 Scenario classes, on every layout (dp2, dp4, dp2xtp2, dp2xpp2) unless said otherwise:
 - ``clean``: ``--repeats`` undisturbed runs. Any verdict here is a false positive.
@@ -51,6 +55,7 @@ LAYOUTS = {"dp2": ("--nproc", "2"), "dp4": ("--nproc", "4"), "dp2xtp2": ("--npro
 """Layout name -> ``dtprobe run`` flags (a pipeline of 2 stages runs 4 micro-batches: batch 4)."""
 WORLD_SIZE = {"dp2": 2, "dp4": 4, "dp2xtp2": 4, "dp2xpp2": 4}
 VERDICT_CODES = ("STRAGGLER", "HANG", "RANK_CRASH", "COLLECTIVE_MISMATCH", "SLOW_LINK")
+KINDS = ("clean", "inject", "quota", "kill", "stop", "mismatch")
 EXPECTED_CODE = {"inject": "STRAGGLER", "quota": "STRAGGLER", "kill": "RANK_CRASH", "stop": "HANG",
                  "mismatch": "COLLECTIVE_MISMATCH"}
 SLOWDOWN_CAUSE = "compute"
@@ -92,7 +97,8 @@ class Outcome:
 
 
 def _run_dtprobe(sc: Scenario, run_dir: Path, args: argparse.Namespace, *flags: str, devices: bool = False) -> Job:
-    cmd = dtprobe_run_cmd(run_dir, *LAYOUTS[sc.layout], "--steps", str(args.steps), *flags, devices=devices)
+    cmd = dtprobe_run_cmd(run_dir, *LAYOUTS[sc.layout], "--steps", str(args.steps), "--seq-len", str(args.seq_len),
+                          *flags, devices=devices)
     return Job(cmd=cmd, run_dir=run_dir, timeout_s=JOB_TIMEOUT_S).start()
 
 
@@ -182,9 +188,9 @@ def build_matrix(args: argparse.Namespace) -> list[Scenario]:
             matrix += [Scenario(kind=kind, layout=layout, rank=rng.randrange(world), slowdown=s)
                        for s in args.slowdowns]
         matrix += [Scenario(kind=k, layout=layout, rank=rng.randrange(world)) for k in ("kill", "stop")]
-    if args.mismatch:                     # its own 4-rank data-parallel script, once per layout of the matrix
-        matrix += [Scenario(kind="mismatch", layout="dp4", rank=rng.randrange(4)) for _ in args.layouts]
-    return matrix
+    # the mismatch job is its own 4-rank data-parallel script, run once per layout of the matrix
+    matrix += [Scenario(kind="mismatch", layout="dp4", rank=rng.randrange(4)) for _ in args.layouts]
+    return [sc for sc in matrix if sc.kind in args.kinds]      # drawn in full first: the same seed, the same ranks
 
 
 def _fmt(x: float | None, spec: str = ".2f") -> str:
@@ -227,7 +233,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="compute slowdowns of the inject and quota classes (default 0.05 0.1 0.2)")
     parser.add_argument("--steps", type=int, default=40, help="steps per dtprobe run (default 40)")
     parser.add_argument("--fault-step", type=int, default=10, help="step at which faults start (default 10)")
-    parser.add_argument("--no-mismatch", dest="mismatch", action="store_false", help="leave the mismatch job out")
+    parser.add_argument("--seq-len", type=int, default=256,
+                        help="tokens per sequence (default 256: steps of 0.15-0.3 s here, where the host scheduler's "
+                             "few ms of noise per step are small against a 10%% slowdown)")
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS),
+                        help="scenario classes to run (default all)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the faulted-rank draws (default 0)")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/dtprobe_verdicts"), help="run directories")
     parser.add_argument("--keep", action="store_true", help="keep every run directory (default: only missed and "

@@ -237,3 +237,43 @@ def test_a_real_dp2_run_slowed_20_percent_on_a_busy_host_is_found_within_20_step
     # the rule of the arrival and phases views alone (persistence out of reach) misses it
     scores = st.straggler_scores(lat, min_pre_excess_t=np.inf)
     assert st.detect_stragglers(scores, a.straggler_causes(), min_pre_excess_t=np.inf) == []
+
+
+# ------------------------------------------------------------------------------------------------ steady view
+
+
+def _quiet_peers(rng: np.random.Generator, n: int, ranks=(1, 2, 3), sd: float = 0.03) -> dict[int, list[float]]:
+    return {r: list(rng.normal(0.0, sd, n)) for r in ranks}
+
+
+def test_a_slowdown_in_bursts_is_found_by_the_steady_view_where_the_median_views_miss_it():
+    # rank 0 loses 30% of two steps in five (a CPU quota throttling it for part of some periods): its median
+    # lateness stays near zero and it is late in only ~70% of the steps, but the window's mean rises
+    rng = np.random.default_rng(11)
+    n = 30
+    fracs = {0: [(0.3 if i % 5 in (1, 3) else 0.0) + rng.normal(0.0, 0.02) for i in range(n)],
+             **_quiet_peers(rng, n)}
+    lateness = _lateness(fracs)
+    scores = st.straggler_scores(lateness, window_steps=n)
+    none = pd.DataFrame({c: [] for c in st.CAUSE_COLUMNS})
+    assert st.detect_stragglers(scores, none, min_steady_t=np.inf) == []       # the median views miss it
+    [f] = st.detect_stragglers(scores, none, lateness=lateness)
+    ev = f.evidence
+    assert f.ranks == (0,) and ev["detected_by"] == "steady", ev
+    x = np.array(fracs[0]) - np.median(np.array([fracs[r] for r in range(4)]), axis=0)
+    assert ev["mean_excess_frac"] == pytest.approx(x.mean())
+    assert ev["excess_t"] >= st.MIN_STEADY_T and ev["positive_frac"] < 0.8
+    assert "standard errors" in f.title and "later than its group's median" in f.title
+
+
+def test_a_one_off_stall_or_a_steady_offset_below_the_floor_is_no_straggler():
+    rng = np.random.default_rng(12)
+    n = 20
+    stall = {0: [3.0 if i == 7 else rng.normal(0.0, 0.03) for i in range(n)], **_quiet_peers(rng, n)}
+    score = st.straggler_scores(_lateness(stall)).set_index("rank").loc[0]
+    assert score["mean_excess_frac"] > 0.1 and score["excess_t"] < 1.5      # the stall inflates the error too
+    assert _detect(_lateness(stall)) == []
+    offset = {0: list(0.04 + rng.normal(0.0, 0.005, n)), **_quiet_peers(rng, n, sd=0.005)}
+    score = st.straggler_scores(_lateness(offset)).set_index("rank").loc[0]
+    assert score["excess_t"] > 20 and score["mean_excess_frac"] < st.MIN_STEADY_EXCESS_FRAC
+    assert _detect(_lateness(offset)) == []

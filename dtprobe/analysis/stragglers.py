@@ -33,11 +33,13 @@ SCORE_COLUMNS = [
     "mean_lateness_ns", "mean_victims_wait_ns", "mean_step_ns", "detected_at_step", "detected_by",
 ]
 NOISE_COLUMNS = ["noise_frac", "lateness_over_noise", "phase_noise_frac", "pre_excess_over_noise", "pre_excess_t",
-                 "peer_pre_excess_t"]
+                 "peer_pre_excess_t", "mean_excess_frac", "excess_positive_frac", "excess_t", "peer_excess_t"]
 """Extra columns of ``straggler_scores`` (after ``SCORE_COLUMNS``): the peers' noise in the chosen window, of the
 arrival view (lateness) and of the phases view (data+fwd excess); the persistence of the data+fwd excess (its
 median over its standard error, ``pre_excess_t``) and the largest such value among the group's peers in the same
-steps (``peer_pre_excess_t``)."""
+steps (``peer_pre_excess_t``); the steady view's lateness excess over the group's median lateness at each step:
+its mean over the window (``mean_excess_frac``), the share of steps it is positive (``excess_positive_frac``),
+its mean over its standard error (``excess_t``) and the largest such value among the peers (``peer_excess_t``)."""
 CAUSE_COLUMNS = [
     "pg", "pg_ranks", "rank", "data_excess_ns", "compute_excess_ns", "comm_excess_ns", "throttled_frac", "cause",
 ]
@@ -60,6 +62,22 @@ busy host's chance excess comes and goes with the steps and stays near zero on t
 MIN_PRE_EXCESS_T_OVER_PEERS = 2.0
 """Persistence view: ``pre_excess_t`` must also be this many times the largest of its peers' in the same steps
 (``peer_pre_excess_t``): on a host where several ranks lose CPU alike none of them is singled out."""
+MIN_STEADY_T = 4.0
+"""Steady view: a straggler's mean lateness excess (its lateness minus the group's median lateness, per step) must
+be at least this many standard errors above zero over the window (``excess_t``; the error from the larger of its
+own spread and its peers' in the same steps: the run's own noise). A t-statistic of the mean, not
+the median: a slowdown that comes in bursts (a CPU quota throttling the rank for part of every 100 ms period)
+raises the mean of every window while its median moves little; a one-off stall inflates the standard error with
+the mean and does not pass."""
+MIN_STEADY_EXCESS_FRAC = 0.06
+"""Steady view: the smallest mean lateness excess named (share of the step; the other views use
+``min_lateness_frac``). Clean 2-rank runs of a 2-core VM with each rank bound to its own core show one core
+slower by up to 5.4% for a 20-step window (3 s) at many standard errors: that steady offset is the host's."""
+MIN_STEADY_T_OVER_PEERS = 2.0
+"""Steady view: ``excess_t`` must also be this many times the largest of its peers' in the same steps."""
+MIN_STEADY_POSITIVE_FRAC = 0.6
+"""Steady view: the share of the window's steps where the rank's lateness exceeds the group's median."""
+
 MIN_PERSISTENT_PRE_OVER_NOISE = 1.3
 """Persistence view: the median data+fwd excess must also reach the peers' excess noise (``pre_excess_over_noise``
 >= this; the phases view alone needs ``MIN_PRE_EXCESS_OVER_NOISE``): a steady excess smaller than what peers reach
@@ -75,7 +93,8 @@ def straggler_scores(lateness: pd.DataFrame, *, window_steps: int = 20, min_late
                      min_pre_excess_over_noise: float = MIN_PRE_EXCESS_OVER_NOISE,
                      min_pre_excess_t: float = MIN_PRE_EXCESS_T,
                      min_pre_excess_t_over_peers: float = MIN_PRE_EXCESS_T_OVER_PEERS,
-                     min_persistent_pre_over_noise: float = MIN_PERSISTENT_PRE_OVER_NOISE) -> pd.DataFrame:
+                     min_persistent_pre_over_noise: float = MIN_PERSISTENT_PRE_OVER_NOISE,
+                     min_steady_t: float = MIN_STEADY_T) -> pd.DataFrame:
     """Per (group, member rank), over sliding windows of ``window_steps`` steps (the whole run when shorter):
     the first window where its median lateness (share of the step) is at least ``min_lateness_frac`` and it
     arrived after its peers' median in at least ``min_positive_frac`` of the steps (else the window with the
@@ -91,11 +110,15 @@ def straggler_scores(lateness: pd.DataFrame, *, window_steps: int = 20, min_late
     unknown noise does not block. The persistence view qualifies a window when the median data+fwd excess is
     at least ``min_lateness_frac``, ``min_pre_excess_t`` standard errors above zero (``pre_excess_t``),
     ``min_pre_excess_t_over_peers`` x the largest of its peers' (``peer_pre_excess_t``), at least
-    ``min_persistent_pre_over_noise`` x the peers' excess noise, and the median lateness is positive. Every window of every (group, rank) is scored at once
+    ``min_persistent_pre_over_noise`` x the peers' excess noise, and the median lateness is positive. The steady
+    view (``_steady``) qualifies a window when the rank's mean lateness excess over the group's median is at least
+    ``min_lateness_frac`` and ``MIN_STEADY_EXCESS_FRAC``, ``min_steady_t`` standard errors above zero and ``MIN_STEADY_T_OVER_PEERS`` x any
+    peer's, positive in ``MIN_STEADY_POSITIVE_FRAC`` of the steps. Every window of every (group, rank) is scored at once
     (one windows x steps matrix), so the cost grows with the rows. Columns: ``SCORE_COLUMNS`` + ``NOISE_COLUMNS``."""
     require_columns(lateness, LATENESS_COLUMNS, table="rank_lateness")
     keys = ["pg", "pg_ranks", "rank"]
     lat = lateness.dropna(subset=keys) if lateness[keys].isna().any(axis=None) else lateness
+    lat = lat.assign(excess_frac=_excess_over_group(lat))
     if lat.empty:
         return pd.DataFrame({col: [] for col in SCORE_COLUMNS + NOISE_COLUMNS})
     gid = lat.groupby(keys, sort=True).ngroup().to_numpy(dtype="int64")
@@ -116,6 +139,7 @@ def straggler_scores(lateness: pd.DataFrame, *, window_steps: int = 20, min_late
     win_gid = np.repeat(np.arange(len(n)), num_windows)
     win_start = first_row[win_gid] + np.arange(len(win_gid)) - first_window[win_gid]
     frac = _windows(column("lateness_frac", "float64"), win_start, w[win_gid])
+    exc = _windows(column("excess_frac", "float64"), win_start, w[win_gid])
     pre = _windows(column("pre_excess_frac", "float64"), win_start, w[win_gid])
     med, pmed = _nanmedian_rows(frac), _nanmedian_rows(pre)
     pos = (frac > 0).sum(axis=1) / w[win_gid]
@@ -137,7 +161,11 @@ def straggler_scores(lateness: pd.DataFrame, *, window_steps: int = 20, min_late
     by_persistence = _persistent(med, pmed, pre_t, peer_t, pover, min_lateness_frac=min_lateness_frac,
                                  min_t=min_pre_excess_t, min_t_over_peers=min_pre_excess_t_over_peers,
                                  min_over_noise=min_persistent_pre_over_noise)
-    ok = by_arrival | by_phases | by_persistence
+    esd = peer_noise(lat, windows, column="excess_frac", reduce=_std_rows)
+    emean, epos, et = _nanmean_rows(exc), (exc > 0).sum(axis=1) / w[win_gid], _mean_t(exc, esd)
+    peer_et = _peer_max(et, windows)
+    by_steady = _steady(emean, epos, et, peer_et, min_lateness_frac=min_lateness_frac, min_t=min_steady_t)
+    ok = by_arrival | by_phases | by_persistence | by_steady
     detected = _first_true(ok, win_gid, len(n))                 # first qualifying window (global index) or -1
     # Else the window with the largest median (the first of equals, NaN ignored), or the first window when no
     # median is finite.
@@ -162,12 +190,58 @@ def straggler_scores(lateness: pd.DataFrame, *, window_steps: int = 20, min_late
         "detected_at_step": pd.array([int(steps_[win_start[d] + w[g] - 1]) if d >= 0 else None
                                       for g, d in enumerate(detected)], dtype="Int64"),
         "detected_by": [None if d < 0 else "arrival" if by_arrival[d] else "arrival+phases" if by_phases[d]
-                        else "persistence" for d in detected],
+                        else "persistence" if by_persistence[d] else "steady" for d in detected],
         "noise_frac": noise[best], "lateness_over_noise": over[best],
         "phase_noise_frac": pnoise[best], "pre_excess_over_noise": pover[best],
         "pre_excess_t": pre_t[best], "peer_pre_excess_t": peer_t[best],
+        "mean_excess_frac": emean[best], "excess_positive_frac": epos[best], "excess_t": et[best],
+        "peer_excess_t": peer_et[best],
     })
     return out[SCORE_COLUMNS + NOISE_COLUMNS]
+
+
+def _excess_over_group(lat: pd.DataFrame) -> np.ndarray:
+    """Per row of ``rank_lateness``: its ``lateness_frac`` minus the median ``lateness_frac`` of its group's members
+    (itself included) at the same step. In a group of two that is the lateness itself; in a group with many
+    collectives per step, where every member's worst lateness is positive, it removes that common part."""
+    code = lat.groupby(["pg", "pg_ranks", "step"], sort=False).ngroup().to_numpy(dtype="int64")
+    x = lat["lateness_frac"].to_numpy(dtype="float64", na_value=np.nan)
+    med = pd.Series(x).groupby(code).transform("median").to_numpy(dtype="float64")
+    return x - med
+
+
+def _std_rows(x: np.ndarray) -> np.ndarray:
+    """Sample standard deviation of each row ignoring NaN (NaN for rows of fewer than two values)."""
+    k = (~np.isnan(x)).sum(axis=1)
+    mean = _nanmean_rows(x)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        var = np.nansum((x - mean[:, None]) ** 2, axis=1) / np.maximum(k - 1, 1)
+    return np.where(k >= 2, np.sqrt(var), np.nan)
+
+
+def _mean_t(x: np.ndarray, peer_sd: np.ndarray) -> np.ndarray:
+    """Per row: the mean over its standard error, sd / sqrt(values) (NaN ignored), where sd is the larger of the
+    row's own standard deviation and ``peer_sd`` (its peers' in the same steps: a rank steadily late by less than
+    its peers swing by chance does not stand out); NaN with fewer than five values, +-inf for a non-zero mean
+    without any spread."""
+    k = (~np.isnan(x)).sum(axis=1)
+    mean = _nanmean_rows(x)
+    sd = np.fmax(_std_rows(x), peer_sd)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        se = sd / np.sqrt(np.maximum(k, 1))
+        t = np.where(se > 0, mean / se, np.where(mean != 0, np.inf * np.sign(mean), 0.0))
+    return np.where(k >= 5, t, np.nan)
+
+
+def _steady(mean: np.ndarray, pos: np.ndarray, t: np.ndarray, peer_t: np.ndarray, *, min_lateness_frac: float,
+            min_t: float, min_t_over_peers: float = MIN_STEADY_T_OVER_PEERS,
+            min_positive_frac: float = MIN_STEADY_POSITIVE_FRAC) -> np.ndarray:
+    """The steady view: mean lateness excess over the group's median at least ``min_lateness_frac`` and
+    ``MIN_STEADY_EXCESS_FRAC``, positive in
+    ``min_positive_frac`` of the steps, ``min_t`` standard errors above zero and ``min_t_over_peers`` x any peer's
+    (a peer's non-positive value does not block)."""
+    return ((mean >= max(min_lateness_frac, MIN_STEADY_EXCESS_FRAC)) & (pos >= min_positive_frac) & (t >= min_t)
+            & ~(t < min_t_over_peers * np.maximum(peer_t, 0)))
 
 
 def _median_t(x: np.ndarray, med: np.ndarray) -> np.ndarray:
@@ -219,12 +293,15 @@ def _over(value: np.ndarray, noise: np.ndarray) -> np.ndarray:
         return np.where(noise > 0, value / noise, np.where(noise == 0, np.inf * np.sign(value), np.nan))
 
 
-def peer_noise(lateness: pd.DataFrame, windows: pd.DataFrame, *, column: str = "lateness_frac") -> np.ndarray:
+def peer_noise(lateness: pd.DataFrame, windows: pd.DataFrame, *, column: str = "lateness_frac",
+               reduce: Callable[[np.ndarray], np.ndarray] | None = None) -> np.ndarray:
     """For each window (rows of ``windows``: pg, pg_ranks, rank, first_step, last_step): the noise of ``column``
     (a share of the step) of the rank's group peers at the steps first_step..last_step, pooled (between them and over
     steps): the larger of 1.4826 x their median absolute deviation and their 90th percentile. NaN with fewer than
     two peer values. In a clean run this is how late any rank gets by chance (on a busy host, or in a group whose
-    many collectives per step make every member's worst lateness positive); a straggler stands out of it."""
+    many collectives per step make every member's worst lateness positive); a straggler stands out of it.
+    ``reduce`` (rows of pooled values -> one value per row) replaces that statistic, e.g. ``_std_rows``."""
+    reduce = reduce or _noise_rows
     out = np.full(len(windows), np.nan)
     if windows.empty:
         return out
@@ -251,11 +328,11 @@ def peer_noise(lateness: pd.DataFrame, windows: pd.DataFrame, *, column: str = "
 
         if len(members) > MAX_PEERS_EXCLUDED:
             _, first, inverse = np.unique(np.stack([lo, hi]), axis=1, return_index=True, return_inverse=True)
-            out[idx] = _noise_rows(pooled(first, np.arange(len(members))))[inverse.ravel()]   # once per step span
+            out[idx] = reduce(pooled(first, np.arange(len(members))))[inverse.ravel()]   # once per step span
             continue
         for r in np.unique(rank):
             sel = np.flatnonzero(rank == r)
-            out[idx[sel]] = _noise_rows(pooled(sel, members != r))
+            out[idx[sel]] = reduce(pooled(sel, members != r))
     return out
 
 
@@ -356,7 +433,8 @@ def straggler_causes(scores: pd.DataFrame, lateness: pd.DataFrame, steps: pd.Dat
     other groups' collectives, union, above its peers'), and the rest from its own compute; plus the share of its
     device samples with a slowing throttle reason. ``cause`` is ``device`` when throttled, else the largest part
     if it explains at least ``min_explained_frac`` of the lateness, else ``unknown``. Only ranks whose median
-    lateness reaches ``min_lateness_frac`` are examined (0: every late rank). Columns: ``CAUSE_COLUMNS``."""
+    lateness reaches ``min_lateness_frac`` (0: every late rank) or that a view qualified (``detected_at_step``:
+    the persistence view names ranks whose median lateness is below it) are examined. Columns: ``CAUSE_COLUMNS``."""
     require_columns(steps, ["rank", "step", "start_ns", "end_ns", "data_ns", "fwd_ns", "bwd_ns", "opt_ns"],
                     table="steps")
     blocked = _blocking_waits(collectives, waits) if not collectives.empty else pd.DataFrame(
@@ -367,7 +445,9 @@ def straggler_causes(scores: pd.DataFrame, lateness: pd.DataFrame, steps: pd.Dat
     for col in ("data_ns", "fwd_ns", "bwd_ns", "opt_ns"):
         ph[col] = ph[col].astype("float64").fillna(0.0)
     rows = []
-    candidates = scores[(scores["median_lateness_frac"] > 0) & (scores["median_lateness_frac"] >= min_lateness_frac)]
+    detected = scores["detected_at_step"].notna() if "detected_at_step" in scores else False
+    candidates = scores[(scores["median_lateness_frac"] > 0)
+                        & ((scores["median_lateness_frac"] >= min_lateness_frac) | detected)]
     for s in candidates.itertuples(index=False):
         late = lateness[(lateness["pg"] == s.pg) & (lateness["pg_ranks"] == s.pg_ranks) & (lateness["rank"] == s.rank)
                         & lateness["step"].between(s.window_first_step, s.window_last_step)
@@ -456,6 +536,7 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: set[
                       min_pre_excess_t: float = MIN_PRE_EXCESS_T,
                       min_pre_excess_t_over_peers: float = MIN_PRE_EXCESS_T_OVER_PEERS,
                       min_persistent_pre_over_noise: float = MIN_PERSISTENT_PRE_OVER_NOISE,
+                      min_steady_t: float = MIN_STEADY_T,
                       slow_link_ranks: dict[int, int] | None = None) -> list[Finding]:
     """STRAGGLER for each rank whose median lateness over some window is at least ``min_lateness_frac`` of the step
     and which arrived after its peers' median in at least ``min_positive_frac`` of that window's steps (and the
@@ -496,6 +577,13 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: set[
             min_lateness_frac=min_lateness_frac, min_t=min_pre_excess_t,
             min_t_over_peers=min_pre_excess_t_over_peers,
             min_over_noise=min_persistent_pre_over_noise), index=scores.index)
+    if "excess_t" in scores:
+        ok |= pd.Series(_steady(
+            scores["mean_excess_frac"].to_numpy(dtype="float64", na_value=np.nan),
+            scores["excess_positive_frac"].to_numpy(dtype="float64", na_value=np.nan),
+            scores["excess_t"].to_numpy(dtype="float64", na_value=np.nan),
+            scores["peer_excess_t"].to_numpy(dtype="float64", na_value=np.nan),
+            min_lateness_frac=min_lateness_frac, min_t=min_steady_t), index=scores.index)
     flagged = scores[ok & (scores["window_steps"] >= min_steps)]
     if flagged.empty:
         return []
@@ -555,6 +643,9 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: set[
             "pre_excess_over_noise": _opt_float(getattr(row, "pre_excess_over_noise", None)),
             "pre_excess_t": _opt_float(getattr(row, "pre_excess_t", None)),
             "peer_pre_excess_t": _opt_float(getattr(row, "peer_pre_excess_t", None)),
+            "mean_excess_frac": _opt_float(getattr(row, "mean_excess_frac", None)),
+            "excess_t": _opt_float(getattr(row, "excess_t", None)),
+            "peer_excess_t": _opt_float(getattr(row, "peer_excess_t", None)),
             "propagated_to": sorted(propagated.get(int(row.rank), [])),
             "injected": (injected or {}).get(int(row.rank)),
         }
@@ -570,6 +661,8 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: set[
                    f"{row.positive_frac:.0%} of steps {row.window_first_step}-{row.window_last_step}"
                    + (f"; its data+fwd is {row.median_pre_excess_frac:.0%} of the step longer than its peers' "
                       f"(median, {row.pre_excess_t:.1f} standard errors)" if row.detected_by == "persistence" else "")
+                   + (f"; on average {row.mean_excess_frac:.0%} of the step later than its group's median "
+                      f"({row.excess_t:.1f} standard errors)" if row.detected_by == "steady" else "")
                    + f"; cause: {cause}"),
             evidence=evidence,
             recommendation=_advice(cause, int(row.rank)),

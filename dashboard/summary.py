@@ -58,6 +58,8 @@ class Overview:
     """Which steps were analyzed when not the whole run (``StepWindow.describe()``)."""
     made_s: float
     """``time.time()`` when it was made."""
+    restarts: tuple[str, ...] = ()
+    """The header's restart lines that no RANK_CRASH title tells (``report.restart_lines``), e.g. after a hang."""
 
     def to_json(self) -> str:
         return json.dumps({"schema": SCHEMA, **asdict(self)}, default=_plain)
@@ -70,6 +72,7 @@ class Overview:
             raise ValueError(f"not a {SCHEMA} document")
         try:
             doc["findings"] = tuple(FindingLine(**{**f, "ranks": tuple(f["ranks"])}) for f in doc["findings"])
+            doc["restarts"] = tuple(doc.get("restarts", ()))
             return cls(**doc)
         except (KeyError, TypeError) as exc:
             raise ValueError(f"incomplete {SCHEMA} document ({exc})") from None
@@ -107,6 +110,7 @@ def analyze(store: Any, kind: str, *, whole_run: bool, window: int):
 
 def summarize(analysis: Any, *, path: str) -> Overview:
     """The Overview of ``analysis`` (of the source at ``path``)."""
+    from dtprobe.analysis.report import restart_lines, run_events
     from dtprobe.analysis.window import StepWindow
 
     window = analysis.source if isinstance(analysis.source, StepWindow) else None
@@ -117,7 +121,8 @@ def summarize(analysis: Any, *, path: str) -> Overview:
         findings=tuple(FindingLine(code=f.code, severity=f.severity, ranks=tuple(int(r) for r in f.ranks),
                                    group=f.group, title=f.title, recommendation=f.recommendation)
                        for f in analysis.findings()),
-        window=window.describe() if window is not None else None, made_s=time.time())
+        window=window.describe() if window is not None else None, made_s=time.time(),
+        restarts=tuple(restart_lines(run_events(analysis))))
 
 
 def trends(analysis: Any) -> dict[str, list[float]]:

@@ -47,3 +47,27 @@ def test_overview_heads_the_page_with_the_crash_line(monkeypatch):
     assert not at.exception, [e.message for e in at.exception]
     crash_lines = [m.value for m in at.markdown if "[crash]**" in m.value]
     assert crash_lines == [f"**:orange[crash]** {_crash_title()}"]
+
+
+def _without_crash_findings(monkeypatch) -> None:
+    """The sample's restart with no RANK_CRASH behind it (as after a hang the watchdog ended)."""
+    hangs = RunAnalysis.hangs
+    monkeypatch.setattr(RunAnalysis, "hangs", lambda self: [f for f in hangs(self) if f.code != "RANK_CRASH"])
+
+
+def test_a_restart_no_crash_tells_heads_the_report_and_the_overview(monkeypatch):
+    from dashboard.summary import Overview, summarize
+
+    line = "restart 1: the job restarted from step 15, 0 step(s) lost"
+    assert summarize(RunAnalysis.open(RUN), path=str(RUN)).restarts == ()       # the crash title tells it
+    _without_crash_findings(monkeypatch)
+    overview = summarize(RunAnalysis.open(RUN), path=str(RUN))
+    assert overview.restarts == (line,)
+    assert Overview.from_json(overview.to_json()).restarts == (line,)
+    out = io.StringIO()
+    render_text(RunAnalysis.open(RUN).report(), Console(file=out, width=400))
+    assert line in out.getvalue()
+    monkeypatch.setenv(ROOT_ENV, str(RUN))
+    at = AppTest.from_file(str(REPO / "dashboard" / "app.py"), default_timeout=240).run()
+    assert not at.exception, [e.message for e in at.exception]
+    assert [m.value for m in at.markdown if "[restart]**" in m.value] == [f"**:orange[restart]** {line}"]

@@ -15,6 +15,8 @@ def body(source) -> None:
     overview = common.load_overview(source)
     for crash in (f for f in overview.findings if f.code == "RANK_CRASH"):   # every crash and restart, first
         st.markdown(f"**:{common.SEVERITY_BADGE[crash.severity]}[crash]** {crash.title}")
+    for line in overview.restarts:                                          # restarts no crash line tells
+        st.markdown(f"**:orange[restart]** {line}")
     items = list(common.key_figures(overview).items())
     for row in (items[:4], items[4:]):
         for col, (label, value) in zip(st.columns(4, border=True), row):

@@ -107,8 +107,14 @@ def event_lines(report: dict[str, Any]) -> list[str]:
     """The header's crash and restart lines: every crash (its RANK_CRASH title), then every restart no crash line
     mentions; shared by the text and Markdown renderers (the dashboard's Overview shows the same crash lines)."""
     run = report["metrics"]["run"]
-    lines = [f"crash: {c['title']}" for c in run.get("crashes") or []]
+    return [f"crash: {c['title']}" for c in run.get("crashes") or []] + restart_lines(run)
+
+
+def restart_lines(run: dict[str, Any]) -> list[str]:
+    """One line per restart of ``metrics.run`` that no crash title already tells (a recovered crash names the
+    restart that followed it), e.g. a restart after a hang."""
     told = {int(c["restart"]) + 1 for c in run.get("crashes") or [] if c.get("recovered")}
+    lines = []
     for r in run.get("restarts") or []:
         if int(r["restart"]) not in told:
             bits = [f"from step {r['from_step']}" if r.get("from_step") is not None else None,

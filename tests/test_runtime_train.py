@@ -116,6 +116,27 @@ def test_straggler_slowdown_sleeps_factor_minus_one_times_the_last_compute():
     assert probe.faults[0]["slowdown"] == 3.0
 
 
+def _spin(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_straggler_slowdown_on_cpu_burns_factor_minus_one_times_the_last_computes_cpu_time():
+    probe = RecordingProbe()
+    injector = FaultInjector((parse_fault("straggler:rank=0,slowdown=1.5"),), rank=0, restart=0, probe=probe,
+                             burn=True)
+    injector.in_compute(0)
+    _spin(0.2)                             # 0.2 s of CPU work, then 0.3 s waiting (not work: not counted)
+    time.sleep(0.3)
+    injector.after_compute()
+    cpu0, t0 = time.thread_time(), time.perf_counter()
+    injector.in_compute(1)                 # burns (1.5 - 1) x ~0.2 s of this thread's CPU, sleeps nothing
+    burnt, wall = time.thread_time() - cpu0, time.perf_counter() - t0
+    assert 0.099 <= burnt < 0.16 and wall >= burnt
+    assert probe.faults[0]["slowdown"] == 1.5
+
+
 def test_faults_for_another_rank_or_a_restarted_attempt_are_inactive():
     specs = (parse_fault("straggler:rank=3,delay_ms=500"), parse_fault("crash:rank=0,step=1"))
     assert not FaultInjector(specs[:1], rank=0, restart=0, probe=None).active

@@ -148,7 +148,9 @@ def _check_straggler(p: dict[str, Any]) -> str | None:
 register_fault_kind(FaultKind(
     name="straggler", keys={"rank": int, "delay_ms": float, "slowdown": float, "from_step": int},
     required=("rank",), example="straggler:rank=2,delay_ms=40",
-    help="rank R sleeps delay_ms (or (slowdown-1) x its compute time) in every step's compute from from_step on",
+    help="rank R sleeps delay_ms in every step's compute from from_step on, or computes slowdown times longer "
+         "(on CPU it burns (slowdown-1) x its compute's CPU time, so a rank sharing a core stays slowed; on CUDA "
+         "the host sleeps that long)",
     check=_check_straggler))
 register_fault_kind(FaultKind(
     name="crash", keys={"rank": int, "step": int}, required=("rank", "step"), example="crash:rank=1,step=10",
@@ -174,17 +176,23 @@ class FaultInjector:
     """The runtime's own faults for one rank, called by the train loop at fixed points of every step.
 
     ``at_step_start`` (before the step row opens: crash), ``in_compute`` (start of the first forward of the step:
-    straggler sleep), ``after_compute`` (end of the last backward: measures compute for ``slowdown``).
-    The compute time is host wall time; on CUDA it is the launch time unless the step synchronizes, so prefer
-    ``delay_ms`` there.
+    straggler delay), ``after_compute`` (end of the last backward: measures compute for ``slowdown``).
+    ``burn`` (CPU devices): ``slowdown`` is extra work, CPU time burnt on this thread, (slowdown - 1) x the CPU
+    time of the last compute, so the rank computes that much longer whatever shares its core (a sleep would hand
+    its core to a rank bound beside it, which then catches up). Otherwise it is a sleep of (slowdown - 1) x the
+    last compute's wall time; on CUDA that is the launch time unless the step synchronizes, so prefer
+    ``delay_ms`` there. ``delay_ms`` is always a sleep (a stall).
     """
 
-    def __init__(self, faults: tuple[FaultSpec, ...], *, rank: int, restart: int, probe: Any) -> None:
+    def __init__(self, faults: tuple[FaultSpec, ...], *, rank: int, restart: int, probe: Any,
+                 burn: bool = False) -> None:
         self.probe = probe
         self._crashes = {f.get("step") for f in job_faults_of(faults, "crash", rank=rank)} if restart == 0 else set()
         self._stragglers = job_faults_of(faults, "straggler", rank=rank)
         self._announced: set[int] = set()
+        self.burn = burn
         self._compute_start = 0.0
+        self._compute_start_cpu = 0.0
         self._last_compute_s = 0.0
 
     @property
@@ -199,7 +207,8 @@ class FaultInjector:
 
     def in_compute(self, step: int) -> None:
         self._compute_start = time.perf_counter()
-        delay_s = 0.0
+        self._compute_start_cpu = time.thread_time()
+        delay_s, work_s = 0.0, 0.0
         for i, spec in enumerate(self._stragglers):
             from_step = spec.get("from_step", 0)
             if step < from_step:
@@ -211,13 +220,29 @@ class FaultInjector:
             if "delay_ms" in spec.params:
                 delay_s += spec.get("delay_ms") / 1000.0
             else:
-                delay_s += (spec.get("slowdown") - 1.0) * self._last_compute_s
+                work_s += (spec.get("slowdown") - 1.0) * self._last_compute_s
+        if work_s > 0 and self.burn:
+            _burn_cpu(work_s)
+        else:
+            delay_s += work_s
         if delay_s > 0:
             time.sleep(delay_s)
-            self._compute_start = time.perf_counter()
+        self._compute_start = time.perf_counter()
+        self._compute_start_cpu = time.thread_time()
 
     def after_compute(self) -> None:
-        self._last_compute_s = time.perf_counter() - self._compute_start
+        """The last compute's length: this thread's CPU time when burning, else wall time."""
+        self._last_compute_s = (time.thread_time() - self._compute_start_cpu if self.burn
+                                else time.perf_counter() - self._compute_start)
+
+
+def _burn_cpu(seconds: float) -> None:
+    """Spin until this thread has used ``seconds`` more CPU time."""
+    end = time.thread_time() + seconds
+    x = 0
+    while time.thread_time() < end:
+        for _ in range(1000):
+            x += 1
 
 
 def _flush(probe: Any) -> None:

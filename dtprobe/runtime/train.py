@@ -96,7 +96,7 @@ def build_context(job: JobConfig, *, probe: Any, device: torch.device) -> TrainC
     overflow = {f.get("step") for f in job_faults_of(job.faults, "overflow", rank=probe.rank)}
     ctx = TrainContext(job=job, layout=layout, probe=probe, device=device, parts=parts, ops=ops,
                        faults=FaultInjector(job.faults, rank=probe.rank, restart=getattr(probe, "restart", 0),
-                                            probe=probe),
+                                            probe=probe, burn=device.type == "cpu"),
                        overflow_steps=frozenset(overflow), peak_lr=job.train.peak_lr(parts.dp_size))
     ctx.hooks = [h for h in (factory(ctx) for factory in HOOK_FACTORIES) if h is not None]
     return ctx

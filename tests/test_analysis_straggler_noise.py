@@ -250,7 +250,7 @@ def test_a_slowdown_in_bursts_is_found_by_the_steady_view_where_the_median_views
     # rank 0 loses 30% of two steps in five (a CPU quota throttling it for part of some periods): its median
     # lateness stays near zero and it is late in only ~70% of the steps, but the window's mean rises
     rng = np.random.default_rng(11)
-    n = 30
+    n = 80
     fracs = {0: [(0.3 if i % 5 in (1, 3) else 0.0) + rng.normal(0.0, 0.02) for i in range(n)],
              **_quiet_peers(rng, n)}
     lateness = _lateness(fracs)
@@ -277,3 +277,24 @@ def test_a_one_off_stall_or_a_steady_offset_below_the_floor_is_no_straggler():
     score = st.straggler_scores(_lateness(offset)).set_index("rank").loc[0]
     assert score["excess_t"] > 20 and score["mean_excess_frac"] < st.MIN_STEADY_EXCESS_FRAC
     assert _detect(_lateness(offset)) == []
+
+
+def test_a_tp_peer_late_in_its_dp_group_only_because_it_waited_inside_their_tp_collectives_is_a_victim():
+    # rank 0 is slowed; rank 1 waits for it inside their TP collectives (no arrival wait shows: rank 0 was
+    # throttled after it arrived), so rank 1 is as late in its own DP group {1, 3} as rank 0 is in {0, 2}
+    rng = np.random.default_rng(13)
+    n = 20
+
+    def late(x: float) -> list[float]:
+        return list(x + rng.normal(0.0, 0.01, n))
+    parts = [_lateness({0: late(0.15), 2: late(-0.15)}, pg="dp"), _lateness({1: late(0.15), 3: late(-0.15)}, pg="dp"),
+             _lateness({0: late(0.10), 1: late(-0.10)}, pg="tp"), _lateness({2: late(0.0), 3: late(0.0)}, pg="tp")]
+    lateness = pd.concat(parts, ignore_index=True)
+    scores = st.straggler_scores(lateness)
+    none = pd.DataFrame({c: [] for c in st.CAUSE_COLUMNS})
+    links = {frozenset(p) for p in ((0, 2), (1, 3), (0, 1), (2, 3))}
+    found = st.detect_stragglers(scores, none, links=links, axis_of_pg=lambda pg: pg, lateness=lateness)
+    assert [(f.ranks, f.group, f.evidence["propagated_to"]) for f in found] == [((0,), "dp", [1])]
+    # without the shared TP group nothing says which of the two is the origin: both are named
+    alone = st.detect_stragglers(scores[scores["pg"] == "dp"], none, links=links, axis_of_pg=lambda pg: pg)
+    assert sorted(f.ranks for f in alone) == [(0,), (1,)]

@@ -62,13 +62,14 @@ busy host's chance excess comes and goes with the steps and stays near zero on t
 MIN_PRE_EXCESS_T_OVER_PEERS = 2.0
 """Persistence view: ``pre_excess_t`` must also be this many times the largest of its peers' in the same steps
 (``peer_pre_excess_t``): on a host where several ranks lose CPU alike none of them is singled out."""
-MIN_STEADY_T = 4.0
+MIN_STEADY_T = 6.0
 """Steady view: a straggler's mean lateness excess (its lateness minus the group's median lateness, per step) must
 be at least this many standard errors above zero over the window (``excess_t``; the error from the larger of its
 own spread and its peers' in the same steps: the run's own noise). A t-statistic of the mean, not
 the median: a slowdown that comes in bursts (a CPU quota throttling the rank for part of every 100 ms period)
 raises the mean of every window while its median moves little; a one-off stall inflates the standard error with
-the mean and does not pass."""
+the mean and does not pass. Strict, because a host's slow spells last several steps (the excess of neighbouring
+steps correlates) so the error is understated: windows of clean runs on a 2-core VM reached 5.4."""
 MIN_STEADY_EXCESS_FRAC = 0.06
 """Steady view: the smallest mean lateness excess named (share of the step; the other views use
 ``min_lateness_frac``). Clean 2-rank runs of a 2-core VM with each rank bound to its own core show one core
@@ -544,7 +545,8 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: set[
     many steps while its median lateness passes (arrivals jitter more than phases on busy hosts); only the latest such rank of a group (the others are its victims).
     Of two flagged ranks sharing a group or p2p link, the victim (the delay propagated to it) is the one with
     the smaller median pipeline ``own_delay_ns`` (rank -> ns, from ``pipeline_own_delay``) when both are known,
-    else the one whose cause is communication: it is reported inside the culprit's finding, not as its own.
+    else the earlier of the two in every judged group they share (``_later_in_shared_groups``), else the one
+    whose cause is communication: it is reported inside the culprit's finding, not as its own.
     Critical when the victims wait ``critical_wait_frac`` of the step or more. ``axis_of_pg`` maps a process
     group name to ``dp``/``tp``/``pp``; groups of ``skip_axes`` are not judged (in a pipeline group the arrival
     order follows the schedule: the first stage finishes its last backward last; a slow stage shows up as
@@ -593,6 +595,7 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: set[
     cause_of = {(c.pg, c.pg_ranks, c.rank): c for c in causes.itertuples(index=False)}
     ranks = set(int(r) for r in best["rank"])
     own = own_delay_ns or {}
+    later = _later_in_shared_groups(scores)
     propagated: dict[int, list[int]] = {}
     for row in best.itertuples(index=False):
         c = cause_of.get((row.pg, row.pg_ranks, row.rank))
@@ -603,6 +606,11 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: set[
                 # Both late and linked (same pipeline): the one idle outside its actions longer is the origin.
                 if own[r] > own[row.rank]:
                     propagated.setdefault(r, []).append(int(row.rank))
+            elif later.get((r, int(row.rank))):
+                # r arrives later than row.rank in every group they share (their TP group): row.rank waits on r
+                # there, and its lateness in its own other group is r's. A slowdown inside r's collectives (a CPU
+                # quota freezing r's communication thread) shows as no arrival wait, so the cause cannot tell.
+                propagated.setdefault(r, []).append(int(row.rank))
             elif c is not None and c.cause == "communication":
                 propagated.setdefault(r, []).append(int(row.rank))
     victims_of_others = {v for vs in propagated.values() for v in vs}
@@ -670,6 +678,21 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: set[
             rows=evidence_rows,
         ))
     return findings
+
+
+def _later_in_shared_groups(scores: pd.DataFrame) -> dict[tuple[int, int], bool]:
+    """(a, b) -> True when rank a arrived later than rank b (larger ``mean_excess_frac``, else
+    ``median_lateness_frac``) in every judged group both belong to, False when not in every one; pairs sharing no
+    group are absent."""
+    col = "mean_excess_frac" if "mean_excess_frac" in scores else "median_lateness_frac"
+    votes: dict[tuple[int, int], list[bool]] = {}
+    for _, g in scores.groupby(["pg", "pg_ranks"], sort=False):
+        value = {int(r): float(v) for r, v in zip(g["rank"], g[col]) if pd.notna(v)}
+        for a, va in value.items():
+            for b, vb in value.items():
+                if a != b:
+                    votes.setdefault((a, b), []).append(va > vb)
+    return {pair: all(v) for pair, v in votes.items()}
 
 
 def _opt_float(x) -> float | None:

@@ -24,7 +24,8 @@ job.toml (every key optional; flags override it):
 
 faults (--inject, repeatable):
   straggler:rank=R,delay_ms=D[,from_step=S]   rank R sleeps D ms in the compute of every step from S on
-  straggler:rank=R,slowdown=F[,from_step=S]   ... or (F-1) x its measured compute time
+  straggler:rank=R,slowdown=F[,from_step=S]   ... or computes F x longer (CPU: burns (F-1) x its compute's
+                                              CPU time; CUDA: the host sleeps that long)
   crash:rank=R,step=S                         rank R exits (code 1) at the start of step S
   overflow:step=S[,rank=R]                    fp16 loss-scale overflow at step S, any layout (needs
                                               --precision fp16: refused at launch otherwise)

@@ -5,6 +5,7 @@ network partition, and no verdict from an injected row."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from analysis_synth import (MS, T0, cut_rank, frames, lockstep_tables, pending_row, sampler_rows, stall_rank,
@@ -347,3 +348,17 @@ def test_a_frozen_rank_whose_peers_die_on_the_collective_timeout_is_a_hang_not_t
     [f] = _codes(a, "HANG")
     assert f.ranks == (1,) and f.evidence["liveness"] == {"0": "waiting", "1": "stopped"}
     assert _codes(a, "RANK_CRASH") == []
+
+
+def test_a_stopped_pipeline_rank_is_one_hang_not_one_per_group_it_froze():
+    # real run (tests/data/dp2xpp2_rank0_stopped/README.md): the stall on rank 0 also left an all-reduce in each
+    # pipeline group that every member entered and nobody finished; those are stuck behind it, not hangs of
+    # their own
+    a = RunAnalysis.open(Path(__file__).resolve().parent / "data" / "dp2xpp2_rank0_stopped")
+    [f] = _codes(a, "HANG")
+    ev = f.evidence
+    assert (f.ranks, ev["pg"], ev["op"], ev["step"], ev["cause"]) == ((0,), "dp", "allreduce", 10, "missing_rank")
+    assert ev["liveness"] == {"0": "stopped", "1": "waiting"}
+    assert not [x for x in a.findings() if x.code in ("RANK_CRASH", "STRAGGLER", "COLLECTIVE_MISMATCH")
+                and x.severity != "info"]
+

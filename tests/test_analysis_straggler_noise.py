@@ -298,3 +298,18 @@ def test_a_tp_peer_late_in_its_dp_group_only_because_it_waited_inside_their_tp_c
     # without the shared TP group nothing says which of the two is the origin: both are named
     alone = st.detect_stragglers(scores[scores["pg"] == "dp"], none, links=links, axis_of_pg=lambda pg: pg)
     assert sorted(f.ranks for f in alone) == [(0,), (1,)]
+
+
+def test_a_rank_late_only_because_it_waited_on_others_is_told_as_info_not_blamed():
+    # a pipeline stage that waits on a slowed upstream stage (p2p) arrives late at its DP group: its cause is
+    # communication, and with no culprit named it stays a hint, not a verdict
+    rng = np.random.default_rng(14)
+    lateness = _lateness({0: list(0.2 + rng.normal(0, 0.01, 20)), 1: list(-0.2 + rng.normal(0, 0.01, 20))})
+    scores = st.straggler_scores(lateness)
+    causes = pd.DataFrame([{"pg": "dp", "pg_ranks": "0,1", "rank": 0, "data_excess_ns": 0.0,
+                            "compute_excess_ns": 2e6, "comm_excess_ns": 18e6, "throttled_frac": np.nan,
+                            "cause": "communication"}])[st.CAUSE_COLUMNS]
+    [f] = st.detect_stragglers(scores, causes)
+    assert (f.ranks, f.severity, f.evidence["cause"]) == ((0,), "info", "communication")
+    [g] = st.detect_stragglers(scores, causes.assign(cause="compute"))
+    assert g.ranks == (0,) and g.severity in ("warning", "critical")

@@ -151,7 +151,8 @@ def detect_hangs(missing: pd.DataFrame, faults: pd.DataFrame | None, *, last_see
     """HANG for each stall (``missing_arrivals`` / ``stalls`` rows) with the liveness of every stuck rank
     (``liveness.liveness``). Not a HANG: a stall whose missing ranks are all ``dead`` (RANK_CRASH reports it, with
     this wait), one every member entered while a member died, one whose missing ranks are all themselves stuck
-    in another stall (a chain: its root is reported), and a group in ``skip_groups`` ((pg, pg_ranks) pairs that
+    in another stall (a chain: its root is reported), one every member entered that shares a rank with a root
+    stall whose missing rank is not waiting (a stopped rank also freezes the other groups it was in), and a group in ``skip_groups`` ((pg, pg_ranks) pairs that
     COLLECTIVE_MISMATCH explains). ``cause`` is ``network`` when every rank involved is alive and waiting and they
     span two or more nodes (``nodes``: rank -> node); ``missing_rank`` when some missing rank is not waiting;
     ``mutual_wait`` otherwise. The watchdog's ``hang`` rows (non-injected) and ``stack`` rows are evidence;
@@ -182,6 +183,11 @@ def detect_hangs(missing: pd.DataFrame, faults: pd.DataFrame | None, *, last_see
                                      starts=starts)
                          for m in everyone})
     roots = [i for i, r in enumerate(rows) if set(_ints(r.missing_ranks)) - blocked]
+    # Ranks of a stall whose missing rank is stopped or busy (neither waiting nor dead): every collective
+    # they entered afterwards and nobody finished is stuck behind it (the members that could finish it wait in
+    # the root, or are the stopped rank), not a hang of its own.
+    behind_root = set().union(*(waiters_of[i] | set(_ints(r.missing_ranks)) for i, r in enumerate(rows)
+                                if any(verdicts[i][m] not in ("waiting", "dead") for m in _ints(r.missing_ranks))))
     for i, r in enumerate(rows):
         miss, waiters, live = _ints(r.missing_ranks), sorted(waiters_of[i]), verdicts[i]
         if (r.pg, r.pg_ranks) in skip_groups:
@@ -190,6 +196,8 @@ def detect_hangs(missing: pd.DataFrame, faults: pd.DataFrame | None, *, last_see
             continue                                  # they died: RANK_CRASH reports it (with this wait)
         if not miss and any(v == "dead" for v in live.values()):
             continue                                  # a member died inside it: RANK_CRASH
+        if not miss and set(waiters) & behind_root:
+            continue                                  # stuck behind a root stall: that one is reported
         if miss and not set(miss) - blocked and roots and i not in roots:
             continue                                  # the missing ranks wait elsewhere: the root is reported
         everyone = sorted(set(waiters) | set(miss))

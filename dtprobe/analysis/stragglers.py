@@ -547,7 +547,8 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: set[
     the smaller median pipeline ``own_delay_ns`` (rank -> ns, from ``pipeline_own_delay``) when both are known,
     else the earlier of the two in every judged group they share (``_later_in_shared_groups``), else the one
     whose cause is communication: it is reported inside the culprit's finding, not as its own.
-    Critical when the victims wait ``critical_wait_frac`` of the step or more. ``axis_of_pg`` maps a process
+    Critical when the victims wait ``critical_wait_frac`` of the step or more; ``info`` when its cause is
+    communication (it waited on others: a victim whose culprit was not found). ``axis_of_pg`` maps a process
     group name to ``dp``/``tp``/``pp``; groups of ``skip_axes`` are not judged (in a pipeline group the arrival
     order follows the schedule: the first stage finishes its last backward last; a slow stage shows up as
     stage imbalance in PIPELINE_BUBBLE and as a straggler of its dp group).
@@ -660,9 +661,13 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: set[
         evidence_rows = None
         if lateness is not None:
             evidence_rows = lateness[(lateness["pg"] == row.pg) & (lateness["pg_ranks"] == row.pg_ranks)]
+        # A rank late only because it waited on others (p2p, other groups) is a victim whose culprit no view
+        # named (e.g. a pipeline stage waiting on a slowed upstream stage): told, as info, not blamed.
+        severity = ("info" if cause == "communication" else
+                    "critical" if wait_frac >= critical_wait_frac else "warning")
         findings.append(Finding(
             code="STRAGGLER",
-            severity="critical" if wait_frac >= critical_wait_frac else "warning",
+            severity=severity,
             ranks=(int(row.rank),), group=axis,
             title=(f"rank {row.rank} arrives late at its {axis or row.pg} group {members} collectives: "
                    f"+{ms(row.mean_lateness_ns)} ms ({row.median_lateness_frac:.0%} of the step, median) in "

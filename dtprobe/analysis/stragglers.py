@@ -113,9 +113,9 @@ def straggler_scores(lateness: pd.DataFrame, *, window_steps: int = 20, min_late
     ``min_pre_excess_t_over_peers`` x the largest of its peers' (``peer_pre_excess_t``), at least
     ``min_persistent_pre_over_noise`` x the peers' excess noise, and the median lateness is positive. The steady
     view (``_steady``) qualifies a window when the rank's mean lateness excess over the group's median is at least
-    ``min_lateness_frac`` and ``MIN_STEADY_EXCESS_FRAC``, ``min_steady_t`` standard errors above zero and ``MIN_STEADY_T_OVER_PEERS`` x any
-    peer's, positive in ``MIN_STEADY_POSITIVE_FRAC`` of the steps. Every window of every (group, rank) is scored at once
-    (one windows x steps matrix), so the cost grows with the rows. Columns: ``SCORE_COLUMNS`` + ``NOISE_COLUMNS``."""
+    ``min_lateness_frac`` and ``MIN_STEADY_EXCESS_FRAC``, ``min_steady_t`` standard errors above zero and
+    ``MIN_STEADY_T_OVER_PEERS`` x any peer's, positive in ``MIN_STEADY_POSITIVE_FRAC`` of the steps. Every window
+    of every (group, rank) is scored at once (one windows x steps matrix), so the cost grows with the rows. Columns: ``SCORE_COLUMNS`` + ``NOISE_COLUMNS``."""
     require_columns(lateness, LATENESS_COLUMNS, table="rank_lateness")
     keys = ["pg", "pg_ranks", "rank"]
     lat = lateness.dropna(subset=keys) if lateness[keys].isna().any(axis=None) else lateness

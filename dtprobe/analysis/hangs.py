@@ -153,8 +153,9 @@ def detect_hangs(missing: pd.DataFrame, faults: pd.DataFrame | None, *, last_see
     this wait), one every member entered while a member died, one whose missing ranks are all themselves stuck
     in another stall (a chain: its root is reported), one every member entered that shares a rank with a stall
     whose missing rank is neither waiting nor dead (a stopped rank also freezes the other groups it was in), and
-    a group in ``skip_groups`` ((pg, pg_ranks) pairs that COLLECTIVE_MISMATCH explains). ``cause`` is ``network`` when every rank involved is alive and waiting and they
-    span two or more nodes (``nodes``: rank -> node); ``missing_rank`` when some missing rank is not waiting;
+    a group in ``skip_groups`` ((pg, pg_ranks) pairs that COLLECTIVE_MISMATCH explains). ``cause`` is
+    ``network`` when every rank involved is alive and waiting and they span two or more nodes (``nodes``: rank ->
+    node); ``missing_rank`` when some missing rank is not waiting;
     ``mutual_wait`` otherwise. The watchdog's ``hang`` rows (non-injected) and ``stack`` rows are evidence;
     injected rows only the ``injected`` cross-check. ``last_seen``: per rank its last step and collective;
     ``starts``: ``liveness.attempt_starts``. ``open_since``: per rank the enqueue times of its collectives that

@@ -115,7 +115,8 @@ def straggler_scores(lateness: pd.DataFrame, *, window_steps: int = 20, min_late
     view (``_steady``) qualifies a window when the rank's mean lateness excess over the group's median is at least
     ``min_lateness_frac`` and ``MIN_STEADY_EXCESS_FRAC``, ``min_steady_t`` standard errors above zero and
     ``MIN_STEADY_T_OVER_PEERS`` x any peer's, positive in ``MIN_STEADY_POSITIVE_FRAC`` of the steps. Every window
-    of every (group, rank) is scored at once (one windows x steps matrix), so the cost grows with the rows. Columns: ``SCORE_COLUMNS`` + ``NOISE_COLUMNS``."""
+    of every (group, rank) is scored at once (one windows x steps matrix), so the cost grows with the rows.
+    Columns: ``SCORE_COLUMNS`` + ``NOISE_COLUMNS``."""
     require_columns(lateness, LATENESS_COLUMNS, table="rank_lateness")
     keys = ["pg", "pg_ranks", "rank"]
     lat = lateness.dropna(subset=keys) if lateness[keys].isna().any(axis=None) else lateness
@@ -238,9 +239,8 @@ def _steady(mean: np.ndarray, pos: np.ndarray, t: np.ndarray, peer_t: np.ndarray
             min_t: float, min_t_over_peers: float = MIN_STEADY_T_OVER_PEERS,
             min_positive_frac: float = MIN_STEADY_POSITIVE_FRAC) -> np.ndarray:
     """The steady view: mean lateness excess over the group's median at least ``min_lateness_frac`` and
-    ``MIN_STEADY_EXCESS_FRAC``, positive in
-    ``min_positive_frac`` of the steps, ``min_t`` standard errors above zero and ``min_t_over_peers`` x any peer's
-    (a peer's non-positive value does not block)."""
+    ``MIN_STEADY_EXCESS_FRAC``, positive in ``min_positive_frac`` of the steps, ``min_t`` standard errors above
+    zero and ``min_t_over_peers`` x any peer's (a peer's non-positive value does not block)."""
     return ((mean >= max(min_lateness_frac, MIN_STEADY_EXCESS_FRAC)) & (pos >= min_positive_frac) & (t >= min_t)
             & ~(t < min_t_over_peers * np.maximum(peer_t, 0)))
 

@@ -313,3 +313,28 @@ def test_a_rank_late_only_because_it_waited_on_others_is_told_as_info_not_blamed
     assert (f.ranks, f.severity, f.evidence["cause"]) == ((0,), "info", "communication")
     [g] = st.detect_stragglers(scores, causes.assign(cause="compute"))
     assert g.ranks == (0,) and g.severity in ("warning", "critical")
+
+
+def test_a_flagged_rank_that_waited_on_an_unflagged_tp_peer_moves_the_blame_to_that_peer():
+    # rank 0 is slowed but its own DP group's arrivals swing (late in half the steps) so no view names it; its
+    # TP peer rank 1 waits for it inside their TP collectives and is steadily late in its DP group {1, 3}
+    rng = np.random.default_rng(15)
+    n = 20
+    swing = [0.5 if i % 2 else -0.2 for i in range(n)]
+    parts = [_lateness({0: swing, 2: [-x for x in swing]}, pg="dp"),
+             _lateness({1: list(0.15 + rng.normal(0.0, 0.01, n)), 3: list(-0.15 + rng.normal(0.0, 0.01, n))},
+                       pg="dp"),
+             _lateness({0: list(0.04 + rng.normal(0.0, 0.01, n)), 1: list(-0.04 + rng.normal(0.0, 0.01, n))},
+                       pg="tp"),                     # later in TP, by less than any view names
+             _lateness({2: list(rng.normal(0.0, 0.01, n)), 3: list(rng.normal(0.0, 0.01, n))}, pg="tp")]
+    lateness = pd.concat(parts, ignore_index=True)
+    scores = st.straggler_scores(lateness)
+    assert pd.isna(scores.set_index(["pg", "pg_ranks", "rank"]).loc[("tp", "0,1", 0), "detected_by"])
+    assert pd.isna(scores.set_index(["pg", "pg_ranks", "rank"]).loc[("dp", "0,2", 0), "detected_by"])
+    none = pd.DataFrame({c: [] for c in st.CAUSE_COLUMNS})
+    links = {frozenset(p) for p in ((0, 2), (1, 3), (0, 1), (2, 3))}
+    [f] = st.detect_stragglers(scores, none, links=links, axis_of_pg=lambda pg: pg, lateness=lateness)
+    ev = f.evidence
+    assert (f.ranks, f.group, ev["detected_by"], ev["propagated_to"]) == ((0,), "dp", "via_victim", [1])
+    assert ev["detected_at_step"] == scores.set_index(["pg", "pg_ranks", "rank"]).loc[("dp", "1,3", 1),
+                                                                                        "detected_at_step"]

@@ -546,7 +546,9 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: set[
     Of two flagged ranks sharing a group or p2p link, the victim (the delay propagated to it) is the one with
     the smaller median pipeline ``own_delay_ns`` (rank -> ns, from ``pipeline_own_delay``) when both are known,
     else the earlier of the two in every judged group they share (``_later_in_shared_groups``), else the one
-    whose cause is communication: it is reported inside the culprit's finding, not as its own.
+    whose cause is communication: it is reported inside the culprit's finding, not as its own. A flagged rank
+    earlier than an unflagged one in every group they share, while that one is late in its own group, is such a
+    victim too: the later rank is reported (``detected_by`` ``via_victim``, ``_with_culprits_of_victims``).
     Critical when the victims wait ``critical_wait_frac`` of the step or more; ``info`` when its cause is
     communication (it waited on others: a victim whose culprit was not found). ``axis_of_pg`` maps a process
     group name to ``dp``/``tp``/``pp``; groups of ``skip_axes`` are not judged (in a pipeline group the arrival
@@ -594,9 +596,10 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: set[
     flagged = flagged.drop_duplicates(["pg", "pg_ranks"])      # one culprit per group: the latest
     best = flagged.drop_duplicates("rank")                      # one entry per rank: its worst group
     cause_of = {(c.pg, c.pg_ranks, c.rank): c for c in causes.itertuples(index=False)}
+    later = _later_in_shared_groups(scores)
+    best = _with_culprits_of_victims(best, scores, later, min_lateness_frac=min_lateness_frac)
     ranks = set(int(r) for r in best["rank"])
     own = own_delay_ns or {}
-    later = _later_in_shared_groups(scores)
     propagated: dict[int, list[int]] = {}
     for row in best.itertuples(index=False):
         c = cause_of.get((row.pg, row.pg_ranks, row.rank))
@@ -683,6 +686,32 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: set[
             rows=evidence_rows,
         ))
     return findings
+
+
+def _with_culprits_of_victims(best: pd.DataFrame, scores: pd.DataFrame, later: dict[tuple[int, int], bool], *,
+                              min_lateness_frac: float) -> pd.DataFrame:
+    """``best`` plus, for each flagged rank that arrived before an unflagged rank in every group they share
+    (``later``) while that rank is itself late in a group of its own (median lateness and mean excess >=
+    ``min_lateness_frac``): that rank's latest such score row, ``detected_by`` ``via_victim`` and the victim's
+    ``detected_at_step``. The flagged rank waited on it (inside their TP collectives) and is late only
+    downstream of it; the victim rule then reports the flagged rank in its ``propagated_to``."""
+    flagged = set(int(r) for r in best["rank"])
+    added: dict[int, pd.Series] = {}
+    for row in best.itertuples(index=False):
+        for (a, b), is_later in later.items():
+            if b != int(row.rank) or not is_later or a in flagged or a in added:
+                continue
+            own = scores[(scores["rank"] == a) & (scores["median_lateness_frac"] >= min_lateness_frac)]
+            if "mean_excess_frac" in own:
+                own = own[own["mean_excess_frac"] >= min_lateness_frac]
+            if own.empty:
+                continue
+            top = own.sort_values("median_lateness_frac", ascending=False).iloc[0].copy()
+            top["detected_by"], top["detected_at_step"] = "via_victim", row.detected_at_step
+            added[a] = top
+    if not added:
+        return best
+    return pd.concat([best, pd.DataFrame(list(added.values()))[best.columns]], ignore_index=True)
 
 
 def _later_in_shared_groups(scores: pd.DataFrame) -> dict[tuple[int, int], bool]:

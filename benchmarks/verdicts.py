@@ -225,6 +225,29 @@ def report(outcomes: list[Outcome]) -> str:
     return "\n".join(lines)
 
 
+def reanalyze(log: Path, work_dir: Path) -> list[Outcome]:
+    """The outcomes of the runs an earlier invocation printed in ``log``, re-scored from their directories."""
+    import re
+
+    outcomes = []
+    for line in log.read_text().splitlines():
+        m = re.match(r"\[(\d+)/\d+\] (\S+)\s+(\S+)\s+(?:rank (\d+) from step (\d+))?", line)
+        if not m:
+            continue
+        i, layout, label, rank, step = m.groups()
+        kind, _, pct = label.partition("-")
+        sc = Scenario(kind=kind, layout=layout, rank=None if rank is None else int(rank),
+                      slowdown=int(pct) / 100 if pct else 0.0, fault_step=None if step is None else int(step))
+        run_dir = work_dir / f"{int(i):03d}-{layout}-{label}"
+        try:
+            outcomes.append(score(sc, analyze(run_dir)))
+        except Exception as exc:          # a run directory that is gone or broken: counted as an error
+            outcomes.append(Outcome(scenario=sc, error=f"{type(exc).__name__}: {exc}"))
+        print(f"{run_dir.name}: " + ("error" if outcomes[-1].error else "TP" if outcomes[-1].true_positive else
+                                     "-") + "".join(f"; FP {x}" for x in outcomes[-1].false_positives), flush=True)
+    return outcomes
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=10, help="clean runs per layout (default 10)")
@@ -242,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/dtprobe_verdicts"), help="run directories")
     parser.add_argument("--keep", action="store_true", help="keep every run directory (default: only missed and "
                         "falsely flagged ones)")
+    parser.add_argument("--reanalyze", type=Path, metavar="LOG",
+                        help="run nothing: score the run directories under --work-dir that an earlier invocation "
+                             "(its printed output saved in LOG, run with --keep) left, with today's analysis")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: dp2 only, 1 clean run, slowdowns of 20%% only")
     args = parser.parse_args(argv)
@@ -250,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < args.fault_step + 10:
         parser.error(f"--steps {args.steps} leaves fewer than 10 steps after --fault-step {args.fault_step}")
 
+    if args.reanalyze is not None:
+        print(report(reanalyze(args.reanalyze, args.work_dir)))
+        return 0
     matrix = build_matrix(args)
     print(f"{len(matrix)} runs: layouts {' '.join(args.layouts)}, {args.repeats} clean each, slowdowns "
           f"{' '.join(f'{s:.0%}' for s in args.slowdowns)}, faults from step {args.fault_step}, seed {args.seed}",

@@ -191,8 +191,8 @@ class FaultInjector:
         self._stragglers = job_faults_of(faults, "straggler", rank=rank)
         self._announced: set[int] = set()
         self.burn = burn
+        self._clock = time.thread_time if burn else time.perf_counter   # what a compute's length is measured in
         self._compute_start = 0.0
-        self._compute_start_cpu = 0.0
         self._last_compute_s = 0.0
 
     @property
@@ -206,8 +206,6 @@ class FaultInjector:
             os._exit(1)
 
     def in_compute(self, step: int) -> None:
-        self._compute_start = time.perf_counter()
-        self._compute_start_cpu = time.thread_time()
         delay_s, work_s = 0.0, 0.0
         for i, spec in enumerate(self._stragglers):
             from_step = spec.get("from_step", 0)
@@ -227,13 +225,11 @@ class FaultInjector:
             delay_s += work_s
         if delay_s > 0:
             time.sleep(delay_s)
-        self._compute_start = time.perf_counter()
-        self._compute_start_cpu = time.thread_time()
+        self._compute_start = self._clock()
 
     def after_compute(self) -> None:
         """The last compute's length: this thread's CPU time when burning, else wall time."""
-        self._last_compute_s = (time.thread_time() - self._compute_start_cpu if self.burn
-                                else time.perf_counter() - self._compute_start)
+        self._last_compute_s = self._clock() - self._compute_start
 
 
 def _burn_cpu(seconds: float) -> None:

@@ -9,7 +9,7 @@ server starts. Measured side by side in one run:
   `dtprobe dashboard`);
 - finished: the same run finished and compacted (what `dtprobe run` leaves), analyzed whole;
 - floor: a page holding one metric, served by plain `streamlit run` the same way;
-- live refresh: what one refresh of the Overview does after one more step (``dashboard.data.load_overview``:
+- live refresh: what one refresh of the Overview does after one more step (``dtprobe.dashboard.data.load_overview``:
   tail the new lines, re-analyze the window, summarize it), for runs of 100, 1,000 and 3,000 steps.
 
     python benchmarks/dashboard_load.py [--ranks 64] [--steps 1000] [--repeats 3]
@@ -31,8 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dashboard.paths import ROOT_ENV, Source  # noqa: E402
-from dashboard.synthetic import SyntheticRun  # noqa: E402
+from dtprobe.dashboard.paths import ROOT_ENV, Source  # noqa: E402
+from dtprobe.dashboard.synthetic import SyntheticRun  # noqa: E402
 from dtprobe.commands.dashboard import APP, streamlit_argv  # noqa: E402
 
 
@@ -122,7 +122,7 @@ def streamlit_floor_s(folder: Path) -> float:
 
 def refresh_cost_s(run: SyntheticRun) -> tuple[float, float]:
     """(store tail, whole refresh) seconds of one live page refresh after one more step."""
-    from dashboard import data
+    from dtprobe.dashboard import data
 
     source = Source(name=run.run_dir.name, path=run.run_dir.resolve(), kind="run")
     data.load_analysis(source)
@@ -143,7 +143,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1000, help="steps of the synthetic run (default 1000)")
     ap.add_argument("--repeats", type=int, default=3, help="server starts per case (the median is printed)")
     args = ap.parse_args()
-    from dashboard.data import live_window_steps
+    from dtprobe.dashboard.data import live_window_steps
     from dtprobe.store import compact
     from dtprobe.store.manifest import set_status
 

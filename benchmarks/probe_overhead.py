@@ -96,7 +96,7 @@ def bound_thread_cpu(run_dir: Path, *, interval_s: float, seconds: float = 3.0, 
     import threading
     import time
 
-    from collectors.pg_wrapper import CollectiveRecorder
+    from dtprobe.collectors.pg_wrapper import CollectiveRecorder
     from dtprobe.store.writer import RankWriter
 
     writer = RankWriter(run_dir, 0, flush_interval_s=interval_s, autoflush=True)
@@ -149,7 +149,7 @@ def main() -> int:
                              "side is slower, the ratios are what counts)")
     args = parser.parse_args()
 
-    from collectors.config import CollectConfig
+    from dtprobe.collectors.config import CollectConfig
 
     defaults = CollectConfig()
     print(f"collectors on = defaults: flush_interval_s={defaults.flush_interval_s}, "

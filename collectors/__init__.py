@@ -1,11 +1,11 @@
 """Telemetry emitters into the run store: collectives (recording process groups), steps, devices, profiler
-windows. ``collectors.attach.attach`` (re-exported as ``dtprobe.attach``) is the entry point."""
+windows. ``dtprobe.collectors.attach.attach`` (re-exported as ``dtprobe.attach``) is the entry point."""
 
 from __future__ import annotations
 
 
 def register_backends() -> None:
     """Register the recording backends ``dtprobe_gloo`` / ``dtprobe_nccl`` (imports torch.distributed)."""
-    from collectors.pg_wrapper import register_backends as _register
+    from dtprobe.collectors.pg_wrapper import register_backends as _register
 
     _register()

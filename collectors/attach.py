@@ -25,7 +25,7 @@ Written: ``ranks/rankNNNNN.json`` (every rank), ``run.json`` (attach-mode leader
 Loss bound: rows reach the OS every ``flush_interval_s`` (0.1 s) from background threads, so a killed rank
 loses at most its last 0.1 s of rows, and a collective it waited in for more than 0.2 s is on disk (``pending``).
 ``lifecycle`` gets an "attach" row at attach and a "close" row at close (``probe.close``, the ``with`` block, the
-interpreter's exit, or SIGTERM, see ``collectors.sigterm``): a rank with no close row was killed or frozen.
+interpreter's exit, or SIGTERM, see ``dtprobe.collectors.sigterm``): a rank with no close row was killed or frozen.
 """
 
 from __future__ import annotations
@@ -46,14 +46,14 @@ import orjson
 import torch
 import torch.distributed as dist
 
-from collectors import sigterm
-from collectors.clock import measure_clock_offset
-from collectors.config import CollectConfig
-from collectors.devices import DeviceSampler
-from collectors.kernels import ProfilerWindow
-from collectors.null import NullProbe
-from collectors.pg_wrapper import GLOO_BACKEND, NCCL_BACKEND, RECORDER, RecordingProcessGroup, register_backends
-from collectors.training import StepContext
+from dtprobe.collectors import sigterm
+from dtprobe.collectors.clock import measure_clock_offset
+from dtprobe.collectors.config import CollectConfig
+from dtprobe.collectors.devices import DeviceSampler
+from dtprobe.collectors.kernels import ProfilerWindow
+from dtprobe.collectors.null import NullProbe
+from dtprobe.collectors.pg_wrapper import GLOO_BACKEND, NCCL_BACKEND, RECORDER, RecordingProcessGroup, register_backends
+from dtprobe.collectors.training import StepContext
 from dtprobe.store import manifest as store_manifest
 from dtprobe.store.errors import ConfigError
 from dtprobe.store.schema import MANIFEST_FILE, SCHEMAS
@@ -282,12 +282,12 @@ def attach(run_dir: str | os.PathLike, *, timeout_s: float = 600.0, backend: str
       if not yet initialized, on ``backend`` (default: ``dtprobe_nccl`` with CUDA, else ``dtprobe_gloo``; a
       plain ``gloo``/``nccl`` when collectives are off) with ``timeout_s``. If already initialized nothing is
       wrapped: the default group is recorded only if it was created with ``backend="dtprobe_gloo"`` (call
-      ``collectors.register_backends()`` before ``init_process_group``).
+      ``dtprobe.collectors.register_backends()`` before ``init_process_group``).
     - Measures the clock offset to rank 0, writes ``ranks/rankNNNNN.json``; the leader creates ``run.json``
       when absent (attach mode); starts the device sampler; arms the profiler window.
     - ``manage_status``: whether the leader sets the run status at close (default: True unless launched by
       ``dtprobe run``, i.e. ``DTPROBE_JOB`` is unset). ``probe.close`` also runs at exit, and on SIGTERM
-      (``close_on_sigterm``, from the main thread only: see ``collectors.sigterm``).
+      (``close_on_sigterm``, from the main thread only: see ``dtprobe.collectors.sigterm``).
     """
     unknown = set(collect) - _CONFIG_FIELDS
     if unknown:
@@ -328,7 +328,7 @@ def attach(run_dir: str | os.PathLike, *, timeout_s: float = 600.0, backend: str
         warnings.warn(
             "dtprobe.attach: torch.distributed was already initialized, so the default group's collectives are "
             "NOT recorded. Call dtprobe.attach before init_process_group, or run "
-            "`collectors.register_backends(); dist.init_process_group(backend=\"dtprobe_gloo\")` "
+            "`dtprobe.collectors.register_backends(); dist.init_process_group(backend=\"dtprobe_gloo\")` "
             "(dtprobe_nccl on CUDA). probe.new_group(...) groups are still recorded.", stacklevel=2)
 
     rank, world_size = dist.get_rank(), dist.get_world_size()

@@ -1,4 +1,4 @@
-"""``CollectConfig``: what the probe records (collectives, devices, profiler windows); read by ``collectors.attach``."""
+"""``CollectConfig``: what the probe records (collectives, devices, profiler windows); read by ``dtprobe.collectors.attach``."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ class CollectConfig:
     collectives and a ``lifecycle`` close row (reason ``"SIGTERM"``) are written, also while the main thread is
     blocked in a collective; then the process dies of SIGTERM as it would have, or, if a Python SIGTERM handler
     was installed before ``attach``, that handler runs and decides. Installed only from the main thread
-    (``collectors.sigterm``)."""
+    (``dtprobe.collectors.sigterm``)."""
 
     def __post_init__(self) -> None:
         if self.collective_timing not in ("wait", "enqueue"):

@@ -6,13 +6,13 @@ from typing import Any, Sequence
 
 import torch.distributed as dist
 
-from collectors.config import CollectConfig
-from collectors.training import NullStepContext
+from dtprobe.collectors.config import CollectConfig
+from dtprobe.collectors.training import NullStepContext
 from dtprobe.store.writer import NullWriter
 
 
 class NullProbe:
-    """Same surface as ``collectors.attach.Probe``; records nothing, creates plain (unrecorded) groups."""
+    """Same surface as ``dtprobe.collectors.attach.Probe``; records nothing, creates plain (unrecorded) groups."""
 
     def __init__(self, run_dir: Any = None, *, rank: int = 0, world_size: int = 1, local_rank: int = 0,
                  device: str = "cpu", config: CollectConfig | None = None) -> None:

@@ -219,7 +219,7 @@ class _Paused:
 
 
 RECORDER = CollectiveRecorder()
-"""The recorder every ``RecordingProcessGroup`` writes through; ``collectors.attach`` configures it."""
+"""The recorder every ``RecordingProcessGroup`` writes through; ``dtprobe.collectors.attach`` configures it."""
 
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}

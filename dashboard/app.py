@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard.nav import PAGES
+from dtprobe.dashboard.nav import PAGES
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ import pandas as pd
 import plotly.express as px
 import plotly.graph_objects as go
 
-from dashboard import startup
+from dtprobe.dashboard import startup
 
 startup.plotly_theme()  # Streamlit's template becomes plotly's default before any figure here is made
 

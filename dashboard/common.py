@@ -11,8 +11,8 @@ from typing import Callable
 
 import streamlit as st
 
-from dashboard import data
-from dashboard.paths import ROOT_IS_SOURCE, Source, resolve_choice, root_from_env
+from dtprobe.dashboard import data
+from dtprobe.dashboard.paths import ROOT_IS_SOURCE, Source, resolve_choice, root_from_env
 from dtprobe.store.errors import ConfigError, TraceError
 
 SEVERITY_BADGE = {"critical": "red", "warning": "orange", "info": "blue"}
@@ -202,7 +202,7 @@ def _window_caption(window: str, total_steps: int) -> None:
 
 def chart(fig, *, key: str) -> None:
     """Draw a plotly figure with a PNG download button (the PNG is rendered only when clicked)."""
-    from dashboard import export
+    from dtprobe.dashboard import export
 
     st.plotly_chart(fig, key=key)
     st.download_button("PNG", data=lambda: export.figure_png(fig), file_name=f"{key}.png", mime="image/png",

@@ -6,10 +6,10 @@ the user asks for the whole run, so a live refresh costs the window, not the run
 always analyzed whole. An analysis is rebuilt only when the store's row counts or status changed. Trace folders
 are parsed once per mtime. Planner results are cached by their inputs.
 
-The first Overview after the server starts can come from ``dashboard.summary``'s child process instead
+The first Overview after the server starts can come from ``dtprobe.dashboard.summary``'s child process instead
 (``put_summary``): the server then analyzes that run itself shortly after the page is sent.
 
-The caches are plain module state (not ``st.cache_resource``) so that ``dashboard.serve`` can fill them before
+The caches are plain module state (not ``st.cache_resource``) so that ``dtprobe.dashboard.serve`` can fill them before
 any browser session exists.
 """
 
@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import streamlit as st
 
-from dashboard import summary
-from dashboard.paths import LIVE_WINDOW_ENV, Source, list_sources, live_window_steps  # noqa: F401 (re-exported)
+from dtprobe.dashboard import summary
+from dtprobe.dashboard.paths import LIVE_WINDOW_ENV, Source, list_sources, live_window_steps  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:  # imported where used: the first Overview can be drawn before pandas is imported
     from dtprobe.analysis.facade import RunAnalysis

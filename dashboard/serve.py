@@ -1,15 +1,15 @@
-"""The dashboard's server process: ``python -m dashboard.serve run dashboard/app.py [streamlit flags]``.
+"""The dashboard's server process: ``python -m dtprobe.dashboard.serve run dashboard/app.py [streamlit flags]``.
 
 Runs Streamlit's own command line after four start-up savings, so that the first page is drawn soon after the
 server starts (``benchmarks/dashboard_load.py`` measures it):
 
-- before anything else it starts ``python -m dashboard.summary``, which opens and analyzes the run the picker
+- before anything else it starts ``python -m dtprobe.dashboard.summary``, which opens and analyzes the run the picker
   shows first (the newest under the root) on the machine's other core while this process imports Streamlit and
-  the browser loads the page; the first Overview is drawn from the summary it prints (``dashboard.data``), and
+  the browser loads the page; the first Overview is drawn from the summary it prints (``dtprobe.dashboard.data``), and
   this process analyzes the run itself once that page is sent. Analyzing here instead, in a thread, shared the
   one interpreter lock with the server sending the page's ~100 script files;
 - Streamlit's plotly template is set up when the first chart is made, not at Streamlit's import
-  (``dashboard.startup``);
+  (``dtprobe.dashboard.startup``);
 - Streamlit's scan of every installed distribution for custom-component manifests is skipped: the dashboard
   uses no custom components, and the scan reads the metadata of every installed package (~0.4 s here);
 - Streamlit's check, when the first element of the first page is drawn, whether it was started from a Python
@@ -29,7 +29,7 @@ SUMMARY_TIMEOUT_S = 300.0
 
 def _newest_source() -> str | None:
     """The folder of the run or trace folder the picker shows first, or None (no root, nothing under it)."""
-    from dashboard.paths import list_sources, root_from_env
+    from dtprobe.dashboard.paths import list_sources, root_from_env
     from dtprobe.store.errors import ConfigError
 
     try:
@@ -41,7 +41,7 @@ def _newest_source() -> str | None:
 
 def _start_summary(path: str) -> subprocess.Popen | None:
     try:
-        return subprocess.Popen([sys.executable, "-m", "dashboard.summary", path], stdin=subprocess.DEVNULL,
+        return subprocess.Popen([sys.executable, "-m", "dtprobe.dashboard.summary", path], stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     except OSError as exc:
         print(f"dtprobe dashboard: could not start the summary process ({exc}); pages analyze in the server.",
@@ -50,9 +50,9 @@ def _start_summary(path: str) -> subprocess.Popen | None:
 
 
 def _collect_summary(path: str, proc: subprocess.Popen) -> None:
-    """Hand the child's summary of ``path`` to ``dashboard.data``; a child that fails leaves the analysis to the
+    """Hand the child's summary of ``path`` to ``dtprobe.dashboard.data``; a child that fails leaves the analysis to the
     page, which reports the same error where the user can act on it."""
-    from dashboard import data, summary
+    from dtprobe.dashboard import data, summary
 
     overview = None
     try:
@@ -94,12 +94,12 @@ def _skip_direct_run_check() -> None:
 def main() -> None:
     path = _newest_source()
     proc = _start_summary(path) if path is not None else None  # first: it runs while Streamlit is imported below
-    from dashboard import startup
+    from dtprobe.dashboard import startup
 
     startup.defer_plotly_theme()
     from streamlit.web import cli
 
-    from dashboard import data
+    from dtprobe.dashboard import data
 
     _skip_component_scan()
     _skip_direct_run_check()

@@ -1,12 +1,12 @@
 """Streamlit's plotly template, set up when the first chart is made instead of at Streamlit's import.
 
 Importing Streamlit imports plotly and builds its ``streamlit`` template (0.2-0.3 s here) whether or not a page
-ever draws a chart; the Overview draws none. ``dashboard.serve`` calls ``defer_plotly_theme`` before it imports
-Streamlit, and ``dashboard.charts`` calls ``plotly_theme`` when it is imported, before any figure is made (the
+ever draws a chart; the Overview draws none. ``dtprobe.dashboard.serve`` calls ``defer_plotly_theme`` before it imports
+Streamlit, and ``dtprobe.dashboard.charts`` calls ``plotly_theme`` when it is imported, before any figure is made (the
 template is plotly's default from then on, which figures take when they are made). In a process that did not
 defer it (``streamlit run``, tests) ``plotly_theme`` does nothing.
 
-A module of its own, not ``dashboard.serve``: that one runs as ``__main__``, and its state would not be the one
+A module of its own, not ``dtprobe.dashboard.serve``: that one runs as ``__main__``, and its state would not be the one
 the pages import.
 """
 

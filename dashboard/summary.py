@@ -1,10 +1,10 @@
 """What the Overview draws of a run, as plain data that crosses a process boundary as JSON: key figures, the trends
 of step time and tokens/s, the findings (without evidence rows) and which steps were analyzed.
 
-``dashboard.serve`` starts ``python -m dashboard.summary`` before it imports Streamlit: the child opens and
+``dtprobe.dashboard.serve`` starts ``python -m dtprobe.dashboard.summary`` before it imports Streamlit: the child opens and
 analyzes the newest run under the root on the machine's other core while the server starts and the browser
 loads the page, and the first Overview is drawn from the JSON it prints. The server analyzes the run itself
-right after that page (``dashboard.data``), for the other pages and the next live refresh.
+right after that page (``dtprobe.dashboard.data``), for the other pages and the next live refresh.
 
 No Streamlit here (the child would pay for its import), and the analysis modules (pandas) are imported inside
 the functions: the server reads a summary without them.
@@ -145,11 +145,11 @@ def trends(analysis: Any) -> dict[str, list[float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dashboard.paths import list_sources, live_window_steps, root_from_env, source_kind
+    from dtprobe.dashboard.paths import list_sources, live_window_steps, root_from_env, source_kind
     from dtprobe.store.errors import ConfigError, TraceError
 
     ap = argparse.ArgumentParser(
-        prog="python -m dashboard.summary",
+        prog="python -m dtprobe.dashboard.summary",
         description=f"Print the dashboard Overview of a run or trace folder as one {SCHEMA} JSON document; the "
                     f"dashboard's server runs it at its start. Exit 0 (nothing printed when the root holds no run), "
                     f"2 unusable input (message on stderr).")

@@ -6,7 +6,7 @@ __version__ = "0.1.0"
 
 
 def attach(*args, **kwargs):
-    """Instrument the current torchrun worker; see ``collectors.attach.attach`` (imported lazily: torch is heavy)."""
-    from collectors.attach import attach as _attach
+    """Instrument the current torchrun worker; see ``dtprobe.collectors.attach.attach`` (imported lazily: torch is heavy)."""
+    from dtprobe.collectors.attach import attach as _attach
 
     return _attach(*args, **kwargs)

@@ -21,9 +21,9 @@ import psutil
 import pytest
 from playwright.sync_api import expect, sync_playwright
 
-from dashboard.nav import PAGES
-from dashboard.paths import ROOT_ENV
-from dashboard.synthetic import write_synthetic_run
+from dtprobe.dashboard.nav import PAGES
+from dtprobe.dashboard.paths import ROOT_ENV
+from dtprobe.dashboard.synthetic import write_synthetic_run
 from dtprobe.commands.dashboard import APP, streamlit_argv
 
 REPO = Path(__file__).resolve().parents[1]

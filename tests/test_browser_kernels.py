@@ -25,8 +25,8 @@ import pytest
 from PIL import Image  # a Streamlit dependency
 from playwright.sync_api import expect
 
-from dashboard.export import PNG_MAGIC
-from dashboard.synthetic import write_synthetic_run
+from dtprobe.dashboard.export import PNG_MAGIC
+from dtprobe.dashboard.synthetic import write_synthetic_run
 from test_browser_dashboard import DLRM, REPO, SCREENSHOTS, browser, dashboard_server, page, wait_drawn  # noqa: F401
 
 DLRM_RANKS = 8
@@ -198,8 +198,8 @@ def test_export_swaps_streamlit_color_placeholders_and_keeps_the_figure():
     import plotly.io as pio
     import streamlit  # noqa: F401  (registers the "streamlit" template and makes it plotly's default)
 
-    from dashboard import charts
-    from dashboard.export import STREAMLIT_COLORS, as_drawn
+    from dtprobe.dashboard import charts
+    from dtprobe.dashboard.export import STREAMLIT_COLORS, as_drawn
 
     assert pio.templates.default == "streamlit"
     import pandas as pd

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from collectors.attach import Probe
-from collectors.config import CollectConfig
-from collectors.null import NullProbe
-from collectors.pg_wrapper import CollectiveRecorder, RecordedWork, RecordingProcessGroup
+from dtprobe.collectors.attach import Probe
+from dtprobe.collectors.config import CollectConfig
+from dtprobe.collectors.null import NullProbe
+from dtprobe.collectors.pg_wrapper import CollectiveRecorder, RecordedWork, RecordingProcessGroup
 from dtprobe.store import RunStore
 from dtprobe.store.schema import SCHEMAS
 from dtprobe.store.writer import RankWriter

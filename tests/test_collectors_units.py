@@ -12,12 +12,12 @@ import pytest
 import torch
 from torch._C._distributed_c10d import OpType
 
-from collectors import devices
-from collectors.attach import Probe, attach
-from collectors.config import CollectConfig
-from collectors.null import NullProbe
-from collectors.pg_wrapper import CollectiveRecorder, RecordedWork, RecordingProcessGroup
-from collectors.training import StepContext
+from dtprobe.collectors import devices
+from dtprobe.collectors.attach import Probe, attach
+from dtprobe.collectors.config import CollectConfig
+from dtprobe.collectors.null import NullProbe
+from dtprobe.collectors.pg_wrapper import CollectiveRecorder, RecordedWork, RecordingProcessGroup
+from dtprobe.collectors.training import StepContext
 from dtprobe.store.errors import ConfigError
 
 
@@ -312,7 +312,7 @@ def test_recording_group_forwards_untouched_when_recorder_is_paused():
 # ---------------------------------------------------------------------------------------------- steps
 
 def test_step_phases_accumulate_over_micro_batches(monkeypatch):
-    from collectors import training
+    from dtprobe.collectors import training
 
     ticks = iter([0, 30, 30, 40, 40, 70, 70, 80])       # fwd 0-30, bwd 30-40, fwd 40-70, bwd 70-80 (ms)
     monkeypatch.setattr(training.time, "perf_counter_ns", lambda: next(ticks) * 1_000_000)

@@ -10,7 +10,7 @@ from pathlib import Path
 from rich.console import Console
 from streamlit.testing.v1 import AppTest
 
-from dashboard.paths import ROOT_ENV
+from dtprobe.dashboard.paths import ROOT_ENV
 from dtprobe.analysis import RunAnalysis
 from dtprobe.cli import main as cli_main
 from dtprobe.commands.analyze import render_text
@@ -56,7 +56,7 @@ def _without_crash_findings(monkeypatch) -> None:
 
 
 def test_a_restart_no_crash_tells_heads_the_report_and_the_overview(monkeypatch):
-    from dashboard.summary import Overview, summarize
+    from dtprobe.dashboard.summary import Overview, summarize
 
     line = "restart 1: the job restarted from step 15, 0 step(s) lost"
     assert summarize(RunAnalysis.open(RUN), path=str(RUN)).restarts == ()       # the crash title tells it

@@ -19,10 +19,10 @@ import pytest
 import streamlit
 from streamlit.testing.v1 import AppTest
 
-from dashboard import charts, data, export, summary
-from dashboard.nav import FINDING_PAGE, PAGES
-from dashboard.paths import ROOT_ENV, list_sources, resolve_choice
-from dashboard.synthetic import SyntheticRun, write_synthetic_run
+from dtprobe.dashboard import charts, data, export, summary
+from dtprobe.dashboard.nav import FINDING_PAGE, PAGES
+from dtprobe.dashboard.paths import ROOT_ENV, list_sources, resolve_choice
+from dtprobe.dashboard.synthetic import SyntheticRun, write_synthetic_run
 from dtprobe.analysis.facade import RunAnalysis
 from dtprobe.store.errors import ConfigError
 
@@ -145,7 +145,7 @@ def sparklines(at) -> dict[str, list[tuple[float, float]]]:
 
 
 def test_sparkline_scales_to_its_box_and_draws_a_flat_series_midway():
-    from dashboard import common
+    from dtprobe.dashboard import common
 
     def points(values):
         return svg_points(SPARKLINE.fullmatch(common.sparkline("x", values)).group(2))
@@ -212,7 +212,7 @@ def test_live_run_shows_new_steps_on_rerun(tmp_path, monkeypatch):
 
 
 def test_live_refresh_parses_only_the_new_lines(tmp_path, monkeypatch):
-    from dashboard import data
+    from dtprobe.dashboard import data
 
     run = SyntheticRun(tmp_path / "live", num_ranks=2)
     run.write_steps(10)
@@ -291,7 +291,7 @@ def test_summary_process_prints_the_overview_of_the_newest_run(tmp_path):
     os.utime(old, (1, 1))
     new = write_synthetic_run(tmp_path / "new", num_ranks=4, num_steps=12, straggler_rank=STRAGGLER_RANK)
     env = dict(os.environ, **{ROOT_ENV: str(tmp_path)})
-    done = subprocess.run([sys.executable, "-m", "dashboard.summary"], env=env, capture_output=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "dtprobe.dashboard.summary"], env=env, capture_output=True, timeout=120)
     assert done.returncode == 0, done.stderr.decode()
     child = summary.Overview.from_json(done.stdout)
     here = summary.summarize(RunAnalysis.open(new), path=str(new.resolve()))
@@ -301,15 +301,15 @@ def test_summary_process_prints_the_overview_of_the_newest_run(tmp_path):
     assert child.findings == here.findings and "STRAGGLER" in [f.code for f in child.findings]
     assert Path(child.path).name == "new"
 
-    done = subprocess.run([sys.executable, "-m", "dashboard.summary", str(old)], env=env, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "dtprobe.dashboard.summary", str(old)], env=env, capture_output=True,
                           timeout=120)
     assert done.returncode == 0 and summary.Overview.from_json(done.stdout).num_steps == 4  # a named folder
 
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "run.json").write_text("{not json")
-    done = subprocess.run([sys.executable, "-m", "dashboard.summary"], env=env, capture_output=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "dtprobe.dashboard.summary"], env=env, capture_output=True, timeout=120)
     assert done.returncode == 2 and b"run.json" in done.stderr and not done.stdout
-    done = subprocess.run([sys.executable, "-m", "dashboard.summary", str(tmp_path / "nothing")], env=env,
+    done = subprocess.run([sys.executable, "-m", "dtprobe.dashboard.summary", str(tmp_path / "nothing")], env=env,
                           capture_output=True, timeout=120)
     assert done.returncode == 2 and b"neither a run" in done.stderr and not done.stdout
     for text in ("[]", '{"schema": "dtprobe.findings/1"}', '{"schema": "dtprobe.overview/1", "path": "/r"}', "{"):
@@ -318,7 +318,7 @@ def test_summary_process_prints_the_overview_of_the_newest_run(tmp_path):
 
 
 def test_server_starts_the_summary_of_the_run_the_picker_shows_first(tmp_path, monkeypatch):
-    from dashboard import serve
+    from dtprobe.dashboard import serve
 
     old = write_synthetic_run(tmp_path / "old", num_ranks=2, num_steps=4)
     os.utime(old, (1, 1))
@@ -380,10 +380,10 @@ def test_another_runs_pending_summary_does_not_hold_a_page_up(straggler_root, mo
 def test_first_overview_needs_neither_pandas_nor_plotly_in_the_server():
     code = """if True:
         import sys
-        from dashboard import startup
+        from dtprobe.dashboard import startup
         startup.defer_plotly_theme()
         import streamlit
-        from dashboard import common, data, nav, summary
+        from dtprobe.dashboard import common, data, nav, summary
         overview = summary.Overview(path="/r", whole=True, figures=dict(
             num_steps=3, step_time_ms=12.5, tokens_per_s=1000.0, mfu=None, mfu_reason="CPU", exposed_comm_frac=0.1,
             bubble_frac=None, num_overflows=None, checkpoint_share_frac=None), num_steps=3,
@@ -391,7 +391,7 @@ def test_first_overview_needs_neither_pandas_nor_plotly_in_the_server():
         overview = summary.Overview.from_json(overview.to_json())
         print(common.key_figures(overview)["step time"], common.sparkline("step time", overview.trends["step time"])[:16])
         print(sorted(m for m in ("pandas", "plotly", "pyarrow") if m in sys.modules))
-        from dashboard import charts  # the first chart sets Streamlit's plotly template up
+        from dtprobe.dashboard import charts  # the first chart sets Streamlit's plotly template up
         import plotly.io as pio
         print(pio.templates.default)
     """
@@ -494,4 +494,4 @@ def test_dashboard_server_command_runs_streamlit_through_the_serve_entry_point()
     from dtprobe.commands.dashboard import streamlit_argv
 
     argv = streamlit_argv(host="127.0.0.1", port=8599)
-    assert argv[1:5] == ["-m", "dashboard.serve", "run", str(APP)]
+    assert argv[1:5] == ["-m", "dtprobe.dashboard.serve", "run", str(APP)]

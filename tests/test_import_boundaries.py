@@ -31,23 +31,23 @@ def _banned_hits(package: str, banned: str) -> list[str]:
     "package,banned",
     [
         ("dtprobe/store", "torch"),
-        ("dtprobe/store", "collectors"),
-        ("dtprobe/store", "dashboard"),
+        ("dtprobe/store", "dtprobe.collectors"),
+        ("dtprobe/store", "dtprobe.dashboard"),
         ("dtprobe/store", "dtprobe.analysis"),
         ("dtprobe/store", "dtprobe.runtime"),
         ("dtprobe/store", "streamlit"),
         ("collectors", "dtprobe.analysis"),
-        ("collectors", "dashboard"),
+        ("collectors", "dtprobe.dashboard"),
         ("dtprobe/runtime", "dtprobe.analysis"),
-        ("dtprobe/runtime", "dashboard"),
+        ("dtprobe/runtime", "dtprobe.dashboard"),
         ("dtprobe/analysis", "torch"),
-        ("dtprobe/analysis", "collectors"),
+        ("dtprobe/analysis", "dtprobe.collectors"),
         ("dtprobe/analysis", "streamlit"),
         ("dtprobe/analysis", "dtprobe.runtime"),
         ("dtprobe/planner", "torch"),
-        ("dtprobe/planner", "collectors"),
+        ("dtprobe/planner", "dtprobe.collectors"),
         ("dtprobe/planner", "streamlit"),
-        ("dashboard", "collectors"),
+        ("dashboard", "dtprobe.collectors"),
         ("dashboard", "dtprobe.runtime"),
         ("dashboard", "torch"),
     ],
@@ -56,10 +56,17 @@ def test_import_boundaries_hold(package: str, banned: str) -> None:
     assert _banned_hits(package, banned) == [], f"{package} imports {banned}"
 
 
+@pytest.mark.parametrize("package", ["dtprobe", "collectors", "dashboard", "tests", "benchmarks"])
+@pytest.mark.parametrize("old_top_level", ["collectors", "dashboard"])
+def test_no_import_of_the_old_top_level_packages(package: str, old_top_level: str) -> None:
+    """``collectors`` and ``dashboard`` install as ``dtprobe.collectors`` and ``dtprobe.dashboard`` only."""
+    assert _banned_hits(package, old_top_level) == []
+
+
 def test_streamlit_cache_only_in_dashboard_data() -> None:
     offenders = [
         str(p.relative_to(ROOT))
-        for p in (ROOT / "dashboard").rglob("*.py")
+        for p in (ROOT / "dtprobe.dashboard").rglob("*.py")
         if "cache_data" in p.read_text() and p.name != "data.py"
     ]
     assert offenders == []

@@ -134,7 +134,7 @@ def test_loss_rank_is_the_first_rank_of_the_last_stage(layout, world, expected):
 _CLOCK_SCRIPT = """
 import datetime, json, sys
 import torch.distributed as dist
-from collectors.clock import measure_clock_offset
+from dtprobe.collectors.clock import measure_clock_offset
 rank, port, ids = int(sys.argv[1]), sys.argv[2], sys.argv[3].split(",")
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=len(ids),
                         timeout=datetime.timedelta(seconds=60))

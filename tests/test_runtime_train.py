@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from collectors.training import StepContext
+from dtprobe.collectors.training import StepContext
 from dtprobe.runtime.config import JobConfig, TrainConfig
 from dtprobe.runtime.faults import FaultInjector, parse_fault
 from dtprobe.runtime.train import train

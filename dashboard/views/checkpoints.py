@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import charts, common
+from dtprobe.dashboard import charts, common
 
 
 def body(source) -> None:

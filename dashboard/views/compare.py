@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard import charts, common
+from dtprobe.dashboard import charts, common
 
 
 def _per_step(name: str, analysis) -> dict[str, pd.DataFrame]:

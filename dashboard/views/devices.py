@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import charts, common
+from dtprobe.dashboard import charts, common
 
 SERIES = {
     "util_frac": "GPU utilisation", "mem_used_bytes": "GPU memory used (bytes)", "power_w": "power (W)",

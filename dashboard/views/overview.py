@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import common
-from dashboard.nav import FINDING_PAGE
+from dtprobe.dashboard import common
+from dtprobe.dashboard.nav import FINDING_PAGE
 
 
 def body(source) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import charts, common, data
+from dtprobe.dashboard import charts, common, data
 from dtprobe.planner import GPU_PRESETS, MODEL_PRESETS
 from dtprobe.store.errors import ConfigError
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import charts, common
+from dtprobe.dashboard import charts, common
 
 MAX_RANKS = 16  # ranks drawn at once (a 64-rank Gantt is unreadable); the rest are chosen in the rank filter
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import subprocess
 import sys
@@ -10,7 +11,8 @@ from pathlib import Path
 
 from dtprobe.store.errors import ConfigError
 
-APP = Path(__file__).resolve().parents[2] / "dashboard" / "app.py"
+APP = Path(importlib.util.find_spec("dtprobe.dashboard").origin).parent / "app.py"
+"""The dashboard's entry script, wherever ``dtprobe.dashboard`` is installed (the repo's ``dashboard/`` when editable)."""
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -34,7 +36,7 @@ def streamlit_argv(*, host: str, port: int) -> list[str]:
     """The exact server command: safe settings on the command line so they hold whatever the CWD's config."""
     allowed = ["127.0.0.1", "localhost"] if host in {"127.0.0.1", "localhost"} else [host]
     return [
-        sys.executable, "-m", "dashboard.serve", "run", str(APP),
+        sys.executable, "-m", "dtprobe.dashboard.serve", "run", str(APP),
         "--server.address", host, "--server.port", str(port), "--server.headless", "true",
         "--server.fileWatcherType", "none", "--server.enableStaticServing", "false",
         *[arg for name in allowed for arg in ("--server.allowedHosts", name)],

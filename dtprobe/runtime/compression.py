@@ -169,7 +169,7 @@ class CompressionHook:
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.step: int | None = None
-        """Set by ``set_step``; when never set, the probe's current step (``collectors.pg_wrapper.RECORDER``)."""
+        """Set by ``set_step``; when never set, the probe's current step (``dtprobe.collectors.pg_wrapper.RECORDER``)."""
         self._record = record or (lambda table, row: None)
         self._residuals: dict[int, torch.Tensor] = {}
         self._qs: dict[int, list[torch.Tensor]] = {}
@@ -323,7 +323,7 @@ def register_compression(ddp_model: Any, config: CompressionConfig, *, process_g
 
 def _probe_step() -> int:
     try:
-        from collectors.pg_wrapper import RECORDER
+        from dtprobe.collectors.pg_wrapper import RECORDER
     except ImportError:
         return -1
     return int(RECORDER.step)

@@ -2,7 +2,7 @@
 
 Read by the launcher (validation before anything starts), written to ``<run>/job.json`` and read back by every
 worker (``DTPROBE_JOB``). Sections: ``[model]`` ModelConfig, ``[layout]`` LayoutConfig, ``[train]`` TrainConfig,
-``[collect]`` ``collectors.config.CollectConfig``, ``inject`` (fault specs, see ``runtime.faults``), and the
+``[collect]`` ``dtprobe.collectors.config.CollectConfig``, ``inject`` (fault specs, see ``runtime.faults``), and the
 top-level launch keys of ``JobConfig``.
 
 Seam for other owners (RELIABILITY: precision, compression, checkpoint, recovery, hang): a module listed in
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from collectors.config import CollectConfig
+from dtprobe.collectors.config import CollectConfig
 from dtprobe.runtime.faults import FaultSpec, parse_fault
 from dtprobe.runtime.parallel.mesh import AC_MODES, PP_SCHEDULES, ZERO_STAGES
 from dtprobe.store.errors import ConfigError
@@ -242,7 +242,7 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     """``[train]``."""
     collect: CollectConfig = field(default_factory=CollectConfig)
-    """``[collect]``: telemetry switches (``collectors.config``)."""
+    """``[collect]``: telemetry switches (``dtprobe.collectors.config``)."""
     faults: tuple[FaultSpec, ...] = ()
     """Injected faults (``inject = ["straggler:rank=2,delay_ms=40"]`` / ``--inject``)."""
     extra: Mapping[str, Any] = field(default_factory=dict)

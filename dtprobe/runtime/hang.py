@@ -7,7 +7,7 @@ nothing is due):
    outlives the workers) under ``dtprobe/hang/<restart>/rank<r>``: JSON
    ``{"rank", "step", "time_ns", "groups": {pg: {"pg_ranks", "last_issued_seq", "last_issued_op",
    "last_completed_seq", "last_completed_op"}}}`` (from the recording process group,
-   ``collectors.pg_wrapper.RECORDER.progress()``);
+   ``dtprobe.collectors.pg_wrapper.RECORDER.progress()``);
 2. checks its own oldest operation issued but not completed, collective or point-to-point (a pipeline stage
    blocked in ``recv`` hangs too); once it has waited ``T`` seconds the watchdog fires: it reads every member's
    published progress, writes one ``faults`` row and the key ``dtprobe/hang/<restart>/fired``, flushes the
@@ -185,7 +185,7 @@ class Watchdog:
                  pending: Callable[[], list[dict[str, Any]]] | None = None,
                  exit: Callable[[int], None] = os._exit, peer_exit_grace_s: float = 5.0,
                  store_timeout_s: float = 2.0) -> None:
-        from collectors.pg_wrapper import RECORDER
+        from dtprobe.collectors.pg_wrapper import RECORDER
 
         self.config = config
         self.store = BoundedStore(store, timeout_s=store_timeout_s)

@@ -49,7 +49,7 @@ from dtprobe.store.schema import EVENTS_FILE, MANIFEST_FILE
 JOB_FILE = "job.json"
 LOGS_DIR = "logs"
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
-"""The directory holding the ``dtprobe`` and ``collectors`` packages (put on the workers' PYTHONPATH)."""
+"""The directory holding the ``dtprobe`` package (put first on the workers' PYTHONPATH, so they run this copy)."""
 _POLL_S = 0.5
 
 

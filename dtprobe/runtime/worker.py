@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import dtprobe
-from collectors.pg_wrapper import GLOO_BACKEND
+from dtprobe.collectors.pg_wrapper import GLOO_BACKEND
 from dtprobe.runtime.attempts import WORKER_FILE
 from dtprobe.runtime.config import JobConfig, load_job
 from dtprobe.runtime.train import train

@@ -2,34 +2,20 @@
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from dtprobe.runtime.model import build_model
 from dtprobe.store import RunStore
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.multiproc
-def test_attach_example_records_steps_ddp_allreduces_devices_and_a_finished_manifest(tmp_path):
+def test_attach_example_records_steps_ddp_allreduces_devices_and_a_finished_manifest(
+        tmp_path, repo_root, torchrun_cmd, child_env):
     run = tmp_path / "attach-run"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-           str(ROOT / "examples" / "attach_ddp.py"), str(run)]
-    proc = subprocess.run(cmd, env=env, timeout=300, capture_output=True, text=True)
+    cmd = torchrun_cmd(repo_root / "examples" / "attach_ddp.py", run, nproc=2)
+    proc = subprocess.run(cmd, env=child_env(), timeout=300, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     store = RunStore.open(run)

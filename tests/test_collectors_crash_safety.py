@@ -8,11 +8,11 @@ import inspect
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,7 +26,6 @@ from dtprobe.store import RunStore
 from dtprobe.store.schema import SCHEMAS
 from dtprobe.store.writer import RankWriter
 
-REPO = Path(__file__).resolve().parents[1]
 KEY = ["rank", "restart", "pg", "pg_ranks", "seq", "peer", "op"]
 """A collective's identity across ``pending`` and ``collectives`` (schema.py)."""
 
@@ -242,26 +241,23 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start_ranks(tmp_path: Path, mode: str, *, restart: int) -> tuple[Path, list[subprocess.Popen]]:
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    run = tmp_path / "run"
-    port = _free_port()
-    procs = []
-    for rank in range(2):
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("DTPROBE_", "TORCHELASTIC_"))}
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                   LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", PYTHONPATH=str(REPO),
-                   TORCHELASTIC_RESTART_COUNT=str(restart))
-        procs.append(subprocess.Popen([sys.executable, str(script), str(run), mode], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    return run, procs
+@pytest.fixture
+def start_ranks(tmp_path, free_port, child_env) -> Callable[..., tuple[Path, list[subprocess.Popen]]]:
+    """``start_ranks(mode, restart=R)``: the 2 ranks of ``WORKER`` started as torchrun would start attempt ``R``
+    (the test stops them with ``_stop``); returns the run directory and the processes."""
+    def start(mode: str, *, restart: int) -> tuple[Path, list[subprocess.Popen]]:
+        script = tmp_path / "worker.py"
+        script.write_text(WORKER)
+        run = tmp_path / "run"
+        port = free_port()
+        procs = []
+        for rank in range(2):
+            env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                            LOCAL_RANK=str(rank), TORCHELASTIC_RESTART_COUNT=str(restart))
+            procs.append(subprocess.Popen([sys.executable, str(script), str(run), mode], env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        return run, procs
+    return start
 
 
 def _await_line(proc: subprocess.Popen, text: str, *, timeout_s: float) -> None:
@@ -298,8 +294,8 @@ def _never_completed(run: Path):
 
 
 @pytest.mark.multiproc
-def test_rank_killed_inside_an_all_reduce_leaves_a_pending_row_naming_it_and_no_close(tmp_path):
-    run, procs = _start_ranks(tmp_path, "block", restart=2)
+def test_rank_killed_inside_an_all_reduce_leaves_a_pending_row_naming_it_and_no_close(start_ranks):
+    run, procs = start_ranks("block", restart=2)
     try:
         _await_line(procs[0], "issuing", timeout_s=120)
         time.sleep(1.0)                       # well past the bound (2 x flush_interval_s = 0.2 s)
@@ -320,8 +316,8 @@ def test_rank_killed_inside_an_all_reduce_leaves_a_pending_row_naming_it_and_no_
 
 
 @pytest.mark.multiproc
-def test_rank_sigtermed_inside_an_all_reduce_closes_its_probe_then_dies_of_sigterm(tmp_path):
-    run, procs = _start_ranks(tmp_path, "block", restart=0)
+def test_rank_sigtermed_inside_an_all_reduce_closes_its_probe_then_dies_of_sigterm(start_ranks):
+    run, procs = start_ranks("block", restart=0)
     try:
         _await_line(procs[0], "issuing", timeout_s=120)
         time.sleep(0.5)
@@ -347,8 +343,8 @@ def test_rank_sigtermed_inside_an_all_reduce_closes_its_probe_then_dies_of_sigte
     ("handler-before-attach", "SIGTERM"),   # chained: the probe closes first, then the user's handler runs
     ("handler-after-attach", "exit"),       # replaced: the user's handler alone; the probe closes at exit
 ])
-def test_sigterm_leaves_the_decision_to_a_user_handler(tmp_path, mode, close_reason):
-    run, procs = _start_ranks(tmp_path, mode, restart=0)
+def test_sigterm_leaves_the_decision_to_a_user_handler(start_ranks, mode, close_reason):
+    run, procs = start_ranks(mode, restart=0)
     try:
         _await_line(procs[1], "issuing", timeout_s=120)      # rank 1 sleeps in Python: its handler can run
         time.sleep(0.5)
@@ -389,12 +385,10 @@ def _zombie_exit_status(pid: int, *, timeout_s: float) -> int:
 
 
 @pytest.mark.multiproc
-def test_sigterm_to_a_forked_child_neither_closes_nor_kills_the_parent(tmp_path):
+def test_sigterm_to_a_forked_child_neither_closes_nor_kills_the_parent(tmp_path, child_env):
     script = tmp_path / "worker.py"
     script.write_text(FORKING_WORKER)
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("DTPROBE_", "TORCHELASTIC_")) and k not in ("RANK", "MASTER_ADDR")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env = child_env()
     proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "run")], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     child = None

@@ -6,9 +6,6 @@ from __future__ import annotations
 import gzip
 import json
 import os
-import socket
-import subprocess
-import sys
 import textwrap
 import warnings
 from pathlib import Path
@@ -18,17 +15,10 @@ import pytest
 pytestmark = pytest.mark.multiproc
 
 WORLD = 2
-REPO = Path(__file__).resolve().parents[1]
 DDP_PARAM_BYTES = (32 * 64 + 64 + 64 * 64 + 64 + 64 * 8 + 8) * 4
 """Gradient bytes of the tiny DDP model (fp32): Linear(32, 64) + Linear(64, 64) + Linear(64, 8)."""
 FSDP_UNIT_BYTES = {(32 * 64 + 64) * 4, (64 * 8 + 8) * 4}
 """Unsharded bytes of each fully_shard unit (one per Linear)."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, port: int, run_dir: str) -> None:
@@ -118,11 +108,11 @@ def _worker(rank: int, port: int, run_dir: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory) -> Path:
+def run_dir(tmp_path_factory, free_port) -> Path:
     import torch.multiprocessing as mp
 
     run = tmp_path_factory.mktemp("collectors") / "run"
-    ctx = mp.start_processes(_worker, args=(_free_port(), str(run)), nprocs=WORLD, join=False,
+    ctx = mp.start_processes(_worker, args=(free_port(), str(run)), nprocs=WORLD, join=False,
                              start_method="spawn")
     try:
         while not ctx.join(timeout=240):
@@ -287,8 +277,6 @@ def test_hta_reads_the_profiler_window_with_both_ranks(run_dir):
 
 
 CRASH_SCRIPT = textwrap.dedent("""
-    import sys
-    sys.path.insert(0, {repo!r})
     import dtprobe
     with dtprobe.attach({run!r}, timeout_s=30, devices=False) as probe:
         with probe.step(0):
@@ -297,29 +285,17 @@ CRASH_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_attach_context_marks_the_run_crashed_on_exception(tmp_path):
+def test_attach_context_marks_the_run_crashed_on_exception(tmp_path, run_python):
     run = tmp_path / "crash"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "MASTER_ADDR", "DTPROBE_JOB")}
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run([sys.executable, "-c", CRASH_SCRIPT.format(repo=str(REPO), run=str(run))],
-                          env=env, capture_output=True, text=True, timeout=120)
+    proc = run_python(CRASH_SCRIPT.format(run=str(run)), timeout_s=120)
     assert proc.returncode == 1 and "boom" in proc.stderr
     manifest = json.loads((run / "run.json").read_text())
     assert manifest["status"] == "crashed" and manifest["ended_ns"] is not None
     assert [r["step"] for r in _rows(run, "steps", 0)] == [0]
 
 
-def _run_script(script: str, tmp_path: Path) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "MASTER_ADDR", "DTPROBE_JOB")}
-    env["OMP_NUM_THREADS"] = "1"
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(script).format(repo=str(REPO), run=str(tmp_path))],
-                          env=env, capture_output=True, text=True, timeout=120)
-
-
-def test_attach_disabled_returns_a_null_probe_that_writes_nothing(tmp_path):
-    proc = _run_script("""
-        import sys
-        sys.path.insert(0, {repo!r})
+def test_attach_disabled_returns_a_null_probe_that_writes_nothing(tmp_path, run_python):
+    proc = run_python(textwrap.dedent("""
         import torch, torch.distributed as dist, dtprobe
         probe = dtprobe.attach({run!r} + "/off", enabled=False)
         with probe.step(0) as s:
@@ -327,16 +303,15 @@ def test_attach_disabled_returns_a_null_probe_that_writes_nothing(tmp_path):
                 dist.all_reduce(torch.ones(2))
         probe.close()
         print(type(probe).__name__, dist.get_backend())
-    """, tmp_path)
+    """).format(run=str(tmp_path)), timeout_s=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["NullProbe", "gloo"]
     assert not (tmp_path / "off").exists()
 
 
-def test_attach_after_plain_init_warns_and_records_only_probe_groups(tmp_path):
-    proc = _run_script("""
-        import sys, warnings
-        sys.path.insert(0, {repo!r})
+def test_attach_after_plain_init_warns_and_records_only_probe_groups(tmp_path, run_python):
+    proc = run_python(textwrap.dedent("""
+        import warnings
         import torch, torch.distributed as dist, dtprobe
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         with warnings.catch_warnings(record=True) as caught:
@@ -346,7 +321,7 @@ def test_attach_after_plain_init_warns_and_records_only_probe_groups(tmp_path):
         dist.all_reduce(torch.ones(2))
         dist.all_reduce(torch.ones(3), group=probe.new_group([0], name="mine"))
         probe.close()
-    """, tmp_path)
+    """).format(run=str(tmp_path)), timeout_s=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["WARNED"]
     rows = _rows(tmp_path / "late", "collectives", 0)

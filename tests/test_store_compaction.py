@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,7 +17,6 @@ from dtprobe.store.manifest import create_manifest, write_rank_info
 from dtprobe.store.schema import SCHEMAS
 from dtprobe.store.writer import RankWriter
 
-ROOT = Path(__file__).resolve().parents[1]
 T0 = 1_700_000_000_000_000_000
 OFFSETS = {0: 0, 1: 1_000_000, 2: -250_000}
 
@@ -163,12 +159,7 @@ def test_column_added_to_the_schema_after_compaction_reads_as_null(tmp_path):
     assert steps["loss"].notna().any()
 
 
-def _python(code: str, *args: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-c", code, *args], env=env)
-
-
-def test_store_loads_after_writer_is_sigkilled_mid_run(tmp_path):
+def test_store_loads_after_writer_is_sigkilled_mid_run(tmp_path, start_python):
     run = tmp_path / "r"
     create_manifest(run, run_id="r", command=["x"], config={}, world_size=1)
     write_rank_info(run, 0, host="h", node_rank=0, local_rank=0, device="cpu", pid=0, clock_offset_ns=0)
@@ -178,7 +169,7 @@ def test_store_loads_after_writer_is_sigkilled_mid_run(tmp_path):
             "for s in itertools.count():\n"
             "    w.write('steps', {'step': s, 'start_ns': s, 'loss': 1.0 / (s + 1)})\n"
             "    w.write('collectives', {'seq': s, 'op': 'allreduce', 'pg': 'world' * 50})\n")
-    proc = _python(code, str(run))
+    proc = start_python(code, run)
     path = run / "events" / "steps" / "rank00000.jsonl"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and (not path.exists() or path.stat().st_size < 200_000):
@@ -195,7 +186,7 @@ def test_store_loads_after_writer_is_sigkilled_mid_run(tmp_path):
     assert compact(run)["steps"] == complete
 
 
-def test_restarted_writer_cuts_torn_line_left_by_killed_predecessor(tmp_path):
+def test_restarted_writer_cuts_torn_line_left_by_killed_predecessor(tmp_path, start_python):
     run = tmp_path / "r"
     create_manifest(run, run_id="r", command=["x"], config={}, world_size=1)
     write_rank_info(run, 0, host="h", node_rank=0, local_rank=0, device="cpu", pid=0, clock_offset_ns=0)
@@ -207,7 +198,7 @@ def test_restarted_writer_cuts_torn_line_left_by_killed_predecessor(tmp_path):
             "f = open(w.run_dir / 'events/steps/rank00000.jsonl', 'ab', buffering=0)\n"
             "f.write(orjson.dumps({'rank': 0, 'step': 100, 'loss': 0.5})[:13])\n"
             "os._exit(9)\n")
-    assert _python(code, str(run)).wait(timeout=60) == 9
+    assert start_python(code, run).wait(timeout=60) == 9
     path = run / "events" / "steps" / "rank00000.jsonl"
     assert not path.read_bytes().endswith(b"\n")
     store = RunStore.open(run)
@@ -222,7 +213,7 @@ def test_restarted_writer_cuts_torn_line_left_by_killed_predecessor(tmp_path):
     assert all(orjson.loads(line) for line in path.read_bytes().splitlines())
 
 
-def test_live_refresh_while_a_writer_appends_matches_a_fresh_read(tmp_path):
+def test_live_refresh_while_a_writer_appends_matches_a_fresh_read(tmp_path, start_python):
     run = tmp_path / "r"
     create_manifest(run, run_id="r", command=["x"], config={}, world_size=1)
     write_rank_info(run, 0, host="h", node_rank=0, local_rank=0, device="cpu", pid=0, clock_offset_ns=0)
@@ -233,7 +224,7 @@ def test_live_refresh_while_a_writer_appends_matches_a_fresh_read(tmp_path):
             "    w.write('steps', {'step': s, 'start_ns': s, 'loss': 0.5})\n"
             "w.close()\n")
     store = RunStore.open(run)
-    proc = _python(code, str(run))
+    proc = start_python(code, run)
     total = 0
     while proc.poll() is None:
         total += store.refresh().get("steps", 0)

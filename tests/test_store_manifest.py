@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,8 +14,6 @@ from dtprobe.store.manifest import (RankInfo, Restart, add_restart, create_manif
                                     write_rank_info)
 from dtprobe.store.schema import SCHEMA_VERSION
 from dtprobe.store.writer import RankWriter
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def new_run(path: Path, *, world_size: int = 2, nnodes: int = 1) -> Path:
@@ -74,13 +70,12 @@ def test_add_restart_appends_records_and_reopens_the_run(tmp_path):
     assert m.status == "running" and m.ended_ns is None
 
 
-def test_concurrent_status_updates_do_not_lose_restarts(tmp_path):
+def test_concurrent_status_updates_do_not_lose_restarts(tmp_path, start_python):
     run = new_run(tmp_path / "a")
     code = ("import sys; from dtprobe.store.manifest import add_restart\n"
             "for j in range(10): add_restart(sys.argv[1], restart=int(sys.argv[2]) * 10 + j, time_ns=j, "
             "steps_lost=None, from_step=None)")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(run), str(i)], env=env) for i in range(4)]
+    procs = [start_python(code, run, str(i)) for i in range(4)]
     assert [p.wait(timeout=60) for p in procs] == [0, 0, 0, 0]
     assert sorted(r.restart for r in read_manifest(run).restarts) == list(range(40))
 

@@ -1,0 +1,123 @@
+"""Shared test harness: the repository's paths, the environment of every child process, free ports, and the
+``dtprobe`` CLI, a Python snippet or a torchrun job started in a subprocess.
+
+Every helper is a fixture (most return a function, so a test calls it with its own arguments); a test asks for
+it by name instead of importing from here. ``tests/chaos/harness.py`` keeps its own copies because
+``benchmarks/verdicts.py`` imports it outside pytest.
+
+A child process gets ``OMP_NUM_THREADS=1`` (the CPU tests share a few cores between several ranks), the checkout
+first on ``PYTHONPATH`` (so the code under test is the code in this tree), and none of the launcher variables
+of an outer torchrun or ``dtprobe run`` (``RANK``, ``MASTER_ADDR``, ``DTPROBE_*``, ``TORCHELASTIC_*``): a test
+started from inside a job must not join that job.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+"""The checkout: the only folder the tests read outside their temporary directories."""
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                      "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""Variables torchrun sets for its workers; dropped from a child's environment with every ``DTPROBE_*`` and
+``TORCHELASTIC_*`` variable."""
+CLI_TIMEOUT_S = 300.0
+"""Default limit of one CLI or Python child; a test that starts a longer job passes its own."""
+
+
+def child_environment(**extra: str) -> dict[str, str]:
+    """This process's environment for a child: one OpenMP thread, the checkout importable, no launcher
+    variables of an outer job; ``extra`` is set last (e.g. ``RANK="1"`` for a rank the test starts itself)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in LAUNCHER_VARIABLES and not k.startswith(("DTPROBE_", "TORCHELASTIC_"))}
+    path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **extra}
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    """The checkout's root folder."""
+    return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def sample_traces_dir() -> Path:
+    """``sample_traces/``: the checked-in runs made by ``dtprobe run``, one folder per scenario."""
+    return REPO_ROOT / "sample_traces"
+
+
+@pytest.fixture(scope="session")
+def child_env() -> Callable[..., dict[str, str]]:
+    """``child_env(**extra)``: the environment of a child process (see the module docstring)."""
+    return child_environment
+
+
+@pytest.fixture(scope="session")
+def free_port() -> Callable[[], int]:
+    """``free_port()``: a TCP port on 127.0.0.1 that was free a moment ago (for a rendezvous or a server)."""
+    def pick() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    return pick
+
+
+@pytest.fixture(scope="session")
+def run_cli() -> Callable[..., subprocess.CompletedProcess]:
+    """``run_cli(*args, timeout_s=300, env=None, cwd=None)``: ``python -m dtprobe.cli *args`` to its end, output
+    captured as text; ``env`` defaults to ``child_env()``. The caller checks ``returncode``."""
+    def run(*args: str | os.PathLike, timeout_s: float = CLI_TIMEOUT_S, env: dict[str, str] | None = None,
+            cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "dtprobe.cli", *map(str, args)], env=env or child_environment(),
+                              cwd=cwd, capture_output=True, text=True, timeout=timeout_s)
+    return run
+
+
+@pytest.fixture(scope="session")
+def run_python() -> Callable[..., subprocess.CompletedProcess]:
+    """``run_python(code, *args, timeout_s=300, env=None)``: ``python -c code *args`` to its end, output captured
+    as text; ``env`` defaults to ``child_env()``."""
+    def run(code: str, *args: str | os.PathLike, timeout_s: float = CLI_TIMEOUT_S,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", code, *map(str, args)], env=env or child_environment(),
+                              capture_output=True, text=True, timeout=timeout_s)
+    return run
+
+
+@pytest.fixture
+def start_python(request) -> Callable[..., subprocess.Popen]:
+    """``start_python(code, *args, env=None, **popen_kw)``: ``python -c code *args`` started and left running;
+    SIGKILLed and reaped when the test ends, also when it fails."""
+    def start(code: str, *args: str | os.PathLike, env: dict[str, str] | None = None,
+              **popen_kw) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-c", code, *map(str, args)], env=env or child_environment(),
+                                **popen_kw)
+        request.addfinalizer(lambda: _kill(proc))
+        return proc
+    return start
+
+
+@pytest.fixture(scope="session")
+def torchrun_cmd(free_port) -> Callable[..., list[str]]:
+    """``torchrun_cmd(script, *args, nproc=2)``: the command of a one-node torchrun of ``script`` on ``nproc``
+    local ranks with its rendezvous on 127.0.0.1 and a free port."""
+    def cmd(script: str | os.PathLike, *args: str | os.PathLike, nproc: int = 2) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+                "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), *map(str, args)]
+    return cmd
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=30)
+    for stream in (proc.stdout, proc.stderr):
+        if stream is not None:
+            stream.close()

@@ -11,9 +11,11 @@ import json
 import sys
 import time
 
-_EPILOG = """\
-model presets: tiny small medium (dtprobe's built-in GPT), llama3-8b llama3-70b gpt3-175b
-gpu presets:   a100-40 a100-80 h100-80 h200 mi300x (datasheet dense peaks), cpu (declared CPU figures)
+from dtprobe.catalog import BUILTIN_MODELS, DEVICES, PUBLISHED_MODELS
+
+_EPILOG = (f"model presets: {' '.join(BUILTIN_MODELS)} (dtprobe's built-in GPT), {' '.join(PUBLISHED_MODELS)}\n"
+           f"gpu presets:   {' '.join(n for n, d in DEVICES.items() if not d.is_cpu)} (datasheet dense peaks), "
+           f"{' '.join(n for n, d in DEVICES.items() if d.is_cpu)} (declared CPU figures)\n") + """\
 output: text (a table), or --format json: {"schema": "dtprobe.plan/1", "layouts": [...best first...],
         "rejected": [...with "reason"...]} (see docs/planner.md)
 calibration: --calibrate RUN refits compute efficiency, bus bandwidth, latency and DP overlap from a run made
@@ -59,7 +61,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from dtprobe.planner import GPU_PRESETS, TrainingSpec, make_cluster, model_preset, plan
+    from dtprobe.planner import TrainingSpec, device_preset, make_cluster, model_preset, plan
     from dtprobe.store.errors import ConfigError
 
     cal = None
@@ -74,7 +76,7 @@ def main(args: argparse.Namespace) -> int:
     if not args.model:
         raise ConfigError("--model is required (e.g. --model llama3-70b), unless you only --calibrate RUN")
     gpu = args.gpu or (cal.setup.cluster.device.name if cal is not None else "h100-80")
-    if cal is not None and cal.setup.cluster.device.is_cpu != GPU_PRESETS[gpu].is_cpu:
+    if cal is not None and cal.setup.cluster.device.is_cpu != device_preset(gpu).is_cpu:
         raise ConfigError(f"the calibration comes from a {'CPU' if cal.setup.cluster.device.is_cpu else 'GPU'} run "
                           f"and --gpu {gpu} is not: its efficiencies do not transfer. Plan with --gpu "
                           f"{cal.setup.cluster.device.name}, or calibrate from a run on {gpu}.")
@@ -84,7 +86,7 @@ def main(args: argparse.Namespace) -> int:
                            intra_bw_gb_s=args.intra_bw, inter_bw_gb_s=args.inter_bw,
                            intra_latency_us=args.intra_latency_us, inter_latency_us=args.inter_latency_us,
                            memory_gib=args.gpu_memory_gib)
-    precision = args.precision or ("fp32" if GPU_PRESETS[gpu].is_cpu else "bf16")
+    precision = args.precision or ("fp32" if cluster.device.is_cpu else "bf16")
     training = TrainingSpec(global_batch=args.global_batch or 2 * gpus, seq_len=args.seq_len or model.seq_len,
                             precision=precision, optimizer=args.optimizer, memory_margin_frac=args.memory_margin,
                             sequence_parallel=not args.no_sequence_parallel)
@@ -106,17 +108,15 @@ def main(args: argparse.Namespace) -> int:
 def _calibrate(args: argparse.Namespace):
     from rich.console import Console
 
-    from dtprobe.planner import GPU_PRESETS
+    from dtprobe.planner import device_preset
     from dtprobe.planner.calibrate import calibrate
     from dtprobe.store import RunStore
-    from dtprobe.store.errors import ConfigError
 
     with Console(stderr=True).status(f"calibrating from {args.calibrate} ..."):
         store = RunStore.open(args.calibrate)
         kinds = {str(r.device).split(":")[0] for r in store.manifest.ranks}
-        if args.gpu is not None and args.gpu not in GPU_PRESETS:
-            raise ConfigError(f"--gpu '{args.gpu}' is not a preset; choose one of {', '.join(GPU_PRESETS)}")
-        device = None if kinds <= {"cpu"} or args.gpu is None else GPU_PRESETS[args.gpu]
+        device = device_preset(args.gpu) if args.gpu is not None else None
+        device = None if kinds <= {"cpu"} else device
         return calibrate(store, device=device, warmup_steps=args.warmup_steps)
 
 

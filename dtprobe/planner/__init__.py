@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dtprobe.planner.search import LAYOUT_COLUMNS, SCHEMA, PlanResult, candidates, describe, plan
 from dtprobe.planner.specs import (GPU_PRESETS, MODEL_PRESETS, ClusterSpec, DeviceSpec, ModelSpec, TrainingSpec,
-                                   make_cluster, model_preset)
+                                   device_preset, make_cluster, model_preset)
 from dtprobe.planner.step_time import Efficiency, evaluate
 
 __all__ = ["GPU_PRESETS", "LAYOUT_COLUMNS", "MODEL_PRESETS", "SCHEMA", "ClusterSpec", "DeviceSpec", "Efficiency",
-           "ModelSpec", "PlanResult", "TrainingSpec", "candidates", "describe", "evaluate", "make_cluster",
-           "model_preset", "plan"]
+           "ModelSpec", "PlanResult", "TrainingSpec", "candidates", "describe", "device_preset", "evaluate",
+           "make_cluster", "model_preset", "plan"]

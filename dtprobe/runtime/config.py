@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from dtprobe.catalog import BUILTIN_MODELS
 from dtprobe.collectors.config import CollectConfig
 from dtprobe.runtime.faults import FaultSpec, parse_fault
 from dtprobe.runtime.parallel.mesh import AC_MODES, PP_SCHEDULES, ZERO_STAGES
@@ -44,10 +45,6 @@ PLUGIN_SECTIONS: dict[str, str] = {
     "compression": "dtprobe.runtime.compression:CompressionConfig",
 }
 """Sections whose dataclass lives in another owner's module (``module:Class``), imported when first used."""
-
-PRESET_NAMES = ("tiny", "small", "medium")
-"""Model presets (mirrors ``runtime.model.PRESETS``; kept here so parsing a job does not import torch)."""
-PRESET_MAX_SEQ_LEN = {"tiny": 256, "small": 512, "medium": 1024}
 
 
 def register_section(name: str, cls: type) -> None:
@@ -77,12 +74,12 @@ class ModelConfig:
     """Which built-in GPT to train."""
 
     name: str = "tiny"
-    """Preset name: ``tiny`` (0.9M params), ``small`` (6.5M) or ``medium`` (38M); see ``runtime.model.PRESETS``."""
+    """Preset name: ``tiny`` (0.9M params), ``small`` (6.6M) or ``medium`` (39M); see ``catalog.BUILTIN_MODELS``."""
 
     def __post_init__(self) -> None:
-        if self.name not in PRESET_NAMES:
+        if self.name not in BUILTIN_MODELS:
             raise ConfigError(f"model.name = {self.name!r} is not a preset; use --model with one of "
-                              f"{list(PRESET_NAMES)}.")
+                              f"{list(BUILTIN_MODELS)}.")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -289,7 +286,7 @@ class JobConfig:
         if self.max_restarts < 0 or not self.timeout_s > 0:
             raise ConfigError(f"max_restarts ({self.max_restarts}) must be >= 0 and timeout_s ({self.timeout_s}) "
                               f"> 0.")
-        max_len = PRESET_MAX_SEQ_LEN[self.model.name]
+        max_len = BUILTIN_MODELS[self.model.name].seq_len
         if self.train.seq_len > max_len:
             raise ConfigError(f"train.seq_len = {self.train.seq_len} exceeds model '{self.model.name}' "
                               f"max_seq_len {max_len}; use --seq-len <= {max_len} or a larger --model.")

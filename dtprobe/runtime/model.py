@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dtprobe.catalog import BUILTIN_MODELS, UnknownNameError, lookup
 from dtprobe.store.errors import ConfigError
 
 
@@ -56,18 +57,18 @@ class GPTConfig:
 
 
 PRESETS: dict[str, GPTConfig] = {
-    "tiny": GPTConfig(num_layers=4, hidden=128, num_heads=4, ffn_hidden=512, vocab_size=256, max_seq_len=256),
-    "small": GPTConfig(num_layers=8, hidden=256, num_heads=8, ffn_hidden=1024, vocab_size=256, max_seq_len=512),
-    "medium": GPTConfig(num_layers=12, hidden=512, num_heads=8, ffn_hidden=2048, vocab_size=256,
-                        max_seq_len=1024),
-}
-"""Built-in sizes. ``tiny`` is what tests and the demo train on a CPU; the planner mirrors these names."""
+    name: GPTConfig(num_layers=shape.num_layers, hidden=shape.hidden, num_heads=shape.num_heads,
+                    ffn_hidden=shape.ffn_hidden, vocab_size=shape.vocab_size, max_seq_len=shape.seq_len)
+    for name, shape in BUILTIN_MODELS.items()}
+"""Built-in sizes, from ``dtprobe.catalog.BUILTIN_MODELS`` (the shapes the planner and the analysis read too)."""
 
 
 def model_config(name: str) -> GPTConfig:
-    if name not in PRESETS:
-        raise ConfigError(f"model '{name}' is not a preset; choose one of {sorted(PRESETS)}.")
-    return PRESETS[name]
+    """The config of a built-in size; ConfigError naming ``model`` and listing the sizes otherwise."""
+    try:
+        return lookup(PRESETS, name, key="model")
+    except UnknownNameError as exc:
+        raise ConfigError(f"{exc}.") from None
 
 
 class Attention(nn.Module):

@@ -1,4 +1,4 @@
-"""Time dtprobe vs Holistic Trace Analysis 0.5.0 on large Kineto trace sets built from the shared DLRM traces.
+"""dtprobe vs Holistic Trace Analysis 0.5.0, timed on large Kineto trace sets grown from the checked-in DLRM traces.
 
 Launch:  python benchmarks/analysis_vs_hta.py --ranks 64 --mb-per-rank 50
 (builds the set once under --work-dir, then runs each tool in a fresh process, side by side, and prints ratios).
@@ -10,19 +10,15 @@ default spacing (HTA finds ranks with the regex ``"rank":\\s+(\\d+)``).
 
 Measured per tool, same work: parse every file, temporal breakdown, comm/comp overlap, kernel breakdown
 (kernel-type split + per-rank top kernels); dtprobe also its per-step tables. HTA runs with
-``include_last_profiler_step=True`` (the semantics dtprobe matches) and its default fork pool (2 processes here),
+``include_last_profiler_step=True`` (the semantics dtprobe matches) and its default fork pool,
 without the extra tracemalloc parse of the first file it runs by default for > 8 ranks (that would only slow
 HTA down). dtprobe uses 2 worker processes.
 CPU time (user + system of the tool's process and its worker pool) is printed beside wall time: on a shared,
 oversubscribed machine it is the steadier measure of work. Peak memory = the largest sum of RSS over the tool's process and its children, sampled every 50 ms (forked
 workers share pages with their parent, so this over-counts both tools alike).
 
-Measured 2026-11-22 (64 ranks x 50 MB = 3194 MB JSON, 1.10 M GPU events, 3 steps; 2 vCPU shared with other jobs,
-load average 3-30 during the run):
-            wall s   CPU s   peak RSS   peak / raw JSON
-  dtprobe    508.9    61.2    2575 MB   0.81   (rerun alone at load ~3: 55.6 s wall, 58.4 s CPU, 0.83x)
-  HTA       2379.9   665.0    7270 MB   2.28
-  CPU-time ratio 10.9x; same-run wall ratio 4.7x (dtprobe ran under the heavier load); max |idle %| gap 0.004.
+Goal: dtprobe at least 5x faster than HTA on the same work and a peak memory at most 2x the raw JSON; the
+printed ratios are those two figures (CPU time and wall time of each tool, measured in the same invocation).
 """
 
 from __future__ import annotations

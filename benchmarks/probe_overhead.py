@@ -22,8 +22,8 @@ recorder's drain thread while rows arrive at a fixed rate (500 collectives/s, 1 
 0.3 s so it is spilled to `pending`, 10 steps rows/s), at the default interval and at 1 s. Per-thread CPU
 clocks do not count time spent waiting for a core, so this figure holds on a loaded machine too.
 
-The first `--skip` steps of every run are left out (DDP rebuilds its buckets after step 0). Figures are CPU/gloo
-figures of this machine, not GPU ones.
+The first `--skip` steps of every run are left out (DDP rebuilds its buckets after step 0). On a CPU machine the
+figures are CPU/gloo ones, not GPU ones.
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ _CONFIG_FIELDS = frozenset(f.name for f in fields(CollectConfig))
 
 
 def _restart_store(timeout: datetime.timedelta) -> Any:
-    """After a torchrun restart, the agent's store with a per-attempt key prefix; None otherwise (RELIABILITY).
+    """After a torchrun restart, the agent's store with a per-attempt key prefix; None otherwise.
 
     torchrun's agent shares one TCPStore server across restart rounds (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``
     unset), so a restarted worker can read the previous attempt's gloo addresses under the same keys and fail

@@ -27,8 +27,8 @@ def measure_clock_offset(group: dist.ProcessGroup | None = None, *, rounds: int 
     of the sample it came from. Collective over ``group`` (CPU tensors: a gloo group); rank 0 returns (0, 0).
 
     Ranks on rank 0's machine (same ``clock_id``, default ``host_clock_id()``) read the very same clock: their
-    offset is exactly 0, so they are not measured. (Measuring them gave errors up to ~2 ms when the ranks
-    start on a busy host, enough to shift every arrival of that rank and bias straggler verdicts.)
+    offset is exactly 0, so they are not measured: a measurement would replace that exact 0 by the ping-pong's
+    error, which grows with the host's load and shifts every arrival of the rank (biasing straggler verdicts).
     Rank 0 serves every other rank in turn, ``rounds`` ping-pongs each. Per round the client notes t0 (send),
     the server t1 (receive) and t2 (reply), the client t3 (reply received); offset = ((t1-t0) + (t2-t3)) / 2
     and rtt = (t3-t0) - (t2-t1). The round with the smallest rtt is kept: its error is at most rtt / 2.

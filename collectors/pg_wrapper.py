@@ -8,9 +8,9 @@ all-gather/reduce-scatter, DTensor collectives and pipeline send/recv.
 Completion (``end_ns``), gloo: the done-callback of the work's future (run by the gloo thread that finished
 it), so the caller keeps the backend's own Work; works without a future (gloo send/recv, reduce-scatter) are
 wrapped and timed when ``wait()`` returns (a Python Work handed to DDP's C++ reducer costs GIL round trips
-on every ``getFuture`` and destruction). Cost, measured as process CPU per step on the tiny GPT under DDP
-(2 ranks on a loaded 2-core box): within noise (<1%) with the default 2 buckets per step; with 13 buckets
-+3.5% for the Python pass-through alone, +4% recording at enqueue, +7% with completion callbacks.
+on every ``getFuture`` and destruction). The cost grows with the number of collectives per step: the Python
+pass-through, the row written at enqueue and the completion callback each add to it;
+``benchmarks/probe_overhead.py`` measures it against plain DDP.
 
 On NCCL ``wait()`` does not block the host, so NCCL rows carry device timings from the completion hook when
 ``TORCH_NCCL_ENABLE_TIMING=1`` (``timing="cuda_event"``) and no ``end_ns`` otherwise. Rows are written once
@@ -73,7 +73,7 @@ class CollectiveRecorder:
         self._paused = threading.local()
         self._in_flight: dict[int, dict[str, Any]] = {}
         self._ids = itertools.count()
-        self._progress: dict[str, dict[str, Any]] = {}   # RELIABILITY (hang watchdog): see progress()
+        self._progress: dict[str, dict[str, Any]] = {}   # read by the hang watchdog: see progress()
         self._queue: collections.deque = collections.deque()
         self._drain_lock = threading.Lock()
         self._stop_drain = threading.Event()

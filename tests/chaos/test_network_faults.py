@@ -71,7 +71,7 @@ def _step_running_at(run_dir: Path, *, rank: int, time_ns: int) -> int:
 
 def test_rate_limited_link_mid_run_gives_slow_link_naming_both_nodes(two_nodes, tmp_path):
     run_dir = scenario_dir("net_slow", tmp_path)
-    # 50 steps: on a quiet machine a step takes ~30 ms, so the run is past step 25 before tc's shaping bites; at
+    # 50 steps: a tiny-model step is short, so the run can be past step 25 before tc's shaping bites, and at
     # least 10 steps must cross the shaped link for SLOW_LINK's change point
     procs = two_nodes.dtprobe_run(run_dir, ["--steps", "50", "--timeout", "60", *TINY], logs=_logs(run_dir))
     netns.wait_for_rows(run_dir / "events/steps/rank00000.jsonl", num_rows=15, timeout_s=LAUNCH_TIMEOUT_S,

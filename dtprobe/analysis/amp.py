@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 
 from dtprobe.analysis.findings import Finding, PredictedGain
-from dtprobe.analysis.tables import require_columns
+from dtprobe.store.columns import require_columns
 
 AMP_STEP_COLUMNS = ["step", "num_ranks", "overflow", "skipped", "overflow_ranks", "scale_before", "scale_after"]
 

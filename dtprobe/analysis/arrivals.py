@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from dtprobe.analysis.tables import (P2P_OPS, coded_rows, group_members, lookup_group_codes, require_columns,
-                                     run_starts, step_durations)
+from dtprobe.analysis.tables import P2P_OPS, coded_rows, group_members, lookup_group_codes, run_starts, step_durations
+from dtprobe.store.columns import require_columns
 
 ATTEMPT_SEQ_STRIDE = 1_000_000_000
 """``seq`` offset per torchrun attempt after ``unique_seq`` (attempt k's seq n becomes k * stride + n)."""

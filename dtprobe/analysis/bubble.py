@@ -1,7 +1,8 @@
 """Measured pipeline bubble per rank/stage vs the schedule's ideal, and the PIPELINE_BUBBLE detector.
 
 The bubble of a rank in a step is the idle share of the step's pipeline window (first action start to last
-action end over all pipeline ranks) not covered by its F/B/I/W actions. The ideal comes from
+action end over all pipeline ranks) not covered by its F/B/I/W actions (``dtprobe.intervals.bubble_frac``, the
+one definition, shared with ``dtprobe.runtime.parallel.bubble``). The ideal comes from
 ``dtprobe.schedule_sim.simulate`` fed with the measured mean action costs per stage (so stage imbalance is
 part of the ideal, p2p latency and contention are not); doubling the micro-batches (same global batch, half
 the cost per micro-batch) gives the predicted gain.
@@ -16,7 +17,8 @@ import numpy as np
 import pandas as pd
 
 from dtprobe.analysis.findings import Finding, PredictedGain
-from dtprobe.analysis.tables import require_columns, union_length
+from dtprobe.intervals import bubble_frac
+from dtprobe.store.columns import require_columns
 
 BUBBLE_COLUMNS = ["rank", "stages", "step", "window_ns", "busy_ns", "bubble_frac", "num_microbatches"]
 BY_RANK_COLUMNS = ["rank", "stages", "num_steps", "bubble_frac", "busy_ns", "window_ns"]
@@ -49,10 +51,10 @@ def pipeline_bubble(pipeline: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for (rank, step), grp in p.groupby(["rank", "step"], sort=True):
         a, b = window.loc[step, "a"], window.loc[step, "b"]
-        busy = union_length(grp["start_ns"].astype("int64").to_numpy(), grp["end_ns"].astype("int64").to_numpy())
+        busy, frac = bubble_frac(grp["start_ns"].astype("int64").to_numpy(), grp["end_ns"].astype("int64").to_numpy(),
+                                 window_ns=int(b - a))
         rows.append({"rank": int(rank), "stages": ",".join(str(int(s)) for s in sorted(grp["stage"].unique())),
-                     "step": int(step), "window_ns": int(b - a), "busy_ns": busy,
-                     "bubble_frac": 1 - busy / (b - a) if b > a else np.nan,
+                     "step": int(step), "window_ns": int(b - a), "busy_ns": busy, "bubble_frac": frac,
                      "num_microbatches": int(grp["microbatch"].nunique())})
     return pd.DataFrame(rows)[BUBBLE_COLUMNS]
 

@@ -8,7 +8,7 @@ import math
 import pandas as pd
 
 from dtprobe.analysis.findings import Finding, PredictedGain
-from dtprobe.analysis.tables import require_columns
+from dtprobe.store.columns import require_columns
 
 SAVE_COLUMNS = ["step", "kind", "num_ranks", "blocking_max_ns", "blocking_mean_ns", "async_max_ns", "total_max_ns",
                 "slowest_rank", "num_bytes", "ok"]

@@ -7,7 +7,7 @@ import pandas as pd
 
 from dtprobe.analysis.fault_detail import fault_detail
 from dtprobe.analysis.findings import Finding
-from dtprobe.analysis.tables import require_columns
+from dtprobe.store.columns import require_columns
 
 
 def detect_corrupt_checkpoints(faults: pd.DataFrame) -> list[Finding]:

@@ -13,7 +13,8 @@ import numpy as np
 import pandas as pd
 
 from dtprobe.analysis.findings import Finding, PredictedGain
-from dtprobe.analysis.tables import P2P_OPS, coded_rows, require_columns, run_starts, size_label
+from dtprobe.analysis.tables import P2P_OPS, coded_rows, run_starts, size_label
+from dtprobe.store.columns import require_columns
 
 BANDWIDTH_COLUMNS = ["pg", "pg_ranks", "seq", "op", "step", "num_bytes", "num_members", "duration_ns",
                      "algbw_bytes_per_s", "busbw_bytes_per_s", "timing"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pandas as pd
 
 from dtprobe.analysis.findings import Finding, PredictedGain
-from dtprobe.analysis.tables import require_columns
+from dtprobe.store.columns import require_columns
 
 COMPRESSION_COLUMNS = ["method", "num_steps", "raw_bytes", "sent_bytes", "ratio", "bytes_saved_frac",
                        "raw_bytes_per_step", "sent_bytes_per_step", "encode_ns_per_step", "decode_ns_per_step"]
@@ -36,6 +36,21 @@ def compression_summary(compression: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)[COMPRESSION_COLUMNS]
 
 
+def measured_saving_ns(bandwidth: pd.DataFrame, baseline_bandwidth: pd.DataFrame | None) -> float | None:
+    """Median per-step collective time of the baseline minus this run's (``comm_efficiency.collective_bandwidth``
+    rows of each); None without a baseline or without collectives in either."""
+    if baseline_bandwidth is None or bandwidth.empty or baseline_bandwidth.empty:
+        return None
+    return float(baseline_bandwidth.groupby("step")["duration_ns"].sum().median()
+                 - bandwidth.groupby("step")["duration_ns"].sum().median())
+
+
+def median_allreduce_algbw(bandwidth: pd.DataFrame) -> float | None:
+    """Median algorithm bandwidth (bytes/s) of the all-reduces; None without any."""
+    ar = bandwidth[bandwidth["op"] == "allreduce"] if not bandwidth.empty else bandwidth
+    return float(ar["algbw_bytes_per_s"].median()) if not ar.empty else None
+
+
 def loss_curve(steps: pd.DataFrame) -> pd.Series:
     """Mean loss over ranks per step (index: step)."""
     require_columns(steps, ["rank", "step", "loss"], table="steps")
@@ -43,10 +58,12 @@ def loss_curve(steps: pd.DataFrame) -> pd.Series:
     return s.groupby("step")["loss"].mean().sort_index()
 
 
-def loss_gap(steps: pd.DataFrame, baseline_steps: pd.DataFrame, *, last_steps: int = 5) -> pd.DataFrame:
+def loss_gap(steps: pd.DataFrame, baseline_steps: pd.DataFrame | None, *, last_steps: int = 5) -> pd.DataFrame:
     """Mean loss over the last ``last_steps`` steps both runs have, this run vs the baseline; gap as a share of
     the baseline loss (positive: this run is worse). One row, columns ``LOSS_GAP_COLUMNS``; empty without
-    common steps."""
+    a baseline or without common steps."""
+    if baseline_steps is None:
+        return pd.DataFrame({col: [] for col in LOSS_GAP_COLUMNS})
     mine, base = loss_curve(steps), loss_curve(baseline_steps)
     common = mine.index.intersection(base.index)
     if len(common) == 0:

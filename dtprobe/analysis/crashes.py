@@ -15,7 +15,7 @@ from dtprobe.analysis.fault_detail import fault_detail
 from dtprobe.analysis.findings import Finding
 from dtprobe.analysis.liveness import (CONSEQUENCE_REASONS, WATCHDOG_EXIT_CODE, Activity, is_missing, is_own_failure)
 from dtprobe.analysis.phases import phase_at
-from dtprobe.analysis.tables import require_columns
+from dtprobe.store.columns import require_columns
 
 CRASH_COLUMNS = [
     "restart", "rank", "time_ns", "step", "last_step", "exit_code", "signal", "error_type", "error_message",

@@ -8,7 +8,8 @@ import pandas as pd
 
 from dtprobe.analysis.findings import Finding
 from dtprobe.analysis.stragglers import THROTTLE_MASK
-from dtprobe.analysis.tables import require_columns, run_starts
+from dtprobe.analysis.tables import run_starts
+from dtprobe.store.columns import require_columns
 
 THROTTLE_REASONS = {
     0x4: "sw_power_cap", 0x8: "hw_slowdown", 0x20: "sw_thermal", 0x40: "hw_thermal", 0x80: "hw_power_brake",

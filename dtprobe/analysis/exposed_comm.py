@@ -1,4 +1,5 @@
-"""Host-side communication exposure per (rank, step) and the EXPOSED_COMM detector; read by the facade.
+"""Communication exposure per rank (host estimate per (rank, step), or from kernels) and the EXPOSED_COMM detector;
+read by the facade.
 
 Without kernel timings, the exposed communication of a step is estimated from the collectives table as the
 communication tail: from the rank's last collective enqueue in the step (its compute has issued everything:
@@ -15,8 +16,9 @@ import numpy as np
 import pandas as pd
 
 from dtprobe.analysis.findings import Finding, PredictedGain
-from dtprobe.analysis.tables import (P2P_OPS, coded_rows, lookup_group_codes, require_columns, run_starts,
-                                     step_durations)
+from dtprobe.analysis.tables import P2P_OPS, coded_rows, lookup_group_codes, run_starts, step_durations
+from dtprobe.intervals import union_length_by_group
+from dtprobe.store.columns import require_columns
 
 EXPOSURE_COLUMNS = [
     "rank", "step", "step_ns", "comm_ns", "exposed_ns", "straggler_wait_ns", "exposed_net_ns", "exposed_frac",
@@ -45,13 +47,8 @@ def comm_exposure(collectives: pd.DataFrame, steps: pd.DataFrame, skew: pd.DataF
     gid = np.cumsum(new) - 1
     first = np.flatnonzero(new)
     last = np.append(first[1:], len(gid)) - 1
-    # Communication time: union of the [enqueue, end] spans of the (rank, step) (segments of overlapping spans).
-    prev_end = pd.Series(end).groupby(gid).cummax().to_numpy()
-    seg = new.copy()
-    seg[1:] |= enq[1:] > prev_end[:-1]
-    seg_first = np.flatnonzero(seg)
-    seg_len = np.maximum.reduceat(end, seg_first) - enq[seg_first]
-    comm = np.add.reduceat(seg_len, np.flatnonzero(new[seg_first]))
+    # Communication time: union of the [enqueue, end] spans of the (rank, step).
+    comm = union_length_by_group(gid, enq, end, num_groups=len(first))
     last_enq, last_end = enq[last], np.maximum.reduceat(end, first)
     exposed = np.clip(last_end - last_enq, 0, None)
     # Straggler wait in the tail: the latest arrival of the group at collectives still running after our last enqueue.
@@ -96,6 +93,39 @@ def exposure_by_rank(exposure: pd.DataFrame, *, step_ids: list[int] | None = Non
         "overlap_frac": 1 - g["exposed_ns"].sum() / g["comm_ns"].sum().where(g["comm_ns"].sum() > 0),
     }).reset_index()
     return out[BY_RANK_COLUMNS]
+
+
+KERNEL_SOURCE = "kernels (exposed comm kernel time / kernel span)"
+"""``evidence.source`` of an EXPOSED_COMM judged on kernels."""
+
+
+def kernel_exposure_by_rank(overlap: pd.DataFrame, temporal: pd.DataFrame) -> pd.DataFrame:
+    """Per rank, from GPU kernels: communication and exposed communication kernel time as shares of the kernel
+    span, overlap (``overlap.comm_comp_overlap`` and ``temporal.temporal_breakdown`` per rank). Columns:
+    ``BY_RANK_COLUMNS`` (``num_steps`` 0, ``straggler_wait_frac`` NaN: kernels do not tell); empty without kernels."""
+    if overlap.empty or temporal.empty or "exposed_comm_us" not in overlap.columns:
+        return pd.DataFrame({col: [] for col in BY_RANK_COLUMNS})
+    m = overlap.merge(temporal[["rank", "kernel_time_us"]], on="rank")
+    out = pd.DataFrame({
+        "rank": m["rank"], "num_steps": 0, "step_ns": m["kernel_time_us"] * 1e3,
+        "comm_frac": m["comm_us"] / m["kernel_time_us"],
+        "exposed_frac": m["exposed_comm_us"] / m["kernel_time_us"], "straggler_wait_frac": float("nan"),
+        "overlap_frac": m["overlap_frac"]})
+    return out[BY_RANK_COLUMNS]
+
+
+def detect_exposed_comm_of(host: pd.DataFrame, kernels: pd.DataFrame, *, min_exposed_frac: float) -> list[Finding]:
+    """EXPOSED_COMM judged on the kernel-level exposure when kernels are known, else on the host estimate."""
+    if not kernels.empty:
+        return detect_exposed_comm(kernels, min_exposed_frac=min_exposed_frac, source=KERNEL_SOURCE)
+    return detect_exposed_comm(host, min_exposed_frac=min_exposed_frac)
+
+
+def mean_exposed_frac(host: pd.DataFrame, kernels: pd.DataFrame, *, clock_aligned: bool) -> float | None:
+    """The Overview's exposed communication share: the host estimate's mean over ranks when the ranks' clocks are
+    aligned (it needs them), else the kernel-level mean; None when that one is unknown."""
+    by_rank = host if clock_aligned else kernels
+    return float(by_rank["exposed_frac"].mean()) if not by_rank.empty else None
 
 
 def detect_exposed_comm(by_rank: pd.DataFrame, *, min_exposed_frac: float = 0.10,

@@ -1,4 +1,5 @@
-"""A ``faults`` row's JSON ``detail`` as a dict, for the analyzers that read fault rows (hangs, ckpt_corrupt)."""
+"""A ``faults`` row's JSON ``detail`` as a dict, and the injected faults of a kind per rank; read by the analyzers
+that read fault rows (hangs, crashes, ckpt_corrupt) and the facade (cross-checks of STRAGGLER, CHECKPOINT_STALL)."""
 
 from __future__ import annotations
 
@@ -18,3 +19,19 @@ def fault_detail(raw: Any) -> dict:
     except ValueError:
         return {"raw": str(raw)}
     return value if isinstance(value, dict) else {"value": value}
+
+
+def injected_faults(faults: pd.DataFrame, kind: str) -> dict[int, dict]:
+    """rank -> detail of the first injected fault of ``kind`` (cross-check of a verdict); {} without any."""
+    if faults.empty:
+        return {}
+    f = faults[(faults["kind"] == kind) & faults["injected"].fillna(False).astype(bool)]
+    return {int(r.rank): fault_detail(r.detail) for r in f.drop_duplicates("rank").itertuples(index=False)}
+
+
+def injected_ranks(faults: pd.DataFrame, kind: str) -> frozenset[int]:
+    """Every rank with an injected fault of ``kind``."""
+    if faults.empty:
+        return frozenset()
+    return frozenset(int(r) for r in faults[(faults["kind"] == kind)
+                                            & faults["injected"].fillna(False).astype(bool)]["rank"])

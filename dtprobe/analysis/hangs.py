@@ -14,7 +14,8 @@ from dtprobe.analysis.fault_detail import fault_detail
 from dtprobe.analysis.findings import Finding
 from dtprobe.analysis.liveness import Activity, liveness
 from dtprobe.analysis.stragglers import SKEW_COLUMNS
-from dtprobe.analysis.tables import P2P_OPS, axis_of, group_members, require_columns
+from dtprobe.analysis.tables import P2P_OPS, axis_of, group_members
+from dtprobe.store.columns import require_columns
 
 MISSING_COLUMNS = ["pg", "pg_ranks", "seq", "op", "step", "arrived_ranks", "missing_ranks", "first_enqueue_ns",
                    "waited_ns"]

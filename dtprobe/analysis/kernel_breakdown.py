@@ -11,8 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from dtprobe.analysis.temporal import (KERNEL_COLUMNS, _groups, merge_intervals, quantized_us, require_columns,
-                                       sweep_states)
+from dtprobe.analysis.temporal import KERNEL_COLUMNS, _groups, quantized_us, sweep_states
+from dtprobe.intervals import merge_intervals
+from dtprobe.store.columns import require_columns
 
 KERNEL_TYPES = {"compute": "COMPUTATION", "comm": "COMMUNICATION", "memory": "MEMORY"}
 """``kernels.kind`` -> HTA's kernel type label, in HTA's bit order (labels combine in this order)."""
@@ -32,7 +33,7 @@ def kernel_type_breakdown(kernels: pd.DataFrame) -> pd.DataFrame:
     Columns: kernel_type (``COMPUTATION``, ``COMMUNICATION``, ``MEMORY``, ``COMPUTATION overlapping
     COMMUNICATION`` ...), sum_us, frac (share of the total, 0..1); largest first.
     """
-    require_columns(kernels, KERNEL_COLUMNS, "kernel_type_breakdown")
+    require_columns(kernels, KERNEL_COLUMNS, table="kernels")
     start, end = quantized_us(kernels)
     kind = kernels["kind"].to_numpy(dtype=object, na_value="")
     totals: dict[int, int] = {}
@@ -58,7 +59,7 @@ def top_kernels(kernels: pd.DataFrame, *, num_kernels: int = 10, duration_ratio:
     quantile of cumulative time or past the first ``num_kernels`` become one ``others`` row.
     Columns: rank, kernel_type, name, sum_us, max_us, min_us, mean_us, std_us, count.
     """
-    require_columns(kernels, KERNEL_COLUMNS + ("name",), "top_kernels")
+    require_columns(kernels, KERNEL_COLUMNS + ("name",), table="kernels")
     start, end = quantized_us(kernels)
     data = pd.DataFrame({"rank": kernels["rank"].to_numpy(dtype=np.int64), "name": kernels["name"].to_numpy(),
                          "kernel_type": kernels["kind"].map(KERNEL_TYPES).to_numpy(), "dur": end - start})

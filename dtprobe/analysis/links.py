@@ -16,7 +16,8 @@ import pandas as pd
 
 from dtprobe.analysis.comm_efficiency import BANDWIDTH_COLUMNS
 from dtprobe.analysis.findings import Finding, PredictedGain
-from dtprobe.analysis.tables import axis_of, group_members, require_columns, step_durations
+from dtprobe.analysis.tables import axis_of, group_members, step_durations
+from dtprobe.store.columns import require_columns
 
 RANK_NODE_COLUMNS = ["rank", "node_rank", "host"]
 LINK_BW_COLUMNS = ["node_a", "node_b", "pg", "pg_ranks", "seq", "op", "step", "num_bytes", "duration_ns",

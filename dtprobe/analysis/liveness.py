@@ -203,3 +203,16 @@ def is_missing(v: Any) -> bool:
 
 def _str(v: Any) -> str | None:
     return None if is_missing(v) else str(v)
+
+
+def reference_ns(*, status: str, ended_ns: int | None, collectives: pd.DataFrame, steps: pd.DataFrame,
+                 clock_ns: int) -> int:
+    """Reference time for hang waits: ``clock_ns`` (now) while the run is running, else its end: the latest of
+    ``ended_ns`` and the last collective end or enqueue and step end recorded (0 without any)."""
+    if status == "running":
+        return clock_ns
+    ends = [ended_ns] if ended_ns else []
+    for df, col in ((collectives, "end_ns"), (collectives, "enqueue_ns"), (steps, "end_ns")):
+        if not df.empty and df[col].notna().any():
+            ends.append(int(df[col].max()))
+    return max(ends) if ends else 0

@@ -13,7 +13,8 @@ import pandas as pd
 from dtprobe.analysis.arrivals import ATTEMPT_SEQ_STRIDE
 from dtprobe.analysis.findings import Finding
 from dtprobe.analysis.phases import phase_at
-from dtprobe.analysis.tables import P2P_OPS, axis_of, group_members, require_columns, size_label
+from dtprobe.analysis.tables import P2P_OPS, axis_of, group_members, size_label
+from dtprobe.store.columns import require_columns
 
 MISMATCH_COLUMNS = ["pg", "pg_ranks", "restart", "seq", "kind", "odd_ranks", "issued", "expected", "step", "phase"]
 """``collective_mismatches()``: per mismatched group and attempt, its first mismatch. ``kind``: ``different``
@@ -186,3 +187,10 @@ def detect_mismatches(mismatches: pd.DataFrame, *, axis_of_pg: Callable[[str], s
             predicted_gain=None,
         ))
     return out
+
+
+def without_explained_stragglers(findings: list[Finding]) -> list[Finding]:
+    """``findings`` without the STRAGGLER findings about a rank of a group a COLLECTIVE_MISMATCH names: the
+    late arrivals there are the mismatch's consequence."""
+    groups = [set(f.evidence["pg_ranks"]) for f in findings if f.code == "COLLECTIVE_MISMATCH"]
+    return [f for f in findings if not (f.code == "STRAGGLER" and any(set(f.ranks) & g for g in groups))]

@@ -10,8 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from dtprobe.analysis.temporal import (KERNEL_COLUMNS, _groups, merge_intervals, quantized_us, require_columns,
-                                       sweep_states)
+from dtprobe.analysis.temporal import KERNEL_COLUMNS, _groups, quantized_us, sweep_states
+from dtprobe.intervals import merge_intervals
+from dtprobe.store.columns import require_columns
 
 OVERLAP_COLUMNS = ["rank", "overlap_frac", "comm_us", "overlap_us", "exposed_comm_us"]
 """Final columns of ``comm_comp_overlap`` (``by_step=True`` inserts ``step`` after ``rank``)."""
@@ -23,7 +24,7 @@ def comm_comp_overlap(kernels: pd.DataFrame, *, by_step: bool = False) -> pd.Dat
     Columns: rank, [step,] overlap_frac (0..1; NaN when the rank ran no communication kernel), comm_us,
     overlap_us, exposed_comm_us.
     """
-    require_columns(kernels, KERNEL_COLUMNS + (("step",) if by_step else ()), "comm_comp_overlap")
+    require_columns(kernels, KERNEL_COLUMNS + (("step",) if by_step else ()), table="kernels")
     keys = ["rank", "step"] if by_step else ["rank"]
     data = kernels[kernels["step"].ge(0)] if by_step else kernels
     start, end = quantized_us(data)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from dtprobe.analysis.tables import P2P_OPS, axis_of, group_members, require_columns, step_durations
+from dtprobe.analysis.tables import P2P_OPS, axis_of, group_members, step_durations
+from dtprobe.store.columns import require_columns
 
 OWN_DELAY_COLUMNS = ["rank", "step", "own_delay_ns", "num_actions"]
 
@@ -87,3 +88,10 @@ def pipeline_own_delay(pipeline: pd.DataFrame, steps: pd.DataFrame,
     return out[OWN_DELAY_COLUMNS]
 
 
+
+
+def median_own_delay(own_delay: pd.DataFrame) -> dict[int, float]:
+    """rank -> median ``own_delay_ns`` over its steps (``pipeline_own_delay`` rows); {} without any."""
+    if own_delay.empty:
+        return {}
+    return {int(r): float(v) for r, v in own_delay.groupby("rank")["own_delay_ns"].median().items()}

@@ -25,7 +25,8 @@ from dtprobe.analysis.arrivals import (  # noqa: F401 (re-exported: the straggle
     median_of_others, rank_lateness)
 from dtprobe.analysis.findings import Finding, PredictedGain
 from dtprobe.analysis.pipeline_delay import OWN_DELAY_COLUMNS, pipeline_groups, pipeline_own_delay  # noqa: F401
-from dtprobe.analysis.tables import P2P_OPS, axis_of, group_members, ms, require_columns, run_starts
+from dtprobe.analysis.tables import P2P_OPS, axis_of, group_members, ms, run_starts
+from dtprobe.store.columns import require_columns
 
 SCORE_COLUMNS = [
     "pg", "pg_ranks", "rank", "num_steps", "window_steps", "window_first_step", "window_last_step",

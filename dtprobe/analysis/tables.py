@@ -1,5 +1,6 @@
-"""Small shared helpers of the analyzers: required-column checks, step windows, interval unions, process-group
-codes, size labels."""
+"""Small shared helpers of the analyzers: step durations and windows, process-group codes and axes, size labels.
+
+The column check is ``dtprobe.store.columns.require_columns``; interval unions are in ``dtprobe.intervals``."""
 
 from __future__ import annotations
 
@@ -8,20 +9,10 @@ from typing import Iterable
 import numpy as np
 import pandas as pd
 
-from dtprobe.store.errors import TraceError
+from dtprobe.store.columns import require_columns
 
 P2P_OPS = frozenset({"send", "recv"})
 """Point-to-point ops: numbered per (pg, peer), never part of a collective's arrival skew."""
-
-
-def require_columns(df: pd.DataFrame, columns: Iterable[str], *, table: str) -> None:
-    """TraceError naming ``table`` and the missing columns unless ``df`` has all of ``columns``."""
-    missing = [c for c in columns if c not in df.columns]
-    if missing:
-        raise TraceError(
-            f"table '{table}' lacks the columns {missing} (it has {sorted(df.columns)}); it was not read "
-            f"through dtprobe.store.RunStore or was written by another tool. Read the run with "
-            f"RunStore.open(path).table('{table}'), or re-collect it with this dtprobe.")
 
 
 def step_durations(steps: pd.DataFrame) -> pd.DataFrame:
@@ -44,6 +35,20 @@ def analyzed_steps(steps: pd.DataFrame, *, skip_first: int = 1) -> list[int]:
     return done[skip_first:] if len(done) > skip_first else done
 
 
+def only_steps(df: pd.DataFrame, step_ids: list[int]) -> pd.DataFrame:
+    """The rows of ``df`` whose ``step`` is in ``step_ids``; ``df`` itself when either is empty."""
+    if df.empty or not step_ids:
+        return df
+    return df[df["step"].isin(step_ids)].reset_index(drop=True)
+
+
+def wall_ns(steps: pd.DataFrame) -> float | None:
+    """First step start to last step end over all ranks; None without a finished step."""
+    if steps.empty or steps["end_ns"].isna().all():
+        return None
+    return float(steps["end_ns"].max() - steps["start_ns"].min())
+
+
 def median_step_ns(steps: pd.DataFrame, step_ids: Iterable[int] | None = None) -> float | None:
     """Median step time over ranks and ``step_ids`` (all finished steps when None); None without steps."""
     durations = step_durations(steps)
@@ -52,22 +57,6 @@ def median_step_ns(steps: pd.DataFrame, step_ids: Iterable[int] | None = None) -
     if durations.empty:
         return None
     return float(durations["step_ns"].median())
-
-
-def union_length(starts: np.ndarray, ends: np.ndarray) -> int:
-    """Total length covered by the intervals [start, end) (overlaps counted once)."""
-    if len(starts) == 0:
-        return 0
-    order = np.argsort(starts, kind="stable")
-    s, e = np.asarray(starts)[order], np.asarray(ends)[order]
-    total, cur_s, cur_e = 0, s[0], e[0]
-    for a, b in zip(s[1:], e[1:]):
-        if a > cur_e:
-            total += cur_e - cur_s
-            cur_s, cur_e = a, b
-        elif b > cur_e:
-            cur_e = b
-    return int(total + cur_e - cur_s)
 
 
 def group_members(pg_ranks: str | None) -> tuple[int, ...]:
@@ -137,6 +126,14 @@ def axis_of(pg: str | None) -> str | None:
         if name == axis or name.startswith(axis + "_") or name.endswith("_" + axis):
             return axis
     return None
+
+
+def axis_of_group(pg: str | None, *, layout: dict) -> str | None:
+    """``axis_of(pg)``; the default group (``world``) is ``dp`` in a pure data-parallel ``layout`` (tp = pp = 1)."""
+    axis = axis_of(pg)
+    if axis is None and pg in ("world", "default", "0") and int(layout.get("tp") or 1) * int(layout.get("pp") or 1) == 1:
+        return "dp"
+    return axis
 
 
 def size_label(num_bytes: float) -> str:

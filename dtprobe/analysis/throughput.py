@@ -1,13 +1,34 @@
-"""Throughput per step (tokens/s over all ranks) and MFU against the device's peak; the LOW_MFU detector."""
+"""Throughput per step (tokens/s over all ranks) and MFU against the device's peak; the LOW_MFU detector; read by
+the facade."""
 
 from __future__ import annotations
 
 import pandas as pd
 
 from dtprobe.analysis.findings import Finding
-from dtprobe.analysis.tables import require_columns
+from dtprobe.analysis.peaks import preset_flops_per_token
+from dtprobe.store.columns import require_columns
 
 THROUGHPUT_COLUMNS = ["step", "num_ranks", "step_ns", "tokens", "tokens_per_s", "model_flops_per_s", "mfu"]
+
+
+def flops_per_token(config: dict) -> float | None:
+    """Model training FLOPs per token: config ``model_flops_per_token``, else the built-in preset's shape at the
+    config's ``train.seq_len``; None when neither is known."""
+    if config.get("model_flops_per_token"):
+        return float(config["model_flops_per_token"])
+    name = (config.get("model") or {}).get("name")
+    seq = (config.get("train") or {}).get("seq_len")
+    return preset_flops_per_token(name, int(seq)) if name and seq else None
+
+
+def dp_tokens(steps: pd.DataFrame, *, layout: dict) -> pd.DataFrame:
+    """``steps`` with ``tokens`` divided by tp x pp of ``layout``: the ranks of one model replica each record the
+    replica's batch, which counts once."""
+    replicas = int(layout.get("tp") or 1) * int(layout.get("pp") or 1)
+    if replicas > 1 and not steps.empty:
+        return steps.assign(tokens=steps["tokens"].astype("float64") / replicas)
+    return steps
 
 
 def throughput(steps: pd.DataFrame, *, flops_per_token: float | None, peak_flops_per_device: float | None,

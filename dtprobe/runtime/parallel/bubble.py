@@ -1,9 +1,10 @@
 """Measured vs ideal pipeline bubble per rank from ``pipeline`` rows; read by the layout tests and sample-trace
-READMEs (pure Python over row dicts, no torch).
+READMEs (row dicts in, no torch).
 
-Measured (one step): every rank's busy time is the sum of its action spans (F, B, I, W); the step's span runs
-from the first action's start to the last action's end over all ranks (timestamps on one clock: the store's
-aligned columns, or one host); bubble = 1 - busy / span.
+Measured (one step): the step's span runs from the first action's start to the last action's end over all ranks
+(timestamps on one clock: the store's aligned columns, or one host); each rank's bubble is
+``dtprobe.intervals.bubble_frac``, the definition ``dtprobe.analysis.bubble`` uses too: busy time is the union of
+its action spans (F, B, I, W; overlapping actions count once), bubble = 1 - busy / span.
 Ideal: the schedule's action lists replayed by ``dtprobe.schedule_sim.simulate`` with the measured mean cost
 of each (stage, action): the bubble the schedule itself imposes, without p2p latency or host jitter.
 """
@@ -14,6 +15,10 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
+
+from dtprobe.intervals import bubble_frac
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -49,10 +54,12 @@ def measured_bubble(rows: Sequence[Mapping[str, Any]], *, stage_to_pp_rank: Mapp
     start = min(r["start_ns"] for r in rows)
     end = max(r["end_ns"] for r in rows)
     span = end - start
-    busy = [0.0] * num_ranks
+    spans: list[list[tuple[int, int]]] = [[] for _ in range(num_ranks)]
     for r in rows:
-        busy[stage_to_pp_rank[int(r["stage"])]] += r["end_ns"] - r["start_ns"]
-    return tuple(1.0 - b / span for b in busy), float(span)
+        spans[stage_to_pp_rank[int(r["stage"])]].append((r["start_ns"], r["end_ns"]))
+    fracs = [bubble_frac(np.asarray([a for a, _ in s]), np.asarray([b for _, b in s]), window_ns=span)[1]
+             for s in spans]
+    return tuple(fracs), float(span)
 
 
 def compare_bubble(rows: Sequence[Mapping[str, Any]], *, schedule: str, num_ranks: int, num_microbatches: int,

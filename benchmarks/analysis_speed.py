@@ -19,7 +19,7 @@ import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dtprobe.dashboard.synthetic import write_synthetic_run  # noqa: E402
+from dtprobe.synthetic import write_synthetic_run  # noqa: E402
 from dtprobe.analysis.facade import RunAnalysis  # noqa: E402
 from dtprobe.store import RunStore  # noqa: E402
 

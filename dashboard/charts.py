@@ -9,10 +9,10 @@ import pandas as pd
 import plotly.express as px
 import plotly.graph_objects as go
 
-from dtprobe.dashboard import startup
-
-startup.plotly_theme()  # Streamlit's template becomes plotly's default before any figure here is made
-
+PALETTE = ["#0068c9", "#83c9ff", "#ff2b2b", "#ffabab", "#29b09d", "#7defa1", "#ff8700", "#ffd16a", "#6d3fc0",
+           "#d5dae5"]
+"""Categorical colors of every chart (Streamlit's default chart palette): set on the traces themselves, so a
+figure has the same colors on the page and in its PNG export whatever template draws it."""
 SEVERITY_COLORS = {"critical": "#d62728", "warning": "#ff7f0e", "info": "#1f77b4"}
 PHASE_COLORS = {"data": "#8c564b", "fwd": "#1f77b4", "bwd": "#ff7f0e", "opt": "#2ca02c", "step": "#c7c7c7",
                 "comm": "#9467bd", "F": "#1f77b4", "B": "#ff7f0e", "W": "#2ca02c", "I": "#17becf"}
@@ -46,7 +46,7 @@ def step_time_by_rank(steps: pd.DataFrame, *, marked: list[int] | None = None) -
     df = steps.dropna(subset=["start_ns", "end_ns"]).assign(
         step_ms=lambda d: (d["end_ns"] - d["start_ns"]).astype("float64") / 1e6,
         rank=lambda d: d["rank"].map(_rank_label))
-    fig = px.line(df, x="step", y="step_ms", color="rank", markers=len(df) < 2000,
+    fig = px.line(df, color_discrete_sequence=PALETTE, x="step", y="step_ms", color="rank", markers=len(df) < 2000,
                   labels={"step_ms": "step time (ms)", "rank": ""})
     for trace in fig.data:
         if marked and trace.name in {_rank_label(r) for r in marked}:
@@ -88,7 +88,7 @@ def step_time_overview(steps: pd.DataFrame, *, marked: list[int] | None = None, 
 def loss_curve(steps: pd.DataFrame, *, overflow_steps: list[int] | None = None) -> go.Figure:
     """Mean loss over ranks per step, with AMP overflow steps as red markers."""
     df = steps.dropna(subset=["loss"]).groupby("step", as_index=False)["loss"].mean()
-    fig = px.line(df, x="step", y="loss", markers=len(df) < 500)
+    fig = px.line(df, color_discrete_sequence=PALETTE, x="step", y="loss", markers=len(df) < 500)
     if overflow_steps:
         hit = df[df["step"].isin(overflow_steps)]
         fig.add_trace(go.Scatter(x=hit["step"], y=hit["loss"], mode="markers", name="overflow (step skipped)",
@@ -186,7 +186,8 @@ def victims_wait(waits: pd.DataFrame) -> go.Figure:
     col = "wait_ns" if "wait_ns" in waits.columns else [c for c in waits.columns if c.endswith("_ns")][-1]
     df = waits.groupby("rank", as_index=False)[col].mean().assign(
         wait_ms=lambda d: d[col].astype("float64") / 1e6, rank=lambda d: d["rank"].map(_rank_label))
-    fig = px.bar(df, x="rank", y="wait_ms", labels={"wait_ms": "mean wait per collective (ms)", "rank": ""})
+    fig = px.bar(df, color_discrete_sequence=PALETTE,
+                 x="rank", y="wait_ms", labels={"wait_ms": "mean wait per collective (ms)", "rank": ""})
     return _layout(fig, "Who waits (victims)", height=300)
 
 
@@ -196,7 +197,8 @@ def victims_wait(waits: pd.DataFrame) -> go.Figure:
 def bandwidth_by_size(by_size: pd.DataFrame) -> go.Figure:
     """Median bus bandwidth (GB/s) per op over message size (log axes); latency-bound buckets hollow."""
     df = by_size.assign(busbw_gbs=lambda d: d["busbw_bytes_per_s"].astype("float64") / 1e9)
-    fig = px.scatter(df, x="size_bytes", y="busbw_gbs", color="op", size="count", log_x=True,
+    fig = px.scatter(df, color_discrete_sequence=PALETTE,
+                     x="size_bytes", y="busbw_gbs", color="op", size="count", log_x=True,
                      symbol="latency_bound", hover_data=["size", "count", "median_ns"],
                      labels={"size_bytes": "message size (bytes)", "busbw_gbs": "median busbw (GB/s)"})
     return _layout(fig, "Bus bandwidth by op and size")
@@ -207,7 +209,8 @@ def bandwidth_by_group(bw: pd.DataFrame) -> go.Figure:
     df = bw.dropna(subset=["busbw_bytes_per_s"]).assign(
         busbw_gbs=lambda d: d["busbw_bytes_per_s"].astype("float64") / 1e9,
         group=lambda d: d["pg"].astype(str) + " [" + d["pg_ranks"].astype(str) + "]")
-    fig = px.box(df, x="group", y="busbw_gbs", color="op", labels={"busbw_gbs": "busbw (GB/s)", "group": ""})
+    fig = px.box(df, color_discrete_sequence=PALETTE,
+                 x="group", y="busbw_gbs", color="op", labels={"busbw_gbs": "busbw (GB/s)", "group": ""})
     return _layout(fig, "Bus bandwidth by group")
 
 
@@ -228,7 +231,8 @@ def exposure_by_rank(exposure: pd.DataFrame, *, marked: list[int] | None = None)
 def overlap_by_rank(overlap: pd.DataFrame) -> go.Figure:
     """Share of communication overlapped by compute per rank (kernel level or host estimate)."""
     df = overlap.assign(rank=lambda d: d["rank"].map(_rank_label))
-    fig = px.bar(df, x="rank", y="overlap_frac", labels={"overlap_frac": "comm overlapped by compute", "rank": ""})
+    fig = px.bar(df, color_discrete_sequence=PALETTE,
+                 x="rank", y="overlap_frac", labels={"overlap_frac": "comm overlapped by compute", "rank": ""})
     fig.update_yaxes(tickformat=".0%", range=[0, 1])
     return _layout(fig, "Compute / communication overlap per rank", height=300)
 
@@ -237,7 +241,8 @@ def compression(summary: pd.DataFrame) -> go.Figure:
     """Bytes per step before and after compression, per method."""
     df = summary.melt(id_vars="method", value_vars=["raw_bytes_per_step", "sent_bytes_per_step"],
                       var_name="bytes", value_name="value")
-    fig = px.bar(df, x="method", y="value", color="bytes", barmode="group", labels={"value": "bytes per step"})
+    fig = px.bar(df, color_discrete_sequence=PALETTE,
+                 x="method", y="value", color="bytes", barmode="group", labels={"value": "bytes per step"})
     return _layout(fig, "Gradient compression", height=300)
 
 
@@ -266,7 +271,8 @@ def pipeline_gantt(pipeline: pd.DataFrame) -> go.Figure:
 def bubble_measured_vs_ideal(by_rank: pd.DataFrame, *, ideal_frac: float | None) -> go.Figure:
     """Measured bubble share per rank, with the schedule's ideal bubble as a dashed line."""
     df = by_rank.assign(rank=lambda d: d["rank"].map(_rank_label))
-    fig = px.bar(df, x="rank", y="bubble_frac", labels={"bubble_frac": "bubble (share of window)", "rank": ""})
+    fig = px.bar(df, color_discrete_sequence=PALETTE,
+                 x="rank", y="bubble_frac", labels={"bubble_frac": "bubble (share of window)", "rank": ""})
     if ideal_frac is not None:
         fig.add_hline(y=ideal_frac, line_dash="dash", line_color=MARK_COLOR,
                       annotation_text=f"ideal {ideal_frac:.1%}")
@@ -298,7 +304,8 @@ def checkpoint_times(checkpoints: pd.DataFrame) -> go.Figure:
         async_ms=lambda d: d["async_ns"].astype("float64").fillna(0) / 1e6)
     long = df.melt(id_vars=["event", "rank"], value_vars=["blocking_ms", "async_ms"], var_name="time",
                    value_name="ms")
-    fig = px.bar(long, x="event", y="ms", color="time", facet_col="rank", barmode="stack",
+    fig = px.bar(long, color_discrete_sequence=PALETTE,
+                 x="event", y="ms", color="time", facet_col="rank", barmode="stack",
                  labels={"ms": "ms", "event": ""})
     return _layout(fig, "Checkpoint time per event and rank: blocking vs async")
 
@@ -311,7 +318,8 @@ def device_series(devices: pd.DataFrame, *, column: str, label: str) -> go.Figur
     df = devices.dropna(subset=[column])
     df = df[df["step"].fillna(-1) >= 0].groupby(["rank", "step"], as_index=False)[column].mean()
     df["rank"] = df["rank"].map(_rank_label)
-    fig = px.line(df, x="step", y=column, color="rank", labels={column: label, "rank": ""})
+    fig = px.line(df, color_discrete_sequence=PALETTE,
+                  x="step", y=column, color="rank", labels={column: label, "rank": ""})
     return _layout(fig, f"{label} by rank", height=300)
 
 
@@ -331,7 +339,7 @@ def temporal_breakdown(temporal: pd.DataFrame) -> go.Figure:
 
 def kernel_types(breakdown: pd.DataFrame) -> go.Figure:
     """Exclusive kernel time per kernel-type combination."""
-    fig = px.pie(breakdown, names="kernel_type", values="sum_us", hole=0.4)
+    fig = px.pie(breakdown, color_discrete_sequence=PALETTE, names="kernel_type", values="sum_us", hole=0.4)
     return _layout(fig, "Kernel time by type", height=320)
 
 
@@ -340,7 +348,7 @@ def kernel_types(breakdown: pd.DataFrame) -> go.Figure:
 
 def compare_lines(df: pd.DataFrame, *, y: str, label: str, title: str) -> go.Figure:
     """One line per run over the step axis (``run``, ``step``, ``y`` columns)."""
-    fig = px.line(df, x="step", y=y, color="run", labels={y: label, "run": ""})
+    fig = px.line(df, color_discrete_sequence=PALETTE, x="step", y=y, color="run", labels={y: label, "run": ""})
     return _layout(fig, title, height=300)
 
 

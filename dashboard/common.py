@@ -246,7 +246,7 @@ def fmt(value, pattern: str) -> str:
 
 
 def key_figures(overview) -> dict[str, str]:
-    """The Overview's headline numbers (``RunAnalysis.key_figures`` via ``summary.Overview``), formatted; '-' when
+    """The Overview's headline numbers (``RunAnalysis.key_figures`` via ``Overview``), formatted; '-' when
     unknown."""
     k = overview.figures
     return {

@@ -1,4 +1,5 @@
-"""The dashboard's only caching site: run stores tailed incrementally, analyses keyed by what was read.
+"""The dashboard's only caching site: run stores tailed incrementally, analyses keyed by what was read, the
+stored Overview of finished runs.
 
 A run's ``RunStore`` is opened once and refreshed on every page run: only lines appended since the last read are
 parsed. While a run is running, pages analyze its newest ``live_window_steps()`` steps (``StepWindow``) unless
@@ -6,17 +7,17 @@ the user asks for the whole run, so a live refresh costs the window, not the run
 always analyzed whole. An analysis is rebuilt only when the store's row counts or status changed. Trace folders
 are parsed once per mtime. Planner results are cached by their inputs.
 
-The first Overview after the server starts can come from ``dtprobe.dashboard.summary``'s child process instead
-(``put_summary``): the server then analyzes that run itself shortly after the page is sent.
+The Overview of a finished run or a trace folder is read from its stored summary (``dtprobe.summary_store``,
+made when the run ended) when that is valid, so the first page needs no analysis; otherwise it is made here
+and stored for the next start.
 
-The caches are plain module state (not ``st.cache_resource``) so that ``dtprobe.dashboard.serve`` can fill them before
-any browser session exists.
+The caches are plain module state shared by every session (``st.cache_data`` would pickle a store on every
+hit; the tests and benchmarks also call these functions without a Streamlit runtime).
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,10 +25,12 @@ from typing import TYPE_CHECKING, Any
 
 import streamlit as st
 
+from dtprobe import summary_store
 from dtprobe.dashboard import summary
 from dtprobe.dashboard.paths import LIVE_WINDOW_ENV, Source, list_sources, live_window_steps  # noqa: F401 (re-exported)
+from dtprobe.overview import Overview, summarize
 
-if TYPE_CHECKING:  # imported where used: the first Overview can be drawn before pandas is imported
+if TYPE_CHECKING:  # imported where used: a stored Overview is drawn before the analysis modules are imported
     from dtprobe.analysis.facade import RunAnalysis
     from dtprobe.analysis.window import StepWindow
 
@@ -109,71 +112,25 @@ def window_of(analysis: RunAnalysis) -> StepWindow | None:
     return analysis.source if isinstance(analysis.source, StepWindow) else None
 
 
-SUMMARY_WAIT_S = 60.0
-"""Longest a page waits for the summary child before analyzing in the server itself."""
-SUMMARY_MAX_AGE_S = 30.0
-"""A child's summary older than this is not shown (the run has moved on): the page analyzes it afresh."""
-ANALYZE_AFTER_S = 1.0
-"""Delay between a page drawn from a child's summary and the server's own analysis of that run: the browser is
-still fetching the page's scripts from this server meanwhile."""
-
-_SUMMARIES: dict[str, summary.Overview] = {}
-_SUMMARY_DONE: dict[str, threading.Event] = {}
-"""Path of a source a summary child works on -> set when it is done."""
-_TIMERS: list[threading.Timer] = []
-"""The server's own analyses scheduled after pages drawn from a summary (``clear`` cancels those not started)."""
-
-
-def expect_summary(path: str) -> None:
-    """A summary child is analyzing the source at ``path``: its Overview waits for ``put_summary`` (at most
-    ``SUMMARY_WAIT_S``) rather than analyzing it a second time."""
-    _SUMMARY_DONE[path] = threading.Event()
-
-
-def put_summary(path: str, overview: summary.Overview | None) -> None:
-    """Hand over the child's summary of ``path`` (None: the child printed none); pages stop waiting for it."""
-    if overview is not None:
-        _SUMMARIES[path] = overview
-    done = _SUMMARY_DONE.get(path)
-    if done is not None:
-        done.set()
-
-
-def load_overview(source: Source, *, whole_run: bool = False) -> summary.Overview:
-    """What the Overview draws of ``source`` (see ``load_analysis``). Before the server has analyzed it, the
-    summary a child made at the server's start is used once, if it covers what was asked for and is recent; the
-    server's own analysis then starts ``ANALYZE_AFTER_S`` later."""
+def load_overview(source: Source, *, whole_run: bool = False) -> Overview:
+    """What the Overview draws of ``source`` (see ``load_analysis``): a finished run's or trace folder's stored
+    summary when it is valid for the source as it is now, else made from the analysis (and then stored)."""
     path = str(source.path)
-    entry = _ENTRIES.get(path)
-    if entry is None or not entry.analyses:
-        done = _SUMMARY_DONE.get(path)
-        if done is not None:
-            done.wait(SUMMARY_WAIT_S)
-        made = _SUMMARIES.pop(path, None)
-        if made is not None and (made.whole or not whole_run) and time.time() - made.made_s < SUMMARY_MAX_AGE_S:
-            timer = threading.Timer(ANALYZE_AFTER_S, _analyze_quietly, (source, whole_run))
-            timer.daemon = True
-            _TIMERS[:] = [t for t in _TIMERS if t.is_alive()] + [timer]
-            timer.start()
-            return made
-    return summary.summarize(load_analysis(source, whole_run=whole_run), path=path)
-
-
-def _analyze_quietly(source: Source, whole_run: bool) -> None:
-    try:
-        load_analysis(source, whole_run=whole_run)
-    except Exception:  # noqa: BLE001 - a page asking for it reports the same error where the user can act
-        pass
+    if summary_store.is_finished(source.path):
+        key = summary_store.key_of(path)  # before the source is read: a change meanwhile makes the summary stale
+        stored = summary_store.load(path, key=key)
+        if stored is not None:
+            return stored
+        overview = summarize(load_analysis(source, whole_run=whole_run), path=path)
+        summary_store.store(path, overview, key=key)
+        return overview
+    return summarize(load_analysis(source, whole_run=whole_run), path=path)
 
 
 def clear() -> None:
-    """Drop every open source, analysis and summary (tests)."""
+    """Drop every open source and analysis (tests)."""
     with _LOCK:
         _ENTRIES.clear()
-    _SUMMARIES.clear()
-    _SUMMARY_DONE.clear()
-    while _TIMERS:
-        _TIMERS.pop().cancel()
 
 
 def open_store(source: Source):

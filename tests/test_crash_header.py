@@ -14,6 +14,7 @@ from dtprobe.dashboard.paths import ROOT_ENV
 from dtprobe.analysis import RunAnalysis
 from dtprobe.cli import main as cli_main
 from dtprobe.commands.analyze import render_text
+from dtprobe.summary_store import CACHE_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = REPO / "sample_traces" / "ckpt_crash_restart"
@@ -41,8 +42,9 @@ def test_analyze_names_the_crash_and_its_restart_first_in_every_format(capsys):
     assert f"crash: {title}" in text and text.index("crash:") < text.index("finding(s), worst first")
 
 
-def test_overview_heads_the_page_with_the_crash_line(monkeypatch):
+def test_overview_heads_the_page_with_the_crash_line(monkeypatch, tmp_path):
     monkeypatch.setenv(ROOT_ENV, str(RUN))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))  # no summary stored by another test: the Overview is made here
     at = AppTest.from_file(str(REPO / "dashboard" / "app.py"), default_timeout=240).run()
     assert not at.exception, [e.message for e in at.exception]
     crash_lines = [m.value for m in at.markdown if "[crash]**" in m.value]
@@ -55,8 +57,8 @@ def _without_crash_findings(monkeypatch) -> None:
     monkeypatch.setattr(RunAnalysis, "hangs", lambda self: [f for f in hangs(self) if f.code != "RANK_CRASH"])
 
 
-def test_a_restart_no_crash_tells_heads_the_report_and_the_overview(monkeypatch):
-    from dtprobe.dashboard.summary import Overview, summarize
+def test_a_restart_no_crash_tells_heads_the_report_and_the_overview(monkeypatch, tmp_path):
+    from dtprobe.overview import Overview, summarize
 
     line = "restart 1: the job restarted from step 15, 0 step(s) lost"
     assert summarize(RunAnalysis.open(RUN), path=str(RUN)).restarts == ()       # the crash title tells it
@@ -68,6 +70,7 @@ def test_a_restart_no_crash_tells_heads_the_report_and_the_overview(monkeypatch)
     render_text(RunAnalysis.open(RUN).report(), Console(file=out, width=400))
     assert line in out.getvalue()
     monkeypatch.setenv(ROOT_ENV, str(RUN))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))  # no summary stored by another test: the Overview is made here
     at = AppTest.from_file(str(REPO / "dashboard" / "app.py"), default_timeout=240).run()
     assert not at.exception, [e.message for e in at.exception]
     assert [m.value for m in at.markdown if "[restart]**" in m.value] == [f"**:orange[restart]** {line}"]

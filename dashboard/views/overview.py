@@ -1,7 +1,7 @@
 """Overview: every crash and restart of the run (the RANK_CRASH titles, as `dtprobe analyze` heads its report),
 health, findings by severity (each linking to its page), key figures of the chosen run with the trend
-of step time and tokens/s (per-rank charts are on the pages the findings link to). Drawn from a
-``summary.Overview`` (``data.load_overview``), so it needs neither pandas nor plotly."""
+of step time and tokens/s (per-rank charts are on the pages the findings link to). Drawn from an
+``Overview`` (``data.load_overview``: a finished run's stored summary when valid), with no chart library."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""``dtprobe compact RUN``: rebuild a run's Parquet tables from its events files (for a run that crashed)."""
+"""``dtprobe compact RUN``: rebuild a run's Parquet tables from its events files (for a run that crashed) and
+store its summary for the dashboard."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "compact", help="compact a run's events into Parquet tables",
         description="Compact the per-rank events files of RUN into RUN/tables/<table>.parquet (all ranks, "
                     "clock-aligned) so it loads fast. `dtprobe run` compacts a run when it ends; "
-                    "use this for a run that crashed or was killed. Safe to rerun; the run status is not changed.")
+                    "use this for a run that crashed or was killed. Safe to rerun; the run status is not changed. "
+                    "A run that is not running also gets its summary stored (RUN/summary.json), which the "
+                    "dashboard shows without analyzing the run again.")
     parser.add_argument("run", metavar="RUN", help="run directory (made by `dtprobe run` or `dtprobe.attach`)")
     parser.set_defaults(func=main)
 
@@ -35,4 +38,27 @@ def main(args: argparse.Namespace) -> int:
     for name, n in rows.items():
         table.add_row(name, str(n))
     console.print(table)
+    overview = store_summary(Path(args.run), console=console)
+    if overview is not None:
+        console.print(f"Stored its summary ({len(overview.findings)} findings) for the dashboard.", highlight=False)
     return 0
+
+
+def store_summary(run: Path, *, console=None):
+    """Analyze the compacted run once and store its Overview (``dtprobe.summary_store``); returns it, or None for
+    a run still running (it has none) or one that cannot be analyzed (said on ``console``, stderr by default:
+    the summary is a cache, and the dashboard reports the same error where the user opens the run)."""
+    from rich.console import Console
+
+    from dtprobe import summary_store
+    from dtprobe.store.errors import TraceError
+
+    console = console or Console(stderr=True)
+    if not summary_store.is_finished(run.resolve()):
+        return None
+    try:
+        with console.status(f"Analyzing {run} ..."):
+            return summary_store.make(run)
+    except TraceError as exc:
+        console.print(f"{run}: summary not stored ({exc}).", highlight=False)
+        return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -36,7 +37,7 @@ def streamlit_argv(*, host: str, port: int) -> list[str]:
     """The exact server command: safe settings on the command line so they hold whatever the CWD's config."""
     allowed = ["127.0.0.1", "localhost"] if host in {"127.0.0.1", "localhost"} else [host]
     return [
-        sys.executable, "-m", "dtprobe.dashboard.serve", "run", str(APP),
+        sys.executable, "-m", "streamlit", "run", str(APP),
         "--server.address", host, "--server.port", str(port), "--server.headless", "true",
         "--server.fileWatcherType", "none", "--server.enableStaticServing", "false",
         *[arg for name in allowed for arg in ("--server.allowedHosts", name)],
@@ -61,13 +62,39 @@ def main(args: argparse.Namespace) -> int:
                DTPROBE_LIVE_WINDOW=str(args.live_window))
     print(f"dtprobe dashboard: serving {root.resolve()} at http://{args.host}:{args.port}  (Ctrl-C to stop)",
           flush=True)
-    proc = subprocess.Popen(streamlit_argv(host=args.host, port=args.port), env=env, cwd=APP.parent)
+    previous = {sig: signal.signal(sig, _raise_stopped) for sig in STOP_SIGNALS}
+    proc = None
     try:
+        proc = subprocess.Popen(streamlit_argv(host=args.host, port=args.port), env=env, cwd=APP.parent)
         return proc.wait()
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, _Stopped):
+        return 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if proc is not None:
+            _stop(proc)
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+"""Signals that stop the command as Ctrl-C does (a supervisor's SIGTERM, a closed terminal's SIGHUP); the server
+is stopped with it, not left holding the port."""
+
+
+class _Stopped(Exception):
+    """This process got one of ``STOP_SIGNALS``."""
+
+
+def _raise_stopped(signum, frame) -> None:
+    raise _Stopped(signal.Signals(signum).name)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Stop the server: SIGTERM (Streamlit shuts down and frees its port), SIGKILL if it is still there 10 s later."""
+    if proc.poll() is None:
         proc.terminate()
         try:
             proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
-        return 0
+            proc.wait()

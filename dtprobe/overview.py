@@ -1,0 +1,121 @@
+"""The Overview of a run as plain data (``dtprobe.overview/1`` JSON): key figures, step-time and tokens/s trends,
+findings without evidence rows; drawn by the dashboard's Overview page, stored by ``dtprobe.summary_store``.
+
+No Streamlit, and pandas only through the analysis passed in: reading an Overview from JSON needs neither.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+SCHEMA = "dtprobe.overview/1"
+"""Value of the ``schema`` key of the JSON document."""
+TREND_POINTS = 200
+"""Most points a key figure's trend keeps (longer series are averaged in bins)."""
+
+
+@dataclass(frozen=True)
+class FindingLine:
+    """A finding as the Overview lists it (its evidence is on the page it links to)."""
+
+    code: str
+    severity: str
+    ranks: tuple[int, ...]
+    group: str | None
+    title: str
+    recommendation: str
+
+
+@dataclass(frozen=True)
+class Overview:
+    """The Overview of one source (a run or a trace folder) at one moment."""
+
+    path: str
+    """The source's folder (resolved)."""
+    whole: bool
+    """Every step was analyzed (False: only the newest steps of a running run)."""
+    figures: dict[str, Any]
+    """``RunAnalysis.key_figures()`` as a dict (None for an unknown figure)."""
+    num_steps: int
+    """Steps in the run (all of them, also when only the newest were analyzed)."""
+    trends: dict[str, list[float]]
+    """Per-step series of ``step time`` (ms) and ``tokens/s``, at most ``TREND_POINTS`` points each."""
+    findings: tuple[FindingLine, ...]
+    """Worst first, as ``RunAnalysis.findings()``."""
+    window: str | None
+    """Which steps were analyzed when not the whole run (``StepWindow.describe()``)."""
+    made_s: float
+    """``time.time()`` when it was made."""
+    restarts: tuple[str, ...] = ()
+    """The header's restart lines that no RANK_CRASH title tells (``report.restart_lines``), e.g. after a hang."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``dtprobe.overview/1`` document as JSON-ready data."""
+        return json.loads(self.to_json())
+
+    def to_json(self) -> str:
+        return json.dumps({"schema": SCHEMA, **asdict(self)}, default=_plain)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "Overview":
+        """Raises ValueError for anything but a whole ``dtprobe.overview/1`` document."""
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_dict(cls, doc: Any) -> "Overview":
+        """Raises ValueError for anything but a whole ``dtprobe.overview/1`` document (``doc`` is not changed)."""
+        if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+            raise ValueError(f"not a {SCHEMA} document")
+        doc = {k: v for k, v in doc.items() if k != "schema"}
+        try:
+            doc["findings"] = tuple(FindingLine(**{**f, "ranks": tuple(f["ranks"])}) for f in doc["findings"])
+            doc["restarts"] = tuple(doc.get("restarts", ()))
+            return cls(**doc)
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"incomplete {SCHEMA} document ({exc})") from None
+
+
+def _plain(value: Any) -> Any:
+    """numpy scalars -> Python numbers (json.dumps' fallback)."""
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def summarize(analysis: Any, *, path: str) -> Overview:
+    """The Overview of ``analysis`` (a ``RunAnalysis`` of the source at ``path``, whole or over a ``StepWindow``)."""
+    from dtprobe.analysis.report import restart_lines, run_events
+    from dtprobe.analysis.window import StepWindow
+
+    window = analysis.source if isinstance(analysis.source, StepWindow) else None
+    k = analysis.key_figures()
+    return Overview(
+        path=path, whole=window is None, figures=asdict(k),
+        num_steps=int(window.total_steps if window is not None else k.num_steps), trends=trends(analysis),
+        findings=tuple(FindingLine(code=f.code, severity=f.severity, ranks=tuple(int(r) for r in f.ranks),
+                                   group=f.group, title=f.title, recommendation=f.recommendation)
+                       for f in analysis.findings()),
+        window=window.describe() if window is not None else None, made_s=time.time(),
+        restarts=tuple(restart_lines(run_events(analysis))))
+
+
+def trends(analysis: Any) -> dict[str, list[float]]:
+    """Per-step series behind the step time and tokens/s figures (``RunAnalysis.throughput``), at most
+    ``TREND_POINTS`` points each (bin means beyond that); a series with fewer than 2 points is left out."""
+    per_step = analysis.throughput()
+    if per_step.empty:
+        return {}
+    per_step = per_step.sort_values("step")
+    series_of = {"step time": per_step["step_ns"].astype("float64") / 1e6,
+                 "tokens/s": per_step["tokens_per_s"].astype("float64")}
+    out = {}
+    for label, series in series_of.items():
+        series = series.dropna().reset_index(drop=True)
+        if len(series) > TREND_POINTS:
+            series = series.groupby(series.index * TREND_POINTS // len(series)).mean()
+        if len(series) >= 2:
+            out[label] = [round(float(v), 3) for v in series]
+    return out

@@ -1,0 +1,173 @@
+"""The stored Overview of a finished run or a trace folder (``dtprobe.summary/1``): computed once, when the run
+ends (``dtprobe run``, ``dtprobe compact``) or at its first view in the dashboard, and read by the dashboard
+instead of analyzing the source again. Format: docs/run-store.md.
+
+A stored summary is valid only for the key it was made under: the state of the files the analysis reads (path,
+size and mtime of each), dtprobe's version and the analysis options. Anything else (a run that changed, another
+version, other options, a damaged or foreign file) is recomputed, never shown. ``dtprobe run`` and
+``dtprobe compact`` store a run's summary in the run directory (``summary.json``); the dashboard, which only
+reads the folders it shows, stores what it made in the per-user cache (``$XDG_CACHE_HOME/dtprobe/summaries``,
+default ``~/.cache/dtprobe/summaries``), as it does for trace folders. A running run has none.
+
+No Streamlit, and the analysis modules (pandas) are imported only to make a summary or its key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dtprobe import __version__
+from dtprobe.overview import Overview
+
+if TYPE_CHECKING:
+    from dtprobe.analysis.facade import AnalysisOptions
+
+SCHEMA = "dtprobe.summary/1"
+"""Value of the ``schema`` key of a stored summary."""
+SUMMARY_FILE = "summary.json"
+"""A run's stored summary: ``<run>/summary.json``."""
+CACHE_ENV = "XDG_CACHE_HOME"
+"""Where the per-user cache lives (``$XDG_CACHE_HOME/dtprobe/summaries``; unset: ``~/.cache``)."""
+RUN_INPUTS = ("run.json", "ranks", "events", "tables", "traces")
+"""What the analysis of a run reads, under the run directory (the state a summary is keyed by)."""
+
+
+def is_run(path: Path) -> bool:
+    return (path / "run.json").is_file()
+
+
+def cache_dir() -> Path:
+    """The per-user folder of stored summaries of trace folders and read-only runs."""
+    base = os.environ.get(CACHE_ENV) or str(Path.home() / ".cache")
+    return Path(base) / "dtprobe" / "summaries"
+
+
+def state_of(path: str | os.PathLike) -> str:
+    """A digest of the files the analysis of the run or trace folder at ``path`` reads: each one's relative path,
+    size and mtime (a few ``stat`` calls per file, no file read)."""
+    path = Path(path)
+    roots = [path / name for name in RUN_INPUTS] if is_run(path) else [path]
+    entries = []
+    for root in roots:
+        if root.is_file():
+            entries.append(_stat_line(path, root))
+            continue
+        for folder, dirs, files in os.walk(root):
+            dirs.sort()
+            for name in sorted(files):
+                entries.append(_stat_line(path, Path(folder) / name))
+    return hashlib.sha256("\n".join(e for e in entries if e).encode()).hexdigest()
+
+
+def _stat_line(base: Path, file: Path) -> str:
+    try:
+        st = file.stat()
+    except FileNotFoundError:  # removed while listed (a compaction swapping tables/): part of another state
+        return ""
+    return f"{file.relative_to(base)}\t{st.st_size}\t{st.st_mtime_ns}"
+
+
+def key_of(path: str | os.PathLike, options: AnalysisOptions | None = None) -> dict[str, Any]:
+    """What a summary of ``path`` made now is valid for: the files' state, dtprobe's version, the options."""
+    from dtprobe.analysis.facade import AnalysisOptions
+
+    key = {"state": state_of(path), "dtprobe_version": __version__,
+           "options": dataclasses.asdict(options or AnalysisOptions())}
+    return json.loads(json.dumps(key))  # as it reads back from the file (tuples become lists)
+
+
+def _cache_file(path: Path) -> Path:
+    return cache_dir() / (hashlib.sha256(str(path).encode()).hexdigest()[:32] + ".json")
+
+
+def _candidates(path: Path) -> list[Path]:
+    """Where a summary of ``path`` may be stored, in the order they are read."""
+    return [path / SUMMARY_FILE, _cache_file(path)] if is_run(path) else [_cache_file(path)]
+
+
+def is_finished(path: Path) -> bool:
+    """A trace folder, or a run whose status is not ``running`` (only those have a stored summary)."""
+    if not is_run(path):
+        return True
+    try:
+        status = json.loads((path / "run.json").read_text()).get("status")
+    except (OSError, ValueError, AttributeError):
+        return False  # an unreadable manifest: the analysis reports it
+    return status != "running"
+
+
+def load(path: str | os.PathLike, *, key: dict[str, Any] | None = None,
+         options: AnalysisOptions | None = None) -> Overview | None:
+    """The stored Overview of the finished run or trace folder at ``path`` if one is valid for ``key`` (default:
+    ``key_of(path, options)``), else None."""
+    path = Path(path).resolve()
+    if not is_finished(path):
+        return None
+    key = key or key_of(path, options)
+    for file in _candidates(path):
+        try:
+            doc = json.loads(file.read_bytes())
+        except (OSError, ValueError):  # none yet, unreadable or damaged: made again
+            continue
+        if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or doc.get("path") != str(path):
+            continue
+        if doc.get("key") != key:
+            continue
+        try:
+            overview = Overview.from_dict(doc.get("overview"))
+        except ValueError:
+            continue
+        if overview.whole and overview.path == str(path):
+            return overview
+    return None
+
+
+def store(path: str | os.PathLike, overview: Overview, *, key: dict[str, Any], in_run_dir: bool = False) -> Path | None:
+    """Store ``overview`` of the finished run or trace folder at ``path`` under ``key`` (made before the source
+    was read, so that a change while it was analyzed makes it stale): in the per-user cache, or with
+    ``in_run_dir`` in the run directory when it is a writable run. Returns the file, or None when the Overview
+    covers only some steps or nowhere is writable (the summary is a cache: the next view makes it again)."""
+    path = Path(path).resolve()
+    if not overview.whole or not is_finished(path):
+        return None
+    doc = json.dumps({"schema": SCHEMA, "path": str(path), "key": key, "overview": overview.to_dict()})
+    places = _candidates(path) if in_run_dir else [_cache_file(path)]
+    for file in places:
+        try:
+            _write_atomically(file, doc)
+            return file
+        except OSError:
+            continue  # a read-only run folder or cache: try the next place
+    return None
+
+
+def _write_atomically(file: Path, text: str) -> None:
+    """Write ``text`` to ``file`` through a temporary file and a rename (a reader sees the old file or the new)."""
+    file.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=f".{file.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as out:
+            out.write(text)
+        os.replace(tmp, file)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def make(path: str | os.PathLike, *, options: AnalysisOptions | None = None, in_run_dir: bool = True) -> Overview:
+    """Analyze the whole source at ``path`` and return its Overview, stored when the source is finished (see
+    ``store``). Raises TraceError for unusable data."""
+    from dtprobe.analysis.facade import RunAnalysis, open_source
+    from dtprobe.overview import summarize
+
+    path = Path(path).resolve()
+    key = key_of(path, options)
+    overview = summarize(RunAnalysis(open_source(path), options=options), path=str(path))
+    store(path, overview, key=key, in_run_dir=in_run_dir)
+    return overview

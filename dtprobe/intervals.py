@@ -2,7 +2,8 @@
 bubble built on them; read by ``dtprobe.analysis`` (temporal breakdown, overlap, exposed communication, pipeline
 bubble) and ``dtprobe.runtime.parallel.bubble``.
 
-A leaf module (numpy; pandas for the grouped union) so the runtime, which may not import ``dtprobe.analysis``, shares the one definition.
+A leaf module (numpy; pandas for the grouped union) so the runtime, which may not import ``dtprobe.analysis``,
+shares the one definition.
 Overlapping and touching spans count once everywhere: the busy time of a rank is the length of the union of its
 spans, never their sum.
 """

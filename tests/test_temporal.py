@@ -12,10 +12,12 @@ import pytest
 
 from dtprobe.analysis.kernel_breakdown import kernel_type_breakdown, top_kernels
 from dtprobe.analysis.overlap import comm_comp_overlap
-from dtprobe.analysis.temporal import kernels_in_steps, merge_intervals, temporal_breakdown
+from dtprobe.analysis.temporal import temporal_breakdown
 from dtprobe.analysis.trace_metrics import analyze_traces
+from dtprobe.intervals import merge_intervals
 from dtprobe.store.errors import TraceError
 from dtprobe.store.kineto import load_trace_dir
+from dtprobe.store.kineto_window import kernels_in_steps
 
 TRACES = Path(__file__).parent / "data" / "traces"
 POINTS = 0.1   # tolerance in percentage points
@@ -191,7 +193,7 @@ def test_top_kernels_groups_the_tail_as_others():
 
 
 def test_analyses_name_missing_columns():
-    with pytest.raises(TraceError, match=r"missing \['dur_ns'\]"):
+    with pytest.raises(TraceError, match=r"table 'kernels' lacks the columns \['dur_ns'\]"):
         temporal_breakdown(pd.DataFrame({"rank": [0], "kind": ["compute"], "start_ns": [0]}))
 
 

@@ -1,7 +1,7 @@
 """Analysis: pure functions from run-store tables to metrics (DataFrames) and findings; ``RunAnalysis`` is the facade.
 
 ``from dtprobe.analysis import RunAnalysis``; ``RunAnalysis.open(path)`` accepts a dtprobe run or a Kineto trace
-folder. Imported lazily so ``import dtprobe.analysis.findings`` stays light.
+folder (any ``dtprobe.store.source.Source``). Imported lazily so ``import dtprobe.analysis.findings`` stays light.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ _LAZY = {
     "KeyFigures": "dtprobe.analysis.facade",
     "open_source": "dtprobe.analysis.facade",
     "SCHEMA": "dtprobe.analysis.facade",
+    "Source": "dtprobe.store.source",
+    "SourceInfo": "dtprobe.store.source",
     "Finding": "dtprobe.analysis.findings",
     "PredictedGain": "dtprobe.analysis.findings",
     "CODES": "dtprobe.analysis.findings",

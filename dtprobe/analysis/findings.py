@@ -104,6 +104,19 @@ def info_without_gain(findings: list[Finding]) -> list[Finding]:
             and f.severity != "info" else f for f in findings]
 
 
+FINDINGS_COLUMNS = ["code", "severity", "ranks", "group", "title", "recommendation", "gain_metric", "gain_frac"]
+
+
+def findings_frame(findings: list[Finding]) -> pd.DataFrame:
+    """The findings as a frame, one row each in the order given. Columns: ``FINDINGS_COLUMNS`` (``ranks`` as
+    ``"0,3"``, ``gain_frac`` NaN without a predicted gain)."""
+    rows = [{"code": f.code, "severity": f.severity, "ranks": ",".join(map(str, f.ranks)), "group": f.group,
+             "title": f.title, "recommendation": f.recommendation,
+             "gain_metric": f.predicted_gain.metric if f.predicted_gain else None,
+             "gain_frac": f.predicted_gain.frac if f.predicted_gain else float("nan")} for f in findings]
+    return pd.DataFrame(rows, columns=FINDINGS_COLUMNS)
+
+
 def jsonable(value: Any) -> Any:
     """``value`` with numpy/pandas scalars turned into Python ones, NaN/NA into None, floats rounded to 6 digits."""
     if isinstance(value, Mapping):

@@ -131,7 +131,8 @@ def axis_of(pg: str | None) -> str | None:
 def axis_of_group(pg: str | None, *, layout: dict) -> str | None:
     """``axis_of(pg)``; the default group (``world``) is ``dp`` in a pure data-parallel ``layout`` (tp = pp = 1)."""
     axis = axis_of(pg)
-    if axis is None and pg in ("world", "default", "0") and int(layout.get("tp") or 1) * int(layout.get("pp") or 1) == 1:
+    pure_dp = int(layout.get("tp") or 1) * int(layout.get("pp") or 1) == 1
+    if axis is None and pg in ("world", "default", "0") and pure_dp:
         return "dp"
     return axis
 

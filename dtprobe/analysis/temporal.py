@@ -1,4 +1,5 @@
-"""Per-rank (and per-step) GPU temporal breakdown: idle / compute / non-compute time; read by trace_metrics and RunAnalysis.
+"""Per-rank (and per-step) GPU temporal breakdown: idle / compute / non-compute time; read by RunAnalysis and
+trace_metrics.
 
 Semantics equal Holistic Trace Analysis 0.5.0 ``get_temporal_breakdown`` so results can be checked against it:
 - every GPU event counts (kernels, memcpy, memset, stream syncs), intervals merged over all streams;
@@ -6,17 +7,18 @@ Semantics equal Holistic Trace Analysis 0.5.0 ``get_temporal_breakdown`` so resu
   ``compute`` = union(compute kernels); ``non_compute`` = the rest (communication and memory not hidden by compute);
 - times in whole microseconds, starts rounded up and ends down (HTA rounds ns-resolution ``ts`` this way,
   pytorch/pytorch#122425: float timestamps otherwise make back-to-back kernels overlap).
-Unlike HTA, every ProfilerStep is analysed (HTA drops the last of two or more, its issue #76).
+Unlike HTA, every ProfilerStep is analysed (HTA drops the last of two or more, its issue #76): a Kineto source
+yields the kernels of its profiled steps (``dtprobe.store.kineto_window``), so these functions take the
+``kernels`` table as the source gives it.
 """
 
 from __future__ import annotations
 
-from typing import Iterable
-
 import numpy as np
 import pandas as pd
 
-from dtprobe.store.errors import TraceError
+from dtprobe.intervals import covered, merge_intervals
+from dtprobe.store.columns import require_columns
 
 KERNEL_COLUMNS = ("rank", "kind", "start_ns", "dur_ns")
 """Columns of the ``kernels`` table these analyses need (``step``/``launch_ns`` for step selection)."""
@@ -28,38 +30,11 @@ TEMPORAL_COLUMNS = [
 """Final columns of ``temporal_breakdown`` (``by_step=True`` inserts ``step`` after ``rank``)."""
 
 
-def require_columns(df: pd.DataFrame, columns: Iterable[str], what: str) -> None:
-    """TraceError naming the columns ``what`` needs but ``df`` lacks."""
-    missing = [c for c in columns if c not in df.columns]
-    if missing:
-        raise TraceError(f"{what} needs a kernels table with columns {list(columns)}; missing {missing}. "
-                         f"Load traces with dtprobe.store.kineto.load_trace_dir or a run's `kernels` table.")
-
-
 def quantized_us(kernels: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
     """(start_us, end_us) int64: start rounded up, end (start + dur) rounded down to whole microseconds."""
     start = kernels["start_ns"].to_numpy(dtype=np.int64, na_value=0)
     end = start + kernels["dur_ns"].to_numpy(dtype=np.int64, na_value=0)
     return -((-start) // 1000), end // 1000
-
-
-def merge_intervals(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Union of [start, end) intervals as sorted disjoint (start, end) arrays; touching intervals merge."""
-    if not len(start):
-        return start, end
-    order = np.argsort(start, kind="stable")
-    s, e = start[order], end[order]
-    reach = np.maximum.accumulate(e)
-    new = np.empty(len(s), dtype=bool)
-    new[0] = True
-    new[1:] = s[1:] > reach[:-1]
-    first = np.flatnonzero(new)
-    return s[first], np.maximum.reduceat(e, first)
-
-
-def covered(start: np.ndarray, end: np.ndarray) -> int:
-    """Total length of merged intervals (HTA's ``end.sum() - ts.sum()`` of merged groups)."""
-    return int(end.sum() - start.sum())
 
 
 def sweep_states(groups: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
@@ -98,7 +73,7 @@ def temporal_breakdown(kernels: pd.DataFrame, *, by_step: bool = False) -> pd.Da
     idle_us, compute_us, non_compute_us, num_kernels. Ranks (steps) without GPU events are absent; with
     ``by_step`` kernels launched outside any ProfilerStep (step -1) are left out.
     """
-    require_columns(kernels, KERNEL_COLUMNS + (("step",) if by_step else ()), "temporal_breakdown")
+    require_columns(kernels, KERNEL_COLUMNS + (("step",) if by_step else ()), table="kernels")
     keys = ["rank", "step"] if by_step else ["rank"]
     columns = TEMPORAL_COLUMNS[:1] + (["step"] if by_step else []) + TEMPORAL_COLUMNS[1:]
     data = kernels[kernels["step"].ge(0)] if by_step else kernels
@@ -123,21 +98,3 @@ def _groups(data: pd.DataFrame, keys: list[str]) -> list[tuple[tuple, np.ndarray
     codes = data[keys].astype("int64")
     groups = codes.groupby(keys, sort=True).indices
     return [((k,) if not isinstance(k, tuple) else k, idx) for k, idx in groups.items()]
-
-
-def kernels_in_steps(kernels: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
-    """The GPU events of the profiled steps, every step included (HTA with ``include_last_profiler_step=True``).
-
-    With two or more distinct ProfilerSteps, keep events whose launching host call started at or before the
-    end of the rank's last step (drops warm-up/teardown work after the window and events with no known
-    launch); with fewer, keep everything. A rank with no ProfilerStep keeps all its events.
-    """
-    require_columns(kernels, KERNEL_COLUMNS + ("launch_ns",), "kernels_in_steps")
-    if steps.empty or steps["step"].nunique() < 2:
-        return kernels
-    last_end_us = (steps.groupby("rank")["end_ns"].max().astype("int64") // 1000)
-    limit = kernels["rank"].map(last_end_us)
-    launch = kernels["launch_ns"].astype("Int64")
-    launch_us = -((-launch) // 1000)
-    keep = (launch_us <= limit).fillna(False) | limit.isna()
-    return kernels[keep.to_numpy(dtype=bool)]

@@ -1,11 +1,14 @@
-"""One call from a loaded Kineto trace folder to its GPU metrics (temporal, overlap, kernel types); read by `dtprobe analyze`.
+"""The kernel-level metrics of a source in one record (temporal, overlap, kernel types, per rank and per step);
+read by ``RunAnalysis.trace_metrics``, the HTA comparison benchmark and its tests.
 
-``analyze_traces(run)`` checks that the analyses apply (GPU events on every rank; a CPU-only gloo trace is
-accepted with its collectives and empty GPU metrics) and runs them over every ProfilerStep of the window.
+``analyze_traces(run)`` checks that the analyses apply to a Kineto trace folder (GPU events on every rank; a
+CPU-only gloo trace is accepted with its collectives and empty GPU metrics) and runs them over every ProfilerStep
+of the window.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,8 +16,7 @@ import pandas as pd
 
 from dtprobe.analysis.kernel_breakdown import kernel_type_breakdown, top_kernels
 from dtprobe.analysis.overlap import comm_comp_overlap
-from dtprobe.analysis.temporal import kernels_in_steps, temporal_breakdown
-from dtprobe.store.errors import TraceError
+from dtprobe.analysis.temporal import temporal_breakdown
 from dtprobe.store.kineto import KinetoRun
 
 
@@ -60,40 +62,25 @@ def _records(df: pd.DataFrame) -> list[dict[str, Any]]:
             for row in df.to_dict("records")]
 
 
-def check_gpu_coverage(run: KinetoRun) -> bool:
-    """True when every rank has GPU events, False for a CPU-only trace with collectives; else TraceError.
-
-    A rank without GPU events next to ranks with them, or a trace with neither GPU events nor collectives,
-    cannot be analysed: the error names the files.
-    """
-    with_gpu = set(int(r) for r in run.kernels["rank"].unique())
-    without = [r for r in run.ranks if r not in with_gpu]
-    if not without:
-        return True
-    files = ", ".join(f"rank {r}: {run.file_of(r)}" + (
-        " (no distributedInfo: read as a single-process trace)"
-        if run.ranks[r].rank_source == "single-process" else "") for r in without)
-    if with_gpu:
-        raise TraceError(
-            f"no GPU events (no event has args.stream) in {files}, while ranks {sorted(with_gpu)} have them. "
-            f"Was that rank profiled without ProfilerActivity.CUDA? Re-record it with activities=[CPU, CUDA], or "
-            f"remove the file from the folder to analyse the other ranks.")
-    if run.collectives.empty:
-        raise TraceError(
-            f"nothing to analyse in {files}: no GPU events (no event has args.stream) and no collectives "
-            f"(NCCL kernels, gloo:* annotations or c10d:: ops). Record GPU activity with "
-            f"torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) in a job that "
-            f"runs torch.distributed collectives.")
-    return False
-
-
-def analyze_traces(run: KinetoRun) -> TraceMetrics:
-    """Temporal breakdown, comm/comp overlap and kernel-type split of a loaded trace folder, every step kept."""
-    has_gpu = check_gpu_coverage(run)
-    kernels = kernels_in_steps(run.kernels, run.steps) if has_gpu else run.kernels
+def kernel_metrics(kernels: pd.DataFrame, collectives: pd.DataFrame, *, steps_analyzed: Iterable[int],
+                   ranks: Iterable[int] | None = None, has_gpu_kernels: bool | None = None) -> TraceMetrics:
+    """Temporal breakdown, comm/comp overlap and kernel-type split of a source's ``kernels`` table (for a trace
+    folder: those of its profiled steps, every step kept). ``ranks`` default to those with kernels or
+    collectives, ``has_gpu_kernels`` to whether there are kernels."""
+    if ranks is None:
+        ranks = set(kernels["rank"].dropna().astype(int)) | set(collectives["rank"].dropna().astype(int))
     return TraceMetrics(
-        ranks=tuple(sorted(run.ranks)), steps_analyzed=tuple(run.steps_found), has_gpu_kernels=has_gpu,
+        ranks=tuple(sorted(int(r) for r in ranks)), steps_analyzed=tuple(steps_analyzed),
+        has_gpu_kernels=not kernels.empty if has_gpu_kernels is None else has_gpu_kernels,
         temporal=temporal_breakdown(kernels), temporal_by_step=temporal_breakdown(kernels, by_step=True),
         overlap=comm_comp_overlap(kernels), overlap_by_step=comm_comp_overlap(kernels, by_step=True),
         kernel_types=kernel_type_breakdown(kernels), top_kernels=top_kernels(kernels),
-        num_collectives=len(run.collectives))
+        num_collectives=len(collectives))
+
+
+def analyze_traces(run: KinetoRun) -> TraceMetrics:
+    """Temporal breakdown, comm/comp overlap and kernel-type split of a loaded trace folder, every step kept;
+    TraceError for a folder whose GPU events cannot be analysed (``KinetoRun.has_gpu_kernels``)."""
+    has_gpu = run.has_gpu_kernels
+    return kernel_metrics(run.table("kernels"), run.collectives, steps_analyzed=run.steps_found, ranks=run.ranks,
+                          has_gpu_kernels=has_gpu)

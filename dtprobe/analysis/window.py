@@ -1,4 +1,5 @@
-"""``StepWindow``: the last N steps of a run as an analysis source, so a live view costs the window, not the run.
+"""``StepWindow``: the last N steps of a run as an analysis source (a ``dtprobe.store.source.Source``), so a live view
+costs the window, not the run.
 
 ``RunAnalysis(StepWindow(store, 100))`` computes every metric and finding over the newest 100 steps of the
 per-step tables (``schema.STEP_TABLES``: the ones a tail-opened store reads from its newest steps); the event
@@ -13,6 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from dtprobe.store.schema import STEP_TABLES
+from dtprobe.store.source import SourceInfo
 
 
 class StepWindow:
@@ -33,6 +35,11 @@ class StepWindow:
         """Oldest step in the window."""
         self.total_steps: int = store.num_steps()
         """Distinct steps the whole run has recorded so far."""
+
+    @property
+    def info(self) -> SourceInfo:
+        """The run's facts (the ``Source`` protocol): those of the store."""
+        return self.store.info
 
     @property
     def manifest(self):

@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
+from dtprobe.analysis.render import render_json, render_markdown, render_text
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -72,17 +72,9 @@ def main(args: argparse.Namespace) -> int:
         _check_not_empty(analysis, TraceError)
         status.update("Analysing ...")
         report = analysis.report()
-    if args.format == "json":
-        import json
-
-        text = json.dumps(report, indent=1) + "\n"
-    elif args.format == "md":
-        from dtprobe.analysis.report import render_markdown
-
-        text = render_markdown(report)
-    else:
-        text = None
-    if text is not None:
+    render = {"json": render_json, "md": render_markdown}.get(args.format)
+    if render is not None:
+        text = render(report)
         if args.output:
             Path(args.output).write_text(text)
             err.print(f"Wrote {args.output}")
@@ -106,57 +98,3 @@ def _check_not_empty(analysis, TraceError) -> None:
     where = analysis.path / "events" if not analysis.is_trace_folder else analysis.path
     raise TraceError(f"'{where}' holds no events: no rank wrote steps, collectives or any other table. Check that "
                      f"the ranks called dtprobe.attach(...) and ran at least one step (status: {analysis.status}).")
-
-
-def render_text(report: dict, console) -> None:
-    """The report for a terminal: header, findings table by severity, recommendations, key metrics."""
-    from rich.panel import Panel
-    from rich.table import Table
-
-    from rich.markup import escape
-
-    from dtprobe.analysis.report import event_lines, summary_facts
-
-    m = report["metrics"]
-    run = m["run"]
-    head = [f"[bold]{report['source']}[/]  ({run['kind']}, status [bold]{run['status']}[/], "
-            f"world size {run['world_size']})", *(f"[bold red]{escape(line)}[/]" for line in event_lines(report)),
-            *summary_facts(report)]
-    console.print(Panel("\n".join(head), title="dtprobe analyze", expand=False))
-    findings = report["findings"]
-    if not findings:
-        console.print("[green]No findings.[/]")
-    else:
-        table = Table(title=f"{len(findings)} finding(s), worst first", show_lines=False)
-        for col in ("severity", "code", "ranks", "group", "predicted gain"):
-            table.add_column(col, no_wrap=True)
-        for f in findings:
-            gain = (f"{f['predicted_gain']['frac']:.0%} of {f['predicted_gain']['metric']}"
-                    if f["predicted_gain"] else "")
-            table.add_row(f"[{SEVERITY_STYLE[f['severity']]}]{f['severity']}[/]", f["code"],
-                          ",".join(map(str, f["ranks"])), f["group"] or "", gain)
-        console.print(table)
-        for f in findings:
-            console.print(f"[{SEVERITY_STYLE[f['severity']]}]{f['code']}[/]: {f['title']}")
-            console.print(f"  [bold]->[/] {f['recommendation']}", highlight=False)
-    if m.get("temporal_breakdown"):
-        t = Table(title="temporal breakdown (GPU kernels)")
-        for col in ("rank", "idle", "compute", "non-compute", "kernel time (us)", "comm overlap"):
-            t.add_column(col, justify="right")
-        overlap = {r["rank"]: r["overlap_frac"] for r in m.get("comm_comp_overlap", [])}
-        for r in m["temporal_breakdown"]:
-            t.add_row(str(r["rank"]), _pct(r["idle_frac"]), _pct(r["compute_frac"]), _pct(r["non_compute_frac"]),
-                      f"{r['kernel_time_us']:,}", _pct(overlap.get(r["rank"])))
-        console.print(t)
-    if m.get("comm_exposure"):
-        t = Table(title="communication per rank (host estimate, share of step)")
-        for col in ("rank", "comm", "exposed", "straggler wait", "overlap"):
-            t.add_column(col, justify="right")
-        for r in m["comm_exposure"]:
-            t.add_row(str(r["rank"]), _pct(r["comm_frac"]), _pct(r["exposed_frac"]), _pct(r["straggler_wait_frac"]),
-                      _pct(r["overlap_frac"]))
-        console.print(t)
-
-
-def _pct(x) -> str:
-    return "" if x is None else f"{x:.1%}"

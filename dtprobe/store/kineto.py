@@ -1,8 +1,9 @@
 """Kineto trace folders -> the run store's tables (``kernels``, ``collectives``, ``steps``) + per-rank metadata.
 
-Read by ``dtprobe analyze`` (via ``dtprobe.analysis.trace_metrics``) for foreign GPU traces (NCCL, ROCm/RCCL) and
-CPU/gloo traces, and by the dashboard. Layers, in the order data flows: find files -> parse each file in a worker
-(``kineto_events``: one file in memory at a time) -> check ranks -> assemble schema-typed DataFrames.
+``KinetoRun`` is a ``source.Source``: read by ``RunAnalysis`` (so by ``dtprobe analyze`` and the dashboard) for
+foreign GPU traces (NCCL, ROCm/RCCL) and CPU/gloo traces. Layers, in the order data flows: find files -> parse
+each file in a worker (``kineto_events``: one file in memory at a time) -> check ranks -> assemble schema-typed
+DataFrames -> keep the kernels of the profiled steps (``kineto_window``).
 
 Timestamps: ``*_ns`` columns are Unix-epoch nanoseconds (trace ``ts`` microseconds x 1000 +
 ``baseTimeNanoseconds``) on each rank's own clock, exactly as in the file (no cross-rank alignment is applied:
@@ -19,6 +20,7 @@ import multiprocessing as mp
 import os
 import signal
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,7 +30,9 @@ import pandas as pd
 from dtprobe.store.errors import TraceError
 from dtprobe.store.kineto_collectives import collective_rows, number_seq
 from dtprobe.store.kineto_events import RankMeta, RankParse, kernel_kind, parse_trace_file
+from dtprobe.store.kineto_window import analysed_kernels, check_gpu_coverage
 from dtprobe.store.schema import MANIFEST_FILE, SCHEMAS
+from dtprobe.store.source import SourceInfo
 
 __all__ = ["KinetoRun", "RankMeta", "find_trace_files", "is_trace_dir", "kernel_kind", "load_trace_dir"]
 
@@ -68,9 +72,34 @@ class KinetoRun:
         sizes = [m.world_size for m in self.ranks.values() if m.world_size is not None]
         return max(sizes) if sizes else None
 
+    @property
+    def info(self) -> SourceInfo:
+        """The folder's facts for analysis (the ``Source`` protocol): each rank on its own clock and cut on its own
+        (no cross-rank timing, hangs or mismatches), every ProfilerStep counts, the device from the traces'
+        ``deviceProperties`` (``cpu`` without any)."""
+        props = [p for m in self.ranks.values() for p in m.device_properties]
+        return SourceInfo(kind="kineto_traces", status="trace", world_size=self.world_size,
+                          device_name=props[0].get("name") if props else "cpu", clock_aligned=False,
+                          whole_record=False, warmup_recorded=False)
+
+    @property
+    def has_gpu_kernels(self) -> bool:
+        """True when every rank has GPU events, False for a CPU-only trace with collectives; TraceError for a
+        trace that cannot be analysed (``kineto_window.check_gpu_coverage``)."""
+        return check_gpu_coverage(self.kernels, self.collectives, self.ranks)
+
+    @cached_property
+    def analysed_kernels(self) -> pd.DataFrame:
+        """``kernels`` of the profiled steps, every step included (``kineto_window.analysed_kernels``)."""
+        return analysed_kernels(self.kernels, self.steps, self.collectives, self.ranks)
+
     def table(self, name: str) -> pd.DataFrame:
-        """The table ``name`` with every schema column; tables a trace cannot fill come back empty."""
-        if name in ("kernels", "collectives", "steps"):
+        """The table ``name`` with every schema column; tables a trace cannot fill come back empty. ``kernels``
+        is ``analysed_kernels``: the events the profiled steps launched (TraceError for a folder whose GPU
+        events cannot be analysed); the ``kernels`` attribute keeps every event."""
+        if name == "kernels":
+            return self.analysed_kernels
+        if name in ("collectives", "steps"):
             return getattr(self, name)
         if name not in SCHEMAS:
             raise TraceError(f"unknown table {name!r}; tables: {sorted(SCHEMAS)}")

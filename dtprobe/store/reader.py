@@ -1,4 +1,5 @@
-"""``RunStore``: the incremental, clock-aligned reader of a run directory; used by analysis, dashboard and CLI.
+"""``RunStore``: the incremental, clock-aligned reader of a run directory (a ``source.Source``); used by analysis,
+dashboard and CLI.
 
 Reading order for each table: the compacted ``tables/<table>.parquet`` if the run was compacted (its
 ``tables/_compacted.json`` records how many bytes of every events file went into it), then every events line
@@ -32,6 +33,7 @@ from dtprobe.store.frames import SORT_KEYS, arrow_schema, arrow_to_frame, empty_
 from dtprobe.store.jsonl import FileCursor, last_step_in_file, read_new_rows, read_new_rows_batched, tail_cursor
 from dtprobe.store.manifest import Manifest, check_schema_version, read_manifest
 from dtprobe.store.schema import COMPACT_FILE, EVENTS_FILE, SCHEMAS, STEP_TABLES
+from dtprobe.store.source import SourceInfo, run_info
 
 EVENTS_DIR = Path(EVENTS_FILE).parts[0]
 TABLES_DIR = Path(COMPACT_FILE).parts[0]
@@ -137,6 +139,11 @@ class RunStore:
     def manifest(self) -> Manifest:
         """The manifest as of the last ``open``/``refresh``."""
         return self._manifest
+
+    @property
+    def info(self) -> SourceInfo:
+        """The run's facts for analysis (the ``Source`` protocol) as of the last ``open``/``refresh``."""
+        return run_info(self._manifest)
 
     @property
     def is_compacted(self) -> bool:

@@ -25,9 +25,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dtprobe.runtime.config import LayoutConfig  # noqa: E402
 from dtprobe.runtime.data import Sampler, synthetic_tokens  # noqa: E402
 from dtprobe.runtime.model import build_model  # noqa: E402
-from dtprobe.runtime.parallel import parallelize_model, parse_stage_sleep  # noqa: E402
+from dtprobe.runtime.parallel.hybrid import parallelize_model  # noqa: E402
 from dtprobe.runtime.parallel.memory import memory_row  # noqa: E402
 from dtprobe.runtime.parallel.pp import torch_action_order  # noqa: E402
+from dtprobe.runtime.parallel.stage_sleep import parse_stage_sleep  # noqa: E402
 
 GLOBAL_BATCH = 8
 SEQ_LEN = 32

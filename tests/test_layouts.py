@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from dtprobe.runtime.config import LayoutConfig
-from dtprobe.runtime.parallel.mesh import ParallelDims, check_layout
+from dtprobe.runtime.parallel.mesh import ParallelDims, check_layout, loss_rank
 from dtprobe.runtime.parallel.pp import stage_layers
 from dtprobe.runtime.parallel.stage_sleep import parse_stage_sleep
 from dtprobe.store.errors import ConfigError
@@ -82,7 +82,8 @@ def test_check_layout_rejects_bad_combinations_with_a_fix(kw, world, match):
 
 
 def test_parallel_dims_rejects_degrees_that_do_not_multiply_to_world_size():
-    with pytest.raises(ConfigError, match=r"= 4, but the world size is 8"):
+    with pytest.raises(ConfigError, match=r"layout.dp\(2\) \* layout.tp\(2\) \* layout.pp\(1\) = 4, but WORLD_SIZE = 8 "
+                                          r".*Set --dp -1 \(or --dp 4\) .*--nproc 4"):
         ParallelDims(dp=2, tp=2, pp=1, world_size=8)
 
 
@@ -94,6 +95,17 @@ def test_parallel_dims_coords_put_tp_innermost_and_pp_outermost():
     assert dims.coords(2) == {"pp": 0, "dp": 1, "tp": 0}
     assert dims.coords(7) == {"pp": 1, "dp": 1, "tp": 1}
     assert ParallelDims(dp=4, tp=1, pp=1, world_size=4).axes == ("dp",)
+
+
+@pytest.mark.parametrize("layout,world,expected", [
+    (dict(), 2, 0), (dict(pp=2), 2, 1), (dict(pp=2, pp_schedule="zbv"), 2, 0),
+    (dict(pp=2, dp=2), 4, 2), (dict(pp=2, tp=2, pp_schedule="interleaved-1f1b"), 4, 2), (dict(pp=4), 4, 3)])
+def test_loss_rank_is_the_first_rank_of_the_last_stage(layout, world, expected):
+    lay = LayoutConfig(**layout).resolve(world)
+    rank = loss_rank(lay)
+    assert rank == expected
+    coords = ParallelDims(dp=lay.dp, tp=lay.tp, pp=lay.pp, world_size=world).coords(rank)
+    assert coords["dp"] == 0 and coords["tp"] == 0
 
 
 def test_stage_layers_split_blocks_evenly_and_cover_all():
@@ -120,6 +132,7 @@ def test_layout_config_rejects_bad_stage_sleep_flag():
 # ---------------------------------------------------------------------------------------------- correctness
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("case", REQUIRED + EXTRA)
 def test_layout_loss_matches_single_process_within_1e4(case):
     reference = single_results()["single"]["losses"]
@@ -131,6 +144,7 @@ def test_layout_loss_matches_single_process_within_1e4(case):
     assert got[0] != got[-1]   # it trained
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("case", ["pp2_1f1b_fp16", "zero3_dp2_fp16"])
 def test_fp16_loss_scaling_trains_on_pipeline_and_fsdp_layouts(case):
     """fp16 autocast + ShardedGradScaler (runtime.precision) through the layout's train step: the scaler is
@@ -141,6 +155,7 @@ def test_fp16_loss_scaling_trains_on_pipeline_and_fsdp_layouts(case):
     assert max(rel) < 5e-3, (case, got, reference)
 
 
+@pytest.mark.multiproc
 def test_zero_shards_optimizer_states_and_parameters_about_n_fold_over_4_ranks():
     by_case = results(4)
     mem = {c: by_case[c]["memory"] for c in ("zero0_dp4", "zero1_dp4", "zero3_dp4")}

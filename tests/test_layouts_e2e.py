@@ -18,8 +18,10 @@ import torch
 from dtprobe.runtime.config import LayoutConfig
 from dtprobe.runtime.data import Sampler, token_stream
 from dtprobe.runtime.model import build_model, warmup_lr
-from dtprobe.runtime.parallel import parallelize_model
+from dtprobe.runtime.parallel.hybrid import parallelize_model
 from dtprobe.store import RunStore
+
+pytestmark = pytest.mark.multiproc
 
 STEPS = 3
 BATCH = 4          # per dp rank and micro-batch; global batch 8

@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from dtprobe.commands import run as run_cmd
-from dtprobe.runtime.config import JobConfig, LayoutConfig, TrainConfig, load_plugins, merge
+from dtprobe.runtime.config import JobConfig, LayoutConfig, TrainConfig, merge
 from dtprobe.runtime.faults import FaultSpec, parse_fault
 from dtprobe.store.errors import ConfigError
 
@@ -78,7 +78,6 @@ def test_fault_targeting_a_missing_rank_or_step_is_rejected_before_launch():
 
 
 def test_job_round_trips_through_json_dict():
-    load_plugins()
     job = JobConfig(nproc=4, run_dir="/tmp/r", train=TrainConfig(steps=7, grad_accum=2),
                     faults=(parse_fault("straggler:rank=2,delay_ms=40"),))
     data = job.to_dict()

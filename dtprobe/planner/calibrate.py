@@ -29,6 +29,7 @@ from dtprobe.planner.comm import BUS_FACTOR, HOPS
 from dtprobe.planner.search import LAYOUT_COLUMNS
 from dtprobe.planner.specs import GPU_PRESETS, ClusterSpec, DeviceSpec, ModelSpec, TrainingSpec, model_preset
 from dtprobe.planner.step_time import Efficiency, evaluate
+from dtprobe.runtime.layout import resolve_dp
 from dtprobe.store.errors import ConfigError, TraceError
 
 P2P_OPS = ("send", "recv")
@@ -91,10 +92,10 @@ def run_setup(manifest, *, device: DeviceSpec | None = None) -> RunSetup:
     model = model_preset(_get(cfg, "model.name", run=run))
     tp, pp = int(_get(cfg, "layout.tp", 1, run=run)), int(_get(cfg, "layout.pp", 1, run=run))
     world = int(manifest.world_size)
-    dp = int(_get(cfg, "layout.dp", -1, run=run))
-    dp = world // (tp * pp) if dp == -1 else dp
-    if dp * tp * pp != world:
-        raise TraceError(f"{run}/run.json: layout dp{dp} x tp{tp} x pp{pp} != world_size {world}")
+    try:
+        dp = resolve_dp(dp=int(_get(cfg, "layout.dp", -1, run=run)), tp=tp, pp=pp, world_size=world)
+    except ConfigError as exc:
+        raise TraceError(f"{run}/run.json: {exc}") from None
     batch = int(_get(cfg, "train.batch_size", run=run))
     accum = int(_get(cfg, "train.grad_accum", 1, run=run))
     if pp > 1:

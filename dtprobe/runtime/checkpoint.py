@@ -43,7 +43,6 @@ import threading
 import time
 import zlib
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -55,7 +54,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-from dtprobe.store.errors import ConfigError, TraceError
+from dtprobe.runtime.config_sections import CheckpointConfig  # noqa: F401 (its config, re-exported)
+from dtprobe.store.errors import TraceError
 from dtprobe.store.schema import CHECKPOINTS_DIR
 
 COMMIT_FILE = "COMMIT.json"
@@ -66,34 +66,6 @@ _TMP_PREFIX = ".tmp-"
 
 Recorder = Callable[[str, dict[str, Any]], None]
 FaultRecorder = Callable[..., None]
-
-
-@dataclass(kw_only=True, frozen=True)
-class CheckpointConfig:
-    """When and how the runtime checkpoints (``--ckpt-every``, ``--ckpt-async``, ``--ckpt-keep``)."""
-
-    every: int = 0
-    """Save after every ``every``-th completed step; 0 turns checkpointing off."""
-    async_save: bool = False
-    """``dcp.async_save`` on a dedicated process group: training continues while the files are written."""
-    keep: int = 2
-    """Committed checkpoints kept (newest first); 0 keeps all."""
-    resume: bool = True
-    """Load the newest verified checkpoint at start when one exists (always the case after a restart)."""
-
-    def __post_init__(self) -> None:
-        if self.every < 0:
-            raise ConfigError(f"ckpt.every = {self.every}; use 0 (off) or a step interval >= 1, e.g. --ckpt-every 5.")
-        if self.keep < 0:
-            raise ConfigError(f"ckpt.keep = {self.keep}; use 0 (keep all) or >= 1, e.g. --ckpt-keep 2.")
-        if self.async_save and self.every == 0:
-            import warnings
-
-            warnings.warn("--ckpt-async has no effect without --ckpt-every K.", stacklevel=3)
-
-    @property
-    def enabled(self) -> bool:
-        return self.every > 0
 
 
 class CorruptCheckpoint(TraceError):

@@ -35,71 +35,9 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from dtprobe.store.errors import ConfigError
-
-METHODS = ("none", "fp16", "bf16", "powersgd", "topk", "signsgd")
-_PARAMS = {"powersgd": {"rank", "min_compression_rate", "seed"}, "topk": {"ratio"}}
+from dtprobe.runtime.config_sections import CompressionConfig  # noqa: F401 (its config, re-exported)
 
 Recorder = Callable[[str, dict[str, Any]], None]
-
-
-@dataclass(kw_only=True, frozen=True)
-class CompressionConfig:
-    """Gradient compression of DDP's bucket all-reduces (``--compress METHOD[:key=value,...]``)."""
-
-    method: str = "none"
-    """One of none, fp16, bf16, powersgd, topk, signsgd."""
-    rank: int = 2
-    """powersgd: the approximation rank r."""
-    min_compression_rate: float = 2.0
-    """powersgd: a matrix is compressed only if n*m / (r*(n+m)) reaches this; otherwise it is sent raw."""
-    seed: int = 0
-    """powersgd: seed of the initial Q matrices (must be the same on every rank)."""
-    ratio: float = 0.01
-    """topk: fraction of each bucket's elements sent (k = ceil(ratio * n))."""
-
-    def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ConfigError(f"compress = {self.method!r}; choose one of {', '.join(METHODS)} "
-                              f"(e.g. --compress topk:ratio=0.01 or --compress powersgd:rank=2).")
-        if self.rank < 1:
-            raise ConfigError(f"compress powersgd rank = {self.rank}; it must be >= 1 (e.g. powersgd:rank=2).")
-        if not 0 < self.ratio <= 1:
-            raise ConfigError(f"compress topk ratio = {self.ratio}; it must be in (0, 1] (e.g. topk:ratio=0.01).")
-        if not self.min_compression_rate >= 1:
-            raise ConfigError(f"compress powersgd min_compression_rate = {self.min_compression_rate}; "
-                              f"it must be >= 1.")
-
-    @classmethod
-    def parse(cls, spec: str) -> "CompressionConfig":
-        """``"topk:ratio=0.01"`` -> ``CompressionConfig(method="topk", ratio=0.01)``."""
-        method, _, rest = spec.strip().partition(":")
-        method = method.strip()
-        if method not in METHODS:
-            raise ConfigError(f"--compress {spec!r}: unknown method {method!r}; choose one of {', '.join(METHODS)}.")
-        kwargs: dict[str, Any] = {}
-        allowed = _PARAMS.get(method, set())
-        for item in filter(None, (p.strip() for p in rest.split(","))):
-            key, eq, value = item.partition("=")
-            key = key.strip()
-            if not eq or key not in allowed:
-                hint = f"it takes {', '.join(sorted(allowed))}" if allowed else "it takes no parameters"
-                raise ConfigError(f"--compress {spec!r}: bad parameter {item!r} for {method}; {hint} "
-                                  f"(e.g. powersgd:rank=2, topk:ratio=0.01).")
-            try:
-                kwargs[key] = int(value) if key in ("rank", "seed") else float(value)
-            except ValueError:
-                raise ConfigError(f"--compress {spec!r}: {key}={value!r} is not a number.") from None
-        return cls(method=method, **kwargs)
-
-    @property
-    def spec(self) -> str:
-        """The canonical ``--compress`` string."""
-        if self.method == "powersgd":
-            return f"powersgd:rank={self.rank}"
-        if self.method == "topk":
-            return f"topk:ratio={self.ratio:g}"
-        return self.method
 
 
 # ---------------------------------------------------------------- ratios (for docs, tests and the planner)

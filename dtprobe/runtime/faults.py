@@ -1,12 +1,11 @@
-"""Fault injection: the ``--inject kind:key=value,...`` parser, the registry of fault kinds, and the runtime's own
-faults (``straggler``, ``crash``). Read by the launcher (parsing, validation) and the train loop (injection).
+"""Fault injection: the ``--inject kind:key=value,...`` parser, the table of fault kinds (``FAULT_KINDS``), and
+the faults injected at fixed points of the step (``FaultInjector``: ``crash``, ``hang``, ``straggler``). Read by
+the launcher (parsing, validation) and the train loop (injection).
 
 Every injected fault writes one ``faults`` row through ``probe.fault(kind, step=..., injected=True, **detail)``.
-
-Seam for RELIABILITY (overflow, slow-ckpt, corrupt-ckpt, hang): call ``register_fault_kind(FaultKind(...))`` at
-import time of your module (listed in ``runtime.config.PLUGIN_MODULES``) so ``--inject overflow:rank=0,step=3``
-parses and validates; at run time read your specs with ``job_faults_of(job.faults, "overflow")`` and write the
-row yourself with ``probe.fault`` when you inject. This module stays free of torch so the CLI parses fast.
+The other kinds are injected by their owners, which read their specs with ``job_faults_of``: ``overflow`` by
+the layouts' steps (``runtime.precision``), ``slow-ckpt`` and ``corrupt-ckpt`` by ``runtime.recovery``.
+Torch-free, so the CLI parses fast.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from dtprobe.store.errors import ConfigError
 
 @dataclass(kw_only=True, frozen=True)
 class FaultKind:
-    """What one fault kind accepts; registered once, used to parse and validate ``--inject`` specs."""
+    """What one fault kind accepts; one row of ``FAULT_KINDS``, used to parse and validate ``--inject`` specs."""
 
     name: str
     """The kind as typed after ``--inject`` (also the ``faults.kind`` column)."""
@@ -40,21 +39,12 @@ class FaultKind:
     process starts: returns an error message naming the flag to add (without the spec) or None."""
 
 
-FAULT_KINDS: dict[str, FaultKind] = {}
-"""Registered fault kinds by name."""
-
-
-def register_fault_kind(kind: FaultKind) -> None:
-    """Add (or replace) a fault kind; plugin modules call this at import time."""
-    FAULT_KINDS[kind.name] = kind
-
-
 @dataclass(kw_only=True, frozen=True)
 class FaultSpec:
     """One parsed ``--inject`` value."""
 
     kind: str
-    """Registered fault kind."""
+    """A fault kind of ``FAULT_KINDS``."""
     params: Mapping[str, Any] = field(default_factory=dict)
     """Typed key/values (``rank``, ``step``, ``delay_ms`` ...)."""
 
@@ -145,19 +135,8 @@ def _check_straggler(p: dict[str, Any]) -> str | None:
     return None
 
 
-register_fault_kind(FaultKind(
-    name="straggler", keys={"rank": int, "delay_ms": float, "slowdown": float, "from_step": int},
-    required=("rank",), example="straggler:rank=2,delay_ms=40",
-    help="rank R sleeps delay_ms in every step's compute from from_step on, or computes slowdown times longer "
-         "(on CPU it burns (slowdown-1) x its compute's CPU time, so a rank sharing a core stays slowed; on CUDA "
-         "the host sleeps that long)",
-    check=_check_straggler))
-register_fault_kind(FaultKind(
-    name="crash", keys={"rank": int, "step": int}, required=("rank", "step"), example="crash:rank=1,step=10",
-    help="rank R exits with code 1 at the start of step S (first attempt only; telemetry flushed first)"))
 def _check_overflow_job(job: Any) -> str | None:
-    precision = job.section("precision")
-    dtype = getattr(precision, "dtype", "fp32")
+    dtype = job.precision.dtype
     if dtype != "fp16":
         return (f"an overflow needs fp16 loss scaling, but the run uses --precision {dtype}: only fp16 has a "
                 f"loss scaler that detects the inf gradients and skips the step (without one the weights would "
@@ -165,17 +144,43 @@ def _check_overflow_job(job: Any) -> str | None:
     return None
 
 
-register_fault_kind(FaultKind(
-    name="overflow", keys={"rank": int, "step": int}, required=("step",), example="overflow:step=3,rank=0",
-    help="fp16 only: rank R (default every rank) multiplies its loss by 1e38 at step S (a pipeline rank without "
-         "the loss sets a gradient to inf instead); every rank skips the step (runtime.precision)",
-    check_job=_check_overflow_job))
+FAULT_KINDS: Mapping[str, FaultKind] = {kind.name: kind for kind in (
+    FaultKind(
+        name="straggler", keys={"rank": int, "delay_ms": float, "slowdown": float, "from_step": int},
+        required=("rank",), example="straggler:rank=2,delay_ms=40",
+        help="rank R sleeps delay_ms in every step's compute from from_step on, or computes slowdown times longer "
+             "(on CPU it burns (slowdown-1) x its compute's CPU time, so a rank sharing a core stays slowed; on "
+             "CUDA the host sleeps that long)",
+        check=_check_straggler),
+    FaultKind(
+        name="crash", keys={"rank": int, "step": int}, required=("rank", "step"), example="crash:rank=1,step=10",
+        help="rank R exits with code 1 at the start of step S (first attempt only; telemetry flushed first)"),
+    FaultKind(
+        name="hang", keys={"rank": int, "step": int}, required=("rank", "step"), example="hang:rank=1,step=5",
+        help="at the start of step S rank R stops issuing collectives (sleeps; first attempt only); pair it with "
+             "--collective-timeout T"),
+    FaultKind(
+        name="overflow", keys={"rank": int, "step": int}, required=("step",), example="overflow:step=3,rank=0",
+        help="fp16 only: rank R (default every rank) multiplies its loss by 1e38 at step S (a pipeline rank "
+             "without the loss sets a gradient to inf instead); every rank skips the step (runtime.precision)",
+        check_job=_check_overflow_job),
+    FaultKind(
+        name="slow-ckpt", keys={"rank": int, "delay_ms": float}, required=("rank", "delay_ms"),
+        example="slow-ckpt:rank=1,delay_ms=2000",
+        help="rank R's checkpoint writes sleep delay_ms first (in the background with --ckpt-async)",
+        check=lambda p: None if p["delay_ms"] > 0 else f"delay_ms={p['delay_ms']} must be > 0."),
+    FaultKind(
+        name="corrupt-ckpt", keys={"step": int}, required=("step",), example="corrupt-ckpt:step=9",
+        help="the checkpoint saved after step S is damaged right after its commit, first attempt only (a resume "
+             "must skip it)"),
+)}
+"""Every fault kind ``--inject`` accepts, by name."""
 
 
 class FaultInjector:
     """The runtime's own faults for one rank, called by the train loop at fixed points of every step.
 
-    ``at_step_start`` (before the step row opens: crash), ``in_compute`` (start of the first forward of the step:
+    ``at_step_start`` (before the step row opens: hang, crash), ``in_compute`` (start of the first forward of the step:
     straggler delay), ``after_compute`` (end of the last backward: measures compute for ``slowdown``).
     ``burn`` (CPU devices): ``slowdown`` is extra work, CPU time burnt on this thread, (slowdown - 1) x the CPU
     time of the last compute, so the rank computes that much longer whatever shares its core (a sleep would hand
@@ -187,7 +192,9 @@ class FaultInjector:
     def __init__(self, faults: tuple[FaultSpec, ...], *, rank: int, restart: int, probe: Any,
                  burn: bool = False) -> None:
         self.probe = probe
-        self._crashes = {f.get("step") for f in job_faults_of(faults, "crash", rank=rank)} if restart == 0 else set()
+        first_attempt = restart == 0   # a crash or a hang fires on the first attempt only
+        self._crashes = {f.get("step") for f in job_faults_of(faults, "crash", rank=rank)} if first_attempt else set()
+        self._hangs = {f.get("step") for f in job_faults_of(faults, "hang", rank=rank)} if first_attempt else set()
         self._stragglers = job_faults_of(faults, "straggler", rank=rank)
         self._announced: set[int] = set()
         self.burn = burn
@@ -197,9 +204,11 @@ class FaultInjector:
 
     @property
     def active(self) -> bool:
-        return bool(self._crashes or self._stragglers)
+        return bool(self._crashes or self._hangs or self._stragglers)
 
     def at_step_start(self, step: int) -> None:
+        if step in self._hangs:
+            inject_hang(self.probe, step=step)
         if step in self._crashes:
             self.probe.fault("crash", step=step, injected=True)
             _flush(self.probe)
@@ -230,6 +239,15 @@ class FaultInjector:
     def after_compute(self) -> None:
         """The last compute's length: this thread's CPU time when burning, else wall time."""
         self._last_compute_s = self._clock() - self._compute_start
+
+
+def inject_hang(probe: Any, *, step: int) -> None:
+    """Stop issuing collectives forever (the ``hang`` fault): record it, flush, sleep until killed (the watchdog
+    of ``runtime.hang`` on the peers, or torchrun, ends the process)."""
+    probe.fault("hang", step=step, injected=True)
+    _flush(probe)
+    while True:
+        time.sleep(3600)
 
 
 def _burn_cpu(seconds: float) -> None:

@@ -49,8 +49,9 @@ The ``stack`` row (``kind="stack"``, ``injected=false``, ``step`` = the stuck op
 step on a rank leaving because a peer fired) has detail ``{"reason": "watchdog fired" | "peer watchdog fired",
 "stack": <the Python stack of every thread, main thread first, taken before anything else is done>}``.
 
-``--inject hang:rank=R,step=S``: at the start of step S (first attempt only) rank R writes a ``faults`` row
-``kind="hang", injected=true`` and stops issuing collectives (sleeps) while its watchdog thread keeps publishing.
+``--inject hang:rank=R,step=S`` (``runtime.faults.inject_hang``): at the start of step S (first attempt only) rank
+R writes a ``faults`` row ``kind="hang", injected=true`` and stops issuing collectives (sleeps) while its watchdog
+thread keeps publishing.
 """
 
 from __future__ import annotations
@@ -60,14 +61,12 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import orjson
 
-from dtprobe.runtime.config import register_section
-from dtprobe.runtime.faults import FaultKind, job_faults_of, register_fault_kind
-from dtprobe.runtime.train import TrainContext, TrainHooks, register_hooks
+from dtprobe.runtime.config import JobConfig
+from dtprobe.runtime.config_sections import HangConfig
 from dtprobe.store.errors import ConfigError
 
 HANG_EXIT_CODE = 124
@@ -75,27 +74,6 @@ HANG_EXIT_CODE = 124
 KEY_PREFIX = "dtprobe/hang"
 STALE_POLLS = 3
 """A member whose publication is older than this many polls (plus a second) is ``unreachable``."""
-
-
-@dataclass(kw_only=True, frozen=True)
-class HangConfig:
-    """The collective watchdog (``--collective-timeout``)."""
-
-    collective_timeout_s: float = 0.0
-    """Seconds a collective may stay incomplete before the watchdog reports a hang and exits; 0 = off."""
-    poll_interval_s: float = 1.0
-    """Seconds between the watchdog's checks (and progress publications)."""
-
-    def __post_init__(self) -> None:
-        if self.collective_timeout_s < 0:
-            raise ConfigError(f"hang.collective_timeout_s = {self.collective_timeout_s}; use 0 (off) or a number of "
-                              f"seconds, e.g. --collective-timeout 30.")
-        if not self.poll_interval_s > 0:
-            raise ConfigError(f"hang.poll_interval_s = {self.poll_interval_s}; it must be > 0 (e.g. 1.0).")
-
-    @property
-    def enabled(self) -> bool:
-        return self.collective_timeout_s > 0
 
 
 class StoreUnreachable(RuntimeError):
@@ -401,63 +379,30 @@ class Watchdog:
             self._exit(HANG_EXIT_CODE)
 
 
-def inject_hang(probe: Any, *, step: int) -> None:
-    """Stop issuing collectives forever (the ``hang`` fault): record it, flush, sleep until killed."""
-    probe.fault("hang", step=step, injected=True)
-    probe.flush()
-    while True:
-        time.sleep(3600)
+class NoWatchdog:
+    """The watchdog when ``--collective-timeout`` is off: starting and stopping it do nothing."""
+
+    def start(self) -> "NoWatchdog":
+        return self
+
+    def stop(self) -> None:
+        pass
 
 
-class HangHooks(TrainHooks):
-    """Starts the watchdog at setup, injects ``hang`` at the start of its step, stops the watchdog at close."""
+def build_watchdog(job: JobConfig, *, probe: Any) -> Watchdog | NoWatchdog:
+    """This rank's watchdog for ``job.hang`` (not started yet), or a do-nothing one when it is off. ConfigError
+    when it cannot work: without collective recording, or with a timeout the process group reaches first."""
+    config = job.hang
+    if not config.enabled:
+        return NoWatchdog()
+    if not (getattr(probe, "config", None) and probe.config.enabled and probe.config.collectives):
+        raise ConfigError("--collective-timeout needs collective recording (the watchdog reads it); drop "
+                          "--no-collect / --no-collectives.")
+    if config.collective_timeout_s >= job.timeout_s:
+        raise ConfigError(f"--collective-timeout {config.collective_timeout_s:g} must be below the process-group "
+                          f"--timeout {job.timeout_s:g}, or gloo/NCCL aborts the collective first; raise "
+                          f"--timeout or lower --collective-timeout.")
+    import torch.distributed as dist
 
-    def __init__(self, ctx: TrainContext, config: HangConfig) -> None:
-        probe = ctx.probe
-        restart = int(getattr(probe, "restart", 0))
-        self.hang_steps = ({int(f.get("step")) for f in job_faults_of(ctx.job.faults, "hang", rank=probe.rank)}
-                           if restart == 0 else set())
-        self.watchdog: Watchdog | None = None
-        if config.enabled:
-            import torch.distributed as dist
-
-            self.watchdog = Watchdog(config, store=dist.distributed_c10d._get_default_store(), rank=probe.rank,
-                                     restart=restart, probe=probe)
-
-    def setup(self, ctx: TrainContext) -> None:
-        if self.watchdog is not None:
-            self.watchdog.start()
-        if ctx.start_step in self.hang_steps:
-            inject_hang(ctx.probe, step=ctx.start_step)
-
-    def step_end(self, ctx: TrainContext, step: int) -> None:
-        if step + 1 in self.hang_steps:                     # the start of step S is the end of step S-1
-            inject_hang(ctx.probe, step=step + 1)
-
-    def close(self, ctx: TrainContext, status: str) -> None:
-        if self.watchdog is not None:
-            self.watchdog.stop()
-
-
-def _hooks_factory(ctx: TrainContext) -> TrainHooks | None:
-    config = ctx.job.section("hang")
-    hangs = job_faults_of(ctx.job.faults, "hang")
-    if config is None or (not config.enabled and not hangs):
-        return None
-    if config.enabled:
-        if not (getattr(ctx.probe, "config", None) and ctx.probe.config.enabled and ctx.probe.config.collectives):
-            raise ConfigError("--collective-timeout needs collective recording (the watchdog reads it); drop "
-                              "--no-collect / --no-collectives.")
-        if config.collective_timeout_s >= ctx.job.timeout_s:
-            raise ConfigError(f"--collective-timeout {config.collective_timeout_s:g} must be below the process-group "
-                              f"--timeout {ctx.job.timeout_s:g}, or gloo/NCCL aborts the collective first; raise "
-                              f"--timeout or lower --collective-timeout.")
-    return HangHooks(ctx, config)
-
-
-register_section("hang", HangConfig)
-register_fault_kind(FaultKind(
-    name="hang", keys={"rank": int, "step": int}, required=("rank", "step"), example="hang:rank=1,step=5",
-    help="at the start of step S rank R stops issuing collectives (sleeps; first attempt only); pair it with "
-         "--collective-timeout T"))
-register_hooks(_hooks_factory)
+    return Watchdog(config, store=dist.distributed_c10d._get_default_store(), rank=probe.rank,
+                    restart=int(getattr(probe, "restart", 0)), probe=probe)

@@ -1,4 +1,4 @@
-"""Mixed precision for the runtime: autocast with fp32 master weights, fp16 loss scaling, one ``amp`` row per step.
+"""Mixed precision for the runtime (``[precision]``, ``config_sections.PrecisionConfig``): autocast with fp32 master weights, fp16 loss scaling, one ``amp`` row per step.
 
 Produces the ``amp`` table (per step and rank: ``scale_before``, ``scale_after``, ``found_inf``, ``skipped``) for
 the analysis' AMP-overflow finding, and the ``--inject overflow:step=S[,rank=R]`` fault.
@@ -20,53 +20,20 @@ row shows ``found_inf`` and ``skipped`` and the scale halved, exactly as a real 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
+from dtprobe.runtime.config_sections import PrecisionConfig  # noqa: F401 (its config, re-exported)
 from dtprobe.store.errors import ConfigError
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""Autocast dtype of each ``PrecisionConfig.dtype`` (None: autocast off)."""
 OVERFLOW_LOSS_FACTOR = 1e38
 """Factor an injected overflow multiplies the loss by; times any loss scale >= 4 it exceeds fp32's max (3.4e38)."""
 
 Recorder = Callable[[str, dict[str, Any]], None]
 """``probe.record``: ``(table, row)``; the rank is filled in by the probe's writer."""
-
-
-@dataclass(kw_only=True, frozen=True)
-class PrecisionConfig:
-    """Numeric precision of the training step (``--precision``)."""
-
-    dtype: str = "fp32"
-    """Compute dtype under autocast: ``fp32`` (autocast off), ``bf16`` or ``fp16`` (adds dynamic loss scaling)."""
-    init_scale: float = 2.0 ** 16
-    """fp16 only: the loss scale at step 0."""
-    growth_interval: int = 2000
-    """fp16 only: consecutive overflow-free steps before the scale doubles."""
-    backoff_factor: float = 0.5
-    """fp16 only: the factor the scale is multiplied by after an overflow."""
-
-    def __post_init__(self) -> None:
-        if self.dtype not in PRECISIONS:
-            raise ConfigError(f"precision = {self.dtype!r}; choose one of {', '.join(PRECISIONS)} "
-                              f"(e.g. --precision bf16).")
-        if not self.init_scale > 0:
-            raise ConfigError(f"precision.init_scale = {self.init_scale}; it must be > 0 (2**16 = 65536 is usual).")
-        if self.growth_interval < 1:
-            raise ConfigError(f"precision.growth_interval = {self.growth_interval}; it must be >= 1 step.")
-        if not 0 < self.backoff_factor < 1:
-            raise ConfigError(f"precision.backoff_factor = {self.backoff_factor}; it must be in (0, 1), e.g. 0.5.")
-
-    @property
-    def autocast_dtype(self) -> torch.dtype | None:
-        """The autocast dtype, or None for fp32."""
-        return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[self.dtype]
-
-    @property
-    def uses_loss_scaling(self) -> bool:
-        return self.dtype == "fp16"
 
 
 def local_shard_grad_scaler(device_type: str, **kwargs: Any) -> Any:
@@ -138,7 +105,7 @@ class MixedPrecision:
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """Context for the forward pass (and loss); a no-op for fp32."""
-        dtype = self.config.autocast_dtype
+        dtype = AUTOCAST_DTYPES[self.config.dtype]
         if dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=dtype)

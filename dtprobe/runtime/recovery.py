@@ -3,7 +3,7 @@ newest checkpoint that verifies; produces ``restart`` faults and the manifest's 
 
 torchrun ``--max-restarts R`` (``JobConfig.max_restarts``, passed by the launcher) restarts every worker after
 one fails; the restarted workers (``TORCHELASTIC_RESTART_COUNT`` = n > 0) write into the same run directory and
-append to their telemetry. At setup, every rank loads the newest verified checkpoint (``Checkpointer``; corrupt
+append to their telemetry. Before the first step (``Checkpointing.resume``), every rank loads the newest verified checkpoint (``Checkpointer``; corrupt
 ones are skipped with a ``corrupt-ckpt`` fault naming the file, the reason and the step loaded instead) and
 training continues at its step + 1.
 
@@ -26,10 +26,12 @@ from typing import Any
 
 import orjson
 
-from dtprobe.runtime.checkpoint import Checkpointer, CheckpointConfig, TrainState
-from dtprobe.runtime.config import register_section
-from dtprobe.runtime.faults import FaultKind, job_faults_of, register_fault_kind
-from dtprobe.runtime.train import TrainContext, TrainHooks, register_hooks
+from dtprobe.runtime.checkpoint import Checkpointer, TrainState
+from dtprobe.runtime.config import JobConfig
+from dtprobe.runtime.faults import job_faults_of
+from dtprobe.runtime.step_api import TrainParts
+from dtprobe.store import manifest
+from dtprobe.store.errors import ConfigError
 from dtprobe.store.schema import EVENTS_FILE
 
 
@@ -60,80 +62,78 @@ def _model_of(modules: list) -> Any:
     return nn.ModuleList(modules)
 
 
-class CheckpointHooks(TrainHooks):
-    """The train loop's checkpoint/resume behaviour (registered with ``runtime.train.register_hooks``)."""
+class Checkpointing:
+    """The train loop's checkpoints: ``resume`` before the first step, ``save`` after every step (a checkpoint
+    every ``ckpt.every`` steps), ``close`` at the end (waits for an async save)."""
 
-    def __init__(self, ctx: TrainContext, config: CheckpointConfig) -> None:
-        probe, job = ctx.probe, ctx.job
-        self.config = config
+    def __init__(self, job: JobConfig, *, probe: Any, parts: TrainParts) -> None:
+        self.config, self.probe = job.ckpt, probe
         slow = job_faults_of(job.faults, "slow-ckpt", rank=probe.rank)
         restart = int(getattr(probe, "restart", 0))
         corrupt = job_faults_of(job.faults, "corrupt-ckpt") if restart == 0 else []   # first attempt only
         group = None
-        if config.async_save and probe.world_size > 1:
+        if job.ckpt.async_save and probe.world_size > 1:
             group = probe.new_group(None, name="ckpt")   # async DCP needs its own group (deadlock otherwise)
         self.checkpointer = Checkpointer(
-            config, probe.run_dir, rank=probe.rank, world_size=probe.world_size, is_leader=probe.is_leader,
+            job.ckpt, probe.run_dir, rank=probe.rank, world_size=probe.world_size, is_leader=probe.is_leader,
             process_group=group, record=probe.record, fault=probe.fault,
             slow_delay_ms=int(sum(f.get("delay_ms") for f in slow)),
             corrupt_steps=frozenset(int(f.get("step")) for f in corrupt))
-        extras = {"scaler": ctx.ops} if getattr(ctx.ops, "scaler", None) is not None else {}
-        self.state = TrainState(_model_of(ctx.parts.modules), ctx.parts.optimizer, extras=extras)
+        extras = {"scaler": parts.ops} if getattr(parts.ops, "scaler", None) is not None else {}
+        self.state = TrainState(_model_of(parts.modules), parts.optimizer, extras=extras)
 
-    def setup(self, ctx: TrainContext) -> None:
-        probe = ctx.probe
+    def resume(self) -> int:
+        """The first step to run: after the newest verified checkpoint when resuming (always after a restart),
+        else 0. After a restart the leader records it (``restart`` fault row, manifest's ``restarts``)."""
+        probe = self.probe
         restart = int(getattr(probe, "restart", 0))
         if not (self.config.resume or restart > 0):
-            return
+            return 0
         loaded = self.checkpointer.load_latest(self.state)
-        if loaded is not None:
-            ctx.start_step = loaded + 1
+        start_step = 0 if loaded is None else loaded + 1
         if restart > 0 and probe.is_leader:
             last = last_completed_step(probe.run_dir, before_restart=restart)
             ckpt_step = -1 if loaded is None else loaded
             lost = max(0, last - ckpt_step)
             ckpt_path = None if loaded is None else str(self.checkpointer.root / f"step{loaded:08d}")
-            probe.fault("restart", step=ctx.start_step, injected=False, restart=restart,
-                        from_step=ctx.start_step, checkpoint_step=ckpt_step, last_step=last, steps_lost=lost,
+            probe.fault("restart", step=start_step, injected=False, restart=restart,
+                        from_step=start_step, checkpoint_step=ckpt_step, last_step=last, steps_lost=lost,
                         checkpoint=ckpt_path)
             probe.flush()
-            from dtprobe.store import manifest
-
             try:
                 manifest.add_restart(probe.run_dir, restart=restart, time_ns=time.time_ns(), steps_lost=lost,
-                                     from_step=ctx.start_step)
+                                     from_step=start_step)
             except FileNotFoundError:
                 pass                                      # attach mode without a manifest yet
+        return start_step
 
-    def step_end(self, ctx: TrainContext, step: int) -> None:
+    def save(self, step: int) -> None:
+        """After step ``step``: a checkpoint when it is due."""
         self.checkpointer.maybe_save(self.state, step=step)
 
-    def close(self, ctx: TrainContext, status: str) -> None:
+    def close(self, status: str) -> None:
         if status == "finished":
             self.checkpointer.close()
 
 
-def _hooks_factory(ctx: TrainContext) -> TrainHooks | None:
-    config = ctx.job.section("ckpt")
-    if config is None:
-        return None
-    if not config.enabled and int(getattr(ctx.probe, "restart", 0)) == 0:
-        if job_faults_of(ctx.job.faults, "corrupt-ckpt") or job_faults_of(ctx.job.faults, "slow-ckpt"):
-            from dtprobe.store.errors import ConfigError
+class NoCheckpointing:
+    """Checkpoints off (and no restart to resume): every call does nothing."""
 
+    def resume(self) -> int:
+        return 0
+
+    def save(self, step: int) -> None:
+        pass
+
+    def close(self, status: str) -> None:
+        pass
+
+
+def build_checkpointing(job: JobConfig, *, probe: Any, parts: TrainParts) -> Checkpointing | NoCheckpointing:
+    """Checkpointing for ``job.ckpt``; also on a restarted attempt without checkpoints, which records the
+    restart (nothing to load: training starts again at step 0)."""
+    if not job.ckpt.enabled and int(getattr(probe, "restart", 0)) == 0:
+        if job_faults_of(job.faults, "corrupt-ckpt") or job_faults_of(job.faults, "slow-ckpt"):
             raise ConfigError("--inject slow-ckpt / corrupt-ckpt need checkpoints: add --ckpt-every K.")
-        return None
-    return CheckpointHooks(ctx, config)
-
-
-register_section("ckpt", CheckpointConfig)
-register_fault_kind(FaultKind(
-    name="slow-ckpt", keys={"rank": int, "delay_ms": float}, required=("rank", "delay_ms"),
-    example="slow-ckpt:rank=1,delay_ms=2000",
-    help="rank R's checkpoint writes sleep delay_ms first (in the background with --ckpt-async)",
-    check=lambda p: None if p["delay_ms"] > 0 else f"delay_ms={p['delay_ms']} must be > 0."))
-register_fault_kind(FaultKind(
-    name="corrupt-ckpt", keys={"step": int}, required=("step",), example="corrupt-ckpt:step=9",
-    help="the checkpoint saved after step S is damaged right after its commit, first attempt only (a resume "
-         "must skip it)"))
-register_hooks(_hooks_factory)
+        return NoCheckpointing()
+    return Checkpointing(job, probe=probe, parts=parts)

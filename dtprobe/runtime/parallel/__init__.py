@@ -1,31 +1,8 @@
-"""Parallel layouts of the built-in GPT (DP, ZeRO-1/2/3, TP, sequence parallel, PP schedules, 3-D hybrids);
-``parallelize`` is what the runtime's train loop calls.
+"""The layouts of the built-in GPT: each builds the ``step_api.TrainParts`` the train loop runs.
 
-Modules: ``mesh`` (degrees, validation, DeviceMesh), ``tp``, ``zero`` (DP/ZeRO on the dp axis), ``pp``
-(stages, schedules, action timing, sleep stages), ``ac`` (activation checkpointing), ``memory`` (per-rank
-bytes), ``bubble`` (measured vs ideal pipeline bubble), ``hybrid`` (composition: ``parallelize``).
-Import torch-heavy submodules lazily: ``from dtprobe.runtime.parallel import parallelize`` loads them.
+``ddp`` (pure data parallel: DDP, compression hooks) and ``hybrid`` (any dp x tp x pp x ZeRO layout on one
+DeviceMesh: ``parallelize``) are the two builders; the rest are their parts: ``mesh`` (degrees, validation,
+DeviceMesh), ``tp``, ``zero`` (DP/ZeRO on the dp axis), ``pp`` (stages, schedules, action timing, sleep stages),
+``stage_sleep`` (its torch-free spec), ``ac`` (activation checkpointing), ``grad_norm``, ``memory`` (per-rank
+bytes), ``bubble`` (measured vs ideal pipeline bubble). Import the submodule you need; this package imports none.
 """
-
-from __future__ import annotations
-
-from typing import Any
-
-__all__ = ["Parallelized", "ParallelDims", "StageSleep", "check_layout", "parallelize", "parallelize_model",
-           "parse_stage_sleep"]
-
-
-def __getattr__(name: str) -> Any:
-    if name in ("parallelize", "parallelize_model", "Parallelized"):
-        from dtprobe.runtime.parallel import hybrid
-
-        return getattr(hybrid, name)
-    if name in ("ParallelDims", "check_layout"):
-        from dtprobe.runtime.parallel import mesh
-
-        return getattr(mesh, name)
-    if name in ("StageSleep", "parse_stage_sleep"):
-        from dtprobe.runtime.parallel import stage_sleep as pp
-
-        return getattr(pp, name)
-    raise AttributeError(name)

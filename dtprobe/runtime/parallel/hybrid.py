@@ -1,5 +1,5 @@
 """``parallelize_model``: the built-in GPT on any dp x tp x pp x ZeRO layout on one DeviceMesh, with its optimizer
-and train step; ``parallelize`` wraps it for the runtime's train loop (``dtprobe.runtime.train``).
+and train step; ``parallelize`` wraps it as the ``TrainParts`` the train loop (``runtime.train``) runs.
 
 Order of application on each model part (the whole model, or each pipeline stage this rank holds), as in
 torchtitan: split into stages -> tensor parallel on ``tp`` -> activation checkpointing -> data parallel /
@@ -17,16 +17,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtprobe.runtime.data_parallel import PlainOps
-from dtprobe.runtime.model import lm_loss
+from dtprobe.runtime.config import JobConfig
+from dtprobe.runtime.layout import Layout
+from dtprobe.runtime.model import build_model, lm_loss
 from dtprobe.runtime.parallel.ac import apply_ac
 from dtprobe.runtime.parallel.grad_norm import clip_grad_norm
 from dtprobe.runtime.parallel.memory import memory_row
 from dtprobe.runtime.parallel.mesh import ParallelDims, axis_mesh, build_mesh, check_layout, virtual_stages
 from dtprobe.runtime.parallel.pp import (PipelineTimer, SleepStage, StageSleep, build_schedule, local_stages,
                                          sleep_loss, stage_module)
+from dtprobe.runtime.parallel.stage_sleep import parse_stage_sleep
 from dtprobe.runtime.parallel.tp import apply_tp
 from dtprobe.runtime.parallel.zero import allreduce_grads, apply_data_parallel, build_optimizer
+from dtprobe.runtime.step_api import PlainOps, TrainContext, TrainParts
 from dtprobe.store.errors import ConfigError
 
 Record = Callable[[str, dict[str, Any]], None]
@@ -220,7 +223,7 @@ def parallelize_model(model: nn.Module, layout: Any, *, world_size: int, rank: i
                 optimizer_kwargs: dict[str, Any] | None = None, init_mesh: Callable[..., Any] | None = None,
                 max_norm: float = 0.0, record: Record | None = None, stage_sleep: StageSleep | None = None,
                 global_batch: int | None = None, seq_len: int | None = None) -> Parallelized:
-    """Lay the built-in GPT out on ``layout`` (a ``runtime.config.LayoutConfig``) and build its optimizer.
+    """Lay the built-in GPT out on ``layout`` (a ``runtime.layout.Layout``) and build its optimizer.
 
     ``model`` is the full model, initialised identically on every rank (``build_model(name, seed=...)``).
     ``init_mesh`` is ``probe.init_device_mesh`` when instrumented (collectives then carry the axis names);
@@ -281,18 +284,14 @@ def parallelize_model(model: nn.Module, layout: Any, *, world_size: int, rank: i
     return result
 
 
-def parallelize(job: Any, layout: Any, *, probe: Any, device: torch.device) -> Any:
-    """The seam of ``runtime.train.build_context``: the job's GPT on ``layout`` as ``data_parallel.TrainParts``.
+def parallelize(job: JobConfig, layout: Layout, *, probe: Any, device: torch.device) -> TrainParts:
+    """The job's GPT on ``layout`` (any layout but pure DP, which is ``parallel.ddp``'s) as ``TrainParts``.
 
     Collectives of the mesh's axis groups are recorded as ``pg`` = ``dp``/``tp``/``pp`` (the probe names the
     mesh); pipeline actions and per-step memory go to the ``pipeline`` and ``memory`` tables. fp16 loss scaling
     uses ``precision.local_shard_grad_scaler`` (found_inf all-reduced over the world), so every rank
     agrees on skipping a step; ``--inject overflow`` works on every layout (faults row written here).
     """
-    from dtprobe.runtime.data_parallel import TrainParts
-    from dtprobe.runtime.model import build_model
-    from dtprobe.runtime.parallel.stage_sleep import parse_stage_sleep
-
     tcfg = job.train
     model = build_model(job.model.name, seed=tcfg.seed)
     init_mesh = getattr(probe, "init_device_mesh", None)
@@ -300,19 +299,15 @@ def parallelize(job: Any, layout: Any, *, probe: Any, device: torch.device) -> A
         model, layout, world_size=probe.world_size, rank=probe.rank, device=device,
         optimizer_kwargs={"lr": tcfg.lr, "betas": (0.9, 0.95), "weight_decay": tcfg.weight_decay},
         init_mesh=init_mesh, record=probe.record, max_norm=tcfg.clip,
-        stage_sleep=parse_stage_sleep(getattr(layout, "stage_sleep", None)),
+        stage_sleep=parse_stage_sleep(layout.stage_sleep),
         global_batch=tcfg.batch_size * tcfg.grad_accum * layout.dp, seq_len=tcfg.seq_len)
-    ops = None
-    try:
-        section = job.section("precision")
-    except KeyError:   # runtime.precision not registered: fp32
-        section = None
-    if section is not None and getattr(section, "dtype", "fp32") != "fp32":
+    ops: Any = PlainOps()
+    if job.precision.dtype != "fp32":
         from dtprobe.runtime.precision import MixedPrecision
 
-        ops = MixedPrecision(section, device_type=device.type, sharded=True, record=probe.record)
+        ops = MixedPrecision(job.precision, device_type=device.type, sharded=True, record=probe.record)
 
-    def train_step(ctx: Any, s: Any, step: int, batches: list) -> torch.Tensor | None:
+    def train_step(ctx: TrainContext, s: Any, step: int, batches: list) -> torch.Tensor | None:
         overflow = step in ctx.overflow_steps
         if overflow:   # the faults row, as the DDP step writes it (how: loss x 1e38, or inf grads without a loss)
             from dtprobe.runtime.precision import OVERFLOW_LOSS_FACTOR
@@ -323,7 +318,5 @@ def parallelize(job: Any, layout: Any, *, probe: Any, device: torch.device) -> A
         return par.train_step(batches, step=step, step_ctx=s, ops=ctx.ops, faults=ctx.faults,
                               inject_overflow=overflow)
 
-    parts = TrainParts(modules=par.model_parts, optimizer=par.optimizer, train_step=train_step,
-                       dp_rank=par.dp_rank, dp_size=par.dp_size, params=par.parameters(), ops=ops)
-    parts.parallelized = par   # the layout details (mesh, coords, schedule, timer) for hooks and tests
-    return parts
+    return TrainParts(modules=par.model_parts, optimizer=par.optimizer, train_step=train_step,
+                      dp_rank=par.dp_rank, dp_size=par.dp_size, ops=ops, params=par.parameters())

@@ -11,14 +11,11 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from dtprobe.runtime.layout import AC_MODES, PP_SCHEDULES, ZERO_STAGES, resolve_dp
 from dtprobe.store.errors import ConfigError
 
 AXES = ("pp", "dp", "tp")
 """Mesh axis names, outermost first; they are also the ``pg`` names in the collectives table."""
-
-ZERO_STAGES = (0, 1, 2, 3)
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
-AC_MODES = ("none", "selective", "full")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -39,12 +36,7 @@ class ParallelDims:
             value = getattr(self, axis)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"layout.{axis} = {value!r}; it must be an integer >= 1.")
-        product = self.dp * self.tp * self.pp
-        if product != self.world_size:
-            raise ConfigError(
-                f"layout.dp ({self.dp}) * layout.tp ({self.tp}) * layout.pp ({self.pp}) = {product}, but the "
-                f"world size is {self.world_size}. Launch {product} processes (--nproc-per-node x --nnodes), "
-                f"or change --dp/--tp/--pp so that their product is {self.world_size}.")
+        resolve_dp(dp=self.dp, tp=self.tp, pp=self.pp, world_size=self.world_size)
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -66,7 +58,7 @@ class ParallelDims:
 def check_layout(layout: Any, *, world_size: int, num_layers: int | None = None,
                  seq_len: int | None = None, batch_size: int | None = None,
                  num_heads: int | None = None) -> ParallelDims:
-    """Validate a ``LayoutConfig`` (runtime.config) against the world and the model; return the degrees.
+    """Validate a ``LayoutConfig`` (runtime.layout) against the world and the model; return the degrees.
 
     Called by the launcher before it starts any process (so a bad layout never launches) and again by
     ``parallelize`` inside each rank. ``batch_size`` is the global batch (sequences per step).

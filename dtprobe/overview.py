@@ -87,7 +87,8 @@ def _plain(value: Any) -> Any:
 
 def summarize(analysis: Any, *, path: str) -> Overview:
     """The Overview of ``analysis`` (a ``RunAnalysis`` of the source at ``path``, whole or over a ``StepWindow``)."""
-    from dtprobe.analysis.report import restart_lines, run_events
+    from dtprobe.analysis.render import restart_lines
+    from dtprobe.analysis.report import run_events
     from dtprobe.analysis.window import StepWindow
 
     window = analysis.source if isinstance(analysis.source, StepWindow) else None

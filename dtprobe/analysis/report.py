@@ -14,7 +14,6 @@ import pandas as pd
 from dtprobe.analysis.bubble import PipelineShape, ideal_bubble
 from dtprobe.analysis.crashes import restart_summary
 from dtprobe.analysis.findings import Finding, jsonable
-from dtprobe.analysis.render import restart_lines  # noqa: F401 (dtprobe.overview imports it from here)
 from dtprobe.store.source import SourceInfo
 
 SCHEMA = "dtprobe.findings/1"

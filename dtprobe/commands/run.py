@@ -92,4 +92,11 @@ def main(args: argparse.Namespace) -> int:
     from dtprobe.runtime.launcher import launch
 
     job = build_job(args)
-    return launch(job, command=["dtprobe", *sys.argv[1:]])
+    rc = launch(job, command=["dtprobe", *sys.argv[1:]])
+    if job.node_rank == 0:  # the leader's launcher compacted the run: store its summary for the dashboard
+        from pathlib import Path
+
+        from dtprobe.commands.compact import store_summary
+
+        store_summary(Path(job.run_dir))
+    return rc

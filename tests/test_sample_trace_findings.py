@@ -1,6 +1,7 @@
 """Golden findings of every checked-in scenario in ``sample_traces/``: the codes, severities, ranks and groups
 ``RunAnalysis.open(path).findings()`` gives, plus the figures that say the scenario's fault was read right (the
-injected delay, the overflow step, the collective the hang stopped in, the schedule's ideal bubble, ...).
+injected delay, the overflow step, the collective the hang stopped in, the schedule's ideal bubble, ...) and the
+world size and number of steps its command made.
 
 Each golden was checked against what its scenario holds (the folder name and its README): a change in the
 analysis that changes a verdict here must change the table in the same commit, and say why. A new scenario
@@ -64,6 +65,14 @@ FIGURES: dict[tuple[str, str], dict[str, object]] = {
 }
 """Evidence values that hold the scenario's meaning: (scenario, code) -> {evidence key: expected}."""
 
+SHAPES: dict[str, tuple[int, int]] = {
+    "ckpt_crash_restart": (2, 30), "dp2_tp2": (4, 8), "dp4_clean": (4, 30), "dp4_straggler_rank2": (4, 30),
+    "fp16_overflow": (2, 14), "hang_rank1": (2, 5),      # steps 0-4 completed; the hang stopped step 5
+    "pp4_gpipe_bubble": (4, 6), "topk_vs_baseline/baseline": (4, 50), "topk_vs_baseline/topk": (4, 50),
+    "zero3_dp4": (4, 8),
+}
+"""(world size, steps completed) of each scenario, as its ``dtprobe run`` command made it."""
+
 
 def find_scenarios(root: Path) -> list[str]:
     """Every run under ``root``: a folder holding ``run.json`` is one scenario; a folder without one holds several
@@ -98,6 +107,7 @@ SCENARIOS = find_scenarios(SAMPLES)
 def test_every_scenario_on_disk_has_a_golden():
     assert set(SCENARIOS) - set(GOLDEN) == set(), "add the new scenario's findings to GOLDEN"
     assert set(GOLDEN) - set(SCENARIOS) == set(), "a golden names a scenario that is no longer on disk"
+    assert set(SHAPES) == set(GOLDEN)
 
 
 def test_a_new_scenario_folder_is_found_including_a_run_nested_one_level(tmp_path):
@@ -123,6 +133,12 @@ def test_scenario_evidence_holds_the_figures_of_its_fault(name, code):
     evidence = finding.to_json()["evidence"]
     expected = FIGURES[(name, code)]
     assert {k: evidence.get(k) for k in expected} == expected
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_scenario_world_size_and_steps_are_those_of_its_command(name):
+    analysis = open_scenario(name)
+    assert (analysis.world_size, analysis.key_figures().num_steps) == SHAPES[name]
 
 
 def test_analyze_json_of_the_straggler_scenario_gives_its_golden_and_exit_1(run_cli):

@@ -14,8 +14,10 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
+from dtprobe.analysis.bubble import pipeline_bubble
 from dtprobe.runtime.parallel.bubble import compare_bubble, measured_bubble
 from dtprobe.schedule_sim import Action, simulate
 
@@ -54,6 +56,19 @@ def test_measured_bubble_counts_idle_share_of_the_common_step_span():
     assert span == 30 and fracs == pytest.approx((1 / 3, 2 / 3))
 
 
+def test_measured_bubble_counts_overlapping_actions_once_as_the_analysis_does():
+    rows = [  # rank 0: F 0-10 and an overlapping I 5-15 (busy 15, not 20); rank 1: F 10-30; window 0-30
+        {"rank": 0, "stage": 0, "step": 1, "microbatch": 0, "action": "F", "start_ns": 0, "end_ns": 10},
+        {"rank": 0, "stage": 0, "step": 1, "microbatch": 0, "action": "I", "start_ns": 5, "end_ns": 15},
+        {"rank": 1, "stage": 1, "step": 1, "microbatch": 0, "action": "F", "start_ns": 10, "end_ns": 30},
+    ]
+    fracs, span = measured_bubble(rows, stage_to_pp_rank={0: 0, 1: 1}, num_ranks=2)
+    assert span == 30 and fracs == pytest.approx((0.5, 1 / 3))
+    analysed = pipeline_bubble(pd.DataFrame(rows)).set_index("rank")["bubble_frac"]
+    assert tuple(analysed.loc[[0, 1]]) == pytest.approx(fracs)
+
+
+@pytest.mark.multiproc
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_measured_bubble_is_within_3_points_of_the_schedule_ideal(schedule):
     run = bubble_runs()[schedule]
@@ -71,6 +86,7 @@ def test_measured_bubble_is_within_3_points_of_the_schedule_ideal(schedule):
         assert max(cmp.ideal_frac) < (PP - 1) / (M + PP - 1) - 0.05
 
 
+@pytest.mark.multiproc
 def test_pipeline_table_has_one_row_per_stage_microbatch_and_action():
     runs = bubble_runs()
     for schedule, actions in [("gpipe", {"F", "B"}), ("1f1b", {"F", "B"}), ("interleaved-1f1b", {"F", "B"}),
@@ -87,6 +103,7 @@ def test_pipeline_table_has_one_row_per_stage_microbatch_and_action():
             assert all(r["rank"] == r["stage"] % PP for r in rows)
 
 
+@pytest.mark.multiproc
 def test_torch_order_matches_the_simulator_for_gpipe_and_is_skipped_for_1f1b():
     runs = bubble_runs()
     assert runs["1f1b"]["order"] is None   # Schedule1F1B.pipeline_order is wrong on the last rank

@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from dtprobe.analysis import RunAnalysis
 from dtprobe.analysis.kernel_breakdown import kernel_type_breakdown, top_kernels
 from dtprobe.analysis.overlap import comm_comp_overlap
 from dtprobe.analysis.temporal import temporal_breakdown
@@ -207,3 +208,20 @@ def test_kernels_in_steps_keeps_launches_up_to_the_last_step_end_and_ranks_witho
     # rank 0: launched at 0.5 ms and exactly at the last step's end kept; unknown launch dropped; rank 1 kept
     assert kept["launch_ns"].tolist() == [500_000, 2_000_000, 9_000_000]
     assert kernels_in_steps(k, steps[steps["step"] == 1]).equals(k)   # one step: everything kept (as HTA)
+
+
+def test_trace_folder_kernels_table_holds_the_profiled_steps_events_the_facade_reads(tmp_path):
+    path = _two_step_trace(tmp_path / "t")
+    trace = path / "rank0.pt.trace.json"
+    doc = json.loads(trace.read_text())
+    doc["traceEvents"] += [   # launched after the last step's end: the next window's warm-up, not analysed
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1, "ts": 2500, "dur": 5,
+         "args": {"correlation": 9}},
+        {"ph": "X", "cat": "kernel", "name": "gemm_kernel", "pid": 0, "tid": 7, "ts": 2600, "dur": 100,
+         "args": {"stream": 7, "correlation": 9, "device": 0}}]
+    trace.write_text(json.dumps(doc, indent=1))
+    run = load_trace_dir(path)
+    assert len(run.kernels) == 5 and len(run.table("kernels")) == 4
+    assert run.table("kernels").equals(kernels_in_steps(run.kernels, run.steps))
+    ours = RunAnalysis(run).temporal_breakdown()
+    assert ours.equals(analyze_traces(run).temporal) and ours.iloc[0]["kernel_time_us"] == 1400

@@ -21,7 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dtprobe.synthetic import write_synthetic_run  # noqa: E402
 from dtprobe.analysis.facade import RunAnalysis  # noqa: E402
+from dtprobe.analysis.window import StepWindow  # noqa: E402
 from dtprobe.store import RunStore  # noqa: E402
+from dtprobe.store.schema import SCHEMAS  # noqa: E402
 
 TABLES = ("steps", "collectives", "devices", "faults", "pipeline", "amp", "checkpoints", "compression", "kernels")
 METHODS = ("collective_skew", "collective_waits", "rank_lateness", "straggler_scores", "straggler_causes",
@@ -29,12 +31,14 @@ METHODS = ("collective_skew", "collective_waits", "rank_lateness", "straggler_sc
            "device_health", "last_seen", "missing_arrivals", "throughput_summary")
 
 
-class StepWindow:
-    """A run's tables restricted to ``step >= first_step`` (what a live dashboard analyzes)."""
+class PrecomputedWindow:
+    """The newest ``num_steps`` steps of a run (``dtprobe.analysis.window.StepWindow``, what a live dashboard
+    analyzes) with every table read before timing."""
 
-    def __init__(self, store: RunStore, first_step: int) -> None:
-        self.manifest, self.path = store.manifest, store.path
-        self._tables = {name: store.table(name, min_step=first_step) for name in TABLES}
+    def __init__(self, store: RunStore, num_steps: int) -> None:
+        window = StepWindow(store, num_steps)
+        self.path, self.info = window.path, window.info
+        self._tables = {name: window.table(name) for name in SCHEMAS}
 
     def table(self, name: str) -> pd.DataFrame:
         """The table's rows of the window."""
@@ -79,7 +83,7 @@ def main() -> int:
                 store.table(name)
             sources = {"whole": store}
             if num_steps > args.window:
-                sources[f"last {args.window}"] = StepWindow(store, num_steps - args.window)
+                sources[f"last {args.window}"] = PrecomputedWindow(store, args.window)
             for label, source in sources.items():
                 overview = best_s(lambda: (lambda a: (a.key_figures(), a.findings()))(RunAnalysis(source)),
                                   args.repeats)

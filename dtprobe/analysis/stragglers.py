@@ -26,6 +26,7 @@ from dtprobe.analysis.arrivals import (  # noqa: F401 (re-exported: the straggle
 from dtprobe.analysis.findings import Finding, PredictedGain
 from dtprobe.analysis.pipeline_delay import OWN_DELAY_COLUMNS, pipeline_groups, pipeline_own_delay  # noqa: F401
 from dtprobe.analysis.tables import P2P_OPS, axis_of, group_members, ms, run_starts
+from dtprobe.intervals import union_length_by_group
 from dtprobe.store.columns import require_columns
 
 SCORE_COLUMNS = [
@@ -407,8 +408,8 @@ def _blocking_waits(collectives: pd.DataFrame, waits: pd.DataFrame) -> pd.DataFr
 
 
 def _blocked_ns(b: pd.DataFrame) -> pd.Series:
-    """Per (rank, step): total time covered by the blocking intervals (overlaps counted once, ``union_length``
-    for all (rank, step) at once)."""
+    """Per (rank, step): total time covered by the blocking intervals (overlaps counted once,
+    ``intervals.union_length_by_group``)."""
     if b.empty:
         return pd.Series(dtype="float64")
     rank, step = b["rank"].to_numpy(dtype="int64"), b["step"].to_numpy(dtype="int64")
@@ -416,12 +417,8 @@ def _blocked_ns(b: pd.DataFrame) -> pd.Series:
     order = np.lexsort((start, step, rank))
     rank, step, start, end = rank[order], step[order], start[order], b["b_ns"].to_numpy(dtype="int64")[order]
     new = run_starts(rank, step)
-    reach = pd.Series(end).groupby(np.cumsum(new)).cummax().to_numpy()     # furthest end so far in the (rank, step)
-    seg = new.copy()
-    seg[1:] |= start[1:] > reach[:-1]
-    seg_first = np.flatnonzero(seg)
-    covered = np.add.reduceat(np.maximum.reduceat(end, seg_first) - start[seg_first], np.flatnonzero(new[seg_first]))
     first = np.flatnonzero(new)
+    covered = union_length_by_group(np.cumsum(new) - 1, start, end, num_groups=len(first))
     return pd.Series(covered.astype("float64"),
                      index=pd.MultiIndex.from_arrays([rank[first], step[first]], names=["rank", "step"]))
 

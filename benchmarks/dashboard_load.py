@@ -7,12 +7,15 @@ elements present), so a time is the frame the page was complete in. The browser 
 server starts. Measured side by side in one run:
 - live: the run is still running, so the Overview analyzes its newest ``--live-window`` steps (the default of
   `dtprobe dashboard`);
-- finished: the same run finished and compacted (what `dtprobe run` leaves), analyzed whole;
+- finished: the same run finished, compacted and its summary stored (what `dtprobe run` leaves);
 - floor: a page holding one metric, served by plain `streamlit run` the same way;
 - live refresh: what one refresh of the Overview does after one more step (``dtprobe.dashboard.data.load_overview``:
   tail the new lines, re-analyze the window, summarize it), for runs of 100, 1,000 and 3,000 steps.
 
     python benchmarks/dashboard_load.py [--ranks 64] [--steps 1000] [--repeats 3]
+
+It measures the dtprobe installed in this checkout (``pip install -e .``): the server it starts imports the same.
+Goals: the Overview drawn within 3 s of the server's start; a live refresh that does not grow with the run.
 """
 
 from __future__ import annotations
@@ -29,11 +32,16 @@ import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import dtprobe.dashboard
+from dtprobe import summary_store
+from dtprobe.commands.dashboard import APP, streamlit_argv
+from dtprobe.dashboard.paths import ROOT_ENV, Source
+from dtprobe.synthetic import SyntheticRun
 
-from dtprobe.dashboard.paths import ROOT_ENV, Source  # noqa: E402
-from dtprobe.dashboard.synthetic import SyntheticRun  # noqa: E402
-from dtprobe.commands.dashboard import APP, streamlit_argv  # noqa: E402
+CHECKOUT = Path(__file__).resolve().parents[1]
+if Path(dtprobe.dashboard.__file__).resolve().parent != CHECKOUT / "dashboard":
+    raise SystemExit(f"dtprobe is imported from {Path(dtprobe.__file__).parent.parent}, not from this checkout "
+                     f"({CHECKOUT}): run `pip install -e {CHECKOUT}` first, so that the server measured is this one.")
 
 
 def _port() -> int:
@@ -102,8 +110,9 @@ def _server_to_drawn_s(argv_for_port, env: dict, cwd: Path, path: str, drawn_js:
 def server_to_overview_s(root: Path, run: str) -> float:
     """Seconds from server process start (the `dtprobe dashboard` server command) until the Overview (run picker,
     key figures with the step-time trend, findings) is drawn in Chromium and no script is running."""
-    return _server_to_drawn_s(lambda port: streamlit_argv(host="127.0.0.1", port=port),
-                              dict(os.environ, **{ROOT_ENV: str(root)}), APP.parent, f"?run={run}", OVERVIEW_DRAWN)
+    env = dict(os.environ, **{ROOT_ENV: str(root), summary_store.CACHE_ENV: str(root.parent / "user-cache")})
+    return _server_to_drawn_s(lambda port: streamlit_argv(host="127.0.0.1", port=port), env, APP.parent,
+                              f"?run={run}", OVERVIEW_DRAWN)
 
 
 def streamlit_floor_s(folder: Path) -> float:
@@ -157,6 +166,7 @@ def main() -> None:
         shutil.copytree(live_root / "big", done_root / "big")
         set_status(done_root / "big", "finished")
         compact(done_root / "big")
+        summary_store.make(done_root / "big")
         cases = [("live (running, newest steps)", lambda: server_to_overview_s(live_root, "big")),
                  ("finished (compacted, whole run)", lambda: server_to_overview_s(done_root, "big")),
                  ("floor: a one-metric Streamlit page", lambda: streamlit_floor_s(Path(tmp)))]

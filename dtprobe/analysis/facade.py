@@ -48,6 +48,7 @@ from dtprobe.analysis.inputs import analysed_table
 from dtprobe.analysis.key_figures import KeyFigures, key_figures
 from dtprobe.analysis.options import AnalysisOptions
 from dtprobe.analysis.report import SCHEMA
+from dtprobe.store.manifest import Manifest
 from dtprobe.store.resolve import open_source
 from dtprobe.store.source import Source, SourceInfo
 
@@ -98,7 +99,7 @@ class RunAnalysis:
         return Path(self.source.path)
 
     @property
-    def manifest(self):
+    def manifest(self) -> Manifest | None:
         """The run's ``Manifest`` (None for a source without one, e.g. a trace folder)."""
         return self.info.manifest
 
@@ -277,7 +278,7 @@ class RunAnalysis:
         return self._memo("bubble_rank", lambda: _bubble.bubble_by_rank(self.pipeline_bubble(),
                                                                         step_ids=self.steps_analyzed() or None))
 
-    def pipeline_shape(self):
+    def pipeline_shape(self) -> _bubble.PipelineShape | None:
         """Schedule, ranks, virtual stages, micro-batches and measured action costs (``PipelineShape``) or None."""
         return self._memo("pshape", lambda: _bubble.pipeline_shape(
             self.table("pipeline"), schedule=self.layout().get("pp_schedule")))

@@ -24,6 +24,8 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import pandas as pd
 
+from dtprobe.store.manifest import Manifest, RankInfo
+
 
 SourceKind = Literal["dtprobe_run", "kineto_traces"]
 
@@ -38,15 +40,15 @@ class SourceInfo:
     """``running``, ``finished`` or ``crashed`` for a run; ``trace`` for a profiler trace (a closed window)."""
     world_size: int | None
     """Ranks in the job (None when the source does not say)."""
-    manifest: Any = None
+    manifest: Manifest | None = None
     """The run's ``Manifest`` (config, ranks and nodes, attempts, restarts); None when the source has none."""
     run_id: str | None = None
     """The run's id (None without a manifest)."""
     config: Mapping[str, Any] = field(default_factory=dict)
     """The job's config (``run.json`` ``config``); empty when unknown."""
-    ranks: tuple[Any, ...] = ()
-    """Per-rank facts with ``rank``, ``node_rank``, ``host``, ``device`` (the manifest's ``RankInfo``); empty when
-    unknown, so node-level analyses (SLOW_LINK) find nothing to compare."""
+    ranks: tuple[RankInfo, ...] = ()
+    """Per-rank facts (rank, node, host, device: the manifest's ``RankInfo``); empty when unknown, so node-level
+    analyses (SLOW_LINK) find nothing to compare."""
     ended_ns: int | None = None
     """When the run ended (None while running or when unknown)."""
     device_name: str | None = None
@@ -79,7 +81,7 @@ class Source(Protocol):
         """Table ``name`` of ``schema.SCHEMAS`` with every column; empty when the source has no such rows."""
 
 
-def run_info(manifest: Any) -> SourceInfo:
+def run_info(manifest: Manifest) -> SourceInfo:
     """The facts of a dtprobe run from its ``Manifest``: clocks aligned by the store, whole records, warm-up
     recorded; the device is the config's ``device_name``, else ``cpu`` when rank 0 ran on the CPU."""
     config = dict(manifest.config)

@@ -23,7 +23,8 @@ from playwright.sync_api import expect, sync_playwright
 
 from dtprobe.dashboard.nav import PAGES
 from dtprobe.dashboard.paths import ROOT_ENV
-from dtprobe.dashboard.synthetic import write_synthetic_run
+from dtprobe.summary_store import CACHE_ENV
+from dtprobe.synthetic import write_synthetic_run
 from dtprobe.commands.dashboard import APP, streamlit_argv
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,12 +70,13 @@ def dashboard_server(root: Path, log_name: str, **env: str):
     """The dashboard served on ``root`` with the exact command of `dtprobe dashboard` on a free loopback port;
     stopped (with every process it started, by PID) on exit."""
     port = free_port()
+    user_cache = root.parent / f"{root.name}-user-cache"  # summaries the server makes: not the user's cache
     log = REPO / "test-artifacts" / log_name
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as out:
         proc = subprocess.Popen(streamlit_argv(host="127.0.0.1", port=port),
-                                env=dict(os.environ, **{ROOT_ENV: str(root)}, **env), cwd=APP.parent, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+                                env=dict(os.environ, **{ROOT_ENV: str(root), CACHE_ENV: str(user_cache)}, **env),
+                                cwd=APP.parent, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 90

@@ -26,7 +26,7 @@ from PIL import Image  # a Streamlit dependency
 from playwright.sync_api import expect
 
 from dtprobe.dashboard.export import PNG_MAGIC
-from dtprobe.dashboard.synthetic import write_synthetic_run
+from dtprobe.synthetic import write_synthetic_run
 from test_browser_dashboard import DLRM, REPO, SCREENSHOTS, browser, dashboard_server, page, wait_drawn  # noqa: F401
 
 DLRM_RANKS = 8
@@ -180,8 +180,8 @@ def test_png_button_downloads_a_valid_png_of_the_chart(server, page, tmp_path):
     png = png_facts(data)
     assert (png["width"], png["height"]) == (1200, 360)  # export width; the chart's own height
     assert png["color"] in (2, 6)  # RGB(A)
-    # colored as on screen: Streamlit's compute / non-compute / idle colors fill the bars; before the fix
-    # the theme's color placeholders (#000001 ...) were exported as they are and every bar was black
+    # colored as on screen: the charts' palette (Streamlit's) fills the compute / non-compute / idle bars, and
+    # nothing left for Streamlit's frontend to resolve comes out near-black
     image = Image.open(saved).convert("RGB")
     share = {color: count / (image.width * image.height) for count, color in image.getcolors(1 << 24)}
     for hex_color in ("#0068c9", "#83c9ff", "#ff2b2b"):
@@ -192,25 +192,28 @@ def test_png_button_downloads_a_valid_png_of_the_chart(server, page, tmp_path):
     expect(page.get_by_test_id("stException")).to_have_count(0)
 
 
-def test_export_swaps_streamlit_color_placeholders_and_keeps_the_figure():
-    """In the server, plotly's default template is Streamlit's, whose colors are placeholders its frontend
-    replaces; the export must do the same on a copy (no kaleido needed to check this)."""
+def test_export_draws_a_copy_with_the_export_template_and_the_charts_palette():
+    """In the server, plotly's default template is Streamlit's, whose colors only Streamlit's frontend resolves:
+    the export draws a copy with its own template, and the charts set their trace colors themselves (no kaleido
+    needed to check this)."""
+    import pandas as pd
     import plotly.io as pio
-    import streamlit  # noqa: F401  (registers the "streamlit" template and makes it plotly's default)
+    import streamlit  # noqa: F401  (makes Streamlit's template plotly's default, as in the server)
 
     from dtprobe.dashboard import charts
-    from dtprobe.dashboard.export import STREAMLIT_COLORS, as_drawn
+    from dtprobe.dashboard.export import EXPORT_TEMPLATE, as_drawn
 
     assert pio.templates.default == "streamlit"
-    import pandas as pd
-
     temporal = pd.DataFrame({"rank": [0, 1], "compute_frac": [0.1, 0.2], "non_compute_frac": [0.3, 0.3],
                              "idle_frac": [0.6, 0.5]})
-    fig = charts.temporal_breakdown(temporal)
-    before = fig.to_json()
-    assert "#000001" in before
-    drawn = as_drawn(fig)
-    assert not re.search(r"#0000[0-4][0-9]", drawn.to_json())
-    assert list(drawn.layout.template.layout.colorway[:3]) == [STREAMLIT_COLORS[f"#00000{i}"] for i in (1, 2, 3)]
-    assert drawn.layout.yaxis.automargin is True and drawn.layout.xaxis.automargin is True
-    assert fig.to_json() == before  # the page's figure is untouched
+    steps = pd.DataFrame({"rank": [0, 0, 1, 1], "step": [0, 1, 0, 1], "start_ns": [0, 0, 0, 0],
+                          "end_ns": [1e6, 2e6, 3e6, 4e6]})
+    for fig in (charts.temporal_breakdown(temporal), charts.step_time_by_rank(steps)):
+        before = fig.to_json()
+        drawn = as_drawn(fig)
+        assert drawn.layout.template == EXPORT_TEMPLATE and drawn.layout.template.layout.paper_bgcolor == "white"
+        assert not re.search(r"#0000[0-4][0-9]", drawn.to_json())  # nothing left that only Streamlit resolves
+        assert list(drawn.layout.template.layout.colorway[:3]) == charts.PALETTE[:3]
+        assert drawn.layout.yaxis.automargin is True and drawn.layout.xaxis.automargin is True
+        assert fig.to_json() == before  # the page's figure is untouched
+    assert [t.line.color for t in charts.step_time_by_rank(steps).data] == charts.PALETTE[:2]

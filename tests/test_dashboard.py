@@ -1,6 +1,7 @@
 """Dashboard (Streamlit AppTest): every page renders on every sample_traces scenario and on the DLRM GPU traces
 and shows the findings `dtprobe analyze` reports; finding links carry the ranks to mark; live refresh reads new
-steps; run choices (picker and URL) are re-validated; charts export to PNG; the command's safe server flags."""
+steps; a finished run's Overview comes from its stored summary; run choices (picker and URL) are re-validated;
+charts export to PNG; the command's safe server flags, and its server stops with it."""
 
 from __future__ import annotations
 
@@ -10,19 +11,24 @@ import json
 import os
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 import streamlit
 from streamlit.testing.v1 import AppTest
 
-from dtprobe.dashboard import charts, data, export, summary
+from dtprobe import overview as ov
+from dtprobe import summary_store
+from dtprobe.dashboard import charts, data, export
 from dtprobe.dashboard.nav import FINDING_PAGE, PAGES
 from dtprobe.dashboard.paths import ROOT_ENV, list_sources, resolve_choice
-from dtprobe.dashboard.synthetic import SyntheticRun, write_synthetic_run
+from dtprobe.synthetic import SyntheticRun, write_synthetic_run
 from dtprobe.analysis.facade import RunAnalysis
 from dtprobe.store.errors import ConfigError
 
@@ -48,14 +54,22 @@ SCENARIOS = _scenario_sources()
 STRAGGLER_RANK = 2
 
 
+@pytest.fixture
+def user_cache(tmp_path) -> Path:
+    """This test's per-user cache folder (beside its tmp_path, which tests use as the dashboard's root)."""
+    return tmp_path.parent / f"{tmp_path.name}-user-cache"
+
+
 @pytest.fixture(autouse=True)
-def _fresh_streamlit(monkeypatch):
-    """Show full exceptions in AppTest (the server hides them) and start every test with empty caches."""
+def _fresh_streamlit(monkeypatch, user_cache):
+    """Show full exceptions in AppTest (the server hides them) and start every test with empty caches, the
+    per-user summary cache included."""
     streamlit.config.set_option("client.showErrorDetails", "full")
     streamlit.cache_data.clear()
     streamlit.cache_resource.clear()
     data.clear()
     monkeypatch.delenv(ROOT_ENV, raising=False)
+    monkeypatch.setenv(summary_store.CACHE_ENV, str(user_cache))
 
 
 def app(root: Path, monkeypatch, **query: str) -> AppTest:
@@ -158,8 +172,8 @@ def test_sparkline_scales_to_its_box_and_draws_a_flat_series_midway():
 
 def test_key_figure_trends_of_a_long_run_are_binned(tmp_path):
     run = write_synthetic_run(tmp_path / "long", num_ranks=2, num_steps=450)
-    trends = summary.trends(RunAnalysis.open(run))
-    assert len(trends["step time"]) == summary.TREND_POINTS and len(trends["tokens/s"]) == summary.TREND_POINTS
+    trends = ov.trends(RunAnalysis.open(run))
+    assert len(trends["step time"]) == ov.TREND_POINTS and len(trends["tokens/s"]) == ov.TREND_POINTS
     per_step = RunAnalysis.open(run).throughput().sort_values("step")
     first_bin = per_step["step_ns"].iloc[:3] / 1e6  # 450 steps in 200 bins: steps 0, 1 and 2 (0*200//450 ...)
     assert trends["step time"][0] == pytest.approx(first_bin.mean(), abs=1e-3)
@@ -286,15 +300,15 @@ def test_step_time_overview_draws_the_spread_and_the_slowest_ranks_beyond_eight_
     assert len(charts.step_time_overview(steps[steps["rank"] < 4]).data) == 4  # few ranks: a line each
 
 
-def test_summary_process_prints_the_overview_of_the_newest_run(tmp_path):
+def test_summary_command_prints_the_overview_of_the_newest_run(tmp_path):
     old = write_synthetic_run(tmp_path / "old", num_ranks=2, num_steps=4)
     os.utime(old, (1, 1))
     new = write_synthetic_run(tmp_path / "new", num_ranks=4, num_steps=12, straggler_rank=STRAGGLER_RANK)
     env = dict(os.environ, **{ROOT_ENV: str(tmp_path)})
     done = subprocess.run([sys.executable, "-m", "dtprobe.dashboard.summary"], env=env, capture_output=True, timeout=120)
     assert done.returncode == 0, done.stderr.decode()
-    child = summary.Overview.from_json(done.stdout)
-    here = summary.summarize(RunAnalysis.open(new), path=str(new.resolve()))
+    child = ov.Overview.from_json(done.stdout)
+    here = ov.summarize(RunAnalysis.open(new), path=str(new.resolve()))
     assert child.path == str(new.resolve()) and child.whole and child.window is None
     assert child.figures == pytest.approx(here.figures) and child.num_steps == here.num_steps == 12
     assert child.trends == here.trends and len(child.trends["step time"]) == 12
@@ -303,7 +317,7 @@ def test_summary_process_prints_the_overview_of_the_newest_run(tmp_path):
 
     done = subprocess.run([sys.executable, "-m", "dtprobe.dashboard.summary", str(old)], env=env, capture_output=True,
                           timeout=120)
-    assert done.returncode == 0 and summary.Overview.from_json(done.stdout).num_steps == 4  # a named folder
+    assert done.returncode == 0 and ov.Overview.from_json(done.stdout).num_steps == 4  # a named folder
 
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "run.json").write_text("{not json")
@@ -313,91 +327,114 @@ def test_summary_process_prints_the_overview_of_the_newest_run(tmp_path):
                           capture_output=True, timeout=120)
     assert done.returncode == 2 and b"neither a run" in done.stderr and not done.stdout
     for text in ("[]", '{"schema": "dtprobe.findings/1"}', '{"schema": "dtprobe.overview/1", "path": "/r"}', "{"):
-        with pytest.raises(ValueError):  # the server ignores such output and analyzes the run itself
-            summary.Overview.from_json(text)
+        with pytest.raises(ValueError):
+            ov.Overview.from_json(text)
 
 
-def test_server_starts_the_summary_of_the_run_the_picker_shows_first(tmp_path, monkeypatch):
-    from dtprobe.dashboard import serve
-
-    old = write_synthetic_run(tmp_path / "old", num_ranks=2, num_steps=4)
-    os.utime(old, (1, 1))
-    new = write_synthetic_run(tmp_path / "new", num_ranks=2, num_steps=4)
-    monkeypatch.setenv(ROOT_ENV, str(tmp_path))
-    assert serve._newest_source() == str(new.resolve()) == str(list_sources(tmp_path)[0].path)
-    monkeypatch.setenv(ROOT_ENV, str(tmp_path / "missing"))
-    assert serve._newest_source() is None  # the page says what is wrong with the root
-
-
-def _child_overview(path: Path, **changes) -> summary.Overview:
-    """An Overview as the summary child would print it, with a title no analysis writes."""
-    made = summary.summarize(RunAnalysis.open(path), path=str(path.resolve()))
-    lines = tuple(dataclasses.replace(f, title="from the summary process") for f in made.findings)
-    return dataclasses.replace(made, findings=lines, **changes)
+def _stored_overview(path: Path, **changes) -> ov.Overview:
+    """The Overview of ``path`` with a title no analysis writes, stored in the run directory as `dtprobe compact`
+    stores it (valid for the run as it is now)."""
+    key = summary_store.key_of(path)
+    made = ov.summarize(RunAnalysis.open(path), path=str(path.resolve()))
+    lines = tuple(dataclasses.replace(f, title="from the stored summary") for f in made.findings)
+    stored = dataclasses.replace(made, findings=lines, **changes)
+    assert summary_store.store(path, stored, key=key, in_run_dir=True) == path.resolve() / summary_store.SUMMARY_FILE
+    return stored
 
 
-def test_first_overview_comes_from_the_summary_process_then_from_the_servers_analysis(straggler_root, monkeypatch):
-    monkeypatch.setattr(data, "ANALYZE_AFTER_S", 0.0)
-    run = straggler_root / "dp4_straggler"
-    source = resolve_choice(straggler_root, "dp4_straggler")
-    data.expect_summary(str(source.path))
-    data.put_summary(str(source.path), summary.Overview.from_json(_child_overview(run).to_json()))
-    at = app(straggler_root, monkeypatch, run="dp4_straggler")
-    assert not at.exception and "from the summary process" in page_text(at)
+def test_finished_runs_overview_is_drawn_from_its_stored_summary_without_analyzing_it(tmp_path, monkeypatch):
+    run = write_synthetic_run(tmp_path / "dp4_straggler", num_ranks=4, num_steps=40, straggler_rank=STRAGGLER_RANK)
+    _stored_overview(run)
+    at = app(tmp_path, monkeypatch)
+    assert not at.exception and "from the stored summary" in page_text(at)
     assert {m.label: m.value for m in at.metric}["steps"] == "40"
-    deadline = time.monotonic() + 60  # the server analyzes the run itself right after
-    while data.open_store(source) is None or not data._ENTRIES[str(source.path)].analyses:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    at.run()
-    assert not at.exception and "from the summary process" not in page_text(at) and "STRAGGLER" in page_text(at)
+    source = resolve_choice(tmp_path, "dp4_straggler")
+    assert data.open_store(source) is None  # the run was never opened, let alone analyzed
+    at.switch_page("views/stragglers.py").run()  # a page that needs the analysis makes it
+    assert not at.exception and data.open_store(source) is not None
 
 
-def test_a_stale_or_narrower_summary_is_not_shown(straggler_root, monkeypatch):
-    monkeypatch.setattr(data, "ANALYZE_AFTER_S", 600.0)  # the server's own analysis: not in this test
-    run = straggler_root / "dp4_straggler"
-    source = resolve_choice(straggler_root, "dp4_straggler")
-    path = str(source.path)
-    data.put_summary(path, _child_overview(run, made_s=time.time() - data.SUMMARY_MAX_AGE_S - 1))
-    assert "from the summary process" not in {f.title for f in data.load_overview(source).findings}
+@pytest.mark.parametrize("spoil", ["new events", "status changed", "other version", "other options", "corrupt file",
+                                   "foreign schema", "another run's", "window only"])
+def test_a_stale_or_corrupt_stored_summary_is_made_again_never_shown(tmp_path, monkeypatch, spoil):
+    run = SyntheticRun(tmp_path / "r", num_ranks=4, straggler_rank=STRAGGLER_RANK)
+    run.write_steps(30)
+    run.finish()
+    path = run.run_dir.resolve()
+    stored = _stored_overview(path)
+    file = path / summary_store.SUMMARY_FILE
+    doc = json.loads(file.read_text())
+    if spoil == "new events":
+        from dtprobe.store.writer import RankWriter
+
+        w = RankWriter(path, 1)
+        w.write("faults", {"time_ns": run.t_ns, "step": 3, "kind": "restart", "injected": False, "detail": "{}"})
+        w.close()
+    elif spoil == "status changed":
+        from dtprobe.store.manifest import set_status
+
+        time.sleep(0.01)
+        set_status(path, "crashed")
+    elif spoil == "other version":
+        doc["key"]["dtprobe_version"] = "0.0.1"
+    elif spoil == "other options":
+        doc["key"]["options"]["window_steps"] += 1
+    elif spoil == "corrupt file":
+        file.write_text(file.read_text()[:200])
+    elif spoil == "foreign schema":
+        doc["schema"] = "dtprobe.summary/0"
+    elif spoil == "another run's":
+        doc["path"] = str(tmp_path / "elsewhere")
+    elif spoil == "window only":
+        doc["overview"]["whole"] = False
+    if spoil in ("other version", "other options", "foreign schema", "another run's", "window only"):
+        file.write_text(json.dumps(doc))
+    spoiled = file.read_bytes()
+    assert summary_store.load(path) is None
+    shown = data.load_overview(resolve_choice(tmp_path, "r"))
+    assert "from the stored summary" not in {f.title for f in shown.findings}
+    fresh = ov.summarize(RunAnalysis.open(path), path=str(path))
+    assert shown.findings == fresh.findings and shown.num_steps == fresh.num_steps == 30
+    assert summary_store.load(path) == shown  # what the dashboard made is kept for the next start ...
+    assert file.read_bytes() == spoiled  # ... in the per-user cache: the dashboard only reads run folders
+    assert stored.findings[0].title == "from the stored summary"
+
+
+def test_trace_folders_summary_is_stored_in_the_per_user_cache_not_beside_the_traces(user_cache):
+    traces = DLRM
+    before = sorted(p.name for p in traces.iterdir())
+    first = data.load_overview(resolve_choice(traces, "."))
+    assert sorted(p.name for p in traces.iterdir()) == before  # nothing written into the trace folder
+    cached = list((user_cache / "dtprobe" / "summaries").glob("*.json"))
+    assert len(cached) == 1 and json.loads(cached[0].read_text())["path"] == str(traces.resolve())
     data.clear()
-    data.put_summary(path, _child_overview(run, whole=False, window="steps 30-39 (the last 10)"))
-    assert data.load_overview(source, whole_run=True).window is None  # the whole run was asked for
-    data.clear()
-    data.put_summary(path, _child_overview(run))
-    assert data.load_overview(source).findings[0].title == "from the summary process"
-    assert data.load_overview(source).findings[0].title != "from the summary process"  # once only
+    assert data.load_overview(resolve_choice(traces, ".")) == first and data.open_store(
+        resolve_choice(traces, ".")) is None  # read back without parsing the traces
 
 
-def test_another_runs_pending_summary_does_not_hold_a_page_up(straggler_root, monkeypatch):
-    monkeypatch.setattr(data, "SUMMARY_WAIT_S", 30.0)
-    data.expect_summary(str(resolve_choice(straggler_root, "dp4_straggler").path))  # a child that never answers
-    started = time.monotonic()
-    overview = data.load_overview(resolve_choice(straggler_root, "dp4_clean"))
-    assert overview.num_steps == 30 and time.monotonic() - started < 20  # analyzed at once, not after the wait
+def test_a_running_run_has_no_stored_summary(tmp_path, user_cache):
+    run = SyntheticRun(tmp_path / "live", num_ranks=2)
+    run.write_steps(5)
+    overview = data.load_overview(resolve_choice(tmp_path, "live"))
+    assert overview.num_steps == 5 and summary_store.load(run.run_dir) is None
+    assert summary_store.store(run.run_dir, overview, key=summary_store.key_of(run.run_dir)) is None
+    assert not user_cache.exists() and not (run.run_dir / summary_store.SUMMARY_FILE).exists()
 
 
-def test_first_overview_needs_neither_pandas_nor_plotly_in_the_server():
-    code = """if True:
-        import sys
-        from dtprobe.dashboard import startup
-        startup.defer_plotly_theme()
-        import streamlit
-        from dtprobe.dashboard import common, data, nav, summary
-        overview = summary.Overview(path="/r", whole=True, figures=dict(
-            num_steps=3, step_time_ms=12.5, tokens_per_s=1000.0, mfu=None, mfu_reason="CPU", exposed_comm_frac=0.1,
-            bubble_frac=None, num_overflows=None, checkpoint_share_frac=None), num_steps=3,
-            trends={"step time": [1.0, 2.0]}, findings=(), window=None, made_s=0.0)
-        overview = summary.Overview.from_json(overview.to_json())
-        print(common.key_figures(overview)["step time"], common.sparkline("step time", overview.trends["step time"])[:16])
-        print(sorted(m for m in ("pandas", "plotly", "pyarrow") if m in sys.modules))
-        from dtprobe.dashboard import charts  # the first chart sets Streamlit's plotly template up
-        import plotly.io as pio
-        print(pio.templates.default)
-    """
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == ["12.5 ms ![step time over", "[]", "streamlit"]
+def test_compact_command_stores_a_finished_runs_summary(tmp_path, capsys):
+    from dtprobe.cli import main
+
+    run = write_synthetic_run(tmp_path / "r", num_ranks=4, num_steps=30, straggler_rank=STRAGGLER_RANK)
+    assert main(["compact", str(run)]) == 0
+    assert "Stored its summary (1 findings)" in capsys.readouterr().out
+    stored = summary_store.load(run)
+    assert stored is not None and [f.code for f in stored.findings] == ["STRAGGLER"]
+    assert stored == dataclasses.replace(ov.summarize(RunAnalysis.open(run), path=str(run.resolve())),
+                                         made_s=stored.made_s)
+    live = SyntheticRun(tmp_path / "live", num_ranks=2)
+    live.write_steps(3)
+    assert main(["compact", str(live.run_dir)]) == 0
+    assert not (live.run_dir / summary_store.SUMMARY_FILE).exists()  # a running run has none
 
 
 # ------------------------------------------------------------------------------------------------ run choice
@@ -490,8 +527,55 @@ def test_dashboard_command_rejects_bad_live_settings(tmp_path, capsys, flag, val
     assert match in capsys.readouterr().err
 
 
-def test_dashboard_server_command_runs_streamlit_through_the_serve_entry_point():
+def test_dashboard_server_command_is_streamlit_run_of_the_app():
     from dtprobe.commands.dashboard import streamlit_argv
 
     argv = streamlit_argv(host="127.0.0.1", port=8599)
-    assert argv[1:5] == ["-m", "dtprobe.dashboard.serve", "run", str(APP)]
+    assert argv[:5] == [sys.executable, "-m", "streamlit", "run", str(APP)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_dashboard_command_stops_its_server_when_sent_sigterm(tmp_path):
+    import psutil
+
+    port = _free_port()
+    servers = []
+    log = tmp_path / "dashboard.log"
+    with open(log, "w") as out:  # `timeout` bounds the command should this test fail to stop it
+        outer = subprocess.Popen(["timeout", "120", sys.executable, "-m", "dtprobe.cli", "dashboard", str(tmp_path),
+                                  "--port", str(port)], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert outer.poll() is None, log.read_text()
+            try:
+                if urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2).read() == b"ok":
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        command = psutil.Process(outer.pid).children()[0]  # `dtprobe dashboard` itself
+        servers = command.children()
+        assert len(servers) == 1 and "streamlit" in servers[0].cmdline()
+        os.kill(command.pid, signal.SIGTERM)  # as a supervisor stops it: this process only
+        assert outer.wait(30) == 0, log.read_text()  # the command returned 0, as after Ctrl-C
+        _, alive = psutil.wait_procs(servers, timeout=15)
+        assert not alive, f"the server outlived the command: {alive}"
+        with socket.socket() as s:  # nothing listens on the port any more (TIME_WAIT of the probes aside)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))
+            s.listen()
+    finally:  # only what this test started, by PID
+        started = servers + (psutil.Process(outer.pid).children(recursive=True) if outer.poll() is None else [])
+        for proc in started:
+            if proc.is_running():
+                proc.kill()
+        if outer.poll() is None:
+            outer.kill()
+            outer.wait(10)

@@ -21,7 +21,7 @@ from dtprobe.collectors.config import CollectConfig
 from dtprobe.runtime.config_sections import CheckpointConfig, CompressionConfig, HangConfig, PrecisionConfig
 from dtprobe.runtime.faults import FaultSpec, parse_fault
 from dtprobe.runtime.layout import Layout, LayoutConfig
-from dtprobe.runtime.options import Flag, option, section, sections, top_level_keys
+from dtprobe.runtime.options import LAUNCH_GROUP, Flag, option, section, sections, top_level_keys
 from dtprobe.store.errors import ConfigError
 
 LR_SCALINGS = ("linear", "none")
@@ -114,7 +114,7 @@ def parse_step_window(text: str) -> list[int]:
 
 _CKPT_GROUP = "checkpoints and hangs (runtime.recovery, runtime.hang)"
 _TELEMETRY_GROUP = "telemetry and faults"
-FLAG_GROUPS = ("launch", "model and layout", "training", _CKPT_GROUP, _TELEMETRY_GROUP)
+FLAG_GROUPS = (LAUNCH_GROUP, "model and layout", "training", _CKPT_GROUP, _TELEMETRY_GROUP)
 """The groups of ``dtprobe run --help``, in order."""
 
 

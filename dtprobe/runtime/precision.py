@@ -1,4 +1,5 @@
-"""Mixed precision for the runtime (``[precision]``, ``config_sections.PrecisionConfig``): autocast with fp32 master weights, fp16 loss scaling, one ``amp`` row per step.
+"""Mixed precision for the runtime (``[precision]``, ``config_sections.PrecisionConfig``): autocast with fp32
+master weights, fp16 loss scaling, one ``amp`` row per step.
 
 Produces the ``amp`` table (per step and rank: ``scale_before``, ``scale_after``, ``found_inf``, ``skipped``) for
 the analysis' AMP-overflow finding, and the ``--inject overflow:step=S[,rank=R]`` fault.

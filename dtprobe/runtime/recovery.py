@@ -3,9 +3,9 @@ newest checkpoint that verifies; produces ``restart`` faults and the manifest's 
 
 torchrun ``--max-restarts R`` (``JobConfig.max_restarts``, passed by the launcher) restarts every worker after
 one fails; the restarted workers (``TORCHELASTIC_RESTART_COUNT`` = n > 0) write into the same run directory and
-append to their telemetry. Before the first step (``Checkpointing.resume``), every rank loads the newest verified checkpoint (``Checkpointer``; corrupt
-ones are skipped with a ``corrupt-ckpt`` fault naming the file, the reason and the step loaded instead) and
-training continues at its step + 1.
+append to their telemetry. Before the first step (``Checkpointing.resume``), every rank loads the newest verified
+checkpoint (``Checkpointer``; corrupt ones are skipped with a ``corrupt-ckpt`` fault naming the file, the reason and
+the step loaded instead) and training continues at its step + 1.
 
 The leader then writes one ``faults`` row ``kind="restart", injected=false`` with detail::
 

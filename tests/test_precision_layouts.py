@@ -62,7 +62,7 @@ def test_fp16_overflow_on_pipeline_halves_every_ranks_scale_and_skips_the_step_w
     last = steps[steps["rank"] == 1].sort_values("step")
     assert len(last) == STEPS and all(math.isfinite(x) and 4.0 < x < 7.0 for x in last["loss"])
     assert steps[steps["rank"] == 0]["loss"].isna().all()
-    # the launcher shows that loss (it used to show rank 0's: nan)
+    # the launcher shows that loss, not rank 0's (none: it would print nan)
     final = float(last["loss"].iloc[-1])
     assert f"final loss (rank 1, last pipeline stage) {final:.4f}" in " ".join(proc.stderr.split())
     assert re.search(r"loss \d+\.\d{3}", proc.stderr) and "loss nan" not in proc.stderr
@@ -70,8 +70,8 @@ def test_fp16_overflow_on_pipeline_halves_every_ranks_scale_and_skips_the_step_w
 
 @pytest.mark.multiproc
 def test_fp16_overflow_on_tensor_parallel_skips_the_step_on_both_ranks(tmp_path):
-    """TP mixes DTensor (sharded) and plain (LayerNorm) gradients; torch's ShardedGradScaler failed on them
-    ("got mixed torch.Tensor and DTensor"). Each rank now unscales its local shards and agrees on found_inf."""
+    """TP mixes DTensor (sharded) and plain (LayerNorm) gradients, on which torch's ShardedGradScaler fails
+    ("got mixed torch.Tensor and DTensor"); each rank unscales its local shards and agrees on found_inf."""
     run = tmp_path / "run"
     proc = run_dtprobe(run, "--nproc", "2", "--tp", "2", "--precision", "fp16",
                        "--inject", f"overflow:step={OVERFLOW_STEP},rank=1")

@@ -14,6 +14,7 @@ from typing import Any
 
 import pandas as pd
 
+from dtprobe.analysis.findings import jsonable
 from dtprobe.analysis.kernel_breakdown import kernel_type_breakdown, top_kernels
 from dtprobe.analysis.overlap import comm_comp_overlap
 from dtprobe.analysis.temporal import temporal_breakdown
@@ -47,19 +48,15 @@ class TraceMetrics:
     """Collectives identified (NCCL kernels or gloo annotations) over all ranks."""
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON shape of ``dtprobe analyze --json``: temporal_breakdown, comm_comp_overlap, kernel types."""
-        return {
+        """Plain JSON values: steps analysed and the per-rank records the findings document's ``metrics`` holds
+        (temporal_breakdown, comm_comp_overlap, kernel_type_breakdown), converted by ``findings.jsonable``."""
+        return jsonable({
             "steps_analyzed": list(self.steps_analyzed),
-            "temporal_breakdown": _records(self.temporal[["rank", "idle_frac", "compute_frac", "non_compute_frac",
-                                                          "kernel_time_us"]]),
-            "comm_comp_overlap": _records(self.overlap[["rank", "overlap_frac"]]),
-            "kernel_type_breakdown": _records(self.kernel_types),
-        }
-
-
-def _records(df: pd.DataFrame) -> list[dict[str, Any]]:
-    return [{k: (None if pd.isna(v) else (v.item() if hasattr(v, "item") else v)) for k, v in row.items()}
-            for row in df.to_dict("records")]
+            "temporal_breakdown": self.temporal[["rank", "idle_frac", "compute_frac", "non_compute_frac",
+                                                 "kernel_time_us"]],
+            "comm_comp_overlap": self.overlap[["rank", "overlap_frac"]],
+            "kernel_type_breakdown": self.kernel_types,
+        })
 
 
 def kernel_metrics(kernels: pd.DataFrame, collectives: pd.DataFrame, *, steps_analyzed: Iterable[int],

@@ -527,11 +527,27 @@ def test_dashboard_command_rejects_bad_live_settings(tmp_path, capsys, flag, val
     assert match in capsys.readouterr().err
 
 
-def test_dashboard_server_command_is_streamlit_run_of_the_app():
+def test_dashboard_server_command_is_streamlit_run_of_the_app_through_the_serve_entry_point():
     from dtprobe.commands.dashboard import streamlit_argv
 
     argv = streamlit_argv(host="127.0.0.1", port=8599)
-    assert argv[:5] == [sys.executable, "-m", "streamlit", "run", str(APP)]
+    assert argv[:5] == [sys.executable, "-m", "dtprobe.dashboard.serve", "run", str(APP)]
+
+
+def test_server_loads_the_overview_of_the_run_the_picker_shows_first_while_it_starts(tmp_path, monkeypatch):
+    from dtprobe.dashboard import serve
+
+    old = SyntheticRun(tmp_path / "old", num_ranks=2)
+    old.write_steps(4)
+    os.utime(old.run_dir, (1, 1))
+    new = SyntheticRun(tmp_path / "new", num_ranks=2)
+    new.write_steps(4)
+    monkeypatch.setenv(ROOT_ENV, str(tmp_path))
+    serve._warm_first_page()
+    assert data.open_store(resolve_choice(tmp_path, "new")) is not None  # analyzed, in the pages' shared cache
+    assert data.open_store(resolve_choice(tmp_path, "old")) is None
+    monkeypatch.setenv(ROOT_ENV, str(tmp_path / "missing"))
+    serve._warm_first_page()  # the page says what is wrong with the root
 
 
 def _free_port() -> int:
@@ -562,7 +578,7 @@ def test_dashboard_command_stops_its_server_when_sent_sigterm(tmp_path):
             time.sleep(0.2)
         command = psutil.Process(outer.pid).children()[0]  # `dtprobe dashboard` itself
         servers = command.children()
-        assert len(servers) == 1 and "streamlit" in servers[0].cmdline()
+        assert len(servers) == 1 and "dtprobe.dashboard.serve" in servers[0].cmdline()
         os.kill(command.pid, signal.SIGTERM)  # as a supervisor stops it: this process only
         assert outer.wait(30) == 0, log.read_text()  # the command returned 0, as after Ctrl-C
         _, alive = psutil.wait_procs(servers, timeout=15)

@@ -37,7 +37,7 @@ def streamlit_argv(*, host: str, port: int) -> list[str]:
     """The exact server command: safe settings on the command line so they hold whatever the CWD's config."""
     allowed = ["127.0.0.1", "localhost"] if host in {"127.0.0.1", "localhost"} else [host]
     return [
-        sys.executable, "-m", "streamlit", "run", str(APP),
+        sys.executable, "-m", "dtprobe.dashboard.serve", "run", str(APP),
         "--server.address", host, "--server.port", str(port), "--server.headless", "true",
         "--server.fileWatcherType", "none", "--server.enableStaticServing", "false",
         *[arg for name in allowed for arg in ("--server.allowedHosts", name)],

@@ -51,8 +51,8 @@ def _port() -> int:
 
 
 BROWSER_SETTLE_S = 1.0
-"""Pause between opening the browser and starting the server: Chromium spends ~0.8 CPU-seconds finishing its own
-start after ``new_page()``, which on a 2-core machine would otherwise be charged to the server's start."""
+"""Pause between opening the browser and starting the server: Chromium keeps finishing its own start after
+``new_page()``, which on a machine with few cores would otherwise be charged to the server's start."""
 
 DRAWN_JS = """() => {
   const q = (selector) => document.querySelector(selector);

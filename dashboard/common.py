@@ -76,7 +76,7 @@ def page_setup(title: str) -> Source:
     The choice comes from the picker or the ``run`` URL parameter and is always re-validated against the root.
     The picker keeps its place at the top of the sidebar but is sent to the browser after the page's content
     (``render`` draws it last): the select box's script bundle, loaded when the box first appears, would
-    otherwise hold up the whole first page by about 0.4 s.
+    otherwise hold up the whole first page.
     """
     try:
         root = root_from_env()
@@ -108,7 +108,7 @@ def page_setup(title: str) -> Source:
     if chosen is not None:
         st.sidebar.caption(f"{chosen['status']} · started {chosen['age']} ago · last write {chosen['last write']}")
     with st.sidebar.expander(f"Runs under the root ({len(sources)})", expanded=len(sources) > 1):
-        # a Markdown table: the interactive grid's script bundle alone delays the first page by about a second
+        # a Markdown table: the interactive grid's script bundle would delay the first page
         st.markdown("| run | status | age | last write |\n|---|---|---|---|\n" + "\n".join(
             f"| {_md_cell(r['run'])} | {r['status']} | {r['age']} | {r['last write']} |" for r in runs))
     try:
@@ -268,7 +268,7 @@ SPARK_COLOR = "#4c78a8"
 
 def sparkline(label: str, values: list[float]) -> str:
     """A key figure's trend as a Markdown image: an inline SVG polyline drawn by the browser itself, so the
-    Overview needs no chart library (Streamlit's metric charts load a 0.8 MB bundle before they draw)."""
+    Overview needs no chart library (Streamlit's metric charts load a large script bundle before they draw)."""
     width, height = SPARK_SIZE
     lo, hi = min(values), max(values)
     dx = width / max(1, len(values) - 1)

@@ -12,7 +12,7 @@ from dtprobe.analysis import RunAnalysis
 from dtprobe.cli import main
 from dtprobe.store.frames import frame_from_rows
 
-TRACES = Path("/work/shared/traces")
+TRACES = Path(__file__).parent / "data" / "traces"
 CONFIG = {"model": {"name": "tiny"}, "train": {"seq_len": 64}, "layout": {"dp": 4, "tp": 1, "pp": 1}}
 
 

@@ -21,10 +21,13 @@ import pandas as pd
 from dtprobe.analysis import amp as _amp
 from dtprobe.analysis import bubble as _bubble
 from dtprobe.analysis import checkpoints as _ckpt
+from dtprobe.analysis import clock_alignment as _clocks
+from dtprobe.analysis import collective_matching as _matching
 from dtprobe.analysis import ckpt_corrupt as _corrupt
 from dtprobe.analysis import comm_efficiency as _comm
 from dtprobe.analysis import compression as _compression
 from dtprobe.analysis import crashes as _crashes
+from dtprobe.analysis import device_arrivals as _device_arrivals
 from dtprobe.analysis import devices as _devices
 from dtprobe.analysis import exposed_comm as _exposed
 from dtprobe.analysis import failures as _failures
@@ -205,14 +208,70 @@ class RunAnalysis:
         return _tables.axis_of_group(pg, layout=self.layout())
 
     def stragglers(self) -> list[Finding]:
-        """STRAGGLER findings (none without aligned clocks, e.g. a trace folder: arrivals are not comparable)."""
+        """STRAGGLER findings: from host arrivals when the source's clocks are aligned (a dtprobe run), else from
+        device arrivals on clocks aligned by the collectives (``device_stragglers``, a trace folder)."""
         o = self.options
         return self._memo("f:stragglers", lambda: _stragglers.detect_stragglers(
             self.straggler_scores(), self.straggler_causes(), links=_stragglers.linked_ranks(self.table("collectives")),
             min_lateness_frac=o.min_lateness_frac, min_positive_frac=o.min_positive_frac,
             injected=self.injected_faults("straggler"), lateness=self.rank_lateness(), axis_of_pg=self.group_axis,
             own_delay_ns=_pipeline_delay.median_own_delay(self.pipeline_own_delay()),
-            slow_link_ranks=_links.slow_link_ranks(self.slow_links())) if self.info.clock_aligned else [])
+            slow_link_ranks=_links.slow_link_ranks(self.slow_links())) if self.info.clock_aligned
+            else self.device_stragglers())
+
+    # ------------------------------------------------------------------------------------------ device clock
+
+    def device_collectives(self) -> pd.DataFrame:
+        """Group collectives timed on the device (NCCL kernels), each with its group's members spelled out."""
+        return self._memo("device_colls", lambda: _matching.device_collectives(
+            self.table("collectives"), world_size=self.world_size))
+
+    def group_coverage(self) -> pd.DataFrame:
+        """Per group: members, how many are in the source, whether it is matched, and why not."""
+        return self._memo("coverage", lambda: _matching.group_coverage(
+            self.device_collectives(), ranks_present=set(self.table("collectives")["rank"].dropna().astype(int))
+            | set(self.table("steps")["rank"].dropna().astype(int))))
+
+    def matching_method(self) -> str:
+        """``seq`` when the source's sequence numbers name the same collective on every member, else ``order``."""
+        return "order" if self.info.collective_seq == "order" else "seq"
+
+    def matched_collectives(self) -> pd.DataFrame:
+        """Per (collective, member) of fully present groups: matched, or why refused (op/size/count mismatch)."""
+        return self._memo("matched", lambda: _matching.match_collectives(
+            self.device_collectives(), self.group_coverage(), by=self.matching_method()))
+
+    def clock_offsets(self) -> pd.DataFrame:
+        """Per rank: offset onto the lowest rank's clock from the collectives' ends, residual, collectives used."""
+        return self._memo("offsets", lambda: _clocks.clock_offsets(self.matched_collectives()))
+
+    def clock_alignment(self) -> str:
+        """``host``, ``device_collectives``, or why the ranks' clocks could not be aligned."""
+        return _clocks.alignment_label(clock_aligned=self.info.clock_aligned, offsets=self.clock_offsets()
+                                       if not self.info.clock_aligned else pd.DataFrame(),
+                                       coverage=self.group_coverage() if not self.info.clock_aligned
+                                       else pd.DataFrame())
+
+    def device_arrivals(self) -> pd.DataFrame:
+        """Per (collective, member) on the aligned device clock: lateness, wait, transfer, started last."""
+        return self._memo("dev_arrivals", lambda: _device_arrivals.member_arrivals(
+            _clocks.corrected(self.matched_collectives(), self.clock_offsets())))
+
+    def device_collective_transfer(self) -> pd.DataFrame:
+        """Per collective: last rank, wait, true latency (shortest member), end spread, algbw/busbw."""
+        return self._memo("dev_transfer", lambda: _device_arrivals.collective_transfer(self.device_arrivals()))
+
+    def arrival_summary(self) -> pd.DataFrame:
+        """Per (rank, group): collectives, share started last, median lateness, waits it caused."""
+        return self._memo("arrival_summary", lambda: _device_arrivals.arrival_summary(
+            self.device_arrivals(), self.device_collective_transfer()))
+
+    def device_stragglers(self) -> list[Finding]:
+        """STRAGGLER from device arrivals (groups with at least ``device_arrivals.MIN_MATCHED_COLLECTIVES``)."""
+        return self._memo("f:dev_stragglers", lambda: _device_arrivals.detect_device_stragglers(
+            self.arrival_summary(), profiled_us=_device_arrivals.profiled_us(self.table("steps")),
+            min_positive_frac=self.options.min_positive_frac, min_wait_frac=self.options.min_lateness_frac,
+            matched_by=self.matching_method(), axis_of_pg=self.group_axis))
 
     def slow_links(self) -> list[Finding]:
         """SLOW_LINK: node pairs whose crossing collectives' bus bandwidth dropped mid-run (multi-node runs only;

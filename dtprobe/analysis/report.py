@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import pandas as pd
 
 from dtprobe.analysis.bubble import PipelineShape, ideal_bubble
+from dtprobe.analysis.collective_matching import matching_summary
 from dtprobe.analysis.crashes import restart_summary
 from dtprobe.analysis.findings import Finding, jsonable
 from dtprobe.store.source import SourceInfo
@@ -52,6 +53,12 @@ class MetricsInputs(Protocol):
     def device_health(self) -> pd.DataFrame: ...
     def hangs(self) -> list[Finding]: ...
     def restarts(self) -> list[dict]: ...
+    def clock_alignment(self) -> str: ...
+    def clock_offsets(self) -> pd.DataFrame: ...
+    def arrival_summary(self) -> pd.DataFrame: ...
+    def matched_collectives(self) -> pd.DataFrame: ...
+    def group_coverage(self) -> pd.DataFrame: ...
+    def matching_method(self) -> str: ...
 
 
 def document(*, source: str, metrics: dict[str, Any], findings: list[Finding]) -> dict[str, Any]:
@@ -78,7 +85,7 @@ def build_metrics(a: MetricsInputs) -> dict[str, Any]:
         "run": {
             "kind": info.kind, "run_id": info.run_id,
             "status": a.status, "world_size": a.world_size, "layout": a.layout() or None,
-            "clock_aligned": info.clock_aligned,
+            "clock_aligned": info.clock_aligned, "clock_alignment": a.clock_alignment(),
             **run_events(a),
         },
         "steps_analyzed": {"first": steps[0] if steps else None, "last": steps[-1] if steps else None,
@@ -100,6 +107,8 @@ def build_metrics(a: MetricsInputs) -> dict[str, Any]:
         worst = scores.sort_values("median_lateness_frac", ascending=False).drop_duplicates(["pg", "pg_ranks"])
         m["latest_rank_by_group"] = _records(worst, ["pg", "pg_ranks", "rank", "num_steps", "median_lateness_frac",
                                                      "positive_frac", "last_frac"])
+    if not info.clock_aligned:
+        m.update(device_clock_metrics(a))
     bw = a.bandwidth_by_size()
     if not bw.empty:
         fit = a.bandwidth_fit()
@@ -130,6 +139,22 @@ def build_metrics(a: MetricsInputs) -> dict[str, Any]:
     if not health.empty:
         m["devices"] = _records(health)
     return jsonable(m)
+
+
+def device_clock_metrics(a: MetricsInputs) -> dict[str, Any]:
+    """For a source whose ranks keep their own clocks: ``collective_matching`` (method, matched, refused by
+    reason, groups not judged and why), ``clock_alignment`` (per rank: offset_us onto the lowest rank's clock,
+    residual_us, num_collectives) and ``arrivals`` (per rank and group: num_collectives, last_frac,
+    median_lateness_us on the device clock)."""
+    offsets = a.clock_offsets()
+    arrivals = a.arrival_summary()
+    return {
+        "collective_matching": matching_summary(a.matched_collectives(), a.group_coverage(), by=a.matching_method()),
+        "clock_alignment": _records(offsets, ["rank", "offset_us", "residual_us", "num_collectives"]),
+        "arrivals": [dict(r, pg_ranks=[int(x) for x in str(r["pg_ranks"]).split(",") if x])
+                     for r in _records(arrivals, ["rank", "pg", "pg_ranks", "num_collectives", "last_frac",
+                                                  "median_lateness_us"])],
+    }
 
 
 def run_events(a: MetricsInputs) -> dict[str, list[dict[str, Any]]]:

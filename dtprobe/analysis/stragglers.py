@@ -631,6 +631,7 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: set[
         members = list(group_members(row.pg_ranks))
         evidence = {
             "rank": int(row.rank), "pg": row.pg, "pg_ranks": members, "victims": [m for m in members if m != row.rank],
+            "clock": "host",   # arrivals are host enqueue times on the store's aligned clocks
             "steps_analyzed": int(row.num_steps), "window": [int(row.window_first_step), int(row.window_last_step)],
             "window_steps": int(row.window_steps),
             "median_lateness_frac": row.median_lateness_frac, "positive_frac": row.positive_frac,

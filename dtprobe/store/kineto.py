@@ -60,6 +60,9 @@ class KinetoRun:
     """Collectives identified on each rank (NCCL kernels, gloo annotations); schema ``collectives``."""
     steps: pd.DataFrame
     """One row per (rank, ProfilerStep): rank, step, start_ns, end_ns (other ``steps`` columns null)."""
+    collective_seq: str = "order"
+    """``trace`` when ``collectives.seq`` is every trace's own per-group ``Seq`` arg, ``order`` when it is each
+    rank's order within its window (``kineto_collectives.number_seq``)."""
 
     @property
     def steps_found(self) -> list[int]:
@@ -80,7 +83,7 @@ class KinetoRun:
         props = [p for m in self.ranks.values() for p in m.device_properties]
         return SourceInfo(kind="kineto_traces", status="trace", world_size=self.world_size,
                           device_name=props[0].get("name") if props else "cpu", clock_aligned=False,
-                          whole_record=False, warmup_recorded=False)
+                          collective_seq=self.collective_seq, whole_record=False, warmup_recorded=False)
 
     @property
     def has_gpu_kernels(self) -> bool:
@@ -162,9 +165,11 @@ def load_trace_dir(path: str | os.PathLike, *, progress: ProgressFn | None = Non
                 f"(distributedInfo.rank). Keep one trace per rank in the folder (e.g. one profiler window).")
         by_rank[rank] = item
     ordered = [by_rank[r] for r in sorted(by_rank)]
+    collectives, seq_source = _collectives_frame(ordered)
     return KinetoRun(
         path=Path(path), ranks={p.meta.rank: p.meta for p in ordered},
-        kernels=_kernels_frame(ordered), collectives=_collectives_frame(ordered), steps=_steps_frame(ordered))
+        kernels=_kernels_frame(ordered), collectives=collectives, steps=_steps_frame(ordered),
+        collective_seq=seq_source)
 
 
 def _parse_all(files: list[Path], *, progress: ProgressFn | None, workers: int | None) -> list[RankParse]:
@@ -244,11 +249,12 @@ def _steps_frame(ranks: list[RankParse]) -> pd.DataFrame:
     return _typed_frame("steps", columns, length=len(rows))
 
 
-def _collectives_frame(ranks: list[RankParse]) -> pd.DataFrame:
+def _collectives_frame(ranks: list[RankParse]) -> tuple[pd.DataFrame, str]:
+    """The ``collectives`` table and where its ``seq`` came from (``number_seq``)."""
     rows = [row for p in ranks for row in collective_rows(p)]
-    number_seq(rows)
+    seq_source = number_seq(rows)
     cols = SCHEMAS["collectives"]
     columns = {col: [row.get(col) for row in rows] for col in cols}
     frame = _typed_frame("collectives", columns, length=len(rows))
     return frame.sort_values(["rank", "enqueue_ns", "seq"], kind="stable", na_position="last",
-                             ignore_index=True)
+                             ignore_index=True), seq_source

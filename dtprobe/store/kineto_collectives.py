@@ -203,7 +203,7 @@ def _kernel_collectives(parsed: RankParse) -> list[dict[str, Any]]:
                 op=op, dtype=str(args.dtype) if args.dtype is not None else None,
                 num_bytes=0 if op == "barrier" else (nelems * size if nelems is not None and size else None),
                 pg=pg_label(args.pg_name, args.pg_desc), pg_ranks=_ranks_text(args.pg_ranks),
-                pg_size=_as_int(args.group_size))
+                pg_size=_as_int(args.group_size), trace_seq=_as_int(args.seq))
         else:
             tid = parsed.launch_tid[i]
             ann = annotations.around(tid, launch_ns) if launch_ns >= 0 else None
@@ -241,8 +241,13 @@ def _host_collectives(parsed: RankParse) -> list[dict[str, Any]]:
     return rows
 
 
-def number_seq(rows: list[dict[str, Any]]) -> None:
-    """Set ``seq`` = 1-based order of each rank's collectives per group by enqueue time; p2p ops get None."""
+def number_seq(rows: list[dict[str, Any]]) -> str:
+    """Set ``seq`` of every row; p2p ops get None. When every other row carries the trace's own per-group
+    sequence number (``Seq`` arg, recent PyTorch), ``seq`` is that number and ``"trace"`` is returned; otherwise
+    ``seq`` = 1-based order of each rank's collectives per group by enqueue time and ``"order"`` is returned
+    (numbers that only say the order within this rank's profiler window, not which collective of the job)."""
+    group_rows = [row for row in rows if row["op"] not in P2P_OPS]
+    from_trace = bool(group_rows) and all(row.get("trace_seq") is not None for row in group_rows)
     counters: dict[tuple[Any, Any], int] = {}
     order = sorted(range(len(rows)), key=lambda i: (rows[i]["enqueue_ns"] is None,
                                                       rows[i]["enqueue_ns"] or rows[i]["start_ns"] or 0))
@@ -251,6 +256,10 @@ def number_seq(rows: list[dict[str, Any]]) -> None:
         if row["op"] in P2P_OPS:
             row["seq"] = None
             continue
+        if from_trace:
+            row["seq"] = row["trace_seq"]
+            continue
         key = (row["rank"], row.get("pg"))
         counters[key] = counters.get(key, 0) + 1
         row["seq"] = counters[key]
+    return "trace" if from_trace else "order"

@@ -58,6 +58,8 @@ class _Args(msgspec.Struct):
     pg_name: Any = msgspec.field(default=None, name="Process Group Name")
     pg_desc: Any = msgspec.field(default=None, name="Process Group Description")
     pg_ranks: Any = msgspec.field(default=None, name="Process Group Ranks")
+    seq: Any = msgspec.field(default=None, name="Seq")
+    """The process group's own collective sequence number (recent PyTorch); None in older traces."""
     input_dims: msgspec.Raw = msgspec.field(default=None, name="Input Dims")
     input_type: msgspec.Raw = msgspec.field(default=None, name="Input type")
 

@@ -28,6 +28,7 @@ from dtprobe.store.manifest import Manifest, RankInfo
 
 
 SourceKind = Literal["dtprobe_run", "kineto_traces"]
+SeqSource = Literal["recorder", "trace", "order"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +57,11 @@ class SourceInfo:
     clock_aligned: bool = True
     """All ranks' timestamps on one clock, so cross-rank timing (arrival skew, stragglers, the host estimate of
     exposed communication) means something. False for Kineto traces: each rank keeps its own clock."""
+    collective_seq: SeqSource = "recorder"
+    """What the ``collectives`` table's ``seq`` numbers are: ``recorder`` (dtprobe's per-group count, the same
+    collective has the same number on every member), ``trace`` (the trace's own per-group ``Seq`` arg: the same),
+    ``order`` (each rank's order within its own profiler window: members are matched by order within a group and
+    step, checking op and size)."""
     whole_record: bool = True
     """Each rank's record runs from its start alike, so a collective one rank lacks or numbers differently is one
     it never reached or issued differently (hangs, crashes, mismatches are judged). False for profiler windows,

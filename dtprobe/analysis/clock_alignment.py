@@ -1,0 +1,108 @@
+"""Each rank's clock offset estimated from the collectives themselves; read by ``device_arrivals`` and, through the
+facade, by ``dtprobe analyze`` (``metrics.clock_alignment``) on Kineto trace folders.
+
+The kernels of one collective end together on every member (within the last hop of the algorithm), so the
+difference of two members' end times is the difference of their clocks. The reference is the lowest rank
+present; every other rank is placed from the placed rank it shares the most matched collectives with (ties:
+lowest ranks), at that rank's offset plus the median end difference of their shared collectives, floored to a
+whole nanosecond. The choice of pairs depends on counts only, and medians and floors of integer nanoseconds
+move exactly with a shift: shifting one non-reference rank's trace by d changes its offset by exactly -d and
+nothing else.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from dtprobe.store.columns import require_columns
+
+OFFSET_COLUMNS = ["rank", "offset_ns", "offset_us", "residual_us", "num_collectives"]
+
+
+def end_matrix(matched: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ranks, coll_ids, end_ns matrix [collective x rank] as int64 with presence mask) of matched collectives."""
+    require_columns(matched, ["coll_id", "rank", "end_ns", "status"], table="matched_collectives")
+    m = matched.loc[matched["status"] == "matched"]
+    ranks = np.sort(m["rank"].astype("int64").unique())
+    colls = np.sort(m["coll_id"].astype("int64").unique())
+    ri = np.searchsorted(ranks, m["rank"].to_numpy(dtype="int64"))
+    ci = np.searchsorted(colls, m["coll_id"].to_numpy(dtype="int64"))
+    ends = np.zeros((len(colls), len(ranks)), dtype=np.int64)
+    present = np.zeros((len(colls), len(ranks)), dtype=bool)
+    ends[ci, ri] = m["end_ns"].to_numpy(dtype="int64")
+    present[ci, ri] = True
+    return ranks, ends, present
+
+
+def clock_offsets(matched: pd.DataFrame) -> pd.DataFrame:
+    """Per rank of the matched collectives: ``offset_ns`` (added to its times puts them on the reference rank's
+    clock; 0 for the reference, null for a rank sharing no matched collective with the others),
+    ``residual_us`` (median over its collectives of |corrected end - the collective's median corrected end|),
+    ``num_collectives`` (matched collectives it is a member of). Columns: OFFSET_COLUMNS."""
+    ranks, ends, present = end_matrix(matched)
+    n = len(ranks)
+    if n == 0:
+        return pd.DataFrame(columns=OFFSET_COLUMNS)
+    shared = present.T.astype(np.int64) @ present.astype(np.int64)      # [rank x rank] collectives in common
+    np.fill_diagonal(shared, 0)
+    offset = np.zeros(n, dtype=np.int64)
+    placed = np.zeros(n, dtype=bool)
+    placed[0] = True
+    while True:
+        cand = np.where(placed[:, None] & ~placed[None, :], shared, 0)   # placed (rows) -> unplaced (cols)
+        if cand.max(initial=0) == 0:
+            break
+        # the most shared collectives; ties: the lowest unplaced rank, then the lowest placed one
+        u, p = np.unravel_index(np.argmax(cand.T == cand.max()), cand.T.shape)
+        both = present[:, p] & present[:, u]
+        offset[u] = offset[p] + int(np.floor(np.median(ends[both, p] - ends[both, u])))
+        placed[u] = True
+    corrected = ends + offset[None, :]
+    anchor = corrected[present].min()
+    rel = np.where(present & placed[None, :], corrected - anchor, 0).astype(np.float64)
+    mask = present & placed[None, :]
+    med = _masked_median_rows(rel, mask)
+    dev = np.abs(rel - med[:, None])
+    residual = np.array([np.median(dev[mask[:, j], j]) if mask[:, j].any() else np.nan for j in range(n)])
+    out = pd.DataFrame({
+        "rank": ranks.astype("int64"),
+        "offset_ns": pd.array(np.where(placed, offset, 0), dtype="Int64"),
+        "residual_us": np.where(placed, residual / 1e3, np.nan),
+        "num_collectives": present.sum(axis=0).astype("int64"),
+    })
+    out.loc[~placed, "offset_ns"] = pd.NA
+    out["offset_us"] = out["offset_ns"].astype("Float64") / 1e3
+    return out[OFFSET_COLUMNS]
+
+
+def _masked_median_rows(x: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Median of each row over the entries ``mask`` keeps (NaN for a row with none)."""
+    y = np.where(mask, x, np.nan)
+    with np.errstate(all="ignore"):
+        return np.nanmedian(y, axis=1) if y.size else np.zeros(len(x))
+
+
+def corrected(matched: pd.DataFrame, offsets: pd.DataFrame) -> pd.DataFrame:
+    """``matched`` rows of placed ranks with ``start_ns``/``end_ns`` moved onto the reference clock (int64)."""
+    off = offsets.dropna(subset=["offset_ns"])[["rank", "offset_ns"]]
+    m = matched.loc[matched["status"] == "matched"].merge(off, on="rank", how="inner")
+    shift = m["offset_ns"].astype("int64")
+    m["start_ns"] = m["start_ns"].astype("int64") + shift
+    m["end_ns"] = m["end_ns"].astype("int64") + shift
+    return m.drop(columns=["offset_ns"])
+
+
+def alignment_label(*, clock_aligned: bool, offsets: pd.DataFrame, coverage: pd.DataFrame) -> str:
+    """How the ranks' clocks were put on one clock: ``host`` (the source aligned them, e.g. a dtprobe run's store),
+    ``device_collectives`` (offsets estimated here from matched collectives), or why they could not be."""
+    if clock_aligned:
+        return "host"
+    if not offsets.empty and offsets["offset_ns"].notna().sum() >= 2:
+        return "device_collectives"
+    if coverage.empty:
+        return "not aligned: no collectives timed on the device in this source (arrival needs NCCL kernels)"
+    reasons = sorted({str(r) for r in coverage["reason"].dropna()})
+    if reasons:
+        return "not aligned: " + "; ".join(reasons)
+    return "not aligned: no collective was matched on every member of its group"

@@ -217,3 +217,11 @@ def test_analyze_json_reports_clock_alignment_and_arrivals_of_a_trace_folder(cap
     assert m["arrivals"][7] == {"rank": 7, "pg": "world", "pg_ranks": list(range(8)), "num_collectives": 8,
                                 "last_frac": 0.625, "median_lateness_us": 129.0}
     assert m["collective_matching"]["method"] == "order" and m["collective_matching"]["num_matched"] == 8
+
+
+def test_markdown_report_of_a_trace_folder_says_how_its_clocks_were_aligned(tmp_path):
+    from dtprobe.analysis.render import render_markdown
+    assert "clocks: aligned from 8 collectives matched by order (0 refused)" in render_markdown(
+        _analysis(DLRM).report())
+    partial = _analysis(Scenario(world=16, num_steps=2, ranks=[0, 1]).write(tmp_path / "partial"))
+    assert "clocks: not aligned: only 2 of the group's 16 members" in render_markdown(partial.report())

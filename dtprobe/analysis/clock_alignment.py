@@ -3,8 +3,8 @@ facade, by ``dtprobe analyze`` (``metrics.clock_alignment``) on Kineto trace fol
 
 The kernels of one collective end together on every member (within the last hop of the algorithm), so the
 difference of two members' end times is the difference of their clocks. The reference is the lowest rank
-present; every other rank is placed from the placed rank it shares the most matched collectives with (ties:
-lowest ranks), at that rank's offset plus the median end difference of their shared collectives, floored to a
+present; every other rank is placed from the placed rank it shares the most matched collectives with (ties: the
+lowest unplaced rank, the earliest placed one), at that rank's offset plus the median end difference of their shared collectives, floored to a
 whole nanosecond. The choice of pairs depends on counts only, and medians and floors of integer nanoseconds
 move exactly with a shift: shifting one non-reference rank's trace by d changes its offset by exactly -d and
 nothing else.
@@ -49,22 +49,28 @@ def clock_offsets(matched: pd.DataFrame) -> pd.DataFrame:
     offset = np.zeros(n, dtype=np.int64)
     placed = np.zeros(n, dtype=bool)
     placed[0] = True
+    best = np.where(placed, -1, shared[0])               # per unplaced rank: most collectives shared with a placed
+    parent = np.zeros(n, dtype=np.int64)                 # ... rank, and that rank (the earliest placed on ties)
     while True:
-        cand = np.where(placed[:, None] & ~placed[None, :], shared, 0)   # placed (rows) -> unplaced (cols)
-        if cand.max(initial=0) == 0:
+        u = int(np.argmax(best))                         # ties: the lowest rank
+        if best[u] <= 0:
             break
-        # the most shared collectives; ties: the lowest unplaced rank, then the lowest placed one
-        u, p = np.unravel_index(np.argmax(cand.T == cand.max()), cand.T.shape)
+        p = int(parent[u])
         both = present[:, p] & present[:, u]
         offset[u] = offset[p] + int(np.floor(np.median(ends[both, p] - ends[both, u])))
         placed[u] = True
+        best[u] = -1
+        better = ~placed & (shared[u] > best)
+        best[better], parent[better] = shared[u][better], u
     corrected = ends + offset[None, :]
-    anchor = corrected[present].min()
-    rel = np.where(present & placed[None, :], corrected - anchor, 0).astype(np.float64)
     mask = present & placed[None, :]
+    anchor = corrected[mask].min()                      # float64 is exact for times relative to it
+    rel = np.where(mask, corrected - anchor, 0).astype(np.float64)
     med = _masked_median_rows(rel, mask)
     dev = np.abs(rel - med[:, None])
-    residual = np.array([np.median(dev[mask[:, j], j]) if mask[:, j].any() else np.nan for j in range(n)])
+    residual = np.full(n, np.nan)
+    cols = mask.any(axis=0)
+    residual[cols] = np.nanmedian(np.where(mask[:, cols], dev[:, cols], np.nan), axis=0)
     out = pd.DataFrame({
         "rank": ranks.astype("int64"),
         "offset_ns": pd.array(np.where(placed, offset, 0), dtype="Int64"),
@@ -78,9 +84,10 @@ def clock_offsets(matched: pd.DataFrame) -> pd.DataFrame:
 
 def _masked_median_rows(x: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """Median of each row over the entries ``mask`` keeps (NaN for a row with none)."""
-    y = np.where(mask, x, np.nan)
-    with np.errstate(all="ignore"):
-        return np.nanmedian(y, axis=1) if y.size else np.zeros(len(x))
+    out = np.full(len(x), np.nan)
+    rows = mask.any(axis=1)
+    out[rows] = np.nanmedian(np.where(mask[rows], x[rows], np.nan), axis=1)
+    return out
 
 
 def corrected(matched: pd.DataFrame, offsets: pd.DataFrame) -> pd.DataFrame:

@@ -54,7 +54,28 @@ def summary_facts(report: dict[str, Any]) -> list[str]:
     if tp.get("tokens_per_s"):
         mfu = f"{tp['mfu']:.1%}" if tp.get("mfu") is not None else f"n/a ({tp.get('mfu_reason')})"
         facts.append(f"throughput: {tp['tokens_per_s']:,.0f} tokens/s, MFU {mfu}")
+    if "collective_matching" in m:                     # a source whose ranks keep their own clocks
+        facts.append(clock_fact(m))
     return facts
+
+
+def clock_fact(m: dict[str, Any]) -> str:
+    """One line on how a trace folder's clocks were aligned: from how many collectives, the largest offset and
+    residual, who starts last most often; or why they were not."""
+    how = m["run"].get("clock_alignment") or ""
+    match = m["collective_matching"]
+    if how != "device_collectives":
+        return f"clocks: {how}"
+    offsets, arrivals = m.get("clock_alignment") or [], m.get("arrivals") or []
+    line = (f"clocks: aligned from {match['num_matched']} collectives matched by {match['method']}"
+            f" ({match['num_refused']} refused); largest offset "
+            f"{max(abs(o['offset_us'] or 0) for o in offsets):.1f} us, residual up to "
+            f"{max(o['residual_us'] or 0 for o in offsets):.1f} us")
+    if arrivals:
+        last = max(arrivals, key=lambda r: (r["last_frac"], r["median_lateness_us"]))
+        line += (f"; rank {last['rank']} starts last in {last['last_frac']:.0%} of its {last['pg']} "
+                 f"collectives (median +{last['median_lateness_us']:.0f} us, device clock)")
+    return line
 
 
 def render_markdown(report: dict[str, Any]) -> str:

@@ -225,3 +225,11 @@ def test_markdown_report_of_a_trace_folder_says_how_its_clocks_were_aligned(tmp_
         _analysis(DLRM).report())
     partial = _analysis(Scenario(world=16, num_steps=2, ranks=[0, 1]).write(tmp_path / "partial"))
     assert "clocks: not aligned: only 2 of the group's 16 members" in render_markdown(partial.report())
+
+
+def test_straggler_of_a_dtprobe_run_says_it_used_the_host_clock():
+    a = RunAnalysis.open(Path(__file__).parents[1] / "sample_traces" / "dp4_straggler_rank2")
+    assert a.clock_alignment() == "host" and a.metrics()["run"]["clock_alignment"] == "host"
+    [f] = a.stragglers()
+    assert f.ranks == (2,) and f.evidence["clock"] == "host"
+    assert "clock_alignment" not in a.metrics() and "arrivals" not in a.metrics()

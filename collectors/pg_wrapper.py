@@ -5,12 +5,14 @@ A ``RecordingProcessGroup`` is a Python ``dist.ProcessGroup`` that forwards ever
 itself, it sees what a monkeypatch of ``torch.distributed`` misses: DDP's C++ reducer buckets, FSDP2
 all-gather/reduce-scatter, DTensor collectives and pipeline send/recv.
 
-Completion (``end_ns``), gloo: the done-callback of the work's future (run by the gloo thread that finished
-it), so the caller keeps the backend's own Work; works without a future (gloo send/recv, reduce-scatter) are
-wrapped and timed when ``wait()`` returns (a Python Work handed to DDP's C++ reducer costs GIL round trips
-on every ``getFuture`` and destruction). The cost grows with the number of collectives per step: the Python
-pass-through, the row written at enqueue and the completion callback each add to it;
-``benchmarks/probe_overhead.py`` measures it against plain DDP.
+Completion (``end_ns``), gloo: when the work completes. Works whose callers wait on them before they complete
+(``dist.all_reduce``, DTensor and FSDP waits) are wrapped and stamped when the caller's ``wait()`` returns, on
+the caller's thread; works whose futures are taken (DDP's C++ reducer) stay the backend's own Work with a
+done-callback, run by the gloo thread that finished it (a Python Work handed to the reducer costs GIL round
+trips on every ``getFuture`` and destruction); ``_WaitHabit`` picks between the two per (group, op) and goes
+back to the callback for callers that wait late. Works without a future (gloo send/recv, reduce-scatter) are
+wrapped and timed when ``wait()`` returns. On the caller's thread a collective costs the Python pass-through,
+a row dict and a queue append; ``benchmarks/probe_overhead.py`` measures it per collective against plain gloo.
 
 On NCCL ``wait()`` does not block the host, so NCCL rows carry device timings from the completion hook when
 ``TORCH_NCCL_ENABLE_TIMING=1`` (``timing="cuda_event"``) and no ``end_ns`` otherwise. Rows are written once
@@ -172,8 +174,8 @@ class CollectiveRecorder:
         if "peer" not in row:              # progress per group: collectives only (p2p has its own numbering)
             p = self._progress.setdefault(row["pg"], {"pg_ranks": row["pg_ranks"], "last_completed_seq": 0,
                                                        "last_completed_op": None})
-            p.update(last_issued_seq=row["seq"], last_issued_op=row["op"], last_issued_step=row["step"],
-                     last_issued_ns=row["enqueue_ns"])
+            p["last_issued_seq"], p["last_issued_op"] = row["seq"], row["op"]
+            p["last_issued_step"], p["last_issued_ns"] = row["step"], row["enqueue_ns"]
         return key
 
     def untrack(self, key: int) -> bool:
@@ -182,7 +184,7 @@ class CollectiveRecorder:
         if row is not None and "peer" not in row:
             p = self._progress.get(row["pg"])
             if p is not None and row["seq"] > p["last_completed_seq"]:
-                p.update(last_completed_seq=row["seq"], last_completed_op=row["op"])
+                p["last_completed_seq"], p["last_completed_op"] = row["seq"], row["op"]
         return row is not None
 
     def progress(self) -> dict[str, dict[str, Any]]:
@@ -297,17 +299,65 @@ class _FutureDone:
             self.recorder.emit(self.row)
 
 
-class RecordedWork(dist.Work):
-    """Wraps a real ``Work`` that has no future (gloo send/recv, reduce-scatter): writes the row when ``wait()``
-    returns (or, if a future is taken after all, when it completes; first wins)."""
+class _WaitHabit:
+    """How callers of one (group, op) use its works, learned from the works themselves; decides how ``end_ns`` is
+    taken for the next ones.
 
-    def __init__(self, inner: dist.Work, row: dict[str, Any], recorder: CollectiveRecorder) -> None:
+    A done-callback on the work's future stamps the exact completion, but runs Python on the gloo thread that
+    finished the work: a GIL hand-over between two threads for every collective, the bulk of the recording cost
+    of a small collective. A caller that waits on the work before it completes (``dist.all_reduce`` without
+    ``async_op``, a DTensor or FSDP wait right after the issue; or within ``PROMPT_WAIT_NS`` of it) sees the
+    completion itself: its ``wait()`` returns then, on its own thread, so the wrapper stamps ``end_ns`` there,
+    with no callback.
+
+    The first work of a (group, op) goes back as the backend's own Work with the callback; the next ones are
+    wrapped, with the callback until ``PROMPT_WAITS`` of them in a row were waited before completion. A work
+    found completed well before its ``wait()`` starts, dropped unwaited, or whose future is taken brings the
+    callback back, so a caller that overlaps the collective with other work gets exact completion times (at
+    most the one work that revealed the change is stamped at its ``wait()``, an upper bound of its completion).
+    """
+
+    PROMPT_WAITS = 4
+    """Works waited before completion, in a row, after which a (group, op) goes without the done-callback."""
+    PROMPT_WAIT_NS = 50_000
+    """A wait that starts this soon after the issue counts as prompt even if the work already completed (a
+    descheduled caller, a tiny collective): its end is stamped at most this late, within a thread wake-up."""
+
+    __slots__ = ("issued", "prompt", "future_taken")
+
+    def __init__(self) -> None:
+        self.issued = False
+        """A work of this (group, op) was issued: the first one goes back as the backend's own Work."""
+        self.prompt = 0
+        """Works of this (group, op) waited before they completed, in a row."""
+        self.future_taken = False
+        """A caller took a work's future (DDP's reducer, ``get_future()`` users): the group hands back the
+        backend's own Work with the done-callback, as a Python Work costs those C++ callers GIL round trips."""
+
+    @property
+    def needs_callback(self) -> bool:
+        return self.prompt < self.PROMPT_WAITS
+
+
+class RecordedWork(dist.Work):
+    """Wraps a real ``Work``: writes the row when ``wait()`` returns or, if a done-callback was added (``callback``,
+    or a future taken by the caller), when the work completes; first wins.
+
+    Used for works without a future (gloo send/recv, reduce-scatter; timed at ``wait()``) and for gloo works whose
+    callers wait on them (see ``_WaitHabit``); ``habit`` is updated with how this work was used.
+    """
+
+    def __init__(self, inner: dist.Work, row: dict[str, Any], recorder: CollectiveRecorder, *,
+                 habit: _WaitHabit | None = None, future: Any = None) -> None:
         super().__init__()
         self._inner = inner
         self._row = row
         self._recorder = recorder
         self._key = recorder.track(row)
+        self._habit = habit
         self._future: Any = None
+        if future is not None:              # exact completion time while the caller's habit is being learned
+            future.add_done_callback(self._complete)
 
     def _complete(self, future: Any = None) -> None:
         row = self._row
@@ -319,12 +369,25 @@ class RecordedWork(dist.Work):
             self._recorder.emit(row)
 
     def wait(self, timeout: Any = None) -> bool:
+        habit = self._habit
+        if habit is not None:
+            self._habit = None
+            row = self._row
+            if (self._inner.is_completed() and row is not None
+                    and time.time_ns() - row["enqueue_ns"] > _WaitHabit.PROMPT_WAIT_NS):
+                habit.prompt = 0            # completed well before the wait: only a callback sees when
+            elif habit.prompt < _WaitHabit.PROMPT_WAITS:
+                habit.prompt += 1
         ok = self._inner.wait() if timeout is None else self._inner.wait(timeout)
         self._complete()
         return ok
 
     def get_future(self) -> torch.futures.Future:
         if self._future is None:
+            if self._habit is not None:
+                self._habit.future_taken = True
+                self._habit.prompt = 0
+                self._habit = None
             fut = self._inner.get_future()
             fut.add_done_callback(self._complete)
             self._future = fut
@@ -349,12 +412,22 @@ class RecordedWork(dist.Work):
         self._inner.synchronize()
 
     def __del__(self) -> None:
-        # Never waited and no future taken (fire-and-forget): write the row without an end time.
+        # Never waited and no future taken (fire-and-forget). A work that has a future gets its end from a
+        # done-callback (added now if it was not), and its (group, op) gets the callback back; a work without
+        # one is written without an end time.
+        habit = getattr(self, "_habit", None)
+        if habit is not None:
+            habit.prompt = 0
         row = getattr(self, "_row", None)
-        if row is not None:
-            self._row = None
-            if self._recorder.untrack(self._key):
-                self._recorder.emit(row)
+        if row is None:
+            return
+        self._row = None
+        if habit is not None:
+            future = self._inner.get_future()
+            future.add_done_callback(_FutureDone(self._recorder, self._key, row))
+            return
+        if self._recorder.untrack(self._key):
+            self._recorder.emit(row)
 
 
 class RecordingProcessGroup(dist.ProcessGroup):
@@ -386,6 +459,7 @@ class RecordingProcessGroup(dist.ProcessGroup):
         self._seq = itertools.count(1)     # next() is atomic under the GIL: no lock on the hot path
         self._p2p_seq: dict[tuple[int, str], Any] = {}
         self._no_future_ops: set[str] = set()
+        self._habits: dict[str, _WaitHabit] = {}    # per op: how its callers wait (see _WaitHabit)
         self._matcher: NcclCompletionMatcher | None = None
 
     # ---- identity (DeviceMesh, FSDP2 and DTensor need the group name) ----
@@ -500,18 +574,27 @@ class RecordingProcessGroup(dist.ProcessGroup):
         if recorder.timing == "enqueue" or work is None:
             recorder.emit(row)
             return work
-        if op not in self._no_future_ops:
-            try:
-                future = work.get_future()
-            except RuntimeError:           # gloo p2p and reduce-scatter works have no future
-                self._no_future_ops.add(op)
-            else:
-                # The caller keeps the backend's own Work: a Python Work handed to C++ (DDP's reducer) costs
-                # GIL round trips on every getFuture and destruction. The callback runs where the backend
-                # completes the work (a gloo worker thread), so end_ns is the completion time.
-                future.add_done_callback(_FutureDone(recorder, recorder.track(row), row))
-                return work
-        return RecordedWork(work, row, recorder)
+        if op in self._no_future_ops:
+            return RecordedWork(work, row, recorder)
+        habit = self._habits.get(op)
+        if habit is None:
+            habit = self._habits[op] = _WaitHabit()
+        if not habit.needs_callback:
+            # Its callers wait before completion: the wrapper's wait() stamps end_ns on the caller's thread.
+            return RecordedWork(work, row, recorder, habit=habit)
+        try:
+            future = work.get_future()
+        except RuntimeError:               # gloo p2p and reduce-scatter works have no future
+            self._no_future_ops.add(op)
+            return RecordedWork(work, row, recorder)
+        if habit.future_taken or not habit.issued:
+            habit.issued = True
+            # The caller keeps the backend's own Work: a Python Work handed to C++ (DDP's reducer) costs GIL
+            # round trips on every getFuture and destruction. The callback runs where the backend completes the
+            # work (a gloo worker thread), so end_ns is the completion time.
+            future.add_done_callback(_FutureDone(recorder, recorder.track(row), row))
+            return work
+        return RecordedWork(work, row, recorder, habit=habit, future=future)
 
     def _global_peer(self, group_peer: int) -> int:
         try:

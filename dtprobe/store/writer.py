@@ -12,6 +12,9 @@ import orjson
 
 from dtprobe.store.schema import EVENTS_FILE, SCHEMAS
 
+_COLUMN_SETS = {table: frozenset(columns) for table, columns in SCHEMAS.items()}
+"""Each table's column names, built once: ``write`` checks every row against them."""
+
 
 class RankWriter:
     """Appends rows to ``<run>/events/<table>/rankNNNNN.jsonl``, one file per table, for one rank.
@@ -42,9 +45,9 @@ class RankWriter:
 
     def write(self, table: str, row: dict[str, Any]) -> None:
         """Queue one row of ``table``; ``rank`` is filled in. Unknown tables or columns are programmer errors."""
-        columns = SCHEMAS.get(table)
+        columns = _COLUMN_SETS.get(table)
         assert columns is not None, f"unknown table {table!r}"
-        assert set(row) <= set(columns), f"unknown columns for {table}: {sorted(set(row) - set(columns))}"
+        assert row.keys() <= columns, f"unknown columns for {table}: {sorted(set(row) - columns)}"
         line = orjson.dumps({"rank": self.rank, **row}) + b"\n"
         with self._lock:
             if self._closed:

@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from dtprobe.analysis import RunAnalysis
@@ -158,6 +159,16 @@ def test_sequence_numbers_pair_collectives_across_windows_cut_at_different_point
     m = a.matched_collectives().drop_duplicates("coll_id")
     assert (m["status"] == "missing_member").sum() == 2 and (m["status"] == "matched").sum() == 22
     assert (a.device_collective_transfer()["last_rank"] == 3).all()
+
+
+def test_a_sequence_number_a_rank_uses_twice_is_refused_not_paired(tmp_path):
+    from dtprobe.analysis.collective_matching import match_collectives
+    a = _analysis(Scenario(num_steps=6).write(tmp_path / "t"))
+    device = a.device_collectives()
+    twice = device[(device["rank"] == 1) & (device["seq"] == 7)].assign(start_ns=lambda x: x["start_ns"] + 10)
+    matched = match_collectives(pd.concat([device, twice], ignore_index=True), a.group_coverage(), by="seq")
+    per_coll = matched.drop_duplicates("coll_id").set_index("key")["status"]
+    assert per_coll[7] == "duplicate" and (per_coll.drop(7) == "matched").all()
 
 
 def test_order_matching_refuses_a_step_whose_members_differ_in_size_and_says_so(tmp_path):

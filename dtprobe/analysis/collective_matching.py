@@ -33,7 +33,7 @@ MATCHED_COLUMNS = ["coll_id", "pg", "pg_ranks", "group_size", "key", "step", "op
                    "start_ns", "end_ns", "status"]
 COVERAGE_COLUMNS = ["pg", "pg_ranks", "group_size", "num_present", "matched", "reason"]
 
-STATUSES = ("matched", "op_mismatch", "size_mismatch", "count_mismatch", "missing_member")
+STATUSES = ("matched", "duplicate", "op_mismatch", "size_mismatch", "count_mismatch", "missing_member")
 """``status`` of a matched row: paired, or why it was refused."""
 
 
@@ -107,8 +107,9 @@ def match_collectives(device: pd.DataFrame, coverage: pd.DataFrame, *, by: str) 
     same_size = d["op"].isin(list(SAME_SIZE_OPS)).to_numpy(dtype=bool)
     size_differs = same_size & (size_n > 1)
     missing = num_members < d["group_size"].to_numpy()
-    status = np.where(op_differs, "op_mismatch", np.where(size_differs, "size_mismatch",
-                      np.where(missing, "missing_member", "matched")))
+    duplicate = g["rank"].transform("size").to_numpy() > num_members     # one rank twice under one number
+    status = np.where(duplicate, "duplicate", np.where(op_differs, "op_mismatch", np.where(
+        size_differs, "size_mismatch", np.where(missing, "missing_member", "matched"))))
     if by == "order":
         # Members with different counts in a (group, step), or any refused position, make every position of that
         # block suspect: the whole block is refused with the first reason.

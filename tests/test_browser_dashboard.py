@@ -27,11 +27,12 @@ from dtprobe.summary_store import CACHE_ENV
 from dtprobe.synthetic import write_synthetic_run
 from dtprobe.commands.dashboard import APP, streamlit_argv
 
+pytestmark = pytest.mark.browser
+
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = "/usr/bin/chromium"
 SCREENSHOTS = REPO / "test-artifacts" / "screenshots"
-DLRM = next(p for p in (REPO / "tests/data/traces/dlrm_8rank_v100", REPO.parent / "shared/traces/dlrm_8rank_v100")
-            if p.is_dir())
+DLRM = REPO / "tests/data/traces/dlrm_8rank_v100"
 TIMEOUT_MS = 90_000
 STRAGGLER_RANK = 2
 
@@ -220,6 +221,7 @@ def test_screenshot_of_every_page(server, page, spec):
 # ------------------------------------------------------------------------------------------------ live
 
 
+@pytest.mark.multiproc
 def test_live_step_count_advances_without_a_reload(server, page, root):
     run_dir = root / "live_job"
     log = root.parent / "live_job.log"

@@ -105,6 +105,7 @@ def open_kernels(server, pg) -> None:
 # ------------------------------------------------------------------------------------------------ Kernels page
 
 
+@pytest.mark.browser
 def test_kernels_page_draws_the_dlrm_traces_for_all_8_ranks(server, page):
     t0 = time.monotonic()
     open_kernels(server, page)
@@ -164,6 +165,7 @@ def png_facts(data: bytes) -> dict:
     return {"width": width, "height": height, "color": color, "pixels": pixels}
 
 
+@pytest.mark.browser
 def test_png_button_downloads_a_valid_png_of_the_chart(server, page, tmp_path):
     open_kernels(server, page)
     button = page.locator(".st-key-kernels_temporal_png").get_by_role("button", name=re.compile("PNG"))

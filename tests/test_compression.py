@@ -154,6 +154,7 @@ def four_rank_results(tmp_path_factory):
         return json.load(f)
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("spec", METHODS[1:])
 def test_compression_ratio_matches_expected_on_4_ranks(four_rank_results, spec):
     r = four_rank_results[spec]
@@ -168,6 +169,7 @@ def test_compression_ratio_matches_expected_on_4_ranks(four_rank_results, spec):
         assert ratio == pytest.approx(r["expected_ratio"], rel=0.01)
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("spec", METHODS[1:])
 def test_compression_loss_after_50_steps_stays_near_uncompressed(four_rank_results, spec):
     base = four_rank_results["none"]["losses"]
@@ -179,6 +181,7 @@ def test_compression_loss_after_50_steps_stays_near_uncompressed(four_rank_resul
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.75        # it still learns
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("spec", METHODS[1:])
 def test_compression_first_step_gradient_is_the_average_not_the_sum(four_rank_results, spec):
     ref = torch.tensor(four_rank_results["none"]["first_grad"])
@@ -190,6 +193,7 @@ def test_compression_first_step_gradient_is_the_average_not_the_sum(four_rank_re
     assert cos >= min_cos and lo <= norm_ratio <= hi
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("spec", ["powersgd:rank=2", "topk:ratio=0.01", "signsgd"])
 def test_error_feedback_memory_is_reported_and_nonzero(four_rank_results, spec):
     norms = four_rank_results[spec]["residual_norms"]

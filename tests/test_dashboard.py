@@ -35,8 +35,7 @@ from dtprobe.store.errors import ConfigError
 REPO = Path(__file__).resolve().parents[1]
 APP = REPO / "dashboard" / "app.py"
 SAMPLE_TRACES = REPO / "sample_traces"
-DLRM = next(p for p in (REPO / "tests/data/traces/dlrm_8rank_v100", REPO.parent / "shared/traces/dlrm_8rank_v100")
-            if p.is_dir())
+DLRM = REPO / "tests/data/traces/dlrm_8rank_v100"
 
 
 

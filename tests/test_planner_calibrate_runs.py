@@ -13,6 +13,8 @@ import pytest
 
 from dtprobe.planner.calibrate import calibrate
 
+pytestmark = pytest.mark.multiproc
+
 LAYOUTS = {"dp4": [], "dp2tp2": ["--tp", "2"], "pp4": ["--pp", "4"]}
 
 

@@ -91,6 +91,7 @@ def run_dtprobe(run_dir, *flags: str, timeout: float = 420) -> subprocess.Comple
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.multiproc
 def test_fp16_overflow_at_step_10_halves_every_ranks_scale_and_skips_the_step(tmp_path):
     from dtprobe.store import RunStore
 

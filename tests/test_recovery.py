@@ -55,6 +55,7 @@ def uninterrupted(tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.mark.multiproc
 def test_crash_at_step_15_resumes_and_ends_bit_identical_to_uninterrupted_run(tmp_path, uninterrupted):
     run_dir = tmp_path / "crash"
     proc = run_dtprobe(run_dir, *COMMON, "--max-restarts", "1", "--inject", "crash:rank=1,step=15")
@@ -79,6 +80,7 @@ def test_crash_at_step_15_resumes_and_ends_bit_identical_to_uninterrupted_run(tm
     assert sorted(loads["rank"]) == [0, 1] and set(loads["step"]) == {14}
 
 
+@pytest.mark.multiproc
 def test_corrupt_newest_checkpoint_then_crash_resumes_from_the_previous_one(tmp_path, uninterrupted):
     run_dir = tmp_path / "corrupt"
     proc = run_dtprobe(run_dir, *COMMON, "--max-restarts", "1", "--inject", "corrupt-ckpt:step=14",
@@ -94,6 +96,7 @@ def test_corrupt_newest_checkpoint_then_crash_resumes_from_the_previous_one(tmp_
     assert all(torch.equal(ref[k], got[k]) for k in ref)
 
 
+@pytest.mark.multiproc
 def test_rank_killed_during_async_save_resumes_from_newest_complete_checkpoint(tmp_path):
     run_dir = tmp_path / "killed"
     ckpts = run_dir / "checkpoints"
@@ -123,6 +126,7 @@ def test_rank_killed_during_async_save_resumes_from_newest_complete_checkpoint(t
     assert store.manifest.status == "finished"
 
 
+@pytest.mark.multiproc
 def test_pipeline_stages_resume_from_their_own_checkpoint_shards(tmp_path):
     # each pp stage holds different parameters: the optimizer state is saved flattened per parameter, so the
     # stages' param groups do not overwrite each other (they did with the nested optimizer state dict)

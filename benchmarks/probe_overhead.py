@@ -22,6 +22,13 @@ recorder's drain thread while rows arrive at a fixed rate (500 collectives/s, 1 
 0.3 s so it is spilled to `pending`, 10 steps rows/s), at the default interval and at 1 s. Per-thread CPU
 clocks do not count time spent waiting for a core, so this figure holds on a loaded machine too.
 
+4. many small collectives, on / off: a torchrun worker of this file (`--small-worker`) attached with the default
+   telemetry against the same with `collectives=False, devices=False`, each step a small matmul and
+   `--small-collectives` (200) all_reduce of 1 KiB, the pattern of tensor-parallel and FSDP steps.
+
+Per recorded collective, for the DDP case and the many-small case: (median step on - median step off) divided by
+the collectives rank 0 recorded per step in the "on" run. Goal <= 10 us on gloo.
+
 The first `--skip` steps of every run are left out (DDP rebuilds its buckets after step 0). On a CPU machine the
 figures are CPU/gloo ones, not GPU ones.
 """
@@ -44,11 +51,17 @@ def _env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
 
 
-def side_command(name: str, out: Path, *, nproc: int, steps: int, flush_baseline: float | None) -> list[str]:
-    """The command of one side: "on", "off", "slowflush" (`dtprobe run`) or "plain" (benchmarks/plain_ddp.py)."""
+def side_command(name: str, out: Path, *, nproc: int, steps: int, flush_baseline: float | None,
+                 num_small: int) -> list[str]:
+    """The command of one side: "on", "off", "slowflush" (`dtprobe run`), "plain" (benchmarks/plain_ddp.py),
+    "small_on" or "small_off" (this file's many-small-collectives worker under torchrun)."""
     if name == "plain":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                 str(ROOT / "benchmarks" / "plain_ddp.py"), "--steps", str(steps), "--out", str(out)]
+    if name in ("small_on", "small_off"):
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                str(Path(__file__).resolve()), "--small-worker", str(out), "--steps", str(steps),
+                "--small-collectives", str(num_small)] + (["--small-off"] if name == "small_off" else [])
     cmd = [sys.executable, "-m", "dtprobe.cli", "run", "--nproc", str(nproc), "--steps", str(steps),
            "--run-dir", str(out), "--warmup", "0"]
     if name == "off":
@@ -135,6 +148,39 @@ def median_after(times: list[float], skip: int) -> float:
     return statistics.median(times[skip:])
 
 
+def collectives_per_step(run_dir: Path, skip: int) -> float:
+    """Median number of collectives rank 0 recorded per step (steps after ``skip``) in a finished "on" side."""
+    from dtprobe.store import RunStore
+
+    coll = RunStore.open(run_dir).table("collectives")
+    counts = coll[(coll["rank"] == 0) & (coll["step"] >= skip)].groupby("step").size()
+    return float(counts.median()) if len(counts) else 0.0
+
+
+def small_worker(run_dir: str, *, steps: int, num_collectives: int, off: bool) -> None:
+    """One rank of the many-small-collectives case (launched by torchrun): each step a small matmul and
+    ``num_collectives`` all_reduce of 256 float32 on the default group, timed by ``probe.step``."""
+    import torch
+    import torch.distributed as dist
+
+    import dtprobe
+
+    torch.set_num_threads(1)
+    options = {"collectives": False, "devices": False} if off else {}
+    probe = dtprobe.attach(run_dir, **options)
+    weight = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    grad = torch.ones(256)
+    for step in range(steps):
+        with probe.step(step):
+            x = weight
+            for _ in range(4):
+                x = torch.tanh(x @ weight)
+            for _ in range(num_collectives):
+                dist.all_reduce(grad)
+    probe.close()
+    dist.destroy_process_group()      # gloo's threads stopped before the interpreter exits, not torn down by it
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=2, help="ranks per run (default 2: one per core)")
@@ -147,7 +193,14 @@ def main() -> int:
     parser.add_argument("--concurrent", action="store_true",
                         help="run the sides of each pair at the same time (fairer on a busy machine; every "
                              "side is slower, the ratios are what counts)")
+    parser.add_argument("--small-collectives", type=int, default=200,
+                        help="all_reduce per step in the many-small-collectives case (default 200)")
+    parser.add_argument("--small-worker", metavar="RUN_DIR", help=argparse.SUPPRESS)
+    parser.add_argument("--small-off", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.small_worker:
+        small_worker(args.small_worker, steps=args.steps, num_collectives=args.small_collectives, off=args.small_off)
+        return 0
 
     from dtprobe.collectors.config import CollectConfig
 
@@ -161,7 +214,8 @@ def main() -> int:
     print(f"bound threads' CPU: {cpu_default * 1e3:.2f} ms per s at flush_interval_s={defaults.flush_interval_s}, "
           f"{cpu_slow * 1e3:.2f} ms per s at 1.0 (difference {(cpu_default - cpu_slow) * 100:.3f}% of one core)",
           flush=True)
-    names = ("on", "off", "plain") + (("slowflush",) if args.flush_baseline is not None else ())
+    names = ("on", "off", "plain", "small_on", "small_off") + (("slowflush",) if args.flush_baseline is not None else ())
+    per_step: dict[str, list[float]] = {"on": [], "small_on": []}
     medians: dict[str, list[float]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory(prefix="dtprobe-bench-") as tmp:
         tmp_path = Path(tmp)
@@ -169,12 +223,15 @@ def main() -> int:
             order = names[i % len(names):] + names[:i % len(names)]       # rotate who starts first
             outs = {name: tmp_path / (f"{name}{i}.json" if name == "plain" else f"{name}{i}") for name in order}
             commands = {name: side_command(name, outs[name], nproc=args.nproc, steps=args.steps,
-                                           flush_baseline=args.flush_baseline) for name in order}
+                                           flush_baseline=args.flush_baseline, num_small=args.small_collectives)
+                        for name in order}
             run_sides(commands, tmp_path / f"logs{i}", concurrent=args.concurrent)
             for name in names:
                 medians[name].append(median_after(side_step_times(name, outs[name]), args.skip))
                 print(f"pair {i + 1}/{args.pairs} {name:>9}: median step {medians[name][-1] * 1e3:7.2f} ms",
                       flush=True)
+            for name in per_step:
+                per_step[name].append(collectives_per_step(outs[name], args.skip))
 
     on, off, plain = (statistics.median(medians[k]) for k in ("on", "off", "plain"))
     pair_collect = [a / b for a, b in zip(medians["on"], medians["off"])]
@@ -190,6 +247,14 @@ def main() -> int:
         print(f"flush {defaults.flush_interval_s} s / {args.flush_baseline} s ratio: "
               f"{statistics.median(pair_flush):.3f}  (per pair: {', '.join(f'{r:.3f}' for r in pair_flush)}; "
               f"goal <= 1.01)")
+    pair_small = [a / b for a, b in zip(medians["small_on"], medians["small_off"])]
+    print(f"many small collectives on/off ratio: {statistics.median(pair_small):.3f}  (per pair: "
+          f"{', '.join(f'{r:.3f}' for r in pair_small)})")
+    for label, on_name, off_name in (("DDP", "on", "off"), ("many small", "small_on", "small_off")):
+        costs = [(a - b) / n * 1e6 for a, b, n in zip(medians[on_name], medians[off_name], per_step[on_name]) if n]
+        print(f"per recorded collective, {label}: {statistics.median(costs):.1f} us  (per pair: "
+              f"{', '.join(f'{c:.1f}' for c in costs)}; {statistics.median(per_step[on_name]):.0f} collectives "
+              f"per step; goal <= 10 us)" if costs else f"per recorded collective, {label}: no collectives")
     mode = "sides run concurrently" if args.concurrent else "sides alternated"
     print(f"({args.nproc} ranks x {args.steps} steps per run, {mode}, CPU + gloo on this machine)")
     return 0

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Regenerates the RELIABILITY scenarios (issue 4): fp16_overflow/, hang_rank1/, ckpt_crash_restart/,
+# Regenerates the reliability scenarios: fp16_overflow/, hang_rank1/, ckpt_crash_restart/,
 # topk_vs_baseline/{baseline,topk}/, made by `dtprobe run` on CPU/gloo (2 or 4 ranks, tiny GPT, batch 2 x 16 tokens).
 # Each keeps run.json, job.json, ranks/ and the compacted tables/ (events/ dropped after compaction; checkpoints/
 # dropped: 22 MB); the crash and hang scenarios keep logs/ (torchrun and worker output, the watchdog's message).
-# Usage: bash sample_traces/make_reliability.sh   (about 15 minutes on a loaded 2-core machine)
+# Usage: bash sample_traces/make_reliability.sh   (from the repository root, on an otherwise quiet machine)
 set -euo pipefail
 cd "$(dirname "$0")"
 export OMP_NUM_THREADS=1

@@ -1,7 +1,7 @@
 """Stragglers on real runs made by `dtprobe run` (4 CPU/gloo workers under torchrun, tiny GPT, DDP).
 
 The injected delay (a sleep at the start of every step's forward on one rank) is made large enough to dominate
-the timing noise of a shared 2-core machine, and is checked to be at least 10% of the step time.
+the timing noise of CPU ranks sharing cores, and is checked to be at least 10% of the step time.
 """
 
 from __future__ import annotations

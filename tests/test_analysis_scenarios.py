@@ -106,9 +106,8 @@ def test_crash_with_restart_is_a_recovered_rank_crash_not_a_hang(tmp_path):
     assert (f.ranks, f.severity, f.evidence["recovered"]) == ((1,), "warning", True)
     # Restarted collectives are not compared across attempts: had the attempts' collectives been matched by seq,
     # the crashed rank would arrive "late" by the whole restart (seconds: the new workers' start, the checkpoint
-    # load), far beyond a step. A STRAGGLER finding on a 2-rank run on this 2-core machine can still come from CPU
-    # contention (rank 0 in 1 of 6 runs with two jobs side by side: +23 ms, 16% of the step; rank 1 in one CI run):
-    # whichever rank is late, it is late by a fraction of a step, never by the restart.
+    # load), far beyond a step. A STRAGGLER finding on a 2-rank CPU run can still come from CPU contention, on
+    # either rank: whichever rank is late, it is late by a fraction of a step, never by the restart.
     restart_s = 1.0
     for f in (f for f in findings if f.code == "STRAGGLER"):
         assert f.evidence["mean_lateness_ms"] < min(f.evidence["step_time_ms"], restart_s * 1e3), f.evidence

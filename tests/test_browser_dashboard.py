@@ -135,8 +135,8 @@ def page(browser):
 
 
 def wait_drawn(pg, *, charts: bool = True, timeout_ms: int = 300_000) -> None:
-    """Wait until the script finished and every element (and plotly chart) is drawn (a cold trace folder takes
-    ~45 s to parse and analyse on the loaded 2-core CI machine, hence the long first wait)."""
+    """Wait until the script finished and every element (and plotly chart) is drawn; the first wait is long
+    because a cold trace folder is parsed and analysed before anything draws."""
     expect(pg.get_by_test_id("stHeading").first).to_be_visible(timeout=timeout_ms)
     expect(pg.get_by_test_id("stStatusWidget")).to_have_count(0, timeout=timeout_ms)
     expect(pg.get_by_test_id("stSkeleton")).to_have_count(0)

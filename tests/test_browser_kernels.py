@@ -1,10 +1,9 @@
 """Kernels page and PNG export in a real browser (Playwright driving Debian's /usr/bin/chromium) against the server
 started with the exact command of `dtprobe dashboard`, on the foreign DLRM traces (8 ranks, V100, NCCL).
 
-Regression: the Kernels page on a trace folder used to stall forever inside the server. ``load_trace_dir``
-parses the files in a forked process pool; the workers inherited Streamlit's SIGTERM handler (which only
-schedules a shutdown and returns), so the SIGTERM of ``Pool.terminate()`` in ``Pool.__exit__`` did not end
-them and the page's script thread waited in ``Pool.join`` for ever.
+``load_trace_dir`` parses the files in a forked process pool whose workers inherit Streamlit's SIGTERM handler
+(which only schedules a shutdown and returns): the pool must still end, or the page's script thread waits in
+``Pool.join`` for ever and the Kernels page never draws.
 """
 
 from __future__ import annotations
@@ -32,16 +31,16 @@ from test_browser_dashboard import DLRM, REPO, SCREENSHOTS, browser, dashboard_s
 DLRM_RANKS = 8
 HTA_KERNEL_TIME_US = [13009, 18749, 11350, 18853, 16589, 16392, 11410, 10967]
 HTA_IDLE_PCT = [49.34, 34.28, 62.08, 43.20, 53.57, 55.64, 61.80, 75.75]
-"""HTA 0.5.0 on the same traces, per rank (shared/traces/README.md)."""
+"""HTA 0.5.0 on the same traces, per rank."""
 FIRST_DRAW_MS = 120_000
-"""A cold DLRM Kernels page draws in ~10 s on the loaded 2-core machine; a stall never does."""
+"""Limit of a cold DLRM Kernels page's first draw: generous for a slow machine; a stalled pool never draws."""
 
 # ------------------------------------------------------------------------------------------------ no browser
 
 
 def test_trace_pool_finishes_in_a_process_whose_sigterm_handler_returns(tmp_path):
     """What the server does: parse a trace folder with the process pool from a non-main thread of a process
-    whose SIGTERM handler returns without exiting (Streamlit's). Before the fix this hung within 1-2 tries."""
+    whose SIGTERM handler returns without exiting (Streamlit's); a pool that waits for its workers hangs here."""
     script = tmp_path / "pool_under_handler.py"
     script.write_text(textwrap.dedent(f"""
         import os, signal, threading

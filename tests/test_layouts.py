@@ -25,7 +25,7 @@ from layouts_launch import launch  # noqa: E402
 
 REQUIRED = ["dp2", "zero1_dp2", "zero2_dp2", "zero3_dp2", "tp2", "tp2_sp", "pp2_gpipe", "pp2_1f1b",
             "pp2_interleaved-1f1b", "pp2_zero-bubble", "dp2_tp2", "dp2_pp2", "tp2_pp2"]
-"""The layouts issue 3 names."""
+"""The layouts dtprobe supports: each one must run."""
 EXTRA = ["tp2_sp_ac_full", "pp2_zbv", "dp2_tp2_zero3_sp", "dp2_pp2_zero2_interleaved", "single_ac_selective",
          "zero1_dp2_accum2", "zero3_dp2_accum2", "zero3_dp2_ac_full", "dp2_pp2_zero1"]
 """Also covered: activation checkpointing, ZBV, ZeRO-1/2/3 on the dp axis of hybrids, gradient accumulation

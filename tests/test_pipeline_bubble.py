@@ -3,8 +3,8 @@ micro-batches, the measured bubble of every pipeline rank is within 3 points of 
 action list simulated with the measured per-action costs) for GPipe, 1F1B and interleaved 1F1B; the pipeline
 table has one row per (stage, micro-batch, action), with I and W for zero-bubble.
 
-The sleeps (F 150 ms, B 300 ms per stage and micro-batch) dominate the 1-5 ms of host overhead per action that a
-loaded 2-core machine adds, so the verdict does not depend on CPU contention.
+The sleeps (F 150 ms, B 300 ms per stage and micro-batch) are far longer than the host overhead of an action
+(a few ms on a loaded CPU), so the verdict does not depend on CPU contention.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """Calibration on runs made here by `dtprobe run` (CPU, gloo, 4 ranks): after refitting, the predicted step time of
-the run's own layout is within 25% of the measured one for dp4, dp2 x tp2 and pp4.
-
-Each run is a real 4-process job (about a minute on a loaded 2-core machine)."""
+the run's own layout is within 25% of the measured one for dp4, dp2 x tp2 and pp4. Each run is a real 4-process
+job."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """``dtprobe run`` end to end: torchrun workers on CPU/gloo, the run store they leave, multi-node, crashes.
 
-Slow on a shared 2-core machine (each run starts torchrun and 2-4 workers): tiny model, short sequences, few
-steps, and an outer timeout on every process.
+Each run starts torchrun and 2-4 workers, so the runs are kept small (tiny model, short sequences, few steps)
+and every process has an outer timeout.
 """
 
 from __future__ import annotations

@@ -172,8 +172,10 @@ class CollectiveRecorder:
         key = next(self._ids)              # next() and dict set/pop are atomic under the GIL: no lock
         self._in_flight[key] = row
         if "peer" not in row:              # progress per group: collectives only (p2p has its own numbering)
-            p = self._progress.setdefault(row["pg"], {"pg_ranks": row["pg_ranks"], "last_completed_seq": 0,
-                                                       "last_completed_op": None})
+            p = self._progress.get(row["pg"])
+            if p is None:
+                p = self._progress.setdefault(row["pg"], {"pg_ranks": row["pg_ranks"], "last_completed_seq": 0,
+                                                           "last_completed_op": None})
             p["last_issued_seq"], p["last_issued_op"] = row["seq"], row["op"]
             p["last_issued_step"], p["last_issued_ns"] = row["step"], row["enqueue_ns"]
         return key
@@ -546,9 +548,7 @@ class RecordingProcessGroup(dist.ProcessGroup):
     # ---- recording core ----
     def _issue(self, op: str, num_bytes: int, dtype: str | None, call: Callable[[], dist.Work],
                peer: int | None = None) -> dist.Work:
-        recorder = self._recorder
-        if not recorder.active:
-            return call()
+        recorder = self._recorder            # callers checked recorder.active
         pg, ranks = self._pg_fields()
         if peer is None:
             seq = next(self._seq)

@@ -31,6 +31,8 @@ class RankWriter:
                  autoflush: bool = False) -> None:
         self.run_dir = Path(run_dir)
         self.rank = rank
+        self._rank_prefix = orjson.dumps({"rank": rank})[:-1] + b","
+        self._rank_only = orjson.dumps({"rank": rank}) + b"\n"
         self.flush_interval_s = flush_interval_s
         self._buffers: dict[str, list[bytes]] = {}
         self._files: dict[str, Any] = {}
@@ -48,7 +50,13 @@ class RankWriter:
         columns = _COLUMN_SETS.get(table)
         assert columns is not None, f"unknown table {table!r}"
         assert row.keys() <= columns, f"unknown columns for {table}: {sorted(set(row) - columns)}"
-        line = orjson.dumps({"rank": self.rank, **row}) + b"\n"
+        # The bytes of dumping {"rank": rank, **row}, without building that dict for every row.
+        if not row:
+            line = self._rank_only
+        elif "rank" in row:
+            line = orjson.dumps({"rank": self.rank, **row}) + b"\n"
+        else:
+            line = self._rank_prefix + orjson.dumps(row)[1:] + b"\n"
         with self._lock:
             if self._closed:
                 return

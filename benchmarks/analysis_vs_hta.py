@@ -9,7 +9,8 @@ real kernel names), the replicas grouped into --steps ProfilerSteps. Files are p
 default spacing (HTA finds ranks with the regex ``"rank":\\s+(\\d+)``).
 
 Measured per tool, same work: parse every file, temporal breakdown, comm/comp overlap, kernel breakdown
-(kernel-type split + per-rank top kernels); dtprobe also its per-step tables. HTA runs with
+(kernel-type split + per-rank top kernels); dtprobe also its per-step tables and the device-clock arrivals
+(collectives matched across ranks, clock offsets, per-rank arrival table). HTA runs with
 ``include_last_profiler_step=True`` (the semantics dtprobe matches) and its default fork pool,
 without the extra tracemalloc parse of the first file it runs by default for > 8 ranks (that would only slow
 HTA down). dtprobe uses 2 worker processes.
@@ -129,12 +130,15 @@ def run_dtprobe(trace_dir: str) -> dict:
     run = load_trace_dir(trace_dir, workers=2)
     t1 = time.perf_counter()
     metrics = analyze_traces(run)
+    from dtprobe.analysis import RunAnalysis
+    arrivals = RunAnalysis(run).arrival_summary()   # device-clock matching, clock offsets and arrivals
     t2 = time.perf_counter()
     temporal = metrics.temporal.set_index("rank")
     return {"parse_s": t1 - t0, "analyze_s": t2 - t1, "total_s": t2 - t0, "cpu_s": cpu_seconds(),
             "idle_pct": (temporal["idle_frac"] * 100).round(4).to_dict(),
             "overlap_pct": (metrics.overlap.set_index("rank")["overlap_frac"] * 100).round(4).to_dict(),
-            "num_kernels": int(len(run.kernels)), "num_steps": len(metrics.steps_analyzed)}
+            "num_kernels": int(len(run.kernels)), "num_steps": len(metrics.steps_analyzed),
+            "num_arrival_rows": int(len(arrivals))}
 
 
 def run_hta(trace_dir: str) -> dict:

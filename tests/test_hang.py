@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 
 import orjson
@@ -75,15 +72,13 @@ TIMEOUT_S = 8
 
 
 @pytest.mark.multiproc
-def test_hang_on_rank1_fires_the_watchdog_within_timeout_and_names_the_missing_rank(tmp_path):
+def test_hang_on_rank1_fires_the_watchdog_within_timeout_and_names_the_missing_rank(tmp_path, run_cli):
     from dtprobe.store import RunStore
 
     run_dir = tmp_path / "hang"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "dtprobe.cli", "run", "--run-dir", str(run_dir), "--no-devices", "--timeout", "120",
-           "--batch-size", "2", "--seq-len", "16", "--nproc", "2", "--steps", "12",
-           "--collective-timeout", str(TIMEOUT_S), "--inject", "hang:rank=1,step=5"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    proc = run_cli("run", "--run-dir", run_dir, "--no-devices", "--timeout", "120", "--batch-size", "2", "--seq-len",
+                   "16", "--nproc", "2", "--steps", "12", "--collective-timeout", str(TIMEOUT_S), "--inject",
+                   "hang:rank=1,step=5", timeout_s=400)
     assert proc.returncode != 0                        # the job ends (no restarts allowed) instead of hanging
     store = RunStore.open(run_dir)
     faults = store.table("faults")

@@ -4,9 +4,6 @@ when a peer's fired, and the close reason. Fake store/progress, then one 2-stage
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
 
@@ -119,15 +116,13 @@ def test_fired_watchdog_waits_for_the_live_peer_to_dump_its_stack_before_leaving
 
 
 @pytest.mark.multiproc
-def test_pipeline_stage_blocked_in_recv_fires_the_watchdog_naming_the_stage_that_never_sent(tmp_path):
+def test_pipeline_stage_blocked_in_recv_fires_the_watchdog_naming_the_stage_that_never_sent(tmp_path, run_cli):
     from dtprobe.store import RunStore
 
     run_dir = tmp_path / "pp"
-    cmd = [sys.executable, "-m", "dtprobe.cli", "run", "--run-dir", str(run_dir), "--no-devices", "--timeout", "120",
-           "--batch-size", "4", "--seq-len", "16", "--nproc", "2", "--pp", "2", "--steps", "10",
-           "--collective-timeout", "6", "--inject", "hang:rank=0,step=4"]
-    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=400)
+    proc = run_cli("run", "--run-dir", run_dir, "--no-devices", "--timeout", "120", "--batch-size", "4", "--seq-len",
+                   "16", "--nproc", "2", "--pp", "2", "--steps", "10", "--collective-timeout", "6", "--inject",
+                   "hang:rank=0,step=4", timeout_s=400)
     assert proc.returncode != 0
     faults = RunStore.open(run_dir).table("faults")
     observed = faults[(faults["kind"] == "hang") & ~faults["injected"]]

@@ -8,9 +8,7 @@ from __future__ import annotations
 import datetime
 import os
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 
@@ -142,12 +140,6 @@ def test_member_that_never_published_is_waiting_when_the_store_answers():
     assert detail["waiting_for_ranks"] == [1] and detail["unreachable_ranks"] == [] and detail["ranks"]["1"] is None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 STORE_SERVER = """
 import sys, time, torch.distributed as dist
 store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=True, wait_for_workers=False)
@@ -157,14 +149,13 @@ time.sleep(120)
 
 
 @pytest.mark.multiproc
-def test_watchdog_fires_when_the_real_tcpstore_server_stops_answering():
+def test_watchdog_fires_when_the_real_tcpstore_server_stops_answering(free_port, start_python):
     """A stopped server keeps the connection open and never replies, as across a cut link: a TCPStore ``check``
     then blocks without bound (neither ``set_timeout`` nor the client's timeout applies to it)."""
     import torch.distributed as dist
 
-    port = _free_port()
-    server = subprocess.Popen([sys.executable, "-c", STORE_SERVER, str(port)], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    port = free_port()
+    server = start_python(STORE_SERVER, str(port), stdout=subprocess.PIPE, text=True)
     try:
         assert server.stdout.readline().strip() == "ready"
         client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=5))

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -17,16 +16,10 @@ from background_run import background_run, wait_for
 from dtprobe.runtime.attempts import glog_time_ns, read_attempts, read_error_file
 from dtprobe.store.manifest import create_manifest, read_manifest, record_attempt
 
-ROOT = Path(__file__).resolve().parents[1]
 
-
-def dtprobe_cmd(run_dir: Path, *flags: str) -> list[str]:
-    return [sys.executable, "-m", "dtprobe.cli", "run", "--run-dir", str(run_dir), "--no-devices", "--timeout", "60",
-            "--batch-size", "2", "--seq-len", "16", "--nproc", "2", *flags]
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+def run_args(run_dir: Path, *flags: str) -> list[str]:
+    return ["run", "--run-dir", str(run_dir), "--no-devices", "--timeout", "60", "--batch-size", "2", "--seq-len",
+            "16", "--nproc", "2", *flags]
 
 
 def _has_step_row(path: Path) -> bool:
@@ -34,9 +27,10 @@ def _has_step_row(path: Path) -> bool:
 
 
 @pytest.mark.multiproc
-def test_attempts_name_the_rank_killed_from_outside_and_the_attempt_that_recovered(tmp_path):
+def test_attempts_name_the_rank_killed_from_outside_and_the_attempt_that_recovered(tmp_path, child_env):
     run_dir = tmp_path / "killed"
-    with background_run(dtprobe_cmd(run_dir, "--steps", "40", "--max-restarts", "1"), env=_env()) as proc:
+    cmd = [sys.executable, "-m", "dtprobe.cli", *run_args(run_dir, "--steps", "40", "--max-restarts", "1")]
+    with background_run(cmd, env=child_env()) as proc:
         rank_file = run_dir / "ranks" / "rank00001.json"
         wait_for(lambda: _has_step_row(run_dir / "events" / "steps" / "rank00001.jsonl") and rank_file.is_file(),
                  timeout=240, proc=proc, what="rank 1's second step row")
@@ -63,14 +57,13 @@ def test_attempts_name_the_rank_killed_from_outside_and_the_attempt_that_recover
 
 
 @pytest.mark.multiproc
-def test_attempts_carry_the_python_exception_of_a_worker_that_raised(tmp_path):
+def test_attempts_carry_the_python_exception_of_a_worker_that_raised(tmp_path, run_cli):
     run_dir = tmp_path / "raised"
     # From outside the job: a file where the checkpoint directory goes, so the leader's checkpointer raises at
     # setup (no --inject).
     run_dir.mkdir()
     (run_dir / "checkpoints").write_text("not a directory\n")
-    proc = subprocess.run(dtprobe_cmd(run_dir, "--steps", "4", "--ckpt-every", "2"), env=_env(),
-                          capture_output=True, text=True, timeout=300)
+    proc = run_cli(*run_args(run_dir, "--steps", "4", "--ckpt-every", "2"))
     assert proc.returncode == 1, proc.stderr[-3000:]
     (attempt,) = read_manifest(run_dir).attempts
     assert attempt["result"] == "failed" and attempt["node_rank"] == 0
@@ -167,11 +160,11 @@ def test_record_attempt_replaces_the_same_attempt_and_node_and_old_runs_read_wit
         record_attempt(tmp_path, {**entry, "result": "exploded"})
 
 
-def test_proc_exit_reads_a_zombies_exit_status_before_it_is_reaped():
+def test_proc_exit_reads_a_zombies_exit_status_before_it_is_reaped(start_python):
     from dtprobe.runtime.attempts import proc_exit
 
-    killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    exited = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
+    killed = start_python("import time; time.sleep(60)")
+    exited = start_python("import sys; sys.exit(3)")
     try:
         assert proc_exit(killed.pid) == (False, None)
         os.kill(killed.pid, signal.SIGKILL)

@@ -8,10 +8,8 @@ The 2-rank runs go through ``dtprobe run`` with a tiny batch (2 sequences x 16 t
 from __future__ import annotations
 
 import math
-import os
 import re
 import subprocess
-import sys
 
 import pytest
 
@@ -21,11 +19,13 @@ OVERFLOW_STEP = 2
 STEPS = 4
 
 
-def run_dtprobe(run_dir, *flags: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "dtprobe.cli", "run", "--run-dir", str(run_dir), "--no-devices", "--timeout", "120",
-           "--device", "cpu", "--batch-size", "2", "--seq-len", "16", "--steps", str(STEPS), *flags]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+@pytest.fixture
+def run_dtprobe(run_cli):
+    """``run_dtprobe(run_dir, *flags, timeout=300)``: a 4-step ``dtprobe run`` into ``run_dir`` to its end."""
+    def run(run_dir, *flags: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        return run_cli("run", "--run-dir", run_dir, "--no-devices", "--timeout", "120", "--device", "cpu",
+                       "--batch-size", "2", "--seq-len", "16", "--steps", str(STEPS), *flags, timeout_s=timeout)
+    return run
 
 
 def _tables(run_dir):
@@ -40,7 +40,8 @@ PP = ("--nproc", "2", "--pp", "2", "--microbatches", "2")
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("target", [0, 1], ids=["first-stage-rank0", "loss-rank1"])
-def test_fp16_overflow_on_pipeline_halves_every_ranks_scale_and_skips_the_step_when_injected_on(tmp_path, target):
+def test_fp16_overflow_on_pipeline_halves_every_ranks_scale_and_skips_the_step_when_injected_on(tmp_path, target,
+                                                                                               run_dtprobe):
     """rank 1 holds the last stage (the loss: 1e38 x loss), rank 0 the first (no loss: its gradients become inf);
     either way found_inf is all-reduced over the world, so both stages skip step 2 and halve the scale."""
     run = tmp_path / "run"
@@ -69,7 +70,7 @@ def test_fp16_overflow_on_pipeline_halves_every_ranks_scale_and_skips_the_step_w
 
 
 @pytest.mark.multiproc
-def test_fp16_overflow_on_tensor_parallel_skips_the_step_on_both_ranks(tmp_path):
+def test_fp16_overflow_on_tensor_parallel_skips_the_step_on_both_ranks(tmp_path, run_dtprobe):
     """TP mixes DTensor (sharded) and plain (LayerNorm) gradients, on which torch's ShardedGradScaler fails
     ("got mixed torch.Tensor and DTensor"); each rank unscales its local shards and agrees on found_inf."""
     run = tmp_path / "run"
@@ -86,7 +87,7 @@ def test_fp16_overflow_on_tensor_parallel_skips_the_step_on_both_ranks(tmp_path)
 
 
 @pytest.mark.multiproc
-def test_bf16_with_pipeline_trains_without_a_scaler(tmp_path):
+def test_bf16_with_pipeline_trains_without_a_scaler(tmp_path, run_dtprobe):
     run = tmp_path / "run"
     proc = run_dtprobe(run, *PP, "--precision", "bf16")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -97,7 +98,7 @@ def test_bf16_with_pipeline_trains_without_a_scaler(tmp_path):
 
 
 @pytest.mark.parametrize("precision", [None, "bf16"])
-def test_overflow_without_fp16_is_refused_at_launch_before_any_process(tmp_path, precision):
+def test_overflow_without_fp16_is_refused_at_launch_before_any_process(tmp_path, precision, run_dtprobe):
     run = tmp_path / "run"
     flags = ["--nproc", "2", "--inject", "overflow:step=1"] + (["--precision", precision] if precision else [])
     proc = run_dtprobe(run, *flags, timeout=60)

@@ -20,14 +20,17 @@ STEPS = 30
 COMMON = ("--nproc", "2", "--steps", str(STEPS), "--ckpt-every", "5")
 
 
-def dtprobe_cmd(run_dir: Path, *flags: str) -> list[str]:
-    return [sys.executable, "-m", "dtprobe.cli", "run", "--run-dir", str(run_dir), "--no-devices", "--timeout", "120",
-            "--batch-size", "2", "--seq-len", "16", *flags]
+def run_args(run_dir: Path, *flags: str) -> list[str]:
+    return ["run", "--run-dir", str(run_dir), "--no-devices", "--timeout", "120", "--batch-size", "2", "--seq-len",
+            "16", *flags]
 
 
-def run_dtprobe(run_dir: Path, *flags: str, timeout: float = 480) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(dtprobe_cmd(run_dir, *flags), env=env, capture_output=True, text=True, timeout=timeout)
+@pytest.fixture(scope="session")
+def run_dtprobe(run_cli):
+    """``run_dtprobe(run_dir, *flags, timeout=480)``: a small ``dtprobe run`` into ``run_dir`` to its end."""
+    def run(run_dir: Path, *flags: str, timeout: float = 480) -> subprocess.CompletedProcess:
+        return run_cli(*run_args(run_dir, *flags), timeout_s=timeout)
+    return run
 
 
 def final_params(run_dir: Path, step: int = STEPS - 1) -> dict[str, torch.Tensor]:
@@ -48,7 +51,7 @@ def faults_of(store: RunStore, kind: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> Path:
+def uninterrupted(tmp_path_factory, run_dtprobe) -> Path:
     run_dir = tmp_path_factory.mktemp("recovery") / "baseline"
     proc = run_dtprobe(run_dir, *COMMON)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -56,7 +59,7 @@ def uninterrupted(tmp_path_factory) -> Path:
 
 
 @pytest.mark.multiproc
-def test_crash_at_step_15_resumes_and_ends_bit_identical_to_uninterrupted_run(tmp_path, uninterrupted):
+def test_crash_at_step_15_resumes_and_ends_bit_identical_to_uninterrupted_run(tmp_path, uninterrupted, run_dtprobe):
     run_dir = tmp_path / "crash"
     proc = run_dtprobe(run_dir, *COMMON, "--max-restarts", "1", "--inject", "crash:rank=1,step=15")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -81,7 +84,7 @@ def test_crash_at_step_15_resumes_and_ends_bit_identical_to_uninterrupted_run(tm
 
 
 @pytest.mark.multiproc
-def test_corrupt_newest_checkpoint_then_crash_resumes_from_the_previous_one(tmp_path, uninterrupted):
+def test_corrupt_newest_checkpoint_then_crash_resumes_from_the_previous_one(tmp_path, uninterrupted, run_dtprobe):
     run_dir = tmp_path / "corrupt"
     proc = run_dtprobe(run_dir, *COMMON, "--max-restarts", "1", "--inject", "corrupt-ckpt:step=14",
                        "--inject", "crash:rank=0,step=15")
@@ -97,14 +100,14 @@ def test_corrupt_newest_checkpoint_then_crash_resumes_from_the_previous_one(tmp_
 
 
 @pytest.mark.multiproc
-def test_rank_killed_during_async_save_resumes_from_newest_complete_checkpoint(tmp_path):
+def test_rank_killed_during_async_save_resumes_from_newest_complete_checkpoint(tmp_path, child_env):
     run_dir = tmp_path / "killed"
     ckpts = run_dir / "checkpoints"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # rank 1's background writes take 8 s, so the save after step 9 is still in flight when rank 1 is killed
-    with background_run(dtprobe_cmd(run_dir, "--nproc", "2", "--steps", "20", "--ckpt-every", "5",
-                                    "--ckpt-async", "--max-restarts", "1",
-                                    "--inject", "slow-ckpt:rank=1,delay_ms=8000"), env=env) as proc:
+    cmd = [sys.executable, "-m", "dtprobe.cli", *run_args(run_dir, "--nproc", "2", "--steps", "20", "--ckpt-every",
+                                                          "5", "--ckpt-async", "--max-restarts", "1", "--inject",
+                                                          "slow-ckpt:rank=1,delay_ms=8000")]
+    with background_run(cmd, env=child_env()) as proc:
         wait_for(lambda: (ckpts / "step00000004" / "COMMIT.json").exists() and (ckpts / ".tmp-step00000009").exists(),
                  timeout=300, proc=proc, what="the async save after step 9 to start")
         pid = json.loads((run_dir / "ranks" / "rank00001.json").read_text())["pid"]
@@ -127,9 +130,9 @@ def test_rank_killed_during_async_save_resumes_from_newest_complete_checkpoint(t
 
 
 @pytest.mark.multiproc
-def test_pipeline_stages_resume_from_their_own_checkpoint_shards(tmp_path):
+def test_pipeline_stages_resume_from_their_own_checkpoint_shards(tmp_path, run_dtprobe):
     # each pp stage holds different parameters: the optimizer state is saved flattened per parameter, so the
-    # stages' param groups do not overwrite each other (they did with the nested optimizer state dict)
+    # stages' param groups do not overwrite each other
     run_dir = tmp_path / "pp"
     proc = run_dtprobe(run_dir, "--nproc", "2", "--pp", "2", "--batch-size", "4", "--steps", "6", "--ckpt-every", "3",
                        "--max-restarts", "1", "--inject", "crash:rank=1,step=4")

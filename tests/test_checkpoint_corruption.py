@@ -17,8 +17,6 @@ from background_run import background_run, wait_for
 from dtprobe.runtime.checkpoint import COMMIT_FILE, CheckpointConfig, Checkpointer, TrainState
 from dtprobe.runtime.model import build_model
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def _state(seed: int) -> TrainState:
     model = build_model("tiny", seed=seed)
@@ -106,14 +104,13 @@ def _has_commit(ckpts: Path, step: int) -> bool:
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("damage", [truncate, flip_one_bit])
-def test_checkpoint_damaged_on_disk_before_a_restart_is_skipped_by_the_restart(tmp_path, damage):
+def test_checkpoint_damaged_on_disk_before_a_restart_is_skipped_by_the_restart(tmp_path, damage, child_env):
     run_dir = tmp_path / "run"
     ckpts = run_dir / "checkpoints"
     cmd = [sys.executable, "-m", "dtprobe.cli", "run", "--run-dir", str(run_dir), "--no-devices", "--timeout", "60",
            "--batch-size", "2", "--seq-len", "16", "--nproc", "2", "--steps", "30", "--ckpt-every", "5",
            "--ckpt-keep", "0", "--max-restarts", "1"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    with background_run(cmd, env=env) as proc:
+    with background_run(cmd, env=child_env()) as proc:
         wait_for(lambda: _has_commit(ckpts, 9), timeout=240, proc=proc, what="the checkpoint of step 9", poll_s=0.02)
         damage(largest_data_file(ckpts / "step00000009"))     # from outside, while the job runs
         os.kill(json.loads((run_dir / "ranks" / "rank00001.json").read_text())["pid"], signal.SIGKILL)

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -84,15 +82,17 @@ def test_precision_config_rejects_bad_values(kwargs, match):
 
 # ------------------------------------------------------------------------------ 2 ranks through dtprobe run
 
-def run_dtprobe(run_dir, *flags: str, timeout: float = 420) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "dtprobe.cli", "run", "--run-dir", str(run_dir), "--no-devices", "--timeout", "120",
-           "--batch-size", "2", "--seq-len", "16", *flags]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+@pytest.fixture
+def run_dtprobe(run_cli):
+    """``run_dtprobe(run_dir, *flags, timeout=420)``: a small ``dtprobe run`` into ``run_dir`` to its end."""
+    def run(run_dir, *flags: str, timeout: float = 420) -> subprocess.CompletedProcess:
+        return run_cli("run", "--run-dir", run_dir, "--no-devices", "--timeout", "120", "--batch-size", "2",
+                       "--seq-len", "16", *flags, timeout_s=timeout)
+    return run
 
 
 @pytest.mark.multiproc
-def test_fp16_overflow_at_step_10_halves_every_ranks_scale_and_skips_the_step(tmp_path):
+def test_fp16_overflow_at_step_10_halves_every_ranks_scale_and_skips_the_step(tmp_path, run_dtprobe):
     from dtprobe.store import RunStore
 
     proc = run_dtprobe(tmp_path / "run", "--nproc", "2", "--steps", "14", "--precision", "fp16",

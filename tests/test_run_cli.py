@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,27 +17,24 @@ from dtprobe.store import RunStore
 
 pytestmark = pytest.mark.multiproc
 
-ROOT = Path(__file__).resolve().parents[1]
-# The CLI router with only `run` registered (the other commands are other engineers' and may be in progress).
+# The CLI router with only `run` registered, so this file checks `dtprobe run` alone.
 DRIVER = "import sys, dtprobe.cli as c; c.COMMANDS = ('run',); sys.exit(c.main(sys.argv[1:]))"
 
 
-def dtprobe_run(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-c", DRIVER, "run", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=ROOT)
+@pytest.fixture(scope="session")
+def dtprobe_run(run_python):
+    """``dtprobe_run(*args, timeout=900)``: ``dtprobe run *args`` to its end, output captured."""
+    def run(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+        return run_python(DRIVER, "run", *args, timeout_s=timeout)
+    return run
 
 
-def dtprobe_popen(*args: str, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-c", DRIVER, "run", *args], stdout=open(log, "w"),
-                            stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@pytest.fixture
+def dtprobe_popen(start_python):
+    """``dtprobe_popen(*args, log=path)``: ``dtprobe run *args`` started, its output in ``log``."""
+    def start(*args: str, log: Path) -> subprocess.Popen:
+        return start_python(DRIVER, "run", *args, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    return start
 
 
 def tiny_grad_bytes() -> int:
@@ -48,7 +43,7 @@ def tiny_grad_bytes() -> int:
     return sum(p.numel() * p.element_size() for p in build_model("tiny", seed=0).parameters())
 
 
-def test_run_rejects_a_layout_that_does_not_fit_before_launching_anything(tmp_path):
+def test_run_rejects_a_layout_that_does_not_fit_before_launching_anything(tmp_path, dtprobe_run):
     run_dir = tmp_path / "never"
     proc = dtprobe_run("--dp", "3", "--nproc", "4", "--run-dir", str(run_dir), timeout=120)
     assert proc.returncode == 2
@@ -58,13 +53,13 @@ def test_run_rejects_a_layout_that_does_not_fit_before_launching_anything(tmp_pa
     assert not run_dir.exists()
 
 
-def test_run_rejects_an_unknown_fault_kind_with_exit_2(tmp_path):
+def test_run_rejects_an_unknown_fault_kind_with_exit_2(tmp_path, dtprobe_run):
     proc = dtprobe_run("--nproc", "2", "--inject", "meteor:rank=1", "--run-dir", str(tmp_path / "r"), timeout=120)
     assert proc.returncode == 2 and "unknown fault kind 'meteor'" in proc.stderr
 
 
 @pytest.fixture(scope="module")
-def straggler_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, RunStore]:
+def straggler_run(tmp_path_factory, dtprobe_run) -> tuple[subprocess.CompletedProcess, RunStore]:
     run_dir = tmp_path_factory.mktemp("straggler") / "run"
     proc = dtprobe_run("--nproc", "4", "--steps", "30", "--run-dir", str(run_dir), "--inject",
                        "straggler:rank=2,delay_ms=40", "--profile-steps", "10-11", "--seq-len", "32",
@@ -126,7 +121,7 @@ def test_straggler_run_binds_each_cpu_worker_to_its_share_of_the_cores(straggler
     assert {w["rank"]: w["cpus"] for w in workers} == want
 
 
-def test_two_torchrun_agents_make_one_4_rank_run_with_both_nodes(tmp_path):
+def test_two_torchrun_agents_make_one_4_rank_run_with_both_nodes(tmp_path, dtprobe_popen, free_port):
     run_dir, port = tmp_path / "run", free_port()
     common = ("--nnodes", "2", "--nproc", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--run-dir", str(run_dir),
               "--steps", "3", "--seq-len", "32", "--batch-size", "4")
@@ -145,7 +140,7 @@ def test_two_torchrun_agents_make_one_4_rank_run_with_both_nodes(tmp_path):
     assert sorted(store.table("steps")["rank"].unique()) == [0, 1, 2, 3]
 
 
-def test_crashed_run_leaves_a_store_that_loads_marked_crashed(tmp_path):
+def test_crashed_run_leaves_a_store_that_loads_marked_crashed(tmp_path, dtprobe_run):
     run_dir = tmp_path / "run"
     toml = tmp_path / "job.toml"
     toml.write_text('nproc = 2\n[train]\nsteps = 40\nseq_len = 32\nbatch_size = 4\n')
@@ -162,7 +157,7 @@ def test_crashed_run_leaves_a_store_that_loads_marked_crashed(tmp_path):
     assert sorted(steps.loc[steps["rank"] == 1, "step"]) == [0, 1, 2, 3, 4]
 
 
-def test_same_seed_gives_the_same_losses_on_2_ranks(tmp_path):
+def test_same_seed_gives_the_same_losses_on_2_ranks(tmp_path, dtprobe_run):
     args = ("--nproc", "2", "--steps", "3", "--seq-len", "32", "--batch-size", "4", "--no-collectives",
             "--no-devices", "--data", "text", "--seed", "7")
     losses = []
@@ -174,7 +169,7 @@ def test_same_seed_gives_the_same_losses_on_2_ranks(tmp_path):
     assert len(losses[0]) == 6 and losses[0] == losses[1]
 
 
-def test_run_with_telemetry_off_writes_no_events_but_reports_its_loop_time(tmp_path):
+def test_run_with_telemetry_off_writes_no_events_but_reports_its_loop_time(tmp_path, dtprobe_run):
     run_dir = tmp_path / "off"
     proc = dtprobe_run("--nproc", "1", "--steps", "3", "--seq-len", "16", "--batch-size", "2", "--no-collect",
                        "--run-dir", str(run_dir))
@@ -187,7 +182,7 @@ def test_run_with_telemetry_off_writes_no_events_but_reports_its_loop_time(tmp_p
 
 
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
-def test_ctrl_c_or_sigterm_stops_every_worker_and_marks_the_run_crashed(tmp_path, sig):
+def test_ctrl_c_or_sigterm_stops_every_worker_and_marks_the_run_crashed(tmp_path, sig, dtprobe_popen):
     import signal
     import time
 

@@ -299,11 +299,11 @@ def test_step_time_overview_draws_the_spread_and_the_slowest_ranks_beyond_eight_
     assert len(charts.step_time_overview(steps[steps["rank"] < 4]).data) == 4  # few ranks: a line each
 
 
-def test_summary_command_prints_the_overview_of_the_newest_run(tmp_path):
+def test_summary_command_prints_the_overview_of_the_newest_run(tmp_path, child_env):
     old = write_synthetic_run(tmp_path / "old", num_ranks=2, num_steps=4)
     os.utime(old, (1, 1))
     new = write_synthetic_run(tmp_path / "new", num_ranks=4, num_steps=12, straggler_rank=STRAGGLER_RANK)
-    env = dict(os.environ, **{ROOT_ENV: str(tmp_path)})
+    env = child_env(**{ROOT_ENV: str(tmp_path)})
     done = subprocess.run([sys.executable, "-m", "dtprobe.dashboard.summary"], env=env, capture_output=True, timeout=120)
     assert done.returncode == 0, done.stderr.decode()
     child = ov.Overview.from_json(done.stdout)
@@ -549,21 +549,16 @@ def test_server_loads_the_overview_of_the_run_the_picker_shows_first_while_it_st
     serve._warm_first_page()  # the page says what is wrong with the root
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_dashboard_command_stops_its_server_when_sent_sigterm(tmp_path):
+def test_dashboard_command_stops_its_server_when_sent_sigterm(tmp_path, free_port, child_env):
     import psutil
 
-    port = _free_port()
+    port = free_port()
     servers = []
     log = tmp_path / "dashboard.log"
     with open(log, "w") as out:  # `timeout` bounds the command should this test fail to stop it
         outer = subprocess.Popen(["timeout", "120", sys.executable, "-m", "dtprobe.cli", "dashboard", str(tmp_path),
-                                  "--port", str(port)], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                                  "--port", str(port)], env=child_env(), stdout=out, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
     try:
         deadline = time.monotonic() + 90
         while True:

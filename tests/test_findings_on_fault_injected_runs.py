@@ -3,9 +3,6 @@ GPipe run with sleep stages, an fp16 overflow, a slow checkpoint, a hang, a stra
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,22 +12,24 @@ from dtprobe.analysis import RunAnalysis
 pytestmark = pytest.mark.multiproc
 
 
-def _run(run_dir: Path, *args: str, ok_codes: tuple[int, ...] = (0,)) -> Path:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = ["timeout", "600", sys.executable, "-m", "dtprobe.cli", "run", "--timeout", "120", "--run-dir",
-           str(run_dir), *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=660)
-    assert proc.returncode in ok_codes, f"dtprobe run failed ({proc.returncode}):\n{proc.stderr[-3000:]}"
-    return run_dir
+@pytest.fixture(scope="session")
+def dtprobe_run(run_cli):
+    """``dtprobe_run(run_dir, *args, ok_codes=(0,))``: ``dtprobe run`` into ``run_dir``, checked to end with one of
+    ``ok_codes``; returns ``run_dir``."""
+    def run(run_dir: Path, *args: str, ok_codes: tuple[int, ...] = (0,)) -> Path:
+        proc = run_cli("run", "--timeout", "120", "--run-dir", run_dir, *args, timeout_s=600)
+        assert proc.returncode in ok_codes, f"dtprobe run failed ({proc.returncode}):\n{proc.stderr[-3000:]}"
+        return run_dir
+    return run
 
 
 def _codes(a: RunAnalysis) -> list[str]:
     return [f.code for f in a.findings()]
 
 
-def test_pipeline_bubble_on_pp4_gpipe_with_4_microbatches(tmp_path):
-    run = _run(tmp_path / "pp4_gpipe", "--nproc", "4", "--pp", "4", "--pp-schedule", "gpipe", "--microbatches", "4",
-               "--stage-sleep", "fwd_ms=10,bwd_ms=20", "--steps", "6")
+def test_pipeline_bubble_on_pp4_gpipe_with_4_microbatches(tmp_path, dtprobe_run):
+    run = dtprobe_run(tmp_path / "pp4_gpipe", "--nproc", "4", "--pp", "4", "--pp-schedule", "gpipe", "--microbatches",
+                      "4", "--stage-sleep", "fwd_ms=10,bwd_ms=20", "--steps", "6")
     a = RunAnalysis.open(run)
     [f] = [f for f in a.findings() if f.code == "PIPELINE_BUBBLE"]
     assert (f.group, f.ranks) == ("pp", (0, 1, 2, 3))
@@ -53,16 +52,17 @@ def test_pipeline_bubble_on_pp4_gpipe_with_4_microbatches(tmp_path):
     assert "STRAGGLER" not in _codes(a)
 
 
-def test_amp_overflow_on_the_fp16_overflow_run(tmp_path):
-    run = _run(tmp_path / "fp16", "--nproc", "2", "--precision", "fp16", "--inject", "overflow:step=3", "--steps", "8")
+def test_amp_overflow_on_the_fp16_overflow_run(tmp_path, dtprobe_run):
+    run = dtprobe_run(tmp_path / "fp16", "--nproc", "2", "--precision", "fp16", "--inject", "overflow:step=3",
+                      "--steps", "8")
     [f] = [f for f in RunAnalysis.open(run).findings() if f.code == "AMP_OVERFLOW"]
     assert 3 in f.evidence["overflow_steps"]
     assert f.evidence["num_overflows"] >= 1 and f.evidence["final_scale"] < 65536.0
 
 
-def test_checkpoint_stall_on_a_slow_checkpoint_run(tmp_path):
-    run = _run(tmp_path / "slow_ckpt", "--nproc", "2", "--ckpt-every", "2", "--inject", "slow-ckpt:rank=1,delay_ms=1500",
-               "--steps", "8")
+def test_checkpoint_stall_on_a_slow_checkpoint_run(tmp_path, dtprobe_run):
+    run = dtprobe_run(tmp_path / "slow_ckpt", "--nproc", "2", "--ckpt-every", "2", "--inject",
+                      "slow-ckpt:rank=1,delay_ms=1500", "--steps", "8")
     [f] = [f for f in RunAnalysis.open(run).findings() if f.code == "CHECKPOINT_STALL"]
     assert 1 in f.ranks                       # DCP saves are collective: every rank waits for the slow writer
     assert f.evidence["per_rank_blocking_ms"]["1"] >= 1500
@@ -70,9 +70,9 @@ def test_checkpoint_stall_on_a_slow_checkpoint_run(tmp_path):
     assert f.evidence["blocking_share_of_wall"] > 0.25 and f.severity == "critical"
 
 
-def test_hang_names_the_hung_rank(tmp_path):
-    run = _run(tmp_path / "hang", "--nproc", "2", "--collective-timeout", "10", "--inject", "hang:rank=1,step=3",
-               "--steps", "8", ok_codes=(0, 1))
+def test_hang_names_the_hung_rank(tmp_path, dtprobe_run):
+    run = dtprobe_run(tmp_path / "hang", "--nproc", "2", "--collective-timeout", "10", "--inject", "hang:rank=1,step=3",
+                      "--steps", "8", ok_codes=(0, 1))
     a = RunAnalysis.open(run)
     hangs = [f for f in a.findings() if f.code == "HANG"]
     assert hangs and all(f.ranks == (1,) and f.severity == "critical" for f in hangs)
@@ -80,16 +80,16 @@ def test_hang_names_the_hung_rank(tmp_path):
     assert hangs[0].evidence.get("step", 3) == 3
 
 
-def test_straggler_in_dp2_pp2_names_the_rank_and_its_dp_group(tmp_path):
-    run = _run(tmp_path / "dp2pp2", "--nproc", "4", "--pp", "2", "--inject", "straggler:rank=2,delay_ms=200",
-               "--steps", "21")
+def test_straggler_in_dp2_pp2_names_the_rank_and_its_dp_group(tmp_path, dtprobe_run):
+    run = dtprobe_run(tmp_path / "dp2pp2", "--nproc", "4", "--pp", "2", "--inject", "straggler:rank=2,delay_ms=200",
+                      "--steps", "21")
     stragglers = [f for f in RunAnalysis.open(run).findings() if f.code == "STRAGGLER"]
     assert [(f.ranks, f.group) for f in stragglers] == [((2,), "dp")]
 
 
-def test_compression_report_against_a_baseline_run(tmp_path):
-    base = _run(tmp_path / "base", "--nproc", "2", "--steps", "8")
-    run = _run(tmp_path / "fp16c", "--nproc", "2", "--steps", "8", "--compress", "fp16")
+def test_compression_report_against_a_baseline_run(tmp_path, dtprobe_run):
+    base = dtprobe_run(tmp_path / "base", "--nproc", "2", "--steps", "8")
+    run = dtprobe_run(tmp_path / "fp16c", "--nproc", "2", "--steps", "8", "--compress", "fp16")
     [f] = [f for f in RunAnalysis.open(run, baseline=base).findings() if f.code == "COMPRESSION"]
     ev = f.evidence
     assert ev["method"] == "fp16" and ev["ratio"] == pytest.approx(2.0)
@@ -97,9 +97,9 @@ def test_compression_report_against_a_baseline_run(tmp_path):
     assert ev["measured_transfer_saved_ms_per_step"] is not None
 
 
-def test_crash_with_restart_is_a_recovered_rank_crash_not_a_hang(tmp_path):
-    run = _run(tmp_path / "crash", "--nproc", "2", "--steps", "10", "--max-restarts", "1", "--ckpt-every", "2",
-               "--inject", "crash:rank=1,step=5")
+def test_crash_with_restart_is_a_recovered_rank_crash_not_a_hang(tmp_path, dtprobe_run):
+    run = dtprobe_run(tmp_path / "crash", "--nproc", "2", "--steps", "10", "--max-restarts", "1", "--ckpt-every", "2",
+                      "--inject", "crash:rank=1,step=5")
     findings = RunAnalysis.open(run).findings()
     assert "HANG" not in [f.code for f in findings]
     [f] = [f for f in findings if f.code == "RANK_CRASH"]

@@ -38,12 +38,6 @@ STRAGGLER_RANK = 2
 
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("dash_root")
@@ -66,18 +60,27 @@ def kill_tree(pid: int) -> None:
             pass
 
 
+@pytest.fixture(scope="session")
+def dashboard_server(child_env, free_port, repo_root):
+    """``with dashboard_server(root, log_name, **env) as running``: the dashboard served on ``root`` with the exact
+    command of `dtprobe dashboard` on a free loopback port (``env`` added to the child's environment); stopped
+    (with every process it started, by PID) on exit."""
+    @contextlib.contextmanager
+    def serve(root: Path, log_name: str, **env: str):
+        user_cache = root.parent / f"{root.name}-user-cache"  # summaries the server makes: not the user's cache
+        with _served(repo_root / "test-artifacts" / log_name, port=free_port(),
+                     env=child_env(**{ROOT_ENV: str(root), CACHE_ENV: str(user_cache)}, **env)) as running:
+            yield running
+    return serve
+
+
 @contextlib.contextmanager
-def dashboard_server(root: Path, log_name: str, **env: str):
-    """The dashboard served on ``root`` with the exact command of `dtprobe dashboard` on a free loopback port;
-    stopped (with every process it started, by PID) on exit."""
-    port = free_port()
-    user_cache = root.parent / f"{root.name}-user-cache"  # summaries the server makes: not the user's cache
-    log = REPO / "test-artifacts" / log_name
+def _served(log: Path, *, port: int, env: dict[str, str]):
+    """The server started with ``env``, logging to ``log``; see ``dashboard_server``."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as out:
-        proc = subprocess.Popen(streamlit_argv(host="127.0.0.1", port=port),
-                                env=dict(os.environ, **{ROOT_ENV: str(root), CACHE_ENV: str(user_cache)}, **env),
-                                cwd=APP.parent, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(streamlit_argv(host="127.0.0.1", port=port), env=env, cwd=APP.parent, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 90
@@ -108,7 +111,7 @@ def dashboard_server(root: Path, log_name: str, **env: str):
 
 
 @pytest.fixture(scope="module")
-def server(root):
+def server(root, dashboard_server):
     with dashboard_server(root, "dashboard-server.log", DTPROBE_REFRESH_S="1") as running:
         yield running
 
@@ -222,14 +225,14 @@ def test_screenshot_of_every_page(server, page, spec):
 
 
 @pytest.mark.multiproc
-def test_live_step_count_advances_without_a_reload(server, page, root):
+def test_live_step_count_advances_without_a_reload(server, page, root, child_env, repo_root):
     run_dir = root / "live_job"
     log = root.parent / "live_job.log"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     with open(log, "w") as out:
         job = subprocess.Popen(["timeout", "-k", "10", "600", sys.executable, "-m", "dtprobe.cli", "run",
                                 "--nproc", "2", "--steps", "400", "--run-dir", str(run_dir), "--no-devices"],
-                               env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                               env=child_env(), cwd=repo_root, stdout=out, stderr=subprocess.STDOUT,
+                               start_new_session=True)
     try:
         steps_file = run_dir / "events" / "steps" / "rank00000.jsonl"
         deadline = time.monotonic() + 240

@@ -26,7 +26,7 @@ from playwright.sync_api import expect
 
 from dtprobe.dashboard.export import PNG_MAGIC
 from dtprobe.synthetic import write_synthetic_run
-from test_browser_dashboard import DLRM, REPO, SCREENSHOTS, browser, dashboard_server, page, wait_drawn  # noqa: F401
+from test_browser_dashboard import DLRM, SCREENSHOTS, browser, dashboard_server, page, wait_drawn  # noqa: F401
 
 DLRM_RANKS = 8
 HTA_KERNEL_TIME_US = [13009, 18749, 11350, 18853, 16589, 16392, 11410, 10967]
@@ -38,7 +38,7 @@ FIRST_DRAW_MS = 120_000
 # ------------------------------------------------------------------------------------------------ no browser
 
 
-def test_trace_pool_finishes_in_a_process_whose_sigterm_handler_returns(tmp_path):
+def test_trace_pool_finishes_in_a_process_whose_sigterm_handler_returns(tmp_path, repo_root):
     """What the server does: parse a trace folder with the process pool from a non-main thread of a process
     whose SIGTERM handler returns without exiting (Streamlit's); a pool that waits for its workers hangs here."""
     script = tmp_path / "pool_under_handler.py"
@@ -61,7 +61,7 @@ def test_trace_pool_finishes_in_a_process_whose_sigterm_handler_returns(tmp_path
     """))
     log = tmp_path / "pool_under_handler.log"
     with open(log, "w") as out:  # a file, not a pipe: stuck workers would hold a pipe open
-        proc = subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen([sys.executable, str(script)], cwd=repo_root, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     try:
         proc.wait(180)
@@ -82,7 +82,7 @@ def test_trace_pool_finishes_in_a_process_whose_sigterm_handler_returns(tmp_path
 @pytest.fixture(scope="module")
 def kernels_root(tmp_path_factory) -> Path:
     """A synthetic run (the newest: the server pre-loads it) and a copy of the DLRM traces (older), so the
-    Kernels page parses the traces itself, in the page's script thread, as it did when it stalled."""
+    Kernels page parses the traces itself, in the page's script thread (which a stuck pool would stall)."""
     root = tmp_path_factory.mktemp("kernels_root")
     shutil.copytree(DLRM, root / "dlrm_8rank_v100")
     write_synthetic_run(root / "dp4_clean", num_ranks=4, num_steps=30)
@@ -90,7 +90,7 @@ def kernels_root(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(kernels_root):
+def server(kernels_root, dashboard_server):
     with dashboard_server(kernels_root, "dashboard-kernels-server.log") as running:
         yield running
 

@@ -20,9 +20,10 @@ OUTSIDE_PATTERNS = {
 }
 """What names a path outside the repository (spelled in pieces so this file does not match itself)."""
 PARENTS = re.compile(r"parents\[(\d+)\]")
-JOB_STARTERS = ("torch.distributed.run", "start_processes", "mp.spawn", '"dtprobe.cli", "run"', "torchrun_cmd(",
-                "from layouts_launch import", "background_run(")
-"""Source text of a test that starts a distributed job: torchrun, a spawn, ``dtprobe run``, the shared launchers."""
+JOB_STARTERS = ("torch.distributed.run", "start_processes", "mp.spawn", '"dtprobe.cli", "run"', 'run_cli("run"',
+                '"run", "--run-dir"', "torchrun_cmd(", "from layouts_launch import", "background_run(")
+"""Source text of a test that starts a distributed job: torchrun, a spawn, ``dtprobe run`` (also through ``run_cli``),
+the shared launchers."""
 
 
 def outside_paths(text: str, *, depth: int) -> list[str]:

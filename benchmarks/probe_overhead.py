@@ -27,7 +27,9 @@ clocks do not count time spent waiting for a core, so this figure holds on a loa
    `--small-collectives` (200) all_reduce of 1 KiB, the pattern of tensor-parallel and FSDP steps.
 
 Per recorded collective, for the DDP case and the many-small case: (median step on - median step off) divided by
-the collectives rank 0 recorded per step in the "on" run. Goal <= 10 us on gloo.
+the collectives rank 0 recorded per step in the "on" run; for the many-small case also the same from each rank's
+process CPU time per step (all its threads): waiting for a core is not counted, though a loaded machine still
+inflates it (contended caches, polling). Goal <= 10 us on gloo; both figures need a quiet machine.
 
 The first `--skip` steps of every run are left out (DDP rebuilds its buckets after step 0). On a CPU machine the
 figures are CPU/gloo ones, not GPU ones.
@@ -157,9 +159,17 @@ def collectives_per_step(run_dir: Path, skip: int) -> float:
     return float(counts.median()) if len(counts) else 0.0
 
 
+def cpu_per_step(run_dir: Path) -> float:
+    """Mean over ranks of the process CPU seconds per step written by ``small_worker``."""
+    values = [json.loads(f.read_text())["cpu_s_per_step"] for f in sorted(run_dir.glob("cpu_rank*.json"))]
+    return statistics.mean(values)
+
+
 def small_worker(run_dir: str, *, steps: int, num_collectives: int, off: bool) -> None:
     """One rank of the many-small-collectives case (launched by torchrun): each step a small matmul and
     ``num_collectives`` all_reduce of 256 float32 on the default group, timed by ``probe.step``."""
+    import time
+
     import torch
     import torch.distributed as dist
 
@@ -170,13 +180,18 @@ def small_worker(run_dir: str, *, steps: int, num_collectives: int, off: bool) -
     probe = dtprobe.attach(run_dir, **options)
     weight = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
     grad = torch.ones(256)
+    cpu_ns = 0
     for step in range(steps):
+        cpu0 = time.process_time_ns()
         with probe.step(step):
             x = weight
             for _ in range(4):
                 x = torch.tanh(x @ weight)
             for _ in range(num_collectives):
                 dist.all_reduce(grad)
+        cpu_ns += time.process_time_ns() - cpu0
+    # This process's CPU time (every thread: gloo's, the probe's) per step: waiting for a core is not counted.
+    (Path(run_dir) / f"cpu_rank{dist.get_rank()}.json").write_text(json.dumps({"cpu_s_per_step": cpu_ns / steps / 1e9}))
     probe.close()
     dist.destroy_process_group()      # gloo's threads stopped before the interpreter exits, not torn down by it
 
@@ -216,6 +231,7 @@ def main() -> int:
           flush=True)
     names = ("on", "off", "plain", "small_on", "small_off") + (("slowflush",) if args.flush_baseline is not None else ())
     per_step: dict[str, list[float]] = {"on": [], "small_on": []}
+    cpu: dict[str, list[float]] = {"small_on": [], "small_off": []}
     medians: dict[str, list[float]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory(prefix="dtprobe-bench-") as tmp:
         tmp_path = Path(tmp)
@@ -232,6 +248,8 @@ def main() -> int:
                       flush=True)
             for name in per_step:
                 per_step[name].append(collectives_per_step(outs[name], args.skip))
+            for name in cpu:
+                cpu[name].append(cpu_per_step(outs[name]))
 
     on, off, plain = (statistics.median(medians[k]) for k in ("on", "off", "plain"))
     pair_collect = [a / b for a, b in zip(medians["on"], medians["off"])]
@@ -255,6 +273,10 @@ def main() -> int:
         print(f"per recorded collective, {label}: {statistics.median(costs):.1f} us  (per pair: "
               f"{', '.join(f'{c:.1f}' for c in costs)}; {statistics.median(per_step[on_name]):.0f} collectives "
               f"per step; goal <= 10 us)" if costs else f"per recorded collective, {label}: no collectives")
+    cpu_costs = [(a - b) / n * 1e6 for a, b, n in zip(cpu["small_on"], cpu["small_off"], per_step["small_on"]) if n]
+    if cpu_costs:
+        print(f"per recorded collective, many small, process CPU: {statistics.median(cpu_costs):.1f} us  (per pair: "
+              f"{', '.join(f'{c:.1f}' for c in cpu_costs)}; goal <= 10 us)")
     mode = "sides run concurrently" if args.concurrent else "sides alternated"
     print(f"({args.nproc} ranks x {args.steps} steps per run, {mode}, CPU + gloo on this machine)")
     return 0

@@ -4,9 +4,6 @@ job."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -18,15 +15,13 @@ LAYOUTS = {"dp4": [], "dp2tp2": ["--tp", "2"], "pp4": ["--pp", "4"]}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, run_cli):
     root = tmp_path_factory.mktemp("planner_runs")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = {}
     for name, flags in LAYOUTS.items():
         run_dir = root / name
-        cmd = [sys.executable, "-m", "dtprobe.cli", "run", "--nproc", "4", "--device", "cpu", "--model", "tiny",
-               "--steps", "10", "--timeout", "120", "--run-dir", str(run_dir), *flags]
-        proc = subprocess.run(["timeout", "600", *cmd], env=env, capture_output=True, text=True)
+        proc = run_cli("run", "--nproc", "4", "--device", "cpu", "--model", "tiny", "--steps", "10", "--timeout",
+                       "120", "--run-dir", run_dir, *flags, timeout_s=600)
         assert proc.returncode == 0, f"{name}: {proc.stderr[-2000:]}"
         out[name] = run_dir
     return out

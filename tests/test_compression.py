@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 
 import pytest
 import torch
@@ -81,12 +80,6 @@ def test_sign_bits_pack_and_unpack_round_trip(n):
 
 # ------------------------------------------------------------------------------------- 4 ranks, every method
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     import datetime
 
@@ -144,12 +137,12 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def four_rank_results(tmp_path_factory):
+def four_rank_results(tmp_path_factory, free_port):
     import torch.multiprocessing as mp
 
     out = str(tmp_path_factory.mktemp("compression") / "results.json")
     os.environ["OMP_NUM_THREADS"] = "1"
-    mp.start_processes(_worker, args=(4, _free_port(), out), nprocs=4, start_method="spawn", join=True)
+    mp.start_processes(_worker, args=(4, free_port(), out), nprocs=4, start_method="spawn", join=True)
     with open(out) as f:
         return json.load(f)
 

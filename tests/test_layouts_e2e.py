@@ -6,11 +6,6 @@ single process on the same global batch (in-process reference with the same lr s
 
 from __future__ import annotations
 
-import functools
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -31,20 +26,12 @@ FLAGS = ["--nproc", "8", "--dp", "2", "--tp", "2", "--pp", "2", "--zero", "3", "
          "--no-devices", "--timeout", "240"]
 
 
-@functools.cache
-def run_3d(tmp: str) -> RunStore:
-    run_dir = Path(tmp) / "dp2_tp2_pp2"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-m", "dtprobe.cli", "run", *FLAGS, "--run-dir", str(run_dir)],
-                          capture_output=True, text=True, timeout=1200, env=env,
-                          cwd=Path(__file__).resolve().parents[1])
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, run_cli, child_env) -> RunStore:
+    run_dir = tmp_path_factory.mktemp("layouts_e2e") / "dp2_tp2_pp2"
+    proc = run_cli("run", *FLAGS, "--run-dir", run_dir, timeout_s=1200, env=child_env(PYTHONWARNINGS="ignore"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return RunStore.open(run_dir)
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory) -> RunStore:
-    return run_3d(str(tmp_path_factory.mktemp("layouts_e2e")))
 
 
 def single_process_losses() -> list[float]:

@@ -6,9 +6,6 @@ the timing noise of CPU ranks sharing cores, and is checked to be at least 10% o
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,22 +18,19 @@ NUM_STEPS = 21            # step 0 is warm-up: 20 analysed steps, so "named with
 DELAY_MS = 200.0
 
 
-def _run(run_dir: Path, *extra: str) -> Path:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = ["timeout", "600", sys.executable, "-m", "dtprobe.cli", "run", "--nproc", "4", "--steps", str(NUM_STEPS),
-           "--timeout", "120", "--run-dir", str(run_dir), *extra]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=660)
-    assert proc.returncode == 0, f"dtprobe run failed ({proc.returncode}):\n{proc.stderr[-3000:]}"
-    return run_dir
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
+def runs(tmp_path_factory, run_cli) -> dict:
+    def run(run_dir: Path, *extra: str) -> Path:
+        proc = run_cli("run", "--nproc", "4", "--steps", str(NUM_STEPS), "--timeout", "120", "--run-dir", run_dir,
+                       *extra, timeout_s=600)
+        assert proc.returncode == 0, f"dtprobe run failed ({proc.returncode}):\n{proc.stderr[-3000:]}"
+        return run_dir
+
     root = tmp_path_factory.mktemp("real_runs")
     return {
-        "clean": _run(root / "clean_dp4"),
-        1: _run(root / "straggler_rank1", "--inject", f"straggler:rank=1,delay_ms={DELAY_MS:g}"),
-        3: _run(root / "straggler_rank3", "--inject", f"straggler:rank=3,delay_ms={DELAY_MS:g}"),
+        "clean": run(root / "clean_dp4"),
+        1: run(root / "straggler_rank1", "--inject", f"straggler:rank=1,delay_ms={DELAY_MS:g}"),
+        3: run(root / "straggler_rank3", "--inject", f"straggler:rank=3,delay_ms={DELAY_MS:g}"),
     }
 
 

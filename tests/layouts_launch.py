@@ -1,11 +1,9 @@
-"""Starts tests/layouts_worker.py on N local processes (gloo, 127.0.0.1, a free port) and returns rank 0's JSON
-lines; shared by the layout and pipeline tests."""
+"""Starts tests/layouts_worker.py on N local processes (gloo, 127.0.0.1, the port and environment the caller
+takes from the conftest fixtures) and returns rank 0's JSON lines; shared by the layout and pipeline tests."""
 
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,16 +11,9 @@ from pathlib import Path
 WORKER = Path(__file__).with_name("layouts_worker.py")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(world_size: int, *args: str, timeout_s: float = 600.0) -> list[dict]:
-    """Run the worker on ``world_size`` processes; raise with every rank's stderr tail if one fails."""
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+def launch(world_size: int, *args: str, port: int, env: dict[str, str], timeout_s: float = 600.0) -> list[dict]:
+    """Run the worker on ``world_size`` processes with their rendezvous on ``port`` and environment ``env`` (a
+    ``free_port()`` and ``child_env(PYTHONWARNINGS="ignore")``); raise with every rank's stderr tail if one fails."""
     procs = [subprocess.Popen([sys.executable, str(WORKER), "--rank", str(r), "--world-size", str(world_size),
                                "--port", str(port), *args],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)

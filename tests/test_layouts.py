@@ -40,11 +40,16 @@ LAUNCHES = {
 }
 
 
-@functools.cache
-def results(world_size: int) -> dict[str, dict]:
-    """Run one launch of ``world_size`` ranks (cached across tests) and index its cases by name."""
-    cases = ",".join(LAUNCHES[world_size])
-    return {r["case"]: r for r in launch(world_size, "--cases", cases, timeout_s=900)}
+@pytest.fixture(scope="module")
+def results(free_port, child_env):
+    """``results(world_size)``: one launch of ``world_size`` ranks (cached across tests), its cases by name."""
+    @functools.cache
+    def run(world_size: int) -> dict[str, dict]:
+        cases = ",".join(LAUNCHES[world_size])
+        out = launch(world_size, "--cases", cases, port=free_port(), env=child_env(PYTHONWARNINGS="ignore"),
+                     timeout_s=900)
+        return {r["case"]: r for r in out}
+    return run
 
 
 @functools.cache
@@ -134,7 +139,7 @@ def test_layout_config_rejects_bad_stage_sleep_flag():
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("case", REQUIRED + EXTRA)
-def test_layout_loss_matches_single_process_within_1e4(case):
+def test_layout_loss_matches_single_process_within_1e4(case, results):
     reference = single_results()["single"]["losses"]
     got = (single_results() if world_of(case) == 1 else results(world_of(case)))[case]["losses"]
     assert len(got) == len(reference) == 5
@@ -146,7 +151,7 @@ def test_layout_loss_matches_single_process_within_1e4(case):
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("case", ["pp2_1f1b_fp16", "zero3_dp2_fp16"])
-def test_fp16_loss_scaling_trains_on_pipeline_and_fsdp_layouts(case):
+def test_fp16_loss_scaling_trains_on_pipeline_and_fsdp_layouts(case, results):
     """fp16 autocast + ShardedGradScaler (runtime.precision) through the layout's train step: the scaler is
     initialised on pipeline ranks without a loss, and the loss stays within fp16 rounding of fp32."""
     reference = single_results()["single"]["losses"]
@@ -156,7 +161,7 @@ def test_fp16_loss_scaling_trains_on_pipeline_and_fsdp_layouts(case):
 
 
 @pytest.mark.multiproc
-def test_zero_shards_optimizer_states_and_parameters_about_n_fold_over_4_ranks():
+def test_zero_shards_optimizer_states_and_parameters_about_n_fold_over_4_ranks(results):
     by_case = results(4)
     mem = {c: by_case[c]["memory"] for c in ("zero0_dp4", "zero1_dp4", "zero3_dp4")}
     assert all(len(rows) == 4 for rows in mem.values())

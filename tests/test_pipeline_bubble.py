@@ -29,11 +29,15 @@ SLEEP = "fwd_ms=150,bwd_ms=300"
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b"]
 
 
-@functools.cache
-def bubble_runs() -> dict[str, dict]:
-    out = launch(PP, "--bubble", ",".join(SCHEDULES + ["zero-bubble"]), "--sleep", SLEEP, "--steps", "3",
-                 "--microbatches", str(M), timeout_s=900)
-    return {r["bubble"]: r for r in out}
+@pytest.fixture(scope="module")
+def bubble_runs(free_port, child_env):
+    """``bubble_runs()``: one 4-rank launch of every schedule with sleep stages (cached), its runs by schedule."""
+    @functools.cache
+    def run() -> dict[str, dict]:
+        out = launch(PP, "--bubble", ",".join(SCHEDULES + ["zero-bubble"]), "--sleep", SLEEP, "--steps", "3",
+                     "--microbatches", str(M), port=free_port(), env=child_env(PYTHONWARNINGS="ignore"), timeout_s=900)
+        return {r["bubble"]: r for r in out}
+    return run
 
 
 def _order(run: dict):
@@ -70,7 +74,7 @@ def test_measured_bubble_counts_overlapping_actions_once_as_the_analysis_does():
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_measured_bubble_is_within_3_points_of_the_schedule_ideal(schedule):
+def test_measured_bubble_is_within_3_points_of_the_schedule_ideal(schedule, bubble_runs):
     run = bubble_runs()[schedule]
     cmp = compare_bubble(run["rows"], schedule=schedule, num_ranks=PP, num_microbatches=M,
                          virtual_stages=run["virtual_stages"], order=_order(run))
@@ -87,7 +91,7 @@ def test_measured_bubble_is_within_3_points_of_the_schedule_ideal(schedule):
 
 
 @pytest.mark.multiproc
-def test_pipeline_table_has_one_row_per_stage_microbatch_and_action():
+def test_pipeline_table_has_one_row_per_stage_microbatch_and_action(bubble_runs):
     runs = bubble_runs()
     for schedule, actions in [("gpipe", {"F", "B"}), ("1f1b", {"F", "B"}), ("interleaved-1f1b", {"F", "B"}),
                               ("zero-bubble", {"F", "I", "W"})]:
@@ -104,7 +108,7 @@ def test_pipeline_table_has_one_row_per_stage_microbatch_and_action():
 
 
 @pytest.mark.multiproc
-def test_torch_order_matches_the_simulator_for_gpipe_and_is_skipped_for_1f1b():
+def test_torch_order_matches_the_simulator_for_gpipe_and_is_skipped_for_1f1b(bubble_runs):
     runs = bubble_runs()
     assert runs["1f1b"]["order"] is None   # Schedule1F1B.pipeline_order is wrong on the last rank
     from dtprobe.schedule_sim import schedule_order

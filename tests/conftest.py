@@ -17,6 +17,7 @@ deselects ``gpu`` (``-m "not gpu"``) on CPU machines.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -72,14 +73,37 @@ def free_port() -> Callable[[], int]:
     return pick
 
 
+def run_to_end(cmd: list[str], *, env: dict[str, str], timeout_s: float,
+               cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
+    """``cmd`` to its end, output captured as text. The child leads a process group of its own, so a child that
+    outlives ``timeout_s`` is stopped with everything it started (a ``dtprobe run``'s agent and workers): SIGTERM to
+    the group, so the launcher can stop its workers, then SIGKILL after 20 s; then ``TimeoutExpired`` is raised."""
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        for sig, grace_s in ((signal.SIGTERM, 20), (signal.SIGKILL, 30)):
+            try:
+                os.killpg(proc.pid, sig)
+                proc.communicate(timeout=grace_s)
+                break
+            except ProcessLookupError:
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 @pytest.fixture(scope="session")
 def run_cli() -> Callable[..., subprocess.CompletedProcess]:
     """``run_cli(*args, timeout_s=300, env=None, cwd=None)``: ``python -m dtprobe.cli *args`` to its end, output
     captured as text; ``env`` defaults to ``child_env()``. The caller checks ``returncode``."""
     def run(*args: str | os.PathLike, timeout_s: float = CLI_TIMEOUT_S, env: dict[str, str] | None = None,
             cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "dtprobe.cli", *map(str, args)], env=env or child_environment(),
-                              cwd=cwd, capture_output=True, text=True, timeout=timeout_s)
+        return run_to_end([sys.executable, "-m", "dtprobe.cli", *map(str, args)], env=env or child_environment(),
+                          cwd=cwd, timeout_s=timeout_s)
     return run
 
 
@@ -89,8 +113,8 @@ def run_python() -> Callable[..., subprocess.CompletedProcess]:
     as text; ``env`` defaults to ``child_env()``."""
     def run(code: str, *args: str | os.PathLike, timeout_s: float = CLI_TIMEOUT_S,
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-c", code, *map(str, args)], env=env or child_environment(),
-                              capture_output=True, text=True, timeout=timeout_s)
+        return run_to_end([sys.executable, "-c", code, *map(str, args)], env=env or child_environment(),
+                          timeout_s=timeout_s)
     return run
 
 

@@ -52,7 +52,6 @@ def test_runtime_model_built_from_each_preset_has_the_catalog_parameter_count(na
     assert weights == BUILTIN_MODELS[name].num_params == model_preset(name).num_params
     assert sum(p.numel() for p in params.values()) == cfg.num_params
     assert cfg.max_seq_len == BUILTIN_MODELS[name].seq_len
-    assert cfg.flops_per_token(64) == BUILTIN_MODELS[name].training_flops_per_token(64)
 
 
 def test_planner_presets_are_the_catalog_entries():

@@ -49,12 +49,6 @@ class GPTConfig:
         per_block = 4 * (h * h + h) + (h * f + f) + (f * h + h) + 4 * h
         return v * h + s * h + n * per_block + 2 * h + h * v + v
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (forward + backward = 3x forward), matmuls and attention scores."""
-        h, f, n = self.hidden, self.ffn_hidden, self.num_layers
-        forward = 2 * n * (4 * h * h + 2 * h * f) + 2 * n * 2 * seq_len * h + 2 * h * self.vocab_size
-        return 3.0 * forward
-
 
 PRESETS: dict[str, GPTConfig] = {
     name: GPTConfig(num_layers=shape.num_layers, hidden=shape.hidden, num_heads=shape.num_heads,

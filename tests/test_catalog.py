@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ast
-import subprocess
 import sys
 from pathlib import Path
 
@@ -35,11 +34,12 @@ def test_catalog_imports_only_the_standard_library():
     assert {m.split(".")[0] for m in imported} <= sys.stdlib_module_names, imported
 
 
-def test_catalog_import_loads_no_torch_and_no_other_dtprobe_module():
+def test_catalog_import_loads_no_torch_and_no_other_dtprobe_module(run_python):
     code = ("import sys, dtprobe; before = set(sys.modules); import dtprobe.catalog; "
             "print(sorted(m for m in set(sys.modules) - before if m.startswith(('dtprobe', 'torch'))))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "['dtprobe.catalog']"
+    done = run_python(code)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "['dtprobe.catalog']"
 
 
 @pytest.mark.parametrize("name", list(BUILTIN_MODELS))

@@ -153,10 +153,7 @@ def test_cores_for_gives_each_worker_its_own_block_or_round_robin_cores(local_ra
     assert cores_for(local_rank, world, cores) == want
 
 
-def test_bind_cores_binds_existing_and_later_threads_of_the_process():
-    import subprocess
-    import sys
-
+def test_bind_cores_binds_existing_and_later_threads_of_the_process(run_python):
     code = """
 import os, threading, time, json
 from dtprobe.runtime.worker import bind_cores
@@ -168,7 +165,8 @@ print(json.dumps({"cores": cores, "main": sorted(os.sched_getaffinity(0)),
                   "early": sorted(os.sched_getaffinity(early.native_id)), **seen}))
 """
     cores = sorted(__import__("os").sched_getaffinity(0))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    out = run_python(code, timeout_s=120)
+    assert out.returncode == 0, out.stderr
     got = __import__("json").loads(out.stdout.strip().splitlines()[-1])
     want = cores[len(cores) // 2:2 * (len(cores) // 2)] if len(cores) >= 2 else cores
     assert got == {"cores": want, "main": want, "early": want, "late": want}

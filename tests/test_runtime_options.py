@@ -5,8 +5,6 @@ import no torch (``dtprobe run --help`` stays fast)."""
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
 
 import pytest
 
@@ -110,7 +108,7 @@ def test_help_epilog_lists_every_toml_key_with_its_default_and_every_fault_kind(
         assert kind.example in text
 
 
-def test_config_modules_and_the_run_parser_import_no_torch():
+def test_config_modules_and_the_run_parser_import_no_torch(run_python):
     code = ("import argparse, sys\n"
             "import dtprobe.runtime.config, dtprobe.runtime.config_sections, dtprobe.runtime.layout\n"
             "import dtprobe.runtime.options, dtprobe.runtime.faults, dtprobe.collectors.config\n"
@@ -118,5 +116,6 @@ def test_config_modules_and_the_run_parser_import_no_torch():
             "parser = argparse.ArgumentParser(); run.add_parser(parser.add_subparsers())\n"
             "parser.parse_args(['run', '--nproc', '2']).func\n"
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    out = run_python(code, timeout_s=120)
+    assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"

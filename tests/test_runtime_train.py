@@ -130,7 +130,7 @@ def test_straggler_slowdown_on_cpu_burns_factor_minus_one_times_the_last_compute
     _spin(0.2)                             # 0.2 s of CPU work, then 0.3 s waiting (not work: not counted)
     time.sleep(0.3)
     injector.after_compute()
-    cpu0, t0 = time.thread_time(), time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.thread_time()    # the wall interval encloses the CPU one
     injector.in_compute(1)                 # burns (1.5 - 1) x ~0.2 s of this thread's CPU, sleeps nothing
     burnt, wall = time.thread_time() - cpu0, time.perf_counter() - t0
     assert 0.099 <= burnt < 0.16 and wall >= burnt

@@ -28,13 +28,13 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "steps": {
         "rank": "int32", "step": "int64", "start_ns": "int64", "end_ns": "int64",
         "data_ns": "int64", "fwd_ns": "int64", "bwd_ns": "int64", "opt_ns": "int64",
-        "loss": "float64", "tokens": "int64", "lr": "float64", "restart": "int32",
+        "loss": "float64", "tokens": "int64", "lr": "float64", "restart": "int32", "clock": "string",
     },
     "collectives": {
         "rank": "int32", "pg": "string", "pg_ranks": "string", "pg_size": "int32", "seq": "int64",
         "op": "string", "num_bytes": "int64", "dtype": "string", "enqueue_ns": "int64",
         "start_ns": "int64", "end_ns": "int64", "step": "int64", "peer": "int32", "timing": "string",
-        "restart": "int32",
+        "restart": "int32", "arrive_ns": "int64",
     },
     "devices": {
         "rank": "int32", "host": "string", "time_ns": "int64", "source": "string", "gpu": "int32",
@@ -51,7 +51,7 @@ SCHEMAS: dict[str, dict[str, str]] = {
     },
     "pipeline": {
         "rank": "int32", "stage": "int32", "step": "int64", "microbatch": "int32", "action": "string",
-        "start_ns": "int64", "end_ns": "int64",
+        "start_ns": "int64", "end_ns": "int64", "clock": "string",
     },
     "amp": {
         "rank": "int32", "step": "int64", "scale_before": "float64", "scale_after": "float64",
@@ -95,7 +95,7 @@ SCHEMAS: dict[str, dict[str, str]] = {
 
 TIME_COLUMNS: dict[str, tuple[str, ...]] = {
     "steps": ("start_ns", "end_ns"),
-    "collectives": ("enqueue_ns", "start_ns", "end_ns"),
+    "collectives": ("enqueue_ns", "start_ns", "end_ns", "arrive_ns"),
     "devices": ("time_ns",),
     "faults": ("time_ns",),
     "pipeline": ("start_ns", "end_ns"),

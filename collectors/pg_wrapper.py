@@ -26,17 +26,16 @@ Read by ``dtprobe.store`` (tables ``collectives``, ``pending``) and ``dtprobe.ru
 from __future__ import annotations
 
 import collections
-import datetime
+import functools
 import itertools
-import os
 import threading
 import time
-import warnings
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from dtprobe.collectors import nccl
 from dtprobe.store.schema import SCHEMAS
 
 GLOO_BACKEND = "dtprobe_gloo"
@@ -261,19 +260,6 @@ def _sum_bytes(tensors: Any) -> tuple[int, str | None]:
     return sum(_nbytes(t) for t in flat), (dtype_name(flat[0].dtype) if flat else None)
 
 
-def _to_ns(value: Any) -> int | None:
-    """A WorkInfo time (datetime, timedelta, or a number of ns) as integer nanoseconds; None if unknown."""
-    if value is None:
-        return None
-    if isinstance(value, datetime.datetime):
-        # pybind11 turns std::chrono::system_clock into a naive datetime in LOCAL time, which is what
-        # ``timestamp()`` assumes for naive values; aware values convert exactly. (Microsecond resolution.)
-        return int(round(value.timestamp() * 1e6)) * 1000
-    if isinstance(value, datetime.timedelta):
-        return (value.days * 86_400 + value.seconds) * 1_000_000_000 + value.microseconds * 1_000
-    return int(value)
-
-
 def _failed(future: Any) -> bool:
     """True if a work's future finished with an error (a peer died, the group was aborted): that is no
     completion, so the row stays in flight and is written at close with ``end_ns`` null, like a hang's."""
@@ -462,7 +448,7 @@ class RecordingProcessGroup(dist.ProcessGroup):
         self._p2p_seq: dict[tuple[int, str], Any] = {}
         self._no_future_ops: set[str] = set()
         self._habits: dict[str, _WaitHabit] = {}    # per op: how its callers wait (see _WaitHabit)
-        self._matcher: NcclCompletionMatcher | None = None
+        self._matcher: nccl.NcclCompletionMatcher | None = None
 
     # ---- identity (DeviceMesh, FSDP2 and DTensor need the group name) ----
     def size(self) -> int:
@@ -741,59 +727,11 @@ class RecordingProcessGroup(dist.ProcessGroup):
         n, dt = _sum_bytes(tensors)
         return self._issue("recv", n, dt, lambda: self._inner.recv_anysource(tensors, tag), peer=-1)
 
-    # ---- NCCL completion hook ----
+    # ---- NCCL completion hook (collectors/nccl.py) ----
     def enable_completion_timing(self) -> bool:
         """Take device timings from the inner NCCL group's completion hook; False if unavailable."""
-        try:
-            matcher = NcclCompletionMatcher(self._recorder)
-            self._inner._register_on_completion_hook(matcher.on_completion)
-        except (RuntimeError, AttributeError) as exc:
-            warnings.warn(f"dtprobe: NCCL completion hook unavailable ({exc}); collectives get no end time.",
-                          stacklevel=2)
-            return False
-        self._matcher = matcher
-        return True
-
-
-class NcclCompletionMatcher:
-    """Pairs NCCL ``WorkInfo`` completions with the rows issued on one group and writes them.
-
-    NCCL completes a group's collectives in issue order (one stream) and its p2p ops in issue order per peer
-    stream; the watchdog reports them in that order, so a FIFO per kind (collective / p2p) pairs them.
-    ``WorkInfo``: ``time_started`` (host call), ``time_finished`` (watchdog saw completion),
-    ``active_duration`` (CUDA-event duration launch -> completion). Rows get ``end_ns = time_finished`` and
-    ``start_ns = end_ns - active_duration``, ``timing="cuda_event"``.
-    """
-
-    _P2P_TYPES = ("SEND", "RECV", "RECVANYSOURCE")
-
-    def __init__(self, recorder: CollectiveRecorder) -> None:
-        self._recorder = recorder
-        self._queues: dict[bool, collections.deque] = {False: collections.deque(), True: collections.deque()}
-        self._lock = threading.Lock()
-
-    def expect(self, row: dict[str, Any], *, is_p2p: bool) -> None:
-        key = self._recorder.track(row)
-        with self._lock:
-            self._queues[is_p2p].append((key, row))
-
-    def on_completion(self, info: Any) -> None:
-        op_type = str(getattr(info, "op_type", "")).rsplit(".", 1)[-1].upper()
-        is_p2p = op_type in self._P2P_TYPES
-        with self._lock:
-            queue = self._queues[is_p2p]
-            if not queue:
-                return                # a collective issued before recording started, or not recorded
-            key, row = queue.popleft()
-        if not self._recorder.untrack(key):
-            return
-        end_ns = _to_ns(getattr(info, "time_finished", None))
-        duration_ns = _to_ns(getattr(info, "active_duration", None))
-        row["end_ns"] = end_ns
-        if end_ns is not None and duration_ns is not None and duration_ns >= 0:
-            row["start_ns"] = end_ns - duration_ns
-        row["timing"] = "cuda_event"
-        self._recorder.emit(row)
+        self._matcher = nccl.enable_completion_timing(self._inner, self._recorder)
+        return self._matcher is not None
 
 
 # ---- backend registration ----
@@ -811,28 +749,6 @@ def _make_gloo(opts: Any, backend_options: Any = None) -> RecordingProcessGroup:
     return RecordingProcessGroup(inner, rank, size, backend_name=GLOO_BACKEND)
 
 
-def _make_nccl(opts: Any, backend_options: Any = None) -> RecordingProcessGroup:
-    """Creator for ``dtprobe_nccl``: a ProcessGroupNCCL built as ``init_process_group("nccl")`` would
-    (``pg_options`` of type ``ProcessGroupNCCL.Options`` are honoured), held by a plain ProcessGroup so the
-    completion hook can be registered on it."""
-    store, rank, size = opts.store, opts.group_rank, opts.group_size
-    options = backend_options if backend_options is not None else dist.ProcessGroupNCCL.Options()
-    if backend_options is None:
-        options.is_high_priority_stream = False
-    options._timeout = opts.timeout
-    options.global_ranks_in_group = list(opts.global_ranks_in_group)
-    options.group_name = opts.group_id
-    backend = dist.ProcessGroupNCCL(store, rank, size, options)
-    backend._set_sequence_number_for_group()
-    inner = dist.ProcessGroup(store, rank, size)
-    inner._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, backend)
-    inner._set_default_backend(dist.ProcessGroup.BackendType.NCCL)
-    pg = RecordingProcessGroup(inner, rank, size, backend_name=NCCL_BACKEND, device_timing=True)
-    if RECORDER.nccl_timing and os.environ.get("TORCH_NCCL_ENABLE_TIMING") == "1":
-        pg.enable_completion_timing()
-    return pg
-
-
 def register_backends() -> None:
     """Register ``dtprobe_gloo`` (cpu) and, when NCCL is built in, ``dtprobe_nccl`` (cuda). Idempotent.
 
@@ -843,4 +759,6 @@ def register_backends() -> None:
     if GLOO_BACKEND.upper() not in plugins:
         dist.Backend.register_backend(GLOO_BACKEND, _make_gloo, extended_api=True, devices=["cpu"])
     if dist.is_nccl_available() and NCCL_BACKEND.upper() not in plugins:
-        dist.Backend.register_backend(NCCL_BACKEND, _make_nccl, extended_api=True, devices=["cuda"])
+        make = functools.partial(nccl.make_nccl, recorder=RECORDER, wrap=functools.partial(
+            RecordingProcessGroup, backend_name=NCCL_BACKEND, device_timing=True))
+        dist.Backend.register_backend(NCCL_BACKEND, make, extended_api=True, devices=["cuda"])

@@ -22,7 +22,8 @@ DOCUMENTED_FLAGS = {
     "--virtual-stages": "layout.virtual_stages", "--sequence-parallel": "layout.sequence_parallel",
     "--activation-checkpointing": "layout.activation_checkpointing", "--stage-sleep": "layout.stage_sleep",
     "--steps": "train.steps", "--batch-size": "train.batch_size", "--seq-len": "train.seq_len",
-    "--grad-accum": "train.grad_accum", "--lr": "train.lr", "--lr-scaling": "train.lr_scaling",
+    "--grad-accum": "train.grad_accum", "--optimizer": "train.optimizer", "--lr": "train.lr",
+    "--lr-scaling": "train.lr_scaling",
     "--reference-batch": "train.reference_batch", "--warmup": "train.warmup", "--clip": "train.clip",
     "--seed": "train.seed", "--bucket-mb": "train.bucket_mb", "--data": "train.data",
     "--precision": "precision.dtype", "--compress": "compression.method",
@@ -35,7 +36,8 @@ DOCUMENTED_FLAGS = {
 """Every option flag of ``dtprobe run`` as documented (README.md, ``--help``) -> the job key it sets."""
 
 DOCUMENTED_CHOICES = {"--device": ("auto", "cpu", "cuda"), "--cpu-bind": ("auto", "off"),
-                      "--lr-scaling": ("linear", "none"), "--data": ("synthetic", "text")}
+                      "--lr-scaling": ("linear", "none"), "--data": ("synthetic", "text"),
+                      "--optimizer": ("adamw", "lamb", "lars")}
 """Flags whose values argparse itself restricts (the dataclasses validate every other value)."""
 
 

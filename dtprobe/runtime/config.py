@@ -25,6 +25,7 @@ from dtprobe.runtime.options import LAUNCH_GROUP, Flag, option, section, section
 from dtprobe.store.errors import ConfigError
 
 LR_SCALINGS = ("linear", "none")
+OPTIMIZERS = ("adamw", "lamb", "lars")
 DATA_SOURCES = ("synthetic", "text")
 DEVICES = ("auto", "cpu", "cuda")
 CPU_BINDS = ("auto", "off")
@@ -55,8 +56,14 @@ class TrainConfig:
     """Tokens per sequence (at most the preset's max_seq_len)."""
     grad_accum: int = option(1)
     """Micro-batches accumulated per optimizer step (DDP syncs only on the last one)."""
+    optimizer: str = option("adamw", choices=OPTIMIZERS)
+    """``adamw``; ``lamb`` (Adam moments, update scaled per parameter by the trust ratio ||w||/||update||) or
+    ``lars`` (momentum SGD, lr scaled per parameter by 0.001 * ||w||/(||grad|| + weight_decay * ||w||); its lr
+    is the paper's global lr, orders of magnitude above AdamW's): the large-batch optimizers of You et al.
+    (``runtime.optimizers``). Norms are of whole parameters on every layout; 1-D parameters (biases, norms)
+    get neither weight decay nor a trust ratio under lamb and lars."""
     lr: float = option(1e-3)
-    """Peak AdamW learning rate for a global batch of ``reference_batch`` sequences."""
+    """Peak learning rate of ``optimizer`` for a global batch of ``reference_batch`` sequences."""
     lr_scaling: str = option("linear", choices=LR_SCALINGS)
     """``linear``: peak lr = lr * global_batch / reference_batch (Goyal et al. 2017); ``none``: lr as given."""
     reference_batch: int = option(32)
@@ -66,7 +73,7 @@ class TrainConfig:
     clip: float = option(1.0)
     """Max global gradient norm (``clip_grad_norm_``); 0 disables clipping."""
     weight_decay: float = 0.1
-    """AdamW decoupled weight decay."""
+    """Weight decay (decoupled for adamw and lamb, added to the gradient for lars)."""
     seed: int = option(0)
     """Seeds the weights and the data order: the same seed gives the same losses."""
     bucket_mb: float = option(25.0)
@@ -82,6 +89,8 @@ class TrainConfig:
             raise ConfigError(f"train.seq_len = {self.seq_len}; it must be >= 2 tokens.")
         if not self.lr > 0:
             raise ConfigError(f"train.lr = {self.lr}; it must be > 0 (e.g. 1e-3).")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"train.optimizer = {self.optimizer!r}; use --optimizer with one of {list(OPTIMIZERS)}.")
         if self.lr_scaling not in LR_SCALINGS:
             raise ConfigError(f"train.lr_scaling = {self.lr_scaling!r}; use 'linear' or 'none'.")
         if self.warmup < 0 or self.clip < 0 or self.weight_decay < 0:

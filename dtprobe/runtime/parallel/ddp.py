@@ -1,4 +1,4 @@
-"""Pure data parallel (``Layout.is_pure_dp``): the DDP-wrapped GPT, its AdamW and the DDP train step, as the
+"""Pure data parallel (``Layout.is_pure_dp``): the DDP-wrapped GPT, its optimizer and the DDP train step, as the
 ``TrainParts`` the train loop (``runtime.train``) runs.
 
 The step: for each gradient-accumulation micro-batch, forward (``fwd`` phase) and backward (``bwd`` phase) under
@@ -18,11 +18,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dtprobe.runtime.config import JobConfig
 from dtprobe.runtime.model import build_model, lm_loss
+from dtprobe.runtime.optimizers import build_optimizer, optimizer_kwargs
 from dtprobe.runtime.step_api import PlainOps, TrainContext, TrainParts
 
 
 def build_ddp(job: JobConfig, *, probe: Any, device: torch.device) -> TrainParts:
-    """GPT preset on ``device`` wrapped in DDP (``bucket_cap_mb``), AdamW, the job's precision ops, and its
+    """GPT preset on ``device`` wrapped in DDP (``bucket_cap_mb``), the job's optimizer, precision ops, and its
     gradient-compression hook (``[compression]``) when one is set."""
     model = build_model(job.model.name, seed=job.train.seed).to(device)
     ddp = DDP(model, bucket_cap_mb=job.train.bucket_mb,
@@ -31,8 +32,7 @@ def build_ddp(job: JobConfig, *, probe: Any, device: torch.device) -> TrainParts
         from dtprobe.runtime.compression import register_compression
 
         register_compression(ddp, job.compression, record=probe.record)
-    optimizer = torch.optim.AdamW(ddp.parameters(), lr=job.train.lr, betas=(0.9, 0.95),
-                                  weight_decay=job.train.weight_decay)
+    optimizer = build_optimizer(ddp.parameters(), name=job.train.optimizer, **optimizer_kwargs(job.train))
     return TrainParts(modules=[ddp], optimizer=optimizer, train_step=ddp_train_step, dp_rank=probe.rank,
                       dp_size=probe.world_size, ops=_precision_ops(job, probe=probe, device=device),
                       params=list(model.parameters()))

@@ -20,6 +20,7 @@ from torch import nn
 from dtprobe.runtime.config import JobConfig
 from dtprobe.runtime.layout import Layout
 from dtprobe.runtime.model import build_model, lm_loss
+from dtprobe.runtime.optimizers import build_optimizer, optimizer_kwargs
 from dtprobe.runtime.parallel.ac import apply_ac
 from dtprobe.runtime.parallel.grad_norm import clip_grad_norm
 from dtprobe.runtime.parallel.memory import memory_row
@@ -28,7 +29,7 @@ from dtprobe.runtime.parallel.pp import (PipelineTimer, SleepStage, StageSleep, 
                                          sleep_loss, stage_module)
 from dtprobe.runtime.parallel.stage_sleep import parse_stage_sleep
 from dtprobe.runtime.parallel.tp import apply_tp
-from dtprobe.runtime.parallel.zero import allreduce_grads, apply_data_parallel, build_optimizer
+from dtprobe.runtime.parallel.zero import allreduce_grads, apply_data_parallel
 from dtprobe.runtime.step_api import PlainOps, TrainContext, TrainParts
 from dtprobe.store.errors import ConfigError
 
@@ -219,11 +220,12 @@ def _set_grad_sync(model: nn.Module, enabled: bool) -> None:
 
 
 def parallelize_model(model: nn.Module, layout: Any, *, world_size: int, rank: int, device: torch.device,
-                optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
-                optimizer_kwargs: dict[str, Any] | None = None, init_mesh: Callable[..., Any] | None = None,
+                optimizer: str = "adamw", optimizer_kwargs: dict[str, Any] | None = None,
+                init_mesh: Callable[..., Any] | None = None,
                 max_norm: float = 0.0, record: Record | None = None, stage_sleep: StageSleep | None = None,
                 global_batch: int | None = None, seq_len: int | None = None) -> Parallelized:
-    """Lay the built-in GPT out on ``layout`` (a ``runtime.layout.Layout``) and build its optimizer.
+    """Lay the built-in GPT out on ``layout`` (a ``runtime.layout.Layout``) and build its optimizer (``optimizer``:
+    a ``runtime.optimizers`` name, with ``optimizer_kwargs``).
 
     ``model`` is the full model, initialised identically on every rank (``build_model(name, seed=...)``).
     ``init_mesh`` is ``probe.init_device_mesh`` when instrumented (collectives then carry the axis names);
@@ -242,7 +244,7 @@ def parallelize_model(model: nn.Module, layout: Any, *, world_size: int, rank: i
     coords = dims.coords(rank)
     model.to(device)
     tp_mesh, dp_mesh, pp_mesh = (axis_mesh(mesh, a) for a in ("tp", "dp", "pp"))
-    optimizer_kwargs = dict(optimizer_kwargs or {"lr": 1e-3})
+    kwargs = dict(optimizer_kwargs or {"lr": 1e-3})
 
     stage_indices: list[int] = []
     if dims.pp > 1:
@@ -266,11 +268,11 @@ def parallelize_model(model: nn.Module, layout: Any, *, world_size: int, rank: i
         parts = [apply_data_parallel(p, dp_mesh, zero=layout.zero, only_dp=only_dp) for p in parts]
 
     params = [p for part in parts for p in part.parameters()]
-    optimizer = build_optimizer(params, zero=layout.zero, dp_mesh=dp_mesh, optimizer_class=optimizer_class,
-                                optimizer_kwargs=optimizer_kwargs)
-    result = Parallelized(model_parts=parts, optimizer=optimizer, dims=dims, coords=coords, mesh=mesh,
+    zero_group = dp_mesh.get_group() if layout.zero == 1 and dp_mesh is not None else None
+    result = Parallelized(model_parts=parts, dims=dims, coords=coords, mesh=mesh,
                           device=device, record=record, stage_indices=stage_indices, max_norm=max_norm,
-                          loss_fn=sleep_loss if stage_sleep is not None else lm_loss)
+                          loss_fn=sleep_loss if stage_sleep is not None else lm_loss,
+                          optimizer=build_optimizer(params, name=optimizer, zero_group=zero_group, **kwargs))
     if layout.zero == 1 and dp_mesh is not None and dims.pp > 1:
         result.grad_allreduce_group = dp_mesh.get_group()
     if dims.pp > 1:
@@ -297,7 +299,7 @@ def parallelize(job: JobConfig, layout: Layout, *, probe: Any, device: torch.dev
     init_mesh = getattr(probe, "init_device_mesh", None)
     par = parallelize_model(
         model, layout, world_size=probe.world_size, rank=probe.rank, device=device,
-        optimizer_kwargs={"lr": tcfg.lr, "betas": (0.9, 0.95), "weight_decay": tcfg.weight_decay},
+        optimizer=tcfg.optimizer, optimizer_kwargs=optimizer_kwargs(tcfg),
         init_mesh=init_mesh, record=probe.record, max_norm=tcfg.clip,
         stage_sleep=parse_stage_sleep(layout.stage_sleep),
         global_batch=tcfg.batch_size * tcfg.grad_accum * layout.dp, seq_len=tcfg.seq_len)

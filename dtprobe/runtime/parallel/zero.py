@@ -51,18 +51,6 @@ def apply_data_parallel(module: nn.Module, dp_mesh: Any, *, zero: int, only_dp: 
     return module
 
 
-def build_optimizer(params: list[nn.Parameter], *, zero: int, dp_mesh: Any,
-                    optimizer_class: type[torch.optim.Optimizer],
-                    optimizer_kwargs: dict[str, Any]) -> torch.optim.Optimizer:
-    """The optimizer over this rank's parameters; with ZeRO-1 its states are partitioned over the dp group."""
-    if zero == 1 and dp_mesh is not None:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, process_group=dp_mesh.get_group(),
-                                       parameters_as_bucket_view=True, **optimizer_kwargs)
-    return optimizer_class(params, **optimizer_kwargs)
-
-
 def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The optimizer that holds this rank's states (ZeroRedundancyOptimizer keeps them in ``.optim``)."""
     return getattr(optimizer, "optim", optimizer)

@@ -1,4 +1,5 @@
-"""``dtprobe export tables|perfetto RUN``: write a run's tables as CSV/Parquet files, or a Perfetto trace."""
+"""``dtprobe export tables|perfetto|tensorboard|mlflow RUN``: write a run's tables as CSV/Parquet files, a Perfetto
+trace, TensorBoard event files, or an MLflow run (the last two through ``dtprobe.export``)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ from pathlib import Path
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "export", help="export a run's tables (CSV/Parquet) or a Perfetto trace",
+        "export", help="export a run's tables (CSV/Parquet), a Perfetto trace, TensorBoard scalars or an MLflow run",
         description="Export a run for other tools: `tables` writes one file per non-empty table "
                     "(steps, collectives, devices, faults, ...), clock-aligned; `perfetto` writes a trace for "
-                    "ui.perfetto.dev.")
+                    "ui.perfetto.dev; `tensorboard` writes per-step scalars and the findings for TensorBoard; "
+                    "`mlflow` logs the key figures, layout, findings and timeline as an MLflow run. "
+                    "See docs/exporters.md.")
     sub = parser.add_subparsers(dest="what", required=True, metavar="WHAT")
     tables = sub.add_parser(
         "tables", help="one CSV or Parquet file per non-empty table",
@@ -25,12 +28,38 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Write a trace of RUN (steps, phases, collectives per rank) that ui.perfetto.dev opens.")
     perfetto.add_argument("run", metavar="RUN", help="run directory")
     perfetto.add_argument("-o", "--out", required=True, metavar="FILE", help="output trace file")
+    tensorboard = sub.add_parser(
+        "tensorboard", help="per-step scalars and the findings as TensorBoard event files",
+        description="Write one TensorBoard event file into DIR: per step, step_time_ms/rank<R>, tokens_per_s, "
+                    "loss, loss_scale, exposed_comm_frac/rank<R>, lateness_frac/<group>/rank<R>; and the findings "
+                    "(as `dtprobe analyze --format md` prints them) as the text `findings`. View with "
+                    "`tensorboard --logdir DIR`. Needs pip install dtprobe[tensorboard].")
+    tensorboard.add_argument("run", metavar="RUN", help="run directory (or Kineto trace folder)")
+    tensorboard.add_argument("-o", "--out", required=True, metavar="DIR",
+                             help="log directory for the event file (created; must hold no event file yet)")
+    mlflow = sub.add_parser(
+        "mlflow", help="the key figures, layout, findings and timeline as an MLflow run",
+        description="Log RUN as a new MLflow run: the key figures and finding counts as metrics, the layout as "
+                    "params (layout.dp, layout.tp, ...), findings.json (as `dtprobe analyze --format json` prints "
+                    "it) and timeline.perfetto.json as artifacts. Works with mlflow-skinny alone against a file "
+                    "store (--tracking-uri file:./mlruns; dtprobe sets MLFLOW_ALLOW_FILE_STORE=true for it, "
+                    "since MLflow keeps that backend in maintenance mode) or an MLflow server (http://HOST:5000). "
+                    "Needs pip install dtprobe[mlflow].")
+    mlflow.add_argument("run", metavar="RUN", help="run directory (or Kineto trace folder)")
+    mlflow.add_argument("--tracking-uri", metavar="URI", default=None,
+                        help="MLflow tracking URI (default: MLFLOW_TRACKING_URI, else MLflow's default store)")
+    mlflow.add_argument("--experiment", metavar="NAME", default="dtprobe",
+                        help="experiment to log into, created if missing (default: dtprobe)")
+    mlflow.add_argument("--run-name", metavar="NAME", default=None,
+                        help="name of the MLflow run (default: the run directory's name)")
     parser.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
     """Dispatch on the sub-command."""
-    return main_perfetto(args) if args.what == "perfetto" else main_tables(args)
+    commands = {"tables": main_tables, "perfetto": main_perfetto, "tensorboard": main_tensorboard,
+                "mlflow": main_mlflow}
+    return commands[args.what](args)
 
 
 def main_tables(args: argparse.Namespace) -> int:
@@ -80,4 +109,57 @@ def main_perfetto(args: argparse.Namespace) -> int:
     num_events = getattr(summary, "num_events", None)
     detail = f" ({num_events} events)" if num_events is not None else ""
     console.print(f"Wrote {args.out}{detail}; open it at https://ui.perfetto.dev", highlight=False)
+    return 0
+
+
+def _analysis(console, path: str):
+    """The ``RunAnalysis`` of ``path``, key figures and findings computed under a status line; TraceError when the
+    run holds no rows at all."""
+    from dtprobe.analysis.facade import RunAnalysis, open_source
+    from dtprobe.commands.analyze import _check_not_empty
+    from dtprobe.store import TraceError
+
+    with console.status(f"Reading {path} ...") as status:
+        analysis = RunAnalysis(open_source(path))
+        _check_not_empty(analysis, TraceError)
+        status.update(f"Analysing {path} ...")
+        analysis.key_figures()
+        analysis.findings()
+    return analysis
+
+
+def main_tensorboard(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from dtprobe.export.tensorboard import write_tensorboard
+
+    console = Console()
+    analysis = _analysis(console, args.run)
+    with console.status(f"Writing TensorBoard events to {args.out} ..."):
+        done = write_tensorboard(analysis, Path(args.out))
+    console.print(f"Wrote {done.num_points} scalar points ({len(done.tags)} tags) and {done.num_findings} "
+                  f"finding(s) to {done.log_dir}; view with: tensorboard --logdir {done.log_dir}", highlight=False,
+                  soft_wrap=True)
+    return 0
+
+
+def main_mlflow(args: argparse.Namespace) -> int:
+    import os
+    from urllib.parse import urlparse
+
+    from rich.console import Console
+
+    from dtprobe.export.mlflow import export_mlflow
+
+    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if uri is not None and urlparse(uri).scheme in ("", "file"):
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")   # a folder named on purpose: MLflow's file store
+    console = Console()
+    analysis = _analysis(console, args.run)
+    with console.status(f"Logging to MLflow ({args.tracking_uri or 'default tracking URI'}) ..."):
+        done = export_mlflow(analysis, tracking_uri=args.tracking_uri, experiment=args.experiment,
+                             run_name=args.run_name)
+    console.print(f"Logged MLflow run {done.run_id} in experiment {args.experiment!r} (id {done.experiment_id}) at "
+                  f"{done.tracking_uri}: {len(done.metrics)} metrics, {len(done.params)} params, artifacts "
+                  f"{', '.join(done.artifacts)}", highlight=False, soft_wrap=True)
     return 0

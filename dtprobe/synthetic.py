@@ -1,6 +1,6 @@
 """Synthetic runs with known answers, for the tests, the dashboard tests and the benchmarks: hand-made,
-deterministic timelines as schema-typed tables (``dp_tables``, ``dp_pp_tables``, ``pipeline_tables``,
-``lockstep_tables``), written as real run directories with the store's own writer (``write_run``,
+deterministic timelines as schema-typed tables (``dp_tables``, ``cuda_dp_tables``, ``dp_pp_tables``,
+``pipeline_tables``, ``lockstep_tables``), written as real run directories with the store's own writer (``write_run``,
 ``write_rows_run``), or appended step by step to a run that is still running (``SyntheticRun``).
 
 ``dp_tables`` / ``DataParallelTimeline`` model DDP: per step data -> fwd -> bwd (bucket all-reduces enqueued during
@@ -180,6 +180,67 @@ def dp_pp_tables(*, dp: int = 2, pp: int = 2, num_steps: int = 20, straggler: in
     return {"steps": frame_from_rows("steps", steps), "collectives": frame_from_rows("collectives", coll)}
 
 
+def cuda_dp_tables(*, clock: str = "device", world: int = 4, num_steps: int = 20, straggler: int | None = None,
+                   delay_ms: float = 0.0, num_buckets: int = 3, jitter_ms: float = 1.0, seed: int = 0,
+                   pg: str = "dp", xfer_ms: float = 3.0) -> dict:
+    """A DDP run on CUDA as its collector writes it, as schema-typed frames (``steps``, ``collectives``): the host
+    runs ahead of its device, so a rank whose GPU is slow (``straggler``: its forward takes ``delay_ms`` longer on
+    the device) still enqueues its all-reduces on time.
+
+    Per rank and step, after the previous step's ``loss.item()`` synchronized host and device at ``t``: the host
+    loads data (5 ms), launches fwd (2 ms) and bwd (3 ms; bucket k's all-reduce enqueued at (k+1)/B of it), then
+    waits for the device; the device runs fwd 30 ms and bwd 50 ms (plus up to ``jitter_ms`` each) from the end
+    of data loading, reaches bucket k's all-reduce at (k+1)/B of its bwd (``arrive_ns``), NCCL starts there and
+    ends ``xfer_ms`` after the last member's arrival (one bucket after another), then opt 10 ms.
+
+    ``clock="device"``: what the CUDA collectors write: ``arrive_ns``, NCCL's start/end (``timing="cuda_event"``),
+    steps phased on the device (``steps.clock="device"``). ``clock="host"``: the same run as a host-only recorder
+    sees it: host enqueues, completions as the host learns of them (``timing="host"``), host phases
+    (``steps.clock="host"``), where the slow device only shows as the same wait for ``loss.item()`` on every
+    rank."""
+    if clock not in ("device", "host"):
+        raise ValueError(f"cuda_dp_tables(clock={clock!r}): expected 'device' or 'host'")
+    rng = random.Random(seed)
+    members = ",".join(str(r) for r in range(world))
+    steps, coll = [], []
+    t, seq = T0, 0
+    data_ms, opt_ms = 5.0, 10.0
+    for step in range(num_steps):
+        host_fwd = {r: 2.0 + rng.uniform(0, jitter_ms) for r in range(world)}
+        host_bwd = {r: 3.0 + rng.uniform(0, jitter_ms) for r in range(world)}
+        dev_fwd = {r: 30.0 + rng.uniform(0, jitter_ms) + (delay_ms if r == straggler else 0.0) for r in range(world)}
+        dev_bwd = {r: 50.0 + rng.uniform(0, jitter_ms) for r in range(world)}
+        bwd_start = {r: t + _ns(data_ms + dev_fwd[r]) for r in range(world)}
+        enq = {r: [t + _ns(data_ms + host_fwd[r] + (k + 1) / num_buckets * host_bwd[r]) for k in range(num_buckets)]
+               for r in range(world)}
+        arrive = {r: [bwd_start[r] + _ns((k + 1) / num_buckets * dev_bwd[r]) for k in range(num_buckets)]
+                  for r in range(world)}
+        done, prev = [], 0
+        for k in range(num_buckets):
+            prev = max(max(arrive[r][k] for r in range(world)), prev) + _ns(xfer_ms)
+            done.append(prev)
+        end = done[-1] + _ns(opt_ms)        # every device ends its opt after the last all-reduce; the hosts sync
+        for r in range(world):
+            for k in range(num_buckets):
+                row = {"rank": r, "pg": pg, "pg_ranks": members, "pg_size": world, "seq": seq + k + 1,
+                       "op": "allreduce", "num_bytes": 4 << 20, "dtype": "float32", "enqueue_ns": enq[r][k],
+                       "end_ns": done[k], "step": step, "timing": "host"}
+                if clock == "device":
+                    row.update(arrive_ns=arrive[r][k], start_ns=arrive[r][k], timing="cuda_event")
+                coll.append(row)
+            row = {"rank": r, "step": step, "start_ns": t, "end_ns": end, "data_ns": _ns(data_ms),
+                   "loss": 5.0 - 0.1 * step, "tokens": 512, "lr": 1e-3, "restart": 0, "clock": clock}
+            if clock == "device":
+                row.update(fwd_ns=_ns(dev_fwd[r]), bwd_ns=done[-1] - bwd_start[r], opt_ns=_ns(opt_ms))
+            else:
+                launched = t + _ns(data_ms + host_fwd[r] + host_bwd[r])
+                row.update(fwd_ns=_ns(host_fwd[r]), bwd_ns=_ns(host_bwd[r]), opt_ns=end - launched)
+            steps.append(row)
+        seq += num_buckets
+        t = end + _ns(1.0)
+    return {"steps": frame_from_rows("steps", steps), "collectives": frame_from_rows("collectives", coll)}
+
+
 def write_run(run_dir: Path, tables: dict[str, pd.DataFrame], *, world_size: int, config: dict | None = None,
               status: str = "finished") -> Path:
     """Write ``tables`` as a dtprobe run directory (events JSONL per rank, rank infos, run.json)."""
@@ -206,9 +267,10 @@ def write_run(run_dir: Path, tables: dict[str, pd.DataFrame], *, world_size: int
 
 
 def pipeline_tables(*, schedule: str = "gpipe", pp: int = 4, microbatches: int = 4, f_ms: float = 10.0,
-                    b_ms: float = 20.0, num_steps: int = 5, p2p_gap_ms: float = 0.0) -> dict:
+                    b_ms: float = 20.0, num_steps: int = 5, p2p_gap_ms: float = 0.0, clock: str | None = None) -> dict:
     """Pipeline rows replaying ``schedule_sim.simulate`` (so the measured bubble equals the ideal when
-    ``p2p_gap_ms`` is 0) plus steps rows spanning each step's pipeline window."""
+    ``p2p_gap_ms`` is 0) plus steps rows spanning each step's pipeline window; ``clock`` (``host`` / ``device``)
+    is written in both tables' ``clock`` column (null when None, as in runs written before the column)."""
     from dtprobe.schedule_sim import simulate
 
     res = simulate(schedule, num_ranks=pp, num_microbatches=microbatches, cost_f=f_ms, cost_b=b_ms,
@@ -218,11 +280,11 @@ def pipeline_tables(*, schedule: str = "gpipe", pp: int = 4, microbatches: int =
     for step in range(num_steps):
         for rank, stage, mb, action, a, b in res.records:
             pipe.append({"rank": rank, "stage": stage, "step": step, "microbatch": mb, "action": action,
-                         "start_ns": t + _ns(a), "end_ns": t + _ns(b)})
+                         "start_ns": t + _ns(a), "end_ns": t + _ns(b), "clock": clock})
         end = t + _ns(res.makespan)
         for rank in range(pp):
             steps.append({"rank": rank, "step": step, "start_ns": t, "end_ns": end + _ns(2.0), "tokens": 256,
-                          "loss": 3.0})
+                          "loss": 3.0, "clock": clock})
         t = end + _ns(5.0)
     return {"pipeline": frame_from_rows("pipeline", pipe), "steps": frame_from_rows("steps", steps)}
 

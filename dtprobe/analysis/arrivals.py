@@ -1,7 +1,11 @@
 """Arrival metrics of collectives: skew per collective, each member's wait and lateness vs its peers per step;
-read by ``stragglers`` (detector), ``exposed_comm``, ``hangs``, the facade and the dashboard.
+read by ``stragglers`` (detector), ``exposed_comm``, ``hangs``, the facade and the dashboard; the median of the
+other members (``lateness_vs_peers``) is also the arrival core of ``device_arrivals`` (Kineto trace folders).
 
 Arrival = clock-aligned ``enqueue_ns`` of a rank at a collective (pg, pg_ranks, seq); the store aligns clocks.
+On a CUDA run the host runs ahead of its device, so ``on_arrival_clock`` first puts each group on its best clock:
+the device arrival (``arrive_ns``: a CUDA event on the caller's stream) for groups whose rows have it, the host
+enqueue otherwise (CPU/gloo runs: the table is returned unchanged).
 """
 
 from __future__ import annotations
@@ -9,8 +13,46 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from dtprobe.analysis.clocks import DEVICE, HOST
 from dtprobe.analysis.tables import P2P_OPS, coded_rows, group_members, lookup_group_codes, run_starts, step_durations
 from dtprobe.store.columns import require_columns
+
+CLOCK_COLUMNS = ["pg", "pg_ranks", "clock"]
+
+
+def arrival_clocks(collectives: pd.DataFrame) -> pd.DataFrame:
+    """Per group (pg, pg_ranks): the clock its arrivals are read on, ``device`` when any of its rows has
+    ``arrive_ns`` (a CUDA run's collector writes it on every resolved row; a row whose event never resolved, e.g.
+    a hung collective, lacks it), else ``host``. Columns: ``CLOCK_COLUMNS``."""
+    require_columns(collectives, ["pg", "pg_ranks", "arrive_ns"], table="collectives")
+    if collectives.empty:
+        return pd.DataFrame({col: [] for col in CLOCK_COLUMNS})
+    keys = pd.DataFrame({"pg": collectives["pg"].fillna("").astype(str),
+                         "pg_ranks": collectives["pg_ranks"].fillna("").astype(str),
+                         "device": collectives["arrive_ns"].notna().to_numpy(dtype=bool)})
+    out = keys.groupby(["pg", "pg_ranks"], sort=True)["device"].any().reset_index()
+    out["clock"] = np.where(out["device"], DEVICE, HOST)
+    return out[CLOCK_COLUMNS]
+
+
+def on_arrival_clock(collectives: pd.DataFrame) -> pd.DataFrame:
+    """``collectives`` with ``enqueue_ns`` holding each row's arrival on its group's clock (``arrival_clocks``):
+    ``arrive_ns`` in device-clock groups (null where a row lacks it, so that row is no arrival), the host enqueue
+    elsewhere. The same object when no row has ``arrive_ns`` (CPU/gloo runs, runs written before the column), so
+    every host-clock verdict stays what it was. Completion (``end_ns``) is left as recorded: NCCL's device end
+    on ``cuda_event`` rows."""
+    require_columns(collectives, ["pg", "pg_ranks", "enqueue_ns", "arrive_ns"], table="collectives")
+    has = collectives["arrive_ns"].notna()
+    if not has.any():
+        return collectives
+    clocks = arrival_clocks(collectives)
+    device = clocks.loc[clocks["clock"] == DEVICE]
+    in_device = pd.MultiIndex.from_arrays([collectives["pg"].fillna("").astype(str),
+                                           collectives["pg_ranks"].fillna("").astype(str)]).isin(
+        pd.MultiIndex.from_arrays([device["pg"], device["pg_ranks"]]))
+    out = collectives.copy()
+    out["enqueue_ns"] = collectives["enqueue_ns"].where(~in_device, collectives["arrive_ns"])
+    return out
 
 ATTEMPT_SEQ_STRIDE = 1_000_000_000
 """``seq`` offset per torchrun attempt after ``unique_seq`` (attempt k's seq n becomes k * stride + n)."""
@@ -226,11 +268,23 @@ def _median_of_others_grouped(v: np.ndarray, gid: np.ndarray) -> np.ndarray:
     has_nan = np.add.reduceat(np.isnan(x).astype("int64"), start) > 0
     ok = ((n >= 2) & ~has_nan)[idx]
     pos = np.arange(len(x)) - start[idx]
-    med = np.where(ok, _median_of_others_sorted(x, start[idx], np.where(ok, pos, 0), np.where(ok, n[idx], 2)),
-                   np.nan)
+    med = np.full(len(x), np.nan)
+    med[ok] = _median_of_others_sorted(x, start[idx][ok], pos[ok], n[idx][ok])   # groups of one have no others
     out = np.empty(len(v), dtype="float64")
     out[order] = med
     return out
+
+
+def lateness_vs_peers(t_ns: np.ndarray, gid: np.ndarray) -> np.ndarray:
+    """Per element of ``t_ns`` (int64 arrival times): its arrival minus the median arrival of the other members of
+    its group (``gid``), in ns as float64; NaN in groups of one. Times are taken relative to each group's first
+    arrival first, so medians of large Unix-epoch times stay exact."""
+    t_ns, gid = np.asarray(t_ns, dtype="int64"), np.asarray(gid)
+    if not len(t_ns):
+        return np.empty(0, dtype="float64")
+    first = pd.Series(t_ns).groupby(gid).transform("min").to_numpy(dtype="int64")
+    rel = (t_ns - first).astype("float64")
+    return rel - _median_of_others_grouped(rel, gid)
 
 
 def median_of_others(v: np.ndarray) -> np.ndarray:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from dtprobe.analysis.clocks import HOST
 from dtprobe.analysis.findings import Finding, PredictedGain
 from dtprobe.intervals import bubble_frac
 from dtprobe.store.columns import require_columns
@@ -156,11 +157,11 @@ def ideal_bubble(shape: PipelineShape, *, microbatch_factor: float = 1.0) -> tup
 
 
 def detect_pipeline_bubble(by_rank: pd.DataFrame, shape: PipelineShape | None, *, step_ns: float | None,
-                           min_bubble_frac: float = 0.10) -> list[Finding]:
+                           min_bubble_frac: float = 0.10, clock: str = HOST) -> list[Finding]:
     """PIPELINE_BUBBLE (warning: costs time, never breaks a run) when the mean measured bubble is at least
     ``min_bubble_frac``; compares with the ideal and
     predicts the step-time gain of doubling the micro-batches (simulated, scaled by the pipeline's share of
-    the step)."""
+    the step). ``clock``: the clock of the pipeline rows measured (``clocks.clock_of(pipeline.clock)``)."""
     require_columns(by_rank, BY_RANK_COLUMNS, table="bubble_by_rank")
     if by_rank.empty or shape is None:
         return []
@@ -189,7 +190,7 @@ def detect_pipeline_bubble(by_rank: pd.DataFrame, shape: PipelineShape | None, *
         title=(f"pipeline idles {measured:.0%} of the step ({shape.schedule}, {shape.num_ranks} stages, "
                f"{m} micro-batches; ideal {ideal:.0%})"),
         evidence={
-            "schedule": shape.schedule, "schedule_source": shape.schedule_source,
+            "clock": clock, "schedule": shape.schedule, "schedule_source": shape.schedule_source,
             "num_stages": shape.num_stages, "num_pp_ranks": shape.num_ranks,
             "virtual_stages": shape.virtual_stages, "num_microbatches": m,
             "measured_bubble_frac": measured, "ideal_bubble_frac": ideal,

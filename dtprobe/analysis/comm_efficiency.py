@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from dtprobe.analysis.clocks import clock_of_timing
 from dtprobe.analysis.findings import Finding, PredictedGain
 from dtprobe.analysis.tables import P2P_OPS, coded_rows, run_starts, size_label
 from dtprobe.store.columns import require_columns
@@ -160,10 +161,12 @@ def detect_comm_inefficient(bw: pd.DataFrame, by_size: pd.DataFrame, *, fit: tup
     """COMM_INEFFICIENT when latency-bound small messages (``min_small_count`` or more) take at least
     ``min_latency_share`` of the collective time and could be merged (several in the same group and step, at
     least one mergeable per step on average) (advice: buckets of at least 4x the half-bandwidth size, gain: the latencies saved by merging), or
-    when the large messages' busbw is below ``min_peak_frac`` of a given link peak."""
+    when the large messages' busbw is below ``min_peak_frac`` of a given link peak. ``evidence.clock``: the clock of
+    the transfer times (``device`` when every collective has NCCL's device timing, ``cuda_event``)."""
     require_columns(by_size, BY_SIZE_COLUMNS, table="bandwidth_by_size")
     if by_size.empty:
         return []
+    clock = clock_of_timing(bw["timing"])
     findings = []
     total = float(by_size["total_ns"].sum())
     small = by_size[by_size["latency_bound"]]
@@ -188,7 +191,7 @@ def detect_comm_inefficient(bw: pd.DataFrame, by_size: pd.DataFrame, *, fit: tup
             title=(f"{small_count} latency-bound collectives (< {size_label(half)}) take "
                    f"{small_ns / total:.0%} of the collective time"),
             evidence={
-                "latency_bound_share": small_ns / total, "num_latency_bound": small_count,
+                "clock": clock, "latency_bound_share": small_ns / total, "num_latency_bound": small_count,
                 "num_mergeable": mergeable,
                 "num_collectives": int(by_size["count"].sum()),
                 "latency_us": alpha / 1e3 if alpha else None,
@@ -212,7 +215,7 @@ def detect_comm_inefficient(bw: pd.DataFrame, by_size: pd.DataFrame, *, fit: tup
                     code="COMM_INEFFICIENT", severity="warning", ranks=(), group=None,
                     title=(f"large collectives reach {busbw * 8 / 1e9:.1f} Gb/s bus bandwidth, "
                            f"{busbw / peak_busbw_bytes_per_s:.0%} of the link peak"),
-                    evidence={"busbw_gbps": busbw * 8 / 1e9, "peak_busbw_gbps": peak_busbw_bytes_per_s * 8 / 1e9,
+                    evidence={"clock": clock, "busbw_gbps": busbw * 8 / 1e9, "peak_busbw_gbps": peak_busbw_bytes_per_s * 8 / 1e9,
                               "peak_frac": busbw / peak_busbw_bytes_per_s},
                     recommendation=("Check the network path: NCCL_DEBUG=INFO for the transport (IB vs sockets), "
                                     "NCCL_IB_HCA/NCCL_SOCKET_IFNAME, GPU-NIC affinity, and run nccl-tests "

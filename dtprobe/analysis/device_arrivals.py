@@ -17,6 +17,8 @@ from collections.abc import Callable
 import numpy as np
 import pandas as pd
 
+from dtprobe.analysis.arrivals import lateness_vs_peers
+from dtprobe.analysis.clocks import DEVICE
 from dtprobe.analysis.findings import Finding, PredictedGain
 from dtprobe.analysis.tables import axis_of, group_members
 from dtprobe.store.columns import require_columns
@@ -65,30 +67,10 @@ def member_arrivals(corrected: pd.DataFrame) -> pd.DataFrame:
 
 
 def _lateness_ns(d: pd.DataFrame) -> np.ndarray:
-    """Each row's start minus the median start of the other members of its collective (rows sorted by coll_id,
-    rank; every collective of a group has all its members: one [collective x member] matrix per group size).
-    Times are taken relative to each collective's first start, so medians of large int64 times stay exact."""
-    out = np.zeros(len(d), dtype=np.float64)
-    starts = d["start_ns"].to_numpy(dtype="int64")
-    sizes = d.groupby("coll_id", sort=False)["rank"].transform("size").to_numpy()
-    for n in np.unique(sizes):
-        if n < 2:
-            continue
-        rows = np.flatnonzero(sizes == n)
-        s = starts[rows].reshape(-1, n)
-        s = s - s.min(axis=1, keepdims=True)
-        order = np.argsort(s, axis=1, kind="stable")
-        srt = np.take_along_axis(s, order, axis=1)
-        pos = np.empty_like(order)
-        np.put_along_axis(pos, order, np.broadcast_to(np.arange(n), s.shape).copy(), axis=1)
-        m = n - 1
-
-        def other(j: int) -> np.ndarray:           # j-th smallest start of the row without the member itself
-            return np.take_along_axis(srt, np.where(j < pos, j, j + 1), axis=1).astype(np.float64)
-
-        med = other((m - 1) // 2) if m % 2 else (other(m // 2 - 1) + other(m // 2)) / 2
-        out[rows] = (s - med).ravel()
-    return out
+    """Each row's start minus the median start of the other members of its collective (0 for a collective of one
+    member): the arrival core shared with dtprobe runs (``arrivals.lateness_vs_peers``)."""
+    late = lateness_vs_peers(d["start_ns"].to_numpy(dtype="int64"), d["coll_id"].to_numpy(dtype="int64"))
+    return np.nan_to_num(late, nan=0.0)
 
 
 def collective_transfer(members: pd.DataFrame) -> pd.DataFrame:
@@ -176,7 +158,8 @@ def detect_device_stragglers(summary: pd.DataFrame, *, profiled_us: float | None
         axis = axis_of_pg(row.pg)
         evidence = {
             "rank": int(row.rank), "pg": row.pg, "pg_ranks": members,
-            "victims": [m for m in members if m != row.rank], "clock": "device", "matched_by": matched_by,
+            "victims": [m for m in members if m != row.rank], "clock": DEVICE, "aligned_by": "device_collectives",
+            "matched_by": matched_by,
             "num_collectives": int(row.num_collectives), "min_collectives": int(min_collectives),
             "last_frac": float(row.last_frac), "positive_frac": float(row.positive_frac),
             "median_lateness_us": float(row.median_lateness_us), "victims_wait_us": float(row.caused_wait_us),

@@ -2,7 +2,8 @@
 read by the facade.
 
 Without kernel timings, the exposed communication of a step is estimated from the collectives table as the
-communication tail: from the rank's last collective enqueue in the step (its compute has issued everything:
+communication tail (on the arrival clock of ``arrivals.on_arrival_clock``: a CUDA run's device arrivals and
+NCCL's device ends, else host enqueue and completion): from the rank's last collective enqueue in the step (its compute has issued everything:
 for DDP/FSDP the last gradient bucket) to the completion of its last collective. The part of that tail spent
 waiting for a late peer (group's last arrival - own last enqueue) is straggler wait, reported apart and taken
 out (``exposed_net_ns``), so a straggler does not show up as a communication problem. Blocking collectives in
@@ -15,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from dtprobe.analysis.clocks import DEVICE, HOST
 from dtprobe.analysis.findings import Finding, PredictedGain
 from dtprobe.analysis.tables import P2P_OPS, coded_rows, lookup_group_codes, run_starts, step_durations
 from dtprobe.intervals import union_length_by_group
@@ -114,11 +116,15 @@ def kernel_exposure_by_rank(overlap: pd.DataFrame, temporal: pd.DataFrame) -> pd
     return out[BY_RANK_COLUMNS]
 
 
-def detect_exposed_comm_of(host: pd.DataFrame, kernels: pd.DataFrame, *, min_exposed_frac: float) -> list[Finding]:
-    """EXPOSED_COMM judged on the kernel-level exposure when kernels are known, else on the host estimate."""
+def detect_exposed_comm_of(host: pd.DataFrame, kernels: pd.DataFrame, *, min_exposed_frac: float,
+                           host_clock: str = HOST) -> list[Finding]:
+    """EXPOSED_COMM judged on the kernel-level exposure when kernels are known (device clock), else on the
+    collectives' tail estimate (``host_clock``: the clock of its arrivals and completions; ``device`` on a CUDA
+    run whose collectives carry device arrivals)."""
     if not kernels.empty:
-        return detect_exposed_comm(kernels, min_exposed_frac=min_exposed_frac, source=KERNEL_SOURCE)
-    return detect_exposed_comm(host, min_exposed_frac=min_exposed_frac)
+        return detect_exposed_comm(kernels, min_exposed_frac=min_exposed_frac, source=KERNEL_SOURCE, clock=DEVICE)
+    source = "host collectives tail" if host_clock == HOST else "collectives tail (device arrivals and ends)"
+    return detect_exposed_comm(host, min_exposed_frac=min_exposed_frac, source=source, clock=host_clock)
 
 
 def mean_exposed_frac(host: pd.DataFrame, kernels: pd.DataFrame, *, clock_aligned: bool) -> float | None:
@@ -129,9 +135,10 @@ def mean_exposed_frac(host: pd.DataFrame, kernels: pd.DataFrame, *, clock_aligne
 
 
 def detect_exposed_comm(by_rank: pd.DataFrame, *, min_exposed_frac: float = 0.10,
-                        source: str = "host collectives tail") -> list[Finding]:
+                        source: str = "host collectives tail", clock: str = HOST) -> list[Finding]:
     """EXPOSED_COMM when the ranks' mean exposed communication (net of straggler wait) is at least
-    ``min_exposed_frac`` of the step; names the ranks above the threshold. Gain bound: full overlap."""
+    ``min_exposed_frac`` of the step; names the ranks above the threshold. Gain bound: full overlap. ``clock``:
+    the clock the exposure was measured on (``clocks``), told in ``evidence.clock``."""
     require_columns(by_rank, BY_RANK_COLUMNS, table="exposure_by_rank")
     if by_rank.empty:
         return []
@@ -150,7 +157,7 @@ def detect_exposed_comm(by_rank: pd.DataFrame, *, min_exposed_frac: float = 0.10
             "per_rank": [{"rank": int(r.rank), "exposed_frac": float(r.exposed_frac),
                           "overlap_frac": None if pd.isna(r.overlap_frac) else float(r.overlap_frac)}
                          for r in by_rank.itertuples(index=False)],
-            "source": source,
+            "source": source, "clock": clock,
         },
         recommendation=("Hide communication behind compute: let DDP start all-reduces earlier (smaller first "
                         "bucket, gradient_as_bucket_view), prefetch FSDP all-gathers, or shrink the traffic "

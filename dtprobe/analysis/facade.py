@@ -19,9 +19,11 @@ from typing import Any, Callable
 import pandas as pd
 
 from dtprobe.analysis import amp as _amp
+from dtprobe.analysis import arrivals as _arrivals
 from dtprobe.analysis import bubble as _bubble
 from dtprobe.analysis import checkpoints as _ckpt
 from dtprobe.analysis import clock_alignment as _clocks
+from dtprobe.analysis import clocks as _clock_names
 from dtprobe.analysis import collective_matching as _matching
 from dtprobe.analysis import ckpt_corrupt as _corrupt
 from dtprobe.analysis import comm_efficiency as _comm
@@ -159,13 +161,36 @@ class RunAnalysis:
 
     # ------------------------------------------------------------------------------------------ stragglers
 
+    def arrival_collectives(self) -> pd.DataFrame:
+        """``collectives`` with ``enqueue_ns`` on each group's arrival clock: the device arrival (``arrive_ns``) in
+        groups of a CUDA run, the host enqueue elsewhere (the table itself on CPU runs)."""
+        return self._memo("arrival_colls", lambda: _arrivals.on_arrival_clock(self.table("collectives")))
+
+    def arrival_clocks(self) -> pd.DataFrame:
+        """Per group (pg, pg_ranks): ``device`` or ``host``, the clock its arrivals are read on."""
+        return self._memo("arrival_clocks", lambda: _arrivals.arrival_clocks(self.table("collectives")))
+
+    def arrival_clock(self) -> str:
+        """The clock of the collectives' arrivals: ``host``, ``device``, or ``mixed`` (groups on both); on a trace
+        folder, the clock of its collectives' timing (NCCL kernels: ``device``; gloo annotations: ``host``)."""
+        return self._memo("arrival_clock", lambda: _clock_names.clock_of(self.arrival_clocks()["clock"])
+                          if self.info.clock_aligned
+                          else _clock_names.clock_of_timing(self.table("collectives")["timing"]))
+
     def collective_skew(self) -> pd.DataFrame:
         """Per collective (pg, pg_ranks, seq): arrival skew, late rank, its margin, victims' mean wait."""
-        return self._memo("skew", lambda: _stragglers.collective_skew(self.table("collectives")))
+        return self._memo("skew", lambda: _stragglers.collective_skew(self.arrival_collectives()))
+
+    def host_collective_skew(self) -> pd.DataFrame:
+        """``collective_skew`` on host enqueue times (the hang verdicts: a stuck collective's device arrival may
+        never resolve)."""
+        return self._memo("host_skew", lambda: self.collective_skew()
+                          if self.arrival_collectives() is self.table("collectives")
+                          else _stragglers.collective_skew(self.table("collectives")))
 
     def collective_waits(self) -> pd.DataFrame:
         """Per collective and member: how long it waited for the last arrival."""
-        return self._memo("waits", lambda: _stragglers.collective_waits(self.table("collectives"),
+        return self._memo("waits", lambda: _stragglers.collective_waits(self.arrival_collectives(),
                                                                         self.collective_skew()))
 
     def late_rank_per_step(self) -> pd.DataFrame:
@@ -176,7 +201,7 @@ class RunAnalysis:
     def rank_lateness(self) -> pd.DataFrame:
         """Per (group, analysed step, rank): arrival minus the median arrival of its peers, share of the step."""
         return self._memo("lateness", lambda: _tables.only_steps(
-            _stragglers.rank_lateness(self.table("collectives"), self.table("steps")), self.steps_analyzed()))
+            _stragglers.rank_lateness(self.arrival_collectives(), self.table("steps")), self.steps_analyzed()))
 
     def straggler_scores(self) -> pd.DataFrame:
         """Per (group, rank): worst-window median lateness, share of steps late, mean wait imposed on peers."""
@@ -189,7 +214,7 @@ class RunAnalysis:
         """Per (group, rank) late enough to be a straggler candidate: excess data/compute/communication time in its
         late steps, throttling, cause."""
         return self._memo("causes", lambda: _stragglers.straggler_causes(
-            self.straggler_scores(), self.rank_lateness(), self.table("steps"), self.table("collectives"),
+            self.straggler_scores(), self.rank_lateness(), self.table("steps"), self.arrival_collectives(),
             self.collective_waits(), self.table("devices"), min_lateness_frac=self.options.min_lateness_frac))
 
     def pipeline_own_delay(self) -> pd.DataFrame:
@@ -201,6 +226,10 @@ class RunAnalysis:
         # without pipeline rows there is no need to find the pipelines among the collectives
         return self._memo("pipeline_groups", lambda: _stragglers.pipeline_groups(self.table("collectives"))
                           if not self.table("pipeline").empty else {})
+
+    def _group_clock(self) -> dict[tuple[str, str], str]:
+        c = self.arrival_clocks()
+        return dict(zip(zip(c["pg"], c["pg_ranks"]), c["clock"]))
 
     def group_axis(self, pg: str) -> str | None:
         """``dp``/``tp``/``pp`` of a process-group name; the default group (``world``) is ``dp`` in a pure
@@ -216,7 +245,8 @@ class RunAnalysis:
             min_lateness_frac=o.min_lateness_frac, min_positive_frac=o.min_positive_frac,
             injected=self.injected_faults("straggler"), lateness=self.rank_lateness(), axis_of_pg=self.group_axis,
             own_delay_ns=_pipeline_delay.median_own_delay(self.pipeline_own_delay()),
-            slow_link_ranks=_links.slow_link_ranks(self.slow_links())) if self.info.clock_aligned
+            slow_link_ranks=_links.slow_link_ranks(self.slow_links()),
+            group_clock=self._group_clock()) if self.info.clock_aligned
             else self.device_stragglers())
 
     # ------------------------------------------------------------------------------------------ device clock
@@ -287,10 +317,11 @@ class RunAnalysis:
     # ------------------------------------------------------------------------------------------ overlap / time
 
     def comm_exposure(self) -> pd.DataFrame:
-        """Per (rank, step): communication time, exposed tail, straggler wait, exposed share, overlap (host
-        estimate; empty without aligned clocks, e.g. a trace folder: use the kernel-level overlap)."""
+        """Per (rank, step): communication time, exposed tail, straggler wait, exposed share, overlap (from the
+        collectives on their arrival clock; empty without aligned clocks, e.g. a trace folder: use the kernel-level
+        overlap)."""
         return self._memo("exposure", lambda: _exposed.comm_exposure(
-            self.table("collectives"), self.table("steps"), self.collective_skew()) if self.info.clock_aligned
+            self.arrival_collectives(), self.table("steps"), self.collective_skew()) if self.info.clock_aligned
             else pd.DataFrame({c: [] for c in _exposed.EXPOSURE_COLUMNS}))
 
     def exposure_by_rank(self) -> pd.DataFrame:
@@ -324,7 +355,8 @@ class RunAnalysis:
     def exposed_comm(self) -> list[Finding]:
         """EXPOSED_COMM from kernels when known (exposed comm kernel time), else from the host collectives tail."""
         return self._memo("f:exposed", lambda: _exposed.detect_exposed_comm_of(
-            self.exposure_by_rank(), self.kernel_exposure_by_rank(), min_exposed_frac=self.options.min_exposed_frac))
+            self.exposure_by_rank(), self.kernel_exposure_by_rank(), min_exposed_frac=self.options.min_exposed_frac,
+            host_clock=self.arrival_clock()))
 
     # ------------------------------------------------------------------------------------------ pipeline
 
@@ -346,7 +378,7 @@ class RunAnalysis:
         """PIPELINE_BUBBLE with the ideal bubble and the predicted gain of doubling the micro-batches."""
         return self._memo("f:bubble", lambda: _bubble.detect_pipeline_bubble(
             self.bubble_by_rank(), self.pipeline_shape(), step_ns=self.step_time_ns(),
-            min_bubble_frac=self.options.min_bubble_frac))
+            min_bubble_frac=self.options.min_bubble_frac, clock=_clock_names.clock_of(self.table("pipeline")["clock"])))
 
     # ------------------------------------------------------------------------------------------ AMP / ckpt
 
@@ -442,7 +474,8 @@ class RunAnalysis:
         """Per group and attempt: the first collective some members never reached, or every member entered and
         none finished (and how long the others waited)."""
         return self._memo("missing", lambda: _hangs.missing_arrivals(
-            self.collective_skew(), self.table("collectives"), now_ns=self.now_ns(), min_wait_ns=self._hang_wait_ns()))
+            self.host_collective_skew(), self.table("collectives"), now_ns=self.now_ns(),
+            min_wait_ns=self._hang_wait_ns()))
 
     def last_seen(self) -> pd.DataFrame:
         """Per rank: last step and last collective recorded."""

@@ -1,8 +1,9 @@
 """Straggler metrics (arrival skew per collective, lateness per step, persistence per rank, cause) and the
 STRAGGLER detector; read by the facade, ``dtprobe analyze`` and the dashboard's collectives page.
 
-The culprit of a collective is its last arriver (largest clock-aligned ``enqueue_ns`` among the members of
-(pg, pg_ranks, seq)); the other members are victims and wait ``culprit enqueue - own enqueue``. Per step, each
+The culprit of a collective is its last arriver (largest clock-aligned arrival among the members of
+(pg, pg_ranks, seq): ``enqueue_ns`` after ``arrivals.on_arrival_clock``, the device arrival on CUDA runs, the host
+enqueue on CPU runs); the other members are victims and wait ``culprit enqueue - own enqueue``. Per step, each
 member's lateness is its arrival minus the median arrival of its peers (at the step's collective where it was
 latest). A rank is a straggler when, over a window of steps, its median lateness is a clear share of the step
 time and it arrives after its peers in most of those steps: robust to the noise of busy hosts, where the last
@@ -23,6 +24,7 @@ import pandas as pd
 from dtprobe.analysis.arrivals import (  # noqa: F401 (re-exported: the straggler metrics live there)
     LATE_RANK_COLUMNS, LATENESS_COLUMNS, SKEW_COLUMNS, collective_skew, collective_waits, late_rank_per_step,
     median_of_others, rank_lateness)
+from dtprobe.analysis.clocks import HOST
 from dtprobe.analysis.findings import Finding, PredictedGain
 from dtprobe.analysis.pipeline_delay import OWN_DELAY_COLUMNS, pipeline_groups, pipeline_own_delay  # noqa: F401
 from dtprobe.analysis.tables import P2P_OPS, axis_of, group_members, ms, run_starts
@@ -536,7 +538,8 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: set[
                       min_pre_excess_t_over_peers: float = MIN_PRE_EXCESS_T_OVER_PEERS,
                       min_persistent_pre_over_noise: float = MIN_PERSISTENT_PRE_OVER_NOISE,
                       min_steady_t: float = MIN_STEADY_T,
-                      slow_link_ranks: dict[int, int] | None = None) -> list[Finding]:
+                      slow_link_ranks: dict[int, int] | None = None,
+                      group_clock: dict[tuple[str, str], str] | None = None) -> list[Finding]:
     """STRAGGLER for each rank whose median lateness over some window is at least ``min_lateness_frac`` of the step
     and which arrived after its peers' median in at least ``min_positive_frac`` of that window's steps (and the
     window has ``min_steps`` steps or more), or whose data+fwd time exceeds its peers' by that share in that
@@ -558,7 +561,9 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: set[
     lateness is not a verdict; the persistence view (``_persistent``, with ``pre_excess_t`` in ``scores``) names a
     rank whose data+fwd excess is steady where the other views' noise hides it. ``slow_link_ranks`` (rank -> step a SLOW_LINK on its node began,
     ``links.slow_link_ranks``): a rank late in a window reaching that step is not blamed unless its cause is
-    data or device (its lateness is the link's: the link's finding carries it)."""
+    data or device (its lateness is the link's: the link's finding carries it). ``group_clock``: (pg, pg_ranks) ->
+    the clock its arrivals were read on (``arrivals.arrival_clocks``), told in ``evidence.clock`` (``host`` when
+    not given)."""
     require_columns(scores, SCORE_COLUMNS, table="straggler_scores")
     if scores.empty:
         return []
@@ -631,7 +636,7 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: set[
         members = list(group_members(row.pg_ranks))
         evidence = {
             "rank": int(row.rank), "pg": row.pg, "pg_ranks": members, "victims": [m for m in members if m != row.rank],
-            "clock": "host",   # arrivals are host enqueue times on the store's aligned clocks
+            "clock": (group_clock or {}).get((row.pg, row.pg_ranks), HOST),
             "steps_analyzed": int(row.num_steps), "window": [int(row.window_first_step), int(row.window_last_step)],
             "window_steps": int(row.window_steps),
             "median_lateness_frac": row.median_lateness_frac, "positive_frac": row.positive_frac,

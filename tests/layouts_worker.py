@@ -3,6 +3,7 @@ and prints, from rank 0, one JSON line per layout with the global loss of every 
 
 Launched by tests/test_layouts.py and tests/test_pipeline_bubble.py (one process per rank, gloo, 127.0.0.1):
     OMP_NUM_THREADS=1 python tests/layouts_worker.py --rank R --world-size N --port P --cases dp2,tp2,...
+        [--optimizer lamb --lr 3e-3]
     OMP_NUM_THREADS=1 python tests/layouts_worker.py --rank R --world-size 4 --port P --bubble gpipe,1f1b
 A case name is a key of CASES; the loss of a step is the mean over the ranks that compute a loss (every
 rank without PP, the last stage's ranks with PP) of their micro-batch-mean losses: the loss of the global batch.
@@ -76,7 +77,8 @@ CASES = {
 """Layouts by name (LayoutConfig keys)."""
 
 
-def run_case(name: str, *, rank: int, world_size: int) -> tuple[list[float], list[dict]]:
+def run_case(name: str, *, rank: int, world_size: int, optimizer: str = "adamw",
+             lr: float = LR) -> tuple[list[float], list[dict]]:
     kw = dict(CASES[name])
     accum = kw.pop("grad_accum", 1)
     precision = kw.pop("precision", "fp32")
@@ -89,7 +91,7 @@ def run_case(name: str, *, rank: int, world_size: int) -> tuple[list[float], lis
     assert lay.world_size == world_size, (name, world_size)
     model = build_model("tiny", seed=SEED)
     par = parallelize_model(model, lay, world_size=world_size, rank=rank, device=torch.device("cpu"),
-                      optimizer_kwargs={"lr": LR, "weight_decay": 0.1}, max_norm=MAX_NORM,
+                      optimizer=optimizer, optimizer_kwargs={"lr": lr, "weight_decay": 0.1}, max_norm=MAX_NORM,
                       global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN)
     sampler = Sampler(synthetic_tokens(SEED, length=1 << 16), batch_size=GLOBAL_BATCH // par.dp_size // accum,
                       seq_len=SEQ_LEN, grad_accum=accum, dp_rank=par.dp_rank, dp_size=par.dp_size, seed=SEED)
@@ -144,6 +146,8 @@ def main() -> None:
     ap.add_argument("--world-size", type=int, default=1)
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--cases", default="")
+    ap.add_argument("--optimizer", default="adamw", help="runtime.optimizers name for --cases")
+    ap.add_argument("--lr", type=float, default=LR)
     ap.add_argument("--bubble", default="", help="schedules to time with sleep stages (pp = world size)")
     ap.add_argument("--sleep", default="fwd_ms=30,bwd_ms=60")
     ap.add_argument("--steps", type=int, default=4)
@@ -155,7 +159,8 @@ def main() -> None:
                                 world_size=args.world_size, timeout=datetime.timedelta(seconds=120))
     for name in filter(None, args.cases.split(",")):
         t0 = time.perf_counter()
-        losses, memory = run_case(name, rank=args.rank, world_size=args.world_size)
+        losses, memory = run_case(name, rank=args.rank, world_size=args.world_size, optimizer=args.optimizer,
+                                  lr=args.lr)
         if args.rank == 0:
             print(json.dumps({"case": name, "losses": losses, "memory": memory,
                               "seconds": time.perf_counter() - t0}), flush=True)

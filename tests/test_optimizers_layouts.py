@@ -1,0 +1,82 @@
+"""LAMB and LARS on every layout: each trains the tiny GPT for 5 steps (tests/layouts_worker.py, global-norm
+clipping) and its global loss per step matches a single process with the same optimizer within 1e-5 relative;
+``dtprobe run --optimizer lamb`` trains through pure DDP (``parallel.ddp``) as through FSDP2.
+
+The layouts agree to ~1e-6 (float summation order). The tolerance is ten times tighter than the AdamW layout
+test's because a trust ratio taken over a shard instead of the whole parameter changes these losses by only
+1e-5 to 5e-5 here (the tiny GPT's shards have near-equal norms, so the ratio barely moves): the sensitive check
+of the norm reduction is tests/test_optimizers_sharded.py, on parameters whose shards differ in scale.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from dtprobe.store import RunStore
+
+sys.path.insert(0, str(Path(__file__).parent))
+from layouts_launch import launch  # noqa: E402
+
+LR = {"lamb": 1e-2, "lars": 3.0}
+"""Per optimizer, an lr at which 5 steps move the loss clearly (LARS takes the paper's global lr)."""
+LAUNCHES = {
+    2: ["dp2", "zero1_dp2", "zero2_dp2", "zero3_dp2", "tp2", "tp2_sp", "pp2_1f1b", "zero3_dp2_accum2"],
+    4: ["dp2_tp2", "dp2_tp2_zero3_sp", "dp2_pp2_zero1", "dp2_pp2_zero2_interleaved", "tp2_pp2"],
+}
+"""DDP, ZeRO-1/2/3, TP (+SP), PP, and the hybrids of dp with tp and pp (cases of tests/layouts_worker.py)."""
+CASES = [(opt, world, case) for opt in LR for world, cases in LAUNCHES.items() for case in cases]
+
+
+@pytest.fixture(scope="module")
+def results(free_port, child_env):
+    """``results(optimizer, world_size)``: one launch (cached), its cases by name."""
+    @functools.cache
+    def run(optimizer: str, world_size: int) -> dict[str, dict]:
+        out = launch(world_size, "--cases", ",".join(LAUNCHES[world_size]), "--optimizer", optimizer,
+                     "--lr", str(LR[optimizer]), port=free_port(), env=child_env(PYTHONWARNINGS="ignore"),
+                     timeout_s=600)
+        return {r["case"]: r for r in out}
+    return run
+
+
+@functools.cache
+def single_losses(optimizer: str) -> list[float]:
+    import layouts_worker
+
+    return layouts_worker.run_case("single", rank=0, world_size=1, optimizer=optimizer, lr=LR[optimizer])[0]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("optimizer,world,case", CASES)
+def test_layout_with_large_batch_optimizer_matches_single_process_within_1e5(optimizer, world, case, results):
+    reference = single_losses(optimizer)
+    got = results(optimizer, world)[case]["losses"]
+    assert len(got) == len(reference) == 5
+    rel = [abs(g - r) / abs(r) for g, r in zip(got, reference)]
+    print(f"{optimizer} {case}: max rel loss diff vs single process {max(rel):.2e}")
+    assert max(rel) < 1e-5, f"{optimizer} {case}: losses {got} vs single process {reference} (rel diff {rel})"
+    assert reference[-1] < reference[0] - 0.05   # it trained
+
+
+@pytest.mark.multiproc
+def test_dtprobe_run_optimizer_flag_trains_lamb_on_ddp_as_on_fsdp2(tmp_path, run_cli):
+    """Pure DP builds its optimizer in ``parallel.ddp``, ZeRO-2 in ``parallel.hybrid``: the same LAMB losses."""
+    losses = {}
+    for label, extra in (("ddp", []), ("zero2", ["--zero", "2"])):
+        run_dir = tmp_path / label
+        proc = run_cli("run", "--nproc", "2", "--optimizer", "lamb", "--lr", "0.04", "--steps", "4",
+                       "--warmup", "1", "--seq-len", "32", "--batch-size", "4", "--no-devices",
+                       "--run-dir", str(run_dir), *extra, timeout_s=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert json.loads((run_dir / "job.json").read_text())["train"]["optimizer"] == "lamb"
+        steps = RunStore.open(run_dir).table("steps")
+        assert sorted(steps["rank"].unique()) == [0, 1] and sorted(steps["step"].unique()) == [0, 1, 2, 3]
+        losses[label] = steps[steps["rank"] == 0].sort_values("step")["loss"].tolist()
+    print(losses)
+    assert losses["ddp"] == pytest.approx(losses["zero2"], rel=1e-5)
+    assert losses["ddp"][-1] < losses["ddp"][0]

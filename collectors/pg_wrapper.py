@@ -14,8 +14,8 @@ back to the callback for callers that wait late. Works without a future (gloo se
 wrapped and timed when ``wait()`` returns. On the caller's thread a collective costs the Python pass-through,
 a row dict and a queue append; ``benchmarks/probe_overhead.py`` measures it per collective against plain gloo.
 
-On NCCL ``wait()`` does not block the host, so NCCL rows carry device timings from the completion hook when
-``TORCH_NCCL_ENABLE_TIMING=1`` (``timing="cuda_event"``) and no ``end_ns`` otherwise. Rows are written once
+On NCCL ``wait()`` does not block the host: NCCL rows are issued and timed on the device by
+``collectors.nccl`` (arrival event, NCCL's own start/end, ``timing="cuda_event"``). Rows are written once
 the collective completes; collectives still in flight at close (a hang) are written with ``end_ns`` null.
 A collective still in flight after one drain tick is also spilled once to the ``pending`` table, so a rank
 killed inside it (SIGKILL: no close) still names it.
@@ -35,7 +35,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from dtprobe.collectors import nccl
+from dtprobe.collectors import nccl, torch_internals
 from dtprobe.store.schema import SCHEMAS
 
 GLOO_BACKEND = "dtprobe_gloo"
@@ -448,7 +448,8 @@ class RecordingProcessGroup(dist.ProcessGroup):
         self._p2p_seq: dict[tuple[int, str], Any] = {}
         self._no_future_ops: set[str] = set()
         self._habits: dict[str, _WaitHabit] = {}    # per op: how its callers wait (see _WaitHabit)
-        self._matcher: nccl.NcclCompletionMatcher | None = None
+        self._nccl: Any = nccl.UntimedNccl(self._recorder) if device_timing else None
+        """NCCL only: issues and times the recorded collectives (``collectors.nccl``)."""
 
     # ---- identity (DeviceMesh, FSDP2 and DTensor need the group name) ----
     def size(self) -> int:
@@ -550,13 +551,9 @@ class RecordingProcessGroup(dist.ProcessGroup):
         }
         if peer is not None:
             row["peer"] = peer
+        if self._device_timing:            # NCCL: timed on the device by collectors/nccl.py
+            return self._nccl.issue(row, call, peer=peer)
         work = call()
-        if self._device_timing:
-            if self._matcher is not None:
-                self._matcher.expect(row, is_p2p=peer is not None)
-            else:
-                recorder.emit(row)         # NCCL without timing: no honest host end time
-            return work
         if recorder.timing == "enqueue" or work is None:
             recorder.emit(row)
             return work
@@ -727,11 +724,30 @@ class RecordingProcessGroup(dist.ProcessGroup):
         n, dt = _sum_bytes(tensors)
         return self._issue("recv", n, dt, lambda: self._inner.recv_anysource(tensors, tag), peer=-1)
 
-    # ---- NCCL completion hook (collectors/nccl.py) ----
-    def enable_completion_timing(self) -> bool:
-        """Take device timings from the inner NCCL group's completion hook; False if unavailable."""
-        self._matcher = nccl.enable_completion_timing(self._inner, self._recorder)
-        return self._matcher is not None
+    # ---- NCCL timing and coalescing (collectors/nccl.py) ----
+    def enable_completion_timing(self, **kwargs: Any) -> bool:
+        """Time collectives on the device through the inner NCCL group's timing and completion hook
+        (``nccl.enable_completion_timing`` keywords: ``clock``, ``steady_offset_ns``); False if unavailable."""
+        matcher = nccl.enable_completion_timing(self._inner, self._recorder, **kwargs)
+        if matcher is not None:
+            self._nccl = matcher
+        return matcher is not None
+
+    def set_nccl_timing(self, timing: Any) -> None:
+        """Use ``timing`` (an object with ``issue``/``start_coalescing``/``end_coalescing``) for NCCL rows."""
+        self._nccl = timing
+
+    def _start_coalescing(self, device: Any) -> None:
+        if self._nccl is not None:
+            self._nccl.start_coalescing()
+        self._inner._start_coalescing(device)
+
+    def _end_coalescing(self, device: Any) -> Any:
+        try:
+            return self._inner._end_coalescing(device)
+        finally:
+            if self._nccl is not None:
+                self._nccl.end_coalescing()
 
 
 # ---- backend registration ----
@@ -762,3 +778,4 @@ def register_backends() -> None:
         make = functools.partial(nccl.make_nccl, recorder=RECORDER, wrap=functools.partial(
             RecordingProcessGroup, backend_name=NCCL_BACKEND, device_timing=True))
         dist.Backend.register_backend(NCCL_BACKEND, make, extended_api=True, devices=["cuda"])
+    torch_internals.install_batch_p2p_coalescing(lambda group: isinstance(group, RecordingProcessGroup))

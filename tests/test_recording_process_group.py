@@ -1,15 +1,12 @@
-"""The recording process group in one process: NCCL completion-hook timings (fake inner group and WorkInfo), gloo
-works timed at their future or at wait, each collective written once (also when the watchdog flushed it early),
-in-flight collectives written at stop without an end time, a paused recorder forwarding untouched."""
+"""The recording process group in one process (its NCCL timing: tests/test_cuda_standins.py): gloo works timed at
+their future or at wait, each collective written once (also when the watchdog flushed it early), in-flight
+collectives written at stop without an end time, a paused recorder forwarding untouched."""
 
 from __future__ import annotations
 
-import datetime
 import time
-import types
 
 import torch
-from torch._C._distributed_c10d import OpType
 
 from dtprobe.collectors.pg_wrapper import CollectiveRecorder, RecordedWork, RecordingProcessGroup
 
@@ -52,52 +49,6 @@ class FakeInner:
 
     def _register_on_completion_hook(self, hook):
         self.hook = hook
-
-
-def _work_info(op_type, *, finished: datetime.datetime, active_us: int):
-    return types.SimpleNamespace(op_type=op_type, seq=0, time_started=finished - datetime.timedelta(seconds=1),
-                                 time_finished=finished, active_duration=datetime.timedelta(microseconds=active_us))
-
-
-def _nccl_group(recorder: CollectiveRecorder, inner: FakeInner) -> RecordingProcessGroup:
-    pg = RecordingProcessGroup(inner, 0, 2, backend_name="dtprobe_nccl", recorder=recorder, device_timing=True)
-    pg.dtprobe_name = "tp"
-    return pg
-
-
-def test_nccl_completion_hook_fills_device_start_and_end_in_issue_order():
-    recorder, writer, inner = CollectiveRecorder(), ListWriter(), FakeInner()
-    recorder.start(writer)
-    pg = _nccl_group(recorder, inner)
-    assert pg.enable_completion_timing() and inner.hook is not None
-    pg.allreduce([torch.ones(4)])
-    pg.send([torch.ones(2, dtype=torch.bfloat16)], 1, 0)
-    pg.allreduce([torch.ones(8)])
-    assert [r["op"] for r in recorder.pending()] == ["allreduce", "send", "allreduce"]
-    t1 = datetime.datetime(2026, 11, 22, 3, 0, 0, 500_000)
-    t2 = t1 + datetime.timedelta(milliseconds=5)
-    t3 = t1 + datetime.timedelta(milliseconds=7)
-    inner.hook(_work_info(OpType.ALLREDUCE, finished=t1, active_us=150))
-    inner.hook(_work_info(OpType.ALLREDUCE, finished=t2, active_us=300))
-    inner.hook(_work_info(OpType.SEND, finished=t3, active_us=20))
-    recorder.stop()
-    rows = {(r["op"], r["seq"]): r for r in writer.table("collectives")}
-    ns = lambda d: int(d.timestamp() * 1e6) * 1000      # noqa: E731
-    first, second, send = rows["allreduce", 1], rows["allreduce", 2], rows["send", 1]
-    assert (first["num_bytes"], first["end_ns"], first["start_ns"]) == (16, ns(t1), ns(t1) - 150_000)
-    assert (second["num_bytes"], second["end_ns"], second["start_ns"]) == (32, ns(t2), ns(t2) - 300_000)
-    assert (send["num_bytes"], send["dtype"], send["peer"], send["end_ns"]) == (4, "bfloat16", 1, ns(t3))
-    assert {r["timing"] for r in rows.values()} == {"cuda_event"} and {r["pg"] for r in rows.values()} == {"tp"}
-
-
-def test_nccl_without_timing_writes_rows_at_enqueue_with_no_end_time():
-    recorder, writer, inner = CollectiveRecorder(), ListWriter(), FakeInner()
-    recorder.start(writer)
-    pg = _nccl_group(recorder, inner)            # completion timing not enabled
-    pg.allreduce([torch.ones(4)])
-    recorder.stop()
-    (row,) = writer.table("collectives")
-    assert row["timing"] == "host" and "end_ns" not in row and row["enqueue_ns"] > 0
 
 
 class NoFutureWork(FakeWork):

@@ -55,6 +55,9 @@ class RankInfo:
     """Rank 0's clock minus this rank's clock (ns); the reader adds it to every timestamp of this rank."""
     restart: int = 0
     """torchrun restart count when this file was (re)written."""
+    device_name: str | None = None
+    """Device model (``torch.cuda.get_device_name``, e.g. ``NVIDIA H100 80GB HBM3``); None on CPU and in files
+    written before it was recorded. The peak FLOP/s of MFU is looked up by it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -198,14 +201,17 @@ def _check_attempt(attempt: dict[str, Any]) -> None:
 
 
 def write_rank_info(run_dir: str | os.PathLike, rank: int, *, host: str, node_rank: int, local_rank: int,
-                    device: str, pid: int, clock_offset_ns: int, restart: int = 0) -> None:
-    """Write ``<run_dir>/ranks/rankNNNNN.json`` atomically (call it before the rank's first event row)."""
+                    device: str, pid: int, clock_offset_ns: int, restart: int = 0,
+                    device_name: str | None = None) -> None:
+    """Write ``<run_dir>/ranks/rankNNNNN.json`` atomically (call it before the rank's first event row);
+    ``device_name`` is the GPU model (``torch.cuda.get_device_name``), left out on CPU."""
     path = Path(run_dir) / RANK_INFO_FILE.format(rank=rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     _write_json_atomic(path, {
         "rank": int(rank), "host": str(host), "node_rank": int(node_rank), "local_rank": int(local_rank),
         "device": str(device), "pid": int(pid), "clock_offset_ns": int(clock_offset_ns),
         "restart": int(restart), "time_ns": time.time_ns(),
+        **({"device_name": str(device_name)} if device_name else {}),
     })
 
 
@@ -317,7 +323,8 @@ def _read_rank_info(path: Path) -> RankInfo:
                          f"rename the file or fix its \"rank\" key.")
     return RankInfo(rank=int(data["rank"]), host=str(data["host"]), node_rank=int(data["node_rank"]),
                     local_rank=int(data["local_rank"]), device=str(data["device"]), pid=int(data["pid"]),
-                    clock_offset_ns=int(data["clock_offset_ns"]), restart=int(data.get("restart") or 0))
+                    clock_offset_ns=int(data["clock_offset_ns"]), restart=int(data.get("restart") or 0),
+                    device_name=str(data["device_name"]) if data.get("device_name") else None)
 
 
 # ---------------------------------------------------------------------------------------------------- helpers

@@ -89,11 +89,13 @@ class Source(Protocol):
 
 def run_info(manifest: Manifest) -> SourceInfo:
     """The facts of a dtprobe run from its ``Manifest``: clocks aligned by the store, whole records, warm-up
-    recorded; the device is the config's ``device_name``, else ``cpu`` when rank 0 ran on the CPU."""
+    recorded; the device is the config's ``device_name``, else the model rank 0 recorded (``device_name`` of its
+    rank info), else ``cpu`` when rank 0 ran on the CPU."""
     config = dict(manifest.config)
     device = config.get("device_name")
     if device is None and manifest.ranks:
-        device = "cpu" if manifest.ranks[0].device.startswith("cpu") else None
+        leader = manifest.ranks[0]
+        device = leader.device_name or ("cpu" if leader.device.startswith("cpu") else None)
     return SourceInfo(kind="dtprobe_run", status=manifest.status, world_size=manifest.world_size, manifest=manifest,
                       run_id=manifest.run_id, config=config, ranks=tuple(manifest.ranks), ended_ns=manifest.ended_ns,
                       device_name=device, clock_aligned=True, whole_record=True, warmup_recorded=True)

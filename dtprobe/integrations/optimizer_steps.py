@@ -1,0 +1,99 @@
+"""``OptimizerStepMarker``: one probe step per optimizer step of a framework's loop, written to the ``steps`` table;
+the Hugging Face and Lightning callbacks (``dtprobe.integrations.hf``, ``.lightning``) drive it from their hooks.
+
+A framework calls back at the start and end of a step instead of running a ``with probe.step(n)`` block, so the
+marker enters and exits the step context itself. Tokens are summed over the step's micro-batches and kept only
+when every micro-batch gave its count: a partial sum would be a guess, so the step then has none.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import dtprobe
+from dtprobe.store.errors import ConfigError
+
+
+class OptimizerStepMarker:
+    """Attaches once, opens a step, counts its tokens, times its optimizer phase, closes it with loss and lr.
+
+    ``attach_options`` go to ``dtprobe.attach`` (the ``CollectConfig`` fields, ``timeout_s``, ...).
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, attach_options: dict[str, Any]) -> None:
+        self.run_dir = Path(run_dir)
+        self.attach_options = dict(attach_options)
+        self.probe: Any = None
+        """The ``Probe`` (or ``NullProbe`` with ``enabled=False``) once ``attach`` ran."""
+        self._step: Any = None
+        self._opt_phase: Any = None
+        self._num_batches = 0
+        self._num_counted_batches = 0
+        self._tokens = 0
+        self._closed = False
+
+    def attach(self, *, framework: str) -> Any:
+        """``dtprobe.attach(run_dir, **attach_options)`` on the first call; the same probe afterwards."""
+        if self._closed:
+            raise ConfigError(
+                f"the dtprobe {framework} callback for {self.run_dir} already closed its probe at the end of a "
+                f"training run; a callback records one run. Pass a new callback with another run_dir to the next "
+                f"training run.")
+        if self.probe is None:
+            self.probe = dtprobe.attach(self.run_dir, **self.attach_options)
+        return self.probe
+
+    @property
+    def step_is_open(self) -> bool:
+        """True between ``begin`` and ``end``."""
+        return self._step is not None
+
+    def begin(self, step: int) -> None:
+        """Open step ``step`` (ending an open one first, without values: its framework never closed it)."""
+        if self._step is not None:
+            self.end()
+        self._num_batches = self._num_counted_batches = self._tokens = 0
+        self._step = self.probe.step(step)
+        self._step.__enter__()
+
+    def count_tokens(self, num_tokens: int | None) -> None:
+        """Add one micro-batch of the open step: its token count, or None when the batch does not say."""
+        if self._step is None:
+            return
+        self._num_batches += 1
+        if num_tokens is not None:
+            self._num_counted_batches += 1
+            self._tokens += int(num_tokens)
+
+    def begin_optimizer(self) -> None:
+        """Start the open step's ``opt`` phase (the optimizer's ``step()``)."""
+        if self._step is not None and self._opt_phase is None:
+            self._opt_phase = self._step.phase("opt")
+            self._opt_phase.__enter__()
+
+    def end_optimizer(self) -> None:
+        """End the ``opt`` phase."""
+        if self._opt_phase is not None:
+            self._opt_phase.__exit__(None, None, None)
+            self._opt_phase = None
+
+    def end(self, *, loss: float | None = None, lr: float | None = None) -> None:
+        """Close the open step, recording ``loss``, ``lr`` and the tokens (each only when known)."""
+        if self._step is None:
+            return
+        self.end_optimizer()
+        step, self._step = self._step, None
+        known = self._num_batches > 0 and self._num_counted_batches == self._num_batches
+        step.record(loss=loss, lr=lr, tokens=self._tokens if known else None)
+        step.__exit__(None, None, None)
+
+    def close(self, status: str = "finished", *, reason: str | None = None) -> None:
+        """End an open step and close the probe (``Probe.close``): the run's last rows, its status."""
+        if self._closed:
+            return
+        self._closed = True
+        self.end()
+        if self.probe is not None:
+            self.probe.close(status, reason=reason)

@@ -1,0 +1,180 @@
+"""The Lightning callback (``dtprobe.integrations.lightning.DtprobeCallback``) through the real ``lightning.pytorch``
+Trainer: a tiny language model trains on synthetic tokens with ``accumulate_grad_batches=2`` over 2 epochs of 5
+batches per rank (so each epoch ends on a one-batch step), on 2 CPU ranks under torchrun (DDP, gloo), and in one
+plain process that fails mid-run; the tests read the run it leaves and what Lightning logged (CSVLogger)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import textwrap
+
+import pytest
+
+from dtprobe.store import RunStore
+
+BATCH, SEQ, ACCUM = 2, 16, 2
+MICRO_BATCHES = [2, 2, 1, 2, 2, 1]
+"""Micro-batches of each optimizer step on a rank: 5 batches per epoch in groups of 2, the last group short."""
+NUM_STEPS = len(MICRO_BATCHES)
+
+WORKER = textwrap.dedent(f"""
+    import json, os, sys
+    import torch
+    import torch.nn.functional as F
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import LearningRateMonitor
+    from lightning.pytorch.loggers import CSVLogger
+    from dtprobe.integrations.lightning import DtprobeCallback
+
+    run_dir, out_dir, devices, fail_at_step = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    VOCAB = 64
+
+    class Tokens(torch.utils.data.Dataset):
+        def __init__(self):
+            self.ids = torch.randint(0, VOCAB, (10 * devices, {SEQ}), generator=torch.Generator().manual_seed(1))
+        def __len__(self):
+            return len(self.ids)
+        def __getitem__(self, i):
+            return {{"input_ids": self.ids[i]}}
+
+    class TinyLM(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Embedding(VOCAB, 32), torch.nn.Linear(32, VOCAB))
+            self.batch_losses = []
+        def training_step(self, batch, batch_idx):
+            if self.global_step == fail_at_step:
+                raise RuntimeError("injected failure in training_step")
+            ids = batch["input_ids"]
+            loss = F.cross_entropy(self.net(ids[:, :-1]).reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+            self.batch_losses.append([self.global_step, loss.item()])
+            self.log("train_loss", loss, on_step=False, on_epoch=True, sync_dist=True)
+            return loss
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+            return {{"optimizer": opt, "lr_scheduler": {{"scheduler": sched, "interval": "step"}}}}
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(Tokens(), batch_size={BATCH})
+
+    module = TinyLM()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto", max_epochs=2,
+        accumulate_grad_batches={ACCUM}, log_every_n_steps=1, logger=CSVLogger(out_dir, name="csv", version=0),
+        callbacks=[DtprobeCallback(run_dir, timeout_s=120, device_interval_s=0.2), LearningRateMonitor("step")],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    try:
+        trainer.fit(module)
+    finally:
+        with open(os.path.join(out_dir, f"rank{{trainer.global_rank}}.json"), "w") as f:
+            json.dump({{"batch_losses": module.batch_losses, "global_step": trainer.global_step,
+                       "grad_bytes": sum(p.numel() * p.element_size() for p in module.parameters())}}, f)
+""")
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory, torchrun_cmd, child_env):
+    """The 2-rank fit: (run directory, each rank's own record, the rows Lightning logged to CSV)."""
+    root = tmp_path_factory.mktemp("lightning")
+    (root / "worker.py").write_text(WORKER)
+    (root / "out").mkdir()
+    cmd = torchrun_cmd(root / "worker.py", root / "run", root / "out", "2", "-1", nproc=2)
+    proc = subprocess.run(cmd, env=child_env(), timeout=600, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = {r: json.loads((root / "out" / f"rank{r}.json").read_text()) for r in (0, 1)}
+    with open(root / "out" / "csv" / "version_0" / "metrics.csv") as f:
+        logged = list(csv.DictReader(f))
+    return root / "run", ranks, logged
+
+
+@pytest.mark.multiproc
+def test_lightning_callback_writes_one_step_per_optimizer_step_when_accumulating_2_batches_on_2_ranks(ddp_run):
+    run, ranks, _ = ddp_run
+    assert {r: rec["global_step"] for r, rec in ranks.items()} == {0: NUM_STEPS, 1: NUM_STEPS}
+    store = RunStore.open(run)
+    assert store.manifest.status == "finished" and store.manifest.world_size == 2
+    steps = store.table("steps").sort_values(["rank", "step"])
+    assert steps.groupby("rank")["step"].apply(list).to_dict() == {r: list(range(NUM_STEPS)) for r in (0, 1)}
+    tokens = [n * BATCH * SEQ for n in MICRO_BATCHES]
+    assert steps.groupby("rank")["tokens"].apply(list).to_dict() == {0: tokens, 1: tokens}
+    assert (steps["end_ns"] > steps["start_ns"]).all()
+
+
+@pytest.mark.multiproc
+def test_lightning_callback_records_each_ranks_mean_micro_batch_loss_and_the_logged_epoch_loss_agrees(ddp_run):
+    run, ranks, logged = ddp_run
+    steps = RunStore.open(run).table("steps").set_index(["rank", "step"])
+    for rank, record in ranks.items():
+        by_step: dict[int, list[float]] = {}
+        for global_step, loss in record["batch_losses"]:
+            by_step.setdefault(global_step, []).append(loss)
+        assert [len(by_step[s]) for s in range(NUM_STEPS)] == MICRO_BATCHES
+        for step, losses in by_step.items():
+            assert steps.loc[(rank, step), "loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-6)
+    assert steps.loc[(0, 0), "loss"] != pytest.approx(steps.loc[(1, 0), "loss"], rel=1e-6)   # each rank's own
+
+    # Lightning's logged epoch loss: the mean over ranks of each rank's mean over its micro-batches.
+    epoch_rows = [row for row in logged if row["train_loss"]]
+    assert len(epoch_rows) == 2
+    for epoch, row in enumerate(epoch_rows):
+        first = 3 * epoch                                 # 3 optimizer steps per epoch
+        weights = MICRO_BATCHES[first:first + 3]
+        per_rank = [sum(steps.loc[(r, first + i), "loss"] * w for i, w in enumerate(weights)) / sum(weights)
+                    for r in (0, 1)]
+        assert float(row["train_loss"]) == pytest.approx(sum(per_rank) / 2, rel=1e-6)
+
+
+@pytest.mark.multiproc
+def test_lightning_callback_records_the_learning_rate_lightnings_monitor_logged_at_each_step(ddp_run):
+    run, _, logged = ddp_run
+    lr_logged = {int(row["step"]): float(row["lr-AdamW"]) for row in logged if row["lr-AdamW"]}
+    steps = RunStore.open(run).table("steps")
+    assert sorted(lr_logged) == list(range(NUM_STEPS))
+    for row in steps.itertuples():
+        assert row.lr == pytest.approx(lr_logged[row.step], rel=1e-12), (row.rank, row.step)
+    assert len(set(steps["lr"])) == NUM_STEPS              # the scheduler moves it every step
+
+
+@pytest.mark.multiproc
+def test_lightning_callback_run_records_ddp_gradient_allreduces_once_per_optimizer_step(ddp_run):
+    run, ranks, _ = ddp_run
+    coll = RunStore.open(run).table("collectives")
+    allreduce = coll[(coll["op"] == "allreduce") & (coll["step"] >= 0)]
+    per_step = allreduce.groupby(["rank", "step"])["num_bytes"].sum()
+    assert sorted(per_step.index) == [(r, s) for r in (0, 1) for s in range(NUM_STEPS)]
+    assert set(per_step.tolist()) == {ranks[0]["grad_bytes"]}     # no sync on the accumulating micro-batch
+
+
+@pytest.mark.multiproc
+def test_lightning_callback_run_is_analyzed_with_tokens_per_second_from_the_recorded_tokens(ddp_run, run_cli):
+    run, _, _ = ddp_run
+    proc = run_cli("analyze", run, "--format", "json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads(proc.stdout)["metrics"]
+    assert metrics["run"]["world_size"] == 2 and metrics["steps_analyzed"]["count"] == NUM_STEPS - 1
+    assert metrics["throughput"]["tokens_per_s"] > 0
+
+
+def test_lightning_callback_closes_the_run_as_crashed_when_training_step_raises(tmp_path, run_python, child_env):
+    (tmp_path / "out").mkdir()
+    proc = run_python(WORKER, tmp_path / "run", tmp_path / "out", "1", "3", env=child_env(), timeout_s=300)
+    assert proc.returncode != 0 and "injected failure in training_step" in proc.stderr
+
+    store = RunStore.open(tmp_path / "run")
+    assert store.manifest.status == "crashed"
+    steps = store.table("steps").sort_values("step")
+    assert steps["step"].tolist() == [0, 1, 2, 3]
+    assert steps["loss"].notna().tolist() == [True, True, True, False]    # step 3 broke: no values
+    close = store.table("lifecycle").query("event == 'close'")
+    assert close[["status", "reason"]].values.tolist() == [["crashed", "exception"]]
+
+
+def test_importing_dtprobe_and_its_integrations_package_does_not_import_lightning(run_python):
+    code = ("import sys, dtprobe, dtprobe.cli, dtprobe.integrations, dtprobe.integrations.optimizer_steps\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')))")
+    proc = run_python(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[]"

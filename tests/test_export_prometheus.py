@@ -169,3 +169,29 @@ def test_serve_metrics_scraped_while_a_run_runs_moves_and_matches_the_store(tmp_
     assert of(scrape(port), "dtprobe_last_step", run="live") == {}     # finished: no longer a running run
     err = stop_server(server, signal.SIGINT)
     assert "live: exported (running, world size 2)" in err and "live: finished, no longer exported" in err
+
+
+def test_collector_analyses_a_running_runs_newest_steps_and_reuses_them_while_nothing_changes(tmp_path,
+                                                                                              sample_traces_dir):
+    from dtprobe.analysis.facade import RunAnalysis
+    from dtprobe.analysis.window import StepWindow
+    from dtprobe.export.prometheus import RunsCollector
+    from dtprobe.store.manifest import set_status
+
+    run_dir = tmp_path / "runs" / "dp4_straggler_rank2"
+    shutil.copytree(sample_traces_dir / "dp4_straggler_rank2", run_dir)
+    set_status(run_dir, "running")                            # a run still going, as far as the exporter knows
+    events = []
+    collector = RunsCollector(tmp_path / "runs", window_steps=8, on_event=events.append)
+    (sample,) = collector.samples()
+    window = RunAnalysis(StepWindow(RunStore.open(run_dir), 8))
+    whole = RunAnalysis(RunStore.open(run_dir))
+    assert window.steps_analyzed() == list(range(23, 30))      # steps 22..29, the first skipped as warm-up
+    assert sample.tokens_per_s == window.key_figures().tokens_per_s != whole.key_figures().tokens_per_s
+    assert sample.exposed_comm == dict(zip(window.exposure_by_rank()["rank"], window.exposure_by_rank()["exposed_frac"]))
+    assert sample.last_step == {0: 29, 1: 29, 2: 29, 3: 29}
+    assert collector.samples()[0] is sample                   # nothing appended: not analysed again
+    set_status(run_dir, "finished")
+    assert collector.samples() == []
+    assert events == ["dp4_straggler_rank2: exported (running, world size 4)",
+                      "dp4_straggler_rank2: finished, no longer exported"]

@@ -136,7 +136,7 @@ def main_tensorboard(args: argparse.Namespace) -> int:
     console = Console()
     analysis = _analysis(console, args.run)
     with console.status(f"Writing TensorBoard events to {args.out} ..."):
-        done = write_tensorboard(analysis, Path(args.out))
+        done = write_tensorboard(analysis, log_dir=Path(args.out))
     console.print(f"Wrote {done.num_points} scalar points ({len(done.tags)} tags) and {done.num_findings} "
                   f"finding(s) to {done.log_dir}; view with: tensorboard --logdir {done.log_dir}", highlight=False,
                   soft_wrap=True)

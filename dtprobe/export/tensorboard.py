@@ -99,7 +99,7 @@ def scalar_series(analysis: RunAnalysis) -> pd.DataFrame:
     return out.reset_index(drop=True)[SERIES_COLUMNS]
 
 
-def write_tensorboard(analysis: RunAnalysis, log_dir: str | Path) -> TensorBoardExport:
+def write_tensorboard(analysis: RunAnalysis, *, log_dir: str | Path) -> TensorBoardExport:
     """Write the run's scalars (``scalar_series``) and findings text as one TensorBoard event file in ``log_dir``
     (created). ConfigError when ``log_dir`` already holds event files (TensorBoard would show both) or is a file,
     or TensorBoard is not installed; TraceError (from the store) for an unusable run."""

@@ -4,8 +4,9 @@ Launch:  python benchmarks/analysis_vs_hta.py --ranks 64 --mb-per-rank 50
 (builds the set once under --work-dir, then runs each tool in a fresh process, side by side, and prints ratios).
 
 The set: rank r of N is DLRM rank r % 8 (8x V100, NCCL) with its events replicated with shifted timestamps and
-correlation ids until the file holds about --mb-per-rank MB of JSON (~17k GPU events and ~180k events per 50 MB,
-real kernel names), the replicas grouped into --steps ProfilerSteps. Files are plain ``.json`` written with Python's
+correlation ids until the files hold about --mb-per-rank MB of JSON (~17k GPU events and ~180k events per 50 MB,
+real kernel names), the same number of replicas on every rank (so every collective has all its members and the
+matching pairs them), the replicas grouped into --steps ProfilerSteps. Files are plain ``.json`` written with Python's
 default spacing (HTA finds ranks with the regex ``"rank":\\s+(\\d+)``).
 
 Measured per tool, same work: parse every file, temporal breakdown, comm/comp overlap, kernel breakdown
@@ -47,8 +48,13 @@ def _load(path: Path) -> dict:
         return json.loads(fh.read())
 
 
-def _replicated_events(doc: dict, target_bytes: int, num_steps: int) -> tuple[bytes, int]:
-    """The JSON text of ``traceEvents`` replicated until about ``target_bytes``; returns (text, replicas).
+def _events_bytes(doc: dict) -> int:
+    """Size of the JSON text of one copy of ``traceEvents``."""
+    return len(json.dumps(doc["traceEvents"]).encode())
+
+
+def _replicated_events(doc: dict, replicas: int, num_steps: int) -> bytes:
+    """The JSON text of ``traceEvents`` replicated ``replicas`` times.
 
     Replicas are grouped into ``num_steps`` ProfilerSteps: the first replica of each group keeps the
     ``ProfilerStep#N`` annotation, stretched over the group; the others drop it.
@@ -59,8 +65,6 @@ def _replicated_events(doc: dict, target_bytes: int, num_steps: int) -> tuple[by
     span = max(e["ts"] + e.get("dur", 0) for e in timed) - t0 + 1000
     max_corr = max((e.get("args", {}).get("correlation", 0) for e in events), default=0) + 1
     max_id = max((e.get("id", 0) for e in events if isinstance(e.get("id"), int)), default=0) + 1
-    one = len(json.dumps(events).encode())
-    replicas = max(1, round(target_bytes / one))
     per_step = -(-replicas // max(1, num_steps))
     parts = []
     for i in range(replicas):
@@ -83,22 +87,25 @@ def _replicated_events(doc: dict, target_bytes: int, num_steps: int) -> tuple[by
                 e2["name"] = f"ProfilerStep#{int(name.split('#')[1]) + i // per_step}"
                 e2["dur"] = e2["dur"] + (min(per_step, replicas - i) - 1) * span
             parts.append(json.dumps(e2))
-    return ("[" + ", ".join(parts) + "]").encode(), replicas
+    return ("[" + ", ".join(parts) + "]").encode()
 
 
 def build_set(source: Path, out: Path, *, num_ranks: int, mb_per_rank: float, num_steps: int) -> Path:
     """Write ``num_ranks`` trace files of about ``mb_per_rank`` MB under ``out`` (reused when already built)."""
     stamp = out / "BUILT"
-    if stamp.exists() and stamp.read_text() == f"{source} {num_ranks} {mb_per_rank} {num_steps}":
+    built = f"{source} {num_ranks} {mb_per_rank} {num_steps} same-replicas"
+    if stamp.exists() and stamp.read_text() == built:
         return out
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*.json"):
         old.unlink()
     sources = sorted(p for p in source.iterdir() if p.name.endswith((".json", ".json.gz")))
     bodies: dict[int, tuple[dict, bytes]] = {}
-    for i, path in enumerate(sources):
-        doc = _load(path)
-        text, replicas = _replicated_events(doc, int(mb_per_rank * 1e6), num_steps)
+    docs = [_load(path) for path in sources]
+    # every rank gets the same number of replicas (so the same collectives): the matching then pairs them all
+    replicas = max(1, round(mb_per_rank * 1e6 / (sum(_events_bytes(d) for d in docs) / len(docs))))
+    for i, (path, doc) in enumerate(zip(sources, docs)):
+        text = _replicated_events(doc, replicas, num_steps)
         head = {k: v for k, v in doc.items() if k not in ("traceEvents", "distributedInfo")}
         bodies[i] = (head, text)
         print(f"  source {path.name}: {replicas} replicas, {len(text) / 1e6:.1f} MB", flush=True)
@@ -110,7 +117,7 @@ def build_set(source: Path, out: Path, *, num_ranks: int, mb_per_rank: float, nu
             fh.write(prefix.encode())
             fh.write(text)
             fh.write(b"}")
-    stamp.write_text(f"{source} {num_ranks} {mb_per_rank} {num_steps}")
+    stamp.write_text(built)
     return out
 
 
@@ -133,6 +140,8 @@ def run_dtprobe(trace_dir: str) -> dict:
     from dtprobe.analysis import RunAnalysis
     arrivals = RunAnalysis(run).arrival_summary()   # device-clock matching, clock offsets and arrivals
     t2 = time.perf_counter()
+    if arrivals.empty:      # the set is built so that every collective matches: no rows means no matching work
+        raise SystemExit(f"dtprobe matched no collective on {trace_dir} ({RunAnalysis(run).clock_alignment()})")
     temporal = metrics.temporal.set_index("rank")
     return {"parse_s": t1 - t0, "analyze_s": t2 - t1, "total_s": t2 - t0, "cpu_s": cpu_seconds(),
             "idle_pct": (temporal["idle_frac"] * 100).round(4).to_dict(),

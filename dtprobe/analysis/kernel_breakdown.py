@@ -61,12 +61,19 @@ def top_kernels(kernels: pd.DataFrame, *, num_kernels: int = 10, duration_ratio:
     """
     require_columns(kernels, KERNEL_COLUMNS + ("name",), table="kernels")
     start, end = quantized_us(kernels)
-    data = pd.DataFrame({"rank": kernels["rank"].to_numpy(dtype=np.int64), "name": kernels["name"].to_numpy(),
-                         "kernel_type": kernels["kind"].map(KERNEL_TYPES).to_numpy(), "dur": end - start})
-    data = data[data["kernel_type"].notna()]
+    # names as integer codes numbered in name order (grouping by them is grouping by name, without a string
+    # column of every kernel); a group's few names are looked up after its aggregation
+    name_code, names = pd.factorize(kernels["name"], sort=True)
+    kind_code, kinds = pd.factorize(kernels["kind"])
+    type_code = np.append(pd.Index(kinds).map(KERNEL_TYPES).to_numpy(dtype=object, na_value=None), None)
+    data = pd.DataFrame({"rank": kernels["rank"].to_numpy(dtype=np.int64), "name": name_code,
+                         "kernel_type": type_code[kind_code], "dur": end - start})
+    data = data[data["kernel_type"].notna() & (name_code >= 0)]
+    names = np.asarray(names, dtype=object)
     frames = []
     for (rank, ktype), group in data.groupby(["rank", "kernel_type"], sort=True):
         agg = group.groupby("name")["dur"].agg(["sum", "max", "min", "mean", "std", "count"]).reset_index()
+        agg["name"] = names[agg["name"].to_numpy()]
         agg = agg.sort_values("sum", ascending=False, ignore_index=True).fillna({"std": 0.0})
         if len(agg) > num_kernels:
             cumsum = agg["sum"].cumsum()

@@ -123,6 +123,19 @@ def test_serve_metrics_refuses_a_root_that_is_not_a_directory(tmp_path, run_cli,
     assert "is not a directory" in res.stderr and "Traceback" not in res.stderr
 
 
+def test_serve_metrics_on_a_port_in_use_exits_2_naming_the_address(tmp_path, run_cli):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        res = run_cli("serve-metrics", tmp_path, "--port", str(port))
+    assert res.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in res.stderr and "--port" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
 def _checked_against_store(samples, run_dir: Path, run: str) -> dict[int, int]:
     """Each rank's exported newest step and its duration are a row of the store (read after the scrape); returns
     rank -> last step."""

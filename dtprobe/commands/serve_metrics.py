@@ -39,15 +39,15 @@ def main(args: argparse.Namespace) -> int:
     console = Console(stderr=True, highlight=False, soft_wrap=True)
     collector = RunsCollector(args.root, window_steps=args.window_steps, include_finished=args.all,
                               on_event=lambda line: console.print(f"dtprobe serve-metrics: {line}"))
-    with console.status(f"Reading the runs under {args.root} ..."):
-        num_runs = len(collector.samples())
     server = serve(collector, host=args.host, port=args.port)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
-    console.print(f"dtprobe serve-metrics: serving {num_runs} run(s) under {args.root} at "
-                  f"http://{args.host}:{server.server_port}/metrics ({'all runs' if args.all else 'running runs'}; "
-                  f"SIGTERM or Ctrl-C stops)")
     try:
+        with console.status(f"Reading the runs under {args.root} ..."):
+            num_runs = len(collector.samples())
+        console.print(f"dtprobe serve-metrics: serving {num_runs} run(s) under {args.root} at "
+                      f"http://{args.host}:{server.server_port}/metrics "
+                      f"({'all runs' if args.all else 'running runs'}; SIGTERM or Ctrl-C stops)")
         while not stop.wait(0.5):
             pass
     finally:

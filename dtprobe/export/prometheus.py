@@ -38,6 +38,7 @@ from dtprobe.store.manifest import read_manifest
 from dtprobe.store.reader import RunStore
 from dtprobe.store.runs import is_run_dir
 
+
 @dataclass(frozen=True, kw_only=True)
 class RunSample:
     """The figures of one run at one read, keyed by the gauges' labels (``run`` aside)."""

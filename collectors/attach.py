@@ -11,7 +11,9 @@ Launch example (a user script)::
         s.record(loss=loss.item(), tokens=n, lr=lr)
     probe.close()
 
-Groups: every group on the recording backend is recorded. The default group is ``pg="world"``;
+Attach before or after ``init_process_group``: after it, the default group is wrapped in place and groups created
+later are recorded (groups created before are named in a warning). Groups: every group on the recording backend
+is recorded. The default group is ``pg="world"``; a DeviceMesh axis group is recorded under its axis name;
 ``probe.new_group(ranks, name="ckpt")`` names a subgroup; ``probe.init_device_mesh(..., mesh_dim_names=("dp",
 "tp"))`` (or ``probe.name_mesh(mesh)`` for a mesh built elsewhere) names each axis group after its axis. A mesh
 builds its axis groups with ``new_group`` on the default group's backend, so they are recording groups as long
@@ -46,11 +48,13 @@ import orjson
 import torch
 import torch.distributed as dist
 
-from dtprobe.collectors import sigterm
+from dtprobe.collectors import sigterm, torch_internals
 from dtprobe.collectors.clock import measure_clock_offset
 from dtprobe.collectors.config import CollectConfig
 from dtprobe.collectors.devices import DeviceSampler
+from dtprobe.collectors.cuda_clock import DeviceClock
 from dtprobe.collectors.kernels import ProfilerWindow
+from dtprobe.collectors.nccl import NcclCompletionPoller
 from dtprobe.collectors.null import NullProbe
 from dtprobe.collectors.pg_wrapper import GLOO_BACKEND, NCCL_BACKEND, RECORDER, RecordingProcessGroup, register_backends
 from dtprobe.collectors.training import StepContext
@@ -267,6 +271,44 @@ class Probe:
         self.close(status="crashed" if exc_type is not None else "finished")
 
 
+def _record_initialized_groups(*, nccl_timing: bool) -> None:
+    """Attach after ``init_process_group``: record the default group from now on, and the groups created later.
+
+    A gloo or NCCL default group gets a recording group around it, registered in its place
+    (``torch_internals.replace_default_group``): calls without ``group=`` (DDP, FSDP2, a DeviceMesh axis over all
+    ranks) and ``new_group``/``init_device_mesh`` without a backend (on ``dtprobe_gloo``/``dtprobe_nccl`` from now
+    on) are recorded. Groups created before (and objects holding the old default group, e.g. a DDP built before)
+    are not: one warning names them with the fix. Other default backends (a mixed ``"cpu:gloo,cuda:nccl"``, MPI)
+    are left alone, with a warning.
+    """
+    fix = ("Call dtprobe.attach() right after init_process_group and before creating them (DDP, FSDP2, "
+           "DeviceMesh, new_group), or run the script unchanged with `dtprobe launch`.")
+    old = torch_internals.default_group()
+    if not isinstance(old, RecordingProcessGroup):
+        backends = set(torch_internals.group_device_backends(old).values())
+        if backends not in ({"gloo"}, {"nccl"}):
+            warnings.warn(
+                f"dtprobe.attach: the default process group is on {sorted(backends)}, which dtprobe cannot wrap "
+                f"after init (gloo or nccl only), so its collectives are NOT recorded. Call dtprobe.attach before "
+                f"init_process_group, or initialize with backend=\"gloo\" or \"nccl\".", stacklevel=3)
+            return
+        on_nccl = backends == {"nccl"}
+        wrapper = RecordingProcessGroup(old, old.rank(), old.size(), backend_name=NCCL_BACKEND if on_nccl
+                                        else GLOO_BACKEND, device_timing=on_nccl)
+        if on_nccl:     # as collectors.nccl.make_nccl does for a group it builds
+            if nccl_timing:
+                wrapper.enable_completion_timing(clock=DeviceClock(device=torch.cuda.current_device()))
+            else:
+                wrapper.set_nccl_timing(NcclCompletionPoller(RECORDER))
+        torch_internals.replace_default_group(wrapper, backend_name=wrapper.getBackendName())
+    unrecorded = [(name, desc, ranks) for pg, name, desc, ranks in torch_internals.registered_groups()
+                  if pg is not old and not isinstance(pg, RecordingProcessGroup)]
+    if unrecorded:
+        listed = ", ".join(f"{name!r} ({desc or 'no description'}, ranks {ranks})" for name, desc, ranks in unrecorded)
+        warnings.warn(f"dtprobe.attach: {len(unrecorded)} process group(s) created before attach are NOT recorded: "
+                      f"{listed}. {fix}", stacklevel=3)
+
+
 def _destroy_default_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -280,9 +322,11 @@ def attach(run_dir: str | os.PathLike, *, timeout_s: float = 600.0, backend: str
       ``profile_steps``, ``enabled``, ...).
     - Initializes ``torch.distributed`` from the torchrun environment (``env://``; a 1-rank group without it)
       if not yet initialized, on ``backend`` (default: ``dtprobe_nccl`` with CUDA, else ``dtprobe_gloo``; a
-      plain ``gloo``/``nccl`` when collectives are off) with ``timeout_s``. If already initialized nothing is
-      wrapped: the default group is recorded only if it was created with ``backend="dtprobe_gloo"`` (call
-      ``dtprobe.collectors.register_backends()`` before ``init_process_group``).
+      plain ``gloo``/``nccl`` when collectives are off) with ``timeout_s``. If already initialized (the script
+      or a framework called ``init_process_group``), a gloo or NCCL default group is wrapped in a recording group
+      registered in its place: the default group's collectives from now on, and every group, DeviceMesh, DDP,
+      FSDP2 or DTensor layout created after attach, are recorded; groups created before are named in one warning
+      with the fix (see ``_record_initialized_groups``).
     - Measures the clock offset to rank 0, writes ``ranks/rankNNNNN.json``; the leader creates ``run.json``
       when absent (attach mode); starts the device sampler; arms the profiler window.
     - ``manage_status``: whether the leader sets the run status at close (default: True unless launched by
@@ -324,12 +368,8 @@ def attach(run_dir: str | os.PathLike, *, timeout_s: float = 600.0, backend: str
             # "terminate called without an active exception", exit -6) in a CI run; with no peer, nothing can
             # be pending on it, so destroying it at exit cannot block (probe.close runs first: atexit is LIFO).
             atexit.register(_destroy_default_group)
-    elif config.enabled and config.collectives and not isinstance(dist.group.WORLD, RecordingProcessGroup):
-        warnings.warn(
-            "dtprobe.attach: torch.distributed was already initialized, so the default group's collectives are "
-            "NOT recorded. Call dtprobe.attach before init_process_group, or run "
-            "`dtprobe.collectors.register_backends(); dist.init_process_group(backend=\"dtprobe_gloo\")` "
-            "(dtprobe_nccl on CUDA). probe.new_group(...) groups are still recorded.", stacklevel=2)
+    elif config.enabled and config.collectives:
+        _record_initialized_groups(nccl_timing=config.nccl_timing)
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     default_backend = str(dist.get_backend())

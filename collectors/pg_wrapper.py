@@ -479,6 +479,8 @@ class RecordingProcessGroup(dist.ProcessGroup):
     def _set_group_desc(self, desc: str) -> None:
         self._group_desc = desc
         self._inner._set_group_desc(desc)
+        if self.dtprobe_name is None and desc.startswith("mesh_") and desc != "mesh_default":
+            self.dtprobe_name = desc[len("mesh_"):]    # a DeviceMesh axis group (desc "mesh_<axis>"): its axis name
 
     @property
     def inner(self) -> dist.ProcessGroup:

@@ -75,3 +75,83 @@ def install_batch_p2p_coalescing(is_recording_group: Callable[[Any], bool]) -> N
     batch_isend_irecv._dtprobe_coalescing = True   # type: ignore[attr-defined]
     c10d.batch_isend_irecv = batch_isend_irecv
     dist.batch_isend_irecv = batch_isend_irecv
+
+
+# ---- the group registry (issue 16: attach after init_process_group; used by collectors/attach.py) ----
+#
+# ``distributed_c10d._world`` holds every group: ``default_pg`` (what ``_get_default_group()``, ``dist.group.WORLD``
+# and every call without ``group=`` use), and per group ``pg_map`` (backend name, store), ``pg_names`` (its name),
+# ``pg_group_ranks`` (global rank -> group rank), ``pg_backend_config`` ("cpu:gloo,cuda:gloo"), ``pg_to_tag`` /
+# ``tags_to_pg`` (the tag lists functional collectives search by ranks). Separately, a C++ registry maps each group
+# name to its group: DeviceMesh, DTensor and functional collectives keep names, not groups, and find the group with
+# ``_resolve_process_group(name)`` at every call.
+
+def default_group() -> Any:
+    """The default group (``distributed_c10d._get_default_group()``); torch.distributed must be initialized."""
+    return dist.distributed_c10d._get_default_group()
+
+
+def group_device_backends(pg: Any) -> dict[str, str]:
+    """Device type -> backend name of a registered group, from ``_world.pg_backend_config`` (``"cpu:gloo,cuda:gloo"``
+    -> ``{"cpu": "gloo", "cuda": "gloo"}``; a plain name such as ``"dtprobe_gloo"`` -> ``{"": "dtprobe_gloo"}``)."""
+    config = dist.distributed_c10d._world.pg_backend_config.get(pg, "")
+    out: dict[str, str] = {}
+    for part in filter(None, config.split(",")):
+        device, sep, name = part.partition(":")
+        out[device if sep else ""] = (name if sep else device).strip().lower()
+    return out
+
+
+def registered_groups() -> list[tuple[Any, str, str, list[int]]]:
+    """Every registered group as ``(group, name, description, global ranks)``, in creation order (``_world.pg_names``
+    and ``pg_group_ranks``; the description is ``group_desc``, e.g. ``"mesh_tp"`` for a DeviceMesh axis)."""
+    world = dist.distributed_c10d._world
+    return [(pg, str(name), str(getattr(pg, "group_desc", "") or ""), sorted(world.pg_group_ranks.get(pg, {})))
+            for pg, name in list(world.pg_names.items())]
+
+
+def replace_default_group(wrapper: Any, *, backend_name: str) -> Any:
+    """Make ``wrapper`` (a ``ProcessGroup`` forwarding to the current default group) the default group everywhere
+    torch looks for it, and ``backend_name`` the backend of groups created later without one; returns the old group.
+
+    - ``_world.default_pg`` (``_update_default_pg``): ``_get_default_group()``, ``dist.group.WORLD`` and every
+      call without ``group=`` (DDP, FSDP2's and DeviceMesh's default group) get ``wrapper``.
+    - ``pg_map[wrapper] = (backend_name, store)``: ``new_group`` without ``backend`` takes the default group's
+      ``pg_map`` backend, and DeviceMesh creates its axis groups with ``new_group(backend=None)`` (or reuses the
+      default group for an axis over all ranks), so groups and meshes created later are on ``backend_name``.
+    - ``pg_names``, ``pg_group_ranks``, ``pg_backend_config``, the tags (``wrapper`` listed before the old group,
+      so a search by ranks finds it first) and the C++ name registry (``_unregister_process_group`` then
+      ``_register_process_group``): a DeviceMesh or DTensor holding the default group's name resolves to
+      ``wrapper``, even one built before this call.
+
+    The old group stays registered (``pg_map`` etc.), so objects holding it (a DDP built before) keep working,
+    unrecorded. ``destroy_process_group()`` then shuts it down twice (directly and through ``wrapper``), which
+    gloo and NCCL accept.
+    """
+    c10d = dist.distributed_c10d
+    world = c10d._world
+    old = c10d._get_default_group()
+    _, store = world.pg_map[old]
+    name = world.pg_names[old]
+    wrapper._set_group_name(name)
+    wrapper._set_group_desc(old.group_desc)
+    world.pg_map[wrapper] = (backend_name, store)
+    world.pg_names[wrapper] = name
+    world.pg_group_ranks[wrapper] = dict(world.pg_group_ranks[old])
+    world.pg_backend_config[wrapper] = str(c10d.BackendConfig(dist.Backend(backend_name)))
+    tag = world.pg_to_tag.get(old)
+    if tag is not None:
+        world.pg_to_tag[wrapper] = tag
+        for pgs in world.tags_to_pg.values():
+            if old in pgs and wrapper not in pgs:
+                pgs.insert(pgs.index(old), wrapper)
+    c10d._unregister_process_group(name)
+    c10d._register_process_group(name, wrapper)
+    c10d._update_default_pg(wrapper)
+    return old
+
+
+def resolve_group(name: str) -> Any:
+    """The group registered under ``name`` in the C++ registry (``_resolve_process_group``): what DeviceMesh,
+    DTensor and functional collectives call with the names they hold."""
+    return dist.distributed_c10d._resolve_process_group(name)

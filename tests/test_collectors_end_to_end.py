@@ -309,7 +309,7 @@ def test_attach_disabled_returns_a_null_probe_that_writes_nothing(tmp_path, run_
     assert not (tmp_path / "off").exists()
 
 
-def test_attach_after_plain_init_warns_and_records_only_probe_groups(tmp_path, run_python):
+def test_attach_after_plain_init_records_the_default_group_and_later_groups_without_warning(tmp_path, run_python):
     proc = run_python(textwrap.dedent("""
         import warnings
         import torch, torch.distributed as dist, dtprobe
@@ -323,6 +323,6 @@ def test_attach_after_plain_init_warns_and_records_only_probe_groups(tmp_path, r
         probe.close()
     """).format(run=str(tmp_path)), timeout_s=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["WARNED"]
+    assert proc.stdout.split() == ["SILENT"]     # no group made before attach (issue 16: wrapped in place)
     rows = _rows(tmp_path / "late", "collectives", 0)
-    assert [(r["pg"], r["op"], r["num_bytes"]) for r in rows] == [("mine", "allreduce", 12)]
+    assert [(r["pg"], r["op"], r["num_bytes"]) for r in rows] == [("world", "allreduce", 8), ("mine", "allreduce", 12)]

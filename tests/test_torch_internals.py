@@ -1,0 +1,82 @@
+"""The private torch.distributed surfaces of ``collectors/torch_internals.py`` on the installed torch: each test
+fails where a torch upgrade moved one. Each runs in a child process (a 1-rank gloo world on a HashStore), so no
+process group outlives it."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+_PRELUDE = """
+import torch, torch.distributed as dist
+from dtprobe.collectors import torch_internals as ti
+from dtprobe.collectors.pg_wrapper import GLOO_BACKEND, RECORDER, RecordingProcessGroup, register_backends
+register_backends()
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+"""
+
+
+def _check(run_python, body: str) -> None:
+    proc = run_python(_PRELUDE + textwrap.dedent(body) + "\nprint('OK')\n", timeout_s=120)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stderr[-3000:]
+
+
+def test_group_device_backends_reads_the_backend_config_per_device(run_python):
+    _check(run_python, """
+        assert ti.group_device_backends(ti.default_group()) == {"cpu": "gloo", "cuda": "gloo"}
+        sub = dist.new_group([0], backend=GLOO_BACKEND)
+        assert ti.group_device_backends(sub) == {"cpu": "dtprobe_gloo"}
+        assert ti.group_device_backends(object()) == {}          # not registered: nothing
+    """)
+
+
+def test_registered_groups_lists_every_group_with_name_description_and_ranks_in_creation_order(run_python):
+    _check(run_python, """
+        sub = dist.new_group([0], group_desc="mine")
+        groups = ti.registered_groups()
+        assert [g for g, *_ in groups] == [ti.default_group(), sub]
+        assert [tuple(rest) for _, *rest in groups] == [("0", "default_pg", [0]), (sub.group_name, "mine", [0])]
+    """)
+
+
+def test_replace_default_group_makes_the_wrapper_the_default_everywhere_and_keeps_the_old_group_usable(run_python):
+    _check(run_python, """
+        from torch.distributed import _functional_collectives as funcol
+        from torch.distributed.device_mesh import init_device_mesh
+
+        old = ti.default_group()
+        name = old.group_name
+        wrapper = RecordingProcessGroup(old, 0, 1, backend_name=GLOO_BACKEND)
+        assert ti.replace_default_group(wrapper, backend_name=GLOO_BACKEND) is old
+        assert ti.default_group() is wrapper and dist.group.WORLD is wrapper
+        assert wrapper.group_name == name and wrapper.group_desc == "default_pg"
+        assert ti.resolve_group(name) is wrapper                 # functional collectives and meshes find it
+        assert dist.get_backend() == GLOO_BACKEND and dist.get_process_group_ranks(wrapper) == [0]
+        assert ti.group_device_backends(wrapper) == {"cpu": "dtprobe_gloo"}
+        assert dist.get_rank(old) == 0 and dist.get_world_size(old) == 1   # objects holding it keep working
+        tag = dist.distributed_c10d._world.pg_to_tag[old]
+        pgs = dist.distributed_c10d._world.tags_to_pg[tag]
+        assert pgs.index(wrapper) < pgs.index(old)
+
+        # groups and meshes made later without a backend come from the recording backend
+        later = dist.new_group([0])
+        assert isinstance(later, RecordingProcessGroup) and dist.get_backend(later) == GLOO_BACKEND
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+        assert mesh.get_group("dp") is wrapper                   # an axis over all ranks reuses the default group
+
+        class Sink:
+            rows = []
+            def write(self, table, row): self.rows.append((table, row))
+        RECORDER.start(Sink(), flush_interval_s=60)
+        t = torch.ones(3)
+        dist.all_reduce(t)
+        funcol.all_reduce(torch.ones(2), "sum", dist.group.WORLD).wait()
+        dist.all_reduce(torch.ones(5), group=old)               # the old group itself: not recorded
+        RECORDER.stop()
+        rows = [r for table, r in Sink.rows if table == "collectives"]
+        assert [(r["pg"], r["op"], r["num_bytes"]) for r in rows] == [("world", "allreduce", 12),
+                                                                     ("world", "allreduce", 8)]
+        dist.destroy_process_group()                             # shuts the old group down through both
+        assert not dist.is_initialized()
+    """)

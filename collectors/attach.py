@@ -57,6 +57,8 @@ from dtprobe.collectors.kernels import ProfilerWindow
 from dtprobe.collectors.nccl import NcclCompletionPoller
 from dtprobe.collectors.null import NullProbe
 from dtprobe.collectors.pg_wrapper import GLOO_BACKEND, NCCL_BACKEND, RECORDER, RecordingProcessGroup, register_backends
+from dtprobe.collectors import training
+from dtprobe.collectors.cuda_clock import clock_for
 from dtprobe.collectors.training import StepContext
 from dtprobe.store import manifest as store_manifest
 from dtprobe.store.errors import ConfigError
@@ -352,18 +354,23 @@ def attach(run_dir: str | os.PathLike, *, timeout_s: float = 600.0, backend: str
                 backend = NCCL_BACKEND if cuda else GLOO_BACKEND
             else:
                 backend = "nccl" if cuda else "gloo"
+        # On NCCL the group is bound to this rank's GPU (device_id): torch connects its communicator at once and
+        # later groups split from it, instead of guessing the device at the first collective.
+        bound: dict[str, Any] = {}
         if "nccl" in backend:
             torch.cuda.set_device(local_rank)
+            bound["device_id"] = torch.device("cuda", local_rank)
         timeout = datetime.timedelta(seconds=timeout_s)
         if "RANK" in os.environ or "MASTER_ADDR" in os.environ:
             store = _restart_store(timeout)
             if store is not None:
                 dist.init_process_group(backend, store=store, rank=_env_int("RANK", 0),
-                                        world_size=_env_int("WORLD_SIZE", 1), timeout=timeout)
+                                        world_size=_env_int("WORLD_SIZE", 1), timeout=timeout, **bound)
             else:
-                dist.init_process_group(backend, timeout=timeout)
+                dist.init_process_group(backend, timeout=timeout, **bound)
         else:   # a plain `python train.py`: a 1-rank job
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
+                                    **bound)
             # Left to the interpreter's exit, gloo's threads were once torn down mid-flight (the C++ runtime's
             # "terminate called without an active exception", exit -6) in a CI run; with no peer, nothing can
             # be pending on it, so destroying it at exit cannot block (probe.close runs first: atexit is LIFO).
@@ -392,9 +399,13 @@ def attach(run_dir: str | os.PathLike, *, timeout_s: float = 600.0, backend: str
         store_manifest.create_manifest(
             run_dir, run_id=run_id or run_dir.name, command=[sys.executable, *sys.argv],
             config={"collect": asdict(config)}, world_size=world_size, nnodes=_env_int("GROUP_WORLD_SIZE", 1))
+    on_gpu = device.startswith("cuda")
     store_manifest.write_rank_info(
         run_dir, rank, host=socket.gethostname(), node_rank=probe.node_rank, local_rank=local_rank,
-        device=device, pid=os.getpid(), clock_offset_ns=probe.clock_offset_ns, restart=probe.restart)
+        device=device, pid=os.getpid(), clock_offset_ns=probe.clock_offset_ns, restart=probe.restart,
+        device_name=torch.cuda.get_device_name(torch.cuda.current_device()) if on_gpu else None)
+    if on_gpu:                           # steps and pipeline actions on CUDA events (collectors.training)
+        training.use_device_clock(clock_for(torch.cuda.current_device()))
     probe._lifecycle("attach")
     probe.writer.flush()
 

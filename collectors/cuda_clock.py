@@ -83,6 +83,17 @@ class DeviceClock:
         return best
 
 
+_CLOCKS: dict[Any, DeviceClock] = {}
+
+
+def clock_for(device: Any) -> DeviceClock:
+    """The process's ``DeviceClock`` of ``device`` (one reference stream per device, shared by every user)."""
+    clock = _CLOCKS.get(device)
+    if clock is None:
+        clock = _CLOCKS.setdefault(device, DeviceClock(device=device))
+    return clock
+
+
 class NvtxRange:
     """An NVTX range named ``name`` (shown in Nsight Systems) around a block; ``cuda.nvtx`` pushes and pops."""
 

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from dtprobe.collectors import torch_internals
-from dtprobe.collectors.cuda_clock import DeviceClock
+from dtprobe.collectors.cuda_clock import DeviceClock, clock_for
 
 _P2P_TYPES = frozenset({"SEND", "RECV", "RECVANYSOURCE"})
 _COALESCED = "COALESCED"
@@ -323,7 +323,7 @@ def make_nccl(opts: Any, backend_options: Any = None, *, wrap: Callable[..., Any
     inner._set_default_backend(dist.ProcessGroup.BackendType.NCCL)
     pg = wrap(inner, rank, size)
     if recorder.nccl_timing:
-        pg.enable_completion_timing(clock=DeviceClock(device=torch.cuda.current_device()))
+        pg.enable_completion_timing(clock=clock_for(torch.cuda.current_device()))
     else:
         pg.set_nccl_timing(NcclCompletionPoller(recorder))
     return pg

@@ -320,3 +320,110 @@ def test_batch_isend_irecv_on_a_recording_nccl_group_goes_out_as_one_coalesced_b
     rows = sorted(writer.table("collectives"), key=lambda r: r["enqueue_ns"])
     assert [(r["op"], r["peer"]) for r in rows] == [("send", 1), ("recv", 3)]    # still one row per op
     assert {r["end_ns"] - r["start_ns"] for r in rows} == {500 * US}
+
+
+def _device_clock(host, sim):
+    cuda = StandinCuda(sim)
+    return DeviceClock(cuda=cuda, host_ns=host.time_ns), cuda
+
+
+@pytest.fixture
+def device_steps():
+    from dtprobe.collectors import training
+
+    host = HostClock()
+    sim = Device(host, drift=20e-6)
+    clock, cuda = _device_clock(host, sim)
+    training.use_device_clock(clock, cuda)
+    yield host, sim, cuda
+    training.use_device_clock(None)
+
+
+def _run_step(cuda, host, *, sync: bool):
+    from dtprobe.collectors.training import StepContext
+
+    rows = []
+    ctx = StepContext(3, on_enter=lambda step: None, on_exit=lambda c: rows.append(c.row(restart=0)))
+    with ctx as s:
+        for name, device_ms in (("fwd", 4), ("bwd", 9), ("opt", 2)):
+            with s.phase(name):
+                cuda.compute.launch(device_ms * MS)     # kernels queued; the host returns at once
+                host.advance(50 * US)
+        if sync:
+            cuda.synchronize()                           # the loop reads its loss
+    return rows[0]
+
+
+def test_step_phases_come_from_device_events_when_the_step_synchronized(device_steps):
+    host, sim, cuda = device_steps
+    row = _run_step(cuda, host, sync=True)
+    assert row["clock"] == "device"
+    assert row["fwd_ns"] == pytest.approx(4 * MS, abs=2 * US)
+    assert row["bwd_ns"] == pytest.approx(9 * MS, abs=2 * US)
+    assert row["opt_ns"] == pytest.approx(2 * MS, abs=2 * US)
+    assert row["end_ns"] - row["start_ns"] == pytest.approx(15 * MS, abs=5 * US)
+    assert cuda.nvtx.ranges == ["fwd", "bwd", "opt", "step 3"] and cuda.nvtx.stack == []
+
+
+def test_step_phases_keep_host_times_when_the_device_is_still_running(device_steps):
+    host, sim, cuda = device_steps
+    row = _run_step(cuda, host, sync=False)
+    assert row["clock"] == "host"
+    assert row["fwd_ns"] < 1 * MS              # the host only queued the work
+    assert cuda.nvtx.ranges == ["fwd", "bwd", "opt", "step 3"]
+
+
+def test_steps_on_the_host_say_so():
+    from dtprobe.collectors.training import StepContext
+
+    rows = []
+    with StepContext(1, on_enter=lambda step: None, on_exit=lambda c: rows.append(c.row(restart=0))) as s:
+        with s.phase("fwd"):
+            pass
+    assert rows[0]["clock"] == "host" and rows[0]["fwd_ns"] >= 0
+
+
+class _Stage:
+    """A pipeline stage's action methods as ``PipelineTimer`` wraps them (torch's PipelineStage names)."""
+
+    def __init__(self, cuda, host, stage_index, device_ms):
+        self.cuda, self.host, self.stage_index, self.device_ms = cuda, host, stage_index, device_ms
+
+    def forward_one_chunk(self, chunk, *args, **kwargs):
+        self.cuda.compute.launch(self.device_ms["F"] * MS)
+        self.host.advance(20 * US)
+
+    def backward_one_chunk(self, chunk, *args, **kwargs):
+        self.cuda.compute.launch(self.device_ms["B"] * MS)
+        self.host.advance(20 * US)
+
+    def backward_weight_one_chunk(self, chunk, *args, **kwargs):
+        self.cuda.compute.launch(self.device_ms["W"] * MS)
+
+
+def test_pipeline_actions_are_written_with_device_times_once_the_device_finished_them():
+    from dtprobe.runtime.parallel.pp import PipelineTimer
+
+    host = HostClock()
+    sim = Device(host)
+    clock, cuda = _device_clock(host, sim)
+    written = []
+    stage = _Stage(cuda, host, 1, {"F": 3, "B": 5, "W": 1})
+    timer = PipelineTimer([stage], lambda table, row: written.append((table, row)), device=(clock, cuda))
+    timer.start_step(7)
+    for chunk in range(2):
+        stage.forward_one_chunk(chunk)
+    stage.backward_one_chunk(0, None, True)
+    assert written == []                          # still running on the device: held, not waited for
+    assert [r["clock"] for r in timer.rows] == ["host"] * 3
+    cuda.synchronize()
+    timer.start_step(8)                           # next step: the finished actions are written
+    rows = [r for t, r in written if t == "pipeline"]
+    assert [(r["action"], r["microbatch"], r["step"], r["clock"]) for r in rows] == [
+        ("F", 0, 7, "device"), ("F", 1, 7, "device"), ("B", 0, 7, "device")]
+    assert [r["end_ns"] - r["start_ns"] for r in rows] == pytest.approx([3 * MS, 3 * MS, 5 * MS], abs=2 * US)
+    assert rows[1]["start_ns"] == pytest.approx(rows[0]["end_ns"], abs=2 * US)   # back to back on the stream
+    assert cuda.nvtx.ranges == ["F1.0", "F1.1", "B1.0"]
+    stage.forward_one_chunk(0)
+    timer.flush()                                 # at exit: a still-running action keeps its host times
+    assert [r["clock"] for t, r in written][-1] == "host"

@@ -7,7 +7,9 @@ nothing is due):
    outlives the workers) under ``dtprobe/hang/<restart>/rank<r>``: JSON
    ``{"rank", "step", "time_ns", "groups": {pg: {"pg_ranks", "last_issued_seq", "last_issued_op",
    "last_completed_seq", "last_completed_op"}}}`` (from the recording process group,
-   ``dtprobe.collectors.pg_wrapper.RECORDER.progress()``);
+   ``dtprobe.collectors.pg_wrapper.RECORDER.progress()``; on NCCL every recorded collective counts as pending from
+   its issue until NCCL reports it done: the completion hook, or without NCCL timing a poll of the work's
+   ``is_completed()``, see ``dtprobe.collectors.nccl``);
 2. checks its own oldest operation issued but not completed, collective or point-to-point (a pipeline stage
    blocked in ``recv`` hangs too); once it has waited ``T`` seconds the watchdog fires: it reads every member's
    published progress, writes one ``faults`` row and the key ``dtprobe/hang/<restart>/fired``, flushes the

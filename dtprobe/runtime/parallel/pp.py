@@ -15,6 +15,7 @@ F1..F8 for 8 micro-batches and no F0), so 1F1B's list comes from the simulator i
 
 from __future__ import annotations
 
+import atexit
 import copy
 import time
 from collections.abc import Callable, Sequence
@@ -23,6 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from dtprobe.collectors import training
+from dtprobe.collectors.cuda_clock import DeviceSpan
 from dtprobe.runtime.parallel.stage_sleep import StageSleep, parse_stage_sleep  # noqa: F401 (re-export)
 
 SCHEDULE_CLASSES = {
@@ -113,18 +116,38 @@ def build_schedule(stages: Sequence[Any], schedule: str, *, microbatches: int,
 
 
 class PipelineTimer:
-    """Times every pipeline action of this rank's stages; rows go to ``record("pipeline", row)``."""
+    """Times every pipeline action of this rank's stages; rows go to ``record("pipeline", row)``.
 
-    def __init__(self, stages: Sequence[Any], record: Callable[[str, dict[str, Any]], None] | None) -> None:
+    On the host each action is timed around its call (``clock="host"``). With a device clock (``device``: the
+    ``(DeviceClock, torch.cuda)`` pair of ``collectors.training.device_clock()``, the default) each action is also
+    bracketed by CUDA events on the compute stream and an NVTX range (``F3.1``: action, stage, micro-batch); its
+    row is held until the device has finished it (checked, never waited for, at each later action and at the
+    next ``start_step``, and at exit) and then written with device times and ``clock="device"``; an action still
+    running at the next step's start is written with its host times.
+    """
+
+    def __init__(self, stages: Sequence[Any], record: Callable[[str, dict[str, Any]], None] | None, *,
+                 device: tuple[Any, Any] | None | str = "auto") -> None:
         self.step = -1
         """Training step the next actions belong to (set by the train step)."""
         self.rows: list[dict[str, Any]] = []
-        """Rows of the current step (kept for ``fwd_ns``/``bwd_ns`` and tests; cleared by ``start_step``)."""
+        """Rows of the current step, host times (kept for ``fwd_ns``/``bwd_ns`` and tests; cleared by
+        ``start_step``)."""
         self._record = record
+        self._device = training.device_clock() if device == "auto" else device
+        self._held: list[tuple[dict[str, Any], DeviceSpan]] = []
         for stage in stages:
             self._wrap(stage)
+        if self._device is not None:
+            # The last step's held rows: atexit runs this before the probe's own close (registered earlier).
+            atexit.register(self.flush)
+
+    def flush(self) -> None:
+        """Write every held row now (device times where finished, else host times)."""
+        self._write_finished(final=True)
 
     def start_step(self, step: int) -> None:
+        self.flush()
         self.step = step
         self.rows = []
 
@@ -132,37 +155,59 @@ class PipelineTimer:
         forward, backward, weight = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
 
         def forward_one_chunk(chunk: int, *args: Any, **kwargs: Any) -> Any:
-            t0 = time.time_ns()
-            out = forward(chunk, *args, **kwargs)
-            self._add(stage.stage_index, chunk, "F", t0)
-            return out
+            return self._timed(stage.stage_index, chunk, "F", forward, chunk, *args, **kwargs)
 
         def backward_one_chunk(chunk: int, *args: Any, **kwargs: Any) -> Any:
             full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
-            t0 = time.time_ns()
-            out = backward(chunk, *args, **kwargs)
-            self._add(stage.stage_index, chunk, "B" if full else "I", t0)
-            return out
+            return self._timed(stage.stage_index, chunk, "B" if full else "I", backward, chunk, *args, **kwargs)
 
         def backward_weight_one_chunk(chunk: int, *args: Any, **kwargs: Any) -> Any:
-            t0 = time.time_ns()
-            out = weight(chunk, *args, **kwargs)
-            self._add(stage.stage_index, chunk, "W", t0)
-            return out
+            return self._timed(stage.stage_index, chunk, "W", weight, chunk, *args, **kwargs)
 
         stage.forward_one_chunk = forward_one_chunk
         stage.backward_one_chunk = backward_one_chunk
         stage.backward_weight_one_chunk = backward_weight_one_chunk
 
-    def _add(self, stage: int, chunk: int, action: str, t0: int) -> None:
+    def _timed(self, stage: int, chunk: int, action: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        span = None
+        if self._device is not None:
+            span = DeviceSpan(self._device[0], self._device[1], f"{action}{stage}.{int(chunk)}")
+            span.begin()
+        t0 = time.time_ns()
+        out = fn(*args, **kwargs)
+        t1 = time.time_ns()
+        if span is not None:
+            span.end()
+        self._add(stage, chunk, action, t0, t1, span)
+        return out
+
+    def _add(self, stage: int, chunk: int, action: str, t0: int, t1: int, span: DeviceSpan | None) -> None:
         row = {"stage": stage, "step": self.step, "microbatch": int(chunk), "action": action,
-               "start_ns": t0, "end_ns": time.time_ns()}
+               "start_ns": t0, "end_ns": t1, "clock": "host"}
         self.rows.append(row)
-        if self._record is not None:
-            self._record("pipeline", row)
+        if span is None:
+            if self._record is not None:
+                self._record("pipeline", row)
+            return
+        self._held.append((dict(row), span))
+        self._write_finished(final=False)
+
+    def _write_finished(self, *, final: bool) -> None:
+        """Write held rows in order while the device has finished them (all of them if ``final``)."""
+        held = self._held
+        while held:
+            row, span = held[0]
+            times = span.resolve()
+            if times is None and not final:
+                break
+            held.pop(0)
+            if times is not None:
+                row["start_ns"], row["end_ns"], row["clock"] = times[0], times[1], "device"
+            if self._record is not None:
+                self._record("pipeline", row)
 
     def phase_ns(self) -> tuple[int, int]:
-        """(forward ns, backward ns) of the current step: summed F, and summed B/I/W actions."""
+        """(forward ns, backward ns) of the current step: summed F, and summed B/I/W actions (host times)."""
         fwd = sum(r["end_ns"] - r["start_ns"] for r in self.rows if r["action"] == "F")
         bwd = sum(r["end_ns"] - r["start_ns"] for r in self.rows if r["action"] != "F")
         return fwd, bwd

@@ -122,3 +122,18 @@ def test_tensorboard_export_refuses_a_directory_that_already_holds_event_files(t
     assert again.returncode == 2
     assert "already holds TensorBoard event files" in again.stderr and "Traceback" not in again.stderr
     assert len(list(log_dir.glob("events.out.tfevents.*"))) == 1
+
+
+def test_tensorboard_keeps_the_last_attempt_of_a_step_re_run_after_a_restart(tmp_path, sample_traces_dir, run_cli):
+    run = sample_traces_dir / "ckpt_crash_restart"
+    assert run_cli("export", "tensorboard", run, "-o", tmp_path / "tb").returncode == 0
+    acc = read_events(tmp_path / "tb")
+    steps = RunStore.open(run).table("steps")
+    rerun = steps[steps.duplicated(["rank", "step"], keep=False)]
+    assert sorted(rerun["restart"]) == [0, 1]                  # the scenario: one step of rank 0 run twice
+    (rank,), (step,) = rerun["rank"].unique(), rerun["step"].unique()
+    last = rerun[rerun["restart"] == 1].iloc[0]
+    events = [e for e in acc.Scalars(f"step_time_ms/rank{rank}") if e.step == step]
+    assert len(events) == 1
+    assert events[0].value == pytest.approx((last["end_ns"] - last["start_ns"]) / 1e6, rel=1e-6)
+    assert len(acc.Scalars(f"step_time_ms/rank{rank}")) == steps[steps["rank"] == rank]["step"].nunique()

@@ -167,10 +167,13 @@ class NcclCompletionMatcher:
         op_type = _op_type_name(info)
         seq = int(getattr(info, "seq"))
         with self._lock:
-            if op_type == _COALESCED:       # a block of p2p ops or of collectives: whichever was issued first
+            if op_type == _COALESCED:
+                # A block issued through _start/_end_coalescing (p2p or collectives: whichever was issued first
+                # when both counters give this number), else one call NCCL coalesces itself (allreduce_coalesced,
+                # an uneven all-gather), numbered on the collective counter.
                 candidates = [k for k in (("coalesced-p2p", seq), ("coalesced-coll", seq)) if k in self._expected]
                 candidates.sort(key=lambda k: self._expected[k][0].order)
-                group = self._expected.pop(candidates[0]) if candidates else None
+                group = self._expected.pop(candidates[0] if candidates else ("coll", seq), None)
             else:
                 group = self._expected.pop(("p2p" if op_type in _P2P_TYPES else "coll", seq), None)
         if not group:

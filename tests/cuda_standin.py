@@ -234,6 +234,12 @@ class StandinNcclGroup:
             self.seq_collective += 1
         return self._op(OpType.ALLREDUCE, self.seq_collective, "coll")
 
+    def allreduce_coalesced(self, tensors: Any, *args: Any) -> StandinWork | None:
+        # ProcessGroupNCCL::collectiveCoalesced: one counter bump, one COALESCED work for all the tensors
+        self.seq_collective += 1
+        op = {"arrive": self.cuda.compute.position(), "duration": self._durations.pop(0), "issued": self.sim.host.unix}
+        return self._run(OpType.COALESCED, self.seq_collective, "coll", [op])
+
     def send(self, tensors: Any, dst: int, tag: int = 0) -> StandinWork | None:
         return self._op(OpType.SEND, self._p2p_seq(), ("p2p", dst))
 

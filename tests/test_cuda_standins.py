@@ -427,3 +427,17 @@ def test_pipeline_actions_are_written_with_device_times_once_the_device_finished
     stage.forward_one_chunk(0)
     timer.flush()                                 # at exit: a still-running action keeps its host times
     assert [r["clock"] for t, r in written][-1] == "host"
+
+
+def test_a_call_nccl_coalesces_itself_is_matched_on_the_collective_counter():
+    host, sim, cuda, inner, recorder, writer, pg = _setup([100 * US, 400 * US, 50 * US])
+    t = torch.ones(8)
+    pg.allreduce([t])
+    pg.allreduce_coalesced([t, t])    # one COALESCED work, numbered like any collective
+    pg.send([t], 1, 0)                # p2p seq 1: the same number as the first all-reduce, other counter
+    assert [(i.op_type.name, i.seq) for i in inner.infos] == [("ALLREDUCE", 1), ("COALESCED", 2), ("SEND", 1)]
+    inner.deliver([2, 0, 1])
+    recorder.stop()
+    rows = sorted(writer.table("collectives"), key=lambda r: r["enqueue_ns"])
+    assert [(r["op"], r["end_ns"] - r["start_ns"]) for r in rows] == [
+        ("allreduce", 100 * US), ("allreduce", 400 * US), ("send", 50 * US)]

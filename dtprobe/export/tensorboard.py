@@ -20,6 +20,7 @@ Wall times are the step ends (Unix seconds on rank 0's clock).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,15 +60,12 @@ def last_attempt(steps: pd.DataFrame) -> pd.DataFrame:
     return s.drop_duplicates(["rank", "step"], keep="last").drop(columns="_restart")
 
 
-def _series(tag: pd.Series | str, step: pd.Series, value: pd.Series, wall_s: pd.Series) -> pd.DataFrame:
-    return pd.DataFrame({"tag": tag, "step": step.astype("int64").to_numpy(),
-                         "value": value.astype("float64").to_numpy(),
-                         "wall_time_s": wall_s.astype("float64").to_numpy()})
-
-
-def _rank_tag(prefix):
-    """Tags ``<prefix>/rank<R>`` of a frame's rows (``prefix`` a string or a per-row Series)."""
-    return lambda frame: prefix + "/rank" + frame["rank"].astype("int64").astype(str)
+def _rank_tags(prefix: str, *, by_group: bool = False) -> Callable[[pd.DataFrame], pd.Series]:
+    """Tags ``<prefix>/rank<R>`` (``<prefix>/<pg>/rank<R>`` with ``by_group``) of a frame's rows."""
+    def tags(frame: pd.DataFrame) -> pd.Series:
+        head = prefix + "/" + frame["pg"].astype(str) if by_group else prefix
+        return head + "/rank" + frame["rank"].astype("int64").astype(str)
+    return tags
 
 
 def scalar_series(analysis: RunAnalysis) -> pd.DataFrame:
@@ -77,21 +75,22 @@ def scalar_series(analysis: RunAnalysis) -> pd.DataFrame:
     step_end_s = steps.groupby("step")["end_ns"].max().astype("float64") / 1e9
     parts = []
 
-    def add(tag, frame: pd.DataFrame, value: str, *, scale: float = 1.0) -> None:
+    def add(tags: str | Callable[[pd.DataFrame], pd.Series], frame: pd.DataFrame, value: str) -> None:
         frame = frame.dropna(subset=[value])
         frame = frame[frame["step"].isin(step_end_s.index)]
-        if frame.empty:
-            return
-        tags = tag(frame) if callable(tag) else tag
-        parts.append(_series(tags, frame["step"], frame[value].astype("float64") * scale,
-                             frame["step"].map(step_end_s)))
+        if not frame.empty:
+            parts.append(pd.DataFrame({
+                "tag": tags(frame).to_numpy() if callable(tags) else tags,
+                "step": frame["step"].astype("int64").to_numpy(),
+                "value": frame[value].astype("float64").to_numpy(),
+                "wall_time_s": frame["step"].map(step_end_s).to_numpy(dtype="float64")}))
 
-    add(_rank_tag("step_time_ms"), steps.assign(step_ms=(steps["end_ns"] - steps["start_ns"]) / 1e6), "step_ms")
+    add(_rank_tags("step_time_ms"), steps.assign(step_ms=(steps["end_ns"] - steps["start_ns"]) / 1e6), "step_ms")
     add("tokens_per_s", analysis.throughput(), "tokens_per_s")
     add("loss", steps.dropna(subset=["loss"]).groupby("step", as_index=False)["loss"].mean(), "loss")
     add("loss_scale", analysis.amp_steps(), "scale_after")
-    add(_rank_tag("exposed_comm_frac"), analysis.comm_exposure(), "exposed_frac")
-    add(lambda f: _rank_tag("lateness_frac/" + f["pg"].astype(str))(f), analysis.rank_lateness(), "lateness_frac")
+    add(_rank_tags("exposed_comm_frac"), analysis.comm_exposure(), "exposed_frac")
+    add(_rank_tags("lateness_frac", by_group=True), analysis.rank_lateness(), "lateness_frac")
     if not parts:
         return pd.DataFrame({c: [] for c in SERIES_COLUMNS})
     out = pd.concat(parts, ignore_index=True)

@@ -113,7 +113,8 @@ def test_hf_callback_run_records_ddp_gradient_allreduces_in_every_step(ddp_run):
 def test_hf_callback_run_is_analyzed_with_tokens_per_second_from_the_recorded_tokens(ddp_run, run_cli):
     run, _ = ddp_run
     proc = run_cli("analyze", run, "--format", "json")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # exit 1 means a critical finding, which CPU timing on a shared machine may give; 2 would be unusable input
+    assert proc.returncode in (0, 1) and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     metrics = json.loads(proc.stdout)["metrics"]
     throughput = metrics["throughput"]
     assert metrics["run"]["world_size"] == 2 and throughput["num_steps"] == NUM_STEPS - 1   # step 0 is warmup

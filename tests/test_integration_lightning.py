@@ -28,7 +28,7 @@ WORKER = textwrap.dedent(f"""
     from lightning.pytorch.loggers import CSVLogger
     from dtprobe.integrations.lightning import DtprobeCallback
 
-    run_dir, out_dir, devices, fail_at_step = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    run_dir, out_dir, devices, fail_at_step, sync_dist = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
     VOCAB = 64
 
     class Tokens(torch.utils.data.Dataset):
@@ -51,7 +51,7 @@ WORKER = textwrap.dedent(f"""
             ids = batch["input_ids"]
             loss = F.cross_entropy(self.net(ids[:, :-1]).reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
             self.batch_losses.append([self.global_step, loss.item()])
-            self.log("train_loss", loss, on_step=False, on_epoch=True, sync_dist=True)
+            self.log("train_loss", loss, on_step=False, on_epoch=True, sync_dist=bool(sync_dist))
             return loss
         def configure_optimizers(self):
             opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
@@ -75,19 +75,32 @@ WORKER = textwrap.dedent(f"""
 """)
 
 
-@pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory, torchrun_cmd, child_env):
-    """The 2-rank fit: (run directory, each rank's own record, the rows Lightning logged to CSV)."""
-    root = tmp_path_factory.mktemp("lightning")
+def _fit_on_2_ranks(root, torchrun_cmd, child_env, *, sync_dist: bool):
+    """Run the worker under torchrun: (run directory, each rank's own record, the rows Lightning logged to CSV)."""
     (root / "worker.py").write_text(WORKER)
     (root / "out").mkdir()
-    cmd = torchrun_cmd(root / "worker.py", root / "run", root / "out", "2", "-1", nproc=2)
+    cmd = torchrun_cmd(root / "worker.py", root / "run", root / "out", "2", "-1", str(int(sync_dist)), nproc=2)
     proc = subprocess.run(cmd, env=child_env(), timeout=600, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = {r: json.loads((root / "out" / f"rank{r}.json").read_text()) for r in (0, 1)}
     with open(root / "out" / "csv" / "version_0" / "metrics.csv") as f:
         logged = list(csv.DictReader(f))
     return root / "run", ranks, logged
+
+
+def _epoch_mean_losses(steps, rank: int) -> list[float]:
+    """Each epoch's mean over its micro-batches on ``rank``, from the steps rows (3 optimizer steps per epoch)."""
+    means = []
+    for first in (0, 3):
+        weights = MICRO_BATCHES[first:first + 3]
+        means.append(sum(steps.loc[(rank, first + i), "loss"] * w for i, w in enumerate(weights)) / sum(weights))
+    return means
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory, torchrun_cmd, child_env):
+    """The 2-rank fit, the epoch loss logged without sync_dist (rank 0's own)."""
+    return _fit_on_2_ranks(tmp_path_factory.mktemp("lightning"), torchrun_cmd, child_env, sync_dist=False)
 
 
 @pytest.mark.multiproc
@@ -116,15 +129,21 @@ def test_lightning_callback_records_each_ranks_mean_micro_batch_loss_and_the_log
             assert steps.loc[(rank, step), "loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-6)
     assert steps.loc[(0, 0), "loss"] != pytest.approx(steps.loc[(1, 0), "loss"], rel=1e-6)   # each rank's own
 
-    # Lightning's logged epoch loss: the mean over ranks of each rank's mean over its micro-batches.
-    epoch_rows = [row for row in logged if row["train_loss"]]
-    assert len(epoch_rows) == 2
-    for epoch, row in enumerate(epoch_rows):
-        first = 3 * epoch                                 # 3 optimizer steps per epoch
-        weights = MICRO_BATCHES[first:first + 3]
-        per_rank = [sum(steps.loc[(r, first + i), "loss"] * w for i, w in enumerate(weights)) / sum(weights)
-                    for r in (0, 1)]
-        assert float(row["train_loss"]) == pytest.approx(sum(per_rank) / 2, rel=1e-6)
+    # Lightning's logged epoch loss (rank 0 logs): rank 0's mean over the epoch's micro-batches.
+    epoch_losses = [float(row["train_loss"]) for row in logged if row["train_loss"]]
+    assert epoch_losses == pytest.approx(_epoch_mean_losses(steps, 0), rel=1e-6)
+
+
+@pytest.mark.multiproc
+def test_lightning_callback_keeps_sync_dist_logging_working_and_its_epoch_loss_is_the_ranks_mean(
+        tmp_path, torchrun_cmd, child_env):
+    # sync_dist=True reduces with "mean", which Lightning runs as a SUM plus a division when
+    # dist.get_backend(group) == "gloo" (gloo has no AVG), also on integer tensors (the batch-size count).
+    run, _, logged = _fit_on_2_ranks(tmp_path, torchrun_cmd, child_env, sync_dist=True)
+    steps = RunStore.open(run).table("steps").set_index(["rank", "step"])
+    epoch_losses = [float(row["train_loss"]) for row in logged if row["train_loss"]]
+    per_rank = [_epoch_mean_losses(steps, r) for r in (0, 1)]
+    assert epoch_losses == pytest.approx([(a + b) / 2 for a, b in zip(*per_rank)], rel=1e-6)
 
 
 @pytest.mark.multiproc
@@ -152,15 +171,21 @@ def test_lightning_callback_run_records_ddp_gradient_allreduces_once_per_optimiz
 def test_lightning_callback_run_is_analyzed_with_tokens_per_second_from_the_recorded_tokens(ddp_run, run_cli):
     run, _, _ = ddp_run
     proc = run_cli("analyze", run, "--format", "json")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # exit 1 means a critical finding, which CPU timing on a shared machine may give; 2 would be unusable input
+    assert proc.returncode in (0, 1) and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     metrics = json.loads(proc.stdout)["metrics"]
     assert metrics["run"]["world_size"] == 2 and metrics["steps_analyzed"]["count"] == NUM_STEPS - 1
-    assert metrics["throughput"]["tokens_per_s"] > 0
+    # tokens/s per step is both ranks' tokens over the step's wall time (first start to last end); the median of
+    # the analyzed steps (step 0 is warmup), where the short last step of an epoch holds half the tokens
+    g = RunStore.open(run).table("steps").query("step >= 1").groupby("step")
+    per_step = g["tokens"].sum() / ((g["end_ns"].max() - g["start_ns"].min()) / 1e9)
+    assert g["tokens"].sum().tolist() == [2 * n * BATCH * SEQ for n in MICRO_BATCHES[1:]]
+    assert metrics["throughput"]["tokens_per_s"] == pytest.approx(per_step.median(), rel=1e-6)
 
 
 def test_lightning_callback_closes_the_run_as_crashed_when_training_step_raises(tmp_path, run_python, child_env):
     (tmp_path / "out").mkdir()
-    proc = run_python(WORKER, tmp_path / "run", tmp_path / "out", "1", "3", env=child_env(), timeout_s=300)
+    proc = run_python(WORKER, tmp_path / "run", tmp_path / "out", "1", "3", "0", env=child_env(), timeout_s=300)
     assert proc.returncode != 0 and "injected failure in training_step" in proc.stderr
 
     store = RunStore.open(tmp_path / "run")

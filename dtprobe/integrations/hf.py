@@ -13,8 +13,12 @@ Install and use (``pip install 'dtprobe[hf]'``)::
 ``DtprobeCallback(run_dir, **attach_options)``: ``attach_options`` go to ``dtprobe.attach`` (``collectives``,
 ``devices``, ``profile_steps``, ``timeout_s``, ...).
 
-- **Attach** at ``on_train_begin``: the Trainer (through Accelerate) has initialized torch.distributed by then,
-  so ``dtprobe.attach`` finds the default group already there (see its docstring for what it records of it).
+- **Attach** at ``on_init_end``, the end of ``Trainer.__init__``: ``TrainingArguments`` (through Accelerate) has
+  initialized torch.distributed by then, so ``dtprobe.attach`` finds the default group already there (see its
+  docstring for what it records of it), and ``train()`` has not yet wrapped the model in DDP or FSDP, so the
+  wrapper's collectives go through the group attach records. A callback added later
+  (``trainer.add_callback``) attaches at ``on_train_begin``, after the wrapping, and warns that the wrapper's
+  collectives may be missing.
 - **Steps**: one ``steps`` row per optimizer step, numbered by ``state.global_step`` from 0; a step spans
   ``on_step_begin`` (its first micro-batch) to ``on_step_end`` (after the optimizer and scheduler step), and its
   ``opt_ns`` phase is ``optimizer.step()`` (``on_pre_optimizer_step`` to ``on_optimizer_step``).
@@ -63,7 +67,15 @@ class DtprobeCallback(TrainerCallback):
         """The ``Probe`` once training began, else None."""
         return self.marker.probe
 
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.marker.attach(framework="Hugging Face")
+
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        if self.marker.probe is None:
+            warnings.warn(
+                "dtprobe: the callback attaches at train begin, after the Trainer wrapped the model (DDP, FSDP), so "
+                "the wrapper's collectives may not be recorded. Pass it as Trainer(callbacks=[DtprobeCallback(...)]) "
+                "to attach when the Trainer is built.", stacklevel=2)
         self.marker.attach(framework="Hugging Face")
         self._last_loss_log_step = state.global_step
         if model is not None:

@@ -12,8 +12,9 @@ Install and use (``pip install 'dtprobe[lightning]'``)::
 ``DtprobeCallback(run_dir, *, count_tokens=None, **attach_options)``: ``attach_options`` go to ``dtprobe.attach``
 (``collectives``, ``devices``, ``profile_steps``, ``timeout_s``, ...).
 
-- **Attach** at ``on_train_start``: the strategy has initialized torch.distributed and wrapped the model by then,
-  so ``dtprobe.attach`` finds the default group already there (see its docstring for what it records of it).
+- **Attach** at ``setup(stage="fit")``: the strategy has initialized torch.distributed by then, so
+  ``dtprobe.attach`` finds the default group already there (see its docstring for what it records of it), and
+  has not yet wrapped the model (DDP, FSDP), so the wrapper's collectives go through the group attach records.
 - **Steps**: one ``steps`` row per optimizer step, numbered by ``trainer.global_step`` from 0. A step opens at
   the ``on_train_batch_start`` of its first micro-batch and closes at the ``on_train_batch_end`` of the batch in
   which ``trainer.global_step`` advanced: with ``accumulate_grad_batches=k`` it spans k batches (fewer for the
@@ -74,8 +75,12 @@ class DtprobeCallback(Callback):
         """The ``Probe`` once training started, else None."""
         return self.marker.probe
 
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage == "fit":
+            self.marker.attach(framework="Lightning")
+
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        self.marker.attach(framework="Lightning")
+        self.marker.attach(framework="Lightning")          # the probe of setup; attaches if setup did not run
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if not self.marker.step_is_open:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,7 @@ def ddp_straggler(run_dir: str) -> None:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             s.record(loss=loss)            # .item(): the step's device work is done at its exit
+    time.sleep(1.0)                        # NCCL's watchdog reports the last completions
     probe.close()
 
 
@@ -63,6 +65,7 @@ def pipeline_exchange(run_dir: str) -> None:
                 work.wait()
             torch.cuda.synchronize()
             assert float(into[0]) == float(peer + step) and float(into[-1]) == float(peer + step)
+    time.sleep(1.0)
     probe.close()
 
 

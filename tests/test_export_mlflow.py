@@ -114,3 +114,15 @@ def test_mlflow_store_error_names_the_uri_and_the_fix(uri, explicit, fix):
     message = _store_error(uri, explicit=explicit, exc=exc)
     assert fix in message and uri in message
     assert message.startswith("cannot open --tracking-uri" if explicit else "cannot open MLflow's default")
+
+
+def test_mlflow_export_into_a_deleted_experiment_says_how_to_restore_it(tmp_path, sample_traces_dir, run_cli,
+                                                                         monkeypatch):
+    uri = f"file:{tmp_path / 'mlruns'}"
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient(tracking_uri=uri)
+    client.delete_experiment(client.create_experiment("gone"))
+    res = run_cli("export", "mlflow", sample_traces_dir / SCENARIO, "--tracking-uri", uri, "--experiment", "gone")
+    assert res.returncode == 2
+    assert "experiment 'gone' is deleted" in res.stderr and "--experiment" in res.stderr
+    assert "Traceback" not in res.stderr

@@ -85,6 +85,9 @@ def export_mlflow(analysis: RunAnalysis, *, tracking_uri: str | None = None, exp
     try:
         client = MlflowClient(tracking_uri=uri)
         found = client.get_experiment_by_name(experiment)
+        if found is not None and found.lifecycle_stage == "deleted":
+            raise ConfigError(f"experiment {experiment!r} is deleted in {uri}. Restore it (mlflow experiments "
+                              f"restore --experiment-id {found.experiment_id}) or pass another --experiment.")
         experiment_id = found.experiment_id if found is not None else client.create_experiment(experiment)
         run = client.create_run(experiment_id, run_name=run_name or analysis.path.name,
                                 tags={"dtprobe.source": str(analysis.path), "dtprobe.status": analysis.status})
@@ -103,6 +106,9 @@ def export_mlflow(analysis: RunAnalysis, *, tracking_uri: str | None = None, exp
             export_perfetto(analysis.source, Path(tmp) / TIMELINE_ARTIFACT)
             client.log_artifacts(run_id, tmp)
         status = "FINISHED"
+    except (MlflowException, OSError) as exc:
+        raise ConfigError(f"logging to MLflow run {run_id} at {uri} failed (the run is marked FAILED): {exc}. "
+                          f"Check that the tracking store and its artifact location are writable.") from None
     finally:
         client.set_terminated(run_id, status=status)
     return MlflowExport(tracking_uri=uri, experiment_id=experiment_id, run_id=run_id, metrics=metrics,

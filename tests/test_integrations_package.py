@@ -1,6 +1,6 @@
-"""``OptimizerStepMarker`` (the part the framework callbacks share) on a real 1-rank probe in a child process: the
-steps rows it writes, the tokens rule (a step's tokens only when every micro-batch gave its count), and its
-refusal to re-attach after it closed."""
+"""``dtprobe.integrations`` itself: ``OptimizerStepMarker`` (the part the framework callbacks share) on a real 1-rank
+probe in a child process (the steps rows it writes, the tokens rule: a step's tokens only when every micro-batch
+gave its count, its refusal to re-attach after it closed), and that importing dtprobe imports no framework."""
 
 from __future__ import annotations
 
@@ -51,3 +51,12 @@ def test_marker_writes_loss_lr_and_tokens_only_when_every_micro_batch_counted(tm
     assert steps.loc[3, "lr"] == pytest.approx(3e-3)
     assert (steps.loc[[0, 1, 2, 3], "opt_ns"] > 0).all() and steps["opt_ns"].isna().tolist()[4] is True
     assert (steps["end_ns"] >= steps["start_ns"]).all()
+
+
+@pytest.mark.parametrize("framework", ["transformers", "accelerate", "lightning", "pytorch_lightning"])
+def test_importing_dtprobe_and_the_integrations_package_does_not_import_a_framework(framework, run_python):
+    code = ("import sys, dtprobe, dtprobe.cli, dtprobe.integrations, dtprobe.integrations.optimizer_steps\n"
+            f"print(sorted(m for m in sys.modules if m.split('.')[0] == {framework!r}))")
+    proc = run_python(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[]"

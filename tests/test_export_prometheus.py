@@ -208,3 +208,23 @@ def test_collector_analyses_a_running_runs_newest_steps_and_reuses_them_while_no
     assert collector.samples() == []
     assert events == ["dp4_straggler_rank2: exported (running, world size 4)",
                       "dp4_straggler_rank2: finished, no longer exported"]
+
+
+def test_collector_serves_root_itself_when_root_is_a_run_and_names_an_unreadable_run_once(tmp_path,
+                                                                                          sample_traces_dir):
+    from dtprobe.export.prometheus import RunsCollector
+
+    run_dir = tmp_path / "fp16_overflow"
+    shutil.copytree(sample_traces_dir / "fp16_overflow", run_dir)
+    (sample,) = RunsCollector(run_dir, include_finished=True).samples()
+    assert sample.run == "fp16_overflow" and sample.last_step == {0: 13, 1: 13}
+
+    root = tmp_path / "runs"
+    shutil.copytree(sample_traces_dir / "fp16_overflow", root / "good")
+    (root / "broken").mkdir()
+    (root / "broken" / "run.json").write_text("{not json")
+    events = []
+    collector = RunsCollector(root, include_finished=True, on_event=events.append)
+    assert [s.run for s in collector.samples()] == [s.run for s in collector.samples()] == ["good"]
+    broken = [e for e in events if e.startswith("broken:")]
+    assert len(broken) == 1 and "left out, cannot be read" in broken[0] and "run.json" in broken[0]

@@ -170,11 +170,12 @@ class RunAnalysis:
         """Per group (pg, pg_ranks): ``device`` or ``host``, the clock its arrivals are read on."""
         return self._memo("arrival_clocks", lambda: _arrivals.arrival_clocks(self.table("collectives")))
 
-    def arrival_clock(self) -> str:
+    def arrival_clock(self) -> str | None:
         """The clock of the collectives' arrivals: ``host``, ``device``, or ``mixed`` (groups on both); on a trace
-        folder, the clock of its collectives' timing (NCCL kernels: ``device``; gloo annotations: ``host``)."""
-        return self._memo("arrival_clock", lambda: _clock_names.clock_of(self.arrival_clocks()["clock"])
-                          if self.info.clock_aligned
+        folder, the clock of its collectives' timing (NCCL kernels: ``device``; gloo annotations: ``host``); None
+        without collectives."""
+        return self._memo("arrival_clock", lambda: None if self.table("collectives").empty
+                          else _clock_names.clock_of(self.arrival_clocks()["clock"]) if self.info.clock_aligned
                           else _clock_names.clock_of_timing(self.table("collectives")["timing"]))
 
     def collective_skew(self) -> pd.DataFrame:

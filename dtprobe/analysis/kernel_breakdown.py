@@ -70,10 +70,14 @@ def top_kernels(kernels: pd.DataFrame, *, num_kernels: int = 10, duration_ratio:
                          "kernel_type": type_code[kind_code], "dur": end - start})
     data = data[data["kernel_type"].notna() & (name_code >= 0)]
     names = np.asarray(names, dtype=object)
+    # one aggregation over every (rank, type, name), in key order: each (rank, type) block is what aggregating
+    # that group alone gives
+    every = data.groupby(["rank", "kernel_type", "name"], sort=True)["dur"].agg(
+        ["sum", "max", "min", "mean", "std", "count"]).reset_index()
+    every["name"] = names[every["name"].to_numpy()]
     frames = []
-    for (rank, ktype), group in data.groupby(["rank", "kernel_type"], sort=True):
-        agg = group.groupby("name")["dur"].agg(["sum", "max", "min", "mean", "std", "count"]).reset_index()
-        agg["name"] = names[agg["name"].to_numpy()]
+    for (rank, ktype), block in every.groupby(["rank", "kernel_type"], sort=True):
+        agg = block.drop(columns=["rank", "kernel_type"]).reset_index(drop=True)
         agg = agg.sort_values("sum", ascending=False, ignore_index=True).fillna({"std": 0.0})
         if len(agg) > num_kernels:
             cumsum = agg["sum"].cumsum()

@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 
 from dtprobe.store.errors import TraceError
 from dtprobe.store.kineto_collectives import collective_rows, number_seq
@@ -223,17 +224,29 @@ def _masked(values: np.ndarray, null_below: int = 0) -> pd.api.extensions.Extens
     return pd.arrays.IntegerArray(values.astype(np.int64), values < null_below)
 
 
+def _decoded_strings(codes: np.ndarray, values: list[str]) -> pd.api.extensions.ExtensionArray:
+    """``values[codes]`` as a ``string`` array, built by Arrow from the few distinct values: kernel names are
+    long C++ template names repeated thousands of times, and a Python list of every one would be copied and
+    checked string by string."""
+    decoded = pa.DictionaryArray.from_arrays(pa.array(codes, pa.int32()),
+                                             pa.array(values, pa.large_string())).dictionary_decode()
+    return pd.arrays.ArrowStringArray(pa.chunked_array([decoded], pa.large_string()))
+
+
 def _kernels_frame(ranks: list[RankParse]) -> pd.DataFrame:
-    n = sum(len(p.kernels["name"]) for p in ranks)
+    n = sum(len(p.kernels["name_code"]) for p in ranks)
 
     def cat(key: str) -> np.ndarray:
         parts = [p.kernels[key] for p in ranks]
         return np.concatenate(parts) if parts else np.empty(0, np.int64)
 
-    rank_col = np.concatenate([np.full(len(p.kernels["name"]), p.meta.rank, np.int32) for p in ranks]) \
+    rank_col = np.concatenate([np.full(len(p.kernels["name_code"]), p.meta.rank, np.int32) for p in ranks]) \
         if ranks else np.empty(0, np.int32)
-    names = [name for p in ranks for name in p.kernels["name"]]
-    kinds = [kind for p in ranks for kind in p.kernels["kind"]]
+    first = np.cumsum([0] + [len(p.names) for p in ranks[:-1]], dtype=np.int32)    # each rank's names, in turn
+    codes = np.concatenate([p.kernels["name_code"] + f for p, f in zip(ranks, first)]) if ranks \
+        else np.empty(0, np.int32)
+    names = _decoded_strings(codes, [name for p in ranks for name in p.names])
+    kinds = _decoded_strings(codes, [kind for p in ranks for kind in p.name_kinds])
     columns = {
         "rank": rank_col, "name": names, "kind": kinds, "stream": cat("stream"), "start_ns": cat("start_ns"),
         "dur_ns": cat("dur_ns"), "step": cat("step"), "correlation": _masked(cat("correlation")),

@@ -17,6 +17,7 @@ import math
 from typing import Any, Iterable
 
 import msgspec
+import numpy as np
 
 from dtprobe.store.kineto_events import RankParse
 
@@ -181,10 +182,9 @@ def _kernel_collectives(parsed: RankParse) -> list[dict[str, Any]]:
     annotations = _Annotations(parsed.annotations)
     default_pg = _default_group(parsed)
     rows: list[dict[str, Any]] = []
-    for i, kind in enumerate(k["kind"]):
-        if kind != "comm":
-            continue
-        name = k["name"][i]
+    comm_codes = [c for c, kind in enumerate(parsed.name_kinds) if kind == "comm"]
+    for i in np.flatnonzero(np.isin(k["name_code"], comm_codes)).tolist():
+        name = parsed.names[k["name_code"][i]]
         launch_ns = int(k["launch_ns"][i])
         start_ns = int(k["start_ns"][i])
         row: dict[str, Any] = {

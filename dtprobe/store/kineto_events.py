@@ -117,7 +117,12 @@ class RankParse:
 
     meta: RankMeta
     kernels: dict[str, Any]
-    """name, kind (lists); stream, start_ns, dur_ns, correlation, launch_ns, step (int64 arrays; -1 = none)."""
+    """name_code (int32: index into ``names``); stream, start_ns, dur_ns, correlation, launch_ns, step (int64
+    arrays; -1 = none)."""
+    names: list[str]
+    """Distinct GPU event names, in order of first appearance (a trace has a few hundred)."""
+    name_kinds: list[str]
+    """``kernel_kind`` of each of ``names``."""
     launch_tid: list[Any]
     """Thread of each GPU event's launching host call (None when not found)."""
     steps: list[tuple[int, int, int]]
@@ -250,8 +255,7 @@ def parse_trace_file(path: str | Path, *, single_file: bool = False) -> RankPars
     events = doc.traceEvents
     doc.traceEvents = None
 
-    g_name: list[str] = []
-    g_kind: list[str] = []
+    g_code: list[int] = []
     g_stream: list[int] = []
     g_ts: list[Any] = []
     g_dur: list[Any] = []
@@ -261,7 +265,9 @@ def parse_trace_file(path: str | Path, *, single_file: bool = False) -> RankPars
     step_events: list[tuple[int, Any, Any]] = []
     annotations: list[tuple[Any, Any, Any, str, Any, Any]] = []
     c10d_ops: list[tuple[Any, Any, Any, str, Any, Any]] = []
-    kinds: dict[str, tuple[str, str]] = {}
+    codes: dict[str, int] = {}
+    names: list[str] = []
+    name_kinds: list[str] = []
 
     for ev in events:
         dur = ev.dur
@@ -284,14 +290,14 @@ def parse_trace_file(path: str | Path, *, single_file: bool = False) -> RankPars
         if type(name) is not str:
             name = str(name)
         if stream != -1:
-            known = kinds.get(name)
-            if known is None:
-                known = kinds[name] = (name, kernel_kind(name))
-            name, kind = known   # one str object per distinct name: less memory, pickled once
-            if kind == "comm" and args is not None and args.collective_name is not None:
-                comm_args[len(g_name)] = args
-            g_name.append(name)
-            g_kind.append(kind)
+            code = codes.get(name)
+            if code is None:     # each distinct name is kept (and classified) once
+                code = codes[name] = len(names)
+                names.append(name)
+                name_kinds.append(kernel_kind(name))
+            if args is not None and args.collective_name is not None and name_kinds[code] == "comm":
+                comm_args[len(g_code)] = args
+            g_code.append(code)
             g_stream.append(stream)
             g_ts.append(ts)
             g_dur.append(dur)
@@ -318,18 +324,19 @@ def parse_trace_file(path: str | Path, *, single_file: bool = False) -> RankPars
         kept.input_dims = kept.input_type = None
 
     try:
-        return _columns(meta, g_name, g_kind, g_stream, g_ts, g_dur, g_corr, comm_args, launches, step_events,
-                        annotations, c10d_ops)
+        return _columns(meta, g_code, names, name_kinds, g_stream, g_ts, g_dur, g_corr, comm_args, launches,
+                        step_events, annotations, c10d_ops)
     except ValueError as exc:
         raise TraceError(f"{path}: {exc} in an event's 'ts'/'dur' (Kineto writes numbers in microseconds). "
                          f"Re-export the trace with torch.profiler.") from None
 
 
-def _columns(meta: RankMeta, g_name: list, g_kind: list, g_stream: list, g_ts: list, g_dur: list, g_corr: list,
-             comm_args: dict, launches: dict, step_events: list, annotations: list, c10d_ops: list) -> RankParse:
+def _columns(meta: RankMeta, g_code: list, names: list, name_kinds: list, g_stream: list, g_ts: list,
+             g_dur: list, g_corr: list, comm_args: dict, launches: dict, step_events: list, annotations: list,
+             c10d_ops: list) -> RankParse:
     """Vectorize the collected GPU events: ns times, launch times, steps."""
     base = meta.base_time_ns
-    n = len(g_name)
+    n = len(g_code)
     start_ns = to_ns(g_ts, base) if n else np.empty(0, np.int64)
     dur_ns = to_ns(g_dur, 0) if n else np.empty(0, np.int64)
     corr_arr = np.asarray([c if c is not None else -1 for c in g_corr], dtype=np.int64)
@@ -353,10 +360,10 @@ def _columns(meta: RankMeta, g_name: list, g_kind: list, g_stream: list, g_ts: l
 
     return RankParse(
         meta=meta,
-        kernels={"name": g_name, "kind": g_kind, "stream": np.asarray(g_stream, dtype=np.int64),
+        kernels={"name_code": np.asarray(g_code, dtype=np.int32), "stream": np.asarray(g_stream, dtype=np.int64),
                  "start_ns": start_ns, "dur_ns": dur_ns, "correlation": corr_arr, "launch_ns": launch_ns,
                  "step": step},
-        launch_tid=launch_tid, steps=steps, comm_args=comm_args,
+        names=names, name_kinds=name_kinds, launch_tid=launch_tid, steps=steps, comm_args=comm_args,
         annotations=_to_ns_rows(annotations, base), c10d_ops=_to_ns_rows(c10d_ops, base))
 
 

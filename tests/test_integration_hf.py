@@ -24,7 +24,7 @@ WORKER = textwrap.dedent(f"""
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
     from dtprobe.integrations.hf import DtprobeCallback
 
-    run_dir, out_dir, logging_steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    run_dir, out_dir, logging_steps, added_later = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=64, n_positions={SEQ}, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
                         eos_token_id=0)
@@ -44,7 +44,9 @@ WORKER = textwrap.dedent(f"""
         use_cpu=True, save_strategy="no", include_num_input_tokens_seen="all", ddp_timeout=120,
         ddp_find_unused_parameters=False, disable_tqdm=True, seed=0)
     callback = DtprobeCallback(run_dir, timeout_s=120, device_interval_s=0.2)
-    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[callback])
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=None if added_later else [callback])
+    if added_later:
+        trainer.add_callback(callback)
     trainer.train()
     if trainer.is_world_process_zero():
         grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
@@ -65,7 +67,7 @@ def ddp_run(tmp_path_factory, torchrun_cmd, child_env):
     root = tmp_path_factory.mktemp("hf")
     (root / "worker.py").write_text(WORKER)
     (root / "out").mkdir()
-    cmd = torchrun_cmd(root / "worker.py", root / "run", root / "out", "1", nproc=2)
+    cmd = torchrun_cmd(root / "worker.py", root / "run", root / "out", "1", "0", nproc=2)
     proc = subprocess.run(cmd, env=_hf_env(child_env), timeout=600, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return root / "run", json.loads((root / "out" / "trainer.json").read_text())
@@ -125,7 +127,7 @@ def test_hf_callback_run_is_analyzed_with_tokens_per_second_from_the_recorded_to
 def test_hf_callback_leaves_the_loss_absent_and_warns_when_a_log_spans_several_steps(tmp_path, run_python,
                                                                                     child_env):
     (tmp_path / "out").mkdir()
-    proc = run_python(WORKER, tmp_path / "run", tmp_path / "out", "2", env=_hf_env(child_env), timeout_s=300)
+    proc = run_python(WORKER, tmp_path / "run", tmp_path / "out", "2", "0", env=_hf_env(child_env), timeout_s=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "Set TrainingArguments(logging_steps=1)" in proc.stderr
     trainer = json.loads((tmp_path / "out" / "trainer.json").read_text())
@@ -136,3 +138,13 @@ def test_hf_callback_leaves_the_loss_absent_and_warns_when_a_log_spans_several_s
     assert steps["loss"].isna().all()                # a mean over two steps is no step's loss
     assert steps["lr"].notna().all() and (steps["tokens"] == TOKENS_PER_RANK_STEP).all()
 
+
+
+def test_hf_callback_added_after_the_trainer_was_built_attaches_at_train_begin_and_warns(tmp_path, run_python,
+                                                                                         child_env):
+    (tmp_path / "out").mkdir()
+    proc = run_python(WORKER, tmp_path / "run", tmp_path / "out", "1", "1", env=_hf_env(child_env), timeout_s=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "attaches at train begin, after the Trainer wrapped the model" in proc.stderr
+    steps = RunStore.open(tmp_path / "run").table("steps")
+    assert steps["step"].tolist() == list(range(NUM_STEPS)) and steps["loss"].notna().all()

@@ -5,8 +5,9 @@
 - ``dtprobe.integrations.lightning.DtprobeCallback``: a ``lightning.pytorch.Callback``
   (``pip install 'dtprobe[lightning]'``).
 
-Both attach when training begins (the framework has initialized the process group by then), write one ``steps``
-row per optimizer step with its loss, learning rate and tokens when the framework exposes them (absent
-otherwise, never guessed), and close the probe when training ends. ``optimizer_steps.OptimizerStepMarker`` is the
+Both attach once the framework has initialized the process group and before it wraps the model in DDP or FSDP
+(so the wrapper's collectives are recorded), write one ``steps`` row per optimizer step with its loss, learning
+rate and tokens when the framework exposes them (absent otherwise, never guessed), and close the probe when
+training ends. ``optimizer_steps.OptimizerStepMarker`` is the
 part they share. This package imports neither framework: each module imports its own when it is imported.
 """

@@ -64,7 +64,7 @@ class DtprobeCallback(TrainerCallback):
 
     @property
     def probe(self) -> Any:
-        """The ``Probe`` once training began, else None."""
+        """The ``Probe`` once attached (when the Trainer is built), else None."""
         return self.marker.probe
 
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

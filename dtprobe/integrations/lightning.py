@@ -9,8 +9,8 @@ Install and use (``pip install 'dtprobe[lightning]'``)::
 
     torchrun --nproc-per-node 2 train.py                  # or Lightning's own launcher
 
-``DtprobeCallback(run_dir, *, count_tokens=None, **attach_options)``: ``attach_options`` go to ``dtprobe.attach``
-(``collectives``, ``devices``, ``profile_steps``, ``timeout_s``, ...).
+``DtprobeCallback(run_dir, *, count_tokens=input_ids_count, **attach_options)``: ``attach_options`` go to
+``dtprobe.attach`` (``collectives``, ``devices``, ``profile_steps``, ``timeout_s``, ...).
 
 - **Attach** at ``setup(stage="fit")``: the strategy has initialized torch.distributed by then, so
   ``dtprobe.attach`` finds the default group already there (see its docstring for what it records of it), and
@@ -72,7 +72,7 @@ class DtprobeCallback(Callback):
 
     @property
     def probe(self) -> Any:
-        """The ``Probe`` once training started, else None."""
+        """The ``Probe`` once attached (at ``setup`` of ``fit``), else None."""
         return self.marker.probe
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:

@@ -147,6 +147,13 @@ class Probe:
         self._step = -1
         RECORDER.step = -1
 
+    def discard_step(self, ctx: StepContext) -> None:
+        """Leave the open step ``ctx`` without writing its row (``dtprobe launch``: a step that ended with no
+        optimizer step, e.g. evaluation after the last one)."""
+        if self._step == ctx.step:
+            self._step = -1
+            RECORDER.step = -1
+
     def fault(self, kind: str, *, step: Any = None, injected: bool = False, **detail: Any) -> None:
         """Write a ``faults`` row; ``step`` (an int or the step context) defaults to the current step;
         ``detail`` keywords are stored as a JSON object (e.g. ``delay_ms=40``)."""

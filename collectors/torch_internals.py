@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 
 
@@ -155,3 +156,11 @@ def resolve_group(name: str) -> Any:
     """The group registered under ``name`` in the C++ registry (``_resolve_process_group``): what DeviceMesh,
     DTensor and functional collectives call with the names they hold."""
     return dist.distributed_c10d._resolve_process_group(name)
+
+
+# ---- autograd (issue 16: backward phase of an unmodified script; used by collectors/launch_steps.py) ----
+
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback()`` when the backward pass running now finishes (``Variable._execution_engine.queue_callback``,
+    what DDP's reducer and FSDP use to finalize gradients). Call it from inside a backward hook only."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)

@@ -12,7 +12,7 @@ import sys
 
 from dtprobe.store.errors import ConfigError, TraceError
 
-COMMANDS = ("run", "runs", "compact", "export", "analyze", "dashboard", "plan", "serve_metrics")
+COMMANDS = ("run", "launch", "runs", "compact", "export", "analyze", "dashboard", "plan", "serve_metrics")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,7 +17,7 @@ import functools
 import inspect
 import json
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Collection, Iterator, Mapping
 
 LAUNCH_GROUP = "launch"
 """Flag group of the job's top-level keys (nproc, device, ...)."""
@@ -181,13 +181,13 @@ def toml_value(value: Any) -> str:
 
 # ------------------------------------------------------------------------------------------------ argparse
 
-def add_flags(groups: Mapping[str, Any], job_cls: type) -> None:
+def add_flags(groups: Mapping[str, Any], job_cls: type, *, keys: Collection[str] | None = None) -> None:
     """One flag per flagged option of ``job_cls``, each in its argument group (``groups``: title -> the group
-    ``parser.add_argument_group(title)`` returned); the usage line lists them group by group."""
+    ``parser.add_argument_group(title)`` returned); the usage line lists them group by group. ``keys``: only the
+    options with these dotted keys (``dtprobe launch`` takes a subset of ``dtprobe run``'s flags)."""
     order = list(groups)
-    for opt in sorted(options(job_cls), key=lambda o: order.index(o.group)):
-        if opt.flag is None:
-            continue
+    chosen = [o for o in options(job_cls) if o.flag is not None and (keys is None or o.key in keys)]
+    for opt in sorted(chosen, key=lambda o: order.index(o.group)):
         flag, kwargs = opt.flag, {"dest": opt.key, "help": opt.help}
         default = opt.default
         if flag.negate:

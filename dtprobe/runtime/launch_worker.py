@@ -1,0 +1,142 @@
+"""The torchrun worker of ``dtprobe launch``: runs the user's unmodified script (or ``-m`` module) with dtprobe
+attached; started by ``dtprobe.runtime.launch_script`` through ``torch.distributed.run``.
+
+``python -m dtprobe.runtime.launch_worker`` reads ``DTPROBE_LAUNCH`` (``<run>/launch.json``: the script or module,
+its arguments, the ``[collect]`` options, the process-group timeout), then:
+
+1. wraps ``init_process_group`` (as ``torch.distributed``, ``distributed_c10d`` and ``device_mesh`` name it) so that
+   right after the script's own call ``dtprobe.attach`` runs (attach after init: the default group and every group
+   created later are recorded, ``collectors.attach``) and the step hooks are installed
+   (``collectors.launch_steps``: a step per optimizer step attempt, fwd/bwd/opt phases, ``dtprobe.record``);
+   a script that never initializes torch.distributed is still run, and nothing is recorded;
+2. runs the script as ``python SCRIPT ARGS`` would (``runpy``: ``__name__ == "__main__"``, ``sys.argv`` =
+   ``[SCRIPT, *ARGS]``, the script's folder first on ``sys.path``; ``-m``: ``sys.argv[0]`` the module's file);
+3. closes the probe ("finished" when the script returned or exited 0, else "crashed") and exits with the script's
+   exit code (an uncaught exception: 1, written to torchelastic's error file by ``@record``).
+
+Like ``runtime.worker`` it writes ``worker.json`` beside torchelastic's error file, for the launcher's attempts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+import dtprobe
+from dtprobe.runtime.worker import write_worker_file
+
+LAUNCH_ENV = "DTPROBE_LAUNCH"
+"""Environment variable naming ``<run>/launch.json``."""
+
+
+class LaunchSession:
+    """Attaches dtprobe when the script initializes torch.distributed, and closes it at the end."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self.probe: Any = None
+        self.steps: Any = None
+        self._patched: list[tuple[Any, Any]] = []
+
+    def install(self) -> None:
+        """Wrap ``init_process_group`` wherever torch keeps a reference to it."""
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d, device_mesh
+
+        original = distributed_c10d.init_process_group
+        session = self
+
+        def init_process_group(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            session.attach()
+            return result
+
+        init_process_group.__wrapped__ = original     # type: ignore[attr-defined]
+        init_process_group.__doc__ = original.__doc__
+        for module in (dist, distributed_c10d, device_mesh):
+            if getattr(module, "init_process_group", None) is original:
+                self._patched.append((module, original))
+                module.init_process_group = init_process_group
+
+    def attach(self) -> None:
+        """``dtprobe.attach`` (after init) and the step hooks; once."""
+        if self.probe is not None:
+            return
+        from dtprobe.collectors.launch_steps import ScriptSteps
+
+        spec = self.spec
+        self.probe = dtprobe.attach(spec["run_dir"], manage_status=False, run_id=Path(spec["run_dir"]).name,
+                                    timeout_s=spec["timeout_s"], **spec["collect"])
+        if getattr(self.probe, "enabled", True) is not False and hasattr(self.probe, "discard_step"):
+            self.steps = ScriptSteps(self.probe)
+            self.steps.install()
+            dtprobe._record_sink = self.steps.record
+
+    def close(self, status: str) -> None:
+        for module, original in self._patched:
+            module.init_process_group = original
+        self._patched = []
+        dtprobe._record_sink = None
+        if self.steps is not None:
+            self.steps.close()
+        if self.probe is not None:
+            self.probe.close(status=status)
+
+
+def run_target(spec: dict[str, Any]) -> None:
+    """Run the script or module as ``python`` would, with its arguments in ``sys.argv``."""
+    args = list(spec["args"])
+    if spec.get("module"):
+        sys.argv = [spec["module"], *args]       # runpy replaces argv[0] with the module's file
+        sys.path.insert(0, os.getcwd())
+        runpy.run_module(spec["module"], run_name="__main__", alter_sys=True)
+    else:
+        script = spec["script"]
+        sys.argv = [script, *args]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+        runpy.run_path(script, run_name="__main__")
+
+
+def exit_code_of(exc: SystemExit) -> int:
+    """The process exit code ``sys.exit(code)`` gives (None: 0; a message: printed, 1)."""
+    code = exc.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+@record
+def main() -> int:
+    write_worker_file()
+    path = os.environ.get(LAUNCH_ENV)
+    if not path:
+        print(f"dtprobe launch worker: {LAUNCH_ENV} is not set; start it with `dtprobe launch`.", file=sys.stderr)
+        return 2
+    spec = json.loads(Path(path).read_text())
+    session = LaunchSession(spec)
+    session.install()
+    try:
+        run_target(spec)
+        code = 0
+    except SystemExit as exc:
+        code = exit_code_of(exc)
+    except BaseException:
+        session.close("crashed")
+        raise
+    session.close("finished" if code == 0 else "crashed")
+    write_worker_file(ended_ns=time.time_ns(), exit_code=code)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""Data-parallel training of a small MLP on synthetic data, in the style of pytorch/examples (DDP): a plain torchrun
+script with no dtprobe code except an optional ``dtprobe.record`` (a no-op when not run by dtprobe).
+
+Run it as is:              torchrun --nproc-per-node 2 examples/launch/train_ddp.py --epochs 1
+or with dtprobe attached:  dtprobe launch --nproc 2 examples/launch/train_ddp.py --epochs 1
+
+``--grad-accum K`` steps the optimizer every K batches; ``--amp`` uses fp16 autocast with a GradScaler and
+``--overflow-step S`` makes step S's loss overflow (the scaler skips it); ``--fail-rank R --fail-step S`` makes
+rank R raise at step S (``--fail-exit N``: call ``sys.exit(N)`` instead). ``--record`` reports loss and tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="DDP on synthetic data")
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--samples", type=int, default=256)
+    parser.add_argument("--grad-accum", type=int, default=1)
+    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--amp", action="store_true")
+    parser.add_argument("--overflow-step", type=int, default=-1)
+    parser.add_argument("--fail-rank", type=int, default=-1)
+    parser.add_argument("--fail-step", type=int, default=-1)
+    parser.add_argument("--fail-exit", type=int, default=None)
+    parser.add_argument("--record", action="store_true")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(args.samples, 32), torch.randn(args.samples, 8))
+    sampler = DistributedSampler(data, num_replicas=world_size, rank=rank, shuffle=True, seed=0)
+    loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler)
+    model = DDP(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    scaler = torch.amp.GradScaler("cpu", enabled=args.amp)
+    step = 0
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        for i, (x, y) in enumerate(loader):
+            with torch.autocast("cpu", dtype=torch.float16, enabled=args.amp):
+                loss = nn.functional.mse_loss(model(x), y)
+            if step == args.overflow_step:
+                loss = loss * 1e38
+            if rank == args.fail_rank and step == args.fail_step:
+                if args.fail_exit is not None:
+                    sys.exit(args.fail_exit)
+                raise RuntimeError(f"rank {rank} fails at step {step} (--fail-step)")
+            scaler.scale(loss / args.grad_accum).backward()
+            if args.record:
+                import dtprobe
+
+                dtprobe.record(loss=loss.detach(), tokens=x.shape[0])
+            if (i + 1) % args.grad_accum == 0:
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad()
+                step += 1
+    if rank == 0:
+        print(f"done: {step} optimizer steps, last loss {loss.item():.4f}", flush=True)
+        with open(os.environ.get("STEPS_OUT", os.devnull), "w") as f:
+            f.write(str(step))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

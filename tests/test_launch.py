@@ -1,0 +1,104 @@
+"""``dtprobe launch`` (issue 16 item 2) on unmodified scripts in the style of pytorch/examples
+(``examples/launch/train_ddp.py``, ``train_fsdp2.py``; they call ``init_process_group`` themselves): a step per
+optimizer step, collectives per step, loss and tokens only from ``dtprobe.record``, skipped GradScaler steps,
+the script's exit code, RANK_CRASH."""
+
+from __future__ import annotations
+
+import pytest
+
+from dtprobe.store import RunStore
+
+LAUNCH_TIMEOUT_S = 240
+DDP_PARAM_BYTES = (32 * 64 + 64 + 64 * 8 + 8) * 4
+"""The gradients DDP all-reduces per backward (examples/launch/train_ddp.py's MLP, fp32)."""
+
+
+def _launch(run_cli, child_env, run, *script, cwd=None, env_extra=None):
+    proc = run_cli("launch", "--nproc", "2", "--run-dir", run, "--no-devices", *script,
+                   timeout_s=LAUNCH_TIMEOUT_S, env=child_env(**(env_extra or {})), cwd=cwd)
+    return proc
+
+
+@pytest.mark.multiproc
+def test_launch_ddp_script_records_one_step_per_optimizer_step_with_recorded_loss_and_tokens(
+        tmp_path, repo_root, run_cli, child_env):
+    run, steps_out = tmp_path / "ddp", tmp_path / "steps.txt"
+    # 256 samples / 2 ranks / batch 16 = 8 micro-batches per rank, an optimizer step every 2
+    proc = _launch(run_cli, child_env, run, repo_root / "examples" / "launch" / "train_ddp.py", "--epochs", "1",
+                   "--grad-accum", "2", "--record", env_extra={"STEPS_OUT": str(steps_out)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == str(run.resolve())
+    num_opt_steps = int(steps_out.read_text())
+    assert num_opt_steps == 4
+
+    store = RunStore.open(run)
+    assert store.manifest.status == "finished" and store.manifest.world_size == 2
+    assert store.manifest.config["launch"]["args"] == ["--epochs", "1", "--grad-accum", "2", "--record"]
+    steps = store.table("steps")
+    for rank in (0, 1):
+        mine = steps[steps["rank"] == rank].sort_values("step")
+        assert mine["step"].tolist() == list(range(num_opt_steps))
+        assert (mine["fwd_ns"] > 0).all() and (mine["bwd_ns"] > 0).all() and (mine["opt_ns"] > 0).all()
+        assert (mine["tokens"] == 2 * 16).all()          # two micro-batches of 16 given to dtprobe.record
+        assert mine["loss"].between(0.1, 10).all() and (mine["lr"] == 0.01).all()
+        # contiguous steps: each starts where the previous ended
+        assert (mine["start_ns"].iloc[1:].values == mine["end_ns"].iloc[:-1].values).all()
+    coll = store.table("collectives")
+    grads = coll[(coll["op"] == "allreduce") & (coll["step"] >= 0)]
+    per_step = grads.groupby(["rank", "step"])["num_bytes"].agg(["size", "sum"])
+    # no no_sync in the script: DDP all-reduces after each of the step's two backward passes
+    assert per_step["size"].tolist() == [2] * (2 * num_opt_steps)
+    assert per_step["sum"].tolist() == [2 * DDP_PARAM_BYTES] * (2 * num_opt_steps)
+    assert set(grads["pg"]) == {"world"}
+
+
+@pytest.mark.multiproc
+def test_launch_fsdp2_module_records_all_gathers_and_reduce_scatters_per_step_and_no_loss_without_record(
+        tmp_path, repo_root, run_cli, child_env):
+    run = tmp_path / "fsdp2"
+    proc = _launch(run_cli, child_env, run, "-m", "examples.launch.train_fsdp2", "--steps", "3", cwd=repo_root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    store = RunStore.open(run)
+    steps = store.table("steps")
+    assert sorted(steps.groupby("rank")["step"].apply(list).tolist()) == [[0, 1, 2], [0, 1, 2]]
+    assert steps["loss"].isna().all() and steps["tokens"].isna().all()     # never guessed
+    coll = store.table("collectives")
+    coll = coll[coll["step"] >= 0]
+    ops = coll.groupby(["rank", "step", "op"]).size().unstack("op")
+    assert list(ops.columns) == ["allgather", "reduce_scatter"]
+    # three FSDP units (two blocks, the root's head): each reduce-scattered once per step; gathered in forward
+    # and again in backward for the two resharded blocks (the root stays gathered after forward)
+    assert (ops["reduce_scatter"] == 3).all() and (ops.loc[(slice(None), slice(1, None)), "allgather"] == 4).all()
+    assert set(coll["pg"]) == {"world"} and set(coll["pg_ranks"]) == {"0,1"}
+
+
+@pytest.mark.multiproc
+def test_launch_counts_a_step_that_the_grad_scaler_skips_and_marks_it_skipped(
+        tmp_path, repo_root, run_cli, child_env):
+    run = tmp_path / "amp"
+    proc = _launch(run_cli, child_env, run, repo_root / "examples" / "launch" / "train_ddp.py", "--amp",
+                   "--overflow-step", "1", "--samples", "128")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    store = RunStore.open(run)
+    steps = store.table("steps")
+    assert sorted(steps.groupby("rank").size().tolist()) == [4, 4]     # 128 / 2 / 16 optimizer step attempts
+    amp = store.table("amp").sort_values(["rank", "step"])
+    assert amp[["rank", "step", "skipped"]].values.tolist() == [[r, s, s == 1] for r in (0, 1) for s in range(4)]
+    skipped = steps[steps["step"] == 1]
+    assert skipped["opt_ns"].isna().all()                               # the optimizer never ran in it
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("how, code", [(("--fail-step", "2"), 1), (("--fail-step", "2", "--fail-exit", "3"), 3)])
+def test_launch_returns_the_failing_scripts_exit_code_and_reports_rank_crash(
+        tmp_path, repo_root, run_cli, child_env, how, code):
+    run = tmp_path / "crash"
+    proc = _launch(run_cli, child_env, run, repo_root / "examples" / "launch" / "train_ddp.py",
+                   "--fail-rank", "1", *how)
+    assert proc.returncode == code, proc.stderr[-3000:]
+    assert "RANK_CRASH" in proc.stderr and "rank 1 died at step 2" in proc.stderr.replace("\n", " ")
+    store = RunStore.open(run)
+    assert store.manifest.status == "crashed"
+    steps = store.table("steps")
+    assert steps[steps["rank"] == 1]["step"].tolist() == [0, 1]        # step 2 never reached its optimizer step

@@ -80,3 +80,22 @@ def test_replace_default_group_makes_the_wrapper_the_default_everywhere_and_keep
         dist.destroy_process_group()                             # shuts the old group down through both
         assert not dist.is_initialized()
     """)
+
+
+def test_queue_backward_callback_runs_once_after_the_whole_backward_pass():
+    import torch
+
+    from dtprobe.collectors import torch_internals as ti
+
+    events: list[str] = []
+    w = torch.ones(3, requires_grad=True)
+    hidden = w * 2
+
+    def on_hidden(grad: torch.Tensor) -> None:
+        events.append("hook")
+        ti.queue_backward_callback(lambda: events.append("end"))
+
+    hidden.register_hook(on_hidden)
+    w.register_hook(lambda g: events.append("leaf") and None)      # the last gradient of the pass
+    (hidden * 3).sum().backward()
+    assert events == ["hook", "leaf", "end"]

@@ -12,8 +12,10 @@ from dtprobe.analysis import RunAnalysis
 from dtprobe.analysis.arrivals import arrival_clocks, lateness_vs_peers, on_arrival_clock
 from dtprobe.analysis.clocks import clock_of, clock_of_timing
 from dtprobe.analysis.comm_efficiency import bandwidth_by_size, collective_bandwidth, detect_comm_inefficient
+from dtprobe.analysis.links import find_slow_links
 from dtprobe.store.reader import RunStore
-from dtprobe.synthetic import MS, cuda_dp_tables, dp_tables, pipeline_tables, write_run
+from dtprobe.synthetic import (MS, T0, cuda_dp_tables, cut_rank, dp_tables, lockstep_tables, pending_row,
+                               pipeline_tables, stall_rank, write_rows_run, write_run)
 
 LAYOUT = {"layout": {"dp": 4, "tp": 1, "pp": 1}}
 
@@ -129,3 +131,25 @@ def test_lateness_vs_peers_is_the_median_of_the_other_members_exactly_on_unix_ti
         peers = t[(gid == gid[i]) & (np.arange(len(t)) != i)] - t[gid == gid[i]].min()
         assert got[i] == (t[i] - t[gid == gid[i]].min()) - np.median(peers.astype("float64"))
     assert np.isnan(lateness_vs_peers(np.array([5]), np.array([0])))[0]
+
+
+def test_hang_evidence_names_the_host_clock(tmp_path):
+    # rank 1 freezes at 330 ms; rank 0 waits in all-reduce #4 from 360 ms, alive, until its watchdog at 10.4 s
+    rows = lockstep_tables(world=2, num_steps=6)
+    cut_rank(rows, 1, T0 + 330 * MS)
+    stall_rank(rows, 0, T0 + 360 * MS, until_ns=T0 + 10_400 * MS, close=("crashed", "watchdog"))
+    rows["pending"] = [pending_row(0, step=3, seq=4, t_ns=T0 + 360 * MS)]
+    a = RunAnalysis.open(write_rows_run(tmp_path / "run", rows, world_size=2, status="crashed"))
+    [f] = [f for f in a.findings() if f.code == "HANG"]
+    assert f.ranks == (1,) and f.evidence["clock"] == "host"
+
+
+@pytest.mark.parametrize("timing,expected", [("host", "host"), ("cuda_event", "device")])
+def test_slow_link_evidence_names_the_clock_of_the_transfer_times(timing, expected):
+    from test_analysis_slow_link import two_node_tables     # the two-node run whose link slows at step 20
+
+    t = two_node_tables(ranks_per_node=1, num_buckets=1)
+    coll = t["collectives"].assign(timing=pd.array([timing] * len(t["collectives"]), dtype="string"))
+    bw = collective_bandwidth(coll)
+    [f] = find_slow_links(bw[bw["step"] >= 1], t["ranks"], t["steps"])
+    assert f.evidence["clock"] == expected and f.evidence["changed_at_step"] == 20

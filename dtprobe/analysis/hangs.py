@@ -10,6 +10,7 @@ from collections.abc import Callable
 import pandas as pd
 
 from dtprobe.analysis.arrivals import ATTEMPT_SEQ_STRIDE
+from dtprobe.analysis.clocks import HOST
 from dtprobe.analysis.fault_detail import fault_detail
 from dtprobe.analysis.findings import Finding
 from dtprobe.analysis.liveness import Activity, liveness
@@ -236,6 +237,7 @@ def detect_hangs(missing: pd.DataFrame, faults: pd.DataFrame | None, *, last_see
         findings.append(Finding(
             code="HANG", severity="critical", ranks=tuple(culprits), group=axis_of_pg(r.pg), title=title,
             evidence={
+                "clock": HOST,   # host enqueues: a stuck collective's device arrival may never resolve
                 "pg": r.pg, "pg_ranks": list(group_members(r.pg_ranks)), "seq": r.seq % ATTEMPT_SEQ_STRIDE,
                 "op": r.op, "peer": int(r.peer) if is_p2p else None, "step": r.step,
                 "arrived_ranks": waiters, "missing_ranks": miss, "waited_s": waited_ns / 1e9,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from dtprobe.analysis.clocks import HOST, clock_of_timing
 from dtprobe.analysis.comm_efficiency import BANDWIDTH_COLUMNS
 from dtprobe.analysis.findings import Finding, PredictedGain
 from dtprobe.analysis.tables import axis_of, group_members, step_durations
@@ -113,7 +114,7 @@ def link_changes(link_bw: pd.DataFrame, *, min_steps: int = 3) -> pd.DataFrame:
 
 def detect_slow_links(changes: pd.DataFrame, node_of: dict[int, str], steps: pd.DataFrame, *,
                       max_ratio: float = 0.5, min_collectives: int = 10, min_consistent_frac: float = 0.8,
-                      min_change_over_noise: float = 3.0, axis_of_pg=axis_of) -> list[Finding]:
+                      min_change_over_noise: float = 3.0, axis_of_pg=axis_of, clock: str = HOST) -> list[Finding]:
     """SLOW_LINK (warning) for each link whose busbw after its change point is below ``max_ratio`` x before
     (``rel_busbw_ratio``), with ``min_collectives`` collectives or more on each side, at least
     ``min_consistent_frac`` of the later ones below the middle of the two levels (a lasting drop, not a few slow
@@ -142,7 +143,8 @@ def detect_slow_links(changes: pd.DataFrame, node_of: dict[int, str], steps: pd.
                    f"collectives crossing it {before_gbps:.3g} -> {after_gbps:.3g} Gb/s "
                    f"({c.rel_busbw_ratio:.2f}x, median)"),
             evidence={
-                "nodes": [c.node_a, c.node_b], "ranks": ranks, "changed_at_step": int(c.changed_at_step),
+                "clock": clock, "nodes": [c.node_a, c.node_b], "ranks": ranks,
+                "changed_at_step": int(c.changed_at_step),
                 "busbw_before_gbps": before_gbps, "busbw_after_gbps": after_gbps,
                 "busbw_ratio": c.rel_busbw_ratio, "after_below_frac": c.after_below_frac,
                 "change_over_noise": c.change_over_noise,
@@ -164,13 +166,15 @@ def detect_slow_links(changes: pd.DataFrame, node_of: dict[int, str], steps: pd.
 
 def find_slow_links(bw: pd.DataFrame, ranks, steps: pd.DataFrame, *, axis_of_pg=axis_of) -> list[Finding]:
     """SLOW_LINK findings of a run from its ``collective_bandwidth`` rows, its ranks' node facts (objects with
-    ``rank``, ``node_rank``, ``host``: the manifest's ``RankInfo``) and its ``steps`` table (the facade's one call)."""
+    ``rank``, ``node_rank``, ``host``: the manifest's ``RankInfo``) and its ``steps`` table (the facade's one call);
+    ``evidence.clock`` is the clock of the transfer times (``clocks.clock_of_timing``)."""
     rank_nodes = pd.DataFrame([{"rank": r.rank, "node_rank": r.node_rank, "host": r.host} for r in ranks],
                               columns=RANK_NODE_COLUMNS)
     if rank_nodes.empty:
         return []
     node_of = node_names(rank_nodes)
-    return detect_slow_links(link_changes(link_bandwidth(bw, node_of)), node_of, steps, axis_of_pg=axis_of_pg)
+    return detect_slow_links(link_changes(link_bandwidth(bw, node_of)), node_of, steps, axis_of_pg=axis_of_pg,
+                             clock=clock_of_timing(bw["timing"]))
 
 
 def slow_link_ranks(findings: list[Finding]) -> dict[int, int]:

@@ -94,22 +94,6 @@ def clock_for(device: Any) -> DeviceClock:
     return clock
 
 
-class NvtxRange:
-    """An NVTX range named ``name`` (shown in Nsight Systems) around a block; ``cuda.nvtx`` pushes and pops."""
-
-    __slots__ = ("_nvtx", "_name")
-
-    def __init__(self, cuda: Any, name: str) -> None:
-        self._nvtx = cuda.nvtx
-        self._name = name
-
-    def __enter__(self) -> None:
-        self._nvtx.range_push(self._name)
-
-    def __exit__(self, *exc: object) -> None:
-        self._nvtx.range_pop()
-
-
 class DeviceSpan:
     """Start and end events around a block of GPU work on the current stream, with an NVTX range; resolved later.
 

@@ -5,6 +5,8 @@ the script's exit code, RANK_CRASH."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from dtprobe.store import RunStore
@@ -14,27 +16,27 @@ DDP_PARAM_BYTES = (32 * 64 + 64 + 64 * 8 + 8) * 4
 """The gradients DDP all-reduces per backward (examples/launch/train_ddp.py's MLP, fp32)."""
 
 
-def _launch(run_cli, child_env, run, *script, cwd=None, env_extra=None):
-    proc = run_cli("launch", "--nproc", "2", "--run-dir", run, "--no-devices", *script,
-                   timeout_s=LAUNCH_TIMEOUT_S, env=child_env(**(env_extra or {})), cwd=cwd)
-    return proc
+def _launch(run_cli, child_env, run, *script, cwd=None):
+    return run_cli("launch", "--nproc", "2", "--run-dir", run, "--no-devices", *script,
+                   timeout_s=LAUNCH_TIMEOUT_S, env=child_env(), cwd=cwd)
 
 
 @pytest.mark.multiproc
 def test_launch_ddp_script_records_one_step_per_optimizer_step_with_recorded_loss_and_tokens(
         tmp_path, repo_root, run_cli, child_env):
-    run, steps_out = tmp_path / "ddp", tmp_path / "steps.txt"
+    run, report = tmp_path / "ddp", tmp_path / "report.json"
     # 256 samples / 2 ranks / batch 16 = 8 micro-batches per rank, an optimizer step every 2
     proc = _launch(run_cli, child_env, run, repo_root / "examples" / "launch" / "train_ddp.py", "--epochs", "1",
-                   "--grad-accum", "2", "--record", env_extra={"STEPS_OUT": str(steps_out)})
+                   "--grad-accum", "2", "--record", "--report", report)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == str(run.resolve())
-    num_opt_steps = int(steps_out.read_text())
+    num_opt_steps = json.loads(report.read_text())["optimizer_steps"]
     assert num_opt_steps == 4
 
     store = RunStore.open(run)
     assert store.manifest.status == "finished" and store.manifest.world_size == 2
-    assert store.manifest.config["launch"]["args"] == ["--epochs", "1", "--grad-accum", "2", "--record"]
+    assert store.manifest.config["launch"]["args"] == ["--epochs", "1", "--grad-accum", "2", "--record", "--report",
+                                                       str(report)]
     steps = store.table("steps")
     for rank in (0, 1):
         mine = steps[steps["rank"] == rank].sort_values("step")

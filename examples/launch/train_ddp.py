@@ -7,13 +7,16 @@ or with dtprobe attached:  dtprobe launch --nproc 2 examples/launch/train_ddp.py
 ``--grad-accum K`` steps the optimizer every K batches; ``--amp`` uses fp16 autocast with a GradScaler and
 ``--overflow-step S`` makes step S's loss overflow (the scaler skips it); ``--fail-rank R --fail-step S`` makes
 rank R raise at step S (``--fail-exit N``: call ``sys.exit(N)`` instead). ``--record`` reports loss and tokens.
+``--report FILE``: rank 0 writes ``{"optimizer_steps", "loop_s"}`` there (the training loop's wall time, what
+``benchmarks/`` compares between ``dtprobe launch`` and plain torchrun).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import json
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -36,6 +39,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--fail-step", type=int, default=-1)
     parser.add_argument("--fail-exit", type=int, default=None)
     parser.add_argument("--record", action="store_true")
+    parser.add_argument("--report", default=None)
     return parser.parse_args()
 
 
@@ -51,6 +55,7 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     scaler = torch.amp.GradScaler("cpu", enabled=args.amp)
     step = 0
+    start = time.perf_counter()
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         for i, (x, y) in enumerate(loader):
@@ -72,10 +77,13 @@ def main() -> None:
                 scaler.update()
                 optimizer.zero_grad()
                 step += 1
+    dist.barrier()
+    loop_s = time.perf_counter() - start
     if rank == 0:
-        print(f"done: {step} optimizer steps, last loss {loss.item():.4f}", flush=True)
-        with open(os.environ.get("STEPS_OUT", os.devnull), "w") as f:
-            f.write(str(step))
+        print(f"done: {step} optimizer steps in {loop_s:.2f} s, last loss {loss.item():.4f}", flush=True)
+        if args.report:
+            with open(args.report, "w") as f:
+                json.dump({"optimizer_steps": step, "loop_s": loop_s}, f)
     dist.destroy_process_group()
 
 

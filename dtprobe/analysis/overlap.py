@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from dtprobe.analysis.temporal import KERNEL_COLUMNS, _groups, quantized_us, sweep_states
+from dtprobe.analysis.temporal import KERNEL_COLUMNS, _groups, _in_steps, quantized_us, sweep_states
 from dtprobe.intervals import merge_intervals
 from dtprobe.store.columns import require_columns
 
@@ -26,7 +26,7 @@ def comm_comp_overlap(kernels: pd.DataFrame, *, by_step: bool = False) -> pd.Dat
     """
     require_columns(kernels, KERNEL_COLUMNS + (("step",) if by_step else ()), table="kernels")
     keys = ["rank", "step"] if by_step else ["rank"]
-    data = kernels[kernels["step"].ge(0)] if by_step else kernels
+    data = _in_steps(kernels) if by_step else kernels
     start, end = quantized_us(data)
     kind = data["kind"].to_numpy(dtype=object, na_value="")
     is_comm, is_comp = kind == "comm", kind == "compute"

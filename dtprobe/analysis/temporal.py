@@ -76,7 +76,7 @@ def temporal_breakdown(kernels: pd.DataFrame, *, by_step: bool = False) -> pd.Da
     require_columns(kernels, KERNEL_COLUMNS + (("step",) if by_step else ()), table="kernels")
     keys = ["rank", "step"] if by_step else ["rank"]
     columns = TEMPORAL_COLUMNS[:1] + (["step"] if by_step else []) + TEMPORAL_COLUMNS[1:]
-    data = kernels[kernels["step"].ge(0)] if by_step else kernels
+    data = _in_steps(kernels) if by_step else kernels
     start, end = quantized_us(data)
     is_compute = (data["kind"] == "compute").to_numpy(dtype=bool, na_value=False)
     rows = []
@@ -89,6 +89,13 @@ def temporal_breakdown(kernels: pd.DataFrame, *, by_step: bool = False) -> pd.Da
     for part in ("idle", "compute", "non_compute"):
         out[f"{part}_frac"] = out[f"{part}_us"] / span
     return out[columns]
+
+
+def _in_steps(kernels: pd.DataFrame) -> pd.DataFrame:
+    """The rows of kernels launched inside a ProfilerStep (step >= 0), with only the columns the per-step
+    breakdowns read: no copy of the long kernel names."""
+    keep = kernels["step"].ge(0).to_numpy(dtype=bool, na_value=False)
+    return kernels.loc[keep, list(dict.fromkeys(KERNEL_COLUMNS + ("step",)))]
 
 
 def _groups(data: pd.DataFrame, keys: list[str]) -> list[tuple[tuple, np.ndarray]]:

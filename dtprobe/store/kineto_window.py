@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
 import pandas as pd
 
 from dtprobe.store.columns import require_columns
@@ -31,11 +32,15 @@ def kernels_in_steps(kernels: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame
     if steps.empty or steps["step"].nunique() < 2:
         return kernels
     last_end_us = (steps.groupby("rank")["end_ns"].max().astype("int64") // 1000)
-    limit = kernels["rank"].map(last_end_us)
-    launch = kernels["launch_ns"].astype("Int64")
-    launch_us = -((-launch) // 1000)
-    keep = (launch_us <= limit).fillna(False) | limit.isna()
-    return kernels[keep.to_numpy(dtype=bool)]
+    rank = kernels["rank"].to_numpy(dtype=np.int64)
+    at = np.searchsorted(last_end_us.index.to_numpy(dtype=np.int64), rank)
+    at_clipped = np.minimum(at, len(last_end_us) - 1)
+    has_limit = (at < len(last_end_us)) & (last_end_us.index.to_numpy(dtype=np.int64)[at_clipped] == rank)
+    limit = last_end_us.to_numpy(dtype=np.int64)[at_clipped]
+    has_launch = kernels["launch_ns"].notna().to_numpy(dtype=bool)
+    launch_us = -((-kernels["launch_ns"].to_numpy(dtype=np.int64, na_value=0)) // 1000)
+    keep = (has_launch & (launch_us <= limit)) | ~has_limit
+    return kernels if keep.all() else kernels[keep]
 
 
 def check_gpu_coverage(kernels: pd.DataFrame, collectives: pd.DataFrame, ranks: Mapping[int, RankMeta]) -> bool:

@@ -24,8 +24,6 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from dtprobe.runtime import launcher
 from dtprobe.runtime.config import JobConfig
 from dtprobe.store import manifest as store_manifest
@@ -63,12 +61,7 @@ class LaunchTarget:
 
 def default_run_dir(target: LaunchTarget, *, world_size: int, root: str = "runs") -> Path:
     """``runs/<YYYYmmdd-HHMMSS>-<script>-n<world size>`` (with a numeric suffix if taken)."""
-    base = Path(root) / f"{time.strftime('%Y%m%d-%H%M%S')}-{target.name}-n{world_size}"
-    path, n = base, 1
-    while path.exists():
-        n += 1
-        path = base.with_name(f"{base.name}-{n}")
-    return path
+    return launcher.timestamped_dir(f"{target.name}-n{world_size}", root=root)
 
 
 def launch_spec(job: JobConfig, target: LaunchTarget) -> dict[str, Any]:
@@ -199,16 +192,8 @@ def follow(proc: subprocess.Popen, run_dir: Path, console: Any, *, on_poll: Any 
             time.sleep(launcher._POLL_S)
             if on_poll is not None:
                 on_poll()
-            try:
-                with open(steps_file, "rb") as f:
-                    f.seek(offset)
-                    chunk = f.read()
-            except FileNotFoundError:
-                continue
-            complete = chunk[:chunk.rfind(b"\n") + 1]
-            offset += len(complete)
-            for line in complete.splitlines():
-                row = orjson.loads(line)
+            rows, offset = launcher.new_rows(steps_file, offset)
+            for row in rows:
                 done = max(done, int(row["step"]) + 1)
                 info = f"{(row['end_ns'] - row['start_ns']) / 1e6:.0f} ms/step"
                 if row.get("loss") is not None:

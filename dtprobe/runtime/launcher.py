@@ -55,7 +55,12 @@ _POLL_S = 0.5
 
 def default_run_dir(job: JobConfig, *, dp: int, root: str = "runs") -> Path:
     """``runs/<YYYYmmdd-HHMMSS>-<model>-dp<N>`` (with a numeric suffix if taken)."""
-    base = Path(root) / f"{time.strftime('%Y%m%d-%H%M%S')}-{job.model.name}-dp{dp}"
+    return timestamped_dir(f"{job.model.name}-dp{dp}", root=root)
+
+
+def timestamped_dir(label: str, *, root: str = "runs") -> Path:
+    """``<root>/<YYYYmmdd-HHMMSS>-<label>``, with a numeric suffix if that exists (not created)."""
+    base = Path(root) / f"{time.strftime('%Y%m%d-%H%M%S')}-{label}"
     path, n = base, 1
     while path.exists():
         n += 1
@@ -210,20 +215,25 @@ def _follow(proc: subprocess.Popen, job: JobConfig, console: object, *, rank: in
             time.sleep(_POLL_S)
             if on_poll is not None:
                 on_poll()
-            try:
-                with open(steps_file, "rb") as f:
-                    f.seek(offset)
-                    chunk = f.read()
-            except FileNotFoundError:
-                continue
-            complete = chunk[:chunk.rfind(b"\n") + 1]
-            offset += len(complete)
-            for line in complete.splitlines():
-                row = orjson.loads(line)
+            rows, offset = new_rows(steps_file, offset)
+            for row in rows:
                 done = max(done, int(row["step"]) + 1)
                 loss = row["loss"] if row.get("loss") is not None else loss
                 step_ms = (row["end_ns"] - row["start_ns"]) / 1e6
                 progress.update(task, completed=done, info=f"loss {loss:.3f}  {step_ms:.0f} ms/step")
+
+
+def new_rows(path: Path, offset: int) -> tuple[list[dict], int]:
+    """The complete rows an events file gained past byte ``offset`` (a line still being written waits for the next
+    call), and the offset after them; none while the file does not exist."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            chunk = f.read()
+    except FileNotFoundError:
+        return [], offset
+    complete = chunk[:chunk.rfind(b"\n") + 1]
+    return [orjson.loads(line) for line in complete.splitlines()], offset + len(complete)
 
 
 def _interrupt_on_sigterm() -> object | None:

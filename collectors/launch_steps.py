@@ -13,7 +13,8 @@ next step. A step still open when the script ends (evaluation, saving) had no op
 
 Phases (``fwd_ns``, ``bwd_ns``, ``opt_ns``), summed over a step's micro-batches:
 - ``fwd``: an outermost module call (``register_module_forward_pre_hook``/``_hook`` with ``always_call``; a module
-  called inside another is not timed again). During step 0 every module call goes through these global hooks to
+  called inside another is not timed again, nor one called during backward: activation checkpointing's recompute
+  is backward time). During step 0 every module call goes through these global hooks to
   find the outermost modules; from step 1 on only those modules carry hooks, so the others keep torch's fast path.
 - ``bwd``: from the moment the gradient reaches an outermost module's output (a tensor hook) to the end of that
   backward pass (an autograd engine callback, ``torch_internals.queue_backward_callback``).
@@ -45,6 +46,7 @@ class ScriptSteps:
         self._step: Any = None              # the open StepContext
         self._next_start_ns: int | None = None
         self._fwd_depth = 0
+        self._recompute_depth = 0           # module calls inside backward (recomputation), not timed as fwd
         self._fwd_phase: Any = None
         self._bwd_phase: Any = None
         self._opt_depth = 0
@@ -120,6 +122,9 @@ class ScriptSteps:
     def _on_fwd_pre(self, module: torch.nn.Module, args: Any) -> None:
         if threading.current_thread() is not self._main_thread:
             return
+        if self._fwd_depth == 0 and (self._bwd_phase is not None or self._recompute_depth):
+            self._recompute_depth += 1      # activation checkpointing recomputes inside backward: bwd time
+            return
         if self._fwd_depth == 0:
             if self._global_fwd:
                 self._roots.setdefault(id(module), module)
@@ -128,7 +133,12 @@ class ScriptSteps:
         self._fwd_depth += 1
 
     def _on_fwd_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if threading.current_thread() is not self._main_thread or self._fwd_depth == 0:
+        if threading.current_thread() is not self._main_thread:
+            return
+        if self._recompute_depth:
+            self._recompute_depth -= 1
+            return
+        if self._fwd_depth == 0:
             return
         self._fwd_depth -= 1
         if self._fwd_depth == 0 and self._fwd_phase is not None:

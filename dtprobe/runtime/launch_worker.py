@@ -69,12 +69,13 @@ class LaunchSession:
         """``dtprobe.attach`` (after init) and the step hooks; once."""
         if self.probe is not None:
             return
+        from dtprobe.collectors.attach import Probe
         from dtprobe.collectors.launch_steps import ScriptSteps
 
         spec = self.spec
         self.probe = dtprobe.attach(spec["run_dir"], manage_status=False, run_id=Path(spec["run_dir"]).name,
                                     timeout_s=spec["timeout_s"], **spec["collect"])
-        if getattr(self.probe, "enabled", True) is not False and hasattr(self.probe, "discard_step"):
+        if isinstance(self.probe, Probe):       # not the NullProbe of --no-collect
             self.steps = ScriptSteps(self.probe)
             self.steps.install()
             dtprobe._record_sink = self.steps.record

@@ -1,20 +1,23 @@
 """Probe overhead: what dtprobe's collectors and its runtime cost per training step, measured side by side.
 
-    python benchmarks/probe_overhead.py [--nproc 2] [--steps 100] [--pairs 3] [--flush-baseline 1.0] [--concurrent]
+    python benchmarks/probe_overhead.py [--nproc 2] [--steps 100] [--pairs 3] [--cases ddp,runtime,small,small_async]
+                                        [--flush-baseline 1.0] [--concurrent]
 
 Ratios of median step time, each from runs alternated in one invocation (A B A B ...) so that drift of the
 shared machine hits both sides alike; with `--concurrent` the sides of each pair run at the same time instead
-(they share the cores, so a burst of outside load hits every side at once; use it on a busy machine):
+(they share the cores, so a burst of outside load hits every side at once; use it on a busy machine). Each case
+below is one entry of `CASES` (its sides and its report function); `--cases` picks some, and the sides of all
+picked cases are alternated together:
 
-1. collectors on / off: `dtprobe run` with its default telemetry (every collective recorded by the wrapping
+1. collectors on / off (`ddp`): `dtprobe run` with its default telemetry (every collective recorded by the wrapping
    ProcessGroup, host/NVML sampler, steps, and the loss bound: rows flushed every `collect.flush_interval_s`
    and in-flight collectives spilled to `pending` by background threads, SIGTERM handler) against
    `dtprobe run --no-collectives --no-devices` (only the steps table, which both sides need to time the step).
    Goal <= 1.01.
-2. runtime / plain: `dtprobe run --no-collectives --no-devices` against benchmarks/plain_ddp.py, a 30-line
+2. runtime / plain (`runtime`): `dtprobe run --no-collectives --no-devices` against benchmarks/plain_ddp.py, a 30-line
    torchrun DDP script of the same model, batch and optimizer, timed the same way (data, forward, backward,
    clip, optimizer, loss.item()). Goal <= 1.02.
-3. with `--flush-baseline S`: the default telemetry against the same with `collect.flush_interval_s = S`
+3. with `--flush-baseline S` (`flush`): the default telemetry against the same with `collect.flush_interval_s = S`
    (e.g. 1.0, flushing ten times less often): what the loss bound costs. Goal <= 1.01.
 
 Printed first, in this process and in a few seconds: the thread CPU time of the writer's flusher and the
@@ -22,14 +25,17 @@ recorder's drain thread while rows arrive at a fixed rate (500 collectives/s, 1 
 0.3 s so it is spilled to `pending`, 10 steps rows/s), at the default interval and at 1 s. Per-thread CPU
 clocks do not count time spent waiting for a core, so this figure holds on a loaded machine too.
 
-4. many small collectives, on / off: a torchrun worker of this file (`--small-worker`) attached with the default
-   telemetry against the same with `collectives=False, devices=False`, each step a small matmul and
-   `--small-collectives` (200) all_reduce of 1 KiB, the pattern of tensor-parallel and FSDP steps.
+4. many small collectives, on / off (`small`): a torchrun worker of this file (`--small-worker`) attached with the
+   default telemetry against the same with `collectives=False, devices=False`, each step a small matmul and
+   `--small-collectives` (200) blocking all_reduce of 1 KiB, the pattern of tensor-parallel and FSDP steps.
+5. the same with each all_reduce issued with `async_op=True` and waited at once (`small_async`): how DTensor and
+   FSDP use their works, recorded through the group's Python Work wrapper instead of the blocking-call path.
 
-Per recorded collective, for the DDP case and the many-small case: (median step on - median step off) divided by
-the collectives rank 0 recorded per step in the "on" run; for the many-small case also the same from each rank's
+Per recorded collective, for the DDP case and the many-small cases: (median step on - median step off) divided by
+the collectives rank 0 recorded per step in the "on" run; for the many-small cases also the same from each rank's
 process CPU time per step (all its threads): waiting for a core is not counted, though a loaded machine still
-inflates it (contended caches, polling). Goal <= 10 us on gloo; both figures need a quiet machine.
+inflates it (contended caches, gloo's polling while it waits). Goal <= 10 us on gloo; both figures need a quiet
+machine.
 
 The first `--skip` steps of every run are left out (DDP rebuilds its buckets after step 0). On a CPU machine the
 figures are CPU/gloo ones, not GPU ones.
@@ -44,9 +50,15 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
+SMALL_SIDES = ("small_on", "small_off", "small_async_on", "small_async_off")
+"""Sides run by this file's many-small-collectives worker (they write process CPU per step)."""
+RECORDING_SIDES = ("on", "small_on", "small_async_on")
+"""Sides that record collectives (their collectives per step divide the cost)."""
 
 
 def _env() -> dict[str, str]:
@@ -56,14 +68,16 @@ def _env() -> dict[str, str]:
 def side_command(name: str, out: Path, *, nproc: int, steps: int, flush_baseline: float | None,
                  num_small: int) -> list[str]:
     """The command of one side: "on", "off", "slowflush" (`dtprobe run`), "plain" (benchmarks/plain_ddp.py),
-    "small_on" or "small_off" (this file's many-small-collectives worker under torchrun)."""
+    "small_on", "small_off", "small_async_on" or "small_async_off" (this file's many-small-collectives worker
+    under torchrun)."""
     if name == "plain":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                 str(ROOT / "benchmarks" / "plain_ddp.py"), "--steps", str(steps), "--out", str(out)]
-    if name in ("small_on", "small_off"):
+    if name in SMALL_SIDES:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                 str(Path(__file__).resolve()), "--small-worker", str(out), "--steps", str(steps),
-                "--small-collectives", str(num_small)] + (["--small-off"] if name == "small_off" else [])
+                "--small-collectives", str(num_small)] + (["--small-off"] if name.endswith("_off") else []) + (
+                ["--small-async"] if name.startswith("small_async") else [])
     cmd = [sys.executable, "-m", "dtprobe.cli", "run", "--nproc", str(nproc), "--steps", str(steps),
            "--run-dir", str(out), "--warmup", "0"]
     if name == "off":
@@ -165,9 +179,10 @@ def cpu_per_step(run_dir: Path) -> float:
     return statistics.mean(values)
 
 
-def small_worker(run_dir: str, *, steps: int, num_collectives: int, off: bool) -> None:
-    """One rank of the many-small-collectives case (launched by torchrun): each step a small matmul and
-    ``num_collectives`` all_reduce of 256 float32 on the default group, timed by ``probe.step``."""
+def small_worker(run_dir: str, *, steps: int, num_collectives: int, off: bool, async_op: bool = False) -> None:
+    """One rank of the many-small-collectives cases (launched by torchrun): each step a small matmul and
+    ``num_collectives`` all_reduce of 256 float32 on the default group, timed by ``probe.step``; blocking calls,
+    or with ``async_op`` issued with ``async_op=True`` and waited at once (how DTensor and FSDP use their works)."""
     import time
 
     import torch
@@ -187,8 +202,12 @@ def small_worker(run_dir: str, *, steps: int, num_collectives: int, off: bool) -
             x = weight
             for _ in range(4):
                 x = torch.tanh(x @ weight)
-            for _ in range(num_collectives):
-                dist.all_reduce(grad)
+            if async_op:
+                for _ in range(num_collectives):
+                    dist.all_reduce(grad, async_op=True).wait()
+            else:
+                for _ in range(num_collectives):
+                    dist.all_reduce(grad)
         cpu_ns += time.process_time_ns() - cpu0
     # This process's CPU time (every thread: gloo's, the probe's) per step: waiting for a core is not counted.
     (Path(run_dir) / f"cpu_rank{dist.get_rank()}.json").write_text(json.dumps({"cpu_s_per_step": cpu_ns / steps / 1e9}))
@@ -196,43 +215,91 @@ def small_worker(run_dir: str, *, steps: int, num_collectives: int, off: bool) -
     dist.destroy_process_group()      # gloo's threads stopped before the interpreter exits, not torn down by it
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nproc", type=int, default=2, help="ranks per run (default 2: one per core)")
-    parser.add_argument("--steps", type=int, default=100, help="steps per run (default 100)")
-    parser.add_argument("--pairs", type=int, default=3, help="alternated pairs per comparison (default 3)")
-    parser.add_argument("--skip", type=int, default=5, help="warm-up steps left out of each run (default 5)")
-    parser.add_argument("--flush-baseline", type=float, default=None, metavar="S",
-                        help="also run the default telemetry with collect.flush_interval_s=S and print the ratio "
-                             "default / S (what the loss bound costs); default: not run")
-    parser.add_argument("--concurrent", action="store_true",
-                        help="run the sides of each pair at the same time (fairer on a busy machine; every "
-                             "side is slower, the ratios are what counts)")
-    parser.add_argument("--small-collectives", type=int, default=200,
-                        help="all_reduce per step in the many-small-collectives case (default 200)")
-    parser.add_argument("--small-worker", metavar="RUN_DIR", help=argparse.SUPPRESS)
-    parser.add_argument("--small-off", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.small_worker:
-        small_worker(args.small_worker, steps=args.steps, num_collectives=args.small_collectives, off=args.small_off)
-        return 0
+@dataclass(frozen=True)
+class Results:
+    """What the alternated runs gave, per side: rank 0's median step (s) of each pair, and for the sides that
+    record collectives, the collectives rank 0 recorded per step; for the many-small sides, process CPU per step."""
 
+    medians: dict[str, list[float]]
+    per_step: dict[str, list[float]]
+    cpu: dict[str, list[float]]
+
+
+def _ratio_line(label: str, results: Results, on: str, off: str, goal: str) -> str:
+    ratios = [a / b for a, b in zip(results.medians[on], results.medians[off])]
+    return (f"{label} {statistics.median(ratios):.3f}  (per pair: {', '.join(f'{r:.3f}' for r in ratios)}"
+            f"{'; goal ' + goal if goal else ''})")
+
+
+def _per_collective_lines(label: str, results: Results, on: str, off: str) -> list[str]:
+    """Per recorded collective: the step-time difference over the collectives per step; from process CPU too when
+    the sides wrote it."""
+    counts = results.per_step[on]
+    costs = [(a - b) / n * 1e6 for a, b, n in zip(results.medians[on], results.medians[off], counts) if n]
+    if not costs:
+        return [f"per recorded collective, {label}: no collectives"]
+    lines = [f"per recorded collective, {label}: {statistics.median(costs):.1f} us  (per pair: "
+             f"{', '.join(f'{c:.1f}' for c in costs)}; {statistics.median(counts):.0f} collectives per step; "
+             f"goal <= 10 us)"]
+    if on in results.cpu:
+        cpu_costs = [(a - b) / n * 1e6 for a, b, n in zip(results.cpu[on], results.cpu[off], counts) if n]
+        lines.append(f"per recorded collective, {label}, process CPU: {statistics.median(cpu_costs):.1f} us  "
+                     f"(per pair: {', '.join(f'{c:.1f}' for c in cpu_costs)}; goal <= 10 us)")
+    return lines
+
+
+def report_ddp(results: Results, args: argparse.Namespace) -> list[str]:
+    """Case 1: `dtprobe run` with default telemetry against collectives and devices off."""
+    return [_ratio_line("collectors on/off ratio:  ", results, "on", "off", "<= 1.01"),
+            *_per_collective_lines("DDP", results, "on", "off")]
+
+
+def report_runtime(results: Results, args: argparse.Namespace) -> list[str]:
+    """Case 2: `dtprobe run` without collectors against the plain DDP script."""
+    return [_ratio_line("runtime/plain ratio:      ", results, "off", "plain", "<= 1.02")]
+
+
+def report_flush(results: Results, args: argparse.Namespace) -> list[str]:
+    """Case 3: the default flush interval against ``--flush-baseline``."""
     from dtprobe.collectors.config import CollectConfig
 
     defaults = CollectConfig()
-    print(f"collectors on = defaults: flush_interval_s={defaults.flush_interval_s}, "
-          f"close_on_sigterm={defaults.close_on_sigterm}, collective_timing={defaults.collective_timing}, "
-          f"devices every {defaults.device_interval_s} s", flush=True)
-    with tempfile.TemporaryDirectory(prefix="dtprobe-bench-") as tmp:
-        cpu_default = bound_thread_cpu(Path(tmp) / "default", interval_s=defaults.flush_interval_s)
-        cpu_slow = bound_thread_cpu(Path(tmp) / "slow", interval_s=1.0)
-    print(f"bound threads' CPU: {cpu_default * 1e3:.2f} ms per s at flush_interval_s={defaults.flush_interval_s}, "
-          f"{cpu_slow * 1e3:.2f} ms per s at 1.0 (difference {(cpu_default - cpu_slow) * 100:.3f}% of one core)",
-          flush=True)
-    names = ("on", "off", "plain", "small_on", "small_off") + (("slowflush",) if args.flush_baseline is not None else ())
-    per_step: dict[str, list[float]] = {"on": [], "small_on": []}
-    cpu: dict[str, list[float]] = {"small_on": [], "small_off": []}
-    medians: dict[str, list[float]] = {name: [] for name in names}
+    return [_ratio_line(f"flush {defaults.flush_interval_s} s / {args.flush_baseline} s ratio:", results, "on",
+                        "slowflush", "<= 1.01")]
+
+
+def report_small(results: Results, args: argparse.Namespace) -> list[str]:
+    """Case 4: many small blocking all_reduce per step."""
+    return [_ratio_line("many small collectives on/off ratio:", results, "small_on", "small_off", ""),
+            *_per_collective_lines("many small", results, "small_on", "small_off")]
+
+
+def report_small_async(results: Results, args: argparse.Namespace) -> list[str]:
+    """Case 5: many small all_reduce per step issued with ``async_op=True`` and waited at once."""
+    return [_ratio_line("many small async collectives on/off ratio:", results, "small_async_on", "small_async_off",
+                        ""),
+            *_per_collective_lines("many small async", results, "small_async_on", "small_async_off")]
+
+
+CASES: dict[str, tuple[tuple[str, ...], Callable[[Results, argparse.Namespace], list[str]]]] = {
+    "ddp": (("on", "off"), report_ddp),
+    "runtime": (("off", "plain"), report_runtime),
+    "flush": (("on", "slowflush"), report_flush),
+    "small": (("small_on", "small_off"), report_small),
+    "small_async": (("small_async_on", "small_async_off"), report_small_async),
+}
+"""Each case: the sides it compares (run alternated with every other selected case's sides) and its report."""
+DEFAULT_CASES = ("ddp", "runtime", "small", "small_async")
+"""Cases run without ``--cases``; ``flush`` is added by ``--flush-baseline``."""
+
+
+def run_cases(cases: list[str], args: argparse.Namespace) -> Results:
+    """Run every side of ``cases`` ``args.pairs`` times, alternated (rotating who starts first), and collect
+    step medians, collectives per step and CPU per step."""
+    names = tuple(dict.fromkeys(side for case in cases for side in CASES[case][0]))
+    results = Results(medians={name: [] for name in names},
+                      per_step={name: [] for name in names if name in RECORDING_SIDES},
+                      cpu={name: [] for name in names if name in SMALL_SIDES})
     with tempfile.TemporaryDirectory(prefix="dtprobe-bench-") as tmp:
         tmp_path = Path(tmp)
         for i in range(args.pairs):
@@ -243,40 +310,69 @@ def main() -> int:
                         for name in order}
             run_sides(commands, tmp_path / f"logs{i}", concurrent=args.concurrent)
             for name in names:
-                medians[name].append(median_after(side_step_times(name, outs[name]), args.skip))
-                print(f"pair {i + 1}/{args.pairs} {name:>9}: median step {medians[name][-1] * 1e3:7.2f} ms",
+                results.medians[name].append(median_after(side_step_times(name, outs[name]), args.skip))
+                print(f"pair {i + 1}/{args.pairs} {name:>15}: median step {results.medians[name][-1] * 1e3:7.2f} ms",
                       flush=True)
-            for name in per_step:
-                per_step[name].append(collectives_per_step(outs[name], args.skip))
-            for name in cpu:
-                cpu[name].append(cpu_per_step(outs[name]))
+            for name in results.per_step:
+                results.per_step[name].append(collectives_per_step(outs[name], args.skip))
+            for name in results.cpu:
+                results.cpu[name].append(cpu_per_step(outs[name]))
+    return results
 
-    on, off, plain = (statistics.median(medians[k]) for k in ("on", "off", "plain"))
-    pair_collect = [a / b for a, b in zip(medians["on"], medians["off"])]
-    pair_runtime = [a / b for a, b in zip(medians["off"], medians["plain"])]
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nproc", type=int, default=2, help="ranks per run (default 2: one per core)")
+    parser.add_argument("--steps", type=int, default=100, help="steps per run (default 100)")
+    parser.add_argument("--pairs", type=int, default=3, help="alternated pairs per comparison (default 3)")
+    parser.add_argument("--skip", type=int, default=5, help="warm-up steps left out of each run (default 5)")
+    parser.add_argument("--cases", default=None,
+                        help=f"comma-separated cases to run, of {', '.join(CASES)} (default: "
+                             f"{','.join(DEFAULT_CASES)}, plus flush with --flush-baseline)")
+    parser.add_argument("--flush-baseline", type=float, default=None, metavar="S",
+                        help="also run the default telemetry with collect.flush_interval_s=S and print the ratio "
+                             "default / S (what the loss bound costs); default: not run")
+    parser.add_argument("--concurrent", action="store_true",
+                        help="run the sides of each pair at the same time (fairer on a busy machine; every "
+                             "side is slower, the ratios are what counts)")
+    parser.add_argument("--small-collectives", type=int, default=200,
+                        help="all_reduce per step in the many-small-collectives cases (default 200)")
+    parser.add_argument("--small-worker", metavar="RUN_DIR", help=argparse.SUPPRESS)
+    parser.add_argument("--small-off", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--small-async", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.small_worker:
+        small_worker(args.small_worker, steps=args.steps, num_collectives=args.small_collectives, off=args.small_off,
+                     async_op=args.small_async)
+        return 0
+    cases = list(DEFAULT_CASES) + (["flush"] if args.flush_baseline is not None else [])
+    if args.cases is not None:
+        cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+        unknown = sorted(set(cases) - set(CASES))
+        if unknown or not cases:
+            parser.error(f"--cases {args.cases!r}: unknown {unknown or 'none given'}; choose from {', '.join(CASES)}")
+    if "flush" in cases and args.flush_baseline is None:
+        parser.error("--cases flush needs --flush-baseline S (the interval to compare the default with)")
+
+    from dtprobe.collectors.config import CollectConfig
+
+    defaults = CollectConfig()
+    print(f"collectors on = defaults: flush_interval_s={defaults.flush_interval_s}, "
+          f"close_on_sigterm={defaults.close_on_sigterm}, collective_timing={defaults.collective_timing}, "
+          f"devices every {defaults.device_interval_s} s; cases: {', '.join(cases)}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="dtprobe-bench-") as tmp:
+        cpu_default = bound_thread_cpu(Path(tmp) / "default", interval_s=defaults.flush_interval_s)
+        cpu_slow = bound_thread_cpu(Path(tmp) / "slow", interval_s=1.0)
+    print(f"bound threads' CPU: {cpu_default * 1e3:.2f} ms per s at flush_interval_s={defaults.flush_interval_s}, "
+          f"{cpu_slow * 1e3:.2f} ms per s at 1.0 (difference {(cpu_default - cpu_slow) * 100:.3f}% of one core)",
+          flush=True)
+    results = run_cases(cases, args)
     print()
-    print(f"median step (ms): collectors on {on * 1e3:.2f}, off {off * 1e3:.2f}, plain DDP script {plain * 1e3:.2f}")
-    print(f"collectors on/off ratio:   {statistics.median(pair_collect):.3f}  (per pair: "
-          f"{', '.join(f'{r:.3f}' for r in pair_collect)}; goal <= 1.01)")
-    print(f"runtime/plain ratio:       {statistics.median(pair_runtime):.3f}  (per pair: "
-          f"{', '.join(f'{r:.3f}' for r in pair_runtime)}; goal <= 1.02)")
-    if args.flush_baseline is not None:
-        pair_flush = [a / b for a, b in zip(medians["on"], medians["slowflush"])]
-        print(f"flush {defaults.flush_interval_s} s / {args.flush_baseline} s ratio: "
-              f"{statistics.median(pair_flush):.3f}  (per pair: {', '.join(f'{r:.3f}' for r in pair_flush)}; "
-              f"goal <= 1.01)")
-    pair_small = [a / b for a, b in zip(medians["small_on"], medians["small_off"])]
-    print(f"many small collectives on/off ratio: {statistics.median(pair_small):.3f}  (per pair: "
-          f"{', '.join(f'{r:.3f}' for r in pair_small)})")
-    for label, on_name, off_name in (("DDP", "on", "off"), ("many small", "small_on", "small_off")):
-        costs = [(a - b) / n * 1e6 for a, b, n in zip(medians[on_name], medians[off_name], per_step[on_name]) if n]
-        print(f"per recorded collective, {label}: {statistics.median(costs):.1f} us  (per pair: "
-              f"{', '.join(f'{c:.1f}' for c in costs)}; {statistics.median(per_step[on_name]):.0f} collectives "
-              f"per step; goal <= 10 us)" if costs else f"per recorded collective, {label}: no collectives")
-    cpu_costs = [(a - b) / n * 1e6 for a, b, n in zip(cpu["small_on"], cpu["small_off"], per_step["small_on"]) if n]
-    if cpu_costs:
-        print(f"per recorded collective, many small, process CPU: {statistics.median(cpu_costs):.1f} us  (per pair: "
-              f"{', '.join(f'{c:.1f}' for c in cpu_costs)}; goal <= 10 us)")
+    medians = {name: statistics.median(values) for name, values in results.medians.items()}
+    print("median step (ms): " + ", ".join(f"{name} {value * 1e3:.2f}" for name, value in medians.items()))
+    for case in cases:
+        for line in CASES[case][1](results, args):
+            print(line)
     mode = "sides run concurrently" if args.concurrent else "sides alternated"
     print(f"({args.nproc} ranks x {args.steps} steps per run, {mode}, CPU + gloo on this machine)")
     return 0

@@ -5,14 +5,18 @@ A ``RecordingProcessGroup`` is a Python ``dist.ProcessGroup`` that forwards ever
 itself, it sees what a monkeypatch of ``torch.distributed`` misses: DDP's C++ reducer buckets, FSDP2
 all-gather/reduce-scatter, DTensor collectives and pipeline send/recv.
 
-Completion (``end_ns``), gloo: when the work completes. Works whose callers wait on them before they complete
-(``dist.all_reduce``, DTensor and FSDP waits) are wrapped and stamped when the caller's ``wait()`` returns, on
-the caller's thread; works whose futures are taken (DDP's C++ reducer) stay the backend's own Work with a
+Completion (``end_ns``), gloo: when the work completes. Blocking calls (torch's API with ``async_op=False``, which
+waits on the work as soon as it is returned) are waited by the group itself and stamped when that wait returns, on
+the caller's thread; the caller gets the completed backend Work, and the row is a tuple (``ROW_COLUMNS``) that the
+drain thread encodes in batches. Otherwise, works whose callers wait on them before they complete
+(``async_op=True`` then ``wait()``, DTensor and FSDP waits) are wrapped and stamped when the caller's ``wait()``
+returns, on the caller's thread; works whose futures are taken (DDP's C++ reducer) stay the backend's own Work with a
 done-callback, run by the gloo thread that finished it (a Python Work handed to the reducer costs GIL round
 trips on every ``getFuture`` and destruction); ``_WaitHabit`` picks between the two per (group, op) and goes
 back to the callback for callers that wait late. Works without a future (gloo send/recv, reduce-scatter) are
 wrapped and timed when ``wait()`` returns. On the caller's thread a collective costs the Python pass-through,
-a row dict and a queue append; ``benchmarks/probe_overhead.py`` measures it per collective against plain gloo.
+a row (a tuple on the blocking path, else a dict) and a queue append; ``benchmarks/probe_overhead.py`` measures it
+per collective against plain gloo.
 
 On NCCL ``wait()`` does not block the host: NCCL rows are issued and timed on the device by
 ``collectors.nccl`` (arrival event, NCCL's own start/end, ``timing="cuda_event"``). Rows are written once
@@ -45,6 +49,26 @@ NCCL_BACKEND = "dtprobe_nccl"
 WORLD_GROUP = "world"
 """``pg`` value for the default group when nothing else names it."""
 _PENDING_COLUMNS = tuple(c for c in SCHEMAS["pending"] if c != "rank")
+ROW_COLUMNS = ("pg", "pg_ranks", "pg_size", "seq", "op", "num_bytes", "dtype", "step", "timing", "enqueue_ns",
+               "restart", "end_ns")
+"""Columns of a row kept as a tuple (the blocking-call path of a gloo group), in order; an in-flight row lacks the
+last (``end_ns``). Rows kept as dicts have these keys in this order, with ``peer`` before ``end_ns`` for p2p."""
+_PG, _PG_RANKS, _SEQ, _OP = (ROW_COLUMNS.index(c) for c in ("pg", "pg_ranks", "seq", "op"))
+assert set(ROW_COLUMNS) <= set(SCHEMAS["collectives"])
+
+
+def row_dict(row: dict[str, Any] | tuple) -> dict[str, Any]:
+    """A row as a dict (a tuple row's columns named by ``ROW_COLUMNS``); dict rows are returned as they are."""
+    return row if type(row) is dict else dict(zip(ROW_COLUMNS, row))
+
+
+def _ended(row: dict[str, Any] | tuple, end_ns: int) -> dict[str, Any] | tuple:
+    """The finished row: a tuple row extended by ``end_ns``, a dict row with ``end_ns`` set."""
+    if type(row) is tuple:
+        return row + (end_ns,)
+    row["end_ns"] = end_ns
+    return row
+
 
 class CollectiveRecorder:
     """Process-wide sink shared by every recording group: the writer, the current step, the timing mode.
@@ -53,8 +77,8 @@ class CollectiveRecorder:
     one module-level object (``RECORDER``). Until ``start`` sets a writer, rows are dropped.
 
     Rows are queued (a deque append, well under a microsecond) and handed to the writer by a drain thread
-    every ``flush_interval_s``, by ``drain()`` and at ``stop()``: the writer's per-row cost (validation and
-    JSON encoding, ~10 us) stays off the training thread's critical path. Each tick of the drain thread
+    every ``flush_interval_s``, by ``drain()`` and at ``stop()``: the writer's JSON encoding (tuple rows in one
+    batch per drain, dict rows one by one) stays off the training thread. Each tick of the drain thread
     (``tick()``) drains the queue, spills to ``pending`` every collective that was already in flight at the
     previous tick (each at most once), and flushes the writer: a completed row reaches the OS within one
     interval, a collective pending for two intervals is on disk, even while the training thread is blocked.
@@ -71,7 +95,7 @@ class CollectiveRecorder:
         """Use the NCCL completion hook for device timings when ``TORCH_NCCL_ENABLE_TIMING=1``."""
         self.restart = 0
         """torchrun restart count of this worker (``TORCHELASTIC_RESTART_COUNT``), copied into every row."""
-        self._paused = threading.local()
+        self._paused = _PausedFlag()
         self._in_flight: dict[int, dict[str, Any]] = {}
         self._ids = itertools.count()
         self._progress: dict[str, dict[str, Any]] = {}   # read by the hang watchdog: see progress()
@@ -115,17 +139,31 @@ class CollectiveRecorder:
         self.step = -1
 
     def drain(self) -> None:
-        """Hand every queued row to the writer now."""
+        """Hand every queued row to the writer now: tuple rows in batches through ``writer.write_values`` when it has
+        one (``RankWriter``), else each as a dict through ``writer.write``."""
         writer = self.writer
         with self._drain_lock:
             queue = self._queue
-            while queue:
+            rows = []
+            while True:
                 try:
-                    row = queue.popleft()
+                    rows.append(queue.popleft())
                 except IndexError:
                     break
-                if writer is not None:
-                    writer.write("collectives", row)
+            if writer is None or not rows:
+                return
+            write_values = getattr(writer, "write_values", None)
+            batch: list[tuple] = []
+            for row in rows:
+                if type(row) is tuple and write_values is not None:
+                    batch.append(row)
+                    continue
+                if batch:
+                    write_values("collectives", ROW_COLUMNS, batch)
+                    batch = []
+                writer.write("collectives", row_dict(row))
+            if batch:
+                write_values("collectives", ROW_COLUMNS, batch)
 
     def tick(self) -> int:
         """One drain-thread tick: drain the queue, spill to ``pending`` the collectives in flight since the previous
@@ -141,6 +179,7 @@ class CollectiveRecorder:
             for key in sorted(spill):          # keys grow with issue order: oldest first
                 row = in_flight.get(key)
                 if row is not None:
+                    row = row_dict(row)
                     writer.write("pending", {c: row[c] for c in _PENDING_COLUMNS if c in row})
             self._spilled = (self._spilled | spill) & now   # keys never come back once completed
             self._seen_at_tick = now
@@ -157,45 +196,57 @@ class CollectiveRecorder:
 
     @property
     def active(self) -> bool:
-        return self.writer is not None and not getattr(self._paused, "on", False)
+        return self.writer is not None and not self._paused.on
 
     def paused(self) -> "_Paused":
         """Context manager: collectives issued by this thread inside it are not recorded (clock sync)."""
         return _Paused(self._paused)
 
-    def emit(self, row: dict[str, Any]) -> None:
+    def emit(self, row: dict[str, Any] | tuple) -> None:
+        """Queue a finished row (a dict, or a tuple of ``ROW_COLUMNS``) for the drain thread."""
         if self.writer is not None:
             self._queue.append(row)
 
-    def track(self, row: dict[str, Any]) -> int:
+    def track(self, row: dict[str, Any] | tuple) -> int:
+        """Register an issued row (a dict, or a tuple of ``ROW_COLUMNS`` but ``end_ns``) as in flight; returns its
+        key for ``untrack``."""
         key = next(self._ids)              # next() and dict set/pop are atomic under the GIL: no lock
         self._in_flight[key] = row
-        if "peer" not in row:              # progress per group: collectives only (p2p has its own numbering)
+        if type(row) is tuple:             # collectives only (p2p rows are dicts)
+            p = self._progress.get(row[_PG])
+            if p is None:
+                p = self._progress.setdefault(row[_PG], _GroupProgress(row[_PG_RANKS], row))
+            p.issued = row
+        elif "peer" not in row:            # progress per group: collectives only (p2p has its own numbering)
             p = self._progress.get(row["pg"])
             if p is None:
-                p = self._progress.setdefault(row["pg"], {"pg_ranks": row["pg_ranks"], "last_completed_seq": 0,
-                                                           "last_completed_op": None})
-            p["last_issued_seq"], p["last_issued_op"] = row["seq"], row["op"]
-            p["last_issued_step"], p["last_issued_ns"] = row["step"], row["enqueue_ns"]
+                p = self._progress.setdefault(row["pg"], _GroupProgress(row["pg_ranks"], row))
+            p.issued = row
         return key
 
     def untrack(self, key: int) -> bool:
         """Forget an in-flight row; False if it was already written (completed, or flushed at close)."""
         row = self._in_flight.pop(key, None)
-        if row is not None and "peer" not in row:
+        if row is None:
+            return False
+        if type(row) is tuple:
+            p = self._progress.get(row[_PG])
+            if p is not None and row[_SEQ] > p.completed_seq:
+                p.completed_seq, p.completed_op = row[_SEQ], row[_OP]
+        elif "peer" not in row:
             p = self._progress.get(row["pg"])
-            if p is not None and row["seq"] > p["last_completed_seq"]:
-                p["last_completed_seq"], p["last_completed_op"] = row["seq"], row["op"]
-        return row is not None
+            if p is not None and row["seq"] > p.completed_seq:
+                p.completed_seq, p.completed_op = row["seq"], row["op"]
+        return True
 
     def progress(self) -> dict[str, dict[str, Any]]:
         """Per group name: ``pg_ranks``, ``last_issued_seq``/``_op``/``_step``/``_ns`` and ``last_completed_seq``/
         ``_op`` of this rank's collectives (timing "wait" only); read by ``dtprobe.runtime.hang``'s watchdog."""
-        return {pg: dict(p) for pg, p in list(self._progress.items())}
+        return {pg: p.as_dict() for pg, p in list(self._progress.items())}
 
     def pending(self) -> list[dict[str, Any]]:
         """Rows of collectives issued but not completed yet, oldest first (what a hung rank waits on)."""
-        return [dict(r) for r in list(self._in_flight.values())]
+        return [dict(row_dict(r)) for r in list(self._in_flight.values())]
 
     def flush_in_flight(self) -> int:
         """Write every in-flight row with ``end_ns`` null (at close: a hang or a crash); returns how many."""
@@ -207,6 +258,33 @@ class CollectiveRecorder:
         for row in rows:
             self.emit(row)
         return len(rows)
+
+
+class _GroupProgress:
+    """One group's progress on this rank: the last issued row (kept as is; its fields are read only when the
+    watchdog asks) and the highest completed collective."""
+
+    __slots__ = ("pg_ranks", "issued", "completed_seq", "completed_op")
+
+    def __init__(self, pg_ranks: str, issued: dict[str, Any] | tuple) -> None:
+        self.pg_ranks = pg_ranks
+        self.issued = issued
+        self.completed_seq = 0
+        self.completed_op: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        issued = row_dict(self.issued)
+        return {"pg_ranks": self.pg_ranks, "last_completed_seq": self.completed_seq,
+                "last_completed_op": self.completed_op, "last_issued_seq": issued["seq"],
+                "last_issued_op": issued["op"], "last_issued_step": issued["step"],
+                "last_issued_ns": issued["enqueue_ns"]}
+
+
+class _PausedFlag(threading.local):
+    """Per thread: recording paused (``CollectiveRecorder.paused``). A class default, so reading it on the hot path is
+    a plain attribute lookup, not a caught AttributeError."""
+
+    on = False
 
 
 class _Paused:
@@ -236,7 +314,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+    return t.nbytes                      # numel * element size (of the view, not of its storage)
 
 
 def _flat(tensors: Any) -> list[torch.Tensor]:
@@ -255,9 +333,17 @@ def _flat(tensors: Any) -> list[torch.Tensor]:
 def _sum_bytes(tensors: Any) -> tuple[int, str | None]:
     if type(tensors) is list and len(tensors) == 1 and isinstance(tensors[0], torch.Tensor):   # the usual case
         t = tensors[0]
-        return t.numel() * t.element_size(), dtype_name(t.dtype)
+        return t.nbytes, dtype_name(t.dtype)
     flat = _flat(tensors)
     return sum(_nbytes(t) for t in flat), (dtype_name(flat[0].dtype) if flat else None)
+
+
+def _waits_now(args: tuple, kwargs: dict) -> bool:
+    """True if the call's options (first extra argument, or ``opts=``) say ``asyncOp`` is False: torch's blocking
+    API (``dist.all_reduce(t)`` and the like, ``async_op=False``) then waits on the work as soon as it is returned.
+    C++ callers (DDP's reducer, functional collectives) and calls without options keep the default, True."""
+    opts = args[0] if args else kwargs.get("opts")
+    return getattr(opts, "asyncOp", True) is False
 
 
 def _failed(future: Any) -> bool:
@@ -283,8 +369,7 @@ class _FutureDone:
         if _failed(future):
             return
         if self.recorder.untrack(self.key):
-            self.row["end_ns"] = time.time_ns()
-            self.recorder.emit(self.row)
+            self.recorder.emit(_ended(self.row, time.time_ns()))
 
 
 class _WaitHabit:
@@ -353,8 +438,7 @@ class RecordedWork(dist.Work):
             return
         self._row = None
         if self._recorder.untrack(self._key):
-            row["end_ns"] = time.time_ns()
-            self._recorder.emit(row)
+            self._recorder.emit(_ended(row, time.time_ns()))
 
     def wait(self, timeout: Any = None) -> bool:
         habit = self._habit
@@ -362,7 +446,7 @@ class RecordedWork(dist.Work):
             self._habit = None
             row = self._row
             if (self._inner.is_completed() and row is not None
-                    and time.time_ns() - row["enqueue_ns"] > _WaitHabit.PROMPT_WAIT_NS):
+                    and time.time_ns() - row_dict(row)["enqueue_ns"] > _WaitHabit.PROMPT_WAIT_NS):
                 habit.prompt = 0            # completed well before the wait: only a callback sees when
             elif habit.prompt < _WaitHabit.PROMPT_WAITS:
                 habit.prompt += 1
@@ -536,25 +620,42 @@ class RecordingProcessGroup(dist.ProcessGroup):
 
     # ---- recording core ----
     def _issue(self, op: str, num_bytes: int, dtype: str | None, call: Callable[[], dist.Work],
-               peer: int | None = None) -> dist.Work:
+               peer: int | None = None, waits_now: bool = False) -> dist.Work:
         recorder = self._recorder            # callers checked recorder.active
         pg, ranks = self._pg_fields()
-        if peer is None:
-            seq = next(self._seq)
+        row: dict[str, Any] | tuple
+        if peer is None and not self._device_timing:     # a gloo collective: a tuple row (see ROW_COLUMNS)
+            row = (pg, ranks, self._size, next(self._seq), op, int(num_bytes), dtype, recorder.step, "host",
+                   time.time_ns(), recorder.restart)
+            if waits_now and recorder.timing != "enqueue":
+                # torch's blocking API (async_op=False) waits on the work as soon as it is returned: wait here, on
+                # the caller's thread, stamp the end and hand back the completed backend Work (its wait() returns
+                # at once). No Python Work, no done-callback on the gloo thread.
+                key = recorder.track(row)
+                work = call()
+                if work is not None:
+                    work.wait()            # raises if the collective failed: the row stays in flight
+                end_ns = time.time_ns()
+                if recorder.untrack(key):  # else already written at close, without an end
+                    recorder.emit(row + (end_ns,))
+                return work
         else:
-            counter = self._p2p_seq.get((peer, op))
-            if counter is None:
-                counter = self._p2p_seq.setdefault((peer, op), itertools.count(1))
-            seq = next(counter)
-        row: dict[str, Any] = {
-            "pg": pg, "pg_ranks": ranks, "pg_size": self._size, "seq": seq, "op": op,
-            "num_bytes": int(num_bytes), "dtype": dtype, "step": recorder.step, "timing": "host",
-            "enqueue_ns": time.time_ns(), "restart": recorder.restart,
-        }
-        if peer is not None:
-            row["peer"] = peer
-        if self._device_timing:            # NCCL: timed on the device by collectors/nccl.py
-            return self._nccl.issue(row, call, peer=peer)
+            if peer is None:
+                seq = next(self._seq)
+            else:
+                counter = self._p2p_seq.get((peer, op))
+                if counter is None:
+                    counter = self._p2p_seq.setdefault((peer, op), itertools.count(1))
+                seq = next(counter)
+            row = {
+                "pg": pg, "pg_ranks": ranks, "pg_size": self._size, "seq": seq, "op": op,
+                "num_bytes": int(num_bytes), "dtype": dtype, "step": recorder.step, "timing": "host",
+                "enqueue_ns": time.time_ns(), "restart": recorder.restart,
+            }
+            if peer is not None:
+                row["peer"] = peer
+            if self._device_timing:            # NCCL: timed on the device by collectors/nccl.py
+                return self._nccl.issue(row, call, peer=peer)
         work = call()
         if recorder.timing == "enqueue" or work is None:
             recorder.emit(row)
@@ -592,58 +693,67 @@ class RecordingProcessGroup(dist.ProcessGroup):
         if not self._recorder.active:
             return self._inner.allreduce(tensors, *args, **kwargs)
         n, dt = _sum_bytes(tensors)
-        return self._issue("allreduce", n, dt, lambda: self._inner.allreduce(tensors, *args, **kwargs))
+        return self._issue("allreduce", n, dt, lambda: self._inner.allreduce(tensors, *args, **kwargs),
+                           waits_now=_waits_now(args, kwargs))
 
     def allreduce_coalesced(self, tensors: Any, *args: Any, **kwargs: Any) -> dist.Work:
         if not self._recorder.active:
             return self._inner.allreduce_coalesced(tensors, *args, **kwargs)
         n, dt = _sum_bytes(tensors)
         return self._issue("allreduce", n, dt,
-                           lambda: self._inner.allreduce_coalesced(tensors, *args, **kwargs))
+                           lambda: self._inner.allreduce_coalesced(tensors, *args, **kwargs),
+                           waits_now=_waits_now(args, kwargs))
 
     def broadcast(self, tensors: Any, *args: Any, **kwargs: Any) -> dist.Work:
         if not self._recorder.active:
             return self._inner.broadcast(tensors, *args, **kwargs)
         n, dt = _sum_bytes(tensors)
-        return self._issue("broadcast", n, dt, lambda: self._inner.broadcast(tensors, *args, **kwargs))
+        return self._issue("broadcast", n, dt, lambda: self._inner.broadcast(tensors, *args, **kwargs),
+                           waits_now=_waits_now(args, kwargs))
 
     def reduce(self, tensors: Any, *args: Any, **kwargs: Any) -> dist.Work:
         if not self._recorder.active:
             return self._inner.reduce(tensors, *args, **kwargs)
         n, dt = _sum_bytes(tensors)
-        return self._issue("reduce", n, dt, lambda: self._inner.reduce(tensors, *args, **kwargs))
+        return self._issue("reduce", n, dt, lambda: self._inner.reduce(tensors, *args, **kwargs),
+                           waits_now=_waits_now(args, kwargs))
 
     def allgather(self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> dist.Work:
         if not self._recorder.active:
             return self._inner.allgather(outputs, inputs, *args, **kwargs)
         n, dt = _sum_bytes(outputs)
-        return self._issue("allgather", n, dt, lambda: self._inner.allgather(outputs, inputs, *args, **kwargs))
+        return self._issue("allgather", n, dt, lambda: self._inner.allgather(outputs, inputs, *args, **kwargs),
+                           waits_now=_waits_now(args, kwargs))
 
     def allgather_coalesced(self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> dist.Work:
         if not self._recorder.active:
             return self._inner.allgather_coalesced(outputs, inputs, *args, **kwargs)
         n, dt = _sum_bytes(outputs)
         return self._issue("allgather", n, dt,
-                           lambda: self._inner.allgather_coalesced(outputs, inputs, *args, **kwargs))
+                           lambda: self._inner.allgather_coalesced(outputs, inputs, *args, **kwargs),
+                           waits_now=_waits_now(args, kwargs))
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> dist.Work:
         if not self._recorder.active:
             return self._inner._allgather_base(output, input, *args, **kwargs)
         return self._issue("allgather", _nbytes(output), dtype_name(output.dtype),
-                           lambda: self._inner._allgather_base(output, input, *args, **kwargs))
+                           lambda: self._inner._allgather_base(output, input, *args, **kwargs),
+                           waits_now=_waits_now(args, kwargs))
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> dist.Work:
         if not self._recorder.active:
             return self._inner._allgather_base(output, input, *args, **kwargs)
         return self._issue("allgather", _nbytes(output), dtype_name(output.dtype),
-                           lambda: self._inner._allgather_base(output, input, *args, **kwargs))
+                           lambda: self._inner._allgather_base(output, input, *args, **kwargs),
+                           waits_now=_waits_now(args, kwargs))
 
     def all_gather_single_coalesced(self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> dist.Work:
         if not self._recorder.active:
             return self._inner.allgather_into_tensor_coalesced(outputs, inputs, *args, **kwargs)
         n, dt = _sum_bytes(outputs)
         return self._issue("allgather", n, dt,
-                           lambda: self._inner.allgather_into_tensor_coalesced(outputs, inputs, *args, **kwargs))
+                           lambda: self._inner.allgather_into_tensor_coalesced(outputs, inputs, *args, **kwargs),
+                           waits_now=_waits_now(args, kwargs))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -652,26 +762,30 @@ class RecordingProcessGroup(dist.ProcessGroup):
             return self._inner.reduce_scatter(outputs, inputs, *args, **kwargs)
         n, dt = _sum_bytes(inputs)
         return self._issue("reduce_scatter", n, dt,
-                           lambda: self._inner.reduce_scatter(outputs, inputs, *args, **kwargs))
+                           lambda: self._inner.reduce_scatter(outputs, inputs, *args, **kwargs),
+                           waits_now=_waits_now(args, kwargs))
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> dist.Work:
         if not self._recorder.active:
             return self._inner._reduce_scatter_base(output, input, *args, **kwargs)
         return self._issue("reduce_scatter", _nbytes(input), dtype_name(input.dtype),
-                           lambda: self._inner._reduce_scatter_base(output, input, *args, **kwargs))
+                           lambda: self._inner._reduce_scatter_base(output, input, *args, **kwargs),
+                           waits_now=_waits_now(args, kwargs))
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> dist.Work:
         if not self._recorder.active:
             return self._inner._reduce_scatter_base(output, input, *args, **kwargs)
         return self._issue("reduce_scatter", _nbytes(input), dtype_name(input.dtype),
-                           lambda: self._inner._reduce_scatter_base(output, input, *args, **kwargs))
+                           lambda: self._inner._reduce_scatter_base(output, input, *args, **kwargs),
+                           waits_now=_waits_now(args, kwargs))
 
     def reduce_scatter_single_coalesced(self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> dist.Work:
         if not self._recorder.active:
             return self._inner.reduce_scatter_tensor_coalesced(outputs, inputs, *args, **kwargs)
         n, dt = _sum_bytes(inputs)
         return self._issue("reduce_scatter", n, dt,
-                           lambda: self._inner.reduce_scatter_tensor_coalesced(outputs, inputs, *args, **kwargs))
+                           lambda: self._inner.reduce_scatter_tensor_coalesced(outputs, inputs, *args, **kwargs),
+                           waits_now=_waits_now(args, kwargs))
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -679,7 +793,8 @@ class RecordingProcessGroup(dist.ProcessGroup):
         if not self._recorder.active:
             return self._inner.alltoall_base(output, input, *args, **kwargs)
         return self._issue("alltoall", _nbytes(input), dtype_name(input.dtype),
-                           lambda: self._inner.alltoall_base(output, input, *args, **kwargs))
+                           lambda: self._inner.alltoall_base(output, input, *args, **kwargs),
+                           waits_now=_waits_now(args, kwargs))
 
     all_to_all_single = alltoall_base
 
@@ -687,26 +802,30 @@ class RecordingProcessGroup(dist.ProcessGroup):
         if not self._recorder.active:
             return self._inner.alltoall(outputs, inputs, *args, **kwargs)
         n, dt = _sum_bytes(inputs)
-        return self._issue("alltoall", n, dt, lambda: self._inner.alltoall(outputs, inputs, *args, **kwargs))
+        return self._issue("alltoall", n, dt, lambda: self._inner.alltoall(outputs, inputs, *args, **kwargs),
+                           waits_now=_waits_now(args, kwargs))
 
     def gather(self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> dist.Work:
         if not self._recorder.active:
             return self._inner.gather(outputs, inputs, *args, **kwargs)
         n, dt = _sum_bytes(inputs)    # logical: every member's input, gathered at the root
         return self._issue("gather", n * self._size, dt,
-                           lambda: self._inner.gather(outputs, inputs, *args, **kwargs))
+                           lambda: self._inner.gather(outputs, inputs, *args, **kwargs),
+                           waits_now=_waits_now(args, kwargs))
 
     def scatter(self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> dist.Work:
         if not self._recorder.active:
             return self._inner.scatter(outputs, inputs, *args, **kwargs)
         n, dt = _sum_bytes(outputs)   # logical: every member's output, scattered from the root
         return self._issue("scatter", n * self._size, dt,
-                           lambda: self._inner.scatter(outputs, inputs, *args, **kwargs))
+                           lambda: self._inner.scatter(outputs, inputs, *args, **kwargs),
+                           waits_now=_waits_now(args, kwargs))
 
     def barrier(self, *args: Any, **kwargs: Any) -> dist.Work:
         if not self._recorder.active:
             return self._inner.barrier(*args, **kwargs)
-        return self._issue("barrier", 0, None, lambda: self._inner.barrier(*args, **kwargs))
+        return self._issue("barrier", 0, None, lambda: self._inner.barrier(*args, **kwargs),
+                           waits_now=_waits_now(args, kwargs))
 
     def send(self, tensors: Any, dst: int, tag: int = 0) -> dist.Work:
         if not self._recorder.active:

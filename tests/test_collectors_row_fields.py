@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed.distributed_c10d as c10d
 
 from dtprobe.collectors.pg_wrapper import CollectiveRecorder, RecordedWork, RecordingProcessGroup, _WaitHabit
 
@@ -170,3 +171,57 @@ def test_a_work_waited_late_brings_the_done_callback_back_for_its_group_and_op()
     rows = writer.table("collectives")
     assert [r["seq"] for r in rows] == list(range(1, _WaitHabit.PROMPT_WAITS + 3))
     assert rows[-1]["end_ns"] - rows[-1]["enqueue_ns"] >= 2 * _WaitHabit.PROMPT_WAIT_NS   # an upper bound
+
+
+def _blocking(options_type):
+    """Options of a blocking call, as torch's ``dist.*`` functions build them with ``async_op=False``."""
+    opts = options_type()
+    opts.asyncOp = False
+    return opts
+
+
+class WaitStampingWork(FakeWork):
+    """Records when it was waited (``waited_ns``)."""
+
+    waited_ns = None
+
+    def wait(self, timeout=None) -> bool:
+        self.waited_ns = time.time_ns()
+        return True
+
+
+class WaitStampingInner(FakeInner):
+    def _work(self, cls=FakeWork):
+        return super()._work(WaitStampingWork)
+
+
+BLOCKING_CASES = [
+    ("allreduce", lambda pg: pg.allreduce([torch.ones(4)], _blocking(c10d.AllreduceOptions)),
+     ("allreduce", 16, "float32")),
+    ("broadcast", lambda pg: pg.broadcast([torch.ones(3, dtype=torch.float64)],
+                                          _blocking(c10d.BroadcastOptions)),
+     ("broadcast", 24, "float64")),
+    ("coalesced", lambda pg: pg.allreduce_coalesced([torch.ones(4), torch.ones(6)],
+                                                    _blocking(c10d.AllreduceCoalescedOptions)),
+     ("allreduce", 40, "float32")),
+    ("allgather", lambda pg: pg._allgather_base(torch.ones(8, dtype=torch.bfloat16),
+                                                torch.ones(4, dtype=torch.bfloat16), _blocking(c10d.AllgatherOptions)),
+     ("allgather", 16, "bfloat16")),
+]
+
+
+@pytest.mark.parametrize("name,issue,fields", BLOCKING_CASES, ids=[c[0] for c in BLOCKING_CASES])
+def test_rows_of_blocking_calls_are_identical_to_those_of_waited_works(name, issue, fields):
+    pg, recorder, writer, _ = _group()
+    pg._inner = inner = WaitStampingInner()
+    for _ in range(3):
+        work = issue(pg)
+        assert work is inner.works[-1] and work.waited_ns is not None   # the backend's own Work, waited by the group
+        work.fut.set_result(None)                   # no done-callback was added: no second row
+    recorder.stop()
+    rows = writer.table("collectives")
+    assert [r["seq"] for r in rows] == [1, 2, 3]
+    for seq, (row, work) in enumerate(zip(rows, inner.works, strict=True), start=1):
+        _check(row, _expected(seq, *fields))
+        assert row["enqueue_ns"] <= work.waited_ns <= row["end_ns"]
+    assert recorder.pending() == [] and recorder.progress()["tp"]["last_completed_seq"] == 3

@@ -8,12 +8,23 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import orjson
 
 from dtprobe.store.schema import EVENTS_FILE, SCHEMAS
 
 _COLUMN_SETS = {table: frozenset(columns) for table, columns in SCHEMAS.items()}
 """Each table's column names, built once: ``write`` checks every row against them."""
+_ROW_TYPES: dict[tuple[str, tuple[str, ...]], type] = {}
+"""``write_values``: per (table, columns), checked once, the struct its tuples are encoded through."""
+_ENCODER = msgspec.json.Encoder()
+
+
+def _row_struct(columns: tuple[str, ...]) -> type:
+    """A struct of ``rank`` and ``columns`` that encodes as the JSON object ``write`` writes for the same dict: keys in
+    this order, values as given; a value not given (a short tuple) is left out, i.e. null to the reader."""
+    fields = [("rank", Any)] + [(c, Any, msgspec.UNSET) for c in columns]
+    return msgspec.defstruct("Row_" + "_".join(columns), fields, omit_defaults=True)
 
 
 class RankWriter:
@@ -61,6 +72,26 @@ class RankWriter:
             if self._closed:
                 return
             self._buffers.setdefault(table, []).append(line)
+            if self._flusher is None and time.monotonic() - self._last_flush >= self.flush_interval_s:
+                self._flush_locked()
+
+    def write_values(self, table: str, columns: tuple[str, ...], rows: list[tuple]) -> None:
+        """Queue rows of ``table`` given as tuples of values named by ``columns`` (a row may stop short: its last
+        columns are then absent, i.e. null). Same lines as ``write`` of each row as a dict; the columns are checked
+        once for the batch."""
+        row_type = _ROW_TYPES.get((table, columns))
+        if row_type is None:
+            known = _COLUMN_SETS.get(table)
+            assert known is not None, f"unknown table {table!r}"
+            assert "rank" not in columns and set(columns) <= known, \
+                f"unknown columns for {table}: {sorted(set(columns) - known)}"
+            row_type = _ROW_TYPES[(table, columns)] = _row_struct(columns)
+        rank = self.rank
+        lines = _ENCODER.encode_lines([row_type(rank, *values) for values in rows])
+        with self._lock:
+            if self._closed:
+                return
+            self._buffers.setdefault(table, []).append(lines)
             if self._flusher is None and time.monotonic() - self._last_flush >= self.flush_interval_s:
                 self._flush_locked()
 

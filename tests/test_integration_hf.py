@@ -58,7 +58,7 @@ WORKER = textwrap.dedent(f"""
 
 def _hf_env(child_env):
     return child_env(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-                     TOKENIZERS_PARALLELISM="false")
+                     HF_HUB_DISABLE_TELEMETRY="1", TOKENIZERS_PARALLELISM="false")
 
 
 @pytest.fixture(scope="module")
@@ -124,27 +124,30 @@ def test_hf_callback_run_is_analyzed_with_tokens_per_second_from_the_recorded_to
         2 * TOKENS_PER_RANK_STEP / (throughput["step_time_ms"] / 1e3), rel=1e-6)
 
 
-def test_hf_callback_leaves_the_loss_absent_and_warns_when_a_log_spans_several_steps(tmp_path, run_python,
-                                                                                    child_env):
+def _train_in_one_process(tmp_path, run_python, child_env, *, logging_steps: int, added_later: bool):
+    """The worker in a plain process (attach makes a 1-rank group): (its stderr, the steps rows in step order)."""
     (tmp_path / "out").mkdir()
-    proc = run_python(WORKER, tmp_path / "run", tmp_path / "out", "2", "0", env=_hf_env(child_env), timeout_s=300)
+    proc = run_python(WORKER, tmp_path / "run", tmp_path / "out", str(logging_steps), str(int(added_later)),
+                      env=_hf_env(child_env), timeout_s=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "Set TrainingArguments(logging_steps=1)" in proc.stderr
     trainer = json.loads((tmp_path / "out" / "trainer.json").read_text())
-    assert [e["step"] for e in trainer["log_history"] if "loss" in e] == [2, 4, 6]
-
+    assert [e["step"] for e in trainer["log_history"] if "loss" in e] == list(range(
+        logging_steps, NUM_STEPS + 1, logging_steps))
     steps = RunStore.open(tmp_path / "run").table("steps").sort_values("step")
     assert steps["step"].tolist() == list(range(NUM_STEPS))
+    return proc.stderr, steps
+
+
+def test_hf_callback_leaves_the_loss_absent_and_warns_when_a_log_spans_several_steps(tmp_path, run_python,
+                                                                                    child_env):
+    stderr, steps = _train_in_one_process(tmp_path, run_python, child_env, logging_steps=2, added_later=False)
+    assert "Set TrainingArguments(logging_steps=1)" in stderr
     assert steps["loss"].isna().all()                # a mean over two steps is no step's loss
     assert steps["lr"].notna().all() and (steps["tokens"] == TOKENS_PER_RANK_STEP).all()
 
 
-
 def test_hf_callback_added_after_the_trainer_was_built_attaches_at_train_begin_and_warns(tmp_path, run_python,
                                                                                          child_env):
-    (tmp_path / "out").mkdir()
-    proc = run_python(WORKER, tmp_path / "run", tmp_path / "out", "1", "1", env=_hf_env(child_env), timeout_s=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "attaches at train begin, after the Trainer wrapped the model" in proc.stderr
-    steps = RunStore.open(tmp_path / "run").table("steps")
-    assert steps["step"].tolist() == list(range(NUM_STEPS)) and steps["loss"].notna().all()
+    stderr, steps = _train_in_one_process(tmp_path, run_python, child_env, logging_steps=1, added_later=True)
+    assert "attaches at train begin, after the Trainer wrapped the model" in stderr
+    assert steps["loss"].notna().all() and (steps["tokens"] == TOKENS_PER_RANK_STEP).all()

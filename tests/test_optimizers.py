@@ -139,3 +139,18 @@ def test_optimizer_state_round_trips_through_a_dcp_checkpoint(tmp_path, name, lr
     step(saved, 2)
     step(fresh, 2)
     assert all(torch.equal(a, b) for a, b in zip(saved.model.parameters(), fresh.model.parameters()))
+
+
+@pytest.mark.parametrize("cls", [LAMB, LARS])
+def test_step_with_a_closure_returns_its_loss_and_uses_the_gradients_it_makes(cls):
+    w = nn.Parameter(torch.tensor([[3.0, 4.0]]))
+    opt = cls([w], lr=0.1)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = (w ** 2).sum()
+        loss.backward()
+        return loss
+
+    assert float(opt.step(closure).detach()) == 25.0
+    assert float(w.detach().norm()) < 5.0       # stepped along the closure's gradient 2w, towards 0

@@ -46,10 +46,7 @@ class LAMB(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             params, weights, updates = [], [], []
@@ -101,10 +98,7 @@ class LARS(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         for group in self.param_groups:
             wd = group["weight_decay"]
             params, weights, grads = [], [], []
@@ -158,6 +152,14 @@ def whole_norms(params: list[torch.Tensor], tensors: list[list[torch.Tensor]]) -
                 dist.all_reduce(part, group=mesh.get_group(dim))
             squares.index_copy_(0, index, part)
     return list(squares.sqrt().unbind(1))
+
+
+def _closure_loss(closure: Callable[[], Any] | None) -> Any:
+    """``closure()`` with gradients enabled (``Optimizer.step``'s contract: it re-evaluates the loss), or None."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
 
 
 def _local(t: torch.Tensor, *, like: torch.Tensor | None = None) -> torch.Tensor:

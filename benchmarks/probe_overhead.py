@@ -135,21 +135,21 @@ def bound_thread_cpu(run_dir: Path, *, interval_s: float, seconds: float = 3.0, 
     clocks = [time.pthread_getcpuclockid(t.ident) for t in threads if isinstance(t, threading.Thread)]
     cpu0 = [time.clock_gettime(c) for c in clocks]
     t0 = time.monotonic()
-    held: list[tuple[float, int, dict]] = []
+    held: list[tuple[float, int, tuple]] = []
     n = 0
     while (now := time.monotonic()) - t0 < seconds:
         n += 1
-        row = {"pg": "world", "pg_ranks": "0,1", "pg_size": 2, "seq": n, "op": "allreduce", "num_bytes": 4096,
-               "dtype": "float32", "step": n // 50, "timing": "host", "enqueue_ns": time.time_ns(), "restart": 0}
+        # A gloo collective's row as the recording group makes it: a tuple of ROW_COLUMNS, end_ns appended.
+        row = ("world", "0,1", 2, n, "allreduce", 4096, "float32", n // 50, "host", time.time_ns(), 0)
         key = recorder.track(row)
         if n % 50 == 0:
             held.append((now + 0.3, key, row))
         elif recorder.untrack(key):
-            recorder.emit({**row, "end_ns": time.time_ns()})
+            recorder.emit(row + (time.time_ns(),))
         while held and held[0][0] <= now:
             _, key, row = held.pop(0)
             if recorder.untrack(key):
-                recorder.emit({**row, "end_ns": time.time_ns()})
+                recorder.emit(row + (time.time_ns(),))
         if n % (rate_per_s // 10) == 0:
             writer.write("steps", {"step": n, "start_ns": time.time_ns(), "end_ns": time.time_ns()})
         time.sleep(max(0.0, t0 + n / rate_per_s - time.monotonic()))

@@ -7,16 +7,16 @@ all-gather/reduce-scatter, DTensor collectives and pipeline send/recv.
 
 Completion (``end_ns``), gloo: when the work completes. Blocking calls (torch's API with ``async_op=False``, which
 waits on the work as soon as it is returned) are waited by the group itself and stamped when that wait returns, on
-the caller's thread; the caller gets the completed backend Work, and the row is a tuple (``ROW_COLUMNS``) that the
-drain thread encodes in batches. Otherwise, works whose callers wait on them before they complete
-(``async_op=True`` then ``wait()``, DTensor and FSDP waits) are wrapped and stamped when the caller's ``wait()``
-returns, on the caller's thread; works whose futures are taken (DDP's C++ reducer) stay the backend's own Work with a
-done-callback, run by the gloo thread that finished it (a Python Work handed to the reducer costs GIL round
-trips on every ``getFuture`` and destruction); ``_WaitHabit`` picks between the two per (group, op) and goes
-back to the callback for callers that wait late. Works without a future (gloo send/recv, reduce-scatter) are
-wrapped and timed when ``wait()`` returns. On the caller's thread a collective costs the Python pass-through,
-a row (a tuple on the blocking path, else a dict) and a queue append; ``benchmarks/probe_overhead.py`` measures it
-per collective against plain gloo.
+the caller's thread; the caller gets the completed backend Work. Otherwise, works whose callers wait on them
+before they complete (``async_op=True`` then ``wait()``, DTensor and FSDP waits) are wrapped and stamped when the
+caller's ``wait()`` returns, on the caller's thread; works whose futures are taken (DDP's C++ reducer) stay the
+backend's own Work with a done-callback, run by the gloo thread that finished it (a Python Work handed to the
+reducer costs GIL round trips on every ``getFuture`` and destruction); ``_WaitHabit`` picks between the two per
+(group, op) and goes back to the callback for callers that wait late. Works without a future (gloo send/recv,
+reduce-scatter) are wrapped and timed when ``wait()`` returns. A gloo collective's row is a tuple
+(``ROW_COLUMNS``; send/recv and NCCL rows are dicts), encoded by the drain thread in batches. On the caller's
+thread a collective costs the Python pass-through, the row and a queue append; ``benchmarks/probe_overhead.py``
+measures it per collective against plain gloo.
 
 On NCCL ``wait()`` does not block the host: NCCL rows are issued and timed on the device by
 ``collectors.nccl`` (arrival event, NCCL's own start/end, ``timing="cuda_event"``). Rows are written once
@@ -51,9 +51,9 @@ WORLD_GROUP = "world"
 _PENDING_COLUMNS = tuple(c for c in SCHEMAS["pending"] if c != "rank")
 ROW_COLUMNS = ("pg", "pg_ranks", "pg_size", "seq", "op", "num_bytes", "dtype", "step", "timing", "enqueue_ns",
                "restart", "end_ns")
-"""Columns of a row kept as a tuple (the blocking-call path of a gloo group), in order; an in-flight row lacks the
-last (``end_ns``). Rows kept as dicts have these keys in this order, with ``peer`` before ``end_ns`` for p2p."""
-_PG, _PG_RANKS, _SEQ, _OP = (ROW_COLUMNS.index(c) for c in ("pg", "pg_ranks", "seq", "op"))
+"""Columns of a row kept as a tuple (a gloo collective, not send/recv), in order; an in-flight row lacks the last
+(``end_ns``). Rows kept as dicts (p2p, NCCL) have these keys in this order, with ``peer`` before ``end_ns``."""
+_PG, _SEQ, _OP = (ROW_COLUMNS.index(c) for c in ("pg", "seq", "op"))
 assert set(ROW_COLUMNS) <= set(SCHEMAS["collectives"])
 
 
@@ -96,9 +96,9 @@ class CollectiveRecorder:
         self.restart = 0
         """torchrun restart count of this worker (``TORCHELASTIC_RESTART_COUNT``), copied into every row."""
         self._paused = _PausedFlag()
-        self._in_flight: dict[int, dict[str, Any]] = {}
+        self._in_flight: dict[int, dict[str, Any] | tuple] = {}
         self._ids = itertools.count()
-        self._progress: dict[str, dict[str, Any]] = {}   # read by the hang watchdog: see progress()
+        self._progress: dict[str, _GroupProgress] = {}   # read by the hang watchdog: see progress()
         self._queue: collections.deque = collections.deque()
         self._drain_lock = threading.Lock()
         self._stop_drain = threading.Event()
@@ -212,16 +212,17 @@ class CollectiveRecorder:
         key for ``untrack``."""
         key = next(self._ids)              # next() and dict set/pop are atomic under the GIL: no lock
         self._in_flight[key] = row
-        if type(row) is tuple:             # collectives only (p2p rows are dicts)
-            p = self._progress.get(row[_PG])
-            if p is None:
-                p = self._progress.setdefault(row[_PG], _GroupProgress(row[_PG_RANKS], row))
-            p.issued = row
-        elif "peer" not in row:            # progress per group: collectives only (p2p has its own numbering)
-            p = self._progress.get(row["pg"])
-            if p is None:
-                p = self._progress.setdefault(row["pg"], _GroupProgress(row["pg_ranks"], row))
-            p.issued = row
+        # Progress per group: collectives only (p2p rows, always dicts, have their own numbering).
+        if type(row) is tuple:
+            pg = row[_PG]
+        elif "peer" not in row:
+            pg = row["pg"]
+        else:
+            return key
+        p = self._progress.get(pg)
+        if p is None:
+            p = self._progress.setdefault(pg, _GroupProgress(row_dict(row)["pg_ranks"], row))
+        p.issued = row
         return key
 
     def untrack(self, key: int) -> bool:
@@ -230,13 +231,14 @@ class CollectiveRecorder:
         if row is None:
             return False
         if type(row) is tuple:
-            p = self._progress.get(row[_PG])
-            if p is not None and row[_SEQ] > p.completed_seq:
-                p.completed_seq, p.completed_op = row[_SEQ], row[_OP]
+            pg, seq, op = row[_PG], row[_SEQ], row[_OP]
         elif "peer" not in row:
-            p = self._progress.get(row["pg"])
-            if p is not None and row["seq"] > p.completed_seq:
-                p.completed_seq, p.completed_op = row["seq"], row["op"]
+            pg, seq, op = row["pg"], row["seq"], row["op"]
+        else:
+            return True
+        p = self._progress.get(pg)
+        if p is not None and seq > p.completed_seq:
+            p.completed_seq, p.completed_op = seq, op
         return True
 
     def progress(self) -> dict[str, dict[str, Any]]:

@@ -68,12 +68,7 @@ class RankWriter:
             line = orjson.dumps({"rank": self.rank, **row}) + b"\n"
         else:
             line = self._rank_prefix + orjson.dumps(row)[1:] + b"\n"
-        with self._lock:
-            if self._closed:
-                return
-            self._buffers.setdefault(table, []).append(line)
-            if self._flusher is None and time.monotonic() - self._last_flush >= self.flush_interval_s:
-                self._flush_locked()
+        self._queue_lines(table, line)
 
     def write_values(self, table: str, columns: tuple[str, ...], rows: list[tuple]) -> None:
         """Queue rows of ``table`` given as tuples of values named by ``columns`` (a row may stop short: its last
@@ -87,7 +82,10 @@ class RankWriter:
                 f"unknown columns for {table}: {sorted(set(columns) - known)}"
             row_type = _ROW_TYPES[(table, columns)] = _row_struct(columns)
         rank = self.rank
-        lines = _ENCODER.encode_lines([row_type(rank, *values) for values in rows])
+        self._queue_lines(table, _ENCODER.encode_lines([row_type(rank, *values) for values in rows]))
+
+    def _queue_lines(self, table: str, lines: bytes) -> None:
+        """Buffer whole lines of ``table`` (dropped once closed); without the background flusher, flush when due."""
         with self._lock:
             if self._closed:
                 return

@@ -285,10 +285,11 @@ def _record_initialized_groups(*, nccl_timing: bool) -> None:
 
     A gloo or NCCL default group gets a recording group around it, registered in its place
     (``torch_internals.replace_default_group``): calls without ``group=`` (DDP, FSDP2, a DeviceMesh axis over all
-    ranks) and ``new_group``/``init_device_mesh`` without a backend (on ``dtprobe_gloo``/``dtprobe_nccl`` from now
-    on) are recorded. Groups created before (and objects holding the old default group, e.g. a DDP built before)
-    are not: one warning names them with the fix. Other default backends (a mixed ``"cpu:gloo,cuda:nccl"``, MPI)
-    are left alone, with a warning.
+    ranks) are recorded; groups created later on gloo or nccl (``new_group``, DeviceMesh axes) are made on
+    ``dtprobe_gloo``/``dtprobe_nccl`` (``torch_internals.record_new_groups``). Every group keeps the backend name
+    it was asked for, so ``dist.get_backend()`` still says "gloo" or "nccl". Groups created before (and objects
+    holding the old default group, e.g. a DDP built before) are not recorded: one warning names them with the fix.
+    Other default backends (a mixed ``"cpu:gloo,cuda:nccl"``, MPI) are left alone, with a warning.
     """
     fix = ("Call dtprobe.attach() right after init_process_group and before creating them (DDP, FSDP2, "
            "DeviceMesh, new_group), or run the script unchanged with `dtprobe launch`.")
@@ -309,13 +310,19 @@ def _record_initialized_groups(*, nccl_timing: bool) -> None:
                 wrapper.enable_completion_timing(clock=DeviceClock(device=torch.cuda.current_device()))
             else:
                 wrapper.set_nccl_timing(NcclCompletionPoller(RECORDER))
-        torch_internals.replace_default_group(wrapper, backend_name=wrapper.getBackendName())
+        torch_internals.replace_default_group(wrapper)
+        torch_internals.record_new_groups(_recording_backend)
     unrecorded = [(name, desc, ranks) for pg, name, desc, ranks in torch_internals.registered_groups()
                   if pg is not old and not isinstance(pg, RecordingProcessGroup)]
     if unrecorded:
         listed = ", ".join(f"{name!r} ({desc or 'no description'}, ranks {ranks})" for name, desc, ranks in unrecorded)
         warnings.warn(f"dtprobe.attach: {len(unrecorded)} process group(s) created before attach are NOT recorded: "
                       f"{listed}. {fix}", stacklevel=3)
+
+
+def _recording_backend(name: str) -> str | None:
+    """The recording backend of groups asked for on ``name`` after attach-after-init (gloo, nccl), else None."""
+    return {"gloo": GLOO_BACKEND, "nccl": NCCL_BACKEND}.get(name.lower())
 
 
 def _destroy_default_group() -> None:

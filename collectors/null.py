@@ -42,6 +42,9 @@ class NullProbe:
     def record(self, table: str, row: dict[str, Any]) -> None:
         pass
 
+    def discard_step(self, ctx: Any) -> None:
+        pass
+
     def new_group(self, ranks: Sequence[int] | None = None, *, name: str, **kwargs: Any) -> Any:
         return dist.new_group(list(ranks) if ranks is not None else None, **kwargs)
 

@@ -111,35 +111,32 @@ def registered_groups() -> list[tuple[Any, str, str, list[int]]]:
             for pg, name in list(world.pg_names.items())]
 
 
-def replace_default_group(wrapper: Any, *, backend_name: str) -> Any:
+def replace_default_group(wrapper: Any) -> Any:
     """Make ``wrapper`` (a ``ProcessGroup`` forwarding to the current default group) the default group everywhere
-    torch looks for it, and ``backend_name`` the backend of groups created later without one; returns the old group.
+    torch looks for it; returns the old group.
 
     - ``_world.default_pg`` (``_update_default_pg``): ``_get_default_group()``, ``dist.group.WORLD`` and every
       call without ``group=`` (DDP, FSDP2's and DeviceMesh's default group) get ``wrapper``.
-    - ``pg_map[wrapper] = (backend_name, store)``: ``new_group`` without ``backend`` takes the default group's
-      ``pg_map`` backend, and DeviceMesh creates its axis groups with ``new_group(backend=None)`` (or reuses the
-      default group for an axis over all ranks), so groups and meshes created later are on ``backend_name``.
-    - ``pg_names``, ``pg_group_ranks``, ``pg_backend_config``, the tags (``wrapper`` listed before the old group,
-      so a search by ranks finds it first) and the C++ name registry (``_unregister_process_group`` then
-      ``_register_process_group``): a DeviceMesh or DTensor holding the default group's name resolves to
-      ``wrapper``, even one built before this call.
+    - ``pg_map``, ``pg_names``, ``pg_group_ranks``, ``pg_backend_config`` copied from the old group: ``wrapper``
+      keeps its backend name, so ``dist.get_backend()`` still says ``"gloo"``/``"nccl"`` (Lightning, DeviceMesh and
+      others branch on it) and ``new_group`` without a backend asks for the same one (see ``record_new_groups``).
+    - the tags (``wrapper`` listed before the old group, so a search by ranks finds it first) and the C++ name
+      registry (``_unregister_process_group`` then ``_register_process_group``): a DeviceMesh or DTensor holding
+      the default group's name resolves to ``wrapper``, even one built before this call.
 
-    The old group stays registered (``pg_map`` etc.), so objects holding it (a DDP built before) keep working,
-    unrecorded. ``destroy_process_group()`` then shuts it down twice (directly and through ``wrapper``), which
-    gloo and NCCL accept.
+    The old group stays registered, so objects holding it (a DDP built before) keep working, unrecorded.
+    ``destroy_process_group()`` then shuts it down twice (directly and through ``wrapper``), which gloo accepts.
     """
     c10d = dist.distributed_c10d
     world = c10d._world
     old = c10d._get_default_group()
-    _, store = world.pg_map[old]
     name = world.pg_names[old]
     wrapper._set_group_name(name)
     wrapper._set_group_desc(old.group_desc)
-    world.pg_map[wrapper] = (backend_name, store)
+    world.pg_map[wrapper] = world.pg_map[old]
     world.pg_names[wrapper] = name
     world.pg_group_ranks[wrapper] = dict(world.pg_group_ranks[old])
-    world.pg_backend_config[wrapper] = str(c10d.BackendConfig(dist.Backend(backend_name)))
+    world.pg_backend_config[wrapper] = world.pg_backend_config[old]
     tag = world.pg_to_tag.get(old)
     if tag is not None:
         world.pg_to_tag[wrapper] = tag
@@ -150,6 +147,41 @@ def replace_default_group(wrapper: Any, *, backend_name: str) -> Any:
     c10d._register_process_group(name, wrapper)
     c10d._update_default_pg(wrapper)
     return old
+
+
+def record_new_groups(recording_backend: Callable[[str], str | None]) -> None:
+    """Create later groups asked for on a backend ``recording_backend(name)`` maps (``"gloo"`` -> ``"dtprobe_gloo"``)
+    on the mapped backend instead, registered under the name asked for. Idempotent (the first mapping stays).
+
+    Every group torch creates (``new_group``, ``new_subgroups``, DeviceMesh axes, ``init_process_group``) goes through
+    ``distributed_c10d._new_process_group_helper(size, rank, ranks, backend, store, name, ...)``, which registers
+    the group under ``backend`` (``pg_map``, ``pg_backend_config``). The replacement calls it with the mapped
+    backend, then writes the requested name back, so ``dist.get_backend(group)`` is what the caller asked for
+    while the group itself records. Names the mapping returns None for (mixed ``"cpu:gloo,cuda:nccl"``, MPI,
+    other plugins) are created as asked.
+    """
+    c10d = dist.distributed_c10d
+    original = c10d._new_process_group_helper
+    if getattr(original, "_dtprobe_recording", False):
+        return
+
+    @functools.wraps(original)
+    def _new_process_group_helper(group_size: int, group_rank: int, global_ranks_in_group: Any, backend: Any,
+                                  store: Any, group_name: Any, *args: Any, **kwargs: Any) -> Any:
+        mapped = recording_backend(str(backend))
+        if mapped is None:
+            return original(group_size, group_rank, global_ranks_in_group, backend, store, group_name, *args,
+                            **kwargs)
+        pg, prefix_store = original(group_size, group_rank, global_ranks_in_group, dist.Backend(mapped), store,
+                                    group_name, *args, **kwargs)
+        world = c10d._world
+        if pg in world.pg_map:          # a member: registered under the recording backend, renamed back
+            world.pg_map[pg] = (backend, world.pg_map[pg][1])
+            world.pg_backend_config[pg] = str(c10d.BackendConfig(backend))
+        return pg, prefix_store
+
+    _new_process_group_helper._dtprobe_recording = True   # type: ignore[attr-defined]
+    c10d._new_process_group_helper = _new_process_group_helper
 
 
 def resolve_group(name: str) -> Any:

@@ -48,22 +48,26 @@ def test_replace_default_group_makes_the_wrapper_the_default_everywhere_and_keep
         old = ti.default_group()
         name = old.group_name
         wrapper = RecordingProcessGroup(old, 0, 1, backend_name=GLOO_BACKEND)
-        assert ti.replace_default_group(wrapper, backend_name=GLOO_BACKEND) is old
+        assert ti.replace_default_group(wrapper) is old
+        ti.record_new_groups({"gloo": GLOO_BACKEND}.get)
         assert ti.default_group() is wrapper and dist.group.WORLD is wrapper
         assert wrapper.group_name == name and wrapper.group_desc == "default_pg"
         assert ti.resolve_group(name) is wrapper                 # functional collectives and meshes find it
-        assert dist.get_backend() == GLOO_BACKEND and dist.get_process_group_ranks(wrapper) == [0]
-        assert ti.group_device_backends(wrapper) == {"cpu": "dtprobe_gloo"}
+        assert dist.get_backend() == "gloo" and dist.get_process_group_ranks(wrapper) == [0]   # as frameworks expect
+        assert ti.group_device_backends(wrapper) == {"cpu": "gloo", "cuda": "gloo"}
         assert dist.get_rank(old) == 0 and dist.get_world_size(old) == 1   # objects holding it keep working
         tag = dist.distributed_c10d._world.pg_to_tag[old]
         pgs = dist.distributed_c10d._world.tags_to_pg[tag]
         assert pgs.index(wrapper) < pgs.index(old)
 
-        # groups and meshes made later without a backend come from the recording backend
-        later = dist.new_group([0])
-        assert isinstance(later, RecordingProcessGroup) and dist.get_backend(later) == GLOO_BACKEND
+        # groups made later on gloo, with or without naming it, are recording groups registered as gloo
+        for later in (dist.new_group([0]), dist.new_group([0], backend="gloo")):
+            assert isinstance(later, RecordingProcessGroup) and dist.get_backend(later) == "gloo"
+            assert ti.group_device_backends(later) == {"cpu": "gloo", "cuda": "gloo"}
         mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
         assert mesh.get_group("dp") is wrapper                   # an axis over all ranks reuses the default group
+        ti.record_new_groups(lambda name: None)                  # idempotent: the first mapping stays
+        assert isinstance(dist.new_group([0]), RecordingProcessGroup)
 
         class Sink:
             rows = []

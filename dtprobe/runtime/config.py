@@ -90,7 +90,8 @@ class TrainConfig:
         if not self.lr > 0:
             raise ConfigError(f"train.lr = {self.lr}; it must be > 0 (e.g. 1e-3).")
         if self.optimizer not in OPTIMIZERS:
-            raise ConfigError(f"train.optimizer = {self.optimizer!r}; use --optimizer with one of {list(OPTIMIZERS)}.")
+            raise ConfigError(f"train.optimizer = {self.optimizer!r}; use --optimizer with one of "
+                              f"{list(OPTIMIZERS)}.")
         if self.lr_scaling not in LR_SCALINGS:
             raise ConfigError(f"train.lr_scaling = {self.lr_scaling!r}; use 'linear' or 'none'.")
         if self.warmup < 0 or self.clip < 0 or self.weight_decay < 0:

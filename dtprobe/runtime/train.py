@@ -114,6 +114,7 @@ def log_start(ctx: TrainContext) -> None:
     print(f"[dtprobe] {time.strftime('%H:%M:%S')} model {job.model.name} ({shape.num_params / 1e6:.2f}M params, "
           f"{grad_bytes / 2**20:.2f} MiB of gradients on this rank), layout dp={ctx.layout.dp} tp={ctx.layout.tp} "
           f"pp={ctx.layout.pp} zero={ctx.layout.zero}, global batch {job.train.global_batch(parts.dp_size)} seq x "
-          f"{job.train.seq_len} tok, {job.train.optimizer} peak lr {ctx.peak_lr:.3g} ({rule}), warmup {job.train.warmup}, "
-          f"clip {job.train.clip}, bucket {job.train.bucket_mb} MiB, data {job.train.data}, device {ctx.device}",
+          f"{job.train.seq_len} tok, {job.train.optimizer} peak lr {ctx.peak_lr:.3g} ({rule}), warmup "
+          f"{job.train.warmup}, clip {job.train.clip}, bucket {job.train.bucket_mb} MiB, data {job.train.data}, "
+          f"device {ctx.device}",
           flush=True)

@@ -30,6 +30,11 @@ clocks do not count time spent waiting for a core, so this figure holds on a loa
    `--small-collectives` (200) blocking all_reduce of 1 KiB, the pattern of tensor-parallel and FSDP steps.
 5. the same with each all_reduce issued with `async_op=True` and waited at once (`small_async`): how DTensor and
    FSDP use their works, recorded through the group's Python Work wrapper instead of the blocking-call path.
+6. launch / torchrun (`launch`, not in the default cases): examples/launch/train_ddp.py, an unmodified DDP script
+   (it calls init_process_group itself), under `dtprobe launch` against the same script under plain torchrun; each
+   side's step is its training loop's wall time (the script's `--report`, rank 0) over its optimizer steps, so
+   start-up, compaction and the findings printed after the run are left out. Goal <= 1.01. The script's model is
+   tiny and its steps short, the worst case for a fixed cost per step: the difference per step is printed too.
 
 Per recorded collective, for the DDP case and the many-small cases: (median step on - median step off) divided by
 the collectives rank 0 recorded per step in the "on" run; for the many-small cases also the same from each rank's
@@ -57,6 +62,10 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parents[1]
 SMALL_SIDES = ("small_on", "small_off", "small_async_on", "small_async_off")
 """Sides run by this file's many-small-collectives worker (they write process CPU per step)."""
+LAUNCH_SIDES = ("launch_on", "launch_plain")
+"""Sides running examples/launch/train_ddp.py under `dtprobe launch` and under plain torchrun."""
+LAUNCH_BATCH = 16
+"""Per-rank batch of the launch sides (the script's default)."""
 RECORDING_SIDES = ("on", "small_on", "small_async_on")
 """Sides that record collectives (their collectives per step divide the cost)."""
 
@@ -70,6 +79,14 @@ def side_command(name: str, out: Path, *, nproc: int, steps: int, flush_baseline
     """The command of one side: "on", "off", "slowflush" (`dtprobe run`), "plain" (benchmarks/plain_ddp.py),
     "small_on", "small_off", "small_async_on" or "small_async_off" (this file's many-small-collectives worker
     under torchrun)."""
+    if name in LAUNCH_SIDES:
+        script = [str(ROOT / "examples" / "launch" / "train_ddp.py"), "--samples", str(steps * LAUNCH_BATCH * nproc),
+                  "--batch-size", str(LAUNCH_BATCH), "--report", str(out / "report.json")]
+        if name == "launch_plain":
+            return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                    *script]
+        return [sys.executable, "-m", "dtprobe.cli", "launch", "--nproc", str(nproc), "--run-dir", str(out / "run"),
+                *script]
     if name == "plain":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                 str(ROOT / "benchmarks" / "plain_ddp.py"), "--steps", str(steps), "--out", str(out)]
@@ -281,12 +298,22 @@ def report_small_async(results: Results, args: argparse.Namespace) -> list[str]:
             *_per_collective_lines("many small async", results, "small_async_on", "small_async_off")]
 
 
+def report_launch(results: Results, args: argparse.Namespace) -> list[str]:
+    """Case 6: an unmodified DDP script under `dtprobe launch` against plain torchrun."""
+    diffs = [(a - b) * 1e6 for a, b in zip(results.medians["launch_on"], results.medians["launch_plain"])]
+    plain_ms = statistics.median(results.medians["launch_plain"]) * 1e3
+    return [_ratio_line("launch/torchrun ratio:    ", results, "launch_on", "launch_plain", "<= 1.01"),
+            f"launch cost per step: {statistics.median(diffs):.0f} us  (per pair: "
+            f"{', '.join(f'{d:.0f}' for d in diffs)}; plain torchrun step {plain_ms:.2f} ms)"]
+
+
 CASES: dict[str, tuple[tuple[str, ...], Callable[[Results, argparse.Namespace], list[str]]]] = {
     "ddp": (("on", "off"), report_ddp),
     "runtime": (("off", "plain"), report_runtime),
     "flush": (("on", "slowflush"), report_flush),
     "small": (("small_on", "small_off"), report_small),
     "small_async": (("small_async_on", "small_async_off"), report_small_async),
+    "launch": (("launch_on", "launch_plain"), report_launch),
 }
 """Each case: the sides it compares (run alternated with every other selected case's sides) and its report."""
 DEFAULT_CASES = ("ddp", "runtime", "small", "small_async")
@@ -305,12 +332,19 @@ def run_cases(cases: list[str], args: argparse.Namespace) -> Results:
         for i in range(args.pairs):
             order = names[i % len(names):] + names[:i % len(names)]       # rotate who starts first
             outs = {name: tmp_path / (f"{name}{i}.json" if name == "plain" else f"{name}{i}") for name in order}
+            for name in order:
+                if name in LAUNCH_SIDES:
+                    outs[name].mkdir()
             commands = {name: side_command(name, outs[name], nproc=args.nproc, steps=args.steps,
                                            flush_baseline=args.flush_baseline, num_small=args.small_collectives)
                         for name in order}
             run_sides(commands, tmp_path / f"logs{i}", concurrent=args.concurrent)
             for name in names:
-                results.medians[name].append(median_after(side_step_times(name, outs[name]), args.skip))
+                if name in LAUNCH_SIDES:      # the loop's mean step: the script times its loop, not each step
+                    report = json.loads((outs[name] / "report.json").read_text())
+                    results.medians[name].append(report["loop_s"] / report["optimizer_steps"])
+                else:
+                    results.medians[name].append(median_after(side_step_times(name, outs[name]), args.skip))
                 print(f"pair {i + 1}/{args.pairs} {name:>15}: median step {results.medians[name][-1] * 1e3:7.2f} ms",
                       flush=True)
             for name in results.per_step:

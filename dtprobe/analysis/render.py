@@ -62,7 +62,7 @@ def summary_facts(report: dict[str, Any]) -> list[str]:
 def clock_fact(m: dict[str, Any]) -> str:
     """One line on how a trace folder's clocks were aligned: from how many collectives, the largest offset and
     residual, who starts last most often; or why they were not."""
-    how = m["run"].get("clock_alignment") or ""
+    how = m["run"].get("clock_aligned") or ""
     match = m["collective_matching"]
     if how != "device_collectives":
         return f"clocks: {how}"

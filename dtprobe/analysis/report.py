@@ -86,7 +86,7 @@ def build_metrics(a: MetricsInputs) -> dict[str, Any]:
         "run": {
             "kind": info.kind, "run_id": info.run_id,
             "status": a.status, "world_size": a.world_size, "layout": a.layout() or None,
-            "clock_aligned": info.clock_aligned, "clock_alignment": a.clock_alignment(),
+            "clock_aligned": a.clock_alignment(),
             "arrival_clock": a.arrival_clock(),
             **run_events(a),
         },

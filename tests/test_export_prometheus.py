@@ -158,7 +158,7 @@ def test_serve_metrics_scraped_while_a_run_runs_moves_and_matches_the_store(tmp_
     server = start_server(start_python, root, port)
     assert scrape(port) == []                                  # no run yet
     cmd = [sys.executable, "-m", "dtprobe.cli", "run", "--run-dir", str(run_dir), "--no-devices", "--timeout", "60",
-           "--batch-size", "2", "--seq-len", "16", "--nproc", "2", "--steps", "40"]
+           "--batch-size", "2", "--seq-len", "16", "--nproc", "2", "--steps", "400"]
     with background_run(cmd, env=child_env()) as proc:
         def last_steps() -> dict[tuple, float]:
             return of(scrape(port), "dtprobe_last_step", run="live")

@@ -48,17 +48,14 @@ import orjson
 import torch
 import torch.distributed as dist
 
-from dtprobe.collectors import sigterm, torch_internals
+from dtprobe.collectors import nccl, sigterm, torch_internals, training
 from dtprobe.collectors.clock import measure_clock_offset
 from dtprobe.collectors.config import CollectConfig
+from dtprobe.collectors.cuda_clock import clock_for
 from dtprobe.collectors.devices import DeviceSampler
-from dtprobe.collectors.cuda_clock import DeviceClock
 from dtprobe.collectors.kernels import ProfilerWindow
-from dtprobe.collectors.nccl import NcclCompletionPoller
 from dtprobe.collectors.null import NullProbe
 from dtprobe.collectors.pg_wrapper import GLOO_BACKEND, NCCL_BACKEND, RECORDER, RecordingProcessGroup, register_backends
-from dtprobe.collectors import training
-from dtprobe.collectors.cuda_clock import clock_for
 from dtprobe.collectors.training import StepContext
 from dtprobe.store import manifest as store_manifest
 from dtprobe.store.errors import ConfigError
@@ -305,11 +302,8 @@ def _record_initialized_groups(*, nccl_timing: bool) -> None:
         on_nccl = backends == {"nccl"}
         wrapper = RecordingProcessGroup(old, old.rank(), old.size(), backend_name=NCCL_BACKEND if on_nccl
                                         else GLOO_BACKEND, device_timing=on_nccl)
-        if on_nccl:     # as collectors.nccl.make_nccl does for a group it builds
-            if nccl_timing:
-                wrapper.enable_completion_timing(clock=DeviceClock(device=torch.cuda.current_device()))
-            else:
-                wrapper.set_nccl_timing(NcclCompletionPoller(RECORDER))
+        if on_nccl:
+            nccl.time_rows(wrapper, RECORDER, device_timing=nccl_timing)
         torch_internals.replace_default_group(wrapper)
         torch_internals.record_new_groups(_recording_backend)
     unrecorded = [(name, desc, ranks) for pg, name, desc, ranks in torch_internals.registered_groups()

@@ -325,8 +325,14 @@ def make_nccl(opts: Any, backend_options: Any = None, *, wrap: Callable[..., Any
     inner._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, backend)
     inner._set_default_backend(dist.ProcessGroup.BackendType.NCCL)
     pg = wrap(inner, rank, size)
-    if recorder.nccl_timing:
+    time_rows(pg, recorder, device_timing=recorder.nccl_timing)
+    return pg
+
+
+def time_rows(pg: Any, recorder: Any, *, device_timing: bool) -> None:
+    """How a recording NCCL group times its rows: NCCL's own timing and completion hook, resolved on this rank's
+    device clock (``clock_for``: the one clock steps share), or, with ``device_timing`` off, completions polled."""
+    if device_timing:
         pg.enable_completion_timing(clock=clock_for(torch.cuda.current_device()))
     else:
         pg.set_nccl_timing(NcclCompletionPoller(recorder))
-    return pg

@@ -625,10 +625,16 @@ class RecordingProcessGroup(dist.ProcessGroup):
                peer: int | None = None, waits_now: bool = False) -> dist.Work:
         recorder = self._recorder            # callers checked recorder.active
         pg, ranks = self._pg_fields()
-        row: dict[str, Any] | tuple
-        if peer is None and not self._device_timing:     # a gloo collective: a tuple row (see ROW_COLUMNS)
-            row = (pg, ranks, self._size, next(self._seq), op, int(num_bytes), dtype, recorder.step, "host",
-                   time.time_ns(), recorder.restart)
+        if peer is None:
+            seq = next(self._seq)
+        else:
+            counter = self._p2p_seq.get((peer, op))
+            if counter is None:
+                counter = self._p2p_seq.setdefault((peer, op), itertools.count(1))
+            seq = next(counter)
+        row: dict[str, Any] | tuple = (pg, ranks, self._size, seq, op, int(num_bytes), dtype, recorder.step, "host",
+                                       time.time_ns(), recorder.restart)        # ROW_COLUMNS but end_ns
+        if peer is None and not self._device_timing:     # a gloo collective: the row stays a tuple
             if waits_now and recorder.timing != "enqueue":
                 # torch's blocking API (async_op=False) waits on the work as soon as it is returned: wait here, on
                 # the caller's thread, stamp the end and hand back the completed backend Work (its wait() returns
@@ -639,21 +645,10 @@ class RecordingProcessGroup(dist.ProcessGroup):
                     work.wait()            # raises if the collective failed: the row stays in flight
                 end_ns = time.time_ns()
                 if recorder.untrack(key):  # else already written at close, without an end
-                    recorder.emit(row + (end_ns,))
+                    recorder.emit(_ended(row, end_ns))
                 return work
-        else:
-            if peer is None:
-                seq = next(self._seq)
-            else:
-                counter = self._p2p_seq.get((peer, op))
-                if counter is None:
-                    counter = self._p2p_seq.setdefault((peer, op), itertools.count(1))
-                seq = next(counter)
-            row = {
-                "pg": pg, "pg_ranks": ranks, "pg_size": self._size, "seq": seq, "op": op,
-                "num_bytes": int(num_bytes), "dtype": dtype, "step": recorder.step, "timing": "host",
-                "enqueue_ns": time.time_ns(), "restart": recorder.restart,
-            }
+        else:                                            # p2p and NCCL rows are dicts, with ``peer`` for p2p
+            row = row_dict(row)
             if peer is not None:
                 row["peer"] = peer
             if self._device_timing:            # NCCL: timed on the device by collectors/nccl.py

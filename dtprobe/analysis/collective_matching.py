@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from dtprobe.analysis.clocks import DEVICE_TIMING
 from dtprobe.analysis.tables import group_members
 from dtprobe.store.columns import require_columns
 
@@ -25,9 +26,6 @@ MATCH_INPUT_COLUMNS = ("rank", "pg", "pg_ranks", "seq", "op", "num_bytes", "star
 SAME_SIZE_OPS = frozenset({"allreduce", "allgather", "reduce_scatter", "broadcast", "reduce", "barrier"})
 """Ops whose logical size is the same on every member; all-to-all may split unevenly, so its size is not
 compared."""
-
-DEVICE_TIMING = "cuda_event"
-"""``collectives.timing`` of rows timed on the device (NCCL kernels of a trace, CUDA events of a run)."""
 
 MATCHED_COLUMNS = ["coll_id", "pg", "pg_ranks", "group_size", "key", "step", "op", "num_bytes", "rank",
                    "start_ns", "end_ns", "status"]

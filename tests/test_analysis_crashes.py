@@ -85,6 +85,25 @@ def test_a_killed_rank_whose_exit_status_torchrun_never_reported_is_still_the_cr
     assert (f.ranks, f.severity, f.evidence["cause"]) == ((1,), "critical", "killed_by_signal")
 
 
+@pytest.mark.parametrize("attempts", [True, False], ids=["torchrun-named-the-survivor", "plain-torchrun"])
+def test_a_survivor_that_raised_on_the_dead_peer_is_not_the_culprit_even_when_torchrun_names_it(tmp_path, attempts):
+    # rank 1 is SIGKILLed at 330 ms and never closes; rank 0 raises on the lost connection and closes crashed
+    # ("exception") at 400 ms, then torchrun's SIGTERM ends it before its error file is written. torchrun ranks
+    # failures by whole seconds (an error file's second before a signal's discovery), so its log can name rank 0
+    # first: rank 0 was still running after rank 1's last row, so rank 1 died first
+    rows, att, faults = _killed_rank1_at_step3(restart=False, attempts=True)
+    rows["lifecycle"] = [x for x in rows["lifecycle"] if not (x["rank"] == 0 and x["event"] == "close")]
+    rows["lifecycle"].append({"rank": 0, "restart": 0, "time_ns": T0 + 400 * MS, "event": "close",
+                              "status": "crashed", "reason": "exception", "pid": 100})
+    att[0]["ranks"][0]["first_failure"] = False            # rank 1's entry
+    att[0]["ranks"][1]["first_failure"] = True             # rank 0's: SIGTERM, named first by torchrun
+    a = RunAnalysis.open(write_rows_run(tmp_path / "run", rows, world_size=2, status="crashed",
+                                        attempts=att if attempts else None, faults=faults))
+    [f] = _codes(a, "RANK_CRASH")
+    assert (f.ranks, f.severity, f.evidence["cause"], f.evidence["also_lost"]) == (
+        (1,), "critical", "killed_by_signal", [0])
+
+
 def test_a_recovered_crash_is_a_warning_with_steps_lost_and_time_to_recover(tmp_path):
     rows, att, faults = _killed_rank1_at_step3(restart=True, attempts=True)
     a = RunAnalysis.open(write_rows_run(tmp_path / "run", rows, world_size=2, status="finished", attempts=att,

@@ -149,6 +149,7 @@ def _failed_attempts(exits: pd.DataFrame, *, activity: Activity, restarts: list[
                     first = min(firsts, key=lambda r: (r.get("exit_ns") or 0, r["rank"]))
                     if first.get("exit_code") is not None and int(first["exit_code"]) == WATCHDOG_EXIT_CODE:
                         continue                   # the watchdog ended a hang: HANG reports it
+                    first = _silent_before(first, recs, activity) or first
                     lost_ranks = [int(r["rank"]) for r in recs if r.get("exit_code") not in (None, 0)]
                     out.append((restart, lost_ranks, int(first["rank"]), first))
                     continue
@@ -172,6 +173,7 @@ def _failed_attempts(exits: pd.DataFrame, *, activity: Activity, restarts: list[
             else:
                 own = [r for r in lost if r.get("closed")] or lost  # an exception closes first; else the first silent
                 first = min(own, key=lambda r: (activity.last_ns(r["rank"]) or 0, r["rank"]))
+                first = _silent_before(first, lost, activity) or first
             gone = [int(r["rank"]) for r in recs if r.get("closed") is False or r.get("status") == "crashed"]
             out.append((restart, gone, int(first["rank"]), first))
         return out
@@ -185,6 +187,23 @@ def _failed_attempts(exits: pd.DataFrame, *, activity: Activity, restarts: list[
         first = min(ranks, key=lambda r: (activity.last_ns(r, before_ns=t_end) or 0, r))
         out.append((prev, ranks, first, None))
     return out
+
+
+def _silent_before(first: dict, recs: list[dict], activity: Activity) -> dict | None:
+    """A rank of the attempt that went silent (never closed, not stopped by torchrun's SIGTERM) before ``first``
+    closed its probe on an exception: ``first`` was still running after that rank's last row, so its exception
+    (typically the lost connection to that rank) is the consequence and the silent rank died first. torchrun's
+    own choice can name the survivor: it orders failures by whole seconds, an error file's timestamp before a
+    signal's discovery. None when nothing contradicts ``first``."""
+    if not first.get("closed") or first.get("status") != "crashed" or first.get("reason") in CONSEQUENCE_REASONS:
+        return None
+    closed_at = first.get("close_ns")
+    if closed_at is None:
+        return None
+    silent = [r for r in recs if r is not first and r.get("closed") is False and r.get("signal") != "SIGTERM"
+              and r.get("exit_code") != 0 and activity.last_ns(r["rank"]) is not None
+              and activity.last_ns(r["rank"]) < int(closed_at)]
+    return min(silent, key=lambda r: (activity.last_ns(r["rank"]), r["rank"])) if silent else None
 
 
 def _attempt_end_ns(st: pd.DataFrame, coll: pd.DataFrame, restart: int) -> int | None:

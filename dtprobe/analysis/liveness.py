@@ -21,7 +21,7 @@ LIVE_GRACE_NS = 1_000_000_000
 just after it may have been produced before it)."""
 
 EXIT_COLUMNS = ["rank", "restart", "exit_ns", "exit_code", "signal", "first_failure", "status", "reason",
-                "error_type", "error_message", "traceback", "closed", "source"]
+                "error_type", "error_message", "traceback", "closed", "close_ns", "source"]
 LIVENESS = ("dead", "stopped", "waiting", "alive", "unknown")
 EXITED_AT_STALL_NS = 1_000_000_000
 """A rank whose process exited (launcher's exit time) without closing at most this long after a stall began died
@@ -55,7 +55,7 @@ def rank_exits(attempts: list[dict], lifecycle: pd.DataFrame) -> pd.DataFrame:
                 "exit_code": r.get("exit_code"), "signal": r.get("signal"),
                 "first_failure": bool(r.get("first_failure")), "status": None, "reason": None,
                 "error_type": err.get("type"), "error_message": err.get("message"),
-                "traceback": err.get("traceback"), "closed": None, "source": "attempts"}
+                "traceback": err.get("traceback"), "closed": None, "close_ns": None, "source": "attempts"}
     if lifecycle is not None and not lifecycle.empty:
         lc = lifecycle.assign(restart=lifecycle["restart"].fillna(0).astype("int64"))
         for (rank, restart), g in lc.groupby(["rank", "restart"]):
@@ -65,10 +65,11 @@ def rank_exits(attempts: list[dict], lifecycle: pd.DataFrame) -> pd.DataFrame:
             row = rows.setdefault(key, {
                 "rank": key[0], "restart": key[1], "exit_ns": None, "exit_code": None, "signal": None,
                 "first_failure": False, "status": None, "reason": None, "error_type": None, "error_message": None,
-                "traceback": None, "closed": None, "source": "lifecycle"})
+                "traceback": None, "closed": None, "close_ns": None, "source": "lifecycle"})
             row["closed"] = c is not None
             if c is not None:
                 row["status"], row["reason"] = _str(c["status"]), _str(c["reason"])
+                row["close_ns"] = int(c["time_ns"]) if pd.notna(c["time_ns"]) else None
                 if row["exit_ns"] is None and pd.notna(c["time_ns"]):
                     row["exit_ns"] = int(c["time_ns"])
     if not rows:
@@ -162,7 +163,9 @@ def liveness(rank: int, since_ns: int, *, in_collective: bool, activity: Activit
     """The liveness verdict of a rank stuck since ``since_ns``: ``waiting`` (rows continue after the stall and it
     is inside the stuck collective: alive, blocked), ``alive`` (rows continue, it is elsewhere), ``dead`` (no row
     after the stall and its process failed on its own: attempts' first failure / own exit, a probe closed
-    crashed, or no close while its ``peers`` were SIGTERMed, which torchrun does when a worker exits),
+    crashed, or no close while its ``peers`` were SIGTERMed, which torchrun does when a worker exits, or raised in
+    the collective within ``EXITED_AT_STALL_NS`` of the stall: a broken connection, where a frozen rank's peers
+    wait out their timeout),
     ``stopped`` (no row after the stall and no own death: frozen, e.g. SIGSTOP), ``unknown`` (no sampler and no
     lifecycle rows to tell). ``starts``: ``attempt_starts`` (the verdict is about the incarnation alive at
     ``since_ns``)."""
@@ -177,9 +180,13 @@ def liveness(rank: int, since_ns: int, *, in_collective: bool, activity: Activit
             and int(ex["exit_ns"]) <= since_ns + EXITED_AT_STALL_NS):
         return "dead"                     # seen exiting unclosed as the stall began: killed, not frozen in it
     if ex is not None and ex.get("closed") is False:
-        peer_reasons = {(_exit_of(exits, p, restart) or {}).get("reason") for p in peers}
+        peer_exits = [_exit_of(exits, p, restart) or {} for p in peers]
+        peer_reasons = {x.get("reason") for x in peer_exits}
         if "SIGTERM" in peer_reasons and "watchdog" not in peer_reasons:
             return "dead"                 # torchrun SIGTERMs the others only after a worker exited
+        if any(x.get("reason") == "exception" and x.get("close_ns") is not None
+               and int(x["close_ns"]) <= since_ns + EXITED_AT_STALL_NS for x in peer_exits):
+            return "dead"                 # a peer's collective raised at once: its connection to this rank broke
     if activity is None or (rank not in activity.has_sampler and rank not in activity.has_lifecycle
                             and ex is None):
         return "unknown"

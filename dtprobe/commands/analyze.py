@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from dtprobe.analysis.render import render_json, render_markdown, render_text
+from dtprobe.commands.common import check_not_empty
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -50,7 +51,7 @@ def main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from dtprobe.analysis.facade import AnalysisOptions, RunAnalysis, open_source
-    from dtprobe.store.errors import ConfigError, TraceError
+    from dtprobe.store.errors import ConfigError
 
     err = Console(stderr=True)
     try:
@@ -69,7 +70,7 @@ def main(args: argparse.Namespace) -> int:
             status.update(f"Reading baseline {args.baseline} ...")
             baseline = open_source(args.baseline)
         analysis = RunAnalysis(source, baseline=baseline, options=options)
-        _check_not_empty(analysis, TraceError)
+        check_not_empty(analysis)
         status.update("Analysing ...")
         report = analysis.report()
     render = {"json": render_json, "md": render_markdown}.get(args.format)
@@ -88,13 +89,3 @@ def main(args: argparse.Namespace) -> int:
             err.print(f"Wrote {args.output}")
     return 1 if any(f["severity"] == "critical" for f in report["findings"]) else 0
 
-
-def _check_not_empty(analysis, TraceError) -> None:
-    """TraceError when the source holds nothing to analyse (a run whose ranks never wrote a row)."""
-    for name in ("steps", "collectives", "kernels", "faults", "pipeline", "checkpoints", "amp", "devices",
-                 "lifecycle"):
-        if not analysis.table(name).empty:
-            return
-    where = analysis.path / "events" if not analysis.is_trace_folder else analysis.path
-    raise TraceError(f"'{where}' holds no events: no rank wrote steps, collectives or any other table. Check that "
-                     f"the ranks called dtprobe.attach(...) and ran at least one step (status: {analysis.status}).")

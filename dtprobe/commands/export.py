@@ -116,12 +116,11 @@ def _analysis(console, path: str):
     """The ``RunAnalysis`` of ``path``, key figures and findings computed under a status line; TraceError when the
     run holds no rows at all."""
     from dtprobe.analysis.facade import RunAnalysis, open_source
-    from dtprobe.commands.analyze import _check_not_empty
-    from dtprobe.store import TraceError
+    from dtprobe.commands.common import check_not_empty
 
     with console.status(f"Reading {path} ...") as status:
         analysis = RunAnalysis(open_source(path))
-        _check_not_empty(analysis, TraceError)
+        check_not_empty(analysis)
         status.update(f"Analysing {path} ...")
         analysis.key_figures()
         analysis.findings()

@@ -42,12 +42,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Log RUN as a new MLflow run: the key figures and finding counts as metrics, the layout as "
                     "params (layout.dp, layout.tp, ...), findings.json (as `dtprobe analyze --format json` prints "
                     "it) and timeline.perfetto.json as artifacts. Works with mlflow-skinny alone against a file "
-                    "store (--tracking-uri file:./mlruns; dtprobe sets MLFLOW_ALLOW_FILE_STORE=true for it, "
-                    "since MLflow keeps that backend in maintenance mode) or an MLflow server (http://HOST:5000). "
+                    "store (--tracking-uri file:./mlruns, or MLflow's default ./mlruns; dtprobe sets "
+                    "MLFLOW_ALLOW_FILE_STORE=true for it, since MLflow keeps that backend in maintenance mode) or an "
+                    "MLflow server (http://HOST:5000). "
                     "Needs pip install dtprobe[mlflow].")
     mlflow.add_argument("run", metavar="RUN", help="run directory (or Kineto trace folder)")
     mlflow.add_argument("--tracking-uri", metavar="URI", default=None,
-                        help="MLflow tracking URI (default: MLFLOW_TRACKING_URI, else MLflow's default store)")
+                        help="MLflow tracking URI (default: MLFLOW_TRACKING_URI, else MLflow's default: ./mlruns "
+                             "when it holds experiments, else sqlite:///mlflow.db, which mlflow-skinny cannot open)")
     mlflow.add_argument("--experiment", metavar="NAME", default="dtprobe",
                         help="experiment to log into, created if missing (default: dtprobe)")
     mlflow.add_argument("--run-name", metavar="NAME", default=None,
@@ -148,11 +150,12 @@ def main_mlflow(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from dtprobe.export.mlflow import export_mlflow
+    from dtprobe.export.mlflow import export_mlflow, tracking_uri_of
 
-    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-    if uri is not None and urlparse(uri).scheme in ("", "file"):
-        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")   # a folder named on purpose: MLflow's file store
+    if urlparse(tracking_uri_of(args.tracking_uri)).scheme in ("", "file"):
+        # a folder named on purpose, or the ./mlruns MLflow itself defaults to: MLflow's file store, opted into
+        # (a user's own MLFLOW_ALLOW_FILE_STORE=false is kept)
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
     console = Console()
     analysis = _analysis(console, args.run)
     with console.status(f"Logging to MLflow ({args.tracking_uri or 'default tracking URI'}) ..."):

@@ -8,6 +8,7 @@ when SQLAlchemy is installed. Every export creates a new MLflow run, tagged with
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from dataclasses import dataclass, fields
@@ -70,18 +71,25 @@ def run_params(analysis: RunAnalysis) -> dict[str, str]:
     return params
 
 
+def tracking_uri_of(tracking_uri: str | None) -> str:
+    """The tracking URI an export to ``tracking_uri`` logs to: itself, else ``MLFLOW_TRACKING_URI``, else MLflow's
+    default (``./mlruns`` when the working directory has one holding experiments, else ``sqlite:///mlflow.db``)."""
+    mlflow = require("mlflow", extra="mlflow", what="dtprobe export mlflow")
+    return tracking_uri or mlflow.get_tracking_uri()
+
+
 def export_mlflow(analysis: RunAnalysis, *, tracking_uri: str | None = None, experiment: str = DEFAULT_EXPERIMENT,
                   run_name: str | None = None) -> MlflowExport:
     """Log ``analysis`` as a new finished MLflow run in ``experiment`` (created if missing) at ``tracking_uri``
     (MLflow's own default, ``MLFLOW_TRACKING_URI`` or its local store, when None). ConfigError when MLflow is not
     installed or the tracking store cannot be opened, naming the URI and the fix."""
-    mlflow = require("mlflow", extra="mlflow", what="dtprobe export mlflow")
+    require("mlflow", extra="mlflow", what="dtprobe export mlflow")
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
     metrics, params = run_metrics(analysis), run_params(analysis)
     report = analysis.report()
-    uri = tracking_uri or mlflow.get_tracking_uri()
+    uri = tracking_uri_of(tracking_uri)
     try:
         client = MlflowClient(tracking_uri=uri)
         found = client.get_experiment_by_name(experiment)
@@ -92,7 +100,8 @@ def export_mlflow(analysis: RunAnalysis, *, tracking_uri: str | None = None, exp
         run = client.create_run(experiment_id, run_name=run_name or analysis.path.name,
                                 tags={"dtprobe.source": str(analysis.path), "dtprobe.status": analysis.status})
     except (MlflowException, ImportError) as exc:
-        raise ConfigError(_store_error(uri, explicit=tracking_uri is not None, exc=exc)) from None
+        raise ConfigError(_store_error(uri, explicit=tracking_uri is not None, exc=exc,
+                                       from_env=bool(os.environ.get(TRACKING_URI_ENV)))) from None
     run_id = run.info.run_id
     status = "FAILED"
     try:
@@ -115,20 +124,26 @@ def export_mlflow(analysis: RunAnalysis, *, tracking_uri: str | None = None, exp
                         params=params, artifacts=(FINDINGS_ARTIFACT, TIMELINE_ARTIFACT))
 
 
+TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
+"""MLflow's own variable for the tracking URI, read when no ``tracking_uri`` is given."""
 DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
 """Tracking URI schemes of MLflow's database stores (they need SQLAlchemy, which mlflow-skinny leaves out)."""
 
 
-def _store_error(uri: str, *, explicit: bool, exc: Exception) -> str:
-    """The message of a tracking store MLflow could not open, with the fix for the common cases."""
-    where = f"--tracking-uri {uri}" if explicit else f"MLflow's default tracking store {uri}"
+def _store_error(uri: str, *, explicit: bool, exc: Exception, from_env: bool = False) -> str:
+    """The message of a tracking store MLflow could not open, with the fix for the common cases. ``explicit``: the
+    URI came from --tracking-uri; else from ``MLFLOW_TRACKING_URI`` when ``from_env``, else it is MLflow's default,
+    and the fix also says which variable to set."""
+    where = (f"--tracking-uri {uri}" if explicit else f"{TRACKING_URI_ENV}={uri}" if from_env
+             else f"MLflow's default tracking store {uri}")
     text = (str(exc).strip().splitlines() or [type(exc).__name__])[0].rstrip(".")
     if "MLFLOW_ALLOW_FILE_STORE" in str(exc):
         fix = ("MLflow keeps its file store in maintenance mode: set MLFLOW_ALLOW_FILE_STORE=true to use it, or pass "
                "a server's --tracking-uri http://HOST:5000")
     elif isinstance(exc, ImportError) or uri.split(":", 1)[0].split("+", 1)[0] in DATABASE_SCHEMES:
+        also = "" if explicit else f" (or set {TRACKING_URI_ENV} to one of them)"
         fix = ("mlflow-skinny has no database driver: pass --tracking-uri file:./mlruns (a folder) or a server's "
-               "http://HOST:5000, or pip install sqlalchemy alembic for sqlite: stores")
+               f"http://HOST:5000{also}, or pip install sqlalchemy alembic for sqlite: stores")
     else:
         fix = "check the URI, or pass --tracking-uri file:./mlruns for a local folder"
     return f"cannot open {where}: {text}. {fix}."

@@ -152,13 +152,14 @@ def main_mlflow(args: argparse.Namespace) -> int:
 
     from dtprobe.export.mlflow import export_mlflow, tracking_uri_of
 
-    if urlparse(tracking_uri_of(args.tracking_uri)).scheme in ("", "file"):
+    uri = tracking_uri_of(args.tracking_uri)
+    if urlparse(uri).scheme in ("", "file"):
         # a folder named on purpose, or the ./mlruns MLflow itself defaults to: MLflow's file store, opted into
         # (a user's own MLFLOW_ALLOW_FILE_STORE=false is kept)
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
     console = Console()
     analysis = _analysis(console, args.run)
-    with console.status(f"Logging to MLflow ({args.tracking_uri or 'default tracking URI'}) ..."):
+    with console.status(f"Logging to MLflow at {uri} ..."):
         done = export_mlflow(analysis, tracking_uri=args.tracking_uri, experiment=args.experiment,
                              run_name=args.run_name)
     console.print(f"Logged MLflow run {done.run_id} in experiment {args.experiment!r} (id {done.experiment_id}) at "

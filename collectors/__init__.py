@@ -5,7 +5,8 @@ from __future__ import annotations
 
 
 def register_backends() -> None:
-    """Register the recording backends ``dtprobe_gloo`` / ``dtprobe_nccl`` (imports torch.distributed)."""
+    """Register the recording backends ``dtprobe_gloo`` / ``dtprobe_nccl`` (imports torch.distributed), for a script
+    that names one in its own ``init_process_group``; ``dtprobe.attach`` registers them itself."""
     from dtprobe.collectors.pg_wrapper import register_backends as _register
 
     _register()

@@ -11,14 +11,21 @@ Launch example (a user script)::
         s.record(loss=loss.item(), tokens=n, lr=lr)
     probe.close()
 
-Attach before or after ``init_process_group``: after it, the default group is wrapped in place and groups created
-later are recorded (groups created before are named in a warning). Groups: every group on the recording backend
-is recorded. The default group is ``pg="world"``; a DeviceMesh axis group is recorded under its axis name;
+Attach before or after ``init_process_group``, one way: before it, ``attach`` initializes torch.distributed on the
+plain backend (``"gloo"``, or ``"nccl"`` with CUDA) and then does what it does after it (``_record_initialized_groups``):
+the default group is wrapped in place, and groups created later on gloo or NCCL are created on the recording
+backends ``dtprobe_gloo``/``dtprobe_nccl`` under the name they were asked for (groups created before attach are
+named in a warning). So ``dist.get_backend()`` and ``dist.get_backend(group)`` answer "gloo"/"nccl" as without
+dtprobe (Lightning, Accelerate and DeepSpeed branch on it), while every group's collectives are recorded. A script
+that names ``dtprobe_gloo``/``dtprobe_nccl`` in its own ``init_process_group`` keeps them (and that name).
+
+Groups: the default group is ``pg="world"``; a DeviceMesh axis group is recorded under its axis name;
 ``probe.new_group(ranks, name="ckpt")`` names a subgroup; ``probe.init_device_mesh(..., mesh_dim_names=("dp",
-"tp"))`` (or ``probe.name_mesh(mesh)`` for a mesh built elsewhere) names each axis group after its axis. A mesh
-builds its axis groups with ``new_group`` on the default group's backend, so they are recording groups as long
-as the default group is; an axis spanning all ranks reuses the default group, which is then recorded under
-that axis name.
+"tp"))`` (or ``probe.name_mesh(mesh)`` for a mesh built elsewhere) names each axis group after its axis. An axis
+spanning all ranks reuses the default group, which is then recorded under that axis name.
+
+One probe per process: a second ``attach`` (a framework callback under ``dtprobe launch``, or after the script's
+own ``attach``) returns the open probe (``open_probe``) instead of starting a second recorder.
 
 Written: ``ranks/rankNNNNN.json`` (every rank), ``run.json`` (attach-mode leader, when absent), ``events/*``
 (steps, collectives, pending, lifecycle, devices, faults, anything given to ``probe.record``),
@@ -110,6 +117,10 @@ class Probe:
         self._step = -1
         self.owns_process_group = False
         """True when ``attach`` initialized torch.distributed (then an NCCL group is destroyed at exit)."""
+        self.step_hooks: Any = None
+        """What writes this probe's steps from torch's hooks (``dtprobe launch``: ``launch_steps.ScriptSteps``),
+        else None. A framework callback that reuses the probe marks the framework's steps instead: it calls
+        ``step_hooks.close()`` so each step is written once."""
         self._sampler: DeviceSampler | None = None
         self._profiler: ProfilerWindow | None = None
         self._closed = False
@@ -176,12 +187,11 @@ class Probe:
     # ---- groups ----
     def new_group(self, ranks: Sequence[int] | None = None, *, name: str, timeout_s: float | None = None,
                   **kwargs: Any) -> dist.ProcessGroup:
-        """``dist.new_group(ranks)`` on the recording backend, recorded as ``pg=name`` (e.g. "dp", "ckpt").
+        """``dist.new_group(ranks)``, recorded as ``pg=name`` (e.g. "dp", "ckpt"); on the default group's backend
+        unless ``backend=`` says otherwise, recorded when that backend is gloo or NCCL (see the module docstring).
 
         Collective over all ranks (like ``dist.new_group``). ``kwargs`` go to ``dist.new_group``.
         """
-        if "backend" not in kwargs and self.config.collectives:
-            kwargs["backend"] = NCCL_BACKEND if self.device.startswith("cuda") else GLOO_BACKEND
         if timeout_s is not None:
             kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
         group = dist.new_group(list(ranks) if ranks is not None else None, **kwargs)
@@ -197,11 +207,9 @@ class Probe:
                          mesh_dim_names: Sequence[str]) -> Any:
         """``torch.distributed.device_mesh.init_device_mesh`` whose per-axis groups record ``pg=<axis name>``.
 
-        The mesh creates its axis groups with ``new_group`` on the default group's backend; with the default
-        group on ``dtprobe_gloo``/``dtprobe_nccl`` they are recording groups, and ``name_mesh`` labels each
-        with its axis. A 1-D mesh over all ranks reuses the default group, which is then recorded under the
-        axis name too (e.g. "dp" instead of "world").
-        """
+        The mesh creates its axis groups with ``new_group`` on the default group's backend (gloo or NCCL: recording
+        groups, see the module docstring), and ``name_mesh`` labels each with its axis. A 1-D mesh over all ranks
+        reuses the default group, which is then recorded under the axis name too (e.g. "dp" instead of "world")."""
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(device_type, tuple(mesh_shape), mesh_dim_names=tuple(mesh_dim_names))
@@ -243,6 +251,9 @@ class Probe:
             self._closed = True
             if reason is None:
                 reason = "exit" if status == "finished" else "exception"
+            global _OPEN_PROBE
+            if _OPEN_PROBE is self:
+                _OPEN_PROBE = None
             try:
                 # In-flight collectives and the close row first, flushed at once: a rank killed while it closes
                 # (torchrun stops the others when one exits) keeps them; the profiler's export and the
@@ -277,8 +288,21 @@ class Probe:
         self.close(status="crashed" if exc_type is not None else "finished")
 
 
+_OPEN_PROBE: Probe | None = None
+"""The probe ``attach`` returned in this process and not closed yet (``open_probe``)."""
+
+
+def open_probe() -> Probe | None:
+    """The probe attached in this process and not yet closed, else None: what a second ``attach`` returns.
+
+    A framework callback asks this before attaching: a probe it finds was opened by someone else (``dtprobe
+    launch``'s worker, the script's own ``dtprobe.attach``), who also closes it."""
+    return _OPEN_PROBE
+
+
 def _record_initialized_groups(*, nccl_timing: bool) -> None:
-    """Attach after ``init_process_group``: record the default group from now on, and the groups created later.
+    """Record the default group from now on, and the groups created later: what ``attach`` does after the script's
+    ``init_process_group`` and after its own.
 
     A gloo or NCCL default group gets a recording group around it, registered in its place
     (``torch_internals.replace_default_group``): calls without ``group=`` (DDP, FSDP2, a DeviceMesh axis over all
@@ -286,6 +310,7 @@ def _record_initialized_groups(*, nccl_timing: bool) -> None:
     ``dtprobe_gloo``/``dtprobe_nccl`` (``torch_internals.record_new_groups``). Every group keeps the backend name
     it was asked for, so ``dist.get_backend()`` still says "gloo" or "nccl". Groups created before (and objects
     holding the old default group, e.g. a DDP built before) are not recorded: one warning names them with the fix.
+    A default group already on ``dtprobe_gloo``/``dtprobe_nccl`` (the script named it) is recorded as it is.
     Other default backends (a mixed ``"cpu:gloo,cuda:nccl"``, MPI) are left alone, with a warning.
     """
     fix = ("Call dtprobe.attach() right after init_process_group and before creating them (DDP, FSDP2, "
@@ -295,9 +320,9 @@ def _record_initialized_groups(*, nccl_timing: bool) -> None:
         backends = set(torch_internals.group_device_backends(old).values())
         if backends not in ({"gloo"}, {"nccl"}):
             warnings.warn(
-                f"dtprobe.attach: the default process group is on {sorted(backends)}, which dtprobe cannot wrap "
-                f"after init (gloo or nccl only), so its collectives are NOT recorded. Call dtprobe.attach before "
-                f"init_process_group, or initialize with backend=\"gloo\" or \"nccl\".", stacklevel=3)
+                f"dtprobe.attach: the default process group is on {sorted(backends)}, which dtprobe cannot record "
+                f"(one backend for every device, gloo or nccl, only), so its collectives are NOT recorded. "
+                f"Initialize with backend=\"gloo\" or \"nccl\" (or let dtprobe.attach initialize).", stacklevel=3)
             return
         on_nccl = backends == {"nccl"}
         wrapper = RecordingProcessGroup(old, old.rank(), old.size(), backend_name=NCCL_BACKEND if on_nccl
@@ -324,6 +349,35 @@ def _destroy_default_group() -> None:
         dist.destroy_process_group()
 
 
+def _init_process_group(backend: str, *, timeout_s: float, local_rank: int, bind_device: bool) -> None:
+    """``init_process_group(backend)`` from the torchrun environment (``env://``, or the per-attempt store after a
+    restart), or a 1-rank group on a ``HashStore`` without one (a plain ``python train.py``).
+
+    On NCCL, this rank's GPU becomes the current device. ``bind_device`` also binds the group to it (``device_id``:
+    the communicator connects at once); not when the group gets recorded: torch then creates later groups by
+    splitting the bound group's communicator, which the recording groups made for them do not take part in.
+    """
+    bound: dict[str, Any] = {}
+    if "nccl" in backend:
+        torch.cuda.set_device(local_rank)
+        if bind_device:
+            bound["device_id"] = torch.device("cuda", local_rank)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if "RANK" in os.environ or "MASTER_ADDR" in os.environ:
+        store = _restart_store(timeout)
+        if store is not None:
+            dist.init_process_group(backend, store=store, rank=_env_int("RANK", 0),
+                                    world_size=_env_int("WORLD_SIZE", 1), timeout=timeout, **bound)
+        else:
+            dist.init_process_group(backend, timeout=timeout, **bound)
+    else:   # a plain `python train.py`: a 1-rank job
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **bound)
+        # Left to the interpreter's exit, gloo's threads were once torn down mid-flight (the C++ runtime's
+        # "terminate called without an active exception", exit -6) in a CI run; with no peer, nothing can be
+        # pending on it, so destroying it at exit cannot block (probe.close runs first: atexit is LIFO).
+        atexit.register(_destroy_default_group)
+
+
 def attach(run_dir: str | os.PathLike, *, timeout_s: float = 600.0, backend: str | None = None,
            manage_status: bool | None = None, run_id: str | None = None, **collect: Any) -> Probe | NullProbe:
     """Instrument this worker: returns a ``Probe`` (or a ``NullProbe`` with ``enabled=False``).
@@ -331,18 +385,21 @@ def attach(run_dir: str | os.PathLike, *, timeout_s: float = 600.0, backend: str
     - ``collect``: the ``CollectConfig`` fields (``collectives``, ``devices``, ``device_interval_s``,
       ``profile_steps``, ``enabled``, ...).
     - Initializes ``torch.distributed`` from the torchrun environment (``env://``; a 1-rank group without it)
-      if not yet initialized, on ``backend`` (default: ``dtprobe_nccl`` with CUDA, else ``dtprobe_gloo``; a
-      plain ``gloo``/``nccl`` when collectives are off) with ``timeout_s``. If already initialized (the script
-      or a framework called ``init_process_group``), a gloo or NCCL default group is wrapped in a recording group
-      registered in its place: the default group's collectives from now on, and every group, DeviceMesh, DDP,
-      FSDP2 or DTensor layout created after attach, are recorded; groups created before are named in one warning
-      with the fix (see ``_record_initialized_groups``).
+      if not yet initialized, on ``backend`` (default: ``"nccl"`` with CUDA, else ``"gloo"``) with ``timeout_s``.
+      Then, initialized by it or before it (the script or a framework called ``init_process_group``), a gloo or
+      NCCL default group is wrapped in a recording group registered in its place: the default group's
+      collectives from now on, and every group, DeviceMesh, DDP, FSDP2 or DTensor layout created after attach,
+      are recorded, and ``dist.get_backend()`` answers the backend's own name; groups created before are named
+      in one warning with the fix (see ``_record_initialized_groups``).
+    - Once per process: while the probe it returned is open, a second call returns that probe (with a warning
+      when its run directory or options differ) instead of recording twice.
     - Measures the clock offset to rank 0, writes ``ranks/rankNNNNN.json``; the leader creates ``run.json``
       when absent (attach mode); starts the device sampler; arms the profiler window.
     - ``manage_status``: whether the leader sets the run status at close (default: True unless launched by
       ``dtprobe run``, i.e. ``DTPROBE_JOB`` is unset). ``probe.close`` also runs at exit, and on SIGTERM
       (``close_on_sigterm``, from the main thread only: see ``dtprobe.collectors.sigterm``).
     """
+    global _OPEN_PROBE
     unknown = set(collect) - _CONFIG_FIELDS
     if unknown:
         raise ConfigError(f"dtprobe.attach got unknown options {sorted(unknown)}; valid: "
@@ -354,36 +411,22 @@ def attach(run_dir: str | os.PathLike, *, timeout_s: float = 600.0, backend: str
     cuda = torch.cuda.is_available()
     local_rank = _env_int("LOCAL_RANK", 0)
 
-    register_backends()                  # also when already initialized: probe.new_group needs them
+    existing = _OPEN_PROBE
+    if existing is not None:
+        if existing.run_dir.resolve() != run_dir.resolve() or existing.config != config:
+            warnings.warn(
+                f"dtprobe.attach: this process already records into {existing.run_dir} (attached earlier by "
+                f"`dtprobe launch`, the script or a callback); returning that probe, so rows go there and not to "
+                f"{run_dir}, with its options {existing.config}. Attach once per process.", stacklevel=2)
+        return existing
+
+    register_backends()      # the backends later groups are recorded on (record_new_groups); batch p2p coalescing
     owns_process_group = not dist.is_initialized()
+    recording = config.enabled and config.collectives
     if owns_process_group:
-        if backend is None:
-            if config.enabled and config.collectives:
-                backend = NCCL_BACKEND if cuda else GLOO_BACKEND
-            else:
-                backend = "nccl" if cuda else "gloo"
-        # On NCCL the group is bound to this rank's GPU (device_id): torch connects its communicator at once and
-        # later groups split from it, instead of guessing the device at the first collective.
-        bound: dict[str, Any] = {}
-        if "nccl" in backend:
-            torch.cuda.set_device(local_rank)
-            bound["device_id"] = torch.device("cuda", local_rank)
-        timeout = datetime.timedelta(seconds=timeout_s)
-        if "RANK" in os.environ or "MASTER_ADDR" in os.environ:
-            store = _restart_store(timeout)
-            if store is not None:
-                dist.init_process_group(backend, store=store, rank=_env_int("RANK", 0),
-                                        world_size=_env_int("WORLD_SIZE", 1), timeout=timeout, **bound)
-            else:
-                dist.init_process_group(backend, timeout=timeout, **bound)
-        else:   # a plain `python train.py`: a 1-rank job
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
-                                    **bound)
-            # Left to the interpreter's exit, gloo's threads were once torn down mid-flight (the C++ runtime's
-            # "terminate called without an active exception", exit -6) in a CI run; with no peer, nothing can
-            # be pending on it, so destroying it at exit cannot block (probe.close runs first: atexit is LIFO).
-            atexit.register(_destroy_default_group)
-    elif config.enabled and config.collectives:
+        _init_process_group(backend or ("nccl" if cuda else "gloo"), timeout_s=timeout_s, local_rank=local_rank,
+                            bind_device=not recording)
+    if recording:
         _record_initialized_groups(nccl_timing=config.nccl_timing)
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -436,4 +479,5 @@ def attach(run_dir: str | os.PathLike, *, timeout_s: float = 600.0, backend: str
     atexit.register(probe._close_at_exit)
     if config.close_on_sigterm:
         sigterm.install(lambda: probe.close(status="crashed", reason="SIGTERM"))
+    _OPEN_PROBE = probe
     return probe

@@ -15,7 +15,8 @@ class CollectConfig:
     enabled: bool = True
     """False makes every probe call a no-op (no files, no wrapper backend): the baseline of overhead tests."""
     collectives: bool = True
-    """Record every collective of groups created with the recording backend (``dtprobe_gloo``/``dtprobe_nccl``)."""
+    """Record every collective of the default group and of the groups created after attach (gloo or NCCL; see
+    ``dtprobe.collectors.attach``)."""
     collective_timing: str = "wait"
     """How a collective's completion (``end_ns``) is seen on the host: ``"wait"`` (the done-callback of the
     work's future, i.e. when the backend finished it; for works without a future, gloo send/recv and

@@ -25,6 +25,10 @@ WORKER = textwrap.dedent(f"""
     from dtprobe.integrations.hf import DtprobeCallback
 
     run_dir, out_dir, logging_steps, added_later = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
+    own_attach = sys.argv[5:] == ["own_attach"]         # the script attaches first (and inits torch.distributed)
+    if own_attach:
+        import dtprobe
+        probe = dtprobe.attach(run_dir, timeout_s=120, devices=False)
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=64, n_positions={SEQ}, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
                         eos_token_id=0)
@@ -48,11 +52,15 @@ WORKER = textwrap.dedent(f"""
     if added_later:
         trainer.add_callback(callback)
     trainer.train()
+    if own_attach:                                      # still open after train: the script closes what it opened
+        torch.distributed.all_reduce(torch.ones(3))
+        probe.close()
     if trainer.is_world_process_zero():
         grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         with open(out_dir + "/trainer.json", "w") as f:
             json.dump({{"log_history": trainer.state.log_history, "global_step": trainer.state.global_step,
-                       "grad_bytes": grad_bytes}}, f)
+                       "grad_bytes": grad_bytes, "backend": torch.distributed.get_backend()
+                       if torch.distributed.is_initialized() else None}}, f)
 """)
 
 
@@ -151,3 +159,59 @@ def test_hf_callback_added_after_the_trainer_was_built_attaches_at_train_begin_a
     stderr, steps = _train_in_one_process(tmp_path, run_python, child_env, logging_steps=1, added_later=True)
     assert "attaches at train begin, after the Trainer wrapped the model" in stderr
     assert steps["loss"].notna().all() and (steps["tokens"] == TOKENS_PER_RANK_STEP).all()
+
+
+def _assert_one_probe_recorded_each_step_once(run, trainer, *, closed_by: str) -> None:
+    """One attach and one close row per rank, each optimizer step written once with the callback's logged loss,
+    DDP's gradients all-reduced once per step (one recorder)."""
+    store = RunStore.open(run)
+    assert store.manifest.status == "finished"
+    lifecycle = store.table("lifecycle").sort_values(["rank", "time_ns"])
+    assert lifecycle.groupby("rank")["event"].apply(list).to_dict() == {r: ["attach", "close"] for r in (0, 1)}
+    assert set(lifecycle.query("event == 'close'")["reason"]) == {closed_by}
+    steps = store.table("steps").sort_values(["rank", "step"])
+    assert steps.groupby("rank")["step"].apply(list).to_dict() == {r: list(range(NUM_STEPS)) for r in (0, 1)}
+    logged = {entry["step"]: entry["loss"] for entry in trainer["log_history"] if "loss" in entry}
+    assert [logged[s + 1] for s in steps["step"]] == pytest.approx(steps["loss"].tolist(), rel=1e-9)
+    assert (steps["tokens"] == TOKENS_PER_RANK_STEP).all()
+    coll = store.table("collectives")
+    grads = coll[(coll["op"] == "allreduce") & (coll["step"] >= 0)].groupby(["rank", "step"])["num_bytes"].sum()
+    assert grads.to_dict() == {(r, s): trainer["grad_bytes"] for r in (0, 1) for s in range(NUM_STEPS)}
+
+
+@pytest.mark.multiproc
+def test_hf_callback_under_dtprobe_launch_records_through_the_workers_probe_and_leaves_closing_to_it(
+        tmp_path, run_cli, child_env):
+    (tmp_path / "worker.py").write_text(WORKER)
+    (tmp_path / "out").mkdir()
+    run, callback_run = tmp_path / "launch-run", tmp_path / "callback-run"
+    proc = run_cli("launch", "--nproc", "2", "--run-dir", run, "--no-devices", tmp_path / "worker.py",
+                   callback_run, tmp_path / "out", "1", "0", timeout_s=600, env=_hf_env(child_env))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    worker_logs = sorted(run.glob("logs/node0/*/attempt_0/*/stderr.log"))
+    assert len(worker_logs) == 2
+    for log in worker_logs:
+        assert "records into the probe already open in this process" in log.read_text()
+    assert not callback_run.exists()                  # no second probe, no second run directory
+    trainer = json.loads((tmp_path / "out" / "trainer.json").read_text())
+    assert trainer["backend"] == "gloo"
+    # the launch's hook-driven steps gave way to the callback's: each step once, with the logged loss and tokens
+    _assert_one_probe_recorded_each_step_once(run, trainer, closed_by="exit")
+
+
+@pytest.mark.multiproc
+def test_hf_callback_after_the_scripts_own_attach_reuses_its_probe_and_does_not_close_it_at_train_end(
+        tmp_path, torchrun_cmd, child_env):
+    (tmp_path / "worker.py").write_text(WORKER)
+    (tmp_path / "out").mkdir()
+    run = tmp_path / "run"
+    cmd = torchrun_cmd(tmp_path / "worker.py", run, tmp_path / "out", "1", "0", "own_attach", nproc=2)
+    proc = subprocess.run(cmd, env=_hf_env(child_env), timeout=600, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    trainer = json.loads((tmp_path / "out" / "trainer.json").read_text())
+    assert trainer["backend"] == "gloo"               # attach initialized: Accelerate sees the plain backend
+    _assert_one_probe_recorded_each_step_once(run, trainer, closed_by="exit")
+    # the script's all-reduce after train() is recorded: the callback left the probe open
+    coll = RunStore.open(run).table("collectives")
+    after = coll[(coll["step"] == -1) & (coll["num_bytes"] == 12)]
+    assert sorted(after["rank"]) == [0, 1] and set(after["pg"]) == {"world"}

@@ -29,6 +29,10 @@ WORKER = textwrap.dedent(f"""
     from dtprobe.integrations.lightning import DtprobeCallback
 
     run_dir, out_dir, devices, fail_at_step, sync_dist = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
+    own_attach = sys.argv[6:] == ["own_attach"]         # the script attaches first (and inits torch.distributed)
+    if own_attach:
+        import dtprobe
+        probe = dtprobe.attach(run_dir, timeout_s=120, devices=False)
     VOCAB = 64
 
     class Tokens(torch.utils.data.Dataset):
@@ -68,6 +72,9 @@ WORKER = textwrap.dedent(f"""
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     try:
         trainer.fit(module)
+        if own_attach:                                  # still open after fit: the script closes what it opened
+            torch.distributed.all_reduce(torch.ones(3))
+            probe.close()
     finally:
         with open(os.path.join(out_dir, f"rank{{trainer.global_rank}}.json"), "w") as f:
             json.dump({{"batch_losses": module.batch_losses, "global_step": trainer.global_step,
@@ -75,13 +82,18 @@ WORKER = textwrap.dedent(f"""
 """)
 
 
-def _fit_on_2_ranks(root, torchrun_cmd, child_env, *, sync_dist: bool):
+def _fit_on_2_ranks(root, torchrun_cmd, child_env, *, sync_dist: bool, own_attach: bool = False):
     """Run the worker under torchrun: (run directory, each rank's own record, the rows Lightning logged to CSV)."""
     (root / "worker.py").write_text(WORKER)
     (root / "out").mkdir()
-    cmd = torchrun_cmd(root / "worker.py", root / "run", root / "out", "2", "-1", str(int(sync_dist)), nproc=2)
+    cmd = torchrun_cmd(root / "worker.py", root / "run", root / "out", "2", "-1", str(int(sync_dist)),
+                       *(["own_attach"] if own_attach else []), nproc=2)
     proc = subprocess.run(cmd, env=child_env(), timeout=600, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    return _read_outputs(root)
+
+
+def _read_outputs(root):
     ranks = {r: json.loads((root / "out" / f"rank{r}.json").read_text()) for r in (0, 1)}
     with open(root / "out" / "csv" / "version_0" / "metrics.csv") as f:
         logged = list(csv.DictReader(f))
@@ -196,3 +208,57 @@ def test_lightning_callback_closes_the_run_as_crashed_when_training_step_raises(
     close = store.table("lifecycle").query("event == 'close'")
     assert close[["status", "reason"]].values.tolist() == [["crashed", "exception"]]
 
+
+
+def _assert_one_probe_recorded_each_step_once(run, ranks) -> None:
+    """One attach and one close row per rank, each optimizer step written once with the callback's tokens, DDP's
+    gradients all-reduced once per step (one recorder)."""
+    store = RunStore.open(run)
+    assert store.manifest.status == "finished"
+    lifecycle = store.table("lifecycle").sort_values(["rank", "time_ns"])
+    assert lifecycle.groupby("rank")["event"].apply(list).to_dict() == {r: ["attach", "close"] for r in (0, 1)}
+    assert set(lifecycle.query("event == 'close'")["reason"]) == {"exit"}
+    steps = store.table("steps").sort_values(["rank", "step"])
+    assert steps.groupby("rank")["step"].apply(list).to_dict() == {r: list(range(NUM_STEPS)) for r in (0, 1)}
+    tokens = [n * BATCH * SEQ for n in MICRO_BATCHES]
+    assert steps.groupby("rank")["tokens"].apply(list).to_dict() == {0: tokens, 1: tokens}
+    assert steps["loss"].notna().all()
+    coll = store.table("collectives")
+    grads = coll[(coll["op"] == "allreduce") & (coll["step"] >= 0)].groupby(["rank", "step"])["num_bytes"].sum()
+    assert grads.to_dict() == {(r, s): ranks[0]["grad_bytes"] for r in (0, 1) for s in range(NUM_STEPS)}
+
+
+@pytest.mark.multiproc
+def test_lightning_callback_under_dtprobe_launch_records_through_the_workers_probe_and_leaves_closing_to_it(
+        tmp_path, run_cli, child_env):
+    (tmp_path / "worker.py").write_text(WORKER)
+    (tmp_path / "out").mkdir()
+    run, callback_run = tmp_path / "launch-run", tmp_path / "callback-run"
+    proc = run_cli("launch", "--nproc", "2", "--run-dir", run, "--no-devices", tmp_path / "worker.py",
+                   callback_run, tmp_path / "out", "2", "-1", "0", timeout_s=600, env=child_env())
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    worker_logs = sorted(run.glob("logs/node0/*/attempt_0/*/stderr.log"))
+    assert len(worker_logs) == 2
+    for log in worker_logs:
+        assert "records into the probe already open in this process" in log.read_text()
+    assert not callback_run.exists()                  # no second probe, no second run directory
+    _, ranks, _ = _read_outputs(tmp_path)
+    # the launch's hook-driven steps gave way to the callback's: each step once, with the callback's tokens
+    _assert_one_probe_recorded_each_step_once(run, ranks)
+
+
+@pytest.mark.multiproc
+def test_lightning_callback_after_the_scripts_own_attach_reuses_its_probe_and_sync_dist_sees_gloo(
+        tmp_path, torchrun_cmd, child_env):
+    # attach initializes torch.distributed before Lightning; Lightning's sync_dist "mean" takes its gloo path
+    # (a SUM and a division) only if dist.get_backend() answers "gloo"
+    run, ranks, logged = _fit_on_2_ranks(tmp_path, torchrun_cmd, child_env, sync_dist=True, own_attach=True)
+    _assert_one_probe_recorded_each_step_once(run, ranks)
+    steps = RunStore.open(run).table("steps").set_index(["rank", "step"])
+    epoch_losses = [float(row["train_loss"]) for row in logged if row["train_loss"]]
+    per_rank = [_epoch_mean_losses(steps, r) for r in (0, 1)]
+    assert epoch_losses == pytest.approx([(a + b) / 2 for a, b in zip(*per_rank)], rel=1e-6)
+    # the script's all-reduce after fit() is recorded: the callback left the probe open
+    coll = RunStore.open(run).table("collectives")
+    after = coll[(coll["step"] == -1) & (coll["num_bytes"] == 12)]
+    assert sorted(after["rank"]) == [0, 1] and set(after["pg"]) == {"world"}

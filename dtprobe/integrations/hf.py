@@ -18,7 +18,8 @@ Install and use (``pip install 'dtprobe[hf]'``)::
   docstring for what it records of it), and ``train()`` has not yet wrapped the model in DDP or FSDP, so the
   wrapper's collectives go through the group attach records. A callback added later
   (``trainer.add_callback``) attaches at ``on_train_begin``, after the wrapping, and warns that the wrapper's
-  collectives may be missing.
+  collectives may be missing. A probe already open in the process (``dtprobe launch``, the script's own
+  ``dtprobe.attach``) is reused, not attached again (``optimizer_steps``).
 - **Steps**: one ``steps`` row per optimizer step, numbered by ``state.global_step`` from 0; a step spans
   ``on_step_begin`` (its first micro-batch) to ``on_step_end`` (after the optimizer and scheduler step), and its
   ``opt_ns`` phase is ``optimizer.step()`` (``on_pre_optimizer_step`` to ``on_optimizer_step``).
@@ -31,7 +32,7 @@ Install and use (``pip install 'dtprobe[hf]'``)::
 - **Tokens**: this rank's elements of the model's main input (``model.main_input_name``, ``input_ids`` for
   language models, padding included) summed over the step's micro-batches, counted by a forward pre-hook on the
   model; absent when a micro-batch passes no such tensor.
-- **Close** at ``on_train_end`` (status "finished"). The Trainer has no exception hook: a ``train()`` that raises
+- **Close** at ``on_train_end`` (status "finished"), when the callback attached the probe. The Trainer has no exception hook: a ``train()`` that raises
   leaves the probe to its exit handler, which closes it as "crashed" when the exception ends the process.
 """
 

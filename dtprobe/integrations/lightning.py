@@ -15,6 +15,8 @@ Install and use (``pip install 'dtprobe[lightning]'``)::
 - **Attach** at ``setup(stage="fit")``: the strategy has initialized torch.distributed by then, so
   ``dtprobe.attach`` finds the default group already there (see its docstring for what it records of it), and
   has not yet wrapped the model (DDP, FSDP), so the wrapper's collectives go through the group attach records.
+  A probe already open in the process (``dtprobe launch``, the script's own ``dtprobe.attach``) is reused, not
+  attached again (``optimizer_steps``).
 - **Steps**: one ``steps`` row per optimizer step, numbered by ``trainer.global_step`` from 0. A step opens at
   the ``on_train_batch_start`` of its first micro-batch and closes at the ``on_train_batch_end`` of the batch in
   which ``trainer.global_step`` advanced: with ``accumulate_grad_batches=k`` it spans k batches (fewer for the
@@ -27,7 +29,7 @@ Install and use (``pip install 'dtprobe[lightning]'``)::
 - **Tokens**: ``count_tokens(batch)`` summed over the step's micro-batches; by default the elements of
   ``batch["input_ids"]`` when the batch is a mapping holding that tensor. Absent when a micro-batch gives None.
 - **Close** at ``on_train_end`` (status "finished"), or at ``on_exception`` (status "crashed", reason
-  "exception"; the step it broke is written with its timing and no values).
+  "exception"; the step it broke is written with its timing and no values), when the callback attached the probe.
 """
 
 from __future__ import annotations

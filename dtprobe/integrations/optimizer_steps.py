@@ -4,15 +4,22 @@ the Hugging Face and Lightning callbacks (``dtprobe.integrations.hf``, ``.lightn
 A framework calls back at the start and end of a step instead of running a ``with probe.step(n)`` block, so the
 marker enters and exits the step context itself. Tokens are summed over the step's micro-batches and kept only
 when every micro-batch gave its count: a partial sum would be a guess, so the step then has none.
+
+One probe per process: when a probe is already open (``dtprobe launch`` attached in the worker, or the script
+called ``dtprobe.attach``), the marker records through it instead of attaching again, marks the framework's steps
+in it (stopping ``dtprobe launch``'s hook-driven steps, so each step is written once, with the loss, learning rate
+and tokens only the framework knows), and leaves closing it to whoever opened it.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
 import dtprobe
+from dtprobe.collectors.attach import open_probe
 from dtprobe.store.errors import ConfigError
 
 
@@ -27,6 +34,8 @@ class OptimizerStepMarker:
         self.attach_options = dict(attach_options)
         self.probe: Any = None
         """The ``Probe`` (or ``NullProbe`` with ``enabled=False``) once ``attach`` ran."""
+        self.owns_probe = False
+        """True when ``attach`` opened the probe (then ``close`` closes it); False when it found one open."""
         self._step: Any = None
         self._opt_phase: Any = None
         self._num_batches = 0
@@ -35,14 +44,30 @@ class OptimizerStepMarker:
         self._closed = False
 
     def attach(self, *, framework: str) -> Any:
-        """``dtprobe.attach(run_dir, **attach_options)`` on the first call; the same probe afterwards."""
+        """On the first call, the probe already open in this process (see the module docstring), else
+        ``dtprobe.attach(run_dir, **attach_options)``; the same probe afterwards."""
         if self._closed:
             raise ConfigError(
                 f"the dtprobe {framework} callback for {self.run_dir} already closed its probe at the end of a "
                 f"training run; a callback records one run. Pass a new callback with another run_dir to the next "
                 f"training run.")
-        if self.probe is None:
+        if self.probe is not None:
+            return self.probe
+        existing = open_probe()
+        if existing is None:
             self.probe = dtprobe.attach(self.run_dir, **self.attach_options)
+            self.owns_probe = True
+            return self.probe
+        if existing.run_dir.resolve() != self.run_dir.resolve():
+            warnings.warn(
+                f"dtprobe: the {framework} callback records into the probe already open in this process "
+                f"({existing.run_dir}, attached by `dtprobe launch` or the script), not into {self.run_dir}; its "
+                f"attach options are not used. Drop the callback's run_dir or the other attach to choose one.",
+                stacklevel=3)
+        if existing.step_hooks is not None:        # dtprobe launch's steps: the framework's replace them
+            existing.step_hooks.close()
+            existing.step_hooks = None
+        self.probe = existing
         return self.probe
 
     @property
@@ -90,10 +115,11 @@ class OptimizerStepMarker:
         step.__exit__(None, None, None)
 
     def close(self, status: str = "finished", *, reason: str | None = None) -> None:
-        """End an open step and close the probe (``Probe.close``): the run's last rows, its status."""
+        """End an open step and close the probe (``Probe.close``: the run's last rows, its status) when this marker
+        opened it; a probe found open is left to whoever opened it."""
         if self._closed:
             return
         self._closed = True
         self.end()
-        if self.probe is not None:
+        if self.probe is not None and self.owns_probe:
             self.probe.close(status, reason=reason)

@@ -26,7 +26,6 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import dtprobe
-from dtprobe.collectors.pg_wrapper import GLOO_BACKEND
 from dtprobe.runtime.attempts import WORKER_FILE
 from dtprobe.runtime.config import JobConfig, load_job
 from dtprobe.runtime.train import train
@@ -69,9 +68,7 @@ def bind_cores(local_rank: int, local_world_size: int) -> list[int]:
 def attach_for(job: JobConfig, device: torch.device) -> object:
     """``dtprobe.attach`` with the job's collect options; forces gloo when a CUDA box is asked to run on CPU."""
     collect = dataclasses.asdict(job.collect)
-    backend = None
-    if device.type == "cpu" and torch.cuda.is_available():
-        backend = GLOO_BACKEND if job.collect.enabled and job.collect.collectives else "gloo"
+    backend = "gloo" if device.type == "cpu" and torch.cuda.is_available() else None
     return dtprobe.attach(job.run_dir, timeout_s=job.timeout_s, backend=backend, manage_status=False,
                           run_id=os.path.basename(os.path.normpath(job.run_dir)), **collect)
 

@@ -9,6 +9,8 @@ import pandas as pd
 import plotly.express as px
 import plotly.graph_objects as go
 
+from dtprobe.dashboard.clocks import clock_words
+
 PALETTE = ["#0068c9", "#83c9ff", "#ff2b2b", "#ffabab", "#29b09d", "#7defa1", "#ff8700", "#ffd16a", "#6d3fc0",
            "#d5dae5"]
 """Categorical colors of every chart (Streamlit's default chart palette): set on the traces themselves, so a
@@ -163,13 +165,17 @@ def _mark_rows(fig: go.Figure, labels: list[str]) -> None:
 # ----------------------------------------------------------------------------------------------- stragglers
 
 
-def lateness_heatmap(lateness: pd.DataFrame, *, marked: list[int] | None = None) -> go.Figure:
-    """Rank × step heatmap of arrival lateness (share of the step, max over groups); marked ranks boxed."""
+def lateness_heatmap(lateness: pd.DataFrame, *, marked: list[int] | None = None, clock: str = "host") -> go.Figure:
+    """Rank × step heatmap of arrival lateness (share of the step, max over groups) read on ``clock`` (the run's
+    arrival clock: ``host``, ``device`` or ``mixed``, named in the title and the color bar); marked ranks boxed."""
+    words = clock_words(clock)
     grid = (lateness.groupby(["rank", "step"])["lateness_frac"].max().unstack("step").sort_index())
     labels = [_rank_label(r) for r in grid.index]
     fig = go.Figure(go.Heatmap(z=grid.to_numpy(dtype="float64"), x=list(grid.columns), y=labels,
-                               colorscale="RdBu_r", zmid=0, colorbar=dict(title="late / step", tickformat=".0%"),
-                               hovertemplate="%{y} step %{x}: %{z:.1%} of the step late<extra></extra>"))
+                               colorscale="RdBu_r", zmid=0,
+                               colorbar=dict(title=f"late / step<br>({words})", tickformat=".0%"),
+                               hovertemplate=f"%{{y}} step %{{x}}: %{{z:.1%}} of the step late ({words})"
+                                             "<extra></extra>"))
     for rank in marked or []:
         if rank in grid.index:
             label = _rank_label(rank)
@@ -177,18 +183,31 @@ def lateness_heatmap(lateness: pd.DataFrame, *, marked: list[int] | None = None)
                           y1=labels.index(label) + 0.5, line=dict(color=MARK_COLOR, width=3))
     fig.update_yaxes(autorange="reversed", title="")
     fig.update_xaxes(title="step")
-    return _layout(fig, "Arrival lateness (rank × step): red = arrives after its peers",
+    return _layout(fig, f"Arrival lateness on the {words} (rank × step): red = arrives after its peers",
                    height=max(300, 22 * len(labels) + 140))
 
 
-def victims_wait(waits: pd.DataFrame) -> go.Figure:
-    """Mean time (ms) each rank waited for the last arrival of its collectives."""
+def victims_wait(waits: pd.DataFrame, *, clock: str = "host") -> go.Figure:
+    """Mean time (ms) each rank waited for the last arrival of its collectives, arrivals read on ``clock``."""
     col = "wait_ns" if "wait_ns" in waits.columns else [c for c in waits.columns if c.endswith("_ns")][-1]
     df = waits.groupby("rank", as_index=False)[col].mean().assign(
         wait_ms=lambda d: d[col].astype("float64") / 1e6, rank=lambda d: d["rank"].map(_rank_label))
-    fig = px.bar(df, color_discrete_sequence=PALETTE,
-                 x="rank", y="wait_ms", labels={"wait_ms": "mean wait per collective (ms)", "rank": ""})
+    fig = px.bar(df, color_discrete_sequence=PALETTE, x="rank", y="wait_ms",
+                 labels={"wait_ms": f"mean wait per collective (ms, {clock_words(clock)})", "rank": ""})
     return _layout(fig, "Who waits (victims)", height=300)
+
+
+def device_arrival_lateness(arrivals: pd.DataFrame) -> go.Figure:
+    """Per rank and group of a trace folder: median arrival lateness (µs) on the device clock aligned from the
+    collectives (``RunAnalysis.arrival_summary``)."""
+    df = arrivals.assign(rank=lambda d: d["rank"].map(_rank_label),
+                         group=lambda d: d["pg"].astype(str) + " [" + d["pg_ranks"].astype(str) + "]")
+    fig = px.bar(df, color_discrete_sequence=PALETTE, x="rank", y="median_lateness_us", color="group",
+                 barmode="group", hover_data=["num_collectives", "last_frac"],
+                 labels={"median_lateness_us": f"median lateness (µs, {clock_words('device')})", "rank": "",
+                         "group": ""})
+    return _layout(fig, f"Arrival lateness on the {clock_words('device')}: above 0 = after its peers' median",
+                   height=320)
 
 
 # ----------------------------------------------------------------------------------------------- communication

@@ -11,7 +11,7 @@ from typing import Callable
 
 import streamlit as st
 
-from dtprobe.dashboard import data
+from dtprobe.dashboard import clocks, data
 from dtprobe.dashboard.paths import ROOT_IS_SOURCE, Source, resolve_choice, root_from_env
 from dtprobe.store.errors import ConfigError, TraceError
 
@@ -226,12 +226,14 @@ def findings_for(analysis, codes: tuple[str, ...]) -> list:
 
 
 def show_findings(findings: list, *, key: str) -> None:
-    """Each finding as a bordered box: severity, ranks, title, recommendation, evidence rows on demand."""
+    """Each finding as a bordered box: severity, ranks, title, the clock of its timing evidence, recommendation,
+    evidence rows on demand."""
     for index, finding in enumerate(findings):
         with st.container(border=True):
             ranks = ", ".join(str(r) for r in finding.ranks) or "-"
             st.markdown(f"**:{SEVERITY_BADGE[finding.severity]}[{finding.severity.upper()}] {finding.code}** · "
                         f"ranks {ranks} · group {finding.group or '-'}  \n{finding.title}")
+            evidence_clock(finding.evidence.get("clock"))
             st.caption(finding.recommendation)
             if finding.predicted_gain is not None:
                 st.caption(f"Predicted gain: {finding.predicted_gain.frac:.0%} shorter "
@@ -239,6 +241,13 @@ def show_findings(findings: list, *, key: str) -> None:
             if finding.rows is not None and not finding.rows.empty:
                 with st.expander(f"Evidence rows ({len(finding.rows)})"):
                     st.dataframe(finding.rows, hide_index=True)
+
+
+def evidence_clock(clock: str | None) -> None:
+    """A finding card's line naming the clock of its timing evidence (nothing for a finding judged on no timing)."""
+    line = clocks.evidence_line(clock)
+    if line is not None:
+        st.caption(line)
 
 
 def fmt(value, pattern: str) -> str:

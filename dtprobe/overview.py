@@ -27,6 +27,9 @@ class FindingLine:
     group: str | None
     title: str
     recommendation: str
+    clock: str | None
+    """The clock its timing evidence was read on (``evidence.clock``: ``host``, ``device`` or ``mixed``); None for a
+    finding judged on no timing."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,12 @@ class Overview:
     """Which steps were analyzed when not the whole run (``StepWindow.describe()``)."""
     made_s: float
     """``time.time()`` when it was made."""
+    clock_aligned: str
+    """How the ranks' times were put on one clock (``RunAnalysis.clock_alignment()``: ``host``,
+    ``device_collectives`` or ``not aligned: <why>``)."""
+    arrival_clock: str | None
+    """The clock collectives' arrivals were read on (``RunAnalysis.arrival_clock()``: ``host``, ``device`` or
+    ``mixed``); None without collectives."""
     restarts: tuple[str, ...] = ()
     """The header's restart lines that no RANK_CRASH title tells (``report.restart_lines``), e.g. after a hang."""
 
@@ -97,9 +106,11 @@ def summarize(analysis: Any, *, path: str) -> Overview:
         path=path, whole=window is None, figures=asdict(k),
         num_steps=int(window.total_steps if window is not None else k.num_steps), trends=trends(analysis),
         findings=tuple(FindingLine(code=f.code, severity=f.severity, ranks=tuple(int(r) for r in f.ranks),
-                                   group=f.group, title=f.title, recommendation=f.recommendation)
+                                   group=f.group, title=f.title, recommendation=f.recommendation,
+                                   clock=f.evidence.get("clock"))
                        for f in analysis.findings()),
         window=window.describe() if window is not None else None, made_s=time.time(),
+        clock_aligned=analysis.clock_alignment(), arrival_clock=analysis.arrival_clock(),
         restarts=tuple(restart_lines(run_events(analysis))))
 
 

@@ -1,5 +1,6 @@
 """Overview: every crash and restart of the run (the RANK_CRASH titles, as `dtprobe analyze` heads its report),
-health, findings by severity (each linking to its page), key figures of the chosen run with the trend
+how the ranks' clocks were aligned and which clock arrivals were read on, health, findings by severity (each
+naming the clock of its timing evidence and linking to its page), key figures of the chosen run with the trend
 of step time and tokens/s (per-rank charts are on the pages the findings link to). Drawn from an
 ``Overview`` (``data.load_overview``: a finished run's stored summary when valid), with no chart library."""
 
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dtprobe.dashboard import common
+from dtprobe.dashboard import clocks, common
 from dtprobe.dashboard.nav import FINDING_PAGE
 
 
@@ -17,6 +18,7 @@ def body(source) -> None:
         st.markdown(f"**:{common.SEVERITY_BADGE[crash.severity]}[crash]** {crash.title}")
     for line in overview.restarts:                                          # restarts no crash line tells
         st.markdown(f"**:orange[restart]** {line}")
+    st.caption(clocks.run_clocks(overview.clock_aligned, overview.arrival_clock))
     items = list(common.key_figures(overview).items())
     for row in (items[:4], items[4:]):
         for col, (label, value) in zip(st.columns(4, border=True), row):
@@ -41,6 +43,7 @@ def body(source) -> None:
                 ranks = ", ".join(str(r) for r in finding.ranks) or "-"
                 st.markdown(f"**:{common.SEVERITY_BADGE[severity]}[{severity.upper()}] {finding.code}** · "
                             f"ranks {ranks} · group {finding.group or '-'}  \n{finding.title}")
+                common.evidence_clock(finding.clock)
                 st.caption(finding.recommendation)
                 page = FINDING_PAGE.get(finding.code)
                 if page is not None:

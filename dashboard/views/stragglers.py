@@ -1,10 +1,11 @@
-"""Stragglers: rank × step heatmap of arrival lateness, the culprit (marked) and its victims, with the cause."""
+"""Stragglers: the clock lateness is read on, a rank × step heatmap of arrival lateness, the culprit (marked) and
+its victims, with the cause; on a trace folder, arrivals on the device clock aligned from the collectives."""
 
 from __future__ import annotations
 
 import streamlit as st
 
-from dtprobe.dashboard import charts, common
+from dtprobe.dashboard import charts, clocks, common
 
 
 def body(source) -> None:
@@ -14,17 +15,19 @@ def body(source) -> None:
     if marked:
         st.markdown("**Marked:** " + ", ".join(f":red[rank {r}]" for r in marked)
                     + (" (from the finding link)" if common.marked_ranks() else " (detected culprits)"))
+    clock, aligned = analysis.arrival_clock(), analysis.clock_alignment()
+    st.caption(clocks.run_clocks(aligned, clock))
     common.show_findings(findings, key="stragglers")
     if analysis.is_trace_folder:
-        st.info("Kineto trace folders carry no cross-rank clock alignment, so arrival skew is not measured. "
-                "Record the job with `dtprobe run` or `dtprobe.attach` for straggler analysis.")
+        _trace_folder_arrivals(analysis, aligned=aligned)
         return
     lateness = analysis.rank_lateness()
     if lateness.empty:
         st.info("No collective arrivals recorded yet: the heatmap needs the collectives table "
                 "(re-run without --no-collectives).")
         return
-    common.chart(charts.lateness_heatmap(lateness, marked=marked), key="stragglers_heatmap")
+    words = clocks.clock_words(clock)
+    common.chart(charts.lateness_heatmap(lateness, marked=marked, clock=clock), key="stragglers_heatmap")
     scores = analysis.straggler_scores()
     causes = analysis.straggler_causes()
     st.subheader("Culprits and victims")
@@ -33,14 +36,39 @@ def body(source) -> None:
     st.dataframe(table[["role", "pg", "rank", "median_lateness_frac", "positive_frac", "mean_victims_wait_ns",
                         *[c for c in ("cause",) if c in table.columns]]],
                  hide_index=True, column_config={
-                     "median_lateness_frac": st.column_config.NumberColumn("median lateness", format="percent"),
+                     "median_lateness_frac": st.column_config.NumberColumn(f"median lateness ({words})",
+                                                                           format="percent"),
                      "positive_frac": st.column_config.NumberColumn("steps late", format="percent")})
     waits = analysis.collective_waits()
     if not waits.empty:
-        common.chart(charts.victims_wait(waits), key="stragglers_victims")
+        common.chart(charts.victims_wait(waits, clock=clock), key="stragglers_victims")
     steps = analysis.table("steps")
     if not steps.empty:
         common.chart(charts.step_time_overview(steps, marked=marked), key="stragglers_step_time")
+
+
+def _trace_folder_arrivals(analysis, *, aligned: str) -> None:
+    """A trace folder's arrivals: on the device clock when the collectives aligned the ranks' clocks (``aligned``),
+    else why not."""
+    if aligned.startswith("not aligned"):
+        st.info("No arrival lateness for this trace folder: its ranks' clocks could not be aligned from the "
+                "collectives (see above). Trace every member of a group, or record the job with `dtprobe run` "
+                "or `dtprobe.attach`, whose store aligns the ranks' clocks.")
+        return
+    arrivals = analysis.arrival_summary()
+    if arrivals.empty:
+        st.info("No collective was matched on every member of its group, so no arrival lateness is measured.")
+        return
+    common.chart(charts.device_arrival_lateness(arrivals), key="stragglers_device_arrivals")
+    words = clocks.clock_words("device")
+    st.dataframe(arrivals[["pg", "rank", "num_collectives", "last_frac", "median_lateness_us", "caused_wait_us"]],
+                 hide_index=True, column_config={
+                     "num_collectives": st.column_config.NumberColumn("matched collectives"),
+                     "last_frac": st.column_config.NumberColumn("started last", format="percent"),
+                     "median_lateness_us": st.column_config.NumberColumn(f"median lateness (µs, {words})",
+                                                                         format="%.1f"),
+                     "caused_wait_us": st.column_config.NumberColumn(f"peers' wait it caused, total (µs, {words})",
+                                                                     format="%.1f")})
 
 
 source = common.page_setup("Stragglers")

@@ -33,14 +33,17 @@ clocks do not count time spent waiting for a core, so this figure holds on a loa
 6. launch / torchrun (`launch`, not in the default cases): examples/launch/train_ddp.py, an unmodified DDP script
    (it calls init_process_group itself), under `dtprobe launch` against the same script under plain torchrun; each
    side's step is its training loop's wall time (the script's `--report`, rank 0) over its optimizer steps, so
-   start-up, compaction and the findings printed after the run are left out. Goal <= 1.01. The script's model is
-   tiny and its steps short, the worst case for a fixed cost per step: the difference per step is printed too.
+   start-up, compaction and the findings printed after the run are left out. Goal <= 1.01. The model is the
+   script's MLP sized by `--launch-model HIDDEN,LAYERS` (default 2048,2: a hidden x hidden layer, so a step does
+   real work and DDP all-reduces 16 MB of gradients); `--launch-model 64,1` is the script's tiny default, the
+   worst case for a fixed cost per step. The difference per step is printed too.
 
 Per recorded collective, for the DDP case and the many-small cases: (median step on - median step off) divided by
 the collectives rank 0 recorded per step in the "on" run; for the many-small cases also the same from each rank's
 process CPU time per step (all its threads): waiting for a core is not counted, though a loaded machine still
 inflates it (contended caches, gloo's polling while it waits). Goal <= 10 us on gloo; both figures need a quiet
-machine.
+machine. `--pin` pins each many-small worker to core LOCAL_RANK (mod the cores): with one rank per core, the
+ranks' threads do not take turns on each other's core (the usual set-up of a training node).
 
 The first `--skip` steps of every run are left out (DDP rebuilds its buckets after step 0). On a CPU machine the
 figures are CPU/gloo ones, not GPU ones.
@@ -75,13 +78,14 @@ def _env() -> dict[str, str]:
 
 
 def side_command(name: str, out: Path, *, nproc: int, steps: int, flush_baseline: float | None,
-                 num_small: int) -> list[str]:
+                 num_small: int, pin: bool = False, launch_model: tuple[int, int] = (2048, 2)) -> list[str]:
     """The command of one side: "on", "off", "slowflush" (`dtprobe run`), "plain" (benchmarks/plain_ddp.py),
     "small_on", "small_off", "small_async_on" or "small_async_off" (this file's many-small-collectives worker
     under torchrun)."""
     if name in LAUNCH_SIDES:
         script = [str(ROOT / "examples" / "launch" / "train_ddp.py"), "--samples", str(steps * LAUNCH_BATCH * nproc),
-                  "--batch-size", str(LAUNCH_BATCH), "--report", str(out / "report.json")]
+                  "--batch-size", str(LAUNCH_BATCH), "--hidden", str(launch_model[0]), "--layers",
+                  str(launch_model[1]), "--report", str(out / "report.json")]
         if name == "launch_plain":
             return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                     *script]
@@ -94,7 +98,7 @@ def side_command(name: str, out: Path, *, nproc: int, steps: int, flush_baseline
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                 str(Path(__file__).resolve()), "--small-worker", str(out), "--steps", str(steps),
                 "--small-collectives", str(num_small)] + (["--small-off"] if name.endswith("_off") else []) + (
-                ["--small-async"] if name.startswith("small_async") else [])
+                ["--small-async"] if name.startswith("small_async") else []) + (["--pin"] if pin else [])
     cmd = [sys.executable, "-m", "dtprobe.cli", "run", "--nproc", str(nproc), "--steps", str(steps),
            "--run-dir", str(out), "--warmup", "0"]
     if name == "off":
@@ -196,7 +200,8 @@ def cpu_per_step(run_dir: Path) -> float:
     return statistics.mean(values)
 
 
-def small_worker(run_dir: str, *, steps: int, num_collectives: int, off: bool, async_op: bool = False) -> None:
+def small_worker(run_dir: str, *, steps: int, num_collectives: int, off: bool, async_op: bool = False,
+                 pin: bool = False) -> None:
     """One rank of the many-small-collectives cases (launched by torchrun): each step a small matmul and
     ``num_collectives`` all_reduce of 256 float32 on the default group, timed by ``probe.step``; blocking calls,
     or with ``async_op`` issued with ``async_op=True`` and waited at once (how DTensor and FSDP use their works)."""
@@ -208,6 +213,8 @@ def small_worker(run_dir: str, *, steps: int, num_collectives: int, off: bool, a
     import dtprobe
 
     torch.set_num_threads(1)
+    if pin:                           # before gloo and the probe start their threads: they inherit the core
+        os.sched_setaffinity(0, {int(os.environ["LOCAL_RANK"]) % (os.cpu_count() or 1)})
     options = {"collectives": False, "devices": False} if off else {}
     probe = dtprobe.attach(run_dir, **options)
     weight = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
@@ -304,7 +311,8 @@ def report_launch(results: Results, args: argparse.Namespace) -> list[str]:
     plain_ms = statistics.median(results.medians["launch_plain"]) * 1e3
     return [_ratio_line("launch/torchrun ratio:    ", results, "launch_on", "launch_plain", "<= 1.01"),
             f"launch cost per step: {statistics.median(diffs):.0f} us  (per pair: "
-            f"{', '.join(f'{d:.0f}' for d in diffs)}; plain torchrun step {plain_ms:.2f} ms)"]
+            f"{', '.join(f'{d:.0f}' for d in diffs)}; plain torchrun step {plain_ms:.2f} ms, MLP hidden "
+            f"{args.launch_model[0]} x {args.launch_model[1]} layers)"]
 
 
 CASES: dict[str, tuple[tuple[str, ...], Callable[[Results, argparse.Namespace], list[str]]]] = {
@@ -336,7 +344,8 @@ def run_cases(cases: list[str], args: argparse.Namespace) -> Results:
                 if name in LAUNCH_SIDES:
                     outs[name].mkdir()
             commands = {name: side_command(name, outs[name], nproc=args.nproc, steps=args.steps,
-                                           flush_baseline=args.flush_baseline, num_small=args.small_collectives)
+                                           flush_baseline=args.flush_baseline, num_small=args.small_collectives,
+                                           pin=args.pin, launch_model=args.launch_model)
                         for name in order}
             run_sides(commands, tmp_path / f"logs{i}", concurrent=args.concurrent)
             for name in names:
@@ -352,6 +361,16 @@ def run_cases(cases: list[str], args: argparse.Namespace) -> Results:
             for name in results.cpu:
                 results.cpu[name].append(cpu_per_step(outs[name]))
     return results
+
+
+def _launch_model(text: str) -> tuple[int, int]:
+    try:
+        hidden, layers = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--launch-model takes HIDDEN,LAYERS (e.g. 2048,2), not {text!r}") from None
+    if hidden < 1 or layers < 1:
+        raise argparse.ArgumentTypeError(f"--launch-model {text}: both numbers must be at least 1")
+    return hidden, layers
 
 
 def main() -> int:
@@ -371,13 +390,18 @@ def main() -> int:
                              "side is slower, the ratios are what counts)")
     parser.add_argument("--small-collectives", type=int, default=200,
                         help="all_reduce per step in the many-small-collectives cases (default 200)")
+    parser.add_argument("--pin", action="store_true",
+                        help="pin each many-small-collectives rank to its own core (LOCAL_RANK mod the cores)")
+    parser.add_argument("--launch-model", type=_launch_model, default=(2048, 2), metavar="HIDDEN,LAYERS",
+                        help="the launch case's MLP: hidden width and hidden layers (default 2048,2; 64,1 is the "
+                             "script's tiny default)")
     parser.add_argument("--small-worker", metavar="RUN_DIR", help=argparse.SUPPRESS)
     parser.add_argument("--small-off", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--small-async", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.small_worker:
         small_worker(args.small_worker, steps=args.steps, num_collectives=args.small_collectives, off=args.small_off,
-                     async_op=args.small_async)
+                     async_op=args.small_async, pin=args.pin)
         return 0
     cases = list(DEFAULT_CASES) + (["flush"] if args.flush_baseline is not None else [])
     if args.cases is not None:

@@ -7,6 +7,7 @@ or with dtprobe attached:  dtprobe launch --nproc 2 examples/launch/train_ddp.py
 ``--grad-accum K`` steps the optimizer every K batches; ``--amp`` uses fp16 autocast with a GradScaler and
 ``--overflow-step S`` makes step S's loss overflow (the scaler skips it); ``--fail-rank R --fail-step S`` makes
 rank R raise at step S (``--fail-exit N``: call ``sys.exit(N)`` instead). ``--record`` reports loss and tokens.
+``--hidden``/``--layers`` size the MLP (the default is tiny; the benchmark uses a step of realistic length).
 ``--report FILE``: rank 0 writes ``{"optimizer_steps", "loop_s"}`` there (the training loop's wall time, what
 ``benchmarks/`` compares between ``dtprobe launch`` and plain torchrun).
 """
@@ -32,6 +33,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--samples", type=int, default=256)
     parser.add_argument("--grad-accum", type=int, default=1)
+    parser.add_argument("--hidden", type=int, default=64, help="width of the hidden layers")
+    parser.add_argument("--layers", type=int, default=1, help="hidden layers (each after the first: hidden x hidden)")
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--amp", action="store_true")
     parser.add_argument("--overflow-step", type=int, default=-1)
@@ -51,7 +54,10 @@ def main() -> None:
     data = TensorDataset(torch.randn(args.samples, 32), torch.randn(args.samples, 8))
     sampler = DistributedSampler(data, num_replicas=world_size, rank=rank, shuffle=True, seed=0)
     loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler)
-    model = DDP(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)))
+    layers: list[nn.Module] = [nn.Linear(32, args.hidden), nn.ReLU()]
+    for _ in range(args.layers - 1):
+        layers += [nn.Linear(args.hidden, args.hidden), nn.ReLU()]
+    model = DDP(nn.Sequential(*layers, nn.Linear(args.hidden, 8)))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     scaler = torch.amp.GradScaler("cpu", enabled=args.amp)
     step = 0

@@ -53,3 +53,58 @@ def test_attach_keeps_every_groups_backend_name_and_records_each_group_when_init
             ["world", "0,1", 12], [expect[rank]["sub_pg"], "0,1", 20], ["ckpt", "0,1", 24], ["world", "0,1", 36],
             ["tp", str(rank), 28]]
         assert (mine["end_ns"] >= mine["enqueue_ns"]).all()
+
+
+# ---- NCCL, without a GPU: what can be checked of the path on this CPU build ----
+
+@pytest.mark.parametrize("bind_device, device_id", [(False, None), (True, "cuda:1")])
+def test_attach_binds_an_nccl_group_to_the_device_only_when_it_will_not_be_recorded(monkeypatch, bind_device,
+                                                                                   device_id):
+    # A bound default group makes torch split later groups from its communicator (ncclCommSplit on every rank of
+    # the parent), which the dtprobe_nccl groups made for the members do not join: an unrecorded job only binds.
+    import torch
+    import torch.distributed as dist
+
+    from dtprobe.collectors import attach as attach_module
+
+    calls = []
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw)))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.append(("set_device", index)))
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    attach_module._init_process_group("nccl", timeout_s=30, local_rank=1, bind_device=bind_device)
+    (set_device, (backend, kwargs)) = calls
+    assert set_device == ("set_device", 1) and backend == "nccl"
+    assert kwargs["timeout"].total_seconds() == 30
+    assert (str(kwargs["device_id"]) if "device_id" in kwargs else None) == device_id
+
+
+def test_attach_after_an_nccl_init_records_the_default_group_under_the_name_nccl_with_device_timing(run_python,
+                                                                                                    tmp_path):
+    # The default group is a 1-rank gloo group registered as torch registers an NCCL one ("nccl" in pg_map and
+    # the backend config); NCCL's device timing (nccl.time_rows) needs CUDA, so the test records the call.
+    code = """
+import json, sys
+import torch, torch.distributed as dist
+import dtprobe
+from dtprobe.collectors import attach as attach_module
+from dtprobe.collectors.pg_wrapper import RecordingProcessGroup
+
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+world = dist.distributed_c10d._world
+old = world.default_pg
+world.pg_map[old] = ("nccl", world.pg_map[old][1])
+world.pg_backend_config[old] = "cuda:nccl"
+timed = []
+attach_module.nccl.time_rows = lambda pg, recorder, *, device_timing: timed.append((pg, device_timing))
+probe = dtprobe.attach(sys.argv[1], devices=False, nccl_timing=False)
+default = dist.group.WORLD
+print(json.dumps({"backend": dist.get_backend(), "wrapped": isinstance(default, RecordingProcessGroup)
+                  and default.inner is old, "timed": [(pg is default, flag) for pg, flag in timed]}))
+probe.close()
+"""
+    proc = run_python(code, tmp_path / "run", timeout_s=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"backend": "nccl", "wrapped": True, "timed": [[True, False]]}

@@ -11,6 +11,7 @@ import textwrap
 import pytest
 
 from dtprobe.store import RunStore
+from probe_reuse_checks import assert_recorded_after_training, launch_with_callback, one_recorder_steps
 
 NUM_STEPS = 6
 """Optimizer steps of the 2-rank run (``max_steps``)."""
@@ -161,22 +162,13 @@ def test_hf_callback_added_after_the_trainer_was_built_attaches_at_train_begin_a
     assert steps["loss"].notna().all() and (steps["tokens"] == TOKENS_PER_RANK_STEP).all()
 
 
-def _assert_one_probe_recorded_each_step_once(run, trainer, *, closed_by: str) -> None:
-    """One attach and one close row per rank, each optimizer step written once with the callback's logged loss,
-    DDP's gradients all-reduced once per step (one recorder)."""
-    store = RunStore.open(run)
-    assert store.manifest.status == "finished"
-    lifecycle = store.table("lifecycle").sort_values(["rank", "time_ns"])
-    assert lifecycle.groupby("rank")["event"].apply(list).to_dict() == {r: ["attach", "close"] for r in (0, 1)}
-    assert set(lifecycle.query("event == 'close'")["reason"]) == {closed_by}
-    steps = store.table("steps").sort_values(["rank", "step"])
-    assert steps.groupby("rank")["step"].apply(list).to_dict() == {r: list(range(NUM_STEPS)) for r in (0, 1)}
+
+def _assert_steps_are_the_callbacks(run, trainer) -> None:
+    """One recorder, each step once, with the loss the Trainer logged for it and this rank's tokens."""
+    steps = one_recorder_steps(run, num_steps=NUM_STEPS, grad_bytes=trainer["grad_bytes"])
     logged = {entry["step"]: entry["loss"] for entry in trainer["log_history"] if "loss" in entry}
     assert [logged[s + 1] for s in steps["step"]] == pytest.approx(steps["loss"].tolist(), rel=1e-9)
     assert (steps["tokens"] == TOKENS_PER_RANK_STEP).all()
-    coll = store.table("collectives")
-    grads = coll[(coll["op"] == "allreduce") & (coll["step"] >= 0)].groupby(["rank", "step"])["num_bytes"].sum()
-    assert grads.to_dict() == {(r, s): trainer["grad_bytes"] for r in (0, 1) for s in range(NUM_STEPS)}
 
 
 @pytest.mark.multiproc
@@ -184,19 +176,13 @@ def test_hf_callback_under_dtprobe_launch_records_through_the_workers_probe_and_
         tmp_path, run_cli, child_env):
     (tmp_path / "worker.py").write_text(WORKER)
     (tmp_path / "out").mkdir()
-    run, callback_run = tmp_path / "launch-run", tmp_path / "callback-run"
-    proc = run_cli("launch", "--nproc", "2", "--run-dir", run, "--no-devices", tmp_path / "worker.py",
-                   callback_run, tmp_path / "out", "1", "0", timeout_s=600, env=_hf_env(child_env))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    worker_logs = sorted(run.glob("logs/node0/*/attempt_0/*/stderr.log"))
-    assert len(worker_logs) == 2
-    for log in worker_logs:
-        assert "records into the probe already open in this process" in log.read_text()
-    assert not callback_run.exists()                  # no second probe, no second run directory
+    run = tmp_path / "launch-run"
+    launch_with_callback(run_cli, _hf_env(child_env), tmp_path / "worker.py", run, tmp_path / "callback-run",
+                         tmp_path / "out", "1", "0")
     trainer = json.loads((tmp_path / "out" / "trainer.json").read_text())
     assert trainer["backend"] == "gloo"
     # the launch's hook-driven steps gave way to the callback's: each step once, with the logged loss and tokens
-    _assert_one_probe_recorded_each_step_once(run, trainer, closed_by="exit")
+    _assert_steps_are_the_callbacks(run, trainer)
 
 
 @pytest.mark.multiproc
@@ -210,8 +196,5 @@ def test_hf_callback_after_the_scripts_own_attach_reuses_its_probe_and_does_not_
     assert proc.returncode == 0, proc.stderr[-4000:]
     trainer = json.loads((tmp_path / "out" / "trainer.json").read_text())
     assert trainer["backend"] == "gloo"               # attach initialized: Accelerate sees the plain backend
-    _assert_one_probe_recorded_each_step_once(run, trainer, closed_by="exit")
-    # the script's all-reduce after train() is recorded: the callback left the probe open
-    coll = RunStore.open(run).table("collectives")
-    after = coll[(coll["step"] == -1) & (coll["num_bytes"] == 12)]
-    assert sorted(after["rank"]) == [0, 1] and set(after["pg"]) == {"world"}
+    _assert_steps_are_the_callbacks(run, trainer)
+    assert_recorded_after_training(run)

@@ -13,6 +13,7 @@ import textwrap
 import pytest
 
 from dtprobe.store import RunStore
+from probe_reuse_checks import assert_recorded_after_training, launch_with_callback, one_recorder_steps
 
 BATCH, SEQ, ACCUM = 2, 16, 2
 MICRO_BATCHES = [2, 2, 1, 2, 2, 1]
@@ -94,6 +95,7 @@ def _fit_on_2_ranks(root, torchrun_cmd, child_env, *, sync_dist: bool, own_attac
 
 
 def _read_outputs(root):
+    """(``root``/run, each rank's own record, the rows Lightning logged to CSV) of a finished worker."""
     ranks = {r: json.loads((root / "out" / f"rank{r}.json").read_text()) for r in (0, 1)}
     with open(root / "out" / "csv" / "version_0" / "metrics.csv") as f:
         logged = list(csv.DictReader(f))
@@ -210,22 +212,13 @@ def test_lightning_callback_closes_the_run_as_crashed_when_training_step_raises(
 
 
 
-def _assert_one_probe_recorded_each_step_once(run, ranks) -> None:
-    """One attach and one close row per rank, each optimizer step written once with the callback's tokens, DDP's
-    gradients all-reduced once per step (one recorder)."""
-    store = RunStore.open(run)
-    assert store.manifest.status == "finished"
-    lifecycle = store.table("lifecycle").sort_values(["rank", "time_ns"])
-    assert lifecycle.groupby("rank")["event"].apply(list).to_dict() == {r: ["attach", "close"] for r in (0, 1)}
-    assert set(lifecycle.query("event == 'close'")["reason"]) == {"exit"}
-    steps = store.table("steps").sort_values(["rank", "step"])
-    assert steps.groupby("rank")["step"].apply(list).to_dict() == {r: list(range(NUM_STEPS)) for r in (0, 1)}
+
+def _assert_steps_are_the_callbacks(run, ranks) -> None:
+    """One recorder, each step once, with this rank's tokens and loss."""
+    steps = one_recorder_steps(run, num_steps=NUM_STEPS, grad_bytes=ranks[0]["grad_bytes"])
     tokens = [n * BATCH * SEQ for n in MICRO_BATCHES]
     assert steps.groupby("rank")["tokens"].apply(list).to_dict() == {0: tokens, 1: tokens}
     assert steps["loss"].notna().all()
-    coll = store.table("collectives")
-    grads = coll[(coll["op"] == "allreduce") & (coll["step"] >= 0)].groupby(["rank", "step"])["num_bytes"].sum()
-    assert grads.to_dict() == {(r, s): ranks[0]["grad_bytes"] for r in (0, 1) for s in range(NUM_STEPS)}
 
 
 @pytest.mark.multiproc
@@ -233,18 +226,12 @@ def test_lightning_callback_under_dtprobe_launch_records_through_the_workers_pro
         tmp_path, run_cli, child_env):
     (tmp_path / "worker.py").write_text(WORKER)
     (tmp_path / "out").mkdir()
-    run, callback_run = tmp_path / "launch-run", tmp_path / "callback-run"
-    proc = run_cli("launch", "--nproc", "2", "--run-dir", run, "--no-devices", tmp_path / "worker.py",
-                   callback_run, tmp_path / "out", "2", "-1", "0", timeout_s=600, env=child_env())
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    worker_logs = sorted(run.glob("logs/node0/*/attempt_0/*/stderr.log"))
-    assert len(worker_logs) == 2
-    for log in worker_logs:
-        assert "records into the probe already open in this process" in log.read_text()
-    assert not callback_run.exists()                  # no second probe, no second run directory
+    run = tmp_path / "launch-run"
+    launch_with_callback(run_cli, child_env(), tmp_path / "worker.py", run, tmp_path / "callback-run",
+                         tmp_path / "out", "2", "-1", "0")
     _, ranks, _ = _read_outputs(tmp_path)
     # the launch's hook-driven steps gave way to the callback's: each step once, with the callback's tokens
-    _assert_one_probe_recorded_each_step_once(run, ranks)
+    _assert_steps_are_the_callbacks(run, ranks)
 
 
 @pytest.mark.multiproc
@@ -253,12 +240,9 @@ def test_lightning_callback_after_the_scripts_own_attach_reuses_its_probe_and_sy
     # attach initializes torch.distributed before Lightning; Lightning's sync_dist "mean" takes its gloo path
     # (a SUM and a division) only if dist.get_backend() answers "gloo"
     run, ranks, logged = _fit_on_2_ranks(tmp_path, torchrun_cmd, child_env, sync_dist=True, own_attach=True)
-    _assert_one_probe_recorded_each_step_once(run, ranks)
+    _assert_steps_are_the_callbacks(run, ranks)
     steps = RunStore.open(run).table("steps").set_index(["rank", "step"])
     epoch_losses = [float(row["train_loss"]) for row in logged if row["train_loss"]]
     per_rank = [_epoch_mean_losses(steps, r) for r in (0, 1)]
     assert epoch_losses == pytest.approx([(a + b) / 2 for a, b in zip(*per_rank)], rel=1e-6)
-    # the script's all-reduce after fit() is recorded: the callback left the probe open
-    coll = RunStore.open(run).table("collectives")
-    after = coll[(coll["step"] == -1) & (coll["num_bytes"] == 12)]
-    assert sorted(after["rank"]) == [0, 1] and set(after["pg"]) == {"world"}
+    assert_recorded_after_training(run)

@@ -340,8 +340,11 @@ def _record_initialized_groups(*, nccl_timing: bool) -> None:
 
 
 def _recording_backend(name: str) -> str | None:
-    """The recording backend of groups asked for on ``name`` after attach-after-init (gloo, nccl), else None."""
-    return {"gloo": GLOO_BACKEND, "nccl": NCCL_BACKEND}.get(name.lower())
+    """The recording backend of groups asked for on ``name`` after attach: ``dtprobe_gloo`` when every device of
+    ``name`` runs gloo (``"gloo"``, ``"cpu:gloo"``, ``"undefined"`` on a CPU build), ``dtprobe_nccl`` when every
+    one runs NCCL; None for the others (mixed, MPI, plugins, dtprobe's own), which are created as asked."""
+    backends = set(torch_internals.backend_devices(name).values())
+    return {frozenset({"gloo"}): GLOO_BACKEND, frozenset({"nccl"}): NCCL_BACKEND}.get(frozenset(backends))
 
 
 def _destroy_default_group() -> None:

@@ -103,6 +103,17 @@ def group_device_backends(pg: Any) -> dict[str, str]:
     return out
 
 
+def backend_devices(backend: str) -> dict[str, str]:
+    """Device type -> backend name of a group created on ``backend`` (``distributed_c10d.BackendConfig``): ``"gloo"``
+    -> ``{"cpu": "gloo", "cuda": "gloo"}``, ``"undefined"`` (what ``init_process_group()`` without a backend
+    registers) -> torch's default per device (``{"cpu": "gloo"}`` on a CPU build), ``"cpu:gloo,cuda:nccl"`` as
+    written; ``{}`` for a string torch refuses (``"cpu:gloo,"``)."""
+    try:
+        return dict(dist.distributed_c10d.BackendConfig(dist.Backend(backend)).get_device_backend_map())
+    except ValueError:
+        return {}
+
+
 def registered_groups() -> list[tuple[Any, str, str, list[int]]]:
     """Every registered group as ``(group, name, description, global ranks)``, in creation order (``_world.pg_names``
     and ``pg_group_ranks``; the description is ``group_desc``, e.g. ``"mesh_tp"`` for a DeviceMesh axis)."""

@@ -5,7 +5,9 @@ Launch: ``torchrun --nproc-per-node 2 tests/attach_backend_names_worker.py RUN_D
 
 - ``before_init``: ``dtprobe.attach`` initializes torch.distributed itself;
 - ``after_init``: the script's own ``init_process_group("gloo")``, then ``dtprobe.attach``;
-- ``named_recording_backend``: the script names ``dtprobe_gloo`` in its own ``init_process_group``, then attaches.
+- ``named_recording_backend``: the script names ``dtprobe_gloo`` in its own ``init_process_group``, then attaches;
+- ``no_backend``: the script's own ``init_process_group()`` without a backend (torch registers "undefined" and
+  picks gloo for the CPU), then ``dtprobe.attach``.
 
 Then, in each: one DDP step on the default group, then one all-reduce of a size of its own on the default group (3
 floats), a ``dist.new_group`` (5), a ``probe.new_group(name="ckpt")`` (6), and the two axes of a ("dp", "tp") =
@@ -38,6 +40,8 @@ def main() -> None:
     elif scenario == "named_recording_backend":
         register_backends()
         dist.init_process_group("dtprobe_gloo", timeout=TIMEOUT)
+    elif scenario == "no_backend":
+        dist.init_process_group(timeout=TIMEOUT)
     elif scenario != "before_init":
         raise SystemExit(f"unknown scenario {scenario!r}")
     probe = dtprobe.attach(run_dir, devices=False, timeout_s=60)

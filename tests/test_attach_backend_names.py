@@ -29,6 +29,7 @@ def _run(tmp_path, repo_root, torchrun_cmd, child_env, scenario: str):
     ("before_init", "gloo"),                     # attach initializes: the plain backend, then wrapped
     ("after_init", "gloo"),                      # the script initializes: wrapped in place
     ("named_recording_backend", "dtprobe_gloo"),  # the script asked for dtprobe's backend: that is its name
+    ("no_backend", "undefined"),                 # init_process_group() without one: torch's own answer, kept
 ])
 def test_attach_keeps_every_groups_backend_name_and_records_each_group_when_initialized_by(
         tmp_path, repo_root, torchrun_cmd, child_env, scenario, backend):

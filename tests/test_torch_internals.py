@@ -31,6 +31,18 @@ def test_group_device_backends_reads_the_backend_config_per_device(run_python):
     """)
 
 
+@pytest.mark.parametrize("backend, devices", [
+    ("gloo", {"cpu": "gloo", "cuda": "gloo"}),
+    ("cpu:gloo", {"cpu": "gloo"}),
+    ("cpu:gloo,cuda:nccl", {"cpu": "gloo", "cuda": "nccl"}),
+    ("cpu:gloo,", {}),                              # refused by torch: no backend
+])
+def test_backend_devices_gives_the_backend_of_each_device_a_new_group_gets(backend, devices):
+    from dtprobe.collectors import torch_internals as ti
+
+    assert ti.backend_devices(backend) == devices
+
+
 def test_registered_groups_lists_every_group_with_name_description_and_ranks_in_creation_order(run_python):
     _check(run_python, """
         sub = dist.new_group([0], group_desc="mine")

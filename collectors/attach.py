@@ -119,8 +119,8 @@ class Probe:
         """True when ``attach`` initialized torch.distributed (then an NCCL group is destroyed at exit)."""
         self.step_hooks: Any = None
         """What writes this probe's steps from torch's hooks (``dtprobe launch``: ``launch_steps.ScriptSteps``),
-        else None. A framework callback that reuses the probe marks the framework's steps instead: it calls
-        ``step_hooks.close()`` so each step is written once."""
+        else None. A second ``attach`` or a framework callback that reuses the probe marks its own steps instead:
+        it calls ``step_hooks.close()`` so each step is written once."""
         self._sampler: DeviceSampler | None = None
         self._profiler: ProfilerWindow | None = None
         self._closed = False
@@ -352,6 +352,21 @@ def _destroy_default_group() -> None:
         dist.destroy_process_group()
 
 
+def _reuse_open_probe(existing: Probe, run_dir: Path, config: CollectConfig) -> Probe:
+    """What a second ``attach`` returns: the open probe, which from now on has the caller's steps (``dtprobe
+    launch``'s hook-driven steps stop, so each step is written once); a warning when the caller asked for another
+    run directory or other options."""
+    if existing.run_dir.resolve() != run_dir.resolve() or existing.config != config:
+        warnings.warn(
+            f"dtprobe.attach: this process already records into {existing.run_dir} (attached earlier by `dtprobe "
+            f"launch`, the script or a callback); returning that probe, so rows go there and not to {run_dir}, "
+            f"with its options {existing.config}. Attach once per process.", stacklevel=3)
+    if existing.step_hooks is not None:
+        existing.step_hooks.close()
+        existing.step_hooks = None
+    return existing
+
+
 def _init_process_group(backend: str, *, timeout_s: float, local_rank: int, bind_device: bool) -> None:
     """``init_process_group(backend)`` from the torchrun environment (``env://``, or the per-attempt store after a
     restart), or a 1-rank group on a ``HashStore`` without one (a plain ``python train.py``).
@@ -394,8 +409,10 @@ def attach(run_dir: str | os.PathLike, *, timeout_s: float = 600.0, backend: str
       collectives from now on, and every group, DeviceMesh, DDP, FSDP2 or DTensor layout created after attach,
       are recorded, and ``dist.get_backend()`` answers the backend's own name; groups created before are named
       in one warning with the fix (see ``_record_initialized_groups``).
-    - Once per process: while the probe it returned is open, a second call returns that probe (with a warning
-      when its run directory or options differ) instead of recording twice.
+    - Once per process: while the probe it returned is open, a second call (also one that initializes
+      torch.distributed under ``dtprobe launch``, whose worker attaches then) returns that probe instead of
+      recording twice, with a warning when its run directory or options differ; the caller marks the steps
+      from then on (``dtprobe launch``'s hook-driven steps stop).
     - Measures the clock offset to rank 0, writes ``ranks/rankNNNNN.json``; the leader creates ``run.json``
       when absent (attach mode); starts the device sampler; arms the profiler window.
     - ``manage_status``: whether the leader sets the run status at close (default: True unless launched by
@@ -414,21 +431,16 @@ def attach(run_dir: str | os.PathLike, *, timeout_s: float = 600.0, backend: str
     cuda = torch.cuda.is_available()
     local_rank = _env_int("LOCAL_RANK", 0)
 
-    existing = _OPEN_PROBE
-    if existing is not None:
-        if existing.run_dir.resolve() != run_dir.resolve() or existing.config != config:
-            warnings.warn(
-                f"dtprobe.attach: this process already records into {existing.run_dir} (attached earlier by "
-                f"`dtprobe launch`, the script or a callback); returning that probe, so rows go there and not to "
-                f"{run_dir}, with its options {existing.config}. Attach once per process.", stacklevel=2)
-        return existing
-
+    if _OPEN_PROBE is not None:
+        return _reuse_open_probe(_OPEN_PROBE, run_dir, config)
     register_backends()      # the backends later groups are recorded on (record_new_groups); batch p2p coalescing
     owns_process_group = not dist.is_initialized()
     recording = config.enabled and config.collectives
     if owns_process_group:
         _init_process_group(backend or ("nccl" if cuda else "gloo"), timeout_s=timeout_s, local_rank=local_rank,
                             bind_device=not recording)
+        if _OPEN_PROBE is not None:      # `dtprobe launch` attaches as init_process_group returns
+            return _reuse_open_probe(_OPEN_PROBE, run_dir, config)
     if recording:
         _record_initialized_groups(nccl_timing=config.nccl_timing)
 

@@ -1,12 +1,16 @@
 """One probe per process: a second ``dtprobe.attach`` returns the open probe (warning when it names another run
 directory), a framework callback's ``OptimizerStepMarker`` records through a probe it finds open without closing
-it and stops ``dtprobe launch``'s hook-driven steps, and a probe closed frees the process for a new attach. Each
-case runs in a child process (attach initializes a 1-rank gloo group there), so no group outlives it."""
+it and stops ``dtprobe launch``'s hook-driven steps, a probe closed frees the process for a new attach, and a
+script's own attach under ``dtprobe launch`` (which attaches when that attach initializes torch.distributed) gets
+the worker's probe. Each case runs in child processes (attach initializes a 1-rank gloo group in the one-process
+cases), so no group outlives it."""
 
 from __future__ import annotations
 
 import json
 import textwrap
+
+import pytest
 
 from dtprobe.store import RunStore
 
@@ -112,3 +116,36 @@ def test_marker_that_attached_closes_its_probe_and_a_later_attach_opens_a_new_ru
     assert first.manifest.status == "finished" and first.table("steps")["loss"].tolist() == [2.0]
     assert second.table("lifecycle")["event"].tolist() == ["attach", "close"]
     assert second.table("collectives")["num_bytes"].tolist() == [20]      # the group recorded for the new probe
+
+
+LAUNCHED_SCRIPT = """
+import sys
+import torch, torch.distributed as dist
+import dtprobe
+
+probe = dtprobe.attach(sys.argv[1], devices=False, timeout_s=60)    # initializes: dtprobe launch attaches then
+for step in range(3):
+    with probe.step(step):
+        dist.all_reduce(torch.ones(4))
+probe.close()
+"""
+
+
+@pytest.mark.multiproc
+def test_attach_that_initializes_under_dtprobe_launch_returns_the_workers_probe_and_marks_the_steps(
+        tmp_path, run_cli, child_env):
+    (tmp_path / "train.py").write_text(LAUNCHED_SCRIPT)
+    run = tmp_path / "launch-run"
+    proc = run_cli("launch", "--nproc", "2", "--run-dir", run, "--no-devices", tmp_path / "train.py",
+                   tmp_path / "own-run", timeout_s=240, env=child_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not (tmp_path / "own-run").exists()
+    store = RunStore.open(run)
+    lifecycle = store.table("lifecycle").sort_values(["rank", "time_ns"])
+    assert lifecycle.groupby("rank")["event"].apply(list).to_dict() == {r: ["attach", "close"] for r in (0, 1)}
+    # the script's steps, once each (the launch's hook-driven steps stopped), with their all-reduce
+    steps = store.table("steps")
+    assert steps.groupby("rank")["step"].apply(sorted).to_dict() == {r: [0, 1, 2] for r in (0, 1)}
+    coll = store.table("collectives")
+    assert coll.groupby(["rank", "step"])["num_bytes"].sum().to_dict() == {(r, s): 16 for r in (0, 1)
+                                                                          for s in range(3)}

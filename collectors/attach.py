@@ -12,10 +12,10 @@ Launch example (a user script)::
     probe.close()
 
 Attach before or after ``init_process_group``, one way: before it, ``attach`` initializes torch.distributed on the
-plain backend (``"gloo"``, or ``"nccl"`` with CUDA) and then does what it does after it (``_record_initialized_groups``):
-the default group is wrapped in place, and groups created later on gloo or NCCL are created on the recording
-backends ``dtprobe_gloo``/``dtprobe_nccl`` under the name they were asked for (groups created before attach are
-named in a warning). So ``dist.get_backend()`` and ``dist.get_backend(group)`` answer "gloo"/"nccl" as without
+plain backend (``"gloo"``, or ``"nccl"`` with CUDA) and then does what it does after it
+(``_record_initialized_groups``): the default group is wrapped in place, and groups created later on gloo or NCCL
+are created on the recording backends ``dtprobe_gloo``/``dtprobe_nccl`` under the backend name they were asked for
+(groups created before attach are named in a warning). So ``dist.get_backend()`` and ``dist.get_backend(group)`` answer "gloo"/"nccl" as without
 dtprobe (Lightning, Accelerate and DeepSpeed branch on it), while every group's collectives are recorded. A script
 that names ``dtprobe_gloo``/``dtprobe_nccl`` in its own ``init_process_group`` keeps them (and that name).
 

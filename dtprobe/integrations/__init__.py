@@ -10,5 +10,6 @@ Both attach once the framework has initialized the process group and before it w
 rate and tokens when the framework exposes them (absent otherwise, never guessed), and close the probe when
 training ends. Under ``dtprobe launch``, or after the script's own ``dtprobe.attach``, they record through the
 probe already open instead (one recorder per process; its steps become the framework's) and leave closing it to
-whoever opened it. ``optimizer_steps.OptimizerStepMarker`` is the part they share. This package imports neither framework: each module imports its own when it is imported.
+whoever opened it. ``optimizer_steps.OptimizerStepMarker`` is the part they share. This package imports neither
+framework: each module imports its own when it is imported.
 """

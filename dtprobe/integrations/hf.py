@@ -32,8 +32,9 @@ Install and use (``pip install 'dtprobe[hf]'``)::
 - **Tokens**: this rank's elements of the model's main input (``model.main_input_name``, ``input_ids`` for
   language models, padding included) summed over the step's micro-batches, counted by a forward pre-hook on the
   model; absent when a micro-batch passes no such tensor.
-- **Close** at ``on_train_end`` (status "finished"), when the callback attached the probe. The Trainer has no exception hook: a ``train()`` that raises
-  leaves the probe to its exit handler, which closes it as "crashed" when the exception ends the process.
+- **Close** at ``on_train_end`` (status "finished"), when the callback attached the probe. The Trainer has no
+  exception hook: a ``train()`` that raises leaves the probe to its exit handler, which closes it as "crashed"
+  when the exception ends the process.
 """
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ class LaunchSession:
         if isinstance(self.probe, Probe):       # not the NullProbe of --no-collect
             self.steps = ScriptSteps(self.probe)
             self.steps.install()
-            self.probe.step_hooks = self.steps      # a framework callback that reuses the probe stops them
+            self.probe.step_hooks = self.steps      # a second attach or a framework callback stops them
             dtprobe._record_sink = self.steps.record
 
     def close(self, status: str) -> None:

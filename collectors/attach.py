@@ -311,7 +311,8 @@ def _record_initialized_groups(*, nccl_timing: bool) -> None:
     it was asked for, so ``dist.get_backend()`` still says "gloo" or "nccl". Groups created before (and objects
     holding the old default group, e.g. a DDP built before) are not recorded: one warning names them with the fix.
     A default group already on ``dtprobe_gloo``/``dtprobe_nccl`` (the script named it) is recorded as it is.
-    Other default backends (a mixed ``"cpu:gloo,cuda:nccl"``, MPI) are left alone, with a warning.
+    Other default backends (a mixed ``"cpu:gloo,cuda:nccl"``, MPI) are left alone, with a warning. An NCCL default
+    group bound to a device (``device_id``) is recorded with a warning: torch would split later groups from it.
     """
     fix = ("Call dtprobe.attach() right after init_process_group and before creating them (DDP, FSDP2, "
            "DeviceMesh, new_group), or run the script unchanged with `dtprobe launch`.")
@@ -325,6 +326,13 @@ def _record_initialized_groups(*, nccl_timing: bool) -> None:
                 f"Initialize with backend=\"gloo\" or \"nccl\" (or let dtprobe.attach initialize).", stacklevel=3)
             return
         on_nccl = backends == {"nccl"}
+        if on_nccl and old.bound_device_id is not None:
+            warnings.warn(
+                f"dtprobe.attach: the default NCCL group is bound to {old.bound_device_id} (init_process_group("
+                f"device_id=...)), so torch creates later groups by splitting its communicator, which the "
+                f"recording groups dtprobe creates for them do not do: a new_group that leaves out some ranks can "
+                f"hang and a DeviceMesh fails to build. Call torch.cuda.set_device(local_rank) and "
+                f"init_process_group without device_id, or let dtprobe.attach initialize.", stacklevel=3)
         wrapper = RecordingProcessGroup(old, old.rank(), old.size(), backend_name=NCCL_BACKEND if on_nccl
                                         else GLOO_BACKEND, device_timing=on_nccl)
         if on_nccl:

@@ -109,3 +109,36 @@ probe.close()
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out == {"backend": "nccl", "wrapped": True, "timed": [[True, False]]}
+
+
+def test_attach_after_an_nccl_init_bound_to_a_device_warns_that_later_groups_would_be_split(run_python):
+    # torch splits groups created after a bound default group from its communicator; the recording groups made
+    # for them do not split, so non-members would wait in the split forever: the user is told before it happens.
+    code = """
+import json, warnings
+import torch, torch.distributed as dist
+from dtprobe.collectors import attach as attach_module
+
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+world = dist.distributed_c10d._world
+old = world.default_pg
+world.pg_map[old] = ("nccl", world.pg_map[old][1])
+world.pg_backend_config[old] = "cuda:nccl"
+attach_module.nccl.time_rows = lambda pg, recorder, *, device_timing: None
+messages = {}
+for bound in (None, torch.device("cuda", 0)):
+    old.bound_device_id = bound
+    dist.distributed_c10d._update_default_pg(old)          # attach again on the plain group
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        attach_module._record_initialized_groups(nccl_timing=False)
+    messages[str(bound)] = [str(w.message) for w in caught]
+old.bound_device_id = None
+print(json.dumps(messages))
+"""
+    proc = run_python(code, timeout_s=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["None"] == []
+    (message,) = out["cuda:0"]
+    assert "bound to cuda:0" in message and "init_process_group without device_id" in message

@@ -58,6 +58,21 @@ def test_attach_keeps_every_groups_backend_name_and_records_each_group_when_init
 
 # ---- NCCL, without a GPU: what can be checked of the path on this CPU build ----
 
+_NCCL_DEFAULT_GROUP = """
+import json
+import torch, torch.distributed as dist
+from dtprobe.collectors import attach as attach_module
+
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+world = dist.distributed_c10d._world
+old = world.default_pg
+world.pg_map[old] = ("nccl", world.pg_map[old][1])
+world.pg_backend_config[old] = "cuda:nccl"
+"""
+"""Child-process prelude: a 1-rank gloo default group registered as torch registers an NCCL one (``old``: "nccl" in
+``pg_map`` and the backend config)."""
+
+
 @pytest.mark.parametrize("bind_device, device_id", [(False, None), (True, "cuda:1")])
 def test_attach_binds_an_nccl_group_to_the_device_only_when_it_will_not_be_recorded(monkeypatch, bind_device,
                                                                                    device_id):
@@ -83,20 +98,12 @@ def test_attach_binds_an_nccl_group_to_the_device_only_when_it_will_not_be_recor
 
 def test_attach_after_an_nccl_init_records_the_default_group_under_the_name_nccl_with_device_timing(run_python,
                                                                                                     tmp_path):
-    # The default group is a 1-rank gloo group registered as torch registers an NCCL one ("nccl" in pg_map and
-    # the backend config); NCCL's device timing (nccl.time_rows) needs CUDA, so the test records the call.
-    code = """
-import json, sys
-import torch, torch.distributed as dist
+    # NCCL's device timing (nccl.time_rows) needs CUDA, so the test records the call.
+    code = _NCCL_DEFAULT_GROUP + """
+import sys
 import dtprobe
-from dtprobe.collectors import attach as attach_module
 from dtprobe.collectors.pg_wrapper import RecordingProcessGroup
 
-dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-world = dist.distributed_c10d._world
-old = world.default_pg
-world.pg_map[old] = ("nccl", world.pg_map[old][1])
-world.pg_backend_config[old] = "cuda:nccl"
 timed = []
 attach_module.nccl.time_rows = lambda pg, recorder, *, device_timing: timed.append((pg, device_timing))
 probe = dtprobe.attach(sys.argv[1], devices=False, nccl_timing=False)
@@ -114,16 +121,9 @@ probe.close()
 def test_attach_after_an_nccl_init_bound_to_a_device_warns_that_later_groups_would_be_split(run_python):
     # torch splits groups created after a bound default group from its communicator; the recording groups made
     # for them do not split, so non-members would wait in the split forever: the user is told before it happens.
-    code = """
-import json, warnings
-import torch, torch.distributed as dist
-from dtprobe.collectors import attach as attach_module
+    code = _NCCL_DEFAULT_GROUP + """
+import warnings
 
-dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-world = dist.distributed_c10d._world
-old = world.default_pg
-world.pg_map[old] = ("nccl", world.pg_map[old][1])
-world.pg_backend_config[old] = "cuda:nccl"
 attach_module.nccl.time_rows = lambda pg, recorder, *, device_timing: None
 messages = {}
 for bound in (None, torch.device("cuda", 0)):

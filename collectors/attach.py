@@ -119,8 +119,10 @@ class Probe:
         """True when ``attach`` initialized torch.distributed (then an NCCL group is destroyed at exit)."""
         self.step_hooks: Any = None
         """What writes this probe's steps from torch's hooks (``dtprobe launch``: ``launch_steps.ScriptSteps``),
-        else None. A second ``attach`` or a framework callback that reuses the probe marks its own steps instead:
-        it calls ``step_hooks.close()`` so each step is written once."""
+        else None. A framework callback that reuses the probe marks its own steps instead: it calls
+        ``step_hooks.close()`` so each step is written once; a second ``attach`` stops them at its first ``step``."""
+        self._caller_marks_steps = False
+        """Set when a second ``attach`` reused this probe: its first ``step()`` stops ``step_hooks``."""
         self._sampler: DeviceSampler | None = None
         self._profiler: ProfilerWindow | None = None
         self._closed = False
@@ -140,6 +142,14 @@ class Probe:
     # ---- training events ----
     def step(self, step: int) -> StepContext:
         """``with probe.step(n) as s:`` times step ``n``, marks collectives with it, writes its ``steps`` row."""
+        hooks = self.step_hooks
+        if hooks is not None and self._caller_marks_steps:
+            self.step_hooks = None     # a reusing caller marks its first step: the hook-driven steps stop now
+            hooks.close()
+        return StepContext(int(step), on_enter=self._on_step_enter, on_exit=self._on_step_exit)
+
+    def hook_step(self, step: int) -> StepContext:
+        """``step`` for ``step_hooks`` (the steps ``dtprobe launch`` finds from torch's hooks)."""
         return StepContext(int(step), on_enter=self._on_step_enter, on_exit=self._on_step_exit)
 
     def _on_step_enter(self, step: int) -> None:
@@ -361,17 +371,16 @@ def _destroy_default_group() -> None:
 
 
 def _reuse_open_probe(existing: Probe, run_dir: Path, config: CollectConfig) -> Probe:
-    """What a second ``attach`` returns: the open probe, which from now on has the caller's steps (``dtprobe
-    launch``'s hook-driven steps stop, so each step is written once); a warning when the caller asked for another
-    run directory or other options."""
+    """What a second ``attach`` returns: the open probe, whose steps become the caller's once it marks one
+    (``dtprobe launch``'s hook-driven steps stop at its first ``probe.step``, so each step is written once, and a
+    caller that marks none keeps them); a warning when the caller asked for another run directory or other
+    options."""
     if existing.run_dir.resolve() != run_dir.resolve() or existing.config != config:
         warnings.warn(
             f"dtprobe.attach: this process already records into {existing.run_dir} (attached earlier by `dtprobe "
             f"launch`, the script or a callback); returning that probe, so rows go there and not to {run_dir}, "
             f"with its options {existing.config}. Attach once per process.", stacklevel=3)
-    if existing.step_hooks is not None:
-        existing.step_hooks.close()
-        existing.step_hooks = None
+    existing._caller_marks_steps = True
     return existing
 
 

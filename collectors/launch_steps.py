@@ -97,7 +97,7 @@ class ScriptSteps:
     # ---- steps ----
     def _open(self) -> Any:
         if self._step is None:
-            self._step = self.probe.step(self.num_steps)
+            self._step = self.probe.hook_step(self.num_steps)
             self._step.__enter__()
             if self._next_start_ns is not None:
                 self._step.start_ns = self._next_start_ns

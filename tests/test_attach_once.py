@@ -149,3 +149,33 @@ def test_attach_that_initializes_under_dtprobe_launch_returns_the_workers_probe_
     coll = store.table("collectives")
     assert coll.groupby(["rank", "step"])["num_bytes"].sum().to_dict() == {(r, s): 16 for r in (0, 1)
                                                                           for s in range(3)}
+
+
+UNMARKED_SCRIPT = """
+import sys
+import torch, torch.distributed as dist
+import dtprobe
+
+probe = dtprobe.attach(sys.argv[1], devices=False, timeout_s=60)    # attaches, marks no step
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(3):
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+probe.close()
+"""
+
+
+@pytest.mark.multiproc
+def test_attach_under_dtprobe_launch_that_marks_no_step_keeps_the_launchs_hook_driven_steps(
+        tmp_path, run_cli, child_env):
+    (tmp_path / "train.py").write_text(UNMARKED_SCRIPT)
+    run = tmp_path / "launch-run"
+    proc = run_cli("launch", "--nproc", "2", "--run-dir", run, "--no-devices", tmp_path / "train.py",
+                   tmp_path / "own-run", timeout_s=240, env=child_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = RunStore.open(run).table("steps")
+    # one row per optimizer step, from the hooks, with the forward/backward/optimizer phases they time
+    assert steps.groupby("rank")["step"].apply(sorted).to_dict() == {r: [0, 1, 2] for r in (0, 1)}
+    assert steps[["fwd_ns", "bwd_ns", "opt_ns"]].notna().all().all()

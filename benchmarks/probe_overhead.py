@@ -157,11 +157,12 @@ def bound_thread_cpu(run_dir: Path, *, interval_s: float, seconds: float = 3.0, 
     cpu0 = [time.clock_gettime(c) for c in clocks]
     t0 = time.monotonic()
     held: list[tuple[float, int, tuple]] = []
+    group = recorder.group_key("world", "0,1", 2)
     n = 0
     while (now := time.monotonic()) - t0 < seconds:
         n += 1
         # A gloo collective's row as the recording group makes it: a tuple of ROW_COLUMNS, end_ns appended.
-        row = ("world", "0,1", 2, n, "allreduce", 4096, "float32", n // 50, "host", time.time_ns(), 0)
+        row = (group, n, "allreduce", 4096, "float32", n // 50, "host", time.time_ns(), 0)
         key = recorder.track(row)
         if n % 50 == 0:
             held.append((now + 0.3, key, row))

@@ -23,8 +23,10 @@ On NCCL ``wait()`` does not block the host: NCCL rows are issued and timed on th
 the collective completes; collectives still in flight at close (a hang) are written with ``end_ns`` null.
 A collective still in flight after one drain tick is also spilled once to the ``pending`` table, so a rank
 killed inside it (SIGKILL: no close) still names it.
-Read by ``dtprobe.store`` (tables ``collectives``, ``pending``) and ``dtprobe.runtime.hang``
-(``RECORDER.progress()``).
+Rows name their group by ``pg`` only (a key, ``dtprobe.store.groups``); the group's members go to the ``groups``
+table once, when the group first records, written to the writer before the row (``CollectiveRecorder.group_key``).
+Read by ``dtprobe.store`` (tables ``collectives``, ``pending``, ``groups``) and ``dtprobe.runtime.hang``
+(``RECORDER.progress()``, ``RECORDER.pending()``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from dtprobe.collectors import nccl, torch_internals
+from dtprobe.store.groups import MEMBER_COLUMNS, GroupKeys
 from dtprobe.store.schema import SCHEMAS
 
 GLOO_BACKEND = "dtprobe_gloo"
@@ -48,11 +51,11 @@ NCCL_BACKEND = "dtprobe_nccl"
 """Name of the recording NCCL backend (CUDA tensors)."""
 WORLD_GROUP = "world"
 """``pg`` value for the default group when nothing else names it."""
-_PENDING_COLUMNS = tuple(c for c in SCHEMAS["pending"] if c != "rank")
-ROW_COLUMNS = ("pg", "pg_ranks", "pg_size", "seq", "op", "num_bytes", "dtype", "step", "timing", "enqueue_ns",
-               "restart", "end_ns")
+_PENDING_COLUMNS = tuple(c for c in SCHEMAS["pending"] if c != "rank" and c not in MEMBER_COLUMNS)
+ROW_COLUMNS = ("pg", "seq", "op", "num_bytes", "dtype", "step", "timing", "enqueue_ns", "restart", "end_ns")
 """Columns of a row kept as a tuple (a gloo collective, not send/recv), in order; an in-flight row lacks the last
-(``end_ns``). Rows kept as dicts (p2p, NCCL) have these keys in this order, with ``peer`` before ``end_ns``."""
+(``end_ns``). Rows kept as dicts (p2p, NCCL) have these keys in this order, with ``peer`` before ``end_ns``. ``pg``
+is the group's key in the ``groups`` table (``CollectiveRecorder.group_key``)."""
 _PG, _SEQ, _OP = (ROW_COLUMNS.index(c) for c in ("pg", "seq", "op"))
 assert set(ROW_COLUMNS) <= set(SCHEMAS["collectives"])
 
@@ -106,15 +109,22 @@ class CollectiveRecorder:
         self._tick_lock = threading.Lock()
         self._seen_at_tick: set[int] = set()     # in-flight keys at the previous tick
         self._spilled: set[int] = set()          # in-flight keys already written to ``pending``
+        self._group_lock = threading.Lock()
+        self._group_keys = GroupKeys()
+        self._groups: dict[str, dict[str, Any]] = {}   # key -> the group's ``groups`` row (name, members)
 
     def start(self, writer: Any, *, timing: str = "wait", nccl_timing: bool = True,
               flush_interval_s: float = 1.0, restart: int = 0) -> None:
         """Begin recording into ``writer`` (attach); ``restart`` is the worker's torchrun restart count."""
         self.stop()
-        self.writer = writer
+        with self._group_lock:
+            self.writer = writer
+            self.restart = int(restart)
+            # Groups met before (an earlier attach of this process): their rows again, for this writer.
+            for group in self._groups.values():
+                writer.write("groups", {**group, "restart": self.restart})
         self.timing = timing
         self.nccl_timing = nccl_timing
-        self.restart = int(restart)
         self.step = -1
         self._seen_at_tick, self._spilled = set(), set()
         self._stop_drain = threading.Event()
@@ -202,6 +212,26 @@ class CollectiveRecorder:
         """Context manager: collectives issued by this thread inside it are not recorded (clock sync)."""
         return _Paused(self._paused)
 
+    def group_key(self, name: str, pg_ranks: str, pg_size: int) -> str:
+        """The ``pg`` key of group (``name``, ``pg_ranks``) in rows. The first time, its ``groups`` row is handed to
+        the writer at once, so it precedes every row that names it (the writer flushes ``groups`` first)."""
+        with self._group_lock:
+            key, new = self._group_keys.key(name, pg_ranks)
+            if new:
+                group = self._groups[key] = {"pg": key, "name": name, "pg_ranks": pg_ranks, "pg_size": pg_size}
+                if self.writer is not None:
+                    self.writer.write("groups", {**group, "restart": self.restart})
+            return key
+
+    def with_members(self, row: dict[str, Any]) -> dict[str, Any]:
+        """``row`` (a dict) with its group's ``pg_ranks`` and ``pg_size`` after ``pg``, as readers show it."""
+        group = self._groups.get(row.get("pg"))
+        if group is None:
+            return row
+        out = {"pg": row["pg"], "pg_ranks": group["pg_ranks"], "pg_size": group["pg_size"]}
+        out.update(row)
+        return out
+
     def emit(self, row: dict[str, Any] | tuple) -> None:
         """Queue a finished row (a dict, or a tuple of ``ROW_COLUMNS``) for the drain thread."""
         if self.writer is not None:
@@ -221,7 +251,8 @@ class CollectiveRecorder:
             return key
         p = self._progress.get(pg)
         if p is None:
-            p = self._progress.setdefault(pg, _GroupProgress(row_dict(row)["pg_ranks"], row))
+            group = self._groups.get(pg)
+            p = self._progress.setdefault(pg, _GroupProgress(group["pg_ranks"] if group else "", row))
         p.issued = row
         return key
 
@@ -247,8 +278,9 @@ class CollectiveRecorder:
         return {pg: p.as_dict() for pg, p in list(self._progress.items())}
 
     def pending(self) -> list[dict[str, Any]]:
-        """Rows of collectives issued but not completed yet, oldest first (what a hung rank waits on)."""
-        return [dict(row_dict(r)) for r in list(self._in_flight.values())]
+        """Rows of collectives issued but not completed yet, oldest first (what a hung rank waits on), each with its
+        group's ``pg_ranks`` and ``pg_size``."""
+        return [self.with_members(dict(row_dict(r))) for r in list(self._in_flight.values())]
 
     def flush_in_flight(self) -> int:
         """Write every in-flight row with ``end_ns`` null (at close: a hang or a crash); returns how many."""
@@ -530,6 +562,9 @@ class RecordingProcessGroup(dist.ProcessGroup):
         """Recording name of this group (axis name); set by ``probe.new_group`` / ``probe.name_mesh``."""
         self._ranks_str: str | None = None
         self._fallback_name = ""
+        self._key: str | None = None
+        """``pg`` of this group's rows (``CollectiveRecorder.group_key``), for the name in ``_key_name``."""
+        self._key_name: str | None = None
         self._seq = itertools.count(1)     # next() is atomic under the GIL: no lock on the hot path
         self._p2p_seq: dict[tuple[int, str], Any] = {}
         self._no_future_ops: set[str] = set()
@@ -607,24 +642,30 @@ class RecordingProcessGroup(dist.ProcessGroup):
         return self._inner.monitored_barrier(*args, **kwargs)
 
     # ---- naming ----
-    def _pg_fields(self) -> tuple[str, str]:
+    def _pg_key(self) -> str:
+        """This group's key for the rows, resolved (and its ``groups`` row written) at the first recorded collective,
+        and again if ``dtprobe_name`` changes; ``_issue`` reads the cached ``_key`` itself."""
         ranks = self._ranks_str
         if ranks is None:
-            # Resolved once, at the first recorded collective (the group is registered by then).
             try:
                 ranks = ",".join(str(r) for r in dist.get_process_group_ranks(self))
                 is_world = dist.distributed_c10d._get_default_group() is self
-            except (RuntimeError, ValueError, KeyError):
-                return self.dtprobe_name or f"g{self._group_name}", ""   # not registered yet
+            except (RuntimeError, ValueError, KeyError):   # not registered yet: no members known, nothing cached
+                return self._recorder.group_key(self.dtprobe_name or f"g{self._group_name}", "", self._size)
             self._ranks_str = ranks
             self._fallback_name = WORLD_GROUP if is_world else f"g{self._group_name}"
-        return self.dtprobe_name or self._fallback_name, ranks
+        name = self.dtprobe_name
+        self._key = self._recorder.group_key(name or self._fallback_name, ranks, self._size)
+        self._key_name = name
+        return self._key
 
     # ---- recording core ----
     def _issue(self, op: str, num_bytes: int, dtype: str | None, call: Callable[[], dist.Work],
                peer: int | None = None, waits_now: bool = False) -> dist.Work:
         recorder = self._recorder            # callers checked recorder.active
-        pg, ranks = self._pg_fields()
+        pg = self._key
+        if pg is None or self.dtprobe_name is not self._key_name:
+            pg = self._pg_key()
         if peer is None:
             seq = next(self._seq)
         else:
@@ -632,8 +673,8 @@ class RecordingProcessGroup(dist.ProcessGroup):
             if counter is None:
                 counter = self._p2p_seq.setdefault((peer, op), itertools.count(1))
             seq = next(counter)
-        row: dict[str, Any] | tuple = (pg, ranks, self._size, seq, op, int(num_bytes), dtype, recorder.step, "host",
-                                       time.time_ns(), recorder.restart)        # ROW_COLUMNS but end_ns
+        row: dict[str, Any] | tuple = (pg, seq, op, int(num_bytes), dtype, recorder.step, "host", time.time_ns(),
+                                       recorder.restart)        # ROW_COLUMNS but end_ns
         if peer is None and not self._device_timing:     # a gloo collective: the row stays a tuple
             if waits_now and recorder.timing != "enqueue":
                 # torch's blocking API (async_op=False) waits on the work as soon as it is returned: wait here, on

@@ -1,7 +1,8 @@
 """Synthetic runs with known answers, for the tests, the dashboard tests and the benchmarks: hand-made,
 deterministic timelines as schema-typed tables (``dp_tables``, ``cuda_dp_tables``, ``dp_pp_tables``,
 ``pipeline_tables``, ``lockstep_tables``), written as real run directories with the store's own writer (``write_run``,
-``write_rows_run``), or appended step by step to a run that is still running (``SyntheticRun``).
+``write_rows_run``, in the store's events layout: each group's members once, in ``groups``), or appended step by
+step to a run that is still running (``SyntheticRun``).
 
 ``dp_tables`` / ``DataParallelTimeline`` model DDP: per step data -> fwd -> bwd (bucket all-reduces enqueued during
 bwd, complete when the last member arrives + a transfer time) -> opt, with one optional straggler. ``dp_pp_tables``
@@ -19,6 +20,7 @@ from pathlib import Path
 import pandas as pd
 
 from dtprobe.store.frames import frame_from_rows
+from dtprobe.store.groups import GroupLayout
 
 MS = 1_000_000
 T0 = 1_700_000_000_000_000_000
@@ -253,12 +255,11 @@ def write_run(run_dir: Path, tables: dict[str, pd.DataFrame], *, world_size: int
     for r in range(world_size):
         write_rank_info(run_dir, r, host="h", node_rank=0, local_rank=r, device="cpu", pid=1000 + r,
                         clock_offset_ns=0)
-    for table, df in tables.items():
-        for row in df.to_dict(orient="records"):
-            clean = {k: (None if pd.isna(v) else (v.item() if hasattr(v, "item") else v))
-                     for k, v in row.items() if k != "rank"}
-            clean = {k: v for k, v in clean.items() if v is not None}
-            writers[int(row["rank"])].write(table, clean)
+    rows = {table: [{k: (None if pd.isna(v) else (v.item() if hasattr(v, "item") else v)) for k, v in row.items()}
+                    for row in df.to_dict(orient="records")] for table, df in tables.items()}
+    for table, table_rows in GroupLayout().split(rows).items():
+        for row in table_rows:
+            writers[int(row["rank"])].write(table, {k: v for k, v in row.items() if k != "rank" and v is not None})
     for w in writers.values():
         w.close()
     if status != "running":
@@ -392,7 +393,8 @@ def write_rows_run(run_dir: Path, rows: dict[str, list[dict]], *, world_size: in
         write_rank_info(run_dir, r, host=f"node{node}", node_rank=node, local_rank=r, device="cpu", pid=100 + r,
                         clock_offset_ns=0)
     writers = {r: RankWriter(run_dir, r) for r in range(world_size)}
-    for table, table_rows in {**rows, "faults": (rows.get("faults") or []) + (faults or [])}.items():
+    all_rows = {**rows, "faults": (rows.get("faults") or []) + (faults or [])}
+    for table, table_rows in GroupLayout().split(all_rows).items():
         for row in table_rows:
             writers[int(row["rank"])].write(table, {k: v for k, v in row.items() if k != "rank" and v is not None})
     for w in writers.values():
@@ -434,6 +436,7 @@ class SyntheticRun:
             write_rank_info(self.run_dir, rank, host=f"node{rank // 8}", node_rank=rank // 8, local_rank=rank % 8,
                             device="cpu", pid=10_000 + rank, clock_offset_ns=0)
         self.writers = [RankWriter(self.run_dir, rank, flush_interval_s=3600) for rank in range(num_ranks)]
+        self._layout = GroupLayout()
 
     @property
     def t_ns(self) -> int:
@@ -446,7 +449,7 @@ class SyntheticRun:
 
     def write_steps(self, num_steps: int) -> None:
         """Append ``num_steps`` more steps on every rank and flush them to disk."""
-        for table, rows in self.timeline.next_rows(num_steps).items():
+        for table, rows in self._layout.split(self.timeline.next_rows(num_steps)).items():
             for row in rows:
                 self.writers[row["rank"]].write(table, {k: v for k, v in row.items() if k != "rank"})
         for w in self.writers:

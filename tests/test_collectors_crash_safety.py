@@ -67,7 +67,7 @@ class FakeInner:
 
 
 def _row(seq: int, **extra) -> dict:
-    return {"op": "allreduce", "pg": "dp", "pg_ranks": "0,1", "pg_size": 2, "seq": seq, "step": 7,
+    return {"op": "allreduce", "pg": "dp", "seq": seq, "step": 7,
             "num_bytes": 16, "dtype": "float32", "timing": "host", "enqueue_ns": time.time_ns(), "restart": 1,
             **extra}
 

@@ -17,9 +17,9 @@ from dtprobe.collectors.pg_wrapper import CollectiveRecorder, RecordedWork, Reco
 from collector_fakes import ListWriter
 
 STEP, RESTART = 7, 2
-ROW_ORDER = ["pg", "pg_ranks", "pg_size", "seq", "op", "num_bytes", "dtype", "step", "timing", "enqueue_ns",
-             "restart"]
-"""Keys of a row as issued, in the order they reach the events file; ``peer`` follows for p2p, ``end_ns`` last."""
+ROW_ORDER = ["pg", "seq", "op", "num_bytes", "dtype", "step", "timing", "enqueue_ns", "restart"]
+"""Keys of a row as issued, in the order they reach the events file; ``peer`` follows for p2p, ``end_ns`` last.
+The group's members are in its ``groups`` row, written once."""
 
 
 class FakeWork(torch.distributed.Work):
@@ -86,7 +86,7 @@ def _group() -> tuple[RecordingProcessGroup, CollectiveRecorder, ListWriter, Fak
 
 
 def _expected(seq: int, op: str, num_bytes: int, dtype: str | None, **extra) -> dict:
-    return {"pg": "tp", "pg_ranks": "", "pg_size": 2, "seq": seq, "op": op, "num_bytes": num_bytes,
+    return {"pg": "tp", "seq": seq, "op": op, "num_bytes": num_bytes,
             "dtype": dtype, "step": STEP, "timing": "host", **extra, "restart": RESTART}
 
 
@@ -123,6 +123,19 @@ def test_rows_are_identical_whichever_way_the_completion_is_seen(name, issue, fi
     for seq, row in enumerate(rows, start=1):
         _check(row, _expected(seq, *fields))
     assert recorder.pending() == [] and recorder.progress()["tp"]["last_completed_seq"] == num_works
+
+
+def test_a_group_row_is_written_once_before_the_first_row_that_names_it():
+    pg, recorder, writer, _ = _group()
+    for _ in range(3):
+        pg.allreduce([torch.ones(2)]).wait()
+    pg.send([torch.ones(5)], 1, 0).wait()
+    recorder.stop()
+    tables = [table for table, _ in writer.rows]
+    assert tables == ["groups"] + ["collectives"] * 4
+    # The fake group is not registered with torch.distributed: its members are unknown (""), as in the rows before.
+    assert writer.table("groups") == [{"pg": "tp", "name": "tp", "pg_ranks": "", "pg_size": 2, "restart": RESTART}]
+    assert {r["pg"] for r in writer.table("collectives")} == {"tp"}
 
 
 def test_rows_of_a_caller_that_takes_futures_are_identical_to_those_of_a_waiting_caller():

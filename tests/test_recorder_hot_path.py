@@ -93,8 +93,10 @@ def test_a_blocking_call_is_in_flight_while_it_blocks_and_spilled_after_a_whole_
     assert recorder.tick() == 0                        # first tick: seen, not yet spilled
     assert recorder.tick() == 1 and recorder.tick() == 0
     [spilled] = writer.table("pending")
-    assert spilled == {k: pending[k] for k in ("pg", "pg_ranks", "pg_size", "seq", "op", "num_bytes", "dtype",
-                                                "step", "timing", "enqueue_ns", "restart")}
+    assert spilled == {k: pending[k] for k in ("pg", "seq", "op", "num_bytes", "dtype", "step", "timing",
+                                                "enqueue_ns", "restart")}    # the members are in ``groups``
+    assert pending["pg_ranks"] == "" and writer.table("groups") == [
+        {"pg": "dp", "name": "dp", "pg_ranks": "", "pg_size": 2, "restart": 1}]
     work.release.set()
     caller.join(10)
     recorder.stop()
@@ -126,7 +128,7 @@ def test_a_blocking_call_under_enqueue_timing_is_written_at_once_and_not_waited(
 
 
 def _dict_rows() -> list[dict]:
-    base = {"pg": "tp", "pg_ranks": "0,1", "pg_size": 2, "seq": 1, "op": "allreduce", "num_bytes": 1024,
+    base = {"pg": "tp", "seq": 1, "op": "allreduce", "num_bytes": 1024,
             "dtype": "float32", "step": 3, "timing": "host", "enqueue_ns": 1_795_000_000_000_000_000, "restart": 0,
             "end_ns": 1_795_000_000_000_050_000}
     return [base, {**base, "seq": 2, "dtype": None, "op": "barrier", "num_bytes": 0},

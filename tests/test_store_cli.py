@@ -30,6 +30,8 @@ def make_run(run_dir: Path, *, world_size: int = 2, steps: int = 3, status: str 
         write_rank_info(run_dir, rank, host="h", node_rank=0, local_rank=rank, device="cpu", pid=rank,
                         clock_offset_ns=1000 * rank)
         w = RankWriter(run_dir, rank)
+        w.write("groups", {"pg": "world", "name": "world", "pg_ranks": ",".join(map(str, range(world_size))),
+                           "pg_size": world_size})
         for s in range(steps):
             w.write("steps", {"step": s, "start_ns": T0 + s, "loss": 1.5})
             w.write("collectives", {"pg": "world", "seq": s + 1, "op": "allreduce", "num_bytes": 64,
@@ -71,7 +73,7 @@ def test_compact_prints_rows_per_table_and_leaves_status_alone(tmp_path, capsys)
     out = capsys.readouterr().out
     rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in out.splitlines()
             if line.startswith("│")}
-    assert rows == {"steps": "6", "collectives": "6"}
+    assert rows == {"steps": "6", "collectives": "6", "groups": "2"}
     assert (run / "tables" / "steps.parquet").is_file()
     assert RunStore.open(run).manifest.status == "running"
 
@@ -86,7 +88,7 @@ def test_export_tables_writes_one_file_per_nonempty_table(tmp_path, fmt):
     run = make_run(tmp_path / "r", world_size=2, steps=3)
     out = tmp_path / "out"
     assert cli.main(["export", "tables", str(run), "-o", str(out), "--format", fmt]) == 0
-    assert sorted(p.name for p in out.iterdir()) == [f"collectives.{fmt}", f"steps.{fmt}"]
+    assert sorted(p.name for p in out.iterdir()) == [f"collectives.{fmt}", f"groups.{fmt}", f"steps.{fmt}"]
     read = pd.read_csv if fmt == "csv" else pd.read_parquet
     steps = read(out / f"steps.{fmt}")
     assert list(steps.columns) == list(RunStore.open(run).table("steps").columns)

@@ -166,6 +166,7 @@ def test_store_loads_after_writer_is_sigkilled_mid_run(tmp_path, start_python):
     code = ("import sys, itertools\n"
             "from dtprobe.store.writer import RankWriter\n"
             "w = RankWriter(sys.argv[1], 0, flush_interval_s=0.0)\n"
+            "w.write('groups', {'pg': 'world' * 50, 'name': 'world', 'pg_ranks': '0', 'pg_size': 1})\n"
             "for s in itertools.count():\n"
             "    w.write('steps', {'step': s, 'start_ns': s, 'loss': 1.0 / (s + 1)})\n"
             "    w.write('collectives', {'seq': s, 'op': 'allreduce', 'pg': 'world' * 50})\n")
@@ -183,6 +184,8 @@ def test_store_loads_after_writer_is_sigkilled_mid_run(tmp_path, start_python):
     complete = path.read_bytes().count(b"\n")
     assert len(steps) == complete > 1000
     assert steps["step"].tolist() == list(range(complete))  # nothing lost but possibly the torn last line
+    coll = store.table("collectives")
+    assert len(coll) >= complete - 1 and set(coll["pg"]) == {"world"} and set(coll["pg_ranks"]) == {"0"}
     assert compact(run)["steps"] == complete
 
 

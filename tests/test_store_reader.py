@@ -15,6 +15,8 @@ from dtprobe.store.schema import SCHEMA_VERSION, SCHEMAS
 from dtprobe.store.writer import RankWriter
 
 T0 = 1_700_000_000_000_000_000
+WORLD_GROUP = {"pg": "world", "name": "world", "pg_ranks": "0,1", "pg_size": 2}
+"""The ``groups`` row a rank writes before its first collective on the default group of 2 ranks."""
 
 
 def make_run(run_dir: Path, *, offsets: dict[int, int], steps: int = 3) -> Path:
@@ -122,17 +124,19 @@ def test_refresh_returns_only_new_rows_per_table(tmp_path):
     assert store.refresh() == {}
     w1 = RankWriter(run, 1)
     w1.write("steps", {"step": 3, "start_ns": T0 + 3000})
+    w1.write("groups", WORLD_GROUP)
     w1.write("collectives", {"pg": "world", "seq": 1, "op": "allreduce", "num_bytes": 4096, "enqueue_ns": T0})
     w1.write("collectives", {"pg": "world", "seq": 2, "op": "allreduce", "num_bytes": 4096, "enqueue_ns": T0 + 9})
     w1.close()
-    assert store.refresh() == {"steps": 1, "collectives": 2}
+    assert store.refresh() == {"steps": 1, "collectives": 2, "groups": 1}
     assert store.refresh() == {}
     assert store.num_rows()["steps"] == 7 and store.num_rows()["collectives"] == 2
     assert len(store.table("steps")) == 7
     coll = store.table("collectives")
     assert coll["seq"].tolist() == [1, 2]
     assert coll["enqueue_ns"].tolist() == [T0 + 500, T0 + 509]
-    assert store.tables() == ["steps", "collectives", "faults"]
+    assert coll["pg_ranks"].tolist() == ["0,1", "0,1"] and coll["pg_size"].tolist() == [2, 2]
+    assert store.tables() == ["steps", "collectives", "faults", "groups"]
 
 
 def test_refresh_picks_up_a_new_rank_file_and_changed_status(tmp_path):
@@ -363,6 +367,7 @@ def test_a_damaged_file_among_many_is_named_and_the_other_ranks_rows_are_kept(tm
 def test_a_step_window_equals_the_filtered_whole_table_and_skips_rows_outside_steps(tmp_path):
     run = make_run(tmp_path / "r", offsets={0: 0, 1: 700}, steps=6)
     w = RankWriter(run, 1)
+    w.write("groups", WORLD_GROUP)
     w.write("collectives", {"pg": "world", "seq": 1, "op": "barrier", "enqueue_ns": T0, "step": -1})
     for step in range(6):
         w.write("collectives", {"pg": "world", "seq": step + 2, "op": "allreduce", "enqueue_ns": T0 + step,
@@ -410,6 +415,7 @@ def _long_run(run_dir: Path, *, ranks: int = 3, steps: int = 50) -> Path:
         write_rank_info(run_dir, rank, host="h", node_rank=0, local_rank=rank, device="cpu", pid=rank,
                         clock_offset_ns=0)
         w = RankWriter(run_dir, rank)
+        w.write("groups", {**WORLD_GROUP, "pg_ranks": ",".join(map(str, range(ranks))), "pg_size": ranks})
         seq = 0
         for step in range(steps):
             w.write("steps", {"step": step, "start_ns": T0 + step, "end_ns": T0 + step + 1})

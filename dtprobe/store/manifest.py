@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from dtprobe.store.errors import TraceError
-from dtprobe.store.schema import MANIFEST_FILE, RANK_INFO_FILE, RUN_STATUSES, SCHEMA_VERSION
+from dtprobe.store.schema import (MANIFEST_FILE, OLDEST_SCHEMA_VERSION, RANK_INFO_FILE, RUN_STATUSES,
+                                  SCHEMA_VERSION)
 
 RUN_FORMAT = "dtprobe-run"
 """Value of the ``format`` key of every ``run.json`` dtprobe writes (tells ours from someone else's run.json)."""
@@ -286,17 +287,18 @@ def read_run_json(run_dir: Path) -> dict[str, Any]:
 
 
 def check_schema_version(version: Any, path: Path) -> None:
-    """TraceError unless ``version`` (read from ``path``) is this dtprobe's schema version."""
+    """TraceError unless ``version`` (read from ``path``) is one this dtprobe reads (``OLDEST_SCHEMA_VERSION`` up to
+    ``SCHEMA_VERSION``)."""
     if not isinstance(version, int) or isinstance(version, bool):
         raise TraceError(f"'{path}': schema_version is {version!r}, expected an integer "
                          f"(this dtprobe writes {SCHEMA_VERSION}). The file is damaged or not ours.")
     if version > SCHEMA_VERSION:
         raise TraceError(f"'{path}' has store schema_version {version}, but this dtprobe reads only up to "
                          f"{SCHEMA_VERSION}. Upgrade dtprobe (pip install -U dtprobe) to read this run.")
-    if version < SCHEMA_VERSION:
-        raise TraceError(f"'{path}' has store schema_version {version}, older than this dtprobe's "
-                         f"{SCHEMA_VERSION}, and no migration exists. Read it with the dtprobe version that "
-                         f"wrote it, or re-collect the run.")
+    if version < OLDEST_SCHEMA_VERSION:
+        raise TraceError(f"'{path}' has store schema_version {version}, older than this dtprobe's oldest "
+                         f"readable version {OLDEST_SCHEMA_VERSION}, and no migration exists. Read it with the "
+                         f"dtprobe version that wrote it, or re-collect the run.")
 
 
 def _rank_info_paths(run_dir: Path) -> list[Path]:

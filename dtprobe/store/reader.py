@@ -30,9 +30,10 @@ import pyarrow.parquet as pq
 
 from dtprobe.store.errors import TraceError
 from dtprobe.store.frames import SORT_KEYS, arrow_schema, arrow_to_frame, empty_frame, time_columns
+from dtprobe.store.groups import GROUPS_SINCE_VERSION, fill_members, missing_groups_error
 from dtprobe.store.jsonl import FileCursor, last_step_in_file, read_new_rows, read_new_rows_batched, tail_cursor
 from dtprobe.store.manifest import Manifest, check_schema_version, read_manifest
-from dtprobe.store.schema import COMPACT_FILE, EVENTS_FILE, SCHEMAS, STEP_TABLES
+from dtprobe.store.schema import COMPACT_FILE, EVENTS_FILE, GROUPED_TABLES, SCHEMAS, STEP_TABLES
 from dtprobe.store.source import SourceInfo, run_info
 
 EVENTS_DIR = Path(EVENTS_FILE).parts[0]
@@ -126,7 +127,7 @@ class RunStore:
                     if rows is not None:
                         chunks.append(rows)
                     del state.heads[rel]
-                added += self._append(state, chunks)
+                added += self._append(state, self._with_members(name, chunks))
             self._tail_from_step = None
             return added
 
@@ -239,6 +240,8 @@ class RunStore:
     def _load(self, name: str) -> _TableState:
         state = self._states.get(name)
         if state is None:
+            if name in GROUPED_TABLES:
+                self._load("groups")   # first, so that every refresh reads it before the rows naming its groups
             state = _TableState()
             if self._compacted is not None:
                 self._load_compacted(name, state)
@@ -284,11 +287,12 @@ class RunStore:
             if size == cursor.offset_bytes:
                 continue  # nothing appended (a file shorter than its cursor is reported by read_new_rows)
             grown.append((rank, path, cursor, size))
+        before = [(c, c.offset_bytes, c.lines) for _, _, c, _ in grown]
         if 1 < len(grown) and sum(size - c.offset_bytes for _, _, c, size in grown) <= _BATCH_BYTES \
                 and all(rank in known for rank, *_ in grown):
             rows = read_new_rows_batched([(path, cursor, rank) for rank, path, cursor, _ in grown], name)
             if rows is not None:  # else read file by file below, which names any damage exactly
-                return self._append(state, [rows])
+                return self._append(state, self._with_members(name, [rows], undo=before))
         results: list[pa.Table | None | TraceError] = [None] * len(grown)
 
         def read(i: int) -> None:
@@ -313,11 +317,37 @@ class RunStore:
             for i in range(len(grown)):
                 read(i)
         # keep the rows of every file whose cursor advanced, even if another file failed; then report the first error
-        num_new = self._append(state, [r for r in results if isinstance(r, pa.Table)])
+        num_new = self._append(state, self._with_members(
+            name, [r for r in results if isinstance(r, pa.Table)], undo=before))
         errors = [r for r in results if isinstance(r, TraceError)]
         if errors:
             raise errors[0]
         return num_new
+
+    def _with_members(self, name: str, chunks: list[pa.Table], *,
+                      undo: list[tuple[FileCursor, int, int]] = ()) -> list[pa.Table]:
+        """New rows of ``name`` with their groups' members filled in (grouped tables; others as they are).
+
+        A rank hands a group's row to the OS before any row naming it, but this reader may have read ``groups``
+        just before that: an unknown group re-reads ``groups`` once. Rows of a version-2 run whose group is still
+        unknown are damage: TraceError, and the cursors go back to ``undo`` so the next read reports it again."""
+        if name not in GROUPED_TABLES or not chunks:
+            return chunks
+        groups_state = self._load("groups")
+        groups, reread = _rows_of(groups_state, "groups"), False
+        out = []
+        for rows in chunks:
+            rows_filled, missing = fill_members(rows, groups)
+            if missing and not reread:
+                self._tail("groups", groups_state)
+                groups, reread = _rows_of(groups_state, "groups"), True
+                rows_filled, missing = fill_members(rows, groups)
+            if missing and self._manifest.schema_version >= GROUPS_SINCE_VERSION:
+                for cursor, offset, lines in undo:
+                    cursor.offset_bytes, cursor.lines = offset, lines
+                raise missing_groups_error(name, self._path, missing)
+            out.append(rows_filled)
+        return out
 
     @staticmethod
     def _append(state: _TableState, new_chunks: list[pa.Table]) -> int:
@@ -351,6 +381,12 @@ class RunStore:
         if len(chunks) == 1 and basis is not None and all(offsets.get(r) == o for r, o in basis.items()):
             return aligned  # exactly the compacted table, written in this order
         return _sort(aligned, SORT_KEYS.get(name, ("rank",)))
+
+
+def _rows_of(state: _TableState, name: str) -> pa.Table:
+    """Every row of table ``name`` a state holds, as read (not clock-aligned: for tables without time columns)."""
+    rows = [c.rows for c in state.chunks if c.rows.num_rows]
+    return pa.concat_tables(rows) if rows else arrow_schema(name).empty_table()
 
 
 def read_compacted_table(path: Path, name: str) -> pa.Table:

@@ -7,8 +7,11 @@ writing rank's clock, which the reader shifts onto rank 0's clock), ``_bytes``, 
 
 from __future__ import annotations
 
-SCHEMA_VERSION = 1
-"""Bumped whenever a column changes meaning or a table changes shape; readers refuse newer versions."""
+SCHEMA_VERSION = 2
+"""Bumped whenever a column changes meaning or a table changes shape; readers refuse newer versions.
+2: ``collectives`` and ``pending`` events rows name their group by ``pg`` only; its members are in ``groups``."""
+OLDEST_SCHEMA_VERSION = 1
+"""The oldest version this dtprobe reads: version-1 events rows carry ``pg_ranks``/``pg_size`` themselves."""
 
 MANIFEST_FILE = "run.json"
 """``<run>/run.json``: the manifest, written by the launcher (or the leader rank under ``attach``)."""
@@ -90,6 +93,13 @@ SCHEMAS: dict[str, dict[str, str]] = {
         "seq": "int64", "op": "string", "num_bytes": "int64", "dtype": "string", "enqueue_ns": "int64",
         "step": "int64", "peer": "int32", "timing": "string",
     },
+    # One row per process group a rank recorded a collective on, written before the first row that refers to it.
+    # Events rows of ``collectives`` and ``pending`` carry only ``pg``, this table's key per (rank, restart); the
+    # reader fills their ``pg`` (the group's ``name``), ``pg_ranks`` and ``pg_size`` from it.
+    "groups": {
+        "rank": "int32", "restart": "int32", "pg": "string", "name": "string", "pg_ranks": "string",
+        "pg_size": "int32",
+    },
 }
 """Every table's columns. Collectors write subsets of these; the reader fills the rest with nulls."""
 
@@ -109,5 +119,11 @@ TIME_COLUMNS: dict[str, tuple[str, ...]] = {
 STEP_TABLES = ("steps", "collectives", "devices", "pipeline", "amp", "memory", "compression", "kernels")
 """Tables with rows every step (their volume grows with the run); the others (faults, checkpoints) hold rare
 events. A recent-steps view reads these from the newest steps only."""
+
+GROUPED_TABLES = ("collectives", "pending")
+"""Tables whose events rows refer to a ``groups`` row by (rank, restart, pg) instead of repeating its members."""
+FLUSH_FIRST = ("groups",)
+"""Tables a rank's writer hands to the OS before any other at every flush: rows of other tables refer to them, so
+a rank killed mid-flush never leaves a row whose group row is lost."""
 
 RUN_STATUSES = ("running", "finished", "crashed")

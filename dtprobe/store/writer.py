@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 import orjson
 
-from dtprobe.store.schema import EVENTS_FILE, SCHEMAS
+from dtprobe.store.schema import EVENTS_FILE, FLUSH_FIRST, SCHEMAS
 
 _COLUMN_SETS = {table: frozenset(columns) for table, columns in SCHEMAS.items()}
 """Each table's column names, built once: ``write`` checks every row against them."""
@@ -35,7 +35,8 @@ class RankWriter:
     blocked in a collective or a long step still gets its rows out and a killed rank loses at most the rows of
     its last ``flush_interval_s``; without it, from the caller's thread on the next ``write``. Each flush writes
     whole lines with one ``write`` call per table, so a rank killed mid-write leaves at most one torn last line,
-    which the reader skips. Thread-safe.
+    which the reader skips; ``schema.FLUSH_FIRST`` tables (``groups``) go first, so a row that names a group never
+    reaches the OS before the group's row. Thread-safe.
     """
 
     def __init__(self, run_dir: str | os.PathLike, rank: int, *, flush_interval_s: float = 1.0,
@@ -45,7 +46,7 @@ class RankWriter:
         self._rank_prefix = orjson.dumps({"rank": rank})[:-1] + b","
         self._rank_only = orjson.dumps({"rank": rank}) + b"\n"
         self.flush_interval_s = flush_interval_s
-        self._buffers: dict[str, list[bytes]] = {}
+        self._buffers: dict[str, list[bytes]] = {table: [] for table in FLUSH_FIRST}   # flushed in this order
         self._files: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._last_flush = time.monotonic()

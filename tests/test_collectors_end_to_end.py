@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from dtprobe.store import RunStore
+
 pytestmark = pytest.mark.multiproc
 
 WORLD = 2
@@ -157,9 +159,16 @@ def test_explicit_collectives_record_op_bytes_and_same_seq_on_every_rank(run_dir
     firsts = [rows[0] for rows in per_rank]
     for row in firsts:
         assert row["num_bytes"] == num_bytes and row.get("dtype") == dtype
-        assert row["pg_ranks"] == "0,1" and row["pg_size"] == WORLD and row["timing"] == "host"
+        assert "pg_ranks" not in row and row["timing"] == "host"   # the members are in the group's row
         assert row["enqueue_ns"] <= row["end_ns"]
     assert firsts[0]["seq"] == firsts[1]["seq"]
+    for rank in range(WORLD):
+        [group] = [g for g in _rows(run_dir, "groups", rank) if g["pg"] == "world"]
+        assert group == {"rank": rank, "pg": "world", "name": "world", "pg_ranks": "0,1", "pg_size": WORLD,
+                         "restart": 0}
+    coll = RunStore.open(run_dir).table("collectives")
+    world = coll[(coll["pg"] == "world") & coll["peer"].isna()]
+    assert set(world["pg_ranks"]) == {"0,1"} and set(world["pg_size"]) == {WORLD}
 
 
 def test_explicit_collectives_come_first_in_issue_order(run_dir):

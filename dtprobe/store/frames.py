@@ -44,6 +44,7 @@ SORT_KEYS: dict[str, tuple[str, ...]] = {
     "kernels": ("rank", "start_ns"),
     "lifecycle": ("rank", "restart", "time_ns"),
     "pending": ("rank", "restart", "enqueue_ns", "seq"),
+    "groups": ("rank", "restart"),
 }
 """Row order of each table as returned by the reader (stable: ties keep file order; nulls last)."""
 

@@ -20,7 +20,7 @@ import pandas as pd
 from dtprobe.analysis.arrivals import lateness_vs_peers
 from dtprobe.analysis.clocks import DEVICE
 from dtprobe.analysis.findings import Finding, PredictedGain
-from dtprobe.analysis.tables import axis_of, group_members
+from dtprobe.analysis.tables import axis_of, group_members, group_phrase
 from dtprobe.store.columns import require_columns
 
 MIN_MATCHED_COLLECTIVES = 20
@@ -169,7 +169,7 @@ def detect_device_stragglers(summary: pd.DataFrame, *, profiled_us: float | None
         findings.append(Finding(
             code="STRAGGLER", severity="critical" if row.wait_frac >= critical_wait_frac else "warning",
             ranks=(int(row.rank),), group=axis,
-            title=(f"rank {row.rank}'s GPU reaches its {axis or row.pg} group {members} collectives last in "
+            title=(f"rank {row.rank}'s GPU reaches its {group_phrase(axis or row.pg, members)} collectives last in "
                    f"{row.last_frac:.0%} of {row.num_collectives} (median +{row.median_lateness_us:.0f} us after "
                    f"its peers, device clock); the group waits {row.wait_frac:.0%} of the profiled time on it"),
             evidence=evidence,

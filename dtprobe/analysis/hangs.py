@@ -15,7 +15,7 @@ from dtprobe.analysis.fault_detail import fault_detail
 from dtprobe.analysis.findings import Finding
 from dtprobe.analysis.liveness import Activity, liveness
 from dtprobe.analysis.stragglers import SKEW_COLUMNS
-from dtprobe.analysis.tables import P2P_OPS, axis_of, group_members
+from dtprobe.analysis.tables import P2P_OPS, axis_of, group_members, group_phrase, ranks_phrase
 from dtprobe.store.columns import require_columns
 
 MISSING_COLUMNS = ["pg", "pg_ranks", "seq", "op", "step", "arrived_ranks", "missing_ranks", "first_enqueue_ns",
@@ -222,9 +222,9 @@ def detect_hangs(missing: pd.DataFrame, faults: pd.DataFrame | None, *, last_see
                  if cause == "network" else None)
         is_p2p = getattr(r, "peer", None) is not None and not pd.isna(getattr(r, "peer", None))
         what = (f"{r.op} #{r.seq % ATTEMPT_SEQ_STRIDE}" + (f" with peer {int(r.peer)}" if is_p2p else "")
-                + f" on group {r.pg} {list(group_members(r.pg_ranks))} (step {r.step})")
+                + f" on {group_phrase(r.pg, group_members(r.pg_ranks))} (step {r.step})")
         if cause == "network":
-            title = (f"ranks on {' and '.join(f'{k} {v}' for k, v in sides.items())} wait for each other at "
+            title = (f"ranks on {' and '.join(f'{k} {ranks_phrase(v)}' for k, v in sides.items())} wait for each other at "
                      f"{what} for {waited_ns / 1e9:.1f} s, all alive: the network between the nodes")
         elif miss:
             title = (f"rank(s) {culprits} never " + ("sent" if r.op == "recv" and is_p2p else

@@ -13,7 +13,7 @@ import pandas as pd
 from dtprobe.analysis.arrivals import ATTEMPT_SEQ_STRIDE
 from dtprobe.analysis.findings import Finding
 from dtprobe.analysis.phases import phase_at
-from dtprobe.analysis.tables import P2P_OPS, axis_of, group_members, size_label
+from dtprobe.analysis.tables import P2P_OPS, axis_of, group_members, group_phrase, size_label
 from dtprobe.store.columns import require_columns
 
 MISMATCH_COLUMNS = ["pg", "pg_ranks", "restart", "seq", "kind", "odd_ranks", "issued", "expected", "step", "phase"]
@@ -164,7 +164,8 @@ def detect_mismatches(mismatches: pd.DataFrame, *, axis_of_pg: Callable[[str], s
         members = list(group_members(m.pg_ranks))
         odd = list(m.odd_ranks)
         mine = m.issued[str(odd[0])] if odd else None
-        where = f"#{m.seq} on group {m.pg} {members} (step {m.step}" + (f", {m.phase}" if m.phase else "") + ")"
+        where = (f"#{m.seq} on {group_phrase(m.pg, members)} (step {m.step}" + (f", {m.phase}" if m.phase else "")
+                 + ")")
         if m.kind == "skipped":
             title = f"rank(s) {odd} skipped {_say(m.expected)} {where}: every later call is shifted"
         elif m.kind == "extra":

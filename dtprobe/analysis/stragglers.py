@@ -27,7 +27,7 @@ from dtprobe.analysis.arrivals import (  # noqa: F401 (re-exported: the straggle
 from dtprobe.analysis.clocks import HOST
 from dtprobe.analysis.findings import Finding, PredictedGain
 from dtprobe.analysis.pipeline_delay import OWN_DELAY_COLUMNS, pipeline_groups, pipeline_own_delay  # noqa: F401
-from dtprobe.analysis.tables import P2P_OPS, axis_of, group_members, ms, run_starts
+from dtprobe.analysis.tables import P2P_OPS, axis_of, group_members, group_phrase, ms, run_starts
 from dtprobe.intervals import union_length_by_group
 from dtprobe.store.columns import require_columns
 
@@ -676,7 +676,7 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: set[
             code="STRAGGLER",
             severity=severity,
             ranks=(int(row.rank),), group=axis,
-            title=(f"rank {row.rank} arrives late at its {axis or row.pg} group {members} collectives: "
+            title=(f"rank {row.rank} arrives late at its {group_phrase(axis or row.pg, members)} collectives: "
                    f"+{ms(row.mean_lateness_ns)} ms ({row.median_lateness_frac:.0%} of the step, median) in "
                    f"{row.positive_frac:.0%} of steps {row.window_first_step}-{row.window_last_step}"
                    + (f"; its data+fwd is {row.median_pre_excess_frac:.0%} of the step longer than its peers' "

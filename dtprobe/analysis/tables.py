@@ -4,7 +4,7 @@ The column check is ``dtprobe.store.columns.require_columns``; interval unions a
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
 
 import numpy as np
 import pandas as pd
@@ -64,6 +64,27 @@ def group_members(pg_ranks: str | None) -> tuple[int, ...]:
     if pg_ranks is None or pg_ranks is pd.NA or not str(pg_ranks).strip():
         return ()
     return tuple(int(r) for r in str(pg_ranks).split(",") if r.strip())
+
+
+LISTED_MEMBERS_MAX = 8
+"""A group of at most this many ranks is named with its member list in titles; a larger one by its size."""
+
+
+def group_phrase(name: str, members: Any) -> str:
+    """How a title names a group: ``"dp group [0, 2]"``, or ``"dp group of 128 ranks"`` above
+    ``LISTED_MEMBERS_MAX`` members (a title never lists a large group's members: evidence does)."""
+    members = list(members)
+    if not members:
+        return f"{name} group"
+    if len(members) <= LISTED_MEMBERS_MAX:
+        return f"{name} group {members}"
+    return f"{name} group of {len(members)} ranks"
+
+
+def ranks_phrase(ranks: Any) -> str:
+    """A list of ranks in a title: ``"[0, 2]"``, or ``"(128 ranks)"`` above ``LISTED_MEMBERS_MAX``."""
+    ranks = list(ranks)
+    return str(ranks) if len(ranks) <= LISTED_MEMBERS_MAX else f"({len(ranks)} ranks)"
 
 
 def group_codes(pg: pd.Series, pg_ranks: pd.Series) -> tuple[np.ndarray, pd.Index, pd.Index]:

@@ -5,6 +5,7 @@ Times on chart axes are milliseconds; ranks are categorical ("rank 3") so plotly
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 import plotly.express as px
 import plotly.graph_objects as go
@@ -165,26 +166,61 @@ def _mark_rows(fig: go.Figure, labels: list[str]) -> None:
 # ----------------------------------------------------------------------------------------------- stragglers
 
 
+HEATMAP_MAX_ROWS = 128
+"""Rank rows a heatmap draws at most: more ranks are binned, each cell the worst (max) of its block of ranks."""
+HEATMAP_MAX_COLS = 400
+"""Step columns a heatmap draws at most: more steps are binned the same way."""
+
+
+def _bin_max(z: np.ndarray, block: int, axis: int) -> np.ndarray:
+    """``z`` with each run of ``block`` rows (axis 0) or columns (axis 1) reduced to its max, NaN ignored."""
+    if block <= 1:
+        return z
+    n = z.shape[axis]
+    pad = (-n) % block
+    width = [(0, 0), (0, 0)]
+    width[axis] = (0, pad)
+    z = np.pad(z, width, constant_values=np.nan)
+    shape = (z.shape[0] // block, block, z.shape[1]) if axis == 0 else (z.shape[0], z.shape[1] // block, block)
+    blocks = z.reshape(shape)
+    return np.fmax.reduce(blocks, axis=axis + 1)     # NaN only where the whole block is NaN
+
+
 def lateness_heatmap(lateness: pd.DataFrame, *, marked: list[int] | None = None, clock: str = "host") -> go.Figure:
     """Rank × step heatmap of arrival lateness (share of the step, max over groups) read on ``clock`` (the run's
-    arrival clock: ``host``, ``device`` or ``mixed``, named in the title and the color bar); marked ranks boxed."""
+    arrival clock: ``host``, ``device`` or ``mixed``, named in the title and the color bar); marked ranks boxed.
+    Binned to at most ``HEATMAP_MAX_ROWS`` x ``HEATMAP_MAX_COLS`` cells (each the latest of its block of ranks
+    and steps), so a 1,024-rank run draws a screenful in which a late rank still shows."""
     words = clock_words(clock)
     grid = (lateness.groupby(["rank", "step"])["lateness_frac"].max().unstack("step").sort_index())
-    labels = [_rank_label(r) for r in grid.index]
-    fig = go.Figure(go.Heatmap(z=grid.to_numpy(dtype="float64"), x=list(grid.columns), y=labels,
-                               colorscale="RdBu_r", zmid=0,
+    ranks, steps = grid.index.to_numpy(dtype="int64"), grid.columns.to_numpy(dtype="int64")
+    rank_block = -(-len(ranks) // HEATMAP_MAX_ROWS)
+    step_block = -(-len(steps) // HEATMAP_MAX_COLS)
+    z = _bin_max(_bin_max(grid.to_numpy(dtype="float64"), rank_block, 0), step_block, 1)
+    if rank_block > 1:
+        firsts, lasts = ranks[::rank_block], ranks[rank_block - 1::rank_block].tolist() + [ranks[-1]]
+        labels = [f"ranks {a}-{b}" if a != b else _rank_label(a) for a, b in zip(firsts, lasts)]
+    else:
+        labels = [_rank_label(r) for r in ranks]
+    x = steps[::step_block].tolist()
+    binned = rank_block > 1 or step_block > 1
+    hover_x = f"steps %{{x}}+{step_block - 1}" if step_block > 1 else "step %{x}"
+    fig = go.Figure(go.Heatmap(z=z, x=x, y=labels, colorscale="RdBu_r", zmid=0,
                                colorbar=dict(title=f"late / step<br>({words})", tickformat=".0%"),
-                               hovertemplate=f"%{{y}} step %{{x}}: %{{z:.1%}} of the step late ({words})"
+                               hovertemplate=f"%{{y}} {hover_x}: %{{z:.1%}} of the step late ({words})"
                                              "<extra></extra>"))
     for rank in marked or []:
-        if rank in grid.index:
-            label = _rank_label(rank)
-            fig.add_shape(type="rect", xref="paper", x0=0, x1=1, yref="y", y0=labels.index(label) - 0.5,
-                          y1=labels.index(label) + 0.5, line=dict(color=MARK_COLOR, width=3))
+        hits = np.flatnonzero(ranks == rank)
+        if len(hits):
+            row = int(hits[0]) // rank_block
+            fig.add_shape(type="rect", xref="paper", x0=0, x1=1, yref="y", y0=row - 0.5, y1=row + 0.5,
+                          line=dict(color=MARK_COLOR, width=3))
     fig.update_yaxes(autorange="reversed", title="")
     fig.update_xaxes(title="step")
-    return _layout(fig, f"Arrival lateness on the {words} (rank × step): red = arrives after its peers",
-                   height=max(300, 22 * len(labels) + 140))
+    title = f"Arrival lateness on the {words} (rank × step): red = arrives after its peers"
+    if binned:
+        title += f" (each cell the latest of {rank_block} rank(s) x {step_block} step(s))"
+    return _layout(fig, title, height=max(300, 22 * len(labels) + 140) if len(labels) <= 40 else 1000)
 
 
 def victims_wait(waits: pd.DataFrame, *, clock: str = "host") -> go.Figure:

@@ -41,32 +41,21 @@ def _rows() -> dict[str, list[dict]]:
     return rows
 
 
-def _write_v1(run_dir: Path, rows: dict[str, list[dict]], *, world_size: int = 4) -> Path:
-    """The version-1 layout, by hand: members on every row, no groups table, run.json schema_version 1."""
+def _write(run_dir: Path, rows: dict[str, list[dict]], *, version: int, world_size: int = 4) -> Path:
+    """A run of ``rows`` in the layout of schema ``version``: 2, what dtprobe writes (members in ``groups``); 1, by
+    hand, members on every row, no groups table, run.json ``schema_version`` 1."""
     create_manifest(run_dir, run_id=run_dir.name, command=["t"], config={}, world_size=world_size)
     for r in range(world_size):
         write_rank_info(run_dir, r, host="h", node_rank=0, local_rank=r, device="cpu", pid=r, clock_offset_ns=7 * r)
     writers = {r: RankWriter(run_dir, r) for r in range(world_size)}
-    for table, table_rows in rows.items():
+    for table, table_rows in (GroupLayout().split(rows) if version == 2 else rows).items():
         for row in table_rows:
             writers[int(row["rank"])].write(table, {k: v for k, v in row.items() if k != "rank" and v is not None})
     for w in writers.values():
         w.close()
-    manifest = run_dir / "run.json"
-    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "schema_version": 1}))
-    return run_dir
-
-
-def _write_v2(run_dir: Path, rows: dict[str, list[dict]], *, world_size: int = 4) -> Path:
-    create_manifest(run_dir, run_id=run_dir.name, command=["t"], config={}, world_size=world_size)
-    for r in range(world_size):
-        write_rank_info(run_dir, r, host="h", node_rank=0, local_rank=r, device="cpu", pid=r, clock_offset_ns=7 * r)
-    writers = {r: RankWriter(run_dir, r) for r in range(world_size)}
-    for table, table_rows in GroupLayout().split(rows).items():
-        for row in table_rows:
-            writers[int(row["rank"])].write(table, {k: v for k, v in row.items() if k != "rank" and v is not None})
-    for w in writers.values():
-        w.close()
+    if version == 1:
+        manifest = run_dir / "run.json"
+        manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "schema_version": 1}))
     return run_dir
 
 
@@ -85,8 +74,8 @@ def test_group_keys_give_a_reused_name_with_other_members_its_own_key():
 
 def test_a_v2_run_reads_and_compacts_to_the_frames_of_the_same_run_in_the_v1_layout(tmp_path):
     rows = _rows()
-    v1 = _write_v1(tmp_path / "v1", rows)
-    v2 = _write_v2(tmp_path / "v2", rows)
+    v1 = _write(tmp_path / "v1", rows, version=1)
+    v2 = _write(tmp_path / "v2", rows, version=2)
     # the v2 events files: members once per (rank, restart, group), rows with the key only
     groups = _lines(v2 / "events/groups/rank00001.jsonl")
     assert [(g["pg"], g["name"], g["pg_ranks"]) for g in groups] == [("pp", "pp", "0,1"), ("dp", "dp", "1,3"),
@@ -109,7 +98,7 @@ def test_a_v2_run_reads_and_compacts_to_the_frames_of_the_same_run_in_the_v1_lay
 
 def test_lines_appended_after_compaction_get_their_members_from_compacted_and_new_group_rows(tmp_path):
     rows = _rows()
-    run = _write_v2(tmp_path / "r", rows)
+    run = _write(tmp_path / "r", rows, version=2)
     compact(run)
     w = RankWriter(run, 3)
     w.write("groups", {"restart": 1, "pg": "world", "name": "world", "pg_ranks": "0,1,2,3", "pg_size": 4})
@@ -140,7 +129,7 @@ def test_a_run_mixing_v1_rows_and_v2_rows_reads_each_correctly(tmp_path):
 
 
 def test_a_v2_row_whose_group_row_is_lost_is_an_error_naming_both_files_on_every_read(tmp_path):
-    run = _write_v2(tmp_path / "r", _rows())
+    run = _write(tmp_path / "r", _rows(), version=2)
     groups_file = run / "events/groups/rank00002.jsonl"
     groups_file.write_bytes(b"")                   # lost (a copy without it, a truncation)
     message = r"events/collectives/rank00002.jsonl' has rows of group 'dp' \(restart None\) \(and 1 more groups\)" \
@@ -157,8 +146,8 @@ def test_a_v2_row_whose_group_row_is_lost_is_an_error_naming_both_files_on_every
 
 
 def test_a_v1_row_without_members_stays_without_them(tmp_path):
-    run = _write_v1(tmp_path / "r", {"collectives": [{"rank": 0, "pg": "world", "seq": 1, "op": "barrier",
-                                                      "enqueue_ns": T0}]}, world_size=1)
+    run = _write(tmp_path / "r", {"collectives": [{"rank": 0, "pg": "world", "seq": 1, "op": "barrier",
+                                                   "enqueue_ns": T0}]}, version=1, world_size=1)
     coll = RunStore.open(run).table("collectives")
     assert coll["pg"].tolist() == ["world"] and coll["pg_ranks"].isna().all() and coll["pg_size"].isna().all()
 
@@ -183,7 +172,7 @@ def test_repeated_group_rows_count_once_and_conflicting_ones_are_an_error(tmp_pa
 
 
 def test_a_reader_that_reads_groups_just_before_the_writer_appends_still_fills_the_rows(tmp_path, monkeypatch):
-    run = _write_v2(tmp_path / "r", {"steps": [{"rank": 0, "step": 0, "start_ns": T0}]}, world_size=1)
+    run = _write(tmp_path / "r", {"steps": [{"rank": 0, "step": 0, "start_ns": T0}]}, version=2, world_size=1)
     store = RunStore.open(run)
     real = reader_module._events_files
     appended = []

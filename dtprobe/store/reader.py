@@ -120,14 +120,15 @@ class RunStore:
         with self._lock:
             added = 0
             for name, state in self._states.items():
-                chunks = []
-                for rel, head in list(state.heads.items()):
+                chunks, heads = [], list(state.heads.items())
+                for rel, head in heads:
                     rows = read_new_rows(self._path / rel, FileCursor(), name, int(Path(rel).name[4:-6]),
                                          end=head.offset_bytes)
                     if rows is not None:
                         chunks.append(rows)
-                    del state.heads[rel]
                 added += self._append(state, self._with_members(name, chunks))
+                for rel, _ in heads:  # only once their rows are in: a read that raised leaves them to read again
+                    del state.heads[rel]
             self._tail_from_step = None
             return added
 

@@ -236,3 +236,25 @@ def test_a_row_of_a_1024_rank_group_costs_no_more_than_a_row_of_a_2_rank_group(t
         assert len(coll) == 1000 and set(coll["pg_ranks"]) == {ranks} and set(coll["pg_size"]) == {size}
     assert sizes["big"] == sizes["small"] < 200     # bytes per row; the v1 layout repeated 4,009 more per row
     assert len(orjson.dumps({"pg_ranks": members})) > 4000
+
+
+def test_a_torn_last_groups_line_is_skipped_and_cut_by_the_restarted_rank(tmp_path):
+    run = _write(tmp_path / "r", {"steps": [{"rank": 0, "step": 0, "start_ns": T0}]}, version=2, world_size=1)
+    w = RankWriter(run, 0)
+    w.write("groups", {"restart": 0, "pg": "dp", "name": "dp", "pg_ranks": "0", "pg_size": 1})
+    w.write("collectives", {"restart": 0, "pg": "dp", "seq": 1, "op": "allreduce", "enqueue_ns": T0})
+    w.close()
+    groups_file = run / "events/groups/rank00000.jsonl"
+    with open(groups_file, "ab") as f:             # killed while writing its next group's line: no row names it yet
+        f.write(b'{"rank":0,"restart":0,"pg":"tp","na')
+    store = RunStore.open(run)
+    assert store.table("collectives")[["pg", "pg_ranks"]].values.tolist() == [["dp", "0"]]
+    assert store.table("groups")["pg"].tolist() == ["dp"]
+    w = RankWriter(run, 0)                         # the restarted rank cuts the torn line, then writes its groups
+    w.write("groups", {"restart": 1, "pg": "dp", "name": "dp", "pg_ranks": "0", "pg_size": 1})
+    w.write("collectives", {"restart": 1, "pg": "dp", "seq": 1, "op": "allreduce", "enqueue_ns": T0 + 10})
+    w.close()
+    assert [line["restart"] for line in _lines(groups_file)] == [0, 1]
+    store.refresh()
+    coll = store.table("collectives")
+    assert coll[["restart", "pg", "pg_ranks", "pg_size"]].values.tolist() == [[0, "dp", "0", 1], [1, "dp", "0", 1]]

@@ -42,8 +42,7 @@ Per recorded collective, for the DDP case and the many-small cases: (median step
 the collectives rank 0 recorded per step in the "on" run; for the many-small cases also the same from each rank's
 process CPU time per step (all its threads): waiting for a core is not counted, though a loaded machine still
 inflates it (contended caches, gloo's polling while it waits). Goal <= 10 us on gloo; both figures need a quiet
-machine. `--pin` pins each many-small worker to core LOCAL_RANK (mod the cores): with one rank per core, the
-ranks' threads do not take turns on each other's core (the usual set-up of a training node).
+machine.
 
 The first `--skip` steps of every run are left out (DDP rebuilds its buckets after step 0). On a CPU machine the
 figures are CPU/gloo ones, not GPU ones.
@@ -78,7 +77,7 @@ def _env() -> dict[str, str]:
 
 
 def side_command(name: str, out: Path, *, nproc: int, steps: int, flush_baseline: float | None,
-                 num_small: int, pin: bool = False, launch_model: tuple[int, int] = (2048, 2)) -> list[str]:
+                 num_small: int, launch_model: tuple[int, int] = (2048, 2)) -> list[str]:
     """The command of one side: "on", "off", "slowflush" (`dtprobe run`), "plain" (benchmarks/plain_ddp.py),
     "small_on", "small_off", "small_async_on" or "small_async_off" (this file's many-small-collectives worker
     under torchrun)."""
@@ -98,7 +97,7 @@ def side_command(name: str, out: Path, *, nproc: int, steps: int, flush_baseline
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                 str(Path(__file__).resolve()), "--small-worker", str(out), "--steps", str(steps),
                 "--small-collectives", str(num_small)] + (["--small-off"] if name.endswith("_off") else []) + (
-                ["--small-async"] if name.startswith("small_async") else []) + (["--pin"] if pin else [])
+                ["--small-async"] if name.startswith("small_async") else [])
     cmd = [sys.executable, "-m", "dtprobe.cli", "run", "--nproc", str(nproc), "--steps", str(steps),
            "--run-dir", str(out), "--warmup", "0"]
     if name == "off":
@@ -201,8 +200,7 @@ def cpu_per_step(run_dir: Path) -> float:
     return statistics.mean(values)
 
 
-def small_worker(run_dir: str, *, steps: int, num_collectives: int, off: bool, async_op: bool = False,
-                 pin: bool = False) -> None:
+def small_worker(run_dir: str, *, steps: int, num_collectives: int, off: bool, async_op: bool = False) -> None:
     """One rank of the many-small-collectives cases (launched by torchrun): each step a small matmul and
     ``num_collectives`` all_reduce of 256 float32 on the default group, timed by ``probe.step``; blocking calls,
     or with ``async_op`` issued with ``async_op=True`` and waited at once (how DTensor and FSDP use their works)."""
@@ -214,8 +212,6 @@ def small_worker(run_dir: str, *, steps: int, num_collectives: int, off: bool, a
     import dtprobe
 
     torch.set_num_threads(1)
-    if pin:                           # before gloo and the probe start their threads: they inherit the core
-        os.sched_setaffinity(0, {int(os.environ["LOCAL_RANK"]) % (os.cpu_count() or 1)})
     options = {"collectives": False, "devices": False} if off else {}
     probe = dtprobe.attach(run_dir, **options)
     weight = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
@@ -346,7 +342,7 @@ def run_cases(cases: list[str], args: argparse.Namespace) -> Results:
                     outs[name].mkdir()
             commands = {name: side_command(name, outs[name], nproc=args.nproc, steps=args.steps,
                                            flush_baseline=args.flush_baseline, num_small=args.small_collectives,
-                                           pin=args.pin, launch_model=args.launch_model)
+                                           launch_model=args.launch_model)
                         for name in order}
             run_sides(commands, tmp_path / f"logs{i}", concurrent=args.concurrent)
             for name in names:
@@ -391,8 +387,6 @@ def main() -> int:
                              "side is slower, the ratios are what counts)")
     parser.add_argument("--small-collectives", type=int, default=200,
                         help="all_reduce per step in the many-small-collectives cases (default 200)")
-    parser.add_argument("--pin", action="store_true",
-                        help="pin each many-small-collectives rank to its own core (LOCAL_RANK mod the cores)")
     parser.add_argument("--launch-model", type=_launch_model, default=(2048, 2), metavar="HIDDEN,LAYERS",
                         help="the launch case's MLP: hidden width and hidden layers (default 2048,2; 64,1 is the "
                              "script's tiny default)")
@@ -402,7 +396,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.small_worker:
         small_worker(args.small_worker, steps=args.steps, num_collectives=args.small_collectives, off=args.small_off,
-                     async_op=args.small_async, pin=args.pin)
+                     async_op=args.small_async)
         return 0
     cases = list(DEFAULT_CASES) + (["flush"] if args.flush_baseline is not None else [])
     if args.cases is not None:

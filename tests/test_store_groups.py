@@ -145,11 +145,16 @@ def test_a_v2_row_whose_group_row_is_lost_is_an_error_naming_both_files_on_every
         compact(run)
 
 
-def test_a_v1_row_without_members_stays_without_them(tmp_path):
+def test_a_v1_row_without_members_stays_without_them_unless_the_run_has_groups(tmp_path):
     run = _write(tmp_path / "r", {"collectives": [{"rank": 0, "pg": "world", "seq": 1, "op": "barrier",
                                                    "enqueue_ns": T0}]}, version=1, world_size=1)
     coll = RunStore.open(run).table("collectives")
     assert coll["pg"].tolist() == ["world"] and coll["pg_ranks"].isna().all() and coll["pg_size"].isna().all()
+    w = RankWriter(run, 0)                         # a newer dtprobe appends to it: its rows name groups it wrote
+    w.write("groups", {"pg": "dp", "name": "dp", "pg_ranks": "0", "pg_size": 1})
+    w.close()
+    with pytest.raises(TraceError, match=r"has rows of group 'world' \(restart None\), but .* has no row for it"):
+        RunStore.open(run)
 
 
 def test_repeated_group_rows_count_once_and_conflicting_ones_are_an_error(tmp_path):

@@ -330,8 +330,10 @@ class RunStore:
         """New rows of ``name`` with their groups' members filled in (grouped tables; others as they are).
 
         A rank hands a group's row to the OS before any row naming it, but this reader may have read ``groups``
-        just before that: an unknown group re-reads ``groups`` once. Rows of a version-2 run whose group is still
-        unknown are damage: TraceError, and the cursors go back to ``undo`` so the next read reports it again."""
+        just before that: an unknown group re-reads ``groups`` once. Rows whose group is still unknown, in a
+        version-2 run or one that has ``groups`` rows (a version-1 run appended to by a newer dtprobe), are damage:
+        TraceError, and the cursors go back to ``undo`` so the next read reports it again. In a version-1 run
+        without groups such rows keep null members, as version 1 read them."""
         if name not in GROUPED_TABLES or not chunks:
             return chunks
         groups_state = self._load("groups")
@@ -343,7 +345,7 @@ class RunStore:
                 self._tail("groups", groups_state)
                 groups, reread = _rows_of(groups_state, "groups"), True
                 rows_filled, missing = fill_members(rows, groups)
-            if missing and self._manifest.schema_version >= GROUPS_SINCE_VERSION:
+            if missing and (self._manifest.schema_version >= GROUPS_SINCE_VERSION or groups.num_rows):
                 for cursor, offset, lines in undo:
                     cursor.offset_bytes, cursor.lines = offset, lines
                 raise missing_groups_error(name, self._path, missing)

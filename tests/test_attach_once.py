@@ -131,16 +131,22 @@ probe.close()
 """
 
 
-@pytest.mark.multiproc
-def test_attach_that_initializes_under_dtprobe_launch_returns_the_workers_probe_and_marks_the_steps(
-        tmp_path, run_cli, child_env):
-    (tmp_path / "train.py").write_text(LAUNCHED_SCRIPT)
+def _launched(script: str, tmp_path, run_cli, child_env) -> RunStore:
+    """``script`` (which attaches to the run directory it is given) run by ``dtprobe launch`` on 2 ranks: the
+    launch's run, the script's own run directory never created."""
+    (tmp_path / "train.py").write_text(script)
     run = tmp_path / "launch-run"
     proc = run_cli("launch", "--nproc", "2", "--run-dir", run, "--no-devices", tmp_path / "train.py",
                    tmp_path / "own-run", timeout_s=240, env=child_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not (tmp_path / "own-run").exists()
-    store = RunStore.open(run)
+    return RunStore.open(run)
+
+
+@pytest.mark.multiproc
+def test_attach_that_initializes_under_dtprobe_launch_returns_the_workers_probe_and_marks_the_steps(
+        tmp_path, run_cli, child_env):
+    store = _launched(LAUNCHED_SCRIPT, tmp_path, run_cli, child_env)
     lifecycle = store.table("lifecycle").sort_values(["rank", "time_ns"])
     assert lifecycle.groupby("rank")["event"].apply(list).to_dict() == {r: ["attach", "close"] for r in (0, 1)}
     # the script's steps, once each (the launch's hook-driven steps stopped), with their all-reduce
@@ -170,12 +176,7 @@ probe.close()
 @pytest.mark.multiproc
 def test_attach_under_dtprobe_launch_that_marks_no_step_keeps_the_launchs_hook_driven_steps(
         tmp_path, run_cli, child_env):
-    (tmp_path / "train.py").write_text(UNMARKED_SCRIPT)
-    run = tmp_path / "launch-run"
-    proc = run_cli("launch", "--nproc", "2", "--run-dir", run, "--no-devices", tmp_path / "train.py",
-                   tmp_path / "own-run", timeout_s=240, env=child_env())
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    steps = RunStore.open(run).table("steps")
+    steps = _launched(UNMARKED_SCRIPT, tmp_path, run_cli, child_env).table("steps")
     # one row per optimizer step, from the hooks, with the forward/backward/optimizer phases they time
     assert steps.groupby("rank")["step"].apply(sorted).to_dict() == {r: [0, 1, 2] for r in (0, 1)}
     assert steps[["fwd_ns", "bwd_ns", "opt_ns"]].notna().all().all()

@@ -36,6 +36,9 @@ class NullProbe:
     def step(self, step: int) -> NullStepContext:
         return NullStepContext(step)
 
+    def hook_step(self, step: int) -> NullStepContext:
+        return NullStepContext(step)
+
     def fault(self, kind: str, *, step: Any = None, injected: bool = False, **detail: Any) -> None:
         pass
 

@@ -322,7 +322,10 @@ def _record_initialized_groups(*, nccl_timing: bool) -> None:
     holding the old default group, e.g. a DDP built before) are not recorded: one warning names them with the fix.
     A default group already on ``dtprobe_gloo``/``dtprobe_nccl`` (the script named it) is recorded as it is.
     Other default backends (a mixed ``"cpu:gloo,cuda:nccl"``, MPI) are left alone, with a warning. An NCCL default
-    group bound to a device (``device_id``) is recorded with a warning: torch would split later groups from it.
+    group bound to a device (``device_id``) is recorded too: the recording groups made for later groups are split
+    from its communicator as torch's own would be (``torch_internals.split_from_bound_default``), and a split of
+    the recording group (``dist.split_group``, a DeviceMesh) is a recording group (``RecordingProcessGroup
+    .split_group``).
     """
     fix = ("Call dtprobe.attach() right after init_process_group and before creating them (DDP, FSDP2, "
            "DeviceMesh, new_group), or run the script unchanged with `dtprobe launch`.")
@@ -336,13 +339,6 @@ def _record_initialized_groups(*, nccl_timing: bool) -> None:
                 f"Initialize with backend=\"gloo\" or \"nccl\" (or let dtprobe.attach initialize).", stacklevel=3)
             return
         on_nccl = backends == {"nccl"}
-        if on_nccl and old.bound_device_id is not None:
-            warnings.warn(
-                f"dtprobe.attach: the default NCCL group is bound to {old.bound_device_id} (init_process_group("
-                f"device_id=...)), so torch creates later groups by splitting its communicator, which the "
-                f"recording groups dtprobe creates for them do not do: a new_group that leaves out some ranks can "
-                f"hang and a DeviceMesh fails to build. Call torch.cuda.set_device(local_rank) and "
-                f"init_process_group without device_id, or let dtprobe.attach initialize.", stacklevel=3)
         wrapper = RecordingProcessGroup(old, old.rank(), old.size(), backend_name=NCCL_BACKEND if on_nccl
                                         else GLOO_BACKEND, device_timing=on_nccl)
         if on_nccl:
@@ -384,19 +380,17 @@ def _reuse_open_probe(existing: Probe, run_dir: Path, config: CollectConfig) -> 
     return existing
 
 
-def _init_process_group(backend: str, *, timeout_s: float, local_rank: int, bind_device: bool) -> None:
+def _init_process_group(backend: str, *, timeout_s: float, local_rank: int) -> None:
     """``init_process_group(backend)`` from the torchrun environment (``env://``, or the per-attempt store after a
     restart), or a 1-rank group on a ``HashStore`` without one (a plain ``python train.py``).
 
-    On NCCL, this rank's GPU becomes the current device. ``bind_device`` also binds the group to it (``device_id``:
-    the communicator connects at once); not when the group gets recorded: torch then creates later groups by
-    splitting the bound group's communicator, which the recording groups made for them do not take part in.
+    On NCCL the group is bound to this rank's GPU (``device_id``, also made the current device): torch connects the
+    communicator at once and splits later groups from it instead of guessing the device at the first collective.
     """
     bound: dict[str, Any] = {}
     if "nccl" in backend:
         torch.cuda.set_device(local_rank)
-        if bind_device:
-            bound["device_id"] = torch.device("cuda", local_rank)
+        bound["device_id"] = torch.device("cuda", local_rank)
     timeout = datetime.timedelta(seconds=timeout_s)
     if "RANK" in os.environ or "MASTER_ADDR" in os.environ:
         store = _restart_store(timeout)
@@ -454,8 +448,7 @@ def attach(run_dir: str | os.PathLike, *, timeout_s: float = 600.0, backend: str
     owns_process_group = not dist.is_initialized()
     recording = config.enabled and config.collectives
     if owns_process_group:
-        _init_process_group(backend or ("nccl" if cuda else "gloo"), timeout_s=timeout_s, local_rank=local_rank,
-                            bind_device=not recording)
+        _init_process_group(backend or ("nccl" if cuda else "gloo"), timeout_s=timeout_s, local_rank=local_rank)
         if _OPEN_PROBE is not None:      # `dtprobe launch` attaches as init_process_group returns
             return _reuse_open_probe(_OPEN_PROBE, run_dir, config)
     if recording:

@@ -310,8 +310,9 @@ def enable_completion_timing(inner: Any, recorder: Any, *, clock: DeviceClock | 
 
 def make_nccl(opts: Any, backend_options: Any = None, *, wrap: Callable[..., Any], recorder: Any) -> Any:
     """Creator for ``dtprobe_nccl``: a ProcessGroupNCCL built as ``init_process_group("nccl")`` would
-    (``pg_options`` of type ``ProcessGroupNCCL.Options`` are honoured), held by a plain ProcessGroup so the
-    completion hook can be registered on it; ``wrap(inner, rank, size)`` makes the recording group around it."""
+    (``pg_options`` of type ``ProcessGroupNCCL.Options`` are honoured; split from the default group's communicator
+    when that group is bound to a device, as torch splits its own), held by a plain ProcessGroup so the completion
+    hook can be registered on it; ``wrap(inner, rank, size)`` makes the recording group around it."""
     store, rank, size = opts.store, opts.group_rank, opts.group_size
     options = backend_options if backend_options is not None else dist.ProcessGroupNCCL.Options()
     if backend_options is None:
@@ -319,6 +320,7 @@ def make_nccl(opts: Any, backend_options: Any = None, *, wrap: Callable[..., Any
     options._timeout = opts.timeout
     options.global_ranks_in_group = list(opts.global_ranks_in_group)
     options.group_name = opts.group_id
+    torch_internals.split_from_bound_default(options, options.global_ranks_in_group)
     backend = dist.ProcessGroupNCCL(store, rank, size, options)
     backend._set_sequence_number_for_group()
     inner = dist.ProcessGroup(store, rank, size)

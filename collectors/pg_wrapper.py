@@ -641,6 +641,29 @@ class RecordingProcessGroup(dist.ProcessGroup):
     def monitored_barrier(self, *args: Any, **kwargs: Any) -> Any:
         return self._inner.monitored_barrier(*args, **kwargs)
 
+    def get_group_store(self) -> Any:
+        return self._inner.get_group_store()
+
+    def split_group(self, ranks: Any, *args: Any, **kwargs: Any) -> Any:
+        """The inner group's ``split_group`` (``dist.split_group``; a DeviceMesh of a group bound to a device),
+        wrapped as a recording group like this one: the sub-group's collectives are recorded too. None for a rank
+        outside ``ranks``."""
+        sub = self._inner.split_group(ranks, *args, **kwargs)
+        if sub is None:
+            return None
+        wrapper = RecordingProcessGroup(sub, sub.rank(), sub.size(), backend_name=self._backend_name,
+                                        recorder=self._recorder, device_timing=self._device_timing)
+        wrapper._group_name = sub.group_name     # already set on the inner group by the split
+        try:                                     # its members, known before torch registers it (if it does)
+            parent = dist.get_process_group_ranks(self)
+            wrapper._ranks_str = ",".join(str(parent[r]) for r in sorted(ranks))
+            wrapper._fallback_name = f"g{sub.group_name}"
+        except (RuntimeError, ValueError, KeyError, IndexError):
+            pass                                 # resolved from torch's registry at its first collective
+        if self._device_timing:
+            nccl.time_rows(wrapper, self._recorder, device_timing=self._recorder.nccl_timing)
+        return wrapper
+
     # ---- naming ----
     def _pg_key(self) -> str:
         """This group's key for the rows, resolved (and its ``groups`` row written) at the first recorded collective,

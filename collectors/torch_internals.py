@@ -40,6 +40,26 @@ def collective_seq(pg: Any) -> int:
     return int(pg._get_sequence_number_for_group())
 
 
+def split_from_bound_default(options: Any, global_ranks: list[int]) -> bool:
+    """For a new NCCL group whose default group is bound to a device (``init_process_group(device_id=...)``): set
+    ``options.split_from``/``split_color`` as torch's ``_new_process_group_helper`` does for its own NCCL groups,
+    so the new communicator is split from the default one (``ncclCommSplit``), the split the ranks outside the new
+    group join (torch calls ``perform_nocolor_split`` on them). Returns False, changing nothing, when the default
+    group is not bound or its backend cannot split (``_get_split_source``)."""
+    c10d = dist.distributed_c10d
+    if not c10d.is_initialized():
+        return False
+    default = c10d._get_default_group()
+    if default.bound_device_id is None:
+        return False
+    source = c10d._get_split_source(default)
+    if source is None:
+        return False
+    options.split_from = source
+    options.split_color = c10d._process_group_color(list(global_ranks))
+    return True
+
+
 def install_batch_p2p_coalescing(is_recording_group: Callable[[Any], bool]) -> None:
     """Make ``dist.batch_isend_irecv`` coalesce on recording groups as it does on plain ones. Idempotent.
 

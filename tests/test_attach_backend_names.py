@@ -73,11 +73,9 @@ world.pg_backend_config[old] = "cuda:nccl"
 ``pg_map`` and the backend config)."""
 
 
-@pytest.mark.parametrize("bind_device, device_id", [(False, None), (True, "cuda:1")])
-def test_attach_binds_an_nccl_group_to_the_device_only_when_it_will_not_be_recorded(monkeypatch, bind_device,
-                                                                                   device_id):
-    # A bound default group makes torch split later groups from its communicator (ncclCommSplit on every rank of
-    # the parent), which the dtprobe_nccl groups made for the members do not join: an unrecorded job only binds.
+def test_attach_binds_an_nccl_group_it_initializes_to_the_device(monkeypatch):
+    # device_id: torch connects the communicator at once and splits later groups from it (issue 15, item 2); the
+    # recording groups made for them split too (test_split_options_follow_a_bound_default_group)
     import torch
     import torch.distributed as dist
 
@@ -89,11 +87,37 @@ def test_attach_binds_an_nccl_group_to_the_device_only_when_it_will_not_be_recor
     for name, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
-    attach_module._init_process_group("nccl", timeout_s=30, local_rank=1, bind_device=bind_device)
+    attach_module._init_process_group("nccl", timeout_s=30, local_rank=1)
     (set_device, (backend, kwargs)) = calls
     assert set_device == ("set_device", 1) and backend == "nccl"
     assert kwargs["timeout"].total_seconds() == 30
-    assert (str(kwargs["device_id"]) if "device_id" in kwargs else None) == device_id
+    assert str(kwargs["device_id"]) == "cuda:1"
+
+
+def test_split_options_follow_a_bound_default_group(monkeypatch):
+    # What dtprobe_nccl's creator asks of a new group's options: split from the default group's communicator
+    # exactly when torch would split its own NCCL group (a default group bound to a device), with torch's color
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+
+    from dtprobe.collectors import torch_internals
+
+    c10d = dist.distributed_c10d
+    source = object()
+    default = SimpleNamespace(bound_device_id=None)
+    monkeypatch.setattr(c10d, "is_initialized", lambda: True)
+    monkeypatch.setattr(c10d, "_get_default_group", lambda: default)
+    monkeypatch.setattr(c10d, "_get_split_source", lambda pg: source if pg is default else None)
+    options = SimpleNamespace()
+    assert torch_internals.split_from_bound_default(options, [0, 2]) is False and vars(options) == {}
+    default.bound_device_id = torch.device("cuda", 0)
+    assert torch_internals.split_from_bound_default(options, [0, 2]) is True
+    assert options.split_from is source
+    assert options.split_color == c10d._process_group_color([0, 2]) != c10d._process_group_color([1, 3])
+    monkeypatch.setattr(c10d, "_get_split_source", lambda pg: None)      # a backend that cannot split
+    assert torch_internals.split_from_bound_default(SimpleNamespace(), [0, 2]) is False
 
 
 def test_attach_after_an_nccl_init_records_the_default_group_under_the_name_nccl_with_device_timing(run_python,
@@ -116,29 +140,3 @@ probe.close()
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out == {"backend": "nccl", "wrapped": True, "timed": [[True, False]]}
-
-
-def test_attach_after_an_nccl_init_bound_to_a_device_warns_that_later_groups_would_be_split(run_python):
-    # torch splits groups created after a bound default group from its communicator; the recording groups made
-    # for them do not split, so non-members would wait in the split forever: the user is told before it happens.
-    code = _NCCL_DEFAULT_GROUP + """
-import warnings
-
-attach_module.nccl.time_rows = lambda pg, recorder, *, device_timing: None
-messages = {}
-for bound in (None, torch.device("cuda", 0)):
-    old.bound_device_id = bound
-    dist.distributed_c10d._update_default_pg(old)          # attach again on the plain group
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        attach_module._record_initialized_groups(nccl_timing=False)
-    messages[str(bound)] = [str(w.message) for w in caught]
-old.bound_device_id = None
-print(json.dumps(messages))
-"""
-    proc = run_python(code, timeout_s=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["None"] == []
-    (message,) = out["cuda:0"]
-    assert "bound to cuda:0" in message and "init_process_group without device_id" in message

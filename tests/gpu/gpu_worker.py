@@ -3,8 +3,9 @@
     python -m torch.distributed.run --nproc-per-node 2 tests/gpu/gpu_worker.py ddp_straggler RUN_DIR
     python -m torch.distributed.run --nproc-per-node 2 tests/gpu/gpu_worker.py pipeline_exchange RUN_DIR
 
-``ddp_straggler``: 2-rank DDP under ``dtprobe.attach`` (``dtprobe_nccl``); rank 1's GPU runs a spinning kernel
+``ddp_straggler``: 2-rank DDP under ``dtprobe.attach`` (NCCL, recorded); rank 1's GPU runs a spinning kernel
 (``torch.cuda._sleep``) before each forward, so its host enqueues on time and only the device is late.
+``bound_groups``: groups created after attach bound the default NCCL group to the device (split from it).
 ``pipeline_exchange``: both ranks send and receive a large activation to and from each other at once through
 ``dist.batch_isend_irecv`` on the recording group (the pattern that deadlocks when the ops go out one by one).
 """
@@ -69,5 +70,27 @@ def pipeline_exchange(run_dir: str) -> None:
     probe.close()
 
 
+def bound_groups(run_dir: str) -> None:
+    """attach binds the NCCL group to this rank's GPU (``device_id``); torch then splits later groups from its
+    communicator: a ``new_group`` leaving rank 1 out (rank 1 only joins the split) and a 1 x 2 DeviceMesh (its
+    axes split with ``split_group``) must build, and their collectives be recorded."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    probe = dtprobe.attach(run_dir, timeout_s=120)
+    rank = dist.get_rank()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    assert dist.distributed_c10d._get_default_group().bound_device_id == device
+    first = dist.new_group([0])
+    mesh = probe.init_device_mesh("cuda", (1, 2), mesh_dim_names=("dp", "tp"))
+    with probe.step(0):
+        if rank == 0:
+            dist.all_reduce(torch.ones(3, device=device), group=first)
+        dist.all_reduce(torch.ones(5, device=device), group=mesh.get_group("tp"))
+        torch.cuda.synchronize()
+    time.sleep(1.0)
+    probe.close()
+
+
 if __name__ == "__main__":
-    {"ddp_straggler": ddp_straggler, "pipeline_exchange": pipeline_exchange}[sys.argv[1]](sys.argv[2])
+    {"ddp_straggler": ddp_straggler, "pipeline_exchange": pipeline_exchange,
+     "bound_groups": bound_groups}[sys.argv[1]](sys.argv[2])

@@ -1,6 +1,8 @@
 """Two or more GPUs, real NCCL: a 2-rank DDP job whose rank 1 GPU is slowed by a spinning kernel is named the
 straggler on the device clock; a large activation exchanged both ways through ``batch_isend_irecv`` on the
-recording group completes (coalesced) and is recorded per op with device times. Run: ``python3 -m pytest -m gpu``."""
+recording group completes (coalesced) and is recorded per op with device times; groups created after attach bound
+the default group to the device (a new_group leaving a rank out, a DeviceMesh) are split from its communicator and
+recorded. Run: ``python3 -m pytest -m gpu``."""
 
 from __future__ import annotations
 
@@ -63,3 +65,15 @@ def test_large_activations_exchanged_through_batch_isend_irecv_complete_and_are_
     # a coalesced block is one NCCL work: the send and recv of a rank and step share its start and end
     per_block = p2p.groupby(["rank", "step"])[["start_ns", "end_ns"]].nunique()
     assert (per_block == 1).all().all()
+
+
+def test_groups_split_from_the_device_bound_default_group_build_and_are_recorded(torchrun, tmp_path):
+    from dtprobe.store.resolve import open_source
+
+    run_dir = tmp_path / "bound"
+    torchrun("bound_groups", run_dir)
+    rows = open_source(run_dir).table("collectives")
+    rows = rows[rows["op"] == "allreduce"]
+    assert sorted(map(tuple, rows[["rank", "pg_ranks", "num_bytes"]].values.tolist())) == [
+        (0, "0", 12), (0, "0,1", 20), (1, "0,1", 20)]
+    assert set(rows["timing"]) == {"cuda_event"}

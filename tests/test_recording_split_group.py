@@ -1,0 +1,58 @@
+"""``RecordingProcessGroup.split_group``: what ``dist.split_group`` and a DeviceMesh of a device-bound group call
+on the parent. The recording group forwards the split to the group it wraps and returns the sub-group wrapped
+the same way, so the sub-group's collectives are recorded (under its own key) and a rank outside the split gets
+None. 2 ranks on gloo, which splits at the C++ level here (``dist.split_group`` itself asks for an
+accelerator)."""
+
+from __future__ import annotations
+
+import subprocess
+import textwrap
+
+import pytest
+
+from dtprobe.store import RunStore
+
+WORKER = textwrap.dedent("""
+    import datetime, json, sys
+    from pathlib import Path
+    import torch, torch.distributed as dist
+    import dtprobe
+    from dtprobe.collectors.pg_wrapper import RecordingProcessGroup
+
+    run = Path(sys.argv[1])
+    probe = dtprobe.attach(run, devices=False, timeout_s=60)
+    parent = dist.distributed_c10d._get_default_group()
+    rank = dist.get_rank()
+    pair = parent.split_group([0, 1], timeout=datetime.timedelta(seconds=60), group_name="dtprobe_split_pair")
+    alone = parent.split_group([0], timeout=datetime.timedelta(seconds=60), group_name="dtprobe_split_first")
+    pair.allreduce([torch.ones(3)]).wait()                 # 12 bytes on the sub-group of both ranks
+    if alone is not None:
+        alone.allreduce([torch.ones(5)]).wait()            # 20 bytes on rank 0's own sub-group
+    out = {"pair": type(pair).__name__, "pair_size": pair.size(), "pair_rank": pair.rank(),
+           "pair_name": pair.group_name, "alone": None if alone is None else type(alone).__name__}
+    (run / f"split.rank{rank}.json").write_text(json.dumps(out))
+    probe.close()
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.multiproc
+def test_a_split_of_a_recording_group_is_a_recording_group_whose_collectives_are_recorded(
+        tmp_path, torchrun_cmd, child_env):
+    (tmp_path / "worker.py").write_text(WORKER)
+    run = tmp_path / "run"
+    run.mkdir()
+    proc = subprocess.run(torchrun_cmd(tmp_path / "worker.py", run, nproc=2), env=child_env(), timeout=240,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+    outs = [json.loads((run / f"split.rank{r}.json").read_text()) for r in (0, 1)]
+    assert [(o["pair"], o["pair_size"], o["pair_rank"], o["pair_name"]) for o in outs] == [
+        ("RecordingProcessGroup", 2, r, "dtprobe_split_pair") for r in (0, 1)]
+    assert [o["alone"] for o in outs] == ["RecordingProcessGroup", None]
+    coll = RunStore.open(run).table("collectives")
+    rows = coll[coll["op"] == "allreduce"].sort_values(["rank", "enqueue_ns"])
+    assert rows[["rank", "pg_ranks", "num_bytes"]].values.tolist() == [
+        [0, "0,1", 12], [0, "0", 20], [1, "0,1", 12]]
+    assert rows["pg"].str.startswith("g").all()        # named after their torch group, not the parent "world"

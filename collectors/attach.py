@@ -120,7 +120,7 @@ class Probe:
         self.step_hooks: Any = None
         """What writes this probe's steps from torch's hooks (``dtprobe launch``: ``launch_steps.ScriptSteps``),
         else None. A framework callback that reuses the probe marks its own steps instead: it calls
-        ``step_hooks.close()`` so each step is written once; a second ``attach`` stops them at its first ``step``."""
+        ``stop_step_hooks()`` so each step is written once; a second ``attach`` stops them at its first ``step``."""
         self._caller_marks_steps = False
         """Set when a second ``attach`` reused this probe: its first ``step()`` stops ``step_hooks``."""
         self._sampler: DeviceSampler | None = None
@@ -142,11 +142,16 @@ class Probe:
     # ---- training events ----
     def step(self, step: int) -> StepContext:
         """``with probe.step(n) as s:`` times step ``n``, marks collectives with it, writes its ``steps`` row."""
-        hooks = self.step_hooks
-        if hooks is not None and self._caller_marks_steps:
-            self.step_hooks = None     # a reusing caller marks its first step: the hook-driven steps stop now
-            hooks.close()
+        if self._caller_marks_steps:
+            self.stop_step_hooks()     # a reusing caller marks its first step: the hook-driven steps stop now
         return StepContext(int(step), on_enter=self._on_step_enter, on_exit=self._on_step_exit)
+
+    def stop_step_hooks(self) -> None:
+        """Stop ``step_hooks`` (``dtprobe launch``'s hook-driven steps) for good: whoever reuses this probe marks
+        the steps from now on, so each step is written once. No-op without them."""
+        hooks, self.step_hooks = self.step_hooks, None
+        if hooks is not None:
+            hooks.close()
 
     def hook_step(self, step: int) -> StepContext:
         """``step`` for ``step_hooks`` (the steps ``dtprobe launch`` finds from torch's hooks)."""

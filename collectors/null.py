@@ -39,6 +39,9 @@ class NullProbe:
     def hook_step(self, step: int) -> NullStepContext:
         return NullStepContext(step)
 
+    def stop_step_hooks(self) -> None:
+        pass
+
     def fault(self, kind: str, *, step: Any = None, injected: bool = False, **detail: Any) -> None:
         pass
 

@@ -243,25 +243,32 @@ def cuda_dp_tables(*, clock: str = "device", world: int = 4, num_steps: int = 20
     return {"steps": frame_from_rows("steps", steps), "collectives": frame_from_rows("collectives", coll)}
 
 
-def write_run(run_dir: Path, tables: dict[str, pd.DataFrame], *, world_size: int, config: dict | None = None,
-              status: str = "finished") -> Path:
-    """Write ``tables`` as a dtprobe run directory (events JSONL per rank, rank infos, run.json)."""
-    from dtprobe.store.manifest import create_manifest, set_status, write_rank_info
+def _write_events(run_dir: Path, rows: dict[str, list[dict]], *, world_size: int) -> None:
+    """Row dicts (each with its ``rank``; nulls as None) written with each rank's ``RankWriter`` in the events
+    layout (``GroupLayout``: each group's members once, in ``groups``), nulls left out."""
     from dtprobe.store.writer import RankWriter
 
-    create_manifest(run_dir, run_id=run_dir.name, command=["synthetic"], config=config or {},
-                    world_size=world_size)
     writers = {r: RankWriter(run_dir, r) for r in range(world_size)}
-    for r in range(world_size):
-        write_rank_info(run_dir, r, host="h", node_rank=0, local_rank=r, device="cpu", pid=1000 + r,
-                        clock_offset_ns=0)
-    rows = {table: [{k: (None if pd.isna(v) else (v.item() if hasattr(v, "item") else v)) for k, v in row.items()}
-                    for row in df.to_dict(orient="records")] for table, df in tables.items()}
     for table, table_rows in GroupLayout().split(rows).items():
         for row in table_rows:
             writers[int(row["rank"])].write(table, {k: v for k, v in row.items() if k != "rank" and v is not None})
     for w in writers.values():
         w.close()
+
+
+def write_run(run_dir: Path, tables: dict[str, pd.DataFrame], *, world_size: int, config: dict | None = None,
+              status: str = "finished") -> Path:
+    """Write ``tables`` as a dtprobe run directory (events JSONL per rank, rank infos, run.json)."""
+    from dtprobe.store.manifest import create_manifest, set_status, write_rank_info
+
+    create_manifest(run_dir, run_id=run_dir.name, command=["synthetic"], config=config or {},
+                    world_size=world_size)
+    for r in range(world_size):
+        write_rank_info(run_dir, r, host="h", node_rank=0, local_rank=r, device="cpu", pid=1000 + r,
+                        clock_offset_ns=0)
+    rows = {table: [{k: (None if pd.isna(v) else (v.item() if hasattr(v, "item") else v)) for k, v in row.items()}
+                    for row in df.to_dict(orient="records")] for table, df in tables.items()}
+    _write_events(run_dir, rows, world_size=world_size)
     if status != "running":
         set_status(run_dir, status)
     return run_dir
@@ -385,20 +392,13 @@ def write_rows_run(run_dir: Path, rows: dict[str, list[dict]], *, world_size: in
     import json
 
     from dtprobe.store.manifest import create_manifest, set_status, write_rank_info
-    from dtprobe.store.writer import RankWriter
 
     create_manifest(run_dir, run_id=run_dir.name, command=["synthetic"], config={}, world_size=world_size)
     for r in range(world_size):
         node = (node_of or {}).get(r, 0)
         write_rank_info(run_dir, r, host=f"node{node}", node_rank=node, local_rank=r, device="cpu", pid=100 + r,
                         clock_offset_ns=0)
-    writers = {r: RankWriter(run_dir, r) for r in range(world_size)}
-    all_rows = {**rows, "faults": (rows.get("faults") or []) + (faults or [])}
-    for table, table_rows in GroupLayout().split(all_rows).items():
-        for row in table_rows:
-            writers[int(row["rank"])].write(table, {k: v for k, v in row.items() if k != "rank" and v is not None})
-    for w in writers.values():
-        w.close()
+    _write_events(run_dir, {**rows, "faults": (rows.get("faults") or []) + (faults or [])}, world_size=world_size)
     if status != "running":
         set_status(run_dir, status)
     if attempts is not None:

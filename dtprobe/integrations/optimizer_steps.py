@@ -64,9 +64,7 @@ class OptimizerStepMarker:
                 f"({existing.run_dir}, attached by `dtprobe launch` or the script), not into {self.run_dir}; its "
                 f"attach options are not used. Drop the callback's run_dir or the other attach to choose one.",
                 stacklevel=3)
-        if existing.step_hooks is not None:        # dtprobe launch's steps: the framework's replace them
-            existing.step_hooks.close()
-            existing.step_hooks = None
+        existing.stop_step_hooks()                 # dtprobe launch's steps: the framework's replace them
         self.probe = existing
         return self.probe
 

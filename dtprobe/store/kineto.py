@@ -1,9 +1,10 @@
 """Kineto trace folders -> the run store's tables (``kernels``, ``collectives``, ``steps``) + per-rank metadata.
 
 ``KinetoRun`` is a ``source.Source``: read by ``RunAnalysis`` (so by ``dtprobe analyze`` and the dashboard) for
-foreign GPU traces (NCCL, ROCm/RCCL) and CPU/gloo traces. Layers, in the order data flows: find files -> parse
-each file in a worker (``kineto_events``: one file in memory at a time) -> check ranks -> assemble schema-typed
-DataFrames -> keep the kernels of the profiled steps (``kineto_window``).
+foreign GPU traces (NCCL, ROCm/RCCL) and CPU/gloo traces. Layers, in the order data flows: find files -> stream
+and reduce each rank's file to its tables in a worker (``kineto_pool`` runs ``kineto_reduce``: a chunk of the
+file in memory at a time) -> check ranks -> assemble schema-typed DataFrames -> keep the kernels of the profiled
+steps (``kineto_window``).
 
 Timestamps: ``*_ns`` columns are Unix-epoch nanoseconds (trace ``ts`` microseconds x 1000 +
 ``baseTimeNanoseconds``) on each rank's own clock, exactly as in the file (no cross-rank alignment is applied:
@@ -16,21 +17,21 @@ Kineto records none). Usage::
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import signal
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 
 from dtprobe.store.errors import TraceError
-from dtprobe.store.kineto_collectives import collective_rows, number_seq
-from dtprobe.store.kineto_events import RankMeta, RankParse, kernel_kind, parse_trace_file
+from dtprobe.store.kineto_collectives import number_seq
+from dtprobe.store.kineto_events import RankMeta, kernel_kind
+from dtprobe.store.kineto_pool import ProgressFn, ReduceConfig, reduce_files
+from dtprobe.store.kineto_reduce import RankTables
 from dtprobe.store.kineto_window import analysed_kernels, check_gpu_coverage
 from dtprobe.store.schema import MANIFEST_FILE, SCHEMAS
 from dtprobe.store.source import SourceInfo
@@ -42,10 +43,6 @@ TRACE_SUFFIXES = (".json", ".json.gz")
 
 _PANDAS_DTYPES = {"int32": "Int32", "int64": "Int64", "float64": "float64", "boolean": "boolean",
                   "string": "string"}
-
-ProgressFn = Callable[[int, int, str], None]
-"""``progress(done, total, path)``, called after each file is parsed."""
-
 
 @dataclass(frozen=True, kw_only=True)
 class KinetoRun:
@@ -147,18 +144,21 @@ def is_trace_dir(path: str | os.PathLike) -> bool:
 
 
 def load_trace_dir(path: str | os.PathLike, *, progress: ProgressFn | None = None,
-                   workers: int | None = None) -> KinetoRun:
-    """Parse every trace file of ``path`` (one per rank) into a ``KinetoRun``.
+                   workers: int | None = None, dask_address: str | None = None) -> KinetoRun:
+    """Stream every trace file of ``path`` (one per rank), reduce each to its rank's tables, and assemble a
+    ``KinetoRun``.
 
-    ``workers`` processes parse files in parallel (default: CPU count, at most the number of files); each holds
-    one file at a time, so peak memory is bounded by the largest files, not by their number. Raises TraceError
-    naming the file for unreadable, truncated or non-Kineto files, a file without ``distributedInfo.rank``,
-    and two files claiming the same rank.
+    ``workers`` local processes reduce files in parallel (default: one per CPU, at most one per file; 1: in this
+    process); ``dask_address`` runs the reduction on that Dask scheduler's workers instead. Each worker holds a
+    chunk of one file at a time, so peak memory is bounded by the number of workers, not by the number or size of
+    the files; the tables assembled here are a small fraction of the JSON. Raises TraceError naming the file for
+    unreadable, truncated or non-Kineto files, a file without ``distributedInfo.rank``, and two files claiming the
+    same rank; ConfigError for a Dask address that does not answer or dask not installed.
     """
     files = find_trace_files(path)
-    parsed = _parse_all(files, progress=progress, workers=workers)
-    by_rank: dict[int, RankParse] = {}
-    for item in parsed:
+    reduced = reduce_files(files, ReduceConfig(workers=workers, dask_address=dask_address), progress=progress)
+    by_rank: dict[int, RankTables] = {}
+    for item in reduced:
         rank = item.meta.rank
         if rank in by_rank:
             raise TraceError(
@@ -166,45 +166,12 @@ def load_trace_dir(path: str | os.PathLike, *, progress: ProgressFn | None = Non
                 f"(distributedInfo.rank). Keep one trace per rank in the folder (e.g. one profiler window).")
         by_rank[rank] = item
     ordered = [by_rank[r] for r in sorted(by_rank)]
+    del reduced, by_rank
     collectives, seq_source = _collectives_frame(ordered)
     return KinetoRun(
         path=Path(path), ranks={p.meta.rank: p.meta for p in ordered},
         kernels=_kernels_frame(ordered), collectives=collectives, steps=_steps_frame(ordered),
         collective_seq=seq_source)
-
-
-def _parse_all(files: list[Path], *, progress: ProgressFn | None, workers: int | None) -> list[RankParse]:
-    total = len(files)
-    workers = min(workers or os.cpu_count() or 1, total)
-    results: list[RankParse] = []
-    if total == 1:
-        results.append(parse_trace_file(files[0], single_file=True))
-        if progress:
-            progress(1, 1, str(files[0]))
-        return results
-    if workers <= 1 or "fork" not in mp.get_all_start_methods():
-        for i, f in enumerate(files, 1):
-            results.append(parse_trace_file(f))
-            if progress:
-                progress(i, total, str(f))
-        return results
-    with mp.get_context("fork").Pool(workers, initializer=_init_worker) as pool:
-        for i, item in enumerate(pool.imap(parse_trace_file, [str(f) for f in files], chunksize=1), 1):
-            results.append(item)
-            if progress:
-                progress(i, total, item.meta.path)
-        pool.close()  # workers leave on their own; terminate() (SIGTERM) is only for errors and Ctrl-C
-        pool.join()
-    return results
-
-
-def _init_worker() -> None:
-    """Pool workers are forked from the caller and inherit its Python signal handlers. A server's handler
-    (Streamlit's SIGTERM handler only schedules a shutdown and returns) would make ``Pool.terminate()``'s SIGTERM
-    a no-op and the caller would wait forever in ``Pool.__exit__``: restore the default SIGTERM. Ctrl-C is the
-    parent's to handle (it terminates the pool), so workers ignore SIGINT instead of each printing a traceback."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _typed_frame(table: str, columns: dict[str, Any], *, length: int = 0) -> pd.DataFrame:
@@ -233,7 +200,7 @@ def _decoded_strings(codes: np.ndarray, values: list[str]) -> pd.api.extensions.
     return pd.arrays.ArrowStringArray(pa.chunked_array([decoded], pa.large_string()))
 
 
-def _kernels_frame(ranks: list[RankParse]) -> pd.DataFrame:
+def _kernels_frame(ranks: list[RankTables]) -> pd.DataFrame:
     n = sum(len(p.kernels["name_code"]) for p in ranks)
 
     def cat(key: str) -> np.ndarray:
@@ -255,16 +222,16 @@ def _kernels_frame(ranks: list[RankParse]) -> pd.DataFrame:
     return _typed_frame("kernels", columns, length=n)
 
 
-def _steps_frame(ranks: list[RankParse]) -> pd.DataFrame:
+def _steps_frame(ranks: list[RankTables]) -> pd.DataFrame:
     rows = [(p.meta.rank, s, lo, hi) for p in ranks for s, lo, hi in p.steps]
     columns = {"rank": [r[0] for r in rows], "step": [r[1] for r in rows], "start_ns": [r[2] for r in rows],
                "end_ns": [r[3] for r in rows]}
     return _typed_frame("steps", columns, length=len(rows))
 
 
-def _collectives_frame(ranks: list[RankParse]) -> tuple[pd.DataFrame, str]:
+def _collectives_frame(ranks: list[RankTables]) -> tuple[pd.DataFrame, str]:
     """The ``collectives`` table and where its ``seq`` came from (``number_seq``)."""
-    rows = [row for p in ranks for row in collective_rows(p)]
+    rows = [row for p in ranks for row in p.collectives]
     seq_source = number_seq(rows)
     cols = SCHEMAS["collectives"]
     columns = {col: [row.get(col) for row in rows] for col in cols}

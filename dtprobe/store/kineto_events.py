@@ -1,8 +1,9 @@
 """Parse ONE Kineto trace file into plain columns (GPU events, profiler steps, collective candidates); read by kineto.py.
 
-Decoding uses ``msgspec`` typed structs that name only the fields dtprobe needs, so the many other event fields
-and args (``Input Dims`` of every CPU op, call stacks, ...) are skipped without allocating Python objects: about
-3x faster than ``json.loads`` and a fraction of its memory. One file is held in memory at a time.
+The file is decoded a chunk of events at a time (``kineto_stream``: ``msgspec`` typed structs that name only the
+fields dtprobe needs, so the many other event fields and args are skipped without allocating Python objects); each
+chunk is reduced to numpy columns before the next is read, so memory holds one chunk of text and events plus the
+columns kept (GPU events, launch times of host calls), not the file.
 
 Event semantics follow Holistic Trace Analysis 0.5.0 (``hta/common/trace_parser.py``) so metrics agree with it:
 - an event without ``dur`` or ``cat``, or with ``cat == "Trace"``, is dropped (metadata, flows, instants, spans);
@@ -13,9 +14,7 @@ Event semantics follow Holistic Trace Analysis 0.5.0 (``hta/common/trace_parser.
 
 from __future__ import annotations
 
-import gzip
 import re
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ import msgspec
 import numpy as np
 
 from dtprobe.store.errors import TraceError
+from dtprobe.store.kineto_stream import CHUNK_BYTES, Args, TraceEvents, TraceFile
 
 COMM_KERNEL_RE = re.compile(r"^nccl.*Kernel|^ncclDevKernel|^rccl")
 """Communication kernels: HTA 0.5.0's ``^nccl.*Kernel`` (old ``ncclKernel_*`` and new ``ncclDevKernel_*``;
@@ -45,45 +45,6 @@ def kernel_kind(name: str) -> str:
     if _NOT_COMPUTE_RE.match(name):
         return "other"
     return "compute"
-
-
-# Decoded structs are not tracked by the cycle collector (``gc=False``: JSON cannot form cycles): a 50 MB trace
-# decodes into ~400k of them, and the collector's passes over them would otherwise cost as much as the decoding.
-class _Args(msgspec.Struct, gc=False):
-    stream: Any = None
-    correlation: Any = None
-    collective_name: Any = msgspec.field(default=None, name="Collective name")
-    in_nelems: Any = msgspec.field(default=None, name="In msg nelems")
-    out_nelems: Any = msgspec.field(default=None, name="Out msg nelems")
-    group_size: Any = msgspec.field(default=None, name="Group size")
-    dtype: Any = None
-    pg_name: Any = msgspec.field(default=None, name="Process Group Name")
-    pg_desc: Any = msgspec.field(default=None, name="Process Group Description")
-    pg_ranks: Any = msgspec.field(default=None, name="Process Group Ranks")
-    seq: Any = msgspec.field(default=None, name="Seq")
-    """The process group's own collective sequence number (recent PyTorch); None in older traces."""
-    input_dims: msgspec.Raw = msgspec.field(default=None, name="Input Dims")
-    input_type: msgspec.Raw = msgspec.field(default=None, name="Input type")
-
-
-class _Event(msgspec.Struct, gc=False):
-    cat: Any = None
-    name: Any = None
-    ts: Any = None
-    dur: Any = None
-    tid: Any = None
-    args: _Args | None = None
-
-
-class _TraceFile(msgspec.Struct):
-    traceEvents: list[_Event] | None = None
-    distributedInfo: Any = None
-    deviceProperties: Any = None
-    baseTimeNanoseconds: Any = None
-    schemaVersion: Any = None
-
-
-_DECODER = msgspec.json.Decoder(_TraceFile)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,45 +88,12 @@ class RankParse:
     """Thread of each GPU event's launching host call (None when not found)."""
     steps: list[tuple[int, int, int]]
     """(step, start_ns, end_ns) per ``ProfilerStep#N``, merged over threads."""
-    comm_args: dict[int, _Args] = field(default_factory=dict)
+    comm_args: dict[int, Args] = field(default_factory=dict)
     """GPU event index -> its args, for communication kernels that carry args."""
     annotations: list[tuple[Any, int, int, str, Any, Any]] = field(default_factory=list)
     """(tid, start_ns, end_ns, name, Input Dims raw, Input type raw) of ``nccl:*`` / ``gloo:*`` annotations."""
     c10d_ops: list[tuple[Any, int, int, str, Any, Any]] = field(default_factory=list)
     """The same for ``c10d::*`` CPU ops (collectives seen on the host when no ``gloo:*`` annotation exists)."""
-
-
-def read_bytes(path: Path) -> bytes:
-    """The file's JSON text (gunzipped when named ``*.gz``); TraceError naming the file on I/O or gzip errors."""
-    try:
-        if path.name.endswith(".gz"):
-            with gzip.open(path, "rb") as fh:
-                return fh.read()
-        return path.read_bytes()
-    except (gzip.BadGzipFile, zlib.error, EOFError) as exc:
-        raise TraceError(
-            f"{path}: corrupt or truncated gzip ({exc}). Copy the file again from where the profiler wrote it, "
-            f"or re-record it; `gzip -t {path.name}` checks a copy.") from None
-    except OSError as exc:
-        raise TraceError(f"{path}: cannot read the trace file ({exc.strerror or exc}).") from None
-
-
-def _decode(path: Path, raw: bytes) -> _TraceFile:
-    try:
-        doc = _DECODER.decode(raw)
-    except msgspec.ValidationError as exc:
-        raise TraceError(
-            f"{path}: not a Kineto trace ({exc}). Expected a JSON object with a 'traceEvents' list as written by "
-            f"torch.profiler (tensorboard_trace_handler or export_chrome_trace).") from None
-    except msgspec.DecodeError as exc:
-        raise TraceError(
-            f"{path}: invalid JSON ({exc}); the file is probably truncated (the profiler was killed while "
-            f"writing it). Re-record the trace, or remove the file from the folder.") from None
-    if doc.traceEvents is None:
-        raise TraceError(
-            f"{path}: no 'traceEvents' list, so this is not a Kineto/Chrome trace. Remove it from the folder or "
-            f"export the profile with torch.profiler's export_chrome_trace.")
-    return doc
 
 
 def _int_or_none(value: Any) -> int | None:
@@ -180,8 +108,9 @@ def _int_or_none(value: Any) -> int | None:
     return None
 
 
-def read_rank_meta(path: Path, doc: _TraceFile, *, single_file: bool = False) -> RankMeta:
-    """Rank and job metadata of a decoded file; TraceError when the rank cannot be known (never a silent rank 0).
+def read_rank_meta(path: Path, doc: TraceFile, *, single_file: bool = False, num_events: int) -> RankMeta:
+    """Rank and job metadata of a file's top-level object (``num_events``: items of its ``traceEvents``);
+    TraceError when the rank cannot be known (never a silent rank 0).
 
     A lone file without ``distributedInfo`` (``single_file``) is a single-process job: rank 0 of 1, recorded
     as ``rank_source="single-process"``. Among several files it is an error: its rank is unknowable.
@@ -192,7 +121,7 @@ def read_rank_meta(path: Path, doc: _TraceFile, *, single_file: bool = False) ->
     if info is None and single_file:
         return RankMeta(path=str(path), rank=0, world_size=1, backend=None, pg_config=(),
                         device_properties=tuple(d for d in devices if isinstance(d, dict)), base_time_ns=base,
-                        num_events=len(doc.traceEvents or ()), rank_source="single-process")
+                        num_events=num_events, rank_source="single-process")
     if info is None:
         raise TraceError(
             f"{path}: the trace has no 'distributedInfo', so its rank is unknown among the other files of the "
@@ -214,7 +143,7 @@ def read_rank_meta(path: Path, doc: _TraceFile, *, single_file: bool = False) ->
         backend=info.get("backend") if isinstance(info.get("backend"), str) else None,
         pg_config=tuple(p for p in pg_config if isinstance(p, dict)),
         device_properties=tuple(d for d in devices if isinstance(d, dict)),
-        base_time_ns=base, num_events=len(doc.traceEvents or ()))
+        base_time_ns=base, num_events=num_events)
 
 
 def _stream_id(value: Any) -> int:
@@ -244,130 +173,172 @@ def to_ns(values: list, base_ns: int) -> np.ndarray:
     return whole.astype(np.int64) * 1000 + np.rint((arr - whole) * 1000).astype(np.int64) + base_ns
 
 
-def parse_trace_file(path: str | Path, *, single_file: bool = False) -> RankParse:
-    """Decode one trace file and extract its GPU events, steps and collective candidates (runs in a worker).
+class _Columns:
+    """Columns gathered from a file's events, a chunk at a time: each chunk's Python lists become numpy arrays
+    (times in nanoseconds without the file's base time, known only once the whole file is read)."""
+
+    def __init__(self) -> None:
+        self.gpu: dict[str, list[np.ndarray]] = {k: [] for k in ("code", "stream", "ts", "dur", "corr")}
+        self.num_gpu = 0
+        self.launch: dict[str, list[np.ndarray]] = {k: [] for k in ("corr", "ts", "tid")}
+        self.comm_args: dict[int, Args] = {}
+        self.codes: dict[str, int] = {}
+        self.names: list[str] = []
+        self.name_kinds: list[str] = []
+        self.tids: dict[Any, int] = {}
+        self.step_events: list[tuple[int, Any, Any]] = []
+        self.annotations: list[tuple[Any, Any, Any, str, Any, Any]] = []
+        self.c10d_ops: list[tuple[Any, Any, Any, str, Any, Any]] = []
+
+    def add(self, events: list) -> None:
+        """Reduce one chunk of events."""
+        g_code: list[int] = []
+        g_stream: list[int] = []
+        g_ts: list[Any] = []
+        g_dur: list[Any] = []
+        g_corr: list[int] = []
+        l_corr: list[int] = []
+        l_ts: list[Any] = []
+        l_tid: list[int] = []
+        codes, names, name_kinds, tids = self.codes, self.names, self.name_kinds, self.tids
+        for ev in events:
+            dur = ev.dur
+            cat = ev.cat
+            if dur is None or cat is None or cat == "Trace":
+                continue
+            ts = ev.ts
+            if ts is None:
+                continue
+            args = ev.args
+            if args is None:
+                stream, corr = -1, None
+            else:
+                stream, corr = args.stream, args.correlation
+                if stream is None:          # CPU ops: the common case, without a call
+                    stream = -1
+                elif type(stream) is not int:
+                    stream = _stream_id(stream)
+            name = ev.name
+            if type(name) is not str:
+                name = str(name)
+            if stream != -1:
+                code = codes.get(name)
+                if code is None:     # each distinct name is kept (and classified) once
+                    code = codes[name] = len(names)
+                    names.append(name)
+                    name_kinds.append(kernel_kind(name))
+                if args is not None and args.collective_name is not None and name_kinds[code] == "comm":
+                    args.input_dims = args.input_type = None   # views into the chunk's text would pin it
+                    self.comm_args[self.num_gpu + len(g_code)] = args
+                g_code.append(code)
+                g_stream.append(stream)
+                g_ts.append(ts)
+                g_dur.append(dur)
+                g_corr.append(corr if type(corr) is int else (_int_or_none(corr) if corr is not None else -1))
+                continue
+            if corr is not None:
+                c = corr if type(corr) is int else _int_or_none(corr)
+                if c is not None and c >= 0:
+                    tid = ev.tid
+                    tid_code = tids.get(tid)
+                    if tid_code is None:
+                        tid_code = tids[tid] = len(tids)
+                    l_corr.append(c)
+                    l_ts.append(ts)
+                    l_tid.append(tid_code)
+            first = name[:1]
+            if first == "P" and name.startswith("ProfilerStep"):
+                m = STEP_RE.match(name)
+                if m:
+                    self.step_events.append((int(m.group(1)), ts, dur))
+            elif (first == "n" or first == "g") and cat == "user_annotation" and (
+                    name.startswith("nccl:") or name.startswith("gloo:")):
+                self.annotations.append((ev.tid, ts, dur, name, *_copied_inputs(args)))
+            elif first == "c" and name.startswith("c10d::"):
+                self.c10d_ops.append((ev.tid, ts, dur, name, *_copied_inputs(args)))
+        if g_code:
+            self.gpu["code"].append(np.asarray(g_code, dtype=np.int32))
+            self.gpu["stream"].append(np.asarray(g_stream, dtype=np.int64))
+            self.gpu["ts"].append(to_ns(g_ts, 0))
+            self.gpu["dur"].append(to_ns(g_dur, 0))
+            self.gpu["corr"].append(np.asarray([c if c is not None else -1 for c in g_corr], dtype=np.int64))
+            self.num_gpu += len(g_code)
+        if l_corr:
+            self.launch["corr"].append(np.asarray(l_corr, dtype=np.int64))
+            self.launch["ts"].append(to_ns(l_ts, 0))
+            self.launch["tid"].append(np.asarray(l_tid, dtype=np.int64))
+
+    def column(self, group: dict[str, list[np.ndarray]], key: str, dtype: type) -> np.ndarray:
+        parts = group[key]
+        return np.concatenate(parts) if parts else np.empty(0, dtype)
+
+
+def parse_trace_file(path: str | Path, *, single_file: bool = False, chunk_bytes: int = CHUNK_BYTES) -> RankParse:
+    """Decode one trace file ``chunk_bytes`` of text at a time and extract its GPU events, steps and collective
+    candidates.
 
     ``single_file``: the file is the only one of its folder (see ``read_rank_meta``).
     """
     path = Path(path)
-    doc = _decode(path, read_bytes(path))
-    meta = read_rank_meta(path, doc, single_file=single_file)
-    events = doc.traceEvents
-    doc.traceEvents = None
-
-    g_code: list[int] = []
-    g_stream: list[int] = []
-    g_ts: list[Any] = []
-    g_dur: list[Any] = []
-    g_corr: list[int] = []
-    comm_args: dict[int, _Args] = {}
-    launches: dict[int, tuple[Any, Any]] = {}
-    step_events: list[tuple[int, Any, Any]] = []
-    annotations: list[tuple[Any, Any, Any, str, Any, Any]] = []
-    c10d_ops: list[tuple[Any, Any, Any, str, Any, Any]] = []
-    codes: dict[str, int] = {}
-    names: list[str] = []
-    name_kinds: list[str] = []
-
-    for ev in events:
-        dur = ev.dur
-        cat = ev.cat
-        if dur is None or cat is None or cat == "Trace":
-            continue
-        ts = ev.ts
-        if ts is None:
-            continue
-        args = ev.args
-        if args is None:
-            stream, corr = -1, None
-        else:
-            stream, corr = args.stream, args.correlation
-            if stream is None:          # CPU ops: the common case, without a call
-                stream = -1
-            elif type(stream) is not int:
-                stream = _stream_id(stream)
-        name = ev.name
-        if type(name) is not str:
-            name = str(name)
-        if stream != -1:
-            code = codes.get(name)
-            if code is None:     # each distinct name is kept (and classified) once
-                code = codes[name] = len(names)
-                names.append(name)
-                name_kinds.append(kernel_kind(name))
-            if args is not None and args.collective_name is not None and name_kinds[code] == "comm":
-                comm_args[len(g_code)] = args
-            g_code.append(code)
-            g_stream.append(stream)
-            g_ts.append(ts)
-            g_dur.append(dur)
-            g_corr.append(corr if type(corr) is int else (_int_or_none(corr) if corr is not None else -1))
-            continue
-        if corr is not None:
-            c = corr if type(corr) is int else _int_or_none(corr)
-            if c is not None and c >= 0:
-                prev = launches.get(c)
-                if prev is None or ts < prev[0]:
-                    launches[c] = (ts, ev.tid)
-        first = name[:1]
-        if first == "P" and name.startswith("ProfilerStep"):
-            m = STEP_RE.match(name)
-            if m:
-                step_events.append((int(m.group(1)), ts, dur))
-        elif (first == "n" or first == "g") and cat == "user_annotation" and (
-                name.startswith("nccl:") or name.startswith("gloo:")):
-            annotations.append((ev.tid, ts, dur, name, *_copied_inputs(args)))
-        elif first == "c" and name.startswith("c10d::"):
-            c10d_ops.append((ev.tid, ts, dur, name, *_copied_inputs(args)))
-    del events
-    for kept in comm_args.values():   # drop views into the file's buffer so it can be freed
-        kept.input_dims = kept.input_type = None
-
+    stream = TraceEvents(path, chunk_bytes=chunk_bytes)
+    cols = _Columns()
     try:
-        return _columns(meta, g_code, names, name_kinds, g_stream, g_ts, g_dur, g_corr, comm_args, launches,
-                        step_events, annotations, c10d_ops)
+        for events in stream:
+            cols.add(events)
+            del events
+        assert stream.top is not None
+        meta = read_rank_meta(path, stream.top, single_file=single_file, num_events=stream.num_events)
+        return _columns(meta, cols)
     except ValueError as exc:
+        if isinstance(exc, TraceError):
+            raise
         raise TraceError(f"{path}: {exc} in an event's 'ts'/'dur' (Kineto writes numbers in microseconds). "
                          f"Re-export the trace with torch.profiler.") from None
 
 
-def _columns(meta: RankMeta, g_code: list, names: list, name_kinds: list, g_stream: list, g_ts: list,
-             g_dur: list, g_corr: list, comm_args: dict, launches: dict, step_events: list, annotations: list,
-             c10d_ops: list) -> RankParse:
-    """Vectorize the collected GPU events: ns times, launch times, steps."""
-    base = meta.base_time_ns
-    n = len(g_code)
-    start_ns = to_ns(g_ts, base) if n else np.empty(0, np.int64)
-    dur_ns = to_ns(g_dur, 0) if n else np.empty(0, np.int64)
-    corr_arr = np.asarray([c if c is not None else -1 for c in g_corr], dtype=np.int64)
-    launch_ts: list[Any] = []
-    launch_tid: list[Any] = []
-    has_launch = np.zeros(n, dtype=bool)
-    for i, c in enumerate(g_corr):
-        hit = launches.get(c) if c is not None and c >= 0 else None
-        if hit is None:
-            launch_ts.append(0)
-            launch_tid.append(None)
-        else:
-            has_launch[i] = True
-            launch_ts.append(hit[0])
-            launch_tid.append(hit[1])
-    launch_ns = to_ns(launch_ts, base) if n else np.empty(0, np.int64)
-    launch_ns[~has_launch] = -1
+def _first_launches(cols: _Columns) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each correlation id's earliest host call (the first in file order among equal times): sorted ids, their
+    times (ns without base) and thread codes."""
+    corr = cols.column(cols.launch, "corr", np.int64)
+    ts = cols.column(cols.launch, "ts", np.int64)
+    tid = cols.column(cols.launch, "tid", np.int64)
+    order = np.lexsort((np.arange(len(corr)), ts, corr))
+    corr, ts, tid = corr[order], ts[order], tid[order]
+    first = np.ones(len(corr), dtype=bool)
+    first[1:] = corr[1:] != corr[:-1]
+    return corr[first], ts[first], tid[first]
 
-    steps = _merge_steps(step_events, base)
-    step = _assign_steps(launch_ns, has_launch, step_events, base)
+
+def _columns(meta: RankMeta, cols: _Columns) -> RankParse:
+    """Assemble the gathered columns: ns times, launch times and threads, steps."""
+    base = meta.base_time_ns
+    n = cols.num_gpu
+    start_ns = cols.column(cols.gpu, "ts", np.int64) + base
+    dur_ns = cols.column(cols.gpu, "dur", np.int64)
+    corr_arr = cols.column(cols.gpu, "corr", np.int64)
+    l_corr, l_ts, l_tid = _first_launches(cols)
+    at = np.minimum(np.searchsorted(l_corr, corr_arr), max(len(l_corr) - 1, 0))
+    has_launch = (corr_arr >= 0) & (l_corr[at] == corr_arr) if len(l_corr) else np.zeros(n, dtype=bool)
+    launch_ns = np.where(has_launch, l_ts[at] + base if len(l_corr) else 0, -1).astype(np.int64)
+    tid_values = list(cols.tids)
+    launch_tid: list[Any] = [tid_values[t] if hit else None
+                             for t, hit in zip((l_tid[at] if len(l_corr) else np.zeros(n, np.int64)).tolist(),
+                                               has_launch.tolist())]
+
+    steps = _merge_steps(cols.step_events, base)
+    step = _assign_steps(launch_ns, has_launch, cols.step_events, base)
 
     return RankParse(
         meta=meta,
-        kernels={"name_code": np.asarray(g_code, dtype=np.int32), "stream": np.asarray(g_stream, dtype=np.int64),
+        kernels={"name_code": cols.column(cols.gpu, "code", np.int32), "stream": cols.column(cols.gpu, "stream", np.int64),
                  "start_ns": start_ns, "dur_ns": dur_ns, "correlation": corr_arr, "launch_ns": launch_ns,
                  "step": step},
-        names=names, name_kinds=name_kinds, launch_tid=launch_tid, steps=steps, comm_args=comm_args,
-        annotations=_to_ns_rows(annotations, base), c10d_ops=_to_ns_rows(c10d_ops, base))
+        names=cols.names, name_kinds=cols.name_kinds, launch_tid=launch_tid, steps=steps,
+        comm_args=cols.comm_args, annotations=_to_ns_rows(cols.annotations, base),
+        c10d_ops=_to_ns_rows(cols.c10d_ops, base))
 
 
-def _copied_inputs(args: _Args | None) -> tuple[Any, Any]:
+def _copied_inputs(args: Args | None) -> tuple[Any, Any]:
     """``Input Dims`` / ``Input type`` raw JSON, copied out of the file buffer (a Raw view would pin it)."""
     if args is None:
         return None, None

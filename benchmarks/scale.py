@@ -1,0 +1,511 @@
+"""dtprobe at cluster scale (issue 17, item 5): synthetic tp8 x dp runs of 100 collectives per step per rank (60 on
+tp, 40 on dp groups) at several world sizes, and a foreign Kineto trace set, timed phase by phase.
+
+    python benchmarks/scale.py [--ranks 64 256 1024] [--steps 200] [--traces 64x50] [--json scale.json]
+    PYTHONPATH=/path/to/old/checkout python benchmarks/scale.py ...     # the same figures for another dtprobe
+
+Per world size (data written by ``benchmarks/scale_data.py``; every phase runs in a fresh process, whose peak
+memory is reported: ``ru_maxrss`` of that process and, when larger, the sampled sum of RSS over it and its
+children):
+- write: the run's events (a fast path in the documented store format) while the run is ``running``;
+- open events: ``RunStore.open`` of the running run's JSONL events (every table);
+- live: the dashboard's Overview of the running run (``dtprobe.dashboard.data.load_overview``, the newest
+  ``DTPROBE_LIVE_WINDOW`` steps) computed the first time, then one more step appended to every rank's events and
+  the refresh timed (store tail + Overview again); each appended step starts about now, as a live run writes;
+- compact: ``dtprobe.store.compact`` once the run is ``finished``; disk bytes per rank-step of the events and of
+  ``tables/``;
+- open: ``RunStore.open`` of the compacted run;
+- analyze: what ``dtprobe analyze --format json`` does (``open_source``, ``RunAnalysis.report``,
+  ``render_json``), and whether a STRAGGLER finding names the planted rank;
+- overview: what the Overview page computes before drawing a finished run without a stored summary
+  (``load_overview``), in-process.
+Growth exponent between consecutive sizes: log(t2 / t1) / log(n2 / n1) (1.0: linear in the ranks).
+
+The trace set (``--traces RANKSxMB``, e.g. 64x50; ``--traces none`` skips it): written once, then ``dtprobe
+analyze``'s work and HTA 0.5.0's (load, temporal breakdown, comm/comp overlap, kernel breakdown, as
+``benchmarks/analysis_vs_hta.py``) side by side, on the first 16 files and on all of them (peak memory against the
+raw JSON: flat in the number of ranks?). HTA needs about 7x the raw JSON in memory: when that exceeds
+``--hta-mem-gb`` it runs on as many files as fit and its time is scaled to the whole set, which the output says.
+
+A phase that exceeds ``--timeout-s`` or ``--mem-cap-gb`` is stopped and reported as "did not finish"; the sizes
+after it still run. Goals (issue 17): 1,024 ranks x 200 steps analyzed in <= 10 s with <= 4 GB peak, growth
+exponent <= 1.0 from 64 to 1,024 ranks; the Overview's first computation <= 3 s and a live refresh <= 200 ms at
+that size; on the trace set, peak memory <= 0.5x the raw JSON, flat in the ranks, and at least 9x HTA's speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+HTA_MEMORY_PER_RAW_BYTE = 7.0
+"""HTA's peak memory per byte of raw JSON (measured on the shared traces: 6-7x)."""
+FLAT_RANKS = 16
+"""The smaller trace subset peak memory is compared at."""
+
+
+# ---------------------------------------------------------------------------------------------- child phases
+# Each runs in a fresh interpreter (``scale.py --child PHASE ARGS_JSON``) and returns a dict of figures; its last
+# stdout line is that dict as JSON.
+
+def _progress(label: str):
+    def report(done: int, total: int) -> None:
+        print(f"\r    {label} {done}/{total}", end="", file=sys.stderr, flush=True)
+    return report
+
+
+def phase_write(a: dict) -> dict:
+    from scale_data import ScaleRunSpec, events_bytes, write_run
+
+    spec = ScaleRunSpec(world=a["ranks"], steps=a["steps"], straggler_rank=a["straggler"])
+    t = time.perf_counter()
+    write_run(a["run"], spec, workers=a["workers"], status="running", progress=_progress("ranks written"))
+    seconds = time.perf_counter() - t
+    print(file=sys.stderr)
+    return {"seconds": seconds, "events_bytes": events_bytes(a["run"])}
+
+
+def phase_open(a: dict) -> dict:
+    from dtprobe.store import RunStore
+
+    t = time.perf_counter()
+    store = RunStore.open(a["run"])
+    seconds = time.perf_counter() - t
+    return {"seconds": seconds, "rows": {k: int(v) for k, v in store.num_rows().items()}}
+
+
+def phase_live(a: dict) -> dict:
+    from scale_data import append_step
+
+    from dtprobe.dashboard import data
+    from dtprobe.dashboard.paths import Source
+
+    source = Source(name=Path(a["run"]).name, path=Path(a["run"]).resolve(), kind="run")
+    append_step(a["run"], at_ns=time.time_ns() - 1_000_000_000)   # the run is alive: its newest step is recent
+    t = time.perf_counter()
+    first = data.load_overview(source)
+    first_s = time.perf_counter() - t
+    append_step(a["run"], at_ns=time.time_ns() - 1_000_000_000)
+    t = time.perf_counter()
+    store = data.open_store(source)
+    store.refresh()
+    tail_s = time.perf_counter() - t
+    again = data.load_overview(source)
+    refresh_s = time.perf_counter() - t
+    return {"first_s": first_s, "refresh_s": refresh_s, "tail_s": tail_s, "window": first.window,
+            "num_steps": again.num_steps, "findings": [[f.code, list(f.ranks)] for f in again.findings]}
+
+
+def phase_compact(a: dict) -> dict:
+    from dtprobe.store import compact
+
+    t = time.perf_counter()
+    rows = compact(a["run"])
+    seconds = time.perf_counter() - t
+    tables = Path(a["run"]) / "tables"
+    return {"seconds": seconds, "rows": {k: int(v) for k, v in rows.items()},
+            "tables_bytes": sum(p.stat().st_size for p in tables.rglob("*") if p.is_file())}
+
+
+def _analyze(path: str) -> tuple[float, dict]:
+    """What ``dtprobe analyze PATH --format json`` does, timed; the report as JSON data."""
+    from dtprobe.analysis.facade import AnalysisOptions, RunAnalysis, open_source
+    from dtprobe.analysis.render import render_json
+
+    t = time.perf_counter()
+    source = open_source(path)
+    report = RunAnalysis(source, options=AnalysisOptions()).report()
+    text = render_json(report)
+    return time.perf_counter() - t, json.loads(text)
+
+
+def phase_analyze(a: dict) -> dict:
+    seconds, report = _analyze(a["path"])
+    findings = [{"code": f["code"], "ranks": f.get("ranks"), "group": f.get("group"), "title": f.get("title")}
+                for f in report["findings"]]
+    return {"seconds": seconds, "findings": findings}
+
+
+def phase_overview(a: dict) -> dict:
+    from dtprobe.dashboard import data
+    from dtprobe.dashboard.paths import Source
+
+    source = Source(name=Path(a["run"]).name, path=Path(a["run"]).resolve(), kind="run")
+    t = time.perf_counter()
+    overview = data.load_overview(source)
+    seconds = time.perf_counter() - t
+    return {"seconds": seconds, "whole": overview.whole, "num_steps": overview.num_steps,
+            "findings": [[f.code, list(f.ranks)] for f in overview.findings]}
+
+
+def phase_write_traces(a: dict) -> dict:
+    from scale_data import TraceSetSpec, trace_files, write_trace_set
+
+    spec = TraceSetSpec(ranks=a["ranks"], mb_per_rank=a["mb"], steps=a["steps"], gzip=a["gzip"])
+    t = time.perf_counter()
+    write_trace_set(a["dir"], spec, workers=a["workers"], progress=_progress("trace files written"))
+    seconds = time.perf_counter() - t
+    print(file=sys.stderr)
+    return {"seconds": seconds, "bytes": [p.stat().st_size for p in trace_files(a["dir"])]}
+
+
+def phase_hta(a: dict) -> dict:
+    import logging
+    import warnings
+
+    warnings.simplefilter("ignore")
+    t = time.perf_counter()
+    from hta.common.trace import Trace
+    from hta.trace_analysis import TraceAnalysis
+
+    logging.disable(logging.WARNING)
+    # TraceAnalysis(dir, include_last_profiler_step=True) without the extra tracemalloc parse of the first file
+    # HTA makes for > 8 ranks (left out so that the comparison does not favour dtprobe)
+    analysis = TraceAnalysis.__new__(TraceAnalysis)
+    analysis.t = Trace(trace_dir=a["path"])
+    analysis.t.load_traces(include_last_profiler_step=True, use_memory_profiling=False)
+    analysis.get_temporal_breakdown(visualize=False)
+    analysis.get_comm_comp_overlap(visualize=False)
+    analysis.get_gpu_kernel_breakdown(visualize=False)
+    return {"seconds": time.perf_counter() - t, "num_ranks": len(analysis.t.traces)}
+
+
+PHASES = {"write": phase_write, "open": phase_open, "live": phase_live, "compact": phase_compact,
+          "analyze": phase_analyze, "overview": phase_overview, "write_traces": phase_write_traces,
+          "hta": phase_hta}
+
+
+# ---------------------------------------------------------------------------------------------- the parent
+
+@dataclass
+class Outcome:
+    """One phase run in its own process."""
+
+    ok: bool
+    figures: dict = field(default_factory=dict)
+    wall_s: float = 0.0
+    """Wall time of the process (with interpreter start and imports)."""
+    maxrss_bytes: int = 0
+    """``ru_maxrss`` of the process (the largest of it and the children it waited for)."""
+    tree_peak_bytes: int = 0
+    """Largest sampled sum of RSS over the process and its children."""
+    why: str | None = None
+    """Why it did not finish."""
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.maxrss_bytes, self.tree_peak_bytes)
+
+    def to_dict(self) -> dict:
+        return {"ok": self.ok, **self.figures, "wall_s": round(self.wall_s, 3), "maxrss_bytes": self.maxrss_bytes,
+                "tree_peak_bytes": self.tree_peak_bytes, "peak_bytes": self.peak_bytes, "why": self.why}
+
+
+def run_phase(phase: str, args: dict, *, label: str, timeout_s: float, mem_cap_bytes: int, env: dict) -> Outcome:
+    """Run ``phase`` in a fresh interpreter; stop it past ``timeout_s`` or ``mem_cap_bytes`` (sampled RSS of its
+    process tree); show its elapsed time and memory while it runs."""
+    import psutil
+
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", phase, json.dumps(args)],
+                                stdout=out, stderr=err, env=env, start_new_session=True)
+        root = psutil.Process(proc.pid)
+        tree_peak, why, status, usage, last_shown = 0, None, None, None, 0.0
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            try:
+                rss = sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+                tree_peak = max(tree_peak, rss)
+            except psutil.Error:
+                rss = 0
+            elapsed = time.perf_counter() - t0
+            if why is None and elapsed > timeout_s:
+                why = f"timeout {timeout_s:.0f} s"
+            elif why is None and tree_peak > mem_cap_bytes:
+                why = f"memory above {mem_cap_bytes / 2**30:.0f} GB"
+            if why is not None:
+                os.killpg(proc.pid, 9)
+            if elapsed - last_shown >= 2.0:
+                print(f"\r  {label}: {elapsed:.0f} s, {rss / 2**30:.2f} GB ", end="", file=sys.stderr, flush=True)
+                last_shown = elapsed
+            time.sleep(0.05)
+        wall = time.perf_counter() - t0
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        print(f"\r  {label}: done in {wall:.1f} s{' ' * 20}", file=sys.stderr, flush=True)
+        outcome = Outcome(ok=False, wall_s=wall, maxrss_bytes=usage.ru_maxrss * 1024, tree_peak_bytes=tree_peak)
+        if why is not None:
+            outcome.why = why
+            return outcome
+        out.seek(0)
+        lines = out.read().decode(errors="replace").strip().splitlines()
+        if proc.returncode != 0 or not lines:
+            err.seek(0)
+            tail = err.read().decode(errors="replace").strip().splitlines()[-3:]
+            outcome.why = f"exit code {proc.returncode}: " + " | ".join(tail)
+            return outcome
+        outcome.ok, outcome.figures = True, json.loads(lines[-1])
+        return outcome
+
+
+def growth(sizes: list[int], values: list[float | None]) -> list[float | None]:
+    """log(v2 / v1) / log(n2 / n1) between consecutive sizes (None where either value is missing)."""
+    out = []
+    for (n1, v1), (n2, v2) in zip(zip(sizes, values), zip(sizes[1:], values[1:])):
+        out.append(math.log(v2 / v1) / math.log(n2 / n1) if v1 and v2 and n2 != n1 else None)
+    return out
+
+
+RUN_PHASES = (("write", "write"), ("open_events", "open (events)"), ("live_first", "Overview first, live"),
+              ("live_refresh", "live refresh"), ("compact", "compact"), ("open", "open (compacted)"),
+              ("analyze", "analyze"), ("overview", "Overview first, finished"))
+
+
+def bench_run(ranks: int, cli: argparse.Namespace, env: dict, workdir: Path) -> dict:
+    """Every phase at one world size; the figures as JSON data."""
+    from scale_data import default_straggler
+
+    from dtprobe.store.manifest import set_status
+
+    run = workdir / f"run{ranks}"
+    straggler = default_straggler(ranks)
+    common = dict(timeout_s=cli.timeout_s, mem_cap_bytes=int(cli.mem_cap_gb * 2**30), env=env)
+    res: dict = {"ranks": ranks, "steps": cli.steps, "straggler_rank": straggler,
+                 "collective_rows": ranks * cli.steps * 100, "phases": {}}
+    phases = res["phases"]
+    print(f"{ranks} ranks x {cli.steps} steps ({ranks * cli.steps * 100:,} collective rows), straggler rank "
+          f"{straggler}", file=sys.stderr)
+    w = run_phase("write", {"run": str(run), "ranks": ranks, "steps": cli.steps, "straggler": straggler,
+                            "workers": cli.workers}, label="write", **common)
+    phases["write"] = w.to_dict()
+    if not w.ok:
+        return res
+    res["events_bytes_per_rank_step"] = w.figures["events_bytes"] / (ranks * cli.steps)
+    phases["open_events"] = run_phase("open", {"run": str(run)}, label="open events", **common).to_dict()
+    live = run_phase("live", {"run": str(run)}, label="live Overview", **common)
+    phases["live_first"] = {**live.to_dict(), "seconds": live.figures.get("first_s")}
+    phases["live_refresh"] = {"ok": live.ok, "seconds": live.figures.get("refresh_s"),
+                              "tail_s": live.figures.get("tail_s"), "why": live.why}
+    set_status(run, "finished")
+    c = run_phase("compact", {"run": str(run)}, label="compact", **common)
+    phases["compact"] = c.to_dict()
+    if c.ok:
+        res["tables_bytes_per_rank_step"] = c.figures["tables_bytes"] / (ranks * cli.steps)
+    phases["open"] = run_phase("open", {"run": str(run)}, label="open compacted", **common).to_dict()
+    an = run_phase("analyze", {"path": str(run)}, label="analyze", **common)
+    phases["analyze"] = an.to_dict()
+    if an.ok:
+        named = [f for f in an.figures["findings"] if f["code"] == "STRAGGLER" and straggler in (f["ranks"] or [])]
+        res["straggler_named"] = bool(named)
+        res["straggler_titles"] = [f["title"] for f in named]
+    phases["overview"] = run_phase("overview", {"run": str(run)}, label="Overview first", **common).to_dict()
+    if not cli.keep:
+        shutil.rmtree(run, ignore_errors=True)
+        (workdir / f"run{ranks}.scale.json").unlink(missing_ok=True)
+    return res
+
+
+def bench_traces(num_ranks: int, mb: float, cli: argparse.Namespace, env: dict, workdir: Path) -> dict:
+    """The foreign trace set: written once; dtprobe analyze and HTA on subsets of it and on all of it."""
+    from scale_data import trace_files
+
+    common = dict(timeout_s=cli.timeout_s, mem_cap_bytes=int(cli.mem_cap_gb * 2**30), env=env)
+    folder = workdir / f"traces{num_ranks}x{mb:g}"
+    print(f"trace set: {num_ranks} ranks x {mb:g} MB", file=sys.stderr)
+    w = run_phase("write_traces", {"dir": str(folder), "ranks": num_ranks, "mb": mb, "steps": cli.trace_steps,
+                                   "gzip": cli.trace_gzip, "workers": cli.workers}, label="write traces", **common)
+    res: dict = {"ranks": num_ranks, "mb_per_rank": mb, "write": w.to_dict(), "sizes": []}
+    if not w.ok:
+        return res
+    files = trace_files(folder)
+    file_bytes = [p.stat().st_size for p in files]
+    if cli.trace_gzip:
+        res["note_raw"] = "gzip set: raw bytes are the compressed files' sizes"
+    for k in sorted({min(FLAT_RANKS, num_ranks), num_ranks}):
+        sub = _subset(folder, files, k, workdir)
+        raw = sum(file_bytes[:k])
+        o = run_phase("analyze", {"path": str(sub)}, label=f"dtprobe analyze, {k} trace files", **common)
+        res["sizes"].append({"ranks": k, "raw_bytes": raw, "dtprobe": o.to_dict(),
+                             "peak_over_raw": o.peak_bytes / raw if o.ok else None})
+    if not cli.no_hta:
+        per_file = max(file_bytes)
+        fit = int(cli.hta_mem_gb * 2**30 // (HTA_MEMORY_PER_RAW_BYTE * per_file))
+        k = max(1, min(num_ranks, fit))
+        h = run_phase("hta", {"path": str(_subset(folder, files, k, workdir))}, label=f"HTA, {k} trace files",
+                      **common)
+        scaled = h.figures["seconds"] * num_ranks / k if h.ok else None
+        res["hta"] = {**h.to_dict(), "ranks_run": k, "scaled_seconds": scaled,
+                      "scaled": k < num_ranks, "peak_over_raw": h.peak_bytes / sum(file_bytes[:k]) if h.ok else None}
+        whole = res["sizes"][-1]["dtprobe"]
+        if scaled and whole.get("ok"):
+            res["hta_over_dtprobe"] = scaled / whole["seconds"]
+    if not cli.keep:
+        for path in [folder, *workdir.glob(f"{folder.name}_first*")]:
+            shutil.rmtree(path, ignore_errors=True)
+    return res
+
+
+def _subset(folder: Path, files: list[Path], k: int, workdir: Path) -> Path:
+    """A folder of the first ``k`` trace files (symlinks), or the set itself when ``k`` is all of them."""
+    if k == len(files):
+        return folder
+    sub = workdir / f"{folder.name}_first{k}"
+    if not sub.exists():
+        sub.mkdir()
+        for f in files[:k]:
+            (sub / f.name).symlink_to(f)
+    return sub
+
+
+# ---------------------------------------------------------------------------------------------- output
+
+def _fmt_s(v) -> str:
+    return "did not finish" if v is None else f"{v:.2f}"
+
+
+def print_tables(doc: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=160)
+    runs = doc["runs"]
+    if runs:
+        table = Table(title=f"synthetic tp8 x dp runs, {doc['steps']} steps, 100 collectives per step per rank: "
+                            f"seconds (peak GB)")
+        table.add_column("phase")
+        for r in runs:
+            table.add_column(f"{r['ranks']} ranks", justify="right")
+        sizes = [r["ranks"] for r in runs]
+        for i in range(len(sizes) - 1):
+            table.add_column(f"growth {sizes[i]}->{sizes[i + 1]}", justify="right")
+        for key, label in RUN_PHASES:
+            cells, values = [], []
+            for r in runs:
+                p = r["phases"].get(key)
+                v = p.get("seconds") if p and p.get("ok") else None
+                values.append(v)
+                peak = p.get("peak_bytes") if p else None
+                cells.append("-" if p is None else (f"{v:.2f}" + (f" ({peak / 2**30:.2f})" if peak else ""))
+                             if v is not None else f"did not finish{': ' + p['why'] if p.get('why') else ''}")
+            exps = growth(sizes, values)
+            table.add_row(label, *cells, *["-" if e is None else f"{e:.2f}" for e in exps])
+        table.add_row("events bytes / rank-step",
+                      *[f"{r['events_bytes_per_rank_step']:,.0f}" if "events_bytes_per_rank_step" in r else "-"
+                        for r in runs], *[""] * (len(sizes) - 1))
+        table.add_row("compacted bytes / rank-step",
+                      *[f"{r['tables_bytes_per_rank_step']:,.0f}" if "tables_bytes_per_rank_step" in r else "-"
+                        for r in runs], *[""] * (len(sizes) - 1))
+        table.add_row("straggler named",
+                      *[{True: f"yes (rank {r['straggler_rank']})", False: f"NO (rank {r['straggler_rank']})"}.get(
+                          r.get("straggler_named"), "-") for r in runs], *[""] * (len(sizes) - 1))
+        console.print(table)
+    tr = doc.get("traces")
+    if tr:
+        table = Table(title=f"foreign Kineto trace set: {tr['ranks']} ranks x {tr['mb_per_rank']:g} MB "
+                            f"(written in {_fmt_s(tr['write'].get('seconds'))} s)")
+        for col in ("tool", "trace files", "raw MB", "seconds", "peak GB", "peak / raw JSON"):
+            table.add_column(col, justify="right")
+        for s in tr["sizes"]:
+            d = s["dtprobe"]
+            table.add_row("dtprobe analyze", str(s["ranks"]), f"{s['raw_bytes'] / 1e6:,.0f}",
+                          _fmt_s(d.get("seconds")) if d["ok"] else f"did not finish: {d['why']}",
+                          f"{d['peak_bytes'] / 2**30:.2f}", "-" if s["peak_over_raw"] is None
+                          else f"{s['peak_over_raw']:.2f}")
+        h = tr.get("hta")
+        if h:
+            secs = (f"{h['seconds']:.2f}" + (f" -> {h['scaled_seconds']:.1f} scaled to {tr['ranks']} files"
+                                              if h["scaled"] else "")) if h["ok"] else f"did not finish: {h['why']}"
+            table.add_row("HTA 0.5.0", str(h["ranks_run"]), "", secs, f"{h['peak_bytes'] / 2**30:.2f}",
+                          "-" if h["peak_over_raw"] is None else f"{h['peak_over_raw']:.2f}")
+        console.print(table)
+        if h and h.get("scaled"):
+            console.print(f"HTA ran on {h['ranks_run']} of {tr['ranks']} files (about {HTA_MEMORY_PER_RAW_BYTE:g}x "
+                          f"the raw JSON would not fit in --hta-mem-gb); its time is scaled by "
+                          f"{tr['ranks']}/{h['ranks_run']}.")
+        if tr.get("hta_over_dtprobe"):
+            console.print(f"HTA time / dtprobe analyze time on the whole set: {tr['hta_over_dtprobe']:.1f}x")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 epilog="Docstring: the phases, the goals and how peak memory is measured.")
+    ap.add_argument("--ranks", type=int, nargs="+", default=[64, 256, 1024],
+                    help="world sizes of the synthetic runs (multiples of 8, at least 16)")
+    ap.add_argument("--steps", type=int, default=200, help="steps of each run")
+    ap.add_argument("--traces", default="64x50", metavar="RANKSxMB",
+                    help="foreign trace set: files x MB of JSON per file, or 'none'")
+    ap.add_argument("--trace-steps", type=int, default=4, help="ProfilerSteps per trace file")
+    ap.add_argument("--trace-gzip", action="store_true", help="write the trace files gzipped")
+    ap.add_argument("--no-hta", action="store_true", help="do not run HTA on the trace set")
+    ap.add_argument("--hta-mem-gb", type=float, default=None,
+                    help="memory HTA may use; it runs on as many files as fit (default: --mem-cap-gb)")
+    ap.add_argument("--timeout-s", type=float, default=3600.0, help="per phase, seconds")
+    ap.add_argument("--mem-cap-gb", type=float, default=16.0, help="a phase above this much memory is stopped")
+    ap.add_argument("--workers", type=int, default=2, help="processes writing the synthetic data")
+    ap.add_argument("--workdir", type=Path, default=None, help="where data is written (default: a temp dir)")
+    ap.add_argument("--keep", action="store_true", help="keep the data written (and the workdir)")
+    ap.add_argument("--json", type=Path, default=None, metavar="PATH", help="write every figure here as JSON")
+    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    cli = ap.parse_args(argv)
+    if cli.child:
+        phase, args = cli.child
+        print(json.dumps(PHASES[phase](json.loads(args))))
+        return 0
+    for n in cli.ranks:
+        if n % 8 or n < 16:
+            ap.error(f"--ranks {n}: a tp8 x dp layout needs a multiple of 8, at least 16")
+    traces = None
+    if cli.traces.lower() != "none":
+        try:
+            n_text, mb_text = cli.traces.lower().split("x")
+            traces = (int(n_text), float(mb_text))
+        except ValueError:
+            ap.error(f"--traces {cli.traces!r}: expected RANKSxMB, e.g. 64x50, or none")
+    if cli.hta_mem_gb is None:
+        cli.hta_mem_gb = cli.mem_cap_gb
+
+    import dtprobe
+    from dtprobe.store.schema import SCHEMA_VERSION
+
+    own_workdir = cli.workdir is None
+    workdir = cli.workdir or Path(tempfile.mkdtemp(prefix="dtprobe_scale_"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, XDG_CACHE_HOME=str(workdir / "cache"))   # summaries the dashboard stores stay here
+    doc = {"dtprobe": str(Path(dtprobe.__file__).resolve().parent), "dtprobe_version": dtprobe.__version__,
+           "schema_version": SCHEMA_VERSION, "cpus": os.cpu_count(), "load1": os.getloadavg()[0],
+           "steps": cli.steps, "timeout_s": cli.timeout_s, "mem_cap_gb": cli.mem_cap_gb, "runs": [], "traces": None}
+    print(f"dtprobe {doc['dtprobe_version']} from {doc['dtprobe']} (store schema {SCHEMA_VERSION}); "
+          f"{doc['cpus']} CPUs, load {doc['load1']:.1f}; data under {workdir}", file=sys.stderr)
+    try:
+        for n in sorted(cli.ranks):
+            doc["runs"].append(bench_run(n, cli, env, workdir))
+        sizes = [r["ranks"] for r in doc["runs"]]
+        doc["growth"] = {key: growth(sizes, [(r["phases"].get(key) or {}).get("seconds") if
+                                             (r["phases"].get(key) or {}).get("ok") else None for r in doc["runs"]])
+                         for key, _ in RUN_PHASES}
+        if traces is not None:
+            doc["traces"] = bench_traces(*traces, cli, env, workdir)
+    finally:
+        if not cli.keep:   # a workdir given keeps only what was in it before
+            shutil.rmtree(workdir if own_workdir else workdir / "cache", ignore_errors=True)
+    print_tables(doc)
+    if cli.json:
+        cli.json.write_text(json.dumps(doc, indent=1))
+        print(f"wrote {cli.json}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

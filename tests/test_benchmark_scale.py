@@ -1,0 +1,112 @@
+"""``benchmarks/scale_data.py`` writes a tp8 x dp run and a Kineto trace set that dtprobe reads as planted, and
+``benchmarks/scale.py`` reports every phase of a tiny size (16 ranks x 5 steps, 2 trace files of 1 MB) in its
+``--json``, with the planted straggler named."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import scale_data  # noqa: E402
+
+SCALE_TIMEOUT_S = 240
+
+
+def test_scale_run_has_100_collectives_per_step_on_tp8_and_dp_groups_when_read_by_the_store(tmp_path):
+    from dtprobe.store import RunStore
+
+    spec = scale_data.ScaleRunSpec(world=16, steps=3, straggler_rank=11, delay_ms=80.0)
+    run = scale_data.write_run(tmp_path / "run", spec, workers=1, status="finished")
+    coll = RunStore.open(run).table("collectives")
+    assert len(coll) == 16 * 3 * 100
+    per_rank_step = coll.groupby(["rank", "step", "pg"]).size().unstack("pg")
+    assert (per_rank_step["tp"] == 60).all() and (per_rank_step["dp"] == 40).all()
+    members = coll.loc[coll["rank"] == 11].groupby("pg")["pg_ranks"].unique().to_dict()
+    assert list(members["tp"]) == ["8,9,10,11,12,13,14,15"] and list(members["dp"]) == ["3,11"]
+    tp_seq = coll.loc[(coll["rank"] == 11) & (coll["pg"] == "tp"), "seq"].sort_values().tolist()
+    assert tp_seq == list(range(1, 3 * 60 + 1))
+    # every member of a collective completes together; the straggler enqueues 80 ms (+ jitter) after its peers
+    ends = coll.groupby(["pg", "pg_ranks", "seq"])["end_ns"].nunique()
+    assert (ends == 1).all()
+    tp1 = coll.loc[(coll["pg_ranks"] == "8,9,10,11,12,13,14,15") & (coll["seq"] == 1)].set_index("rank")["enqueue_ns"]
+    late_ms = (tp1[11] - tp1.drop(11).median()) / 1e6
+    assert 77.0 < late_ms < 83.0
+
+
+def test_trace_set_files_hold_about_the_size_asked_with_their_rank_where_hta_looks_when_written(tmp_path):
+    spec = scale_data.TraceSetSpec(ranks=16, mb_per_rank=0.5)
+    scale_data.write_trace_set(tmp_path, spec, workers=1)
+    files = scale_data.trace_files(tmp_path)
+    assert [p.name for p in files] == [f"rank{r:05d}.pt.trace.json" for r in range(16)]
+    for rank, path in enumerate(files):
+        text = path.read_text()
+        assert 0.35e6 < len(text) < 0.65e6
+        assert int(re.search(r'"rank":\s+(\d+)', text).group(1)) == rank   # HTA's regex, first match
+        doc = json.loads(text)
+        groups = {g["pg_desc"]: g["ranks"] for g in doc["distributedInfo"]["pg_config"]}
+        assert groups["tp"] == list(range(rank // 8 * 8, rank // 8 * 8 + 8)) and groups["dp"] == [rank % 8,
+                                                                                                  rank % 8 + 8]
+        kernels = [e for e in doc["traceEvents"] if e.get("cat") == "kernel"]
+        assert {e["args"].get("Process Group Description") for e in kernels} == {None, "tp", "dp"}
+
+
+@pytest.fixture(scope="module")
+def tiny_scale(tmp_path_factory) -> tuple[dict, Path]:
+    """``scale.py`` run once at the tiny size; (its --json document, its workdir)."""
+    from conftest import child_environment
+
+    work = tmp_path_factory.mktemp("scale")
+    out = work / "scale.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scale.py"), "--ranks", "16", "--steps", "5",
+                           "--traces", "2x1", "--workdir", str(work / "data"), "--json", str(out),
+                           "--timeout-s", "120"],
+                          env=child_environment(), capture_output=True, text=True, timeout=SCALE_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "straggler named" in proc.stdout and "yes (rank 11)" in proc.stdout
+    return json.loads(out.read_text()), work / "data"
+
+
+def test_scale_reports_every_run_phase_and_names_the_planted_straggler_when_run_tiny(tiny_scale):
+    doc, data = tiny_scale
+    [run] = doc["runs"]
+    assert (run["ranks"], run["steps"], run["straggler_rank"]) == (16, 5, 11)
+    assert run["straggler_named"] is True
+    for key in ("write", "open_events", "live_first", "live_refresh", "compact", "open", "analyze", "overview"):
+        phase = run["phases"][key]
+        assert phase["ok"] is True and phase["seconds"] > 0, (key, phase)
+    for key in ("write", "open_events", "compact", "open", "analyze", "overview"):
+        assert run["phases"][key]["peak_bytes"] > 20 << 20, key   # an interpreter with numpy at least
+    assert run["phases"]["open_events"]["rows"]["collectives"] == 16 * 5 * 100
+    # the live phase appended two steps before the run was compacted
+    assert run["phases"]["compact"]["rows"]["collectives"] == 16 * 7 * 100
+    assert 15_000 < run["events_bytes_per_rank_step"] < 25_000        # 100 rows of about 200 bytes
+    assert 0 < run["tables_bytes_per_rank_step"] < run["events_bytes_per_rank_step"]
+    assert set(doc["growth"]) >= {"analyze", "overview", "live_refresh"}
+    assert not (data / "run16").exists()                               # data removed without --keep
+
+
+def test_scale_runs_dtprobe_and_hta_on_the_trace_set_when_run_tiny(tiny_scale):
+    doc, _ = tiny_scale
+    traces = doc["traces"]
+    [size] = traces["sizes"]
+    assert size["ranks"] == 2 and 1.6e6 < size["raw_bytes"] < 2.4e6
+    assert size["dtprobe"]["ok"] is True and size["peak_over_raw"] > 0
+    hta = traces["hta"]
+    assert hta["ok"] is True and (hta["ranks_run"], hta["num_ranks"], hta["scaled"]) == (2, 2, False)
+    assert traces["hta_over_dtprobe"] == pytest.approx(hta["scaled_seconds"] / size["dtprobe"]["seconds"])
+
+
+def test_scale_growth_exponent_is_the_log_ratio_of_times_over_sizes():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import scale
+
+    assert scale.growth([64, 256, 1024], [1.0, 4.0, None]) == [pytest.approx(1.0), None]
+    assert scale.growth([64, 256], [2.0, 4.0]) == [pytest.approx(0.5)]

@@ -52,6 +52,7 @@ def compact(run_dir: str | os.PathLike) -> dict[str, int]:
             "compacted_ns": time.time_ns(),
             "clock_aligned": True,
             "clock_offsets_ns": {str(r): o for r, o in sorted(offsets.items())},
+            "clock_samples": store.clock_model().marker(),
             "tables": {name: {"rows": n} for name, n in rows.items()},
             "events": {rel: [offset, lines] for rel, (offset, lines) in sorted(store.cursors().items())},
         }

@@ -6,10 +6,12 @@ Reading order for each table: the compacted ``tables/<table>.parquet`` if the ru
 appended after that (``events/<table>/rankNNNNN.jsonl``, tailed by byte offset). ``refresh()`` parses only
 lines appended since the last call; a torn last line is left for later.
 
-Clock alignment: rows are kept on their rank's clock; ``table()`` adds the rank's ``clock_offset_ns`` (from
-``ranks/rankNNNNN.json``, re-read on every refresh) to the table's ``schema.TIME_COLUMNS``. Compacted Parquet
-holds aligned values and records the offsets it used, so the reader only shifts them if an offset changed
-since. A rank with events but no rank info is an error, never a silent offset of 0.
+Clock alignment: rows are kept on their rank's clock; ``table()`` adds the rank's offset to the table's
+``schema.TIME_COLUMNS``: interpolated between the rank's ``clock`` samples when it has some (re-measured while
+the job ran, ``clock_sync.ClockModel``), else its ``clock_offset_ns`` (from ``ranks/rankNNNNN.json``, re-read on
+every refresh). Compacted Parquet holds aligned values and records the offsets and samples it used, so the reader
+only shifts them if an offset changed or samples arrived since. A rank with events but no rank info is an error,
+never a silent offset of 0.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from dtprobe.store.clock_sync import Basis, ClockModel
 from dtprobe.store.errors import TraceError
 from dtprobe.store.frames import SORT_KEYS, arrow_schema, arrow_to_frame, empty_frame, time_columns
 from dtprobe.store.groups import GROUPS_SINCE_VERSION, fill_members, missing_groups_error
@@ -53,7 +56,7 @@ _BATCH_BYTES = 4 << 20
 class _Chunk:
     rows: pa.Table
     """Rows with every schema column."""
-    basis: dict[int, int] | None
+    basis: Basis | None
     """Clock offsets already added to the time columns (None: raw rank-clock values)."""
 
 
@@ -63,7 +66,8 @@ class _TableState:
     cursors: dict[str, FileCursor] = field(default_factory=dict)
     num_rows: int = 0
     frame: pd.DataFrame | None = None
-    frame_offsets: dict[int, int] | None = None
+    frame_offsets: tuple | None = None
+    """``ClockModel.key`` of the model ``frame`` was aligned with."""
     heads: dict[str, FileCursor] = field(default_factory=dict)
     """Events files opened at their tail (``open(tail_steps=...)``): the part before the cursor, not read yet."""
 
@@ -78,6 +82,7 @@ class RunStore:
         self._compacted = _read_compacted_marker(path)
         self._lock = threading.RLock()
         self._tail_from_step: int | None = None
+        self._clock: tuple[tuple, int, ClockModel] | None = None   # (rank offsets, clock rows, model)
 
     @classmethod
     def open(cls, path: str | os.PathLike, *, tables: Iterable[str] | None = None,
@@ -161,14 +166,14 @@ class RunStore:
         """
         with self._lock:
             state = self._load(_check_table_name(name))
-            offsets = self._manifest.clock_offsets_ns
+            model = self.clock_model()
             if min_step is not None and "step" in SCHEMAS[name]:
                 if not state.num_rows:
                     return empty_frame(name)
-                return arrow_to_frame(self._aligned(name, state, offsets, min_step=min_step), name)
-            if state.frame is None or state.frame_offsets != offsets:
-                state.frame = self._build_frame(name, state, offsets)
-                state.frame_offsets = offsets
+                return arrow_to_frame(self._aligned(name, state, model, min_step=min_step), name)
+            if state.frame is None or state.frame_offsets != model.key:
+                state.frame = self._build_frame(name, state, model)
+                state.frame_offsets = model.key
             return state.frame.copy(deep=False)
 
     def last_step(self, name: str = "steps") -> int | None:
@@ -229,7 +234,17 @@ class RunStore:
         """All rows of ``name`` as one clock-aligned, sorted Arrow table (what compaction writes)."""
         with self._lock:
             state = self._load(_check_table_name(name))
-            return self._aligned(name, state, self._manifest.clock_offsets_ns)
+            return self._aligned(name, state, self.clock_model())
+
+    def clock_model(self) -> ClockModel:
+        """Every rank's clock offset as of the last read: rank info constants and ``clock`` samples."""
+        with self._lock:
+            clock = self._load("clock")
+            constants = self._manifest.clock_offsets_ns
+            key = tuple(sorted(constants.items()))
+            if self._clock is None or self._clock[:2] != (key, clock.num_rows):
+                self._clock = (key, clock.num_rows, ClockModel.build(constants, _rows_of(clock, "clock")))
+            return self._clock[2]
 
     def cursors(self) -> dict[str, tuple[int, int]]:
         """Events file (relative path) -> (bytes, lines) consumed so far, for every loaded table."""
@@ -262,8 +277,9 @@ class RunStore:
             return
         path = self._path / COMPACT_FILE.format(table=name)
         rows = read_compacted_table(path, name)
-        basis = {int(r): int(o) for r, o in marker["clock_offsets_ns"].items()}
-        missing = sorted(set(pc.unique(rows.column("rank")).to_pylist()) - set(basis) - {None})
+        basis = Basis.from_marker(marker["clock_offsets_ns"], marker.get("clock_samples"))
+        missing = sorted(set(pc.unique(rows.column("rank")).to_pylist()) - set(basis.constants)
+                         - set(basis.samples) - {None})
         if missing:
             raise TraceError(f"'{path}' has rows of ranks {missing}, but {COMPACTED_MARKER} records no clock "
                              f"offset for them. Delete {self._path / TABLES_DIR} and run "
@@ -366,12 +382,12 @@ class RunStore:
             state.chunks = [c for c in state.chunks if c.basis is not None] + [_Chunk(merged, None)]
         return rows.num_rows
 
-    def _build_frame(self, name: str, state: _TableState, offsets: dict[int, int]) -> pd.DataFrame:
+    def _build_frame(self, name: str, state: _TableState, model: ClockModel) -> pd.DataFrame:
         if not state.num_rows:
             return empty_frame(name)
-        return arrow_to_frame(self._aligned(name, state, offsets), name)
+        return arrow_to_frame(self._aligned(name, state, model), name)
 
-    def _aligned(self, name: str, state: _TableState, offsets: dict[int, int], *,
+    def _aligned(self, name: str, state: _TableState, model: ClockModel, *,
                  min_step: int | None = None) -> pa.Table:
         if not state.num_rows:
             return arrow_schema(name).empty_table()
@@ -379,9 +395,9 @@ class RunStore:
         if min_step is not None:
             chunks = [_Chunk(c.rows.filter(pc.greater_equal(c.rows.column("step"), min_step)), c.basis)
                       for c in chunks]
-        aligned = pa.concat_tables([_align(c, name, offsets, self._path) for c in chunks])
+        aligned = pa.concat_tables([_align(c, name, model, self._path) for c in chunks])
         basis = chunks[0].basis
-        if len(chunks) == 1 and basis is not None and all(offsets.get(r) == o for r, o in basis.items()):
+        if len(chunks) == 1 and basis is not None and basis.matches(model):
             return aligned  # exactly the compacted table, written in this order
         return _sort(aligned, SORT_KEYS.get(name, ("rank",)))
 
@@ -420,28 +436,47 @@ def read_compacted_table(path: Path, name: str) -> pa.Table:
                          f"`dtprobe compact {path.parent.parent}` to rebuild it.") from None
 
 
-def _align(chunk: _Chunk, name: str, offsets: dict[int, int], run_dir: Path) -> pa.Table:
+def _align(chunk: _Chunk, name: str, model: ClockModel, run_dir: Path) -> pa.Table:
+    """``chunk``'s rows with every time column on rank 0's clock under ``model`` (raw rows: plus the rank's offset
+    at each time; compacted rows: plus what changed since their basis, ``clock_sync.Basis.shifts``)."""
     cols = time_columns(name)
     rows = chunk.rows
     if not cols or not rows.num_rows:
         return rows
-    basis = chunk.basis or {}
     ranks = rows.column("rank").to_numpy(zero_copy_only=False)
     present = np.unique(ranks)
-    missing = [int(r) for r in present if int(r) not in offsets]
+    missing = [int(r) for r in present if int(r) not in model.ranks]
     if missing:
         raise TraceError(f"ranks {missing} have '{name}' rows but no rank info file in {run_dir / 'ranks'}, so "
                          f"their clock offsets are unknown. Restore ranks/rankNNNNN.json for them.")
-    deltas = {int(r): offsets[int(r)] - basis.get(int(r), 0) for r in present}
-    if not any(deltas.values()):
+    basis = chunk.basis
+    if basis is not None and basis.matches(model):
         return rows
-    lookup = np.zeros(int(present.max()) + 1, dtype=np.int64)
-    for r, d in deltas.items():
-        lookup[r] = d
-    shift = pa.array(lookup[ranks], type=pa.int64())
+    if basis is None and not any(int(r) in model.samples for r in present):
+        deltas = {int(r): model.constants[int(r)] for r in present}     # constants only: one shift per rank
+        if not any(deltas.values()):
+            return rows
+        lookup = np.zeros(int(present.max()) + 1, dtype=np.int64)
+        for r, d in deltas.items():
+            lookup[r] = d
+        shift = pa.array(lookup[ranks], type=pa.int64())
+        for col in cols:
+            i = rows.schema.get_field_index(col)
+            rows = rows.set_column(i, col, pc.add(rows.column(col), shift))
+        return rows
+    order = np.argsort(ranks, kind="stable")
+    bounds = np.searchsorted(ranks[order], present)
+    slices = [(int(r), order[b:e]) for r, b, e in zip(present, bounds, list(bounds[1:]) + [len(order)])]
+    source = str(run_dir / TABLES_DIR / f"{name}.parquet")
     for col in cols:
+        values = rows.column(col)
+        times = pc.fill_null(values, 0).to_numpy(zero_copy_only=False).astype(np.int64)
+        shift = np.zeros(len(times), dtype=np.int64)
+        for rank, idx in slices:
+            shift[idx] = (model.offsets_at(rank, times[idx]) if basis is None
+                          else basis.shifts(model, rank, times[idx], source))
         i = rows.schema.get_field_index(col)
-        rows = rows.set_column(i, col, pc.add(rows.column(col), shift))
+        rows = rows.set_column(i, col, pc.add(values, pa.array(shift, type=pa.int64())))
     return rows
 
 

@@ -44,7 +44,32 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="link peak bus bandwidth in Gb/s to judge large collectives against (off when unset)")
     parser.add_argument("--hang-timeout-s", type=float, default=60.0,
                         help="while a run is running, a collective waited on this long counts as a hang")
+    add_trace_reading_flags(parser)
     parser.set_defaults(func=main)
+
+
+def _workers(text: str) -> int | None:
+    if text == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of processes or 'auto', got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 (1 reads the files in this process), got {value}")
+    return value
+
+
+def add_trace_reading_flags(parser: argparse.ArgumentParser) -> None:
+    """``--workers`` and ``--dask``: where the per-rank files of a Kineto trace folder are reduced."""
+    parser.add_argument("--workers", metavar="N", type=_workers, default="auto",
+                        help="for a Kineto trace folder: processes that stream and reduce the rank files in parallel "
+                             "(each holds one file's reduction at a time; 1 reads them in this process); auto: one "
+                             "per CPU, at most one per file")
+    parser.add_argument("--dask", metavar="ADDRESS", default=None,
+                        help="for a Kineto trace folder: reduce the rank files on the workers of this existing Dask "
+                             "scheduler (e.g. tcp://127.0.0.1:8786; they must see the files at the same paths) "
+                             "instead of local --workers; needs pip install 'dtprobe[dask]'")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -62,13 +87,14 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError(f"{exc}. Fix the flag (see dtprobe analyze --help).") from None
     with err.status(f"Reading {args.path} ...") as status:
         def progress(done: int, total: int, path: str) -> None:
-            status.update(f"Parsing traces {done}/{total}: {Path(path).name}")
+            status.update(f"Reduced trace {done}/{total}: {Path(path).name}")
 
-        source = open_source(args.path, progress=progress)
+        reading = {"workers": None if args.dask else args.workers, "dask_address": args.dask}
+        source = open_source(args.path, progress=progress, **reading)
         baseline = None
         if args.baseline:
             status.update(f"Reading baseline {args.baseline} ...")
-            baseline = open_source(args.baseline)
+            baseline = open_source(args.baseline, **reading)
         analysis = RunAnalysis(source, baseline=baseline, options=options)
         check_not_empty(analysis)
         status.update("Analysing ...")

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from dtprobe.commands.analyze import add_trace_reading_flags
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -37,6 +39,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     tensorboard.add_argument("run", metavar="RUN", help="run directory (or Kineto trace folder)")
     tensorboard.add_argument("-o", "--out", required=True, metavar="DIR",
                              help="log directory for the event file (created; must hold no event file yet)")
+    add_trace_reading_flags(tensorboard)
     mlflow = sub.add_parser(
         "mlflow", help="the key figures, layout, findings and timeline as an MLflow run",
         description="Log RUN as a new MLflow run: the key figures and finding counts as metrics, the layout as "
@@ -54,6 +57,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="experiment to log into, created if missing (default: dtprobe)")
     mlflow.add_argument("--run-name", metavar="NAME", default=None,
                         help="name of the MLflow run (default: the run directory's name)")
+    add_trace_reading_flags(mlflow)
     parser.set_defaults(func=main)
 
 
@@ -114,14 +118,18 @@ def main_perfetto(args: argparse.Namespace) -> int:
     return 0
 
 
-def _analysis(console, path: str):
+def _analysis(console, path: str, args: argparse.Namespace):
     """The ``RunAnalysis`` of ``path``, key figures and findings computed under a status line; TraceError when the
-    run holds no rows at all."""
+    run holds no rows at all. ``args.workers`` / ``args.dask``: where a trace folder's files are reduced."""
     from dtprobe.analysis.facade import RunAnalysis, open_source
     from dtprobe.commands.common import check_not_empty
 
     with console.status(f"Reading {path} ...") as status:
-        analysis = RunAnalysis(open_source(path))
+        def progress(done: int, total: int, file: str) -> None:
+            status.update(f"Reduced trace {done}/{total}: {Path(file).name}")
+
+        analysis = RunAnalysis(open_source(path, progress=progress, workers=None if args.dask else args.workers,
+                                           dask_address=args.dask))
         check_not_empty(analysis)
         status.update(f"Analysing {path} ...")
         analysis.key_figures()
@@ -135,7 +143,7 @@ def main_tensorboard(args: argparse.Namespace) -> int:
     from dtprobe.export.tensorboard import write_tensorboard
 
     console = Console()
-    analysis = _analysis(console, args.run)
+    analysis = _analysis(console, args.run, args)
     with console.status(f"Writing TensorBoard events to {args.out} ..."):
         done = write_tensorboard(analysis, log_dir=Path(args.out))
     console.print(f"Wrote {done.num_points} scalar points ({len(done.tags)} tags) and {done.num_findings} "
@@ -158,7 +166,7 @@ def main_mlflow(args: argparse.Namespace) -> int:
         # (a user's own MLFLOW_ALLOW_FILE_STORE=false is kept)
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
     console = Console()
-    analysis = _analysis(console, args.run)
+    analysis = _analysis(console, args.run, args)
     with console.status(f"Logging to MLflow at {uri} ..."):
         done = export_mlflow(analysis, tracking_uri=args.tracking_uri, experiment=args.experiment,
                              run_name=args.run_name)

@@ -142,7 +142,7 @@ def _on_dask(files: list[Path], address: str, *, single_file: bool,
         futures = client.map(reduce_trace_file, paths, single_file=single_file, pure=False)
         index = {future.key: i for i, future in enumerate(futures)}
         try:
-            for done, future in enumerate(dask_completed(futures), 1):
+            for done, future in enumerate(dask_completed(futures, loop=client.loop), 1):
                 i = index[future.key]
                 results[i] = _result(future.result, files[i])
                 if progress:

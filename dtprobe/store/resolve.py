@@ -16,11 +16,13 @@ if TYPE_CHECKING:
 
 
 def open_source(path: str | os.PathLike, *, progress: ProgressFn | None = None,
-                live_tail_steps: int | None = None) -> Source:
+                live_tail_steps: int | None = None, workers: int | None = None,
+                dask_address: str | None = None) -> Source:
     """A dtprobe run (``RunStore``) or a Kineto trace folder (``KinetoRun``) at ``path``; TraceError otherwise.
 
     ``live_tail_steps``: if the run is running, read only its newest that many steps of the per-step tables
     (``RunStore.open(tail_steps=...)``; ``load_head()`` reads the rest): for recent-steps views of live runs.
+    ``workers`` / ``dask_address``: where a trace folder's files are reduced (``kineto.load_trace_dir``).
     """
     from dtprobe.store.kineto import is_trace_dir, load_trace_dir
 
@@ -32,7 +34,7 @@ def open_source(path: str | os.PathLike, *, progress: ProgressFn | None = None,
         live = live_tail_steps is not None and read_manifest(path).status == "running"
         return RunStore.open(path, tail_steps=live_tail_steps if live else None)
     if is_trace_dir(path):
-        return load_trace_dir(path, progress=progress)
+        return load_trace_dir(path, progress=progress, workers=workers, dask_address=dask_address)
     if not path.exists():
         raise TraceError(f"'{path}': no such file or directory. Pass a run directory (with run.json) made by "
                          f"`dtprobe run`/`dtprobe.attach`, or a folder of Kineto traces (*.pt.trace.json[.gz]).")

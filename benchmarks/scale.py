@@ -1,7 +1,7 @@
 """dtprobe at cluster scale (issue 17, item 5): synthetic tp8 x dp runs of 100 collectives per step per rank (60 on
 tp, 40 on dp groups) at several world sizes, and a foreign Kineto trace set, timed phase by phase.
 
-    python benchmarks/scale.py [--ranks 64 256 1024] [--steps 200] [--traces 64x50] [--json scale.json]
+    python benchmarks/scale.py [--ranks 64 256 1024] [--steps 200] [--traces 64x50] [--browser] [--json scale.json]
     PYTHONPATH=/path/to/old/checkout python benchmarks/scale.py ...     # the same figures for another dtprobe
 
 Per world size (data written by ``benchmarks/scale_data.py``; every phase runs in a fresh process, whose peak
@@ -18,14 +18,17 @@ children):
 - analyze: what ``dtprobe analyze --format json`` does (``open_source``, ``RunAnalysis.report``,
   ``render_json``), and whether a STRAGGLER finding names the planted rank;
 - overview: what the Overview page computes before drawing a finished run without a stored summary
-  (``load_overview``), in-process.
+  (``load_overview``), in-process;
+- with ``--browser``: `dtprobe dashboard` started on the finished run without a stored summary, to its Overview
+  drawn in Chromium (Playwright, ``/usr/bin/chromium``; the browser open and idle before the server starts).
 Growth exponent between consecutive sizes: log(t2 / t1) / log(n2 / n1) (1.0: linear in the ranks).
 
 The trace set (``--traces RANKSxMB``, e.g. 64x50; ``--traces none`` skips it): written once, then ``dtprobe
 analyze``'s work and HTA 0.5.0's (load, temporal breakdown, comm/comp overlap, kernel breakdown, as
 ``benchmarks/analysis_vs_hta.py``) side by side, on the first 16 files and on all of them (peak memory against the
-raw JSON: flat in the number of ranks?). HTA needs about 7x the raw JSON in memory: when that exceeds
-``--hta-mem-gb`` it runs on as many files as fit and its time is scaled to the whole set, which the output says.
+raw JSON: flat in the number of ranks?). HTA's memory is predicted from its peak on the smaller subset (7x the raw
+JSON before any measurement): when the larger one would not fit in ``--hta-mem-gb`` it runs on as many files as
+fit and its time is scaled to all of them, which the output says.
 
 A phase that exceeds ``--timeout-s`` or ``--mem-cap-gb`` is stopped and reported as "did not finish"; the sizes
 after it still run. Goals (issue 17): 1,024 ranks x 200 steps analyzed in <= 10 s with <= 4 GB peak, growth
@@ -36,10 +39,12 @@ that size; on the trace set, peak memory <= 0.5x the raw JSON, flat in the ranks
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -47,9 +52,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
 HTA_MEMORY_PER_RAW_BYTE = 7.0
-"""HTA's peak memory per byte of raw JSON (measured on the shared traces: 6-7x)."""
+"""HTA's peak memory per byte of raw JSON assumed until it was measured on the set (6-7x on the shared traces)."""
+HTA_MARGIN = 1.25
+"""Head room on HTA's predicted memory when choosing how many files it runs on."""
 FLAT_RANKS = 16
 """The smaller trace subset peak memory is compared at."""
 
@@ -58,20 +64,13 @@ FLAT_RANKS = 16
 # Each runs in a fresh interpreter (``scale.py --child PHASE ARGS_JSON``) and returns a dict of figures; its last
 # stdout line is that dict as JSON.
 
-def _progress(label: str):
-    def report(done: int, total: int) -> None:
-        print(f"\r    {label} {done}/{total}", end="", file=sys.stderr, flush=True)
-    return report
-
-
 def phase_write(a: dict) -> dict:
     from scale_data import ScaleRunSpec, events_bytes, write_run
 
     spec = ScaleRunSpec(world=a["ranks"], steps=a["steps"], straggler_rank=a["straggler"])
     t = time.perf_counter()
-    write_run(a["run"], spec, workers=a["workers"], status="running", progress=_progress("ranks written"))
+    write_run(a["run"], spec, workers=a["workers"], status="running")
     seconds = time.perf_counter() - t
-    print(file=sys.stderr)
     return {"seconds": seconds, "events_bytes": events_bytes(a["run"])}
 
 
@@ -141,10 +140,11 @@ def phase_overview(a: dict) -> dict:
     from dtprobe.dashboard.paths import Source
 
     source = Source(name=Path(a["run"]).name, path=Path(a["run"]).resolve(), kind="run")
-    t = time.perf_counter()
+    t, started = time.perf_counter(), time.time()
     overview = data.load_overview(source)
     seconds = time.perf_counter() - t
-    return {"seconds": seconds, "whole": overview.whole, "num_steps": overview.num_steps,
+    return {"seconds": seconds, "stored_summary": overview.made_s < started, "whole": overview.whole,
+            "num_steps": overview.num_steps,
             "findings": [[f.code, list(f.ranks)] for f in overview.findings]}
 
 
@@ -153,9 +153,8 @@ def phase_write_traces(a: dict) -> dict:
 
     spec = TraceSetSpec(ranks=a["ranks"], mb_per_rank=a["mb"], steps=a["steps"], gzip=a["gzip"])
     t = time.perf_counter()
-    write_trace_set(a["dir"], spec, workers=a["workers"], progress=_progress("trace files written"))
+    write_trace_set(a["dir"], spec, workers=a["workers"])
     seconds = time.perf_counter() - t
-    print(file=sys.stderr)
     return {"seconds": seconds, "bytes": [p.stat().st_size for p in trace_files(a["dir"])]}
 
 
@@ -180,9 +179,61 @@ def phase_hta(a: dict) -> dict:
     return {"seconds": time.perf_counter() - t, "num_ranks": len(analysis.t.traces)}
 
 
+DRAWN_JS = """() => {
+  const q = (selector) => document.querySelector(selector);
+  if (document.fonts.status !== "loaded" || q("[data-testid=stStatusWidget]")) return false;  // fonts; script done
+  return !!q("[data-testid=stMetricValue]") && document.body.innerText.includes("STRAGGLER");
+}"""
+"""The Overview is drawn: fonts loaded, no script running, its key figures and the STRAGGLER finding shown (checked
+in the page at every animation frame)."""
+
+
+def phase_browser(a: dict) -> dict:
+    """Seconds from starting the `dtprobe dashboard` server on the run until Chromium (open and idle before) shows
+    its Overview drawn; no stored summary (a fresh per-user cache), as ``benchmarks/dashboard_load.py`` does."""
+    import socket
+    import urllib.request
+
+    from playwright.sync_api import sync_playwright
+
+    from dtprobe.commands.dashboard import APP, streamlit_argv
+    from dtprobe.dashboard.paths import ROOT_ENV
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, **{ROOT_ENV: a["run"]}, XDG_CACHE_HOME=a["cache"])
+    with sync_playwright() as p, tempfile.TemporaryFile() as errors:
+        browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox", "--disable-gpu"])
+        page = browser.new_page()
+        time.sleep(1.0)   # a browser that is open already, as the user's is: not still starting
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(streamlit_argv(host="127.0.0.1", port=port), env=env, cwd=APP.parent,
+                                stdout=subprocess.DEVNULL, stderr=errors, start_new_session=True)
+        try:
+            while True:
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=1)
+                    break
+                except OSError:
+                    if proc.poll() is not None:
+                        errors.seek(0)
+                        raise SystemExit(f"the dashboard server exited with {proc.returncode}: "
+                                         + errors.read().decode(errors="replace")[-1000:])
+                    time.sleep(0.02)
+            page.goto(f"http://127.0.0.1:{port}/", wait_until="commit")
+            page.wait_for_function(DRAWN_JS, polling="raf", timeout=a["timeout_s"] * 1000)
+            seconds = time.perf_counter() - t0
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(20)
+            browser.close()
+    return {"seconds": seconds}
+
+
 PHASES = {"write": phase_write, "open": phase_open, "live": phase_live, "compact": phase_compact,
-          "analyze": phase_analyze, "overview": phase_overview, "write_traces": phase_write_traces,
-          "hta": phase_hta}
+          "analyze": phase_analyze, "overview": phase_overview, "browser": phase_browser,
+          "write_traces": phase_write_traces, "hta": phase_hta}
 
 
 # ---------------------------------------------------------------------------------------------- the parent
@@ -237,8 +288,9 @@ def run_phase(phase: str, args: dict, *, label: str, timeout_s: float, mem_cap_b
             elif why is None and tree_peak > mem_cap_bytes:
                 why = f"memory above {mem_cap_bytes / 2**30:.0f} GB"
             if why is not None:
-                os.killpg(proc.pid, 9)
-            if elapsed - last_shown >= 2.0:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+            if sys.stderr.isatty() and elapsed - last_shown >= 2.0:
                 print(f"\r  {label}: {elapsed:.0f} s, {rss / 2**30:.2f} GB ", end="", file=sys.stderr, flush=True)
                 last_shown = elapsed
             time.sleep(0.05)
@@ -270,7 +322,8 @@ def growth(sizes: list[int], values: list[float | None]) -> list[float | None]:
 
 RUN_PHASES = (("write", "write"), ("open_events", "open (events)"), ("live_first", "Overview first, live"),
               ("live_refresh", "live refresh"), ("compact", "compact"), ("open", "open (compacted)"),
-              ("analyze", "analyze"), ("overview", "Overview first, finished"))
+              ("analyze", "analyze"), ("overview", "Overview first, finished"),
+              ("browser", "server start -> Overview drawn"))
 
 
 def bench_run(ranks: int, cli: argparse.Namespace, env: dict, workdir: Path) -> dict:
@@ -301,8 +354,8 @@ def bench_run(ranks: int, cli: argparse.Namespace, env: dict, workdir: Path) -> 
     set_status(run, "finished")
     c = run_phase("compact", {"run": str(run)}, label="compact", **common)
     phases["compact"] = c.to_dict()
-    if c.ok:
-        res["tables_bytes_per_rank_step"] = c.figures["tables_bytes"] / (ranks * cli.steps)
+    if c.ok:   # the run now also holds the steps the live phase appended
+        res["tables_bytes_per_rank_step"] = c.figures["tables_bytes"] / c.figures["rows"]["steps"]
     phases["open"] = run_phase("open", {"run": str(run)}, label="open compacted", **common).to_dict()
     an = run_phase("analyze", {"path": str(run)}, label="analyze", **common)
     phases["analyze"] = an.to_dict()
@@ -311,6 +364,11 @@ def bench_run(ranks: int, cli: argparse.Namespace, env: dict, workdir: Path) -> 
         res["straggler_named"] = bool(named)
         res["straggler_titles"] = [f["title"] for f in named]
     phases["overview"] = run_phase("overview", {"run": str(run)}, label="Overview first", **common).to_dict()
+    if cli.browser:
+        cache = workdir / f"cache-browser{ranks}"
+        phases["browser"] = run_phase("browser", {"run": str(run), "cache": str(cache), "timeout_s": cli.timeout_s},
+                                      label="server start -> Overview drawn", **common).to_dict()
+        shutil.rmtree(cache, ignore_errors=True)
     if not cli.keep:
         shutil.rmtree(run, ignore_errors=True)
         (workdir / f"run{ranks}.scale.json").unlink(missing_ok=True)
@@ -333,24 +391,28 @@ def bench_traces(num_ranks: int, mb: float, cli: argparse.Namespace, env: dict, 
     file_bytes = [p.stat().st_size for p in files]
     if cli.trace_gzip:
         res["note_raw"] = "gzip set: raw bytes are the compressed files' sizes"
+    hta_ratio = HTA_MEMORY_PER_RAW_BYTE    # until HTA was measured on this set
     for k in sorted({min(FLAT_RANKS, num_ranks), num_ranks}):
-        sub = _subset(folder, files, k, workdir)
         raw = sum(file_bytes[:k])
-        o = run_phase("analyze", {"path": str(sub)}, label=f"dtprobe analyze, {k} trace files", **common)
-        res["sizes"].append({"ranks": k, "raw_bytes": raw, "dtprobe": o.to_dict(),
-                             "peak_over_raw": o.peak_bytes / raw if o.ok else None})
-    if not cli.no_hta:
-        per_file = max(file_bytes)
-        fit = int(cli.hta_mem_gb * 2**30 // (HTA_MEMORY_PER_RAW_BYTE * per_file))
-        k = max(1, min(num_ranks, fit))
-        h = run_phase("hta", {"path": str(_subset(folder, files, k, workdir))}, label=f"HTA, {k} trace files",
-                      **common)
-        scaled = h.figures["seconds"] * num_ranks / k if h.ok else None
-        res["hta"] = {**h.to_dict(), "ranks_run": k, "scaled_seconds": scaled,
-                      "scaled": k < num_ranks, "peak_over_raw": h.peak_bytes / sum(file_bytes[:k]) if h.ok else None}
-        whole = res["sizes"][-1]["dtprobe"]
-        if scaled and whole.get("ok"):
-            res["hta_over_dtprobe"] = scaled / whole["seconds"]
+        o = run_phase("analyze", {"path": str(_subset(folder, files, k, workdir))},
+                      label=f"dtprobe analyze, {k} trace files", **common)
+        size = {"ranks": k, "raw_bytes": raw, "dtprobe": o.to_dict(),
+                "peak_over_raw": o.peak_bytes / raw if o.ok else None}
+        res["sizes"].append(size)
+        if cli.no_hta:
+            continue
+        fit = int(cli.hta_mem_gb * 2**30 // (HTA_MARGIN * hta_ratio * max(file_bytes)))
+        run_k = max(1, min(k, fit))
+        h = run_phase("hta", {"path": str(_subset(folder, files, run_k, workdir))},
+                      label=f"HTA, {run_k} trace files", **common)
+        run_raw = sum(file_bytes[:run_k])
+        scaled = h.figures["seconds"] * k / run_k if h.ok else None
+        size["hta"] = {**h.to_dict(), "ranks_run": run_k, "scaled_seconds": scaled, "scaled": run_k < k,
+                       "peak_over_raw": h.peak_bytes / run_raw if h.ok else None}
+        if h.ok:
+            hta_ratio = max(h.peak_bytes / run_raw, 0.5)
+            if o.ok:
+                size["hta_over_dtprobe"] = scaled / o.figures["seconds"]
     if not cli.keep:
         for path in [folder, *workdir.glob(f"{folder.name}_first*")]:
             shutil.rmtree(path, ignore_errors=True)
@@ -391,6 +453,8 @@ def print_tables(doc: dict) -> None:
         for i in range(len(sizes) - 1):
             table.add_column(f"growth {sizes[i]}->{sizes[i + 1]}", justify="right")
         for key, label in RUN_PHASES:
+            if all(r["phases"].get(key) is None for r in runs):
+                continue      # a phase not asked for (--browser)
             cells, values = [], []
             for r in runs:
                 p = r["phases"].get(key)
@@ -417,32 +481,37 @@ def print_tables(doc: dict) -> None:
                             f"(written in {_fmt_s(tr['write'].get('seconds'))} s)")
         for col in ("tool", "trace files", "raw MB", "seconds", "peak GB", "peak / raw JSON"):
             table.add_column(col, justify="right")
+        scaled_note = []
         for s in tr["sizes"]:
             d = s["dtprobe"]
             table.add_row("dtprobe analyze", str(s["ranks"]), f"{s['raw_bytes'] / 1e6:,.0f}",
                           _fmt_s(d.get("seconds")) if d["ok"] else f"did not finish: {d['why']}",
                           f"{d['peak_bytes'] / 2**30:.2f}", "-" if s["peak_over_raw"] is None
                           else f"{s['peak_over_raw']:.2f}")
-        h = tr.get("hta")
-        if h:
-            secs = (f"{h['seconds']:.2f}" + (f" -> {h['scaled_seconds']:.1f} scaled to {tr['ranks']} files"
+            h = s.get("hta")
+            if not h:
+                continue
+            secs = (f"{h['seconds']:.2f}" + (f" -> {h['scaled_seconds']:.1f} scaled to {s['ranks']} files"
                                               if h["scaled"] else "")) if h["ok"] else f"did not finish: {h['why']}"
             table.add_row("HTA 0.5.0", str(h["ranks_run"]), "", secs, f"{h['peak_bytes'] / 2**30:.2f}",
                           "-" if h["peak_over_raw"] is None else f"{h['peak_over_raw']:.2f}")
+            if h["scaled"]:
+                scaled_note.append(f"HTA ran on {h['ranks_run']} of {s['ranks']} files (all of them would not fit "
+                                   f"in --hta-mem-gb); its time is scaled by {s['ranks']}/{h['ranks_run']}.")
         console.print(table)
-        if h and h.get("scaled"):
-            console.print(f"HTA ran on {h['ranks_run']} of {tr['ranks']} files (about {HTA_MEMORY_PER_RAW_BYTE:g}x "
-                          f"the raw JSON would not fit in --hta-mem-gb); its time is scaled by "
-                          f"{tr['ranks']}/{h['ranks_run']}.")
-        if tr.get("hta_over_dtprobe"):
-            console.print(f"HTA time / dtprobe analyze time on the whole set: {tr['hta_over_dtprobe']:.1f}x")
+        for line in scaled_note:
+            console.print(line)
+        for s in tr["sizes"]:
+            if s.get("hta_over_dtprobe"):
+                console.print(f"{s['ranks']} trace files: HTA time / dtprobe analyze time = "
+                              f"{s['hta_over_dtprobe']:.1f}x")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  epilog="Docstring: the phases, the goals and how peak memory is measured.")
-    ap.add_argument("--ranks", type=int, nargs="+", default=[64, 256, 1024],
-                    help="world sizes of the synthetic runs (multiples of 8, at least 16)")
+    ap.add_argument("--ranks", type=int, nargs="*", default=[64, 256, 1024],
+                    help="world sizes of the synthetic runs (multiples of 8, at least 16); none: only the traces")
     ap.add_argument("--steps", type=int, default=200, help="steps of each run")
     ap.add_argument("--traces", default="64x50", metavar="RANKSxMB",
                     help="foreign trace set: files x MB of JSON per file, or 'none'")
@@ -456,6 +525,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=2, help="processes writing the synthetic data")
     ap.add_argument("--workdir", type=Path, default=None, help="where data is written (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the data written (and the workdir)")
+    ap.add_argument("--browser", action="store_true",
+                    help="also time `dtprobe dashboard` start to the Overview drawn in /usr/bin/chromium (Playwright)")
     ap.add_argument("--json", type=Path, default=None, metavar="PATH", help="write every figure here as JSON")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     cli = ap.parse_args(argv)

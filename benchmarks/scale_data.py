@@ -188,8 +188,8 @@ def run_duration_ns(spec: ScaleRunSpec, num_steps: int) -> int:
 
 # ---------------------------------------------------------------------------------------------- row lines
 
-def _collective_templates(world: int) -> list[list[bytes]]:
-    """Per op of the step: the line with %d for (rank, seq, enqueue_ns, end_ns, step)."""
+def _collective_templates() -> list[str]:
+    """Per op of the step: its ``collectives`` line with %d for (rank, seq, enqueue_ns, end_ns, step)."""
     out = []
     for op in OPS:
         out.append(('{"rank":%d,"pg":"' + op.axis + '","seq":%d,"op":"' + op.op + f'","num_bytes":{op.num_bytes},'
@@ -252,7 +252,7 @@ def _append_lines(run_dir: Path, rank: int, lines: dict[str, str]) -> None:
 def _write_ranks(run_dir: Path, spec: ScaleRunSpec, ranks: list[int], first_step: int, num_steps: int,
                  t0_ns: int) -> int:
     """Write steps ``first_step ..`` of ``ranks`` in chunks; the start of the step after them."""
-    templates = _collective_templates(spec.world)
+    templates = _collective_templates()
     t0, step, last = t0_ns, first_step, first_step + num_steps
     while step < last:
         n = min(STEP_CHUNK, last - step)
@@ -351,15 +351,19 @@ def events_bytes(run_dir: str | os.PathLike) -> int:
 
 # ---------------------------------------------------------------------------------------------- Kineto traces
 
-GEMM = "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel__5x_cublas"
-ELEMENTWISE = ("void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl(at::TensorIteratorBase&, "
-               "at::native::GeluType)::{lambda()#2}::operator()() const::{lambda()#2}::operator()() const::"
-               "{lambda(c10::BFloat16)#1}, at::detail::Array<char*, 2> >(int, at::native::GeluCUDAKernelImpl("
+GEMM = ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_"
+        "kernel__5x_cublas")
+ELEMENTWISE = ("void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl("
                "at::TensorIteratorBase&, at::native::GeluType)::{lambda()#2}::operator()() const::{lambda()#2}::"
-               "operator()() const::{lambda(c10::BFloat16)#1}, at::detail::Array<char*, 2>)")
-FLASH = "void flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, cutlass::bfloat16_t> >(Flash_fwd_params)"
-NCCL_KERNEL = {"allgather": "ncclKernel_AllGather_RING_LL_Sum_bfloat16(ncclDevComm*, unsigned long, ncclWork*)",
-               "reduce_scatter": "ncclKernel_ReduceScatter_RING_LL_Sum_bfloat16(ncclDevComm*, unsigned long, ncclWork*)"}
+               "operator()() const::{lambda(c10::BFloat16)#1}, at::detail::Array<char*, 2> >(int, "
+               "at::native::GeluCUDAKernelImpl(at::TensorIteratorBase&, at::native::GeluType)::{lambda()#2}::"
+               "operator()() const::{lambda()#2}::operator()() const::{lambda(c10::BFloat16)#1}, "
+               "at::detail::Array<char*, 2>)")
+FLASH = ("void flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, cutlass::bfloat16_t> >("
+         "Flash_fwd_params)")
+NCCL_KERNEL = {
+    "allgather": "ncclKernel_AllGather_RING_LL_Sum_bfloat16(ncclDevComm*, unsigned long, ncclWork*)",
+    "reduce_scatter": "ncclKernel_ReduceScatter_RING_LL_Sum_bfloat16(ncclDevComm*, unsigned long, ncclWork*)"}
 NCCL_COLLECTIVE_NAME = {"allgather": "_allgather_base", "reduce_scatter": "_reduce_scatter_base"}
 COMPUTE_STREAM, COMM_STREAM = 7, 20
 HOST_PID, HOST_TID = 4242, 4242

@@ -66,11 +66,12 @@ def tiny_scale(tmp_path_factory) -> tuple[dict, Path]:
     work = tmp_path_factory.mktemp("scale")
     out = work / "scale.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scale.py"), "--ranks", "16", "--steps", "5",
-                           "--traces", "2x1", "--workdir", str(work / "data"), "--json", str(out),
+                           "--traces", "2x1", "--hta-mem-gb", "0.005", "--workdir", str(work / "data"), "--json", str(out),
                            "--timeout-s", "120"],
                           env=child_environment(), capture_output=True, text=True, timeout=SCALE_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "straggler named" in proc.stdout and "yes (rank 11)" in proc.stdout
+    assert "HTA ran on 1 of 2 files" in proc.stdout
     return json.loads(out.read_text()), work / "data"
 
 
@@ -84,6 +85,7 @@ def test_scale_reports_every_run_phase_and_names_the_planted_straggler_when_run_
         assert phase["ok"] is True and phase["seconds"] > 0, (key, phase)
     for key in ("write", "open_events", "compact", "open", "analyze", "overview"):
         assert run["phases"][key]["peak_bytes"] > 20 << 20, key   # an interpreter with numpy at least
+    assert run["phases"]["overview"]["stored_summary"] is False        # computed, not read from a summary
     assert run["phases"]["open_events"]["rows"]["collectives"] == 16 * 5 * 100
     # the live phase appended two steps before the run was compacted
     assert run["phases"]["compact"]["rows"]["collectives"] == 16 * 7 * 100
@@ -93,15 +95,15 @@ def test_scale_reports_every_run_phase_and_names_the_planted_straggler_when_run_
     assert not (data / "run16").exists()                               # data removed without --keep
 
 
-def test_scale_runs_dtprobe_and_hta_on_the_trace_set_when_run_tiny(tiny_scale):
+def test_scale_runs_hta_on_the_files_that_fit_and_scales_its_time_when_memory_is_short(tiny_scale):
     doc, _ = tiny_scale
-    traces = doc["traces"]
-    [size] = traces["sizes"]
+    [size] = doc["traces"]["sizes"]
     assert size["ranks"] == 2 and 1.6e6 < size["raw_bytes"] < 2.4e6
     assert size["dtprobe"]["ok"] is True and size["peak_over_raw"] > 0
-    hta = traces["hta"]
-    assert hta["ok"] is True and (hta["ranks_run"], hta["num_ranks"], hta["scaled"]) == (2, 2, False)
-    assert traces["hta_over_dtprobe"] == pytest.approx(hta["scaled_seconds"] / size["dtprobe"]["seconds"])
+    hta = size["hta"]   # 7x 1 MB does not fit in the 5 MB given: HTA reads 1 file, its time counts twice
+    assert hta["ok"] is True and (hta["ranks_run"], hta["num_ranks"], hta["scaled"]) == (1, 1, True)
+    assert hta["scaled_seconds"] == pytest.approx(2 * hta["seconds"])
+    assert size["hta_over_dtprobe"] == pytest.approx(hta["scaled_seconds"] / size["dtprobe"]["seconds"])
 
 
 def test_scale_growth_exponent_is_the_log_ratio_of_times_over_sizes():

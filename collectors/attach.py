@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 
 from dtprobe.collectors import nccl, sigterm, torch_internals, training
-from dtprobe.collectors.clock import measure_clock_offset
+from dtprobe.collectors.clock import RESYNC_TIMEOUT_S, ClockResync, measure_clock_sample, start_clock_resync
 from dtprobe.collectors.config import CollectConfig
 from dtprobe.collectors.cuda_clock import clock_for
 from dtprobe.collectors.devices import DeviceSampler
@@ -125,6 +125,7 @@ class Probe:
         """Set when a second ``attach`` reused this probe: its first ``step()`` stops ``step_hooks``."""
         self._sampler: DeviceSampler | None = None
         self._profiler: ProfilerWindow | None = None
+        self._clock: ClockResync | None = None
         self._closed = False
         self._close_lock = threading.RLock()     # SIGTERM closes from another thread: a second caller waits
 
@@ -270,6 +271,8 @@ class Probe:
             if _OPEN_PROBE is self:
                 _OPEN_PROBE = None
             try:
+                if self._clock is not None:         # first: no clock row after the close row
+                    self._clock.stop()
                 # In-flight collectives and the close row first, flushed at once: a rank killed while it closes
                 # (torchrun stops the others when one exits) keeps them; the profiler's export and the
                 # sampler's join are slow.
@@ -474,7 +477,8 @@ def attach(run_dir: str | os.PathLike, *, timeout_s: float = 600.0, backend: str
     # Clock offset to rank 0 over a CPU-capable group (not recorded).
     clock_group = None if "gloo" in default_backend else dist.new_group(backend="gloo")
     with RECORDER.paused():
-        probe.clock_offset_ns, probe.clock_rtt_ns = measure_clock_offset(clock_group, rounds=config.clock_rounds)
+        clock_sample = measure_clock_sample(clock_group, rounds=config.clock_rounds)
+    probe.clock_offset_ns, probe.clock_rtt_ns = clock_sample.offset_ns, clock_sample.rtt_ns
 
     if probe.is_leader and manage_status and not (run_dir / MANIFEST_FILE).exists():
         store_manifest.create_manifest(
@@ -488,7 +492,17 @@ def attach(run_dir: str | os.PathLike, *, timeout_s: float = 600.0, backend: str
     if on_gpu:                           # steps and pipeline actions on CUDA events (collectors.training)
         training.use_device_clock(clock_for(torch.cuda.current_device()))
     probe._lifecycle("attach")
+    if world_size > 1:                   # the first sample of the clock model (the reader's clock_sync)
+        probe.writer.write("clock", clock_sample.row(restart=probe.restart, event="attach"))
     probe.writer.flush()
+    if config.clock_interval_s > 0 and clock_sample.num_other_clocks:
+        # Re-measured in a thread over a gloo group of its own (collective: every rank creates it, also on
+        # NCCL jobs; not when every rank reads rank 0's clock), with a short timeout: a dead peer ends the
+        # thread, never the job.
+        resync_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=RESYNC_TIMEOUT_S))
+        probe._clock = start_clock_resync(resync_group, interval_s=config.clock_interval_s,
+                                          rounds=config.clock_rounds, offset_ns=probe.clock_offset_ns,
+                                          restart=probe.restart, write=lambda row: probe.writer.write("clock", row))
 
     if config.collectives:
         RECORDER.start(probe.writer, timing=config.collective_timing, nccl_timing=config.nccl_timing,

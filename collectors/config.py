@@ -33,7 +33,12 @@ class CollectConfig:
     profile_record_shapes: bool = True
     """Record input shapes in the profiler window (HTA and Perfetto show them; costs a little more)."""
     clock_rounds: int = 8
-    """Ping-pong rounds with rank 0 when measuring the clock offset at attach; the min-RTT round is kept."""
+    """Ping-pong rounds with rank 0 when measuring the clock offset (at attach and each re-measurement); the
+    min-RTT round is kept."""
+    clock_interval_s: float = 60.0
+    """Seconds between re-measurements of the clock offset to rank 0 by a background thread over a gloo group of
+    its own (rows of the ``clock`` table; the reader interpolates them, following host clocks that drift or are
+    stepped by NTP); 0 measures at attach only. Ranks on rank 0's machine share its clock and are never measured."""
     flush_interval_s: float = 0.1
     """Seconds between flushes of buffered rows to ``events/`` by a background thread (also at close): the loss
     bound. A rank killed by SIGKILL loses at most the rows of its last ``flush_interval_s``; a collective it
@@ -65,6 +70,9 @@ class CollectConfig:
             object.__setattr__(self, "profile_steps", (int(window[0]), int(window[1])))
         if self.clock_rounds < 1:
             raise ConfigError(f"collect.clock_rounds = {self.clock_rounds}; it must be >= 1 (8 is a good value).")
+        if not self.clock_interval_s >= 0:
+            raise ConfigError(f"collect.clock_interval_s = {self.clock_interval_s}; it must be >= 0 seconds "
+                              f"(60 is a good value; 0 measures the clock offset at attach only).")
         if not self.flush_interval_s > 0:
             raise ConfigError(f"collect.flush_interval_s = {self.flush_interval_s}; it must be > 0 seconds.")
         if not self.enabled and (self.profile_steps is not None):

@@ -431,6 +431,61 @@ def _subset(folder: Path, files: list[Path], k: int, workdir: Path) -> Path:
     return sub
 
 
+# ---------------------------------------------------------------------------------------------- goals
+
+FLAT_TOLERANCE = 1.25
+"""Trace-set peak memory counts as flat when the whole set's is at most this many times the 16-file subset's."""
+
+
+def _seconds(phase: dict | None) -> float | None:
+    return phase.get("seconds") if phase and phase.get("ok") else None
+
+
+def _goal(goal: str, value: float | None, limit: float, *, at_least: bool = False, unit: str = "") -> dict:
+    met = None if value is None else (value >= limit if at_least else value <= limit)
+    shown = "did not finish" if value is None else f"{value:.2f}{unit}"
+    return {"goal": goal, "value": value, "shown": shown, "met": met}
+
+
+def goals(doc: dict) -> list[dict]:
+    """Issue 17's goals, judged on the largest run measured (they are stated for 1,024 ranks x 200 steps) and on
+    the trace set."""
+    out = []
+    runs = doc["runs"]
+    if runs:
+        big = runs[-1]
+        at = f"at {big['ranks']} ranks x {big['steps']} steps"
+        p = big["phases"]
+        analyze = p.get("analyze") or {}
+        out.append(_goal(f"analyze {at} <= 10 s", _seconds(analyze), 10.0, unit=" s"))
+        out.append(_goal(f"analyze peak memory {at} <= 4 GB",
+                         analyze["peak_bytes"] / 1e9 if analyze.get("ok") else None, 4.0, unit=" GB"))
+        if len(runs) > 1:
+            first = runs[0]
+            exp = growth([first["ranks"], big["ranks"]], [_seconds(first["phases"].get("analyze")),
+                                                          _seconds(analyze)])[0]
+            out.append(_goal(f"analyze growth exponent {first['ranks']} -> {big['ranks']} ranks <= 1.0", exp, 1.0))
+        out.append(_goal(f"Overview first computation (finished run) {at} <= 3 s", _seconds(p.get("overview")), 3.0,
+                         unit=" s"))
+        if p.get("browser"):
+            out.append(_goal(f"server start -> Overview drawn {at} <= 3 s", _seconds(p["browser"]), 3.0, unit=" s"))
+        out.append(_goal(f"live refresh {at} <= 200 ms", _seconds(p.get("live_refresh")), 0.2, unit=" s"))
+    tr = doc.get("traces")
+    if tr and tr.get("sizes"):
+        for size in tr["sizes"]:
+            out.append(_goal(f"trace set, {size['ranks']} files: dtprobe peak memory <= 0.5x the raw JSON",
+                             size["peak_over_raw"], 0.5, unit="x"))
+        first, last = tr["sizes"][0], tr["sizes"][-1]
+        if last is not first and first["dtprobe"]["ok"] and last["dtprobe"]["ok"]:
+            out.append(_goal(f"trace set: dtprobe peak flat from {first['ranks']} to {last['ranks']} files "
+                             f"(ratio <= {FLAT_TOLERANCE:g})",
+                             last["dtprobe"]["peak_bytes"] / first["dtprobe"]["peak_bytes"], FLAT_TOLERANCE, unit="x"))
+        if "hta" in last:
+            out.append(_goal(f"trace set, {last['ranks']} files: HTA time / dtprobe time >= 9",
+                             last.get("hta_over_dtprobe"), 9.0, at_least=True, unit="x"))
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- output
 
 def _fmt_s(v) -> str:
@@ -507,6 +562,20 @@ def print_tables(doc: dict) -> None:
                               f"{s['hta_over_dtprobe']:.1f}x")
 
 
+def print_goals(doc: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    if not doc["goals"]:
+        return
+    table = Table(title="issue 17 goals")
+    for col in ("goal", "measured", "met"):
+        table.add_column(col)
+    for g in doc["goals"]:
+        table.add_row(g["goal"], g["shown"], {True: "yes", False: "NO", None: "-"}[g["met"]])
+    Console(width=160).print(table)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  epilog="Docstring: the phases, the goals and how peak memory is measured.")
@@ -571,7 +640,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not cli.keep:   # a workdir given keeps only what was in it before
             shutil.rmtree(workdir if own_workdir else workdir / "cache", ignore_errors=True)
+    doc["goals"] = goals(doc)
     print_tables(doc)
+    print_goals(doc)
     if cli.json:
         cli.json.write_text(json.dumps(doc, indent=1))
         print(f"wrote {cli.json}", file=sys.stderr)

@@ -112,3 +112,34 @@ def test_scale_growth_exponent_is_the_log_ratio_of_times_over_sizes():
 
     assert scale.growth([64, 256, 1024], [1.0, 4.0, None]) == [pytest.approx(1.0), None]
     assert scale.growth([64, 256], [2.0, 4.0]) == [pytest.approx(0.5)]
+
+
+def test_scale_goals_judge_the_largest_run_and_the_whole_trace_set():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import scale
+
+    def run(ranks: int, analyze_s: float, peak: int) -> dict:
+        return {"ranks": ranks, "steps": 200, "phases": {
+            "analyze": {"ok": True, "seconds": analyze_s, "peak_bytes": peak},
+            "overview": {"ok": False, "why": "timeout 3600 s"},
+            "live_refresh": {"ok": True, "seconds": 0.15}}}
+
+    def traces(ranks: int, peak: int, raw: int) -> dict:
+        return {"ranks": ranks, "raw_bytes": raw, "peak_over_raw": peak / raw,
+                "dtprobe": {"ok": True, "seconds": 10.0, "peak_bytes": peak}}
+
+    doc = {"runs": [run(64, 1.0, 1 << 30), run(1024, 8.0, 5_000_000_000)],
+           "traces": {"sizes": [traces(16, 400 << 20, 800_000_000),
+                                {**traces(64, 480 << 20, 3_200_000_000), "hta": {}, "hta_over_dtprobe": 8.5}]}}
+    judged = {g["goal"]: (g["met"], g["value"]) for g in scale.goals(doc)}
+    assert judged == {
+        "analyze at 1024 ranks x 200 steps <= 10 s": (True, 8.0),
+        "analyze peak memory at 1024 ranks x 200 steps <= 4 GB": (False, 5.0),
+        "analyze growth exponent 64 -> 1024 ranks <= 1.0": (True, pytest.approx(0.75)),
+        "Overview first computation (finished run) at 1024 ranks x 200 steps <= 3 s": (None, None),
+        "live refresh at 1024 ranks x 200 steps <= 200 ms": (True, 0.15),
+        "trace set, 16 files: dtprobe peak memory <= 0.5x the raw JSON": (False, pytest.approx(0.524, abs=1e-3)),
+        "trace set, 64 files: dtprobe peak memory <= 0.5x the raw JSON": (True, pytest.approx(0.157, abs=1e-3)),
+        "trace set: dtprobe peak flat from 16 to 64 files (ratio <= 1.25)": (True, pytest.approx(1.2)),
+        "trace set, 64 files: HTA time / dtprobe time >= 9": (False, 8.5),
+    }

@@ -524,19 +524,27 @@ def _write_trace_file(rank: int) -> int:
             {"name": "thread_name", "ph": "M", "ts": 0, "pid": 0, "tid": COMM_STREAM,
              "args": {"name": f"stream {COMM_STREAM}"}}]
     opener = gzip_module.open(path, "wb", compresslevel=1) if spec.gzip else open(path, "wb")
+    raw = 0
     with opener as fh:
-        fh.write(head.encode() + b', "traceEvents": [')
-        fh.write(orjson.dumps(meta)[1:-1])
+        def write(data: bytes) -> None:
+            nonlocal raw
+            fh.write(data)
+            raw += len(data)
+
+        write(head.encode() + b', "traceEvents": [')
+        write(orjson.dumps(meta)[1:-1])
         for step, (launch, start, end) in enumerate(st["steps"]):
             events = _rank_step_events(st["ops"], rank, step, launch, start, end,
                                        corr0=1 + step * (len(st["ops"]) + 1), members=st["members"], tp=tp)
-            fh.write(b"," + orjson.dumps(events)[1:-1])
-        fh.write(b"]}")
-    return path.stat().st_size
+            write(b"," + orjson.dumps(events)[1:-1])
+        write(b"]}")
+    return raw
 
 
-def write_trace_set(out_dir: str | os.PathLike, spec: TraceSetSpec, *, workers: int = 2, progress=None) -> Path:
-    """Write ``spec.ranks`` Kineto trace files of about ``spec.mb_per_rank`` MB of JSON each into ``out_dir``."""
+def write_trace_set(out_dir: str | os.PathLike, spec: TraceSetSpec, *, workers: int = 2,
+                    progress=None) -> list[int]:
+    """Write ``spec.ranks`` Kineto trace files of about ``spec.mb_per_rank`` MB of JSON each into ``out_dir``;
+    the bytes of JSON of each file, by rank (before gzip)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tp, dp = trace_layout(spec.ranks)
@@ -558,20 +566,22 @@ def write_trace_set(out_dir: str | os.PathLike, spec: TraceSetSpec, *, workers: 
         steps.append((launch, start, end))
         t = float(max(end.max(), launch.max())) + 5000.0
     _TRACE_STATE.update(spec=spec, tp=tp, members=members, ops=ops, steps=steps, out=str(out))
+    raw = []
     try:
         if workers <= 1:
-            for i, rank in enumerate(range(spec.ranks)):
-                _write_trace_file(rank)
+            for rank in range(spec.ranks):
+                raw.append(_write_trace_file(rank))
                 if progress is not None:
-                    progress(i + 1, spec.ranks)
+                    progress(rank + 1, spec.ranks)
         else:
             with multiprocessing.get_context("fork").Pool(workers) as pool:
-                for i, _ in enumerate(pool.imap_unordered(_write_trace_file, range(spec.ranks))):
+                for size in pool.imap(_write_trace_file, range(spec.ranks)):
+                    raw.append(size)
                     if progress is not None:
-                        progress(i + 1, spec.ranks)
+                        progress(len(raw), spec.ranks)
     finally:
         _TRACE_STATE.clear()
-    return out
+    return raw
 
 
 def trace_files(trace_dir: str | os.PathLike) -> list[Path]:
@@ -612,9 +622,10 @@ def main(argv: list[str] | None = None) -> int:
               f"straggler rank {spec.straggler_rank}")
     else:
         spec = TraceSetSpec(ranks=args.ranks, mb_per_rank=args.mb_per_rank, steps=args.steps, gzip=args.gzip)
-        write_trace_set(args.dir, spec, workers=args.workers, progress=progress)
+        raw = write_trace_set(args.dir, spec, workers=args.workers, progress=progress)
         size = sum(p.stat().st_size for p in trace_files(args.dir))
-        print(f"\nwrote {spec.ranks} trace files, {size / 1e6:.0f} MB, in {time.perf_counter() - t:.1f} s")
+        print(f"\nwrote {spec.ranks} trace files, {sum(raw) / 1e6:.0f} MB of JSON ({size / 1e6:.0f} MB on disk), "
+              f"in {time.perf_counter() - t:.1f} s")
     return 0
 
 

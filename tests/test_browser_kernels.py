@@ -1,9 +1,9 @@
 """Kernels page and PNG export in a real browser (Playwright driving Debian's /usr/bin/chromium) against the server
 started with the exact command of `dtprobe dashboard`, on the foreign DLRM traces (8 ranks, V100, NCCL).
 
-``load_trace_dir`` parses the files in a forked process pool whose workers inherit Streamlit's SIGTERM handler
-(which only schedules a shutdown and returns): the pool must still end, or the page's script thread waits in
-``Pool.join`` for ever and the Kernels page never draws.
+``load_trace_dir`` reduces the files in a process pool from a script thread of a server whose SIGTERM handler
+(Streamlit's) only schedules a shutdown and returns: the pool must still end, or the page's script thread waits
+for its workers for ever and the Kernels page never draws.
 """
 
 from __future__ import annotations
@@ -46,18 +46,19 @@ def test_trace_pool_finishes_in_a_process_whose_sigterm_handler_returns(tmp_path
         import os, signal, threading
         from dtprobe.store.kineto import load_trace_dir
 
-        signal.signal(signal.SIGTERM, lambda *args: None)  # like Streamlit's: schedules a stop, returns
-        for attempt in range(5):
-            result = {{}}
-            thread = threading.Thread(target=lambda: result.update(run=load_trace_dir({str(DLRM)!r}, workers=2)),
-                                      daemon=True)
-            thread.start()
-            thread.join(30)
-            if thread.is_alive():  # exit now: a normal exit would wait for the stuck workers again
-                print(f"load_trace_dir hung on attempt {{attempt}}", flush=True)
-                os._exit(3)
-            assert sorted(result["run"].ranks) == list(range({DLRM_RANKS}))
-        print("finished")
+        if __name__ == "__main__":   # the pool's worker processes import this script as a module
+            signal.signal(signal.SIGTERM, lambda *args: None)  # like Streamlit's: schedules a stop, returns
+            for attempt in range(5):
+                result = {{}}
+                thread = threading.Thread(
+                    target=lambda: result.update(run=load_trace_dir({str(DLRM)!r}, workers=2)), daemon=True)
+                thread.start()
+                thread.join(30)
+                if thread.is_alive():  # exit now: a normal exit would wait for the stuck workers again
+                    print(f"load_trace_dir hung on attempt {{attempt}}", flush=True)
+                    os._exit(3)
+                assert sorted(result["run"].ranks) == list(range({DLRM_RANKS}))
+            print("finished")
     """))
     log = tmp_path / "pool_under_handler.log"
     with open(log, "w") as out:  # a file, not a pipe: stuck workers would hold a pipe open

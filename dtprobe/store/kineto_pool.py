@@ -111,8 +111,8 @@ def _result(get: Callable[[], RankTables], path: Path) -> RankTables:
         raise TraceError(str(exc)) from None
     except BrokenProcessPool:
         raise TraceError(
-            f"{path}: the worker process reducing this file died (killed, or out of memory). Each worker holds "
-            f"one file's reduction: retry with fewer --workers, or --workers 1.") from None
+            f"{path}: a worker process died while this file was being reduced (killed, or out of memory). Each "
+            f"worker holds one file's reduction: retry with fewer --workers, or --workers 1.") from None
     except Exception as exc:   # any other failure of the worker (a Dask worker lost, a bug): name the file
         raise TraceError(f"{path}: reducing the trace failed in a worker ({type(exc).__name__}: {exc}). Retry with "
                          f"--workers 1 to see it in this process, and report it with the file if it persists.") \

@@ -1,5 +1,7 @@
 """Each rank's clock offset estimated from the collectives themselves; read by ``device_arrivals`` and, through the
-facade, by ``dtprobe analyze`` (``metrics.clock_alignment``) on Kineto trace folders.
+facade, by ``dtprobe analyze`` (``metrics.clock_alignment``) on Kineto trace folders. Also, for dtprobe runs, how
+the host clock offsets the store applied were re-measured while the job ran (``clock_resync``,
+``metrics.run.clock_resync``).
 
 The kernels of one collective end together on every member (within the last hop of the algorithm), so the
 difference of two members' end times is the difference of their clocks. The reference is the lowest rank
@@ -113,3 +115,39 @@ def alignment_label(*, clock_aligned: bool, offsets: pd.DataFrame, coverage: pd.
     if reasons:
         return "not aligned: " + "; ".join(reasons)
     return "not aligned: no collective was matched on every member of its group"
+
+
+RESYNC_COLUMNS = ["rank", "num_samples", "first_offset_us", "last_offset_us", "max_drift_us", "failed"]
+
+
+def clock_resync(clock: pd.DataFrame) -> pd.DataFrame:
+    """Per rank whose host clock offset was re-measured while a dtprobe run ran (its ``clock`` table has a
+    ``remeasure`` or ``failed`` row): ``num_samples`` (offsets measured, the attach one included), the offset at
+    the first and the last, ``max_drift_us`` (the largest |offset - the first offset of the same restart|: how far
+    the clock moved from where attach put it), ``failed`` (its re-measuring thread stopped on an error). Ranks only
+    measured at attach are left out. Columns: RESYNC_COLUMNS, sorted by rank."""
+    require_columns(clock, ["rank", "restart", "time_ns", "offset_ns", "event"], table="clock")
+    if clock.empty:
+        return pd.DataFrame(columns=RESYNC_COLUMNS)
+    events = clock["event"].astype("string")
+    resynced = clock.loc[events.isin(["remeasure", "failed"]), "rank"].astype("int64").unique()
+    rows = clock.loc[clock["rank"].astype("int64").isin(resynced)].copy()
+    if rows.empty:
+        return pd.DataFrame(columns=RESYNC_COLUMNS)
+    rows["rank"] = rows["rank"].astype("int64")
+    rows["restart"] = rows["restart"].fillna(0).astype("int64")
+    failed = rows.loc[rows["event"].astype("string") == "failed"].groupby("rank").size()
+    samples = rows.dropna(subset=["offset_ns", "time_ns"]).sort_values(["rank", "restart", "time_ns"], kind="stable")
+    samples["offset_ns"] = samples["offset_ns"].astype("int64")
+    base = samples.groupby(["rank", "restart"])["offset_ns"].transform("first")
+    samples["drift_ns"] = (samples["offset_ns"] - base).abs()
+    g = samples.groupby("rank")
+    out = pd.DataFrame({
+        "num_samples": g.size(),
+        "first_offset_us": g["offset_ns"].first() / 1e3,
+        "last_offset_us": g["offset_ns"].last() / 1e3,
+        "max_drift_us": g["drift_ns"].max() / 1e3,
+    }).reindex(pd.Index(sorted(int(r) for r in resynced), name="rank"))
+    out["num_samples"] = out["num_samples"].fillna(0).astype("int64")
+    out["failed"] = out.index.isin(failed.index)
+    return out.reset_index()[RESYNC_COLUMNS]

@@ -283,6 +283,11 @@ class RunAnalysis:
                                        coverage=self.group_coverage() if not self.info.clock_aligned
                                        else pd.DataFrame())
 
+    def clock_resync(self) -> pd.DataFrame:
+        """Per rank of a dtprobe run whose host clock offset was re-measured while it ran: samples, first and last
+        offset, largest drift from the attach offset, whether re-measuring failed (``metrics.run.clock_resync``)."""
+        return self._memo("clock_resync", lambda: _clocks.clock_resync(self.table("clock")))
+
     def device_arrivals(self) -> pd.DataFrame:
         """Per (collective, member) on the aligned device clock: lateness, wait, transfer, started last."""
         return self._memo("dev_arrivals", lambda: _device_arrivals.member_arrivals(

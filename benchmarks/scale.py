@@ -9,9 +9,9 @@ memory is reported: ``ru_maxrss`` of that process and, when larger, the sampled 
 children):
 - write: the run's events (a fast path in the documented store format) while the run is ``running``;
 - open events: ``RunStore.open`` of the running run's JSONL events (every table);
-- live: the dashboard's Overview of the running run (``dtprobe.dashboard.data.load_overview``, the newest
-  ``DTPROBE_LIVE_WINDOW`` steps) computed the first time, then one more step appended to every rank's events and
-  the refresh timed (store tail + Overview again); each appended step starts about now, as a live run writes;
+- live: one step appended to every rank's events (starting about now, so the run looks alive), the dashboard's
+  Overview of the running run (``dtprobe.dashboard.data.load_overview``: its newest ``DTPROBE_LIVE_WINDOW``
+  steps) computed the first time, then one more step appended and the refresh timed (store tail + Overview);
 - compact: ``dtprobe.store.compact`` once the run is ``finished``; disk bytes per rank-step of the events and of
   ``tables/``;
 - open: ``RunStore.open`` of the compacted run;
@@ -208,8 +208,9 @@ def phase_browser(a: dict) -> dict:
         page = browser.new_page()
         time.sleep(1.0)   # a browser that is open already, as the user's is: not still starting
         t0 = time.perf_counter()
+        # in this process's group: a phase stopped for its time or memory takes the server with it
         proc = subprocess.Popen(streamlit_argv(host="127.0.0.1", port=port), env=env, cwd=APP.parent,
-                                stdout=subprocess.DEVNULL, stderr=errors, start_new_session=True)
+                                stdout=subprocess.DEVNULL, stderr=errors)
         try:
             while True:
                 try:
@@ -225,7 +226,7 @@ def phase_browser(a: dict) -> dict:
             page.wait_for_function(DRAWN_JS, polling="raf", timeout=a["timeout_s"] * 1000)
             seconds = time.perf_counter() - t0
         finally:
-            os.killpg(proc.pid, signal.SIGTERM)
+            proc.terminate()
             proc.wait(20)
             browser.close()
     return {"seconds": seconds}
@@ -273,30 +274,35 @@ def run_phase(phase: str, args: dict, *, label: str, timeout_s: float, mem_cap_b
                                 stdout=out, stderr=err, env=env, start_new_session=True)
         root = psutil.Process(proc.pid)
         tree_peak, why, status, usage, last_shown = 0, None, None, None, 0.0
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                break
-            try:
-                rss = sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
-                tree_peak = max(tree_peak, rss)
-            except psutil.Error:
-                rss = 0
-            elapsed = time.perf_counter() - t0
-            if why is None and elapsed > timeout_s:
-                why = f"timeout {timeout_s:.0f} s"
-            elif why is None and tree_peak > mem_cap_bytes:
-                why = f"memory above {mem_cap_bytes / 2**30:.0f} GB"
-            if why is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-            if sys.stderr.isatty() and elapsed - last_shown >= 2.0:
-                print(f"\r  {label}: {elapsed:.0f} s, {rss / 2**30:.2f} GB ", end="", file=sys.stderr, flush=True)
-                last_shown = elapsed
-            time.sleep(0.05)
+        try:
+            while True:
+                pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+                if pid:
+                    break
+                try:
+                    rss = sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+                    tree_peak = max(tree_peak, rss)
+                except psutil.Error:
+                    rss = 0
+                elapsed = time.perf_counter() - t0
+                if why is None and elapsed > timeout_s:
+                    why = f"timeout {timeout_s:g} s"
+                elif why is None and tree_peak > mem_cap_bytes:
+                    why = f"memory above {mem_cap_bytes / 2**30:g} GB"
+                if why is not None:
+                    _kill_group(proc.pid)
+                if sys.stderr.isatty() and elapsed - last_shown >= 2.0:
+                    print(f"\r  {label}: {elapsed:.0f} s, {rss / 2**30:.2f} GB ", end="", file=sys.stderr,
+                          flush=True)
+                    last_shown = elapsed
+                time.sleep(0.05)
+        except BaseException:   # Ctrl-C: the phase runs in its own session, so stop it here
+            _kill_group(proc.pid)
+            raise
         wall = time.perf_counter() - t0
         proc.returncode = os.waitstatus_to_exitcode(status)
-        print(f"\r  {label}: done in {wall:.1f} s{' ' * 20}", file=sys.stderr, flush=True)
+        print(f"\r  {label}: {'stopped, ' + why if why else 'done'} after {wall:.1f} s{' ' * 20}", file=sys.stderr,
+              flush=True)
         outcome = Outcome(ok=False, wall_s=wall, maxrss_bytes=usage.ru_maxrss * 1024, tree_peak_bytes=tree_peak)
         if why is not None:
             outcome.why = why
@@ -310,6 +316,12 @@ def run_phase(phase: str, args: dict, *, label: str, timeout_s: float, mem_cap_b
             return outcome
         outcome.ok, outcome.figures = True, json.loads(lines[-1])
         return outcome
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILL a phase's process group (the phase and every process it started)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
 
 
 def growth(sizes: list[int], values: list[float | None]) -> list[float | None]:
@@ -439,8 +451,14 @@ def _seconds(phase: dict | None) -> float | None:
     return phase.get("seconds") if phase and phase.get("ok") else None
 
 
-def _goal(goal: str, value: float | None, limit: float, *, at_least: bool = False, unit: str = "") -> dict:
-    met = None if value is None else (value >= limit if at_least else value <= limit)
+def _goal(goal: str, value: float | None, limit: float, *, at_least: bool = False, unit: str = "",
+          ran: bool = True) -> dict:
+    """A goal judged: met when ``value`` is within ``limit``; not met when it ran and gave no value (did not
+    finish); None when not measured (``ran`` False)."""
+    if value is None:
+        met = False if ran else None
+    else:
+        met = value >= limit if at_least else value <= limit
     shown = "did not finish" if value is None else f"{value:.2f}{unit}"
     return {"goal": goal, "value": value, "shown": shown, "met": met}
 
@@ -455,19 +473,22 @@ def goals(doc: dict) -> list[dict]:
         at = f"at {big['ranks']} ranks x {big['steps']} steps"
         p = big["phases"]
         analyze = p.get("analyze") or {}
-        out.append(_goal(f"analyze {at} <= 10 s", _seconds(analyze), 10.0, unit=" s"))
+        out.append(_goal(f"analyze {at} <= 10 s", _seconds(analyze), 10.0, unit=" s", ran=bool(analyze)))
         out.append(_goal(f"analyze peak memory {at} <= 4 GB",
-                         analyze["peak_bytes"] / 1e9 if analyze.get("ok") else None, 4.0, unit=" GB"))
+                         analyze["peak_bytes"] / 1e9 if analyze.get("ok") else None, 4.0, unit=" GB",
+                         ran=bool(analyze)))
         if len(runs) > 1:
             first = runs[0]
             exp = growth([first["ranks"], big["ranks"]], [_seconds(first["phases"].get("analyze")),
                                                           _seconds(analyze)])[0]
-            out.append(_goal(f"analyze growth exponent {first['ranks']} -> {big['ranks']} ranks <= 1.0", exp, 1.0))
+            out.append(_goal(f"analyze growth exponent {first['ranks']} -> {big['ranks']} ranks <= 1.0", exp, 1.0,
+                             ran=exp is not None))
         out.append(_goal(f"Overview first computation (finished run) {at} <= 3 s", _seconds(p.get("overview")), 3.0,
-                         unit=" s"))
+                         unit=" s", ran="overview" in p))
         if p.get("browser"):
             out.append(_goal(f"server start -> Overview drawn {at} <= 3 s", _seconds(p["browser"]), 3.0, unit=" s"))
-        out.append(_goal(f"live refresh {at} <= 200 ms", _seconds(p.get("live_refresh")), 0.2, unit=" s"))
+        out.append(_goal(f"live refresh {at} <= 200 ms", _seconds(p.get("live_refresh")), 0.2, unit=" s",
+                         ran="live_refresh" in p))
     tr = doc.get("traces")
     if tr and tr.get("sizes"):
         for size in tr["sizes"]:
@@ -480,7 +501,8 @@ def goals(doc: dict) -> list[dict]:
                              last["dtprobe"]["peak_bytes"] / first["dtprobe"]["peak_bytes"], FLAT_TOLERANCE, unit="x"))
         if "hta" in last:
             out.append(_goal(f"trace set, {last['ranks']} files: HTA time / dtprobe time >= 9",
-                             last.get("hta_over_dtprobe"), 9.0, at_least=True, unit="x"))
+                             last.get("hta_over_dtprobe"), 9.0, at_least=True, unit="x",
+                             ran=not last["dtprobe"]["ok"]))   # HTA not finishing leaves the ratio unknown
     return out
 
 

@@ -136,7 +136,8 @@ def test_scale_goals_judge_the_largest_run_and_the_whole_trace_set():
         "analyze at 1024 ranks x 200 steps <= 10 s": (True, 8.0),
         "analyze peak memory at 1024 ranks x 200 steps <= 4 GB": (False, 5.0),
         "analyze growth exponent 64 -> 1024 ranks <= 1.0": (True, pytest.approx(0.75)),
-        "Overview first computation (finished run) at 1024 ranks x 200 steps <= 3 s": (None, None),
+        # the Overview timed out: not met
+        "Overview first computation (finished run) at 1024 ranks x 200 steps <= 3 s": (False, None),
         "live refresh at 1024 ranks x 200 steps <= 200 ms": (True, 0.15),
         "trace set, 16 files: dtprobe peak memory <= 0.5x the raw JSON": (False, pytest.approx(0.524, abs=1e-3)),
         "trace set, 64 files: dtprobe peak memory <= 0.5x the raw JSON": (True, pytest.approx(0.157, abs=1e-3)),

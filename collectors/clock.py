@@ -193,6 +193,8 @@ class ClockResync:
                     due = self._start_ns + k * self._interval_ns - self._offset_ns   # on this rank's clock
                     if self._stop.wait(max(0.0, (due - time.time_ns()) / 1e9)):
                         return
+                    if not dist.is_initialized():   # the script destroyed its groups (ours too): a normal end
+                        return
                     if leader:
                         for client in self._clients:
                             _serve(_global(self._group, client), self._rounds, self._group)

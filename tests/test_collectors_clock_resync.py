@@ -35,6 +35,12 @@ if mode == "clean":
             t = torch.ones(4)
             dist.all_reduce(t)
             time.sleep(0.25)
+elif mode == "destroyed":
+    with probe.step(0):
+        dist.all_reduce(torch.ones(4))
+    dist.barrier()
+    dist.destroy_process_group()                  # before close, as many scripts do: the clock group goes too
+    time.sleep(1.0)
 elif mode == "dead":
     deadline = time.monotonic() + 30
     while probe._clock.alive and time.monotonic() < deadline:
@@ -93,6 +99,19 @@ def test_clock_interval_must_not_be_negative():
 
     with pytest.raises(ConfigError, match=r"collect.clock_interval_s = -1.*0 measures the clock offset at attach"):
         CollectConfig(clock_interval_s=-1)
+
+
+@pytest.mark.multiproc
+def test_clock_thread_ends_quietly_when_the_script_destroys_its_groups_before_close(tmp_path, start_python,
+                                                                                  child_env, free_port):
+    run = tmp_path / "run"
+    procs = start_ranks(start_python, child_env, free_port, run, "destroyed")
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-3000:] for o in outs]
+    assert all(json.loads(o[0].strip().splitlines()[-1])["alive_after_close"] is False for o in outs)
+    clock = RunStore.open(run).table("clock")
+    assert (clock["event"] != "failed").all(), clock.to_dict(orient="records")
+    assert clock["event"].tolist().count("attach") == 2
 
 
 @pytest.mark.multiproc

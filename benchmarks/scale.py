@@ -60,6 +60,29 @@ FLAT_RANKS = 16
 """The smaller trace subset peak memory is compared at."""
 
 
+def bind_checkout_packages() -> Path:
+    """Import ``dtprobe.dashboard`` and ``dtprobe.collectors`` from the checkout ``dtprobe`` itself comes from, and
+    return that checkout. They are top-level folders of a checkout that pyproject maps into ``dtprobe``; under
+    ``PYTHONPATH=<another checkout>`` plain imports would find ``dtprobe`` there but these two in the installed
+    dtprobe. A dtprobe installed from a wheel has them inside ``dtprobe/`` and is left as it is."""
+    import importlib.util
+
+    import dtprobe
+
+    root = Path(dtprobe.__file__).resolve().parent.parent
+    for name in ("dashboard", "collectors"):
+        folder, full = root / name, f"dtprobe.{name}"
+        if full in sys.modules or not (folder / "__init__.py").is_file():
+            continue
+        spec = importlib.util.spec_from_file_location(full, folder / "__init__.py",
+                                                      submodule_search_locations=[str(folder)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[full] = module
+        setattr(dtprobe, name, module)
+        spec.loader.exec_module(module)
+    return root
+
+
 # ---------------------------------------------------------------------------------------------- child phases
 # Each runs in a fresh interpreter (``scale.py --child PHASE ARGS_JSON``) and returns a dict of figures; its last
 # stdout line is that dict as JSON.
@@ -199,6 +222,12 @@ def phase_browser(a: dict) -> dict:
     from dtprobe.commands.dashboard import APP, streamlit_argv
     from dtprobe.dashboard.paths import ROOT_ENV
 
+    served = subprocess.run([sys.executable, "-c", "import dtprobe.dashboard as d; print(d.__file__)"],
+                            capture_output=True, text=True, timeout=60).stdout.strip()
+    if Path(served).resolve().parent != APP.parent.resolve():
+        raise SystemExit(f"not the checkout measured: the server would import {served}, not {APP.parent}; "
+                         f"pip install -e that checkout to draw its dashboard")
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -301,8 +330,8 @@ def run_phase(phase: str, args: dict, *, label: str, timeout_s: float, mem_cap_b
             raise
         wall = time.perf_counter() - t0
         proc.returncode = os.waitstatus_to_exitcode(status)
-        print(f"\r  {label}: {'stopped, ' + why if why else 'done'} after {wall:.1f} s{' ' * 20}", file=sys.stderr,
-              flush=True)
+        state = f"stopped, {why}" if why else "done" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
+        print(f"\r  {label}: {state} after {wall:.1f} s{' ' * 20}", file=sys.stderr, flush=True)
         outcome = Outcome(ok=False, wall_s=wall, maxrss_bytes=usage.ru_maxrss * 1024, tree_peak_bytes=tree_peak)
         if why is not None:
             outcome.why = why
@@ -312,7 +341,7 @@ def run_phase(phase: str, args: dict, *, label: str, timeout_s: float, mem_cap_b
         if proc.returncode != 0 or not lines:
             err.seek(0)
             tail = err.read().decode(errors="replace").strip().splitlines()[-3:]
-            outcome.why = f"exit code {proc.returncode}: " + " | ".join(tail)
+            outcome.why = " | ".join(tail[::-1]) + f" (exit code {proc.returncode})"   # the error's message first
             return outcome
         outcome.ok, outcome.figures = True, json.loads(lines[-1])
         return outcome
@@ -512,6 +541,12 @@ def _fmt_s(v) -> str:
     return "did not finish" if v is None else f"{v:.2f}"
 
 
+def _not_finished(phase: dict) -> str:
+    """A table cell for a phase that did not finish (the whole reason is in --json)."""
+    why = phase.get("why") or ""
+    return "did not finish" + (f": {why[:70]}{'...' if len(why) > 70 else ''}" if why else "")
+
+
 def print_tables(doc: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -537,7 +572,7 @@ def print_tables(doc: dict) -> None:
                 values.append(v)
                 peak = p.get("peak_bytes") if p else None
                 cells.append("-" if p is None else (f"{v:.2f}" + (f" ({peak / 2**30:.2f})" if peak else ""))
-                             if v is not None else f"did not finish{': ' + p['why'] if p.get('why') else ''}")
+                             if v is not None else _not_finished(p))
             exps = growth(sizes, values)
             table.add_row(label, *cells, *["-" if e is None else f"{e:.2f}" for e in exps])
         table.add_row("events bytes / rank-step",
@@ -560,14 +595,14 @@ def print_tables(doc: dict) -> None:
         for s in tr["sizes"]:
             d = s["dtprobe"]
             table.add_row("dtprobe analyze", str(s["ranks"]), f"{s['raw_bytes'] / 1e6:,.0f}",
-                          _fmt_s(d.get("seconds")) if d["ok"] else f"did not finish: {d['why']}",
+                          _fmt_s(d.get("seconds")) if d["ok"] else _not_finished(d),
                           f"{d['peak_bytes'] / 2**30:.2f}", "-" if s["peak_over_raw"] is None
                           else f"{s['peak_over_raw']:.2f}")
             h = s.get("hta")
             if not h:
                 continue
             secs = (f"{h['seconds']:.2f}" + (f" -> {h['scaled_seconds']:.1f} scaled to {s['ranks']} files"
-                                              if h["scaled"] else "")) if h["ok"] else f"did not finish: {h['why']}"
+                                              if h["scaled"] else "")) if h["ok"] else _not_finished(h)
             table.add_row("HTA 0.5.0", str(h["ranks_run"]), "", secs, f"{h['peak_bytes'] / 2**30:.2f}",
                           "-" if h["peak_over_raw"] is None else f"{h['peak_over_raw']:.2f}")
             if h["scaled"]:
@@ -621,6 +656,7 @@ def main(argv: list[str] | None = None) -> int:
     cli = ap.parse_args(argv)
     if cli.child:
         phase, args = cli.child
+        bind_checkout_packages()
         print(json.dumps(PHASES[phase](json.loads(args))))
         return 0
     for n in cli.ranks:

@@ -72,7 +72,7 @@ def test_straggler_run_finishes_and_prints_its_run_directory(straggler_run):
     proc, store = straggler_run
     assert proc.stdout.strip().splitlines()[-1] == str(store.path.resolve())
     assert store.manifest.status == "finished" and store.manifest.world_size == 4
-    assert (store.path / "tables" / "steps.parquet").exists()          # compacted by the launcher
+    assert (store.path / "tables" / "steps" / "step_block=0").is_dir()          # compacted by the launcher
     assert json.loads((store.path / "job.json").read_text())["train"]["steps"] == 30
 
 

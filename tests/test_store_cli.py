@@ -74,7 +74,7 @@ def test_compact_prints_rows_per_table_and_leaves_status_alone(tmp_path, capsys)
     rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in out.splitlines()
             if line.startswith("│")}
     assert rows == {"steps": "6", "collectives": "6", "groups": "2"}
-    assert (run / "tables" / "steps.parquet").is_file()
+    assert (run / "tables" / "steps" / "step_block=0" / "rank_block=0" / "part-0.parquet").is_file()
     assert RunStore.open(run).manifest.status == "running"
 
 

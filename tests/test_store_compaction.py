@@ -19,6 +19,8 @@ from dtprobe.store.writer import RankWriter
 
 T0 = 1_700_000_000_000_000_000
 OFFSETS = {0: 0, 1: 1_000_000, 2: -250_000}
+STEPS_FILE = "steps/step_block=0/rank_block=0/part-0.parquet"
+"""The one partition of ``make_run``'s steps table (4 steps, 3 ranks), under ``tables/``."""
 
 
 def make_run(run_dir: Path, *, steps: int = 4) -> Path:
@@ -50,12 +52,22 @@ def jsonl_frames(run: Path) -> dict[str, pd.DataFrame]:
     return {name: store.table(name) for name in SCHEMAS}
 
 
-def test_compact_writes_one_parquet_per_nonempty_table_with_rows_per_table(tmp_path):
+def test_compact_writes_partitions_of_step_tables_and_one_file_of_others_with_rows_per_table(tmp_path):
     run = make_run(tmp_path / "r")
     rows = compact(run)
     assert rows == {"steps": 12, "collectives": 24, "devices": 12, "faults": 1}
-    assert sorted(p.name for p in (run / "tables").iterdir()) == [
-        "_compacted.json", "collectives.parquet", "devices.parquet", "faults.parquet", "steps.parquet"]
+    tables = run / "tables"
+    assert sorted(p.relative_to(tables).as_posix() for p in tables.rglob("*") if p.is_file()) == [
+        "_compacted.json", "collectives/step_block=0/rank_block=0/part-0.parquet",
+        "devices/step_block=-1/rank_block=0/part-0.parquet", "faults.parquet", STEPS_FILE]  # devices: no step
+    marker = json.loads((tables / "_compacted.json").read_text())
+    assert marker["schema_version"] == 3
+    assert marker["tables"]["faults"] == {"rows": 1}
+    assert marker["tables"]["steps"] == {"rows": 12, "ordered": True, "files": [
+        {"path": STEPS_FILE, "rows": 12, "min_step": 0, "max_step": 3, "min_rank": 0, "max_rank": 2,
+         "step_block": 0}], "step_blocks": {"0": 4}}
+    assert marker["partitioning"] == {"tables": ["steps", "collectives", "devices"], "step_block_steps": 20,
+                                      "rank_block_ranks": 32, "row_group_rows": 8192}
     assert not [p for p in run.iterdir() if p.name.startswith(".tables")]  # temp dirs swapped away
     assert (run / "events").is_dir()  # events are kept
 
@@ -74,7 +86,7 @@ def test_compacted_read_equals_jsonl_read_for_every_table(tmp_path):
 def test_compacted_parquet_holds_clock_aligned_times(tmp_path):
     run = make_run(tmp_path / "r")
     compact(run)
-    steps = pq.read_table(run / "tables" / "steps.parquet").to_pandas()
+    steps = pq.read_table(run / "tables" / STEPS_FILE).to_pandas()
     r1 = steps[steps["rank"] == 1]
     assert r1["start_ns"].tolist() == [T0 + 1_000_000 + s * 10_000 for s in range(4)]
     marker = json.loads((run / "tables" / "_compacted.json").read_text())
@@ -123,15 +135,15 @@ def test_compacted_run_still_loads_after_events_are_deleted(tmp_path):
 
 
 @pytest.mark.parametrize("damage,match", [
-    ("drop_column", r"steps.parquet' lacks the columns \['loss'\] of the 'steps' table"),
+    ("drop_column", r"part-0.parquet' lacks the columns \['loss'\] of the 'steps' table"),
     ("no_marker", r"holds Parquet files but no _compacted.json"),
     ("truncated_events", r"rank00000.jsonl' is \d+ bytes, shorter than the \d+ bytes already read"),
-    ("garbage_parquet", r"steps.parquet' is not a readable Parquet file"),
+    ("garbage_parquet", r"steps/step_block=0/rank_block=0/part-0.parquet' is not a readable Parquet file"),
 ])
 def test_damaged_compaction_gives_trace_error_with_fix(tmp_path, damage, match):
     run = make_run(tmp_path / "r")
     compact(run)
-    parquet = run / "tables" / "steps.parquet"
+    parquet = run / "tables" / STEPS_FILE
     if damage == "drop_column":
         # a file without dtprobe's schema metadata (another tool, or a pre-metadata dtprobe) missing a column
         pq.write_table(pq.read_table(parquet).drop_columns(["loss"]).replace_schema_metadata(None), parquet)
@@ -149,7 +161,7 @@ def test_damaged_compaction_gives_trace_error_with_fix(tmp_path, damage, match):
 def test_column_added_to_the_schema_after_compaction_reads_as_null(tmp_path):
     run = make_run(tmp_path / "r")
     compact(run)
-    parquet = run / "tables" / "steps.parquet"
+    parquet = run / "tables" / STEPS_FILE
     table = pq.read_table(parquet)
     assert table.schema.metadata and b"dtprobe.schema_version" in table.schema.metadata
     assert table.column("tokens").null_count == 0

@@ -4,7 +4,9 @@ costs the window, not the run.
 ``RunAnalysis(StepWindow(store, 100))`` computes every metric and finding over the newest 100 steps of the
 per-step tables (``schema.STEP_TABLES``: the ones a tail-opened store reads from its newest steps); the event
 tables (faults, checkpoints) stay whole, so a crash, a hang report or a checkpoint stall earlier in the run is never
-dropped. Rows outside any step (``step`` null or -1, e.g. set-up collectives) are outside every window.
+dropped. Rows outside any step (``step`` null or -1, e.g. set-up collectives) are outside every window. The step
+range is pushed down to the store (``RunStore.table(name, steps=...)``): of a compacted run, only the partition
+files of the window's steps are read.
 """
 
 from __future__ import annotations
@@ -55,10 +57,11 @@ class StepWindow:
         return self.first_step == 0
 
     def table(self, name: str) -> pd.DataFrame:
-        """Rows of ``name`` in the window; tables outside ``STEP_TABLES`` (rare events) are read whole."""
+        """Rows of ``name`` in the window (steps from ``first_step`` on); tables outside ``STEP_TABLES`` (rare
+        events) are read whole."""
         if name not in STEP_TABLES:
             return self.store.table(name)
-        return self.store.table(name, min_step=self.first_step)
+        return self.store.table(name, steps=(self.first_step, None))
 
     def describe(self) -> str:
         """``steps 900-999 (the last 100)`` for captions."""

@@ -10,7 +10,7 @@ from pathlib import Path
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "compact", help="compact a run's events into Parquet tables",
-        description="Compact the per-rank events files of RUN into RUN/tables/<table>.parquet (all ranks, "
+        description="Compact the per-rank events files of RUN into Parquet under RUN/tables/ (all ranks, "
                     "clock-aligned) so it loads fast. `dtprobe run` compacts a run when it ends; "
                     "use this for a run that crashed or was killed. Safe to rerun; the run status is not changed. "
                     "A run that is not running also gets its summary stored (RUN/summary.json), which the "

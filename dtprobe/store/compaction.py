@@ -1,12 +1,15 @@
-"""Compaction of a run's events files into ``tables/<table>.parquet``; called by the runtime at the end of a run
+"""Compaction of a run's events files into Parquet under ``tables/``; called by the runtime at the end of a run
 and by ``dtprobe compact RUN`` for a run that crashed.
 
 Choice made here (the reader is consistent with it): the Parquet files hold **clock-aligned** times (rank 0's
-clock), all ranks of a table in one file, sorted like ``RunStore.table``. ``tables/_compacted.json``, written
-last, records the clock offsets used, the rows per table and how many bytes (and lines) of each events file went
-into the Parquet files, so lines appended later (e.g. after a restart) are tailed from there, and an offset that
-changes later shifts the compacted rows by the difference. The events files are never modified or deleted:
-compaction can be rerun at any time and rebuilds everything from the store's current content.
+clock), sorted like ``RunStore.table``. The per-step tables (``schema.STEP_TABLES``) are partitioned by step block
+and rank block (``store.partitions``), so a step window or a rank subset reads only its files; the others (rare
+events, groups, clock samples) are one file each, ``tables/<table>.parquet``. ``tables/_compacted.json``, written
+last, records the clock offsets used, every table's rows and files (with each partition's step and rank ranges),
+and how many bytes (and lines) of each events file went into the Parquet files, so lines appended later (e.g.
+after a restart) are tailed from there, and an offset that changes later shifts the compacted rows by the
+difference. The events files are never modified or deleted: compaction can be rerun at any time and rebuilds
+everything from the store's current content.
 
 The new ``tables/`` is built in a temporary directory and swapped in with renames, so a crash mid-compaction
 leaves either the old compaction or none (then the reader uses the events files).
@@ -22,12 +25,14 @@ from pathlib import Path
 import orjson
 import pyarrow.parquet as pq
 
+from dtprobe.store.partitions import steps_per_block, write_partitions
 from dtprobe.store.reader import COMPACTED_FORMAT, COMPACTED_MARKER, TABLES_DIR, RunStore
-from dtprobe.store.schema import COMPACT_FILE, SCHEMA_VERSION, SCHEMAS
+from dtprobe.store.schema import (COMPACT_FILE, RANK_BLOCK_RANKS, ROW_GROUP_ROWS, SCHEMA_VERSION, SCHEMAS,
+                                  STEP_BLOCK_STEPS, STEP_TABLES)
 
 
 def compact(run_dir: str | os.PathLike) -> dict[str, int]:
-    """Write ``tables/<table>.parquet`` for every table with rows; returns ``{table: rows}`` (non-empty only)."""
+    """Write the Parquet files of every table with rows; returns ``{table: rows}`` (non-empty only)."""
     run_dir = Path(run_dir)
     store = RunStore.open(run_dir)
     offsets = store.manifest.clock_offsets_ns
@@ -35,17 +40,23 @@ def compact(run_dir: str | os.PathLike) -> dict[str, int]:
     tmp = run_dir / f".{TABLES_DIR}.tmp-{stamp}"
     tmp.mkdir()
     rows: dict[str, int] = {}
+    entries: dict[str, dict] = {}
     try:
         for name in SCHEMAS:
             table = store.aligned_arrow(name)
             if not table.num_rows:
                 continue
-            table = table.replace_schema_metadata({
-                "dtprobe.schema_version": str(SCHEMA_VERSION), "dtprobe.table": name,
-                "dtprobe.clock_aligned": "true",
-            })
-            pq.write_table(table, tmp / Path(COMPACT_FILE.format(table=name)).name, compression="zstd")
+            metadata = {"dtprobe.schema_version": str(SCHEMA_VERSION), "dtprobe.table": name,
+                        "dtprobe.clock_aligned": "true"}
             rows[name] = table.num_rows
+            if name in STEP_TABLES:
+                files, ordered = write_partitions(table, tmp, name, metadata)
+                entries[name] = {"rows": table.num_rows, "ordered": ordered, "files": [f.to_json() for f in files],
+                                 "step_blocks": {str(b): n for b, n in steps_per_block(table).items()}}
+            else:
+                pq.write_table(table.replace_schema_metadata(metadata),
+                               tmp / Path(COMPACT_FILE.format(table=name)).name, compression="zstd")
+                entries[name] = {"rows": table.num_rows}
         marker = {
             "format": COMPACTED_FORMAT,
             "schema_version": SCHEMA_VERSION,
@@ -53,7 +64,10 @@ def compact(run_dir: str | os.PathLike) -> dict[str, int]:
             "clock_aligned": True,
             "clock_offsets_ns": {str(r): o for r, o in sorted(offsets.items())},
             "clock_samples": store.clock_model().marker(),
-            "tables": {name: {"rows": n} for name, n in rows.items()},
+            "partitioning": {"tables": [t for t in STEP_TABLES if t in entries],
+                             "step_block_steps": STEP_BLOCK_STEPS, "rank_block_ranks": RANK_BLOCK_RANKS,
+                             "row_group_rows": ROW_GROUP_ROWS},
+            "tables": entries,
             "events": {rel: [offset, lines] for rel, (offset, lines) in sorted(store.cursors().items())},
         }
         (tmp / Path(COMPACTED_MARKER).name).write_bytes(orjson.dumps(marker, option=orjson.OPT_INDENT_2))

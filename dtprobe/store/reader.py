@@ -1,10 +1,11 @@
 """``RunStore``: the incremental, clock-aligned reader of a run directory (a ``source.Source``); used by analysis,
 dashboard and CLI.
 
-Reading order for each table: the compacted ``tables/<table>.parquet`` if the run was compacted (its
-``tables/_compacted.json`` records how many bytes of every events file went into it), then every events line
-appended after that (``events/<table>/rankNNNNN.jsonl``, tailed by byte offset). ``refresh()`` parses only
-lines appended since the last call; a torn last line is left for later.
+Reading order for each table: the compacted Parquet files if the run was compacted (``tables/_compacted.json``
+lists them, with each partition's step and rank ranges, and records how many bytes of every events file went into
+them), then every events line appended after that (``events/<table>/rankNNNNN.jsonl``, tailed by byte offset).
+``refresh()`` parses only lines appended since the last call; a torn last line is left for later.
+``table(name, steps=..., ranks=...)`` reads only the partition files (and row groups) that can hold those rows.
 
 Clock alignment: rows are kept on their rank's clock; ``table()`` adds the rank's offset to the table's
 ``schema.TIME_COLUMNS``: interpolated between the rank's ``clock`` samples when it has some (re-measured while
@@ -28,7 +29,6 @@ import orjson
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from dtprobe.store.clock_sync import Basis, ClockModel
 from dtprobe.store.errors import TraceError
@@ -36,6 +36,7 @@ from dtprobe.store.frames import SORT_KEYS, arrow_schema, arrow_to_frame, empty_
 from dtprobe.store.groups import GROUPS_SINCE_VERSION, fill_members, missing_groups_error
 from dtprobe.store.jsonl import FileCursor, last_step_in_file, read_new_rows, read_new_rows_batched, tail_cursor
 from dtprobe.store.manifest import Manifest, check_schema_version, read_manifest
+from dtprobe.store.partitions import NO_STEP_BLOCK, PartFile, block_of, filter_rows, read_files, row_filter
 from dtprobe.store.schema import COMPACT_FILE, EVENTS_FILE, GROUPED_TABLES, SCHEMAS, STEP_TABLES
 from dtprobe.store.source import SourceInfo, run_info
 
@@ -58,6 +59,8 @@ class _Chunk:
     """Rows with every schema column."""
     basis: Basis | None
     """Clock offsets already added to the time columns (None: raw rank-clock values)."""
+    in_order: bool = False
+    """Rows already in the table's sort order (compacted files read in order)."""
 
 
 @dataclass
@@ -70,6 +73,15 @@ class _TableState:
     """``ClockModel.key`` of the model ``frame`` was aligned with."""
     heads: dict[str, FileCursor] = field(default_factory=dict)
     """Events files opened at their tail (``open(tail_steps=...)``): the part before the cursor, not read yet."""
+    unread: list[PartFile] = field(default_factory=list)
+    """Compacted files not read yet: a pushed-down ``table(name, steps=..., ranks=...)`` reads from them directly;
+    any other use of the table reads them all first."""
+    head_files: list[PartFile] = field(default_factory=list)
+    """Compacted files of steps before the tail (``open(tail_steps=...)``), read by ``load_head()``."""
+    ordered: bool = True
+    """The compacted files' rows merge back into sort order by rank (the marker's ``ordered``)."""
+    step_blocks: dict[int, int] = field(default_factory=dict)
+    """Distinct steps per step block of the compacted files (the marker's ``step_blocks``)."""
 
 
 class RunStore:
@@ -89,18 +101,23 @@ class RunStore:
              tail_steps: int | None = None) -> "RunStore":
         """Open a run; reads every table now (or only ``tables``; others load on first ``table()`` call).
 
-        ``tail_steps``: read only the end of the per-step tables (``STEP_TABLES``) of a run that is not compacted:
-        in each rank's events file, the lines after the last line of a step older than the newest
-        ``tail_steps`` steps (rows outside steps, ``step`` null or -1, are skipped there). Opening a live run for
-        a recent-steps view then costs the window, not the run's length; ``load_head()`` reads the rest later.
+        ``tail_steps``: read only the end of the per-step tables (``STEP_TABLES``): in each rank's events file,
+        the lines after the last line of a step older than the newest ``tail_steps`` steps (rows outside steps,
+        ``step`` null or -1, are skipped there); of a run compacted in partitions (version 3), only the partition
+        files holding those steps. Opening a run for a recent-steps view then costs the window, not the run's
+        length; ``load_head()`` reads the rest later.
         Raises TraceError for a directory that is not a dtprobe run, a newer schema, or damaged files.
         """
         path = Path(path)
         store = cls(path, read_manifest(path))
-        if tail_steps is not None and store._compacted is None:
+        if tail_steps is not None:
             if tail_steps < 1:
                 raise ValueError(f"tail_steps must be at least 1, got {tail_steps}")
-            last = _last_step_on_disk(path)
+            if store._compacted is None:
+                last = _last_step_on_disk(path)
+            else:  # a version-3 compaction's marker knows its steps; one file per table is read whole
+                compacted = store._compacted_last_step()
+                last = None if compacted is None else max(compacted, _last_step_on_disk(path) or compacted)
             if last is not None and last >= tail_steps:
                 store._tail_from_step = last - tail_steps + 1
         for name in SCHEMAS if tables is None else tables:
@@ -111,8 +128,8 @@ class RunStore:
     def is_partial(self) -> bool:
         """True while some per-step rows before the tail read by ``open(tail_steps=...)`` are not loaded."""
         with self._lock:
-            return any(state.heads for state in self._states.values()) or self._tail_from_step is not None \
-                and any(name not in self._states for name in STEP_TABLES)
+            return any(state.heads or state.head_files for state in self._states.values()) \
+                or self._tail_from_step is not None and any(name not in self._states for name in STEP_TABLES)
 
     @property
     def tail_from_step(self) -> int | None:
@@ -134,6 +151,9 @@ class RunStore:
                 added += self._append(state, self._with_members(name, chunks))
                 for rel, _ in heads:  # only once their rows are in: a read that raised leaves them to read again
                     del state.heads[rel]
+                if state.head_files:
+                    added += self._read_files(name, state, state.head_files)
+                    state.head_files = []
             self._tail_from_step = None
             return added
 
@@ -157,20 +177,31 @@ class RunStore:
         """True if ``tables/_compacted.json`` existed when the store was opened."""
         return self._compacted is not None
 
-    def table(self, name: str, *, min_step: int | None = None) -> pd.DataFrame:
+    def table(self, name: str, *, min_step: int | None = None, steps: tuple[int | None, int | None] | None = None,
+              ranks: Iterable[int] | None = None) -> pd.DataFrame:
         """All rows of table ``name`` so far: every schema column, schema dtypes, clock-aligned, sorted.
 
-        ``min_step``: only rows with ``step >= min_step`` (tables without a ``step`` column are whole); the rows
-        are filtered before alignment and conversion, so a window of a long run costs the window, not the run.
+        ``steps=(first, last)``: only rows with ``first <= step <= last`` (inclusive; None leaves that end open;
+        rows outside steps, ``step`` null, are left out); ``min_step=m`` is ``steps=(m, None)``. ``ranks``: only
+        those ranks' rows. Tables without a ``step`` column ignore ``steps``. The filters are pushed down: of a
+        compacted run only the partition files (and row groups) that can hold such rows are read, and not kept
+        (a table already read whole is filtered in memory); the events lines appended after compaction are
+        filtered the same way. A window of a long run costs the window, not the run.
         A table the run never wrote is an empty frame with the schema columns.
         """
+        _check_table_name(name)
+        if min_step is not None:
+            if steps is not None:
+                raise ValueError("give either min_step or steps, not both")
+            steps = (min_step, None)
+        if steps is not None and "step" not in SCHEMAS[name]:
+            steps = None
         with self._lock:
-            state = self._load(_check_table_name(name))
+            if steps is not None or ranks is not None:
+                rows = self._selected(name, steps, None if ranks is None else frozenset(int(r) for r in ranks))
+                return arrow_to_frame(rows, name) if rows.num_rows else empty_frame(name)
+            state = self._load(name)
             model = self.clock_model()
-            if min_step is not None and "step" in SCHEMAS[name]:
-                if not state.num_rows:
-                    return empty_frame(name)
-                return arrow_to_frame(self._aligned(name, state, model, min_step=min_step), name)
             if state.frame is None or state.frame_offsets != model.key:
                 state.frame = self._build_frame(name, state, model)
                 state.frame_offsets = model.key
@@ -179,8 +210,9 @@ class RunStore:
     def last_step(self, name: str = "steps") -> int | None:
         """Highest ``step`` recorded so far in table ``name`` (None when it has no rows with a step)."""
         with self._lock:
-            state = self._load(_check_table_name(name))
+            state = self._counted(_check_table_name(name))
             highs = [pc.max(c.rows.column("step")).as_py() for c in state.chunks if c.rows.num_rows]
+            highs += [f.max_step for f in state.unread + state.head_files]
             highs = [h for h in highs if h is not None]
             return max(highs) if highs else None
 
@@ -189,13 +221,18 @@ class RunStore:
         steps before the tail are counted as the lines of the longest skipped head (one line per step per rank;
         a step re-run after a restart counts twice there)."""
         with self._lock:
-            state = self._load(_check_table_name(name))
+            state = self._counted(_check_table_name(name))
             cols = [c.rows.column("step") for c in state.chunks if c.rows.num_rows]
             head = max((h.lines for h in state.heads.values()), default=0)
+            # compacted files not held: their step blocks' counts from the marker, and the held rows' steps
+            # outside those blocks (a block is never partly held: its files are read together)
+            blocks = {f.step_block for f in state.unread + state.head_files} - {None, NO_STEP_BLOCK}
+            head += sum(state.step_blocks.get(b, 0) for b in blocks)
             if not cols:
                 return head
-            return head + pc.count_distinct(
-                pa.chunked_array([a for c in cols for a in c.chunks], type=pa.int64())).as_py()
+            held = pc.unique(pa.chunked_array([a for c in cols for a in c.chunks], type=pa.int64()))
+            held = held.drop_null().to_numpy()
+            return head + int(np.count_nonzero(~np.isin(block_of(held), list(blocks))))
 
     def tables(self) -> list[str]:
         """Names of the tables that have at least one row (or, for tables not loaded yet, a data file)."""
@@ -204,7 +241,7 @@ class RunStore:
             for name in SCHEMAS:
                 state = self._states.get(name)
                 if state is not None:
-                    if state.num_rows:
+                    if state.num_rows or state.unread or state.head_files:
                         present.append(name)
                 elif name in self._compacted_tables() or any(
                         p.stat().st_size for p in _events_files(self._path, name).values()):
@@ -212,9 +249,11 @@ class RunStore:
             return present
 
     def num_rows(self) -> dict[str, int]:
-        """Rows so far of every loaded table (cheap: no frame is built); changes exactly when a table does."""
+        """Rows so far of every loaded table (cheap: no frame is built; compacted files not read yet count their
+        rows from the marker); changes exactly when a table does."""
         with self._lock:
-            return {name: state.num_rows for name, state in self._states.items()}
+            return {name: state.num_rows + sum(f.rows for f in state.unread + state.head_files)
+                    for name, state in self._states.items()}
 
     def refresh(self) -> dict[str, int]:
         """Re-read the manifest and rank infos and parse lines appended since the last read.
@@ -254,13 +293,30 @@ class RunStore:
     # ------------------------------------------------------------------------------------------------ internals
 
     def _load(self, name: str) -> _TableState:
+        """The table's state holding every row (but the head a tail-opened store skipped)."""
+        state = self._state(name)
+        if state.unread:
+            self._read_files(name, state, state.unread)
+            state.unread = []
+        return state
+
+    def _counted(self, name: str) -> _TableState:
+        """The table's state for counting steps: compacted files not held are counted from the marker, unless
+        some file has no step ranges (one file per table): then it is read."""
+        state = self._state(name)
+        if any(f.step_block is None for f in state.unread):
+            return self._load(name)
+        return state
+
+    def _state(self, name: str) -> _TableState:
+        """The table's state; a compacted table's files are listed (``unread``), not read yet."""
         state = self._states.get(name)
         if state is None:
             if name in GROUPED_TABLES:
                 self._load("groups")   # first, so that every refresh reads it before the rows naming its groups
             state = _TableState()
             if self._compacted is not None:
-                self._load_compacted(name, state)
+                self._list_compacted(name, state)
             self._tail(name, state)
             self._states[name] = state
         return state
@@ -268,24 +324,70 @@ class RunStore:
     def _compacted_tables(self) -> dict:
         return (self._compacted or {}).get("tables", {})
 
-    def _load_compacted(self, name: str, state: _TableState) -> None:
+    def _compacted_last_step(self) -> int | None:
+        """Newest step of the compacted ``steps`` table from the marker's file ranges (None without them)."""
+        entry = self._compacted_tables().get("steps")
+        if entry is None or "files" not in entry:
+            return None
+        highs = [f["max_step"] for f in entry["files"] if f.get("max_step") is not None]
+        return max(highs) if highs else None
+
+    def _list_compacted(self, name: str, state: _TableState) -> None:
         marker = self._compacted
         for rel, (offset, lines) in marker["events"].items():
             if Path(rel).parts[1:2] == (name,):
                 state.cursors[rel] = FileCursor(offset_bytes=int(offset), lines=int(lines))
-        if name not in marker["tables"]:
+        entry = marker["tables"].get(name)
+        if entry is None:
             return
-        path = self._path / COMPACT_FILE.format(table=name)
-        rows = read_compacted_table(path, name)
-        basis = Basis.from_marker(marker["clock_offsets_ns"], marker.get("clock_samples"))
+        if "files" in entry:
+            files = [PartFile.from_json(f) for f in entry["files"]]
+            state.ordered = bool(entry.get("ordered", False))
+            state.step_blocks = {int(b): int(n) for b, n in entry.get("step_blocks", {}).items()}
+            if self._tail_from_step is not None and name in STEP_TABLES:
+                tail = (self._tail_from_step, None)
+                state.head_files = [f for f in files if not f.may_hold(tail, None)]
+                files = [f for f in files if f.may_hold(tail, None)]
+        else:  # one file per table: versions 1 and 2, and the tables outside STEP_TABLES
+            files = [PartFile(path=Path(COMPACT_FILE.format(table=name)).name, rows=int(entry.get("rows", 0)))]
+        state.unread = files
+
+    def _read_files(self, name: str, state: _TableState, files: list[PartFile]) -> int:
+        """Read compacted ``files`` whole into the state's chunks, before the events rows (which came after them);
+        returns the rows added."""
+        rows = self._read_compacted(name, state, files, None)
+        state.chunks.insert(0, _Chunk(rows, self._compacted_basis(), in_order=state.ordered or len(files) == 1))
+        state.num_rows += rows.num_rows
+        state.frame = None
+        return rows.num_rows
+
+    def _read_compacted(self, name: str, state: _TableState, files: list[PartFile],
+                        expr: pc.Expression | None) -> pa.Table:
+        rows = read_files(self._path / TABLES_DIR, files, name, expr, ordered=state.ordered)
+        basis = self._compacted_basis()
         missing = sorted(set(pc.unique(rows.column("rank")).to_pylist()) - set(basis.constants)
                          - set(basis.samples) - {None})
         if missing:
-            raise TraceError(f"'{path}' has rows of ranks {missing}, but {COMPACTED_MARKER} records no clock "
-                             f"offset for them. Delete {self._path / TABLES_DIR} and run "
-                             f"`dtprobe compact {self._path}` again.")
-        state.chunks.append(_Chunk(rows, basis))
-        state.num_rows += rows.num_rows
+            raise TraceError(f"'{self._path / TABLES_DIR}' has '{name}' rows of ranks {missing}, but "
+                             f"{COMPACTED_MARKER} records no clock offset for them. Delete "
+                             f"{self._path / TABLES_DIR} and run `dtprobe compact {self._path}` again.")
+        return rows
+
+    def _compacted_basis(self) -> Basis:
+        return Basis.from_marker(self._compacted["clock_offsets_ns"], self._compacted.get("clock_samples"))
+
+    def _selected(self, name: str, steps: tuple[int | None, int | None] | None,
+                  ranks: frozenset[int] | None) -> pa.Table:
+        """Clock-aligned, sorted rows of ``name`` in ``steps`` and ``ranks``: the rows held, filtered, and the rows
+        of the compacted files not held that can match, read with the filter pushed down."""
+        state = self._state(name)
+        expr = row_filter(steps, ranks)
+        chunks = [_Chunk(filter_rows(c.rows, expr), c.basis, c.in_order) for c in state.chunks]
+        files = [f for f in state.unread + state.head_files if f.may_hold(steps, ranks)]
+        if files:  # compacted rows first, as in a state that holds them
+            chunks.insert(0, _Chunk(self._read_compacted(name, state, files, expr), self._compacted_basis(),
+                                    in_order=state.ordered or len(files) == 1))
+        return self._aligned_chunks(name, chunks, self.clock_model())
 
     def _tail(self, name: str, state: _TableState) -> int:
         known = self._manifest.clock_offsets_ns
@@ -387,18 +489,19 @@ class RunStore:
             return empty_frame(name)
         return arrow_to_frame(self._aligned(name, state, model), name)
 
-    def _aligned(self, name: str, state: _TableState, model: ClockModel, *,
-                 min_step: int | None = None) -> pa.Table:
+    def _aligned(self, name: str, state: _TableState, model: ClockModel) -> pa.Table:
         if not state.num_rows:
             return arrow_schema(name).empty_table()
-        chunks = state.chunks
-        if min_step is not None:
-            chunks = [_Chunk(c.rows.filter(pc.greater_equal(c.rows.column("step"), min_step)), c.basis)
-                      for c in chunks]
+        return self._aligned_chunks(name, state.chunks, model)
+
+    def _aligned_chunks(self, name: str, chunks: list[_Chunk], model: ClockModel) -> pa.Table:
+        chunks = [c for c in chunks if c.rows.num_rows]
+        if not chunks:
+            return arrow_schema(name).empty_table()
         aligned = pa.concat_tables([_align(c, name, model, self._path) for c in chunks])
         basis = chunks[0].basis
-        if len(chunks) == 1 and basis is not None and basis.matches(model):
-            return aligned  # exactly the compacted table, written in this order
+        if len(chunks) == 1 and chunks[0].in_order and basis is not None and basis.matches(model):
+            return aligned  # compacted rows, read back in their sort order
         return _sort(aligned, SORT_KEYS.get(name, ("rank",)))
 
 
@@ -406,34 +509,6 @@ def _rows_of(state: _TableState, name: str) -> pa.Table:
     """Every row of table ``name`` a state holds, as read (not clock-aligned: for tables without time columns)."""
     rows = [c.rows for c in state.chunks if c.rows.num_rows]
     return pa.concat_tables(rows) if rows else arrow_schema(name).empty_table()
-
-
-def read_compacted_table(path: Path, name: str) -> pa.Table:
-    """Read one compacted Parquet table with exactly the schema's columns and types (TraceError otherwise)."""
-    schema = arrow_schema(name)
-    try:
-        file_schema = pq.read_schema(path)
-    except (OSError, pa.ArrowException) as exc:
-        raise TraceError(f"'{path}' is not a readable Parquet file ({exc}). Delete {path.parent} and run "
-                         f"`dtprobe compact {path.parent.parent}` to rebuild it from the events files.") from None
-    missing = [c for c in schema.names if c not in file_schema.names]
-    meta = file_schema.metadata or {}
-    ours = b"dtprobe.schema_version" in meta
-    if ours:
-        check_schema_version(int(meta[b"dtprobe.schema_version"]), path)
-    if missing and not ours:
-        raise TraceError(f"'{path}' lacks the columns {missing} of the '{name}' table; it was written by an "
-                         f"older dtprobe or another tool. Delete {path.parent} and run "
-                         f"`dtprobe compact {path.parent.parent}` to rebuild it from the events files.")
-    try:
-        table = pq.read_table(path, columns=[c for c in schema.names if c not in missing])
-        # Columns added to the schema (same version) after this file was written are null here.
-        for column in missing:
-            table = table.append_column(column, pa.nulls(table.num_rows, type=schema.field(column).type))
-        return table.select(schema.names).cast(schema)
-    except (OSError, pa.ArrowException) as exc:
-        raise TraceError(f"'{path}' cannot be read as the '{name}' table ({exc}). Delete {path.parent} and run "
-                         f"`dtprobe compact {path.parent.parent}` to rebuild it.") from None
 
 
 def _align(chunk: _Chunk, name: str, model: ClockModel, run_dir: Path) -> pa.Table:
@@ -517,7 +592,7 @@ def _read_compacted_marker(run_dir: Path) -> dict | None:
     path = run_dir / COMPACTED_MARKER
     tables_dir = run_dir / TABLES_DIR
     if not path.is_file():
-        if tables_dir.is_dir() and any(tables_dir.glob("*.parquet")):
+        if tables_dir.is_dir() and (any(tables_dir.glob("*.parquet")) or any(tables_dir.glob("*/step_block=*"))):
             raise TraceError(f"'{tables_dir}' holds Parquet files but no {path.name}, so it is unknown which "
                              f"events they cover (an interrupted or foreign compaction). Delete {tables_dir} and "
                              f"run `dtprobe compact {run_dir}` to rebuild it from the events files.")

@@ -7,9 +7,11 @@ writing rank's clock, which the reader shifts onto rank 0's clock), ``_bytes``, 
 
 from __future__ import annotations
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Bumped whenever a column changes meaning or a table changes shape; readers refuse newer versions.
-2: ``collectives`` and ``pending`` events rows name their group by ``pg`` only; its members are in ``groups``."""
+2: ``collectives`` and ``pending`` events rows name their group by ``pg`` only; its members are in ``groups``.
+3: compaction writes the per-step tables partitioned by step block and rank block (``PARTITION_FILE``); the events
+layout is that of version 2. Compacted runs of versions 1 and 2 (one file per table) are still read."""
 OLDEST_SCHEMA_VERSION = 1
 """The oldest version this dtprobe reads: version-1 events rows carry ``pg_ranks``/``pg_size`` themselves."""
 
@@ -20,7 +22,17 @@ RANK_INFO_FILE = "ranks/rank{rank:05d}.json"
 EVENTS_FILE = "events/{table}/rank{rank:05d}.jsonl"
 """``<run>/events/<table>/rankNNNNN.jsonl``: append-only, one JSON object per line, one file per table and rank."""
 COMPACT_FILE = "tables/{table}.parquet"
-"""``<run>/tables/<table>.parquet``: all ranks of one table, clock-aligned, written by compaction."""
+"""``<run>/tables/<table>.parquet``: all ranks of one table, clock-aligned, written by compaction (the tables
+outside ``STEP_TABLES``; every table in compactions of versions 1 and 2)."""
+PARTITION_FILE = "tables/{table}/step_block={step_block}/rank_block={rank_block}/part-0.parquet"
+"""``<run>/tables/<table>/step_block=K/rank_block=R/part-0.parquet``: a per-step table's rows of steps
+``K*STEP_BLOCK_STEPS ..`` (block -1: rows outside steps) and ranks ``R*RANK_BLOCK_RANKS ..``, clock-aligned."""
+STEP_BLOCK_STEPS = 20
+"""Steps per step block of a compacted per-step table (a window of N steps reads at most N/20 + 1 blocks)."""
+RANK_BLOCK_RANKS = 32
+"""Ranks per rank block of a compacted per-step table (worlds up to 32 ranks have one rank block)."""
+ROW_GROUP_ROWS = 8192
+"""Rows per Parquet row group in partition files: a rank filter skips the row groups of other ranks."""
 TRACES_DIR = "traces"
 """``<run>/traces/<window>/rankNNNNN.pt.trace.json.gz``: Kineto traces of profiler windows."""
 CHECKPOINTS_DIR = "checkpoints"

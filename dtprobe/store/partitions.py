@@ -1,0 +1,222 @@
+"""The partitioned Parquet layout of a compacted run's per-step tables: written by ``store.compaction``, selected and
+read with filters pushed down by ``store.reader`` (a step window or a rank subset reads only its files).
+
+A per-step table (``schema.STEP_TABLES``) is split by step block (``step // STEP_BLOCK_STEPS``; rows outside steps,
+``step`` null or negative, in block -1) and rank block (``rank // RANK_BLOCK_RANKS``) into
+``tables/<table>/step_block=<K>/rank_block=<R>/part-0.parquet`` (Hive-style folders, so DuckDB, Polars or
+``pyarrow.dataset`` read the folder as one partitioned table). Each file keeps the rows in the table's sort order
+and is written in row groups of ``ROW_GROUP_ROWS`` rows, whose min/max statistics let a filter skip row groups
+inside a file. The compaction marker lists every file with its rows and its step and rank ranges (``PartFile``),
+so the reader picks files without opening any.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+
+from dtprobe.store.errors import TraceError
+from dtprobe.store.frames import arrow_schema
+from dtprobe.store.manifest import check_schema_version
+from dtprobe.store.schema import PARTITION_FILE, RANK_BLOCK_RANKS, ROW_GROUP_ROWS, STEP_BLOCK_STEPS
+
+PART_FILE = PARTITION_FILE.split("/", 1)[1]
+"""A partition's file, relative to ``<run>/tables/``."""
+NO_STEP_BLOCK = -1
+"""The step block of rows outside steps (``step`` null or negative)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PartFile:
+    """One compacted Parquet file of a table as the marker lists it."""
+
+    path: str
+    """Relative to ``<run>/tables/``."""
+    rows: int
+    """Rows in the file."""
+    min_step: int | None = None
+    """Lowest non-null ``step`` in the file (None: only null steps, or a single-file table of an older layout)."""
+    max_step: int | None = None
+    """Highest non-null ``step`` (None as ``min_step``)."""
+    min_rank: int | None = None
+    """Lowest rank in the file (None: unknown, the file may hold any rank)."""
+    max_rank: int | None = None
+    """Highest rank in the file."""
+    step_block: int | None = None
+    """The file's step block (None for a single-file table)."""
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "PartFile":
+        return cls(**{k: data.get(k) for k in cls.__dataclass_fields__})
+
+    def may_hold(self, steps: tuple[int | None, int | None] | None, ranks: frozenset[int] | None) -> bool:
+        """False only when no row of this file can be in ``steps`` (inclusive, None = open) and ``ranks``."""
+        if steps is not None and self.step_block is not None:
+            first, last = steps
+            if self.max_step is None:  # rows outside steps only: outside every step range
+                return False
+            if (first is not None and self.max_step < first) or (last is not None and self.min_step > last):
+                return False
+        if ranks is not None and self.min_rank is not None:
+            if not any(self.min_rank <= r <= self.max_rank for r in ranks):
+                return False
+        return True
+
+
+def write_partitions(rows: pa.Table, tables_dir: Path, name: str, metadata: dict[str, str]) -> tuple[list[PartFile],
+                                                                                                     bool]:
+    """Write the sorted table ``rows`` of ``name`` as partition files under ``tables_dir``.
+
+    Returns the files (in rank-block, step-block order) and whether each rank's rows lie in step-block order in
+    the sorted table (``ordered``): then the rows of any set of these files are put back in sort order by taking
+    each rank's stretch of every file in file order (``interleave``), no sort needed. False when e.g. a restart
+    re-ran older steps, or a rank wrote rows outside steps between steps: the reader sorts then."""
+    rows = rows.replace_schema_metadata(metadata)
+    step = rows.column("step").to_numpy(zero_copy_only=False)
+    step = np.where(np.isnan(step), -1, step).astype(np.int64) if step.dtype.kind == "f" else step.astype(np.int64)
+    step_block = block_of(step)
+    rank_block = rows.column("rank").to_numpy(zero_copy_only=False).astype(np.int64) // RANK_BLOCK_RANKS
+    rank = rows.column("rank").to_numpy(zero_copy_only=False).astype(np.int64)
+    by_rank = rank * (1 << 24) + (step_block - NO_STEP_BLOCK)
+    ordered = bool(np.all(by_rank[1:] >= by_rank[:-1]))
+    key = rank_block * (1 << 24) + (step_block - NO_STEP_BLOCK)
+    order = np.argsort(key, kind="stable")
+    keys_sorted = key[order]
+    starts = np.flatnonzero(np.r_[True, keys_sorted[1:] != keys_sorted[:-1]])
+    bounds = np.r_[starts, len(key)]
+    files = []
+    for begin, end in zip(bounds[:-1], bounds[1:]):
+        part = rows.take(pa.array(order[begin:end]))
+        sb = int(step_block[order[begin]])
+        rb = int(rank_block[order[begin]])
+        rel = PART_FILE.format(table=name, step_block=sb, rank_block=rb)
+        (tables_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(part, tables_dir / rel, compression="zstd", row_group_size=ROW_GROUP_ROWS)
+        steps = pc.min_max(part.column("step"))
+        ranks = pc.min_max(part.column("rank"))
+        files.append(PartFile(path=rel, rows=part.num_rows, min_step=steps["min"].as_py(),
+                              max_step=steps["max"].as_py(), min_rank=ranks["min"].as_py(),
+                              max_rank=ranks["max"].as_py(), step_block=sb))
+    return files, ordered
+
+
+def steps_per_block(rows: pa.Table) -> dict[int, int]:
+    """Distinct non-negative steps of ``rows`` per step block (over all ranks), for the marker."""
+    step = pc.unique(pc.drop_null(rows.column("step"))).to_numpy()
+    step = step[step >= 0]
+    blocks, counts = np.unique(step // STEP_BLOCK_STEPS, return_counts=True)
+    return {int(b): int(n) for b, n in zip(blocks, counts)}
+
+
+def block_of(step: np.ndarray) -> np.ndarray:
+    """The step block of each step (``NO_STEP_BLOCK`` for negative steps)."""
+    return np.where(step >= 0, step // STEP_BLOCK_STEPS, NO_STEP_BLOCK)
+
+
+def interleave(parts: list[pa.Table]) -> pa.Table:
+    """Rows of partition files read in file order (each sorted, rank first), merged into one rank-sorted table by
+    taking each rank's stretch of every part in part order: the table's sort order when its files are ``ordered``
+    (see ``write_partitions``)."""
+    parts = [p for p in parts if p.num_rows]
+    if len(parts) < 2:
+        return parts[0] if parts else None
+    segments, base = [], 0
+    for i, part in enumerate(parts):
+        rank = part.column("rank").to_numpy(zero_copy_only=False)
+        starts = np.flatnonzero(np.r_[True, rank[1:] != rank[:-1]])
+        ends = np.r_[starts[1:], len(rank)]
+        segments.extend((int(rank[s]), i, base + s, base + e) for s, e in zip(starts, ends))
+        base += part.num_rows
+    segments.sort(key=lambda seg: (seg[0], seg[1]))
+    order = np.concatenate([np.arange(s, e) for _, _, s, e in segments])
+    rows = pa.concat_tables(parts)
+    if np.all(order[1:] > order[:-1]):
+        return rows
+    return rows.take(pa.array(order))
+
+
+def row_filter(steps: tuple[int | None, int | None] | None, ranks: frozenset[int] | None) -> pc.Expression | None:
+    """The filter of rows with ``step`` in ``steps`` (inclusive; None = open end) and ``rank`` in ``ranks``."""
+    expr = None
+    if steps is not None:
+        first, last = steps
+        parts = [pc.field("step").is_valid()]
+        if first is not None:
+            parts.append(pc.field("step") >= first)
+        if last is not None:
+            parts.append(pc.field("step") <= last)
+        for p in parts:
+            expr = p if expr is None else expr & p
+    if ranks is not None:
+        cond = pc.field("rank").isin(pa.array(sorted(ranks), type=pa.int32()))
+        expr = cond if expr is None else expr & cond
+    return expr
+
+
+def filter_rows(rows: pa.Table, expr: pc.Expression | None) -> pa.Table:
+    """``rows`` (an in-memory table) filtered by ``expr`` (None keeps all)."""
+    return rows if expr is None or not rows.num_rows else rows.filter(expr)
+
+
+def read_files(tables_dir: Path, files: Iterable[PartFile], name: str, expr: pc.Expression | None, *,
+               ordered: bool) -> pa.Table:
+    """The rows of ``files`` that pass ``expr`` with exactly the schema's columns and types; row groups whose
+    statistics rule the filter out are not read. ``ordered`` (the marker's flag): merged back into sort order
+    (``interleave``), else concatenated in file order. TraceError names a damaged file and the fix."""
+    tables = [read_compacted_file(tables_dir / f.path, name, expr) for f in files]
+    if ordered:
+        merged = interleave(tables)
+        return merged if merged is not None else arrow_schema(name).empty_table()
+    tables = [t for t in tables if t.num_rows]
+    return pa.concat_tables(tables) if tables else arrow_schema(name).empty_table()
+
+
+def read_compacted_file(path: Path, name: str, expr: pc.Expression | None = None) -> pa.Table:
+    """Read one compacted Parquet file of table ``name`` (rows passing ``expr``) with exactly the schema's columns
+    and types (TraceError otherwise)."""
+    schema = arrow_schema(name)
+    tables_dir = _tables_dir_of(path)
+    rebuild = f"Delete {tables_dir} and run `dtprobe compact {tables_dir.parent}` to rebuild it from the events files."
+    try:
+        file_schema = pq.read_schema(path)
+    except (OSError, pa.ArrowException) as exc:
+        raise TraceError(f"'{path}' is not a readable Parquet file ({exc}). {rebuild}") from None
+    missing = [c for c in schema.names if c not in file_schema.names]
+    meta = file_schema.metadata or {}
+    ours = b"dtprobe.schema_version" in meta
+    if ours:
+        check_schema_version(int(meta[b"dtprobe.schema_version"]), path)
+    if missing and not ours:
+        raise TraceError(f"'{path}' lacks the columns {missing} of the '{name}' table; it was written by an "
+                         f"older dtprobe or another tool. {rebuild}")
+    try:
+        present = [c for c in schema.names if c not in missing]
+        fields = [file_schema.field(c) for c in present]
+        data = ds.dataset(path, format="parquet", schema=pa.schema(fields))
+        needed = expr is not None and any(c in missing for c in ("step", "rank"))
+        table = data.to_table(columns=present, filter=None if needed else expr)
+        # Columns added to the schema (same version) after this file was written are null here.
+        for column in missing:
+            table = table.append_column(column, pa.nulls(table.num_rows, type=schema.field(column).type))
+        table = table.select(schema.names).cast(schema)
+        return filter_rows(table, expr) if needed else table
+    except (OSError, pa.ArrowException) as exc:
+        raise TraceError(f"'{path}' cannot be read as the '{name}' table ({exc}). {rebuild}") from None
+
+
+def _tables_dir_of(path: Path) -> Path:
+    """The ``tables/`` folder holding ``path`` (a single-file table or a partition file)."""
+    for parent in path.parents:
+        if parent.name == "tables":
+            return parent
+    return path.parent

@@ -61,6 +61,7 @@ class CollectiveOp:
     num_bytes: int
     """Logical bytes (NCCL semantics)."""
     dtype: str
+    """Element type (``bfloat16``, ``float32``)."""
     gap_ms: float
     """Host compute between the previous collective's enqueue (or the end of data loading) and this one's."""
     xfer_ms: float
@@ -123,11 +124,10 @@ def default_straggler(world: int) -> int:
     return world // 2 + 3
 
 
-def group_members(world: int) -> dict[str, list[list[int]]]:
-    """``{"tp": [[0..7], [8..15], ...], "dp": [[0, 8, ...], [1, 9, ...], ...]}``: rank = node * 8 + local rank."""
-    dp = world // TP
-    return {"tp": [list(range(n * TP, (n + 1) * TP)) for n in range(dp)],
-            "dp": [list(range(t, world, TP)) for t in range(TP)]}
+def group_members(world: int, tp: int = TP) -> dict[str, list[list[int]]]:
+    """``{"tp": [[0..7], [8..15], ...], "dp": [[0, 8, ...], [1, 9, ...], ...]}``: rank = node * tp + local rank."""
+    return {"tp": [list(range(n * tp, (n + 1) * tp)) for n in range(world // tp)],
+            "dp": [list(range(t, world, tp)) for t in range(tp)]}
 
 
 # ---------------------------------------------------------------------------------------------- the timeline
@@ -158,7 +158,7 @@ def make_chunk(spec: ScaleRunSpec, *, first_step: int, num_steps: int, t0_ns: in
     data = DATA_MS + rng.uniform(0.0, 2.0, (num_steps, world))
     data[:, spec.straggler_rank] += spec.delay_ms
     # host times (ms from the step's start) of every enqueue: data loading, then each op's compute gap + jitter
-    host = gaps + rng.uniform(0.0, 0.1, (num_steps, world, num_ops)).astype(np.float64)
+    host = gaps + rng.uniform(0.0, 0.1, (num_steps, world, num_ops))
     enq = data[:, :, None] + np.cumsum(host, axis=2)
     done = np.empty_like(enq)
     prev = np.zeros((num_steps, world))
@@ -173,7 +173,10 @@ def make_chunk(spec: ScaleRunSpec, *, first_step: int, num_steps: int, t0_ns: in
     step_len = rank_end.max(axis=1) + 1.0                          # the next step starts after the slowest rank
     starts = t0_ns + np.concatenate([[0], np.cumsum(np.round(step_len * MS).astype(np.int64))])
     start = starts[:-1, None]
-    as_ns = lambda ms: np.round(ms * MS).astype(np.int64)  # noqa: E731
+
+    def as_ns(ms: np.ndarray) -> np.ndarray:
+        return np.round(ms * MS).astype(np.int64)
+
     return Chunk(first_step=first_step, enqueue_ns=start[:, :, None] + as_ns(enq),
                  end_ns=start[:, :, None] + as_ns(done), start_ns=np.broadcast_to(start, (num_steps, world)),
                  step_end_ns=start + as_ns(rank_end), data_ns=as_ns(data), fwd_ns=as_ns(fwd_end - data),
@@ -500,12 +503,6 @@ def _trace_header(rank: int, world: int, members: dict[str, list[list[int]]], tp
             "record_shapes": 1, "displayTimeUnit": "ms", "traceName": f"rank{rank:05d}.pt.trace.json"}
 
 
-def _trace_members(world: int, tp: int) -> dict[str, list[list[int]]]:
-    dp = world // tp
-    return {"tp": [list(range(n * tp, (n + 1) * tp)) for n in range(dp)],
-            "dp": [list(range(t, world, tp)) for t in range(tp)]}
-
-
 _TRACE_STATE: dict = {}
 """The simulated steps, shared with forked writer processes."""
 
@@ -548,7 +545,7 @@ def write_trace_set(out_dir: str | os.PathLike, spec: TraceSetSpec, *, workers: 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tp, dp = trace_layout(spec.ranks)
-    members = _trace_members(spec.ranks, tp)
+    members = group_members(spec.ranks, tp)
     one_layer = _trace_ops(1, dp)
     rng = np.random.default_rng(spec.seed)
     slow = np.ones(spec.ranks)

@@ -4,9 +4,9 @@ reader interpolates to follow drift)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
-import dataclasses
 import threading
 import time
 from dataclasses import dataclass
@@ -161,8 +161,6 @@ class ClockResync:
         self._write = write
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dtprobe-clock", daemon=True)
-        self.num_samples = 0
-        """Samples written so far (clients)."""
 
     @property
     def is_leader(self) -> bool:
@@ -180,6 +178,7 @@ class ClockResync:
 
     @property
     def alive(self) -> bool:
+        """True while the thread runs (also while stuck on a dead peer after ``stop``)."""
         return self._thread.is_alive()
 
     def _run(self) -> None:
@@ -204,7 +203,6 @@ class ClockResync:
                         if self._stop.is_set():
                             return
                         self._write(sample.row(restart=self._restart, event="remeasure"))
-                        self.num_samples += 1
         except Exception as exc:  # noqa: BLE001 - a background thread ends quietly; the row says why
             if not self._stop.is_set():
                 self._write({"restart": self._restart, "time_ns": time.time_ns(), "event": "failed",

@@ -38,9 +38,9 @@ def files_read(monkeypatch) -> list[str]:
     seen: list[str] = []
     original = partitions.read_compacted_file
 
-    def spy(path, name, expr=None):
-        seen.append(Path(path).relative_to(partitions._tables_dir_of(Path(path))).as_posix())
-        return original(path, name, expr)
+    def spy(tables_dir, rel, name, expr=None):
+        seen.append(rel)
+        return original(tables_dir, rel, name, expr)
 
     monkeypatch.setattr(partitions, "read_compacted_file", spy)
     return seen

@@ -23,7 +23,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from dtprobe.store.errors import TraceError
-from dtprobe.store.frames import arrow_schema
+from dtprobe.store.frames import SORT_KEYS, arrow_schema
 from dtprobe.store.manifest import check_schema_version
 from dtprobe.store.schema import PARTITION_FILE, RANK_BLOCK_RANKS, ROW_GROUP_ROWS, STEP_BLOCK_STEPS
 
@@ -73,8 +73,8 @@ class PartFile:
         return True
 
 
-def write_partitions(rows: pa.Table, tables_dir: Path, name: str, metadata: dict[str, str]) -> tuple[list[PartFile],
-                                                                                                     bool]:
+def write_partitions(rows: pa.Table, tables_dir: Path, name: str,
+                     metadata: dict[str, str]) -> tuple[list[PartFile], bool]:
     """Write the sorted table ``rows`` of ``name`` as partition files under ``tables_dir``.
 
     Returns the files (in rank-block, step-block order) and whether each rank's rows lie in step-block order in
@@ -85,10 +85,10 @@ def write_partitions(rows: pa.Table, tables_dir: Path, name: str, metadata: dict
     step = rows.column("step").to_numpy(zero_copy_only=False)
     step = np.where(np.isnan(step), -1, step).astype(np.int64) if step.dtype.kind == "f" else step.astype(np.int64)
     step_block = block_of(step)
-    rank_block = rows.column("rank").to_numpy(zero_copy_only=False).astype(np.int64) // RANK_BLOCK_RANKS
     rank = rows.column("rank").to_numpy(zero_copy_only=False).astype(np.int64)
+    rank_block = rank // RANK_BLOCK_RANKS
     by_rank = rank * (1 << 24) + (step_block - NO_STEP_BLOCK)
-    ordered = bool(np.all(by_rank[1:] >= by_rank[:-1]))
+    ordered = SORT_KEYS[name][0] == "rank" and bool(np.all(by_rank[1:] >= by_rank[:-1]))
     key = rank_block * (1 << 24) + (step_block - NO_STEP_BLOCK)
     order = np.argsort(key, kind="stable")
     keys_sorted = key[order]
@@ -123,10 +123,10 @@ def block_of(step: np.ndarray) -> np.ndarray:
     return np.where(step >= 0, step // STEP_BLOCK_STEPS, NO_STEP_BLOCK)
 
 
-def interleave(parts: list[pa.Table]) -> pa.Table:
+def interleave(parts: list[pa.Table]) -> pa.Table | None:
     """Rows of partition files read in file order (each sorted, rank first), merged into one rank-sorted table by
     taking each rank's stretch of every part in part order: the table's sort order when its files are ``ordered``
-    (see ``write_partitions``)."""
+    (see ``write_partitions``). None when no part has rows."""
     parts = [p for p in parts if p.num_rows]
     if len(parts) < 2:
         return parts[0] if parts else None
@@ -173,7 +173,7 @@ def read_files(tables_dir: Path, files: Iterable[PartFile], name: str, expr: pc.
     """The rows of ``files`` that pass ``expr`` with exactly the schema's columns and types; row groups whose
     statistics rule the filter out are not read. ``ordered`` (the marker's flag): merged back into sort order
     (``interleave``), else concatenated in file order. TraceError names a damaged file and the fix."""
-    tables = [read_compacted_file(tables_dir / f.path, name, expr) for f in files]
+    tables = [read_compacted_file(tables_dir, f.path, name, expr) for f in files]
     if ordered:
         merged = interleave(tables)
         return merged if merged is not None else arrow_schema(name).empty_table()
@@ -181,11 +181,11 @@ def read_files(tables_dir: Path, files: Iterable[PartFile], name: str, expr: pc.
     return pa.concat_tables(tables) if tables else arrow_schema(name).empty_table()
 
 
-def read_compacted_file(path: Path, name: str, expr: pc.Expression | None = None) -> pa.Table:
-    """Read one compacted Parquet file of table ``name`` (rows passing ``expr``) with exactly the schema's columns
-    and types (TraceError otherwise)."""
+def read_compacted_file(tables_dir: Path, rel: str, name: str, expr: pc.Expression | None = None) -> pa.Table:
+    """Read the compacted Parquet file ``tables_dir / rel`` of table ``name`` (rows passing ``expr``) with exactly
+    the schema's columns and types (TraceError otherwise)."""
     schema = arrow_schema(name)
-    tables_dir = _tables_dir_of(path)
+    path = tables_dir / rel
     rebuild = f"Delete {tables_dir} and run `dtprobe compact {tables_dir.parent}` to rebuild it from the events files."
     try:
         file_schema = pq.read_schema(path)
@@ -203,20 +203,12 @@ def read_compacted_file(path: Path, name: str, expr: pc.Expression | None = None
         present = [c for c in schema.names if c not in missing]
         fields = [file_schema.field(c) for c in present]
         data = ds.dataset(path, format="parquet", schema=pa.schema(fields))
-        needed = expr is not None and any(c in missing for c in ("step", "rank"))
-        table = data.to_table(columns=present, filter=None if needed else expr)
+        filter_after = expr is not None and any(c in missing for c in ("step", "rank"))
+        table = data.to_table(columns=present, filter=None if filter_after else expr)
         # Columns added to the schema (same version) after this file was written are null here.
         for column in missing:
             table = table.append_column(column, pa.nulls(table.num_rows, type=schema.field(column).type))
         table = table.select(schema.names).cast(schema)
-        return filter_rows(table, expr) if needed else table
+        return filter_rows(table, expr) if filter_after else table
     except (OSError, pa.ArrowException) as exc:
         raise TraceError(f"'{path}' cannot be read as the '{name}' table ({exc}). {rebuild}") from None
-
-
-def _tables_dir_of(path: Path) -> Path:
-    """The ``tables/`` folder holding ``path`` (a single-file table or a partition file)."""
-    for parent in path.parents:
-        if parent.name == "tables":
-            return parent
-    return path.parent

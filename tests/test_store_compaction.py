@@ -67,7 +67,7 @@ def test_compact_writes_partitions_of_step_tables_and_one_file_of_others_with_ro
         {"path": STEPS_FILE, "rows": 12, "min_step": 0, "max_step": 3, "min_rank": 0, "max_rank": 2,
          "step_block": 0}], "step_blocks": {"0": 4}}
     assert marker["partitioning"] == {"tables": ["steps", "collectives", "devices"], "step_block_steps": 20,
-                                      "rank_block_ranks": 32, "row_group_rows": 8192}
+                                      "rank_block_ranks": 32, "row_group_rows": 32768}
     assert not [p for p in run.iterdir() if p.name.startswith(".tables")]  # temp dirs swapped away
     assert (run / "events").is_dir()  # events are kept
 

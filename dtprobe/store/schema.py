@@ -31,7 +31,7 @@ STEP_BLOCK_STEPS = 20
 """Steps per step block of a compacted per-step table (a window of N steps reads at most N/20 + 1 blocks)."""
 RANK_BLOCK_RANKS = 32
 """Ranks per rank block of a compacted per-step table (worlds up to 32 ranks have one rank block)."""
-ROW_GROUP_ROWS = 8192
+ROW_GROUP_ROWS = 32768
 """Rows per Parquet row group in partition files: a rank filter skips the row groups of other ranks."""
 TRACES_DIR = "traces"
 """``<run>/traces/<window>/rankNNNNN.pt.trace.json.gz``: Kineto traces of profiler windows."""

@@ -316,23 +316,25 @@ def _columns(meta: RankMeta, cols: _Columns) -> RankParse:
     start_ns = cols.column(cols.gpu, "ts", np.int64) + base
     dur_ns = cols.column(cols.gpu, "dur", np.int64)
     corr_arr = cols.column(cols.gpu, "corr", np.int64)
+    has_launch = np.zeros(n, dtype=bool)
+    launch_ns = np.full(n, -1, dtype=np.int64)
+    launch_tid: list[Any] = [None] * n
     l_corr, l_ts, l_tid = _first_launches(cols)
-    at = np.minimum(np.searchsorted(l_corr, corr_arr), max(len(l_corr) - 1, 0))
-    has_launch = (corr_arr >= 0) & (l_corr[at] == corr_arr) if len(l_corr) else np.zeros(n, dtype=bool)
-    launch_ns = np.where(has_launch, l_ts[at] + base if len(l_corr) else 0, -1).astype(np.int64)
-    tid_values = list(cols.tids)
-    launch_tid: list[Any] = [tid_values[t] if hit else None
-                             for t, hit in zip((l_tid[at] if len(l_corr) else np.zeros(n, np.int64)).tolist(),
-                                               has_launch.tolist())]
+    if len(l_corr) and n:
+        at = np.minimum(np.searchsorted(l_corr, corr_arr), len(l_corr) - 1)
+        has_launch = (corr_arr >= 0) & (l_corr[at] == corr_arr)
+        launch_ns[has_launch] = l_ts[at][has_launch] + base
+        tid_values = list(cols.tids)
+        launch_tid = [tid_values[t] if hit else None for t, hit in zip(l_tid[at].tolist(), has_launch.tolist())]
 
     steps = _merge_steps(cols.step_events, base)
     step = _assign_steps(launch_ns, has_launch, cols.step_events, base)
 
     return RankParse(
         meta=meta,
-        kernels={"name_code": cols.column(cols.gpu, "code", np.int32), "stream": cols.column(cols.gpu, "stream", np.int64),
-                 "start_ns": start_ns, "dur_ns": dur_ns, "correlation": corr_arr, "launch_ns": launch_ns,
-                 "step": step},
+        kernels={"name_code": cols.column(cols.gpu, "code", np.int32),
+                 "stream": cols.column(cols.gpu, "stream", np.int64), "start_ns": start_ns, "dur_ns": dur_ns,
+                 "correlation": corr_arr, "launch_ns": launch_ns, "step": step},
         names=cols.names, name_kinds=cols.name_kinds, launch_tid=launch_tid, steps=steps,
         comm_args=cols.comm_args, annotations=_to_ns_rows(cols.annotations, base),
         c10d_ops=_to_ns_rows(cols.c10d_ops, base))

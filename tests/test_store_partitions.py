@@ -197,7 +197,8 @@ def test_lines_appended_after_a_partitioned_compaction_are_filtered_with_the_win
 
 @pytest.fixture(scope="module")
 def samples_v3(tmp_path_factory) -> Path:
-    """A copy of ``sample_traces/`` with every run compacted again: version 3, partitioned."""
+    """A copy of ``sample_traces/`` (compacted by version 1, events dropped) with every run compacted again from
+    its Parquet tables: version 3, partitioned."""
     root = tmp_path_factory.mktemp("samples") / "sample_traces"
     shutil.copytree(SAMPLES, root)
     for name in SCENARIOS:
@@ -222,3 +223,29 @@ def test_sample_scenario_compacted_in_partitions_reads_the_same_tables_and_findi
             [finding] = [f for f in analysis.findings() if f.code == code]
             evidence = finding.to_json()["evidence"]
             assert {k: evidence.get(k) for k in expected} == expected
+
+
+ONE_FILE_RUNS = {
+    "dp2_straggler_busy_host": Path(__file__).resolve().parent / "data" / "dp2_straggler_busy_host",
+    "dp4_straggler_rank2": SAMPLES / "dp4_straggler_rank2",
+}
+"""Checked-in runs compacted one file per table (version 1; version 2 wrote the same layout)."""
+
+
+@pytest.mark.parametrize("name", sorted(ONE_FILE_RUNS))
+def test_one_file_compactions_of_older_versions_answer_pushed_down_reads(name, files_read):
+    run = ONE_FILE_RUNS[name]
+    marker = json.loads((run / "tables" / "_compacted.json").read_text())
+    assert marker["schema_version"] == 1 and "files" not in marker["tables"]["steps"]
+    whole = RunStore.open(run)
+    lazy = RunStore.open(run, tables=(), tail_steps=3)   # one file per table: read whole, nothing skipped
+    assert not lazy.is_partial and lazy.tail_from_step is None
+    for name in ("steps", "collectives"):
+        frame = whole.table(name)
+        last = int(frame["step"].max())
+        want = window_of(frame, last - 2)
+        want = want[want["rank"].isin([1])].reset_index(drop=True)
+        assert len(want) > 0
+        pd.testing.assert_frame_equal(lazy.table(name, steps=(last - 2, None), ranks=[1]), want, check_exact=True)
+    assert "steps.parquet" in files_read
+    assert (lazy.last_step(), lazy.num_steps()) == (whole.last_step(), whole.num_steps())

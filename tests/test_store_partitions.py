@@ -14,7 +14,7 @@ from test_sample_trace_findings import BASELINES, FIGURES, GOLDEN, SAMPLES, SCEN
 
 from dtprobe.analysis import RunAnalysis
 from dtprobe.analysis.window import StepWindow
-from dtprobe.store import RunStore, compact, partitions
+from dtprobe.store import RunStore, TraceError, compact, partitions
 from dtprobe.store.manifest import create_manifest, write_rank_info
 from dtprobe.store.schema import SCHEMAS, STEP_TABLES
 from dtprobe.store.writer import RankWriter
@@ -89,7 +89,7 @@ def test_step_window_reads_nothing_of_the_other_partitions_when_they_are_gone(dp
     for name in ("steps", "collectives", "devices"):
         pd.testing.assert_frame_equal(analysis.source.table(name), window_of(before[name], 180), check_exact=True)
     assert analysis.key_figures().num_steps == 20
-    with pytest.raises(Exception, match="part-0.parquet' is not a readable Parquet file"):
+    with pytest.raises(TraceError, match="part-0.parquet' is not a readable Parquet file"):
         RunStore.open(run).table("steps")
 
 
@@ -249,3 +249,12 @@ def test_one_file_compactions_of_older_versions_answer_pushed_down_reads(name, f
         pd.testing.assert_frame_equal(lazy.table(name, steps=(last - 2, None), ranks=[1]), want, check_exact=True)
     assert "steps.parquet" in files_read
     assert (lazy.last_step(), lazy.num_steps()) == (whole.last_step(), whole.num_steps())
+
+
+def test_a_store_opened_before_a_new_compaction_names_the_fix_when_it_reads_a_partition_it_listed(dp200):
+    run, _ = dp200
+    store = RunStore.open(run, tables=())
+    shutil.rmtree(run / "tables" / "collectives")
+    with pytest.raises(TraceError, match=r"collectives/step_block=9/rank_block=0/part-0.parquet', listed in .*"
+                                         r"_compacted.json, is missing: the run was compacted again"):
+        store.table("collectives", steps=(190, None))

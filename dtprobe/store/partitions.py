@@ -192,6 +192,9 @@ def read_compacted_file(tables_dir: Path, rel: str, name: str, expr: pc.Expressi
     schema = arrow_schema(name)
     path = tables_dir / rel
     rebuild = f"Delete {tables_dir} and run `dtprobe compact {tables_dir.parent}` to rebuild it from the events files."
+    if not path.is_file():
+        raise TraceError(f"'{path}', listed in {tables_dir / '_compacted.json'}, is missing: the run was compacted "
+                         f"again since it was opened (open it again), or the file was deleted. {rebuild}")
     try:
         file_schema = pq.read_schema(path)
     except (OSError, pa.ArrowException) as exc:

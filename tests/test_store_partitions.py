@@ -258,3 +258,21 @@ def test_a_store_opened_before_a_new_compaction_names_the_fix_when_it_reads_a_pa
     with pytest.raises(TraceError, match=r"collectives/step_block=9/rank_block=0/part-0.parquet', listed in .*"
                                          r"_compacted.json, is missing: the run was compacted again"):
         store.table("collectives", steps=(190, None))
+
+
+def test_a_version_2_compaction_one_file_per_table_reads_equal_to_the_jsonl_read(tmp_path, monkeypatch):
+    from dtprobe.store import compaction
+
+    run = write_wide_run(tmp_path / "wide")
+    before = {name: RunStore.open(run).table(name) for name in SCHEMAS}
+    monkeypatch.setattr(compaction, "SCHEMA_VERSION", 2)       # what dtprobe wrote before version 3
+    monkeypatch.setattr(compaction, "STEP_TABLES", ())
+    compact(run)
+    marker = json.loads((run / "tables" / "_compacted.json").read_text())
+    assert marker["schema_version"] == 2 and marker["tables"]["collectives"] == {"rows": 40 * 46 + 15}
+    assert (run / "tables" / "collectives.parquet").is_file() and not (run / "tables" / "collectives").exists()
+    store = RunStore.open(run)
+    for name in SCHEMAS:
+        pd.testing.assert_frame_equal(store.table(name), before[name], check_exact=True, obj=name)
+    pd.testing.assert_frame_equal(RunStore.open(run, tables=()).table("collectives", steps=(40, None)),
+                                  window_of(before["collectives"], 40), check_exact=True)

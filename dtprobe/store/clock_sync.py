@@ -132,7 +132,7 @@ class Basis:
             if now is None or len(now.times_ns) < num or (
                     int(now.times_ns[num - 1]), int(now.offsets_ns[num - 1])) != (last_t, last_o):
                 raise TraceError(
-                    f"'{source}' was aligned with {num} clock samples of rank {rank} that the run's 'clock' "
+                    f"{source} was aligned with {num} clock samples of rank {rank} that the run's 'clock' "
                     f"table no longer starts with (events files replaced or edited after compaction). Delete "
                     f"the run's tables/ folder and run `dtprobe compact` on the run again.")
             raw = aligned_ns - last_o

@@ -542,7 +542,7 @@ def _align(chunk: _Chunk, name: str, model: ClockModel, run_dir: Path) -> pa.Tab
     order = np.argsort(ranks, kind="stable")
     bounds = np.searchsorted(ranks[order], present)
     slices = [(int(r), order[b:e]) for r, b, e in zip(present, bounds, list(bounds[1:]) + [len(order)])]
-    source = str(run_dir / TABLES_DIR / f"{name}.parquet")
+    source = f"the compacted '{name}' table in {run_dir / TABLES_DIR}"
     for col in cols:
         values = rows.column(col)
         times = pc.fill_null(values, 0).to_numpy(zero_copy_only=False).astype(np.int64)

@@ -30,6 +30,7 @@ from dtprobe.analysis import comm_efficiency as _comm
 from dtprobe.analysis import compression as _compression
 from dtprobe.analysis import crashes as _crashes
 from dtprobe.analysis import device_arrivals as _device_arrivals
+from dtprobe.analysis import derived_tables as _derived
 from dtprobe.analysis import devices as _devices
 from dtprobe.analysis import exposed_comm as _exposed
 from dtprobe.analysis import failures as _failures
@@ -200,9 +201,16 @@ class RunAnalysis:
             _stragglers.late_rank_per_step(self.collective_skew(), self.table("steps")), self.steps_analyzed()))
 
     def rank_lateness(self) -> pd.DataFrame:
-        """Per (group, analysed step, rank): arrival minus the median arrival of its peers, share of the step."""
-        return self._memo("lateness", lambda: _tables.only_steps(
-            _stragglers.rank_lateness(self.arrival_collectives(), self.table("steps")), self.steps_analyzed()))
+        """Per (group, analysed step, rank): arrival minus the median arrival of its peers, share of the step (kept
+        at compaction: ``derived_tables``)."""
+        return self._memo("lateness", lambda: _tables.only_steps(self._derived(_derived.LATENESS, lambda: (
+            _stragglers.rank_lateness(self.arrival_collectives(), self.table("steps")))), self.steps_analyzed()))
+
+    def _derived(self, name: str, compute: Callable[[], pd.DataFrame]) -> pd.DataFrame:
+        # a compacted run's per-step frame kept at compaction when it is still the whole run's, else computed
+        kept = getattr(self.source, "derived_table", None)
+        kept = kept(name, _derived.KEY) if kept is not None else None
+        return _derived.whole_run_frame(name, kept) if kept is not None else compute()
 
     def straggler_scores(self) -> pd.DataFrame:
         """Per (group, rank): worst-window median lateness, share of steps late, mean wait imposed on peers."""
@@ -326,8 +334,8 @@ class RunAnalysis:
         """Per (rank, step): communication time, exposed tail, straggler wait, exposed share, overlap (from the
         collectives on their arrival clock; empty without aligned clocks, e.g. a trace folder: use the kernel-level
         overlap)."""
-        return self._memo("exposure", lambda: _exposed.comm_exposure(
-            self.arrival_collectives(), self.table("steps"), self.collective_skew()) if self.info.clock_aligned
+        return self._memo("exposure", lambda: self._derived(_derived.EXPOSURE, lambda: _exposed.comm_exposure(
+            self.arrival_collectives(), self.table("steps"), self.collective_skew())) if self.info.clock_aligned
             else pd.DataFrame({c: [] for c in _exposed.EXPOSURE_COLUMNS}))
 
     def exposure_by_rank(self) -> pd.DataFrame:

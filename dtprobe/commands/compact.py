@@ -23,11 +23,12 @@ def main(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from dtprobe.analysis.derived_tables import deriver
     from dtprobe.store import compact
 
     console = Console()
     with console.status(f"Compacting {args.run} ..."):
-        rows = compact(args.run)
+        rows = compact(args.run, derive=deriver())
     if not rows:
         console.print(f"{args.run}: no events recorded yet; wrote an empty compaction marker.")
         return 0

@@ -25,14 +25,19 @@ from pathlib import Path
 import orjson
 import pyarrow.parquet as pq
 
+from dtprobe.store.derived import Deriver, write_derived
 from dtprobe.store.partitions import steps_per_block, write_partitions
 from dtprobe.store.reader import COMPACTED_FORMAT, COMPACTED_MARKER, TABLES_DIR, RunStore
 from dtprobe.store.schema import (COMPACT_FILE, RANK_BLOCK_RANKS, ROW_GROUP_ROWS, SCHEMA_VERSION, SCHEMAS,
                                   STEP_BLOCK_STEPS, STEP_TABLES)
 
 
-def compact(run_dir: str | os.PathLike) -> dict[str, int]:
-    """Write the Parquet files of every table with rows; returns ``{table: rows}`` (non-empty only)."""
+def compact(run_dir: str | os.PathLike, *, derive: Deriver | None = None) -> dict[str, int]:
+    """Write the Parquet files of every table with rows; returns ``{table: rows}`` (non-empty only).
+
+    ``derive``: also write the derived per-step tables it computes from each step block's rows
+    (``store.derived``; the analysis passes ``dtprobe.analysis.derived_tables.deriver()``), recorded in the
+    marker's ``derived`` entry with the deriver's key."""
     run_dir = Path(run_dir)
     store = RunStore.open(run_dir)
     offsets = store.manifest.clock_offsets_ns
@@ -70,6 +75,8 @@ def compact(run_dir: str | os.PathLike) -> dict[str, int]:
             "tables": entries,
             "events": {rel: [offset, lines] for rel, (offset, lines) in sorted(store.cursors().items())},
         }
+        if derive is not None:
+            marker["derived"] = write_derived(derive, tmp, store.aligned_arrow)
         (tmp / Path(COMPACTED_MARKER).name).write_bytes(orjson.dumps(marker, option=orjson.OPT_INDENT_2))
         _swap_in(tmp, run_dir / TABLES_DIR, run_dir / f".{TABLES_DIR}.old-{stamp}")
     except BaseException:

@@ -32,6 +32,7 @@ import pyarrow.compute as pc
 
 from dtprobe.store.clock_sync import Basis, ClockModel
 from dtprobe.store.errors import TraceError
+from dtprobe.store.derived import read_derived
 from dtprobe.store.frames import SORT_KEYS, arrow_schema, arrow_to_frame, empty_frame, time_columns
 from dtprobe.store.groups import GROUPS_SINCE_VERSION, fill_members, missing_groups_error
 from dtprobe.store.jsonl import FileCursor, last_step_in_file, read_new_rows, read_new_rows_batched, tail_cursor
@@ -206,6 +207,32 @@ class RunStore:
                 state.frame = self._build_frame(name, state, model)
                 state.frame_offsets = model.key
             return state.frame.copy(deep=False)
+
+    def derived_table(self, name: str, key: dict, *,
+                      steps: tuple[int | None, int | None] | None = None) -> pd.DataFrame | None:
+        """The derived per-step table ``name`` written at compaction (``store.derived``), when the marker records
+        it under the same ``key`` and the compacted tables are still all of the run (no events line appended
+        since, the same clock offsets, the whole run opened); else None: compute it from the rows."""
+        with self._lock:
+            derived = (self._compacted or {}).get("derived") or {}
+            if (derived.get("key") != key or name not in derived.get("tables", {}) or self._tail_from_step is not None
+                    or not self._compaction_is_whole()):
+                return None
+            return read_derived(self._path / TABLES_DIR, derived, name, steps)
+
+    def _compaction_is_whole(self) -> bool:
+        """True while no events file differs from what the compaction consumed and the clock offsets are those it
+        used (then every table equals its compacted files)."""
+        consumed = self._compacted["events"]
+        offsets = {str(r): o for r, o in self._manifest.clock_offsets_ns.items()}
+        if offsets != self._compacted["clock_offsets_ns"]:
+            return False
+        for name in SCHEMAS:
+            for path in _events_files(self._path, name).values():
+                rel = path.relative_to(self._path).as_posix()
+                if path.stat().st_size != (consumed.get(rel) or [0])[0]:
+                    return False
+        return True
 
     def last_step(self, name: str = "steps") -> int | None:
         """Highest ``step`` recorded so far in table ``name`` (None when it has no rows with a step)."""

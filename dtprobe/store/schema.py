@@ -27,6 +27,9 @@ outside ``STEP_TABLES``; every table in compactions of versions 1 and 2)."""
 PARTITION_FILE = "tables/{table}/step_block={step_block}/rank_block={rank_block}/part-0.parquet"
 """``<run>/tables/<table>/step_block=K/rank_block=R/part-0.parquet``: a per-step table's rows of steps
 ``K*STEP_BLOCK_STEPS ..`` (block -1: rows outside steps) and ranks ``R*RANK_BLOCK_RANKS ..``, clock-aligned."""
+DERIVED_FILE = "tables/derived/{table}/step_block={step_block}/part-0.parquet"
+"""``<run>/tables/derived/<table>/step_block=K/part-0.parquet``: a derived per-step table (computed at compaction
+from step block K's rows by the caller's ``store.derived.Deriver``: the analysis' ``lateness``, ``exposure``)."""
 STEP_BLOCK_STEPS = 20
 """Steps per step block of a compacted per-step table (a window of N steps reads at most N/20 + 1 blocks)."""
 RANK_BLOCK_RANKS = 32

@@ -1,0 +1,112 @@
+"""The per-step frames the analysis keeps at compaction, one step block at a time (``LatenessExposure``, a
+``store.derived.Deriver``): ``lateness`` (``arrivals.rank_lateness``, per group, step and rank) and ``exposure``
+(``exposed_comm.comm_exposure``, per rank and step); passed to ``store.compact`` by ``dtprobe compact`` and read
+back by the facade instead of computing them from the whole ``collectives`` table.
+
+Each block's frames come from the same functions over the block's rows as the facade's over the whole run
+(``inputs.analysed_table``, ``arrivals.on_arrival_clock``, ``collective_skew``), so they are equal whenever a
+step's lateness and exposure depend on that step's rows only: every collective (pg, pg_ranks, seq) has all its
+rows in one step block, each group's arrival clock is the same in every block, and no attempt's numbering restarts
+inside a block (``arrivals.unique_seq`` left every block unchanged). ``invalid_reason`` says which of these failed;
+then the store keeps no derived frames and the facade computes from the rows. Neither frame depends on an
+``AnalysisOptions`` field (the facade applies ``steps_analyzed`` afterwards), so the key holds only ``VERSION``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from dtprobe.analysis.arrivals import LATENESS_COLUMNS, arrival_clocks, collective_skew, on_arrival_clock, rank_lateness
+from dtprobe.analysis.arrivals import unique_seq
+from dtprobe.analysis.exposed_comm import EXPOSURE_COLUMNS, comm_exposure
+from dtprobe.analysis.hangs import merge_pending
+from dtprobe.analysis.tables import P2P_OPS
+
+VERSION = 1
+"""Bumped whenever ``rank_lateness`` or ``comm_exposure`` change what they compute: older derived frames are then
+ignored (the marker's key differs) and computed from the rows."""
+KEY = {"deriver": "dtprobe.analysis.derived_tables", "version": VERSION, "options": []}
+"""The marker's ``derived.key``: no analysis option changes these frames."""
+LATENESS = "lateness"
+EXPOSURE = "exposure"
+ORDER = {LATENESS: (["pg", "pg_ranks", "rank", "step"], LATENESS_COLUMNS),
+         EXPOSURE: (["rank", "step"], EXPOSURE_COLUMNS)}
+"""Per derived table: the sort order of the whole-run frame, and its columns."""
+
+
+class LatenessExposure:
+    """The ``store.derived.Deriver`` of ``lateness`` and ``exposure`` (one per compaction: it remembers what it
+    needs to tell whether the blocks' frames equal the whole run's)."""
+
+    key = KEY
+    inputs = ("collectives", "pending", "steps")
+
+    def __init__(self) -> None:
+        self._groups: dict[tuple[str, str], int] = {}
+        self._keys: list[np.ndarray] = []        # per block: group code * 2**40 + seq of its collectives
+        self._clocks: dict[tuple[str, str], set[str]] = {}
+        self._reason: str | None = None
+
+    def derive(self, step_block: int, frames: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
+        """``lateness`` and ``exposure`` of one step block's rows (every step of the block, warm-up included);
+        nothing for block -1 (rows outside steps: no lateness or exposure), only its collectives remembered."""
+        collectives = merge_pending(frames["collectives"], frames["pending"])
+        if step_block < 0:
+            self._remember(step_block, collectives)
+            return {}
+        if unique_seq(collectives) is not collectives and self._reason is None:
+            self._reason = f"a collective numbering restarts inside step block {step_block} (a torchrun restart)"
+        self._remember(step_block, collectives)
+        arrival = on_arrival_clock(collectives)
+        steps = frames["steps"]
+        return {LATENESS: rank_lateness(arrival, steps),
+                EXPOSURE: comm_exposure(arrival, steps, collective_skew(arrival))}
+
+    def invalid_reason(self) -> str | None:
+        """Why the blocks' frames may differ from the whole run's (None: they are equal)."""
+        if self._reason is not None:
+            return self._reason
+        mixed = sorted(g for g, clocks in self._clocks.items() if len(clocks) > 1)
+        if mixed:
+            return f"group {mixed[0][0]!r} has device arrivals in some step blocks only"
+        if self._keys:
+            keys = np.concatenate(self._keys)
+            owner = np.repeat(np.arange(len(self._keys)), [len(k) for k in self._keys])
+            order = np.argsort(keys, kind="stable")
+            same = keys[order][1:] == keys[order][:-1]
+            if same.any():
+                i = int(np.flatnonzero(same)[0])
+                groups = {code: g for g, code in self._groups.items()}
+                pg = groups[int(keys[order][i] >> 40)][0]
+                return (f"collective seq {int(keys[order][i] & ((1 << 40) - 1))} of group {pg!r} has rows in step "
+                        f"blocks {sorted({int(owner[order][i]), int(owner[order][i + 1])})} (ranks were at "
+                        f"different steps in it)")
+        return None
+
+    def _remember(self, step_block: int, collectives: pd.DataFrame) -> None:
+        """Record the block's collectives (a collective in two blocks is split between them) and group clocks."""
+        c = collectives[~collectives["op"].isin(P2P_OPS) & collectives["seq"].notna()]
+        pairs = list(zip(c["pg"].fillna("").astype(str), c["pg_ranks"].fillna("").astype(str)))
+        codes, uniques = pd.factorize(pd.Series(pairs, dtype=object))
+        table = np.array([self._groups.setdefault(g, len(self._groups)) for g in uniques], dtype=np.int64)
+        seq = c["seq"].to_numpy(dtype="int64")
+        self._keys.append(np.unique(table[codes] * (1 << 40) + seq) if len(c) else np.empty(0, dtype=np.int64))
+        if collectives["arrive_ns"].notna().any():
+            clocks = arrival_clocks(collectives)
+            for pg, ranks, clock in zip(clocks["pg"], clocks["pg_ranks"], clocks["clock"]):
+                self._clocks.setdefault((pg, ranks), set()).add(clock)
+
+
+def deriver() -> LatenessExposure:
+    """A fresh deriver for one compaction (``store.compact(run, derive=deriver())``)."""
+    return LatenessExposure()
+
+
+def whole_run_frame(name: str, blocks: pd.DataFrame) -> pd.DataFrame:
+    """The derived table ``name`` as read (its blocks' frames in block order) put in the whole-run frame's row
+    order and columns, as ``rank_lateness`` / ``comm_exposure`` return it."""
+    by, columns = ORDER[name]
+    if blocks.empty:
+        return pd.DataFrame({col: [] for col in columns})
+    return blocks.sort_values(by, kind="stable").reset_index(drop=True)[columns]

@@ -1,0 +1,114 @@
+"""Derived per-step tables of a compacted run: frames a caller's ``Deriver`` computes from each step block's rows at
+compaction (the analysis' per-step lateness and exposure), written under ``tables/derived/`` by
+``store.compaction`` and read back by ``RunStore.derived_table``.
+
+The store knows nothing of what a deriver computes (it may not import the analysis): it hands the deriver one step
+block at a time (``STEP_BLOCK_STEPS`` steps of every input table, as ``RunStore.table`` gives them), writes the
+frames it returns, one file per derived table and step block, and records in the marker the deriver's ``key``
+(what the frames depend on: its version, options) or why they were not kept (``Deriver.invalid_reason``: the
+whole run's computation would differ from the blocks', e.g. a collective whose rows lie in two step blocks). A
+reader compares that key with its own and reads the frames only while the compacted tables are all there is.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Callable, Protocol
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from dtprobe.store.errors import TraceError
+from dtprobe.store.frames import arrow_to_frame
+from dtprobe.store.partitions import block_of
+from dtprobe.store.schema import DERIVED_FILE, STEP_BLOCK_STEPS
+
+DERIVED_DIR = DERIVED_FILE.split("/")[1]
+"""The derived tables' folder under ``<run>/tables/``."""
+
+
+class Deriver(Protocol):
+    """Computes derived per-step frames from one step block's rows (see the module docstring)."""
+
+    key: dict
+    """JSON-able: what the derived frames depend on (the deriver's version, options); stored in the marker."""
+    inputs: tuple[str, ...]
+    """Tables read per step block (rows with ``step`` in the block; block -1: the rows outside steps, ``step``
+    null or negative, handed over first)."""
+
+    def derive(self, step_block: int, frames: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
+        """The derived frames of one step block from its rows of every input table."""
+
+    def invalid_reason(self) -> str | None:
+        """After every block: None when the blocks' frames together equal the whole run's, else why not."""
+
+
+def write_derived(deriver: Deriver, tables_dir: Path, rows_of: Callable[[str], pa.Table]) -> dict:
+    """Run ``deriver`` over every step block of ``rows_of(table)`` (the clock-aligned, sorted rows compaction
+    writes) and write its frames under ``tables_dir/derived/``; returns the marker's ``derived`` entry:
+    ``{"key", "tables": {name: {"rows", "files": [{"path", "rows", "step_block"}]}}}``, or ``{"key", "skipped":
+    reason}`` (no files kept) when the deriver says its frames would differ from the whole run's."""
+    inputs = {name: rows_of(name) for name in deriver.inputs}
+    blocks: dict[str, np.ndarray] = {}
+    for name, rows in inputs.items():
+        step = rows.column("step").to_numpy(zero_copy_only=False) if rows.num_rows else np.empty(0)
+        step = np.where(pd.isna(step), -1, step).astype(np.int64)
+        blocks[name] = block_of(step)
+    all_blocks = sorted({int(b) for v in blocks.values() for b in np.unique(v)})
+    entry: dict = {"key": deriver.key, "tables": {}}
+    for block in all_blocks:
+        frames = {}
+        for name, rows in inputs.items():
+            part = rows.filter(pa.array(blocks[name] == block)) if rows.num_rows else rows
+            frames[name] = arrow_to_frame(part, name)
+        for derived, frame in deriver.derive(block, frames).items():
+            table = entry["tables"].setdefault(derived, {"rows": 0, "files": []})
+            if frame.empty:
+                continue
+            rel = DERIVED_FILE.split("/", 1)[1].format(table=derived, step_block=block)
+            (tables_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+            pq.write_table(pa.Table.from_pandas(frame, preserve_index=False), tables_dir / rel, compression="zstd")
+            table["rows"] += len(frame)
+            table["files"].append({"path": rel, "rows": len(frame), "step_block": block})
+    reason = deriver.invalid_reason()
+    if reason is not None:
+        shutil.rmtree(tables_dir / DERIVED_DIR, ignore_errors=True)
+        return {"key": deriver.key, "skipped": reason}
+    return entry
+
+
+def read_derived(tables_dir: Path, entry: dict, name: str,
+                 steps: tuple[int | None, int | None] | None = None) -> pd.DataFrame:
+    """The derived table ``name`` of a marker's ``derived`` entry: its step blocks' frames concatenated in block
+    order (only the blocks that can hold ``steps``, then filtered to them); an empty frame without columns when it
+    has no rows. TraceError names a damaged or missing file and the fix."""
+    files = entry["tables"][name]["files"]
+    if steps is not None:
+        first, last = steps
+        files = [f for f in files if (first is None or (f["step_block"] + 1) * STEP_BLOCK_STEPS > first)
+                 and (last is None or f["step_block"] * STEP_BLOCK_STEPS <= last)]
+    parts = []
+    for f in files:
+        path = tables_dir / f["path"]
+        try:
+            parts.append(pq.read_table(path))
+        except (OSError, pa.ArrowException) as exc:
+            raise TraceError(f"'{path}', a derived table listed in {tables_dir / '_compacted.json'}, cannot be "
+                             f"read ({exc}). Delete {tables_dir} and run `dtprobe compact {tables_dir.parent}` "
+                             f"to rebuild it.") from None
+    if not parts:
+        return pd.DataFrame()
+    table = pa.concat_tables(parts)
+    if steps is not None:
+        first, last = steps
+        keep = pc.is_valid(table.column("step"))
+        if first is not None:
+            keep = pc.and_(keep, pc.greater_equal(table.column("step"), first))
+        if last is not None:
+            keep = pc.and_(keep, pc.less_equal(table.column("step"), last))
+        table = table.filter(keep)
+    return table.to_pandas()

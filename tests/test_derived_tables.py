@@ -1,0 +1,137 @@
+"""The per-step frames kept at compaction (``store.derived`` + ``analysis.derived_tables``): the facade reads them
+instead of computing lateness and exposure from the whole ``collectives`` table, with the same findings, key
+figures and frames; they are ignored whenever they may no longer be the run's."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pandas as pd
+import pytest
+
+from dtprobe.analysis import RunAnalysis
+from dtprobe.analysis.derived_tables import EXPOSURE, KEY, LATENESS, deriver
+from dtprobe.store import RunStore, compact
+from dtprobe.store.frames import empty_frame
+from test_sample_trace_findings import BASELINES, GOLDEN, SAMPLES, SCENARIOS, by_severity
+
+RESTARTED = {"ckpt_crash_restart": "a collective numbering restarts inside step block 0 (a torchrun restart)"}
+"""Scenarios whose frames are not kept, and why: per-block numbering could differ from the whole run's."""
+
+
+def compacted_copy(name: str, dest: Path) -> Path:
+    run = dest / name
+    shutil.copytree(SAMPLES / name, run)
+    compact(run, derive=deriver())
+    return run
+
+
+def from_rows(store: RunStore) -> RunStore:
+    """The same store with the derived frames hidden: the facade computes from the rows."""
+    store.derived_table = lambda *args, **kwargs: None
+    return store
+
+
+def analyses(run: Path, baseline: Path | None) -> tuple[RunAnalysis, RunAnalysis]:
+    kept = RunAnalysis(RunStore.open(run), baseline=RunStore.open(baseline) if baseline else None)
+    raw = RunAnalysis(from_rows(RunStore.open(run)), baseline=RunStore.open(baseline) if baseline else None)
+    return kept, raw
+
+
+def described(analysis: RunAnalysis) -> list[dict]:
+    return [f.to_json() for f in analysis.findings()]
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_findings_and_key_figures_are_identical_with_and_without_derived_tables(name, tmp_path):
+    run = compacted_copy(name, tmp_path)
+    base = BASELINES.get(name)
+    baseline = compacted_copy(base, tmp_path / "base") if base else None
+    derived = orjson.loads((run / "tables" / "_compacted.json").read_bytes())["derived"]
+    assert derived["key"] == KEY
+    store = RunStore.open(run)
+    if name in RESTARTED:
+        assert derived["skipped"] == RESTARTED[name]
+        assert store.derived_table(LATENESS, KEY) is None
+    else:
+        assert "skipped" not in derived
+        assert store.derived_table(LATENESS, KEY) is not None and store.derived_table(EXPOSURE, KEY) is not None
+    kept, raw = analyses(run, baseline)
+    pd.testing.assert_frame_equal(kept.rank_lateness(), raw.rank_lateness())
+    pd.testing.assert_frame_equal(kept.comm_exposure(), raw.comm_exposure())
+    assert described(kept) == described(raw)
+    assert kept.key_figures() == raw.key_figures()
+    got = [(f.code, f.severity, f.ranks, f.group) for f in kept.findings()]
+    assert by_severity(got) == by_severity(GOLDEN[name])
+
+
+def test_lateness_rows_of_straggler_scenario_come_from_the_derived_files(tmp_path):
+    run = compacted_copy("dp4_straggler_rank2", tmp_path)
+    kept = RunStore.open(run).derived_table(LATENESS, KEY)
+    assert len(kept) == 120 and set(kept["rank"]) == {0, 1, 2, 3}     # 4 ranks x 30 steps, warm-up included
+    assert RunAnalysis(RunStore.open(run)).rank_lateness()["step"].min() == 1   # the facade drops the warm-up
+    late = kept[kept["step"] >= 1].groupby("rank")["lateness_ns"].median()
+    assert late.idxmax() == 2 and late[2] > 150e6                     # 200 ms sleep on rank 2
+
+
+def test_derived_tables_are_ignored_after_an_events_line_is_appended(tmp_path):
+    run = compacted_copy("dp4_clean", tmp_path)
+    assert RunStore.open(run).derived_table(LATENESS, KEY) is not None
+    events = run / "events" / "faults" / "rank00000.jsonl"
+    events.parent.mkdir(parents=True, exist_ok=True)
+    events.write_text('{"rank": 0, "time_ns": 1, "kind": "note"}\n')
+    assert RunStore.open(run).derived_table(LATENESS, KEY) is None
+
+
+def test_derived_tables_are_ignored_under_another_key_or_a_tail_open(tmp_path):
+    run = compacted_copy("dp4_clean", tmp_path)
+    assert RunStore.open(run).derived_table(LATENESS, {**KEY, "version": KEY["version"] + 1}) is None
+    assert RunStore.open(run, tail_steps=5).derived_table(LATENESS, KEY) is None
+
+
+def test_derived_tables_are_absent_when_compacted_without_a_deriver(tmp_path):
+    run = tmp_path / "dp4_clean"
+    shutil.copytree(SAMPLES / "dp4_clean", run)
+    compact(run)
+    assert "derived" not in orjson.loads((run / "tables" / "_compacted.json").read_bytes())
+    assert RunStore.open(run).derived_table(LATENESS, KEY) is None
+    assert not (run / "tables" / "derived").exists()
+
+
+def _collective(rank: int, seq: int, step: int) -> dict:
+    return {"rank": rank, "pg": "world", "pg_ranks": "0,1", "pg_size": 2, "seq": seq, "op": "allreduce",
+            "num_bytes": 4, "enqueue_ns": 1000 * seq + rank, "end_ns": 1000 * seq + 500, "step": step, "restart": 0}
+
+
+def _frames(rows: list[dict]) -> dict[str, pd.DataFrame]:
+    collectives = pd.concat([empty_frame("collectives"), pd.DataFrame(rows)], ignore_index=True)
+    return {"collectives": collectives.astype(empty_frame("collectives").dtypes.to_dict()),
+            "pending": empty_frame("pending"), "steps": empty_frame("steps")}
+
+
+def test_a_collective_split_between_step_blocks_makes_the_derived_tables_invalid():
+    d = deriver()
+    d.derive(0, _frames([_collective(0, 1, 18), _collective(1, 1, 18), _collective(0, 2, 19)]))
+    d.derive(1, _frames([_collective(1, 2, 20), _collective(0, 3, 20), _collective(1, 3, 20)]))
+    assert d.invalid_reason() == ("collective seq 2 of group 'world' has rows in step blocks [0, 1] (ranks were "
+                                  "at different steps in it)")
+    whole = deriver()
+    whole.derive(0, _frames([_collective(0, 1, 18), _collective(1, 1, 18)]))
+    whole.derive(1, _frames([_collective(0, 3, 20), _collective(1, 3, 20)]))
+    assert whole.invalid_reason() is None
+
+
+def test_scale_run_straggler_is_named_with_the_same_figures_from_derived_tables(tmp_path, repo_root):
+    run = tmp_path / "s64"
+    subprocess.run([sys.executable, str(repo_root / "benchmarks" / "scale_data.py"), "run", str(run), "--ranks", "64",
+                    "--steps", "40"], check=True, timeout=120, capture_output=True)
+    compact(run, derive=deriver())
+    kept, raw = analyses(run, None)
+    [late] = [f for f in kept.findings() if f.code == "STRAGGLER"]
+    assert late.ranks == (35,) and late.group == "dp"                 # scale_data's default: ranks // 2 + 3
+    assert described(kept) == described(raw)
+    assert late.evidence["mean_lateness_ms"] == pytest.approx(80, rel=0.05)

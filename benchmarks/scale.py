@@ -368,12 +368,21 @@ RUN_PHASES = (("write", "write"), ("open_events", "open (events)"), ("live_first
 
 
 def bench_run(ranks: int, cli: argparse.Namespace, env: dict, workdir: Path) -> dict:
-    """Every phase at one world size; the figures as JSON data."""
+    """Every phase at one world size; the figures as JSON data. The run is removed after it unless ``--keep``."""
+    run = workdir / f"run{ranks}"
+    try:
+        return _bench_run(run, ranks, cli, env, workdir)
+    finally:
+        if not cli.keep:
+            shutil.rmtree(run, ignore_errors=True)
+            (workdir / f"run{ranks}.scale.json").unlink(missing_ok=True)
+
+
+def _bench_run(run: Path, ranks: int, cli: argparse.Namespace, env: dict, workdir: Path) -> dict:
     from scale_data import default_straggler
 
     from dtprobe.store.manifest import set_status
 
-    run = workdir / f"run{ranks}"
     straggler = default_straggler(ranks)
     common = dict(timeout_s=cli.timeout_s, mem_cap_bytes=int(cli.mem_cap_gb * 2**30), env=env)
     res: dict = {"ranks": ranks, "steps": cli.steps, "straggler_rank": straggler,
@@ -410,9 +419,6 @@ def bench_run(ranks: int, cli: argparse.Namespace, env: dict, workdir: Path) -> 
         phases["browser"] = run_phase("browser", {"run": str(run), "cache": str(cache), "timeout_s": cli.timeout_s},
                                       label="server start -> Overview drawn", **common).to_dict()
         shutil.rmtree(cache, ignore_errors=True)
-    if not cli.keep:
-        shutil.rmtree(run, ignore_errors=True)
-        (workdir / f"run{ranks}.scale.json").unlink(missing_ok=True)
     return res
 
 

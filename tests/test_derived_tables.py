@@ -1,6 +1,7 @@
 """The per-step frames kept at compaction (``store.derived`` + ``analysis.derived_tables``): the facade reads them
 instead of computing lateness and exposure from the whole ``collectives`` table, with the same findings, key
-figures and frames; they are ignored whenever they may no longer be the run's."""
+figures and frames; they are ignored whenever they may no longer be the run's. Hang verdicts read only the rows
+of unfinished collectives."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 
 from dtprobe.analysis import RunAnalysis
 from dtprobe.analysis.derived_tables import EXPOSURE, KEY, LATENESS, deriver
+from dtprobe.analysis.hangs import missing_arrivals
 from dtprobe.store import RunStore, compact
 from dtprobe.store.frames import empty_frame
 from test_sample_trace_findings import BASELINES, GOLDEN, SAMPLES, SCENARIOS, by_severity
@@ -135,3 +137,19 @@ def test_scale_run_straggler_is_named_with_the_same_figures_from_derived_tables(
     assert late.ranks == (35,) and late.group == "dp"                 # scale_data's default: ranks // 2 + 3
     assert described(kept) == described(raw)
     assert late.evidence["mean_lateness_ms"] == pytest.approx(80, rel=0.05)
+
+
+def test_hang_verdict_reads_only_the_rows_of_unfinished_collectives():
+    analysis = RunAnalysis.open(SAMPLES / "hang_rank1")
+    rows = analysis.unfinished_collectives()
+    assert set(rows["seq"]) == {11} and rows["end_ns"].isna().any()      # the all-reduce rank 1 never reached
+    assert len(rows) < len(analysis.table("collectives")) / 10
+    whole = missing_arrivals(analysis.host_collective_skew(), analysis.table("collectives"),
+                             now_ns=analysis.now_ns(), min_wait_ns=0)
+    pd.testing.assert_frame_equal(analysis.missing_arrivals(), whole)
+    assert whole["missing_ranks"].tolist() == ["1"]
+
+
+def test_no_rows_are_unfinished_in_a_clean_run():
+    analysis = RunAnalysis.open(SAMPLES / "dp4_clean")
+    assert analysis.unfinished_collectives().empty and analysis.missing_arrivals().empty

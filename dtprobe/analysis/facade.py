@@ -488,8 +488,12 @@ class RunAnalysis:
         """Per group and attempt: the first collective some members never reached, or every member entered and
         none finished (and how long the others waited)."""
         return self._memo("missing", lambda: _hangs.missing_arrivals(
-            self.host_collective_skew(), self.table("collectives"), now_ns=self.now_ns(),
-            min_wait_ns=self._hang_wait_ns()))
+            _stragglers.collective_skew(self.unfinished_collectives()), self.unfinished_collectives(),
+            now_ns=self.now_ns(), min_wait_ns=self._hang_wait_ns()))
+
+    def unfinished_collectives(self) -> pd.DataFrame:
+        """Every row (host clock) of the collectives some member never finished: what the hang verdicts read."""
+        return self._memo("unfinished", lambda: _hangs.unfinished_rows(self.table("collectives")))
 
     def last_seen(self) -> pd.DataFrame:
         """Per rank: last step and last collective recorded."""

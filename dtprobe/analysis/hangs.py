@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import pandas as pd
 
 from dtprobe.analysis.arrivals import ATTEMPT_SEQ_STRIDE
@@ -15,7 +16,7 @@ from dtprobe.analysis.fault_detail import fault_detail
 from dtprobe.analysis.findings import Finding
 from dtprobe.analysis.liveness import Activity, liveness
 from dtprobe.analysis.stragglers import SKEW_COLUMNS
-from dtprobe.analysis.tables import P2P_OPS, axis_of, group_members, group_phrase, ranks_phrase
+from dtprobe.analysis.tables import P2P_OPS, axis_of, coded_rows, group_members, group_phrase, ranks_phrase
 from dtprobe.store.columns import require_columns
 
 MISSING_COLUMNS = ["pg", "pg_ranks", "seq", "op", "step", "arrived_ranks", "missing_ranks", "first_enqueue_ns",
@@ -45,6 +46,20 @@ def merge_pending(collectives: pd.DataFrame, pending: pd.DataFrame) -> pd.DataFr
     rows = pd.DataFrame({c: new[c] if c in new.columns else pd.Series(pd.NA, index=new.index)
                          for c in collectives.columns}).astype(collectives.dtypes.to_dict())
     return pd.concat([collectives, rows], ignore_index=True)
+
+
+def unfinished_rows(collectives: pd.DataFrame) -> pd.DataFrame:
+    """Every row of the collectives (pg, pg_ranks, seq) some row of which never finished (``end_ns`` null): all that
+    ``missing_arrivals`` reads, since a collective's skew depends on its own rows only (few rows, however long
+    the run, unless it hung)."""
+    require_columns(collectives, ["pg", "pg_ranks", "seq", "end_ns"], table="collectives")
+    has_seq = collectives["seq"].notna()
+    if not (collectives["end_ns"].isna() & has_seq).any():
+        return collectives.iloc[:0]
+    c, code, _, _ = coded_rows(collectives, has_seq, ["seq", "end_ns"])
+    key = code * (1 << 40) + c["seq"].to_numpy(dtype="int64")   # seq < 2**40 after unique_seq
+    stuck = np.unique(key[c["end_ns"].isna().to_numpy(dtype=bool)])
+    return collectives.loc[c.index[np.isin(key, stuck)]]
 
 
 def missing_arrivals(skew: pd.DataFrame, collectives: pd.DataFrame, *, now_ns: int, min_wait_ns: int) -> pd.DataFrame:

@@ -107,7 +107,7 @@ def link_changes(link_bw: pd.DataFrame, *, min_steps: int = 3) -> pd.DataFrame:
             "change_over_noise": drop / spread if spread > 1e-12 else (np.inf if drop > 0 else 0.0),
             "duration_before_ns_per_step": float(before.groupby("step")["duration_ns"].sum().mean()),
             "duration_after_ns_per_step": float(after.groupby("step")["duration_ns"].sum().mean()),
-            "pgs": sorted(set(str(p) for p in d["pg"])),
+            "pgs": sorted(str(p) for p in pd.unique(d["pg"])),
         })
     return pd.DataFrame(rows, columns=LINK_CHANGE_COLUMNS)
 

@@ -49,13 +49,7 @@ def link_bandwidth(bw: pd.DataFrame, node_of: dict[int, str]) -> pd.DataFrame:
     empty = pd.DataFrame({col: [] for col in LINK_BW_COLUMNS})
     if bw.empty or len(set(node_of.values())) < 2:
         return empty
-    ok = bw[bw["busbw_bytes_per_s"].notna() & (bw["busbw_bytes_per_s"] > 0) & bw["step"].notna()]
-    everyone = tuple(sorted(node_of))
-    links_of: dict[tuple[str, int], list[tuple[str, str]]] = {}
-    for pr, size in ok[["pg_ranks", "num_members"]].drop_duplicates().itertuples(index=False):
-        members = group_members(None if pd.isna(pr) else pr) or (everyone if int(size) == len(everyone) else ())
-        nodes = sorted({node_of[m] for m in members if m in node_of})
-        links_of[(pr, int(size))] = [(a, b) for i, a in enumerate(nodes) for b in nodes[i + 1:]]
+    ok, links_of = _crossing(bw, node_of)
     parts = []
     for (pr, size), links in links_of.items():
         rows = ok[(ok["pg_ranks"] == pr) & (ok["num_members"] == size)] if links else ok.iloc[:0]
@@ -68,6 +62,82 @@ def link_bandwidth(bw: pd.DataFrame, node_of: dict[int, str]) -> pd.DataFrame:
     out["rel_busbw"] = out["busbw_bytes_per_s"].astype("float64") / cls.astype("float64")
     out["step"] = out["step"].astype("int64")
     return out.sort_values(["node_a", "node_b", "step", "seq"], kind="stable").reset_index(drop=True)[LINK_BW_COLUMNS]
+
+
+def _crossing(bw: pd.DataFrame, node_of: dict[int, str]) -> tuple[pd.DataFrame, dict[tuple, list[tuple[str, str]]]]:
+    """The ``bw`` rows with a bandwidth and a step, and per (pg_ranks, num_members) class the links it crosses."""
+    ok = bw[bw["busbw_bytes_per_s"].notna() & (bw["busbw_bytes_per_s"] > 0) & bw["step"].notna()]
+    everyone = tuple(sorted(node_of))
+    links_of: dict[tuple[str, int], list[tuple[str, str]]] = {}
+    for pr, size in ok[["pg_ranks", "num_members"]].drop_duplicates().itertuples(index=False):
+        members = group_members(None if pd.isna(pr) else pr) or (everyone if int(size) == len(everyone) else ())
+        nodes = sorted({node_of[m] for m in members if m in node_of})
+        links_of[(pr, int(size))] = [(a, b) for i, a in enumerate(nodes) for b in nodes[i + 1:]]
+    return ok, links_of
+
+
+def changes_of_links(bw: pd.DataFrame, node_of: dict[int, str], *, min_steps: int = 3) -> pd.DataFrame:
+    """``link_changes(link_bandwidth(bw, node_of))`` without a row per (link, crossing collective): links crossed by
+    the same groups have the same collectives, so each such set of links is computed once and its change row
+    repeated per link (a group spanning n nodes crosses n(n-1)/2 links: the rows would grow with the square of the
+    nodes). ``rel_busbw`` divides by the median of the class over the rows ``link_bandwidth`` would hold, where
+    each collective counts once per link it crosses. Columns: ``LINK_CHANGE_COLUMNS``."""
+    require_columns(bw, BANDWIDTH_COLUMNS, table="collective_bandwidth")
+    empty = pd.DataFrame(columns=LINK_CHANGE_COLUMNS)
+    if bw.empty or len(set(node_of.values())) < 2:
+        return empty
+    ok, links_of = _crossing(bw, node_of)
+    # rows of a group listing no members never equal its class in link_bandwidth either: none of them count
+    classes = [k for k, links in links_of.items() if links and not pd.isna(k[0])]
+    if not classes:
+        return empty
+    class_of = pd.MultiIndex.from_tuples(classes).get_indexer(
+        pd.MultiIndex.from_arrays([ok["pg_ranks"], ok["num_members"].astype("int64")]))
+    rows = ok[class_of >= 0].copy()
+    code = class_of[class_of >= 0]
+    weight = np.array([len(links_of[k]) for k in classes], dtype="int64")[code]
+    median = _weighted_median(rows[["pg", "op", "num_bytes"]], rows["busbw_bytes_per_s"].to_numpy(dtype="float64"),
+                              weight)
+    rows["rel_busbw"] = rows["busbw_bytes_per_s"].astype("float64") / median
+    rows["step"] = rows["step"].astype("int64")
+    sets: dict[tuple[int, ...], list[tuple[str, str]]] = {}
+    crossed: dict[tuple[str, str], list[int]] = {}
+    for i, k in enumerate(classes):
+        for link in links_of[k]:
+            crossed.setdefault(link, []).append(i)
+    for link, members in crossed.items():
+        sets.setdefault(tuple(members), []).append(link)
+    out = []
+    for members, links in sets.items():
+        (a, b) = links[0]
+        mine = pd.concat([rows[code == i] for i in members]).assign(node_a=a, node_b=b)
+        mine = mine.sort_values(["step", "seq"], kind="stable").reset_index(drop=True)[LINK_BW_COLUMNS]
+        change = link_changes(mine, min_steps=min_steps)
+        if change.empty:
+            continue
+        row = change.iloc[0].to_dict()
+        out += [{**row, "node_a": a, "node_b": b} for a, b in links]
+    if not out:
+        return empty
+    return pd.DataFrame(out, columns=LINK_CHANGE_COLUMNS).sort_values(
+        ["node_a", "node_b"], kind="stable").reset_index(drop=True)
+
+
+def _weighted_median(keys: pd.DataFrame, values: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """Per row, the median of ``values`` in its group of ``keys`` (nulls a group too) with each value counted
+    ``weight`` times: the median of the repeated values, exactly."""
+    gid = keys.groupby(list(keys.columns), dropna=False, sort=False).ngroup().to_numpy()
+    order = np.lexsort((values, gid))
+    g, v, w = gid[order], values[order], weight[order]
+    out = np.empty(gid.max() + 1 if len(gid) else 0, dtype="float64")
+    starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
+    for s, e in zip(starts, np.r_[starts[1:], len(g)]):
+        cum = np.cumsum(w[s:e])
+        total = int(cum[-1])
+        lo = v[s + np.searchsorted(cum, (total - 1) // 2, side="right")]
+        hi = v[s + np.searchsorted(cum, total // 2, side="right")]
+        out[g[s]] = lo if total % 2 else (lo + hi) / 2
+    return out[gid]
 
 
 def link_changes(link_bw: pd.DataFrame, *, min_steps: int = 3) -> pd.DataFrame:
@@ -173,7 +243,7 @@ def find_slow_links(bw: pd.DataFrame, ranks, steps: pd.DataFrame, *, axis_of_pg=
     if rank_nodes.empty:
         return []
     node_of = node_names(rank_nodes)
-    return detect_slow_links(link_changes(link_bandwidth(bw, node_of)), node_of, steps, axis_of_pg=axis_of_pg,
+    return detect_slow_links(changes_of_links(bw, node_of), node_of, steps, axis_of_pg=axis_of_pg,
                              clock=clock_of_timing(bw["timing"]))
 
 

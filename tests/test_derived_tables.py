@@ -18,6 +18,7 @@ from dtprobe.analysis import RunAnalysis
 from dtprobe.analysis.derived_tables import EXPOSURE, KEY, LATENESS, deriver
 from dtprobe.analysis.hangs import missing_arrivals
 from dtprobe.store import RunStore, compact
+from dtprobe.store.compaction import add_derived
 from dtprobe.store.frames import empty_frame
 from test_sample_trace_findings import BASELINES, GOLDEN, SAMPLES, SCENARIOS, by_severity
 
@@ -153,3 +154,34 @@ def test_hang_verdict_reads_only_the_rows_of_unfinished_collectives():
 def test_no_rows_are_unfinished_in_a_clean_run():
     analysis = RunAnalysis.open(SAMPLES / "dp4_clean")
     assert analysis.unfinished_collectives().empty and analysis.missing_arrivals().empty
+
+
+def test_derived_tables_are_added_to_a_run_compacted_without_them(tmp_path):
+    run = tmp_path / "dp4_straggler_rank2"
+    shutil.copytree(SAMPLES / "dp4_straggler_rank2", run)
+    compact(run)                                                       # as the launcher of `dtprobe run` does
+    assert add_derived(run, deriver()) is True
+    assert add_derived(run, deriver()) is False                        # already there under the same key
+    assert RunStore.open(run).derived_table(LATENESS, KEY) is not None
+    kept, raw = analyses(run, None)
+    assert described(kept) == described(raw) and [f.code for f in kept.findings()] == ["STRAGGLER"]
+
+
+def test_derived_tables_are_not_added_to_a_run_that_changed_since_its_compaction(tmp_path):
+    run = tmp_path / "dp4_clean"
+    shutil.copytree(SAMPLES / "dp4_clean", run)
+    compact(run)
+    (run / "events" / "faults").mkdir(parents=True)
+    (run / "events" / "faults" / "rank00000.jsonl").write_text('{"rank": 0, "time_ns": 1, "kind": "note"}\n')
+    assert add_derived(run, deriver()) is False
+    assert not (run / "tables" / "derived").exists()
+
+
+def test_dtprobe_compact_writes_the_derived_tables(tmp_path, run_cli):
+    run = tmp_path / "dp4_clean"
+    shutil.copytree(SAMPLES / "dp4_clean", run)
+    shutil.rmtree(run / "tables" / "derived", ignore_errors=True)
+    result = run_cli("compact", run)
+    assert result.returncode == 0, result.stderr
+    derived = orjson.loads((run / "tables" / "_compacted.json").read_bytes())["derived"]
+    assert derived["key"] == KEY and derived["tables"][LATENESS]["rows"] == 120

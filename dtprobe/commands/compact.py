@@ -52,6 +52,8 @@ def store_summary(run: Path, *, console=None):
     from rich.console import Console
 
     from dtprobe import summary_store
+    from dtprobe.analysis.derived_tables import deriver
+    from dtprobe.store.compaction import add_derived
     from dtprobe.store.errors import TraceError
 
     console = console or Console(stderr=True)
@@ -59,6 +61,7 @@ def store_summary(run: Path, *, console=None):
         return None
     try:
         with console.status(f"Analyzing {run} ..."):
+            add_derived(run, deriver())   # a run compacted by the launcher has none: the analysis then reads them
             return summary_store.make(run)
     except TraceError as exc:
         console.print(f"{run}: summary not stored ({exc}).", highlight=False)

@@ -25,7 +25,7 @@ from pathlib import Path
 import orjson
 import pyarrow.parquet as pq
 
-from dtprobe.store.derived import Deriver, write_derived
+from dtprobe.store.derived import DERIVED_DIR, Deriver, write_derived
 from dtprobe.store.partitions import steps_per_block, write_partitions
 from dtprobe.store.reader import COMPACTED_FORMAT, COMPACTED_MARKER, TABLES_DIR, RunStore
 from dtprobe.store.schema import (COMPACT_FILE, RANK_BLOCK_RANKS, ROW_GROUP_ROWS, SCHEMA_VERSION, SCHEMAS,
@@ -83,6 +83,36 @@ def compact(run_dir: str | os.PathLike, *, derive: Deriver | None = None) -> dic
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return rows
+
+
+def add_derived(run_dir: str | os.PathLike, derive: Deriver) -> bool:
+    """Add ``derive``'s derived tables to a run compacted without them (``dtprobe run`` compacts in the launcher,
+    which does not import the analysis); True when written. Nothing is done (False) when the run is not
+    compacted, already has them under the same key, or changed since its compaction (compact it again then)."""
+    run_dir = Path(run_dir)
+    store = RunStore.open(run_dir, tables=())
+    marker_path = run_dir / COMPACTED_MARKER
+    if not store.compaction_is_whole():
+        return False
+    marker = orjson.loads(marker_path.read_bytes())
+    if (marker.get("derived") or {}).get("key") == derive.key:
+        return False
+    tables = run_dir / TABLES_DIR
+    stamp = f"{os.getpid()}-{time.time_ns()}"
+    tmp = tables / f".derived.tmp-{stamp}"
+    tmp.mkdir()
+    try:
+        marker["derived"] = write_derived(derive, tmp, store.aligned_arrow)
+        if (tmp / DERIVED_DIR).exists():
+            _swap_in(tmp / DERIVED_DIR, tables / DERIVED_DIR, tables / f".derived.old-{stamp}")
+        else:
+            shutil.rmtree(tables / DERIVED_DIR, ignore_errors=True)
+        new_marker = tables / f".{Path(COMPACTED_MARKER).name}.tmp-{stamp}"
+        new_marker.write_bytes(orjson.dumps(marker, option=orjson.OPT_INDENT_2))
+        os.replace(new_marker, marker_path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return True
 
 
 def _swap_in(new: Path, target: Path, graveyard: Path) -> None:

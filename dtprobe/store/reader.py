@@ -216,13 +216,15 @@ class RunStore:
         with self._lock:
             derived = (self._compacted or {}).get("derived") or {}
             if (derived.get("key") != key or name not in derived.get("tables", {}) or self._tail_from_step is not None
-                    or not self._compaction_is_whole()):
+                    or not self.compaction_is_whole()):
                 return None
             return read_derived(self._path / TABLES_DIR, derived, name, steps)
 
-    def _compaction_is_whole(self) -> bool:
-        """True while no events file differs from what the compaction consumed and the clock offsets are those it
-        used (then every table equals its compacted files)."""
+    def compaction_is_whole(self) -> bool:
+        """True while the run is compacted, no events file differs from what the compaction consumed and the clock
+        offsets are those it used (then every table equals its compacted files)."""
+        if self._compacted is None:
+            return False
         consumed = self._compacted["events"]
         offsets = {str(r): o for r, o in self._manifest.clock_offsets_ns.items()}
         if offsets != self._compacted["clock_offsets_ns"]:

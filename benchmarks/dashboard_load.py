@@ -14,6 +14,16 @@ server starts. Measured side by side in one run:
 
     python benchmarks/dashboard_load.py [--ranks 64] [--steps 1000] [--repeats 3]
 
+With ``--pages``, per page instead (issue 17, item 4): a tp8 x dp run of ``--ranks`` ranks and ``--steps`` steps
+(``benchmarks/scale_data.py``: 100 collectives per step per rank, one planted straggler, finished, compacted and
+its summary stored, as `dtprobe run` leaves it) beside the same run at 64 ranks, served by one server; for each run
+and page, the time from navigating to the page until it is drawn (the Overview is drawn from the stored summary;
+the first other page of a run pays for the run's analysis, which the server then keeps), and from a widget change
+until it is redrawn: choosing the run in the run picker while the page shows the other run, and on the Timeline
+also moving its step window. ``--one-host`` writes every rank on one host.
+
+    python benchmarks/dashboard_load.py --ranks 1024 --steps 20 --pages overview,stragglers,timeline,communication
+
 It measures the dtprobe installed in this checkout (``pip install -e .``): the server it starts imports the same.
 Goals: the Overview drawn within 3 s of the server's start; a live refresh that does not grow with the run.
 """
@@ -146,12 +156,161 @@ def refresh_cost_s(run: SyntheticRun) -> tuple[float, float]:
     return t1 - t0, time.perf_counter() - t2
 
 
+PAGE_TITLES = {"overview": "Overview", "stragglers": "Stragglers", "timeline": "Timeline",
+               "communication": "Communication"}
+PAGE_PATHS = {"overview": ""}
+"""URL paths that are not the page's name (the Overview is the app's default page, served at the root)."""
+PAGE_DRAWN = DRAWN_JS % """!!q("[data-testid=stSelectbox]") && !q("[data-testid=stSkeleton]")
+    && new URLSearchParams(location.search).get("run") === %s
+    && [...document.querySelectorAll("h1")].some((h) => h.innerText.trim() === %s)
+    && [...document.querySelectorAll("[data-testid=stPlotlyChart]")].every((c) => !!c.querySelector(".main-svg"))"""
+"""A page of ``--pages`` drawn for a run: run picker, the page's title, every plotly chart drawn, no script running
+and the URL naming the run (so a widget change is done only once the page shows the run it asked for)."""
+
+
+def write_scale_run(run_dir: Path, ranks: int, steps: int, *, one_host: bool) -> float:
+    """Write a finished, compacted tp8 x dp run (``benchmarks/scale_data.py``) with every rank on one host when
+    ``one_host``; seconds taken."""
+    import scale_data
+    from dtprobe.store import compact
+    from dtprobe.store.manifest import write_rank_info
+
+    t = time.perf_counter()
+    spec = scale_data.ScaleRunSpec(world=ranks, steps=steps, straggler_rank=scale_data.default_straggler(ranks))
+    scale_data.write_run(run_dir, spec, status="finished")
+    if one_host:
+        for rank in range(ranks):
+            write_rank_info(run_dir, rank, host="node0", node_rank=0, local_rank=rank, device=f"cuda:{rank % 8}",
+                            pid=10_000 + rank, clock_offset_ns=0, device_name="NVIDIA H100 80GB HBM3")
+    compact(run_dir)
+    took = time.perf_counter() - t
+    t = time.perf_counter()
+    summary_store.make(run_dir)  # what `dtprobe run` leaves: the Overview is drawn from it
+    print(f"  {ranks} ranks: analysis and stored summary made in {time.perf_counter() - t:.1f} s", flush=True)
+    return took
+
+
+def measure_pages(root: Path, runs: list[str], pages: list[str]) -> dict[tuple[str, str, str], float]:
+    """{(run, page, "draw" | "picker" | "steps"): seconds} on one server over ``root`` and one browser: each run's
+    pages in order (navigation to drawn), then per page a run-picker change to each run (and on the Timeline a step
+    window change)."""
+    from playwright.sync_api import sync_playwright
+
+    port = _port()
+    env = dict(os.environ, **{ROOT_ENV: str(root), summary_store.CACHE_ENV: str(root.parent / "user-cache")})
+    url = f"http://127.0.0.1:{port}"
+    out: dict[tuple[str, str, str], float] = {}
+    errors = tempfile.TemporaryFile()
+    proc = subprocess.Popen(streamlit_argv(host="127.0.0.1", port=port), env=env, cwd=APP.parent,
+                            stdout=subprocess.DEVNULL, stderr=errors, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/_stcore/health", timeout=1)
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    errors.seek(0)
+                    raise SystemExit("the dashboard server did not start:\n"
+                                     + errors.read().decode(errors="replace")[-2000:])
+                time.sleep(0.1)
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox", "--disable-gpu"])
+            page = browser.new_page(viewport={"width": 1500, "height": 1100})
+
+            def wait(run: str, name: str) -> None:
+                drawn = PAGE_DRAWN.replace("%s", repr(run), 1).replace("%s", repr(PAGE_TITLES[name]), 1)
+                try:
+                    page.wait_for_function(drawn, polling="raf", timeout=600_000)
+                except Exception:
+                    if proc.poll() is not None:
+                        errors.seek(0)
+                        raise SystemExit(f"the dashboard server exited with {proc.returncode} on {run}/{name}:\n"
+                                         + errors.read().decode(errors="replace")[-2000:])
+                    raise
+
+            for run in runs:
+                for name in pages:
+                    t = time.perf_counter()
+                    page.goto(f"{url}/{PAGE_PATHS.get(name, name)}?run={run}", wait_until="commit")
+                    wait(run, name)
+                    out[(run, name, "draw")] = time.perf_counter() - t
+                    print(f"  {run} {name}: drawn in {out[(run, name, 'draw')]:.2f} s", flush=True)
+            for name in pages:
+                for run in runs:
+                    other = next(r for r in runs if r != run)
+                    page.goto(f"{url}/{PAGE_PATHS.get(name, name)}?run={other}", wait_until="commit")
+                    wait(other, name)
+                    t = time.perf_counter()
+                    page.get_by_test_id("stSidebar").get_by_test_id("stSelectbox").click()
+                    page.get_by_role("option", name=run, exact=True).click()
+                    wait(run, name)
+                    out[(run, name, "picker")] = time.perf_counter() - t
+                    if name == "timeline":
+                        thumb = page.get_by_role("slider").first
+                        before = page.locator("[data-testid=stPlotlyChart] .main-svg").first.inner_html()
+                        thumb.focus()
+                        t = time.perf_counter()
+                        page.keyboard.press("ArrowLeft")
+                        page.wait_for_function(
+                            "(before) => { const s = document.querySelector('[data-testid=stPlotlyChart] .main-svg');"
+                            " return !!s && s.innerHTML !== before"
+                            " && !document.querySelector('[data-testid=stStatusWidget]'); }",
+                            arg=before, polling="raf", timeout=600_000)
+                        out[(run, name, "steps")] = time.perf_counter() - t
+            browser.close()
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        errors.close()
+    return out
+
+
+def pages_main(args) -> None:
+    """``--pages``: per page draw and widget-change times, the 64-rank run and the ``--ranks`` run side by side."""
+    pages = [p.strip() for p in args.pages.split(",") if p.strip()]
+    unknown = [p for p in pages if p not in PAGE_TITLES]
+    if unknown:
+        raise SystemExit(f"--pages: unknown page(s) {', '.join(unknown)}; choose from {', '.join(PAGE_TITLES)}")
+    sizes = sorted({64, args.ranks})
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "runs"
+        for n in sizes:
+            took = write_scale_run(root / f"r{n}", n, args.steps, one_host=args.one_host)
+            print(f"wrote and compacted {n} ranks x {args.steps} steps x 100 collectives in {took:.1f} s", flush=True)
+        runs = [f"r{n}" for n in sizes]
+        times = measure_pages(root, runs, pages)
+    width = 18
+    print(f"\n{'page, time to':32s}" + "".join(f"{f'{n} ranks':>{width}s}" for n in sizes)
+          + (f"{'ratio':>{width}s}" if len(sizes) > 1 else ""))
+    for name in pages:
+        for what, label in (("draw", "navigation -> drawn"), ("picker", "run picked -> redrawn"),
+                            ("steps", "step window -> redrawn")):
+            values = [times.get((r, name, what)) for r in runs]
+            if all(v is None for v in values):
+                continue
+            row = "".join(f"{v:>{width - 2}.2f} s" if v is not None else f"{'-':>{width}s}" for v in values)
+            ratio = (f"{values[-1] / values[0]:>{width - 1}.1f}x" if len(values) > 1 and values[0] else "")
+            print(f"{name + ': ' + label:32s}{row}{ratio}")
+    print("Goals at 1,024 ranks: each page drawn within 3 s, a widget change redrawn within 1 s (the run's first "
+          "page also pays for its analysis).")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", type=int, default=64, help="ranks of the synthetic run (default 64)")
     ap.add_argument("--steps", type=int, default=1000, help="steps of the synthetic run (default 1000)")
     ap.add_argument("--repeats", type=int, default=3, help="server starts per case (the median is printed)")
+    ap.add_argument("--pages", default=None,
+                    help="comma-separated pages (overview,stragglers,timeline,communication): time each page's draw "
+                         "and widget changes on a tp8 x dp run of --ranks beside one of 64 ranks, instead of the "
+                         "server-start benchmark")
+    ap.add_argument("--one-host", action="store_true",
+                    help="with --pages: every rank on one host (no cross-node links to analyze)")
     args = ap.parse_args()
+    if args.pages is not None:
+        return pages_main(args)
     from dtprobe.dashboard.data import live_window_steps
     from dtprobe.store import compact
     from dtprobe.store.manifest import set_status

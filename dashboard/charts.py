@@ -10,6 +10,7 @@ import pandas as pd
 import plotly.express as px
 import plotly.graph_objects as go
 
+from dtprobe.analysis.tables import LISTED_MEMBERS_MAX, group_members, group_phrase
 from dtprobe.dashboard.clocks import clock_words
 
 PALETTE = ["#0068c9", "#83c9ff", "#ff2b2b", "#ffabab", "#29b09d", "#7defa1", "#ff8700", "#ffd16a", "#6d3fc0",
@@ -30,6 +31,30 @@ def _layout(fig: go.Figure, title: str, *, height: int = 360) -> go.Figure:
 
 def _rank_label(rank) -> str:
     return f"rank {int(rank)}"
+
+
+MAX_RANK_BARS = 64
+"""Per-rank bar charts draw at most this many bars: more ranks are binned into blocks of consecutive ranks."""
+
+
+def rank_blocks(df: pd.DataFrame, columns: list[str]) -> tuple[pd.DataFrame, int]:
+    """``df`` (one row per rank) with a ``rank`` label column: ``"rank 3"`` per rank up to ``MAX_RANK_BARS`` ranks;
+    beyond that one row per block of consecutive ranks (``"ranks 0-15"``) holding the mean of ``columns``. Returns
+    the frame and the block size (1: not binned)."""
+    df = df.sort_values("rank")
+    ranks = df["rank"].to_numpy(dtype="int64")
+    block = -(-len(ranks) // MAX_RANK_BARS)
+    if block <= 1:
+        return df.assign(rank=df["rank"].map(_rank_label)), 1
+    index = np.arange(len(ranks)) // block
+    out = df[columns].astype("float64").groupby(index).mean()
+    firsts, lasts = pd.Series(ranks).groupby(index).min(), pd.Series(ranks).groupby(index).max()
+    out.insert(0, "rank", [f"ranks {a}-{b}" if a != b else _rank_label(a) for a, b in zip(firsts, lasts)])
+    return out.reset_index(drop=True), block
+
+
+def _binned_title(title: str, block: int) -> str:
+    return title if block <= 1 else f"{title} (mean of each block of {block} ranks)"
 
 
 def empty(title: str, message: str) -> go.Figure:
@@ -226,18 +251,19 @@ def lateness_heatmap(lateness: pd.DataFrame, *, marked: list[int] | None = None,
 def victims_wait(waits: pd.DataFrame, *, clock: str = "host") -> go.Figure:
     """Mean time (ms) each rank waited for the last arrival of its collectives, arrivals read on ``clock``."""
     col = "wait_ns" if "wait_ns" in waits.columns else [c for c in waits.columns if c.endswith("_ns")][-1]
-    df = waits.groupby("rank", as_index=False)[col].mean().assign(
-        wait_ms=lambda d: d[col].astype("float64") / 1e6, rank=lambda d: d["rank"].map(_rank_label))
+    per_rank = waits.groupby("rank", as_index=False)[col].mean().assign(
+        wait_ms=lambda d: d[col].astype("float64") / 1e6)
+    df, block = rank_blocks(per_rank, ["wait_ms"])
     fig = px.bar(df, color_discrete_sequence=PALETTE, x="rank", y="wait_ms",
                  labels={"wait_ms": f"mean wait per collective (ms, {clock_words(clock)})", "rank": ""})
-    return _layout(fig, "Who waits (victims)", height=300)
+    return _layout(fig, _binned_title("Who waits (victims)", block), height=300)
 
 
 def device_arrival_lateness(arrivals: pd.DataFrame) -> go.Figure:
     """Per rank and group of a trace folder: median arrival lateness (µs) on the device clock aligned from the
     collectives (``RunAnalysis.arrival_summary``)."""
     df = arrivals.assign(rank=lambda d: d["rank"].map(_rank_label),
-                         group=lambda d: d["pg"].astype(str) + " [" + d["pg_ranks"].astype(str) + "]")
+                         group=_group_labels)
     fig = px.bar(df, color_discrete_sequence=PALETTE, x="rank", y="median_lateness_us", color="group",
                  barmode="group", hover_data=["num_collectives", "last_frac"],
                  labels={"median_lateness_us": f"median lateness (µs, {clock_words('device')})", "rank": "",
@@ -259,37 +285,87 @@ def bandwidth_by_size(by_size: pd.DataFrame) -> go.Figure:
     return _layout(fig, "Bus bandwidth by op and size")
 
 
+BOX_MAX_POINTS = 5_000
+"""Above this many collectives, the bandwidth box plot is drawn from each box's quartiles computed here (one box per
+(group, op)), not from every collective: a 1,024-rank run has hundreds of thousands."""
+
+
+def group_label(pg, pg_ranks) -> str:
+    """A group on a chart axis: ``"0 [0,1,2,3]"`` for a small group, its axis and size above
+    ``LISTED_MEMBERS_MAX`` members (``"dp group of 128 ranks"``): a large group's members are never listed."""
+    members = group_members(None if pd.isna(pg_ranks) else str(pg_ranks))
+    if len(members) <= LISTED_MEMBERS_MAX:
+        return f"{pg} [{pg_ranks}]"
+    return group_phrase(str(pg), members)
+
+
+MAX_GROUPS = 24
+"""Above this many groups, a chart's group axis has one entry per group axis (``pg`` name) and size instead."""
+
+
+def _group_labels(df: pd.DataFrame) -> pd.Series:
+    """The label of every row's group (computed once per distinct group): ``group_label``, with the first member
+    added where two large groups would read the same; above ``MAX_GROUPS`` groups, one label per group axis and
+    size (``"tp: 128 groups of 8 ranks"``), so the axis does not grow with the number of ranks."""
+    codes, pairs = pd.factorize(pd.MultiIndex.from_arrays([df["pg"].fillna("").astype(str),
+                                                           df["pg_ranks"].fillna("").astype(str)]))
+    members = {(pg, pr): group_members(pr) for pg, pr in pairs}
+    if len(pairs) > MAX_GROUPS:
+        counts = pd.Series([(pg, len(m)) for (pg, _), m in members.items()]).value_counts()
+        names = {k: f"{k[0]}: {counts[(k[0], len(m))]} group(s) of {len(m)} ranks" for k, m in members.items()}
+    else:
+        names = {k: group_label(*k) for k in members}
+        seen = pd.Series(list(names.values())).value_counts()
+        names = {k: f"{v} from rank {members[k][0]}" if seen[v] > 1 and members[k] else v for k, v in names.items()}
+    return pd.Series(np.array([names[k] for k in pairs], dtype="object")[codes], index=df.index, dtype="object")
+
+
 def bandwidth_by_group(bw: pd.DataFrame) -> go.Figure:
-    """Distribution of bus bandwidth per (group, op)."""
+    """Distribution of bus bandwidth per (group, op); groups named by ``group_label``. Above ``BOX_MAX_POINTS``
+    collectives, one precomputed box (quartiles, whiskers at the 1.5 IQR fences, no outlier points) per group and
+    op, so the figure's size does not grow with the run."""
     df = bw.dropna(subset=["busbw_bytes_per_s"]).assign(
-        busbw_gbs=lambda d: d["busbw_bytes_per_s"].astype("float64") / 1e9,
-        group=lambda d: d["pg"].astype(str) + " [" + d["pg_ranks"].astype(str) + "]")
-    fig = px.box(df, color_discrete_sequence=PALETTE,
-                 x="group", y="busbw_gbs", color="op", labels={"busbw_gbs": "busbw (GB/s)", "group": ""})
-    return _layout(fig, "Bus bandwidth by group")
+        busbw_gbs=lambda d: d["busbw_bytes_per_s"].astype("float64") / 1e9)
+    df["group"] = _group_labels(df)
+    if len(df) <= BOX_MAX_POINTS:
+        fig = px.box(df, color_discrete_sequence=PALETTE,
+                     x="group", y="busbw_gbs", color="op", labels={"busbw_gbs": "busbw (GB/s)", "group": ""})
+        return _layout(fig, "Bus bandwidth by group")
+    fig = go.Figure()
+    for i, (op, one) in enumerate(df.groupby("op", sort=True)):
+        q = one.groupby("group", sort=True)["busbw_gbs"].quantile([0.0, 0.25, 0.5, 0.75, 1.0]).unstack()
+        iqr = q[0.75] - q[0.25]
+        lo = np.maximum(q[0.0], q[0.25] - 1.5 * iqr)
+        hi = np.minimum(q[1.0], q[0.75] + 1.5 * iqr)
+        fig.add_trace(go.Box(x=q.index.tolist(), q1=q[0.25].tolist(), median=q[0.5].tolist(), q3=q[0.75].tolist(),
+                             lowerfence=lo.tolist(), upperfence=hi.tolist(), name=str(op),
+                             marker_color=PALETTE[i % len(PALETTE)]))
+    fig.update_layout(boxmode="group")
+    fig.update_yaxes(title="busbw (GB/s)")
+    return _layout(fig, f"Bus bandwidth by group ({len(df):,} collectives, quartiles)")
 
 
 def exposure_by_rank(exposure: pd.DataFrame, *, marked: list[int] | None = None) -> go.Figure:
     """Per rank: exposed communication, straggler wait and hidden (overlapped) communication, share of step."""
-    df = exposure.assign(rank=lambda d: d["rank"].map(_rank_label),
-                         hidden=lambda d: (d["comm_frac"] - d["exposed_frac"]
+    df = exposure.assign(hidden=lambda d: (d["comm_frac"] - d["exposed_frac"]
                                            - d["straggler_wait_frac"].fillna(0)).clip(lower=0))
+    df, block = rank_blocks(df, ["exposed_frac", "straggler_wait_frac", "hidden"])
     fig = go.Figure()
     for col, name in (("exposed_frac", "exposed"), ("straggler_wait_frac", "waiting for a straggler"),
                       ("hidden", "overlapped")):
         fig.add_trace(go.Bar(x=df["rank"], y=df[col], name=name))
     fig.update_layout(barmode="stack")
     fig.update_yaxes(tickformat=".0%", title="share of the step")
-    return _layout(fig, "Communication per rank: exposed vs overlapped")
+    return _layout(fig, _binned_title("Communication per rank: exposed vs overlapped", block))
 
 
 def overlap_by_rank(overlap: pd.DataFrame) -> go.Figure:
     """Share of communication overlapped by compute per rank (kernel level or host estimate)."""
-    df = overlap.assign(rank=lambda d: d["rank"].map(_rank_label))
+    df, block = rank_blocks(overlap, ["overlap_frac"])
     fig = px.bar(df, color_discrete_sequence=PALETTE,
                  x="rank", y="overlap_frac", labels={"overlap_frac": "comm overlapped by compute", "rank": ""})
     fig.update_yaxes(tickformat=".0%", range=[0, 1])
-    return _layout(fig, "Compute / communication overlap per rank", height=300)
+    return _layout(fig, _binned_title("Compute / communication overlap per rank", block), height=300)
 
 
 def compression(summary: pd.DataFrame) -> go.Figure:

@@ -230,17 +230,36 @@ def show_findings(findings: list, *, key: str) -> None:
     evidence rows on demand."""
     for index, finding in enumerate(findings):
         with st.container(border=True):
-            ranks = ", ".join(str(r) for r in finding.ranks) or "-"
             st.markdown(f"**:{SEVERITY_BADGE[finding.severity]}[{finding.severity.upper()}] {finding.code}** · "
-                        f"ranks {ranks} · group {finding.group or '-'}  \n{finding.title}")
+                        f"ranks {ranks_text(finding.ranks)} · group {finding.group or '-'}  \n{finding.title}")
             evidence_clock(finding.evidence.get("clock"))
             st.caption(finding.recommendation)
             if finding.predicted_gain is not None:
                 st.caption(f"Predicted gain: {finding.predicted_gain.frac:.0%} shorter "
                            f"{finding.predicted_gain.metric.replace('_', ' ')}")
             if finding.rows is not None and not finding.rows.empty:
-                with st.expander(f"Evidence rows ({len(finding.rows)})"):
-                    st.dataframe(finding.rows, hide_index=True)
+                rows = finding.rows
+                with st.expander(f"Evidence rows ({len(rows):,})"):
+                    if len(rows) > MAX_TABLE_ROWS:
+                        st.caption(f"The first {MAX_TABLE_ROWS:,} of {len(rows):,} rows; `dtprobe analyze "
+                                   f"--format json` reports them all.")
+                    st.dataframe(rows.head(MAX_TABLE_ROWS), hide_index=True)
+
+
+MAX_TABLE_ROWS = 1_000
+"""Rows a page's table sends to the browser at most (a 1,024-rank run's evidence can hold hundreds of thousands)."""
+MAX_LISTED_RANKS = 16
+"""A finding's ranks listed one by one up to this many; more are named by their count and range."""
+
+
+def ranks_text(ranks) -> str:
+    """A finding's ranks on a card: ``"2, 5"``, or ``"512 ranks (0-1023)"`` above ``MAX_LISTED_RANKS``."""
+    ranks = [int(r) for r in ranks]
+    if not ranks:
+        return "-"
+    if len(ranks) <= MAX_LISTED_RANKS:
+        return ", ".join(str(r) for r in ranks)
+    return f"{len(ranks)} ranks ({min(ranks)}-{max(ranks)})"
 
 
 def evidence_clock(clock: str | None) -> None:

@@ -40,9 +40,8 @@ def body(source) -> None:
     for severity in ("critical", "warning", "info"):
         for finding in (f for f in findings if f.severity == severity):
             with st.container(border=True):
-                ranks = ", ".join(str(r) for r in finding.ranks) or "-"
                 st.markdown(f"**:{common.SEVERITY_BADGE[severity]}[{severity.upper()}] {finding.code}** · "
-                            f"ranks {ranks} · group {finding.group or '-'}  \n{finding.title}")
+                            f"ranks {common.ranks_text(finding.ranks)} · group {finding.group or '-'}  \n{finding.title}")
                 common.evidence_clock(finding.clock)
                 st.caption(finding.recommendation)
                 page = FINDING_PAGE.get(finding.code)

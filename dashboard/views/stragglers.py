@@ -8,12 +8,18 @@ import streamlit as st
 from dtprobe.dashboard import charts, clocks, common
 
 
+MAX_SCORE_ROWS = 50
+"""Rows of the culprits-and-victims table above ``charts.MAX_RANK_BARS`` ranks (culprits first, then the latest)."""
+
+
 def body(source) -> None:
     analysis = common.load(source)
     findings = common.findings_for(analysis, ("STRAGGLER",))
     marked = common.marked_ranks() or sorted({r for f in findings for r in f.ranks})
     if marked:
-        st.markdown("**Marked:** " + ", ".join(f":red[rank {r}]" for r in marked)
+        shown = marked if len(marked) <= common.MAX_LISTED_RANKS else []
+        st.markdown("**Marked:** " + (", ".join(f":red[rank {r}]" for r in shown)
+                                      or f":red[{common.ranks_text(marked)}]")
                     + (" (from the finding link)" if common.marked_ranks() else " (detected culprits)"))
     clock, aligned = analysis.arrival_clock(), analysis.clock_alignment()
     st.caption(clocks.run_clocks(aligned, clock))
@@ -32,7 +38,12 @@ def body(source) -> None:
     causes = analysis.straggler_causes()
     st.subheader("Culprits and victims")
     table = scores.merge(causes, on=["pg", "pg_ranks", "rank"], how="left") if not causes.empty else scores
-    table = table.assign(role=lambda d: d["rank"].map(lambda r: "culprit" if r in marked else "victim"))
+    table = table.assign(role=lambda d: d["rank"].isin(marked).map({True: "culprit", False: "victim"}))
+    if table["rank"].nunique() > charts.MAX_RANK_BARS:  # culprits first, then the latest ranks
+        total = len(table)
+        table = table.sort_values(["role", "median_lateness_frac"], ascending=[True, False],
+                                  kind="stable").head(MAX_SCORE_ROWS)
+        st.caption(f"The culprits and the latest ranks: {len(table)} of {total:,} (group, rank) rows.")
     st.dataframe(table[["role", "pg", "rank", "median_lateness_frac", "positive_frac", "mean_victims_wait_ns",
                         *[c for c in ("cause",) if c in table.columns]]],
                  hide_index=True, column_config={

@@ -7,11 +7,33 @@ import streamlit as st
 from dtprobe.dashboard import charts, common
 
 MAX_RANKS = 16  # ranks drawn at once (a 64-rank Gantt is unreadable); the rest are chosen in the rank filter
+MANY_RANKS = 64
+"""Above this many ranks, the default choice is the ranks the findings name and the slowest (by median step time),
+and at most ``MAX_CHOSEN`` ranks can be chosen, so the Gantt stays bounded."""
+MAX_CHOSEN = 32
+
+
+def default_ranks(steps, marked: list[int], named: list[int]) -> list[int]:
+    """The ranks the Timeline draws first: every rank up to ``MAX_RANKS``; up to ``MANY_RANKS`` the ``marked`` ones
+    and the lowest; beyond, the ``marked`` and ``named`` ranks then the slowest by median step time, ``MAX_RANKS`` in
+    all."""
+    ranks = sorted(int(r) for r in steps["rank"].unique())
+    if len(ranks) <= MAX_RANKS:
+        return ranks
+    if len(ranks) <= MANY_RANKS:
+        return sorted(set(marked) | set(ranks[:MAX_RANKS - len(marked)]))
+    step_ns = (steps["end_ns"] - steps["start_ns"]).astype("float64")
+    slowest = step_ns.groupby(steps["rank"]).median().sort_values(ascending=False, kind="stable").index
+    known = set(ranks)
+    first = [r for r in dict.fromkeys([*marked, *named]) if r in known][:MAX_CHOSEN]
+    chosen = list(dict.fromkeys([*first, *(int(r) for r in slowest)]))
+    return sorted(chosen[:max(MAX_RANKS, len(first))])
 
 
 def body(source) -> None:
     analysis = common.load(source)
-    common.show_findings(common.findings_for(analysis, ("HANG", "RANK_CRASH")), key="timeline")
+    findings = common.findings_for(analysis, ("HANG", "RANK_CRASH"))
+    common.show_findings(findings, key="timeline")
     steps = analysis.table("steps")
     if steps.empty:
         st.info("No steps recorded yet.")
@@ -25,11 +47,17 @@ def body(source) -> None:
                            help="Zoom: pick one step (both ends equal) or a few.")
     ranks = sorted(int(r) for r in steps["rank"].unique())
     marked = common.marked_ranks()
-    default = sorted(set(marked) | set(ranks[:MAX_RANKS - len(marked)])) if len(ranks) > MAX_RANKS else ranks
-    chosen = st.multiselect("Ranks", ranks, default=default, key="timeline_ranks")
+    default = default_ranks(steps, marked, [r for f in analysis.findings() if len(f.ranks) <= MAX_RANKS
+                                            for r in f.ranks])
+    many = len(ranks) > MANY_RANKS
+    chosen = st.multiselect("Ranks", ranks, default=default, key="timeline_ranks",
+                            max_selections=MAX_CHOSEN if many else None,
+                            help=f"{len(ranks)} ranks: first the ranks the findings name, then the slowest by median "
+                                 f"step time; at most {MAX_CHOSEN} at once." if many else None)
 
     def cut(df, col="step"):
-        return df[df[col].between(*window) & df["rank"].isin(chosen)]
+        in_window = df[df[col].between(*window)]
+        return in_window[in_window["rank"].isin(chosen)]
 
     fig = charts.timeline(cut(steps), cut(analysis.table("collectives")), cut(analysis.table("pipeline")),
                           marked=marked)
@@ -37,7 +65,9 @@ def body(source) -> None:
     last_seen = analysis.last_seen()
     if analysis.status != "finished" and not last_seen.empty:
         st.subheader("Last activity per rank")
-        st.dataframe(last_seen, hide_index=True)
+        if len(last_seen) > common.MAX_TABLE_ROWS:
+            st.caption(f"The first {common.MAX_TABLE_ROWS:,} of {len(last_seen):,} ranks.")
+        st.dataframe(last_seen.head(common.MAX_TABLE_ROWS), hide_index=True)
 
 
 source = common.page_setup("Timeline")

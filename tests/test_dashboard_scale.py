@@ -1,0 +1,224 @@
+"""The dashboard at 1,024 ranks (issue 17, item 4): what a page draws is bounded whatever the number of ranks
+(per-rank bars binned into at most 64 blocks, the bandwidth box plot drawn from per-group quartiles, tables cut to
+1,000 rows, the Timeline's default ranks the named and the slowest), large groups are named by axis and size, never
+by their members; small runs are drawn as before. Asserted on the figure objects, never on time."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import streamlit
+from streamlit.testing.v1 import AppTest
+
+from dtprobe import summary_store
+from dtprobe.dashboard import charts, common, data
+from dtprobe.dashboard.paths import ROOT_ENV
+from dtprobe.synthetic import SyntheticRun
+
+REPO = Path(__file__).resolve().parents[1]
+APP = REPO / "dashboard" / "app.py"
+RANKS = 1024
+TP = 8
+STRAGGLER = 700
+
+
+def _tp_dp_groups(world: int = RANKS) -> list[tuple[str, list[int]]]:
+    tp = [("tp", list(range(n * TP, (n + 1) * TP))) for n in range(world // TP)]
+    dp = [("dp", list(range(local, world, TP))) for local in range(TP)]
+    return tp + dp
+
+
+def _bandwidth_rows(world: int = RANKS, per_group: int = 40) -> pd.DataFrame:
+    """``collective_bandwidth``-like rows: ``per_group`` collectives per group, dp 4x slower than tp."""
+    rows = []
+    for pg, members in _tp_dp_groups(world):
+        base = 100e9 if pg == "tp" else 25e9
+        for i in range(per_group):
+            rows.append({"pg": pg, "pg_ranks": ",".join(map(str, members)), "op": "allgather",
+                         "busbw_bytes_per_s": base * (1 + 0.01 * (i % 5))})
+    return pd.DataFrame(rows)
+
+
+# ------------------------------------------------------------------------------------------------ chart builders
+
+
+def test_bandwidth_by_group_at_1024_ranks_draws_one_box_per_group_axis_from_quartiles():
+    bw = _bandwidth_rows()
+    assert len(bw) > charts.BOX_MAX_POINTS
+    fig = charts.bandwidth_by_group(bw)
+    [box] = fig.data                                            # one op
+    assert list(box.x) == ["dp: 8 group(s) of 128 ranks", "tp: 128 group(s) of 8 ranks"]
+    assert box.y is None                                        # quartiles, not one point per collective
+    assert list(box.median) == pytest.approx([25.5, 102.0])     # GB/s: the middle of the 1.00..1.04 jitter
+    assert list(box.q1) == pytest.approx([25.25, 101.0]) and list(box.q3) == pytest.approx([25.75, 103.0])
+    assert len(fig.to_json()) < 10_000
+
+
+def test_bandwidth_by_group_names_a_few_large_groups_by_size_and_first_rank_and_small_ones_by_members():
+    few = _bandwidth_rows(world=256)
+    few = few[few["pg"] == "dp"]                                # 8 dp groups of 32 ranks: each its own box
+    labels = sorted(charts._group_labels(few).unique())
+    assert labels[:2] == ["dp group of 32 ranks from rank 0", "dp group of 32 ranks from rank 1"]
+    assert len(labels) == 8
+    small = pd.DataFrame({"pg": ["0"] * 6, "pg_ranks": ["0,1,2,3"] * 6, "op": ["allreduce"] * 6,
+                          "busbw_bytes_per_s": np.linspace(1e9, 2e9, 6)})
+    fig = charts.bandwidth_by_group(small)                      # a small run: every collective, as before
+    assert list(fig.data[0].x) == ["0 [0,1,2,3]"] * 6 and len(fig.data[0].y) == 6
+
+
+def _per_rank(world: int, late: int) -> pd.DataFrame:
+    ranks = np.arange(world)
+    exposed = np.full(world, 0.10)
+    exposed[late] = 0.90
+    return pd.DataFrame({"rank": ranks, "comm_frac": 0.5 + 0 * exposed, "exposed_frac": exposed / 2,
+                         "straggler_wait_frac": np.zeros(world), "overlap_frac": 1 - exposed})
+
+
+def test_per_rank_bars_at_1024_ranks_are_64_blocks_of_16_holding_the_mean():
+    df = _per_rank(RANKS, late=STRAGGLER)
+    fig = charts.exposure_by_rank(df)
+    assert [len(t.x) for t in fig.data] == [64, 64, 64]
+    assert fig.data[0].x[0] == "ranks 0-15" and fig.data[0].x[-1] == "ranks 1008-1023"
+    block = STRAGGLER // 16                                     # the late rank's block: its mean, not a rank's value
+    assert fig.data[0].y[block] == pytest.approx((15 * 0.05 + 0.45) / 16)
+    assert fig.data[0].y[0] == pytest.approx(0.05)
+    assert "mean of each block of 16 ranks" in fig.layout.title.text
+    overlap = charts.overlap_by_rank(df)
+    assert len(overlap.data[0].x) == 64 and overlap.data[0].y[block] == pytest.approx((15 * 0.9 + 0.1) / 16)
+    waits = pd.DataFrame({"rank": np.repeat(np.arange(RANKS), 3), "wait_ns": np.tile([1e6, 2e6, 3e6], RANKS)})
+    victims = charts.victims_wait(waits)
+    assert len(victims.data[0].x) == 64 and list(victims.data[0].y) == pytest.approx([2.0] * 64)
+
+
+def test_per_rank_bars_of_a_small_run_are_one_per_rank():
+    df = _per_rank(16, late=3)
+    fig = charts.exposure_by_rank(df)
+    assert list(fig.data[0].x) == [f"rank {r}" for r in range(16)]
+    assert fig.data[0].y[3] == pytest.approx(0.45)
+    assert "block" not in fig.layout.title.text
+    assert len(charts.overlap_by_rank(_per_rank(64, late=3)).data[0].x) == 64  # 64 ranks: still one bar each
+
+
+def test_a_finding_card_names_many_ranks_by_count_and_range():
+    assert common.ranks_text([3, 1]) == "3, 1"
+    assert common.ranks_text([]) == "-"
+    assert common.ranks_text(range(RANKS)) == "1024 ranks (0-1023)"
+
+
+def _timeline_module():
+    """The Timeline page's functions without running the page (its last lines draw it)."""
+    source = (REPO / "dashboard/views/timeline.py").read_text()
+    namespace: dict = {}
+    exec(compile(source.split("\nsource = common.page_setup")[0], "timeline.py", "exec"), namespace)
+    return namespace
+
+
+def test_timeline_default_ranks_bounded_and_chosen_by_what_matters():
+    tl = _timeline_module()
+    ranks = np.repeat(np.arange(RANKS), 3)
+    start = np.tile([0, 100, 200], RANKS) * 1_000_000
+    dur = np.full(len(ranks), 90_000_000)
+    dur[ranks == 900] = 99_000_000                              # the slowest two ranks
+    dur[ranks == 17] = 98_000_000
+    steps = pd.DataFrame({"rank": ranks, "step": np.tile([0, 1, 2], RANKS), "start_ns": start,
+                          "end_ns": start + dur})
+    chosen = tl["default_ranks"](steps, [5], [700])
+    assert len(chosen) == tl["MAX_RANKS"]
+    assert {5, 700, 900, 17} <= set(chosen) and chosen == sorted(chosen)
+    small = steps[steps["rank"] < 40]                           # up to 64 ranks: as before (marked + lowest)
+    assert tl["default_ranks"](small, [30], [17]) == sorted({30, *range(15)})
+    assert tl["default_ranks"](steps[steps["rank"] < 8], [], []) == list(range(8))
+
+
+# ------------------------------------------------------------------------------------------------ every page
+
+
+@pytest.fixture(scope="module")
+def big_root(tmp_path_factory) -> Path:
+    """A finished 1,024-rank x 6-step data-parallel run: one group of every rank, a straggler."""
+    root = tmp_path_factory.mktemp("runs1024")
+    run = SyntheticRun(root / "r1024", num_ranks=RANKS, straggler_rank=STRAGGLER)
+    run.write_steps(6)
+    run.finish()
+    return root
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch, tmp_path):
+    streamlit.config.set_option("client.showErrorDetails", "full")
+    streamlit.cache_data.clear()
+    data.clear()
+    monkeypatch.setenv(summary_store.CACHE_ENV, str(tmp_path / "user-cache"))
+
+
+LONG_LIST = re.compile(r"\d+(?:\s*,\s*\d+){16,}")
+"""17 or more comma-separated integers: a listed group or set of ranks."""
+
+
+def _texts(at: AppTest) -> list[str]:
+    parts = [m.value for m in at.markdown] + [c.value for c in at.caption] + [t.value for t in at.title]
+    parts += [h.value for h in (*at.header, *at.subheader)]
+    parts += [e.value for e in (*at.info, *at.error, *at.warning, *at.success)]
+    return [str(p) for p in parts]
+
+
+def _size(values) -> int:
+    """Values in a plotly figure's JSON: a list, or a typed array ``{"dtype", "bdata", "shape"}``."""
+    if isinstance(values, dict):
+        if values.get("shape"):
+            return int(np.prod([int(n) for n in str(values["shape"]).split(",")]))
+        return np.frombuffer(base64.b64decode(values["bdata"]), dtype=values["dtype"]).size
+    if values and isinstance(values[0], list):
+        return len(values) * len(values[0])
+    return len(values or [])
+
+
+def _figure_texts(spec: dict) -> list[str]:
+    layout = spec.get("layout", {})
+    texts = [json.dumps(layout.get("title", ""))]
+    texts += [json.dumps(v.get("title", "")) for k, v in layout.items() if k.startswith(("xaxis", "yaxis"))]
+    for trace in spec["data"]:
+        texts.append(str(trace.get("name", "")))
+        for axis in ("x", "y"):
+            values = trace.get(axis)
+            if isinstance(values, list) and values and isinstance(values[0], str):
+                texts += values
+    return texts
+
+
+@pytest.mark.parametrize("page", ["overview", "stragglers", "timeline", "communication"])
+def test_every_page_renders_a_1024_rank_run_bounded_and_without_listing_the_group(big_root, monkeypatch, page):
+    monkeypatch.setenv(ROOT_ENV, str(big_root))
+    at = AppTest.from_file(str(APP), default_timeout=240)
+    at.query_params["run"] = "r1024"
+    at.run()
+    if page != "overview":
+        at.switch_page(f"views/{page}.py").run()
+    assert not at.exception, [e.message for e in at.exception]
+    assert at.title[0].value == page.capitalize()
+    texts = _texts(at)
+    if page in ("overview", "stragglers"):
+        assert any("STRAGGLER" in t for t in texts)
+    for spec in (json.loads(el.proto.spec) for el in at.get("plotly_chart")):
+        assert len(spec["data"]) <= 16, spec["layout"].get("title")
+        for trace in spec["data"]:
+            z = trace.get("z")
+            cells = _size(z) if z is not None else _size(trace.get("x") or trace.get("q1"))
+            bound = charts.HEATMAP_MAX_ROWS * charts.HEATMAP_MAX_COLS if z is not None else 10_000
+            assert cells <= bound, (spec["layout"].get("title"), trace.get("name"))
+        texts += _figure_texts(spec)
+    for text in texts:
+        assert not LONG_LIST.search(text), text[:300]
+    for frame in at.dataframe:
+        assert len(frame.value) <= common.MAX_TABLE_ROWS
+    if page == "timeline":
+        [ranks] = [w for w in at.multiselect if w.key == "timeline_ranks"]
+        assert len(ranks.value) == 16 and STRAGGLER in ranks.value
+    if page == "communication":
+        assert [c.key for c in at.get("plotly_chart")][:2] == ["comm_bw_size", "comm_bw_group"]

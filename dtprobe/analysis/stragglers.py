@@ -311,10 +311,12 @@ def peer_noise(lateness: pd.DataFrame, windows: pd.DataFrame, *, column: str = "
     if windows.empty:
         return out
     wkey = windows.groupby(["pg", "pg_ranks"], sort=False).ngroup().to_numpy()
+    # each group's rows located once: a mask per group over the whole frame costs groups x rows (ranks squared)
+    rows_of = lateness.groupby(["pg", "pg_ranks"], sort=False).indices
     for _, idx in pd.Series(np.arange(len(windows))).groupby(wkey):
         idx = idx.to_numpy()
         pg, pg_ranks = windows["pg"].iloc[idx[0]], windows["pg_ranks"].iloc[idx[0]]
-        g = lateness[(lateness["pg"] == pg) & (lateness["pg_ranks"] == pg_ranks)]
+        g = lateness.iloc[np.sort(rows_of.get((pg, pg_ranks), np.empty(0, dtype="int64")))]
         m = g.pivot_table(index="step", columns="rank", values=column, aggfunc="first", dropna=False)
         grid = m.index.to_numpy(dtype="int64")
         values, members = m.to_numpy(dtype="float64"), m.columns.to_numpy(dtype="int64")

@@ -20,6 +20,8 @@ from dtprobe.analysis.hangs import missing_arrivals
 from dtprobe.store import RunStore, compact
 from dtprobe.store.compaction import add_derived
 from dtprobe.store.frames import empty_frame
+from dtprobe.synthetic import (MS, T0, cuda_dp_tables, cut_rank, lockstep_tables, pending_row, stall_rank,
+                               write_rows_run, write_run)
 from test_sample_trace_findings import BASELINES, GOLDEN, SAMPLES, SCENARIOS, by_severity
 
 RESTARTED = {"ckpt_crash_restart": "a collective numbering restarts inside step block 0 (a torchrun restart)"}
@@ -185,3 +187,36 @@ def test_dtprobe_compact_writes_the_derived_tables(tmp_path, run_cli):
     assert result.returncode == 0, result.stderr
     derived = orjson.loads((run / "tables" / "_compacted.json").read_bytes())["derived"]
     assert derived["key"] == KEY and derived["tables"][LATENESS]["rows"] == 120
+
+
+def _compacted(run: Path) -> Path:
+    compact(run, derive=deriver())
+    assert "skipped" not in orjson.loads((run / "tables" / "_compacted.json").read_bytes())["derived"]
+    return run
+
+
+@pytest.mark.parametrize("clock", ["device", "host"])
+def test_a_cuda_run_over_three_step_blocks_gives_the_same_frames_and_findings(tmp_path, clock):
+    tables = cuda_dp_tables(clock=clock, num_steps=50, straggler=2, delay_ms=15.0)
+    run = _compacted(write_run(tmp_path / clock, tables, world_size=4, config={"layout": {"dp": 4, "tp": 1, "pp": 1}}))
+    kept, raw = analyses(run, None)
+    assert sorted(kept.rank_lateness()["step"].unique()) == list(range(1, 50))
+    pd.testing.assert_frame_equal(kept.rank_lateness(), raw.rank_lateness())
+    pd.testing.assert_frame_equal(kept.comm_exposure(), raw.comm_exposure())
+    assert described(kept) == described(raw)
+    stragglers = [f.ranks for f in kept.findings() if f.code == "STRAGGLER"]
+    assert stragglers == ([(2,)] if clock == "device" else [])      # the slow GPU shows on the device clock only
+
+
+def test_a_hung_run_with_pending_rows_gives_the_same_frames_and_findings(tmp_path):
+    rows = lockstep_tables(world=2, num_steps=30)
+    cut_rank(rows, 1, T0 + 2_530 * MS)
+    stall_rank(rows, 0, T0 + 2_560 * MS, until_ns=T0 + 12_600 * MS, close=("crashed", "watchdog"))
+    rows["pending"] = [pending_row(0, step=25, seq=26, t_ns=T0 + 2_560 * MS)]
+    run = _compacted(write_rows_run(tmp_path / "run", rows, world_size=2, status="crashed"))
+    kept, raw = analyses(run, None)
+    pd.testing.assert_frame_equal(kept.rank_lateness(), raw.rank_lateness())
+    pd.testing.assert_frame_equal(kept.comm_exposure(), raw.comm_exposure())
+    assert described(kept) == described(raw)
+    [hang] = [f for f in kept.findings() if f.code == "HANG"]
+    assert hang.ranks == (1,) and hang.evidence["step"] == 25

@@ -223,8 +223,14 @@ class RunAnalysis:
         """Per (group, rank) late enough to be a straggler candidate: excess data/compute/communication time in its
         late steps, throttling, cause."""
         return self._memo("causes", lambda: _stragglers.straggler_causes(
-            self.straggler_scores(), self.rank_lateness(), self.table("steps"), self.arrival_collectives(),
-            self.collective_waits(), self.table("devices"), min_lateness_frac=self.options.min_lateness_frac))
+            self.straggler_scores(), self.rank_lateness(), self.table("steps"), self._cause_rows(),
+            _stragglers.collective_waits(self._cause_rows(), _stragglers.collective_skew(self._cause_rows())),
+            self.table("devices"), min_lateness_frac=self.options.min_lateness_frac))
+
+    def _cause_rows(self) -> pd.DataFrame:
+        # the collectives of the candidates' windows only: all the causes read (stragglers.cause_rows)
+        return self._memo("cause_rows", lambda: _stragglers.cause_rows(
+            self.arrival_collectives(), self.straggler_scores(), min_lateness_frac=self.options.min_lateness_frac))
 
     def pipeline_own_delay(self) -> pd.DataFrame:
         """Per (pipeline rank, analysed step): time neither running a pipeline action nor waiting for its input."""

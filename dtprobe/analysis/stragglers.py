@@ -27,7 +27,7 @@ from dtprobe.analysis.arrivals import (  # noqa: F401 (re-exported: the straggle
 from dtprobe.analysis.clocks import HOST
 from dtprobe.analysis.findings import Finding, PredictedGain
 from dtprobe.analysis.pipeline_delay import OWN_DELAY_COLUMNS, pipeline_groups, pipeline_own_delay  # noqa: F401
-from dtprobe.analysis.tables import P2P_OPS, axis_of, group_members, group_phrase, ms, run_starts
+from dtprobe.analysis.tables import P2P_OPS, axis_of, coded_rows, group_members, group_phrase, ms, run_starts
 from dtprobe.intervals import union_length_by_group
 from dtprobe.store.columns import require_columns
 
@@ -427,6 +427,33 @@ def _blocked_ns(b: pd.DataFrame) -> pd.Series:
                      index=pd.MultiIndex.from_arrays([rank[first], step[first]], names=["rank", "step"]))
 
 
+def cause_candidates(scores: pd.DataFrame, *, min_lateness_frac: float = 0.0) -> pd.DataFrame:
+    """The ``scores`` rows ``straggler_causes`` examines: late in their best window, by ``min_lateness_frac`` or
+    named by a view (``detected_at_step``)."""
+    detected = scores["detected_at_step"].notna() if "detected_at_step" in scores else False
+    return scores[(scores["median_lateness_frac"] > 0)
+                  & ((scores["median_lateness_frac"] >= min_lateness_frac) | detected)]
+
+
+def cause_rows(collectives: pd.DataFrame, scores: pd.DataFrame, *, min_lateness_frac: float = 0.0) -> pd.DataFrame:
+    """The rows of ``collectives`` that ``straggler_causes`` reads for the candidates of ``scores`` (their waits,
+    ``collective_waits``, included): every row of each collective (pg, pg_ranks, seq) with a row in a candidate's
+    window, and the p2p rows of those steps; the causes computed from them equal those computed from every row,
+    since a collective's waits depend on its own rows and only the windows' steps are compared."""
+    candidates = cause_candidates(scores, min_lateness_frac=min_lateness_frac)
+    if candidates.empty or collectives.empty:
+        return collectives.iloc[:0]
+    window = np.unique(np.concatenate([np.arange(int(a), int(b) + 1) for a, b in
+                                       zip(candidates["window_first_step"], candidates["window_last_step"])]))
+    in_window = np.isin(collectives["step"].fillna(-1).to_numpy(dtype="int64"), window)
+    grouped = (~collectives["op"].isin(P2P_OPS) & collectives["seq"].notna()).to_numpy(dtype=bool, na_value=False)
+    _, code, _, _ = coded_rows(collectives, pd.Series(grouped, index=collectives.index), [])
+    key = code * (1 << 40) + collectives["seq"].to_numpy(dtype="float64", na_value=0)[grouped].astype("int64")
+    keep = in_window & ~grouped                                  # p2p (and unnumbered) rows of the window's steps
+    keep[grouped] = np.isin(key, key[in_window[grouped]])
+    return collectives[keep]
+
+
 def straggler_causes(scores: pd.DataFrame, lateness: pd.DataFrame, steps: pd.DataFrame,
                      collectives: pd.DataFrame, waits: pd.DataFrame, devices: pd.DataFrame, *,
                      min_explained_frac: float = 0.25, throttle_frac: float = 0.5,
@@ -448,10 +475,7 @@ def straggler_causes(scores: pd.DataFrame, lateness: pd.DataFrame, steps: pd.Dat
     for col in ("data_ns", "fwd_ns", "bwd_ns", "opt_ns"):
         ph[col] = ph[col].astype("float64").fillna(0.0)
     rows = []
-    detected = scores["detected_at_step"].notna() if "detected_at_step" in scores else False
-    candidates = scores[(scores["median_lateness_frac"] > 0)
-                        & ((scores["median_lateness_frac"] >= min_lateness_frac) | detected)]
-    for s in candidates.itertuples(index=False):
+    for s in cause_candidates(scores, min_lateness_frac=min_lateness_frac).itertuples(index=False):
         late = lateness[(lateness["pg"] == s.pg) & (lateness["pg_ranks"] == s.pg_ranks) & (lateness["rank"] == s.rank)
                         & lateness["step"].between(s.window_first_step, s.window_last_step)
                         & (lateness["lateness_ns"] > 0)]

@@ -79,6 +79,8 @@ def test_lateness_rows_of_straggler_scenario_come_from_the_derived_files(tmp_pat
     kept = RunStore.open(run).derived_table(LATENESS, KEY)
     assert len(kept) == 120 and set(kept["rank"]) == {0, 1, 2, 3}     # 4 ranks x 30 steps, warm-up included
     assert RunAnalysis(RunStore.open(run)).rank_lateness()["step"].min() == 1   # the facade drops the warm-up
+    window = RunStore.open(run).derived_table(LATENESS, KEY, steps=(18, 21))     # across the block boundary
+    pd.testing.assert_frame_equal(window, kept[kept["step"].between(18, 21)].reset_index(drop=True))
     late = kept[kept["step"] >= 1].groupby("rank")["lateness_ns"].median()
     assert late.idxmax() == 2 and late[2] > 150e6                     # 200 ms sleep on rank 2
 

@@ -127,10 +127,32 @@ def loss_curve(steps: pd.DataFrame, *, overflow_steps: list[int] | None = None) 
 # ----------------------------------------------------------------------------------------------- timeline
 
 
+GANTT_MAX_BARS = 2_000
+"""Above this many intervals of one kind, a Gantt draws them as one thick line of segments (a single SVG path)
+instead of a bar each: thousands of bars (16 ranks x 100 collectives x a few steps) take the browser seconds."""
+
+
+def _segments(grp: pd.DataFrame, *, t0: int, name: str) -> go.Scatter:
+    """``grp``'s intervals as segments of one line trace (start, end, gap per interval), hover text on both ends."""
+    n = len(grp)
+    x = np.full(3 * n, np.nan)
+    x[0::3] = (grp["start_ns"].to_numpy(dtype="float64") - t0) / 1e6
+    x[1::3] = (grp["end_ns"].to_numpy(dtype="float64") - t0) / 1e6
+    y = np.repeat(grp["y"].to_numpy(dtype="object"), 3)
+    y[2::3] = None
+    text = np.repeat(grp["label"].to_numpy(dtype="object"), 3)
+    return go.Scatter(x=x, y=y, mode="lines", name=name, connectgaps=False, hovertext=text, hoverinfo="text+x",
+                      line=dict(color=PHASE_COLORS.get(name), width=14))
+
+
 def _bars(rows: pd.DataFrame, *, t0: int) -> go.Figure:
-    """Horizontal Gantt bars: rows with y, start_ns, end_ns, kind, label."""
+    """Horizontal Gantt bars: rows with y, start_ns, end_ns, kind, label (a kind with more than
+    ``GANTT_MAX_BARS`` rows as line segments)."""
     fig = go.Figure()
     for kind, grp in rows.groupby("kind", sort=False):
+        if len(grp) > GANTT_MAX_BARS:
+            fig.add_trace(_segments(grp, t0=t0, name=str(kind)))
+            continue
         fig.add_trace(go.Bar(
             y=grp["y"], x=(grp["end_ns"] - grp["start_ns"]).astype("float64") / 1e6,
             base=(grp["start_ns"] - t0).astype("float64") / 1e6, orientation="h", name=str(kind),

@@ -222,3 +222,25 @@ def test_every_page_renders_a_1024_rank_run_bounded_and_without_listing_the_grou
         assert len(ranks.value) == 16 and STRAGGLER in ranks.value
     if page == "communication":
         assert [c.key for c in at.get("plotly_chart")][:2] == ["comm_bw_size", "comm_bw_group"]
+
+
+def test_a_timeline_of_thousands_of_collectives_draws_them_as_segments_of_one_line():
+    ranks, steps, per_step = 16, 4, 100
+    rank, step, k = (a.ravel() for a in np.meshgrid(np.arange(ranks), np.arange(steps), np.arange(per_step),
+                                                    indexing="ij"))
+    start = (step * 1000 + k * 5).astype("int64") * 1_000_000
+    coll = pd.DataFrame({"rank": rank, "step": step, "enqueue_ns": start, "end_ns": start + 2_000_000,
+                         "op": "allgather", "pg": "dp", "seq": k, "num_bytes": 1024})
+    s_rank, s_step = (a.ravel() for a in np.meshgrid(np.arange(ranks), np.arange(steps), indexing="ij"))
+    stp = pd.DataFrame({"rank": s_rank, "step": s_step, "start_ns": s_step * 1_000_000_000,
+                        "end_ns": s_step * 1_000_000_000 + 900_000_000, "data_ns": 100_000_000,
+                        "fwd_ns": 300_000_000, "bwd_ns": 400_000_000, "opt_ns": 100_000_000})
+    fig = charts.timeline(stp, coll, pd.DataFrame(columns=["rank", "start_ns", "end_ns", "action", "microbatch",
+                                                           "stage"]))
+    [comm] = [t for t in fig.data if t.name == "comm"]
+    assert comm.type == "scatter" and len(comm.x) == 3 * ranks * steps * per_step
+    assert comm.x[0] == 0.0 and comm.x[1] == 2.0 and np.isnan(comm.x[2])     # ms since the window's start
+    assert all(t.type == "bar" and len(t.x) == ranks * steps for t in fig.data if t.name != "comm")
+    few = charts.timeline(stp, coll[coll["seq"] < 2], stp.iloc[:0].reindex(columns=["rank", "start_ns", "end_ns",
+                                                                                      "action", "microbatch", "stage"]))
+    assert [t.type for t in few.data if t.name == "comm"] == ["bar"]           # few collectives: a bar each

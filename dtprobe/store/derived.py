@@ -53,18 +53,21 @@ def write_derived(deriver: Deriver, tables_dir: Path, rows_of: Callable[[str], p
     ``{"key", "tables": {name: {"rows", "files": [{"path", "rows", "step_block"}]}}}``, or ``{"key", "skipped":
     reason}`` (no files kept) when the deriver says its frames would differ from the whole run's."""
     inputs = {name: rows_of(name) for name in deriver.inputs}
-    blocks: dict[str, np.ndarray] = {}
-    for name, rows in inputs.items():
+    slices: dict[str, tuple[np.ndarray, dict[int, tuple[int, int]]]] = {}
+    for name, rows in inputs.items():   # each table's row positions grouped by block once, in table order
         step = rows.column("step").to_numpy(zero_copy_only=False) if rows.num_rows else np.empty(0)
-        step = np.where(pd.isna(step), -1, step).astype(np.int64)
-        blocks[name] = block_of(step)
-    all_blocks = sorted({int(b) for v in blocks.values() for b in np.unique(v)})
+        block = block_of(np.where(pd.isna(step), -1, step).astype(np.int64))
+        order = np.argsort(block, kind="stable")
+        found, first, count = np.unique(block[order], return_index=True, return_counts=True)
+        slices[name] = (order, {int(b): (int(f), int(f + n)) for b, f, n in zip(found, first, count)})
+    all_blocks = sorted({b for _, spans in slices.values() for b in spans})
     entry: dict = {"key": deriver.key, "tables": {}}
     for block in all_blocks:
         frames = {}
         for name, rows in inputs.items():
-            part = rows.filter(pa.array(blocks[name] == block)) if rows.num_rows else rows
-            frames[name] = arrow_to_frame(part, name)
+            order, spans = slices[name]
+            begin, end = spans.get(block, (0, 0))
+            frames[name] = arrow_to_frame(rows.take(pa.array(order[begin:end])), name)
         for derived, frame in deriver.derive(block, frames).items():
             table = entry["tables"].setdefault(derived, {"rows": 0, "files": []})
             if frame.empty:

@@ -12,8 +12,9 @@ children):
 - live: one step appended to every rank's events (starting about now, so the run looks alive), the dashboard's
   Overview of the running run (``dtprobe.dashboard.data.load_overview``: its newest ``DTPROBE_LIVE_WINDOW``
   steps) computed the first time, then one more step appended and the refresh timed (store tail + Overview);
-- compact: ``dtprobe.store.compact`` once the run is ``finished``; disk bytes per rank-step of the events and of
-  ``tables/``;
+- compact: what ``dtprobe compact`` does once the run is ``finished`` (``dtprobe.store.compact`` with the
+  analysis's derived per-step tables, where the dtprobe measured has them); disk bytes per rank-step of the events
+  and of ``tables/``;
 - open: ``RunStore.open`` of the compacted run;
 - analyze: what ``dtprobe analyze --format json`` does (``open_source``, ``RunAnalysis.report``,
   ``render_json``), and whether a STRAGGLER finding names the planted rank;
@@ -130,9 +131,14 @@ def phase_live(a: dict) -> dict:
 
 def phase_compact(a: dict) -> dict:
     from dtprobe.store import compact
+    try:        # dtprobe compact's derived tables (older checkouts have none)
+        from dtprobe.analysis.derived_tables import deriver
+        options = {"derive": deriver()}
+    except ImportError:
+        options = {}
 
     t = time.perf_counter()
-    rows = compact(a["run"])
+    rows = compact(a["run"], **options)
     seconds = time.perf_counter() - t
     tables = Path(a["run"]) / "tables"
     return {"seconds": seconds, "rows": {k: int(v) for k, v in rows.items()},

@@ -241,8 +241,7 @@ def show_findings(findings: list, *, key: str) -> None:
                 rows = finding.rows
                 with st.expander(f"Evidence rows ({len(rows):,})"):
                     if len(rows) > MAX_TABLE_ROWS:
-                        st.caption(f"The first {MAX_TABLE_ROWS:,} of {len(rows):,} rows; `dtprobe analyze "
-                                   f"--format json` reports them all.")
+                        st.caption(f"The first {MAX_TABLE_ROWS:,} of {len(rows):,} rows.")
                     st.dataframe(rows.head(MAX_TABLE_ROWS), hide_index=True)
 
 

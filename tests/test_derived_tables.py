@@ -17,9 +17,11 @@ import pytest
 from dtprobe.analysis import RunAnalysis
 from dtprobe.analysis.derived_tables import EXPOSURE, KEY, LATENESS, deriver
 from dtprobe.analysis.hangs import missing_arrivals
+from dtprobe.analysis.render import render_json
 from dtprobe.store import RunStore, compact
 from dtprobe.store.compaction import add_derived
 from dtprobe.store.frames import empty_frame
+from dtprobe.store.resolve import open_source
 from dtprobe.synthetic import (MS, T0, cuda_dp_tables, cut_rank, lockstep_tables, pending_row, stall_rank,
                                write_rows_run, write_run)
 from test_sample_trace_findings import BASELINES, GOLDEN, SAMPLES, SCENARIOS, by_severity
@@ -42,7 +44,8 @@ def from_rows(store: RunStore) -> RunStore:
 
 
 def analyses(run: Path, baseline: Path | None) -> tuple[RunAnalysis, RunAnalysis]:
-    kept = RunAnalysis(RunStore.open(run), baseline=RunStore.open(baseline) if baseline else None)
+    # kept: opened as `dtprobe analyze` opens it (lazily: compacted files read on first use)
+    kept = RunAnalysis(open_source(run), baseline=open_source(baseline) if baseline else None)
     raw = RunAnalysis(from_rows(RunStore.open(run)), baseline=RunStore.open(baseline) if baseline else None)
     return kept, raw
 
@@ -69,7 +72,10 @@ def test_findings_and_key_figures_are_identical_with_and_without_derived_tables(
     pd.testing.assert_frame_equal(kept.rank_lateness(), raw.rank_lateness())
     pd.testing.assert_frame_equal(kept.comm_exposure(), raw.comm_exposure())
     assert described(kept) == described(raw)
+    for a, b in zip(kept.findings(), raw.findings()):
+        pd.testing.assert_frame_equal(kept.evidence_rows(a), raw.evidence_rows(b))
     assert kept.key_figures() == raw.key_figures()
+    assert render_json(kept.report()) == render_json(raw.report())     # every metric of `analyze --format json`
     got = [(f.code, f.severity, f.ranks, f.group) for f in kept.findings()]
     assert by_severity(got) == by_severity(GOLDEN[name])
 
@@ -222,3 +228,30 @@ def test_a_hung_run_with_pending_rows_gives_the_same_frames_and_findings(tmp_pat
     assert described(kept) == described(raw)
     [hang] = [f for f in kept.findings() if f.code == "HANG"]
     assert hang.ranks == (1,) and hang.evidence["step"] == 25
+
+
+def test_lazy_open_reads_no_compacted_file_and_lateness_and_exposure_read_no_collectives(tmp_path, monkeypatch):
+    # what the derived tables save: a run opened as `dtprobe analyze` opens it reads a compacted file only when a
+    # table is asked for, and the lateness/exposure path (the stragglers' and EXPOSED_COMM's input) never asks
+    # for `collectives`
+    from dtprobe.store import partitions
+
+    run = compacted_copy("dp4_straggler_rank2", tmp_path)
+    read: list[str] = []
+    original = partitions.read_compacted_file
+
+    def spy(tables_dir, rel, name, expr=None):
+        read.append(rel)
+        return original(tables_dir, rel, name, expr)
+
+    monkeypatch.setattr(partitions, "read_compacted_file", spy)
+    store = open_source(run)
+    assert [r for r in read if not r.startswith("groups")] == []
+    assert store.num_rows()["collectives"] > 0          # counted from the marker, not read
+    analysis = RunAnalysis(store)
+    lateness, exposure = analysis.rank_lateness(), analysis.comm_exposure()
+    assert not lateness.empty and not exposure.empty
+    assert read and not [r for r in read if "collectives" in r]
+    raw = RunAnalysis(from_rows(RunStore.open(run)))
+    pd.testing.assert_frame_equal(lateness, raw.rank_lateness())
+    pd.testing.assert_frame_equal(exposure, raw.comm_exposure())

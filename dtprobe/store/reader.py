@@ -125,6 +125,15 @@ class RunStore:
             store._load(_check_table_name(name))
         return store
 
+    def list_tables(self) -> None:
+        """Give every table its state without reading compacted files: their files are listed (read on the first
+        ``table()`` call that needs them), events lines not in the compaction are read. ``num_rows()`` and
+        ``refresh()`` then cover every table, as after a full ``open``; a lazy ``open(tables=())`` plus this is
+        what ``resolve.open_source`` uses, so an analysis reads only the compacted tables it asks for."""
+        with self._lock:
+            for name in SCHEMAS:
+                self._state(name)
+
     @property
     def is_partial(self) -> bool:
         """True while some per-step rows before the tail read by ``open(tail_steps=...)`` are not loaded."""

@@ -32,7 +32,10 @@ def open_source(path: str | os.PathLike, *, progress: ProgressFn | None = None,
         from dtprobe.store.reader import RunStore
 
         live = live_tail_steps is not None and read_manifest(path).status == "running"
-        return RunStore.open(path, tail_steps=live_tail_steps if live else None)
+        # lazy: a compacted table's files are read on first use (what a derived table replaces is never read)
+        store = RunStore.open(path, tables=(), tail_steps=live_tail_steps if live else None)
+        store.list_tables()
+        return store
     if is_trace_dir(path):
         return load_trace_dir(path, progress=progress, workers=workers, dask_address=dask_address)
     if not path.exists():

@@ -25,10 +25,9 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-import pyarrow as pa
 
 from dtprobe.store.errors import TraceError
-from dtprobe.store.kineto_collectives import number_seq
+from dtprobe.store.kineto_collectives import collective_columns
 from dtprobe.store.kineto_events import RankMeta, kernel_kind
 from dtprobe.store.kineto_pool import ProgressFn, ReduceConfig, reduce_files
 from dtprobe.store.kineto_reduce import RankTables
@@ -53,7 +52,8 @@ class KinetoRun:
     ranks: dict[int, RankMeta]
     """Rank -> its file's metadata (path, world size, backend, process groups, device properties)."""
     kernels: pd.DataFrame
-    """Every GPU event (kernels, memcpy/memset, stream syncs); ``kind`` in {compute, comm, memory, other}."""
+    """Every GPU event (kernels, memcpy/memset, stream syncs); ``kind`` in {compute, comm, memory, other}.
+    ``name`` and ``kind`` are Categorical (one dictionary of the distinct strings for the whole folder)."""
     collectives: pd.DataFrame
     """Collectives identified on each rank (NCCL kernels, gloo annotations); schema ``collectives``."""
     steps: pd.DataFrame
@@ -179,7 +179,9 @@ def _typed_frame(table: str, columns: dict[str, Any], *, length: int = 0) -> pd.
     data = {}
     for col, dtype in SCHEMAS[table].items():
         pd_dtype = _PANDAS_DTYPES[dtype]
-        if col in columns:
+        if isinstance(columns.get(col), pd.Categorical):     # a string column kept dictionary-encoded
+            data[col] = columns[col]
+        elif col in columns:
             data[col] = pd.array(columns[col], dtype=pd_dtype)
         else:
             data[col] = pd.array([None] * length, dtype=pd_dtype)
@@ -191,13 +193,15 @@ def _masked(values: np.ndarray, null_below: int = 0) -> pd.api.extensions.Extens
     return pd.arrays.IntegerArray(values.astype(np.int64), values < null_below)
 
 
-def _decoded_strings(codes: np.ndarray, values: list[str]) -> pd.api.extensions.ExtensionArray:
-    """``values[codes]`` as a ``string`` array, built by Arrow from the few distinct values: kernel names are
-    long C++ template names repeated thousands of times, and a Python list of every one would be copied and
-    checked string by string."""
-    decoded = pa.DictionaryArray.from_arrays(pa.array(codes, pa.int32()),
-                                             pa.array(values, pa.large_string())).dictionary_decode()
-    return pd.arrays.ArrowStringArray(pa.chunked_array([decoded], pa.large_string()))
+def _dictionary(codes: np.ndarray, values: list[str]) -> pd.Categorical:
+    """``values[codes]`` as a Categorical whose categories are the distinct values, sorted: a column of kernel
+    names (long C++ template names, a few hundred distinct ones repeated on every event) then costs one int16 or
+    int32 code per event instead of a string per event, and sorting or grouping by it orders as the strings do."""
+    distinct = sorted(set(values))
+    position = {v: i for i, v in enumerate(distinct)}
+    remap = np.asarray([position[v] for v in values], dtype=np.int32)
+    return pd.Categorical.from_codes(remap[codes] if len(codes) else codes.astype(np.int32),
+                                     categories=pd.Index(distinct, dtype=object))
 
 
 def _kernels_frame(ranks: list[RankTables]) -> pd.DataFrame:
@@ -212,12 +216,11 @@ def _kernels_frame(ranks: list[RankTables]) -> pd.DataFrame:
     first = np.cumsum([0] + [len(p.names) for p in ranks[:-1]], dtype=np.int32)    # each rank's names, in turn
     codes = np.concatenate([p.kernels["name_code"] + f for p, f in zip(ranks, first)]) if ranks \
         else np.empty(0, np.int32)
-    names = _decoded_strings(codes, [name for p in ranks for name in p.names])
-    kinds = _decoded_strings(codes, [kind for p in ranks for kind in p.name_kinds])
     columns = {
-        "rank": rank_col, "name": names, "kind": kinds, "stream": cat("stream"), "start_ns": cat("start_ns"),
-        "dur_ns": cat("dur_ns"), "step": cat("step"), "correlation": _masked(cat("correlation")),
-        "launch_ns": _masked(cat("launch_ns")),
+        "rank": rank_col, "name": _dictionary(codes, [name for p in ranks for name in p.names]),
+        "kind": _dictionary(codes, [kind for p in ranks for kind in p.name_kinds]), "stream": cat("stream"),
+        "start_ns": cat("start_ns"), "dur_ns": cat("dur_ns"), "step": cat("step"),
+        "correlation": _masked(cat("correlation")), "launch_ns": _masked(cat("launch_ns")),
     }
     return _typed_frame("kernels", columns, length=n)
 
@@ -230,11 +233,8 @@ def _steps_frame(ranks: list[RankTables]) -> pd.DataFrame:
 
 
 def _collectives_frame(ranks: list[RankTables]) -> tuple[pd.DataFrame, str]:
-    """The ``collectives`` table and where its ``seq`` came from (``number_seq``)."""
-    rows = [row for p in ranks for row in p.collectives]
-    seq_source = number_seq(rows)
-    cols = SCHEMAS["collectives"]
-    columns = {col: [row.get(col) for row in rows] for col in cols}
-    frame = _typed_frame("collectives", columns, length=len(rows))
+    """The ``collectives`` table and where its ``seq`` came from (``kineto_collectives.number_seq``)."""
+    columns, n, seq_source = collective_columns([p.collectives for p in ranks])
+    frame = _typed_frame("collectives", columns, length=n)
     return frame.sort_values(["rank", "enqueue_ns", "seq"], kind="stable", na_position="last",
                              ignore_index=True), seq_source

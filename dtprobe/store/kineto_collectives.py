@@ -18,6 +18,8 @@ from typing import Any, Iterable
 
 import msgspec
 import numpy as np
+import pandas as pd
+import pyarrow as pa
 
 from dtprobe.store.kineto_events import RankParse
 
@@ -263,3 +265,68 @@ def number_seq(rows: list[dict[str, Any]]) -> str:
         counters[key] = counters.get(key, 0) + 1
         row["seq"] = counters[key]
     return "trace" if from_trace else "order"
+
+
+ROW_TYPES = {"rank": pa.int32(), "pg": None, "pg_ranks": None, "pg_size": pa.int32(), "op": None,
+             "num_bytes": pa.int64(), "dtype": None, "enqueue_ns": pa.int64(), "start_ns": pa.int64(),
+             "end_ns": pa.int64(), "step": pa.int64(), "timing": None, "trace_seq": pa.int64()}
+"""Columns of ``collective_table`` (None: a string, dictionary-encoded)."""
+
+
+def collective_table(rows: list[dict[str, Any]]) -> pa.Table:
+    """One rank's ``collective_rows`` as an Arrow table: what a worker hands back instead of the dicts (a dict
+    per collective costs the main process about a kilobyte; columns, strings dictionary-encoded, a few bytes)."""
+    arrays = {}
+    for col, kind in ROW_TYPES.items():
+        values = [row.get(col) for row in rows]
+        arrays[col] = pa.array(values, pa.string()).dictionary_encode() if kind is None else pa.array(values, kind)
+    return pa.table(arrays)
+
+
+def _nullable_ints(column: pa.ChunkedArray, dtype: str) -> pd.api.extensions.ExtensionArray:
+    values = column.fill_null(0).to_numpy()
+    return pd.array(values, dtype=dtype) if column.null_count == 0 else \
+        pd.arrays.IntegerArray(values.astype(dtype.lower()), column.is_null().to_numpy(zero_copy_only=False))
+
+
+def _strings(column: pa.ChunkedArray) -> pd.api.extensions.ExtensionArray:
+    """A dictionary column -> a ``string`` array sharing one Python string per distinct value."""
+    column = column.unify_dictionaries()
+    dictionary = column.chunk(0).dictionary if column.num_chunks else pa.array([], pa.string())
+    codes = pa.chunked_array([c.indices for c in column.chunks], pa.int32()).fill_null(-1).to_numpy() \
+        if column.num_chunks else np.empty(0, np.int32)
+    return pd.Categorical.from_codes(codes, categories=pd.Index(dictionary.to_pylist(), dtype=object)) \
+        .astype("string") if len(codes) else pd.array([], dtype="string")
+
+
+def collective_columns(tables: list[pa.Table]) -> tuple[dict[str, Any], int, str]:
+    """The ranks' ``collective_table``s (in rank order) as pandas columns, ``seq`` numbered as ``number_seq``
+    numbers rows; with the row count and where ``seq`` came from (``trace`` | ``order``)."""
+    table = pa.concat_tables(tables) if tables else collective_table([])
+    columns: dict[str, Any] = {
+        col: _strings(table[col]) if kind is None else
+        _nullable_ints(table[col], "Int32" if kind == pa.int32() else "Int64") for col, kind in ROW_TYPES.items()}
+    columns["seq"], source = _seq_column(pd.DataFrame(columns))
+    return columns, table.num_rows, source
+
+
+def _seq_column(frame: pd.DataFrame) -> tuple[pd.api.extensions.ExtensionArray, str]:
+    """``number_seq`` over a frame of rows: p2p ops null; the trace's ``Seq`` when every other row has one,
+    else the 1-based order of each (rank, pg)'s collectives by enqueue time (start time when none)."""
+    n = len(frame)
+    p2p = frame["op"].isin(P2P_OPS).to_numpy(dtype=bool)
+    trace_seq = frame["trace_seq"]
+    from_trace = bool((~p2p).any()) and bool(trace_seq[~p2p].notna().all())
+    if from_trace:
+        values = trace_seq.to_numpy(dtype=np.int64, na_value=0)
+    else:
+        enqueue = frame["enqueue_ns"].to_numpy(dtype=np.int64, na_value=0)
+        start = frame["start_ns"].to_numpy(dtype=np.int64, na_value=0)
+        # number_seq's key: (no enqueue time, enqueue_ns or start_ns or 0), ties in row order
+        key = np.where(enqueue != 0, enqueue, start)
+        order = np.lexsort((np.arange(n), key, frame["enqueue_ns"].isna().to_numpy(dtype=bool)))
+        order = order[~p2p[order]]
+        values = np.zeros(n, dtype=np.int64)
+        groups = pd.DataFrame({"rank": frame["rank"].to_numpy()[order], "pg": frame["pg"].to_numpy()[order]})
+        values[order] = groups.groupby(["rank", "pg"], dropna=False, sort=False).cumcount().to_numpy() + 1
+    return pd.arrays.IntegerArray(values, p2p.copy()), "trace" if from_trace else "order"

@@ -8,11 +8,10 @@ names, the profiler steps and the rank's collectives; the file's text and decode
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
 import numpy as np
+import pyarrow as pa
 
-from dtprobe.store.kineto_collectives import collective_rows
+from dtprobe.store.kineto_collectives import collective_rows, collective_table
 from dtprobe.store.kineto_events import RankMeta, parse_trace_file
 from dtprobe.store.kineto_stream import CHUNK_BYTES
 
@@ -32,9 +31,9 @@ class RankTables:
     """``kernel_kind`` of each of ``names``."""
     steps: list[tuple[int, int, int]]
     """(step, start_ns, end_ns) per ``ProfilerStep#N``."""
-    collectives: list[dict[str, Any]]
-    """``collectives`` rows of the rank, ``seq`` not yet set (``kineto_collectives.number_seq`` numbers them
-    over all ranks)."""
+    collectives: pa.Table
+    """``collectives`` rows of the rank as columns (``kineto_collectives.collective_table``), ``seq`` not yet
+    set (``kineto_collectives.collective_columns`` numbers them over all ranks)."""
 
 
 def reduce_trace_file(path: str, *, single_file: bool = False, chunk_bytes: int = CHUNK_BYTES) -> RankTables:
@@ -43,4 +42,4 @@ def reduce_trace_file(path: str, *, single_file: bool = False, chunk_bytes: int 
     rank 0 of 1)."""
     parsed = parse_trace_file(path, single_file=single_file, chunk_bytes=chunk_bytes)
     return RankTables(meta=parsed.meta, kernels=parsed.kernels, names=parsed.names, name_kinds=parsed.name_kinds,
-                      steps=parsed.steps, collectives=collective_rows(parsed))
+                      steps=parsed.steps, collectives=collective_table(collective_rows(parsed)))

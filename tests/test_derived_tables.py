@@ -71,6 +71,7 @@ def test_findings_and_key_figures_are_identical_with_and_without_derived_tables(
     kept, raw = analyses(run, baseline)
     pd.testing.assert_frame_equal(kept.rank_lateness(), raw.rank_lateness())
     pd.testing.assert_frame_equal(kept.comm_exposure(), raw.comm_exposure())
+    pd.testing.assert_frame_equal(kept.collective_bandwidth(), raw.collective_bandwidth())
     assert described(kept) == described(raw)
     for a, b in zip(kept.findings(), raw.findings()):
         pd.testing.assert_frame_equal(kept.evidence_rows(a), raw.evidence_rows(b))
@@ -147,6 +148,10 @@ def test_scale_run_straggler_is_named_with_the_same_figures_from_derived_tables(
     [late] = [f for f in kept.findings() if f.code == "STRAGGLER"]
     assert late.ranks == (35,) and late.group == "dp"                 # scale_data's default: ranks // 2 + 3
     assert described(kept) == described(raw)
+    pd.testing.assert_frame_equal(kept.collective_bandwidth(), raw.collective_bandwidth())
+    # per step: 60 collectives on each of the 8 tp groups, 40 on each of the 8 dp groups
+    assert kept.collective_bandwidth().groupby("pg").size().to_dict() == {"tp": 40 * 60 * 8, "dp": 40 * 40 * 8}
+    assert render_json(kept.report()) == render_json(raw.report())     # every metric of `analyze --format json`
     assert late.evidence["mean_lateness_ms"] == pytest.approx(80, rel=0.05)
 
 
@@ -211,6 +216,7 @@ def test_a_cuda_run_over_three_step_blocks_gives_the_same_frames_and_findings(tm
     assert sorted(kept.rank_lateness()["step"].unique()) == list(range(1, 50))
     pd.testing.assert_frame_equal(kept.rank_lateness(), raw.rank_lateness())
     pd.testing.assert_frame_equal(kept.comm_exposure(), raw.comm_exposure())
+    pd.testing.assert_frame_equal(kept.collective_bandwidth(), raw.collective_bandwidth())
     assert described(kept) == described(raw)
     stragglers = [f.ranks for f in kept.findings() if f.code == "STRAGGLER"]
     assert stragglers == ([(2,)] if clock == "device" else [])      # the slow GPU shows on the device clock only
@@ -225,15 +231,16 @@ def test_a_hung_run_with_pending_rows_gives_the_same_frames_and_findings(tmp_pat
     kept, raw = analyses(run, None)
     pd.testing.assert_frame_equal(kept.rank_lateness(), raw.rank_lateness())
     pd.testing.assert_frame_equal(kept.comm_exposure(), raw.comm_exposure())
+    pd.testing.assert_frame_equal(kept.collective_bandwidth(), raw.collective_bandwidth())
     assert described(kept) == described(raw)
     [hang] = [f for f in kept.findings() if f.code == "HANG"]
     assert hang.ranks == (1,) and hang.evidence["step"] == 25
 
 
-def test_lazy_open_reads_no_compacted_file_and_lateness_and_exposure_read_no_collectives(tmp_path, monkeypatch):
+def test_lazy_open_reads_no_compacted_file_and_lateness_exposure_bandwidth_read_no_collectives(tmp_path, monkeypatch):
     # what the derived tables save: a run opened as `dtprobe analyze` opens it reads a compacted file only when a
-    # table is asked for, and the lateness/exposure path (the stragglers' and EXPOSED_COMM's input) never asks
-    # for `collectives`
+    # table is asked for, and lateness, exposure and bandwidth (the inputs of STRAGGLER, EXPOSED_COMM,
+    # COMM_INEFFICIENT and SLOW_LINK) never ask for `collectives`
     from dtprobe.store import partitions
 
     run = compacted_copy("dp4_straggler_rank2", tmp_path)
@@ -249,9 +256,10 @@ def test_lazy_open_reads_no_compacted_file_and_lateness_and_exposure_read_no_col
     assert [r for r in read if not r.startswith("groups")] == []
     assert store.num_rows()["collectives"] > 0          # counted from the marker, not read
     analysis = RunAnalysis(store)
-    lateness, exposure = analysis.rank_lateness(), analysis.comm_exposure()
-    assert not lateness.empty and not exposure.empty
+    lateness, exposure, bandwidth = analysis.rank_lateness(), analysis.comm_exposure(), analysis.collective_bandwidth()
+    assert not lateness.empty and not exposure.empty and len(bandwidth) == 32     # an all-reduce per step (30), 2 broadcasts
     assert read and not [r for r in read if "collectives" in r]
     raw = RunAnalysis(from_rows(RunStore.open(run)))
     pd.testing.assert_frame_equal(lateness, raw.rank_lateness())
     pd.testing.assert_frame_equal(exposure, raw.comm_exposure())
+    pd.testing.assert_frame_equal(bandwidth, raw.collective_bandwidth())

@@ -19,6 +19,8 @@ from dtprobe.store.columns import require_columns
 
 BANDWIDTH_COLUMNS = ["pg", "pg_ranks", "seq", "op", "step", "num_bytes", "num_members", "duration_ns",
                      "algbw_bytes_per_s", "busbw_bytes_per_s", "timing"]
+BANDWIDTH_ORDER = ["step", "pg", "pg_ranks", "seq"]
+"""``collective_bandwidth``'s row order (unique: one row per collective)."""
 BY_SIZE_COLUMNS = ["op", "size_bytes", "size", "count", "total_ns", "median_ns", "algbw_bytes_per_s",
                    "busbw_bytes_per_s", "latency_bound"]
 
@@ -36,7 +38,7 @@ def busbw_factor(op: str, n: int) -> float:
 
 def collective_bandwidth(collectives: pd.DataFrame) -> pd.DataFrame:
     """Per complete non-p2p collective with bytes, inside training steps (all of them when no row has a step):
-    transfer time, algbw, busbw. Columns: ``BANDWIDTH_COLUMNS``."""
+    transfer time, algbw, busbw. Columns: ``BANDWIDTH_COLUMNS``, rows in ``BANDWIDTH_ORDER``."""
     require_columns(collectives, ["rank", "pg", "pg_ranks", "pg_size", "seq", "op", "num_bytes", "enqueue_ns",
                                   "start_ns", "end_ns", "step", "timing"], table="collectives")
     mask = (~collectives["op"].isin(P2P_OPS) & collectives["seq"].notna() & collectives["end_ns"].notna()
@@ -56,8 +58,7 @@ def collective_bandwidth(collectives: pd.DataFrame) -> pd.DataFrame:
     num_members = np.bincount(coll[by_rank][run_starts(coll[by_rank], rank[order][by_rank])], minlength=len(starts))
     pg_size = np.fmax.reduceat(c["pg_size"].to_numpy(dtype="float64", na_value=np.nan)[order], starts)
     whole = num_members >= np.where(np.isnan(pg_size), num_members, pg_size)
-    # Collectives in order of first appearance, as they were recorded.
-    keep = np.flatnonzero(whole)[np.argsort(order[starts][whole], kind="stable")]
+    keep = np.flatnonzero(whole)
     first_row = order[starts][keep]
     step, num_bytes, last_enq, last_start, last_end = (_max_per_group(c[col], order, starts)[keep] for col in (
         "step", "num_bytes", "enqueue_ns", "start_ns", "end_ns"))
@@ -75,7 +76,10 @@ def collective_bandwidth(collectives: pd.DataFrame) -> pd.DataFrame:
         "busbw_bytes_per_s": algbw * np.array([factor[o, n] for o, n in zip(ops, members)], dtype="float64"),
         "timing": pd.Series(_first_valid(c["timing"], order, starts)[keep]).fillna("host").astype(str),
     })
-    return out[BANDWIDTH_COLUMNS]
+    # an explicit order (not the rows' table order, which is rank-first across the whole run): a step block's
+    # collectives computed alone (``derived_tables``) then sort into the same frame
+    return out.sort_values(BANDWIDTH_ORDER, kind="stable", na_position="last").reset_index(drop=True)[
+        BANDWIDTH_COLUMNS]
 
 
 def _max_per_group(col: pd.Series, order: np.ndarray, starts: np.ndarray) -> pd.arrays.IntegerArray:

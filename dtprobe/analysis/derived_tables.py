@@ -1,6 +1,7 @@
 """The per-step frames the analysis keeps at compaction, one step block at a time (``LatenessExposure``, a
-``store.derived.Deriver``): ``lateness`` (``arrivals.rank_lateness``, per group, step and rank) and ``exposure``
-(``exposed_comm.comm_exposure``, per rank and step); passed to ``store.compact`` by ``dtprobe compact`` and read
+``store.derived.Deriver``): ``lateness`` (``arrivals.rank_lateness``, per group, step and rank), ``exposure``
+(``exposed_comm.comm_exposure``, per rank and step) and ``bandwidth`` (``comm_efficiency.collective_bandwidth``,
+per collective: its rows are all in one block, and its output order is explicit, not the table's); passed to ``store.compact`` by ``dtprobe compact`` and read
 back by the facade instead of computing them from the whole ``collectives`` table.
 
 Each block's frames come from the same functions over the block's rows as the facade's over the whole run
@@ -10,6 +11,8 @@ rows in one step block, each group's arrival clock is the same in every block, a
 inside a block (``arrivals.unique_seq`` left every block unchanged). ``invalid_reason`` says which of these failed;
 then the store keeps no derived frames and the facade computes from the rows. Neither frame depends on an
 ``AnalysisOptions`` field (the facade applies ``steps_analyzed`` afterwards), so the key holds only ``VERSION``.
+``bandwidth`` keeps the collectives outside steps (block -1) too: ``collective_bandwidth`` uses them only when no
+collective is inside a step, and ``whole_run_frame`` applies that rule to the blocks' rows.
 """
 
 from __future__ import annotations
@@ -19,19 +22,23 @@ import pandas as pd
 
 from dtprobe.analysis.arrivals import LATENESS_COLUMNS, arrival_clocks, collective_skew, on_arrival_clock, rank_lateness
 from dtprobe.analysis.arrivals import unique_seq
+from dtprobe.analysis.comm_efficiency import BANDWIDTH_COLUMNS, BANDWIDTH_ORDER, collective_bandwidth
 from dtprobe.analysis.exposed_comm import EXPOSURE_COLUMNS, comm_exposure
 from dtprobe.analysis.hangs import merge_pending
 from dtprobe.analysis.tables import P2P_OPS
 
-VERSION = 1
-"""Bumped whenever ``rank_lateness`` or ``comm_exposure`` change what they compute: older derived frames are then
-ignored (the marker's key differs) and computed from the rows."""
+VERSION = 2
+"""Bumped whenever the derived tables or what ``rank_lateness``, ``comm_exposure`` or ``collective_bandwidth``
+compute change: older derived frames are then ignored (the marker's key differs), computed from the rows, and
+derived again by the next ``dtprobe compact`` / ``compaction.add_derived``."""
 KEY = {"deriver": "dtprobe.analysis.derived_tables", "version": VERSION, "options": []}
 """The marker's ``derived.key``: no analysis option changes these frames."""
 LATENESS = "lateness"
 EXPOSURE = "exposure"
+BANDWIDTH = "bandwidth"
 ORDER = {LATENESS: (["pg", "pg_ranks", "rank", "step"], LATENESS_COLUMNS),
-         EXPOSURE: (["rank", "step"], EXPOSURE_COLUMNS)}
+         EXPOSURE: (["rank", "step"], EXPOSURE_COLUMNS),
+         BANDWIDTH: (BANDWIDTH_ORDER, BANDWIDTH_COLUMNS)}
 """Per derived table: the sort order of the whole-run frame, and its columns."""
 
 
@@ -54,14 +61,15 @@ class LatenessExposure:
         collectives = merge_pending(frames["collectives"], frames["pending"])
         if step_block < 0:
             self._remember(step_block, collectives)
-            return {}
+            return {BANDWIDTH: collective_bandwidth(collectives)}
         if unique_seq(collectives) is not collectives and self._reason is None:
             self._reason = f"a collective numbering restarts inside step block {step_block} (a torchrun restart)"
         self._remember(step_block, collectives)
         arrival = on_arrival_clock(collectives)
         steps = frames["steps"]
         return {LATENESS: rank_lateness(arrival, steps),
-                EXPOSURE: comm_exposure(arrival, steps, collective_skew(arrival))}
+                EXPOSURE: comm_exposure(arrival, steps, collective_skew(arrival)),
+                BANDWIDTH: collective_bandwidth(collectives)}
 
     def invalid_reason(self) -> str | None:
         """Why the blocks' frames may differ from the whole run's (None: they are equal)."""
@@ -109,4 +117,8 @@ def whole_run_frame(name: str, blocks: pd.DataFrame) -> pd.DataFrame:
     by, columns = ORDER[name]
     if blocks.empty:
         return pd.DataFrame({col: [] for col in columns})
-    return blocks.sort_values(by, kind="stable").reset_index(drop=True)[columns]
+    if name == BANDWIDTH:    # collectives outside steps count only when none is inside one (collective_bandwidth)
+        in_steps = blocks["step"].notna() & (blocks["step"].fillna(-1) >= 0)
+        if in_steps.any():
+            blocks = blocks[in_steps.to_numpy(dtype=bool)]
+    return blocks.sort_values(by, kind="stable", na_position="last").reset_index(drop=True)[columns]

@@ -433,7 +433,8 @@ class RunAnalysis:
 
     def collective_bandwidth(self) -> pd.DataFrame:
         """Per collective: transfer time, algbw, busbw (nccl-tests factors)."""
-        return self._memo("bw", lambda: _comm.collective_bandwidth(self.table("collectives")))
+        return self._memo("bw", lambda: self._derived(_derived.BANDWIDTH, lambda: _comm.collective_bandwidth(
+            self.table("collectives"))))
 
     def baseline_bandwidth(self) -> pd.DataFrame | None:
         """``collective_bandwidth`` of the baseline; None without a baseline."""

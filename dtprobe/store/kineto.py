@@ -182,10 +182,10 @@ def _typed_frame(table: str, columns: dict[str, Any], *, length: int = 0) -> pd.
         if isinstance(columns.get(col), pd.Categorical):     # a string column kept dictionary-encoded
             data[col] = columns[col]
         elif col in columns:
-            data[col] = pd.array(columns[col], dtype=pd_dtype)
+            data[col] = pd.array(columns[col], dtype=pd_dtype, copy=False)
         else:
             data[col] = pd.array([None] * length, dtype=pd_dtype)
-    return pd.DataFrame(data)
+    return pd.DataFrame(data, copy=False)     # the columns are this frame's alone: no second copy of each
 
 
 def _masked(values: np.ndarray, null_below: int = 0) -> pd.api.extensions.ExtensionArray:

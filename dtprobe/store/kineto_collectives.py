@@ -306,7 +306,7 @@ def collective_columns(tables: list[pa.Table]) -> tuple[dict[str, Any], int, str
     columns: dict[str, Any] = {
         col: _strings(table[col]) if kind is None else
         _nullable_ints(table[col], "Int32" if kind == pa.int32() else "Int64") for col, kind in ROW_TYPES.items()}
-    columns["seq"], source = _seq_column(pd.DataFrame(columns))
+    columns["seq"], source = _seq_column(pd.DataFrame(columns, copy=False))
     return columns, table.num_rows, source
 
 

@@ -1,0 +1,64 @@
+"""``dtprobe analyze`` of a trace folder: what the main process holds grows far less than the JSON it reads.
+
+Each rank's file is streamed and reduced in a worker; the main process keeps compact tables (kernel names as one
+dictionary per folder, collectives handed back as columns). The property: from 8 to 32 rank files, the main
+process's peak (``ru_maxrss`` of that process alone, the pool's workers excluded) grows by well under the raw JSON
+added. Before these tables were compact it grew by about as much as the JSON added (0.93x on these sizes).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO_ROOT, child_environment, run_to_end
+
+MB_PER_RANK = 4
+GROWTH_BOUND = 0.75
+"""Main-process peak added / raw JSON added, 8 -> 32 ranks: the code that kept a string per kernel and a dict per
+collective measured 0.93; the compact tables measure well under this bound."""
+
+_PEAK = (
+    "import resource, sys\n"
+    "from dtprobe.cli import main\n"
+    "if __name__ == '__main__':\n"
+    "    code = main(['analyze', sys.argv[1], '--workers', '2', '--format', 'json', '-o', sys.argv[2]])\n"
+    "    print('MAXRSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, code)\n")
+
+
+def _trace_set(folder: Path, ranks: int) -> int:
+    """Write ``ranks`` synthetic rank files of MB_PER_RANK MB each; their total bytes."""
+    proc = run_to_end([sys.executable, str(REPO_ROOT / "benchmarks" / "scale_data.py"), "traces", str(folder),
+                       "--ranks", str(ranks), "--mb-per-rank", str(MB_PER_RANK)],
+                      env=child_environment(), timeout_s=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return sum(p.stat().st_size for p in folder.iterdir())
+
+
+def _main_peak_kb(folder: Path, tmp_path: Path) -> int:
+    script = tmp_path / "peak.py"      # a file, not -c: the forkserver pool re-imports the main module
+    script.write_text(_PEAK)
+    out = tmp_path / f"{folder.name}.json"
+    proc = run_to_end([sys.executable, str(script), str(folder), str(out)], env=child_environment(),
+                      timeout_s=300)
+    match = re.search(r"MAXRSS_KB (\d+) (\d+)", proc.stdout)
+    assert match and match.group(2) in ("0", "1"), proc.stdout + proc.stderr
+    assert out.stat().st_size > 0
+    return int(match.group(1))
+
+
+@pytest.mark.multiproc
+def test_main_process_peak_grows_far_less_than_the_json_added_from_8_to_32_ranks(tmp_path):
+    raw_small = _trace_set(tmp_path / "r8", 8)
+    raw_large = _trace_set(tmp_path / "r32", 32)
+    peak_small = _main_peak_kb(tmp_path / "r8", tmp_path) * 1024
+    peak_large = _main_peak_kb(tmp_path / "r32", tmp_path) * 1024
+    added = raw_large - raw_small
+    growth = (peak_large - peak_small) / added
+    assert added > 90e6, added
+    assert growth < GROWTH_BOUND, (
+        f"main-process peak {peak_small / 1e6:.0f} -> {peak_large / 1e6:.0f} MB for {added / 1e6:.0f} MB of JSON "
+        f"added: {growth:.2f}x, bound {GROWTH_BOUND}x")

@@ -25,6 +25,7 @@ from dtprobe.store.resolve import open_source
 from dtprobe.synthetic import (MS, T0, cuda_dp_tables, cut_rank, lockstep_tables, pending_row, stall_rank,
                                write_rows_run, write_run)
 from test_sample_trace_findings import BASELINES, GOLDEN, SAMPLES, SCENARIOS, by_severity
+from test_store_partitions import files_read  # noqa: F401 (a fixture: the compacted files the reader opens)
 
 RESTARTED = {"ckpt_crash_restart": "a collective numbering restarts inside step block 0 (a torchrun restart)"}
 """Scenarios whose frames are not kept, and why: per-block numbering could differ from the whole run's."""
@@ -237,28 +238,23 @@ def test_a_hung_run_with_pending_rows_gives_the_same_frames_and_findings(tmp_pat
     assert hang.ranks == (1,) and hang.evidence["step"] == 25
 
 
-def test_lazy_open_reads_no_compacted_file_and_lateness_exposure_bandwidth_read_no_collectives(tmp_path, monkeypatch):
+def test_lazy_open_reads_no_compacted_file_and_lateness_exposure_bandwidth_read_no_collectives(tmp_path, files_read):
     # what the derived tables save: a run opened as `dtprobe analyze` opens it reads a compacted file only when a
     # table is asked for, and lateness, exposure and bandwidth (the inputs of STRAGGLER, EXPOSED_COMM,
     # COMM_INEFFICIENT and SLOW_LINK) never ask for `collectives`
-    from dtprobe.store import partitions
-
     run = compacted_copy("dp4_straggler_rank2", tmp_path)
-    read: list[str] = []
-    original = partitions.read_compacted_file
-
-    def spy(tables_dir, rel, name, expr=None):
-        read.append(rel)
-        return original(tables_dir, rel, name, expr)
-
-    monkeypatch.setattr(partitions, "read_compacted_file", spy)
+    read = files_read
+    read.clear()                                        # what the compaction itself read back
     store = open_source(run)
     assert [r for r in read if not r.startswith("groups")] == []
     assert store.num_rows()["collectives"] > 0          # counted from the marker, not read
     analysis = RunAnalysis(store)
     lateness, exposure, bandwidth = analysis.rank_lateness(), analysis.comm_exposure(), analysis.collective_bandwidth()
-    assert not lateness.empty and not exposure.empty and len(bandwidth) == 32     # an all-reduce per step (30), 2 broadcasts
+    assert not lateness.empty and not exposure.empty
+    assert len(bandwidth) == 32                         # an all-reduce per step (30), 2 broadcasts
     assert read and not [r for r in read if "collectives" in r]
+    store.table("collectives")
+    assert [r for r in read if "collectives" in r]      # the spy sees the collectives' files when they are read
     raw = RunAnalysis(from_rows(RunStore.open(run)))
     pd.testing.assert_frame_equal(lateness, raw.rank_lateness())
     pd.testing.assert_frame_equal(exposure, raw.comm_exposure())

@@ -12,6 +12,7 @@ import re
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from conftest import REPO_ROOT, child_environment, run_to_end
@@ -62,3 +63,34 @@ def test_main_process_peak_grows_far_less_than_the_json_added_from_8_to_32_ranks
     assert growth < GROWTH_BOUND, (
         f"main-process peak {peak_small / 1e6:.0f} -> {peak_large / 1e6:.0f} MB for {added / 1e6:.0f} MB of JSON "
         f"added: {growth:.2f}x, bound {GROWTH_BOUND}x")
+
+
+def _rows(with_trace_seq: bool) -> list[dict]:
+    """Collectives of two ranks: two groups, a row without a group, p2p ops, rows without an enqueue time."""
+    rows = []
+    for rank in (1, 0):
+        for i, (op, pg, enqueue, start) in enumerate([
+                ("allreduce", "dp", 500, 510), ("send", "pp", 300, 305), ("allgather", "tp", None, 50),
+                ("allreduce", "dp", 100, 120), ("recv", None, None, None), ("barrier", None, 700, 700),
+                ("allreduce", "tp", 0, 40), ("allreduce", "dp", 100, 90)]):
+            row = {"rank": rank, "op": op, "pg": pg, "pg_ranks": "0,1" if pg else None, "pg_size": 2,
+                   "num_bytes": 64 * i, "dtype": "Float", "enqueue_ns": enqueue, "start_ns": start,
+                   "end_ns": (start or 0) + 5, "step": 3, "timing": "cuda_event"}
+            if with_trace_seq and op not in ("send", "recv"):
+                row["trace_seq"] = 10 + i + rank
+            rows.append(row)
+    return rows
+
+
+@pytest.mark.parametrize("with_trace_seq", [True, False], ids=["trace_seq", "order"])
+def test_collective_columns_number_seq_as_the_row_dicts_are_numbered(with_trace_seq):
+    from dtprobe.store.kineto_collectives import collective_columns, collective_table, number_seq
+
+    rows = _rows(with_trace_seq)
+    tables = [collective_table([r for r in rows if r["rank"] == rank]) for rank in (1, 0)]
+    columns, n, source = collective_columns(tables)
+    expected_source = number_seq(rows)
+    assert (n, source) == (len(rows), expected_source) and source == ("trace" if with_trace_seq else "order")
+    assert columns["seq"].tolist() == [r["seq"] if r["seq"] is not None else pd.NA for r in rows]
+    for col in ("rank", "op", "pg", "pg_ranks", "enqueue_ns", "start_ns", "num_bytes"):
+        assert columns[col].tolist() == [r[col] if r[col] is not None else pd.NA for r in rows], col

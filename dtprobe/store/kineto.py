@@ -195,8 +195,8 @@ def _masked(values: np.ndarray, null_below: int = 0) -> pd.api.extensions.Extens
 
 def _dictionary(codes: np.ndarray, values: list[str]) -> pd.Categorical:
     """``values[codes]`` as a Categorical whose categories are the distinct values, sorted: a column of kernel
-    names (long C++ template names, a few hundred distinct ones repeated on every event) then costs one int16 or
-    int32 code per event instead of a string per event, and sorting or grouping by it orders as the strings do."""
+    names (long C++ template names, a few hundred distinct ones repeated on every event) then costs one small integer
+    code per event instead of a string per event, and sorting or grouping by it orders as the strings do."""
     distinct = sorted(set(values))
     position = {v: i for i, v in enumerate(distinct)}
     remap = np.asarray([position[v] for v in values], dtype=np.int32)

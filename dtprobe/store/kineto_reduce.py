@@ -8,6 +8,7 @@ names, the profiler steps and the rank's collectives; the file's text and decode
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import numpy as np
 import pyarrow as pa
 

@@ -298,6 +298,24 @@ def _over(value: np.ndarray, noise: np.ndarray) -> np.ndarray:
         return np.where(noise > 0, value / noise, np.where(noise == 0, np.inf * np.sign(value), np.nan))
 
 
+def _step_rank_grid(g: pd.DataFrame, column: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``g.pivot_table(index="step", columns="rank", values=column, aggfunc="first", dropna=False)`` as (sorted
+    steps, sorted ranks, steps x ranks values: each cell's first non-null value, else NaN), without pandas'
+    per-call overhead (peer_noise builds one per group and column: thousands at a thousand ranks)."""
+    if g["step"].isna().any() or g["rank"].isna().any():
+        m = g.pivot_table(index="step", columns="rank", values=column, aggfunc="first", dropna=False)
+        return m.index.to_numpy(dtype="int64"), m.columns.to_numpy(dtype="int64"), m.to_numpy(dtype="float64")
+    grid, si = np.unique(g["step"].to_numpy(dtype="int64"), return_inverse=True)
+    members, ri = np.unique(g["rank"].to_numpy(dtype="int64"), return_inverse=True)
+    vals = g[column].to_numpy(dtype="float64", na_value=np.nan)
+    values = np.full((len(grid), len(members)), np.nan)
+    known = np.flatnonzero(~np.isnan(vals))
+    cell = si[known] * len(members) + ri[known]
+    _, first = np.unique(cell, return_index=True)          # each cell's first non-null row, in table order
+    values.flat[cell[first]] = vals[known[first]]
+    return grid, members, values
+
+
 def peer_noise(lateness: pd.DataFrame, windows: pd.DataFrame, *, column: str = "lateness_frac",
                reduce: Callable[[np.ndarray], np.ndarray] | None = None) -> np.ndarray:
     """For each window (rows of ``windows``: pg, pg_ranks, rank, first_step, last_step): the noise of ``column``
@@ -317,9 +335,7 @@ def peer_noise(lateness: pd.DataFrame, windows: pd.DataFrame, *, column: str = "
         idx = idx.to_numpy()
         pg, pg_ranks = windows["pg"].iloc[idx[0]], windows["pg_ranks"].iloc[idx[0]]
         g = lateness.iloc[np.sort(rows_of.get((pg, pg_ranks), np.empty(0, dtype="int64")))]
-        m = g.pivot_table(index="step", columns="rank", values=column, aggfunc="first", dropna=False)
-        grid = m.index.to_numpy(dtype="int64")
-        values, members = m.to_numpy(dtype="float64"), m.columns.to_numpy(dtype="int64")
+        grid, members, values = _step_rank_grid(g, column)
         lo = np.searchsorted(grid, windows["first_step"].to_numpy(dtype="int64")[idx], side="left")
         hi = np.searchsorted(grid, windows["last_step"].to_numpy(dtype="int64")[idx], side="right")
         rank = windows["rank"].to_numpy(dtype="int64")[idx]

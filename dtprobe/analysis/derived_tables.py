@@ -1,15 +1,16 @@
 """The per-step frames the analysis keeps at compaction, one step block at a time (``LatenessExposure``, a
 ``store.derived.Deriver``): ``lateness`` (``arrivals.rank_lateness``, per group, step and rank), ``exposure``
 (``exposed_comm.comm_exposure``, per rank and step) and ``bandwidth`` (``comm_efficiency.collective_bandwidth``,
-per collective: its rows are all in one block, and its output order is explicit, not the table's); passed to ``store.compact`` by ``dtprobe compact`` and read
-back by the facade instead of computing them from the whole ``collectives`` table.
+per collective: its rows are all in one block, and its output order is explicit, not the table's); passed to
+``store.compact`` by ``dtprobe compact`` and read back by the facade instead of computing them from the whole
+``collectives`` table.
 
 Each block's frames come from the same functions over the block's rows as the facade's over the whole run
 (``inputs.analysed_table``, ``arrivals.on_arrival_clock``, ``collective_skew``), so they are equal whenever a
 step's lateness and exposure depend on that step's rows only: every collective (pg, pg_ranks, seq) has all its
 rows in one step block, each group's arrival clock is the same in every block, and no attempt's numbering restarts
 inside a block (``arrivals.unique_seq`` left every block unchanged). ``invalid_reason`` says which of these failed;
-then the store keeps no derived frames and the facade computes from the rows. Neither frame depends on an
+then the store keeps no derived frames and the facade computes from the rows. No frame depends on an
 ``AnalysisOptions`` field (the facade applies ``steps_analyzed`` afterwards), so the key holds only ``VERSION``.
 ``bandwidth`` keeps the collectives outside steps (block -1) too: ``collective_bandwidth`` uses them only when no
 collective is inside a step, and ``whole_run_frame`` applies that rule to the blocks' rows.

@@ -432,7 +432,7 @@ class RunAnalysis:
     # ------------------------------------------------------------------------------------------ comm efficiency
 
     def collective_bandwidth(self) -> pd.DataFrame:
-        """Per collective: transfer time, algbw, busbw (nccl-tests factors)."""
+        """Per collective: transfer time, algbw, busbw (nccl-tests factors) (kept at compaction: ``derived_tables``)."""
         return self._memo("bw", lambda: self._derived(_derived.BANDWIDTH, lambda: _comm.collective_bandwidth(
             self.table("collectives"))))
 

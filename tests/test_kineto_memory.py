@@ -9,13 +9,13 @@ added. Before these tables were compact it grew by about as much as the JSON add
 from __future__ import annotations
 
 import re
+import subprocess
 import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from conftest import REPO_ROOT, child_environment, run_to_end
 
 MB_PER_RANK = 4
 GROWTH_BOUND = 0.75
@@ -30,21 +30,21 @@ _PEAK = (
     "    print('MAXRSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, code)\n")
 
 
-def _trace_set(folder: Path, ranks: int) -> int:
+def _trace_set(folder: Path, ranks: int, root: Path, env: dict[str, str]) -> int:
     """Write ``ranks`` synthetic rank files of MB_PER_RANK MB each; their total bytes."""
-    proc = run_to_end([sys.executable, str(REPO_ROOT / "benchmarks" / "scale_data.py"), "traces", str(folder),
-                       "--ranks", str(ranks), "--mb-per-rank", str(MB_PER_RANK)],
-                      env=child_environment(), timeout_s=240)
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "scale_data.py"), "traces", str(folder),
+                           "--ranks", str(ranks), "--mb-per-rank", str(MB_PER_RANK)],
+                          env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return sum(p.stat().st_size for p in folder.iterdir())
 
 
-def _main_peak_kb(folder: Path, tmp_path: Path) -> int:
+def _main_peak_kb(folder: Path, tmp_path: Path, env: dict[str, str]) -> int:
     script = tmp_path / "peak.py"      # a file, not -c: the forkserver pool re-imports the main module
     script.write_text(_PEAK)
     out = tmp_path / f"{folder.name}.json"
-    proc = run_to_end([sys.executable, str(script), str(folder), str(out)], env=child_environment(),
-                      timeout_s=300)
+    proc = subprocess.run([sys.executable, str(script), str(folder), str(out)], env=env, capture_output=True,
+                          text=True, timeout=300)
     match = re.search(r"MAXRSS_KB (\d+) (\d+)", proc.stdout)
     assert match and match.group(2) in ("0", "1"), proc.stdout + proc.stderr
     assert out.stat().st_size > 0
@@ -52,11 +52,12 @@ def _main_peak_kb(folder: Path, tmp_path: Path) -> int:
 
 
 @pytest.mark.multiproc
-def test_main_process_peak_grows_far_less_than_the_json_added_from_8_to_32_ranks(tmp_path):
-    raw_small = _trace_set(tmp_path / "r8", 8)
-    raw_large = _trace_set(tmp_path / "r32", 32)
-    peak_small = _main_peak_kb(tmp_path / "r8", tmp_path) * 1024
-    peak_large = _main_peak_kb(tmp_path / "r32", tmp_path) * 1024
+def test_main_process_peak_grows_far_less_than_the_json_added_from_8_to_32_ranks(tmp_path, repo_root, child_env):
+    env = child_env()
+    raw_small = _trace_set(tmp_path / "r8", 8, repo_root, env)
+    raw_large = _trace_set(tmp_path / "r32", 32, repo_root, env)
+    peak_small = _main_peak_kb(tmp_path / "r8", tmp_path, env) * 1024
+    peak_large = _main_peak_kb(tmp_path / "r32", tmp_path, env) * 1024
     added = raw_large - raw_small
     growth = (peak_large - peak_small) / added
     assert added > 90e6, added

@@ -59,16 +59,14 @@ def test_trace_set_files_hold_about_the_size_asked_with_their_rank_where_hta_loo
 
 
 @pytest.fixture(scope="module")
-def tiny_scale(tmp_path_factory) -> tuple[dict, Path]:
+def tiny_scale(tmp_path_factory, child_env) -> tuple[dict, Path]:
     """``scale.py`` run once at the tiny size; (its --json document, its workdir)."""
-    from conftest import child_environment
-
     work = tmp_path_factory.mktemp("scale")
     out = work / "scale.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scale.py"), "--ranks", "16", "--steps", "5",
                            "--traces", "2x1", "--hta-mem-gb", "0.005", "--workdir", str(work / "data"), "--json", str(out),
                            "--timeout-s", "120"],
-                          env=child_environment(), capture_output=True, text=True, timeout=SCALE_TIMEOUT_S)
+                          env=child_env(), capture_output=True, text=True, timeout=SCALE_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "straggler named" in proc.stdout and "yes (rank 11)" in proc.stdout
     assert "HTA ran on 1 of 2 files" in proc.stdout

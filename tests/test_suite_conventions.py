@@ -60,3 +60,16 @@ def test_a_test_file_that_starts_a_distributed_job_carries_the_multiproc_marker(
     if path == Path(__file__).resolve() or not starters:
         return
     assert "pytest.mark.multiproc" in text, f"starts a job ({starters}) but no test is marked multiproc"
+
+
+CONFTEST_IMPORT = re.compile(r"^\s*(from conftest import|import conftest\b)", re.MULTILINE)
+
+
+@pytest.mark.parametrize("path", [p for p in SOURCES if p.name.startswith("test_")],
+                         ids=lambda p: str(p.relative_to(TESTS)))
+def test_no_test_file_imports_conftest_by_name(path):
+    # tests/ and tests/chaos/ both have a conftest.py: in a whole-suite run the module named 'conftest' is whichever
+    # was imported last, so helpers come in through conftest's fixtures (repo_root, child_env, run_cli, ...)
+    if path == Path(__file__).resolve():
+        return
+    assert not CONFTEST_IMPORT.search(path.read_text()), "use conftest's fixtures instead of importing conftest"

@@ -47,6 +47,7 @@ from dtprobe import summary_store
 from dtprobe.commands.dashboard import APP, streamlit_argv
 from dtprobe.dashboard.paths import ROOT_ENV, Source
 from dtprobe.synthetic import SyntheticRun
+from serving import wait_until_healthy
 
 CHECKOUT = Path(__file__).resolve().parents[1]
 if Path(dtprobe.dashboard.__file__).resolve().parent != CHECKOUT / "dashboard":
@@ -97,16 +98,7 @@ def _server_to_drawn_s(argv_for_port, env: dict, cwd: Path, path: str, drawn_js:
         proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=errors,
                                 start_new_session=True)
         try:
-            while True:
-                try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=1)
-                    break
-                except OSError:
-                    if proc.poll() is not None:
-                        errors.seek(0)
-                        raise SystemExit(f"the server exited with {proc.returncode}: {' '.join(argv)}\n"
-                                         + errors.read().decode(errors="replace")[-2000:])
-                    time.sleep(0.02)
+            wait_until_healthy(port, proc, errors, name=f"the server ({' '.join(argv)})")
             page.goto(f"http://127.0.0.1:{port}/{path}", wait_until="commit")
             page.wait_for_function(drawn_js, polling="raf", timeout=600_000)
             return time.perf_counter() - t0

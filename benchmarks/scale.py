@@ -221,12 +221,12 @@ def phase_browser(a: dict) -> dict:
     """Seconds from starting the `dtprobe dashboard` server on the run until Chromium (open and idle before) shows
     its Overview drawn; no stored summary (a fresh per-user cache), as ``benchmarks/dashboard_load.py`` does."""
     import socket
-    import urllib.request
 
     from playwright.sync_api import sync_playwright
 
     from dtprobe.commands.dashboard import APP, streamlit_argv
     from dtprobe.dashboard.paths import ROOT_ENV
+    from serving import wait_until_healthy
 
     served = subprocess.run([sys.executable, "-c", "import dtprobe.dashboard as d; print(d.__file__)"],
                             capture_output=True, text=True, timeout=60).stdout.strip()
@@ -247,16 +247,7 @@ def phase_browser(a: dict) -> dict:
         proc = subprocess.Popen(streamlit_argv(host="127.0.0.1", port=port), env=env, cwd=APP.parent,
                                 stdout=subprocess.DEVNULL, stderr=errors)
         try:
-            while True:
-                try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=1)
-                    break
-                except OSError:
-                    if proc.poll() is not None:
-                        errors.seek(0)
-                        raise SystemExit(f"the dashboard server exited with {proc.returncode}: "
-                                         + errors.read().decode(errors="replace")[-1000:])
-                    time.sleep(0.02)
+            wait_until_healthy(port, proc, errors, name="the dashboard server", tail_chars=1000)
             page.goto(f"http://127.0.0.1:{port}/", wait_until="commit")
             page.wait_for_function(DRAWN_JS, polling="raf", timeout=a["timeout_s"] * 1000)
             seconds = time.perf_counter() - t0

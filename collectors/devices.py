@@ -113,12 +113,38 @@ class NvmlReader:
 
 
 class HostReader:
-    """This process's CPU share of the machine (0..1, all cores = 1) and RSS, and the host's 1-minute load."""
+    """This process's CPU share of the machine (0..1, all cores = 1) and RSS, and the host's 1-minute load.
+
+    The kernel counts process CPU time in clock ticks, so over a short window the CPU time can run a tick ahead
+    of the wall time (psutil's ``cpu_percent`` then reports several hundred percent for a 1 ms interval). Each
+    ``cpu_frac`` is therefore taken over a window of at least ``MIN_WINDOW_S``: a sample that comes sooner (the
+    sampler's first sample, or the last one at close) is measured from the reference before the latest one, and
+    the first reference is the process's start. The rest of the tick error is clipped to the physical bound 1.
+    """
+
+    MIN_WINDOW_S = 0.25
 
     def __init__(self) -> None:
         self.process = psutil.Process(os.getpid())
         self.num_cpus = psutil.cpu_count() or 1
-        self.process.cpu_percent(None)          # first call primes the counter
+        start = (_process_start(), 0.0)
+        self._refs = [start, start]             # (monotonic_s, cpu_s): older and latest window starts
+
+    def _cpu_seconds(self) -> float:
+        times = self.process.cpu_times()
+        return times.user + times.system
+
+    def cpu_frac(self) -> float:
+        now, cpu = _boot_clock(), self._cpu_seconds()
+        older, latest = self._refs
+        if now - latest[0] >= self.MIN_WINDOW_S:
+            ref, self._refs = latest, [latest, (now, cpu)]
+        else:
+            ref = older
+        elapsed = now - ref[0]
+        if elapsed <= 0:
+            return 0.0
+        return min(1.0, max(0.0, (cpu - ref[1]) / elapsed / self.num_cpus))
 
     def sample(self) -> dict[str, Any]:
         row: dict[str, Any] = {"source": "host"}
@@ -127,9 +153,30 @@ class HostReader:
 
     def process_metrics(self) -> dict[str, Any]:
         with self.process.oneshot():
-            cpu = self.process.cpu_percent(None)
+            cpu_frac = self.cpu_frac()
             rss = self.process.memory_info().rss
-        return {"cpu_frac": cpu / 100.0 / self.num_cpus, "rss_bytes": int(rss), "load1": os.getloadavg()[0]}
+        return {"cpu_frac": cpu_frac, "rss_bytes": int(rss), "load1": os.getloadavg()[0]}
+
+
+def _boot_clock() -> float:
+    """Seconds since boot (CLOCK_BOOTTIME, the clock of /proc's process start time); monotonic elsewhere."""
+    clock_id = getattr(time, "CLOCK_BOOTTIME", None)
+    return time.clock_gettime(clock_id) if clock_id is not None else time.monotonic()
+
+
+def _process_start() -> float:
+    """When this process started, on ``_boot_clock``: /proc's start time (clock ticks since boot) where there is
+    one, else now (the first window then starts here)."""
+    now = _boot_clock()
+    if getattr(time, "CLOCK_BOOTTIME", None) is None:
+        return now
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")   # field 22 of proc(5); fields[0] is field 3
+    except (OSError, IndexError, ValueError):
+        return now
+    return min(now, started)
 
 
 def open_nvml(gpu_index: int, nvml: Any = None, *, uuid: str | None = None) -> NvmlReader | None:

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from collectors import devices
+from dtprobe.collectors import devices
 
 
 @pytest.fixture

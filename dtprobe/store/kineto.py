@@ -3,8 +3,9 @@
 ``KinetoRun`` is a ``source.Source``: read by ``RunAnalysis`` (so by ``dtprobe analyze`` and the dashboard) for
 foreign GPU traces (NCCL, ROCm/RCCL) and CPU/gloo traces. Layers, in the order data flows: find files -> stream
 and reduce each rank's file to its tables in a worker (``kineto_pool`` runs ``kineto_reduce``: a chunk of the
-file in memory at a time) -> check ranks -> assemble schema-typed DataFrames -> keep the kernels of the profiled
-steps (``kineto_window``).
+file in memory at a time) -> spill each rank's tables to disk as it arrives (``kineto_spill``) -> check ranks ->
+when an analysis asks, assemble schema-typed DataFrames one rank at a time, ``kernels`` of the profiled steps
+only (``kineto_window``).
 
 Timestamps: ``*_ns`` columns are Unix-epoch nanoseconds (trace ``ts`` microseconds x 1000 +
 ``baseTimeNanoseconds``) on each rank's own clock, exactly as in the file (no cross-rank alignment is applied:
@@ -18,7 +19,7 @@ Kineto records none). Usage::
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -30,8 +31,8 @@ from dtprobe.store.errors import TraceError
 from dtprobe.store.kineto_collectives import collective_columns
 from dtprobe.store.kineto_events import RankMeta, kernel_kind
 from dtprobe.store.kineto_pool import ProgressFn, ReduceConfig, reduce_files
-from dtprobe.store.kineto_reduce import RankTables
-from dtprobe.store.kineto_window import analysed_kernels, check_gpu_coverage
+from dtprobe.store.kineto_spill import RankSpill, SpilledRank, collective_tables, kernel_columns
+from dtprobe.store.kineto_window import check_gpu_coverage, last_step_ends_us, launched_in_steps
 from dtprobe.store.schema import MANIFEST_FILE, SCHEMAS
 from dtprobe.store.source import SourceInfo
 
@@ -45,22 +46,40 @@ _PANDAS_DTYPES = {"int32": "Int32", "int64": "Int64", "float64": "float64", "boo
 
 @dataclass(frozen=True, kw_only=True)
 class KinetoRun:
-    """Tables and metadata of a folder of Kineto traces, one file per rank."""
+    """Tables and metadata of a folder of Kineto traces, one file per rank. ``kernels``, ``analysed_kernels`` and
+    ``collectives`` are built from the spilled ranks the first time they are read, one rank at a time."""
 
     path: Path
     """The folder (or single file) that was loaded."""
-    ranks: dict[int, RankMeta]
-    """Rank -> its file's metadata (path, world size, backend, process groups, device properties)."""
-    kernels: pd.DataFrame
-    """Every GPU event (kernels, memcpy/memset, stream syncs); ``kind`` in {compute, comm, memory, other}.
-    ``name`` and ``kind`` are Categorical (one dictionary of the distinct strings for the whole folder)."""
-    collectives: pd.DataFrame
-    """Collectives identified on each rank (NCCL kernels, gloo annotations); schema ``collectives``."""
+    spill: RankSpill = field(repr=False)
+    """Each rank's reduced tables on disk (``kineto_spill``), in rank order."""
     steps: pd.DataFrame
     """One row per (rank, ProfilerStep): rank, step, start_ns, end_ns (other ``steps`` columns null)."""
-    collective_seq: str = "order"
-    """``trace`` when ``collectives.seq`` is every trace's own per-group ``Seq`` arg, ``order`` when it is each
-    rank's order within its window (``kineto_collectives.number_seq``)."""
+
+    @property
+    def ranks(self) -> dict[int, RankMeta]:
+        """Rank -> its file's metadata (path, world size, backend, process groups, device properties)."""
+        return {r.meta.rank: r.meta for r in self.spill.ranks}
+
+    @cached_property
+    def kernels(self) -> pd.DataFrame:
+        """Every GPU event (kernels, memcpy/memset, stream syncs); ``kind`` in {compute, comm, memory, other}.
+        ``name`` and ``kind`` are Categorical (one dictionary of the distinct strings for the whole folder)."""
+        return _kernels_frame(self.spill.ranks)
+
+    @cached_property
+    def collectives(self) -> pd.DataFrame:
+        """Collectives identified on each rank (NCCL kernels, gloo annotations); schema ``collectives``."""
+        frame, seq_source = _collectives_frame(self.spill.ranks)
+        assert seq_source == self.collective_seq, (seq_source, self.collective_seq)
+        return frame
+
+    @property
+    def collective_seq(self) -> str:
+        """``trace`` when ``collectives.seq`` is every trace's own per-group ``Seq`` arg, ``order`` when it is each
+        rank's order within its window (``kineto_collectives.number_seq``)."""
+        group = sum(r.num_group_collectives for r in self.spill.ranks)
+        return "trace" if group and sum(r.num_trace_seq for r in self.spill.ranks) == group else "order"
 
     @property
     def steps_found(self) -> list[int]:
@@ -87,12 +106,18 @@ class KinetoRun:
     def has_gpu_kernels(self) -> bool:
         """True when every rank has GPU events, False for a CPU-only trace with collectives; TraceError for a
         trace that cannot be analysed (``kineto_window.check_gpu_coverage``)."""
-        return check_gpu_coverage(self.kernels, self.collectives, self.ranks)
+        return check_gpu_coverage({r.meta.rank for r in self.spill.ranks if r.num_kernels},
+                                  has_collectives=any(r.num_collectives for r in self.spill.ranks),
+                                  ranks=self.ranks)
 
     @cached_property
     def analysed_kernels(self) -> pd.DataFrame:
-        """``kernels`` of the profiled steps, every step included (``kineto_window.analysed_kernels``)."""
-        return analysed_kernels(self.kernels, self.steps, self.collectives, self.ranks)
+        """``kernels`` of the profiled steps, every step included (``kineto_window.kernels_in_steps``), built
+        without the events the window leaves out; all of them (none) for a CPU-only trace."""
+        if not self.has_gpu_kernels:
+            return self.kernels
+        last_end_us = last_step_ends_us(self.steps)
+        return self.kernels if last_end_us is None else _kernels_frame(self.spill.ranks, window=last_end_us)
 
     def table(self, name: str) -> pd.DataFrame:
         """The table ``name`` with every schema column; tables a trace cannot fill come back empty. ``kernels``
@@ -149,29 +174,29 @@ def load_trace_dir(path: str | os.PathLike, *, progress: ProgressFn | None = Non
     ``KinetoRun``.
 
     ``workers`` local processes reduce files in parallel (default: one per CPU, at most one per file; 1: in this
-    process); ``dask_address`` runs the reduction on that Dask scheduler's workers instead. Each worker holds a
-    chunk of one file at a time, so peak memory is bounded by the number of workers, not by the number or size of
-    the files; the tables assembled here are a small fraction of the JSON. Raises TraceError naming the file for
+    process); ``dask_address`` runs the reduction on that Dask scheduler's workers instead. Each worker holds one
+    file's working set (a chunk of its text, its decoded events, its columns) and this process one rank's reduced
+    tables at a time, which it spills to disk (``kineto_spill``): loading peaks at about ``workers`` x one file's
+    working set, whatever the number of files. ``kernels`` and ``collectives`` are built when first read, each
+    the size of its rows over every rank. Raises TraceError naming the file for
     unreadable, truncated or non-Kineto files, a file without ``distributedInfo.rank``, and two files claiming the
     same rank; ConfigError for a Dask address that does not answer or dask not installed.
     """
     files = find_trace_files(path)
-    reduced = reduce_files(files, ReduceConfig(workers=workers, dask_address=dask_address), progress=progress)
-    by_rank: dict[int, RankTables] = {}
-    for item in reduced:
+    spill = RankSpill()
+    reduce_files(files, ReduceConfig(workers=workers, dask_address=dask_address), progress=progress,
+                 keep=spill.add)
+    by_rank: dict[int, SpilledRank] = {}
+    for item in spill.ranks:
         rank = item.meta.rank
         if rank in by_rank:
+            spill.close()
             raise TraceError(
                 f"rank {rank} appears in two files: {by_rank[rank].meta.path} and {item.meta.path} "
                 f"(distributedInfo.rank). Keep one trace per rank in the folder (e.g. one profiler window).")
         by_rank[rank] = item
-    ordered = [by_rank[r] for r in sorted(by_rank)]
-    del reduced, by_rank
-    collectives, seq_source = _collectives_frame(ordered)
-    return KinetoRun(
-        path=Path(path), ranks={p.meta.rank: p.meta for p in ordered},
-        kernels=_kernels_frame(ordered), collectives=collectives, steps=_steps_frame(ordered),
-        collective_seq=seq_source)
+    spill.ranks[:] = [by_rank[r] for r in sorted(by_rank)]
+    return KinetoRun(path=Path(path), spill=spill, steps=_steps_frame(spill.ranks))
 
 
 def _typed_frame(table: str, columns: dict[str, Any], *, length: int = 0) -> pd.DataFrame:
@@ -204,37 +229,56 @@ def _dictionary(codes: np.ndarray, values: list[str]) -> pd.Categorical:
                                      categories=pd.Index(distinct, dtype=object))
 
 
-def _kernels_frame(ranks: list[RankTables]) -> pd.DataFrame:
-    n = sum(len(p.kernels["name_code"]) for p in ranks)
+_KERNEL_INTS = ("stream", "start_ns", "dur_ns", "step", "correlation", "launch_ns")
 
-    def cat(key: str) -> np.ndarray:
-        parts = [p.kernels[key] for p in ranks]
-        return np.concatenate(parts) if parts else np.empty(0, np.int64)
 
-    rank_col = np.concatenate([np.full(len(p.kernels["name_code"]), p.meta.rank, np.int32) for p in ranks]) \
-        if ranks else np.empty(0, np.int32)
-    first = np.cumsum([0] + [len(p.names) for p in ranks[:-1]], dtype=np.int32)    # each rank's names, in turn
-    codes = np.concatenate([p.kernels["name_code"] + f for p, f in zip(ranks, first)]) if ranks \
-        else np.empty(0, np.int32)
+def _kernels_frame(ranks: list[SpilledRank], *, window: pd.Series | None = None) -> pd.DataFrame:
+    """The ``kernels`` table of the spilled ``ranks``, read one rank at a time into columns of the final length;
+    with ``window`` (``kineto_window.last_step_ends_us``) only the events ``launched_in_steps``."""
+    keep = [_in_window(r, window) for r in ranks] if window is not None else [None] * len(ranks)
+    sizes = [r.num_kernels if k is None else int(k.sum()) for r, k in zip(ranks, keep)]
+    n = sum(sizes)
+    out = {col: np.empty(n, np.int64) for col in _KERNEL_INTS}
+    rank_col = np.empty(n, np.int32)
+    codes = np.empty(n, np.int32)
+    at, first_name = 0, 0
+    for r, k, size in zip(ranks, keep, sizes):
+        if r.num_kernels:
+            cols = kernel_columns(r, ["name_code", *_KERNEL_INTS])
+            for col, values in cols.items():
+                target = codes if col == "name_code" else out[col]
+                target[at:at + size] = values if k is None else values[k]
+            codes[at:at + size] += first_name        # each rank's names, in turn
+            del cols
+        rank_col[at:at + size] = r.meta.rank
+        at += size
+        first_name += len(r.names)
     columns = {
-        "rank": rank_col, "name": _dictionary(codes, [name for p in ranks for name in p.names]),
-        "kind": _dictionary(codes, [kind for p in ranks for kind in p.name_kinds]), "stream": cat("stream"),
-        "start_ns": cat("start_ns"), "dur_ns": cat("dur_ns"), "step": cat("step"),
-        "correlation": _masked(cat("correlation")), "launch_ns": _masked(cat("launch_ns")),
+        "rank": rank_col, "name": _dictionary(codes, [name for r in ranks for name in r.names]),
+        "kind": _dictionary(codes, [kind for r in ranks for kind in r.name_kinds]), "stream": out["stream"],
+        "start_ns": out["start_ns"], "dur_ns": out["dur_ns"], "step": out["step"],
+        "correlation": _masked(out["correlation"]), "launch_ns": _masked(out["launch_ns"]),
     }
     return _typed_frame("kernels", columns, length=n)
 
 
-def _steps_frame(ranks: list[RankTables]) -> pd.DataFrame:
+def _in_window(rank: SpilledRank, last_end_us: pd.Series) -> np.ndarray:
+    """Which of ``rank``'s events the profiled steps launched (``kineto_window.launched_in_steps``)."""
+    launch_ns = kernel_columns(rank, ["launch_ns"])["launch_ns"] if rank.num_kernels else np.empty(0, np.int64)
+    return launched_in_steps(np.full(len(launch_ns), rank.meta.rank, np.int64), launch_ns, launch_ns >= 0,
+                             last_end_us)
+
+
+def _steps_frame(ranks: list[SpilledRank]) -> pd.DataFrame:
     rows = [(p.meta.rank, s, lo, hi) for p in ranks for s, lo, hi in p.steps]
     columns = {"rank": [r[0] for r in rows], "step": [r[1] for r in rows], "start_ns": [r[2] for r in rows],
                "end_ns": [r[3] for r in rows]}
     return _typed_frame("steps", columns, length=len(rows))
 
 
-def _collectives_frame(ranks: list[RankTables]) -> tuple[pd.DataFrame, str]:
+def _collectives_frame(ranks: list[SpilledRank]) -> tuple[pd.DataFrame, str]:
     """The ``collectives`` table and where its ``seq`` came from (``kineto_collectives.number_seq``)."""
-    columns, n, seq_source = collective_columns([p.collectives for p in ranks])
+    columns, n, seq_source = collective_columns(list(collective_tables(ranks)))
     frame = _typed_frame("collectives", columns, length=n)
     return frame.sort_values(["rank", "enqueue_ns", "seq"], kind="stable", na_position="last",
                              ignore_index=True), seq_source

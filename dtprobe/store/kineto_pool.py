@@ -1,8 +1,9 @@
 """Run ``kineto_reduce.reduce_trace_file`` over a folder's files: in this process, in a local process pool, or on
 an existing Dask cluster; read by ``kineto.load_trace_dir``.
 
-Each worker holds one file's reduction at a time and hands back only the rank's tables, so peak memory is about
-the largest files times the number of workers, not the size of the folder. Every mode returns the same tables in
+Each worker holds one file's reduction at a time and hands back only the rank's tables, which ``keep`` turns into
+what the caller holds (``kineto_spill`` writes them to disk) as each arrives: peak memory is about the largest
+file's working set times the number of workers, not the size of the folder. Every mode returns the kept results in
 the order of ``files``; an error in one rank's file is a TraceError naming that file, never a worker traceback.
 """
 
@@ -17,12 +18,19 @@ from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dtprobe.store.errors import ConfigError, TraceError
 from dtprobe.store.kineto_reduce import RankTables, reduce_trace_file
 
 ProgressFn = Callable[[int, int, str], None]
 """``progress(done, total, path)``, called after each file is reduced."""
+KeepFn = Callable[[RankTables], Any]
+"""``keep(tables)``: what to hold of a rank's tables once they arrive (the tables themselves by default)."""
+
+
+def _as_is(tables: RankTables) -> RankTables:
+    return tables
 
 DASK_CONNECT_TIMEOUT_S = 10.0
 """How long to wait for the Dask scheduler at ``--dask ADDRESS`` to answer."""
@@ -53,20 +61,22 @@ class ReduceConfig:
                           f"the files.", stacklevel=2)
 
 
-def reduce_files(files: list[Path], config: ReduceConfig, *, progress: ProgressFn | None = None) -> list[RankTables]:
-    """Every file's ``RankTables``, in the order of ``files``."""
+def reduce_files(files: list[Path], config: ReduceConfig, *, progress: ProgressFn | None = None,
+                 keep: KeepFn = _as_is) -> list[Any]:
+    """``keep`` of every file's ``RankTables`` (the tables themselves by default), in the order of ``files``; each
+    rank's tables are dropped once ``keep`` returns."""
     single_file = len(files) == 1
     if config.dask_address is not None:
-        return _on_dask(files, config.dask_address, single_file=single_file, progress=progress)
+        return _on_dask(files, config.dask_address, single_file=single_file, progress=progress, keep=keep)
     workers = min(config.workers or default_workers(), len(files))
     if workers <= 1:
         results = []
         for done, path in enumerate(files, 1):
-            results.append(reduce_trace_file(str(path), single_file=single_file))
+            results.append(keep(reduce_trace_file(str(path), single_file=single_file)))
             if progress:
                 progress(done, len(files), str(path))
         return results
-    return _in_pool(files, workers, progress=progress)
+    return _in_pool(files, workers, progress=progress, keep=keep)
 
 
 def _init_worker() -> None:
@@ -86,15 +96,15 @@ def _pool_context() -> mp.context.BaseContext:
     return mp.get_context("spawn")
 
 
-def _in_pool(files: list[Path], workers: int, *, progress: ProgressFn | None) -> list[RankTables]:
-    results: list[RankTables | None] = [None] * len(files)
+def _in_pool(files: list[Path], workers: int, *, progress: ProgressFn | None, keep: KeepFn) -> list[Any]:
+    results: list[Any] = [None] * len(files)
     with ProcessPoolExecutor(max_workers=workers, mp_context=_pool_context(), initializer=_init_worker) as pool:
         futures: dict[Future, int] = {pool.submit(reduce_trace_file, str(path), single_file=False): i
                                       for i, path in enumerate(files)}
         try:
             for done, future in enumerate(as_completed(futures), 1):
-                index = futures[future]
-                results[index] = _result(future.result, files[index])
+                index = futures.pop(future)      # the future holds the rank's tables until it is dropped
+                results[index] = keep(_result(future.result, files[index]))
                 if progress:
                     progress(done, len(files), str(files[index]))
         except BaseException:
@@ -119,8 +129,8 @@ def _result(get: Callable[[], RankTables], path: Path) -> RankTables:
             from None
 
 
-def _on_dask(files: list[Path], address: str, *, single_file: bool,
-             progress: ProgressFn | None) -> list[RankTables]:
+def _on_dask(files: list[Path], address: str, *, single_file: bool, progress: ProgressFn | None,
+             keep: KeepFn) -> list[Any]:
     try:
         from dask.distributed import Client
         from dask.distributed import as_completed as dask_completed
@@ -136,7 +146,7 @@ def _on_dask(files: list[Path], address: str, *, single_file: bool,
             f"127.0.0.1 --port 8786` and workers with `dask worker tcp://127.0.0.1:8786` on machines that see the "
             f"trace files at the same paths, then pass --dask tcp://127.0.0.1:8786; or leave out --dask to use "
             f"local --workers.") from None
-    results: list[RankTables | None] = [None] * len(files)
+    results: list[Any] = [None] * len(files)
     with client:
         paths = [str(path.resolve()) for path in files]
         futures = client.map(reduce_trace_file, paths, single_file=single_file, pure=False)
@@ -144,7 +154,8 @@ def _on_dask(files: list[Path], address: str, *, single_file: bool,
         try:
             for done, future in enumerate(dask_completed(futures, loop=client.loop), 1):
                 i = index[future.key]
-                results[i] = _result(future.result, files[i])
+                results[i] = keep(_result(future.result, files[i]))
+                future.release()         # the worker may forget the rank's tables: they are kept here
                 if progress:
                     progress(done, len(files), str(files[i]))
         except BaseException:

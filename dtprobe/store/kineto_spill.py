@@ -1,0 +1,109 @@
+"""Each rank's reduced tables written to Arrow IPC files in a temporary folder as soon as the rank is reduced; read
+back one rank at a time by ``kineto.py`` when an analysis first asks for a trace folder's ``kernels`` or
+``collectives``.
+
+Loading a folder then holds one rank's tables at a time (plus each rank's few-hundred distinct kernel names and
+its steps), not every rank's until the last file is read; a table is built only when asked for, straight into
+arrays of its final length (no list of per-rank parts next to their concatenation). The folder is removed when
+its ``RankSpill`` is garbage-collected (with the ``KinetoRun`` that holds it) or at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from dtprobe.store.kineto_collectives import P2P_OPS
+from dtprobe.store.kineto_events import RankMeta
+from dtprobe.store.kineto_reduce import RankTables
+
+KERNEL_COLUMNS = {"name_code": pa.int32(), "stream": pa.int64(), "start_ns": pa.int64(), "dur_ns": pa.int64(),
+                  "correlation": pa.int64(), "launch_ns": pa.int64(), "step": pa.int64()}
+"""Columns of a spilled rank's GPU events (``RankTables.kernels``; -1 = none in correlation, launch_ns, step)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpilledRank:
+    """What stays in memory of one reduced rank: its metadata, distinct kernel names, steps and row counts."""
+
+    meta: RankMeta
+    """What the file says about its rank."""
+    names: tuple[str, ...]
+    """Distinct GPU event names (``name_code`` indexes them)."""
+    name_kinds: tuple[str, ...]
+    """``kernel_kind`` of each of ``names``."""
+    steps: tuple[tuple[int, int, int], ...]
+    """(step, start_ns, end_ns) per ``ProfilerStep#N``."""
+    num_kernels: int
+    """GPU events spilled."""
+    num_collectives: int
+    """Collectives spilled."""
+    num_group_collectives: int
+    """Collectives that are not send/recv (``seq`` numbers them)."""
+    num_trace_seq: int
+    """Of those, how many carry the trace's own ``Seq`` arg."""
+    kernels_file: Path
+    collectives_file: Path
+
+
+class RankSpill:
+    """A temporary folder of spilled ranks, in the order they were added."""
+
+    def __init__(self) -> None:
+        self._dir = tempfile.TemporaryDirectory(prefix="dtprobe-kineto-")
+        self.ranks: list[SpilledRank] = []
+
+    @property
+    def folder(self) -> Path:
+        return Path(self._dir.name)
+
+    def add(self, tables: RankTables) -> SpilledRank:
+        """Write ``tables``' GPU events and collectives to the folder; the rank's ``SpilledRank``."""
+        stem = self.folder / f"{len(self.ranks):06d}"
+        kernels = pa.table({col: pa.array(tables.kernels[col], kind) for col, kind in KERNEL_COLUMNS.items()})
+        _write(stem.with_suffix(".kernels.arrow"), kernels)
+        collectives = tables.collectives
+        _write(stem.with_suffix(".collectives.arrow"), collectives)
+        group = ~np.isin(np.asarray(collectives["op"].to_pylist(), dtype=object), list(P2P_OPS)) \
+            if collectives.num_rows else np.zeros(0, dtype=bool)
+        with_seq = collectives["trace_seq"].is_valid().to_numpy(zero_copy_only=False) \
+            if collectives.num_rows else np.zeros(0, dtype=bool)
+        spilled = SpilledRank(
+            meta=tables.meta, names=tuple(tables.names), name_kinds=tuple(tables.name_kinds),
+            steps=tuple(tables.steps), num_kernels=kernels.num_rows, num_collectives=collectives.num_rows,
+            num_group_collectives=int(group.sum()), num_trace_seq=int((group & with_seq).sum()),
+            kernels_file=stem.with_suffix(".kernels.arrow"), collectives_file=stem.with_suffix(".collectives.arrow"))
+        self.ranks.append(spilled)
+        return spilled
+
+    def close(self) -> None:
+        """Remove the folder now (it is removed at garbage collection otherwise)."""
+        self._dir.cleanup()
+
+
+def _write(path: Path, table: pa.Table) -> None:
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+
+
+def _read(path: Path, columns: list[str] | None = None) -> pa.Table:
+    """A spilled table, memory-mapped (its pages are read from the file as they are used)."""
+    table = pa.ipc.open_file(pa.memory_map(str(path), "r")).read_all()   # the map lives as long as its buffers
+    return table.select(columns) if columns is not None else table
+
+
+def kernel_columns(rank: SpilledRank, columns: list[str]) -> dict[str, np.ndarray]:
+    """``columns`` of one spilled rank's GPU events as numpy arrays (views of the memory-mapped file)."""
+    table = _read(rank.kernels_file, columns)
+    return {col: table[col].to_numpy() for col in columns}
+
+
+def collective_tables(ranks: list[SpilledRank]) -> Iterator[pa.Table]:
+    """Each rank's ``collective_table``, memory-mapped, in the order of ``ranks``."""
+    for rank in ranks:
+        yield _read(rank.collectives_file)

@@ -1,0 +1,97 @@
+"""Loading a Kineto trace folder holds one rank's reduced tables at a time (``kineto_spill``): what the loading
+process holds does not grow with the number of rank files, and the spilled tables leave with the run."""
+
+from __future__ import annotations
+
+import gc
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dtprobe.store.kineto import load_trace_dir
+
+MB_PER_RANK = 2
+FEW, MANY = 8, 32
+FLAT_TOLERANCE = 1.25
+"""Peak of loading MANY files / peak of loading FEW (``benchmarks/scale.py``'s tolerance for "flat")."""
+HELD_PER_RANK_BOUND = 0.1
+"""Traced memory added per extra rank file / one rank's reduced GPU-event columns: holding every rank's columns
+until the end (the loading before the spill) measures 1.0 and more."""
+NCCL_TRACE = Path(__file__).resolve().parent / "data" / "traces" / "nccl_metadata_1rank_a100"
+
+_LOAD = """
+import json, sys, tracemalloc
+import pyarrow as pa
+from dtprobe.store.kineto import find_trace_files, load_trace_dir
+from dtprobe.store.kineto_reduce import reduce_trace_file
+
+if __name__ == "__main__":
+    files = find_trace_files(sys.argv[1])
+    one = reduce_trace_file(str(files[0]))          # also loads every lazily imported library before measuring
+    one_rank_bytes = sum(a.nbytes for a in one.kernels.values())
+    del one
+    tracemalloc.start()
+    run = load_trace_dir(sys.argv[1], workers=1)
+    current, peak = tracemalloc.get_traced_memory()
+    print(json.dumps({"peak": peak, "held": current, "arrow_held": pa.total_allocated_bytes(),
+                      "one_rank_bytes": one_rank_bytes, "ranks": sorted(run.ranks),
+                      "num_kernels": len(run.kernels)}))
+"""
+
+
+def _trace_set(folder: Path, ranks: int, root: Path, env: dict[str, str]) -> None:
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "scale_data.py"), "traces", str(folder),
+                           "--ranks", str(ranks), "--mb-per-rank", str(MB_PER_RANK)],
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _load(folder: Path, tmp_path: Path, env: dict[str, str]) -> dict:
+    script = tmp_path / "load.py"
+    script.write_text(_LOAD)
+    proc = subprocess.run([sys.executable, str(script), str(folder)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_load_trace_dir_peak_does_not_grow_when_the_folder_has_four_times_the_rank_files(tmp_path, repo_root,
+                                                                                         child_env):
+    env = child_env()
+    _trace_set(tmp_path / "few", FEW, repo_root, env)
+    _trace_set(tmp_path / "many", MANY, repo_root, env)
+    few, many = _load(tmp_path / "few", tmp_path, env), _load(tmp_path / "many", tmp_path, env)
+    assert few["ranks"] == list(range(FEW)) and many["ranks"] == list(range(MANY))
+    assert many["num_kernels"] > 3 * few["num_kernels"] > 0       # the tables are built, from every rank
+    assert many["peak"] <= FLAT_TOLERANCE * few["peak"], (few, many)
+    added_per_rank = (many["held"] - few["held"]) / (MANY - FEW)
+    assert added_per_rank <= HELD_PER_RANK_BOUND * many["one_rank_bytes"], (few, many)
+    assert many["arrow_held"] <= few["arrow_held"] + 1_000_000, (few, many)   # no rank's collectives kept
+
+
+def test_spilled_tables_are_removed_when_the_run_is_dropped():
+    run = load_trace_dir(NCCL_TRACE, workers=1)
+    folder = run.spill.folder
+    assert sorted(p.suffix for p in folder.iterdir()) == [".arrow", ".arrow"]
+    assert len(run.collectives) > 0 and len(run.kernels) > 0
+    del run
+    gc.collect()
+    assert not folder.exists()
+
+
+def test_two_files_of_one_rank_remove_the_spilled_tables_with_the_error(tmp_path, monkeypatch):
+    import tempfile
+
+    from dtprobe.store.errors import TraceError
+
+    for name in ("a.pt.trace.json.gz", "b.pt.trace.json.gz"):
+        (tmp_path / name).write_bytes(next(NCCL_TRACE.iterdir()).read_bytes())
+    spill_root = tmp_path / "spill"
+    spill_root.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(spill_root))
+    with pytest.raises(TraceError, match="rank 0 appears in two files"):
+        load_trace_dir(tmp_path, workers=1)
+    assert list(spill_root.iterdir()) == []

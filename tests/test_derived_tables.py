@@ -20,7 +20,7 @@ from dtprobe.analysis.hangs import missing_arrivals
 from dtprobe.analysis.render import render_json
 from dtprobe.store import RunStore, compact
 from dtprobe.store.compaction import add_derived
-from dtprobe.store.frames import empty_frame
+from dtprobe.store.frames import conform, empty_frame
 from dtprobe.store.resolve import open_source
 from dtprobe.synthetic import (MS, T0, cuda_dp_tables, cut_rank, lockstep_tables, pending_row, stall_rank,
                                write_rows_run, write_run)
@@ -123,8 +123,7 @@ def _collective(rank: int, seq: int, step: int) -> dict:
 
 
 def _frames(rows: list[dict]) -> dict[str, pd.DataFrame]:
-    collectives = pd.concat([empty_frame("collectives"), pd.DataFrame(rows)], ignore_index=True)
-    return {"collectives": collectives.astype(empty_frame("collectives").dtypes.to_dict()),
+    return {"collectives": conform(pd.DataFrame(rows), "collectives"),
             "pending": empty_frame("pending"), "steps": empty_frame("steps")}
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import orjson
 import pandas as pd
+import pyarrow as pa
 import pytest
 
 from dtprobe import synthetic
@@ -94,6 +95,24 @@ def test_a_v2_run_reads_and_compacts_to_the_frames_of_the_same_run_in_the_v1_lay
             assert store.is_compacted is (when == "compacted")
             for table, frame in expected.items():
                 pd.testing.assert_frame_equal(store.table(table), frame, obj=f"{run.name} {when} {table}")
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_member_lists_are_held_once_per_group_not_copied_per_row_when_read(tmp_path, version):
+    rows = _rows()
+    run = _write(tmp_path / f"v{version}", rows, version=version)
+    written = sorted(r["pg_ranks"] for r in rows["collectives"])
+    for when in ("events", "compacted"):
+        if when == "compacted":
+            compact(run)
+        store = RunStore.open(run)
+        held = store.aligned_arrow("collectives").column("pg_ranks").combine_chunks()
+        assert pa.types.is_dictionary(held.type), when
+        assert sorted(held.dictionary.to_pylist()) == sorted(set(written)), when     # each list once
+        frame = store.table("collectives")["pg_ranks"]
+        assert isinstance(frame.dtype, pd.CategoricalDtype), when
+        assert list(frame.cat.categories) == sorted(set(written)), when
+        assert sorted(frame.astype(object)) == written, when
 
 
 def test_lines_appended_after_compaction_get_their_members_from_compacted_and_new_group_rows(tmp_path):

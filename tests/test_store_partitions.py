@@ -59,7 +59,17 @@ def dp200(tmp_path) -> tuple[Path, dict[str, pd.DataFrame]]:
 def window_of(frame: pd.DataFrame, first: int, last: int | None = None) -> pd.DataFrame:
     step = frame["step"]
     keep = step.notna() & (step >= first) & (True if last is None else step <= last)
-    return frame[keep.fillna(False).astype(bool)].reset_index(drop=True)
+    return held_categories(frame[keep.fillna(False).astype(bool)].reset_index(drop=True))
+
+
+def held_categories(frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` (rows picked from a store frame in pandas) with only the values its category columns hold as
+    categories, as the store returns any frame (pandas keeps the whole table's categories when rows are picked)."""
+    frame = frame.copy()
+    for col in frame.columns:
+        if isinstance(frame[col].dtype, pd.CategoricalDtype):
+            frame[col] = frame[col].cat.remove_unused_categories()
+    return frame
 
 
 def test_step_window_of_a_compacted_run_reads_only_the_partitions_of_its_steps(dp200, files_read):

@@ -14,7 +14,8 @@ import numpy as np
 import pandas as pd
 
 from dtprobe.analysis.clocks import DEVICE, HOST
-from dtprobe.analysis.tables import P2P_OPS, coded_rows, group_members, lookup_group_codes, run_starts, step_durations
+from dtprobe.analysis.tables import (P2P_OPS, coded_rows, frame_group_codes, group_members, lookup_group_codes,
+                                     run_starts, step_durations)
 from dtprobe.store.columns import require_columns
 
 CLOCK_COLUMNS = ["pg", "pg_ranks", "clock"]
@@ -27,12 +28,11 @@ def arrival_clocks(collectives: pd.DataFrame) -> pd.DataFrame:
     require_columns(collectives, ["pg", "pg_ranks", "arrive_ns"], table="collectives")
     if collectives.empty:
         return pd.DataFrame({col: [] for col in CLOCK_COLUMNS})
-    keys = pd.DataFrame({"pg": collectives["pg"].fillna("").astype(str),
-                         "pg_ranks": collectives["pg_ranks"].fillna("").astype(str),
-                         "device": collectives["arrive_ns"].notna().to_numpy(dtype=bool)})
-    out = keys.groupby(["pg", "pg_ranks"], sort=True)["device"].any().reset_index()
-    out["clock"] = np.where(out["device"], DEVICE, HOST)
-    return out[CLOCK_COLUMNS]
+    code, pg_names, pr_names = frame_group_codes(collectives)
+    device = np.bincount(code, weights=collectives["arrive_ns"].notna().to_numpy(dtype=float),
+                         minlength=len(pg_names)) > 0    # codes number the pairs in sorted order
+    return pd.DataFrame({"pg": pg_names, "pg_ranks": pr_names,
+                         "clock": np.where(device, DEVICE, HOST)})[CLOCK_COLUMNS]
 
 
 def on_arrival_clock(collectives: pd.DataFrame) -> pd.DataFrame:
@@ -47,9 +47,7 @@ def on_arrival_clock(collectives: pd.DataFrame) -> pd.DataFrame:
         return collectives
     clocks = arrival_clocks(collectives)
     device = clocks.loc[clocks["clock"] == DEVICE]
-    in_device = pd.MultiIndex.from_arrays([collectives["pg"].fillna("").astype(str),
-                                           collectives["pg_ranks"].fillna("").astype(str)]).isin(
-        pd.MultiIndex.from_arrays([device["pg"], device["pg_ranks"]]))
+    in_device = np.isin(frame_group_codes(collectives)[0], device.index.to_numpy())  # arrival_clocks' rows: codes
     out = collectives.copy()
     out["enqueue_ns"] = collectives["enqueue_ns"].where(~in_device, collectives["arrive_ns"])
     return out

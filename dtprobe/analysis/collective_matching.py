@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 
 from dtprobe.analysis.clocks import DEVICE_TIMING
-from dtprobe.analysis.tables import group_members
+from dtprobe.analysis.tables import group_members, text_or
 from dtprobe.store.columns import require_columns
 
 MATCH_INPUT_COLUMNS = ("rank", "pg", "pg_ranks", "seq", "op", "num_bytes", "start_ns", "end_ns", "step", "timing")
@@ -46,7 +46,7 @@ def device_collectives(collectives: pd.DataFrame, *, world_size: int | None) -> 
     c = c.loc[keep.to_numpy(dtype=bool), list(MATCH_INPUT_COLUMNS)].copy()
     world = ",".join(str(r) for r in range(world_size)) if world_size else pd.NA
     c["pg"] = c["pg"].fillna("world")
-    c["pg_ranks"] = c["pg_ranks"].fillna(world)
+    c["pg_ranks"] = text_or(c["pg_ranks"], world)
     return c.reset_index(drop=True)[list(MATCH_INPUT_COLUMNS)]
 
 

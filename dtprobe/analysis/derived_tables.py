@@ -26,7 +26,7 @@ from dtprobe.analysis.arrivals import unique_seq
 from dtprobe.analysis.comm_efficiency import BANDWIDTH_COLUMNS, BANDWIDTH_ORDER, collective_bandwidth
 from dtprobe.analysis.exposed_comm import EXPOSURE_COLUMNS, comm_exposure
 from dtprobe.analysis.hangs import merge_pending
-from dtprobe.analysis.tables import P2P_OPS
+from dtprobe.analysis.tables import P2P_OPS, group_codes
 
 VERSION = 2
 """Bumped whenever the derived tables or what ``rank_lateness``, ``comm_exposure`` or ``collective_bandwidth``
@@ -96,9 +96,9 @@ class LatenessExposure:
     def _remember(self, step_block: int, collectives: pd.DataFrame) -> None:
         """Record the block's collectives (a collective in two blocks is split between them) and group clocks."""
         c = collectives[~collectives["op"].isin(P2P_OPS) & collectives["seq"].notna()]
-        pairs = list(zip(c["pg"].fillna("").astype(str), c["pg_ranks"].fillna("").astype(str)))
-        codes, uniques = pd.factorize(pd.Series(pairs, dtype=object))
-        table = np.array([self._groups.setdefault(g, len(self._groups)) for g in uniques], dtype=np.int64)
+        codes, pg_names, pr_names = group_codes(c["pg"], c["pg_ranks"])
+        table = np.array([self._groups.setdefault(g, len(self._groups)) for g in zip(pg_names, pr_names)],
+                         dtype=np.int64)
         seq = c["seq"].to_numpy(dtype="int64")
         self._keys.append(np.unique(table[codes] * (1 << 40) + seq) if len(c) else np.empty(0, dtype=np.int64))
         if collectives["arrive_ns"].notna().any():

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pandas as pd
+from pandas.api.types import union_categoricals
 
 from dtprobe.analysis.arrivals import ATTEMPT_SEQ_STRIDE
 from dtprobe.analysis.clocks import HOST
@@ -16,7 +17,7 @@ from dtprobe.analysis.fault_detail import fault_detail
 from dtprobe.analysis.findings import Finding
 from dtprobe.analysis.liveness import Activity, liveness
 from dtprobe.analysis.stragglers import SKEW_COLUMNS
-from dtprobe.analysis.tables import P2P_OPS, axis_of, coded_rows, group_members, group_phrase, ranks_phrase
+from dtprobe.analysis.tables import P2P_OPS, axis_of, coded_rows, group_members, group_phrase, ranks_phrase, text_or
 from dtprobe.store.columns import require_columns
 
 MISSING_COLUMNS = ["pg", "pg_ranks", "seq", "op", "step", "arrived_ranks", "missing_ranks", "first_enqueue_ns",
@@ -36,16 +37,21 @@ def merge_pending(collectives: pd.DataFrame, pending: pd.DataFrame) -> pd.DataFr
 
     def keys(df: pd.DataFrame) -> pd.Series:
         return pd.Series(list(zip(df["rank"].astype("int64"), df["restart"].fillna(0).astype("int64"), df["pg"],
-                                  df["pg_ranks"].fillna(""), df["seq"].astype("int64"),
+                                  text_or(df["pg_ranks"]), df["seq"].astype("int64"),
                                   df["peer"].fillna(-2).astype("int64"), df["op"])), index=df.index)
 
     done = set(keys(collectives)) if not collectives.empty else set()
     new = pending[~keys(pending).isin(done)]
     if new.empty:
         return collectives
+    dtypes = collectives.dtypes.to_dict()
+    categories = [c for c, d in dtypes.items() if isinstance(d, pd.CategoricalDtype)]
     rows = pd.DataFrame({c: new[c] if c in new.columns else pd.Series(pd.NA, index=new.index)
-                         for c in collectives.columns}).astype(collectives.dtypes.to_dict())
-    return pd.concat([collectives, rows], ignore_index=True)
+                         for c in collectives.columns}).astype({c: d for c, d in dtypes.items() if c not in categories})
+    merged = pd.concat([collectives, rows], ignore_index=True)
+    for c in categories:   # a category column (the store's pg_ranks) stays one, with the values of both
+        merged[c] = union_categoricals([collectives[c].array, pd.Categorical(rows[c])], sort_categories=True)
+    return merged
 
 
 def unfinished_rows(collectives: pd.DataFrame) -> pd.DataFrame:
@@ -73,7 +79,7 @@ def missing_arrivals(skew: pd.DataFrame, collectives: pd.DataFrame, *, now_ns: i
     # were lost (a rank killed before its buffered rows were written) or are not written yet. A hang leaves at
     # least one arrived rank's row unfinished (pending, or written at close with end_ns null).
     def keys(frame: pd.DataFrame):
-        return zip(frame["pg"], frame["pg_ranks"].fillna(""), frame["seq"].astype("int64"))
+        return zip(frame["pg"], text_or(frame["pg_ranks"]), frame["seq"].astype("int64"))
 
     ends = collectives["end_ns"]
     unfinished = set(keys(collectives.loc[ends.isna()]))
@@ -89,7 +95,7 @@ def missing_arrivals(skew: pd.DataFrame, collectives: pd.DataFrame, *, now_ns: i
     rows = []
     for r in first.itertuples(index=False):
         arrived = sorted(int(x) for x in collectives.loc[
-            (collectives["pg"] == r.pg) & (collectives["pg_ranks"].fillna("") == r.pg_ranks)
+            (collectives["pg"] == r.pg) & (text_or(collectives["pg_ranks"]) == r.pg_ranks)
             & (collectives["seq"] == r.seq), "rank"].unique())
         missing = [m for m in group_members(r.pg_ranks) if m not in arrived]
         waited = now_ns - int(r.first_enqueue_ns)

@@ -13,7 +13,7 @@ import pandas as pd
 from dtprobe.analysis.arrivals import ATTEMPT_SEQ_STRIDE
 from dtprobe.analysis.findings import Finding
 from dtprobe.analysis.phases import phase_at
-from dtprobe.analysis.tables import P2P_OPS, axis_of, group_members, group_phrase, size_label
+from dtprobe.analysis.tables import P2P_OPS, axis_of, group_members, group_phrase, size_label, text_or
 from dtprobe.store.columns import require_columns
 
 MISMATCH_COLUMNS = ["pg", "pg_ranks", "restart", "seq", "kind", "odd_ranks", "issued", "expected", "step", "phase"]
@@ -37,7 +37,7 @@ def collective_mismatches(collectives: pd.DataFrame, steps: pd.DataFrame) -> pd.
         return empty
     seq = c["seq"].astype("int64")
     c = c.assign(_attempt=c["restart"].fillna(seq // ATTEMPT_SEQ_STRIDE).astype("int64"), _seq=seq,
-                 pg_ranks=c["pg_ranks"].fillna(""), dtype=c["dtype"].fillna("?"),
+                 pg_ranks=text_or(c["pg_ranks"]), dtype=c["dtype"].fillna("?"),
                  num_bytes=c["num_bytes"].fillna(-1).where(~c["op"].isin(UNEVEN_OPS), -1))
     key = ["pg", "pg_ranks", "_attempt", "_seq"]
     per_seq = c.groupby(key, sort=False)[["op", "dtype", "num_bytes", "step"]].nunique()

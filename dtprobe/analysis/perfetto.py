@@ -19,6 +19,7 @@ from typing import Any
 import pandas as pd
 
 from dtprobe.analysis.arrivals import unique_seq
+from dtprobe.analysis.tables import text_or
 
 TIDS = {"steps": 1, "phases": 2, "pipeline": 3, "checkpoint": 4, "faults": 5}
 PHASES = ("data", "fwd", "bwd", "opt")
@@ -89,7 +90,7 @@ def build_trace(tables: dict[str, pd.DataFrame], *, rank_hosts: dict[int, str] |
     coll = tables.get("collectives", pd.DataFrame())
     if not coll.empty:
         c = coll.dropna(subset=["enqueue_ns"])
-        last = c.groupby([c["pg"].fillna(""), c["pg_ranks"].fillna(""), c["seq"]])["enqueue_ns"].transform("max")
+        last = c.groupby([c["pg"].fillna(""), text_or(c["pg_ranks"]), c["seq"]])["enqueue_ns"].transform("max")
         pg_tids: dict[str, int] = {}
         for i, (r, last_enq) in enumerate(zip(c.itertuples(index=False), last)):
             pg = "" if pd.isna(r.pg) else str(r.pg)

@@ -87,12 +87,48 @@ def ranks_phrase(ranks: Any) -> str:
     return str(ranks) if len(ranks) <= LISTED_MEMBERS_MAX else f"({len(ranks)} ranks)"
 
 
+def text_or(values: pd.Series, null: Any = "") -> pd.Series:
+    """``values`` (strings; the store's ``pg_ranks`` is a ``category`` column) with nulls as ``null``: a category
+    column stays one (``null`` added to its categories: no string copied per row), others as they are."""
+    if isinstance(values.dtype, pd.CategoricalDtype):
+        if pd.isna(null) or not values.isna().any():
+            return values
+        if null not in values.cat.categories:
+            values = values.cat.add_categories([null])
+    return values.fillna(null)
+
+
+def text_codes(values: pd.Series, *, sort: bool = True) -> tuple[np.ndarray, pd.Index]:
+    """Per row, an int64 code of its string (nulls as ""), and the string of each code (a ``str`` index, sorted
+    when ``sort``): ``pd.factorize`` of the strings, but a ``category`` column is coded from its codes, without
+    hashing or copying its strings."""
+    if not isinstance(values.dtype, pd.CategoricalDtype):
+        codes, names = pd.factorize(values.fillna("").astype(str), sort=sort)
+        return codes.astype("int64"), pd.Index(names)
+    names = pd.Index(values.cat.categories.astype(str))
+    codes = values.cat.codes.to_numpy().astype("int64")
+    if len(codes) and codes.min() < 0:
+        empty = names.get_indexer([""])[0]
+        if empty < 0:
+            names, empty = names.append(pd.Index([""], dtype=names.dtype)), len(names)
+        codes[codes < 0] = empty
+    held = np.bincount(codes, minlength=len(names)) > 0
+    names = names[held]
+    codes = (np.cumsum(held) - 1)[codes]
+    if sort and not names.is_monotonic_increasing:
+        order = names.argsort()
+        position = np.empty(len(order), dtype="int64")
+        position[order] = np.arange(len(order))
+        names, codes = names[order], position[codes]
+    return codes, names
+
+
 def group_codes(pg: pd.Series, pg_ranks: pd.Series) -> tuple[np.ndarray, pd.Index, pd.Index]:
     """Per row, an integer code of its (pg, pg_ranks) pair (nulls as ""), numbered in the sorted order of the pairs,
     and the pg and pg_ranks of each code: sorting and grouping by the code is sorting and grouping by the two
     strings, without hashing long ``pg_ranks`` strings again."""
-    pg_codes, pg_names = pd.factorize(pg.fillna("").astype(str), sort=True)
-    pr_codes, pr_names = pd.factorize(pg_ranks.fillna("").astype(str), sort=True)
+    pg_codes, pg_names = text_codes(pg)
+    pr_codes, pr_names = text_codes(pg_ranks)
     width = max(len(pr_names), 1)
     codes, pairs = pd.factorize(pg_codes.astype("int64") * width + pr_codes, sort=True)
     return codes.astype("int64"), pd.Index(pg_names).take(pairs // width), pd.Index(pr_names).take(pairs % width)
@@ -107,19 +143,24 @@ def coded_rows(collectives: pd.DataFrame, mask: pd.Series, columns: list[str]
     """The ``columns`` of the collectives rows where ``mask`` holds and their ``group_codes`` (pg, pg_ranks code,
     pg names, pg_ranks names): the long ``pg_ranks`` strings are coded once per frame (six analyses code the
     same collectives table; a copy or a slice of it is coded again) and never copied."""
-    coded = collectives.__dict__.get(_GROUP_CODES)
-    if coded is None or len(coded[0]) != len(collectives):
-        coded = group_codes(collectives["pg"], collectives["pg_ranks"])
-        object.__setattr__(collectives, _GROUP_CODES, coded)
-    code, pg_names, pr_names = coded
+    code, pg_names, pr_names = frame_group_codes(collectives)
     keep = mask.to_numpy(dtype=bool, na_value=False)
     return collectives.loc[keep, columns], code[keep], pg_names, pr_names
 
 
+def frame_group_codes(collectives: pd.DataFrame) -> tuple[np.ndarray, pd.Index, pd.Index]:
+    """``group_codes`` of every row of the collectives frame, computed once per frame object."""
+    coded = collectives.__dict__.get(_GROUP_CODES)
+    if coded is None or len(coded[0]) != len(collectives):
+        coded = group_codes(collectives["pg"], collectives["pg_ranks"])
+        object.__setattr__(collectives, _GROUP_CODES, coded)
+    return coded
+
+
 def lookup_group_codes(pg: pd.Series, pg_ranks: pd.Series, pg_names: pd.Index, pr_names: pd.Index) -> np.ndarray:
     """Per row, the code ``group_codes`` gave its (pg, pg_ranks) pair (``pg_names``/``pr_names``), -1 if none."""
-    pg_codes, pg_u = pd.factorize(pg.fillna("").astype(str))
-    pr_codes, pr_u = pd.factorize(pg_ranks.fillna("").astype(str))
+    pg_codes, pg_u = text_codes(pg, sort=False)
+    pr_codes, pr_u = text_codes(pg_ranks, sort=False)
     width = max(len(pr_u), 1)
     pairs, pair_u = pd.factorize(pg_codes.astype("int64") * width + pr_codes)
     known = pd.MultiIndex.from_arrays([pg_names, pr_names]).get_indexer(

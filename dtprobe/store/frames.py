@@ -2,7 +2,9 @@
 
 ``SCHEMAS`` dtype names map to pandas dtypes as follows: ``int32``/``int64`` -> nullable ``Int32``/``Int64``,
 ``boolean`` -> nullable ``boolean``, ``string`` -> ``string`` (``pd.NA`` for null), ``float64`` -> numpy
-``float64`` (``NaN`` for null). Analysis and tests that build hand-made tables should use ``frame_from_rows`` or
+``float64`` (``NaN`` for null). A group's member list (``pg_ranks`` of the ``GROUPED_TABLES``:
+``DICTIONARY_COLUMNS``) repeats on every row of its group: it is an Arrow dictionary column in memory and a pandas
+``category`` (null: NaN) in frames, so a row holds a small code, not a copy of a string of up to a few KB. Analysis and tests that build hand-made tables should use ``frame_from_rows`` or
 ``conform`` so their frames match what ``RunStore.table`` returns.
 """
 
@@ -12,8 +14,9 @@ from typing import Any, Iterable, Mapping
 
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from dtprobe.store.schema import SCHEMAS, TIME_COLUMNS
+from dtprobe.store.schema import GROUPED_TABLES, SCHEMAS, TIME_COLUMNS
 
 PANDAS_DTYPES: dict[str, str] = {
     "int32": "Int32", "int64": "Int64", "float64": "float64", "boolean": "boolean", "string": "string",
@@ -25,6 +28,11 @@ ARROW_TYPES: dict[str, pa.DataType] = {
     "string": pa.string(),
 }
 """Schema dtype name -> Arrow type (JSONL parsing and Parquet files)."""
+
+DICTIONARY_COLUMNS: dict[str, tuple[str, ...]] = {table: ("pg_ranks",) for table in GROUPED_TABLES}
+"""Per table, the string columns held dictionary-encoded (Arrow) / ``category`` (pandas): the same long value on
+many rows."""
+DICTIONARY_TYPE = pa.dictionary(pa.int32(), pa.string())
 
 _TYPES_MAPPER = {
     pa.int32(): pd.Int32Dtype(), pa.int64(): pd.Int64Dtype(), pa.bool_(): pd.BooleanDtype(),
@@ -50,24 +58,66 @@ SORT_KEYS: dict[str, tuple[str, ...]] = {
 
 
 def arrow_schema(table: str) -> pa.Schema:
-    """The Arrow schema of ``table`` (every column, nullable)."""
+    """The Arrow schema of ``table`` as written (events lines, Parquet of older dtprobes): every column, nullable,
+    plain strings."""
     return pa.schema([(col, ARROW_TYPES[dtype]) for col, dtype in SCHEMAS[table].items()])
+
+
+def memory_schema(table: str) -> pa.Schema:
+    """The Arrow schema of ``table``'s rows held by the reader: ``arrow_schema`` with ``DICTIONARY_COLUMNS``
+    dictionary-encoded."""
+    encoded = DICTIONARY_COLUMNS.get(table, ())
+    return pa.schema([(col, DICTIONARY_TYPE if col in encoded else ARROW_TYPES[dtype])
+                      for col, dtype in SCHEMAS[table].items()])
+
+
+def dictionary_encoded(rows: pa.Table, table: str) -> pa.Table:
+    """``rows`` of ``table`` with its ``DICTIONARY_COLUMNS`` dictionary-encoded (as ``memory_schema``)."""
+    for col in DICTIONARY_COLUMNS.get(table, ()):
+        i = rows.schema.get_field_index(col)
+        if i < 0 or rows.schema.field(i).type == DICTIONARY_TYPE:
+            continue
+        column = rows.column(i)
+        if pa.types.is_dictionary(column.type):
+            column = column.cast(pa.string())   # another index or value type: decode first (small tables only)
+        rows = rows.set_column(i, col, pc.dictionary_encode(column).cast(DICTIONARY_TYPE))
+    return rows
 
 
 def pandas_dtypes(table: str) -> dict[str, str]:
     """Column -> pandas dtype of ``table``."""
-    return {col: PANDAS_DTYPES[dtype] for col, dtype in SCHEMAS[table].items()}
+    encoded = DICTIONARY_COLUMNS.get(table, ())
+    return {col: "category" if col in encoded else PANDAS_DTYPES[dtype] for col, dtype in SCHEMAS[table].items()}
 
 
 def empty_frame(table: str) -> pd.DataFrame:
     """A zero-row frame with every column of ``table`` in its schema dtype."""
-    return pd.DataFrame({col: pd.Series([], dtype=dtype) for col, dtype in pandas_dtypes(table).items()})
+    return pd.DataFrame({col: pd.Series([], dtype=_empty_dtype(dtype)) for col, dtype in pandas_dtypes(table).items()})
+
+
+def _empty_dtype(dtype: str) -> Any:
+    # a category column's categories are strings, also without rows (as a frame read from Arrow has them)
+    return pd.CategoricalDtype(pd.Index([], dtype="str")) if dtype == "category" else dtype
 
 
 def arrow_to_frame(data: pa.Table, table: str) -> pd.DataFrame:
     """Convert an Arrow table holding exactly ``table``'s columns into a schema-typed frame."""
-    df = data.to_pandas(types_mapper=_TYPES_MAPPER.get)
-    return df.astype(pandas_dtypes(table)) if len(df.columns) else empty_frame(table)
+    if not len(data.column_names):
+        return empty_frame(table)
+    df = dictionary_encoded(data, table).to_pandas(types_mapper=_TYPES_MAPPER.get)
+    dtypes = pandas_dtypes(table)
+    df = df.astype({col: dtype for col, dtype in dtypes.items() if dtype != "category"})
+    for col in DICTIONARY_COLUMNS.get(table, ()):
+        df[col] = _sorted_categories(df[col])
+    return df
+
+
+def _sorted_categories(values: pd.Series) -> pd.Series:
+    """A category column with only the values it holds as categories, in sorted order (so sorting or grouping by
+    it orders rows as by the strings; Arrow's dictionaries are in order of appearance and may hold more)."""
+    values = values.cat.remove_unused_categories()
+    categories = values.cat.categories
+    return values if categories.is_monotonic_increasing else values.cat.reorder_categories(categories.sort_values())
 
 
 def frame_from_rows(table: str, rows: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
@@ -85,7 +135,8 @@ def conform(df: pd.DataFrame, table: str) -> pd.DataFrame:
     """Return ``df`` with exactly ``table``'s columns, in schema order and dtypes (missing columns -> null)."""
     out = pd.DataFrame(index=df.index)
     for col, dtype in pandas_dtypes(table).items():
-        out[col] = df[col].astype(dtype) if col in df.columns else pd.Series(None, index=df.index, dtype=dtype)
+        out[col] = df[col].astype(dtype) if col in df.columns else pd.Series(
+            None, index=df.index, dtype=_empty_dtype(dtype))
     return out.reset_index(drop=True)
 
 

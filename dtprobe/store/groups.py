@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dtprobe.store.errors import TraceError
+from dtprobe.store.frames import dictionary_encoded
 from dtprobe.store.schema import GROUPED_TABLES
 
 GROUPS_SINCE_VERSION = 2
@@ -81,13 +82,15 @@ class GroupLayout:
         return out
 
 
-def fill_members(rows: pa.Table, groups: pa.Table) -> tuple[pa.Table, list[tuple[int, int | None, str]]]:
-    """``rows`` of a grouped table with ``pg`` (the group's name), ``pg_ranks`` and ``pg_size`` taken from
-    ``groups`` for every row that names a group (``pg`` set) without members (``pg_ranks`` null); other rows are
-    unchanged. Also returns the (rank, restart, pg) keys no ``groups`` row has (those rows are left unfilled).
+def fill_members(rows: pa.Table, groups: pa.Table,
+                 table: str) -> tuple[pa.Table, list[tuple[int, int | None, str]]]:
+    """``rows`` of the grouped table ``table`` with ``pg`` (the group's name), ``pg_ranks`` and ``pg_size`` taken
+    from ``groups`` for every row that names a group (``pg`` set) without members (``pg_ranks`` null); other rows
+    keep theirs. ``pg_ranks`` comes back dictionary-encoded (``frames.memory_schema``). Also returns the (rank, restart, pg) keys no ``groups`` row has (those rows are left unfilled).
 
     Identical repeated ``groups`` rows (a rank that attached twice) count once; two rows of one key with different
     members are damage (TraceError)."""
+    rows = dictionary_encoded(rows, table)
     need = pc.and_(pc.is_null(rows.column("pg_ranks")), pc.is_valid(rows.column("pg")))
     if not rows.num_rows or not pc.any(need).as_py():
         return rows, []
@@ -96,7 +99,9 @@ def fill_members(rows: pa.Table, groups: pa.Table) -> tuple[pa.Table, list[tuple
     index = pc.index_in(_codes(rows, names), value_set=_codes(groups, names))
     found = pc.and_(need, pc.is_valid(index))
     if pc.any(found).as_py():
-        members = groups.take(index)
+        # the members taken as dictionary codes: a row gets a code, not a copy of its group's member list (a
+        # 128-rank group's is ~560 bytes: copies on millions of rows overflow an Arrow string array's 2 GB)
+        members = dictionary_encoded(groups.select(["name", *MEMBER_COLUMNS]), table).take(index)
         for column in ("pg", *MEMBER_COLUMNS):
             source = members.column("name" if column == "pg" else column)
             filled = pc.if_else(found, source, rows.column(column))

@@ -25,7 +25,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from dtprobe.store.errors import TraceError
-from dtprobe.store.frames import SORT_KEYS, arrow_schema
+from dtprobe.store.frames import SORT_KEYS, memory_schema
 from dtprobe.store.manifest import check_schema_version
 from dtprobe.store.schema import PARTITION_FILE, RANK_BLOCK_RANKS, ROW_GROUP_ROWS, STEP_BLOCK_STEPS
 
@@ -181,15 +181,15 @@ def read_files(tables_dir: Path, files: Iterable[PartFile], name: str, expr: pc.
         tables = [read_compacted_file(tables_dir, f.path, name, expr) for f in files]
     if ordered:
         merged = interleave(tables)
-        return merged if merged is not None else arrow_schema(name).empty_table()
+        return merged if merged is not None else memory_schema(name).empty_table()
     tables = [t for t in tables if t.num_rows]
-    return pa.concat_tables(tables) if tables else arrow_schema(name).empty_table()
+    return pa.concat_tables(tables) if tables else memory_schema(name).empty_table()
 
 
 def read_compacted_file(tables_dir: Path, rel: str, name: str, expr: pc.Expression | None = None) -> pa.Table:
     """Read the compacted Parquet file ``tables_dir / rel`` of table ``name`` (rows passing ``expr``) with exactly
-    the schema's columns and types (TraceError otherwise)."""
-    schema = arrow_schema(name)
+    the columns and types of ``frames.memory_schema`` (TraceError otherwise)."""
+    schema = memory_schema(name)
     path = tables_dir / rel
     rebuild = f"Delete {tables_dir} and run `dtprobe compact {tables_dir.parent}` to rebuild it from the events files."
     if not path.is_file():
@@ -209,7 +209,10 @@ def read_compacted_file(tables_dir: Path, rel: str, name: str, expr: pc.Expressi
                          f"older dtprobe or another tool. {rebuild}")
     try:
         present = [c for c in schema.names if c not in missing]
-        fields = [file_schema.field(c) for c in present]
+        # dictionary columns decoded as such (also from files that hold them as plain strings): never a copy of
+        # the value per row
+        fields = [schema.field(c) if pa.types.is_dictionary(schema.field(c).type) else file_schema.field(c)
+                  for c in present]
         data = ds.dataset(path, format="parquet", schema=pa.schema(fields))
         filter_after = expr is not None and any(c in missing for c in ("step", "rank"))
         table = data.to_table(columns=present, filter=None if filter_after else expr)

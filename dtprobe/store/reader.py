@@ -33,7 +33,7 @@ import pyarrow.compute as pc
 from dtprobe.store.clock_sync import Basis, ClockModel
 from dtprobe.store.errors import TraceError
 from dtprobe.store.derived import read_derived
-from dtprobe.store.frames import SORT_KEYS, arrow_schema, arrow_to_frame, empty_frame, time_columns
+from dtprobe.store.frames import SORT_KEYS, arrow_to_frame, empty_frame, memory_schema, time_columns
 from dtprobe.store.groups import GROUPS_SINCE_VERSION, fill_members, missing_groups_error
 from dtprobe.store.jsonl import FileCursor, last_step_in_file, read_new_rows, read_new_rows_batched, tail_cursor
 from dtprobe.store.manifest import Manifest, check_schema_version, read_manifest
@@ -496,11 +496,11 @@ class RunStore:
         groups, reread = _rows_of(groups_state, "groups"), False
         out = []
         for rows in chunks:
-            rows_filled, missing = fill_members(rows, groups)
+            rows_filled, missing = fill_members(rows, groups, name)
             if missing and not reread:
                 self._tail("groups", groups_state)
                 groups, reread = _rows_of(groups_state, "groups"), True
-                rows_filled, missing = fill_members(rows, groups)
+                rows_filled, missing = fill_members(rows, groups, name)
             if missing and (self._manifest.schema_version >= GROUPS_SINCE_VERSION or groups.num_rows):
                 for cursor, offset, lines in undo:
                     cursor.offset_bytes, cursor.lines = offset, lines
@@ -529,13 +529,13 @@ class RunStore:
 
     def _aligned(self, name: str, state: _TableState, model: ClockModel) -> pa.Table:
         if not state.num_rows:
-            return arrow_schema(name).empty_table()
+            return memory_schema(name).empty_table()
         return self._aligned_chunks(name, state.chunks, model)
 
     def _aligned_chunks(self, name: str, chunks: list[_Chunk], model: ClockModel) -> pa.Table:
         chunks = [c for c in chunks if c.rows.num_rows]
         if not chunks:
-            return arrow_schema(name).empty_table()
+            return memory_schema(name).empty_table()
         aligned = pa.concat_tables([_align(c, name, model, self._path) for c in chunks])
         basis = chunks[0].basis
         if len(chunks) == 1 and chunks[0].in_order and basis is not None and basis.matches(model):
@@ -546,7 +546,7 @@ class RunStore:
 def _rows_of(state: _TableState, name: str) -> pa.Table:
     """Every row of table ``name`` a state holds, as read (not clock-aligned: for tables without time columns)."""
     rows = [c.rows for c in state.chunks if c.rows.num_rows]
-    return pa.concat_tables(rows) if rows else arrow_schema(name).empty_table()
+    return pa.concat_tables(rows) if rows else memory_schema(name).empty_table()
 
 
 def _align(chunk: _Chunk, name: str, model: ClockModel, run_dir: Path) -> pa.Table:

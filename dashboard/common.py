@@ -167,8 +167,16 @@ WHOLE_RUN_KEY = "whole_run"
 
 def load(source: Source):
     """The analysis of the chosen source (a live run: its newest steps unless the sidebar asks for the whole
-    run, said in a caption), or a readable stop when its data is unusable."""
-    analysis = _loaded(source, data.load_analysis)
+    run, said in a caption; ``data.live_analysis``, which may give the previous analysis while new rows are
+    analyzed, also said), or a readable stop when its data is unusable."""
+    if is_live(source):
+        live = _loaded(source, data.live_analysis)
+        analysis = live.value
+        if live.updating:
+            window = data.window_of(analysis)
+            _updating_caption(window.total_steps if window is not None else analysis.table("steps")["step"].nunique())
+    else:
+        analysis = _loaded(source, data.load_analysis)
     window = data.window_of(analysis)
     if window is not None:
         _window_caption(window.describe(), window.total_steps)
@@ -176,9 +184,16 @@ def load(source: Source):
 
 
 def load_overview(source: Source):
-    """What the Overview draws of the chosen source (``data.load_overview``), with the same caption and the same
-    readable stop as ``load``."""
-    overview = _loaded(source, data.load_overview)
+    """What the Overview draws of the chosen source (``data.load_overview``; while the run is running
+    ``data.live_overview``, which may show the previous analysis while new rows are analyzed, said in a caption),
+    with the same caption and the same readable stop as ``load``."""
+    if is_live(source):
+        live = _loaded(source, data.live_overview)
+        overview = live.value
+        if live.updating:
+            _updating_caption(overview.num_steps)
+    else:
+        overview = _loaded(source, data.load_overview)
     if overview.window is not None:
         _window_caption(overview.window, overview.num_steps)
     return overview
@@ -193,6 +208,10 @@ def _loaded(source: Source, loader: Callable):
     except (TraceError, ConfigError) as exc:
         st.error(f"Cannot read {source.name}: {exc}")
         _stop()
+
+
+def _updating_caption(num_steps: int) -> None:
+    st.caption(f"Analyzing the newest rows in the background; shown meanwhile: the analysis of {num_steps} steps.")
 
 
 def _window_caption(window: str, total_steps: int) -> None:

@@ -11,15 +11,23 @@ The Overview of a finished run or a trace folder is read from its stored summary
 made when the run ended) when that is valid, so the first page needs no analysis; otherwise it is made here
 and stored for the next start.
 
+While a running run is re-analyzed, a live page refresh (``live_overview``) does not wait for it when the source's
+previous analysis took ``LIVE_BLOCK_S`` or longer (a 1,024-rank run): the re-analysis runs on a background thread
+and the page shows the previous Overview, saying which steps it covers, until the new one is ready. Smaller runs
+are re-analyzed before the refresh returns, as before.
+
 The caches are plain module state shared by every session (``st.cache_data`` would pickle a store on every
-hit; the tests and benchmarks also call these functions without a Streamlit runtime).
+hit; the tests and benchmarks also call these functions without a Streamlit runtime); the few rows of a
+Timeline window (``load_window``) are read from the store with the window pushed down and kept in
+``st.cache_data`` per window and data version.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,13 +37,19 @@ from dtprobe import summary_store
 from dtprobe.dashboard import summary
 from dtprobe.dashboard.paths import LIVE_WINDOW_ENV, Source, list_sources, live_window_steps  # noqa: F401 (re-exported)
 from dtprobe.overview import Overview, summarize
+from dtprobe.store.errors import TraceError
 
 if TYPE_CHECKING:  # imported where used: a stored Overview is drawn before the analysis modules are imported
+    import pandas as pd
+
     from dtprobe.analysis.facade import RunAnalysis
     from dtprobe.analysis.window import StepWindow
 
 MAX_SOURCES = 16
 """Runs or trace folders kept open at once (least recently used ones are dropped)."""
+LIVE_BLOCK_S = 1.0
+"""A live refresh waits for the re-analysis of new rows only when the source's previous analysis took less than
+this; a longer one runs in the background while the page shows the previous Overview."""
 
 
 @dataclass
@@ -47,6 +61,14 @@ class _Entry:
     analyses: dict[bool, tuple[tuple, RunAnalysis]]
     """whole_run -> (version it was built at, analysis)."""
     lock: threading.RLock
+    overviews: dict[bool, tuple[tuple, Overview]] = field(default_factory=dict)
+    """whole_run (as asked) -> (version, the Overview made of the analysis at that version)."""
+    build_s: float = 0.0
+    """Seconds the last analysis of this source took to build (tail, analysis, key figures and findings)."""
+    worker: threading.Thread | None = None
+    """The background re-analysis of a live refresh, while it runs."""
+    worker_error: BaseException | None = None
+    """What the last background re-analysis raised, handed to the next refresh."""
 
 
 _ENTRIES: "OrderedDict[str, _Entry]" = OrderedDict()
@@ -98,10 +120,12 @@ def load_analysis(source: Source, *, whole_run: bool = False) -> RunAnalysis:
         if cached is not None and cached[0] == entry.version:
             return cached[1]
         # key figures and findings are computed here, under the entry's lock, so sessions never repeat the work
+        started = time.perf_counter()
         analysis = summary.analyze(entry.source, source.kind, whole_run=whole, window=window)
         if source.kind == "run":
             entry.version = _version(entry.source)  # the skipped head may have been read
         entry.analyses[whole] = (entry.version, analysis)
+        entry.build_s = time.perf_counter() - started
         return analysis
 
 
@@ -124,7 +148,103 @@ def load_overview(source: Source, *, whole_run: bool = False) -> Overview:
         overview = summarize(load_analysis(source, whole_run=whole_run), path=path)
         summary_store.store(path, overview, key=key)
         return overview
-    return summarize(load_analysis(source, whole_run=whole_run), path=path)
+    entry = _entry(path, None if source.kind == "run" else ("traces", _mtime(source.path)))
+    with entry.lock:
+        analysis = load_analysis(source, whole_run=whole_run)
+        cached = entry.overviews.get(whole_run)
+        if cached is None or cached[0] != entry.version:  # summarized once per version, not once per session
+            cached = entry.overviews[whole_run] = (entry.version, summarize(analysis, path=path))
+        return cached[1]
+
+
+@dataclass(frozen=True)
+class Live:
+    """What a live refresh shows: an Overview or a ``RunAnalysis``."""
+
+    value: Any
+    updating: bool
+    """Rows read since are being analyzed in the background; ``value`` is of the previous analysis."""
+
+
+def live_overview(source: Source, *, whole_run: bool = False) -> Live:
+    """The Overview of a running run for a live refresh: ``load_overview`` when the source's previous analysis took
+    less than ``LIVE_BLOCK_S`` (or there is none yet); else the previous Overview at once, while a background thread
+    reads the new rows and re-analyzes (one at a time per source). What that thread raised (TraceError for damaged
+    rows) is raised by the next call."""
+    entry = _entry(str(source.path), None)
+    if entry.overviews.get(whole_run) is None or entry.build_s < LIVE_BLOCK_S:
+        return Live(load_overview(source, whole_run=whole_run), updating=False)
+    updating = _refresh_behind(entry, source, whole_run)
+    return Live(entry.overviews[whole_run][1], updating=updating)
+
+
+def live_analysis(source: Source, *, whole_run: bool = False) -> Live:
+    """``live_overview`` for the pages that draw from the analysis: the previous analysis at once while a slow
+    re-analysis runs in the background, else ``load_analysis``."""
+    entry = _entry(str(source.path), None)
+    if entry.analyses.get(whole_run) is None or entry.build_s < LIVE_BLOCK_S:
+        return Live(load_analysis(source, whole_run=whole_run), updating=False)
+    updating = _refresh_behind(entry, source, whole_run)
+    return Live(entry.analyses[whole_run][1], updating=updating)
+
+
+def _refresh_behind(entry: _Entry, source: Source, whole_run: bool) -> bool:
+    """Start the background re-analysis of ``source`` unless one runs; True while it runs. Raises what the last
+    one raised."""
+    with _LOCK:
+        error, entry.worker_error = entry.worker_error, None
+        if error is not None:
+            raise error
+        if entry.worker is None or not entry.worker.is_alive():
+            entry.worker = threading.Thread(target=_refresh_in_background, args=(entry, source, whole_run),
+                                            name=f"dtprobe-refresh-{source.name}", daemon=True)
+            entry.worker.start()
+        return entry.worker.is_alive()
+
+
+def _refresh_in_background(entry: _Entry, source: Source, whole_run: bool) -> None:
+    try:
+        load_overview(source, whole_run=whole_run)
+    except BaseException as exc:  # not swallowed: live_overview raises it in the page's next refresh
+        entry.worker_error = exc
+
+
+def wait_for_refresh(source: Source, timeout_s: float | None = None) -> None:
+    """Wait for the background re-analysis of ``source`` started by ``live_overview`` (tests, benchmarks)."""
+    entry = _ENTRIES.get(str(source.path))
+    worker = entry.worker if entry is not None else None
+    if worker is not None:
+        worker.join(timeout_s)
+
+
+def load_window(source: Source, analysis: RunAnalysis, names: tuple[str, ...], *, steps: tuple[int, int],
+                ranks: list[int]) -> dict[str, "pd.DataFrame"]:
+    """Rows of tables ``names`` in ``steps`` (inclusive) and ``ranks``, for a view of a few steps and ranks. Of a
+    run, read from its store with the window pushed down (``RunStore.table(name, steps=..., ranks=...)``: of a
+    compacted run only the partitions holding them; collectives keep ``seq`` as each rank numbered it) and cached
+    per window and data version; of a trace folder, cut from the analysis' tables."""
+    if source.kind != "run":
+        out = {}
+        for name in names:
+            df = analysis.table(name)
+            df = df[df["rank"].isin(ranks)]
+            out[name] = df[df["step"].between(*steps)] if "step" in df.columns else df
+        return out
+    path = str(source.path)
+    version = _ENTRIES[path].version if path in _ENTRIES else ()
+    return {name: _window_rows(path, version, name, (int(steps[0]), int(steps[1])), tuple(sorted(map(int, ranks))))
+            for name in names}
+
+
+@st.cache_data(max_entries=64, show_spinner=False)
+def _window_rows(path: str, version: tuple, name: str, steps: tuple[int, int], ranks: tuple[int, ...]):
+    """``load_window``'s read of one table of a run (``version`` keys the cache: new rows make a new entry)."""
+    with _LOCK:
+        entry = _ENTRIES.get(path)
+    if entry is None or entry.source is None:
+        raise TraceError(f"'{path}' is not open: load its analysis (load_analysis) before a window of it.")
+    return entry.source.table(name, steps=steps, ranks=ranks)  # the store has its own lock; not the entry's,
+    # which a background re-analysis holds
 
 
 def clear() -> None:

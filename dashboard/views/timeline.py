@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dtprobe.dashboard import charts, common
+from dtprobe.dashboard import charts, common, data
 
 MAX_RANKS = 16  # ranks drawn at once (a 64-rank Gantt is unreadable); the rest are chosen in the rank filter
 MANY_RANKS = 64
@@ -54,13 +54,8 @@ def body(source) -> None:
                             max_selections=MAX_CHOSEN if many else None,
                             help=f"{len(ranks)} ranks: first the ranks the findings name, then the slowest by median "
                                  f"step time; at most {MAX_CHOSEN} at once." if many else None)
-
-    def cut(df, col="step"):
-        in_window = df[df[col].between(*window)]
-        return in_window[in_window["rank"].isin(chosen)]
-
-    fig = charts.timeline(cut(steps), cut(analysis.table("collectives")), cut(analysis.table("pipeline")),
-                          marked=marked)
+    rows = data.load_window(source, analysis, ("steps", "collectives", "pipeline"), steps=window, ranks=chosen)
+    fig = charts.timeline(rows["steps"], rows["collectives"], rows["pipeline"], marked=marked)
     common.chart(fig, key="timeline_gantt")
     last_seen = analysis.last_seen()
     if analysis.status != "finished" and not last_seen.empty:

@@ -1,0 +1,174 @@
+"""Live refresh of the dashboard: a refresh reads only the events lines appended since the last one (spied on the
+store's readers), and when a source's analysis is slow the refreshed Overview comes back at once with the previous
+analysis while a background thread re-analyzes, then shows the new one; what that thread raised is shown."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import streamlit
+from streamlit.testing.v1 import AppTest
+
+from dtprobe import summary_store
+from dtprobe.dashboard import data
+from dtprobe.dashboard.paths import ROOT_ENV, resolve_choice
+from dtprobe.store import jsonl, partitions, reader
+from dtprobe.synthetic import SyntheticRun
+
+APP = Path(__file__).resolve().parents[1] / "dashboard" / "app.py"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_streamlit(monkeypatch, tmp_path):
+    streamlit.config.set_option("client.showErrorDetails", "full")
+    streamlit.cache_data.clear()
+    data.clear()
+    monkeypatch.setenv(summary_store.CACHE_ENV, str(tmp_path.parent / f"{tmp_path.name}-user-cache"))
+    yield
+    data.clear()
+
+
+class ReadSpy:
+    """Every events read of the store: (file, first byte read, thread name); and every compacted file read."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.events: list[tuple[str, int, str]] = []
+        self.compacted: list[str] = []
+        one, batched, files = jsonl.read_new_rows, jsonl.read_new_rows_batched, partitions.read_files
+
+        def read_new_rows(path, cursor, *args, **kwargs):
+            self.events.append((Path(path).as_posix(), cursor.offset_bytes, threading.current_thread().name))
+            return one(path, cursor, *args, **kwargs)
+
+        def read_new_rows_batched(items, *args, **kwargs):
+            self.events += [(Path(p).as_posix(), c.offset_bytes, threading.current_thread().name)
+                            for p, c, _ in items]
+            return batched(items, *args, **kwargs)
+
+        def read_files(tables_dir, parts, *args, **kwargs):
+            parts = list(parts)
+            self.compacted += [p.path for p in parts]
+            return files(tables_dir, parts, *args, **kwargs)
+
+        monkeypatch.setattr(reader, "read_new_rows", read_new_rows)
+        monkeypatch.setattr(reader, "read_new_rows_batched", read_new_rows_batched)
+        monkeypatch.setattr(reader, "read_files", read_files)
+
+    def clear(self) -> None:
+        self.events.clear()
+        self.compacted.clear()
+
+
+def _sizes(run_dir: Path) -> dict[str, int]:
+    return {p.as_posix(): p.stat().st_size for p in (run_dir / "events").rglob("*.jsonl")}
+
+
+def _app(root: Path, monkeypatch) -> AppTest:
+    monkeypatch.setenv(ROOT_ENV, str(root))
+    return AppTest.from_file(str(APP), default_timeout=240).run()
+
+
+def _steps_metric(at: AppTest) -> str:
+    return {m.label: m.value for m in at.metric}["steps"]
+
+
+def test_live_refresh_reads_each_file_from_where_the_last_read_ended_when_a_step_is_appended(tmp_path, monkeypatch):
+    run = SyntheticRun(tmp_path / "live", num_ranks=4, straggler_rank=1)
+    run.write_steps(6)
+    spy = ReadSpy(monkeypatch)
+    source = resolve_choice(tmp_path, "live")
+    assert data.load_overview(source).num_steps == 6
+    before = _sizes(run.run_dir)
+    spy.clear()
+    run.write_steps(1)
+    after = _sizes(run.run_dir)
+    grown = {path for path in after if after[path] != before.get(path, 0)}
+    assert data.load_overview(source).num_steps == 7
+    read = {path: start for path, start, _ in spy.events}
+    assert set(read) == grown  # every grown file is read, no other file
+    assert read == {path: before.get(path, 0) for path in grown}  # from where the last read ended, not from 0
+    assert spy.compacted == []
+    spy.clear()
+    assert data.load_overview(source).num_steps == 7  # nothing appended: nothing read
+    assert spy.events == [] and spy.compacted == []
+
+
+def test_slow_live_analysis_refreshes_at_once_with_the_previous_overview_then_shows_the_new_one(tmp_path,
+                                                                                               monkeypatch):
+    monkeypatch.setattr(data, "LIVE_BLOCK_S", 0.0)  # every analysis counts as slow
+    run = SyntheticRun(tmp_path / "live", num_ranks=4, straggler_rank=1)
+    run.write_steps(5)
+    at = _app(tmp_path, monkeypatch)
+    assert not at.exception and _steps_metric(at) == "5"
+    source = resolve_choice(tmp_path, "live")
+    gate = threading.Event()
+    analyze = data.summary.analyze
+
+    def held_analyze(*args, **kwargs):  # the background re-analysis waits until the refresh has been drawn
+        assert gate.wait(60)
+        return analyze(*args, **kwargs)
+
+    monkeypatch.setattr(data.summary, "analyze", held_analyze)
+    spy = ReadSpy(monkeypatch)
+    run.write_steps(2)
+    at.run()
+    assert not at.exception and _steps_metric(at) == "5"  # the previous analysis, said so
+    assert any("Analyzing the newest rows in the background" in c.value for c in at.caption)
+    gate.set()
+    data.wait_for_refresh(source, 60)
+    assert spy.events and all(thread.startswith("dtprobe-refresh-") for _, _, thread in spy.events)
+    spy.clear()
+    run.write_steps(1)
+    at.run()  # shows the re-analysis of the 2 steps and starts that of the next one
+    assert not at.exception and _steps_metric(at) == "7"
+    data.wait_for_refresh(source, 60)
+    at.run()
+    assert _steps_metric(at) == "8"
+    assert spy.events and all(thread.startswith("dtprobe-refresh-") for _, _, thread in spy.events)
+
+
+def test_what_the_background_re_analysis_raised_is_shown_by_the_next_refresh(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "LIVE_BLOCK_S", 0.0)
+    run = SyntheticRun(tmp_path / "live", num_ranks=2)
+    run.write_steps(3)
+    at = _app(tmp_path, monkeypatch)
+    assert _steps_metric(at) == "3"
+    stray = run.run_dir / "events" / "steps" / "rank00007.jsonl"  # a rank with events but no rank info
+    stray.write_text('{"rank": 7, "step": 0, "start_ns": 1, "end_ns": 2}\n')
+    at.run()  # starts the re-analysis, which fails
+    data.wait_for_refresh(resolve_choice(tmp_path, "live"), 60)
+    at.run()
+    assert not at.exception
+    errors = [e.value for e in at.error]
+    assert len(errors) == 1 and "Cannot read live" in errors[0] and "rank 7" in errors[0], errors
+
+
+def test_timeline_window_reads_only_the_partitions_of_its_steps_and_equals_the_analysis_rows(tmp_path,
+                                                                                            monkeypatch):
+    from dtprobe.analysis.derived_tables import deriver
+    from dtprobe.store import compact
+    from dtprobe.synthetic import write_synthetic_run
+
+    run = write_synthetic_run(tmp_path / "r", num_ranks=4, num_steps=60, straggler_rank=2)
+    compact(run, derive=deriver())
+    source = resolve_choice(tmp_path, "r")
+    analysis = data.load_analysis(source)
+    spy = ReadSpy(monkeypatch)
+    window, ranks = (41, 43), [1, 2]
+    rows = data.load_window(source, analysis, ("steps", "collectives"), steps=window, ranks=ranks)
+    # tables the analysis holds are cut in memory; any other is read from the partitions of steps 40-59 only
+    assert all("step_block=2/" in path for path in spy.compacted)
+    assert spy.events == []
+    for name, keys in (("steps", ["rank", "step"]), ("collectives", ["rank", "pg", "seq"])):
+        whole = analysis.table(name)
+        expected = whole[whole["step"].between(*window) & whole["rank"].isin(ranks)]
+        got = rows[name]
+        assert len(got) == len(expected) > 0
+        cols = [*keys, "start_ns" if name == "steps" else "enqueue_ns", "end_ns"]
+        assert (got[cols].sort_values(keys).reset_index(drop=True)
+                .equals(expected[cols].sort_values(keys).reset_index(drop=True)))
+    spy.clear()
+    again = data.load_window(source, analysis, ("steps", "collectives"), steps=window, ranks=ranks)
+    assert spy.compacted == [] and again["collectives"].equals(rows["collectives"])  # cached per version

@@ -82,16 +82,30 @@ def test_spilled_tables_are_removed_when_the_run_is_dropped():
     assert not folder.exists()
 
 
-def test_two_files_of_one_rank_remove_the_spilled_tables_with_the_error(tmp_path, monkeypatch):
+@pytest.mark.parametrize("damage", ["duplicate_rank", "truncated_file"])
+def test_spilled_tables_are_removed_when_loading_fails(tmp_path, monkeypatch, damage):
+    import gzip
     import tempfile
 
     from dtprobe.store.errors import TraceError
 
-    for name in ("a.pt.trace.json.gz", "b.pt.trace.json.gz"):
-        (tmp_path / name).write_bytes(next(NCCL_TRACE.iterdir()).read_bytes())
+    text = gzip.decompress(next(NCCL_TRACE.iterdir()).read_bytes())
+    (tmp_path / "a.pt.trace.json").write_bytes(text)
+    (tmp_path / "b.pt.trace.json").write_bytes(text if damage == "duplicate_rank" else text[:len(text) // 2])
     spill_root = tmp_path / "spill"
     spill_root.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(spill_root))
-    with pytest.raises(TraceError, match="rank 0 appears in two files"):
+    expected = "rank 0 appears in two files" if damage == "duplicate_rank" else "b.pt.trace.json: invalid JSON"
+    with pytest.raises(TraceError, match=expected):
         load_trace_dir(tmp_path, workers=1)
     assert list(spill_root.iterdir()) == []
+
+
+def test_worker_side_modules_import_neither_pandas_nor_the_analysis(run_python):
+    """Each reducing worker (and the forkserver that forks them) holds only what reducing one file needs: pandas
+    alone would add tens of MB to every one of those processes."""
+    proc = run_python("import sys, dtprobe.store.kineto_reduce\n"
+                      "print(sorted(m for m in sys.modules if m.split('.')[0] == 'pandas' "
+                      "or m.startswith('dtprobe.analysis')))")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"

@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 
 from dtprobe.store.errors import TraceError
-from dtprobe.store.kineto_collectives import collective_columns
+from dtprobe.store.kineto_collective_frame import collective_columns
 from dtprobe.store.kineto_events import RankMeta, kernel_kind
 from dtprobe.store.kineto_pool import ProgressFn, ReduceConfig, reduce_files
 from dtprobe.store.kineto_spill import RankSpill, SpilledRank, collective_tables, kernel_columns
@@ -184,10 +184,14 @@ def load_trace_dir(path: str | os.PathLike, *, progress: ProgressFn | None = Non
     """
     files = find_trace_files(path)
     spill = RankSpill()
-    reduce_files(files, ReduceConfig(workers=workers, dask_address=dask_address), progress=progress,
-                 keep=spill.add)
+    try:
+        spilled = reduce_files(files, ReduceConfig(workers=workers, dask_address=dask_address), progress=progress,
+                               keep=spill.add)          # in the order of files (spill.ranks: as they arrived)
+    except BaseException:
+        spill.close()
+        raise
     by_rank: dict[int, SpilledRank] = {}
-    for item in spill.ranks:
+    for item in spilled:
         rank = item.meta.rank
         if rank in by_rank:
             spill.close()

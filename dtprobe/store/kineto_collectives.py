@@ -7,7 +7,8 @@ Sources, best first:
    ``nccl:<op>`` annotation around its launch (``SendRecv`` kernels are only identified through it); bytes from
    the annotation's ``Input Dims`` x ``Input type``.
 3. CPU (gloo) traces: ``gloo:<op>`` annotations (host timing), else ``c10d::<op>_`` CPU ops.
-Read by ``kineto.load_trace_dir``.
+Runs in the workers that reduce each rank's file (``kineto_reduce``), which therefore never import pandas;
+``kineto_collective_frame`` turns the ranks' tables into the folder's ``collectives`` columns.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from typing import Any, Iterable
 
 import msgspec
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 
 from dtprobe.store.kineto_events import RankParse
@@ -281,66 +281,3 @@ def collective_table(rows: list[dict[str, Any]]) -> pa.Table:
         values = [row.get(col) for row in rows]
         arrays[col] = pa.array(values, pa.string()).dictionary_encode() if kind is None else pa.array(values, kind)
     return pa.table(arrays)
-
-
-def _nullable_ints(column: pa.ChunkedArray, dtype: str) -> pd.api.extensions.ExtensionArray:
-    values = column.fill_null(0).to_numpy()
-    return pd.array(values, dtype=dtype) if column.null_count == 0 else \
-        pd.arrays.IntegerArray(values.astype(dtype.lower()), column.is_null().to_numpy(zero_copy_only=False))
-
-
-def _dictionary_codes(column: pa.ChunkedArray) -> tuple[np.ndarray, list[str]]:
-    """A dictionary column's codes over one dictionary of all its chunks (-1: null) and that dictionary."""
-    if not column.num_chunks:
-        return np.empty(0, np.int32), []
-    column = column.unify_dictionaries()
-    codes = pa.chunked_array([c.indices for c in column.chunks], pa.int32()).fill_null(-1).to_numpy()
-    return codes, column.chunk(0).dictionary.to_pylist()
-
-
-def _strings(codes: np.ndarray, values: list[str]) -> pd.api.extensions.ExtensionArray:
-    """``values[codes]`` as a ``string`` array, built from the few distinct values."""
-    return pd.Categorical.from_codes(codes, categories=pd.Index(values, dtype=object)).astype("string") \
-        if len(codes) else pd.array([], dtype="string")
-
-
-def collective_columns(tables: list[pa.Table]) -> tuple[dict[str, Any], int, str]:
-    """The ranks' ``collective_table``s (in rank order) as pandas columns, ``seq`` numbered as ``number_seq``
-    numbers rows; with the row count and where ``seq`` came from (``trace`` | ``order``). Strings stay codes
-    until the end: numbering on them needs no string per row."""
-    table = pa.concat_tables(tables) if tables else collective_table([])
-    coded = {col: _dictionary_codes(table[col]) for col, kind in ROW_TYPES.items() if kind is None}
-    columns: dict[str, Any] = {
-        col: _nullable_ints(table[col], "Int32" if kind == pa.int32() else "Int64")
-        for col, kind in ROW_TYPES.items() if kind is not None}
-    op_codes, op_values = coded["op"]
-    p2p = np.isin(op_codes, [i for i, v in enumerate(op_values) if v in P2P_OPS])
-    columns["seq"], source = _seq_column(columns, p2p, coded["pg"][0])
-    del table
-    for col, (codes, values) in coded.items():
-        columns[col] = _strings(codes, values)
-    return columns, len(p2p), source
-
-
-def _seq_column(columns: dict[str, Any], p2p: np.ndarray, pg: np.ndarray
-                ) -> tuple[pd.api.extensions.ExtensionArray, str]:
-    """``number_seq`` over columns of rows (``pg``: the group's code, -1 for none): p2p ops null; the trace's
-    ``Seq`` when every other row has one, else the 1-based order of each (rank, pg)'s collectives by enqueue time
-    (start time when none)."""
-    n = len(p2p)
-    trace_seq = columns["trace_seq"]
-    from_trace = bool((~p2p).any()) and not bool(trace_seq.isna()[~p2p].any())
-    if from_trace:
-        values = trace_seq.to_numpy(dtype=np.int64, na_value=0)
-    else:
-        enqueue = columns["enqueue_ns"].to_numpy(dtype=np.int64, na_value=0)
-        start = columns["start_ns"].to_numpy(dtype=np.int64, na_value=0)
-        # number_seq's key: (no enqueue time, enqueue_ns or start_ns or 0), ties in row order
-        key = np.where(enqueue != 0, enqueue, start)
-        order = np.lexsort((np.arange(n), key, columns["enqueue_ns"].isna()))
-        order = order[~p2p[order]]
-        values = np.zeros(n, dtype=np.int64)
-        groups = pd.DataFrame({"rank": columns["rank"].to_numpy(dtype=np.int64, na_value=-1)[order],
-                               "pg": pg[order]})
-        values[order] = groups.groupby(["rank", "pg"], sort=False).cumcount().to_numpy() + 1
-    return pd.arrays.IntegerArray(values, p2p.copy()), "trace" if from_trace else "order"

@@ -34,7 +34,7 @@ class RankTables:
     """(step, start_ns, end_ns) per ``ProfilerStep#N``."""
     collectives: pa.Table
     """``collectives`` rows of the rank as columns (``kineto_collectives.collective_table``), ``seq`` not yet
-    set (``kineto_collectives.collective_columns`` numbers them over all ranks)."""
+    set (``kineto_collective_frame.collective_columns`` numbers them over all ranks)."""
 
 
 def reduce_trace_file(path: str, *, single_file: bool = False, chunk_bytes: int = CHUNK_BYTES) -> RankTables:

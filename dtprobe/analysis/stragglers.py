@@ -498,7 +498,9 @@ def straggler_causes(scores: pd.DataFrame, lateness: pd.DataFrame, steps: pd.Dat
         late_steps = set(int(x) for x in late["step"])
         members = group_members(s.pg_ranks)
         peers = [m for m in members if m != s.rank]
-        b = blocked[blocked["step"].isin(late_steps) & (blocked["pg_ranks"] != s.pg_ranks)]
+        # the members' waits only: the others' (rank, step) are not compared
+        b = blocked[blocked["step"].isin(late_steps) & blocked["rank"].isin(members)
+                    & (blocked["pg_ranks"] != s.pg_ranks)]
         p = ph[ph["step"].isin(late_steps) & ph["rank"].isin(list(members))].set_index(["rank", "step"])
         p["comm_ns"] = _blocked_ns(b).reindex(p.index).fillna(0.0).astype("float64")
         p = p.reset_index()

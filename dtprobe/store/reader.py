@@ -240,7 +240,7 @@ class RunStore:
             return False
         for name in SCHEMAS:
             for path in _events_files(self._path, name).values():
-                rel = path.relative_to(self._path).as_posix()
+                rel = _events_rel(name, path)
                 if path.stat().st_size != (consumed.get(rel) or [0])[0]:
                     return False
         return True
@@ -372,8 +372,9 @@ class RunStore:
 
     def _list_compacted(self, name: str, state: _TableState) -> None:
         marker = self._compacted
+        folder = f"{EVENTS_DIR}/{name}/"     # the marker's paths are POSIX, relative to the run
         for rel, (offset, lines) in marker["events"].items():
-            if Path(rel).parts[1:2] == (name,):
+            if rel.startswith(folder):
                 state.cursors[rel] = FileCursor(offset_bytes=int(offset), lines=int(lines))
         entry = marker["tables"].get(name)
         if entry is None:
@@ -431,7 +432,7 @@ class RunStore:
         known = self._manifest.clock_offsets_ns
         grown = []
         for rank, path in _events_files(self._path, name).items():
-            rel = path.relative_to(self._path).as_posix()
+            rel = _events_rel(name, path)
             cursor = state.cursors.get(rel)
             if cursor is None:
                 cursor = state.cursors[rel] = FileCursor()
@@ -617,6 +618,12 @@ def _events_files(run_dir: Path, name: str) -> dict[int, Path]:
         if e.name.startswith("rank") and e.name.endswith(".jsonl") and stem.isdigit() and e.is_file():
             files[int(stem)] = Path(e.path)
     return dict(sorted(files.items()))
+
+
+def _events_rel(name: str, path: Path) -> str:
+    """The run-relative POSIX path of an events file of table ``name`` (``_events_files``' paths), the key of its
+    cursor and of the marker's ``events``; built from the name (a run has thousands of these files)."""
+    return f"{EVENTS_DIR}/{name}/{path.name}"
 
 
 def _last_step_on_disk(run_dir: Path) -> int | None:

@@ -536,6 +536,47 @@ class RecordedWork(dist.Work):
             self._recorder.emit(row)
 
 
+_SPLIT_DEVICE_TYPES_ARG = 5
+"""Position of ``device_types`` in ``ProcessGroup.split_group(ranks, timeout, opts, group_name, group_desc,
+device_types)``, counted from ``ranks``."""
+
+
+def split_each_backend_once(inner: dist.ProcessGroup, ranks: Any, *args: Any, **kwargs: Any) -> Any:
+    """``inner.split_group(ranks, ...)`` that splits each backend of ``inner`` once.
+
+    torch 2.13's ``ProcessGroup::splitGroup`` splits once per device type, and a gloo group serves "cpu" and "cuda"
+    with one ``ProcessGroupGloo``: that backend is split twice, both children rendezvous under the same store
+    prefix (the group name), and the second is thrown away. The two rendezvous can cross, so that a rank's kept
+    child is connected to its peer's discarded one: the first collective on the sub-group then waits for a recv
+    that never comes, until gloo's timeout (seen in a CI run; 200 splits on 2 ranks reproduce it within the loop,
+    and none hangs with one split per backend). So the split is asked for one device type per distinct backend
+    (``device_types``), and the other device types are mapped to the same child backend, as in the parent. A
+    caller that names ``device_types`` gets exactly what it asked for."""
+    if len(args) >= _SPLIT_DEVICE_TYPES_ARG or "device_types" in kwargs:
+        return inner.split_group(ranks, *args, **kwargs)
+    first: list[tuple[Any, torch.device]] = []          # (parent backend, the device type that splits it)
+    shared: list[tuple[torch.device, torch.device]] = []  # (device type, the one whose child backend it shares)
+    # cpu first: it must stay in the filter (torch checks that the filter holds the default backend's device type,
+    # which for a gloo group that also serves cuda is cpu)
+    for device in sorted(inner._device_types, key=lambda d: d.type != "cpu"):
+        backend = inner._get_backend(device)
+        owner = next((d for b, d in first if b is backend), None)
+        if owner is None:
+            first.append((backend, device))
+        else:
+            shared.append((device, owner))
+    if not shared:
+        return inner.split_group(ranks, *args, **kwargs)
+    sub = inner.split_group(ranks, *args, device_types=[d for _, d in first], **kwargs)
+    if sub is not None:
+        for device, owner in shared:
+            child = sub._get_backend(owner)
+            backend_type = getattr(dist.ProcessGroup.BackendType, child.name().upper(),
+                                   dist.ProcessGroup.BackendType.CUSTOM)
+            sub._register_backend(device, backend_type, child)
+    return sub
+
+
 class RecordingProcessGroup(dist.ProcessGroup):
     """A process group that records each collective, then runs it on ``inner`` (a real ProcessGroup).
 
@@ -648,7 +689,7 @@ class RecordingProcessGroup(dist.ProcessGroup):
         """The inner group's ``split_group`` (``dist.split_group``; a DeviceMesh of a group bound to a device),
         wrapped as a recording group like this one: the sub-group's collectives are recorded too. None for a rank
         outside ``ranks``."""
-        sub = self._inner.split_group(ranks, *args, **kwargs)
+        sub = split_each_backend_once(self._inner, ranks, *args, **kwargs)
         if sub is None:
             return None
         wrapper = RecordingProcessGroup(sub, sub.rank(), sub.size(), backend_name=self._backend_name,

@@ -30,7 +30,10 @@ WORKER = textwrap.dedent("""
     if alone is not None:
         alone.allreduce([torch.ones(5)]).wait()            # 20 bytes on rank 0's own sub-group
     out = {"pair": type(pair).__name__, "pair_size": pair.size(), "pair_rank": pair.rank(),
-           "pair_name": pair.group_name, "alone": None if alone is None else type(alone).__name__}
+           "pair_name": pair.group_name, "alone": None if alone is None else type(alone).__name__,
+           "pair_devices": sorted(d.type for d in pair._inner._device_types),
+           "pair_one_backend": pair._inner._get_backend(torch.device("cpu"))
+           is pair._inner._get_backend(torch.device("cuda"))}
     (run / f"split.rank{rank}.json").write_text(json.dumps(out))
     probe.close()
     dist.destroy_process_group()
@@ -51,8 +54,69 @@ def test_a_split_of_a_recording_group_is_a_recording_group_whose_collectives_are
     assert [(o["pair"], o["pair_size"], o["pair_rank"], o["pair_name"]) for o in outs] == [
         ("RecordingProcessGroup", 2, r, "dtprobe_split_pair") for r in (0, 1)]
     assert [o["alone"] for o in outs] == ["RecordingProcessGroup", None]
+    # like the parent (gloo for cpu and cuda), one child backend serves both device types: it was split once
+    assert [(o["pair_devices"], o["pair_one_backend"]) for o in outs] == [(["cpu", "cuda"], True)] * 2
     coll = RunStore.open(run).table("collectives")
     rows = coll[coll["op"] == "allreduce"].sort_values(["rank", "enqueue_ns"])
     assert rows[["rank", "pg_ranks", "num_bytes"]].values.tolist() == [
         [0, "0,1", 12], [0, "0", 20], [1, "0,1", 12]]
     assert rows["pg"].str.startswith("g").all()        # named after their torch group, not the parent "world"
+
+
+class _FakeBackend:
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def name(self) -> str:
+        return self._name
+
+
+class _FakeGroup:
+    """What ``split_each_backend_once`` uses of a ProcessGroup: device types, backends, split, registration."""
+
+    def __init__(self, backends: dict[str, _FakeBackend]) -> None:
+        self.backends = backends
+        self.splits: list[tuple[list[int], dict]] = []
+
+    @property
+    def _device_types(self):
+        import torch
+        return [torch.device(t) for t in self.backends]
+
+    def _get_backend(self, device):
+        return self.backends[device.type]
+
+    def split_group(self, ranks, *args, **kwargs):
+        self.splits.append((list(ranks), kwargs))
+        types = [d.type for d in kwargs.get("device_types") or self._device_types]
+        return _FakeGroup({t: _FakeBackend(self.backends[t].name()) for t in types})
+
+    def _register_backend(self, device, backend_type, backend) -> None:
+        self.backends[device.type] = backend
+
+
+def test_a_backend_serving_two_device_types_is_split_once_from_cpu():
+    import torch
+
+    from dtprobe.collectors.pg_wrapper import split_each_backend_once
+
+    gloo = _FakeBackend("gloo")
+    parent = _FakeGroup({"cuda": gloo, "cpu": gloo})          # torch lists cuda first for a gloo world
+    sub = split_each_backend_once(parent, [0, 1], group_name="pair")
+    ((ranks, kwargs),) = parent.splits
+    assert ranks == [0, 1] and kwargs == {"device_types": [torch.device("cpu")], "group_name": "pair"}
+    assert sorted(sub.backends) == ["cpu", "cuda"] and sub.backends["cuda"] is sub.backends["cpu"]
+
+
+def test_distinct_backends_and_named_device_types_are_split_as_asked():
+    import torch
+
+    from dtprobe.collectors.pg_wrapper import split_each_backend_once
+
+    mixed = _FakeGroup({"cpu": _FakeBackend("gloo"), "cuda": _FakeBackend("nccl")})
+    split_each_backend_once(mixed, [0], group_name="a")
+    gloo = _FakeBackend("gloo")
+    shared = _FakeGroup({"cuda": gloo, "cpu": gloo})
+    split_each_backend_once(shared, [0], group_name="b", device_types=[torch.device("cuda")])
+    assert [kw for _, kw in mixed.splits + shared.splits] == [
+        {"group_name": "a"}, {"group_name": "b", "device_types": [torch.device("cuda")]}]

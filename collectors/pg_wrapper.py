@@ -548,8 +548,7 @@ def split_each_backend_once(inner: dist.ProcessGroup, ranks: Any, *args: Any, **
     with one ``ProcessGroupGloo``: that backend is split twice, both children rendezvous under the same store
     prefix (the group name), and the second is thrown away. The two rendezvous can cross, so that a rank's kept
     child is connected to its peer's discarded one: the first collective on the sub-group then waits for a recv
-    that never comes, until gloo's timeout (seen in a CI run; 200 splits on 2 ranks reproduce it within the loop,
-    and none hangs with one split per backend). So the split is asked for one device type per distinct backend
+    that never comes, until gloo's timeout. So the split is asked for one device type per backend
     (``device_types``), and the other device types are mapped to the same child backend, as in the parent. A
     caller that names ``device_types`` gets exactly what it asked for."""
     if len(args) >= _SPLIT_DEVICE_TYPES_ARG or "device_types" in kwargs:

@@ -85,11 +85,11 @@ def _rows(with_trace_seq: bool) -> list[dict]:
 
 @pytest.mark.parametrize("with_trace_seq", [True, False], ids=["trace_seq", "order"])
 def test_collective_columns_number_seq_as_the_row_dicts_are_numbered(with_trace_seq):
-    from dtprobe.store.kineto_collective_frame import collective_columns
-    from dtprobe.store.kineto_collectives import collective_table, number_seq
+    from dtprobe.store.kineto_collective_frame import collective_columns, collective_table
+    from dtprobe.store.kineto_collectives import number_seq, rank_collectives
 
     rows = _rows(with_trace_seq)
-    tables = [collective_table([r for r in rows if r["rank"] == rank]) for rank in (1, 0)]
+    tables = [collective_table(rank_collectives([r for r in rows if r["rank"] == rank])) for rank in (1, 0)]
     columns, n, source = collective_columns(tables)
     expected_source = number_seq(rows)
     assert (n, source) == (len(rows), expected_source) and source == ("trace" if with_trace_seq else "order")

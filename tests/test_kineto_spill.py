@@ -101,11 +101,11 @@ def test_spilled_tables_are_removed_when_loading_fails(tmp_path, monkeypatch, da
     assert list(spill_root.iterdir()) == []
 
 
-def test_worker_side_modules_import_neither_pandas_nor_the_analysis(run_python):
+def test_worker_side_modules_import_neither_pandas_pyarrow_nor_the_analysis(run_python):
     """Each reducing worker (and the forkserver that forks them) holds only what reducing one file needs: pandas
-    alone would add tens of MB to every one of those processes."""
+    and pyarrow would add tens of MB to every one of those processes."""
     proc = run_python("import sys, dtprobe.store.kineto_reduce\n"
-                      "print(sorted(m for m in sys.modules if m.split('.')[0] == 'pandas' "
+                      "print(sorted(m for m in sys.modules if m.split('.')[0] in ('pandas', 'pyarrow') "
                       "or m.startswith('dtprobe.analysis')))")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"

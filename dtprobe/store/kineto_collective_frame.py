@@ -1,6 +1,7 @@
-"""The ranks' ``collective_table``s (``kineto_collectives``) -> the ``collectives`` columns of a trace folder, ``seq``
-numbered as ``kineto_collectives.number_seq`` numbers row dicts; read by ``kineto.py`` in the main process (the
-workers that build the per-rank tables do not import pandas).
+"""The ranks' collectives (``kineto_collectives.RankCollectives``) -> Arrow tables (``kineto_spill`` writes them)
+-> the ``collectives`` columns of a trace folder, ``seq`` numbered as ``kineto_collectives.number_seq`` numbers row
+dicts; read by ``kineto.py`` in the main process (the workers that reduce each file import neither pandas nor
+pyarrow).
 """
 
 from __future__ import annotations
@@ -11,7 +12,23 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from dtprobe.store.kineto_collectives import P2P_OPS, ROW_TYPES, collective_table
+from dtprobe.store.kineto_collectives import P2P_OPS, ROW_TYPES, RankCollectives, rank_collectives
+
+_ARROW_INTS = {"int32": pa.int32(), "int64": pa.int64()}
+
+
+def collective_table(rank: RankCollectives) -> pa.Table:
+    """One rank's collectives as an Arrow table, strings dictionary-encoded (what ``kineto_spill`` writes)."""
+    arrays = {}
+    for col, kind in ROW_TYPES.items():
+        if kind is None:
+            codes, values = rank.strings[col]
+            arrays[col] = pa.DictionaryArray.from_arrays(pa.array(codes, pa.int32(), mask=codes < 0),
+                                                         pa.array(values, pa.string()))
+        else:
+            values, known = rank.ints[col]
+            arrays[col] = pa.array(values, _ARROW_INTS[kind], mask=~known)
+    return pa.table(arrays)
 
 
 def _nullable_ints(column: pa.ChunkedArray, dtype: str) -> pd.api.extensions.ExtensionArray:
@@ -39,10 +56,10 @@ def collective_columns(tables: list[pa.Table]) -> tuple[dict[str, Any], int, str
     """The ranks' ``collective_table``s (in rank order) as pandas columns, ``seq`` numbered as ``number_seq``
     numbers rows; with the row count and where ``seq`` came from (``trace`` | ``order``). Strings stay codes
     until the end: numbering on them needs no string per row."""
-    table = pa.concat_tables(tables) if tables else collective_table([])
+    table = pa.concat_tables(tables) if tables else collective_table(rank_collectives([]))
     coded = {col: _dictionary_codes(table[col]) for col, kind in ROW_TYPES.items() if kind is None}
     columns: dict[str, Any] = {
-        col: _nullable_ints(table[col], "Int32" if kind == pa.int32() else "Int64")
+        col: _nullable_ints(table[col], kind.capitalize())
         for col, kind in ROW_TYPES.items() if kind is not None}
     op_codes, op_values = coded["op"]
     p2p = np.isin(op_codes, [i for i, v in enumerate(op_values) if v in P2P_OPS])

@@ -7,19 +7,19 @@ Sources, best first:
    ``nccl:<op>`` annotation around its launch (``SendRecv`` kernels are only identified through it); bytes from
    the annotation's ``Input Dims`` x ``Input type``.
 3. CPU (gloo) traces: ``gloo:<op>`` annotations (host timing), else ``c10d::<op>_`` CPU ops.
-Runs in the workers that reduce each rank's file (``kineto_reduce``), which therefore never import pandas;
-``kineto_collective_frame`` turns the ranks' tables into the folder's ``collectives`` columns.
+Runs in the workers that reduce each rank's file (``kineto_reduce``), which therefore import neither pandas nor
+pyarrow; ``kineto_collective_frame`` turns the ranks' columns into the folder's ``collectives`` columns.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import msgspec
 import numpy as np
-import pyarrow as pa
 
 from dtprobe.store.kineto_events import RankParse
 
@@ -267,17 +267,47 @@ def number_seq(rows: list[dict[str, Any]]) -> str:
     return "trace" if from_trace else "order"
 
 
-ROW_TYPES = {"rank": pa.int32(), "pg": None, "pg_ranks": None, "pg_size": pa.int32(), "op": None,
-             "num_bytes": pa.int64(), "dtype": None, "enqueue_ns": pa.int64(), "start_ns": pa.int64(),
-             "end_ns": pa.int64(), "step": pa.int64(), "timing": None, "trace_seq": pa.int64()}
-"""Columns of ``collective_table`` (None: a string, dictionary-encoded)."""
+ROW_TYPES = {"rank": "int32", "pg": None, "pg_ranks": None, "pg_size": "int32", "op": None, "num_bytes": "int64",
+             "dtype": None, "enqueue_ns": "int64", "start_ns": "int64", "end_ns": "int64", "step": "int64",
+             "timing": None, "trace_seq": "int64"}
+"""Columns of ``RankCollectives`` in order (None: a string, dictionary-encoded)."""
 
 
-def collective_table(rows: list[dict[str, Any]]) -> pa.Table:
-    """One rank's ``collective_rows`` as an Arrow table: what a worker hands back instead of the dicts (a dict
-    per collective costs the main process about a kilobyte; columns, strings dictionary-encoded, a few bytes)."""
-    arrays = {}
+@dataclass(frozen=True, kw_only=True, eq=False)
+class RankCollectives:
+    """One rank's ``collective_rows`` as columns: what a worker hands back instead of the dicts (a dict per
+    collective costs about a kilobyte; these columns a few bytes, strings as codes into their distinct values)."""
+
+    num_rows: int
+    ints: dict[str, tuple[np.ndarray, np.ndarray]]
+    """Integer column -> (int64 values, True where the value is known)."""
+    strings: dict[str, tuple[np.ndarray, tuple[str, ...]]]
+    """String column -> (int32 codes, -1 where null; the distinct values in order of first appearance)."""
+
+    def __eq__(self, other: object) -> bool:
+        """The same rows (columns compared element-wise)."""
+        if not isinstance(other, RankCollectives):
+            return NotImplemented
+        return (self.num_rows == other.num_rows and self.ints.keys() == other.ints.keys()
+                and self.strings.keys() == other.strings.keys()
+                and all(np.array_equal(v, other.ints[c][0]) and np.array_equal(k, other.ints[c][1])
+                        for c, (v, k) in self.ints.items())
+                and all(np.array_equal(codes, other.strings[c][0]) and values == other.strings[c][1]
+                        for c, (codes, values) in self.strings.items()))
+
+
+def rank_collectives(rows: list[dict[str, Any]]) -> RankCollectives:
+    """``collective_rows`` of one rank -> its ``RankCollectives``."""
+    ints, strings = {}, {}
     for col, kind in ROW_TYPES.items():
         values = [row.get(col) for row in rows]
-        arrays[col] = pa.array(values, pa.string()).dictionary_encode() if kind is None else pa.array(values, kind)
-    return pa.table(arrays)
+        if kind is None:
+            distinct: dict[str, int] = {}
+            codes = np.fromiter((-1 if v is None else distinct.setdefault(v, len(distinct)) for v in values),
+                                dtype=np.int32, count=len(values))
+            strings[col] = (codes, tuple(distinct))
+        else:
+            known = np.fromiter((v is not None for v in values), dtype=bool, count=len(values))
+            ints[col] = (np.fromiter((0 if v is None else v for v in values), dtype=np.int64, count=len(values)),
+                         known)
+    return RankCollectives(num_rows=len(rows), ints=ints, strings=strings)

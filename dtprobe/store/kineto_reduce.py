@@ -10,9 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow as pa
 
-from dtprobe.store.kineto_collectives import collective_rows, collective_table
+from dtprobe.store.kineto_collectives import RankCollectives, collective_rows, rank_collectives
 from dtprobe.store.kineto_events import RankMeta, parse_trace_file
 from dtprobe.store.kineto_stream import CHUNK_BYTES
 
@@ -32,8 +31,8 @@ class RankTables:
     """``kernel_kind`` of each of ``names``."""
     steps: list[tuple[int, int, int]]
     """(step, start_ns, end_ns) per ``ProfilerStep#N``."""
-    collectives: pa.Table
-    """``collectives`` rows of the rank as columns (``kineto_collectives.collective_table``), ``seq`` not yet
+    collectives: RankCollectives
+    """``collectives`` rows of the rank as columns (``kineto_collectives.rank_collectives``), ``seq`` not yet
     set (``kineto_collective_frame.collective_columns`` numbers them over all ranks)."""
 
 
@@ -43,4 +42,4 @@ def reduce_trace_file(path: str, *, single_file: bool = False, chunk_bytes: int 
     rank 0 of 1)."""
     parsed = parse_trace_file(path, single_file=single_file, chunk_bytes=chunk_bytes)
     return RankTables(meta=parsed.meta, kernels=parsed.kernels, names=parsed.names, name_kinds=parsed.name_kinds,
-                      steps=parsed.steps, collectives=collective_table(collective_rows(parsed)))
+                      steps=parsed.steps, collectives=rank_collectives(collective_rows(parsed)))

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from dtprobe.store.kineto_collective_frame import collective_table
 from dtprobe.store.kineto_collectives import P2P_OPS
 from dtprobe.store.kineto_events import RankMeta
 from dtprobe.store.kineto_reduce import RankTables
@@ -67,12 +68,11 @@ class RankSpill:
         stem = self.folder / f"{len(self.ranks):06d}"
         kernels = pa.table({col: pa.array(tables.kernels[col], kind) for col, kind in KERNEL_COLUMNS.items()})
         _write(stem.with_suffix(".kernels.arrow"), kernels)
-        collectives = tables.collectives
+        collectives = collective_table(tables.collectives)
         _write(stem.with_suffix(".collectives.arrow"), collectives)
-        group = ~np.isin(np.asarray(collectives["op"].to_pylist(), dtype=object), list(P2P_OPS)) \
-            if collectives.num_rows else np.zeros(0, dtype=bool)
-        with_seq = collectives["trace_seq"].is_valid().to_numpy(zero_copy_only=False) \
-            if collectives.num_rows else np.zeros(0, dtype=bool)
+        op_codes, ops = tables.collectives.strings["op"]
+        group = ~np.isin(op_codes, [i for i, op in enumerate(ops) if op in P2P_OPS])
+        with_seq = tables.collectives.ints["trace_seq"][1]
         spilled = SpilledRank(
             meta=tables.meta, names=tuple(tables.names), name_kinds=tuple(tables.name_kinds),
             steps=tuple(tables.steps), num_kernels=kernels.num_rows, num_collectives=collectives.num_rows,

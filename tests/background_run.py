@@ -7,6 +7,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -34,3 +35,15 @@ def wait_for(cond: Callable[[], bool], *, timeout: float, proc: subprocess.Popen
         if time.monotonic() > deadline:
             pytest.fail(f"timed out waiting for {what}")
         time.sleep(poll_s)
+
+
+def run_logs_tail(run_dir: Path, *, chars: int = 2500) -> str:
+    """The tail of the run's torchrun log and of every rank's stderr and stdout in every attempt (``logs/``), for
+    an assertion message: what a failed restart said, which the launcher's own output does not show."""
+    logs = Path(run_dir) / "logs"
+    parts = []
+    for path in sorted(logs.glob("torchrun.node*.log")) + sorted(logs.glob("node*/*/attempt_*/*/std*.log")):
+        text = path.read_text(errors="replace")
+        if text.strip():
+            parts.append(f"--- {path.relative_to(logs)} (last {chars} chars):\n{text[-chars:]}")
+    return "\n".join(parts) or f"(no logs under {logs})"

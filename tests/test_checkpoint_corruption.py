@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from background_run import background_run, wait_for
+from background_run import background_run, run_logs_tail, wait_for
 
 from dtprobe.runtime.checkpoint import COMMIT_FILE, CheckpointConfig, Checkpointer, TrainState
 from dtprobe.runtime.model import build_model
@@ -115,7 +115,7 @@ def test_checkpoint_damaged_on_disk_before_a_restart_is_skipped_by_the_restart(t
         damage(largest_data_file(ckpts / "step00000009"))     # from outside, while the job runs
         os.kill(json.loads((run_dir / "ranks" / "rank00001.json").read_text())["pid"], signal.SIGKILL)
         _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
+    assert proc.returncode == 0, err[-3000:] + "\n" + run_logs_tail(run_dir)
     from dtprobe.store import RunStore
 
     faults = RunStore.open(run_dir).table("faults")

@@ -196,7 +196,8 @@ def test_ctrl_c_or_sigterm_stops_every_worker_and_marks_the_run_crashed(tmp_path
             assert launcher.poll() is None, (tmp_path / "log").read_text()
             time.sleep(0.5)
         launcher.send_signal(getattr(signal, sig))
-        assert launcher.wait(timeout=120) == 130
+        rc = launcher.wait(timeout=120)
+        assert rc == 130, f"exit {rc}; dtprobe run's output:\n{(tmp_path / 'log').read_text()[-4000:]}"
     finally:
         if launcher.poll() is None:
             launcher.kill()

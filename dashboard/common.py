@@ -244,6 +244,12 @@ def findings_for(analysis, codes: tuple[str, ...]) -> list:
     return [f for f in analysis.findings() if f.code in codes]
 
 
+def findings_with_evidence(source: Source, analysis, detectors: dict[str, str]) -> list:
+    """The findings of the codes in ``detectors`` (code -> the facade method that finds them) with their evidence
+    rows, without making the analysis find every other finding (``data.findings_with_evidence``)."""
+    return data.findings_with_evidence(source, analysis, detectors)
+
+
 def show_findings(findings: list, *, key: str) -> None:
     """Each finding as a bordered box: severity, ranks, title, the clock of its timing evidence, recommendation,
     evidence rows on demand."""
@@ -251,13 +257,14 @@ def show_findings(findings: list, *, key: str) -> None:
         with st.container(border=True):
             st.markdown(f"**:{SEVERITY_BADGE[finding.severity]}[{finding.severity.upper()}] {finding.code}** · "
                         f"ranks {ranks_text(finding.ranks)} · group {finding.group or '-'}  \n{finding.title}")
-            evidence_clock(finding.evidence.get("clock"))
+            # a finding, or an Overview line (no evidence rows, its clock as an attribute)
+            evidence_clock(finding.evidence.get("clock") if hasattr(finding, "evidence") else finding.clock)
             st.caption(finding.recommendation)
-            if finding.predicted_gain is not None:
-                st.caption(f"Predicted gain: {finding.predicted_gain.frac:.0%} shorter "
-                           f"{finding.predicted_gain.metric.replace('_', ' ')}")
-            if finding.rows is not None and not finding.rows.empty:
-                rows = finding.rows
+            gain = getattr(finding, "predicted_gain", None)
+            if gain is not None:
+                st.caption(f"Predicted gain: {gain.frac:.0%} shorter {gain.metric.replace('_', ' ')}")
+            rows = getattr(finding, "rows", None)
+            if rows is not None and not rows.empty:
                 with st.expander(f"Evidence rows ({len(rows):,})"):
                     if len(rows) > MAX_TABLE_ROWS:
                         st.caption(f"The first {MAX_TABLE_ROWS:,} of {len(rows):,} rows.")

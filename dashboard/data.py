@@ -24,6 +24,7 @@ Timeline window (``load_window``) are read from the store with the window pushed
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import OrderedDict
@@ -38,6 +39,7 @@ from dtprobe.dashboard import summary
 from dtprobe.dashboard.paths import LIVE_WINDOW_ENV, Source, list_sources, live_window_steps  # noqa: F401 (re-exported)
 from dtprobe.overview import Overview, summarize
 from dtprobe.store.errors import TraceError
+from dtprobe.store.schema import STEP_BLOCK_STEPS
 
 if TYPE_CHECKING:  # imported where used: a stored Overview is drawn before the analysis modules are imported
     import pandas as pd
@@ -64,7 +66,7 @@ class _Entry:
     overviews: dict[bool, tuple[tuple, Overview]] = field(default_factory=dict)
     """whole_run (as asked) -> (version, the Overview made of the analysis at that version)."""
     build_s: float = 0.0
-    """Seconds the last analysis of this source took to build (tail, analysis, key figures and findings)."""
+    """Seconds the last Overview of this source took to make (tail, analysis, key figures and findings)."""
     worker: threading.Thread | None = None
     """The background re-analysis of a live refresh, while it runs."""
     worker_error: BaseException | None = None
@@ -119,13 +121,12 @@ def load_analysis(source: Source, *, whole_run: bool = False) -> RunAnalysis:
         cached = entry.analyses.get(whole)
         if cached is not None and cached[0] == entry.version:
             return cached[1]
-        # key figures and findings are computed here, under the entry's lock, so sessions never repeat the work
-        started = time.perf_counter()
+        # the analysis computes what a page asks for; the Overview's key figures and findings under the entry's
+        # lock (load_overview), so sessions never repeat that work
         analysis = summary.analyze(entry.source, source.kind, whole_run=whole, window=window)
         if source.kind == "run":
             entry.version = _version(entry.source)  # the skipped head may have been read
         entry.analyses[whole] = (entry.version, analysis)
-        entry.build_s = time.perf_counter() - started
         return analysis
 
 
@@ -141,20 +142,69 @@ def load_overview(source: Source, *, whole_run: bool = False) -> Overview:
     summary when it is valid for the source as it is now, else made from the analysis (and then stored)."""
     path = str(source.path)
     if summary_store.is_finished(source.path):
+        token = _files_token(source)
+        memo = _STORED.get(path)
+        if memo is not None and memo[0] == token:
+            return memo[1]
         key = summary_store.key_of(path)  # before the source is read: a change meanwhile makes the summary stale
         stored = summary_store.load(path, key=key)
         if stored is not None:
+            _STORED[path] = (token, stored)
             return stored
         overview = summarize(load_analysis(source, whole_run=whole_run), path=path)
         summary_store.store(path, overview, key=key)
         return overview
     entry = _entry(path, None if source.kind == "run" else ("traces", _mtime(source.path)))
     with entry.lock:
+        started = time.perf_counter()
         analysis = load_analysis(source, whole_run=whole_run)
         cached = entry.overviews.get(whole_run)
         if cached is None or cached[0] != entry.version:  # summarized once per version, not once per session
             cached = entry.overviews[whole_run] = (entry.version, summarize(analysis, path=path))
+            entry.build_s = time.perf_counter() - started
         return cached[1]
+
+
+_STORED: dict[str, tuple[Any, Overview]] = {}
+"""path -> (``_files_token`` when read, the valid stored summary): a rerun skips ``summary_store.key_of``, which
+stats every file of the run."""
+
+
+def _files_token(source: Source):
+    """What changes when a finished source's files do: the newest mtime of a run's manifest, rank infos, events and
+    compaction marker (a few directory scans), or a trace folder's files."""
+    from dtprobe.store import run_mtime_ns
+
+    return run_mtime_ns(source.path) if source.kind == "run" else _mtime(source.path)
+
+
+def finding_lines(source: Source, analysis: RunAnalysis) -> list:
+    """Every finding of ``source``, worst first, as the Overview lists them: of a finished run or trace folder its
+    (stored) Overview's lines, so a page that shows a few findings does not make the analysis find them all; else
+    ``analysis.findings()``."""
+    if summary_store.is_finished(source.path):
+        return list(load_overview(source).findings)
+    return analysis.findings()
+
+
+def findings_with_evidence(source: Source, analysis: RunAnalysis, detectors: dict[str, str]) -> list:
+    """The findings of ``source`` whose code is a key of ``detectors`` (worst first), each with its evidence rows:
+    the facade method ``detectors[code]`` finds them, and ``finding_lines`` says which of them the run reports and
+    at which severity. A line its detector does not give back (e.g. a stored summary of other options) is shown as
+    the line alone."""
+    lines = [line for line in finding_lines(source, analysis) if line.code in detectors]
+    if not lines or all(hasattr(line, "rows") for line in lines):
+        return lines
+    found = {}
+    for method in dict.fromkeys(detectors[line.code] for line in lines):
+        for finding in getattr(analysis, method)():
+            found.setdefault((finding.code, tuple(int(r) for r in finding.ranks), finding.group), finding)
+    out = []
+    for line in lines:
+        finding = found.get((line.code, tuple(line.ranks), line.group))
+        out.append(line if finding is None else finding if finding.severity == line.severity
+                   else dataclasses.replace(finding, severity=line.severity))
+    return out
 
 
 @dataclass(frozen=True)
@@ -232,8 +282,15 @@ def load_window(source: Source, analysis: RunAnalysis, names: tuple[str, ...], *
         return out
     path = str(source.path)
     version = _ENTRIES[path].version if path in _ENTRIES else ()
-    return {name: _window_rows(path, version, name, (int(steps[0]), int(steps[1])), tuple(sorted(map(int, ranks))))
-            for name in names}
+    # read whole step blocks (the partitions' steps: the same files as the window alone), so that moving the window
+    # within them is a cache hit cut in memory
+    first, last = int(steps[0]), int(steps[1])
+    blocks = (first - first % STEP_BLOCK_STEPS, last - last % STEP_BLOCK_STEPS + STEP_BLOCK_STEPS - 1)
+    out = {}
+    for name in names:
+        rows = _window_rows(path, version, name, blocks, tuple(sorted(map(int, ranks))))
+        out[name] = rows[rows["step"].between(first, last)].reset_index(drop=True) if "step" in rows.columns else rows
+    return out
 
 
 @st.cache_data(max_entries=64, show_spinner=False)
@@ -251,6 +308,7 @@ def clear() -> None:
     """Drop every open source and analysis (tests)."""
     with _LOCK:
         _ENTRIES.clear()
+        _STORED.clear()
 
 
 def open_store(source: Source):

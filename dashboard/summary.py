@@ -17,8 +17,8 @@ from dtprobe.overview import SCHEMA
 
 def analyze(store: Any, kind: str, *, whole_run: bool, window: int):
     """The ``RunAnalysis`` the dashboard shows of an opened source: a running run's newest ``window`` steps unless
-    ``whole_run`` (or ``window`` is 0), anything else whole; key figures and findings computed. Reads a tail-opened
-    run's skipped head when more than the tail is needed."""
+    ``whole_run`` (or ``window`` is 0), anything else whole; nothing computed yet (each page asks for what it
+    draws). Reads a tail-opened run's skipped head when more than the tail is needed."""
     from dtprobe.analysis.facade import RunAnalysis
     from dtprobe.analysis.window import StepWindow
 
@@ -32,10 +32,7 @@ def analyze(store: Any, kind: str, *, whole_run: bool, window: int):
     tail = store.tail_from_step if kind == "run" else None
     if tail is not None and needed < tail:
         store.load_head()  # the whole run (or a wider window) was asked for: read the skipped part
-    analysis = RunAnalysis(src)
-    analysis.key_figures()
-    analysis.findings()
-    return analysis
+    return RunAnalysis(src)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,8 +9,9 @@ from dtprobe.dashboard import charts, common
 
 def body(source) -> None:
     analysis = common.load(source)
-    common.show_findings(common.findings_for(analysis, ("EXPOSED_COMM", "COMM_INEFFICIENT", "COMPRESSION")),
-                         key="communication")
+    common.show_findings(common.findings_with_evidence(source, analysis, {
+        "EXPOSED_COMM": "exposed_comm", "COMM_INEFFICIENT": "comm_findings", "COMPRESSION": "compression_findings"}),
+        key="communication")
     marked = common.marked_ranks()
     bw = analysis.collective_bandwidth()
     if bw.empty:

@@ -14,7 +14,7 @@ MAX_SCORE_ROWS = 50
 
 def body(source) -> None:
     analysis = common.load(source)
-    findings = common.findings_for(analysis, ("STRAGGLER",))
+    findings = common.findings_with_evidence(source, analysis, {"STRAGGLER": "stragglers"})
     marked = common.marked_ranks() or sorted({r for f in findings for r in f.ranks})
     if marked:
         shown = marked if len(marked) <= common.MAX_LISTED_RANKS else []

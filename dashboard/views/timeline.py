@@ -32,7 +32,7 @@ def default_ranks(steps, marked: list[int], named: list[int]) -> list[int]:
 
 def body(source) -> None:
     analysis = common.load(source)
-    findings = common.findings_for(analysis, ("HANG", "RANK_CRASH"))
+    findings = common.findings_with_evidence(source, analysis, {"HANG": "hangs", "RANK_CRASH": "hangs"})
     common.show_findings(findings, key="timeline")
     steps = analysis.table("steps")
     if steps.empty:
@@ -47,8 +47,8 @@ def body(source) -> None:
                            help="Zoom: pick one step (both ends equal) or a few.")
     ranks = sorted(int(r) for r in steps["rank"].unique())
     marked = common.marked_ranks()
-    default = default_ranks(steps, marked, [r for f in analysis.findings() if len(f.ranks) <= MAX_RANKS
-                                            for r in f.ranks])
+    default = default_ranks(steps, marked, [r for f in data.finding_lines(source, analysis)
+                                            if len(f.ranks) <= MAX_RANKS for r in f.ranks])
     many = len(ranks) > MANY_RANKS
     chosen = st.multiselect("Ranks", ranks, default=default, key="timeline_ranks",
                             max_selections=MAX_CHOSEN if many else None,

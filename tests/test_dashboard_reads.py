@@ -1,9 +1,13 @@
-"""Live refresh of the dashboard: a refresh reads only the events lines appended since the last one (spied on the
-store's readers), and when a source's analysis is slow the refreshed Overview comes back at once with the previous
-analysis while a background thread re-analyzes, then shows the new one; what that thread raised is shown."""
+"""What the dashboard reads and computes at scale: a live refresh reads only the events lines appended since the
+last one (spied on the store's readers), and when a source's analysis is slow the refreshed Overview comes back at
+once with the previous analysis while a background thread re-analyzes, then shows the new one (what that thread
+raised is shown); the Timeline reads its window's partitions; pages of a finished run show their own findings with
+evidence rows without making the analysis find every finding (which findings the run reports, and at which
+severity, come from its stored Overview, the evidence from the one facade method that finds them)."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from pathlib import Path
 
@@ -12,12 +16,14 @@ import streamlit
 from streamlit.testing.v1 import AppTest
 
 from dtprobe import summary_store
+from dtprobe.analysis.facade import RunAnalysis
 from dtprobe.dashboard import data
 from dtprobe.dashboard.paths import ROOT_ENV, resolve_choice
 from dtprobe.store import jsonl, partitions, reader
-from dtprobe.synthetic import SyntheticRun
+from dtprobe.synthetic import SyntheticRun, write_synthetic_run
 
 APP = Path(__file__).resolve().parents[1] / "dashboard" / "app.py"
+STRAGGLER_RANK = 2
 
 
 @pytest.fixture(autouse=True)
@@ -149,7 +155,6 @@ def test_timeline_window_reads_only_the_partitions_of_its_steps_and_equals_the_a
                                                                                             monkeypatch):
     from dtprobe.analysis.derived_tables import deriver
     from dtprobe.store import compact
-    from dtprobe.synthetic import write_synthetic_run
 
     run = write_synthetic_run(tmp_path / "r", num_ranks=4, num_steps=60, straggler_rank=2)
     compact(run, derive=deriver())
@@ -172,3 +177,57 @@ def test_timeline_window_reads_only_the_partitions_of_its_steps_and_equals_the_a
     spy.clear()
     again = data.load_window(source, analysis, ("steps", "collectives"), steps=window, ranks=ranks)
     assert spy.compacted == [] and again["collectives"].equals(rows["collectives"])  # cached per version
+
+@pytest.fixture
+def finished_run(tmp_path) -> Path:
+    run = write_synthetic_run(tmp_path / "dp4_straggler", num_ranks=4, num_steps=40, straggler_rank=STRAGGLER_RANK)
+    summary_store.make(run)  # what `dtprobe run` leaves: the stored Overview
+    return run
+
+
+def _key(finding) -> tuple:
+    return finding.code, tuple(int(r) for r in finding.ranks), finding.group, finding.severity
+
+
+def test_a_finished_runs_pages_never_ask_the_analysis_for_every_finding(finished_run, tmp_path, monkeypatch):
+    def every_finding(self):
+        raise AssertionError("a page asked for every finding of a finished run with a stored Overview")
+
+    monkeypatch.setattr(RunAnalysis, "findings", every_finding)
+    monkeypatch.setenv(ROOT_ENV, str(tmp_path))
+    at = AppTest.from_file(str(APP), default_timeout=240).run()
+    assert not at.exception
+    at.switch_page("views/stragglers.py").run()
+    assert not at.exception, at.exception[0].message
+    assert [e.label for e in at.expander if e.label.startswith("Evidence rows")]  # the evidence is there
+    text = "\n".join(m.value for m in at.markdown)
+    assert "STRAGGLER" in text and f"ranks {STRAGGLER_RANK} " in text
+    for page in ("views/timeline.py", "views/communication.py"):
+        at.switch_page(page).run()
+        assert not at.exception, (page, at.exception[0].message)
+
+
+def test_findings_with_evidence_are_the_analysis_findings_of_those_codes(finished_run, tmp_path):
+    source = resolve_choice(tmp_path, "dp4_straggler")
+    analysis = data.load_analysis(source)
+    detectors = {"STRAGGLER": "stragglers", "EXPOSED_COMM": "exposed_comm", "COMM_INEFFICIENT": "comm_findings",
+                 "COMPRESSION": "compression_findings", "HANG": "hangs", "RANK_CRASH": "hangs"}
+    shown = data.findings_with_evidence(source, analysis, detectors)
+    expected = [f for f in RunAnalysis.open(finished_run).findings() if f.code in detectors]
+    assert [_key(f) for f in shown] == [_key(f) for f in expected] and shown
+    straggler = next(f for f in shown if f.code == "STRAGGLER")
+    assert straggler.rows is not None and not straggler.rows.empty
+
+
+def test_a_line_its_detector_does_not_give_back_is_shown_alone_and_severity_follows_the_overview(finished_run,
+                                                                                                 tmp_path):
+    source = resolve_choice(tmp_path, "dp4_straggler")
+    stored = data.load_overview(source)
+    line = next(f for f in stored.findings if f.code == "STRAGGLER")
+    other = dataclasses.replace(line, ranks=(3,), title="a straggler of other options")
+    lowered = dataclasses.replace(line, severity="info")
+    data._STORED[str(source.path)] = (data._files_token(source),
+                                      dataclasses.replace(stored, findings=(lowered, other)))
+    shown = data.findings_with_evidence(source, data.load_analysis(source), {"STRAGGLER": "stragglers"})
+    assert [(f.severity, hasattr(f, "rows")) for f in shown] == [("info", True), (line.severity, False)]
+    assert shown[1] is other

@@ -295,6 +295,8 @@ class Probe:
 
     def _close_at_exit(self) -> None:
         self.close(status="crashed" if getattr(sys, "last_value", None) is not None else "finished")
+        # Before the interpreter finalizes: no gloo thread may still need the GIL for our done-callbacks
+        RECORDER.settle_callbacks()
         # The NCCL completion hook runs Python on the watchdog thread: its group must go before the interpreter.
         if self.owns_process_group and self.device.startswith("cuda") and dist.is_initialized():
             dist.destroy_process_group()

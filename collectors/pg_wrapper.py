@@ -36,6 +36,7 @@ import functools
 import itertools
 import threading
 import time
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -100,6 +101,7 @@ class CollectiveRecorder:
         """torchrun restart count of this worker (``TORCHELASTIC_RESTART_COUNT``), copied into every row."""
         self._paused = _PausedFlag()
         self._in_flight: dict[int, dict[str, Any] | tuple] = {}
+        self._callbacks: weakref.WeakSet = weakref.WeakSet()   # done-callbacks a work's future still holds
         self._ids = itertools.count()
         self._progress: dict[str, _GroupProgress] = {}   # read by the hang watchdog: see progress()
         self._queue: collections.deque = collections.deque()
@@ -293,6 +295,31 @@ class CollectiveRecorder:
             self.emit(row)
         return len(rows)
 
+    def on_done(self, future: Any, callback: "_FutureDone | _WorkDone") -> None:
+        """``future.add_done_callback(callback)``, the callback known to ``settle_callbacks``."""
+        callback.future = future
+        self._callbacks.add(callback)
+        future.add_done_callback(callback)
+
+    def settle_callbacks(self, timeout_s: float = 5.0) -> bool:
+        """Wait (sleeping, so without the GIL) until no future of a finished work still holds one of our
+        done-callbacks; False if some still did after ``timeout_s``. Called at interpreter exit.
+
+        The callbacks run on the gloo worker thread that finished the work, after the waiter was woken, and that
+        thread takes the GIL again to release the callback once it returned. A thread that needs the GIL once the
+        interpreter is finalizing is ended by CPython (``pthread_exit``), whose unwinding through torch's C++
+        frames aborts the process ("terminate called without an active exception", exit -6) after its work was
+        done. A callback is released when its object is freed, which empties its entry here; callbacks of works
+        still in flight (a hung collective) are not waited for."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            busy = any(cb.future.done() for cb in list(self._callbacks))
+            if not busy:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+
 
 class _GroupProgress:
     """One group's progress on this rank: the last issued row (kept as is; its fields are read only when the
@@ -392,18 +419,33 @@ def _failed(future: Any) -> bool:
 
 class _FutureDone:
     """Done-callback of a work's future: stamps ``end_ns`` and writes the row (unless flushed at close or the
-    work failed)."""
+    work failed). Registered through ``CollectiveRecorder.on_done``, which sets ``future``."""
 
-    __slots__ = ("recorder", "key", "row")
+    __slots__ = ("recorder", "key", "row", "future", "__weakref__")
 
     def __init__(self, recorder: CollectiveRecorder, key: int, row: dict[str, Any]) -> None:
         self.recorder, self.key, self.row = recorder, key, row
+        self.future: Any = None
 
     def __call__(self, future: Any) -> None:
         if _failed(future):
             return
         if self.recorder.untrack(self.key):
             self.recorder.emit(_ended(self.row, time.time_ns()))
+
+
+class _WorkDone:
+    """Done-callback of a ``RecordedWork``'s future: its ``_complete`` (an object, not a bound method, so that
+    ``CollectiveRecorder.settle_callbacks`` sees when the future lets go of it)."""
+
+    __slots__ = ("work", "future", "__weakref__")
+
+    def __init__(self, work: "RecordedWork") -> None:
+        self.work = work
+        self.future: Any = None
+
+    def __call__(self, future: Any) -> None:
+        self.work._complete(future)
 
 
 class _WaitHabit:
@@ -464,7 +506,7 @@ class RecordedWork(dist.Work):
         self._habit = habit
         self._future: Any = None
         if future is not None:              # exact completion time while the caller's habit is being learned
-            future.add_done_callback(self._complete)
+            recorder.on_done(future, _WorkDone(self))
 
     def _complete(self, future: Any = None) -> None:
         row = self._row
@@ -495,7 +537,7 @@ class RecordedWork(dist.Work):
                 self._habit.prompt = 0
                 self._habit = None
             fut = self._inner.get_future()
-            fut.add_done_callback(self._complete)
+            self._recorder.on_done(fut, _WorkDone(self))
             self._future = fut
         return self._future
 
@@ -530,7 +572,7 @@ class RecordedWork(dist.Work):
         self._row = None
         if habit is not None:
             future = self._inner.get_future()
-            future.add_done_callback(_FutureDone(self._recorder, self._key, row))
+            self._recorder.on_done(future, _FutureDone(self._recorder, self._key, row))
             return
         if self._recorder.untrack(self._key):
             self._recorder.emit(row)
@@ -779,7 +821,7 @@ class RecordingProcessGroup(dist.ProcessGroup):
             # The caller keeps the backend's own Work: a Python Work handed to C++ (DDP's reducer) costs GIL
             # round trips on every getFuture and destruction. The callback runs where the backend completes the
             # work (a gloo worker thread), so end_ns is the completion time.
-            future.add_done_callback(_FutureDone(recorder, recorder.track(row), row))
+            recorder.on_done(future, _FutureDone(recorder, recorder.track(row), row))
             return work
         return RecordedWork(work, row, recorder, habit=habit, future=future)
 

@@ -14,8 +14,8 @@ import numpy as np
 import pandas as pd
 
 from dtprobe.analysis.clocks import DEVICE, HOST
-from dtprobe.analysis.tables import (P2P_OPS, coded_rows, frame_group_codes, group_members, lookup_group_codes,
-                                     run_starts, step_durations)
+from dtprobe.analysis.tables import (P2P_OPS, coded_rows, coded_text, frame_group_codes, group_members,
+                                     lookup_group_codes, run_starts, step_durations)
 from dtprobe.store.columns import require_columns
 
 CLOCK_COLUMNS = ["pg", "pg_ranks", "clock"]
@@ -137,7 +137,8 @@ def collective_skew(collectives: pd.DataFrame) -> pd.DataFrame:
 
 def collective_waits(collectives: pd.DataFrame, skew: pd.DataFrame) -> pd.DataFrame:
     """Per member of each collective: ``wait_ns`` = last arrival - own arrival (0 for the late rank).
-    Columns: pg, pg_ranks, seq, step, rank, enqueue_ns, wait_ns, late_rank."""
+    Columns: pg, pg_ranks (a category: one row per collective row), seq, step, rank, enqueue_ns, wait_ns,
+    late_rank."""
     require_columns(collectives, _COLL_COLUMNS, table="collectives")
     cols = ["pg", "pg_ranks", "seq", "step", "rank", "enqueue_ns", "wait_ns", "late_rank"]
     if collectives.empty or skew.empty:
@@ -156,7 +157,7 @@ def collective_waits(collectives: pd.DataFrame, skew: pd.DataFrame) -> pd.DataFr
     rows = m["row"].to_numpy()
     enq = c["enqueue_ns"].to_numpy(dtype="int64")[rows]
     out = pd.DataFrame({
-        "pg": pg_names.take(code[rows]), "pg_ranks": pr_names.take(code[rows]), "seq": m["seq"].to_numpy(),
+        "pg": pg_names.take(code[rows]), "pg_ranks": coded_text(pr_names, code[rows]), "seq": m["seq"].to_numpy(),
         "step": c["step"].fillna(-1).to_numpy(dtype="int64")[rows], "rank": c["rank"].to_numpy(dtype="int64")[rows],
         "enqueue_ns": enq, "wait_ns": (m["last_enqueue_ns"].to_numpy() - enq).astype("int64"),
         "late_rank": m["late_rank"].to_numpy(),

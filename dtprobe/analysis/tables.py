@@ -123,6 +123,13 @@ def text_codes(values: pd.Series, *, sort: bool = True) -> tuple[np.ndarray, pd.
     return codes, names
 
 
+def coded_text(names: pd.Index, codes: np.ndarray) -> pd.Categorical:
+    """The strings ``names[codes]`` as a category column (each string once, categories sorted): a per-row output
+    column of a group's ``pg_ranks`` without a copy of the list on every row."""
+    unique_codes, unique = pd.factorize(names, sort=True)
+    return pd.Categorical.from_codes(unique_codes[codes], categories=unique)
+
+
 def group_codes(pg: pd.Series, pg_ranks: pd.Series) -> tuple[np.ndarray, pd.Index, pd.Index]:
     """Per row, an integer code of its (pg, pg_ranks) pair (nulls as ""), numbered in the sorted order of the pairs,
     and the pg and pg_ranks of each code: sorting and grouping by the code is sorting and grouping by the two

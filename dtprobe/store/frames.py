@@ -4,8 +4,9 @@
 ``boolean`` -> nullable ``boolean``, ``string`` -> ``string`` (``pd.NA`` for null), ``float64`` -> numpy
 ``float64`` (``NaN`` for null). A group's member list (``pg_ranks`` of the ``GROUPED_TABLES``:
 ``DICTIONARY_COLUMNS``) repeats on every row of its group: it is an Arrow dictionary column in memory and a pandas
-``category`` (null: NaN) in frames, so a row holds a small code, not a copy of a string of up to a few KB. Analysis and tests that build hand-made tables should use ``frame_from_rows`` or
-``conform`` so their frames match what ``RunStore.table`` returns.
+``category`` (null: NaN) in frames, so a row holds a small code, not a copy of a string of up to a few KB.
+Analysis and tests that build hand-made tables should use ``frame_from_rows`` or ``conform`` so their frames match
+what ``RunStore.table`` returns.
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ def pandas_dtypes(table: str) -> dict[str, str]:
 
 def empty_frame(table: str) -> pd.DataFrame:
     """A zero-row frame with every column of ``table`` in its schema dtype."""
-    return pd.DataFrame({col: pd.Series([], dtype=_empty_dtype(dtype)) for col, dtype in pandas_dtypes(table).items()})
+    return pd.DataFrame({col: pd.Series([], dtype=_empty_dtype(dtype))
+                         for col, dtype in pandas_dtypes(table).items()})
 
 
 def _empty_dtype(dtype: str) -> Any:

@@ -86,7 +86,8 @@ def fill_members(rows: pa.Table, groups: pa.Table,
                  table: str) -> tuple[pa.Table, list[tuple[int, int | None, str]]]:
     """``rows`` of the grouped table ``table`` with ``pg`` (the group's name), ``pg_ranks`` and ``pg_size`` taken
     from ``groups`` for every row that names a group (``pg`` set) without members (``pg_ranks`` null); other rows
-    keep theirs. ``pg_ranks`` comes back dictionary-encoded (``frames.memory_schema``). Also returns the (rank, restart, pg) keys no ``groups`` row has (those rows are left unfilled).
+    keep theirs. ``pg_ranks`` comes back dictionary-encoded (``frames.memory_schema``). Also returns the (rank,
+    restart, pg) keys no ``groups`` row has (those rows are left unfilled).
 
     Identical repeated ``groups`` rows (a rank that attached twice) count once; two rows of one key with different
     members are damage (TraceError)."""

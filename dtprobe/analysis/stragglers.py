@@ -467,7 +467,7 @@ def cause_rows(collectives: pd.DataFrame, scores: pd.DataFrame, *, min_lateness_
     key = code * (1 << 40) + collectives["seq"].to_numpy(dtype="float64", na_value=0)[grouped].astype("int64")
     keep = in_window & ~grouped                                  # p2p (and unnumbered) rows of the window's steps
     keep[grouped] = np.isin(key, key[in_window[grouped]])
-    return collectives[keep]
+    return collectives if keep.all() else collectives[keep]   # windows over the whole run: no copy of every row
 
 
 def straggler_causes(scores: pd.DataFrame, lateness: pd.DataFrame, steps: pd.DataFrame,

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from dtprobe.store.kineto import load_trace_dir
@@ -109,3 +110,36 @@ def test_worker_side_modules_import_neither_pandas_pyarrow_nor_the_analysis(run_
                       "or m.startswith('dtprobe.analysis')))")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+def _rank_trace(folder: Path, rank: int, *, late: list[int]) -> None:
+    """Two ProfilerSteps [0, 1000) and [1000, 2000); a kernel launched at each time of ``late`` (after the last
+    step: left out of the analysed kernels), between kernels launched inside the steps."""
+    events = [{"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{s}", "pid": 1, "tid": 1,
+               "ts": 1000 * (s - 1), "dur": 1000} for s in (1, 2)]
+    launches = sorted([100, 900, 1100 + rank] + late)
+    for corr, launch in enumerate(launches, 1):
+        name = "ncclDevKernel_AllReduce_Sum_f32_RING_LL(x)" if corr % 2 else f"gemm_kernel_{rank}"
+        events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1,
+                       "ts": launch, "dur": 5, "args": {"correlation": corr}})
+        events.append({"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": 7, "ts": launch + 20, "dur": 50,
+                       "args": {"stream": 7, "correlation": corr, "device": 0}})
+    doc = {"schemaVersion": 1, "distributedInfo": {"backend": "nccl", "rank": rank, "world_size": 3},
+           "deviceProperties": [], "traceEvents": events}
+    (folder / f"rank{rank}.pt.trace.json").write_text(json.dumps(doc, indent=1))
+
+
+def test_analysed_kernels_built_rank_by_rank_equal_the_window_filter_of_every_event_when_ranks_drop_some(
+        tmp_path):
+    from dtprobe.store.kineto_window import kernels_in_steps
+
+    for rank, late in ((0, [2500, 3000]), (1, []), (2, [2100])):
+        _rank_trace(tmp_path, rank, late=late)
+    run = load_trace_dir(tmp_path, workers=1)
+    every = run.kernels
+    assert len(every) == 3 * 3 + 3 and every["rank"].tolist() == [0] * 5 + [1] * 3 + [2] * 4
+    expected = kernels_in_steps(every, run.steps).reset_index(drop=True)
+    analysed = run.table("kernels")
+    assert len(analysed) == 9 and analysed["launch_ns"].max() < 2_000_000       # the late launches are left out
+    pd.testing.assert_frame_equal(analysed, expected)
+    assert analysed["name"].cat.categories.tolist() == every["name"].cat.categories.tolist()

@@ -15,7 +15,7 @@ from test_sample_trace_findings import BASELINES, FIGURES, GOLDEN, SAMPLES, SCEN
 from dtprobe.analysis import RunAnalysis
 from dtprobe.analysis.window import StepWindow
 from dtprobe.store import RunStore, TraceError, compact, partitions
-from dtprobe.store.manifest import create_manifest, write_rank_info
+from dtprobe.store.manifest import create_manifest, set_status, write_rank_info
 from dtprobe.store.schema import SCHEMAS, STEP_TABLES
 from dtprobe.store.writer import RankWriter
 from dtprobe.synthetic import dp_tables, write_run
@@ -286,3 +286,29 @@ def test_a_version_2_compaction_one_file_per_table_reads_equal_to_the_jsonl_read
         pd.testing.assert_frame_equal(store.table(name), before[name], check_exact=True, obj=name)
     pd.testing.assert_frame_equal(RunStore.open(run, tables=()).table("collectives", steps=(40, None)),
                                   window_of(before["collectives"], 40), check_exact=True)
+
+
+@pytest.mark.parametrize("status", ["finished", "running"])
+def test_a_finished_runs_compacted_rows_are_held_once_as_a_frame_and_reread_only_when_needed(dp200, files_read,
+                                                                                             status):
+    run, before = dp200
+    set_status(run, status)
+    whole = RunStore.open(run)
+    counts = (whole.num_rows(), whole.last_step("collectives"), whole.num_steps("collectives"))
+    store = RunStore.open(run, tables=())
+    store.list_tables()
+    pd.testing.assert_frame_equal(store.table("collectives"), before["collectives"])
+    state = store._states["collectives"]
+    # finished: the Arrow copy is dropped once the frame holds the rows; running: kept for the refreshes
+    assert (len(state.chunks), bool(state.unread)) == ((0, True) if status == "finished" else (1, False))
+    assert (store.num_rows(), store.last_step("collectives"), store.num_steps("collectives")) == counts
+    del files_read[:]
+    pd.testing.assert_frame_equal(store.table("collectives"), before["collectives"])
+    assert files_read == []                                   # the frame is served again without a read
+    pd.testing.assert_frame_equal(store.table("collectives", steps=(190, 199)),
+                                  window_of(before["collectives"], 190, 199))
+    if status == "finished":   # pushed down to the window's files; a running run's held rows are filtered
+        assert files_read and all("step_block=9/" in f for f in files_read)
+    else:
+        assert files_read == []
+    assert whole.aligned_arrow("collectives").equals(store.aligned_arrow("collectives"))

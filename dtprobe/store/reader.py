@@ -83,6 +83,8 @@ class _TableState:
     """The compacted files' rows merge back into sort order by rank (the marker's ``ordered``)."""
     step_blocks: dict[int, int] = field(default_factory=dict)
     """Distinct steps per step block of the compacted files (the marker's ``step_blocks``)."""
+    held_files: list[PartFile] = field(default_factory=list)
+    """The compacted files whose rows the chunks hold (read by ``_load``)."""
 
 
 class RunStore:
@@ -210,11 +212,13 @@ class RunStore:
             if steps is not None or ranks is not None:
                 rows = self._selected(name, steps, None if ranks is None else frozenset(int(r) for r in ranks))
                 return arrow_to_frame(rows, name) if rows.num_rows else empty_frame(name)
-            state = self._load(name)
+            state = self._state(name)
             model = self.clock_model()
-            if state.frame is None or state.frame_offsets != model.key:
+            if state.frame is None or state.frame_offsets != model.key:   # rows changed since (frame reset)
+                state = self._load(name)
                 state.frame = self._build_frame(name, state, model)
                 state.frame_offsets = model.key
+                self._release_compacted(name, state)
             return state.frame.copy(deep=False)
 
     def derived_table(self, name: str, key: dict, *,
@@ -335,8 +339,20 @@ class RunStore:
         state = self._state(name)
         if state.unread:
             self._read_files(name, state, state.unread)
-            state.unread = []
+            state.held_files, state.unread = state.held_files + state.unread, []
         return state
+
+    def _release_compacted(self, name: str, state: _TableState) -> None:
+        """Once a frame holds them, drop the Arrow copy of a finished run's compacted rows of a per-step table (as
+        large as the frame: GBs at 1,024 ranks): its files go back to ``unread``, counted from the marker and read
+        again only if something needs the Arrow rows (``aligned_arrow``) or new rows arrive. A running run's are
+        kept: its refreshes rebuild the frame from them."""
+        if (name not in STEP_TABLES or self._manifest.status == "running" or len(state.chunks) != 1
+                or state.chunks[0].basis is None or not state.held_files
+                or any(f.step_block is None for f in state.held_files)):
+            return
+        state.num_rows -= state.chunks[0].rows.num_rows
+        state.chunks, state.unread, state.held_files = [], state.held_files, []
 
     def _counted(self, name: str) -> _TableState:
         """The table's state for counting steps: compacted files not held are counted from the marker, unless

@@ -181,6 +181,22 @@ def test_run_with_telemetry_off_writes_no_events_but_reports_its_loop_time(tmp_p
     assert RunStore.open(run_dir).manifest.status == "finished"
 
 
+def test_a_compaction_that_fails_keeps_the_jobs_exit_code_and_says_how_to_retry(tmp_path, run_python):
+    run_dir = tmp_path / "run"
+    failing = ("import sys, dtprobe.cli as c, dtprobe.store as s\n"
+               "from dtprobe.store.errors import TraceError\n"
+               "def fail(run_dir, **kw): raise TraceError(f'{run_dir}/events: damaged (test)')\n"
+               "s.compact = fail\n" + DRIVER)
+    proc = run_python(failing, "run", "--nproc", "1", "--steps", "2", "--seq-len", "16", "--batch-size", "2",
+                      "--no-devices", "--run-dir", str(run_dir), timeout_s=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    said = " ".join(proc.stderr.split())
+    assert f"{run_dir} was not compacted ({run_dir}/events: damaged (test))" in said
+    assert f"`dtprobe compact {run_dir}` tries again" in said
+    assert not (run_dir / "tables").exists() and RunStore.open(run_dir).manifest.status == "finished"
+
+
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_ctrl_c_or_sigterm_stops_every_worker_and_marks_the_run_crashed(tmp_path, sig, dtprobe_popen):
     import signal

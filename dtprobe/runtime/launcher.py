@@ -160,8 +160,13 @@ def launch(job: JobConfig, *, command: list[str], console: object | None = None)
     if job.node_rank == 0:
         store_manifest.set_status(run_dir, status, exit_code=rc)
         from dtprobe.store import compact
+        from dtprobe.store.errors import TraceError
 
-        compact(run_dir)
+        try:
+            compact(run_dir)
+        except (TraceError, OSError) as exc:      # the run's exit code stays what the job did
+            console.print(f"dtprobe run: {run_dir} was not compacted ({exc}); its events files are kept whole: "
+                          f"`dtprobe compact {run_dir}` tries again.", highlight=False)
     if rc not in (0, 130):
         _print_failure(console, run_dir, log_path)
     _print_summary(console, run_dir, status, loss_rank=loss_rank(layout))

@@ -10,7 +10,7 @@ import pandas as pd
 import plotly.express as px
 import plotly.graph_objects as go
 
-from dtprobe.analysis.tables import LISTED_MEMBERS_MAX, group_members, group_phrase
+from dtprobe.analysis.tables import LISTED_MEMBERS_MAX, group_members, group_phrase, text_or
 from dtprobe.dashboard.clocks import clock_words
 
 PALETTE = ["#0068c9", "#83c9ff", "#ff2b2b", "#ffabab", "#29b09d", "#7defa1", "#ff8700", "#ffd16a", "#6d3fc0",
@@ -330,7 +330,7 @@ def _group_labels(df: pd.DataFrame) -> pd.Series:
     added where two large groups would read the same; above ``MAX_GROUPS`` groups, one label per group axis and
     size (``"tp: 128 groups of 8 ranks"``), so the axis does not grow with the number of ranks."""
     codes, pairs = pd.factorize(pd.MultiIndex.from_arrays([df["pg"].fillna("").astype(str),
-                                                           df["pg_ranks"].fillna("").astype(str)]))
+                                                           text_or(df["pg_ranks"]).astype(str)]))
     members = {(pg, pr): group_members(pr) for pg, pr in pairs}
     if len(pairs) > MAX_GROUPS:
         counts = pd.Series([(pg, len(m)) for (pg, _), m in members.items()]).value_counts()

@@ -72,6 +72,13 @@ def test_bandwidth_by_group_names_a_few_large_groups_by_size_and_first_rank_and_
     assert list(fig.data[0].x) == ["0 [0,1,2,3]"] * 6 and len(fig.data[0].y) == 6
 
 
+def test_group_labels_of_the_stores_category_members_with_a_null_row():
+    # The store gives pg_ranks as a category column; a row without members (a version-1 run) must not raise
+    rows = pd.DataFrame({"pg": ["dp", "dp", "tp"], "pg_ranks": pd.Series(["0,1", None, "0,2"], dtype="category")})
+    assert list(charts._group_labels(rows)) == ["dp [0,1]", "dp []", "tp [0,2]"]
+    assert list(charts._group_labels(rows.astype({"pg_ranks": object}))) == ["dp [0,1]", "dp []", "tp [0,2]"]
+
+
 def _per_rank(world: int, late: int) -> pd.DataFrame:
     ranks = np.arange(world)
     exposed = np.full(world, 0.10)

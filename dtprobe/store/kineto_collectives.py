@@ -14,6 +14,7 @@ pyarrow; ``kineto_collective_frame`` turns the ranks' columns into the folder's 
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -90,12 +91,21 @@ def _as_int(value: Any) -> int | None:
 
 def _ranks_text(value: Any) -> str | None:
     """``"[0, 1]"`` or ``[0, 1]`` -> ``"0,1"``."""
+    if isinstance(value, str):
+        return _ranks_of_text(value)
     if isinstance(value, list):
-        items = value
-    elif isinstance(value, str):
-        items = [p for p in value.strip("[] ").replace(" ", "").split(",") if p]
-    else:
-        return None
+        return _joined_ranks(value)
+    return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _ranks_of_text(value: str) -> str | None:
+    """``_ranks_text`` of a string, once per distinct string: every collective of a group repeats its member
+    list, so parsing it per row cost O(rows x group size) and dominated the reduction of large groups."""
+    return _joined_ranks([p for p in value.strip("[] ").replace(" ", "").split(",") if p])
+
+
+def _joined_ranks(items: list) -> str | None:
     out = [str(_as_int(i)) for i in items if _as_int(i) is not None]
     return ",".join(out) if out else None
 

@@ -237,6 +237,20 @@ def test_a_hung_run_with_pending_rows_gives_the_same_frames_and_findings(tmp_pat
     assert hang.ranks == (1,) and hang.evidence["step"] == 25
 
 
+def test_a_run_interrupted_inside_its_second_step_block_gives_the_same_frames_and_findings(tmp_path):
+    # the last step has collectives but no steps row (SIGTERM mid-step): its block's exposure types step_ns float,
+    # the first block's int; read together they are the whole run's frame
+    rows = lockstep_tables(world=2, num_steps=30)
+    rows["steps"] = [r for r in rows["steps"] if r["step"] != 29]
+    run = _compacted(write_rows_run(tmp_path / "run", rows, world_size=2, status="crashed"))
+    kept, raw = analyses(run, None)
+    exposure = kept.comm_exposure()
+    assert sorted(exposure["step"].unique()) == list(range(30)) and exposure["step_ns"].isna().sum() == 2
+    pd.testing.assert_frame_equal(exposure, raw.comm_exposure())
+    pd.testing.assert_frame_equal(kept.rank_lateness(), raw.rank_lateness())
+    assert described(kept) == described(raw) and kept.key_figures() == raw.key_figures()
+
+
 def test_lazy_open_reads_no_compacted_file_and_lateness_exposure_bandwidth_read_no_collectives(tmp_path, files_read):
     # what the derived tables save: a run opened as `dtprobe analyze` opens it reads a compacted file only when a
     # table is asked for, and lateness, exposure and bandwidth (the inputs of STRAGGLER, EXPOSED_COMM,

@@ -105,7 +105,9 @@ def read_derived(tables_dir: Path, entry: dict, name: str,
                              f"to rebuild it.") from None
     if not parts:
         return pd.DataFrame()
-    table = pa.concat_tables(parts)
+    # a block's frame types a column by its own values (step_ns is float in the block whose last step has no
+    # steps row, int elsewhere): promoted as the whole run's frame would type it
+    table = pa.concat_tables(parts, promote_options="permissive")
     if steps is not None:
         first, last = steps
         keep = pc.is_valid(table.column("step"))

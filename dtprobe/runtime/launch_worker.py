@@ -27,9 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.elastic.multiprocessing.errors import record
-
 import dtprobe
+from dtprobe.runtime.error_file import record
 from dtprobe.runtime.worker import write_worker_file
 
 LAUNCH_ENV = "DTPROBE_LAUNCH"

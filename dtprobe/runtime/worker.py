@@ -4,8 +4,9 @@ attaches the probe, trains, and closes. Started by ``runtime.launcher`` through 
 After the probe is closed (every row flushed), the ranks meet at a last barrier before exiting, so when any
 node's agent exits (and node 0's launcher compacts the store) every rank's telemetry is already on disk.
 
-``main`` is decorated with torchelastic's ``@record``: an uncaught exception is written (type and message,
-traceback, time) to the error file torchrun names in ``TORCHELASTIC_ERROR_FILE``, i.e.
+``main`` is decorated with torchelastic's ``@record`` (``error_file.record``: the file is renamed into place
+whole): an uncaught exception is written (type and message, traceback, time) to the error file torchrun names in
+``TORCHELASTIC_ERROR_FILE``, i.e.
 ``<log dir>/<run>_*/attempt_<n>/<local rank>/error.json`` under the launcher's ``--log-dir``. Beside it the worker
 writes ``worker.json`` (``WORKER_FILE``) first thing: ``{"rank", "local_rank", "node_rank", "pid", "restart",
 "started_ns"}``, and at a clean return ``"ended_ns"`` and ``"exit_code": 0`` too; the launcher reads both files
@@ -23,11 +24,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing.errors import record
 
 import dtprobe
 from dtprobe.runtime.attempts import WORKER_FILE
 from dtprobe.runtime.config import JobConfig, load_job
+from dtprobe.runtime.error_file import record
 from dtprobe.runtime.train import train
 from dtprobe.store.errors import ConfigError
 

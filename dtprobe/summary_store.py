@@ -18,12 +18,12 @@ import dataclasses
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dtprobe import __version__
 from dtprobe.overview import Overview
+from dtprobe.store.manifest import write_text_atomically
 
 if TYPE_CHECKING:
     from dtprobe.analysis.facade import AnalysisOptions
@@ -140,24 +140,13 @@ def store(path: str | os.PathLike, overview: Overview, *, key: dict[str, Any], i
     places = _candidates(path) if in_run_dir else [_cache_file(path)]
     for file in places:
         try:
-            _write_atomically(file, doc)
+            write_text_atomically(file, doc)
             return file
         except OSError:
             continue  # a read-only run folder or cache: try the next place
     return None
 
 
-def _write_atomically(file: Path, text: str) -> None:
-    """Write ``text`` to ``file`` through a temporary file and a rename (a reader sees the old file or the new)."""
-    file.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=f".{file.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as out:
-            out.write(text)
-        os.replace(tmp, file)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def make(path: str | os.PathLike, *, options: AnalysisOptions | None = None, in_run_dir: bool = True) -> Overview:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 
 import pytest
@@ -50,7 +51,10 @@ def test_a_worker_killed_while_writing_leaves_no_error_file(tmp_path, monkeypatc
         def write(self, text):
             raise Killed(signal.SIGTERM)
 
+    real_fdopen = os.fdopen
+    # either way of opening a file for the text (torch's handler opens the path; a temporary file is an fd)
     monkeypatch.setattr("builtins.open", lambda p, mode="r", *a, **k: StopBeforeWrite(real_open(p, mode, *a, **k)))
+    monkeypatch.setattr(os, "fdopen", lambda fd, mode="r", *a, **k: StopBeforeWrite(real_fdopen(fd, mode, *a, **k)))
 
     @error_file.record
     def main() -> None:
@@ -59,6 +63,7 @@ def test_a_worker_killed_while_writing_leaves_no_error_file(tmp_path, monkeypatc
     with pytest.raises(Killed):
         main()
     monkeypatch.setattr("builtins.open", real_open)
+    monkeypatch.setattr(os, "fdopen", real_fdopen)
     assert not path.exists()                  # torchrun's agent sees no error data rather than a broken file
     failure = ProcessFailure(local_rank=0, pid=1, exitcode=-15, error_file=str(path))
     assert "Signal 15" in failure.message        # parsed: the agent goes on to restart the job

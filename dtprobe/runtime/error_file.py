@@ -10,14 +10,16 @@ is either complete or absent; an absent one the agent handles (no error data for
 from __future__ import annotations
 
 import json
-import os
 import time
 import traceback
 import warnings
+from pathlib import Path
 from typing import Callable, TypeVar
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 from torch.distributed.elastic.multiprocessing.errors import record as _record
+
+from dtprobe.store.manifest import write_text_atomically
 
 _F = TypeVar("_F", bound=Callable)
 
@@ -36,11 +38,8 @@ class AtomicErrorHandler(ErrorHandler):
             self._write_error_file(file, json.dumps(data))
 
     def _write_error_file(self, file_path: str, error_msg: str) -> None:
-        tmp = f"{file_path}.tmp{os.getpid()}"
         try:
-            with open(tmp, "w") as fp:
-                fp.write(error_msg)
-            os.replace(tmp, file_path)
+            write_text_atomically(Path(file_path), error_msg)
         except OSError as e:
             warnings.warn(f"Unable to write error to file {file_path}: {e}", stacklevel=2)
 

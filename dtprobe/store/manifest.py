@@ -332,17 +332,23 @@ def _read_rank_info(path: Path) -> RankInfo:
 # ---------------------------------------------------------------------------------------------------- helpers
 
 
-def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+def write_text_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename: a reader, or a process killed meanwhile,
+    leaves the old file or the new one, never a part."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1)
-            f.write("\n")
+            f.write(text)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    write_text_atomically(path, json.dumps(data, indent=1) + "\n")
 
 
 @contextlib.contextmanager

@@ -1,7 +1,9 @@
 """Probe overhead: what dtprobe's collectors and its runtime cost per training step, measured side by side.
 
-    python benchmarks/probe_overhead.py [--nproc 2] [--steps 100] [--pairs 3] [--cases ddp,runtime,small,small_async]
+    python benchmarks/probe_overhead.py [--nproc 2] [--steps 100] [--pairs 3]
+                                        [--cases record_cost,ddp,runtime,small,small_async]
                                         [--flush-baseline 1.0] [--concurrent]
+                                        [--record-cost-rounds 40] [--record-cost-block 200]
 
 Ratios of median step time, each from runs alternated in one invocation (A B A B ...) so that drift of the
 shared machine hits both sides alike; with `--concurrent` the sides of each pair run at the same time instead
@@ -38,6 +40,19 @@ clocks do not count time spent waiting for a core, so this figure holds on a loa
    real work and DDP all-reduces 16 MB of gradients); `--launch-model 64,1` is the script's tiny default, the
    worst case for a fixed cost per step. The difference per step is printed too.
 
+7. recording cost, precise (`record_cost`, first in the default cases, a few seconds): one process, a 1-rank gloo
+   group attached with the default telemetry (devices off), small all_reduce (1 KiB) issued in blocks of
+   `--record-cost-block` (200) through the recording group and through the plain gloo group it wraps, the blocks
+   interleaved (`--record-cost-rounds` of each), in three ways: `blocking` (`dist.all_reduce`), `async`
+   (`async_op=True`, waited at once: DTensor, FSDP) and `future` (the work's future waited: DDP's reducer). The
+   same once more against a stub backend (every call returns one completed gloo Work), which leaves the Python
+   recording path alone. Per recorded collective, each round's difference recorded - plain of the caller
+   thread's CPU time (`time.thread_time`: waiting for a core is not counted), of the process CPU time (all
+   threads, once the recorder has encoded the block's rows: the drain thread's share, and gloo's thread running
+   a done-callback) and of wall time; median and 10th-90th percentile over the rounds. Without a peer, gloo's
+   cost is a thread hand-off, so the difference is the recording cost itself rather than the noise of a 2-rank
+   collective.
+
 Per recorded collective, for the DDP case and the many-small cases: (median step on - median step off) divided by
 the collectives rank 0 recorded per step in the "on" run; for the many-small cases also the same from each rank's
 process CPU time per step (all its threads): waiting for a core is not counted, though a loaded machine still
@@ -59,7 +74,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL_SIDES = ("small_on", "small_off", "small_async_on", "small_async_off")
@@ -236,6 +251,127 @@ def small_worker(run_dir: str, *, steps: int, num_collectives: int, off: bool, a
     dist.destroy_process_group()      # gloo's threads stopped before the interpreter exits, not torn down by it
 
 
+RECORD_COST_MODES = ("blocking", "async", "future")
+"""How the ``record_cost`` case issues and waits its collectives (module docstring, item 7)."""
+
+
+def _issue_block(group: Any, tensor: Any, count: int, mode: str) -> None:
+    """``count`` all_reduce of ``tensor`` on ``group``, each issued and waited as ``mode`` says."""
+    import torch.distributed as dist
+
+    if mode == "blocking":
+        for _ in range(count):
+            dist.all_reduce(tensor, group=group)
+    elif mode == "async":
+        for _ in range(count):
+            dist.all_reduce(tensor, group=group, async_op=True).wait()
+    else:
+        for _ in range(count):
+            dist.all_reduce(tensor, group=group, async_op=True).get_future().wait()
+
+
+class _StubBackend:
+    """A backend whose every all_reduce returns the same completed gloo Work: no communication at all, so a
+    recording group around it costs only the Python recording path."""
+
+    def __init__(self, done: Any) -> None:
+        self.done = done
+
+    def allreduce(self, tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.done
+
+    def _set_group_name(self, name: str) -> None:
+        pass
+
+
+def _interleaved_costs(plain: Any, recorded: Any, *, mode: str, rounds: int, block: int) -> dict[str, list[float]]:
+    """Per round, recorded minus plain, per collective (us): caller-thread CPU, process CPU and wall."""
+    import time
+
+    import torch
+
+    from dtprobe.collectors.pg_wrapper import RECORDER
+
+    tensor = torch.ones(256)
+    for group in (plain, recorded):       # warm-up: the recording group's first works learn how they are waited
+        _issue_block(group, tensor, block, mode)
+    RECORDER.drain()
+    diffs: dict[str, list[float]] = {"thread": [], "process": [], "wall": [], "plain_thread": []}
+    for i in range(rounds):
+        took = {}
+        for name, group in ((("plain", plain), ("recorded", recorded)) if i % 2 == 0 else
+                            (("recorded", recorded), ("plain", plain))):
+            thread0, process0, wall0 = time.thread_time_ns(), time.process_time_ns(), time.perf_counter_ns()
+            _issue_block(group, tensor, block, mode)
+            thread1, wall1 = time.thread_time_ns(), time.perf_counter_ns()
+            RECORDER.drain()              # the block's rows encoded, here or by the drain thread
+            took[name] = (thread1 - thread0, time.process_time_ns() - process0, wall1 - wall0)
+        for k, key in enumerate(("thread", "process", "wall")):
+            diffs[key].append((took["recorded"][k] - took["plain"][k]) / block / 1e3)
+        diffs["plain_thread"].append(took["plain"][0] / block / 1e3)
+    return diffs
+
+
+def record_cost_worker(out: Path, *, rounds: int, block: int) -> None:
+    """The ``record_cost`` case in this process (module docstring, item 7): writes its per-collective costs as
+    JSON to ``out``."""
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+
+    import dtprobe
+    from dtprobe.collectors.pg_wrapper import GLOO_BACKEND, RECORDER, RecordingProcessGroup
+
+    torch.set_num_threads(1)
+    results: dict[str, Any] = {"rounds": rounds, "block": block}
+    with tempfile.TemporaryDirectory(prefix="dtprobe-record-cost-") as tmp:
+        probe = dtprobe.attach(tmp, devices=False)          # a 1-rank gloo group, its default group recorded
+        recorded = dist.distributed_c10d._get_default_group()
+        plain = recorded.inner
+        done = plain.allreduce([torch.ones(256)])
+        done.wait()
+        stub = _StubBackend(done)
+        stub_recorded = RecordingProcessGroup(stub, 0, 1, backend_name=GLOO_BACKEND)
+        stub_recorded.dtprobe_name = "stub"
+        stub_recorded._ranks_str = "0"     # noqa: SLF001 - members of a group torch does not know
+        with probe.step(0):
+            for backend, pair in (("gloo", (plain, recorded)), ("stub", (stub, stub_recorded))):
+                for mode in RECORD_COST_MODES:
+                    results[f"{backend}/{mode}"] = _interleaved_costs(*pair, mode=mode, rounds=rounds, block=block)
+        issued = sum(p["last_issued_seq"] for p in RECORDER.progress().values())
+        completed = sum(p["last_completed_seq"] for p in RECORDER.progress().values())
+        expected = 2 * len(RECORD_COST_MODES) * (rounds + 1) * block
+        if not issued == completed == expected:
+            raise SystemExit(f"record_cost: {issued} collectives issued and {completed} completed were recorded, "
+                             f"not the {expected} run through the recording groups")
+        probe.close()
+    out.write_text(json.dumps(results))
+
+
+def _spread(values: list[float]) -> str:
+    deciles = statistics.quantiles(values, n=10) if len(values) > 1 else values * 9
+    return f"{statistics.median(values):6.2f} us ({deciles[0]:.2f} .. {deciles[-1]:.2f})"
+
+
+def report_record_cost(results: "Results", args: argparse.Namespace) -> list[str]:
+    """Case 7: runs ``record_cost_worker`` in a child process and prints its per-collective costs."""
+    with tempfile.TemporaryDirectory(prefix="dtprobe-bench-") as tmp:
+        out = Path(tmp) / "record_cost.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--record-cost-worker", str(out),
+               "--record-cost-rounds", str(args.record_cost_rounds), "--record-cost-block", str(args.record_cost_block)]
+        run_sides({"record_cost": cmd}, Path(tmp) / "logs", concurrent=False)
+        costs = json.loads(out.read_text())
+    lines = [f"per recorded collective, precise (1 process; recorded - plain, median (10th .. 90th percentile) over "
+             f"{costs['rounds']} interleaved blocks of {costs['block']} all_reduce of 1 KiB; CPU + gloo, not GPU):"]
+    for key in (f"{b}/{m}" for b in ("gloo", "stub") for m in RECORD_COST_MODES):
+        c = costs[key]
+        lines.append(f"  {key:<14} caller thread CPU {_spread(c['thread'])}  process CPU {_spread(c['process'])}  "
+                     f"wall {_spread(c['wall'])}  [plain: {statistics.median(c['plain_thread']):.2f} us thread CPU]")
+    lines.append("  (gloo: a 1-rank gloo group; stub: the Python recording path alone; goal <= 10 us)")
+    return lines
+
+
 @dataclass(frozen=True)
 class Results:
     """What the alternated runs gave, per side: rank 0's median step (s) of each pair, and for the sides that
@@ -319,9 +455,10 @@ CASES: dict[str, tuple[tuple[str, ...], Callable[[Results, argparse.Namespace], 
     "small": (("small_on", "small_off"), report_small),
     "small_async": (("small_async_on", "small_async_off"), report_small_async),
     "launch": (("launch_on", "launch_plain"), report_launch),
+    "record_cost": ((), report_record_cost),
 }
 """Each case: the sides it compares (run alternated with every other selected case's sides) and its report."""
-DEFAULT_CASES = ("ddp", "runtime", "small", "small_async")
+DEFAULT_CASES = ("record_cost", "ddp", "runtime", "small", "small_async")
 """Cases run without ``--cases``; ``flush`` is added by ``--flush-baseline``."""
 
 
@@ -334,7 +471,7 @@ def run_cases(cases: list[str], args: argparse.Namespace) -> Results:
                       cpu={name: [] for name in names if name in SMALL_SIDES})
     with tempfile.TemporaryDirectory(prefix="dtprobe-bench-") as tmp:
         tmp_path = Path(tmp)
-        for i in range(args.pairs):
+        for i in range(args.pairs if names else 0):
             order = names[i % len(names):] + names[:i % len(names)]       # rotate who starts first
             outs = {name: tmp_path / (f"{name}{i}.json" if name == "plain" else f"{name}{i}") for name in order}
             for name in order:
@@ -390,10 +527,18 @@ def main() -> int:
     parser.add_argument("--launch-model", type=_launch_model, default=(2048, 2), metavar="HIDDEN,LAYERS",
                         help="the launch case's MLP: hidden width and hidden layers (default 2048,2; 64,1 is the "
                              "script's tiny default)")
+    parser.add_argument("--record-cost-rounds", type=int, default=40,
+                        help="record_cost case: interleaved blocks per side and way of waiting (default 40)")
+    parser.add_argument("--record-cost-block", type=int, default=200,
+                        help="record_cost case: all_reduce per block (default 200)")
+    parser.add_argument("--record-cost-worker", metavar="OUT_JSON", help=argparse.SUPPRESS)
     parser.add_argument("--small-worker", metavar="RUN_DIR", help=argparse.SUPPRESS)
     parser.add_argument("--small-off", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--small-async", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.record_cost_worker:
+        record_cost_worker(Path(args.record_cost_worker), rounds=args.record_cost_rounds, block=args.record_cost_block)
+        return 0
     if args.small_worker:
         small_worker(args.small_worker, steps=args.steps, num_collectives=args.small_collectives, off=args.small_off,
                      async_op=args.small_async)
@@ -422,7 +567,8 @@ def main() -> int:
     results = run_cases(cases, args)
     print()
     medians = {name: statistics.median(values) for name, values in results.medians.items()}
-    print("median step (ms): " + ", ".join(f"{name} {value * 1e3:.2f}" for name, value in medians.items()))
+    if medians:
+        print("median step (ms): " + ", ".join(f"{name} {value * 1e3:.2f}" for name, value in medians.items()))
     for case in cases:
         for line in CASES[case][1](results, args):
             print(line)

@@ -22,32 +22,49 @@ from dtprobe.store.columns import require_columns
 OFFSET_COLUMNS = ["rank", "offset_ns", "offset_us", "residual_us", "num_collectives"]
 
 
-def end_matrix(matched: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(ranks, coll_ids, end_ns matrix [collective x rank] as int64 with presence mask) of matched collectives."""
+def _member_ends(matched: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(ranks, rank index, coll_id, end_ns) of the matched rows, sorted by (rank, coll_id): one row per
+    (collective, member), never a collectives x ranks matrix (its size would grow with the square of the ranks)."""
     require_columns(matched, ["coll_id", "rank", "end_ns", "status"], table="matched_collectives")
-    m = matched.loc[matched["status"] == "matched"]
-    ranks = np.sort(m["rank"].astype("int64").unique())
-    colls = np.sort(m["coll_id"].astype("int64").unique())
-    ri = np.searchsorted(ranks, m["rank"].to_numpy(dtype="int64"))
-    ci = np.searchsorted(colls, m["coll_id"].to_numpy(dtype="int64"))
-    ends = np.zeros((len(colls), len(ranks)), dtype=np.int64)
-    present = np.zeros((len(colls), len(ranks)), dtype=bool)
-    ends[ci, ri] = m["end_ns"].to_numpy(dtype="int64")
-    present[ci, ri] = True
-    return ranks, ends, present
+    m = matched.loc[(matched["status"] == "matched").to_numpy(dtype=bool, na_value=False), ["coll_id", "rank",
+                                                                                           "end_ns"]]
+    rank = m["rank"].to_numpy(dtype="int64")
+    coll = m["coll_id"].to_numpy(dtype="int64")
+    end = m["end_ns"].to_numpy(dtype="int64")
+    ranks, ri = np.unique(rank, return_inverse=True)
+    order = np.lexsort((coll, ri))
+    return ranks, ri[order], coll[order], end[order]
+
+
+def _shared_counts(ri: np.ndarray, coll: np.ndarray, n: int) -> np.ndarray:
+    """[rank x rank] matched collectives two ranks are both members of (0 on the diagonal): each distinct member
+    set adds its number of collectives to the pairs of its members."""
+    shared = np.zeros((n, n), dtype=np.int64)
+    by_coll = np.lexsort((ri, coll))
+    members, colls = ri[by_coll], coll[by_coll]
+    first = np.flatnonzero(np.r_[True, colls[1:] != colls[:-1]])
+    sizes = np.diff(np.r_[first, len(colls)])
+    for size in np.unique(sizes):                      # collectives of one size as rows of their members
+        at = first[sizes == size]
+        sets, counts = np.unique(members[at[:, None] + np.arange(size)[None, :]], axis=0, return_counts=True)
+        for member_set, count in zip(sets, counts):
+            shared[np.ix_(member_set, member_set)] += count
+    np.fill_diagonal(shared, 0)
+    return shared
 
 
 def clock_offsets(matched: pd.DataFrame) -> pd.DataFrame:
     """Per rank of the matched collectives: ``offset_ns`` (added to its times puts them on the reference rank's
     clock; 0 for the reference, null for a rank sharing no matched collective with the others),
     ``residual_us`` (median over its collectives of |corrected end - the collective's median corrected end|),
-    ``num_collectives`` (matched collectives it is a member of). Columns: OFFSET_COLUMNS."""
-    ranks, ends, present = end_matrix(matched)
+    ``num_collectives`` (matched collectives it is a member of). Columns: OFFSET_COLUMNS. Memory: the matched
+    rows and a [rank x rank] count, whatever the number of collectives."""
+    ranks, ri, coll, end = _member_ends(matched)
     n = len(ranks)
     if n == 0:
         return pd.DataFrame(columns=OFFSET_COLUMNS)
-    shared = present.T.astype(np.int64) @ present.astype(np.int64)      # [rank x rank] collectives in common
-    np.fill_diagonal(shared, 0)
+    bounds = np.searchsorted(ri, np.arange(n + 1))     # rank i's rows: bounds[i]:bounds[i + 1], by coll_id
+    shared = _shared_counts(ri, coll, n)
     offset = np.zeros(n, dtype=np.int64)
     placed = np.zeros(n, dtype=bool)
     placed[0] = True
@@ -58,38 +75,38 @@ def clock_offsets(matched: pd.DataFrame) -> pd.DataFrame:
         if best[u] <= 0:
             break
         p = int(parent[u])
-        both = present[:, p] & present[:, u]
-        offset[u] = offset[p] + int(np.floor(np.median(ends[both, p] - ends[both, u])))
+        _, at_p, at_u = np.intersect1d(coll[bounds[p]:bounds[p + 1]], coll[bounds[u]:bounds[u + 1]],
+                                       assume_unique=True, return_indices=True)
+        diff = end[bounds[p] + at_p] - end[bounds[u] + at_u]
+        offset[u] = offset[p] + int(np.floor(np.median(diff)))
         placed[u] = True
         best[u] = -1
         better = ~placed & (shared[u] > best)
         best[better], parent[better] = shared[u][better], u
-    corrected = ends + offset[None, :]
-    mask = present & placed[None, :]
-    anchor = corrected[mask].min()                      # float64 is exact for times relative to it
-    rel = np.where(mask, corrected - anchor, 0).astype(np.float64)
-    med = _masked_median_rows(rel, mask)
-    dev = np.abs(rel - med[:, None])
-    residual = np.full(n, np.nan)
-    cols = mask.any(axis=0)
-    residual[cols] = np.nanmedian(np.where(mask[:, cols], dev[:, cols], np.nan), axis=0)
+    residual = _residuals(ri, coll, end + offset[ri], placed[ri], n)
     out = pd.DataFrame({
         "rank": ranks.astype("int64"),
         "offset_ns": pd.array(np.where(placed, offset, 0), dtype="Int64"),
         "residual_us": np.where(placed, residual / 1e3, np.nan),
-        "num_collectives": present.sum(axis=0).astype("int64"),
+        "num_collectives": np.diff(bounds).astype("int64"),
     })
     out.loc[~placed, "offset_ns"] = pd.NA
     out["offset_us"] = out["offset_ns"].astype("Float64") / 1e3
     return out[OFFSET_COLUMNS]
 
 
-def _masked_median_rows(x: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """Median of each row over the entries ``mask`` keeps (NaN for a row with none)."""
-    out = np.full(len(x), np.nan)
-    rows = mask.any(axis=1)
-    out[rows] = np.nanmedian(np.where(mask[rows], x[rows], np.nan), axis=1)
-    return out
+def _residuals(ri: np.ndarray, coll: np.ndarray, corrected_end: np.ndarray, keep: np.ndarray, n: int) -> np.ndarray:
+    """Per rank (NaN without rows kept): median over its kept rows of |corrected end - the median corrected end of
+    the collective's kept rows|; times relative to the earliest kept end, exact in float64."""
+    residual = np.full(n, np.nan)
+    if not keep.any():
+        return residual
+    rel = (corrected_end[keep] - corrected_end[keep].min()).astype(np.float64)
+    rows = pd.DataFrame({"rank": ri[keep], "coll": coll[keep], "rel": rel})
+    rows["dev"] = (rows["rel"] - rows.groupby("coll")["rel"].transform("median")).abs()
+    per_rank = rows.groupby("rank")["dev"].median()
+    residual[per_rank.index.to_numpy()] = per_rank.to_numpy()
+    return residual
 
 
 def corrected(matched: pd.DataFrame, offsets: pd.DataFrame) -> pd.DataFrame:

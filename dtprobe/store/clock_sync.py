@@ -143,3 +143,30 @@ class Basis:
             return out
         base = self.constants.get(rank, 0)
         return model.offsets_at(rank, aligned_ns - base) - base
+
+
+def align_rows(rows: pa.Table, columns: tuple[str, ...], model: ClockModel, basis: Basis | None, *,
+               source: str) -> pa.Table:
+    """``rows`` with each of ``columns`` on rank 0's clock under ``model``: raw rank-clock times (``basis`` None)
+    get their rank's offset at each time; compacted times (aligned with ``basis``) get what changed since
+    (``Basis.shifts``, whose errors name ``source``). Nulls stay null. Every rank must be in ``model.ranks``."""
+    if not columns or not rows.num_rows or (basis is not None and basis.matches(model)):
+        return rows
+    ranks = rows.column("rank").to_numpy(zero_copy_only=False).astype(np.int64)
+    order = np.argsort(ranks, kind="stable")
+    cuts = np.flatnonzero(np.diff(ranks[order])) + 1
+    runs = [(int(ranks[idx[0]]), idx) for idx in np.split(order, cuts)]
+    for col in columns:
+        values = rows.column(col)
+        times = pc.fill_null(values, 0).to_numpy(zero_copy_only=False).astype(np.int64)
+        shift = np.empty(len(times), dtype=np.int64)
+        for rank, idx in runs:
+            if basis is not None:
+                shift[idx] = basis.shifts(model, rank, times[idx], source)
+            elif rank in model.samples:
+                shift[idx] = model.samples[rank].at(times[idx])
+            else:
+                shift[idx] = model.constants[rank]
+        i = rows.schema.get_field_index(col)
+        rows = rows.set_column(i, col, pc.add(values, pa.array(shift, type=pa.int64())))
+    return rows

@@ -21,68 +21,123 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import Callable, Iterable, Iterator
 
 import orjson
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from dtprobe.store.derived import DERIVED_DIR, Deriver, write_derived
-from dtprobe.store.partitions import steps_per_block, write_partitions
+from dtprobe.store.derived import DERIVED_DIR, Deriver, block_inputs, write_derived
+from dtprobe.store.partitions import PartFile, write_partitions
+from dtprobe.store.rank_blocks import RankBlockSource
 from dtprobe.store.reader import COMPACTED_FORMAT, COMPACTED_MARKER, TABLES_DIR, RunStore
 from dtprobe.store.schema import (COMPACT_FILE, RANK_BLOCK_RANKS, ROW_GROUP_ROWS, SCHEMA_VERSION, SCHEMAS,
                                   STEP_BLOCK_STEPS, STEP_TABLES)
 
 
-def compact(run_dir: str | os.PathLike, *, derive: Deriver | None = None) -> dict[str, int]:
+def compact(run_dir: str | os.PathLike, *, derive: Deriver | None = None,
+            observe: Callable[[str, int, int], None] | None = None) -> dict[str, int]:
     """Write the Parquet files of every table with rows; returns ``{table: rows}`` (non-empty only).
 
     ``derive``: also write the derived per-step tables it computes from each step block's rows
     (``store.derived``; the analysis passes ``dtprobe.analysis.derived_tables.deriver()``), recorded in the
-    marker's ``derived`` entry with the deriver's key."""
+    marker's ``derived`` entry with the deriver's key. ``observe(table, block, rows)`` is called with the rows of
+    every batch held in memory: a per-step table's rank block (``block``: its rank block) and each step block handed
+    to ``derive`` (``table`` "derived", ``block``: the step block, ``rows``: over its input tables)."""
     run_dir = Path(run_dir)
-    store = RunStore.open(run_dir)
+    store = RunStore.open(run_dir, tables=("clock", "groups"))
     offsets = store.manifest.clock_offsets_ns
+    model = store.clock_model()
     stamp = f"{os.getpid()}-{time.time_ns()}"
     tmp = run_dir / f".{TABLES_DIR}.tmp-{stamp}"
     tmp.mkdir()
+    previous = _previous_marker(run_dir) if store.is_compacted else None
+    source = RankBlockSource(run_dir=run_dir, model=model, groups=_groups_of(store, run_dir),
+                             schema_version=store.manifest.schema_version, previous=previous)
     rows: dict[str, int] = {}
     entries: dict[str, dict] = {}
     try:
         for name in SCHEMAS:
-            table = store.aligned_arrow(name)
-            if not table.num_rows:
-                continue
             metadata = {"dtprobe.schema_version": str(SCHEMA_VERSION), "dtprobe.table": name,
                         "dtprobe.clock_aligned": "true"}
-            rows[name] = table.num_rows
             if name in STEP_TABLES:
-                files, ordered = write_partitions(table, tmp, name, metadata)
-                entries[name] = {"rows": table.num_rows, "ordered": ordered, "files": [f.to_json() for f in files],
-                                 "step_blocks": {str(b): n for b, n in steps_per_block(table).items()}}
-            else:
+                entry = _write_step_table(source.blocks(name), tmp, name, metadata, observe)
+                if entry is not None:
+                    entries[name] = entry
+                continue
+            table = store.aligned_arrow(name)
+            if table.num_rows:
                 pq.write_table(table.replace_schema_metadata(metadata),
                                tmp / Path(COMPACT_FILE.format(table=name)).name, compression="zstd")
                 entries[name] = {"rows": table.num_rows}
+        rows = {name: entry["rows"] for name, entry in entries.items()}
         marker = {
             "format": COMPACTED_FORMAT,
             "schema_version": SCHEMA_VERSION,
             "compacted_ns": time.time_ns(),
             "clock_aligned": True,
             "clock_offsets_ns": {str(r): o for r, o in sorted(offsets.items())},
-            "clock_samples": store.clock_model().marker(),
+            "clock_samples": model.marker(),
             "partitioning": {"tables": [t for t in STEP_TABLES if t in entries],
                              "step_block_steps": STEP_BLOCK_STEPS, "rank_block_ranks": RANK_BLOCK_RANKS,
                              "row_group_rows": ROW_GROUP_ROWS},
             "tables": entries,
-            "events": {rel: [offset, lines] for rel, (offset, lines) in sorted(store.cursors().items())},
+            "events": {rel: [offset, lines] for rel, (offset, lines) in sorted(
+                {**(previous or {}).get("events", {}), **store.cursors(), **source.cursors}.items())},
         }
         if derive is not None:
-            marker["derived"] = write_derived(derive, tmp, store.aligned_arrow)
+            marker["derived"] = write_derived(derive, tmp, _observed(block_inputs(tmp, entries, derive.inputs),
+                                                                     observe))
         (tmp / Path(COMPACTED_MARKER).name).write_bytes(orjson.dumps(marker, option=orjson.OPT_INDENT_2))
         _swap_in(tmp, run_dir / TABLES_DIR, run_dir / f".{TABLES_DIR}.old-{stamp}")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return rows
+
+
+def _write_step_table(blocks: Iterable[tuple[int, pa.Table]], tmp: Path, name: str, metadata: dict[str, str],
+                      observe: Callable[[str, int, int], None] | None) -> dict | None:
+    """Write a per-step table's partitions one rank block at a time; its marker entry (None without rows)."""
+    files: list[PartFile] = []
+    ordered, num_rows, steps = True, 0, set()
+    for rank_block, block_rows in blocks:
+        if observe is not None:
+            observe(name, rank_block, block_rows.num_rows)
+        written, in_order = write_partitions(block_rows, tmp, name, metadata)
+        files += written
+        ordered &= in_order
+        num_rows += block_rows.num_rows
+        steps.update(pc.unique(pc.drop_null(block_rows.column("step"))).to_pylist())
+    if not num_rows:
+        return None
+    blocks, counts = np.unique([s // STEP_BLOCK_STEPS for s in steps if s >= 0], return_counts=True)
+    return {"rows": num_rows, "ordered": ordered, "files": [f.to_json() for f in files],
+            "step_blocks": {str(int(b)): int(n) for b, n in zip(blocks, counts)}}
+
+
+def _observed(blocks: Iterable[tuple[int, dict[str, pa.Table]]], observe: Callable[[str, int, int], None] | None
+              ) -> Iterator[tuple[int, dict[str, pa.Table]]]:
+    for block, rows in blocks:
+        if observe is not None:
+            observe("derived", block, sum(t.num_rows for t in rows.values()))
+        yield block, rows
+
+
+def _previous_marker(run_dir: Path) -> dict:
+    """The marker of the run's current compaction (``RunStore.open`` checked it)."""
+    return orjson.loads((run_dir / COMPACTED_MARKER).read_bytes())
+
+
+def _groups_of(store: RunStore, run_dir: Path) -> Callable[[bool], pa.Table]:
+    """The run's ``groups`` rows as ``store`` read them; read again from the run when asked (a group's line written
+    after the store read them, before a line naming it that compaction reads)."""
+    def groups(again: bool) -> pa.Table:
+        return RunStore.open(run_dir, tables=("groups",)).aligned_arrow("groups") if again \
+            else store.aligned_arrow("groups")
+    return groups
 
 
 def add_derived(run_dir: str | os.PathLike, derive: Deriver) -> bool:
@@ -102,7 +157,7 @@ def add_derived(run_dir: str | os.PathLike, derive: Deriver) -> bool:
     tmp = tables / f".derived.tmp-{stamp}"
     tmp.mkdir()
     try:
-        marker["derived"] = write_derived(derive, tmp, store.aligned_arrow)
+        marker["derived"] = write_derived(derive, tmp, block_inputs(tables, marker["tables"], derive.inputs))
         if (tmp / DERIVED_DIR).exists():
             _swap_in(tmp / DERIVED_DIR, tables / DERIVED_DIR, tables / f".derived.old-{stamp}")
         else:

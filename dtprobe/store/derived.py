@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Iterable, Iterator, Protocol
 
 import numpy as np
 import pandas as pd
@@ -23,9 +23,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dtprobe.store.errors import TraceError
-from dtprobe.store.frames import arrow_to_frame
-from dtprobe.store.partitions import block_of
-from dtprobe.store.schema import DERIVED_FILE, STEP_BLOCK_STEPS
+from dtprobe.store.frames import arrow_to_frame, memory_schema
+from dtprobe.store.partitions import PartFile, block_of, read_compacted_file, read_files
+from dtprobe.store.schema import COMPACT_FILE, DERIVED_FILE, STEP_BLOCK_STEPS
 
 DERIVED_DIR = DERIVED_FILE.split("/")[1]
 """The derived tables' folder under ``<run>/tables/``."""
@@ -47,27 +47,15 @@ class Deriver(Protocol):
         """After every block: None when the blocks' frames together equal the whole run's, else why not."""
 
 
-def write_derived(deriver: Deriver, tables_dir: Path, rows_of: Callable[[str], pa.Table]) -> dict:
-    """Run ``deriver`` over every step block of ``rows_of(table)`` (the clock-aligned, sorted rows compaction
-    writes) and write its frames under ``tables_dir/derived/``; returns the marker's ``derived`` entry:
-    ``{"key", "tables": {name: {"rows", "files": [{"path", "rows", "step_block"}]}}}``, or ``{"key", "skipped":
-    reason}`` (no files kept) when the deriver says its frames would differ from the whole run's."""
-    inputs = {name: rows_of(name) for name in deriver.inputs}
-    slices: dict[str, tuple[np.ndarray, dict[int, tuple[int, int]]]] = {}
-    for name, rows in inputs.items():   # each table's row positions grouped by block once, in table order
-        step = rows.column("step").to_numpy(zero_copy_only=False) if rows.num_rows else np.empty(0)
-        block = block_of(np.where(pd.isna(step), -1, step).astype(np.int64))
-        order = np.argsort(block, kind="stable")
-        found, first, count = np.unique(block[order], return_index=True, return_counts=True)
-        slices[name] = (order, {int(b): (int(f), int(f + n)) for b, f, n in zip(found, first, count)})
-    all_blocks = sorted({b for _, spans in slices.values() for b in spans})
+def write_derived(deriver: Deriver, tables_dir: Path, blocks: Iterable[tuple[int, dict[str, pa.Table]]]) -> dict:
+    """Run ``deriver`` over ``blocks``, ``(step block, {input table: its rows in the block})`` in block order (the
+    clock-aligned rows compaction writes, in the tables' sort order: ``block_inputs``), and write its frames under
+    ``tables_dir/derived/``; returns the marker's ``derived`` entry: ``{"key", "tables": {name: {"rows", "files":
+    [{"path", "rows", "step_block"}]}}}``, or ``{"key", "skipped": reason}`` (no files kept) when the deriver says
+    its frames would differ from the whole run's."""
     entry: dict = {"key": deriver.key, "tables": {}}
-    for block in all_blocks:
-        frames = {}
-        for name, rows in inputs.items():
-            order, spans = slices[name]
-            begin, end = spans.get(block, (0, 0))
-            frames[name] = arrow_to_frame(rows.take(pa.array(order[begin:end])), name)
+    for block, rows in blocks:
+        frames = {name: arrow_to_frame(rows[name], name) for name in deriver.inputs}
         for derived, frame in deriver.derive(block, frames).items():
             table = entry["tables"].setdefault(derived, {"rows": 0, "files": []})
             if frame.empty:
@@ -82,6 +70,49 @@ def write_derived(deriver: Deriver, tables_dir: Path, rows_of: Callable[[str], p
         shutil.rmtree(tables_dir / DERIVED_DIR, ignore_errors=True)
         return {"key": deriver.key, "skipped": reason}
     return entry
+
+
+def block_inputs(tables_dir: Path, entries: dict[str, dict], inputs: Iterable[str]
+                 ) -> Iterator[tuple[int, dict[str, pa.Table]]]:
+    """Every step block's rows of the compacted tables ``inputs`` (``entries``: the marker's ``tables``), block -1
+    (rows outside steps) first: a partitioned table's files of the block (in rank-block order, so in sort order),
+    one step block in memory at a time; a one-file table is read whole and split. A table without rows gives an
+    empty table in every block."""
+    files: dict[str, dict[int, list[PartFile]]] = {}
+    whole: dict[str, tuple[pa.Table, np.ndarray, dict[int, tuple[int, int]]]] = {}
+    for name in inputs:
+        entry = entries.get(name)
+        if entry is not None and "files" in entry:
+            by_block: dict[int, list[PartFile]] = {}
+            for f in map(PartFile.from_json, entry["files"]):
+                by_block.setdefault(f.step_block, []).append(f)
+            files[name] = {b: sorted(fs, key=lambda f: f.min_rank) for b, fs in by_block.items()}
+        elif entry is not None:
+            rows = read_compacted_file(tables_dir, Path(COMPACT_FILE).name.format(table=name), name)
+            whole[name] = (rows, *_block_spans(rows))
+        else:
+            whole[name] = (memory_schema(name).empty_table(), np.empty(0, dtype=np.int64), {})
+    blocks = {b for by_block in files.values() for b in by_block} | {b for *_, spans in whole.values() for b in spans}
+    for block in sorted(blocks):
+        rows = {}
+        for name in inputs:
+            if name in files:
+                parts = files[name].get(block, [])
+                rows[name] = read_files(tables_dir, parts, name, None, ordered=False)
+            else:
+                table, order, spans = whole[name]
+                begin, end = spans.get(block, (0, 0))
+                rows[name] = table.take(pa.array(order[begin:end]))
+        yield block, rows
+
+
+def _block_spans(rows: pa.Table) -> tuple[np.ndarray, dict[int, tuple[int, int]]]:
+    """Row positions of ``rows`` grouped by step block (stable), and each block's span in them."""
+    step = rows.column("step").to_numpy(zero_copy_only=False) if rows.num_rows else np.empty(0)
+    block = block_of(np.where(pd.isna(step), -1, step).astype(np.int64))
+    order = np.argsort(block, kind="stable")
+    found, first, count = np.unique(block[order], return_index=True, return_counts=True)
+    return order, {int(b): (int(f), int(f + n)) for b, f, n in zip(found, first, count)}
 
 
 def read_derived(tables_dir: Path, entry: dict, name: str,

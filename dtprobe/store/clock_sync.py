@@ -119,6 +119,14 @@ class Basis:
                    for r, s in self.samples.items()) and set(model.samples) <= set(self.samples) and all(
             model.constants.get(r) == o for r, o in self.constants.items() if r not in self.samples)
 
+    def require_ranks(self, ranks: pa.ChunkedArray, source: str) -> None:
+        """TraceError naming ``source`` when it holds rows of ranks this basis records no offset for."""
+        unknown = sorted(set(pc.unique(ranks).drop_null().to_pylist()) - set(self.constants) - set(self.samples))
+        if unknown:
+            raise TraceError(f"{source} has rows of ranks {unknown}, but the compaction marker records no clock "
+                             f"offset for them. Delete the run's tables/ folder and run `dtprobe compact` on the "
+                             f"run again.")
+
     def shifts(self, model: ClockModel, rank: int, aligned_ns: np.ndarray, source: str) -> np.ndarray:
         """What to add to ``rank``'s ``aligned_ns`` (compacted with this basis) to align them with ``model``.
 
@@ -149,7 +157,10 @@ def align_rows(rows: pa.Table, columns: tuple[str, ...], model: ClockModel, basi
                source: str) -> pa.Table:
     """``rows`` with each of ``columns`` on rank 0's clock under ``model``: raw rank-clock times (``basis`` None)
     get their rank's offset at each time; compacted times (aligned with ``basis``) get what changed since
-    (``Basis.shifts``, whose errors name ``source``). Nulls stay null. Every rank must be in ``model.ranks``."""
+    (``Basis.shifts``, whose errors name ``source``; a rank the basis does not know is a TraceError). Nulls stay
+    null. Every rank must be in ``model.ranks``."""
+    if basis is not None:
+        basis.require_ranks(rows.column("rank"), source)
     if not columns or not rows.num_rows or (basis is not None and basis.matches(model)):
         return rows
     ranks = rows.column("rank").to_numpy(zero_copy_only=False).astype(np.int64)

@@ -141,12 +141,6 @@ class RankBlockSource:
         rows = read_files(self._tables_dir, files, name, row_filter(None, ranks) if whole else None,
                           ordered=ordered)
         basis = Basis.from_marker(self.previous["clock_offsets_ns"], self.previous.get("clock_samples"))
-        unknown = sorted(set(pc.unique(rows.column("rank")).to_pylist()) - set(basis.constants)
-                         - set(basis.samples) - {None})
-        if unknown:
-            raise TraceError(f"'{self._tables_dir}' has '{name}' rows of ranks {unknown}, but its marker records no "
-                             f"clock offset for them. Delete {self._tables_dir} and run `dtprobe compact "
-                             f"{self.run_dir}` again.")
         return align_rows(rows, time_columns(name), self.model, basis,
                           source=f"the compacted '{name}' table in {self._tables_dir}")
 

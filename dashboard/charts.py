@@ -281,11 +281,24 @@ def victims_wait(waits: pd.DataFrame, *, clock: str = "host") -> go.Figure:
     return _layout(fig, _binned_title("Who waits (victims)", block), height=300)
 
 
+def straggler_wait(exposure: pd.DataFrame, *, clock: str = "host") -> go.Figure:
+    """Mean time (ms) per step each rank waited at the end of its step for the latest arrival of its group's
+    collectives (``straggler_wait_ns`` of ``RunAnalysis.comm_exposure``: one row per rank and step, whatever the
+    number of collectives), arrivals read on ``clock``."""
+    per_rank = exposure.groupby("rank", as_index=False)["straggler_wait_ns"].mean().assign(
+        wait_ms=lambda d: d["straggler_wait_ns"].astype("float64") / 1e6)
+    df, block = rank_blocks(per_rank, ["wait_ms"])
+    fig = px.bar(df, color_discrete_sequence=PALETTE, x="rank", y="wait_ms",
+                 labels={"wait_ms": f"mean wait for the latest arrival per step (ms, {clock_words(clock)})",
+                         "rank": ""})
+    return _layout(fig, _binned_title("Who waits (victims)", block), height=300)
+
+
 def device_arrival_lateness(arrivals: pd.DataFrame) -> go.Figure:
     """Per rank and group of a trace folder: median arrival lateness (µs) on the device clock aligned from the
     collectives (``RunAnalysis.arrival_summary``)."""
     df = arrivals.assign(rank=lambda d: d["rank"].map(_rank_label),
-                         group=_group_labels)
+                         group=group_labels)
     fig = px.bar(df, color_discrete_sequence=PALETTE, x="rank", y="median_lateness_us", color="group",
                  barmode="group", hover_data=["num_collectives", "last_frac"],
                  labels={"median_lateness_us": f"median lateness (µs, {clock_words('device')})", "rank": "",
@@ -325,21 +338,45 @@ MAX_GROUPS = 24
 """Above this many groups, a chart's group axis has one entry per group axis (``pg`` name) and size instead."""
 
 
-def _group_labels(df: pd.DataFrame) -> pd.Series:
+def named_groups(rows: pd.DataFrame) -> pd.DataFrame:
+    """``rows`` (e.g. a finding's evidence) for a table: a ``pg_ranks`` column replaced by ``group``
+    (``group_labels``), so a large group is named by its axis and size, never by its members."""
+    if not {"pg", "pg_ranks"} <= set(rows.columns):
+        return rows
+    at = list(rows.columns).index("pg_ranks")
+    out = rows.drop(columns="pg_ranks")
+    out.insert(at, "group", group_labels(rows))
+    return out
+
+
+def group_labels(df: pd.DataFrame) -> pd.Series:
     """The label of every row's group (computed once per distinct group): ``group_label``, with the first member
     added where two large groups would read the same; above ``MAX_GROUPS`` groups, one label per group axis and
     size (``"tp: 128 groups of 8 ranks"``), so the axis does not grow with the number of ranks."""
-    codes, pairs = pd.factorize(pd.MultiIndex.from_arrays([df["pg"].fillna("").astype(str),
-                                                           text_or(df["pg_ranks"]).astype(str)]))
-    members = {(pg, pr): group_members(pr) for pg, pr in pairs}
+    codes, names = _group_codes(df)
+    return pd.Series(np.array(names, dtype="object")[codes], index=df.index, dtype="object")
+
+
+def _group_codes(df: pd.DataFrame) -> tuple[np.ndarray, list[str]]:
+    """Per row of ``df`` (``pg``, ``pg_ranks``), the index of its group's label in the returned list of distinct
+    labels (``group_labels``); the rows are grouped on their values, no string built per row."""
+    if df.empty:
+        return np.zeros(0, dtype="int64"), []
+    by_pair = df.groupby([df["pg"], df["pg_ranks"]], sort=False, dropna=False, observed=True).ngroup().to_numpy()
+    first = np.unique(by_pair, return_index=True)[1]          # the first row of each (pg, pg_ranks), in code order
+    pairs = [("" if pd.isna(pg) else str(pg), "" if pd.isna(pr) else str(pr))
+             for pg, pr in zip(df["pg"].iloc[first], df["pg_ranks"].iloc[first])]
+    members = [group_members(pr) for _, pr in pairs]
     if len(pairs) > MAX_GROUPS:
-        counts = pd.Series([(pg, len(m)) for (pg, _), m in members.items()]).value_counts()
-        names = {k: f"{k[0]}: {counts[(k[0], len(m))]} group(s) of {len(m)} ranks" for k, m in members.items()}
+        counts = pd.Series([(pg, len(m)) for (pg, _), m in zip(pairs, members)]).value_counts()
+        names = [f"{pg}: {counts[(pg, len(m))]} group(s) of {len(m)} ranks" for (pg, _), m in zip(pairs, members)]
     else:
-        names = {k: group_label(*k) for k in members}
-        seen = pd.Series(list(names.values())).value_counts()
-        names = {k: f"{v} from rank {members[k][0]}" if seen[v] > 1 and members[k] else v for k, v in names.items()}
-    return pd.Series(np.array([names[k] for k in pairs], dtype="object")[codes], index=df.index, dtype="object")
+        names = [group_label(*pair) for pair in pairs]
+        seen = pd.Series(names).value_counts()
+        names = [f"{v} from rank {m[0]}" if seen[v] > 1 and m else v for v, m in zip(names, members)]
+    distinct = list(dict.fromkeys(names))
+    of_pair = np.array([distinct.index(n) for n in names], dtype="int64")
+    return of_pair[by_pair], distinct
 
 
 def bandwidth_by_group(bw: pd.DataFrame) -> go.Figure:
@@ -348,14 +385,20 @@ def bandwidth_by_group(bw: pd.DataFrame) -> go.Figure:
     op, so the figure's size does not grow with the run."""
     df = bw.dropna(subset=["busbw_bytes_per_s"]).assign(
         busbw_gbs=lambda d: d["busbw_bytes_per_s"].astype("float64") / 1e9)
-    df["group"] = _group_labels(df)
     if len(df) <= BOX_MAX_POINTS:
+        df["group"] = group_labels(df)
         fig = px.box(df, color_discrete_sequence=PALETTE,
                      x="group", y="busbw_gbs", color="op", labels={"busbw_gbs": "busbw (GB/s)", "group": ""})
         return _layout(fig, "Bus bandwidth by group")
+    codes, names = _group_codes(df)   # grouped on integer codes: no label string per collective
+    ordered = sorted(names)
+    codes = np.array([ordered.index(n) for n in names], dtype="int64")[codes]
+    df = pd.DataFrame({"op": df["op"].to_numpy(), "busbw_gbs": df["busbw_gbs"].to_numpy(),
+                       "group": pd.Categorical.from_codes(codes, categories=ordered)})
     fig = go.Figure()
     for i, (op, one) in enumerate(df.groupby("op", sort=True)):
-        q = one.groupby("group", sort=True)["busbw_gbs"].quantile([0.0, 0.25, 0.5, 0.75, 1.0]).unstack()
+        q = one.groupby("group", sort=True, observed=True)["busbw_gbs"].quantile(
+            [0.0, 0.25, 0.5, 0.75, 1.0]).unstack()
         iqr = q[0.75] - q[0.25]
         lo = np.maximum(q[0.0], q[0.25] - 1.5 * iqr)
         hi = np.minimum(q[1.0], q[0.75] + 1.5 * iqr)

@@ -266,9 +266,11 @@ def show_findings(findings: list, *, key: str) -> None:
             rows = getattr(finding, "rows", None)
             if rows is not None and not rows.empty:
                 with st.expander(f"Evidence rows ({len(rows):,})"):
+                    from dtprobe.dashboard.charts import named_groups  # plotly: not on the Overview's path
+
                     if len(rows) > MAX_TABLE_ROWS:
                         st.caption(f"The first {MAX_TABLE_ROWS:,} of {len(rows):,} rows.")
-                    st.dataframe(rows.head(MAX_TABLE_ROWS), hide_index=True)
+                    st.dataframe(named_groups(rows.head(MAX_TABLE_ROWS)), hide_index=True)
 
 
 MAX_TABLE_ROWS = 1_000

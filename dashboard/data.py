@@ -71,6 +71,9 @@ class _Entry:
     """The background re-analysis of a live refresh, while it runs."""
     worker_error: BaseException | None = None
     """What the last background re-analysis raised, handed to the next refresh."""
+    files_token: Any = None
+    """``_files_token`` of a finished run when it was last read: a rerun of a page skips ``RunStore.refresh`` (which
+    checks every rank's events file of every table) while it is unchanged."""
 
 
 _ENTRIES: "OrderedDict[str, _Entry]" = OrderedDict()
@@ -92,14 +95,17 @@ def _entry(path: str, version_now: tuple | None) -> _Entry:
 
 
 def _read(entry: _Entry, path: str, kind: str) -> None:
-    """Open the source on first use; for runs, tail the lines appended since the last call."""
+    """Open the source on first use; for runs, tail the lines appended since the last call (nothing to tail in a
+    finished run whose files have not changed since: a widget change does not stat every events file)."""
+    token = _files_token(Path(path), kind) if kind == "run" and summary_store.is_finished(Path(path)) else None
     if entry.source is None:  # a live run is read from its newest steps; the rest only if asked for
         from dtprobe.analysis.facade import open_source
 
         entry.source = open_source(path, live_tail_steps=live_window_steps() or None)
-    elif kind == "run":
+    elif kind == "run" and (token is None or token != entry.files_token):
         entry.source.refresh()
     if kind == "run":
+        entry.files_token = token
         entry.version = _version(entry.source)
 
 
@@ -142,7 +148,7 @@ def load_overview(source: Source, *, whole_run: bool = False) -> Overview:
     summary when it is valid for the source as it is now, else made from the analysis (and then stored)."""
     path = str(source.path)
     if summary_store.is_finished(source.path):
-        token = _files_token(source)
+        token = _files_token(source.path, source.kind)
         memo = _STORED.get(path)
         if memo is not None and memo[0] == token:
             return memo[1]
@@ -170,12 +176,12 @@ _STORED: dict[str, tuple[Any, Overview]] = {}
 stats every file of the run."""
 
 
-def _files_token(source: Source):
+def _files_token(path: Path, kind: str):
     """What changes when a finished source's files do: the newest mtime of a run's manifest, rank infos, events and
     compaction marker (a few directory scans), or a trace folder's files."""
     from dtprobe.store import run_mtime_ns
 
-    return run_mtime_ns(source.path) if source.kind == "run" else _mtime(source.path)
+    return run_mtime_ns(path) if kind == "run" else _mtime(path)
 
 
 def finding_lines(source: Source, analysis: RunAnalysis) -> list:

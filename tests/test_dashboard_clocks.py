@@ -164,7 +164,8 @@ def test_stragglers_page_labels_lateness_with_the_clock_it_was_read_on(runs, mon
                                                "after its peers")
     assert heat["data"][0]["colorbar"]["title"]["text"] == f"late / step<br>({words})"
     assert heat["data"][0]["hovertemplate"].endswith(f"of the step late ({words})<extra></extra>")
-    assert figs["stragglers_victims"]["layout"]["yaxis"]["title"]["text"] == f"mean wait per collective (ms, {words})"
+    assert figs["stragglers_victims"]["layout"]["yaxis"]["title"]["text"] == (f"mean wait for the latest arrival per "
+                                                                             f"step (ms, {words})")
     assert column_labels(at)["median_lateness_frac"] == f"median lateness ({words})"
     assert other not in json.dumps(heat) and other not in json.dumps(figs["stragglers_victims"])
     straggler_cards = [f for f in RunAnalysis.open(runs / run).findings() if f.code == "STRAGGLER"]

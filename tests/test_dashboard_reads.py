@@ -8,6 +8,7 @@ severity, come from its stored Overview, the evidence from the one facade method
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 from pathlib import Path
 
@@ -178,6 +179,24 @@ def test_timeline_window_reads_only_the_partitions_of_its_steps_and_equals_the_a
     again = data.load_window(source, analysis, ("steps", "collectives"), steps=window, ranks=ranks)
     assert spy.compacted == [] and again["collectives"].equals(rows["collectives"])  # cached per version
 
+def test_a_finished_runs_rerun_reads_nothing_until_its_files_change(tmp_path, monkeypatch):
+    run = write_synthetic_run(tmp_path / "done", num_ranks=4, num_steps=10, straggler_rank=STRAGGLER_RANK)
+    source = resolve_choice(tmp_path, "done")
+    first = data.load_analysis(source)
+    store = data.open_store(source)
+    refreshes = []
+    original = store.refresh
+    monkeypatch.setattr(store, "refresh", lambda: refreshes.append(1) or original())
+    assert data.load_analysis(source) is first and refreshes == []        # a widget change: no events file read
+    events = sorted((run / "events").rglob("*.jsonl"))[0]
+    stat = events.stat()
+    os.utime(events, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))   # a file of the run changed
+    data.load_analysis(source)
+    assert refreshes == [1]
+    data.load_analysis(source)
+    assert refreshes == [1]
+
+
 @pytest.fixture
 def finished_run(tmp_path) -> Path:
     run = write_synthetic_run(tmp_path / "dp4_straggler", num_ranks=4, num_steps=40, straggler_rank=STRAGGLER_RANK)
@@ -226,7 +245,7 @@ def test_a_line_its_detector_does_not_give_back_is_shown_alone_and_severity_foll
     line = next(f for f in stored.findings if f.code == "STRAGGLER")
     other = dataclasses.replace(line, ranks=(3,), title="a straggler of other options")
     lowered = dataclasses.replace(line, severity="info")
-    data._STORED[str(source.path)] = (data._files_token(source),
+    data._STORED[str(source.path)] = (data._files_token(source.path, source.kind),
                                       dataclasses.replace(stored, findings=(lowered, other)))
     shown = data.findings_with_evidence(source, data.load_analysis(source), {"STRAGGLER": "stragglers"})
     assert [(f.severity, hasattr(f, "rows")) for f in shown] == [("info", True), (line.severity, False)]

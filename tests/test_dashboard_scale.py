@@ -63,7 +63,7 @@ def test_bandwidth_by_group_at_1024_ranks_draws_one_box_per_group_axis_from_quar
 def test_bandwidth_by_group_names_a_few_large_groups_by_size_and_first_rank_and_small_ones_by_members():
     few = _bandwidth_rows(world=256)
     few = few[few["pg"] == "dp"]                                # 8 dp groups of 32 ranks: each its own box
-    labels = sorted(charts._group_labels(few).unique())
+    labels = sorted(charts.group_labels(few).unique())
     assert labels[:2] == ["dp group of 32 ranks from rank 0", "dp group of 32 ranks from rank 1"]
     assert len(labels) == 8
     small = pd.DataFrame({"pg": ["0"] * 6, "pg_ranks": ["0,1,2,3"] * 6, "op": ["allreduce"] * 6,
@@ -72,11 +72,24 @@ def test_bandwidth_by_group_names_a_few_large_groups_by_size_and_first_rank_and_
     assert list(fig.data[0].x) == ["0 [0,1,2,3]"] * 6 and len(fig.data[0].y) == 6
 
 
+def test_a_table_names_its_groups_by_axis_and_size_not_by_members():
+    rows = _bandwidth_rows(world=RANKS, per_group=1)
+    rows = rows[rows["pg"] == "dp"].assign(rank=range(8))        # 8 dp groups of 128 ranks
+    shown = charts.named_groups(rows)
+    assert list(shown.columns) == ["pg", "group", "op", "busbw_bytes_per_s", "rank"]
+    assert list(shown["group"]) == [f"dp group of 128 ranks from rank {r}" for r in range(8)]
+    one = charts.named_groups(rows.iloc[[3]])
+    assert list(one["group"]) == ["dp group of 128 ranks"]
+    small = pd.DataFrame({"pg": ["0"], "pg_ranks": ["0,1,2,3"], "rank": [1]})
+    assert list(charts.named_groups(small)["group"]) == ["0 [0,1,2,3]"]
+    assert charts.named_groups(small[["rank"]]).equals(small[["rank"]])
+
+
 def test_group_labels_of_the_stores_category_members_with_a_null_row():
     # The store gives pg_ranks as a category column; a row without members (a version-1 run) must not raise
     rows = pd.DataFrame({"pg": ["dp", "dp", "tp"], "pg_ranks": pd.Series(["0,1", None, "0,2"], dtype="category")})
-    assert list(charts._group_labels(rows)) == ["dp [0,1]", "dp []", "tp [0,2]"]
-    assert list(charts._group_labels(rows.astype({"pg_ranks": object}))) == ["dp [0,1]", "dp []", "tp [0,2]"]
+    assert list(charts.group_labels(rows)) == ["dp [0,1]", "dp []", "tp [0,2]"]
+    assert list(charts.group_labels(rows.astype({"pg_ranks": object}))) == ["dp [0,1]", "dp []", "tp [0,2]"]
 
 
 def _per_rank(world: int, late: int) -> pd.DataFrame:
@@ -101,6 +114,20 @@ def test_per_rank_bars_at_1024_ranks_are_64_blocks_of_16_holding_the_mean():
     waits = pd.DataFrame({"rank": np.repeat(np.arange(RANKS), 3), "wait_ns": np.tile([1e6, 2e6, 3e6], RANKS)})
     victims = charts.victims_wait(waits)
     assert len(victims.data[0].x) == 64 and list(victims.data[0].y) == pytest.approx([2.0] * 64)
+
+
+def test_victims_chart_at_1024_ranks_is_the_mean_straggler_wait_per_step_of_64_rank_blocks():
+    ranks = np.repeat(np.arange(RANKS), 2)
+    wait = np.tile([1e6, 3e6], RANKS)                           # 2 ms per step on average
+    wait[ranks == STRAGGLER] = 0.0                              # the late rank itself does not wait
+    exposure = pd.DataFrame({"rank": ranks, "step": np.tile([0, 1], RANKS), "straggler_wait_ns": wait})
+    fig = charts.straggler_wait(exposure, clock="device")
+    [bars] = fig.data
+    assert len(bars.x) == 64 and bars.x[0] == "ranks 0-15"
+    block = STRAGGLER // 16
+    assert bars.y[block] == pytest.approx(15 * 2.0 / 16) and bars.y[0] == pytest.approx(2.0)
+    assert fig.layout.yaxis.title.text == "mean wait for the latest arrival per step (ms, device clock)"
+    assert "mean of each block of 16 ranks" in fig.layout.title.text
 
 
 def test_per_rank_bars_of_a_small_run_are_one_per_rank():
@@ -222,8 +249,10 @@ def test_every_page_renders_a_1024_rank_run_bounded_and_without_listing_the_grou
         texts += _figure_texts(spec)
     for text in texts:
         assert not LONG_LIST.search(text), text[:300]
-    for frame in at.dataframe:
+    for frame in at.dataframe:          # tables too, the findings' evidence rows among them
         assert len(frame.value) <= common.MAX_TABLE_ROWS
+        for cell in map(str, frame.value.to_numpy().ravel()):
+            assert not LONG_LIST.search(cell), (list(frame.value.columns), cell[:300])
     if page == "timeline":
         [ranks] = [w for w in at.multiselect if w.key == "timeline_ranks"]
         assert len(ranks.value) == 16 and STRAGGLER in ranks.value

@@ -44,15 +44,20 @@ def body(source) -> None:
         table = table.sort_values(["role", "median_lateness_frac"], ascending=[True, False],
                                   kind="stable").head(MAX_SCORE_ROWS)
         st.caption(f"The culprits and the latest ranks: {len(table)} of {total:,} (group, rank) rows.")
-    st.dataframe(table[["role", "pg", "rank", "median_lateness_frac", "positive_frac", "mean_victims_wait_ns",
+    table = charts.named_groups(table)   # a large group by its axis and size, never its members
+    st.dataframe(table[["role", "group", "rank", "median_lateness_frac", "positive_frac", "mean_victims_wait_ns",
                         *[c for c in ("cause",) if c in table.columns]]],
                  hide_index=True, column_config={
                      "median_lateness_frac": st.column_config.NumberColumn(f"median lateness ({words})",
                                                                            format="percent"),
                      "positive_frac": st.column_config.NumberColumn("steps late", format="percent")})
-    waits = analysis.collective_waits()
-    if not waits.empty:
-        common.chart(charts.victims_wait(waits, clock=clock), key="stragglers_victims")
+    exposure = analysis.comm_exposure()   # per rank and step (kept at compaction), not per collective and member
+    if not exposure.empty:
+        common.chart(charts.straggler_wait(exposure, clock=clock), key="stragglers_victims")
+    else:
+        waits = analysis.collective_waits()
+        if not waits.empty:
+            common.chart(charts.victims_wait(waits, clock=clock), key="stragglers_victims")
     steps = analysis.table("steps")
     if not steps.empty:
         common.chart(charts.step_time_overview(steps, marked=marked), key="stragglers_step_time")

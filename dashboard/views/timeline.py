@@ -57,8 +57,10 @@ def body(source) -> None:
     rows = data.load_window(source, analysis, ("steps", "collectives", "pipeline"), steps=window, ranks=chosen)
     fig = charts.timeline(rows["steps"], rows["collectives"], rows["pipeline"], marked=marked)
     common.chart(fig, key="timeline_gantt")
+    if analysis.status == "finished":  # last activity matters while a run may hang
+        return
     last_seen = analysis.last_seen()
-    if analysis.status != "finished" and not last_seen.empty:
+    if not last_seen.empty:
         st.subheader("Last activity per rank")
         if len(last_seen) > common.MAX_TABLE_ROWS:
             st.caption(f"The first {common.MAX_TABLE_ROWS:,} of {len(last_seen):,} ranks.")

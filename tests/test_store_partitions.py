@@ -38,9 +38,9 @@ def files_read(monkeypatch) -> list[str]:
     seen: list[str] = []
     original = partitions.read_compacted_file
 
-    def spy(tables_dir, rel, name, expr=None):
+    def spy(tables_dir, rel, name, expr=None, **kwargs):
         seen.append(rel)
-        return original(tables_dir, rel, name, expr)
+        return original(tables_dir, rel, name, expr, **kwargs)
 
     monkeypatch.setattr(partitions, "read_compacted_file", spy)
     return seen

@@ -33,6 +33,7 @@ from dtprobe.analysis import device_arrivals as _device_arrivals
 from dtprobe.analysis import derived_tables as _derived
 from dtprobe.analysis import devices as _devices
 from dtprobe.analysis import exposed_comm as _exposed
+from dtprobe.analysis import failure_reads as _failure_reads
 from dtprobe.analysis import failures as _failures
 from dtprobe.analysis import hangs as _hangs
 from dtprobe.analysis import kernel_breakdown as _kernel_types
@@ -157,7 +158,7 @@ class RunAnalysis:
     def now_ns(self) -> int:
         """Reference time for hang waits: now while the run is running, else its end (or last event)."""
         return self._now_ns if self._now_ns is not None else _liveness.reference_ns(
-            status=self.status, ended_ns=self.info.ended_ns, collectives=self.table("collectives"),
+            status=self.status, ended_ns=self.info.ended_ns, collectives=self._failure_collectives("recent"),
             steps=self.table("steps"), clock_ns=time.time_ns())
 
     # ------------------------------------------------------------------------------------------ stragglers
@@ -500,16 +501,26 @@ class RunAnalysis:
 
     def unfinished_collectives(self) -> pd.DataFrame:
         """Every row (host clock) of the collectives some member never finished: what the hang verdicts read."""
-        return self._memo("unfinished", lambda: _hangs.unfinished_rows(self.table("collectives")))
+        return self._memo("unfinished", lambda: _hangs.unfinished_rows(self._failure_collectives("unfinished")))
+
+    def _failure_rows(self) -> _failure_reads.FailureRows | None:
+        # the few collective rows the failure verdicts read, with filters pushed down (None: whole table)
+        return self._memo("failure_rows", lambda: _failure_reads.read_failure_rows(self.source, self.table("steps")))
+
+    def _failure_collectives(self, part: str) -> pd.DataFrame:
+        # a FailureRows frame ("unfinished", "p2p", "recent", "doing"), or the whole table it stands for
+        rows = self._failure_rows()
+        return self.table("collectives") if rows is None else getattr(rows, part)
 
     def last_seen(self) -> pd.DataFrame:
         """Per rank: last step and last collective recorded."""
-        return self._memo("last_seen", lambda: _hangs.last_seen(self.table("steps"), self.table("collectives")))
+        return self._memo("last_seen", lambda: _hangs.last_seen(self.table("steps"),
+                                                                self._failure_collectives("recent")))
 
     def p2p_stalls(self) -> pd.DataFrame:
         """Per stuck send/recv: the peer that never issued the matching op (and how long it waited)."""
         return self._memo("p2p_stalls", lambda: _hangs.p2p_stalls(
-            self.table("collectives"), now_ns=self.now_ns(), min_wait_ns=self._hang_wait_ns()))
+            self._failure_collectives("p2p"), now_ns=self.now_ns(), min_wait_ns=self._hang_wait_ns()))
 
     def stalls(self) -> pd.DataFrame:
         """Every stuck collective (``missing_arrivals``) and send/recv (``p2p_stalls``), oldest first."""
@@ -525,13 +536,17 @@ class RunAnalysis:
 
     def activity(self) -> _liveness.Activity:
         """Every rank's signs of life (the timestamps of all its rows), for liveness verdicts."""
+        rows = self._failure_rows()
         return self._memo("activity", lambda: _liveness.Activity(
-            {t: self.table(t) for t in ("devices", "steps", "collectives", "faults", "lifecycle")}))
+            {t: self.table(t) for t in ("devices", "steps", "faults", "lifecycle")}
+            | {"collectives": self._failure_collectives("recent")},
+            collectives_from=rows.recent_from if rows else None, older_collectives=rows.rank_rows if rows else None))
 
     def attempt_starts(self) -> list[int]:
         """Start (ns) of attempts 1, 2, ... (torchrun restarts) from the launcher or the first rows of each."""
         return self._memo("attempt_starts", lambda: _liveness.attempt_starts(
-            self.attempts(), {t: self.table(t) for t in ("lifecycle", "steps", "collectives")}))
+            self.attempts(), {"lifecycle": self.table("lifecycle"), "steps": self.table("steps"),
+                              "collectives": self._failure_collectives("recent")}))
 
     def restarts(self) -> list[dict]:
         """The run's restarts: manifest ``restarts`` completed by the runtime's ``restart`` fault rows."""
@@ -540,7 +555,7 @@ class RunAnalysis:
     def crash_events(self) -> pd.DataFrame:
         """Per failed attempt: the rank that died first, step, how, cause, what it was doing, recovery."""
         return self._memo("crash_events", lambda: _crashes.crash_events(
-            self.rank_exits(), activity=self.activity(), collectives=self.table("collectives"),
+            self.rank_exits(), activity=self.activity(), collectives=self._failure_collectives("doing"),
             steps=self.table("steps"), devices=self.table("devices"), restarts=self.restarts(),
             status=self.status, attempts_known=bool(self.attempts()),
             stale_ns=int(self.options.hang_timeout_s * 1e9), now_ns=self.now_ns(), stalls=self.stalls()))
@@ -565,7 +580,7 @@ class RunAnalysis:
         per-rank records (a profiler window's edge is no hang)."""
         return self._memo("f:hangs", lambda: _failures.detect_failures(
             mismatches=self.collective_mismatches(), stalls=self.stalls(), faults=self.table("faults"),
-            collectives=self.table("collectives"), last_seen=self.last_seen(), activity=self.activity(),
+            collectives=self._failure_collectives("unfinished"), last_seen=self.last_seen(), activity=self.activity(),
             exits=self.rank_exits(), nodes={r.rank: r.node_rank for r in self.info.ranks},
             starts=self.attempt_starts(), crash_events=self.crash_events(), num_restarts=len(self.restarts()),
             injected_crash_ranks=injected_ranks(self.table("faults"), "crash"), axis_of_pg=self.group_axis)

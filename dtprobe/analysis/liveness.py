@@ -5,7 +5,7 @@ detectors (``hangs.py``, ``crashes.py``) through the facade."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import pandas as pd
@@ -92,9 +92,17 @@ def is_own_failure(exit_row: Any) -> bool:
 
 class Activity:
     """Every timestamp a rank wrote (its signs of life), per rank, sorted: sampler rows, steps, collectives
-    (incl. pending), non-injected faults (the watchdog's reports and stacks) and lifecycle rows."""
+    (incl. pending), non-injected faults (the watchdog's reports and stacks) and lifecycle rows.
 
-    def __init__(self, tables: dict[str, pd.DataFrame]) -> None:
+    ``tables["collectives"]`` may hold only each rank's latest rows: all of its timestamps from
+    ``collectives_from[rank]`` on (``failure_reads.FailureRows.recent``); a question about an earlier time then
+    reads the rank's other rows once through ``older_collectives(rank)`` (a frame with ``enqueue_ns``,
+    ``end_ns``)."""
+
+    def __init__(self, tables: dict[str, pd.DataFrame], *, collectives_from: dict[int, int] | None = None,
+                 older_collectives: Callable[[int], pd.DataFrame] | None = None) -> None:
+        self._from = dict(collectives_from or {})
+        self._older = older_collectives
         parts: list[pd.DataFrame] = []
         for name, cols in (("devices", ["time_ns"]), ("steps", ["start_ns", "end_ns"]),
                            ("collectives", ["enqueue_ns", "end_ns"]), ("faults", ["time_ns"]),
@@ -119,12 +127,19 @@ class Activity:
 
     def last_ns(self, rank: int, *, before_ns: int | None = None) -> int | None:
         """The rank's last timestamp (before ``before_ns`` if given), None if it wrote nothing (then)."""
-        t = self._times.get(int(rank))
-        if t is None or not len(t):
-            return None
+        rank = int(rank)
+        t = self._times.get(rank, np.empty(0, dtype="int64"))
         if before_ns is None:
-            return int(t[-1])
+            return int(t[-1]) if len(t) else None
         i = int(np.searchsorted(t, before_ns, side="left"))
+        if rank in self._from and (not i or t[i - 1] < self._from[rank]) and self._older is not None:
+            # no row known between the rank's older collectives and before_ns: they may hold the answer
+            older = self._older(rank)
+            t = np.sort(np.concatenate([t] + [older[c].dropna().to_numpy(dtype="int64")
+                                              for c in ("enqueue_ns", "end_ns")]))
+            self._times[rank] = t
+            del self._from[rank]
+            i = int(np.searchsorted(t, before_ns, side="left"))
         return int(t[i - 1]) if i else None
 
     def alive_after(self, rank: int, t_ns: int, *, until_ns: int | None = None) -> bool:

@@ -169,26 +169,36 @@ def filter_rows(rows: pa.Table, expr: pc.Expression | None) -> pa.Table:
 
 
 def read_files(tables_dir: Path, files: Iterable[PartFile], name: str, expr: pc.Expression | None, *,
-               ordered: bool) -> pa.Table:
-    """The rows of ``files`` that pass ``expr`` with exactly the schema's columns and types; row groups whose
-    statistics rule the filter out are not read. ``ordered`` (the marker's flag): merged back into sort order
-    (``interleave``), else concatenated in file order. TraceError names a damaged file and the fix."""
+               ordered: bool, columns: list[str] | None = None) -> pa.Table:
+    """The rows of ``files`` that pass ``expr`` with exactly the schema's columns (or ``columns``, which must
+    hold ``rank`` when ``ordered``) and types; row groups whose statistics rule the filter out are not read.
+    ``ordered`` (the marker's flag): merged back into sort order (``interleave``), else concatenated in file
+    order. TraceError names a damaged file and the fix."""
     files = list(files)
+    empty = _selected_schema(name, columns).empty_table()
     if len(files) > 1 and _READ_THREADS > 1:  # Arrow releases the GIL while it decodes: files side by side
         with ThreadPoolExecutor(min(_READ_THREADS, len(files)), thread_name_prefix="dtprobe-parquet") as pool:
-            tables = list(pool.map(lambda f: read_compacted_file(tables_dir, f.path, name, expr), files))
+            tables = list(pool.map(lambda f: read_compacted_file(tables_dir, f.path, name, expr, columns=columns),
+                                   files))
     else:
-        tables = [read_compacted_file(tables_dir, f.path, name, expr) for f in files]
+        tables = [read_compacted_file(tables_dir, f.path, name, expr, columns=columns) for f in files]
     if ordered:
         merged = interleave(tables)
-        return merged if merged is not None else memory_schema(name).empty_table()
+        return merged if merged is not None else empty
     tables = [t for t in tables if t.num_rows]
-    return pa.concat_tables(tables) if tables else memory_schema(name).empty_table()
+    return pa.concat_tables(tables) if tables else empty
 
 
-def read_compacted_file(tables_dir: Path, rel: str, name: str, expr: pc.Expression | None = None) -> pa.Table:
-    """Read the compacted Parquet file ``tables_dir / rel`` of table ``name`` (rows passing ``expr``) with exactly
-    the columns and types of ``frames.memory_schema`` (TraceError otherwise)."""
+def _selected_schema(name: str, columns: list[str] | None) -> pa.Schema:
+    schema = memory_schema(name)
+    return schema if columns is None else pa.schema([schema.field(c) for c in columns])
+
+
+def read_compacted_file(tables_dir: Path, rel: str, name: str, expr: pc.Expression | None = None, *,
+                        columns: list[str] | None = None) -> pa.Table:
+    """Read the compacted Parquet file ``tables_dir / rel`` of table ``name`` (rows passing ``expr``, which may
+    name columns not read) with exactly the columns (or only ``columns``) and types of ``frames.memory_schema``
+    (TraceError otherwise)."""
     schema = memory_schema(name)
     path = tables_dir / rel
     rebuild = f"Delete {tables_dir} and run `dtprobe compact {tables_dir.parent}` to rebuild it from the events files."
@@ -207,6 +217,7 @@ def read_compacted_file(tables_dir: Path, rel: str, name: str, expr: pc.Expressi
     if missing and not ours:
         raise TraceError(f"'{path}' lacks the columns {missing} of the '{name}' table; it was written by an "
                          f"older dtprobe or another tool. {rebuild}")
+    wanted = schema.names if columns is None else list(columns)
     try:
         present = [c for c in schema.names if c not in missing]
         # dictionary columns decoded as such (also from files that hold them as plain strings): never a copy of
@@ -215,11 +226,14 @@ def read_compacted_file(tables_dir: Path, rel: str, name: str, expr: pc.Expressi
                   for c in present]
         data = ds.dataset(path, format="parquet", schema=pa.schema(fields))
         filter_after = expr is not None and any(c in missing for c in ("step", "rank"))
-        table = data.to_table(columns=present, filter=None if filter_after else expr)
+        table = data.to_table(columns=[c for c in present if c in wanted or filter_after],
+                              filter=None if filter_after else expr)
         # Columns added to the schema (same version) after this file was written are null here.
         for column in missing:
-            table = table.append_column(column, pa.nulls(table.num_rows, type=schema.field(column).type))
-        table = table.select(schema.names).cast(schema)
-        return filter_rows(table, expr) if filter_after else table
+            if column in wanted or filter_after:
+                table = table.append_column(column, pa.nulls(table.num_rows, type=schema.field(column).type))
+        if filter_after:
+            table = filter_rows(table.select(schema.names).cast(schema), expr)
+        return table.select(wanted).cast(_selected_schema(name, columns))
     except (OSError, pa.ArrowException) as exc:
         raise TraceError(f"'{path}' cannot be read as the '{name}' table ({exc}). {rebuild}") from None

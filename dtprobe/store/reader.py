@@ -221,6 +221,55 @@ class RunStore:
                 self._release_compacted(name, state)
             return state.frame.copy(deep=False)
 
+    def arrow(self, name: str, *, columns: Iterable[str] | None = None, filter: pc.Expression | None = None,
+              steps: tuple[int | None, int | None] | None = None, ranks: Iterable[int] | None = None) -> pa.Table:
+        """The rows of table ``name`` that pass ``filter`` (an Arrow expression over any of its columns, on
+        clock-aligned values), with only ``columns`` (every schema column when None), as one Arrow table in the
+        table's sort order; ``steps`` and ``ranks`` as in ``table()``. Of the compacted files not held only those
+        columns are read, with the filter pushed down (row groups whose statistics rule it out are skipped, e.g.
+        ``pc.field("end_ns").is_null()`` of a run whose collectives all finished reads no rows), and nothing is
+        kept: a question about a few rows of a long run costs those rows, not the run."""
+        _check_table_name(name)
+        if steps is not None and "step" not in SCHEMAS[name]:
+            steps = None
+        wanted = list(SCHEMAS[name]) if columns is None else list(columns)
+        unknown = [c for c in wanted if c not in SCHEMAS[name]]
+        if unknown:
+            raise TraceError(f"table {name!r} has no columns {unknown}; its columns are {list(SCHEMAS[name])}.")
+        keys = SORT_KEYS.get(name, ("rank",))
+        rank_set = None if ranks is None else frozenset(int(r) for r in ranks)
+        with self._lock:
+            state = self._state(name)
+            model = self.clock_model()
+            basis = self._compacted_basis() if self._compacted is not None else None
+            held = [c for c in state.chunks if c.rows.num_rows]
+            files = [f for f in state.unread + state.head_files if f.may_hold(steps, rank_set)]
+            aligned = basis is not None and basis.matches(model)
+            # rows already in sort order: compacted files only, read back in their order (``rank`` merges them),
+            # or one chunk held that was read so; else the sort keys are read too
+            in_order = (not held and aligned and (state.ordered or len(files) <= 1)) or (
+                not files and len(held) == 1 and held[0].in_order and held[0].basis is not None
+                and held[0].basis.matches(model))
+            need = [c for c in SCHEMAS[name] if c in wanted or c == "rank" or (c in keys and not in_order)]
+            rows_expr = row_filter(steps, rank_set)
+            # (chunk, filter still to apply): the filter may name any column, so it is applied to the aligned
+            # rows before only ``need`` is kept, unless it was pushed down to the files
+            chunks = [(_Chunk(filter_rows(c.rows, rows_expr), c.basis, c.in_order), filter) for c in held]
+            if files:   # stored values are the aligned ones unless offsets changed since: only then filter later
+                later = filter is not None and not aligned
+                pushed = rows_expr if later or filter is None else (
+                    filter if rows_expr is None else rows_expr & filter)
+                chunks.insert(0, (_Chunk(read_files(self._path / TABLES_DIR, files, name, pushed,
+                                                    ordered=state.ordered, columns=None if later else need), basis),
+                                  filter if later else None))
+            parts = [filter_rows(_align(c, name, model, self._path), expr).select(need)
+                     for c, expr in chunks if c.rows.num_rows]
+            parts = [p for p in parts if p.num_rows]
+            if not parts:
+                return memory_schema(name).empty_table().select(wanted)
+            rows = pa.concat_tables(parts)
+            return (rows if in_order else _sort(rows, keys)).select(wanted)
+
     def derived_table(self, name: str, key: dict, *,
                       steps: tuple[int | None, int | None] | None = None) -> pd.DataFrame | None:
         """The derived per-step table ``name`` written at compaction (``store.derived``), when the marker records
@@ -569,8 +618,8 @@ def _rows_of(state: _TableState, name: str) -> pa.Table:
 def _align(chunk: _Chunk, name: str, model: ClockModel, run_dir: Path) -> pa.Table:
     """``chunk``'s rows with every time column on rank 0's clock under ``model`` (raw rows: plus the rank's offset
     at each time; compacted rows: plus what changed since their basis, ``clock_sync.Basis.shifts``)."""
-    cols = time_columns(name)
     rows = chunk.rows
+    cols = [c for c in time_columns(name) if c in rows.column_names]   # ``arrow()`` reads only some columns
     if not cols or not rows.num_rows:
         return rows
     ranks = rows.column("rank").to_numpy(zero_copy_only=False)

@@ -1,0 +1,143 @@
+"""The collective rows the failure verdicts read (HANG, RANK_CRASH, liveness, last seen), read with filters pushed
+down from a source that can (``RunStore.arrow``: of a compacted run only the row groups that can match), so those
+verdicts never load a long run's whole ``collectives`` table; built by the facade, read by ``hangs``,
+``liveness`` and ``crashes`` as plain frames.
+
+Every frame holds exactly the rows the same question asks of the analysers' ``collectives``
+(``inputs.analysed_table``: the ``pending`` rows no completed row matches are added). ``read_failure_rows`` returns
+None, and the facade uses the whole table, for a source without ``arrow`` (a trace folder, a step window) or a
+run with more than one attempt: ``arrivals.unique_seq`` renumbers a restarted group's ``seq`` from the order of
+all of its rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from dtprobe.analysis.hangs import merge_pending, unfinished_rows
+from dtprobe.analysis.tables import P2P_OPS
+from dtprobe.store.frames import arrow_to_frame, empty_frame, memory_schema
+
+
+RECENT_COLUMNS = ["rank", "pg", "pg_ranks", "seq", "op", "peer", "step", "enqueue_ns", "end_ns", "restart"]
+"""The columns of ``FailureRows.recent`` read (the others are null there): what ``hangs.last_seen``,
+``liveness.Activity``, ``liveness.attempt_starts`` and ``crashes.crash_events`` read of each rank's latest rows."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class FailureRows:
+    """The collectives rows the failure verdicts read (see the module docstring)."""
+
+    unfinished: pd.DataFrame
+    """Every row of the collectives (pg, pg_ranks, seq) some row of which never finished (``hangs.unfinished_rows``
+    of the whole table)."""
+    p2p: pd.DataFrame
+    """Every send/recv row with a peer (all that ``hangs.p2p_stalls`` reads)."""
+    recent: pd.DataFrame
+    """Per rank, every row with a timestamp (``enqueue_ns`` or ``end_ns``) at or after ``recent_from[rank]``,
+    among them its last arrival: each rank's latest rows (``hangs.last_seen``, ``liveness.reference_ns``, what a
+    crashed rank was doing)."""
+    recent_from: dict[int, int] = field(default_factory=dict)
+    """rank -> the time from which ``recent`` holds all of its collective timestamps (a rank not listed: all)."""
+    rank_rows: Callable[[int], pd.DataFrame] | None = None
+    """All rows of one rank (``enqueue_ns``, ``end_ns``), for a liveness question about a time before
+    ``recent_from``."""
+
+    @property
+    def doing(self) -> pd.DataFrame:
+        """What a rank was doing when it stopped (``crashes.crash_events``): its unfinished and its latest rows."""
+        return pd.concat([self.unfinished, self.recent], ignore_index=True)
+
+
+def read_failure_rows(source: Any, steps: pd.DataFrame) -> FailureRows | None:
+    """The ``FailureRows`` of ``source`` read with filters pushed down, or None when it cannot be (see the
+    module docstring). ``steps``: the source's steps table (each rank's last step start bounds its recent rows)."""
+    read = getattr(source, "arrow", None)
+    if read is None:
+        return None
+    info = source.info
+    ranks = {r.rank for r in info.ranks} | set(range(info.world_size or 0))
+    pending = source.table("pending")
+    if not pending.empty and (pending["restart"].isna() | (pending["restart"] != 0)).any():
+        return None
+
+    def frame(expr: pc.Expression | None = None, **kw) -> pd.DataFrame:
+        return _frame(read("collectives", filter=expr, **kw))
+
+    # one pass over the table for every row out of the ordinary (on a clean run of one attempt: none, and the
+    # files' statistics skip every row group): another attempt's, unfinished, send/recv
+    odd = frame(pc.field("restart").is_null() | (pc.field("restart") != 0) | pc.field("end_ns").is_null()
+                | pc.field("peer").is_valid())
+    if (odd["restart"].isna() | (odd["restart"] != 0)).any():
+        return None
+    p2p = odd[(odd["peer"].notna() & odd["op"].isin(P2P_OPS)).to_numpy(dtype=bool)].reset_index(drop=True)
+    # the rows of every seq some unfinished (or pending) row has: every row matching a pending row is among them
+    seqs = set(odd.loc[odd["end_ns"].isna().to_numpy(dtype=bool), "seq"].dropna().astype("int64"))
+    seqs |= set(pending["seq"].dropna().astype("int64"))
+    with_seq = frame(pc.field("seq").isin(sorted(seqs))) if seqs else empty_frame("collectives")
+    merged = merge_pending(with_seq, pending)
+    added = merged.iloc[len(with_seq):]                          # the pending rows no completed row matches
+    unfinished = unfinished_rows(merged)
+    if not added.empty:
+        p2p = pd.concat([p2p, added[added["op"].isin(P2P_OPS) & added["peer"].notna()]], ignore_index=True)
+    recent, recent_from = _recent_rows(
+        lambda expr=None, **kw: _frame(read("collectives", columns=RECENT_COLUMNS, filter=expr, **kw)), steps, ranks)
+    if not added.empty:
+        recent = pd.concat([recent, added], ignore_index=True)
+
+    def rank_rows(rank: int) -> pd.DataFrame:
+        rows = read("collectives", columns=["enqueue_ns", "end_ns"], ranks=[rank])
+        return rows.to_pandas(types_mapper={pa.int64(): pd.Int64Dtype()}.get)     # ns exact, nulls kept
+
+    return FailureRows(unfinished=unfinished, p2p=p2p, recent=recent, recent_from=recent_from, rank_rows=rank_rows)
+
+
+def _recent_rows(frame: Callable[..., pd.DataFrame], steps: pd.DataFrame,
+                 ranks: set[int]) -> tuple[pd.DataFrame, dict[int, int]]:
+    """Per rank, its rows with a timestamp at or after a time ``t`` such that one of them arrived at or after
+    ``t`` (so its last arrival is among them), and that ``t`` per rank. First ``t`` is the median of the ranks'
+    last step starts (one read of the newest rows of all ranks); the ranks with no arrival since then are read
+    from the earliest of their own last step starts, and the ranks still without one (or without steps) whole."""
+    starts = (steps.dropna(subset=["start_ns"]).groupby("rank")["start_ns"].max()
+              if not steps.empty else pd.Series(dtype="int64"))
+    starts = {int(r): int(t) for r, t in starts.items()}
+    left = set(ranks) | set(starts)
+    parts, since = [], {}
+
+    def newest(t: int, of: list[int] | None) -> None:
+        rows = frame((pc.field("enqueue_ns") >= t) | (pc.field("end_ns") >= t), ranks=of)
+        arrived = set(rows.loc[(rows["enqueue_ns"] >= t).fillna(False).to_numpy(dtype=bool), "rank"].astype("int64"))
+        arrived &= left
+        parts.append(rows[rows["rank"].isin(arrived)])
+        since.update(dict.fromkeys(arrived, t))
+        left.difference_update(arrived)
+
+    if starts:
+        newest(int(np.median(list(starts.values()))), None)
+    with_steps = sorted(r for r in left if r in starts)
+    if with_steps:
+        newest(min(starts[r] for r in with_steps), with_steps)
+    if left:
+        parts.append(frame(ranks=sorted(left)))
+    parts = [p for p in parts if not p.empty]
+    if not parts:
+        return empty_frame("collectives"), since
+    recent = pd.concat(parts, ignore_index=True) if len(parts) > 1 else parts[0].reset_index(drop=True)
+    return recent.sort_values("rank", kind="stable", ignore_index=True), since
+
+
+def _frame(rows: pa.Table) -> pd.DataFrame:
+    """The collectives frame (schema dtypes) of Arrow rows holding some of its columns (the others null)."""
+    if not rows.num_rows:
+        return empty_frame("collectives")
+    schema = memory_schema("collectives")
+    for name in schema.names:
+        if name not in rows.column_names:
+            rows = rows.append_column(schema.field(name), pa.nulls(rows.num_rows, type=schema.field(name).type))
+    return arrow_to_frame(rows.select(schema.names), "collectives")

@@ -251,11 +251,7 @@ class CollectiveRecorder:
             pg = row["pg"]
         else:
             return key
-        p = self._progress.get(pg)
-        if p is None:
-            group = self._groups.get(pg)
-            p = self._progress.setdefault(pg, _GroupProgress(group["pg_ranks"] if group else "", row))
-        p.issued = row
+        self.group_progress(pg).issued = row
         return key
 
     def untrack(self, key: int) -> bool:
@@ -274,10 +270,44 @@ class CollectiveRecorder:
             p.completed_seq, p.completed_op = seq, op
         return True
 
+    def complete(self, key: int, row: dict[str, Any] | tuple, end_ns: int | None) -> None:
+        """``untrack(key)`` and, unless it was already written, queue ``row`` finished at ``end_ns`` (None: no end)."""
+        if self.untrack(key):
+            self.emit(row if end_ns is None else _ended(row, end_ns))
+
+    def group_progress(self, pg: str) -> "_GroupProgress":
+        """Group ``pg``'s progress on this rank (created at its first use; listed by ``progress`` once it issued)."""
+        p = self._progress.get(pg)
+        if p is None:
+            group = self._groups.get(pg)
+            p = self._progress.setdefault(pg, _GroupProgress(pg, group["pg_ranks"] if group else ""))
+        return p
+
+    def run_blocking(self, row: tuple, progress: "_GroupProgress", call: Callable[..., Any], args: tuple,
+                     kwargs: dict[str, Any]) -> Any:
+        """``call(*args, **kwargs)`` and wait on the work it returns, with ``row`` (a gloo collective's tuple, no
+        ``end_ns``; ``progress`` is its group's) in flight meanwhile; then queue it ended. ``track``, ``untrack``
+        and ``emit`` in one call, for torch's blocking API (see ``RecordingProcessGroup._issue``)."""
+        key = next(self._ids)              # next() and dict set/pop are atomic under the GIL: no lock
+        in_flight = self._in_flight
+        in_flight[key] = row
+        progress.issued = row
+        work = call(*args, **kwargs)
+        if work is not None:
+            work.wait()                    # raises if the collective failed: the row stays in flight
+        end_ns = time.time_ns()
+        if in_flight.pop(key, None) is not None:    # else already written at close, without an end
+            seq = row[_SEQ]
+            if seq > progress.completed_seq:
+                progress.completed_seq, progress.completed_op = seq, row[_OP]
+            if self.writer is not None:
+                self._queue.append(row + (end_ns,))
+        return work
+
     def progress(self) -> dict[str, dict[str, Any]]:
         """Per group name: ``pg_ranks``, ``last_issued_seq``/``_op``/``_step``/``_ns`` and ``last_completed_seq``/
         ``_op`` of this rank's collectives (timing "wait" only); read by ``dtprobe.runtime.hang``'s watchdog."""
-        return {pg: p.as_dict() for pg, p in list(self._progress.items())}
+        return {pg: p.as_dict() for pg, p in list(self._progress.items()) if p.issued is not None}
 
     def pending(self) -> list[dict[str, Any]]:
         """Rows of collectives issued but not completed yet, oldest first (what a hung rank waits on), each with its
@@ -323,13 +353,14 @@ class CollectiveRecorder:
 
 class _GroupProgress:
     """One group's progress on this rank: the last issued row (kept as is; its fields are read only when the
-    watchdog asks) and the highest completed collective."""
+    watchdog asks; None until the group issues) and the highest completed collective."""
 
-    __slots__ = ("pg_ranks", "issued", "completed_seq", "completed_op")
+    __slots__ = ("pg", "pg_ranks", "issued", "completed_seq", "completed_op")
 
-    def __init__(self, pg_ranks: str, issued: dict[str, Any] | tuple) -> None:
+    def __init__(self, pg: str, pg_ranks: str) -> None:
+        self.pg = pg
         self.pg_ranks = pg_ranks
-        self.issued = issued
+        self.issued: dict[str, Any] | tuple | None = None
         self.completed_seq = 0
         self.completed_op: str | None = None
 
@@ -428,10 +459,8 @@ class _FutureDone:
         self.future: Any = None
 
     def __call__(self, future: Any) -> None:
-        if _failed(future):
-            return
-        if self.recorder.untrack(self.key):
-            self.recorder.emit(_ended(self.row, time.time_ns()))
+        if not _failed(future):
+            self.recorder.complete(self.key, self.row, time.time_ns())
 
 
 class _WorkDone:
@@ -469,8 +498,10 @@ class _WaitHabit:
     PROMPT_WAITS = 4
     """Works waited before completion, in a row, after which a (group, op) goes without the done-callback."""
     PROMPT_WAIT_NS = 50_000
-    """A wait that starts this soon after the issue counts as prompt even if the work already completed (a
-    descheduled caller, a tiny collective): its end is stamped at most this late, within a thread wake-up."""
+    """A wait that starts this soon after the backend handed the work back counts as prompt even if the work
+    already completed (a descheduled caller, a tiny collective): its end is stamped at most this late after the
+    issue returned, within a thread wake-up. Counted from the issue's return, not from ``enqueue_ns``: a caller
+    descheduled inside the backend's call (a busy machine) has not waited late."""
 
     __slots__ = ("issued", "prompt", "future_taken")
 
@@ -504,6 +535,8 @@ class RecordedWork(dist.Work):
         self._recorder = recorder
         self._key = recorder.track(row)
         self._habit = habit
+        if habit is not None:
+            self._handed_ns = time.time_ns()     # the backend handed the work back (``PROMPT_WAIT_NS``)
         self._future: Any = None
         if future is not None:              # exact completion time while the caller's habit is being learned
             recorder.on_done(future, _WorkDone(self))
@@ -513,16 +546,15 @@ class RecordedWork(dist.Work):
         if row is None or (future is not None and _failed(future)):
             return
         self._row = None
-        if self._recorder.untrack(self._key):
-            self._recorder.emit(_ended(row, time.time_ns()))
+        self._recorder.complete(self._key, row, time.time_ns())
 
     def wait(self, timeout: Any = None) -> bool:
         habit = self._habit
         if habit is not None:
             self._habit = None
             row = self._row
-            if (self._inner.is_completed() and row is not None
-                    and time.time_ns() - row_dict(row)["enqueue_ns"] > _WaitHabit.PROMPT_WAIT_NS):
+            if (row is not None and self._inner.is_completed()
+                    and time.time_ns() - self._handed_ns > _WaitHabit.PROMPT_WAIT_NS):
                 habit.prompt = 0            # completed well before the wait: only a callback sees when
             elif habit.prompt < _WaitHabit.PROMPT_WAITS:
                 habit.prompt += 1
@@ -574,8 +606,7 @@ class RecordedWork(dist.Work):
             future = self._inner.get_future()
             self._recorder.on_done(future, _FutureDone(self._recorder, self._key, row))
             return
-        if self._recorder.untrack(self._key):
-            self._recorder.emit(row)
+        self._recorder.complete(self._key, row, None)
 
 
 _SPLIT_DEVICE_TYPES_ARG = 5
@@ -651,6 +682,8 @@ class RecordingProcessGroup(dist.ProcessGroup):
         self._p2p_seq: dict[tuple[int, str], Any] = {}
         self._no_future_ops: set[str] = set()
         self._habits: dict[str, _WaitHabit] = {}    # per op: how its callers wait (see _WaitHabit)
+        self._progress: _GroupProgress | None = None
+        """The recorder's progress of the group whose key the last blocking call had (``run_blocking``)."""
         self._nccl: Any = nccl.UntimedNccl(self._recorder) if device_timing else None
         """NCCL only: issues and times the recorded collectives (``collectors.nccl``)."""
 
@@ -765,8 +798,10 @@ class RecordingProcessGroup(dist.ProcessGroup):
         return self._key
 
     # ---- recording core ----
-    def _issue(self, op: str, num_bytes: int, dtype: str | None, call: Callable[[], dist.Work],
-               peer: int | None = None, waits_now: bool = False) -> dist.Work:
+    def _issue(self, op: str, num_bytes: int, dtype: str | None, call: Callable[..., dist.Work], args: tuple,
+               kwargs: dict[str, Any], peer: int | None = None, waits_now: bool = False) -> dist.Work:
+        """Record ``call(*args, **kwargs)`` (the inner group's method and the caller's arguments, forwarded as
+        given) as collective ``op``, or as a send/recv to ``peer``."""
         recorder = self._recorder            # callers checked recorder.active
         pg = self._key
         if pg is None or self.dtprobe_name is not self._key_name:
@@ -785,21 +820,17 @@ class RecordingProcessGroup(dist.ProcessGroup):
                 # torch's blocking API (async_op=False) waits on the work as soon as it is returned: wait here, on
                 # the caller's thread, stamp the end and hand back the completed backend Work (its wait() returns
                 # at once). No Python Work, no done-callback on the gloo thread.
-                key = recorder.track(row)
-                work = call()
-                if work is not None:
-                    work.wait()            # raises if the collective failed: the row stays in flight
-                end_ns = time.time_ns()
-                if recorder.untrack(key):  # else already written at close, without an end
-                    recorder.emit(_ended(row, end_ns))
-                return work
+                progress = self._progress
+                if progress is None or progress.pg != pg:
+                    progress = self._progress = recorder.group_progress(pg)
+                return recorder.run_blocking(row, progress, call, args, kwargs)
         else:                                            # p2p and NCCL rows are dicts, with ``peer`` for p2p
             row = row_dict(row)
             if peer is not None:
                 row["peer"] = peer
             if self._device_timing:            # NCCL: timed on the device by collectors/nccl.py
-                return self._nccl.issue(row, call, peer=peer)
-        work = call()
+                return self._nccl.issue(row, functools.partial(call, *args, **kwargs), peer=peer)
+        work = call(*args, **kwargs)
         if recorder.timing == "enqueue" or work is None:
             recorder.emit(row)
             return work
@@ -836,7 +867,7 @@ class RecordingProcessGroup(dist.ProcessGroup):
         if not self._recorder.active:
             return self._inner.allreduce(tensors, *args, **kwargs)
         n, dt = _sum_bytes(tensors)
-        return self._issue("allreduce", n, dt, lambda: self._inner.allreduce(tensors, *args, **kwargs),
+        return self._issue("allreduce", n, dt, self._inner.allreduce, (tensors, *args), kwargs,
                            waits_now=_waits_now(args, kwargs))
 
     def allreduce_coalesced(self, tensors: Any, *args: Any, **kwargs: Any) -> dist.Work:
@@ -844,28 +875,28 @@ class RecordingProcessGroup(dist.ProcessGroup):
             return self._inner.allreduce_coalesced(tensors, *args, **kwargs)
         n, dt = _sum_bytes(tensors)
         return self._issue("allreduce", n, dt,
-                           lambda: self._inner.allreduce_coalesced(tensors, *args, **kwargs),
+                           self._inner.allreduce_coalesced, (tensors, *args), kwargs,
                            waits_now=_waits_now(args, kwargs))
 
     def broadcast(self, tensors: Any, *args: Any, **kwargs: Any) -> dist.Work:
         if not self._recorder.active:
             return self._inner.broadcast(tensors, *args, **kwargs)
         n, dt = _sum_bytes(tensors)
-        return self._issue("broadcast", n, dt, lambda: self._inner.broadcast(tensors, *args, **kwargs),
+        return self._issue("broadcast", n, dt, self._inner.broadcast, (tensors, *args), kwargs,
                            waits_now=_waits_now(args, kwargs))
 
     def reduce(self, tensors: Any, *args: Any, **kwargs: Any) -> dist.Work:
         if not self._recorder.active:
             return self._inner.reduce(tensors, *args, **kwargs)
         n, dt = _sum_bytes(tensors)
-        return self._issue("reduce", n, dt, lambda: self._inner.reduce(tensors, *args, **kwargs),
+        return self._issue("reduce", n, dt, self._inner.reduce, (tensors, *args), kwargs,
                            waits_now=_waits_now(args, kwargs))
 
     def allgather(self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> dist.Work:
         if not self._recorder.active:
             return self._inner.allgather(outputs, inputs, *args, **kwargs)
         n, dt = _sum_bytes(outputs)
-        return self._issue("allgather", n, dt, lambda: self._inner.allgather(outputs, inputs, *args, **kwargs),
+        return self._issue("allgather", n, dt, self._inner.allgather, (outputs, inputs, *args), kwargs,
                            waits_now=_waits_now(args, kwargs))
 
     def allgather_coalesced(self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> dist.Work:
@@ -873,21 +904,21 @@ class RecordingProcessGroup(dist.ProcessGroup):
             return self._inner.allgather_coalesced(outputs, inputs, *args, **kwargs)
         n, dt = _sum_bytes(outputs)
         return self._issue("allgather", n, dt,
-                           lambda: self._inner.allgather_coalesced(outputs, inputs, *args, **kwargs),
+                           self._inner.allgather_coalesced, (outputs, inputs, *args), kwargs,
                            waits_now=_waits_now(args, kwargs))
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> dist.Work:
         if not self._recorder.active:
             return self._inner._allgather_base(output, input, *args, **kwargs)
         return self._issue("allgather", _nbytes(output), dtype_name(output.dtype),
-                           lambda: self._inner._allgather_base(output, input, *args, **kwargs),
+                           self._inner._allgather_base, (output, input, *args), kwargs,
                            waits_now=_waits_now(args, kwargs))
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> dist.Work:
         if not self._recorder.active:
             return self._inner._allgather_base(output, input, *args, **kwargs)
         return self._issue("allgather", _nbytes(output), dtype_name(output.dtype),
-                           lambda: self._inner._allgather_base(output, input, *args, **kwargs),
+                           self._inner._allgather_base, (output, input, *args), kwargs,
                            waits_now=_waits_now(args, kwargs))
 
     def all_gather_single_coalesced(self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> dist.Work:
@@ -895,7 +926,7 @@ class RecordingProcessGroup(dist.ProcessGroup):
             return self._inner.allgather_into_tensor_coalesced(outputs, inputs, *args, **kwargs)
         n, dt = _sum_bytes(outputs)
         return self._issue("allgather", n, dt,
-                           lambda: self._inner.allgather_into_tensor_coalesced(outputs, inputs, *args, **kwargs),
+                           self._inner.allgather_into_tensor_coalesced, (outputs, inputs, *args), kwargs,
                            waits_now=_waits_now(args, kwargs))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
@@ -905,21 +936,21 @@ class RecordingProcessGroup(dist.ProcessGroup):
             return self._inner.reduce_scatter(outputs, inputs, *args, **kwargs)
         n, dt = _sum_bytes(inputs)
         return self._issue("reduce_scatter", n, dt,
-                           lambda: self._inner.reduce_scatter(outputs, inputs, *args, **kwargs),
+                           self._inner.reduce_scatter, (outputs, inputs, *args), kwargs,
                            waits_now=_waits_now(args, kwargs))
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> dist.Work:
         if not self._recorder.active:
             return self._inner._reduce_scatter_base(output, input, *args, **kwargs)
         return self._issue("reduce_scatter", _nbytes(input), dtype_name(input.dtype),
-                           lambda: self._inner._reduce_scatter_base(output, input, *args, **kwargs),
+                           self._inner._reduce_scatter_base, (output, input, *args), kwargs,
                            waits_now=_waits_now(args, kwargs))
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> dist.Work:
         if not self._recorder.active:
             return self._inner._reduce_scatter_base(output, input, *args, **kwargs)
         return self._issue("reduce_scatter", _nbytes(input), dtype_name(input.dtype),
-                           lambda: self._inner._reduce_scatter_base(output, input, *args, **kwargs),
+                           self._inner._reduce_scatter_base, (output, input, *args), kwargs,
                            waits_now=_waits_now(args, kwargs))
 
     def reduce_scatter_single_coalesced(self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> dist.Work:
@@ -927,7 +958,7 @@ class RecordingProcessGroup(dist.ProcessGroup):
             return self._inner.reduce_scatter_tensor_coalesced(outputs, inputs, *args, **kwargs)
         n, dt = _sum_bytes(inputs)
         return self._issue("reduce_scatter", n, dt,
-                           lambda: self._inner.reduce_scatter_tensor_coalesced(outputs, inputs, *args, **kwargs),
+                           self._inner.reduce_scatter_tensor_coalesced, (outputs, inputs, *args), kwargs,
                            waits_now=_waits_now(args, kwargs))
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
@@ -936,7 +967,7 @@ class RecordingProcessGroup(dist.ProcessGroup):
         if not self._recorder.active:
             return self._inner.alltoall_base(output, input, *args, **kwargs)
         return self._issue("alltoall", _nbytes(input), dtype_name(input.dtype),
-                           lambda: self._inner.alltoall_base(output, input, *args, **kwargs),
+                           self._inner.alltoall_base, (output, input, *args), kwargs,
                            waits_now=_waits_now(args, kwargs))
 
     all_to_all_single = alltoall_base
@@ -945,7 +976,7 @@ class RecordingProcessGroup(dist.ProcessGroup):
         if not self._recorder.active:
             return self._inner.alltoall(outputs, inputs, *args, **kwargs)
         n, dt = _sum_bytes(inputs)
-        return self._issue("alltoall", n, dt, lambda: self._inner.alltoall(outputs, inputs, *args, **kwargs),
+        return self._issue("alltoall", n, dt, self._inner.alltoall, (outputs, inputs, *args), kwargs,
                            waits_now=_waits_now(args, kwargs))
 
     def gather(self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> dist.Work:
@@ -953,7 +984,7 @@ class RecordingProcessGroup(dist.ProcessGroup):
             return self._inner.gather(outputs, inputs, *args, **kwargs)
         n, dt = _sum_bytes(inputs)    # logical: every member's input, gathered at the root
         return self._issue("gather", n * self._size, dt,
-                           lambda: self._inner.gather(outputs, inputs, *args, **kwargs),
+                           self._inner.gather, (outputs, inputs, *args), kwargs,
                            waits_now=_waits_now(args, kwargs))
 
     def scatter(self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> dist.Work:
@@ -961,32 +992,32 @@ class RecordingProcessGroup(dist.ProcessGroup):
             return self._inner.scatter(outputs, inputs, *args, **kwargs)
         n, dt = _sum_bytes(outputs)   # logical: every member's output, scattered from the root
         return self._issue("scatter", n * self._size, dt,
-                           lambda: self._inner.scatter(outputs, inputs, *args, **kwargs),
+                           self._inner.scatter, (outputs, inputs, *args), kwargs,
                            waits_now=_waits_now(args, kwargs))
 
     def barrier(self, *args: Any, **kwargs: Any) -> dist.Work:
         if not self._recorder.active:
             return self._inner.barrier(*args, **kwargs)
-        return self._issue("barrier", 0, None, lambda: self._inner.barrier(*args, **kwargs),
+        return self._issue("barrier", 0, None, self._inner.barrier, args, kwargs,
                            waits_now=_waits_now(args, kwargs))
 
     def send(self, tensors: Any, dst: int, tag: int = 0) -> dist.Work:
         if not self._recorder.active:
             return self._inner.send(tensors, dst, tag)
         n, dt = _sum_bytes(tensors)
-        return self._issue("send", n, dt, lambda: self._inner.send(tensors, dst, tag), peer=self._global_peer(dst))
+        return self._issue("send", n, dt, self._inner.send, (tensors, dst, tag), {}, peer=self._global_peer(dst))
 
     def recv(self, tensors: Any, src: int, tag: int = 0) -> dist.Work:
         if not self._recorder.active:
             return self._inner.recv(tensors, src, tag)
         n, dt = _sum_bytes(tensors)
-        return self._issue("recv", n, dt, lambda: self._inner.recv(tensors, src, tag), peer=self._global_peer(src))
+        return self._issue("recv", n, dt, self._inner.recv, (tensors, src, tag), {}, peer=self._global_peer(src))
 
     def recv_anysource(self, tensors: Any, tag: int = 0) -> dist.Work:
         if not self._recorder.active:
             return self._inner.recv_anysource(tensors, tag)
         n, dt = _sum_bytes(tensors)
-        return self._issue("recv", n, dt, lambda: self._inner.recv_anysource(tensors, tag), peer=-1)
+        return self._issue("recv", n, dt, self._inner.recv_anysource, (tensors, tag), {}, peer=-1)
 
     # ---- NCCL timing and coalescing (collectors/nccl.py) ----
     def enable_completion_timing(self, **kwargs: Any) -> bool:

@@ -9,8 +9,10 @@ server starts. Measured side by side in one run:
   `dtprobe dashboard`);
 - finished: the same run finished, compacted and its summary stored (what `dtprobe run` leaves);
 - floor: a page holding one metric, served by plain `streamlit run` the same way;
-- live refresh: what one refresh of the Overview does after one more step (``dtprobe.dashboard.data.load_overview``:
-  tail the new lines, re-analyze the window, summarize it), for runs of 100, 1,000 and 3,000 steps.
+- live refresh: one refresh of the Overview after one more step (``dtprobe.dashboard.data.live_overview``, what the
+  live page calls): until it is shown (the previous Overview at once while a slow re-analysis runs in the
+  background) and until the new rows are analyzed (tail the new lines, re-analyze the window, summarize it), for
+  runs of 100, 1,000 and 3,000 steps.
 
     python benchmarks/dashboard_load.py [--ranks 64] [--steps 1000] [--repeats 3]
 
@@ -25,7 +27,8 @@ also moving its step window. ``--one-host`` writes every rank on one host.
     python benchmarks/dashboard_load.py --ranks 1024 --steps 20 --pages overview,stragglers,timeline,communication
 
 It measures the dtprobe installed in this checkout (``pip install -e .``): the server it starts imports the same.
-Goals: the Overview drawn within 3 s of the server's start; a live refresh that does not grow with the run.
+Goals: the Overview drawn within 3 s of the server's start; a live refresh shown within 200 ms that does not grow
+with the run.
 """
 
 from __future__ import annotations
@@ -131,21 +134,27 @@ def streamlit_floor_s(folder: Path) -> float:
     return _server_to_drawn_s(argv, dict(os.environ), folder, "", FLOOR_DRAWN)
 
 
-def refresh_cost_s(run: SyntheticRun) -> tuple[float, float]:
-    """(store tail, whole refresh) seconds of one live page refresh after one more step."""
+def refresh_cost_s(run: SyntheticRun) -> tuple[float, float, float]:
+    """(store tail, refresh shown, new rows analyzed) seconds of one live Overview refresh after one more step:
+    ``data.live_overview``, what the live page calls, shows the previous Overview at once while a slow
+    re-analysis runs in the background (a fast one is waited for), then the wait until the new rows are analyzed."""
     from dtprobe.dashboard import data
 
     source = Source(name=run.run_dir.name, path=run.run_dir.resolve(), kind="run")
-    data.load_analysis(source)
+    data.live_overview(source)
     run.write_steps(1)
     store = data.open_store(source)
     t0 = time.perf_counter()
     store.refresh()
     t1 = time.perf_counter()
+    data.live_overview(source)   # the tailed step is analyzed, as the page's next refresh would
+    data.wait_for_refresh(source)
     run.write_steps(1)
     t2 = time.perf_counter()
-    data.load_overview(source)  # what the Overview's refresh does: tail the new lines, re-analyze the window
-    return t1 - t0, time.perf_counter() - t2
+    data.live_overview(source)
+    t3 = time.perf_counter()
+    data.wait_for_refresh(source)
+    return t1 - t0, t3 - t2, time.perf_counter() - t2
 
 
 PAGE_TITLES = {"overview": "Overview", "stragglers": "Stragglers", "timeline": "Timeline",
@@ -346,10 +355,10 @@ def main() -> None:
             if run is not big:
                 run.write_steps(n)
             costs = [refresh_cost_s(run) for _ in range(args.repeats)]
-            tail = statistics.median(c[0] for c in costs)
-            whole = statistics.median(c[1] for c in costs)
+            tail, shown, whole = (statistics.median(c[i] for c in costs) for i in range(3))
             print(f"live refresh after one more step, run of {n} steps: store tail {tail * 1e3:.0f} ms, "
-                  f"whole refresh (tail + window analysis) {whole * 1e3:.0f} ms")
+                  f"refresh shown {shown * 1e3:.0f} ms, new rows analyzed (tail + window analysis) "
+                  f"{whole * 1e3:.0f} ms (goal: shown <= 200 ms)")
 
 
 if __name__ == "__main__":

@@ -49,17 +49,25 @@ class WholeTables:
         return self.store.table(name, **kwargs)
 
 
+def _wait_in(rows: dict, waiters: list[int], *, step: int, since_ns: int, until_ns: int, close: tuple,
+             world: int) -> dict:
+    """``waiters`` enter all-reduce #``step + 1`` at ``since_ns`` (a pending row each) and stay in it, alive,
+    until ``until_ns``, when their probes close with ``close``."""
+    rows["pending"] = []
+    for r in waiters:
+        stall_rank(rows, r, since_ns, until_ns=until_ns, close=close)
+        rows["pending"].append(pending_row(r, step=step, seq=step + 1, t_ns=since_ns + r * MS, world=world))
+    return rows
+
+
 def _hang(world: int) -> tuple[dict, str]:
     """Rank 3 freezes at step 45 (no row after, its sampler stops too); the others wait in all-reduce #46."""
     rows = lockstep_tables(world=world, num_steps=NUM_STEPS)
     at = T0 + 45 * 100 * MS + 30 * MS
     stall_rank(rows, 3, at, until_ns=at, close=None)
     rows["devices"] = [d for d in rows["devices"] if not (d["rank"] == 3 and d["time_ns"] > at)]
-    rows["pending"] = []
-    for r in range(3):
-        stall_rank(rows, r, at + 30 * MS, until_ns=at + 12 * S, close=("crashed", "watchdog"))
-        rows["pending"].append(pending_row(r, step=45, seq=46, t_ns=at + 30 * MS + r * MS, world=world))
-    return rows, "crashed"
+    return _wait_in(rows, [0, 1, 2], step=45, since_ns=at + 30 * MS, until_ns=at + 12 * S,
+                    close=("crashed", "watchdog"), world=world), "crashed"
 
 
 def _crash(world: int) -> tuple[dict, str]:
@@ -68,11 +76,8 @@ def _crash(world: int) -> tuple[dict, str]:
     rows = lockstep_tables(world=world, num_steps=NUM_STEPS)
     at = T0 + 30 * 100 * MS + 30 * MS
     cut_rank(rows, 1, at)
-    rows["pending"] = []
-    for r in (0, 2, 3):
-        stall_rank(rows, r, at + 30 * MS, until_ns=at + 200 * MS, close=("crashed", "SIGTERM"))
-        rows["pending"].append(pending_row(r, step=30, seq=31, t_ns=at + 30 * MS + r * MS, world=world))
-    return rows, "crashed"
+    return _wait_in(rows, [0, 2, 3], step=30, since_ns=at + 30 * MS, until_ns=at + 200 * MS,
+                    close=("crashed", "SIGTERM"), world=world), "crashed"
 
 
 def _p2p(world: int) -> tuple[dict, str]:

@@ -94,5 +94,7 @@ def test_collective_columns_number_seq_as_the_row_dicts_are_numbered(with_trace_
     expected_source = number_seq(rows)
     assert (n, source) == (len(rows), expected_source) and source == ("trace" if with_trace_seq else "order")
     assert columns["seq"].tolist() == [r["seq"] if r["seq"] is not None else pd.NA for r in rows]
+    assert isinstance(columns["pg_ranks"], pd.Categorical)     # as the store's reader gives it (a code per row)
     for col in ("rank", "op", "pg", "pg_ranks", "enqueue_ns", "start_ns", "num_bytes"):
-        assert columns[col].tolist() == [r[col] if r[col] is not None else pd.NA for r in rows], col
+        values = pd.array(columns[col], dtype="string") if col == "pg_ranks" else columns[col]
+        assert values.tolist() == [r[col] if r[col] is not None else pd.NA for r in rows], col

@@ -33,6 +33,12 @@ def kernel_type_breakdown(kernels: pd.DataFrame) -> pd.DataFrame:
     Columns: kernel_type (``COMPUTATION``, ``COMMUNICATION``, ``MEMORY``, ``COMPUTATION overlapping
     COMMUNICATION`` ...), sum_us, frac (share of the total, 0..1); largest first.
     """
+    return kernel_type_table(kernel_type_sums(kernels))
+
+
+def kernel_type_sums(kernels: pd.DataFrame) -> dict[int, int]:
+    """Exclusive microseconds per kernel-type combination (a bitmask of ``KERNEL_TYPES``) summed over the ranks
+    of ``kernels``: sums of disjoint sets of ranks add up (``kernel_type_table`` turns them into the breakdown)."""
     require_columns(kernels, KERNEL_COLUMNS, table="kernels")
     start, end = quantized_us(kernels)
     kind = kernels["kind"].to_numpy(dtype=object, na_value="")
@@ -44,6 +50,11 @@ def kernel_type_breakdown(kernels: pd.DataFrame) -> pd.DataFrame:
         sums = pd.Series(dur[live]).groupby(state[live]).sum()
         for s, d in sums.items():
             totals[int(s)] = totals.get(int(s), 0) + int(d)
+    return totals
+
+
+def kernel_type_table(totals: dict[int, int]) -> pd.DataFrame:
+    """``kernel_type_breakdown`` of ``kernel_type_sums``. Columns: TYPE_COLUMNS."""
     out = pd.DataFrame({"kernel_type": [_label(s) for s in totals], "sum_us": list(totals.values())},
                        columns=["kernel_type", "sum_us"]).astype({"sum_us": "int64"})
     out = out.sort_values(["sum_us", "kernel_type"], ascending=[False, True], ignore_index=True)

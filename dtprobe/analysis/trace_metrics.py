@@ -1,5 +1,8 @@
 """The kernel-level metrics of a source in one record (temporal, overlap, kernel types, per rank and per step);
-read by ``RunAnalysis.trace_metrics``, the HTA comparison benchmark and its tests.
+read by ``RunAnalysis.trace_metrics``, the HTA comparison benchmark and its tests. ``kernel_breakdowns`` gives the
+per-rank temporal breakdown, overlap and kernel-type split the findings document reports, built one rank at a
+time from a source that yields its kernels so (a Kineto trace folder: blocks of whole ranks): memory of one
+block's kernels, not of all.
 
 ``analyze_traces(run)`` checks that the analyses apply to a Kineto trace folder (GPU events on every rank; a
 CPU-only gloo trace is accepted with its collectives and empty GPU metrics) and runs them over every ProfilerStep
@@ -8,14 +11,16 @@ of the window.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import weakref
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import pandas as pd
 
 from dtprobe.analysis.findings import jsonable
-from dtprobe.analysis.kernel_breakdown import kernel_type_breakdown, top_kernels
+from dtprobe.analysis.kernel_breakdown import kernel_type_breakdown, kernel_type_sums, kernel_type_table, top_kernels
 from dtprobe.analysis.overlap import comm_comp_overlap
 from dtprobe.analysis.temporal import temporal_breakdown
 from dtprobe.store.kineto import KinetoRun
@@ -81,3 +86,68 @@ def analyze_traces(run: KinetoRun) -> TraceMetrics:
     has_gpu = run.has_gpu_kernels
     return kernel_metrics(run.table("kernels"), run.collectives, steps_analyzed=run.steps_found, ranks=run.ranks,
                           has_gpu_kernels=has_gpu)
+
+
+@dataclass(frozen=True, kw_only=True)
+class KernelBreakdowns:
+    """The kernel-level frames the findings document reports, each equal to its function on the whole table."""
+
+    temporal: pd.DataFrame
+    """``temporal.temporal_breakdown``."""
+    overlap: pd.DataFrame
+    """``overlap.comm_comp_overlap``."""
+    kernel_types: pd.DataFrame
+    """``kernel_breakdown.kernel_type_breakdown``."""
+
+
+_BY_SOURCE: "weakref.WeakKeyDictionary[Any, KernelBreakdowns]" = weakref.WeakKeyDictionary()
+"""Breakdowns of the sources that yield kernels in blocks, computed once per source and dropped with it."""
+
+
+class _OfTable:
+    """The breakdowns of ``table("kernels")``, each computed when first read."""
+
+    def __init__(self, table: Callable[[str], pd.DataFrame]) -> None:
+        self._table = table
+
+    @cached_property
+    def temporal(self) -> pd.DataFrame:
+        return temporal_breakdown(self._table("kernels"))
+
+    @cached_property
+    def overlap(self) -> pd.DataFrame:
+        return comm_comp_overlap(self._table("kernels"))
+
+    @cached_property
+    def kernel_types(self) -> pd.DataFrame:
+        return kernel_type_breakdown(self._table("kernels"))
+
+
+def kernel_breakdowns(source: Any, table: Callable[[str], pd.DataFrame]) -> KernelBreakdowns | _OfTable:
+    """Temporal breakdown, comm/comp overlap and kernel-type split of ``source``'s kernels: from each of its
+    ``kernel_blocks()`` (frames of whole ranks) in turn when it has that method (``KinetoRun``: one block in memory
+    at a time; computed once per source), else from ``table("kernels")``."""
+    blocks = getattr(source, "kernel_blocks", None)
+    if blocks is None:
+        return _OfTable(table)
+    if source in _BY_SOURCE:
+        return _BY_SOURCE[source]
+    temporal, overlap, totals = [], [], {}
+    empty = None
+    for kernels in blocks():
+        if kernels.empty:
+            empty = kernels
+            continue
+        temporal.append(temporal_breakdown(kernels))
+        overlap.append(comm_comp_overlap(kernels))
+        for state, us in kernel_type_sums(kernels).items():
+            totals[state] = totals.get(state, 0) + us
+    if not temporal:      # no rank with kernels: the empty frames of the empty table
+        kernels = empty if empty is not None else table("kernels")
+        out = KernelBreakdowns(temporal=temporal_breakdown(kernels), overlap=comm_comp_overlap(kernels),
+                               kernel_types=kernel_type_breakdown(kernels))
+    else:
+        out = KernelBreakdowns(temporal=pd.concat(temporal, ignore_index=True),
+                               overlap=pd.concat(overlap, ignore_index=True), kernel_types=kernel_type_table(totals))
+    _BY_SOURCE[source] = out
+    return out

@@ -19,6 +19,7 @@ Kineto records none). Usage::
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -41,13 +42,19 @@ __all__ = ["KinetoRun", "RankMeta", "find_trace_files", "is_trace_dir", "kernel_
 TRACE_SUFFIXES = (".json", ".json.gz")
 """File names read as traces (covers ``*.pt.trace.json`` and ``*.pt.trace.json.gz``)."""
 
+KERNEL_BLOCK_ROWS = 1_000_000
+"""GPU events per block of ``KinetoRun.kernel_blocks``: what the kernel-level analyses of a trace folder hold at a
+time, whatever the number of ranks."""
+
 _PANDAS_DTYPES = {"int32": "Int32", "int64": "Int64", "float64": "float64", "boolean": "boolean",
                   "string": "string"}
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False)
 class KinetoRun:
     """Tables and metadata of a folder of Kineto traces, one file per rank. ``kernels``, ``analysed_kernels`` and
-    ``collectives`` are built from the spilled ranks the first time they are read, one rank at a time."""
+    ``collectives`` are built from the spilled ranks the first time they are read, one rank at a time;
+    ``kernel_blocks`` gives the analysed kernels without ever holding every rank's. Compared and hashed by
+    identity (a per-source cache may key on it)."""
 
     path: Path
     """The folder (or single file) that was loaded."""
@@ -118,6 +125,25 @@ class KinetoRun:
             return self.kernels
         last_end_us = last_step_ends_us(self.steps)
         return self.kernels if last_end_us is None else _kernels_frame(self.spill.ranks, window=last_end_us)
+
+    def kernel_blocks(self, max_rows: int | None = None) -> Iterator[pd.DataFrame]:
+        """``table("kernels")`` in blocks of whole ranks, in rank order, each of at most ``max_rows`` rows
+        (``KERNEL_BLOCK_ROWS`` by default; a larger rank is a block alone): the rows, values and dtypes of the
+        whole table (``name`` and ``kind`` categories are the block's), never every rank's at once; for a CPU-only
+        trace, the one ``kernels`` frame. TraceError as ``table("kernels")``."""
+        if not self.has_gpu_kernels:
+            yield self.kernels
+            return
+        last_end_us = last_step_ends_us(self.steps)
+        max_rows = KERNEL_BLOCK_ROWS if max_rows is None else max_rows
+        block: list[SpilledRank] = []
+        for rank in self.spill.ranks:
+            if block and sum(r.num_kernels for r in block) + rank.num_kernels > max_rows:
+                yield _kernels_frame(block, window=last_end_us)
+                block = []
+            block.append(rank)
+        if block:
+            yield _kernels_frame(block, window=last_end_us)
 
     def table(self, name: str) -> pd.DataFrame:
         """The table ``name`` with every schema column; tables a trace cannot fill come back empty. ``kernels``
@@ -283,6 +309,11 @@ def _steps_frame(ranks: list[SpilledRank]) -> pd.DataFrame:
 def _collectives_frame(ranks: list[SpilledRank]) -> tuple[pd.DataFrame, str]:
     """The ``collectives`` table and where its ``seq`` came from (``kineto_collectives.number_seq``)."""
     columns, n, seq_source = collective_columns(list(collective_tables(ranks)))
-    frame = _typed_frame("collectives", columns, length=n)
-    return frame.sort_values(["rank", "enqueue_ns", "seq"], kind="stable", na_position="last",
-                             ignore_index=True), seq_source
+    keys = []                      # sorted by rank, enqueue_ns, seq (nulls last, ties in row order), each column
+    for col in ("seq", "enqueue_ns", "rank"):      # reordered in turn: no second copy of the whole table
+        values = pd.array(columns[col])
+        keys += [values.to_numpy(dtype=np.int64, na_value=0), values.isna()]
+    order = np.lexsort(keys)
+    for col in list(columns):
+        columns[col] = columns[col].take(order)
+    return _typed_frame("collectives", columns, length=n), seq_source

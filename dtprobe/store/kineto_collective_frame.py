@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from dtprobe.store.frames import DICTIONARY_COLUMNS
 from dtprobe.store.kineto_collectives import P2P_OPS, ROW_TYPES, RankCollectives, rank_collectives
 
 _ARROW_INTS = {"int32": pa.int32(), "int64": pa.int64()}
@@ -52,6 +53,17 @@ def _strings(codes: np.ndarray, values: list[str]) -> pd.api.extensions.Extensio
         if len(codes) else pd.array([], dtype="string")
 
 
+def _category(codes: np.ndarray, values: list[str]) -> pd.Categorical:
+    """``values[codes]`` as a ``category`` column whose categories are the values it holds, sorted (what the
+    store's reader gives for ``frames.DICTIONARY_COLUMNS``): a small code per row, not a copy of the string."""
+    held = np.unique(codes[codes >= 0])
+    names = pd.Index([values[i] for i in held], dtype="str")
+    order = names.argsort()
+    position = np.full(len(values) + 1, -1, dtype=np.int32)      # the last: null
+    position[held[order]] = np.arange(len(held), dtype=np.int32)
+    return pd.Categorical.from_codes(position[np.where(codes >= 0, codes, len(values))], categories=names[order])
+
+
 def collective_columns(tables: list[pa.Table]) -> tuple[dict[str, Any], int, str]:
     """The ranks' ``collective_table``s (in rank order) as pandas columns, ``seq`` numbered as ``number_seq``
     numbers rows; with the row count and where ``seq`` came from (``trace`` | ``order``). Strings stay codes
@@ -66,7 +78,8 @@ def collective_columns(tables: list[pa.Table]) -> tuple[dict[str, Any], int, str
     columns["seq"], source = _seq_column(columns, p2p, coded["pg"][0])
     del table
     for col, (codes, values) in coded.items():
-        columns[col] = _strings(codes, values)
+        columns[col] = _category(codes, values) if col in DICTIONARY_COLUMNS["collectives"] else \
+            _strings(codes, values)
     return columns, len(p2p), source
 
 

@@ -36,17 +36,14 @@ from dtprobe.analysis import exposed_comm as _exposed
 from dtprobe.analysis import failure_reads as _failure_reads
 from dtprobe.analysis import failures as _failures
 from dtprobe.analysis import hangs as _hangs
-from dtprobe.analysis import kernel_breakdown as _kernel_types
 from dtprobe.analysis import links as _links
 from dtprobe.analysis import liveness as _liveness
 from dtprobe.analysis import mismatch as _mismatch
-from dtprobe.analysis import overlap as _overlap
 from dtprobe.analysis import peaks as _peaks
 from dtprobe.analysis import pipeline_delay as _pipeline_delay
 from dtprobe.analysis import report as _report
 from dtprobe.analysis import stragglers as _stragglers
 from dtprobe.analysis import tables as _tables
-from dtprobe.analysis import temporal as _temporal
 from dtprobe.analysis import throughput as _throughput
 from dtprobe.analysis import trace_metrics as _trace_metrics
 from dtprobe.analysis.fault_detail import injected_faults, injected_ranks
@@ -363,15 +360,16 @@ class RunAnalysis:
     def temporal_breakdown(self) -> pd.DataFrame:
         """Per rank: idle / compute / non-compute share of the GPU kernel span (HTA semantics); empty without
         kernels."""
-        return self._memo("temporal", lambda: _temporal.temporal_breakdown(self.table("kernels")))
+        return self._memo("temporal", lambda: _trace_metrics.kernel_breakdowns(self.source, self.table).temporal)
 
     def comm_comp_overlap(self) -> pd.DataFrame:
         """Per rank: share of communication-kernel time overlapped by compute kernels; empty without kernels."""
-        return self._memo("overlap", lambda: _overlap.comm_comp_overlap(self.table("kernels")))
+        return self._memo("overlap", lambda: _trace_metrics.kernel_breakdowns(self.source, self.table).overlap)
 
     def kernel_breakdown(self) -> pd.DataFrame:
         """Exclusive time per kernel-type combination over all ranks; empty without kernels."""
-        return self._memo("kernel_types", lambda: _kernel_types.kernel_type_breakdown(self.table("kernels")))
+        return self._memo("kernel_types", lambda: _trace_metrics.kernel_breakdowns(
+            self.source, self.table).kernel_types)
 
     def exposed_comm(self) -> list[Finding]:
         """EXPOSED_COMM from kernels when known (exposed comm kernel time), else from the host collectives tail."""

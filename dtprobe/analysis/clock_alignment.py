@@ -111,12 +111,15 @@ def _residuals(ri: np.ndarray, coll: np.ndarray, corrected_end: np.ndarray, keep
 
 def corrected(matched: pd.DataFrame, offsets: pd.DataFrame) -> pd.DataFrame:
     """``matched`` rows of placed ranks with ``start_ns``/``end_ns`` moved onto the reference clock (int64)."""
-    off = offsets.dropna(subset=["offset_ns"])[["rank", "offset_ns"]]
-    m = matched.loc[matched["status"] == "matched"].merge(off, on="rank", how="inner")
-    shift = m["offset_ns"].astype("int64")
-    m["start_ns"] = m["start_ns"].astype("int64") + shift
-    m["end_ns"] = m["end_ns"].astype("int64") + shift
-    return m.drop(columns=["offset_ns"])
+    off = offsets.dropna(subset=["offset_ns"])
+    by_rank = pd.Series(off["offset_ns"].to_numpy(dtype="int64"), index=off["rank"].to_numpy(dtype="int64"))
+    shift = matched["rank"].astype("int64").map(by_rank)
+    keep = ((matched["status"] == "matched") & shift.notna()).to_numpy(dtype=bool)
+    m = matched.loc[keep].reset_index(drop=True)       # one copy of the rows kept (no merge copy besides)
+    shift = shift.to_numpy()[keep].astype("int64")
+    m["start_ns"] = m["start_ns"].to_numpy(dtype="int64") + shift
+    m["end_ns"] = m["end_ns"].to_numpy(dtype="int64") + shift
+    return m
 
 
 def alignment_label(*, clock_aligned: bool, offsets: pd.DataFrame, coverage: pd.DataFrame) -> str:

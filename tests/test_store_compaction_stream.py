@@ -95,8 +95,9 @@ def test_derived_tables_of_a_streamed_compaction_equal_the_deriver_over_the_whol
             if frame.empty:
                 assert not files
                 continue
-            written = pq.read_table(run / "tables" / files[0]["path"])
-            assert written.equals(pa.Table.from_pandas(frame, preserve_index=False)), (name, b)
+            expected = pa.Table.from_pandas(frame, preserve_index=False)
+            written = pq.read_table(run / "tables" / files[0]["path"]).cast(expected.schema)   # string widths
+            assert written.equals(expected), (name, b)
     assert reference.invalid_reason() is None and "tables" in marker["derived"]
 
 

@@ -67,13 +67,21 @@ def read_failure_rows(source: Any, steps: pd.DataFrame) -> FailureRows | None:
     if not pending.empty and (pending["restart"].isna() | (pending["restart"] != 0)).any():
         return None
 
-    def frame(expr: pc.Expression | None = None, **kw) -> pd.DataFrame:
-        return _frame(read("collectives", filter=expr, **kw))
+    def frame(expr: pc.Expression | None = None, columns: list[str] | None = None, **kw) -> pd.DataFrame:
+        return _frame(read("collectives", columns=columns, filter=expr, **kw))
 
-    # one pass over the table for every row out of the ordinary (on a clean run of one attempt: none, and the
-    # files' statistics skip every row group): another attempt's, unfinished, send/recv
-    odd = frame(pc.field("restart").is_null() | (pc.field("restart") != 0) | pc.field("end_ns").is_null()
+    starts = (steps.dropna(subset=["start_ns"]).groupby("rank")["start_ns"].max()
+              if not steps.empty else pd.Series(dtype="int64"))
+    starts = {int(r): int(t) for r, t in starts.items()}
+    newest_t = int(np.median(list(starts.values()))) if starts else None
+    # one pass over the table for the rows out of the ordinary (another attempt's, unfinished, send/recv: none on
+    # a clean run of one attempt, whose files' statistics then skip every row group) and the newest rows of all
+    # ranks (since the median of their last step starts: the last step's row groups)
+    odd_expr = (pc.field("restart").is_null() | (pc.field("restart") != 0) | pc.field("end_ns").is_null()
                 | pc.field("peer").is_valid())
+    first = read("collectives", columns=RECENT_COLUMNS,
+                 filter=odd_expr if newest_t is None else odd_expr | _since(newest_t))
+    odd = _frame(first.filter(odd_expr))
     if (odd["restart"].isna() | (odd["restart"] != 0)).any():
         return None
     p2p = odd[(odd["peer"].notna() & odd["op"].isin(P2P_OPS)).to_numpy(dtype=bool)].reset_index(drop=True)
@@ -86,8 +94,9 @@ def read_failure_rows(source: Any, steps: pd.DataFrame) -> FailureRows | None:
     unfinished = unfinished_rows(merged)
     if not added.empty:
         p2p = pd.concat([p2p, added[added["op"].isin(P2P_OPS) & added["peer"].notna()]], ignore_index=True)
-    recent, recent_from = _recent_rows(
-        lambda expr=None, **kw: _frame(read("collectives", columns=RECENT_COLUMNS, filter=expr, **kw)), steps, ranks)
+    newest = None if newest_t is None else (newest_t, _frame(first.filter(_since(newest_t))))
+    recent, recent_from = _recent_rows(lambda expr=None, **kw: frame(expr, RECENT_COLUMNS, **kw), starts, ranks,
+                                       newest=newest)
     if not added.empty:
         recent = pd.concat([recent, added], ignore_index=True)
 
@@ -98,31 +107,34 @@ def read_failure_rows(source: Any, steps: pd.DataFrame) -> FailureRows | None:
     return FailureRows(unfinished=unfinished, p2p=p2p, recent=recent, recent_from=recent_from, rank_rows=rank_rows)
 
 
-def _recent_rows(frame: Callable[..., pd.DataFrame], steps: pd.DataFrame,
-                 ranks: set[int]) -> tuple[pd.DataFrame, dict[int, int]]:
+def _since(t: int) -> pc.Expression:
+    """Rows with a timestamp (``enqueue_ns`` or ``end_ns``) at or after ``t``."""
+    return (pc.field("enqueue_ns") >= t) | (pc.field("end_ns") >= t)
+
+
+def _recent_rows(frame: Callable[..., pd.DataFrame], starts: dict[int, int], ranks: set[int], *,
+                 newest: tuple[int, pd.DataFrame] | None) -> tuple[pd.DataFrame, dict[int, int]]:
     """Per rank, its rows with a timestamp at or after a time ``t`` such that one of them arrived at or after
-    ``t`` (so its last arrival is among them), and that ``t`` per rank. First ``t`` is the median of the ranks'
-    last step starts (one read of the newest rows of all ranks); the ranks with no arrival since then are read
-    from the earliest of their own last step starts, and the ranks still without one (or without steps) whole."""
-    starts = (steps.dropna(subset=["start_ns"]).groupby("rank")["start_ns"].max()
-              if not steps.empty else pd.Series(dtype="int64"))
-    starts = {int(r): int(t) for r, t in starts.items()}
+    ``t`` (so its last arrival is among them), and that ``t`` per rank. ``newest``: (``t``, the rows of all
+    ranks ``_since(t)``), ``t`` the median of the ranks' last step starts (``starts``); the ranks with no
+    arrival since then are read from the earliest of their own last step starts, and the ranks still without
+    one (or without steps) whole."""
     left = set(ranks) | set(starts)
     parts, since = [], {}
 
-    def newest(t: int, of: list[int] | None) -> None:
-        rows = frame((pc.field("enqueue_ns") >= t) | (pc.field("end_ns") >= t), ranks=of)
+    def take(t: int, rows: pd.DataFrame) -> None:
         arrived = set(rows.loc[(rows["enqueue_ns"] >= t).fillna(False).to_numpy(dtype=bool), "rank"].astype("int64"))
         arrived &= left
         parts.append(rows[rows["rank"].isin(arrived)])
         since.update(dict.fromkeys(arrived, t))
         left.difference_update(arrived)
 
-    if starts:
-        newest(int(np.median(list(starts.values()))), None)
+    if newest is not None:
+        take(*newest)
     with_steps = sorted(r for r in left if r in starts)
     if with_steps:
-        newest(min(starts[r] for r in with_steps), with_steps)
+        t = min(starts[r] for r in with_steps)
+        take(t, frame(_since(t), ranks=with_steps))
     if left:
         parts.append(frame(ranks=sorted(left)))
     parts = [p for p in parts if not p.empty]

@@ -52,6 +52,36 @@ def on_arrival_clock(collectives: pd.DataFrame) -> pd.DataFrame:
     out["enqueue_ns"] = collectives["enqueue_ns"].where(~in_device, collectives["arrive_ns"])
     return out
 
+
+GROUP_ROW_COLUMNS = ["pg", "pg_ranks", "op", "rank", "peer", "arrive_ns"]
+
+
+def group_rows(collectives: pd.DataFrame) -> pd.DataFrame:
+    """The collectives reduced to what ``arrival_clocks``, ``stragglers.linked_ranks`` and
+    ``pipeline_delay.pipeline_groups`` read, each giving on it what it gives on every row: one row per group
+    (pg, pg_ranks; nulls as "") with ``arrive_ns`` the latest device arrival of its rows (null when none has
+    one), and one per p2p link (pg, pg_ranks, op, rank, peer of a send/recv naming its peer). Computed per step
+    block at compaction (``derived_tables``); ``group_rows`` of blocks' frames together is the whole run's.
+    Columns: ``GROUP_ROW_COLUMNS``."""
+    require_columns(collectives, ["pg", "pg_ranks", "op", "rank", "peer", "arrive_ns"], table="collectives")
+    code, pg_names, pr_names = frame_group_codes(collectives)
+    arrive = collectives["arrive_ns"].to_numpy(dtype="float64", na_value=np.nan)
+    latest = pd.Series(arrive).groupby(code).max() if len(code) else pd.Series(dtype="float64")
+    groups = pd.DataFrame({"pg": pg_names.take(latest.index), "pg_ranks": pr_names.take(latest.index), "op": None,
+                           "rank": -1, "peer": np.nan, "arrive_ns": latest.to_numpy()})
+    link = (collectives["op"].isin(P2P_OPS) & collectives["peer"].notna()).to_numpy(dtype=bool)
+    links = pd.DataFrame({"code": code[link], "op": collectives["op"].to_numpy()[link].astype(str),
+                          "rank": collectives["rank"].to_numpy()[link].astype("int64"),
+                          "peer": collectives["peer"].to_numpy()[link].astype("float64")}
+                         ).drop_duplicates().sort_values(["code", "rank", "peer", "op"])
+    links = pd.DataFrame({"pg": pg_names.take(links["code"]), "pg_ranks": pr_names.take(links["code"]),
+                          "op": links["op"].to_numpy(), "rank": links["rank"].to_numpy(),
+                          "peer": links["peer"].to_numpy(), "arrive_ns": np.nan})
+    out = pd.concat([groups, links], ignore_index=True) if len(links) else groups
+    return out.astype({"pg": object, "pg_ranks": object, "op": object, "rank": "int64", "peer": "float64",
+                       "arrive_ns": "float64"})[GROUP_ROW_COLUMNS]
+
+
 ATTEMPT_SEQ_STRIDE = 1_000_000_000
 """``seq`` offset per torchrun attempt after ``unique_seq`` (attempt k's seq n becomes k * stride + n)."""
 

@@ -1,9 +1,11 @@
 """The per-step frames the analysis keeps at compaction, one step block at a time (``LatenessExposure``, a
 ``store.derived.Deriver``): ``lateness`` (``arrivals.rank_lateness``, per group, step and rank), ``exposure``
-(``exposed_comm.comm_exposure``, per rank and step) and ``bandwidth`` (``comm_efficiency.collective_bandwidth``,
-per collective: its rows are all in one block, and its output order is explicit, not the table's); passed to
-``store.compact`` by ``dtprobe compact`` and read back by the facade instead of computing them from the whole
-``collectives`` table.
+(``exposed_comm.comm_exposure``, per rank and step), ``late_rank`` (``arrivals.late_rank_per_step``, per group and
+step), ``blocked`` (``stragglers.blocked_outside_groups``, per rank, step and group: the waits the STRAGGLER causes
+read), ``bandwidth`` (``comm_efficiency.collective_bandwidth``, per collective: its rows are all in one block, and
+its output order is explicit, not the table's) and ``groups`` (``arrivals.group_rows``: one row per group and p2p
+link, for the group clocks, linked ranks and pipelines); passed to ``store.compact`` by ``dtprobe compact`` and
+read back by the facade instead of computing them from the whole ``collectives`` table.
 
 Each block's frames come from the same functions over the block's rows as the facade's over the whole run
 (``inputs.analysed_table``, ``arrivals.on_arrival_clock``, ``collective_skew``), so they are equal whenever a
@@ -21,30 +23,39 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from dtprobe.analysis.arrivals import LATENESS_COLUMNS, arrival_clocks, collective_skew, on_arrival_clock, rank_lateness
+from dtprobe.analysis.arrivals import GROUP_ROW_COLUMNS, LATE_RANK_COLUMNS, LATENESS_COLUMNS, arrival_clocks
+from dtprobe.analysis.arrivals import collective_skew, collective_waits, group_rows, late_rank_per_step
+from dtprobe.analysis.arrivals import on_arrival_clock, rank_lateness
 from dtprobe.analysis.arrivals import unique_seq
 from dtprobe.analysis.comm_efficiency import BANDWIDTH_COLUMNS, BANDWIDTH_ORDER, collective_bandwidth
 from dtprobe.analysis.exposed_comm import EXPOSURE_COLUMNS, comm_exposure
 from dtprobe.analysis.hangs import merge_pending
+from dtprobe.analysis.stragglers import BLOCKED_COLUMNS, blocked_outside_groups
 from dtprobe.analysis.tables import P2P_OPS, group_codes
 
-VERSION = 2
-"""Bumped whenever the derived tables or what ``rank_lateness``, ``comm_exposure`` or ``collective_bandwidth``
-compute change: older derived frames are then ignored (the marker's key differs), computed from the rows, and
+VERSION = 3
+"""Bumped whenever the derived tables or what ``rank_lateness``, ``comm_exposure``, ``collective_bandwidth``,
+``late_rank_per_step``, ``blocked_outside_groups`` or ``group_rows`` compute change: older derived frames are then ignored (the marker's key differs), computed from the rows, and
 derived again by the next ``dtprobe compact`` / ``compaction.add_derived``."""
 KEY = {"deriver": "dtprobe.analysis.derived_tables", "version": VERSION, "options": []}
 """The marker's ``derived.key``: no analysis option changes these frames."""
 LATENESS = "lateness"
 EXPOSURE = "exposure"
 BANDWIDTH = "bandwidth"
+GROUPS = "groups"
+LATE_RANK = "late_rank"
+BLOCKED = "blocked"
 ORDER = {LATENESS: (["pg", "pg_ranks", "rank", "step"], LATENESS_COLUMNS),
          EXPOSURE: (["rank", "step"], EXPOSURE_COLUMNS),
-         BANDWIDTH: (BANDWIDTH_ORDER, BANDWIDTH_COLUMNS)}
+         BANDWIDTH: (BANDWIDTH_ORDER, BANDWIDTH_COLUMNS),
+         GROUPS: (["pg", "pg_ranks", "rank", "peer", "op"], GROUP_ROW_COLUMNS),
+         LATE_RANK: (["pg", "pg_ranks", "step"], LATE_RANK_COLUMNS),
+         BLOCKED: (["rank", "step", "outside_pg_ranks"], BLOCKED_COLUMNS)}
 """Per derived table: the sort order of the whole-run frame, and its columns."""
 
 
 class LatenessExposure:
-    """The ``store.derived.Deriver`` of ``lateness`` and ``exposure`` (one per compaction: it remembers what it
+    """The ``store.derived.Deriver`` of the tables above (one per compaction: it remembers what it
     needs to tell whether the blocks' frames equal the whole run's)."""
 
     key = KEY
@@ -62,15 +73,16 @@ class LatenessExposure:
         collectives = merge_pending(frames["collectives"], frames["pending"])
         if step_block < 0:
             self._remember(step_block, collectives)
-            return {BANDWIDTH: collective_bandwidth(collectives)}
+            return {BANDWIDTH: collective_bandwidth(collectives), GROUPS: group_rows(collectives)}
         if unique_seq(collectives) is not collectives and self._reason is None:
             self._reason = f"a collective numbering restarts inside step block {step_block} (a torchrun restart)"
         self._remember(step_block, collectives)
         arrival = on_arrival_clock(collectives)
-        steps = frames["steps"]
-        return {LATENESS: rank_lateness(arrival, steps),
-                EXPOSURE: comm_exposure(arrival, steps, collective_skew(arrival)),
-                BANDWIDTH: collective_bandwidth(collectives)}
+        steps, skew = frames["steps"], collective_skew(arrival)
+        return {LATENESS: rank_lateness(arrival, steps), EXPOSURE: comm_exposure(arrival, steps, skew),
+                LATE_RANK: late_rank_per_step(skew, steps),
+                BLOCKED: blocked_outside_groups(arrival, collective_waits(arrival, skew)),
+                BANDWIDTH: collective_bandwidth(collectives), GROUPS: group_rows(collectives)}
 
     def invalid_reason(self) -> str | None:
         """Why the blocks' frames may differ from the whole run's (None: they are equal)."""
@@ -122,4 +134,8 @@ def whole_run_frame(name: str, blocks: pd.DataFrame) -> pd.DataFrame:
         in_steps = blocks["step"].notna() & (blocks["step"].fillna(-1) >= 0)
         if in_steps.any():
             blocks = blocks[in_steps.to_numpy(dtype=bool)]
+    if name == GROUPS:       # a group or link seen in several blocks is one row, its latest device arrival kept
+        return group_rows(blocks)
+    if name == BLOCKED:      # read by key (rank, step, group): any order
+        return blocks[columns].reset_index(drop=True)
     return blocks.sort_values(by, kind="stable", na_position="last").reset_index(drop=True)[columns]

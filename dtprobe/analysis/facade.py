@@ -167,13 +167,18 @@ class RunAnalysis:
 
     def arrival_clocks(self) -> pd.DataFrame:
         """Per group (pg, pg_ranks): ``device`` or ``host``, the clock its arrivals are read on."""
-        return self._memo("arrival_clocks", lambda: _arrivals.arrival_clocks(self.table("collectives")))
+        return self._memo("arrival_clocks", lambda: _arrivals.arrival_clocks(self._group_rows()))
+
+    def _group_rows(self) -> pd.DataFrame:
+        # one row per group and p2p link (kept at compaction): what arrival clocks and linked ranks read
+        return self._memo("group_rows", lambda: self._derived(_derived.GROUPS, lambda: _arrivals.group_rows(
+            self.table("collectives"))))
 
     def arrival_clock(self) -> str | None:
         """The clock of the collectives' arrivals: ``host``, ``device``, or ``mixed`` (groups on both); on a trace
         folder, the clock of its collectives' timing (NCCL kernels: ``device``; gloo annotations: ``host``); None
         without collectives."""
-        return self._memo("arrival_clock", lambda: None if self.table("collectives").empty
+        return self._memo("arrival_clock", lambda: None if self._group_rows().empty
                           else _clock_names.clock_of(self.arrival_clocks()["clock"]) if self.info.clock_aligned
                           else _clock_names.clock_of_timing(self.table("collectives")["timing"]))
 
@@ -194,9 +199,10 @@ class RunAnalysis:
                                                                         self.collective_skew()))
 
     def late_rank_per_step(self) -> pd.DataFrame:
-        """Per (group, analysed step): the last arriver of the most skewed collective and its margin."""
-        return self._memo("late_rank", lambda: _tables.only_steps(
-            _stragglers.late_rank_per_step(self.collective_skew(), self.table("steps")), self.steps_analyzed()))
+        """Per (group, analysed step): the last arriver of the most skewed collective and its margin (kept at
+        compaction: ``derived_tables``)."""
+        return self._memo("late_rank", lambda: _tables.only_steps(self._derived(_derived.LATE_RANK, lambda: (
+            _stragglers.late_rank_per_step(self.collective_skew(), self.table("steps")))), self.steps_analyzed()))
 
     def rank_lateness(self) -> pd.DataFrame:
         """Per (group, analysed step, rank): arrival minus the median arrival of its peers, share of the step (kept
@@ -206,9 +212,15 @@ class RunAnalysis:
 
     def _derived(self, name: str, compute: Callable[[], pd.DataFrame]) -> pd.DataFrame:
         # a compacted run's per-step frame kept at compaction when it is still the whole run's, else computed
-        kept = getattr(self.source, "derived_table", None)
-        kept = kept(name, _derived.KEY) if kept is not None else None
+        kept = self._kept(name)
         return _derived.whole_run_frame(name, kept) if kept is not None else compute()
+
+    def _kept(self, name: str) -> pd.DataFrame | None:
+        # the derived table as kept at compaction (its blocks), None when the source has none valid
+        def read() -> pd.DataFrame | None:
+            kept = getattr(self.source, "derived_table", None)
+            return kept(name, _derived.KEY) if kept is not None else None
+        return self._memo(f"kept:{name}", read)
 
     def straggler_scores(self) -> pd.DataFrame:
         """Per (group, rank): worst-window median lateness, share of steps late, mean wait imposed on peers."""
@@ -221,14 +233,17 @@ class RunAnalysis:
         """Per (group, rank) late enough to be a straggler candidate: excess data/compute/communication time in its
         late steps, throttling, cause."""
         return self._memo("causes", lambda: _stragglers.straggler_causes(
-            self.straggler_scores(), self.rank_lateness(), self.table("steps"), self._cause_rows(),
-            _stragglers.collective_waits(self._cause_rows(), _stragglers.collective_skew(self._cause_rows())),
-            self.table("devices"), min_lateness_frac=self.options.min_lateness_frac))
+            self.straggler_scores(), self.rank_lateness(), self.table("steps"), pd.DataFrame(), pd.DataFrame(),
+            self.table("devices"), min_lateness_frac=self.options.min_lateness_frac, blocked=self._blocked()))
 
-    def _cause_rows(self) -> pd.DataFrame:
-        # the collectives of the candidates' windows only: all the causes read (stragglers.cause_rows)
-        return self._memo("cause_rows", lambda: _stragglers.cause_rows(
-            self.arrival_collectives(), self.straggler_scores(), min_lateness_frac=self.options.min_lateness_frac))
+    def _blocked(self) -> pd.DataFrame:
+        # per (rank, step, group): time blocked on peers outside it (kept at compaction), else from the
+        # candidates' windows' rows only (stragglers.cause_rows)
+        return self._memo("blocked", lambda: self._derived(_derived.BLOCKED, lambda: (
+            lambda rows: _stragglers.blocked_outside_groups(rows, _stragglers.collective_waits(
+                rows, _stragglers.collective_skew(rows))))(_stragglers.cause_rows(
+                    self.arrival_collectives(), self.straggler_scores(),
+                    min_lateness_frac=self.options.min_lateness_frac))))
 
     def pipeline_own_delay(self) -> pd.DataFrame:
         """Per (pipeline rank, analysed step): time neither running a pipeline action nor waiting for its input."""
@@ -237,7 +252,7 @@ class RunAnalysis:
 
     def _pipeline_groups(self) -> dict:
         # without pipeline rows there is no need to find the pipelines among the collectives
-        return self._memo("pipeline_groups", lambda: _stragglers.pipeline_groups(self.table("collectives"))
+        return self._memo("pipeline_groups", lambda: _stragglers.pipeline_groups(self._group_rows())
                           if not self.table("pipeline").empty else {})
 
     def _group_clock(self) -> dict[tuple[str, str], str]:
@@ -254,7 +269,7 @@ class RunAnalysis:
         device arrivals on clocks aligned by the collectives (``device_stragglers``, a trace folder)."""
         o = self.options
         return self._memo("f:stragglers", lambda: _stragglers.detect_stragglers(
-            self.straggler_scores(), self.straggler_causes(), links=_stragglers.linked_ranks(self.table("collectives")),
+            self.straggler_scores(), self.straggler_causes(), links=_stragglers.linked_ranks(self._group_rows()),
             min_lateness_frac=o.min_lateness_frac, min_positive_frac=o.min_positive_frac,
             injected=self.injected_faults("straggler"), lateness=self.rank_lateness(), axis_of_pg=self.group_axis,
             own_delay_ns=_pipeline_delay.median_own_delay(self.pipeline_own_delay()),

@@ -427,20 +427,60 @@ def _blocking_waits(collectives: pd.DataFrame, waits: pd.DataFrame) -> pd.DataFr
     })
 
 
-def _blocked_ns(b: pd.DataFrame) -> pd.Series:
-    """Per (rank, step): total time covered by the blocking intervals (overlaps counted once,
-    ``intervals.union_length_by_group``)."""
+BLOCKED_COLUMNS = ["rank", "step", "outside_pg_ranks", "blocked_ns"]
+OUTSIDE_NONE = "none"
+"""``outside_pg_ranks`` of the blocked time in every group (no group's member list is spelled so)."""
+
+
+def blocked_outside_groups(collectives: pd.DataFrame, waits: pd.DataFrame) -> pd.DataFrame:
+    """Per (rank, step): how long the rank was blocked on peers (p2p spans and [own arrival, last arrival] at
+    collectives, overlaps counted once) outside each group it waited in (``outside_pg_ranks``: the intervals of
+    that group left out) and in all (``OUTSIDE_NONE``); the communication part of ``straggler_causes``, which reads
+    the row of a candidate's group, else the ``OUTSIDE_NONE`` row (nothing of that group to leave out), else 0. Steps
+    depend on their own rows only, so it is computed per step block at compaction (``derived_tables``).
+    Columns: ``BLOCKED_COLUMNS`` (``outside_pg_ranks`` a category)."""
+    b = _blocking_waits(collectives, waits) if not collectives.empty else pd.DataFrame()
     if b.empty:
-        return pd.Series(dtype="float64")
+        return pd.DataFrame({"rank": pd.Series(dtype="int64"), "step": pd.Series(dtype="int64"),
+                             "outside_pg_ranks": pd.Categorical([]), "blocked_ns": pd.Series(dtype="float64")})
     rank, step = b["rank"].to_numpy(dtype="int64"), b["step"].to_numpy(dtype="int64")
-    start = b["a_ns"].to_numpy(dtype="int64")
-    order = np.lexsort((start, step, rank))
-    rank, step, start, end = rank[order], step[order], start[order], b["b_ns"].to_numpy(dtype="int64")[order]
+    group = b["pg_ranks"].cat.codes.to_numpy().astype("int64")           # 0: p2p, never left out
+    start, end = b["a_ns"].to_numpy(dtype="int64"), b["b_ns"].to_numpy(dtype="int64")
+    order = np.lexsort((group, step, rank))
+    rank, step, group, start, end = rank[order], step[order], group[order], start[order], end[order]
     new = run_starts(rank, step)
+    rs = np.cumsum(new) - 1                                              # (rank, step) id of each interval
     first = np.flatnonzero(new)
-    covered = union_length_by_group(np.cumsum(new) - 1, start, end, num_groups=len(first))
-    return pd.Series(covered.astype("float64"),
-                     index=pd.MultiIndex.from_arrays([rank[first], step[first]], names=["rank", "step"]))
+    pair = run_starts(rs, group) & (group > 0)                           # each (rank, step, group) once
+    pair_rs, pair_group = rs[pair], group[pair]
+    num_pairs = np.bincount(pair_rs, minlength=len(first))
+    pair_first = np.cumsum(num_pairs) - num_pairs
+    # every interval once per group of its (rank, step) other than its own, in that group's copy
+    copies = np.repeat(np.arange(len(rs)), num_pairs[rs])
+    within = np.arange(len(copies)) - np.repeat(np.cumsum(num_pairs[rs]) - num_pairs[rs], num_pairs[rs])
+    which = pair_first[rs[copies]] + within
+    copies, which = copies[group[copies] != pair_group[which]], which[group[copies] != pair_group[which]]
+    covered = union_length_by_group(np.concatenate([rs, len(first) + which]),
+                                    np.concatenate([start, start[copies]]), np.concatenate([end, end[copies]]),
+                                    num_groups=len(first) + len(pair_rs))
+    names = b["pg_ranks"].cat.categories
+    outside = np.concatenate([np.full(len(first), -1), pair_group])
+    return pd.DataFrame({
+        "rank": np.concatenate([rank[first], rank[first][pair_rs]]),
+        "step": np.concatenate([step[first], step[first][pair_rs]]),
+        "outside_pg_ranks": pd.Categorical.from_codes(np.where(outside < 0, 0, outside),
+                                                      categories=[OUTSIDE_NONE, *names[1:]]),
+        "blocked_ns": covered.astype("float64"),
+    })[BLOCKED_COLUMNS]
+
+
+def _comm_ns(blocked: pd.Series, index: pd.MultiIndex, pg_ranks: str) -> np.ndarray:
+    """Per (rank, step) of ``index``: its blocked time outside group ``pg_ranks`` (``blocked_outside_groups`` as a
+    series by rank, step, outside_pg_ranks), the time outside none when it had no wait there, else 0."""
+    rank, step = index.get_level_values(0), index.get_level_values(1)
+    own = blocked.reindex(pd.MultiIndex.from_arrays([rank, step, [pg_ranks] * len(index)])).to_numpy()
+    every = blocked.reindex(pd.MultiIndex.from_arrays([rank, step, [OUTSIDE_NONE] * len(index)])).to_numpy()
+    return np.nan_to_num(np.where(np.isnan(own), every, own), nan=0.0)
 
 
 def cause_candidates(scores: pd.DataFrame, *, min_lateness_frac: float = 0.0) -> pd.DataFrame:
@@ -473,18 +513,24 @@ def cause_rows(collectives: pd.DataFrame, scores: pd.DataFrame, *, min_lateness_
 def straggler_causes(scores: pd.DataFrame, lateness: pd.DataFrame, steps: pd.DataFrame,
                      collectives: pd.DataFrame, waits: pd.DataFrame, devices: pd.DataFrame, *,
                      min_explained_frac: float = 0.25, throttle_frac: float = 0.5,
-                     min_lateness_frac: float = 0.0) -> pd.DataFrame:
+                     min_lateness_frac: float = 0.0, blocked: pd.DataFrame | None = None) -> pd.DataFrame:
     """For each scored (group, rank) late in its best window, over its late steps: how much of its mean lateness
     comes from data loading (``data_ns`` above its peers' median), from waiting on other peers (p2p spans and
     other groups' collectives, union, above its peers'), and the rest from its own compute; plus the share of its
     device samples with a slowing throttle reason. ``cause`` is ``device`` when throttled, else the largest part
     if it explains at least ``min_explained_frac`` of the lateness, else ``unknown``. Only ranks whose median
     lateness reaches ``min_lateness_frac`` (0: every late rank) or that a view qualified (``detected_at_step``:
-    the persistence view names ranks whose median lateness is below it) are examined. Columns: ``CAUSE_COLUMNS``."""
+    the persistence view names ranks whose median lateness is below it) are examined. The waits come from
+    ``blocked`` when given (``blocked_outside_groups``, e.g. kept at compaction), else from ``collectives`` and
+    ``waits``. Columns: ``CAUSE_COLUMNS``."""
     require_columns(steps, ["rank", "step", "start_ns", "end_ns", "data_ns", "fwd_ns", "bwd_ns", "opt_ns"],
                     table="steps")
-    blocked = _blocking_waits(collectives, waits) if not collectives.empty else pd.DataFrame(
-        {"rank": [], "step": [], "pg_ranks": [], "a_ns": [], "b_ns": []})
+    if blocked is None:
+        blocked = blocked_outside_groups(collectives, waits)
+    require_columns(blocked, BLOCKED_COLUMNS, table="blocked_outside_groups")
+    by_group = pd.Series(blocked["blocked_ns"].to_numpy(dtype="float64"), index=pd.MultiIndex.from_arrays(
+        [blocked["rank"].to_numpy(dtype="int64"), blocked["step"].to_numpy(dtype="int64"),
+         blocked["outside_pg_ranks"].astype(str).to_numpy()]))
     ph = steps.dropna(subset=["end_ns"]).copy()
     ph["rank"] = ph["rank"].astype("int64")
     ph["step"] = ph["step"].astype("int64")
@@ -498,11 +544,9 @@ def straggler_causes(scores: pd.DataFrame, lateness: pd.DataFrame, steps: pd.Dat
         late_steps = set(int(x) for x in late["step"])
         members = group_members(s.pg_ranks)
         peers = [m for m in members if m != s.rank]
-        # the members' waits only: the others' (rank, step) are not compared
-        b = blocked[blocked["step"].isin(late_steps) & blocked["rank"].isin(members)
-                    & (blocked["pg_ranks"] != s.pg_ranks)]
+        # the members' waits outside this group only: the others' (rank, step) are not compared
         p = ph[ph["step"].isin(late_steps) & ph["rank"].isin(list(members))].set_index(["rank", "step"])
-        p["comm_ns"] = _blocked_ns(b).reindex(p.index).fillna(0.0).astype("float64")
+        p["comm_ns"] = _comm_ns(by_group, p.index, s.pg_ranks)
         p = p.reset_index()
         diffs = {}
         for col in ("data_ns", "comm_ns"):

@@ -331,10 +331,11 @@ def peer_noise(lateness: pd.DataFrame, windows: pd.DataFrame, *, column: str = "
     wkey = windows.groupby(["pg", "pg_ranks"], sort=False).ngroup().to_numpy()
     # each group's rows located once: a mask per group over the whole frame costs groups x rows (ranks squared)
     rows_of = lateness.groupby(["pg", "pg_ranks"], sort=False).indices
+    numbers = lateness[["step", "rank", column]]             # taken per group: no copy of the group strings
     for _, idx in pd.Series(np.arange(len(windows))).groupby(wkey):
         idx = idx.to_numpy()
         pg, pg_ranks = windows["pg"].iloc[idx[0]], windows["pg_ranks"].iloc[idx[0]]
-        g = lateness.iloc[np.sort(rows_of.get((pg, pg_ranks), np.empty(0, dtype="int64")))]
+        g = numbers.iloc[np.sort(rows_of.get((pg, pg_ranks), np.empty(0, dtype="int64")))]
         grid, members, values = _step_rank_grid(g, column)
         lo = np.searchsorted(grid, windows["first_step"].to_numpy(dtype="int64")[idx], side="left")
         hi = np.searchsorted(grid, windows["last_step"].to_numpy(dtype="int64")[idx], side="right")

@@ -16,7 +16,8 @@ reducer costs GIL round trips on every ``getFuture`` and destruction); ``_WaitHa
 reduce-scatter) are wrapped and timed when ``wait()`` returns. A gloo collective's row is a tuple
 (``ROW_COLUMNS``; send/recv and NCCL rows are dicts), encoded by the drain thread in batches. On the caller's
 thread a collective costs the Python pass-through, the row and a queue append; ``benchmarks/probe_overhead.py``
-measures it per collective against plain gloo.
+measures it per collective against plain gloo (its ``record_cost`` case: one process, no peer, so that the
+recording cost is not lost in a 2-rank collective's noise).
 
 On NCCL ``wait()`` does not block the host: NCCL rows are issued and timed on the device by
 ``collectors.nccl`` (arrival event, NCCL's own start/end, ``timing="cuda_event"``). Rows are written once

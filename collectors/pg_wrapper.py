@@ -252,7 +252,10 @@ class CollectiveRecorder:
             pg = row["pg"]
         else:
             return key
-        self.group_progress(pg).issued = row
+        p = self._progress.get(pg)
+        if p is None:
+            p = self.group_progress(pg)
+        p.issued = row
         return key
 
     def untrack(self, key: int) -> bool:

@@ -52,7 +52,10 @@ class FailureRows:
     @property
     def doing(self) -> pd.DataFrame:
         """What a rank was doing when it stopped (``crashes.crash_events``): its unfinished and its latest rows."""
-        return pd.concat([self.unfinished, self.recent], ignore_index=True)
+        parts = [f for f in (self.unfinished, self.recent) if not f.empty]
+        if len(parts) < 2:     # (a concat with an empty frame would turn the pg_ranks category into strings)
+            return parts[0] if parts else self.recent
+        return pd.concat(parts, ignore_index=True)
 
 
 def read_failure_rows(source: Any, steps: pd.DataFrame) -> FailureRows | None:

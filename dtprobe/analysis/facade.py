@@ -237,13 +237,10 @@ class RunAnalysis:
             self.table("devices"), min_lateness_frac=self.options.min_lateness_frac, blocked=self._blocked()))
 
     def _blocked(self) -> pd.DataFrame:
-        # per (rank, step, group): time blocked on peers outside it (kept at compaction), else from the
-        # candidates' windows' rows only (stragglers.cause_rows)
-        return self._memo("blocked", lambda: self._derived(_derived.BLOCKED, lambda: (
-            lambda rows: _stragglers.blocked_outside_groups(rows, _stragglers.collective_waits(
-                rows, _stragglers.collective_skew(rows))))(_stragglers.cause_rows(
-                    self.arrival_collectives(), self.straggler_scores(),
-                    min_lateness_frac=self.options.min_lateness_frac))))
+        # per (rank, step, group): time blocked on peers outside it (kept at compaction), else from the rows of the
+        # candidates' windows only
+        return self._memo("blocked", lambda: self._derived(_derived.BLOCKED, lambda: _stragglers.window_blocked(
+            self.arrival_collectives(), self.straggler_scores(), min_lateness_frac=self.options.min_lateness_frac)))
 
     def pipeline_own_delay(self) -> pd.DataFrame:
         """Per (pipeline rank, analysed step): time neither running a pipeline action nor waiting for its input."""

@@ -511,6 +511,13 @@ def cause_rows(collectives: pd.DataFrame, scores: pd.DataFrame, *, min_lateness_
     return collectives if keep.all() else collectives[keep]   # windows over the whole run: no copy of every row
 
 
+def window_blocked(collectives: pd.DataFrame, scores: pd.DataFrame, *, min_lateness_frac: float = 0.0) -> pd.DataFrame:
+    """``blocked_outside_groups`` of the rows ``straggler_causes`` reads for the candidates of ``scores``
+    (``cause_rows``): the steps of their windows only, which is all the causes compare."""
+    rows = cause_rows(collectives, scores, min_lateness_frac=min_lateness_frac)
+    return blocked_outside_groups(rows, collective_waits(rows, collective_skew(rows)))
+
+
 def straggler_causes(scores: pd.DataFrame, lateness: pd.DataFrame, steps: pd.DataFrame,
                      collectives: pd.DataFrame, waits: pd.DataFrame, devices: pd.DataFrame, *,
                      min_explained_frac: float = 0.25, throttle_frac: float = 0.5,

@@ -13,7 +13,7 @@ import pytest
 from dtprobe.analysis import RunAnalysis
 from dtprobe.analysis import stragglers as st
 from dtprobe.analysis.arrivals import arrival_clocks, group_rows
-from dtprobe.analysis.derived_tables import GROUPS, deriver
+from dtprobe.analysis.derived_tables import GROUPS, KEY, deriver
 from dtprobe.analysis.pipeline_delay import pipeline_groups
 from dtprobe.store import RunStore, compact
 from dtprobe.store.resolve import open_source
@@ -123,6 +123,6 @@ def test_stragglers_of_a_compacted_run_read_no_collectives_file(tmp_path, clock,
 def test_group_rows_are_computed_from_the_rows_of_a_run_without_derived_tables(tmp_path):
     run = write_run(tmp_path / "run", dp_pp_tables(dp=2, pp=2, num_steps=6), world_size=4)
     a = RunAnalysis(RunStore.open(run))
-    assert a._kept(GROUPS) is None
+    assert a.source.derived_table(GROUPS, KEY) is None
     pd.testing.assert_frame_equal(a.arrival_clocks(), arrival_clocks(a.table("collectives")))
     assert a._group_rows()["peer"].notna().any()

@@ -212,15 +212,9 @@ class RunAnalysis:
 
     def _derived(self, name: str, compute: Callable[[], pd.DataFrame]) -> pd.DataFrame:
         # a compacted run's per-step frame kept at compaction when it is still the whole run's, else computed
-        kept = self._kept(name)
+        kept = getattr(self.source, "derived_table", None)
+        kept = kept(name, _derived.KEY) if kept is not None else None
         return _derived.whole_run_frame(name, kept) if kept is not None else compute()
-
-    def _kept(self, name: str) -> pd.DataFrame | None:
-        # the derived table as kept at compaction (its blocks), None when the source has none valid
-        def read() -> pd.DataFrame | None:
-            kept = getattr(self.source, "derived_table", None)
-            return kept(name, _derived.KEY) if kept is not None else None
-        return self._memo(f"kept:{name}", read)
 
     def straggler_scores(self) -> pd.DataFrame:
         """Per (group, rank): worst-window median lateness, share of steps late, mean wait imposed on peers."""

@@ -561,8 +561,8 @@ class RecordedWork(dist.Work):
         if habit is not None:
             self._habit = None
             row = self._row
-            if (row is not None and self._inner.is_completed()
-                    and time.time_ns() - self._handed_ns > _WaitHabit.PROMPT_WAIT_NS):
+            if (row is not None and time.time_ns() - self._handed_ns > _WaitHabit.PROMPT_WAIT_NS
+                    and self._inner.is_completed()):   # the clock first: cheaper than asking the backend
                 habit.prompt = 0            # completed well before the wait: only a callback sees when
             elif habit.prompt < _WaitHabit.PROMPT_WAITS:
                 habit.prompt += 1

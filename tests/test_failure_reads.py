@@ -1,7 +1,8 @@
-"""The failure verdicts (HANG, RANK_CRASH, liveness, last seen) read only the collective rows they need
-(``RunStore.arrow`` with filters pushed down, ``analysis.failure_reads``) and give what the whole table gives: on
-compacted runs of several step blocks with a hang, a crash, a point-to-point stall and none, the frames and
-findings equal those of the same source read whole, and the whole ``collectives`` table is never asked for."""
+"""The failure verdicts (HANG, RANK_CRASH, COLLECTIVE_MISMATCH, liveness, last seen) read only the collective rows
+they need (``RunStore.arrow`` with filters pushed down, ``analysis.failure_reads``) and give what the whole table
+gives: on compacted runs of several step blocks with a hang, a crash, a point-to-point stall, a mismatch and none,
+the frames and findings equal those of the same source read whole, and the whole ``collectives`` table is never
+asked for."""
 
 from __future__ import annotations
 
@@ -97,11 +98,16 @@ def _p2p(world: int) -> tuple[dict, str]:
     return rows, "finished"
 
 
+def _mismatch(world: int) -> tuple[dict, str]:
+    """Rank 2 issues a broadcast where the others issue all-reduce #21 (step 20); every call finishes."""
+    return lockstep_tables(world=world, num_steps=NUM_STEPS, ops={(2, 20): "broadcast"}), "finished"
+
+
 def _clean(world: int) -> tuple[dict, str]:
     return lockstep_tables(world=world, num_steps=NUM_STEPS), "finished"
 
 
-SCENARIOS = {"hang": _hang, "crash": _crash, "p2p": _p2p, "clean": _clean}
+SCENARIOS = {"hang": _hang, "crash": _crash, "p2p": _p2p, "mismatch": _mismatch, "clean": _clean}
 
 
 @pytest.fixture(params=sorted(SCENARIOS))
@@ -116,9 +122,14 @@ def _verdicts(a: RunAnalysis) -> list[tuple]:
     return [(f.code, f.severity, f.ranks, f.title, f.evidence) for f in a.hangs()]
 
 
+def _mismatch_verdicts(a: RunAnalysis) -> list[tuple]:
+    return [(f.code, f.severity, f.ranks, f.title, f.evidence) for f in a.mismatch_findings()]
+
+
 def _frames(a: RunAnalysis) -> dict[str, pd.DataFrame]:
     return {"unfinished": a.unfinished_collectives().reset_index(drop=True), "last_seen": a.last_seen(),
-            "p2p_stalls": a.p2p_stalls(), "stalls": a.stalls(), "crash_events": a.crash_events()}
+            "p2p_stalls": a.p2p_stalls(), "stalls": a.stalls(), "crash_events": a.crash_events(),
+            "mismatches": a.collective_mismatches()}
 
 
 def test_failure_verdicts_read_few_rows_and_equal_those_of_the_whole_table(compacted_run):
@@ -136,8 +147,11 @@ def test_failure_verdicts_read_few_rows_and_equal_those_of_the_whole_table(compa
         for before in (None, T0 + 5 * 100 * MS, T0 + 31 * 100 * MS, T0 + 46 * 100 * MS, T0 + 60 * S):
             assert activity.last_ns(rank, before_ns=before) == reference.last_ns(rank, before_ns=before)
     assert _verdicts(fast) == _verdicts(whole)
-    codes = {"hang": ["HANG"], "crash": ["RANK_CRASH"], "p2p": ["HANG"], "clean": []}[scenario]
-    assert [v[0] for v in _verdicts(fast)] == codes
+    assert _mismatch_verdicts(fast) == _mismatch_verdicts(whole)
+    codes = {"hang": ["HANG"], "crash": ["RANK_CRASH"], "p2p": ["HANG"], "mismatch": ["COLLECTIVE_MISMATCH"],
+             "clean": []}[scenario]
+    assert [v[0] for v in _verdicts(fast) + _mismatch_verdicts(fast)] == codes
+    assert "collectives" not in recorded.whole
 
 
 def test_arrow_gives_the_filtered_columns_table_gives(compacted_run, tmp_path):

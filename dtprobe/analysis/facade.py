@@ -566,8 +566,9 @@ class RunAnalysis:
 
     def collective_mismatches(self) -> pd.DataFrame:
         """Per group and attempt: the first collective its members issued differently (or one skipped)."""
-        return self._memo("mismatches", lambda: _mismatch.collective_mismatches(self.table("collectives"),
-                                                                               self.table("steps")))
+        rows = self._failure_rows()
+        return self._memo("mismatches", lambda: _mismatch.collective_mismatches(
+            self.table("collectives") if rows is None else rows.group_calls(), self.table("steps")))
 
     def mismatch_findings(self) -> list[Finding]:
         """COLLECTIVE_MISMATCH (none without whole per-rank records, e.g. profiler windows each rank cut alone)."""

@@ -30,6 +30,11 @@ RECENT_COLUMNS = ["rank", "pg", "pg_ranks", "seq", "op", "peer", "step", "enqueu
 ``liveness.Activity``, ``liveness.attempt_starts`` and ``crashes.crash_events`` read of each rank's latest rows."""
 
 
+CALL_COLUMNS = ["rank", "pg", "pg_ranks", "pg_size", "seq", "op", "num_bytes", "dtype", "step", "restart",
+                "enqueue_ns"]
+"""The columns of ``FailureRows.group_calls`` read: what ``mismatch.collective_mismatches`` reads."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class FailureRows:
     """The collectives rows the failure verdicts read (see the module docstring)."""
@@ -48,6 +53,9 @@ class FailureRows:
     rank_rows: Callable[[int], pd.DataFrame] | None = None
     """All rows of one rank (``enqueue_ns``, ``end_ns``), for a liveness question about a time before
     ``recent_from``."""
+    group_calls: Callable[[], pd.DataFrame] | None = None
+    """Every collective (not send/recv) row with the columns ``mismatch.collective_mismatches`` reads (the
+    others null), read when called: the members' calls compared."""
 
     @property
     def doing(self) -> pd.DataFrame:
@@ -107,7 +115,13 @@ def read_failure_rows(source: Any, steps: pd.DataFrame) -> FailureRows | None:
         rows = read("collectives", columns=["enqueue_ns", "end_ns"], ranks=[rank])
         return rows.to_pandas(types_mapper={pa.int64(): pd.Int64Dtype()}.get)     # ns exact, nulls kept
 
-    return FailureRows(unfinished=unfinished, p2p=p2p, recent=recent, recent_from=recent_from, rank_rows=rank_rows)
+    def group_calls() -> pd.DataFrame:
+        calls = frame(pc.field("seq").is_valid() & ~pc.field("op").isin(sorted(P2P_OPS)), CALL_COLUMNS)
+        calls_added = added[~added["op"].isin(P2P_OPS) & added["seq"].notna()]
+        return calls if calls_added.empty else pd.concat([calls, calls_added], ignore_index=True)
+
+    return FailureRows(unfinished=unfinished, p2p=p2p, recent=recent, recent_from=recent_from, rank_rows=rank_rows,
+                       group_calls=group_calls)
 
 
 def _since(t: int) -> pc.Expression:

@@ -219,19 +219,16 @@ def read_compacted_file(tables_dir: Path, rel: str, name: str, expr: pc.Expressi
                          f"older dtprobe or another tool. {rebuild}")
     wanted = schema.names if columns is None else list(columns)
     try:
-        present = [c for c in schema.names if c not in missing]
         # dictionary columns decoded as such (also from files that hold them as plain strings): never a copy of
         # the value per row
-        fields = [schema.field(c) if pa.types.is_dictionary(schema.field(c).type) else file_schema.field(c)
-                  for c in present]
+        fields = [schema.field(c) if pa.types.is_dictionary(schema.field(c).type) or c in missing
+                  else file_schema.field(c) for c in schema.names]
+        # Columns added to the schema (same version) after this file was written are read as nulls (also in a
+        # filter naming them)
         data = ds.dataset(path, format="parquet", schema=pa.schema(fields))
         filter_after = expr is not None and any(c in missing for c in ("step", "rank"))
-        table = data.to_table(columns=[c for c in present if c in wanted or filter_after],
+        table = data.to_table(columns=[c for c in schema.names if c in wanted or filter_after],
                               filter=None if filter_after else expr)
-        # Columns added to the schema (same version) after this file was written are null here.
-        for column in missing:
-            if column in wanted or filter_after:
-                table = table.append_column(column, pa.nulls(table.num_rows, type=schema.field(column).type))
         if filter_after:
             table = filter_rows(table.select(schema.names).cast(schema), expr)
         return table.select(wanted).cast(_selected_schema(name, columns))

@@ -184,19 +184,22 @@ def load(source: Source):
 
 
 def load_overview(source: Source):
-    """What the Overview draws of the chosen source (``data.load_overview``; while the run is running
-    ``data.live_overview``, which may show the previous analysis while new rows are analyzed, said in a caption),
-    with the same caption and the same readable stop as ``load``."""
+    """(Overview, pending): what the Overview draws of the chosen source (``data.load_overview``; while the run is
+    running ``data.live_overview``, which may show the previous analysis while new rows are analyzed, or before the
+    first analysis ended the steps' key figures alone, ``pending``, said in a caption), with the same caption and
+    the same readable stop as ``load``."""
     if is_live(source):
         live = _loaded(source, data.live_overview)
-        overview = live.value
-        if live.updating:
+        overview, pending = live.value, live.pending
+        if pending:
+            st.caption(FINDINGS_PENDING)
+        elif live.updating:
             _updating_caption(overview.num_steps)
     else:
-        overview = _loaded(source, data.load_overview)
+        overview, pending = _loaded(source, data.load_overview), False
     if overview.window is not None:
         _window_caption(overview.window, overview.num_steps)
-    return overview
+    return overview, pending
 
 
 def _loaded(source: Source, loader: Callable):
@@ -208,6 +211,11 @@ def _loaded(source: Source, loader: Callable):
     except (TraceError, ConfigError) as exc:
         st.error(f"Cannot read {source.name}: {exc}")
         _stop()
+
+
+FINDINGS_PENDING = ("Analyzing the run in the background: the key figures of its steps are shown meanwhile; "
+                    "findings and communication figures appear when the analysis is done.")
+"""Caption of a live Overview drawn before its first analysis ended (``data.Live.pending``)."""
 
 
 def _updating_caption(num_steps: int) -> None:

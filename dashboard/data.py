@@ -14,7 +14,9 @@ and stored for the next start.
 While a running run is re-analyzed, a live page refresh (``live_overview``) does not wait for it when the source's
 previous analysis took ``LIVE_BLOCK_S`` or longer (a 1,024-rank run): the re-analysis runs on a background thread
 and the page shows the previous Overview, saying which steps it covers, until the new one is ready. Smaller runs
-are re-analyzed before the refresh returns, as before.
+are re-analyzed before the refresh returns, as before. The first analysis of a large live run (``LARGE_EVENTS_BYTES``
+of events) runs in the background too, while the Overview shows the key figures of the steps table alone (read
+apart, so it costs the steps, not the collectives).
 
 The caches are plain module state shared by every session (``st.cache_data`` would pickle a store on every
 hit; the tests and benchmarks also call these functions without a Streamlit runtime); the few rows of a
@@ -25,6 +27,7 @@ Timeline window (``load_window``) are read from the store with the window pushed
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -49,6 +52,10 @@ if TYPE_CHECKING:  # imported where used: a stored Overview is drawn before the 
 
 MAX_SOURCES = 16
 """Runs or trace folders kept open at once (least recently used ones are dropped)."""
+LARGE_EVENTS_BYTES = 64 << 20
+"""Events on disk from which a live run is analyzed in the background (``live_overview``): its first analysis while
+the Overview shows the key figures of the steps table, a slow re-analysis while a refresh shows the previous one.
+A smaller run's analysis is always waited for (on a busy machine it may take longer than ``LIVE_BLOCK_S``)."""
 LIVE_BLOCK_S = 1.0
 """A live refresh waits for the re-analysis of new rows only when the source's previous analysis took less than
 this; a longer one runs in the background while the page shows the previous Overview."""
@@ -71,6 +78,8 @@ class _Entry:
     """The background re-analysis of a live refresh, while it runs."""
     worker_error: BaseException | None = None
     """What the last background re-analysis raised, handed to the next refresh."""
+    large: bool = False
+    """A live run with ``LARGE_EVENTS_BYTES`` of events or more (``_is_large``)."""
     files_token: Any = None
     """``_files_token`` of a finished run when it was last read: a rerun of a page skips ``RunStore.refresh`` (which
     checks every rank's events file of every table) while it is unchanged."""
@@ -220,15 +229,25 @@ class Live:
     value: Any
     updating: bool
     """Rows read since are being analyzed in the background; ``value`` is of the previous analysis."""
+    pending: bool = False
+    """The first analysis is still running: ``value`` holds the key figures of the steps table alone, no findings."""
 
 
 def live_overview(source: Source, *, whole_run: bool = False) -> Live:
-    """The Overview of a running run for a live refresh: ``load_overview`` when the source's previous analysis took
-    less than ``LIVE_BLOCK_S`` (or there is none yet); else the previous Overview at once, while a background thread
-    reads the new rows and re-analyzes (one at a time per source). What that thread raised (TraceError for damaged
-    rows) is raised by the next call."""
+    """The Overview of a running run for a live refresh: ``load_overview`` when the run's events hold less than
+    ``LARGE_EVENTS_BYTES`` or its previous analysis took less than ``LIVE_BLOCK_S``; else the previous Overview at
+    once, while a background thread reads the new rows and re-analyzes (one at a time per source). The first
+    analysis of a large run runs on that thread too, while the page shows the key figures of the steps table alone
+    (``Live.pending``). What that thread raised (TraceError for damaged rows) is raised by the next call."""
     entry = _entry(str(source.path), None)
-    if entry.overviews.get(whole_run) is None or entry.build_s < LIVE_BLOCK_S:
+    if not _is_large(entry, source.path):
+        return Live(load_overview(source, whole_run=whole_run), updating=False)
+    if entry.overviews.get(whole_run) is None:
+        quick = _steps_overview(source, whole_run)   # before the analysis starts, which would slow it down
+        _refresh_behind(entry, source, whole_run)
+        return Live(quick, updating=True, pending=True)
+    _STEPS_ONLY.pop(str(source.path), None)   # the analysis is there: the steps-only store is not needed
+    if entry.build_s < LIVE_BLOCK_S:
         return Live(load_overview(source, whole_run=whole_run), updating=False)
     updating = _refresh_behind(entry, source, whole_run)
     return Live(entry.overviews[whole_run][1], updating=updating)
@@ -238,7 +257,7 @@ def live_analysis(source: Source, *, whole_run: bool = False) -> Live:
     """``live_overview`` for the pages that draw from the analysis: the previous analysis at once while a slow
     re-analysis runs in the background, else ``load_analysis``."""
     entry = _entry(str(source.path), None)
-    if entry.analyses.get(whole_run) is None or entry.build_s < LIVE_BLOCK_S:
+    if entry.analyses.get(whole_run) is None or entry.build_s < LIVE_BLOCK_S or not _is_large(entry, source.path):
         return Live(load_analysis(source, whole_run=whole_run), updating=False)
     updating = _refresh_behind(entry, source, whole_run)
     return Live(entry.analyses[whole_run][1], updating=updating)
@@ -256,6 +275,49 @@ def _refresh_behind(entry: _Entry, source: Source, whole_run: bool) -> bool:
                                             name=f"dtprobe-refresh-{source.name}", daemon=True)
             entry.worker.start()
         return entry.worker.is_alive()
+
+
+def _is_large(entry: _Entry, run_dir: Path) -> bool:
+    """The run's events hold ``LARGE_EVENTS_BYTES`` or more (once large, a run stays so: not checked again)."""
+    if not entry.large:
+        entry.large = _events_bytes(run_dir) >= LARGE_EVENTS_BYTES
+    return entry.large
+
+
+def _events_bytes(run_dir: Path) -> int:
+    """Bytes of the run's events files (one directory scan per table)."""
+    events = run_dir / "events"
+    if not events.is_dir():
+        return 0
+    total = 0
+    with os.scandir(events) as tables:
+        for table in tables:
+            if table.is_dir():
+                with os.scandir(table.path) as files:
+                    total += sum(f.stat().st_size for f in files if f.is_file())
+    return total
+
+
+def _steps_overview(source: Source, whole_run: bool) -> Overview:
+    """``summary.steps_overview`` of ``source``, its steps table opened apart (and tailed on later calls), so the
+    first analysis' lock and reads are not waited for."""
+    from dtprobe.store import RunStore
+
+    path = str(source.path)
+    with _LOCK:
+        store = _STEPS_ONLY.get(path)
+    window = live_window_steps()
+    if store is None:
+        store = RunStore.open(path, tables=("steps",), tail_steps=window or None)
+        with _LOCK:
+            _STEPS_ONLY[path] = store
+    else:
+        store.refresh()
+    return summary.steps_overview(store, whole_run=whole_run, window=window, path=path)
+
+
+_STEPS_ONLY: dict[str, Any] = {}
+"""path -> the ``RunStore`` of a live run's steps table alone (``_steps_overview``)."""
 
 
 def _refresh_in_background(entry: _Entry, source: Source, whole_run: bool) -> None:
@@ -315,6 +377,7 @@ def clear() -> None:
     with _LOCK:
         _ENTRIES.clear()
         _STORED.clear()
+        _STEPS_ONLY.clear()
 
 
 def open_store(source: Source):

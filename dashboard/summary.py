@@ -35,6 +35,29 @@ def analyze(store: Any, kind: str, *, whole_run: bool, window: int):
     return RunAnalysis(src)
 
 
+def steps_overview(store: Any, *, whole_run: bool, window: int, path: str):
+    """The Overview a live page shows while the first analysis of a large run is still running: the key figures of
+    the ``steps`` table alone (steps, step time, tokens/s, MFU) and their trends, the others unknown, no findings
+    (``store`` holds the steps table only: nothing else is read)."""
+    import time
+    from dataclasses import fields
+
+    from dtprobe.analysis.key_figures import KeyFigures
+    from dtprobe.analysis.window import StepWindow
+    from dtprobe.overview import Overview, trends
+
+    analysis = analyze(store, "run", whole_run=whole_run, window=window)
+    source = analysis.source
+    k = analysis.throughput_summary()
+    figures = {**{f.name: None for f in fields(KeyFigures)}, **{key: k.get(key) for key in (
+        "step_time_ms", "tokens_per_s", "mfu", "mfu_reason")}, "num_steps": store.num_steps()}
+    window_of = source if isinstance(source, StepWindow) else None
+    return Overview(path=path, whole=window_of is None, figures=figures, num_steps=store.num_steps(),
+                    trends=trends(analysis), findings=(), made_s=time.time(),
+                    window=window_of.describe() if window_of is not None else None,
+                    clock_aligned=analysis.clock_alignment(), arrival_clock=None)
+
+
 def main(argv: list[str] | None = None) -> int:
     from dtprobe import summary_store
     from dtprobe.dashboard.paths import list_sources, live_window_steps, root_from_env, source_kind

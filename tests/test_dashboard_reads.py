@@ -109,6 +109,7 @@ def test_slow_live_analysis_refreshes_at_once_with_the_previous_overview_then_sh
     run.write_steps(5)
     at = _app(tmp_path, monkeypatch)
     assert not at.exception and _steps_metric(at) == "5"
+    monkeypatch.setattr(data, "LARGE_EVENTS_BYTES", 0)  # the run grew large: its slow re-analyses run behind
     source = resolve_choice(tmp_path, "live")
     gate = threading.Event()
     analyze = data.summary.analyze
@@ -136,12 +137,44 @@ def test_slow_live_analysis_refreshes_at_once_with_the_previous_overview_then_sh
     assert spy.events and all(thread.startswith("dtprobe-refresh-") for _, _, thread in spy.events)
 
 
+def test_a_slow_first_live_analysis_draws_the_steps_key_figures_at_once_then_the_findings(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "LARGE_EVENTS_BYTES", 0)  # as if the run were large: its first analysis runs behind
+    run = SyntheticRun(tmp_path / "live", num_ranks=4, straggler_rank=STRAGGLER_RANK)
+    run.write_steps(5)
+    gate = threading.Event()
+    analyze = data.summary.analyze
+
+    def held_analyze(*args, **kwargs):  # the background analysis waits until the page has been drawn
+        if threading.current_thread().name.startswith("dtprobe-refresh-"):
+            assert gate.wait(60)
+        return analyze(*args, **kwargs)
+
+    monkeypatch.setattr(data.summary, "analyze", held_analyze)
+    spy = ReadSpy(monkeypatch)
+    at = _app(tmp_path, monkeypatch)
+    assert not at.exception, [e.message for e in at.exception]
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["steps"] == "5" and metrics["step time"] != "-" and metrics["exposed comm"] == "-"
+    assert any("key figures of its steps" in c.value for c in at.caption)
+    assert not at.success and not at.warning and not at.error               # no health verdict yet
+    drawn = {Path(path).parent.name for path, _, thread in spy.events if not thread.startswith("dtprobe-refresh-")}
+    assert drawn == {"steps"}                                                # the page read the steps alone
+    gate.set()
+    data.wait_for_refresh(resolve_choice(tmp_path, "live"), 60)
+    at.run()
+    assert not at.exception
+    assert not any("key figures of its steps" in c.value for c in at.caption)
+    assert any("STRAGGLER" in m.value and f"ranks {STRAGGLER_RANK} " in m.value for m in at.markdown)
+    assert {m.label: m.value for m in at.metric}["exposed comm"] != "-"
+
+
 def test_what_the_background_re_analysis_raised_is_shown_by_the_next_refresh(tmp_path, monkeypatch):
     monkeypatch.setattr(data, "LIVE_BLOCK_S", 0.0)
     run = SyntheticRun(tmp_path / "live", num_ranks=2)
     run.write_steps(3)
     at = _app(tmp_path, monkeypatch)
     assert _steps_metric(at) == "3"
+    monkeypatch.setattr(data, "LARGE_EVENTS_BYTES", 0)
     stray = run.run_dir / "events" / "steps" / "rank00007.jsonl"  # a rank with events but no rank info
     stray.write_text('{"rank": 7, "step": 0, "start_ns": 1, "end_ns": 2}\n')
     at.run()  # starts the re-analysis, which fails

@@ -2,7 +2,8 @@
 how the ranks' clocks were aligned and which clock arrivals were read on, health, findings by severity (each
 naming the clock of its timing evidence and linking to its page), key figures of the chosen run with the trend
 of step time and tokens/s (per-rank charts are on the pages the findings link to). Drawn from an
-``Overview`` (``data.load_overview``: a finished run's stored summary when valid), with no chart library."""
+``Overview`` (``data.load_overview``: a finished run's stored summary when valid; a large live run's steps figures
+alone while its first analysis runs), with no chart library."""
 
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ from dtprobe.dashboard.nav import FINDING_PAGE
 
 
 def body(source) -> None:
-    overview = common.load_overview(source)
+    overview, pending = common.load_overview(source)
     for crash in (f for f in overview.findings if f.code == "RANK_CRASH"):   # every crash and restart, first
         st.markdown(f"**:{common.SEVERITY_BADGE[crash.severity]}[crash]** {crash.title}")
     for line in overview.restarts:                                          # restarts no crash line tells
         st.markdown(f"**:orange[restart]** {line}")
-    st.caption(clocks.run_clocks(overview.clock_aligned, overview.arrival_clock))
+    if not pending:   # the arrival clock is known once the collectives are analyzed
+        st.caption(clocks.run_clocks(overview.clock_aligned, overview.arrival_clock))
     items = list(common.key_figures(overview).items())
     for row in (items[:4], items[4:]):
         for col, (label, value) in zip(st.columns(4, border=True), row):
@@ -28,6 +30,8 @@ def body(source) -> None:
     reason = overview.figures["mfu_reason"]
     if overview.figures["mfu"] is None and reason:
         st.caption(f"MFU: {reason}")
+    if pending:       # no health verdict before the findings are known
+        return
     findings = overview.findings
     worst = findings[0].severity if findings else None
     if worst == "critical":

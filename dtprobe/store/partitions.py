@@ -114,14 +114,6 @@ def write_partitions(rows: pa.Table, tables_dir: Path, name: str,
     return files, ordered
 
 
-def steps_per_block(rows: pa.Table) -> dict[int, int]:
-    """Distinct non-negative steps of ``rows`` per step block (over all ranks), for the marker."""
-    step = pc.unique(pc.drop_null(rows.column("step"))).to_numpy()
-    step = step[step >= 0]
-    blocks, counts = np.unique(step // STEP_BLOCK_STEPS, return_counts=True)
-    return {int(b): int(n) for b, n in zip(blocks, counts)}
-
-
 def block_of(step: np.ndarray) -> np.ndarray:
     """The step block of each step (``NO_STEP_BLOCK`` for negative steps)."""
     return np.where(step >= 0, step // STEP_BLOCK_STEPS, NO_STEP_BLOCK)

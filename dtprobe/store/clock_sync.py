@@ -172,12 +172,8 @@ def align_rows(rows: pa.Table, columns: tuple[str, ...], model: ClockModel, basi
         times = pc.fill_null(values, 0).to_numpy(zero_copy_only=False).astype(np.int64)
         shift = np.empty(len(times), dtype=np.int64)
         for rank, idx in runs:
-            if basis is not None:
-                shift[idx] = basis.shifts(model, rank, times[idx], source)
-            elif rank in model.samples:
-                shift[idx] = model.samples[rank].at(times[idx])
-            else:
-                shift[idx] = model.constants[rank]
+            shift[idx] = (model.offsets_at(rank, times[idx]) if basis is None
+                          else basis.shifts(model, rank, times[idx], source))
         i = rows.schema.get_field_index(col)
         rows = rows.set_column(i, col, pc.add(values, pa.array(shift, type=pa.int64())))
     return rows

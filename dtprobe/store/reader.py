@@ -30,7 +30,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from dtprobe.store.clock_sync import Basis, ClockModel
+from dtprobe.store.clock_sync import Basis, ClockModel, align_rows
 from dtprobe.store.errors import TraceError
 from dtprobe.store.derived import read_derived
 from dtprobe.store.frames import SORT_KEYS, arrow_to_frame, empty_frame, memory_schema, time_columns
@@ -643,20 +643,8 @@ def _align(chunk: _Chunk, name: str, model: ClockModel, run_dir: Path) -> pa.Tab
             i = rows.schema.get_field_index(col)
             rows = rows.set_column(i, col, pc.add(rows.column(col), shift))
         return rows
-    order = np.argsort(ranks, kind="stable")
-    bounds = np.searchsorted(ranks[order], present)
-    slices = [(int(r), order[b:e]) for r, b, e in zip(present, bounds, list(bounds[1:]) + [len(order)])]
-    source = f"the compacted '{name}' table in {run_dir / TABLES_DIR}"
-    for col in cols:
-        values = rows.column(col)
-        times = pc.fill_null(values, 0).to_numpy(zero_copy_only=False).astype(np.int64)
-        shift = np.zeros(len(times), dtype=np.int64)
-        for rank, idx in slices:
-            shift[idx] = (model.offsets_at(rank, times[idx]) if basis is None
-                          else basis.shifts(model, rank, times[idx], source))
-        i = rows.schema.get_field_index(col)
-        rows = rows.set_column(i, col, pc.add(values, pa.array(shift, type=pa.int64())))
-    return rows
+    return align_rows(rows, tuple(cols), model, basis,
+                      source=f"the compacted '{name}' table in {run_dir / TABLES_DIR}")
 
 
 def _sort(rows: pa.Table, keys: tuple[str, ...]) -> pa.Table:

@@ -213,7 +213,7 @@ class RunAnalysis:
     def _derived(self, name: str, compute: Callable[[], pd.DataFrame]) -> pd.DataFrame:
         # a compacted run's per-step frame kept at compaction when it is still the whole run's, else computed
         kept = getattr(self.source, "derived_table", None)
-        kept = kept(name, _derived.KEY) if kept is not None else None
+        kept = kept(name, _derived.KEY, deriver=_derived.deriver) if kept is not None else None
         return _derived.whole_run_frame(name, kept) if kept is not None else compute()
 
     def straggler_scores(self) -> pd.DataFrame:

@@ -120,11 +120,7 @@ def read_derived(tables_dir: Path, entry: dict, name: str,
     """The derived table ``name`` of a marker's ``derived`` entry: its step blocks' frames concatenated in block
     order (only the blocks that can hold ``steps``, then filtered to them); an empty frame without columns when it
     has no rows. TraceError names a damaged or missing file and the fix."""
-    files = entry["tables"][name]["files"]
-    if steps is not None:
-        first, last = steps
-        files = [f for f in files if (first is None or (f["step_block"] + 1) * STEP_BLOCK_STEPS > first)
-                 and (last is None or f["step_block"] * STEP_BLOCK_STEPS <= last)]
+    files = [f for f in entry["tables"][name]["files"] if block_in_steps(f["step_block"], steps)]
     parts = []
     for f in files:
         path = tables_dir / f["path"]
@@ -134,6 +130,21 @@ def read_derived(tables_dir: Path, entry: dict, name: str,
             raise TraceError(f"'{path}', a derived table listed in {tables_dir / '_compacted.json'}, cannot be "
                              f"read ({exc}). Delete {tables_dir} and run `dtprobe compact {tables_dir.parent}` "
                              f"to rebuild it.") from None
+    return blocks_frame(parts, steps)
+
+
+def block_in_steps(step_block: int, steps: tuple[int | None, int | None] | None) -> bool:
+    """Whether step block ``step_block`` can hold rows of ``steps`` (inclusive, None ends open; None: all)."""
+    if steps is None:
+        return True
+    first, last = steps
+    return ((first is None or (step_block + 1) * STEP_BLOCK_STEPS > first)
+            and (last is None or step_block * STEP_BLOCK_STEPS <= last))
+
+
+def blocks_frame(parts: list[pa.Table], steps: tuple[int | None, int | None] | None = None) -> pd.DataFrame:
+    """A derived table's step blocks' frames (``parts``, in block order) as one frame, filtered to ``steps``; an
+    empty frame without columns when no block has rows (compacted files and ``live_derived`` alike)."""
     if not parts:
         return pd.DataFrame()
     # a block's frame types a column by its own values (step_ns is float in the block whose last step has no

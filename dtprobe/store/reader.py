@@ -22,7 +22,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 import orjson
@@ -32,13 +32,14 @@ import pyarrow.compute as pc
 
 from dtprobe.store.clock_sync import Basis, ClockModel, align_rows
 from dtprobe.store.errors import TraceError
-from dtprobe.store.derived import read_derived
+from dtprobe.store.derived import Deriver, read_derived
 from dtprobe.store.frames import SORT_KEYS, arrow_to_frame, empty_frame, memory_schema, time_columns
 from dtprobe.store.groups import GROUPS_SINCE_VERSION, fill_members, missing_groups_error
 from dtprobe.store.jsonl import FileCursor, last_step_in_file, read_new_rows, read_new_rows_batched, tail_cursor
+from dtprobe.store.live_derived import LiveDerived
 from dtprobe.store.manifest import Manifest, check_schema_version, read_manifest
 from dtprobe.store.partitions import NO_STEP_BLOCK, PartFile, block_of, filter_rows, read_files, row_filter
-from dtprobe.store.schema import COMPACT_FILE, EVENTS_FILE, GROUPED_TABLES, SCHEMAS, STEP_TABLES
+from dtprobe.store.schema import COMPACT_FILE, EVENTS_FILE, GROUPED_TABLES, SCHEMAS, STEP_BLOCK_STEPS, STEP_TABLES
 from dtprobe.store.source import SourceInfo, run_info
 
 EVENTS_DIR = Path(EVENTS_FILE).parts[0]
@@ -98,6 +99,7 @@ class RunStore:
         self._lock = threading.RLock()
         self._tail_from_step: int | None = None
         self._clock: tuple[tuple, int, ClockModel] | None = None   # (rank offsets, clock rows, model)
+        self._live_derived = LiveDerived()
 
     @classmethod
     def open(cls, path: str | os.PathLike, *, tables: Iterable[str] | None = None,
@@ -270,12 +272,21 @@ class RunStore:
             rows = pa.concat_tables(parts)
             return (rows if in_order else _sort(rows, keys)).select(wanted)
 
-    def derived_table(self, name: str, key: dict, *,
-                      steps: tuple[int | None, int | None] | None = None) -> pd.DataFrame | None:
+    def derived_table(self, name: str, key: dict, *, steps: tuple[int | None, int | None] | None = None,
+                      deriver: Callable[[], Deriver] | None = None) -> pd.DataFrame | None:
         """The derived per-step table ``name`` written at compaction (``store.derived``), when the marker records
         it under the same ``key`` and the compacted tables are still all of the run (no events line appended
-        since, the same clock offsets, the whole run opened); else None: compute it from the rows."""
+        since, the same clock offsets, the whole run opened); else None: compute it from the rows.
+        Of a run not compacted, with ``deriver`` (makes a fresh ``Deriver`` of ``key``): the frames ``deriver``
+        computes from the events rows per step block, kept, and recomputed only for the blocks whose rows
+        changed since (``live_derived``); None when the store is partial (``open(tail_steps=...)``) or the
+        deriver finds its blocks' frames would differ from the whole run's."""
         with self._lock:
+            if self._compacted is None:
+                if deriver is None or self._tail_from_step is not None:
+                    return None
+                return self._live_derived.table(name, key, deriver, clock=self.clock_model().key,
+                                                counts=self._block_counts, rows=self._block_rows, steps=steps)
             derived = (self._compacted or {}).get("derived") or {}
             if (derived.get("key") != key or name not in derived.get("tables", {}) or self._tail_from_step is not None
                     or not self.compaction_is_whole()):
@@ -492,6 +503,25 @@ class RunStore:
             chunks.insert(0, _Chunk(self._read_compacted(name, state, files, expr), self._compacted_basis(),
                                     in_order=state.ordered or len(files) == 1))
         return self._aligned_chunks(name, chunks, self.clock_model())
+
+    def _block_counts(self, name: str) -> dict[int, int]:
+        """Rows per step block (``partitions.block_of``; -1: outside steps) of a not compacted table."""
+        steps = [c.rows.column("step") for c in self._load(name).chunks if c.rows.num_rows]
+        if not steps:
+            return {}
+        step = pc.fill_null(pa.chunked_array([a for c in steps for a in c.chunks], type=pa.int64()), -1)
+        found, count = np.unique(block_of(step.to_numpy()), return_counts=True)
+        return dict(zip(found.tolist(), count.tolist()))
+
+    def _block_rows(self, name: str, block: int) -> pd.DataFrame:
+        """A not compacted table's rows of step block ``block`` as ``table()`` gives them (-1: outside steps)."""
+        if block == NO_STEP_BLOCK:
+            expr = pc.field("step").is_null() | (pc.field("step") < 0)
+        else:
+            expr = row_filter((block * STEP_BLOCK_STEPS, (block + 1) * STEP_BLOCK_STEPS - 1), None)
+        chunks = [_Chunk(filter_rows(c.rows, expr), c.basis, c.in_order) for c in self._load(name).chunks]
+        rows = self._aligned_chunks(name, chunks, self.clock_model())
+        return arrow_to_frame(rows, name) if rows.num_rows else empty_frame(name)
 
     def _tail(self, name: str, state: _TableState) -> int:
         known = self._manifest.clock_offsets_ns

@@ -94,7 +94,17 @@ def step_time_overview(steps: pd.DataFrame, *, marked: list[int] | None = None, 
         return step_time_by_rank(steps, marked=marked)
     df = steps.dropna(subset=["start_ns", "end_ns"]).assign(
         step_ms=lambda d: (d["end_ns"] - d["start_ns"]).astype("float64") / 1e6)
-    per_step = df.groupby("step")["step_ms"].agg(["min", "median", "max"]).reset_index()
+    by_rank = df.groupby("rank")["step_ms"].median().sort_values(ascending=False)
+    fig = _spread_over_ranks(df, "step_ms", [*(marked or []), *by_rank.index[:slowest]], marked=marked)
+    fig.update_xaxes(title="step")
+    fig.update_yaxes(title="step time (ms)")
+    return _layout(fig, f"Step time over {len(by_rank)} ranks (slowest {slowest} drawn)")
+
+
+def _spread_over_ranks(df: pd.DataFrame, column: str, ranks: list, *, marked: list[int] | None = None) -> go.Figure:
+    """``column`` (one row per rank and step) over the step axis as its median over ranks and min-max band, plus a
+    line for each of ``ranks`` (``marked`` ones thick): a few traces whatever the number of ranks."""
+    per_step = df.groupby("step")[column].agg(["min", "median", "max"]).reset_index()
     fig = go.Figure()
     fig.add_trace(go.Scatter(x=per_step["step"], y=per_step["max"], mode="lines", line=dict(width=0),
                              showlegend=False, hoverinfo="skip"))
@@ -102,15 +112,11 @@ def step_time_overview(steps: pd.DataFrame, *, marked: list[int] | None = None, 
                              fill="tonexty", fillcolor="rgba(31,119,180,0.18)", name="min-max over ranks"))
     fig.add_trace(go.Scatter(x=per_step["step"], y=per_step["median"], mode="lines", name="median over ranks",
                              line=dict(color="#1f77b4", width=2)))
-    by_rank = df.groupby("rank")["step_ms"].median().sort_values(ascending=False)
-    shown = list(dict.fromkeys([*(marked or []), *by_rank.index[:slowest]]))
-    for rank in shown:
+    for rank in dict.fromkeys(ranks):
         one = df[df["rank"] == rank]
-        fig.add_trace(go.Scatter(x=one["step"], y=one["step_ms"], mode="lines", name=_rank_label(rank),
+        fig.add_trace(go.Scatter(x=one["step"], y=one[column], mode="lines", name=_rank_label(rank),
                                  line=dict(width=4 if marked and rank in marked else 1.5)))
-    fig.update_xaxes(title="step")
-    fig.update_yaxes(title="step time (ms)")
-    return _layout(fig, f"Step time over {len(by_rank)} ranks (slowest {slowest} drawn)")
+    return fig
 
 
 def loss_curve(steps: pd.DataFrame, *, overflow_steps: list[int] | None = None) -> go.Figure:
@@ -445,8 +451,19 @@ def compression(summary: pd.DataFrame) -> go.Figure:
 # ----------------------------------------------------------------------------------------------- pipeline
 
 
+PIPELINE_MAX_ROWS = 16
+"""Above this many ranks, the pipeline Gantt draws one rank per stage (the lowest: one pipeline of the job)."""
+
+
 def pipeline_gantt(pipeline: pd.DataFrame) -> go.Figure:
-    """Stage × time Gantt of F/B/W actions of one step, labelled by micro-batch."""
+    """Stage × time Gantt of F/B/W actions of one step, labelled by micro-batch; above ``PIPELINE_MAX_ROWS`` ranks
+    the lowest rank of each stage only, said in the title."""
+    num_ranks = pipeline["rank"].nunique()
+    title = "Pipeline schedule (stage × time)"
+    if num_ranks > PIPELINE_MAX_ROWS:
+        lowest = pipeline.groupby("stage")["rank"].transform("min")
+        pipeline = pipeline[pipeline["rank"] == lowest]
+        title += f": the lowest rank of each stage, of {num_ranks} ranks"
     p = pipeline.dropna(subset=["start_ns", "end_ns"]).assign(
         y=lambda d: "stage " + d["stage"].astype(str) + " (rank " + d["rank"].astype(str) + ")",
         kind=lambda d: d["action"].astype(str),
@@ -461,19 +478,19 @@ def pipeline_gantt(pipeline: pd.DataFrame) -> go.Figure:
         trace.textposition = "inside"
     order = list(dict.fromkeys(p.sort_values(["stage", "rank"])["y"]))
     fig.update_yaxes(categoryorder="array", categoryarray=order[::-1])
-    return _layout(fig, "Pipeline schedule (stage × time)", height=max(280, 50 * len(order) + 120))
+    return _layout(fig, title, height=max(280, 50 * len(order) + 120))
 
 
 def bubble_measured_vs_ideal(by_rank: pd.DataFrame, *, ideal_frac: float | None) -> go.Figure:
     """Measured bubble share per rank, with the schedule's ideal bubble as a dashed line."""
-    df = by_rank.assign(rank=lambda d: d["rank"].map(_rank_label))
+    df, block = rank_blocks(by_rank, ["bubble_frac"])
     fig = px.bar(df, color_discrete_sequence=PALETTE,
                  x="rank", y="bubble_frac", labels={"bubble_frac": "bubble (share of window)", "rank": ""})
     if ideal_frac is not None:
         fig.add_hline(y=ideal_frac, line_dash="dash", line_color=MARK_COLOR,
                       annotation_text=f"ideal {ideal_frac:.1%}")
     fig.update_yaxes(tickformat=".0%")
-    return _layout(fig, "Bubble: measured vs ideal", height=300)
+    return _layout(fig, _binned_title("Bubble: measured vs ideal", block), height=300)
 
 
 # ----------------------------------------------------------------------------------------------- precision / ckpt
@@ -492,12 +509,26 @@ def loss_scale(amp_steps: pd.DataFrame) -> go.Figure:
 
 
 def checkpoint_times(checkpoints: pd.DataFrame) -> go.Figure:
-    """Per save/load and rank: blocking and async time (ms)."""
+    """Per save/load and rank: blocking and async time (ms); above ``MAX_RANK_LINES`` ranks, per save/load the
+    slowest rank's and the mean over ranks (a panel per rank would not fit)."""
     df = checkpoints.assign(
         event=lambda d: d["kind"].astype(str) + " @ step " + d["step"].astype(str),
-        rank=lambda d: d["rank"].map(_rank_label),
         blocking_ms=lambda d: d["blocking_ns"].astype("float64") / 1e6,
         async_ms=lambda d: d["async_ns"].astype("float64").fillna(0) / 1e6)
+    num_ranks = df["rank"].nunique()
+    if num_ranks > MAX_RANK_LINES:
+        per_event = df.groupby("event", sort=False).agg(
+            blocking_max=("blocking_ms", "max"), blocking_mean=("blocking_ms", "mean"), async_max=("async_ms", "max"))
+        fig = go.Figure()
+        for i, (col, name) in enumerate((("blocking_max", "blocking, slowest rank"),
+                                         ("blocking_mean", "blocking, mean over ranks"),
+                                         ("async_max", "async, slowest rank"))):
+            fig.add_trace(go.Bar(x=per_event.index.tolist(), y=per_event[col], name=name,
+                                 marker_color=PALETTE[i % len(PALETTE)]))
+        fig.update_layout(barmode="group")
+        fig.update_yaxes(title="ms")
+        return _layout(fig, f"Checkpoint time per event over {num_ranks} ranks: blocking vs async")
+    df["rank"] = df["rank"].map(_rank_label)
     long = df.melt(id_vars=["event", "rank"], value_vars=["blocking_ms", "async_ms"], var_name="time",
                    value_name="ms")
     fig = px.bar(long, color_discrete_sequence=PALETTE,
@@ -509,10 +540,21 @@ def checkpoint_times(checkpoints: pd.DataFrame) -> go.Figure:
 # ----------------------------------------------------------------------------------------------- devices
 
 
-def device_series(devices: pd.DataFrame, *, column: str, label: str) -> go.Figure:
-    """One device metric per rank over the step axis (samples outside steps dropped)."""
+def device_series(devices: pd.DataFrame, *, column: str, label: str, outliers: int = 3) -> go.Figure:
+    """One device metric per rank over the step axis (samples outside steps dropped); above ``MAX_RANK_LINES``
+    ranks its median over ranks, the min-max band and the ``outliers`` ranks furthest from the median (mean
+    distance over the steps)."""
     df = devices.dropna(subset=[column])
     df = df[df["step"].fillna(-1) >= 0].groupby(["rank", "step"], as_index=False)[column].mean()
+    num_ranks = df["rank"].nunique()
+    if num_ranks > MAX_RANK_LINES:   # the spread and the ranks furthest from the median, not a line per rank
+        off = (df[column] - df.groupby("step")[column].transform("median")).abs().groupby(df["rank"]).mean()
+        far = off.sort_values(ascending=False, kind="stable").index[:outliers]
+        fig = _spread_over_ranks(df, column, list(far))
+        fig.update_xaxes(title="step")
+        fig.update_yaxes(title=label)
+        return _layout(fig, f"{label} over {num_ranks} ranks (the {len(far)} furthest from the median drawn)",
+                       height=300)
     df["rank"] = df["rank"].map(_rank_label)
     fig = px.line(df, color_discrete_sequence=PALETTE,
                   x="step", y=column, color="rank", labels={column: label, "rank": ""})
@@ -524,13 +566,13 @@ def device_series(devices: pd.DataFrame, *, column: str, label: str) -> go.Figur
 
 def temporal_breakdown(temporal: pd.DataFrame) -> go.Figure:
     """Per rank: idle / compute / non-compute share of the kernel span (HTA semantics)."""
-    df = temporal.assign(rank=lambda d: d["rank"].map(_rank_label))
+    df, block = rank_blocks(temporal, ["compute_frac", "non_compute_frac", "idle_frac"])
     fig = go.Figure()
     for col, name in (("compute_frac", "compute"), ("non_compute_frac", "non-compute"), ("idle_frac", "idle")):
         fig.add_trace(go.Bar(x=df["rank"], y=df[col], name=name))
     fig.update_layout(barmode="stack")
     fig.update_yaxes(tickformat=".0%", title="share of kernel span")
-    return _layout(fig, "Temporal breakdown per rank")
+    return _layout(fig, _binned_title("Temporal breakdown per rank", block))
 
 
 def kernel_types(breakdown: pd.DataFrame) -> go.Figure:

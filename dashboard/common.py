@@ -247,9 +247,11 @@ def marked_ranks() -> list[int]:
     return [int(part) for part in raw.split(",") if part.strip().isdigit()]
 
 
-def findings_for(analysis, codes: tuple[str, ...]) -> list:
-    """The run's findings whose code is one of ``codes`` (worst first)."""
-    return [f for f in analysis.findings() if f.code in codes]
+def findings_for(source: Source, analysis, codes: tuple[str, ...]) -> list:
+    """The findings whose code is one of ``codes`` (worst first) as the Overview lists them
+    (``data.finding_lines``: of a finished run its stored Overview's, so the analysis need not find them all), for
+    a code no facade method detects alone (else ``findings_with_evidence``)."""
+    return [f for f in data.finding_lines(source, analysis) if f.code in codes]
 
 
 def findings_with_evidence(source: Source, analysis, detectors: dict[str, str]) -> list:
@@ -260,8 +262,11 @@ def findings_with_evidence(source: Source, analysis, detectors: dict[str, str]) 
 
 def show_findings(findings: list, *, key: str) -> None:
     """Each finding as a bordered box: severity, ranks, title, the clock of its timing evidence, recommendation,
-    evidence rows on demand."""
-    for index, finding in enumerate(findings):
+    evidence rows on demand; the first ``MAX_FINDING_CARDS`` (worst first), said in a caption when there are more
+    (e.g. a finding per rank of a 1,024-rank run)."""
+    if len(findings) > MAX_FINDING_CARDS:
+        st.caption(f"The first {MAX_FINDING_CARDS} of {len(findings):,} findings (worst first).")
+    for index, finding in enumerate(findings[:MAX_FINDING_CARDS]):
         with st.container(border=True):
             st.markdown(f"**:{SEVERITY_BADGE[finding.severity]}[{finding.severity.upper()}] {finding.code}** · "
                         f"ranks {ranks_text(finding.ranks)} · group {finding.group or '-'}  \n{finding.title}")
@@ -281,6 +286,21 @@ def show_findings(findings: list, *, key: str) -> None:
                     st.dataframe(named_groups(rows.head(MAX_TABLE_ROWS)), hide_index=True)
 
 
+def worst_rows(table, columns: list[str], *, what: str):
+    """A per-rank table as drawn: whole up to ``charts.MAX_RANK_BARS`` rows; beyond, its ``MAX_WORST_ROWS`` rows
+    highest in ``columns`` (in that order), said in a caption naming ``what`` they are."""
+    from dtprobe.dashboard.charts import MAX_RANK_BARS  # plotly: not on the Overview's path
+
+    if len(table) <= MAX_RANK_BARS:
+        return table
+    st.caption(f"The {MAX_WORST_ROWS} of {len(table):,} {what}.")
+    return table.sort_values(columns, ascending=False, kind="stable", na_position="last").head(MAX_WORST_ROWS)
+
+
+MAX_FINDING_CARDS = 20
+"""Finding cards a page draws at most (``show_findings``)."""
+MAX_WORST_ROWS = 50
+"""Rows of a per-rank table (``worst_rows``) above ``charts.MAX_RANK_BARS`` ranks."""
 MAX_TABLE_ROWS = 1_000
 """Rows a page's table sends to the browser at most (a 1,024-rank run's evidence can hold hundreds of thousands)."""
 MAX_LISTED_RANKS = 16

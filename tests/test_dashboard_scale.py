@@ -17,6 +17,7 @@ import streamlit
 from streamlit.testing.v1 import AppTest
 
 from dtprobe import summary_store
+from dtprobe.analysis.facade import RunAnalysis
 from dtprobe.dashboard import charts, common, data
 from dtprobe.dashboard.paths import ROOT_ENV
 from dtprobe.synthetic import SyntheticRun
@@ -139,6 +140,64 @@ def test_per_rank_bars_of_a_small_run_are_one_per_rank():
     assert len(charts.overlap_by_rank(_per_rank(64, late=3)).data[0].x) == 64  # 64 ranks: still one bar each
 
 
+def test_device_series_at_1024_ranks_draws_the_spread_and_the_ranks_furthest_from_the_median():
+    ranks, steps = np.repeat(np.arange(RANKS), 4), np.tile(np.arange(4), RANKS)
+    temp = 60.0 + steps                                         # every rank 60..63 °C
+    temp[ranks == STRAGGLER] += 20.0                            # one hot rank, one a bit warm
+    temp[ranks == 5] += 3.0
+    devices = pd.DataFrame({"rank": ranks, "step": steps, "temp_c": temp})
+    fig = charts.device_series(devices, column="temp_c", label="temperature (°C)", outliers=2)
+    assert [t.name for t in fig.data][1:] == ["min-max over ranks", "median over ranks", f"rank {STRAGGLER}",
+                                              "rank 5"]
+    assert list(fig.data[0].y) == [80.0, 81.0, 82.0, 83.0] and list(fig.data[1].y) == [60.0, 61.0, 62.0, 63.0]
+    assert list(fig.data[2].y) == [60.0, 61.0, 62.0, 63.0]
+    assert fig.layout.title.text == "temperature (°C) over 1024 ranks (the 2 furthest from the median drawn)"
+    few = charts.device_series(devices[devices["rank"] < 4], column="temp_c", label="t")
+    assert sorted(t.name for t in few.data) == [f"rank {r}" for r in range(4)]     # a line per rank, as before
+
+
+def test_checkpoint_times_at_1024_ranks_show_the_slowest_and_mean_rank_per_event_not_a_panel_per_rank():
+    ranks = np.tile(np.arange(RANKS), 2)
+    blocking = np.full(2 * RANKS, 100e6)
+    blocking[RANKS + STRAGGLER] = 900e6                         # the second save: one rank blocks 900 ms
+    ckpt = pd.DataFrame({"rank": ranks, "step": np.repeat([10, 20], RANKS), "kind": "save",
+                         "blocking_ns": blocking, "async_ns": np.full(2 * RANKS, 50e6)})
+    fig = charts.checkpoint_times(ckpt)
+    assert [t.name for t in fig.data] == ["blocking, slowest rank", "blocking, mean over ranks", "async, slowest rank"]
+    assert list(fig.data[0].x) == ["save @ step 10", "save @ step 20"]
+    assert list(fig.data[0].y) == pytest.approx([100.0, 900.0])
+    assert list(fig.data[1].y) == pytest.approx([100.0, 100.0 + 800.0 / RANKS])
+    assert "over 1024 ranks" in fig.layout.title.text and not fig.layout.annotations     # no facet titles
+    small = charts.checkpoint_times(ckpt[ckpt["rank"] < 2])
+    assert len(small.layout.annotations) == 2                   # a panel per rank up to a few ranks
+
+
+def test_pipeline_gantt_of_1024_ranks_draws_the_lowest_rank_of_each_stage():
+    stages, mbs = 4, 2
+    rank = np.repeat(np.arange(RANKS), 2 * mbs)                 # rank r is stage r % 4 of pipeline r // 4
+    start = np.tile(np.arange(2 * mbs), RANKS) * 10_000_000
+    pipe = pd.DataFrame({"rank": rank, "stage": rank % stages, "step": 0, "microbatch": np.tile([0, 1, 0, 1], RANKS),
+                         "action": np.tile(["F", "F", "B", "B"], RANKS), "start_ns": start,
+                         "end_ns": start + 9_000_000})
+    fig = charts.pipeline_gantt(pipe)
+    assert list(fig.layout.yaxis.categoryarray) == [f"stage {s} (rank {s})" for s in range(stages)][::-1]
+    assert sum(len(t.x) for t in fig.data) == stages * 2 * mbs
+    assert fig.layout.title.text.endswith("the lowest rank of each stage, of 1024 ranks")
+
+
+def test_temporal_breakdown_and_bubble_at_1024_ranks_are_64_blocks():
+    idle = np.full(RANKS, 0.1)
+    idle[STRAGGLER] = 0.9
+    temporal = pd.DataFrame({"rank": np.arange(RANKS), "idle_frac": idle, "compute_frac": 1 - idle,
+                             "non_compute_frac": 0.0})
+    fig = charts.temporal_breakdown(temporal)
+    assert [len(t.x) for t in fig.data] == [64, 64, 64]
+    assert fig.data[2].y[STRAGGLER // 16] == pytest.approx((15 * 0.1 + 0.9) / 16)
+    bubble = charts.bubble_measured_vs_ideal(pd.DataFrame({"rank": np.arange(RANKS), "bubble_frac": idle}),
+                                             ideal_frac=0.1)
+    assert len(bubble.data[0].x) == 64 and "mean of each block of 16 ranks" in bubble.layout.title.text
+
+
 def test_a_finding_card_names_many_ranks_by_count_and_range():
     assert common.ranks_text([3, 1]) == "3, 1"
     assert common.ranks_text([]) == "-"
@@ -175,12 +234,20 @@ def test_timeline_default_ranks_bounded_and_chosen_by_what_matters():
 
 @pytest.fixture(scope="module")
 def big_root(tmp_path_factory) -> Path:
-    """A finished 1,024-rank x 6-step data-parallel run: one group of every rank, a straggler."""
+    """A finished 1,024-rank x 6-step data-parallel run (one group of every rank, a straggler) and an 8-rank one."""
     root = tmp_path_factory.mktemp("runs1024")
     run = SyntheticRun(root / "r1024", num_ranks=RANKS, straggler_rank=STRAGGLER)
     run.write_steps(6)
     run.finish()
+    small = SyntheticRun(root / "r8", num_ranks=8)            # what the Compare page puts beside it
+    small.write_steps(6)
+    small.finish()
+    summary_store.make(root / "r8")
     return root
+
+
+def _no_findings(self):
+    raise AssertionError("a page of a finished run made the analysis find every finding")
 
 
 @pytest.fixture(autouse=True)
@@ -226,38 +293,56 @@ def _figure_texts(spec: dict) -> list[str]:
     return texts
 
 
-@pytest.mark.parametrize("page", ["overview", "stragglers", "timeline", "communication"])
-def test_every_page_renders_a_1024_rank_run_bounded_and_without_listing_the_group(big_root, monkeypatch, page):
+PAGES_AT_SCALE = ["overview", "stragglers", "timeline", "communication", "pipeline", "precision", "checkpoints",
+                  "devices", "kernels", "compare"]
+
+
+def test_every_page_renders_a_1024_rank_run_bounded_and_without_listing_the_group(big_root, monkeypatch):
+    # one session over every page, as a user's: the run is analyzed once
     monkeypatch.setenv(ROOT_ENV, str(big_root))
     at = AppTest.from_file(str(APP), default_timeout=240)
     at.query_params["run"] = "r1024"
     at.run()
-    if page != "overview":
-        at.switch_page(f"views/{page}.py").run()
-    assert not at.exception, [e.message for e in at.exception]
+    # a finished run's page asks only for what it draws: every finding is read from the stored Overview
+    monkeypatch.setattr(RunAnalysis, "findings", _no_findings)
+    for page in PAGES_AT_SCALE:
+        if page != "overview":
+            at.switch_page(f"views/{page}.py").run()
+        _check_page_at_scale(at, page)
+
+
+def _check_page_at_scale(at: AppTest, page: str) -> None:
+    assert not at.exception, (page, [e.message for e in at.exception])
     assert at.title[0].value == page.capitalize()
     texts = _texts(at)
     if page in ("overview", "stragglers"):
         assert any("STRAGGLER" in t for t in texts)
     for spec in (json.loads(el.proto.spec) for el in at.get("plotly_chart")):
-        assert len(spec["data"]) <= 16, spec["layout"].get("title")
+        assert len(spec["data"]) <= 16, (page, spec["layout"].get("title"))
         for trace in spec["data"]:
             z = trace.get("z")
             cells = _size(z) if z is not None else _size(trace.get("x") or trace.get("q1"))
             bound = charts.HEATMAP_MAX_ROWS * charts.HEATMAP_MAX_COLS if z is not None else 10_000
-            assert cells <= bound, (spec["layout"].get("title"), trace.get("name"))
+            assert cells <= bound, (page, spec["layout"].get("title"), trace.get("name"))
         texts += _figure_texts(spec)
     for text in texts:
-        assert not LONG_LIST.search(text), text[:300]
+        assert not LONG_LIST.search(text), (page, text[:300])
     for frame in at.dataframe:          # tables too, the findings' evidence rows among them
-        assert len(frame.value) <= common.MAX_TABLE_ROWS
+        assert len(frame.value) <= common.MAX_TABLE_ROWS, page
         for cell in map(str, frame.value.to_numpy().ravel()):
-            assert not LONG_LIST.search(cell), (list(frame.value.columns), cell[:300])
+            assert not LONG_LIST.search(cell), (page, list(frame.value.columns), cell[:300])
     if page == "timeline":
         [ranks] = [w for w in at.multiselect if w.key == "timeline_ranks"]
         assert len(ranks.value) == 16 and STRAGGLER in ranks.value
     if page == "communication":
         assert [c.key for c in at.get("plotly_chart")][:2] == ["comm_bw_size", "comm_bw_group"]
+    if page == "devices":
+        [chart] = [json.loads(el.proto.spec) for el in at.get("plotly_chart") if el.key == "devices_series_chart"]
+        assert "over 1024 ranks" in chart["layout"]["title"]["text"]
+        assert [len(frame.value) for frame in at.dataframe] == [common.MAX_WORST_ROWS]
+    if page == "compare":
+        [table] = [frame.value for frame in at.dataframe]
+        assert list(table["run"]) == ["r1024", "r8"] and list(table["ranks"]) == [RANKS, 8]
 
 
 def test_a_timeline_of_thousands_of_collectives_draws_them_as_segments_of_one_line():

@@ -9,7 +9,8 @@ from dtprobe.dashboard import charts, common
 
 def body(source) -> None:
     analysis = common.load(source)
-    common.show_findings(common.findings_for(analysis, ("CHECKPOINT_STALL",)), key="checkpoints")
+    common.show_findings(common.findings_with_evidence(source, analysis, {"CHECKPOINT_STALL": "checkpoint_findings"}),
+                         key="checkpoints")
     raw = analysis.table("checkpoints")
     if raw.empty:
         st.info("No checkpoints in this run (save with --ckpt-every K, async with --ckpt-async).")

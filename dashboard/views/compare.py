@@ -40,11 +40,13 @@ def body(source) -> None:
     frames: dict[str, list[pd.DataFrame]] = {}
     rows = []
     for run in runs:
+        overview, pending = common.load_overview(run)   # a finished run's stored figures: no detector runs here
         analysis = common.load(run)
-        k = analysis.key_figures()
-        rows.append({"run": run.name, "status": analysis.status, "ranks": analysis.world_size, "steps": k.num_steps,
-                     "step time (ms)": k.step_time_ms, "tokens/s": k.tokens_per_s,
-                     "exposed comm": k.exposed_comm_frac, "findings": len(analysis.findings())})
+        k = overview.figures
+        rows.append({"run": run.name, "status": analysis.status, "ranks": analysis.world_size,
+                     "steps": overview.num_steps, "step time (ms)": k["step_time_ms"], "tokens/s": k["tokens_per_s"],
+                     "exposed comm": k["exposed_comm_frac"],
+                     "findings": None if pending else len(overview.findings)})
         for key, df in _per_step(run.name, analysis).items():
             frames.setdefault(key, []).append(df)
     st.dataframe(pd.DataFrame(rows), hide_index=True)

@@ -15,8 +15,8 @@ SERIES = {
 
 def body(source) -> None:
     analysis = common.load(source)
-    common.show_findings(common.findings_for(analysis, ("DEVICE_THROTTLE", "DEVICE_XID", "MEMORY_PRESSURE")),
-                         key="devices")
+    common.show_findings(common.findings_with_evidence(source, analysis, dict.fromkeys(
+        ("DEVICE_THROTTLE", "DEVICE_XID", "MEMORY_PRESSURE"), "device_findings")), key="devices")
     dev = analysis.table("devices")
     if dev.empty:
         st.info("No device samples: re-run without --no-devices (Kineto trace folders carry none).")
@@ -30,7 +30,8 @@ def body(source) -> None:
     health = analysis.device_health()
     if not health.empty:
         st.subheader("Health per rank")
-        st.dataframe(health, hide_index=True)
+        st.dataframe(common.worst_rows(health, ["throttled_frac", "power_cap_frac", "max_temp_c"],
+                                       what="ranks, the most throttled and hottest"), hide_index=True)
 
 
 source = common.page_setup("Devices")

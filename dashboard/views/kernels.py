@@ -9,7 +9,7 @@ from dtprobe.dashboard import charts, common
 
 def body(source) -> None:
     analysis = common.load(source)
-    common.show_findings(common.findings_for(analysis, ("LOW_MFU",)), key="kernels")
+    common.show_findings(common.findings_for(source, analysis, ("LOW_MFU",)), key="kernels")
     temporal = analysis.temporal_breakdown()
     if temporal.empty:
         st.info("No GPU kernels: record profiler windows with `dtprobe run --profile-steps A-B` on a GPU, or "
@@ -21,7 +21,7 @@ def body(source) -> None:
     breakdown = analysis.kernel_breakdown()
     if not breakdown.empty:
         common.chart(charts.kernel_types(breakdown), key="kernels_types")
-    st.dataframe(temporal, hide_index=True)
+    st.dataframe(common.worst_rows(temporal, ["idle_frac"], what="ranks, the most idle"), hide_index=True)
 
 
 source = common.page_setup("Kernels")

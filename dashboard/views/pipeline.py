@@ -9,7 +9,8 @@ from dtprobe.dashboard import charts, common
 
 def body(source) -> None:
     analysis = common.load(source)
-    common.show_findings(common.findings_for(analysis, ("PIPELINE_BUBBLE",)), key="pipeline")
+    common.show_findings(common.findings_with_evidence(source, analysis, {"PIPELINE_BUBBLE": "pipeline_findings"}),
+                         key="pipeline")
     pipe = analysis.table("pipeline")
     if pipe.empty:
         st.info("This run has no pipeline actions: it is not pipeline-parallel (run with --pp 2 or more).")

@@ -9,7 +9,8 @@ from dtprobe.dashboard import charts, common
 
 def body(source) -> None:
     analysis = common.load(source)
-    common.show_findings(common.findings_for(analysis, ("AMP_OVERFLOW",)), key="precision")
+    common.show_findings(common.findings_with_evidence(source, analysis, {"AMP_OVERFLOW": "amp_findings"}),
+                         key="precision")
     amp = analysis.amp_steps()
     overflow_steps = amp.loc[amp["overflow"].fillna(False).astype(bool), "step"].tolist() if not amp.empty else []
     steps = analysis.table("steps")

@@ -22,9 +22,12 @@ its summary stored, as `dtprobe run` leaves it) beside the same run at 64 ranks,
 and page, the time from navigating to the page until it is drawn (the Overview is drawn from the stored summary;
 the first other page of a run pays for the run's analysis, which the server then keeps), and from a widget change
 until it is redrawn: choosing the run in the run picker while the page shows the other run, and on the Timeline
-also moving its step window. ``--one-host`` writes every rank on one host.
+moving its step window; with the kilobytes the server sent the browser for each (its elements and figures).
+``--one-host`` writes every rank on one host; ``--root DIR`` measures the runs already in DIR instead (e.g. the
+1,024-rank run `scale.py --keep` leaves, moved into a folder of its own).
 
     python benchmarks/dashboard_load.py --ranks 1024 --steps 20 --pages overview,stragglers,timeline,communication
+    python benchmarks/dashboard_load.py --root /tmp/h23/root --pages overview,stragglers,timeline,communication,devices
 
 It measures the dtprobe installed in this checkout (``pip install -e .``): the server it starts imports the same.
 Goals: the Overview drawn within 3 s of the server's start; a live refresh shown within 200 ms that does not grow
@@ -48,6 +51,7 @@ from pathlib import Path
 import dtprobe.dashboard
 from dtprobe import summary_store
 from dtprobe.commands.dashboard import APP, streamlit_argv
+from dtprobe.dashboard.nav import PAGES
 from dtprobe.dashboard.paths import ROOT_ENV, Source
 from dtprobe.synthetic import SyntheticRun
 from serving import wait_until_healthy
@@ -157,8 +161,8 @@ def refresh_cost_s(run: SyntheticRun) -> tuple[float, float, float]:
     return t1 - t0, t3 - t2, time.perf_counter() - t2
 
 
-PAGE_TITLES = {"overview": "Overview", "stragglers": "Stragglers", "timeline": "Timeline",
-               "communication": "Communication"}
+PAGE_TITLES = {page.url_path: page.title for page in PAGES if page.url_path != "planner"}
+"""The pages ``--pages`` can time (a run's pages: not the Planner's form)."""
 PAGE_PATHS = {"overview": ""}
 """URL paths that are not the page's name (the Overview is the app's default page, served at the root)."""
 PAGE_DRAWN = DRAWN_JS % """!!q("[data-testid=stSelectbox]") && !q("[data-testid=stSkeleton]")
@@ -232,13 +236,40 @@ def measure_pages(root: Path, runs: list[str], pages: list[str]) -> dict[tuple[s
                                          + errors.read().decode(errors="replace")[-2000:])
                     raise
 
+            received = [0]   # bytes the server sent over the page's WebSocket (the page's elements, figures)
+            page.on("websocket", lambda ws: ws.on("framereceived", lambda payload: received.__setitem__(
+                0, received[0] + len(payload))))
+
+            def step_window(run: str) -> None:
+                """Move the Timeline's step window one step left; time until the Gantt is redrawn."""
+                thumb = page.get_by_role("slider").first
+                before = page.locator("[data-testid=stPlotlyChart] .main-svg").first.inner_html()
+                thumb.focus()
+                received[0] = 0
+                t = time.perf_counter()
+                page.keyboard.press("ArrowLeft")
+                page.wait_for_function(
+                    "(before) => { const s = document.querySelector('[data-testid=stPlotlyChart] .main-svg');"
+                    " return !!s && s.innerHTML !== before"
+                    " && !document.querySelector('[data-testid=stStatusWidget]'); }",
+                    arg=before, polling="raf", timeout=600_000)
+                out[(run, "timeline", "steps")] = time.perf_counter() - t
+                out[(run, "timeline", "steps_kb")] = received[0] / 1e3
+
             for run in runs:
                 for name in pages:
+                    received[0] = 0
                     t = time.perf_counter()
                     page.goto(f"{url}/{PAGE_PATHS.get(name, name)}?run={run}", wait_until="commit")
                     wait(run, name)
                     out[(run, name, "draw")] = time.perf_counter() - t
-                    print(f"  {run} {name}: drawn in {out[(run, name, 'draw')]:.2f} s", flush=True)
+                    out[(run, name, "draw_kb")] = received[0] / 1e3
+                    print(f"  {run} {name}: drawn in {out[(run, name, 'draw')]:.2f} s "
+                          f"({received[0] / 1e3:,.0f} kB sent)", flush=True)
+                    if name == "timeline":
+                        step_window(run)
+                        print(f"  {run} timeline: step window moved, redrawn in "
+                              f"{out[(run, name, 'steps')]:.2f} s", flush=True)
             for name in pages if len(runs) > 1 else []:  # a widget change picks the other run
                 for run in runs:
                     other = next(r for r in runs if r != run)
@@ -256,18 +287,6 @@ def measure_pages(root: Path, runs: list[str], pages: list[str]) -> dict[tuple[s
                     option.click()
                     wait(run, name)
                     out[(run, name, "picker")] = time.perf_counter() - t
-                    if name == "timeline":
-                        thumb = page.get_by_role("slider").first
-                        before = page.locator("[data-testid=stPlotlyChart] .main-svg").first.inner_html()
-                        thumb.focus()
-                        t = time.perf_counter()
-                        page.keyboard.press("ArrowLeft")
-                        page.wait_for_function(
-                            "(before) => { const s = document.querySelector('[data-testid=stPlotlyChart] .main-svg');"
-                            " return !!s && s.innerHTML !== before"
-                            " && !document.querySelector('[data-testid=stStatusWidget]'); }",
-                            arg=before, polling="raf", timeout=600_000)
-                        out[(run, name, "steps")] = time.perf_counter() - t
             browser.close()
     finally:
         proc.terminate()
@@ -282,24 +301,34 @@ def pages_main(args) -> None:
     unknown = [p for p in pages if p not in PAGE_TITLES]
     if unknown:
         raise SystemExit(f"--pages: unknown page(s) {', '.join(unknown)}; choose from {', '.join(PAGE_TITLES)}")
-    sizes = sorted({64, args.ranks})
+    print(f"machine: {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp) / "runs"
-        for n in sizes:
-            took = write_scale_run(root / f"r{n}", n, args.steps, one_host=args.one_host)
-            print(f"wrote and compacted {n} ranks x {args.steps} steps x 100 collectives in {took:.1f} s", flush=True)
-        runs = [f"r{n}" for n in sizes]
+        if args.root is not None:   # runs written before (e.g. `scale.py --keep`), each folder a run
+            root = args.root.resolve()
+            runs = sorted(p.name for p in root.iterdir() if (p / "run.json").is_file())
+            if not runs:
+                raise SystemExit(f"--root {root}: no run folder (with a run.json) in it")
+        else:
+            root = Path(tmp) / "runs"
+            for n in sorted({64, args.ranks}):
+                took = write_scale_run(root / f"r{n}", n, args.steps, one_host=args.one_host)
+                print(f"wrote and compacted {n} ranks x {args.steps} steps x 100 collectives in {took:.1f} s",
+                      flush=True)
+            runs = [f"r{n}" for n in sorted({64, args.ranks})]
         times = measure_pages(root, runs, pages)
     width = 18
-    print(f"\n{'page, time to':32s}" + "".join(f"{f'{n} ranks':>{width}s}" for n in sizes)
-          + (f"{'ratio':>{width}s}" if len(sizes) > 1 else ""))
+    print(f"\n{'page, time to':32s}" + "".join(f"{run:>{width}s}" for run in runs)
+          + (f"{'ratio':>{width}s}" if len(runs) > 1 else ""))
     for name in pages:
-        for what, label in (("draw", "navigation -> drawn"), ("picker", "run picked -> redrawn"),
-                            ("steps", "step window -> redrawn")):
+        for what, label in (("draw", "navigation -> drawn"), ("draw_kb", "  kB sent"),
+                            ("picker", "run picked -> redrawn"), ("steps", "step window -> redrawn"),
+                            ("steps_kb", "  kB sent")):
             values = [times.get((r, name, what)) for r in runs]
             if all(v is None for v in values):
                 continue
-            row = "".join(f"{v:>{width - 2}.2f} s" if v is not None else f"{'-':>{width}s}" for v in values)
+            unit = "" if what.endswith("_kb") else " s"
+            row = "".join(f"{v:>{width - len(unit)},.2f}{unit}" if v is not None else f"{'-':>{width}s}"
+                          for v in values)
             ratio = (f"{values[-1] / values[0]:>{width - 1}.1f}x" if len(values) > 1 and values[0] else "")
             print(f"{name + ': ' + label:32s}{row}{ratio}")
     print("Goals at 1,024 ranks: each page drawn within 3 s, a widget change redrawn within 1 s (the run's first "
@@ -312,9 +341,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1000, help="steps of the synthetic run (default 1000)")
     ap.add_argument("--repeats", type=int, default=3, help="server starts per case (the median is printed)")
     ap.add_argument("--pages", default=None,
-                    help="comma-separated pages (overview,stragglers,timeline,communication): time each page's draw "
+                    help=f"comma-separated pages ({','.join(PAGE_TITLES)}): time each page's draw "
                          "and widget changes on a tp8 x dp run of --ranks beside one of 64 ranks, instead of the "
                          "server-start benchmark")
+    ap.add_argument("--root", type=Path, default=None,
+                    help="with --pages: measure the runs already in this folder (e.g. a `scale.py --keep` run moved "
+                         "into one) instead of writing them")
     ap.add_argument("--one-host", action="store_true",
                     help="with --pages: every rank on one host (no cross-node links to analyze)")
     args = ap.parse_args()

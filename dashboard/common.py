@@ -148,17 +148,38 @@ def _whole_run_toggle(source: Source) -> None:
                                f"steps so that every refresh stays fast; switch on to analyze every step.")
 
 
-def render(source: Source, body: Callable[[Source], None], *, live: bool = True) -> None:
+def render(source: Source, body: Callable[[Source], None], *, live: bool = True,
+           pending: Callable[[Source], bool] | None = None) -> None:
     """Draw ``body``, then the run picker; while the run is running (and ``live``), redraw ``body`` every
-    ``refresh_s`` seconds (only new events are read). When ``body`` fails, the picker is drawn all the same."""
+    ``refresh_s`` seconds (only new events are read). A finished run's page whose ``pending(source)`` holds (what
+    it draws is being made in the background) is redrawn the same way until it no longer holds, then once whole.
+    When ``body`` fails, the picker is drawn all the same."""
     try:
         if live and is_live(source):
             st.caption(f":green[● live] refreshing every {refresh_s():g} s")
             st.fragment(run_every=refresh_s())(body)(source)
+        elif pending is not None and pending(source):
+            st.fragment(run_every=refresh_s())(_until_done(body, pending))(source)
         else:
             body(source)
     finally:
         _draw_picker()
+
+
+def _until_done(body: Callable[[Source], None], pending: Callable[[Source], bool]) -> Callable[[Source], None]:
+    """``body`` for a polling fragment: once ``pending`` no longer holds, the whole page is run again (drawn
+    without polling)."""
+    def run(source: Source) -> None:
+        if not pending(source):
+            st.rerun()
+        body(source)
+    return run
+
+
+def overview_pending(source: Source) -> bool:
+    """A finished run's Overview is being made in the background (``data.finished_overview``, which this starts
+    when the run has no valid stored summary): its page shows the steps' key figures meanwhile."""
+    return not is_live(source) and _loaded(source, data.finished_overview).pending
 
 
 WHOLE_RUN_KEY = "whole_run"
@@ -184,19 +205,16 @@ def load(source: Source):
 
 
 def load_overview(source: Source):
-    """(Overview, pending): what the Overview draws of the chosen source (``data.load_overview``; while the run is
-    running ``data.live_overview``, which may show the previous analysis while new rows are analyzed, or before the
-    first analysis ended the steps' key figures alone, ``pending``, said in a caption), with the same caption and
-    the same readable stop as ``load``."""
-    if is_live(source):
-        live = _loaded(source, data.live_overview)
-        overview, pending = live.value, live.pending
-        if pending:
-            st.caption(FINDINGS_PENDING)
-        elif live.updating:
-            _updating_caption(overview.num_steps)
-    else:
-        overview, pending = _loaded(source, data.load_overview), False
+    """(Overview, pending): what the Overview draws of the chosen source (``data.finished_overview``, or while the
+    run is running ``data.live_overview``, which may show the previous analysis while new rows are analyzed; before
+    the first analysis of a large run ended, either gives the steps' key figures alone, ``pending``, said in a
+    caption), with the same caption and the same readable stop as ``load``."""
+    live = _loaded(source, data.live_overview if is_live(source) else data.finished_overview)
+    overview, pending = live.value, live.pending
+    if pending:
+        st.caption(FINDINGS_PENDING)
+    elif live.updating:
+        _updating_caption(overview.num_steps)
     if overview.window is not None:
         _window_caption(overview.window, overview.num_steps)
     return overview, pending
@@ -215,7 +233,7 @@ def _loaded(source: Source, loader: Callable):
 
 FINDINGS_PENDING = ("Analyzing the run in the background: the key figures of its steps are shown meanwhile; "
                     "findings and communication figures appear when the analysis is done.")
-"""Caption of a live Overview drawn before its first analysis ended (``data.Live.pending``)."""
+"""Caption of an Overview drawn before its first analysis ended (``data.Live.pending``)."""
 
 
 def _updating_caption(num_steps: int) -> None:

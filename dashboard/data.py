@@ -157,18 +157,19 @@ def load_overview(source: Source, *, whole_run: bool = False) -> Overview:
     summary when it is valid for the source as it is now, else made from the analysis (and then stored)."""
     path = str(source.path)
     if summary_store.is_finished(source.path):
-        token = _files_token(source.path, source.kind)
-        memo = _STORED.get(path)
-        if memo is not None and memo[0] == token:
-            return memo[1]
-        key = summary_store.key_of(path)  # before the source is read: a change meanwhile makes the summary stale
-        stored = summary_store.load(path, key=key)
+        stored = _stored_overview(source)
         if stored is not None:
+            return stored
+        entry = _entry(path, None if source.kind == "run" else ("traces", _mtime(source.path)))
+        with entry.lock:   # one summary made at a time: a second session (or the background's) waits for it
+            token = _files_token(source.path, source.kind)
+            key = summary_store.key_of(path)  # before the source is read: a change meanwhile makes it stale
+            stored = summary_store.load(path, key=key)   # made while this call waited for the lock
+            if stored is None:
+                stored = summarize(load_analysis(source, whole_run=whole_run), path=path)
+                summary_store.store(path, stored, key=key)
             _STORED[path] = (token, stored)
             return stored
-        overview = summarize(load_analysis(source, whole_run=whole_run), path=path)
-        summary_store.store(path, overview, key=key)
-        return overview
     entry = _entry(path, None if source.kind == "run" else ("traces", _mtime(source.path)))
     with entry.lock:
         started = time.perf_counter()
@@ -178,6 +179,44 @@ def load_overview(source: Source, *, whole_run: bool = False) -> Overview:
             cached = entry.overviews[whole_run] = (entry.version, summarize(analysis, path=path))
             entry.build_s = time.perf_counter() - started
         return cached[1]
+
+
+def _stored_overview(source: Source) -> Overview | None:
+    """The valid stored summary of a finished ``source`` (memoized while its files are unchanged), else None."""
+    path = str(source.path)
+    token = _files_token(source.path, source.kind)
+    memo = _STORED.get(path)
+    if memo is not None and memo[0] == token:
+        return memo[1]
+    stored = summary_store.load(path, key=summary_store.key_of(path))
+    if stored is not None:
+        _STORED[path] = (token, stored)
+    return stored
+
+
+def finished_overview(source: Source, *, whole_run: bool = False) -> Live:
+    """The Overview of a finished run or trace folder for its page: ``load_overview`` (a valid stored summary, else
+    made and stored before returning), except for a run of ``LARGE_EVENTS_BYTES`` or more of events and tables
+    without a valid summary: its steps' key figures at once (``Live.pending``, as a large live run's first draw)
+    while a background thread analyzes it and stores its summary; the next call after that shows it. What that
+    thread raised is raised by the next call."""
+    stored = _stored_overview(source) if source.kind == "run" else None
+    if stored is not None or source.kind != "run":
+        return Live(stored or load_overview(source, whole_run=whole_run), updating=False)
+    entry = _entry(str(source.path), None)
+    if not _is_large(entry, source.path):
+        return Live(load_overview(source, whole_run=whole_run), updating=False)
+    quick = _steps_overview(source, whole_run)   # before the analysis starts, which would slow it down
+    if not _refresh_behind(entry, source, whole_run):   # it ended between the two checks: its summary is stored
+        _STEPS_ONLY.pop(str(source.path), None)
+        return Live(load_overview(source, whole_run=whole_run), updating=False)
+    return Live(quick, updating=True, pending=True)
+
+
+def overview_pending(source: Source) -> bool:
+    """A finished run's Overview is being made in the background (``finished_overview``)."""
+    entry = _ENTRIES.get(str(source.path))
+    return entry is not None and entry.worker is not None and entry.worker.is_alive()
 
 
 _STORED: dict[str, tuple[Any, Overview]] = {}
@@ -278,23 +317,24 @@ def _refresh_behind(entry: _Entry, source: Source, whole_run: bool) -> bool:
 
 
 def _is_large(entry: _Entry, run_dir: Path) -> bool:
-    """The run's events hold ``LARGE_EVENTS_BYTES`` or more (once large, a run stays so: not checked again)."""
+    """The run's events and compacted tables hold ``LARGE_EVENTS_BYTES`` or more (once large, a run stays so: not
+    checked again)."""
     if not entry.large:
-        entry.large = _events_bytes(run_dir) >= LARGE_EVENTS_BYTES
+        entry.large = sum(_files_bytes(run_dir / part) for part in ("events", "tables")) >= LARGE_EVENTS_BYTES
     return entry.large
 
 
-def _events_bytes(run_dir: Path) -> int:
-    """Bytes of the run's events files (one directory scan per table)."""
-    events = run_dir / "events"
-    if not events.is_dir():
+def _files_bytes(folder: Path) -> int:
+    """Bytes of the files under ``folder`` (a run's events or tables: one directory scan per folder)."""
+    if not folder.is_dir():
         return 0
     total = 0
-    with os.scandir(events) as tables:
-        for table in tables:
-            if table.is_dir():
-                with os.scandir(table.path) as files:
-                    total += sum(f.stat().st_size for f in files if f.is_file())
+    with os.scandir(folder) as entries:
+        for item in entries:
+            if item.is_dir(follow_symlinks=False):
+                total += _files_bytes(Path(item.path))
+            elif item.is_file(follow_symlinks=False):
+                total += item.stat().st_size
     return total
 
 
@@ -308,7 +348,8 @@ def _steps_overview(source: Source, whole_run: bool) -> Overview:
         store = _STEPS_ONLY.get(path)
     window = live_window_steps()
     if store is None:
-        store = RunStore.open(path, tables=("steps",), tail_steps=window or None)
+        finished = summary_store.is_finished(source.path)   # analyzed whole: no tail to read first
+        store = RunStore.open(path, tables=("steps",), tail_steps=None if finished else window or None)
         with _LOCK:
             _STEPS_ONLY[path] = store
     else:

@@ -168,6 +168,45 @@ def test_a_slow_first_live_analysis_draws_the_steps_key_figures_at_once_then_the
     assert {m.label: m.value for m in at.metric}["exposed comm"] != "-"
 
 
+def test_a_large_finished_run_without_a_summary_draws_its_steps_key_figures_at_once_then_the_findings(
+        tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "LARGE_EVENTS_BYTES", 0)  # as if the run were large: its first analysis runs behind
+    write_synthetic_run(tmp_path / "done", num_ranks=4, num_steps=5, straggler_rank=STRAGGLER_RANK)
+    source = resolve_choice(tmp_path, "done")
+    gate = threading.Event()
+    analyze = data.summary.analyze
+
+    def held_analyze(*args, **kwargs):  # the background analysis waits until the page has been drawn
+        if threading.current_thread().name.startswith("dtprobe-refresh-"):
+            assert gate.wait(60)
+        return analyze(*args, **kwargs)
+
+    monkeypatch.setattr(data.summary, "analyze", held_analyze)
+    at = _app(tmp_path, monkeypatch)
+    assert not at.exception, [e.message for e in at.exception]
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["steps"] == "5" and metrics["step time"] != "-" and metrics["exposed comm"] == "-"
+    assert any("key figures of its steps" in c.value for c in at.caption)
+    assert not at.success and not at.warning and not at.error               # no health verdict yet
+    assert data.overview_pending(source) and summary_store.load(source.path) is None
+    gate.set()
+    data.wait_for_refresh(source, 60)
+    assert summary_store.load(source.path) is not None                      # stored for the next start
+    at.run()
+    assert not at.exception
+    assert not any("key figures of its steps" in c.value for c in at.caption)
+    assert any("STRAGGLER" in m.value and f"ranks {STRAGGLER_RANK} " in m.value for m in at.markdown)
+    assert {m.label: m.value for m in at.metric}["exposed comm"] != "-"
+
+
+def test_a_small_finished_run_without_a_summary_is_summarized_before_its_overview_is_drawn(tmp_path, monkeypatch):
+    write_synthetic_run(tmp_path / "done", num_ranks=4, num_steps=5, straggler_rank=STRAGGLER_RANK)
+    at = _app(tmp_path, monkeypatch)
+    assert not at.exception and not any("key figures of its steps" in c.value for c in at.caption)
+    assert any("STRAGGLER" in m.value for m in at.markdown)
+    assert not data.overview_pending(resolve_choice(tmp_path, "done"))
+
+
 def test_what_the_background_re_analysis_raised_is_shown_by_the_next_refresh(tmp_path, monkeypatch):
     monkeypatch.setattr(data, "LIVE_BLOCK_S", 0.0)
     run = SyntheticRun(tmp_path / "live", num_ranks=2)

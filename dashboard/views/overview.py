@@ -2,8 +2,8 @@
 how the ranks' clocks were aligned and which clock arrivals were read on, health, findings by severity (each
 naming the clock of its timing evidence and linking to its page), key figures of the chosen run with the trend
 of step time and tokens/s (per-rank charts are on the pages the findings link to). Drawn from an
-``Overview`` (``data.load_overview``: a finished run's stored summary when valid; a large live run's steps figures
-alone while its first analysis runs), with no chart library."""
+``Overview`` (a finished run's stored summary when valid; a large run's steps figures alone while its first
+analysis runs, live or finished), with no chart library."""
 
 from __future__ import annotations
 
@@ -55,4 +55,4 @@ def body(source) -> None:
 
 
 source = common.page_setup("Overview")
-common.render(source, body)
+common.render(source, body, pending=common.overview_pending)

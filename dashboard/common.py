@@ -300,7 +300,8 @@ def show_findings(findings: list, *, key: str) -> None:
                     from dtprobe.dashboard.charts import named_groups  # plotly: not on the Overview's path
 
                     if len(rows) > MAX_TABLE_ROWS:
-                        st.caption(f"The first {MAX_TABLE_ROWS:,} of {len(rows):,} rows.")
+                        rows = _finding_ranks_first(rows, finding.ranks)
+                        st.caption(f"The first {MAX_TABLE_ROWS:,} of {len(rows):,} rows, the finding's ranks' first.")
                     st.dataframe(named_groups(rows.head(MAX_TABLE_ROWS)), hide_index=True)
 
 
@@ -319,6 +320,15 @@ MAX_FINDING_CARDS = 20
 """Finding cards a page draws at most (``show_findings``)."""
 MAX_WORST_ROWS = 50
 """Rows of a per-rank table (``worst_rows``) above ``charts.MAX_RANK_BARS`` ranks."""
+def _finding_ranks_first(rows, ranks):
+    """Evidence ``rows`` with those of the finding's ``ranks`` first (e.g. the culprit's among its whole group's),
+    the order kept otherwise."""
+    if "rank" not in rows.columns or not ranks:
+        return rows
+    later = ~rows["rank"].isin([int(r) for r in ranks])
+    return rows.iloc[later.to_numpy().argsort(kind="stable")]
+
+
 MAX_TABLE_ROWS = 1_000
 """Rows a page's table sends to the browser at most (a 1,024-rank run's evidence can hold hundreds of thousands)."""
 MAX_LISTED_RANKS = 16

@@ -9,7 +9,8 @@ are parsed once per mtime. Planner results are cached by their inputs.
 
 The Overview of a finished run or a trace folder is read from its stored summary (``dtprobe.summary_store``,
 made when the run ended) when that is valid, so the first page needs no analysis; otherwise it is made here
-and stored for the next start.
+and stored for the next start: for a large run (``LARGE_EVENTS_BYTES``) in the background, while its page shows the
+key figures of its steps table (``finished_overview``).
 
 While a running run is re-analyzed, a live page refresh (``live_overview``) does not wait for it when the source's
 previous analysis took ``LIVE_BLOCK_S`` or longer (a 1,024-rank run): the re-analysis runs on a background thread

@@ -331,6 +331,9 @@ def _check_page_at_scale(at: AppTest, page: str) -> None:
         assert len(frame.value) <= common.MAX_TABLE_ROWS, page
         for cell in map(str, frame.value.to_numpy().ravel()):
             assert not LONG_LIST.search(cell), (page, list(frame.value.columns), cell[:300])
+    if page == "stragglers":   # the culprit's evidence rows first, of its whole group's
+        evidence = at.dataframe[0].value
+        assert len(evidence) == common.MAX_TABLE_ROWS and evidence["rank"].iloc[0] == STRAGGLER
     if page == "timeline":
         [ranks] = [w for w in at.multiselect if w.key == "timeline_ranks"]
         assert len(ranks.value) == 16 and STRAGGLER in ranks.value

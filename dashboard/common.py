@@ -301,7 +301,7 @@ def show_findings(findings: list, *, key: str) -> None:
 
                     if len(rows) > MAX_TABLE_ROWS:
                         rows = _finding_ranks_first(rows, finding.ranks)
-                        st.caption(f"The first {MAX_TABLE_ROWS:,} of {len(rows):,} rows, the finding's ranks' first.")
+                        st.caption(f"The first {MAX_TABLE_ROWS:,} of {len(rows):,} rows (the finding's ranks first).")
                     st.dataframe(named_groups(rows.head(MAX_TABLE_ROWS)), hide_index=True)
 
 

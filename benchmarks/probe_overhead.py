@@ -43,8 +43,10 @@ clocks do not count time spent waiting for a core, so this figure holds on a loa
 7. recording cost, precise (`record_cost`, first in the default cases, a few seconds): one process, a 1-rank gloo
    group attached with the default telemetry (devices off), small all_reduce (1 KiB) issued in blocks of
    `--record-cost-block` (200) through the recording group and through the plain gloo group it wraps, the blocks
-   interleaved (`--record-cost-rounds` of each), in three ways: `blocking` (`dist.all_reduce`), `async`
-   (`async_op=True`, waited at once: DTensor, FSDP) and `future` (the work's future waited: DDP's reducer). The
+   interleaved (`--record-cost-rounds` of each), in four ways: `blocking` (`dist.all_reduce`), `async`
+   (`async_op=True`, waited at once: DTensor, FSDP), `future` (the work's future waited at once from Python:
+   `get_future().wait()`) and `wait_all` (the work's future waited through `torch.futures.wait_all`, never by a
+   Python `wait()` on it, as DDP's reducer waits in C++: the recording group keeps the done-callback). The
    same once more against a stub backend (every call returns one completed gloo Work), which leaves the Python
    recording path alone. Per recorded collective, each round's difference recorded - plain of the caller
    thread's CPU time (`time.thread_time`: waiting for a core is not counted), of the process CPU time (all
@@ -251,12 +253,13 @@ def small_worker(run_dir: str, *, steps: int, num_collectives: int, off: bool, a
     dist.destroy_process_group()      # gloo's threads stopped before the interpreter exits, not torn down by it
 
 
-RECORD_COST_MODES = ("blocking", "async", "future")
+RECORD_COST_MODES = ("blocking", "async", "future", "wait_all")
 """How the ``record_cost`` case issues and waits its collectives (module docstring, item 7)."""
 
 
 def _issue_block(group: Any, tensor: Any, count: int, mode: str) -> None:
     """``count`` all_reduce of ``tensor`` on ``group``, each issued and waited as ``mode`` says."""
+    import torch
     import torch.distributed as dist
 
     if mode == "blocking":
@@ -265,9 +268,12 @@ def _issue_block(group: Any, tensor: Any, count: int, mode: str) -> None:
     elif mode == "async":
         for _ in range(count):
             dist.all_reduce(tensor, group=group, async_op=True).wait()
-    else:
+    elif mode == "future":
         for _ in range(count):
             dist.all_reduce(tensor, group=group, async_op=True).get_future().wait()
+    else:
+        for _ in range(count):
+            torch.futures.wait_all([dist.all_reduce(tensor, group=group, async_op=True).get_future()])
 
 
 class _StubBackend:

@@ -8,8 +8,9 @@ all-gather/reduce-scatter, DTensor collectives and pipeline send/recv.
 Completion (``end_ns``), gloo: when the work completes. Blocking calls (torch's API with ``async_op=False``, which
 waits on the work as soon as it is returned) are waited by the group itself and stamped when that wait returns, on
 the caller's thread; the caller gets the completed backend Work. Otherwise, works whose callers wait on them
-before they complete (``async_op=True`` then ``wait()``, DTensor and FSDP waits) are wrapped and stamped when the
-caller's ``wait()`` returns, on the caller's thread; works whose futures are taken (DDP's C++ reducer) stay the
+before they complete (``async_op=True`` then ``wait()``, DTensor and FSDP waits, ``get_future().wait()``) are
+wrapped and stamped when the caller's ``wait()``, or that of the future the wrapper handed out, returns, on the
+caller's thread; works whose futures are taken and not waited from Python (DDP's C++ reducer, ``then()``) stay the
 backend's own Work with a done-callback, run by the gloo thread that finished it (a Python Work handed to the
 reducer costs GIL round trips on every ``getFuture`` and destruction); ``_WaitHabit`` picks between the two per
 (group, op) and goes back to the callback for callers that wait late. Works without a future (gloo send/recv,
@@ -276,8 +277,9 @@ class CollectiveRecorder:
 
     def complete(self, key: int, row: dict[str, Any] | tuple, end_ns: int | None) -> None:
         """``untrack(key)`` and, unless it was already written, queue ``row`` finished at ``end_ns`` (None: no end)."""
-        if self.untrack(key):
-            self.emit(row if end_ns is None else _ended(row, end_ns))
+        if self.untrack(key) and self.writer is not None:     # ``emit``, inline: once per wrapped collective
+            self._queue.append(row if end_ns is None else row + (end_ns,) if type(row) is tuple
+                               else _ended(row, end_ns))
 
     def group_progress(self, pg: str) -> "_GroupProgress":
         """Group ``pg``'s progress on this rank (created at its first use; listed by ``progress`` once it issued)."""
@@ -487,16 +489,21 @@ class _WaitHabit:
 
     A done-callback on the work's future stamps the exact completion, but runs Python on the gloo thread that
     finished the work: a GIL hand-over between two threads for every collective, the bulk of the recording cost
-    of a small collective. A caller that waits on the work before it completes (``dist.all_reduce`` without
-    ``async_op``, a DTensor or FSDP wait right after the issue; or within ``PROMPT_WAIT_NS`` of it) sees the
-    completion itself: its ``wait()`` returns then, on its own thread, so the wrapper stamps ``end_ns`` there,
-    with no callback.
+    of a small collective. A caller that waits before the work completes (``dist.all_reduce`` without
+    ``async_op``, a DTensor or FSDP wait right after the issue, ``get_future().wait()``; or within
+    ``PROMPT_WAIT_NS`` of it) sees the completion itself: its ``wait()`` returns then, on its own thread, so the
+    wrapper stamps ``end_ns`` there, with no callback. A future handed out by the wrapper is the backend's own
+    future with an unwrap function (``_FutureWaited``), which torch runs on the caller's thread when that
+    future's ``wait()`` or ``value()`` returns.
 
     The first work of a (group, op) goes back as the backend's own Work with the callback; the next ones are
-    wrapped, with the callback until ``PROMPT_WAITS`` of them in a row were waited before completion. A work
-    found completed well before its ``wait()`` starts, dropped unwaited, or whose future is taken brings the
-    callback back, so a caller that overlaps the collective with other work gets exact completion times (at
-    most the one work that revealed the change is stamped at its ``wait()``, an upper bound of its completion).
+    wrapped, with the callback until ``PROMPT_WAITS`` of them in a row were waited promptly. A work found completed
+    well before its ``wait()`` starts, a future waited more than ``PROMPT_WAIT_NS`` after it was taken, a work
+    dropped unwaited, or a future released without a wait through it (DDP's reducer takes futures in C++;
+    ``then()``, ``wait_all``) brings the callback back, so a caller that overlaps the collective with other work
+    gets exact completion times. The works that reveal the change are stamped at their wait, an upper bound of
+    their completion: one work for a caller that waits each work before issuing the next, every work issued
+    without the callback before the first late wait for one that waits a batch at the end.
     """
 
     PROMPT_WAITS = 4
@@ -505,7 +512,8 @@ class _WaitHabit:
     """A wait that starts this soon after the backend handed the work back counts as prompt even if the work
     already completed (a descheduled caller, a tiny collective): its end is stamped at most this late after the
     issue returned, within a thread wake-up. Counted from the issue's return, not from ``enqueue_ns``: a caller
-    descheduled inside the backend's call (a busy machine) has not waited late."""
+    descheduled inside the backend's call (a busy machine) has not waited late. A future's wait counts as prompt
+    if the future was taken so (or before the work completed) and its ``wait()`` returned within this of that."""
 
     __slots__ = ("issued", "prompt", "future_taken")
 
@@ -513,19 +521,33 @@ class _WaitHabit:
         self.issued = False
         """A work of this (group, op) was issued: the first one goes back as the backend's own Work."""
         self.prompt = 0
-        """Works of this (group, op) waited before they completed, in a row."""
+        """Works of this (group, op) waited promptly, in a row."""
         self.future_taken = False
-        """A caller took a work's future (DDP's reducer, ``get_future()`` users): the group hands back the
-        backend's own Work with the done-callback, as a Python Work costs those C++ callers GIL round trips."""
+        """A future taken from a work was released without being waited through it (DDP's reducer, ``then()``
+        users): the group hands back the backend's own Work with the done-callback, as a Python Work costs those
+        C++ callers GIL round trips."""
 
     @property
     def needs_callback(self) -> bool:
         return self.prompt < self.PROMPT_WAITS
 
+    def waited(self, prompt: bool) -> None:
+        """Count one wait: prompt ones in a row, a late one starts the count again."""
+        if not prompt:
+            self.prompt = 0
+        elif self.prompt < self.PROMPT_WAITS:
+            self.prompt += 1
+
+
+_FUTURE_UNWRAP = hasattr(torch.futures.Future, "_set_unwrap_func")
+"""torch's futures take an unwrap function (private API, run when a Python ``wait()``/``value()`` returns): a
+wrapped work's future is then stamped at its wait (``_FutureWaited``)."""
+
 
 class RecordedWork(dist.Work):
-    """Wraps a real ``Work``: writes the row when ``wait()`` returns or, if a done-callback was added (``callback``,
-    or a future taken by the caller), when the work completes; first wins.
+    """Wraps a real ``Work``: writes the row when ``wait()`` returns, when the future it handed out returns from its
+    ``wait()`` (a work with a ``habit``: ``_FutureWaited``) or, if a done-callback was added (``future``, while the
+    habit is learned; a future taken from a work without a habit), when the work completes; first wins.
 
     Used for works without a future (gloo send/recv, reduce-scatter; timed at ``wait()``) and for gloo works whose
     callers wait on them (see ``_WaitHabit``); ``habit`` is updated with how this work was used.
@@ -533,11 +555,17 @@ class RecordedWork(dist.Work):
 
     # One per wrapped collective: slots make it cheaper to build than an instance dict (torch's Work takes no
     # attributes of its own either).
-    __slots__ = ("_inner", "_row", "_recorder", "_key", "_habit", "_handed_ns", "_future")
+    __slots__ = ("_inner", "_row", "_recorder", "_key", "_habit", "_handed_ns", "_future", "_callback")
 
-    def __init__(self, inner: dist.Work, row: dict[str, Any], recorder: CollectiveRecorder, *,
+    def __init__(self, inner: dist.Work, row: dict[str, Any] | tuple, recorder: CollectiveRecorder, *,
                  habit: _WaitHabit | None = None, future: Any = None) -> None:
         super().__init__()
+        self._start(inner, row, recorder, habit, future)
+
+    def _start(self, inner: dist.Work, row: dict[str, Any] | tuple, recorder: CollectiveRecorder,
+               habit: _WaitHabit | None, future: Any) -> None:
+        """Fill the fields and track ``row`` (``__init__``'s body; ``_IssuedWork`` calls it after torch's own
+        Work constructor)."""
         self._inner = inner
         self._row = row
         self._recorder = recorder
@@ -546,6 +574,7 @@ class RecordedWork(dist.Work):
         if habit is not None:
             self._handed_ns = time.time_ns()     # the backend handed the work back (``PROMPT_WAIT_NS``)
         self._future: Any = None
+        self._callback = future is not None
         if future is not None:              # exact completion time while the caller's habit is being learned
             recorder.on_done(future, _WorkDone(self))
 
@@ -560,24 +589,30 @@ class RecordedWork(dist.Work):
         habit = self._habit
         if habit is not None:
             self._habit = None
-            row = self._row
-            if (row is not None and time.time_ns() - self._handed_ns > _WaitHabit.PROMPT_WAIT_NS
-                    and self._inner.is_completed()):   # the clock first: cheaper than asking the backend
-                habit.prompt = 0            # completed well before the wait: only a callback sees when
-            elif habit.prompt < _WaitHabit.PROMPT_WAITS:
-                habit.prompt += 1
+            # Late if it completed well before the wait: only a callback sees when (the clock first: cheaper
+            # than asking the backend).
+            habit.waited(self._row is None or time.time_ns() - self._handed_ns <= _WaitHabit.PROMPT_WAIT_NS
+                         or not self._inner.is_completed())
         ok = self._inner.wait() if timeout is None else self._inner.wait(timeout)
-        self._complete()
+        row = self._row
+        if row is not None:
+            self._row = None
+            self._recorder.complete(self._key, row, time.time_ns())
         return ok
 
     def get_future(self) -> torch.futures.Future:
         if self._future is None:
-            if self._habit is not None:
-                self._habit.future_taken = True
-                self._habit.prompt = 0
-                self._habit = None
             fut = self._inner.get_future()
-            self._recorder.on_done(fut, _WorkDone(self))
+            habit = self._habit
+            if habit is not None and not _FUTURE_UNWRAP:     # a torch without unwrap functions: as a C++ caller
+                habit.future_taken, habit.prompt, habit = True, 0, None
+            if habit is None:               # not learning a habit: the done-callback stamps the completion
+                self._recorder.on_done(fut, _WorkDone(self))
+            else:                           # the future's wait() stamps it, or its release brings the callback
+                self._habit = None
+                now = time.time_ns()
+                prompt = now - self._handed_ns <= _WaitHabit.PROMPT_WAIT_NS or not self._inner.is_completed()
+                fut._set_unwrap_func(_FutureWaited(self, habit, now if prompt else None))
             self._future = fut
         return self._future
 
@@ -602,12 +637,12 @@ class RecordedWork(dist.Work):
     def __del__(self) -> None:
         # Never waited and no future taken (fire-and-forget). A work that has a future gets its end from a
         # done-callback (added now if it was not), and its (group, op) gets the callback back; a work without
-        # one is written without an end time.
+        # one is written without an end time. A future taken ends the row itself (``_FutureWaited``).
         habit = getattr(self, "_habit", None)
         if habit is not None:
             habit.prompt = 0
         row = getattr(self, "_row", None)
-        if row is None:
+        if row is None or getattr(self, "_future", None) is not None:
             return
         self._row = None
         if habit is not None:
@@ -615,6 +650,72 @@ class RecordedWork(dist.Work):
             self._recorder.on_done(future, _FutureDone(self._recorder, self._key, row))
             return
         self._recorder.complete(self._key, row, None)
+
+
+class _IssuedWork(RecordedWork):
+    """The ``RecordedWork`` of the group's hot path (``RecordingProcessGroup._issue``): built by torch's own Work
+    constructor (no Python ``__init__`` frame, no ``super()`` call, no keyword arguments), then filled by
+    ``_start``."""
+
+    __slots__ = ()
+    __init__ = dist.Work.__init__
+
+
+def _wrap(inner: dist.Work, row: tuple | dict[str, Any], recorder: CollectiveRecorder,
+          habit: _WaitHabit | None = None, future: Any = None) -> RecordedWork:
+    """``RecordedWork(inner, row, recorder, habit=habit, future=future)``, built the cheap way."""
+    work = _IssuedWork()
+    work._start(inner, row, recorder, habit, future)
+    return work
+
+
+class _FutureWaited:
+    """Unwrap function of the future a wrapped work (``RecordedWork.get_future``) hands out while its (group, op)'s
+    habit is learned or known: torch calls it on the caller's thread each time that future's ``wait()`` or
+    ``value()`` returns (never when the future failed). The first call stamps ``end_ns`` (unless the row was
+    already written) and tells the habit whether the wait was prompt. Released without having been called (the
+    future went to C++, or was waited through ``then()``/``wait_all``), it brings the done-callback back for the
+    (group, op) and, unless one already holds the row, adds one for this work: its end is then the completion, or
+    the release if the work had completed before (an upper bound).
+
+    Holds the work's fields, not the work: the work keeps its future, and a cycle through a C++ future is never
+    collected."""
+
+    __slots__ = ("recorder", "key", "row", "inner", "habit", "taken_ns", "has_callback")
+
+    def __init__(self, work: RecordedWork, habit: _WaitHabit, taken_ns: int | None) -> None:
+        self.recorder, self.key, self.row, self.inner = work._recorder, work._key, work._row, work._inner
+        self.habit: _WaitHabit | None = habit
+        """Until the first call: the habit that call updates."""
+        self.taken_ns = taken_ns
+        """When the future was taken, if promptly (``_WaitHabit.PROMPT_WAIT_NS``); else None."""
+        self.has_callback = work._callback
+        """A done-callback holds the row already (added while the habit was learned)."""
+
+    def __call__(self, value: Any) -> None:
+        habit = self.habit
+        if habit is None:                  # called before: a later wait() or value() of the same future
+            return
+        self.habit = None
+        now = time.time_ns()
+        taken_ns = self.taken_ns
+        habit.waited(taken_ns is not None and now - taken_ns <= _WaitHabit.PROMPT_WAIT_NS)
+        row = self.row
+        if row is not None:                # else written before the future was taken
+            self.row = None
+            self.recorder.complete(self.key, row, now)
+
+    def __del__(self) -> None:
+        habit = self.habit
+        if habit is None:
+            return
+        habit.future_taken = True
+        habit.prompt = 0
+        row = self.row
+        if row is not None and not self.has_callback:
+            self.row = None
+            recorder = self.recorder
+            recorder.on_done(self.inner.get_future(), _FutureDone(recorder, self.key, row))
 
 
 _SPLIT_DEVICE_TYPES_ARG = 5
@@ -839,22 +940,23 @@ class RecordingProcessGroup(dist.ProcessGroup):
             if self._device_timing:            # NCCL: timed on the device by collectors/nccl.py
                 return self._nccl.issue(row, functools.partial(call, *args, **kwargs), peer=peer)
         work = call(*args, **kwargs)
-        if recorder.timing == "enqueue" or work is None:
+        if work is None or recorder.timing == "enqueue":
             recorder.emit(row)
             return work
-        if op in self._no_future_ops:
-            return RecordedWork(work, row, recorder)
         habit = self._habits.get(op)
+        if habit is not None and habit.prompt >= _WaitHabit.PROMPT_WAITS and not habit.future_taken:
+            # Its callers wait before completion: the wrapper's wait(), or its future's, stamps end_ns on the
+            # caller's thread.
+            return _wrap(work, row, recorder, habit)
+        if op in self._no_future_ops:
+            return _wrap(work, row, recorder)
         if habit is None:
             habit = self._habits[op] = _WaitHabit()
-        if not habit.needs_callback:
-            # Its callers wait before completion: the wrapper's wait() stamps end_ns on the caller's thread.
-            return RecordedWork(work, row, recorder, habit=habit)
         try:
             future = work.get_future()
         except RuntimeError:               # gloo p2p and reduce-scatter works have no future
             self._no_future_ops.add(op)
-            return RecordedWork(work, row, recorder)
+            return _wrap(work, row, recorder)
         if habit.future_taken or not habit.issued:
             habit.issued = True
             # The caller keeps the backend's own Work: a Python Work handed to C++ (DDP's reducer) costs GIL
@@ -862,7 +964,7 @@ class RecordingProcessGroup(dist.ProcessGroup):
             # work (a gloo worker thread), so end_ns is the completion time.
             recorder.on_done(future, _FutureDone(recorder, recorder.track(row), row))
             return work
-        return RecordedWork(work, row, recorder, habit=habit, future=future)
+        return _wrap(work, row, recorder, habit, future)
 
     def _global_peer(self, group_peer: int) -> int:
         try:

@@ -1,7 +1,9 @@
 """The recorder's cheap paths keep their meaning: a caller descheduled inside the backend's issue call still counts as
-waiting promptly (no done-callback comes back), a late wait still brings it back; the watchdog's progress lists a
-group only once it issued; and ``benchmarks/probe_overhead.py``'s ``record_cost`` case accounts for every collective
-it runs (a 1-rank gloo group and the stub backend, each way of waiting)."""
+waiting promptly (no done-callback comes back), a late wait still brings it back; a future waited at once is stamped
+at its wait with no done-callback, one released unwaited (as DDP's reducer takes it, in C++) or waited late brings
+the callback back, with an exact end where the work was still in flight; the watchdog's progress lists a group only
+once it issued; and ``benchmarks/probe_overhead.py``'s ``record_cost`` case accounts for every collective it runs
+(a 1-rank gloo group and the stub backend, each way of waiting)."""
 
 from __future__ import annotations
 
@@ -10,9 +12,11 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
+from torch._C._distributed_c10d import _create_work_from_future
 
-from dtprobe.collectors.pg_wrapper import CollectiveRecorder, RecordingProcessGroup, _WaitHabit
+from dtprobe.collectors.pg_wrapper import CollectiveRecorder, RecordedWork, RecordingProcessGroup, _WaitHabit
 
 from collector_fakes import ListWriter
 
@@ -84,6 +88,114 @@ def test_a_wait_long_after_the_issue_returned_still_brings_the_callback_back():
     recorder.stop()
 
 
+def _settle(source: torch.futures.Future) -> list[torch.Tensor]:
+    """The work's outcome from the test's future: its value, or a failure of the work's own future (an error set
+    in C++, as gloo sets it; ``set_exception`` stores the exception as a Python-side value)."""
+    value = source.value()
+    if isinstance(value, Exception):
+        raise value
+    return value
+
+
+class FutureInner:
+    """A backend whose works are torch's own Work around a future that completes when the test completes one of
+    ``futures``: each ``get_future()`` hands out a new Python future of the same completion, as a gloo work's does."""
+
+    def __init__(self) -> None:
+        self.futures: list[torch.futures.Future] = []
+
+    def allreduce(self, tensors, *args):
+        self.futures.append(torch.futures.Future())
+        return _create_work_from_future(self.futures[-1].then(_settle))
+
+    def _set_group_name(self, name):
+        pass
+
+
+PROMPT_WAIT_NS = 200_000_000
+"""``_WaitHabit.PROMPT_WAIT_NS`` in the future tests: a test thread descheduled on a busy machine still waits
+promptly."""
+
+
+def _future_group(monkeypatch) -> tuple[RecordingProcessGroup, CollectiveRecorder, ListWriter, FutureInner, list]:
+    """A recording group on ``FutureInner`` whose recorder lists the done-callbacks it adds; its habit for
+    all_reduce already learned that callers wait each future at once."""
+    monkeypatch.setattr(_WaitHabit, "PROMPT_WAIT_NS", PROMPT_WAIT_NS)
+    recorder, writer, inner = CollectiveRecorder(), ListWriter(), FutureInner()
+    recorder.start(writer, flush_interval_s=3600)
+    callbacks: list = []
+    on_done = recorder.on_done
+    recorder.on_done = lambda future, callback: (callbacks.append(callback), on_done(future, callback))
+    pg = RecordingProcessGroup(inner, 0, 2, backend_name="dtprobe_gloo", recorder=recorder)
+    pg.dtprobe_name = "tp"
+    for _ in range(_WaitHabit.PROMPT_WAITS + 1):      # the backend's own Work first, then learning with callbacks
+        work = pg.allreduce([torch.ones(4)])
+        inner.futures[-1].set_result([torch.ones(4)])
+        work.get_future().wait()
+    assert not pg._habits["allreduce"].needs_callback and len(callbacks) == _WaitHabit.PROMPT_WAITS + 1
+    callbacks.clear()
+    return pg, recorder, writer, inner, callbacks
+
+
+def test_a_future_waited_at_once_is_stamped_at_its_wait_with_no_done_callback(monkeypatch):
+    pg, recorder, writer, inner, callbacks = _future_group(monkeypatch)
+    completed_ns = []
+    for _ in range(3):
+        work = pg.allreduce([torch.ones(4)])
+        assert isinstance(work, RecordedWork)
+        future = work.get_future()
+        completed_ns.append(time.time_ns())
+        inner.futures[-1].set_result([torch.ones(4)])
+        assert future.wait()[0].tolist() == [1.0] * 4 and future.value()[0].tolist() == [1.0] * 4
+        del work, future
+    assert callbacks == [] and recorder.pending() == []
+    recorder.stop()
+    rows = writer.table("collectives")
+    assert [r["seq"] for r in rows] == list(range(1, _WaitHabit.PROMPT_WAITS + 5))
+    for row, done_ns in zip(rows[-3:], completed_ns):
+        assert row["end_ns"] >= done_ns >= row["enqueue_ns"]       # stamped once the wait returned
+    assert not pg._habits["allreduce"].needs_callback
+
+
+def test_a_future_released_unwaited_brings_the_callback_back_and_ends_at_the_completion(monkeypatch):
+    pg, recorder, writer, inner, callbacks = _future_group(monkeypatch)
+    pg.allreduce([torch.ones(4)]).get_future()       # taken and let go, as DDP's reducer does in C++
+    assert len(callbacks) == 1 and pg._habits["allreduce"].future_taken
+    assert [r["seq"] for r in recorder.pending()] == [_WaitHabit.PROMPT_WAITS + 2]
+    time.sleep(0.01)
+    completed_ns = time.time_ns()
+    inner.futures[-1].set_result([torch.ones(4)])    # the done-callback stamps the completion, not the release
+    assert type(pg.allreduce([torch.ones(4)])) is torch.distributed.Work   # the backend's own Work from now on
+    recorder.stop()
+    row = writer.table("collectives")[-2]
+    assert row["seq"] == _WaitHabit.PROMPT_WAITS + 2 and row["end_ns"] >= completed_ns
+    assert row["end_ns"] - row["enqueue_ns"] >= 10_000_000
+
+
+def test_a_future_waited_long_after_it_was_taken_brings_the_callback_back(monkeypatch):
+    pg, recorder, writer, inner, callbacks = _future_group(monkeypatch)
+    future = pg.allreduce([torch.ones(4)]).get_future()
+    time.sleep(2 * PROMPT_WAIT_NS / 1e9)
+    inner.futures[-1].set_result([torch.ones(4)])
+    future.wait()
+    assert pg._habits["allreduce"].needs_callback and callbacks == []
+    pg.allreduce([torch.ones(4)]).get_future()
+    assert len(callbacks) == 1                       # the next work is wrapped with the callback again
+    recorder.stop()
+
+
+def test_a_failed_future_is_no_completion_and_stays_in_flight(monkeypatch):
+    pg, recorder, writer, inner, callbacks = _future_group(monkeypatch)
+    future = pg.allreduce([torch.ones(4)]).get_future()
+    inner.futures[-1].set_exception(RuntimeError("Connection closed by peer"))
+    with pytest.raises(RuntimeError, match="closed by peer"):
+        future.wait()
+    del future                                       # released: a done-callback finds the failure
+    assert len(callbacks) == 1 and [r["seq"] for r in recorder.pending()] == [_WaitHabit.PROMPT_WAITS + 2]
+    recorder.stop()
+    assert "end_ns" not in writer.table("collectives")[-1]
+
+
 def test_progress_lists_a_group_once_it_issued_and_its_last_completion():
     recorder = CollectiveRecorder()
     recorder.start(ListWriter(), flush_interval_s=3600)
@@ -106,7 +218,7 @@ def test_record_cost_case_records_every_collective_it_runs(repo_root, child_env,
                           env=child_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]     # the worker checks the recorder saw each collective
     costs = json.loads(out.read_text())
-    keys = [f"{b}/{m}" for b in ("gloo", "stub") for m in ("blocking", "async", "future")]
+    keys = [f"{b}/{m}" for b in ("gloo", "stub") for m in ("blocking", "async", "future", "wait_all")]
     assert sorted(k for k in costs if "/" in k) == sorted(keys)
     for key in keys:
         for side in ("plain", "recorded"):

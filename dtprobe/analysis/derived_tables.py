@@ -4,8 +4,10 @@
 step), ``blocked`` (``stragglers.blocked_outside_groups``, per rank, step and group: the waits the STRAGGLER causes
 read), ``bandwidth`` (``comm_efficiency.collective_bandwidth``, per collective: its rows are all in one block, and
 its output order is explicit, not the table's) and ``groups`` (``arrivals.group_rows``: one row per group and p2p
-link, for the group clocks, linked ranks and pipelines); passed to ``store.compact`` by ``dtprobe compact`` and
-read back by the facade instead of computing them from the whole ``collectives`` table.
+link, for the group clocks, linked ranks and pipelines) and ``suspects`` (``mismatch.suspect_calls``: the
+collectives whose members' calls differ, none in a clean run, so COLLECTIVE_MISMATCH judges only their groups'
+rows); passed to ``store.compact`` by ``dtprobe compact`` and read back by the facade instead of computing them
+from the whole ``collectives`` table.
 
 Each block's frames come from the same functions over the block's rows as the facade's over the whole run
 (``inputs.analysed_table``, ``arrivals.on_arrival_clock``, ``collective_skew``), so they are equal whenever a
@@ -30,12 +32,14 @@ from dtprobe.analysis.arrivals import unique_seq
 from dtprobe.analysis.comm_efficiency import BANDWIDTH_COLUMNS, BANDWIDTH_ORDER, collective_bandwidth
 from dtprobe.analysis.exposed_comm import EXPOSURE_COLUMNS, comm_exposure
 from dtprobe.analysis.hangs import merge_pending
+from dtprobe.analysis.mismatch import SUSPECT_COLUMNS, suspect_calls
 from dtprobe.analysis.stragglers import BLOCKED_COLUMNS, blocked_outside_groups
 from dtprobe.analysis.tables import P2P_OPS, group_codes
 
-VERSION = 3
+VERSION = 4
 """Bumped whenever the derived tables or what ``rank_lateness``, ``comm_exposure``, ``collective_bandwidth``,
-``late_rank_per_step``, ``blocked_outside_groups`` or ``group_rows`` compute change: older derived frames are then ignored (the marker's key differs), computed from the rows, and
+``late_rank_per_step``, ``blocked_outside_groups``, ``group_rows`` or ``suspect_calls`` compute change (4 added
+``suspects``): older derived frames are then ignored (the marker's key differs), computed from the rows, and
 derived again by the next ``dtprobe compact`` / ``compaction.add_derived``."""
 KEY = {"deriver": "dtprobe.analysis.derived_tables", "version": VERSION, "options": []}
 """The marker's ``derived.key``: no analysis option changes these frames."""
@@ -45,12 +49,14 @@ BANDWIDTH = "bandwidth"
 GROUPS = "groups"
 LATE_RANK = "late_rank"
 BLOCKED = "blocked"
+SUSPECTS = "suspects"
 ORDER = {LATENESS: (["pg", "pg_ranks", "rank", "step"], LATENESS_COLUMNS),
          EXPOSURE: (["rank", "step"], EXPOSURE_COLUMNS),
          BANDWIDTH: (BANDWIDTH_ORDER, BANDWIDTH_COLUMNS),
          GROUPS: (["pg", "pg_ranks", "rank", "peer", "op"], GROUP_ROW_COLUMNS),
          LATE_RANK: (["pg", "pg_ranks", "step"], LATE_RANK_COLUMNS),
-         BLOCKED: (["rank", "step", "outside_pg_ranks"], BLOCKED_COLUMNS)}
+         BLOCKED: (["rank", "step", "outside_pg_ranks"], BLOCKED_COLUMNS),
+         SUSPECTS: (SUSPECT_COLUMNS, SUSPECT_COLUMNS)}
 """Per derived table: the sort order of the whole-run frame, and its columns."""
 
 
@@ -73,7 +79,8 @@ class LatenessExposure:
         collectives = merge_pending(frames["collectives"], frames["pending"])
         if step_block < 0:
             self._remember(step_block, collectives)
-            return {BANDWIDTH: collective_bandwidth(collectives), GROUPS: group_rows(collectives)}
+            return {BANDWIDTH: collective_bandwidth(collectives), GROUPS: group_rows(collectives),
+                    SUSPECTS: suspect_calls(collectives)}
         if unique_seq(collectives) is not collectives and self._reason is None:
             self._reason = f"a collective numbering restarts inside step block {step_block} (a torchrun restart)"
         self._remember(step_block, collectives)
@@ -82,7 +89,8 @@ class LatenessExposure:
         return {LATENESS: rank_lateness(arrival, steps), EXPOSURE: comm_exposure(arrival, steps, skew),
                 LATE_RANK: late_rank_per_step(skew, steps),
                 BLOCKED: blocked_outside_groups(arrival, collective_waits(arrival, skew)),
-                BANDWIDTH: collective_bandwidth(collectives), GROUPS: group_rows(collectives)}
+                BANDWIDTH: collective_bandwidth(collectives), GROUPS: group_rows(collectives),
+                SUSPECTS: suspect_calls(collectives)}
 
     def invalid_reason(self) -> str | None:
         """Why the blocks' frames may differ from the whole run's (None: they are equal)."""

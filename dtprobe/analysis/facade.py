@@ -212,9 +212,14 @@ class RunAnalysis:
 
     def _derived(self, name: str, compute: Callable[[], pd.DataFrame]) -> pd.DataFrame:
         # a compacted run's per-step frame kept at compaction when it is still the whole run's, else computed
+        kept = self._kept(name)
+        return kept if kept is not None else compute()
+
+    def _kept(self, name: str) -> pd.DataFrame | None:
+        # the whole-run frame of a derived table kept at compaction, None when the source has none (or not now)
         kept = getattr(self.source, "derived_table", None)
         kept = kept(name, _derived.KEY, deriver=_derived.deriver) if kept is not None else None
-        return _derived.whole_run_frame(name, kept) if kept is not None else compute()
+        return _derived.whole_run_frame(name, kept) if kept is not None else None
 
     def straggler_scores(self) -> pd.DataFrame:
         """Per (group, rank): worst-window median lateness, share of steps late, mean wait imposed on peers."""
@@ -566,9 +571,14 @@ class RunAnalysis:
 
     def collective_mismatches(self) -> pd.DataFrame:
         """Per group and attempt: the first collective its members issued differently (or one skipped)."""
+        return self._memo("mismatches", lambda: _mismatch.collective_mismatches(self._mismatch_calls(),
+                                                                                 self.table("steps")))
+
+    def _mismatch_calls(self) -> pd.DataFrame:
+        # the calls compared: of a run whose suspect collectives were kept at compaction only their groups' rows
+        # (none in a clean run), else every call (read projected when the source can)
         rows = self._failure_rows()
-        return self._memo("mismatches", lambda: _mismatch.collective_mismatches(
-            self.table("collectives") if rows is None else rows.group_calls(), self.table("steps")))
+        return self.table("collectives") if rows is None else rows.group_calls(self._kept(_derived.SUSPECTS))
 
     def mismatch_findings(self) -> list[Finding]:
         """COLLECTIVE_MISMATCH (none without whole per-rank records, e.g. profiler windows each rank cut alone)."""

@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dtprobe.analysis.hangs import merge_pending, unfinished_rows
-from dtprobe.analysis.tables import P2P_OPS
+from dtprobe.analysis.tables import P2P_OPS, group_members, text_or
 from dtprobe.store.frames import arrow_to_frame, empty_frame, memory_schema
 
 
@@ -53,9 +53,10 @@ class FailureRows:
     rank_rows: Callable[[int], pd.DataFrame] | None = None
     """All rows of one rank (``enqueue_ns``, ``end_ns``), for a liveness question about a time before
     ``recent_from``."""
-    group_calls: Callable[[], pd.DataFrame] | None = None
+    group_calls: Callable[[pd.DataFrame | None], pd.DataFrame] | None = None
     """Every collective (not send/recv) row with the columns ``mismatch.collective_mismatches`` reads (the
-    others null), read when called: the members' calls compared."""
+    others null), read when called: the members' calls compared. Called with a frame of groups (``pg``,
+    ``pg_ranks``): only those groups' rows (their members' files read alone)."""
 
     @property
     def doing(self) -> pd.DataFrame:
@@ -115,13 +116,26 @@ def read_failure_rows(source: Any, steps: pd.DataFrame) -> FailureRows | None:
         rows = read("collectives", columns=["enqueue_ns", "end_ns"], ranks=[rank])
         return rows.to_pandas(types_mapper={pa.int64(): pd.Int64Dtype()}.get)     # ns exact, nulls kept
 
-    def group_calls() -> pd.DataFrame:
-        calls = frame(pc.field("seq").is_valid() & ~pc.field("op").isin(sorted(P2P_OPS)), CALL_COLUMNS)
+    def group_calls(groups: pd.DataFrame | None = None) -> pd.DataFrame:
         calls_added = added[~added["op"].isin(P2P_OPS) & added["seq"].notna()]
-        return calls if calls_added.empty else pd.concat([calls, calls_added], ignore_index=True)
+        if groups is not None and groups.empty:
+            return empty_frame("collectives")
+        members = None if groups is None else [group_members(g) for g in groups["pg_ranks"]]
+        ranks = None if members is None or not all(members) else sorted({r for m in members for r in m})
+        calls = frame(pc.field("seq").is_valid() & ~pc.field("op").isin(sorted(P2P_OPS)), CALL_COLUMNS,
+                      ranks=ranks)
+        calls = calls if calls_added.empty else pd.concat([calls, calls_added], ignore_index=True)
+        return calls if groups is None else _of_groups(calls, groups)
 
     return FailureRows(unfinished=unfinished, p2p=p2p, recent=recent, recent_from=recent_from, rank_rows=rank_rows,
                        group_calls=group_calls)
+
+
+def _of_groups(rows: pd.DataFrame, groups: pd.DataFrame) -> pd.DataFrame:
+    """The ``rows`` of the groups (``pg``, ``pg_ranks``) listed in ``groups``, in their order."""
+    wanted = list(zip(groups["pg"].astype(str), text_or(groups["pg_ranks"]).astype(str)))
+    keys = pd.MultiIndex.from_arrays([rows["pg"].astype(str), text_or(rows["pg_ranks"]).astype(str)])
+    return rows[keys.isin(wanted)].reset_index(drop=True)
 
 
 def _since(t: int) -> pc.Expression:

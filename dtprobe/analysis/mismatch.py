@@ -25,23 +25,53 @@ UNEVEN_OPS = frozenset({"alltoall"})
 """Ops whose members may legally send different sizes (all-to-all with split sizes): their sizes are not compared."""
 
 
-def collective_mismatches(collectives: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
-    """The first mismatch of every (group, attempt) whose members did not issue the same collectives in the same
-    order. Columns: ``MISMATCH_COLUMNS``."""
+SUSPECT_COLUMNS = ["pg", "pg_ranks", "attempt", "seq"]
+"""``suspect_calls()``: per collective (group, attempt, seq) whose members' rows differ in op, dtype, size or step."""
+
+
+def _calls(collectives: pd.DataFrame) -> pd.DataFrame:
+    """The group collectives compared (no send/recv, no single-member group) with their attempt (``_attempt``),
+    ``_seq``, members' text and the values compared (null dtype ``?``, size -1: unknown or ``UNEVEN_OPS``)."""
     require_columns(collectives, ["rank", "pg", "pg_ranks", "seq", "op", "num_bytes", "dtype", "step", "restart",
                                   "enqueue_ns"], table="collectives")
     c = collectives[~collectives["op"].isin(P2P_OPS) & collectives["seq"].notna()
                     & (collectives["pg_size"].fillna(2) > 1)]
+    if c.empty:
+        return c
+    seq = c["seq"].astype("int64")
+    return c.assign(_attempt=c["restart"].fillna(seq // ATTEMPT_SEQ_STRIDE).astype("int64"), _seq=seq,
+                    pg_ranks=text_or(c["pg_ranks"]), dtype=c["dtype"].fillna("?"),
+                    num_bytes=c["num_bytes"].fillna(-1).where(~c["op"].isin(UNEVEN_OPS), -1))
+
+
+def _suspects(c: pd.DataFrame) -> pd.DataFrame:
+    """Per (pg, pg_ranks, _attempt, _seq) of ``_calls`` rows whose members differ, in order of appearance."""
+    per_seq = c.groupby(["pg", "pg_ranks", "_attempt", "_seq"], sort=False)[["op", "dtype", "num_bytes",
+                                                                             "step"]].nunique()
+    return per_seq[(per_seq > 1).any(axis=1)].reset_index()
+
+
+def suspect_calls(collectives: pd.DataFrame) -> pd.DataFrame:
+    """The collectives whose members' rows differ in op, dtype, size or step: the only places
+    ``collective_mismatches`` judges, so a group without any has no mismatch (kept per step block at compaction,
+    ``derived_tables``). Columns: ``SUSPECT_COLUMNS`` (``seq`` as ``collective_mismatches`` reads it: unique
+    across attempts)."""
+    c = _calls(collectives)
+    suspect = _suspects(c) if not c.empty else pd.DataFrame()
+    if suspect.empty:
+        return pd.DataFrame({"pg": pd.Series([], dtype="str"), "pg_ranks": pd.Series([], dtype="str"),
+                             "attempt": pd.Series([], dtype="int64"), "seq": pd.Series([], dtype="int64")})
+    return suspect.rename(columns={"_attempt": "attempt", "_seq": "seq"})[SUSPECT_COLUMNS]
+
+
+def collective_mismatches(collectives: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
+    """The first mismatch of every (group, attempt) whose members did not issue the same collectives in the same
+    order. Columns: ``MISMATCH_COLUMNS``."""
+    c = _calls(collectives)
     empty = pd.DataFrame({k: [] for k in MISMATCH_COLUMNS})
     if c.empty:
         return empty
-    seq = c["seq"].astype("int64")
-    c = c.assign(_attempt=c["restart"].fillna(seq // ATTEMPT_SEQ_STRIDE).astype("int64"), _seq=seq,
-                 pg_ranks=text_or(c["pg_ranks"]), dtype=c["dtype"].fillna("?"),
-                 num_bytes=c["num_bytes"].fillna(-1).where(~c["op"].isin(UNEVEN_OPS), -1))
-    key = ["pg", "pg_ranks", "_attempt", "_seq"]
-    per_seq = c.groupby(key, sort=False)[["op", "dtype", "num_bytes", "step"]].nunique()
-    suspect = per_seq[(per_seq > 1).any(axis=1)].reset_index()
+    suspect = _suspects(c)
     if suspect.empty:
         return empty
     rows = []

@@ -100,6 +100,7 @@ class RunStore:
         self._tail_from_step: int | None = None
         self._clock: tuple[tuple, int, ClockModel] | None = None   # (rank offsets, clock rows, model)
         self._live_derived = LiveDerived()
+        self._whole: bool | None = None   # compaction_is_whole() since the last open/refresh
 
     @classmethod
     def open(cls, path: str | os.PathLike, *, tables: Iterable[str] | None = None,
@@ -295,7 +296,14 @@ class RunStore:
 
     def compaction_is_whole(self) -> bool:
         """True while the run is compacted, no events file differs from what the compaction consumed and the clock
-        offsets are those it used (then every table equals its compacted files)."""
+        offsets are those it used (then every table equals its compacted files). Checked (every events file's
+        size) once per ``open`` and ``refresh``: the store's view of the run changes only then."""
+        with self._lock:
+            if self._whole is None:
+                self._whole = self._compaction_is_whole()
+            return self._whole
+
+    def _compaction_is_whole(self) -> bool:
         if self._compacted is None:
             return False
         consumed = self._compacted["events"]
@@ -364,6 +372,7 @@ class RunStore:
         """
         with self._lock:
             self._manifest = read_manifest(self._path)
+            self._whole = None
             new = {}
             for name, state in self._states.items():
                 n = self._tail(name, state)

@@ -493,8 +493,8 @@ class _WaitHabit:
     ``async_op``, a DTensor or FSDP wait right after the issue, ``get_future().wait()``; or within
     ``PROMPT_WAIT_NS`` of it) sees the completion itself: its ``wait()`` returns then, on its own thread, so the
     wrapper stamps ``end_ns`` there, with no callback. A future handed out by the wrapper is the backend's own
-    future with an unwrap function (``_FutureWaited``), which torch runs on the caller's thread when that
-    future's ``wait()`` or ``value()`` returns.
+    future with an unwrap function (``RecordedWork._future_waited``), which torch runs on the caller's thread when
+    that future's ``wait()`` or ``value()`` returns.
 
     The first work of a (group, op) goes back as the backend's own Work with the callback; the next ones are
     wrapped, with the callback until ``PROMPT_WAITS`` of them in a row were waited promptly. A work found completed
@@ -541,13 +541,14 @@ class _WaitHabit:
 
 _FUTURE_UNWRAP = hasattr(torch.futures.Future, "_set_unwrap_func")
 """torch's futures take an unwrap function (private API, run when a Python ``wait()``/``value()`` returns): a
-wrapped work's future is then stamped at its wait (``_FutureWaited``)."""
+wrapped work's future is then stamped at its wait (``RecordedWork._future_waited``)."""
 
 
 class RecordedWork(dist.Work):
-    """Wraps a real ``Work``: writes the row when ``wait()`` returns, when the future it handed out returns from its
-    ``wait()`` (a work with a ``habit``: ``_FutureWaited``) or, if a done-callback was added (``future``, while the
-    habit is learned; a future taken from a work without a habit), when the work completes; first wins.
+    """Wraps a real ``Work``: writes the row when ``wait()`` returns, when a future it handed out returns from its
+    Python ``wait()``/``value()`` (a work with a ``habit``: ``_future_waited``) or, if a done-callback was added
+    (``future``, while the habit is learned; a future taken from a work without a habit), when the work completes;
+    first wins.
 
     Used for works without a future (gloo send/recv, reduce-scatter; timed at ``wait()``) and for gloo works whose
     callers wait on them (see ``_WaitHabit``); ``habit`` is updated with how this work was used.
@@ -555,7 +556,8 @@ class RecordedWork(dist.Work):
 
     # One per wrapped collective: slots make it cheaper to build than an instance dict (torch's Work takes no
     # attributes of its own either).
-    __slots__ = ("_inner", "_row", "_recorder", "_key", "_habit", "_handed_ns", "_future", "_callback")
+    __slots__ = ("_inner", "_row", "_recorder", "_key", "_habit", "_handed_ns", "_future", "_callback", "_waiter",
+                 "_taken_ns")
 
     def __init__(self, inner: dist.Work, row: dict[str, Any] | tuple, recorder: CollectiveRecorder, *,
                  habit: _WaitHabit | None = None, future: Any = None) -> None:
@@ -574,6 +576,8 @@ class RecordedWork(dist.Work):
         if habit is not None:
             self._handed_ns = time.time_ns()     # the backend handed the work back (``PROMPT_WAIT_NS``)
         self._future: Any = None
+        self._waiter: _WaitHabit | None = None
+        """While a future taken from this work has not returned from a Python wait: the habit that wait updates."""
         self._callback = future is not None
         if future is not None:              # exact completion time while the caller's habit is being learned
             recorder.on_done(future, _WorkDone(self))
@@ -601,20 +605,45 @@ class RecordedWork(dist.Work):
         return ok
 
     def get_future(self) -> torch.futures.Future:
-        if self._future is None:
+        habit = self._habit
+        if habit is not None and _FUTURE_UNWRAP:
+            # The future's Python wait() stamps the end (``_future_waited``); released unwaited, the work's
+            # ``__del__`` brings the callback back. Not kept here: this work is the future's unwrap function, and
+            # a cycle through a C++ future is never collected.
+            self._habit = None
+            now = time.time_ns()
+            prompt = now - self._handed_ns <= _WaitHabit.PROMPT_WAIT_NS or not self._inner.is_completed()
+            self._taken_ns = now if prompt else None
+            self._waiter = habit
+        if self._waiter is not None:         # also a second get_future before the first future's wait
             fut = self._inner.get_future()
-            habit = self._habit
-            if habit is not None and not _FUTURE_UNWRAP:     # a torch without unwrap functions: as a C++ caller
-                habit.future_taken, habit.prompt, habit = True, 0, None
-            if habit is None:               # not learning a habit: the done-callback stamps the completion
-                self._recorder.on_done(fut, _WorkDone(self))
-            else:                           # the future's wait() stamps it, or its release brings the callback
+            fut._set_unwrap_func(self._future_waited)
+            return fut
+        if self._future is None:
+            if habit is not None:            # a torch without unwrap functions: as a C++ caller
                 self._habit = None
-                now = time.time_ns()
-                prompt = now - self._handed_ns <= _WaitHabit.PROMPT_WAIT_NS or not self._inner.is_completed()
-                fut._set_unwrap_func(_FutureWaited(self, habit, now if prompt else None))
+                habit.future_taken, habit.prompt = True, 0
+            fut = self._inner.get_future()
+            self._recorder.on_done(fut, _WorkDone(self))    # the done-callback stamps the completion
             self._future = fut
         return self._future
+
+    def _future_waited(self, value: Any) -> None:
+        """Unwrap function of the futures this work handed out while its habit was learned or known: torch calls it
+        on the caller's thread each time such a future's ``wait()`` or ``value()`` returns (never when the work
+        failed). The first call stamps ``end_ns`` (unless a done-callback wrote the row) and tells the habit
+        whether the wait was prompt."""
+        habit = self._waiter
+        if habit is None:                   # called before: a later wait() or value()
+            return
+        self._waiter = None
+        now = time.time_ns()
+        taken_ns = self._taken_ns
+        habit.waited(taken_ns is not None and now - taken_ns <= _WaitHabit.PROMPT_WAIT_NS)
+        row = self._row
+        if row is not None:
+            self._row = None
+            self._recorder.complete(self._key, row, now)
 
     def is_completed(self) -> bool:
         return self._inner.is_completed()
@@ -635,14 +664,25 @@ class RecordedWork(dist.Work):
         self._inner.synchronize()
 
     def __del__(self) -> None:
+        try:
+            habit, waiter, row = self._habit, self._waiter, self._row
+        except AttributeError:              # built, but never filled
+            return
+        if waiter is not None:
+            # Its futures were released without a Python wait (DDP's reducer takes them in C++; then(), wait_all):
+            # the callback comes back for its (group, op) and, unless one holds the row, for this work (its end is
+            # then the completion, or now if the work completed before: an upper bound).
+            waiter.future_taken, waiter.prompt = True, 0
+            if row is not None and not self._callback:
+                self._row = None
+                self._recorder.on_done(self._inner.get_future(), _FutureDone(self._recorder, self._key, row))
+            return
         # Never waited and no future taken (fire-and-forget). A work that has a future gets its end from a
         # done-callback (added now if it was not), and its (group, op) gets the callback back; a work without
-        # one is written without an end time. A future taken ends the row itself (``_FutureWaited``).
-        habit = getattr(self, "_habit", None)
+        # one is written without an end time.
         if habit is not None:
             habit.prompt = 0
-        row = getattr(self, "_row", None)
-        if row is None or getattr(self, "_future", None) is not None:
+        if row is None or self._future is not None:
             return
         self._row = None
         if habit is not None:
@@ -667,55 +707,6 @@ def _wrap(inner: dist.Work, row: tuple | dict[str, Any], recorder: CollectiveRec
     work = _IssuedWork()
     work._start(inner, row, recorder, habit, future)
     return work
-
-
-class _FutureWaited:
-    """Unwrap function of the future a wrapped work (``RecordedWork.get_future``) hands out while its (group, op)'s
-    habit is learned or known: torch calls it on the caller's thread each time that future's ``wait()`` or
-    ``value()`` returns (never when the future failed). The first call stamps ``end_ns`` (unless the row was
-    already written) and tells the habit whether the wait was prompt. Released without having been called (the
-    future went to C++, or was waited through ``then()``/``wait_all``), it brings the done-callback back for the
-    (group, op) and, unless one already holds the row, adds one for this work: its end is then the completion, or
-    the release if the work had completed before (an upper bound).
-
-    Holds the work's fields, not the work: the work keeps its future, and a cycle through a C++ future is never
-    collected."""
-
-    __slots__ = ("recorder", "key", "row", "inner", "habit", "taken_ns", "has_callback")
-
-    def __init__(self, work: RecordedWork, habit: _WaitHabit, taken_ns: int | None) -> None:
-        self.recorder, self.key, self.row, self.inner = work._recorder, work._key, work._row, work._inner
-        self.habit: _WaitHabit | None = habit
-        """Until the first call: the habit that call updates."""
-        self.taken_ns = taken_ns
-        """When the future was taken, if promptly (``_WaitHabit.PROMPT_WAIT_NS``); else None."""
-        self.has_callback = work._callback
-        """A done-callback holds the row already (added while the habit was learned)."""
-
-    def __call__(self, value: Any) -> None:
-        habit = self.habit
-        if habit is None:                  # called before: a later wait() or value() of the same future
-            return
-        self.habit = None
-        now = time.time_ns()
-        taken_ns = self.taken_ns
-        habit.waited(taken_ns is not None and now - taken_ns <= _WaitHabit.PROMPT_WAIT_NS)
-        row = self.row
-        if row is not None:                # else written before the future was taken
-            self.row = None
-            self.recorder.complete(self.key, row, now)
-
-    def __del__(self) -> None:
-        habit = self.habit
-        if habit is None:
-            return
-        habit.future_taken = True
-        habit.prompt = 0
-        row = self.row
-        if row is not None and not self.has_callback:
-            self.row = None
-            recorder = self.recorder
-            recorder.on_done(self.inner.get_future(), _FutureDone(recorder, self.key, row))
 
 
 _SPLIT_DEVICE_TYPES_ARG = 5

@@ -189,7 +189,7 @@ def _stored_overview(source: Source) -> Overview | None:
     memo = _STORED.get(path)
     if memo is not None and memo[0] == token:
         return memo[1]
-    stored = summary_store.load(path, key=summary_store.key_of(path))
+    stored = summary_store.load(path)
     if stored is not None:
         _STORED[path] = (token, stored)
     return stored

@@ -22,7 +22,11 @@ def _warm_first_page() -> None:
 
     try:
         sources = list_sources(root_from_env())
-        if sources:
+        if not sources:
+            return
+        if data.summary_store.is_finished(sources[0].path):
+            data.finished_overview(sources[0])   # a large run without a summary: analyzed behind its first draw
+        else:
             data.load_overview(sources[0])
     except (ConfigError, TraceError, OSError):
         pass

@@ -109,7 +109,6 @@ def load(path: str | os.PathLike, *, key: dict[str, Any] | None = None,
     path = Path(path).resolve()
     if not is_finished(path):
         return None
-    key = key or key_of(path, options)
     for file in _candidates(path):
         try:
             doc = json.loads(file.read_bytes())
@@ -117,6 +116,7 @@ def load(path: str | os.PathLike, *, key: dict[str, Any] | None = None,
             continue
         if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or doc.get("path") != str(path):
             continue
+        key = key or key_of(path, options)   # only once a summary is found: it stats every file of the run
         if doc.get("key") != key:
             continue
         try:

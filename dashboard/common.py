@@ -176,6 +176,21 @@ def _until_done(body: Callable[[Source], None], pending: Callable[[Source], bool
     return run
 
 
+def preload_chart_library() -> None:
+    """An empty chart 10 px high at the end of the page, drawn after everything else: the browser fetches and
+    compiles Streamlit's plotly bundle (megabytes of script, loaded when a page first draws a chart) while the user
+    reads the Overview, not when a finding's link opens a page of charts."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure(layout=dict(height=10, margin=dict(l=0, r=0, t=0, b=0), paper_bgcolor="rgba(0,0,0,0)",
+                                plot_bgcolor="rgba(0,0,0,0)", xaxis=dict(visible=False), yaxis=dict(visible=False)))
+    st.plotly_chart(fig, key=CHART_LIBRARY_KEY, config={"displayModeBar": False, "staticPlot": True})
+
+
+CHART_LIBRARY_KEY = "chart_library"
+"""Key of the Overview's empty chart (``preload_chart_library``)."""
+
+
 def overview_pending(source: Source) -> bool:
     """A finished run's Overview is being made in the background (``data.finished_overview``, which this starts
     when the run has no valid stored summary): its page shows the steps' key figures meanwhile."""

@@ -30,6 +30,7 @@ def _warm_first_page() -> None:
             data.load_overview(sources[0])
     except (ConfigError, TraceError, OSError):
         pass
+    import plotly.graph_objects  # noqa: F401  (the Overview's last element, common.preload_chart_library)
 
 
 def main() -> None:

@@ -3,7 +3,8 @@ how the ranks' clocks were aligned and which clock arrivals were read on, health
 naming the clock of its timing evidence and linking to its page), key figures of the chosen run with the trend
 of step time and tokens/s (per-rank charts are on the pages the findings link to). Drawn from an
 ``Overview`` (a finished run's stored summary when valid; a large run's steps figures alone while its first
-analysis runs, live or finished), with no chart library."""
+analysis runs, live or finished), with no chart library; an empty chart after the run picker makes the browser load
+that library meanwhile, for the pages the findings link to."""
 
 from __future__ import annotations
 
@@ -56,3 +57,4 @@ def body(source) -> None:
 
 source = common.page_setup("Overview")
 common.render(source, body, pending=common.overview_pending)
+common.preload_chart_library()

@@ -562,25 +562,7 @@ class RecordedWork(dist.Work):
     def __init__(self, inner: dist.Work, row: dict[str, Any] | tuple, recorder: CollectiveRecorder, *,
                  habit: _WaitHabit | None = None, future: Any = None) -> None:
         super().__init__()
-        self._start(inner, row, recorder, habit, future)
-
-    def _start(self, inner: dist.Work, row: dict[str, Any] | tuple, recorder: CollectiveRecorder,
-               habit: _WaitHabit | None, future: Any) -> None:
-        """Fill the fields and track ``row`` (``__init__``'s body; ``_IssuedWork`` calls it after torch's own
-        Work constructor)."""
-        self._inner = inner
-        self._row = row
-        self._recorder = recorder
-        self._key = recorder.track(row)
-        self._habit = habit
-        if habit is not None:
-            self._handed_ns = time.time_ns()     # the backend handed the work back (``PROMPT_WAIT_NS``)
-        self._future: Any = None
-        self._waiter: _WaitHabit | None = None
-        """While a future taken from this work has not returned from a Python wait: the habit that wait updates."""
-        self._callback = future is not None
-        if future is not None:              # exact completion time while the caller's habit is being learned
-            recorder.on_done(future, _WorkDone(self))
+        _wrap(inner, row, recorder, habit, future, self)
 
     def _complete(self, future: Any = None) -> None:
         row = self._row
@@ -593,10 +575,11 @@ class RecordedWork(dist.Work):
         habit = self._habit
         if habit is not None:
             self._habit = None
-            # Late if it completed well before the wait: only a callback sees when (the clock first: cheaper
-            # than asking the backend).
-            habit.waited(self._row is None or time.time_ns() - self._handed_ns <= _WaitHabit.PROMPT_WAIT_NS
-                         or not self._inner.is_completed())
+            if (self._row is not None and time.time_ns() - self._handed_ns > _WaitHabit.PROMPT_WAIT_NS
+                    and self._inner.is_completed()):   # the clock first: cheaper than asking the backend
+                habit.prompt = 0            # completed well before the wait: only a callback sees when
+            elif habit.prompt < _WaitHabit.PROMPT_WAITS:
+                habit.prompt += 1
         ok = self._inner.wait() if timeout is None else self._inner.wait(timeout)
         row = self._row
         if row is not None:
@@ -695,17 +678,30 @@ class RecordedWork(dist.Work):
 class _IssuedWork(RecordedWork):
     """The ``RecordedWork`` of the group's hot path (``RecordingProcessGroup._issue``): built by torch's own Work
     constructor (no Python ``__init__`` frame, no ``super()`` call, no keyword arguments), then filled by
-    ``_start``."""
+    ``_wrap``."""
 
     __slots__ = ()
     __init__ = dist.Work.__init__
 
 
 def _wrap(inner: dist.Work, row: tuple | dict[str, Any], recorder: CollectiveRecorder,
-          habit: _WaitHabit | None = None, future: Any = None) -> RecordedWork:
-    """``RecordedWork(inner, row, recorder, habit=habit, future=future)``, built the cheap way."""
-    work = _IssuedWork()
-    work._start(inner, row, recorder, habit, future)
+          habit: _WaitHabit | None = None, future: Any = None, work: RecordedWork | None = None) -> RecordedWork:
+    """``RecordedWork(inner, row, recorder, habit=habit, future=future)``, built the cheap way (an
+    ``_IssuedWork``); or, given ``work`` (``RecordedWork.__init__``), its fields filled and ``row`` tracked."""
+    if work is None:
+        work = _IssuedWork()
+    work._inner = inner
+    work._row = row
+    work._recorder = recorder
+    work._key = recorder.track(row)
+    work._habit = habit
+    if habit is not None:
+        work._handed_ns = time.time_ns()     # the backend handed the work back (``PROMPT_WAIT_NS``)
+    work._future = None
+    work._waiter = None      # while a future taken from it has not returned from a Python wait: the habit to update
+    work._callback = future is not None
+    if future is not None:                   # exact completion time while the caller's habit is being learned
+        recorder.on_done(future, _WorkDone(work))
     return work
 
 

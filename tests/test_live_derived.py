@@ -33,25 +33,26 @@ def assert_same_analysis(kept: RunAnalysis, raw: RunAnalysis) -> None:
 
 def test_live_run_refresh_derives_only_the_new_step_block_and_equals_a_fresh_analysis(tmp_path):
     run = SyntheticRun(tmp_path / "live", num_ranks=4, straggler_rank=2, delay_ms=40.0)
-    run.write_steps(30)                                   # step blocks 0 and 1 (20 steps each)
+    run.write_steps(20)                                   # step block 0 (20 steps per block)
     store = RunStore.open(run.run_dir)
     first = RunAnalysis(store)
     assert [f.ranks for f in first.findings() if f.code == "STRAGGLER"] == [(2,)]
-    assert store._live_derived.num_derived == 2
+    assert store._live_derived.num_derived == 1
     assert_same_analysis(first, RunAnalysis(from_rows(RunStore.open(run.run_dir))))
 
-    run.write_steps(15)                                   # steps 30-44: block 1 grows, block 2 is new
-    assert store.refresh()
-    again = RunAnalysis(store)
-    lateness = again.rank_lateness()
-    assert sorted(lateness["step"].unique()) == list(range(1, 45))
-    assert store._live_derived.num_derived == 2 + 2       # blocks 1 and 2 only; block 0 reused
-    assert_same_analysis(again, RunAnalysis(RunStore.open(run.run_dir)))
-    assert_same_analysis(again, RunAnalysis(from_rows(RunStore.open(run.run_dir))))
+    for num_steps, derived in ((10, 1), (15, 2)):          # steps 20-29: block 1 is new; 30-44: block 1 grows,
+        run.write_steps(num_steps)                         # block 2 is new; block 0 is reused
+        before = store._live_derived.num_derived
+        assert store.refresh()
+        again = RunAnalysis(store)
+        assert sorted(again.rank_lateness()["step"].unique()) == list(range(1, run.next_step))
+        assert store._live_derived.num_derived == before + derived
+        assert_same_analysis(again, RunAnalysis(RunStore.open(run.run_dir)))
+        assert_same_analysis(again, RunAnalysis(from_rows(RunStore.open(run.run_dir))))
 
     store.refresh()                                       # nothing new: nothing derived
     RunAnalysis(store).rank_lateness()
-    assert store._live_derived.num_derived == 4
+    assert store._live_derived.num_derived == 1 + 1 + 2
     run.close_writers()
 
 

@@ -89,9 +89,11 @@ class LiveDerived:
         if not changed:
             return d
         first = changed[0]
-        if first in d.states:
+        if d.counts and first > max(d.counts):
+            pass          # new blocks only: the deriver has seen every block before them
+        elif first in d.states:
             d.deriver = copy.deepcopy(d.states[first])
-        elif d.counts:    # a change before the kept states (or a block removed): every block again
+        elif d.counts:    # a change before the kept states: every block again
             d = self._derivations[key_json] = _Derivation(key_json, clock, new_deriver())
             first = min(now)
         blocks = [b for b in now if b >= first]

@@ -519,8 +519,8 @@ class RunStore:
         if not steps:
             return {}
         step = pc.fill_null(pa.chunked_array([a for c in steps for a in c.chunks], type=pa.int64()), -1)
-        found, count = np.unique(block_of(step.to_numpy()), return_counts=True)
-        return dict(zip(found.tolist(), count.tolist()))
+        count = np.bincount(block_of(step.to_numpy()) - NO_STEP_BLOCK)
+        return {int(b) + NO_STEP_BLOCK: int(n) for b, n in enumerate(count) if n}
 
     def _block_rows(self, name: str, block: int) -> pd.DataFrame:
         """A not compacted table's rows of step block ``block`` as ``table()`` gives them (-1: outside steps)."""
@@ -528,7 +528,13 @@ class RunStore:
             expr = pc.field("step").is_null() | (pc.field("step") < 0)
         else:
             expr = row_filter((block * STEP_BLOCK_STEPS, (block + 1) * STEP_BLOCK_STEPS - 1), None)
-        chunks = [_Chunk(filter_rows(c.rows, expr), c.basis, c.in_order) for c in self._load(name).chunks]
+        chunks = []
+        for c in self._load(name).chunks:
+            low, high = _block_span(c.rows)
+            if low == high == block:      # wholly in the block (a live run's first read, its newest lines): as is
+                chunks.append(c)
+            elif low <= block <= high:
+                chunks.append(_Chunk(filter_rows(c.rows, expr), c.basis, c.in_order))
         rows = self._aligned_chunks(name, chunks, self.clock_model())
         return arrow_to_frame(rows, name) if rows.num_rows else empty_frame(name)
 
@@ -652,6 +658,14 @@ def _rows_of(state: _TableState, name: str) -> pa.Table:
     """Every row of table ``name`` a state holds, as read (not clock-aligned: for tables without time columns)."""
     rows = [c.rows for c in state.chunks if c.rows.num_rows]
     return pa.concat_tables(rows) if rows else memory_schema(name).empty_table()
+
+
+def _block_span(rows: pa.Table) -> tuple[int, int]:
+    """The lowest and highest step block of some rows (``partitions.block_of``; -1: outside steps)."""
+    if not rows.num_rows:
+        return NO_STEP_BLOCK, NO_STEP_BLOCK - 1    # no block
+    low_high = pc.min_max(pc.fill_null(rows.column("step"), -1))
+    return tuple(block_of(np.array([low_high["min"].as_py(), low_high["max"].as_py()])).tolist())
 
 
 def _align(chunk: _Chunk, name: str, model: ClockModel, run_dir: Path) -> pa.Table:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dtprobe.dashboard import charts, clocks, common
+from dtprobe.dashboard import charts, clocks, common, data
 
 
 MAX_SCORE_ROWS = 50
@@ -14,8 +14,10 @@ MAX_SCORE_ROWS = 50
 
 def body(source) -> None:
     analysis = common.load(source)
-    findings = common.findings_with_evidence(source, analysis, {"STRAGGLER": "stragglers"})
-    marked = common.marked_ranks() or sorted({r for f in findings for r in f.ranks})
+    # the run's STRAGGLER lines (of a finished run, its stored Overview's) name the culprits at once; their evidence
+    # rows and the culprits table need the detector, run last so that the charts are drawn first, in slots above
+    lines = [f for f in data.finding_lines(source, analysis) if f.code == "STRAGGLER"]
+    marked = common.marked_ranks() or sorted({r for f in lines for r in f.ranks})
     if marked:
         shown = marked if len(marked) <= common.MAX_LISTED_RANKS else []
         st.markdown("**Marked:** " + (", ".join(f":red[rank {r}]" for r in shown)
@@ -23,17 +25,43 @@ def body(source) -> None:
                     + (" (from the finding link)" if common.marked_ranks() else " (detected culprits)"))
     clock, aligned = analysis.arrival_clock(), analysis.clock_alignment()
     st.caption(clocks.run_clocks(aligned, clock))
-    common.show_findings(findings, key="stragglers")
+    findings_slot = st.container()
     if analysis.is_trace_folder:
+        _show_findings(source, analysis, findings_slot)
         _trace_folder_arrivals(analysis, aligned=aligned)
         return
     lateness = analysis.rank_lateness()
     if lateness.empty:
+        _show_findings(source, analysis, findings_slot)
         st.info("No collective arrivals recorded yet: the heatmap needs the collectives table "
                 "(re-run without --no-collectives).")
         return
-    words = clocks.clock_words(clock)
     common.chart(charts.lateness_heatmap(lateness, marked=marked, clock=clock), key="stragglers_heatmap")
+    table_slot = st.container()
+    exposure = analysis.comm_exposure()   # per rank and step (kept at compaction), not per collective and member
+    if not exposure.empty:
+        common.chart(charts.straggler_wait(exposure, clock=clock), key="stragglers_victims")
+    else:
+        waits = analysis.collective_waits()
+        if not waits.empty:
+            common.chart(charts.victims_wait(waits, clock=clock), key="stragglers_victims")
+    steps = analysis.table("steps")
+    if not steps.empty:
+        common.chart(charts.step_time_overview(steps, marked=marked), key="stragglers_step_time")
+    with table_slot:
+        _culprits_table(analysis, marked=marked, clock=clock)
+    _show_findings(source, analysis, findings_slot)
+
+
+def _show_findings(source, analysis, slot) -> None:
+    with slot:
+        common.show_findings(common.findings_with_evidence(source, analysis, {"STRAGGLER": "stragglers"}),
+                             key="stragglers")
+
+
+def _culprits_table(analysis, *, marked: list[int], clock: str | None) -> None:
+    """Per (group, rank): lateness, share of steps late, the wait imposed on peers, the cause; the culprits first."""
+    words = clocks.clock_words(clock)
     scores = analysis.straggler_scores()
     causes = analysis.straggler_causes()
     st.subheader("Culprits and victims")
@@ -51,16 +79,6 @@ def body(source) -> None:
                      "median_lateness_frac": st.column_config.NumberColumn(f"median lateness ({words})",
                                                                            format="percent"),
                      "positive_frac": st.column_config.NumberColumn("steps late", format="percent")})
-    exposure = analysis.comm_exposure()   # per rank and step (kept at compaction), not per collective and member
-    if not exposure.empty:
-        common.chart(charts.straggler_wait(exposure, clock=clock), key="stragglers_victims")
-    else:
-        waits = analysis.collective_waits()
-        if not waits.empty:
-            common.chart(charts.victims_wait(waits, clock=clock), key="stragglers_victims")
-    steps = analysis.table("steps")
-    if not steps.empty:
-        common.chart(charts.step_time_overview(steps, marked=marked), key="stragglers_step_time")
 
 
 def _trace_folder_arrivals(analysis, *, aligned: str) -> None:

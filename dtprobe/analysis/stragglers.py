@@ -819,14 +819,26 @@ def _later_in_shared_groups(scores: pd.DataFrame) -> dict[tuple[int, int], bool]
     ``median_lateness_frac``) in every judged group both belong to, False when not in every one; pairs sharing no
     group are absent."""
     col = "mean_excess_frac" if "mean_excess_frac" in scores else "median_lateness_frac"
-    votes: dict[tuple[int, int], list[bool]] = {}
-    for _, g in scores.groupby(["pg", "pg_ranks"], sort=False):
-        value = {int(r): float(v) for r, v in zip(g["rank"], g[col]) if pd.notna(v)}
-        for a, va in value.items():
-            for b, vb in value.items():
-                if a != b:
-                    votes.setdefault((a, b), []).append(va > vb)
-    return {pair: all(v) for pair, v in votes.items()}
+    known = scores[scores[col].notna().to_numpy(dtype=bool)]
+    if known.empty:
+        return {}
+    gid = known.groupby(["pg", "pg_ranks"], sort=False).ngroup().to_numpy(dtype="int64")
+    order = np.argsort(gid, kind="stable")
+    gid = gid[order]
+    rank = known["rank"].to_numpy(dtype="int64")[order]
+    value = known[col].to_numpy(dtype="float64")[order]
+    new = run_starts(gid)
+    start, group = np.flatnonzero(new), np.cumsum(new) - 1
+    size = np.diff(np.append(start, len(gid)))[group]           # per row: its group's size
+    a = np.repeat(np.arange(len(gid)), size)                    # every ordered pair of rows of one group
+    b = np.repeat(start[group], size) + np.arange(len(a)) - np.repeat(np.cumsum(size) - size, size)
+    other = rank[a] != rank[b]
+    a, b = a[other], b[other]
+    width = int(rank.max()) + 1
+    pair = rank[a] * width + rank[b]
+    votes = pd.Series(value[a] > value[b]).groupby(pair).all()                        # later in every group
+    first, second = np.divmod(votes.index.to_numpy(dtype="int64"), width)
+    return dict(zip(zip(first.tolist(), second.tolist()), votes.tolist()))
 
 
 def _opt_float(x) -> float | None:

@@ -139,14 +139,17 @@ instead of a bar each: thousands of bars (16 ranks x 100 collectives x a few ste
 
 
 def _segments(grp: pd.DataFrame, *, t0: int, name: str) -> go.Scatter:
-    """``grp``'s intervals as segments of one line trace (start, end, gap per interval), hover text on both ends."""
+    """``grp``'s intervals as segments of one line trace (start, end, gap per interval), hover text on both ends;
+    times as float32 ms since the window's start (1 µs resolution over 16 s, 0.25 ms over an hour) and no text at
+    the gaps, so a window's figure is a quarter lighter to send and parse."""
     n = len(grp)
-    x = np.full(3 * n, np.nan)
+    x = np.full(3 * n, np.nan, dtype="float32")
     x[0::3] = (grp["start_ns"].to_numpy(dtype="float64") - t0) / 1e6
     x[1::3] = (grp["end_ns"].to_numpy(dtype="float64") - t0) / 1e6
     y = np.repeat(grp["y"].to_numpy(dtype="object"), 3)
     y[2::3] = None
     text = np.repeat(grp["label"].to_numpy(dtype="object"), 3)
+    text[2::3] = None
     return go.Scatter(x=x, y=y, mode="lines", name=name, connectgaps=False, hovertext=text, hoverinfo="text+x",
                       line=dict(color=PHASE_COLORS.get(name), width=14))
 

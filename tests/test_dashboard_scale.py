@@ -364,6 +364,7 @@ def test_a_timeline_of_thousands_of_collectives_draws_them_as_segments_of_one_li
     [comm] = [t for t in fig.data if t.name == "comm"]
     assert comm.type == "scatter" and len(comm.x) == 3 * ranks * steps * per_step
     assert comm.x[0] == 0.0 and comm.x[1] == 2.0 and np.isnan(comm.x[2])     # ms since the window's start
+    assert comm.x.dtype == np.float32 and comm.hovertext[1] == comm.hovertext[0] and comm.hovertext[2] is None
     assert all(t.type == "bar" and len(t.x) == ranks * steps for t in fig.data if t.name != "comm")
     few = charts.timeline(stp, coll[coll["seq"] < 2], stp.iloc[:0].reindex(columns=["rank", "start_ns", "end_ns",
                                                                                       "action", "microbatch", "stage"]))

@@ -182,8 +182,9 @@ def preload_chart_library() -> None:
     reads the Overview, not when a finding's link opens a page of charts."""
     import plotly.graph_objects as go
 
-    fig = go.Figure(layout=dict(height=10, margin=dict(l=0, r=0, t=0, b=0), paper_bgcolor="rgba(0,0,0,0)",
-                                plot_bgcolor="rgba(0,0,0,0)", xaxis=dict(visible=False), yaxis=dict(visible=False)))
+    fig = go.Figure(layout=dict(height=10, template="none", margin=dict(l=0, r=0, t=0, b=0),
+                                paper_bgcolor="rgba(0,0,0,0)", plot_bgcolor="rgba(0,0,0,0)",
+                                xaxis=dict(visible=False), yaxis=dict(visible=False)))
     st.plotly_chart(fig, key=CHART_LIBRARY_KEY, config={"displayModeBar": False, "staticPlot": True})
 
 

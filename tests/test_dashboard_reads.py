@@ -137,10 +137,13 @@ def test_slow_live_analysis_refreshes_at_once_with_the_previous_overview_then_sh
     assert spy.events and all(thread.startswith("dtprobe-refresh-") for _, _, thread in spy.events)
 
 
-def test_a_slow_first_live_analysis_draws_the_steps_key_figures_at_once_then_the_findings(tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "LARGE_EVENTS_BYTES", 0)  # as if the run were large: its first analysis runs behind
-    run = SyntheticRun(tmp_path / "live", num_ranks=4, straggler_rank=STRAGGLER_RANK)
-    run.write_steps(5)
+@pytest.mark.parametrize("status", ["running", "finished"])
+def test_a_slow_first_analysis_draws_the_steps_key_figures_at_once_then_the_findings(tmp_path, monkeypatch,
+                                                                                    status):
+    # a large run (live, or finished without a stored summary): its first analysis runs behind the first draw
+    monkeypatch.setattr(data, "LARGE_EVENTS_BYTES", 0)
+    write_synthetic_run(tmp_path / "run", num_ranks=4, num_steps=5, straggler_rank=STRAGGLER_RANK, status=status)
+    source = resolve_choice(tmp_path, "run")
     gate = threading.Event()
     analyze = data.summary.analyze
 
@@ -159,39 +162,12 @@ def test_a_slow_first_live_analysis_draws_the_steps_key_figures_at_once_then_the
     assert not at.success and not at.warning and not at.error               # no health verdict yet
     drawn = {Path(path).parent.name for path, _, thread in spy.events if not thread.startswith("dtprobe-refresh-")}
     assert drawn == {"steps"}                                                # the page read the steps alone
-    gate.set()
-    data.wait_for_refresh(resolve_choice(tmp_path, "live"), 60)
-    at.run()
-    assert not at.exception
-    assert not any("key figures of its steps" in c.value for c in at.caption)
-    assert any("STRAGGLER" in m.value and f"ranks {STRAGGLER_RANK} " in m.value for m in at.markdown)
-    assert {m.label: m.value for m in at.metric}["exposed comm"] != "-"
-
-
-def test_a_large_finished_run_without_a_summary_draws_its_steps_key_figures_at_once_then_the_findings(
-        tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "LARGE_EVENTS_BYTES", 0)  # as if the run were large: its first analysis runs behind
-    write_synthetic_run(tmp_path / "done", num_ranks=4, num_steps=5, straggler_rank=STRAGGLER_RANK)
-    source = resolve_choice(tmp_path, "done")
-    gate = threading.Event()
-    analyze = data.summary.analyze
-
-    def held_analyze(*args, **kwargs):  # the background analysis waits until the page has been drawn
-        if threading.current_thread().name.startswith("dtprobe-refresh-"):
-            assert gate.wait(60)
-        return analyze(*args, **kwargs)
-
-    monkeypatch.setattr(data.summary, "analyze", held_analyze)
-    at = _app(tmp_path, monkeypatch)
-    assert not at.exception, [e.message for e in at.exception]
-    metrics = {m.label: m.value for m in at.metric}
-    assert metrics["steps"] == "5" and metrics["step time"] != "-" and metrics["exposed comm"] == "-"
-    assert any("key figures of its steps" in c.value for c in at.caption)
-    assert not at.success and not at.warning and not at.error               # no health verdict yet
-    assert data.overview_pending(source) and summary_store.load(source.path) is None
+    if status == "finished":
+        assert data.overview_pending(source) and summary_store.load(source.path) is None
     gate.set()
     data.wait_for_refresh(source, 60)
-    assert summary_store.load(source.path) is not None                      # stored for the next start
+    if status == "finished":
+        assert summary_store.load(source.path) is not None                  # stored for the next start
     at.run()
     assert not at.exception
     assert not any("key figures of its steps" in c.value for c in at.caption)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -188,8 +187,9 @@ def follow(proc: subprocess.Popen, run_dir: Path, console: Any, *, on_poll: Any 
                TextColumn("{task.fields[info]}"))
     with Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task("optimizer steps: 0", total=None, info="starting workers")
-        while proc.poll() is None:
-            time.sleep(launcher._POLL_S)
+        exited = False
+        while not exited:
+            exited = launcher.wait_exit(proc, launcher._POLL_S)
             if on_poll is not None:
                 on_poll()
             rows, offset = launcher.new_rows(steps_file, offset)

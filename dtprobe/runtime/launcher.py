@@ -101,9 +101,10 @@ def load_job_json(run_dir: Path) -> JobConfig:
 
 
 def torchrun_command(job: JobConfig) -> list[str]:
-    """``python -m torch.distributed.run ... -m dtprobe.runtime.worker`` for this node."""
+    """``python -m dtprobe.runtime.torchrun_agent ... -m dtprobe.runtime.worker`` for this node (torchrun's own
+    agent, ``torch.distributed.run``, ending without torch's teardown on success)."""
     run_dir = Path(job.run_dir)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(job.nnodes),
+    cmd = [sys.executable, "-m", "dtprobe.runtime.torchrun_agent", "--nnodes", str(job.nnodes),
            "--nproc-per-node", str(job.nproc), "--max-restarts", str(job.max_restarts),
            "--monitor-interval", "0.5", "--log-dir", str(run_dir / LOGS_DIR / f"node{job.node_rank}"),
            "--redirects", "3"]
@@ -216,8 +217,9 @@ def _follow(proc: subprocess.Popen, job: JobConfig, console: object, *, rank: in
                TimeElapsedColumn(), TextColumn("{task.fields[info]}"))
     with Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task("steps", total=job.train.steps, info="starting workers")
-        while proc.poll() is None:
-            time.sleep(_POLL_S)
+        exited = False
+        while not exited:
+            exited = wait_exit(proc, _POLL_S)
             if on_poll is not None:
                 on_poll()
             rows, offset = new_rows(steps_file, offset)
@@ -226,6 +228,15 @@ def _follow(proc: subprocess.Popen, job: JobConfig, console: object, *, rank: in
                 loss = row["loss"] if row.get("loss") is not None else loss
                 step_ms = (row["end_ns"] - row["start_ns"]) / 1e6
                 progress.update(task, completed=done, info=f"loss {loss:.3f}  {step_ms:.0f} ms/step")
+
+
+def wait_exit(proc: subprocess.Popen, wait_s: float) -> bool:
+    """Whether ``proc`` has exited, waiting up to ``wait_s`` for it: a poll that returns as soon as it exits."""
+    try:
+        proc.wait(timeout=wait_s)
+        return True
+    except subprocess.TimeoutExpired:
+        return False
 
 
 def new_rows(path: Path, offset: int) -> tuple[list[dict], int]:

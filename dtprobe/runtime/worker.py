@@ -125,4 +125,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dtprobe.runtime.quick_exit import quick_exit
+
+    quick_exit(main())        # a clean return: exit hooks run, torch's teardown skipped (see runtime.quick_exit)

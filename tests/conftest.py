@@ -134,9 +134,10 @@ def start_python(request) -> Callable[..., subprocess.Popen]:
 @pytest.fixture(scope="session")
 def torchrun_cmd(free_port) -> Callable[..., list[str]]:
     """``torchrun_cmd(script, *args, nproc=2)``: the command of a one-node torchrun of ``script`` on ``nproc``
-    local ranks with its rendezvous on 127.0.0.1 and a free port."""
+    local ranks with its rendezvous on 127.0.0.1 and a free port; torchrun's agent as ``dtprobe run`` starts it
+    (``dtprobe.runtime.torchrun_agent``: ``torch.distributed.run`` ending without torch's teardown on success)."""
     def cmd(script: str | os.PathLike, *args: str | os.PathLike, nproc: int = 2) -> list[str]:
-        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+        return [sys.executable, "-m", "dtprobe.runtime.torchrun_agent", "--nnodes", "1", "--nproc-per-node", str(nproc),
                 "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), *map(str, args)]
     return cmd
 

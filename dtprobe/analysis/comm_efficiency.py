@@ -149,13 +149,15 @@ def bandwidth_by_size(bw: pd.DataFrame, *, fit: tuple[float, float] | None = Non
 
 def _median_per_group(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
     """Median of the non-NaN values of each group (the runs of ``values`` beginning at ``starts``), NaN when none."""
-    begins = np.zeros(len(values), dtype=bool)
-    begins[starts] = True
-    order = np.lexsort((values, np.cumsum(begins)))           # NaN last within its group
-    x = values[order]
-    count = np.add.reduceat(~np.isnan(x), starts)
-    lo, hi = x[starts + np.maximum(count - 1, 0) // 2], x[starts + count // 2]
-    return np.where(count > 0, (lo + hi) / 2, np.nan)
+    # groups are (op, size bucket) pairs: few, each a selection (np.median partitions), no sort of all rows
+    ends = np.append(starts[1:], len(values))
+    out = np.full(len(starts), np.nan)
+    for i, (s, e) in enumerate(zip(starts.tolist(), ends.tolist())):
+        x = values[s:e]
+        x = x[~np.isnan(x)]
+        if len(x):
+            out[i] = np.median(x)
+    return out
 
 
 def detect_comm_inefficient(bw: pd.DataFrame, by_size: pd.DataFrame, *, fit: tuple[float, float] | None,

@@ -1,5 +1,6 @@
-"""``stragglers._later_in_shared_groups`` (which of two ranks arrived later in every group they share: the victim
-rule of STRAGGLER) against a pair-by-pair reference, on random groups with shared members and missing values."""
+"""The pairs STRAGGLER's victim rule reads: ``stragglers._later_in_shared_groups`` (which of two ranks arrived later
+in every group they share) against a pair-by-pair reference, on random groups with shared members and missing
+values, and ``stragglers.linked_ranks`` against the set of every linked pair."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dtprobe.analysis.stragglers import _later_in_shared_groups
+from dtprobe.analysis.stragglers import _later_in_shared_groups, linked_ranks
+from dtprobe.analysis.tables import group_members
+from dtprobe.synthetic import dp_pp_tables, dp_tables
 
 
 def one_pair_at_a_time(scores: pd.DataFrame) -> dict[tuple[int, int], bool]:
@@ -48,3 +51,22 @@ def test_later_in_shared_groups_needs_every_shared_group():
                            "rank": [0, 1, 0, 1], "median_lateness_frac": [0.3, 0.1, 0.05, 0.2]})
     assert _later_in_shared_groups(scores) == {(0, 1): False, (1, 0): False}
     assert _later_in_shared_groups(scores[scores["pg"] == "tp"]) == {(0, 1): True, (1, 0): False}
+
+
+def every_linked_pair(collectives: pd.DataFrame) -> set[frozenset[int]]:
+    pairs = set()
+    for pg_ranks in collectives["pg_ranks"].dropna().unique():
+        members = group_members(pg_ranks)
+        pairs |= {frozenset((a, b)) for a in members for b in members if a < b}
+    p2p = collectives[collectives["op"].isin(["send", "recv"]) & collectives["peer"].notna()]
+    return pairs | {frozenset((int(a), int(b))) for a, b in zip(p2p["rank"], p2p["peer"]) if int(a) != int(b)}
+
+
+@pytest.mark.parametrize("tables", [lambda: dp_pp_tables(dp=2, pp=2, num_steps=3),
+                                    lambda: dp_tables(world=4, num_steps=3)])
+def test_linked_ranks_holds_exactly_the_pairs_of_a_group_or_p2p_link(tables):
+    collectives = tables()["collectives"]
+    links, pairs = linked_ranks(collectives), every_linked_pair(collectives)
+    ranks = range(int(collectives["rank"].max()) + 2)
+    assert {frozenset((a, b)) for a in ranks for b in ranks if a < b and frozenset((a, b)) in links} == pairs
+    assert frozenset((0,)) not in links and frozenset((0, 1)) not in linked_ranks(collectives.iloc[:0])

@@ -16,7 +16,8 @@ from its step phases, its waits at other collectives and its device samples, com
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -606,22 +607,41 @@ def _throttled_frac(devices: pd.DataFrame, rank: int, steps: pd.DataFrame, step_
     return float(((reasons & THROTTLE_MASK) != 0).mean())
 
 
-def linked_ranks(collectives: pd.DataFrame) -> set[frozenset[int]]:
+@dataclass(frozen=True)
+class LinkedRanks:
+    """Pairs of ranks that share a process group or a p2p link, asked with ``frozenset((a, b)) in links`` (as of a
+    set of such pairs) without listing every pair of a large group (a 128-rank group has 8,128)."""
+
+    groups_of: dict[int, frozenset[str]]
+    """rank -> the member lists (``pg_ranks``) of the groups it belongs to."""
+    p2p: frozenset[frozenset[int]]
+    """Pairs of ranks linked by a send/recv."""
+
+    def __contains__(self, pair: object) -> bool:
+        ranks = tuple(pair) if isinstance(pair, frozenset) else ()
+        if len(ranks) != 2:
+            return False
+        a, b = ranks
+        return pair in self.p2p or not self.groups_of.get(a, frozenset()).isdisjoint(self.groups_of.get(b, ()))
+
+
+def linked_ranks(collectives: pd.DataFrame) -> LinkedRanks:
     """Pairs of ranks that share a process group or a p2p link (a delay on one propagates to the other)."""
-    pairs: set[frozenset[int]] = set()
+    groups_of: dict[int, set[str]] = {}
     if collectives.empty:
-        return pairs
-    for pg_ranks in collectives["pg_ranks"].unique():
-        members = group_members(None if pd.isna(pg_ranks) else pg_ranks)
-        pairs.update(frozenset((a, b)) for a in members for b in members if a < b)
+        return LinkedRanks({}, frozenset())
+    for pg_ranks in collectives["pg_ranks"].dropna().unique():
+        members = group_members(pg_ranks)
+        if len(members) > 1:
+            for r in members:
+                groups_of.setdefault(r, set()).add(str(pg_ranks))
     p2p = collectives[collectives["op"].isin(P2P_OPS) & collectives["peer"].notna()]
-    for a, b in p2p[["rank", "peer"]].drop_duplicates().itertuples(index=False):
-        if int(a) != int(b):
-            pairs.add(frozenset((int(a), int(b))))
-    return pairs
+    pairs = {frozenset((int(a), int(b))) for a, b in p2p[["rank", "peer"]].drop_duplicates().itertuples(index=False)
+             if int(a) != int(b)}
+    return LinkedRanks({r: frozenset(g) for r, g in groups_of.items()}, frozenset(pairs))
 
 
-def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: set[frozenset[int]] = frozenset(),
+def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Container[frozenset[int]] = frozenset(),
                       min_lateness_frac: float = 0.05, min_positive_frac: float = 0.8, min_steps: int = 3,
                       critical_wait_frac: float = 0.2, injected: dict[int, dict] | None = None,
                       lateness: pd.DataFrame | None = None,

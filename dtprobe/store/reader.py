@@ -32,13 +32,14 @@ import pyarrow.compute as pc
 
 from dtprobe.store.clock_sync import Basis, ClockModel, align_rows
 from dtprobe.store.errors import TraceError
+from dtprobe.store.file_scan import read_files_at_once
 from dtprobe.store.derived import Deriver, read_derived
 from dtprobe.store.frames import SORT_KEYS, arrow_to_frame, empty_frame, memory_schema, time_columns
 from dtprobe.store.groups import GROUPS_SINCE_VERSION, fill_members, missing_groups_error
 from dtprobe.store.jsonl import FileCursor, last_step_in_file, read_new_rows, read_new_rows_batched, tail_cursor
 from dtprobe.store.live_derived import LiveDerived
 from dtprobe.store.manifest import Manifest, check_schema_version, read_manifest
-from dtprobe.store.partitions import NO_STEP_BLOCK, PartFile, block_of, filter_rows, read_files, row_filter
+from dtprobe.store.partitions import NO_STEP_BLOCK, PartFile, block_of, filter_rows, row_filter
 from dtprobe.store.schema import COMPACT_FILE, EVENTS_FILE, GROUPED_TABLES, SCHEMAS, STEP_BLOCK_STEPS, STEP_TABLES
 from dtprobe.store.source import SourceInfo, run_info
 
@@ -262,8 +263,9 @@ class RunStore:
                 later = filter is not None and not aligned
                 pushed = rows_expr if later or filter is None else (
                     filter if rows_expr is None else rows_expr & filter)
-                chunks.insert(0, (_Chunk(read_files(self._path / TABLES_DIR, files, name, pushed,
-                                                    ordered=state.ordered, columns=None if later else need), basis),
+                chunks.insert(0, (_Chunk(read_files_at_once(self._path / TABLES_DIR, files, name, pushed,
+                                                            ordered=state.ordered, columns=None if later else need),
+                                         basis),
                                   filter if later else None))
             parts = [filter_rows(_align(c, name, model, self._path), expr).select(need)
                      for c, expr in chunks if c.rows.num_rows]
@@ -487,7 +489,7 @@ class RunStore:
 
     def _read_compacted(self, name: str, state: _TableState, files: list[PartFile],
                         expr: pc.Expression | None) -> pa.Table:
-        rows = read_files(self._path / TABLES_DIR, files, name, expr, ordered=state.ordered)
+        rows = read_files_at_once(self._path / TABLES_DIR, files, name, expr, ordered=state.ordered)
         basis = self._compacted_basis()
         missing = sorted(set(pc.unique(rows.column("rank")).to_pylist()) - set(basis.constants)
                          - set(basis.samples) - {None})

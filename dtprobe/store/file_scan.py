@@ -1,0 +1,73 @@
+"""Many compacted partition files of one table read in one Arrow dataset scan: ``read_files_at_once`` gives what
+``partitions.read_files`` gives (same rows, columns, types and order) for ``RunStore``'s reads of a table's files.
+
+A compacted table is split by step block and rank block (``partitions.write_partitions``): a 1,024-rank run's
+per-step tables are hundreds of files of a few hundred rows each, where a read per file (its schema, its dataset,
+its cast) costs more than the rows. One scan opens them all with the file's schema once. Files that are not all
+alike (a column one of them lacks, a type that differs, a schema version), or a scan that fails (a missing or
+damaged file), go through ``read_files`` file by file, which reads such files as before and names a damaged one
+and the fix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+
+from dtprobe.store.frames import memory_schema
+from dtprobe.store.manifest import check_schema_version
+from dtprobe.store.partitions import PartFile, read_files
+
+ONE_SCAN_FILES = 3
+"""Fewer files are read one by one (``read_files``): nothing to gain."""
+_VERSION_KEY = b"dtprobe.schema_version"
+
+
+def read_files_at_once(tables_dir: Path, files: list[PartFile], name: str, expr: pc.Expression | None, *,
+                       ordered: bool, columns: list[str] | None = None) -> pa.Table:
+    """``partitions.read_files(tables_dir, files, name, expr, ordered=ordered, columns=columns)``, in one scan
+    when the files share one schema holding every column of the table (else file by file)."""
+    files = list(files)
+    rows = _scan(tables_dir, files, name, expr, columns) if len(files) >= ONE_SCAN_FILES else None
+    if rows is None:
+        return read_files(tables_dir, files, name, expr, ordered=ordered, columns=columns)
+    if ordered and rows.num_rows > 1:
+        # each file's rows are rank-sorted and the scan keeps file order: a stable sort by rank takes each rank's
+        # stretch of every file in file order, as ``partitions.interleave`` merges them
+        rank = rows.column("rank").to_numpy(zero_copy_only=False)
+        if (np.diff(rank) < 0).any():
+            rows = rows.take(pa.array(np.argsort(rank, kind="stable")))
+    return rows
+
+
+def _scan(tables_dir: Path, files: list[PartFile], name: str, expr: pc.Expression | None,
+          columns: list[str] | None) -> pa.Table | None:
+    """The files' rows in file order with the columns and types ``read_files`` gives; None when the files differ
+    from one another or from the table's schema, or the scan fails: read them file by file instead."""
+    schema = memory_schema(name)
+    try:
+        data = ds.dataset([str(tables_dir / f.path) for f in files], format="parquet")
+        fragments = list(data.get_fragments())
+        first = fragments[0].physical_schema
+        if any(c not in first.names for c in schema.names) or _VERSION_KEY not in (first.metadata or {}):
+            return None
+        version = int(first.metadata[_VERSION_KEY])
+        if any(not f.physical_schema.equals(first, check_metadata=True) for f in fragments[1:]):
+            return None
+    except (OSError, ValueError, pa.ArrowException):
+        return None
+    check_schema_version(version, tables_dir / files[0].path)
+    # dictionary columns decoded as such (as ``read_compacted_file``): never a copy of the value per row
+    fields = [schema.field(c) if pa.types.is_dictionary(schema.field(c).type) else first.field(c)
+              for c in schema.names]
+    wanted = schema.names if columns is None else list(columns)
+    try:
+        whole = ds.FileSystemDataset(fragments, pa.schema(fields), data.format, data.filesystem)
+        rows = whole.to_table(columns=wanted, filter=expr)
+        return rows.cast(pa.schema([schema.field(c) for c in wanted]))
+    except (OSError, ValueError, pa.ArrowException):
+        return None

@@ -13,40 +13,41 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
 from dtprobe.store.frames import memory_schema
 from dtprobe.store.manifest import check_schema_version
-from dtprobe.store.partitions import PartFile, read_files
+from dtprobe.store.partitions import PartFile, interleave, read_files
 
 ONE_SCAN_FILES = 3
 """Fewer files are read one by one (``read_files``): nothing to gain."""
+SMALL_FILE_ROWS = 16_384
+"""Files of more rows on average are read one by one: their per-file cost is small beside their rows, and
+``read_files`` reads them side by side into whole tables (the scan's many batches cost more to merge)."""
 _VERSION_KEY = b"dtprobe.schema_version"
 
 
 def read_files_at_once(tables_dir: Path, files: list[PartFile], name: str, expr: pc.Expression | None, *,
                        ordered: bool, columns: list[str] | None = None) -> pa.Table:
     """``partitions.read_files(tables_dir, files, name, expr, ordered=ordered, columns=columns)``, in one scan
-    when the files share one schema holding every column of the table (else file by file)."""
+    when the files are many and small and share one schema holding every column of the table (else file by
+    file)."""
     files = list(files)
-    rows = _scan(tables_dir, files, name, expr, columns) if len(files) >= ONE_SCAN_FILES else None
-    if rows is None:
+    small = len(files) >= ONE_SCAN_FILES and sum(f.rows for f in files) <= SMALL_FILE_ROWS * len(files)
+    parts = _scan(tables_dir, files, name, expr, columns) if small else None
+    if parts is None:
         return read_files(tables_dir, files, name, expr, ordered=ordered, columns=columns)
-    if ordered and rows.num_rows > 1:
-        # each file's rows are rank-sorted and the scan keeps file order: a stable sort by rank takes each rank's
-        # stretch of every file in file order, as ``partitions.interleave`` merges them
-        rank = rows.column("rank").to_numpy(zero_copy_only=False)
-        if (np.diff(rank) < 0).any():
-            rows = rows.take(pa.array(np.argsort(rank, kind="stable")))
-    return rows
+    if ordered:
+        merged = interleave(parts)
+        return merged if merged is not None else parts[0]
+    return pa.concat_tables(parts)
 
 
 def _scan(tables_dir: Path, files: list[PartFile], name: str, expr: pc.Expression | None,
-          columns: list[str] | None) -> pa.Table | None:
-    """The files' rows in file order with the columns and types ``read_files`` gives; None when the files differ
+          columns: list[str] | None) -> list[pa.Table] | None:
+    """Each file's rows, in file order, with the columns and types ``read_files`` gives; None when the files differ
     from one another or from the table's schema, or the scan fails: read them file by file instead."""
     schema = memory_schema(name)
     try:
@@ -65,9 +66,15 @@ def _scan(tables_dir: Path, files: list[PartFile], name: str, expr: pc.Expressio
     fields = [schema.field(c) if pa.types.is_dictionary(schema.field(c).type) else first.field(c)
               for c in schema.names]
     wanted = schema.names if columns is None else list(columns)
+    selected = pa.schema([schema.field(c) for c in wanted])
+    paths = [f.path for f in fragments]
+    batches: dict[str, list[pa.RecordBatch]] = {p: [] for p in paths}
     try:
         whole = ds.FileSystemDataset(fragments, pa.schema(fields), data.format, data.filesystem)
-        rows = whole.to_table(columns=wanted, filter=expr)
-        return rows.cast(pa.schema([schema.field(c) for c in wanted]))
-    except (OSError, ValueError, pa.ArrowException):
+        # each file's batches apart, in order: ordered files merge by rank as ``read_files`` merges them
+        for tagged in whole.scanner(columns=wanted, filter=expr).scan_batches():
+            batches[tagged.fragment.path].append(tagged.record_batch)
+        read = pa.schema([whole.schema.field(c) for c in wanted])
+        return [pa.Table.from_batches(batches[p], schema=read).cast(selected) for p in paths]
+    except (OSError, ValueError, KeyError, pa.ArrowException):
         return None

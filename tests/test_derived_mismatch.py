@@ -10,7 +10,7 @@ import pytest
 
 from dtprobe.analysis import RunAnalysis
 from dtprobe.analysis.derived_tables import KEY, SUSPECTS, deriver
-from dtprobe.store import RunStore, compact, partitions
+from dtprobe.store import RunStore, compact, file_scan, partitions
 from dtprobe.store.resolve import open_source
 from dtprobe.synthetic import lockstep_tables, write_rows_run
 
@@ -32,6 +32,15 @@ def calls_read(monkeypatch) -> list[str]:
         return original(tables_dir, rel, name, expr, **kwargs)
 
     monkeypatch.setattr(partitions, "read_compacted_file", spy)
+    original_scan = file_scan._scan
+
+    def scan_spy(tables_dir, files, name, expr, columns):   # many small files read in one scan
+        parts = original_scan(tables_dir, files, name, expr, columns)
+        if parts is not None and name == "collectives" and (columns is None or "dtype" in columns):
+            seen.extend(f.path for f in files)
+        return parts
+
+    monkeypatch.setattr(file_scan, "_scan", scan_spy)
     return seen
 
 

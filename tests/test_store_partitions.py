@@ -14,7 +14,7 @@ from test_sample_trace_findings import BASELINES, FIGURES, GOLDEN, SAMPLES, SCEN
 
 from dtprobe.analysis import RunAnalysis
 from dtprobe.analysis.window import StepWindow
-from dtprobe.store import RunStore, TraceError, compact, partitions
+from dtprobe.store import RunStore, TraceError, compact, file_scan, partitions
 from dtprobe.store.manifest import create_manifest, set_status, write_rank_info
 from dtprobe.store.schema import SCHEMAS, STEP_TABLES
 from dtprobe.store.writer import RankWriter
@@ -43,6 +43,15 @@ def files_read(monkeypatch) -> list[str]:
         return original(tables_dir, rel, name, expr, **kwargs)
 
     monkeypatch.setattr(partitions, "read_compacted_file", spy)
+    original_scan = file_scan._scan
+
+    def scan_spy(tables_dir, files, name, expr, columns):   # many small files read in one scan
+        parts = original_scan(tables_dir, files, name, expr, columns)
+        if parts is not None:
+            seen.extend(f.path for f in files)
+        return parts
+
+    monkeypatch.setattr(file_scan, "_scan", scan_spy)
     return seen
 
 

@@ -163,7 +163,7 @@ def load_overview(source: Source, *, whole_run: bool = False) -> Overview:
             return stored
         entry = _entry(path, None if source.kind == "run" else ("traces", _mtime(source.path)))
         with entry.lock:   # one summary made at a time: a second session (or the background's) waits for it
-            token = _files_token(source.path, source.kind)
+            token = _stored_token(source)
             key = summary_store.key_of(path)  # before the source is read: a change meanwhile makes it stale
             stored = summary_store.load(path, key=key)   # made while this call waited for the lock
             if stored is None:
@@ -185,7 +185,7 @@ def load_overview(source: Source, *, whole_run: bool = False) -> Overview:
 def _stored_overview(source: Source) -> Overview | None:
     """The valid stored summary of a finished ``source`` (memoized while its files are unchanged), else None."""
     path = str(source.path)
-    token = _files_token(source.path, source.kind)
+    token = _stored_token(source)
     memo = _STORED.get(path)
     if memo is not None and memo[0] == token:
         return memo[1]
@@ -221,8 +221,14 @@ def overview_pending(source: Source) -> bool:
 
 
 _STORED: dict[str, tuple[Any, Overview]] = {}
-"""path -> (``_files_token`` when read, the valid stored summary): a rerun skips ``summary_store.key_of``, which
-stats every file of the run."""
+"""path -> (``_stored_token`` when read or made, the valid stored summary): a rerun skips ``summary_store.key_of``,
+which stats every file of the run."""
+
+
+def _stored_token(source: Source) -> tuple:
+    """What a memoized stored summary of ``source`` depends on: its files (``_files_token``) and the summary cache
+    it was read from or stored in (``summary_store.cache_dir``: another cache holds another summary, or none)."""
+    return _files_token(source.path, source.kind), str(summary_store.cache_dir())
 
 
 def _files_token(path: Path, kind: str):

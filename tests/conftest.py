@@ -23,6 +23,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -129,6 +130,35 @@ def start_python(request) -> Callable[..., subprocess.Popen]:
         request.addfinalizer(lambda: _kill(proc))
         return proc
     return start
+
+
+@pytest.fixture
+def compacted_files_read(monkeypatch) -> Callable[..., list[str]]:
+    """``compacted_files_read(keep=None)``: a list, filled as the test runs, of every compacted Parquet file the
+    reader opens (relative to ``tables/``), read alone (``partitions.read_compacted_file``) or with others in one
+    scan (``store.file_scan``); with ``keep(table, columns)`` (``columns`` None: every column) only those it keeps."""
+    from dtprobe.store import file_scan, partitions
+
+    def spy_on(keep: Callable[[str, Any], bool] | None = None) -> list[str]:
+        seen: list[str] = []
+        wanted = keep or (lambda table, columns: True)
+        read_one, scan = partitions.read_compacted_file, file_scan._scan
+
+        def read_one_spy(tables_dir, rel, name, *args, **kwargs):
+            if wanted(name, kwargs.get("columns")):
+                seen.append(rel)
+            return read_one(tables_dir, rel, name, *args, **kwargs)
+
+        def scan_spy(tables_dir, files, name, expr, columns):
+            parts = scan(tables_dir, files, name, expr, columns)
+            if parts is not None and wanted(name, columns):   # None: the scan fell back to one file at a time
+                seen.extend(f.path for f in files)
+            return parts
+
+        monkeypatch.setattr(partitions, "read_compacted_file", read_one_spy)
+        monkeypatch.setattr(file_scan, "_scan", scan_spy)
+        return seen
+    return spy_on
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ import pytest
 
 from dtprobe.analysis import RunAnalysis
 from dtprobe.analysis.derived_tables import KEY, SUSPECTS, deriver
-from dtprobe.store import RunStore, compact, file_scan, partitions
+from dtprobe.store import RunStore, compact
 from dtprobe.store.resolve import open_source
 from dtprobe.synthetic import lockstep_tables, write_rows_run
 
@@ -20,28 +20,10 @@ NUM_STEPS = 25
 
 
 @pytest.fixture
-def calls_read(monkeypatch) -> list[str]:
+def calls_read(compacted_files_read) -> list[str]:
     """The compacted collectives files read with the columns only the mismatch reads (``dtype``)."""
-    seen: list[str] = []
-    original = partitions.read_compacted_file
-
-    def spy(tables_dir, rel, name, expr=None, **kwargs):
-        columns = kwargs.get("columns")
-        if name == "collectives" and (columns is None or "dtype" in columns):
-            seen.append(rel)
-        return original(tables_dir, rel, name, expr, **kwargs)
-
-    monkeypatch.setattr(partitions, "read_compacted_file", spy)
-    original_scan = file_scan._scan
-
-    def scan_spy(tables_dir, files, name, expr, columns):   # many small files read in one scan
-        parts = original_scan(tables_dir, files, name, expr, columns)
-        if parts is not None and name == "collectives" and (columns is None or "dtype" in columns):
-            seen.extend(f.path for f in files)
-        return parts
-
-    monkeypatch.setattr(file_scan, "_scan", scan_spy)
-    return seen
+    return compacted_files_read(lambda table, columns: table == "collectives"
+                                and (columns is None or "dtype" in columns))
 
 
 def pairs_run(tmp_path, *, odd: tuple[int, int] | None = None):

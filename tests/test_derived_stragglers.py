@@ -18,29 +18,12 @@ from dtprobe.analysis.pipeline_delay import pipeline_groups
 from dtprobe.store import RunStore, compact
 from dtprobe.store.resolve import open_source
 from dtprobe.synthetic import cuda_dp_tables, dp_pp_tables, dp_tables, write_run
-from dtprobe.store import file_scan, partitions
+
 
 @pytest.fixture
-def files_read(monkeypatch) -> list[str]:
+def files_read(compacted_files_read) -> list[str]:
     """Every compacted Parquet file the reader opens, relative to ``tables/``."""
-    seen: list[str] = []
-    original = partitions.read_compacted_file
-
-    def spy(tables_dir, rel, *args, **kwargs):
-        seen.append(rel)
-        return original(tables_dir, rel, *args, **kwargs)
-
-    monkeypatch.setattr(partitions, "read_compacted_file", spy)
-    original_scan = file_scan._scan
-
-    def scan_spy(tables_dir, files, *args):   # many small files read in one scan
-        parts = original_scan(tables_dir, files, *args)
-        if parts is not None:
-            seen.extend(f.path for f in files)
-        return parts
-
-    monkeypatch.setattr(file_scan, "_scan", scan_spy)
-    return seen
+    return compacted_files_read()
 
 
 TABLES = {

@@ -14,7 +14,7 @@ from test_sample_trace_findings import BASELINES, FIGURES, GOLDEN, SAMPLES, SCEN
 
 from dtprobe.analysis import RunAnalysis
 from dtprobe.analysis.window import StepWindow
-from dtprobe.store import RunStore, TraceError, compact, file_scan, partitions
+from dtprobe.store import RunStore, TraceError, compact
 from dtprobe.store.manifest import create_manifest, set_status, write_rank_info
 from dtprobe.store.schema import SCHEMAS, STEP_TABLES
 from dtprobe.store.writer import RankWriter
@@ -33,26 +33,9 @@ def partitions_read(files_read: list[str]) -> list[str]:
 
 
 @pytest.fixture
-def files_read(monkeypatch) -> list[str]:
+def files_read(compacted_files_read) -> list[str]:
     """Every compacted Parquet file the reader opens, relative to ``tables/``, in order."""
-    seen: list[str] = []
-    original = partitions.read_compacted_file
-
-    def spy(tables_dir, rel, name, expr=None, **kwargs):
-        seen.append(rel)
-        return original(tables_dir, rel, name, expr, **kwargs)
-
-    monkeypatch.setattr(partitions, "read_compacted_file", spy)
-    original_scan = file_scan._scan
-
-    def scan_spy(tables_dir, files, name, expr, columns):   # many small files read in one scan
-        parts = original_scan(tables_dir, files, name, expr, columns)
-        if parts is not None:
-            seen.extend(f.path for f in files)
-        return parts
-
-    monkeypatch.setattr(file_scan, "_scan", scan_spy)
-    return seen
+    return compacted_files_read()
 
 
 @pytest.fixture

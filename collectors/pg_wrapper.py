@@ -539,9 +539,9 @@ class _WaitHabit:
             self.prompt += 1
 
 
-_FUTURE_UNWRAP = hasattr(torch.futures.Future, "_set_unwrap_func")
-"""torch's futures take an unwrap function (private API, run when a Python ``wait()``/``value()`` returns): a
-wrapped work's future is then stamped at its wait (``RecordedWork._future_waited``)."""
+_set_future_unwrap = torch_internals.set_future_unwrap
+"""torch's futures take an unwrap function (run when a Python ``wait()``/``value()`` returns; None: this torch has
+none): a wrapped work's future is then stamped at its wait (``RecordedWork._future_waited``)."""
 
 
 class RecordedWork(dist.Work):
@@ -589,7 +589,7 @@ class RecordedWork(dist.Work):
 
     def get_future(self) -> torch.futures.Future:
         habit = self._habit
-        if habit is not None and _FUTURE_UNWRAP:
+        if habit is not None and _set_future_unwrap is not None:
             # The future's Python wait() stamps the end (``_future_waited``); released unwaited, the work's
             # ``__del__`` brings the callback back. Not kept here: this work is the future's unwrap function, and
             # a cycle through a C++ future is never collected.
@@ -600,7 +600,7 @@ class RecordedWork(dist.Work):
             self._waiter = habit
         if self._waiter is not None:         # also a second get_future before the first future's wait
             fut = self._inner.get_future()
-            fut._set_unwrap_func(self._future_waited)
+            _set_future_unwrap(fut, self._future_waited)
             return fut
         if self._future is None:
             if habit is not None:            # a torch without unwrap functions: as a C++ caller

@@ -227,3 +227,13 @@ def queue_backward_callback(callback: Callable[[], None]) -> None:
     """Run ``callback()`` when the backward pass running now finishes (``Variable._execution_engine.queue_callback``,
     what DDP's reducer and FSDP use to finalize gradients). Call it from inside a backward hook only."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+# ---- futures (used by collectors/pg_wrapper.py to stamp a future-waited collective on the caller's thread) ----
+
+set_future_unwrap: Callable[[Any, Callable[[Any], None]], None] | None = getattr(
+    torch.futures.Future, "_set_unwrap_func", None)
+"""``set_future_unwrap(future, fn)``: have ``fn(value)`` called on the caller's thread each time a Python
+``wait()`` or ``value()`` of ``future`` returns, not when the future failed (``torch._C.Future._set_unwrap_func``,
+the hook of the C++ future's Python wrapper); None on a torch without it. The unbound method itself, so the hot
+path pays no extra call."""

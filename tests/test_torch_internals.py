@@ -115,3 +115,24 @@ def test_queue_backward_callback_runs_once_after_the_whole_backward_pass():
     w.register_hook(lambda g: events.append("leaf") and None)      # the last gradient of the pass
     (hidden * 3).sum().backward()
     assert events == ["hook", "leaf", "end"]
+
+
+def test_set_future_unwrap_calls_the_function_on_the_waiting_thread_after_each_python_wait(run_python):
+    _check(run_python, """
+        import threading
+        calls = []
+        fut = dist.all_reduce(torch.ones(4), async_op=True).get_future()
+        ti.set_future_unwrap(fut, lambda value: calls.append((threading.get_ident(), value[0].sum().item())))
+        assert calls == []                                  # not when the work completes: at a Python wait
+        fut.wait()
+        fut.value()
+        assert calls == [(threading.get_ident(), 4.0)] * 2
+        failed = torch.futures.Future()
+        ti.set_future_unwrap(failed, calls.append)
+        failed.set_exception(RuntimeError("boom"))
+        try:
+            failed.wait()
+        except RuntimeError:
+            pass
+        assert len(calls) == 2                              # never for a failed future
+    """)

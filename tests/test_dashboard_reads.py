@@ -20,7 +20,7 @@ from dtprobe import summary_store
 from dtprobe.analysis.facade import RunAnalysis
 from dtprobe.dashboard import data
 from dtprobe.dashboard.paths import ROOT_ENV, resolve_choice
-from dtprobe.store import jsonl, partitions, reader
+from dtprobe.store import jsonl, reader
 from dtprobe.synthetic import SyntheticRun, write_synthetic_run
 
 APP = Path(__file__).resolve().parents[1] / "dashboard" / "app.py"
@@ -43,7 +43,7 @@ class ReadSpy:
     def __init__(self, monkeypatch) -> None:
         self.events: list[tuple[str, int, str]] = []
         self.compacted: list[str] = []
-        one, batched, files = jsonl.read_new_rows, jsonl.read_new_rows_batched, partitions.read_files
+        one, batched, files = jsonl.read_new_rows, jsonl.read_new_rows_batched, reader.read_files_at_once
 
         def read_new_rows(path, cursor, *args, **kwargs):
             self.events.append((Path(path).as_posix(), cursor.offset_bytes, threading.current_thread().name))
@@ -61,7 +61,7 @@ class ReadSpy:
 
         monkeypatch.setattr(reader, "read_new_rows", read_new_rows)
         monkeypatch.setattr(reader, "read_new_rows_batched", read_new_rows_batched)
-        monkeypatch.setattr(reader, "read_files", read_files)
+        monkeypatch.setattr(reader, "read_files_at_once", read_files)   # the reader's every compacted read
 
     def clear(self) -> None:
         self.events.clear()
@@ -293,7 +293,7 @@ def test_a_line_its_detector_does_not_give_back_is_shown_alone_and_severity_foll
     line = next(f for f in stored.findings if f.code == "STRAGGLER")
     other = dataclasses.replace(line, ranks=(3,), title="a straggler of other options")
     lowered = dataclasses.replace(line, severity="info")
-    data._STORED[str(source.path)] = (data._files_token(source.path, source.kind),
+    data._STORED[str(source.path)] = (data._stored_token(source),
                                       dataclasses.replace(stored, findings=(lowered, other)))
     shown = data.findings_with_evidence(source, data.load_analysis(source), {"STRAGGLER": "stragglers"})
     assert [(f.severity, hasattr(f, "rows")) for f in shown] == [("info", True), (line.severity, False)]

@@ -290,7 +290,7 @@ class RunStore:
                     return None
                 return self._live_derived.table(name, key, deriver, clock=self.clock_model().key,
                                                 counts=self._block_counts, rows=self._block_rows, steps=steps)
-            derived = (self._compacted or {}).get("derived") or {}
+            derived = self._compacted.get("derived") or {}
             if (derived.get("key") != key or name not in derived.get("tables", {}) or self._tail_from_step is not None
                     or not self.compaction_is_whole()):
                 return None

@@ -7,7 +7,9 @@ exit, then the launcher for the agent's, before a run can be finalized. Everythi
 observed is still done, in the same order: the threads' own exit hooks and the join of non-daemon threads
 (``threading._shutdown``), every ``atexit`` function (the probe's close, ``logging.shutdown``), and a flush of
 stdout and stderr; then ``os._exit(code)``. Only the teardown of modules and objects is skipped, so it is meant
-for code whose files are closed by then (not for a user's script).
+for code whose files are closed by then (not for a user's script). Skipping it also avoids a torch trap on gloo:
+worker threads of process groups still referenced at teardown can abort it (exit -6, "terminate called without an
+active exception") after all work is done.
 """
 
 from __future__ import annotations

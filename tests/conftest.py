@@ -179,3 +179,18 @@ def _kill(proc: subprocess.Popen) -> None:
     for stream in (proc.stdout, proc.stderr):
         if stream is not None:
             stream.close()
+
+
+@pytest.fixture(scope="session")
+def hang_rank1_run(tmp_path_factory, run_cli):
+    """One ``dtprobe run`` (2 ranks, tiny job, no device sampling, no restarts) in which rank 1 hangs at step 5 and
+    rank 0's watchdog ends the job after ``timeout_s``, made once for the tests that read it (the watchdog's
+    rows in ``test_hang``, the HANG finding in ``test_findings_on_fault_injected_runs``). A namespace:
+    ``proc`` (the finished ``dtprobe run``), ``run_dir``, ``timeout_s``, ``rank`` and ``step`` of the hang."""
+    from types import SimpleNamespace
+
+    hang = SimpleNamespace(run_dir=tmp_path_factory.mktemp("hang_rank1") / "hang", timeout_s=8, rank=1, step=5)
+    hang.proc = run_cli("run", "--run-dir", hang.run_dir, "--no-devices", "--timeout", "120", "--batch-size", "2",
+                        "--seq-len", "16", "--nproc", "2", "--steps", "12", "--collective-timeout", str(hang.timeout_s),
+                        "--inject", f"hang:rank={hang.rank},step={hang.step}", timeout_s=400)
+    return hang

@@ -68,17 +68,12 @@ def test_hang_config_rejects_bad_values(kwargs, match):
 
 # ------------------------------------------------------------------------------ 2 ranks through dtprobe run
 
-TIMEOUT_S = 8
-
-
 @pytest.mark.multiproc
-def test_hang_on_rank1_fires_the_watchdog_within_timeout_and_names_the_missing_rank(tmp_path, run_cli):
+def test_hang_on_rank1_fires_the_watchdog_within_timeout_and_names_the_missing_rank(hang_rank1_run):
     from dtprobe.store import RunStore
 
-    run_dir = tmp_path / "hang"
-    proc = run_cli("run", "--run-dir", run_dir, "--no-devices", "--timeout", "120", "--batch-size", "2", "--seq-len",
-                   "16", "--nproc", "2", "--steps", "12", "--collective-timeout", str(TIMEOUT_S), "--inject",
-                   "hang:rank=1,step=5", timeout_s=400)
+    proc, run_dir, timeout_s = hang_rank1_run.proc, hang_rank1_run.run_dir, hang_rank1_run.timeout_s
+    assert (hang_rank1_run.rank, hang_rank1_run.step) == (1, 5)
     assert proc.returncode != 0                        # the job ends (no restarts allowed) instead of hanging
     store = RunStore.open(run_dir)
     faults = store.table("faults")
@@ -90,9 +85,9 @@ def test_hang_on_rank1_fires_the_watchdog_within_timeout_and_names_the_missing_r
     assert detail["waiting_for_ranks"] == [1] and detail["pg"] == "world" and detail["op"] == "allreduce"
     assert detail["ranks"]["1"]["last_issued_seq"] < detail["seq"] == detail["last_issued_seq"]
     assert detail["last_completed_seq"] < detail["seq"]
-    assert int(observed["step"].iloc[0]) == 5 and detail["timeout_s"] == TIMEOUT_S
+    assert int(observed["step"].iloc[0]) == 5 and detail["timeout_s"] == timeout_s
     fired_after_s = (int(observed["time_ns"].iloc[0]) - int(injected["time_ns"].iloc[0])) / 1e9
-    assert TIMEOUT_S - 1 <= fired_after_s <= TIMEOUT_S + 10     # rank 0 enqueues just after the hang
+    assert timeout_s - 1 <= fired_after_s <= timeout_s + 10     # rank 0 enqueues just after the hang
     coll = store.table("collectives")
     stuck = coll[(coll["rank"] == 0) & (coll["pg"] == "world") & (coll["seq"] == detail["seq"])]
     assert len(stuck) == 1 and stuck["end_ns"].isna().all()   # written at exit, never completed

@@ -64,6 +64,8 @@ class _Chunk:
     """Clock offsets already added to the time columns (None: raw rank-clock values)."""
     in_order: bool = False
     """Rows already in the table's sort order (compacted files read in order)."""
+    span: tuple[int, int] | None = None
+    """Lowest and highest step block of the rows when known (``_block_span``)."""
 
 
 @dataclass
@@ -532,7 +534,7 @@ class RunStore:
             expr = row_filter((block * STEP_BLOCK_STEPS, (block + 1) * STEP_BLOCK_STEPS - 1), None)
         chunks = []
         for c in self._load(name).chunks:
-            low, high = _block_span(c.rows)
+            low, high = c.span if c.span is not None else _block_span(c.rows)
             if low == high == block:      # wholly in the block (a live run's first read, its newest lines): as is
                 chunks.append(c)
             elif low <= block <= high:
@@ -606,33 +608,41 @@ class RunStore:
         if name not in GROUPED_TABLES or not chunks:
             return chunks
         groups_state = self._load("groups")
-        groups, reread = _rows_of(groups_state, "groups"), False
-        out = []
-        for rows in chunks:
+        groups = _rows_of(groups_state, "groups")
+        # one fill of all new rows: a refresh of 1,024 ranks' files filled file by file paid a fill's fixed cost
+        # (the groups' keys and codes) 1,024 times
+        rows = pa.concat_tables(chunks) if len(chunks) > 1 else chunks[0]
+        rows_filled, missing = fill_members(rows, groups, name)
+        if missing:
+            self._tail("groups", groups_state)
+            groups = _rows_of(groups_state, "groups")
             rows_filled, missing = fill_members(rows, groups, name)
-            if missing and not reread:
-                self._tail("groups", groups_state)
-                groups, reread = _rows_of(groups_state, "groups"), True
-                rows_filled, missing = fill_members(rows, groups, name)
-            if missing and (self._manifest.schema_version >= GROUPS_SINCE_VERSION or groups.num_rows):
-                for cursor, offset, lines in undo:
-                    cursor.offset_bytes, cursor.lines = offset, lines
-                raise missing_groups_error(name, self._path, missing)
-            out.append(rows_filled)
-        return out
+        if missing and (self._manifest.schema_version >= GROUPS_SINCE_VERSION or groups.num_rows):
+            for cursor, offset, lines in undo:
+                cursor.offset_bytes, cursor.lines = offset, lines
+            raise missing_groups_error(name, self._path, missing)
+        return [rows_filled]
 
     @staticmethod
     def _append(state: _TableState, new_chunks: list[pa.Table]) -> int:
         if not new_chunks:
             return 0
         rows = pa.concat_tables(new_chunks)
-        state.chunks.append(_Chunk(rows, None))
+        # a chunk per step block: a live refresh derives its newest block from that block's chunks alone
+        # (``_block_rows``), not by filtering a first read that holds every block
+        state.chunks.extend(_Chunk(part, None, span=None if block is None else (block, block))
+                            for block, part in _by_block(rows))
         state.num_rows += rows.num_rows
         state.frame = None
-        raw = [i for i, c in enumerate(state.chunks) if c.basis is None]
-        if len(raw) > _MERGE_CHUNKS:
-            merged = pa.concat_tables([state.chunks[i].rows for i in raw]).combine_chunks()
-            state.chunks = [c for c in state.chunks if c.basis is not None] + [_Chunk(merged, None)]
+        raw: dict[tuple[int, int] | None, list[_Chunk]] = {}
+        for c in state.chunks:
+            if c.basis is None:
+                raw.setdefault(c.span, []).append(c)
+        if sum(map(len, raw.values())) - len(raw) > _MERGE_CHUNKS:   # many appends: one chunk per block again
+            state.chunks = [c for c in state.chunks if c.basis is not None] + [
+                parts[0] if len(parts) == 1 else
+                _Chunk(pa.concat_tables([c.rows for c in parts]).combine_chunks(), None, span=span)
+                for span, parts in sorted(raw.items(), key=lambda item: item[0] or (NO_STEP_BLOCK, NO_STEP_BLOCK))]
         return rows.num_rows
 
     def _build_frame(self, name: str, state: _TableState, model: ClockModel) -> pd.DataFrame:
@@ -660,6 +670,21 @@ def _rows_of(state: _TableState, name: str) -> pa.Table:
     """Every row of table ``name`` a state holds, as read (not clock-aligned: for tables without time columns)."""
     rows = [c.rows for c in state.chunks if c.rows.num_rows]
     return pa.concat_tables(rows) if rows else memory_schema(name).empty_table()
+
+
+def _by_block(rows: pa.Table) -> list[tuple[int | None, pa.Table]]:
+    """``rows`` split by step block (``partitions.block_of``; -1: outside steps), each block's rows in their order
+    in ``rows``, blocks ascending; rows of a table without steps are one part of block None."""
+    if "step" not in rows.column_names or not rows.num_rows:
+        return [(None, rows)]
+    blocks = block_of(pc.fill_null(rows.column("step"), -1).to_numpy())
+    if blocks.min() == blocks.max():
+        return [(int(blocks[0]), rows)]
+    order = np.argsort(blocks, kind="stable")
+    ordered, sorted_blocks = rows.take(pa.array(order)), blocks[order]
+    starts = np.flatnonzero(np.diff(sorted_blocks)) + 1
+    bounds = [0, *starts.tolist(), len(order)]
+    return [(int(sorted_blocks[a]), ordered.slice(a, b - a)) for a, b in zip(bounds, bounds[1:])]
 
 
 def _block_span(rows: pa.Table) -> tuple[int, int]:

@@ -138,10 +138,40 @@ GANTT_MAX_BARS = 2_000
 instead of a bar each: thousands of bars (16 ranks x 100 collectives x a few steps) take the browser seconds."""
 
 
+GANTT_PIXELS = 2_000
+"""Horizontal resolution a Gantt's segments are binned to: intervals of a row closer than 1/GANTT_PIXELS of the
+window's span are one segment (no screen shows them apart), so a window change sends the screen, not every row."""
+
+
+def _merged_by_pixel(grp: pd.DataFrame, *, resolution_ns: float) -> pd.DataFrame:
+    """``grp``'s intervals with those of one row (``y``) that overlap or lie less than ``resolution_ns`` apart merged
+    into one: its first start, last end and a label naming how many it holds and the first one's."""
+    g = grp.sort_values(["y", "start_ns"], kind="stable")
+    end = g["end_ns"].to_numpy(dtype="float64")
+    reach = g.groupby("y", sort=False)["end_ns"].cummax().to_numpy(dtype="float64")
+    start = g["start_ns"].to_numpy(dtype="float64")
+    y = g["y"].to_numpy(dtype="object")
+    begins = np.ones(len(g), dtype=bool)
+    begins[1:] = (y[1:] != y[:-1]) | (start[1:] > reach[:-1] + resolution_ns)
+    segment = np.cumsum(begins) - 1
+    if begins.all():
+        return g
+    out = pd.DataFrame({"y": y[begins], "start_ns": start[begins],
+                        "end_ns": np.maximum.reduceat(end, np.flatnonzero(begins))})
+    count = np.bincount(segment)
+    labels = g["label"].to_numpy(dtype="object")[begins]
+    out["label"] = [lab if n == 1 else f"{n} intervals from {lab}" for n, lab in zip(count, labels)]
+    return out
+
+
 def _segments(grp: pd.DataFrame, *, t0: int, name: str) -> go.Scatter:
     """``grp``'s intervals as segments of one line trace (start, end, gap per interval), hover text on both ends;
     times as float32 ms since the window's start (1 µs resolution over 16 s, 0.25 ms over an hour) and no text at
-    the gaps, so a window's figure is a quarter lighter to send and parse."""
+    the gaps, so a window's figure is a quarter lighter to send and parse. Intervals of a row less than a pixel
+    apart (``GANTT_PIXELS``) are drawn as one segment."""
+    span = float(grp["end_ns"].max()) - float(grp["start_ns"].min())
+    if span > 0:
+        grp = _merged_by_pixel(grp, resolution_ns=span / GANTT_PIXELS)
     n = len(grp)
     x = np.full(3 * n, np.nan, dtype="float32")
     x[0::3] = (grp["start_ns"].to_numpy(dtype="float64") - t0) / 1e6

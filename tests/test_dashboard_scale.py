@@ -369,3 +369,28 @@ def test_a_timeline_of_thousands_of_collectives_draws_them_as_segments_of_one_li
     few = charts.timeline(stp, coll[coll["seq"] < 2], stp.iloc[:0].reindex(columns=["rank", "start_ns", "end_ns",
                                                                                       "action", "microbatch", "stage"]))
     assert [t.type for t in few.data if t.name == "comm"] == ["bar"]           # few collectives: a bar each
+
+
+def test_a_timeline_merges_a_rows_collectives_closer_than_a_pixel():
+    # 4 ranks x 1,000 collectives of 1 ms, 10 µs apart in two bursts per rank (a 50 ms pause between): a pixel of a
+    # ~2 s window is ~1 ms, so each burst is one segment; the bursts stay apart
+    ranks, per_burst = 4, 500
+    rank = np.repeat(np.arange(ranks), 2 * per_burst)
+    k = np.tile(np.arange(2 * per_burst), ranks)
+    start = (k * 1_010_000 + (k >= per_burst) * 50_000_000 + rank * 7_000).astype("int64")
+    coll = pd.DataFrame({"rank": rank, "step": 0, "enqueue_ns": start, "end_ns": start + 1_000_000,
+                         "op": "allreduce", "pg": "dp", "seq": k, "num_bytes": 64})
+    no_rows = pd.DataFrame(columns=["rank", "start_ns", "end_ns", "action", "microbatch", "stage"])
+    no_steps = pd.DataFrame(columns=["rank", "step", "start_ns", "end_ns", "data_ns", "fwd_ns", "bwd_ns", "opt_ns"])
+    fig = charts.timeline(no_steps, coll, no_rows)
+    [comm] = [t for t in fig.data if t.name == "comm"]
+    assert len(comm.x) == 3 * ranks * 2                     # a segment per burst and rank
+    t0 = start.min()
+    for r in range(ranks):
+        label = f"rank {r} comm"
+        ends = [(comm.x[i], comm.x[i + 1]) for i in range(0, len(comm.x), 3) if comm.y[i].startswith(label)]
+        mine = coll[coll["rank"] == r]
+        bursts = [mine[mine["seq"] < per_burst], mine[mine["seq"] >= per_burst]]
+        assert ends == [pytest.approx(((b["enqueue_ns"].min() - t0) / 1e6, (b["end_ns"].max() - t0) / 1e6), abs=1e-3)
+                        for b in bursts]
+    assert comm.hovertext[0] == "500 intervals from allreduce dp seq 0 64 B"

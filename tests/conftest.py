@@ -194,3 +194,18 @@ def hang_rank1_run(tmp_path_factory, run_cli):
                         "--seq-len", "16", "--nproc", "2", "--steps", "12", "--collective-timeout", str(hang.timeout_s),
                         "--inject", f"hang:rank={hang.rank},step={hang.step}", timeout_s=400)
     return hang
+
+
+@pytest.fixture(scope="session")
+def fp16_overflow_run(tmp_path_factory, run_cli):
+    """One ``dtprobe run`` (2 ranks, tiny job, fp16 with a loss scaler, no device sampling) of ``steps`` steps in
+    which rank 1's gradients overflow at step ``step``, made once for the tests that read it (the amp rows in
+    ``test_precision``, the AMP_OVERFLOW finding in ``test_findings_on_fault_injected_runs``). A namespace:
+    ``proc`` (the finished ``dtprobe run``), ``run_dir``, ``steps``, ``rank`` and ``step`` of the overflow."""
+    from types import SimpleNamespace
+
+    run = SimpleNamespace(run_dir=tmp_path_factory.mktemp("fp16_overflow") / "run", steps=14, rank=1, step=10)
+    run.proc = run_cli("run", "--run-dir", run.run_dir, "--no-devices", "--timeout", "120", "--batch-size", "2",
+                       "--seq-len", "16", "--nproc", "2", "--steps", str(run.steps), "--precision", "fp16",
+                       "--inject", f"overflow:step={run.step},rank={run.rank}", timeout_s=420)
+    return run

@@ -52,11 +52,10 @@ def test_pipeline_bubble_on_pp4_gpipe_with_4_microbatches(tmp_path, dtprobe_run)
     assert "STRAGGLER" not in _codes(a)
 
 
-def test_amp_overflow_on_the_fp16_overflow_run(tmp_path, dtprobe_run):
-    run = dtprobe_run(tmp_path / "fp16", "--nproc", "2", "--precision", "fp16", "--inject", "overflow:step=3",
-                      "--steps", "8")
-    [f] = [f for f in RunAnalysis.open(run).findings() if f.code == "AMP_OVERFLOW"]
-    assert 3 in f.evidence["overflow_steps"]
+def test_amp_overflow_on_the_fp16_overflow_run(fp16_overflow_run):
+    assert fp16_overflow_run.proc.returncode == 0, fp16_overflow_run.proc.stderr[-3000:]
+    [f] = [f for f in RunAnalysis.open(fp16_overflow_run.run_dir).findings() if f.code == "AMP_OVERFLOW"]
+    assert fp16_overflow_run.step in f.evidence["overflow_steps"]
     assert f.evidence["num_overflows"] >= 1 and f.evidence["final_scale"] < 65536.0
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 import torch
 
@@ -82,23 +80,14 @@ def test_precision_config_rejects_bad_values(kwargs, match):
 
 # ------------------------------------------------------------------------------ 2 ranks through dtprobe run
 
-@pytest.fixture
-def run_dtprobe(run_cli):
-    """``run_dtprobe(run_dir, *flags, timeout=420)``: a small ``dtprobe run`` into ``run_dir`` to its end."""
-    def run(run_dir, *flags: str, timeout: float = 420) -> subprocess.CompletedProcess:
-        return run_cli("run", "--run-dir", run_dir, "--no-devices", "--timeout", "120", "--batch-size", "2",
-                       "--seq-len", "16", *flags, timeout_s=timeout)
-    return run
-
-
 @pytest.mark.multiproc
-def test_fp16_overflow_at_step_10_halves_every_ranks_scale_and_skips_the_step(tmp_path, run_dtprobe):
+def test_fp16_overflow_at_step_10_halves_every_ranks_scale_and_skips_the_step(fp16_overflow_run):
     from dtprobe.store import RunStore
 
-    proc = run_dtprobe(tmp_path / "run", "--nproc", "2", "--steps", "14", "--precision", "fp16",
-                       "--inject", "overflow:step=10,rank=1")
+    proc = fp16_overflow_run.proc
+    assert (fp16_overflow_run.steps, fp16_overflow_run.rank, fp16_overflow_run.step) == (14, 1, 10)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    store = RunStore.open(tmp_path / "run")
+    store = RunStore.open(fp16_overflow_run.run_dir)
     amp = store.table("amp")
     assert sorted(amp["rank"].unique()) == [0, 1]
     assert len(amp) == 2 * 14

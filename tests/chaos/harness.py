@@ -66,8 +66,10 @@ def dtprobe_run_cmd(run_dir: Path, *flags: str, devices: bool = False, pg_timeou
 
 
 def torchrun_cmd(script: Path, *args: str, nproc: int) -> list[str]:
-    """Plain torchrun (no ``dtprobe run``) of ``script`` on ``nproc`` local ranks, rendezvous on a free port."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+    """torchrun (no ``dtprobe run``) of ``script`` on ``nproc`` local ranks, rendezvous on a free port; its agent
+    as ``dtprobe run`` starts it (``dtprobe.runtime.torchrun_agent``: ``torch.distributed.run``'s arguments, logs
+    and exit codes, ending without torch's teardown when every worker succeeded)."""
+    return [sys.executable, "-m", "dtprobe.runtime.torchrun_agent", "--nnodes", "1", "--nproc-per-node", str(nproc),
             "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--monitor-interval", "0.5",
             str(script), *args]
 

@@ -27,6 +27,8 @@ from layouts_launch import launch  # noqa: E402
 PP, M = 4, 8
 SLEEP = "fwd_ms=150,bwd_ms=300"
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b"]
+STEPS = 2
+"""Steps of each schedule's run: the first pays the warm-up, the bubble is measured on the rest (``compare_bubble``)."""
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +36,7 @@ def bubble_runs(free_port, child_env):
     """``bubble_runs()``: one 4-rank launch of every schedule with sleep stages (cached), its runs by schedule."""
     @functools.cache
     def run() -> dict[str, dict]:
-        out = launch(PP, "--bubble", ",".join(SCHEDULES + ["zero-bubble"]), "--sleep", SLEEP, "--steps", "3",
+        out = launch(PP, "--bubble", ",".join(SCHEDULES + ["zero-bubble"]), "--sleep", SLEEP, "--steps", str(STEPS),
                      "--microbatches", str(M), port=free_port(), env=child_env(PYTHONWARNINGS="ignore"), timeout_s=900)
         return {r["bubble"]: r for r in out}
     return run
@@ -97,7 +99,7 @@ def test_pipeline_table_has_one_row_per_stage_microbatch_and_action(bubble_runs)
                               ("zero-bubble", {"F", "I", "W"})]:
         run = runs[schedule]
         stages = PP * run["virtual_stages"]
-        for step in range(3):
+        for step in range(STEPS):
             rows = [r for r in run["rows"] if r["step"] == step]
             counts = Counter((r["stage"], r["action"]) for r in rows)
             assert set(a for _, a in counts) == actions, (schedule, counts)

@@ -209,3 +209,21 @@ def fp16_overflow_run(tmp_path_factory, run_cli):
                        "--seq-len", "16", "--nproc", "2", "--steps", str(run.steps), "--precision", "fp16",
                        "--inject", f"overflow:step={run.step},rank={run.rank}", timeout_s=420)
     return run
+
+
+@pytest.fixture(scope="session")
+def crash_restart_run(tmp_path_factory, run_cli):
+    """One ``dtprobe run`` (2 ranks, tiny job, no device sampling) of ``steps`` steps with a checkpoint every
+    ``ckpt_every`` steps and one restart allowed, in which rank 1 crashes at step ``step`` and the job resumes
+    from the checkpoint; made once for the tests that read it (the resume in ``test_recovery``, the RANK_CRASH
+    finding in ``test_findings_on_fault_injected_runs``). A namespace: ``proc`` (the finished ``dtprobe run``),
+    ``run_dir``, ``steps``, ``ckpt_every``, ``rank`` and ``step`` of the crash."""
+    from types import SimpleNamespace
+
+    run = SimpleNamespace(run_dir=tmp_path_factory.mktemp("crash_restart") / "crash", steps=20, ckpt_every=5, rank=1,
+                          step=15)
+    run.proc = run_cli("run", "--run-dir", run.run_dir, "--no-devices", "--timeout", "120", "--batch-size", "2",
+                       "--seq-len", "16", "--nproc", "2", "--steps", str(run.steps), "--ckpt-every",
+                       str(run.ckpt_every), "--max-restarts", "1", "--inject", f"crash:rank={run.rank},step={run.step}",
+                       timeout_s=480)
+    return run

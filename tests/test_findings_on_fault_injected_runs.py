@@ -95,10 +95,10 @@ def test_compression_report_against_a_baseline_run(tmp_path, dtprobe_run):
     assert ev["measured_transfer_saved_ms_per_step"] is not None
 
 
-def test_crash_with_restart_is_a_recovered_rank_crash_not_a_hang(tmp_path, dtprobe_run):
-    run = dtprobe_run(tmp_path / "crash", "--nproc", "2", "--steps", "10", "--max-restarts", "1", "--ckpt-every", "2",
-                      "--inject", "crash:rank=1,step=5")
-    findings = RunAnalysis.open(run).findings()
+def test_crash_with_restart_is_a_recovered_rank_crash_not_a_hang(crash_restart_run):
+    assert crash_restart_run.proc.returncode == 0, crash_restart_run.proc.stderr[-3000:]
+    assert crash_restart_run.rank == 1
+    findings = RunAnalysis.open(crash_restart_run.run_dir).findings()
     assert "HANG" not in [f.code for f in findings]
     [f] = [f for f in findings if f.code == "RANK_CRASH"]
     assert (f.ranks, f.severity, f.evidence["recovered"]) == ((1,), "warning", True)

@@ -16,7 +16,7 @@ from background_run import background_run, wait_for
 
 from dtprobe.store import RunStore
 
-STEPS = 30
+STEPS = 20   # the crash at step 15 resumes from the checkpoint after step 14; the last step, 19, is saved too
 COMMON = ("--nproc", "2", "--steps", str(STEPS), "--ckpt-every", "5")
 
 
@@ -35,11 +35,14 @@ def run_dtprobe(run_cli):
 
 def final_params(run_dir: Path, step: int = STEPS - 1) -> dict[str, torch.Tensor]:
     """The model tensors of the checkpoint saved after ``step`` (the last step: the run's final parameters)."""
+    import tempfile
+
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    out = run_dir / f"final{step}.pt"
-    dcp_to_torch_save(run_dir / "checkpoints" / f"step{step:08d}", out)
-    state = torch.load(out, weights_only=False)
+    with tempfile.TemporaryDirectory() as tmp:          # not in run_dir: a shared run is read by other tests
+        out = Path(tmp) / f"final{step}.pt"
+        dcp_to_torch_save(run_dir / "checkpoints" / f"step{step:08d}", out)
+        state = torch.load(out, weights_only=False)
     return {k: v for k, v in state["app"]["model"].items()}
 
 
@@ -59,9 +62,11 @@ def uninterrupted(tmp_path_factory, run_dtprobe) -> Path:
 
 
 @pytest.mark.multiproc
-def test_crash_at_step_15_resumes_and_ends_bit_identical_to_uninterrupted_run(tmp_path, uninterrupted, run_dtprobe):
-    run_dir = tmp_path / "crash"
-    proc = run_dtprobe(run_dir, *COMMON, "--max-restarts", "1", "--inject", "crash:rank=1,step=15")
+def test_crash_at_step_15_resumes_and_ends_bit_identical_to_uninterrupted_run(uninterrupted, crash_restart_run):
+    # the shared run is COMMON's job (the uninterrupted run's) with rank 1 crashing at step 15, one restart allowed
+    run_dir, proc = crash_restart_run.run_dir, crash_restart_run.proc
+    assert (crash_restart_run.steps, crash_restart_run.ckpt_every, crash_restart_run.rank, crash_restart_run.step) == \
+        (STEPS, 5, 1, 15)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ref, got = final_params(uninterrupted), final_params(run_dir)
     assert ref.keys() == got.keys() and len(ref) > 10

@@ -134,6 +134,8 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         with open(out, "w") as f:
             json.dump(results, f)
     dist.destroy_process_group()
+    from dtprobe.runtime.quick_exit import quick_exit
+    quick_exit(0)               # the spawned rank ends without torch's teardown (seconds per rank)
 
 
 @pytest.fixture(scope="module")

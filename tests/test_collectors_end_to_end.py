@@ -107,6 +107,8 @@ def _worker(rank: int, port: int, run_dir: str) -> None:
         dist.all_reduce(torch.ones(7, dtype=torch.float16), group=ckpt)
     probe.fault("straggler", step=20, injected=True, delay_ms=40)
     probe.close()
+    from dtprobe.runtime.quick_exit import quick_exit
+    quick_exit(0)               # the spawned rank ends without torch's teardown (seconds per rank)
 
 
 @pytest.fixture(scope="module")

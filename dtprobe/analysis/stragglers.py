@@ -153,25 +153,47 @@ def straggler_scores(lateness: pd.DataFrame, *, window_steps: int = 20, min_late
     ppos = (pre > 0).sum(axis=1) / w[win_gid]
     steps_ = column("step", "int64")
     first_key = lat[keys].iloc[order[first_row]]
-    windows = pd.DataFrame({
-        "pg": first_key["pg"].to_numpy()[win_gid], "pg_ranks": first_key["pg_ranks"].to_numpy()[win_gid],
+    windows = pd.DataFrame({    # groups as categories: one string per group, not per window
+        "pg": pd.Categorical(first_key["pg"]).take(win_gid),
+        "pg_ranks": pd.Categorical(first_key["pg_ranks"]).take(win_gid),
         "rank": first_key["rank"].to_numpy(dtype="int64")[win_gid], "first_step": steps_[win_start],
         "last_step": steps_[win_start + w[win_gid] - 1]})
-    noise, pnoise = peer_noise(lat, windows), peer_noise(lat, windows, column="pre_excess_frac")
-    over, pover = _over(med, noise), _over(pmed, pnoise)
     pre_t = _median_t(pre, pmed)
-    peer_t = _peer_max(pre_t, windows)
-    # NaN (noise unknown) does not block
-    by_arrival = (med >= min_lateness_frac) & (pos >= min_positive_frac) & ~(over < min_lateness_over_noise)
-    by_phases = ((med >= min_lateness_frac) & (pmed >= min_lateness_frac) & (ppos >= min_positive_frac)
-                 & ~(pover < min_pre_excess_over_noise))
-    by_persistence = _persistent(med, pmed, pre_t, peer_t, pover, min_lateness_frac=min_lateness_frac,
-                                 min_t=min_pre_excess_t, min_t_over_peers=min_pre_excess_t_over_peers,
-                                 min_over_noise=min_persistent_pre_over_noise)
-    esd = peer_noise(lat, windows, column="excess_frac", reduce=_std_rows)
-    emean, epos, et = _nanmean_rows(exc), (exc > 0).sum(axis=1) / w[win_gid], _mean_t(exc, esd)
-    peer_et = _peer_max(et, windows)
-    by_steady = _steady(emean, epos, et, peer_et, min_lateness_frac=min_lateness_frac, min_t=min_steady_t)
+    span = windows.groupby(["pg", "pg_ranks", "first_step", "last_step"], sort=False).ngroup().to_numpy()
+    peer_t = _peer_max(pre_t, windows, key=span)
+    emean, epos, own_sd = _nanmean_rows(exc), (exc > 0).sum(axis=1) / w[win_gid], _std_rows(exc)
+    # The peers' noise (the costly part: a pool of the peers' values per window) is needed only where a view's
+    # other conditions hold (unknown noise does not block, so those windows are a superset of the qualifying ones)
+    # and at each (group, rank)'s chosen window; the steady view's peer_et also needs its peers' windows of the
+    # same steps. Noise is computed there alone, each value as peer_noise computes it over all windows.
+    unknown = np.full(len(windows), np.nan)
+    noise_of = {c: _PeerNoise(lat, windows, column=c) for c in ("lateness_frac", "pre_excess_frac")}
+    steady_noise = _PeerNoise(lat, windows, column="excess_frac", reduce=_std_rows)
+    noise, pnoise, esd = unknown.copy(), unknown.copy(), unknown.copy()
+
+    def judge(*, peers_known: bool = True) -> tuple[np.ndarray, ...]:
+        over, pover = _over(med, noise), _over(pmed, pnoise)
+        et = _t_of_mean(emean, exc, np.fmax(own_sd, esd))
+        peer_et = _peer_max(et, windows, key=span) if peers_known else unknown
+        by_arrival = (med >= min_lateness_frac) & (pos >= min_positive_frac) & ~(over < min_lateness_over_noise)
+        by_phases = ((med >= min_lateness_frac) & (pmed >= min_lateness_frac) & (ppos >= min_positive_frac)
+                     & ~(pover < min_pre_excess_over_noise))
+        by_persistence = _persistent(med, pmed, pre_t, peer_t, pover, min_lateness_frac=min_lateness_frac,
+                                     min_t=min_pre_excess_t, min_t_over_peers=min_pre_excess_t_over_peers,
+                                     min_over_noise=min_persistent_pre_over_noise)
+        by_steady = _steady(emean, epos, et, peer_et, min_lateness_frac=min_lateness_frac, min_t=min_steady_t)
+        return over, pover, et, peer_et, by_arrival, by_phases, by_persistence, by_steady
+
+    def fill(where_noise: np.ndarray, where_pnoise: np.ndarray, where_esd: np.ndarray) -> None:
+        for values, where, of in ((noise, where_noise, noise_of["lateness_frac"]),
+                                  (pnoise, where_pnoise, noise_of["pre_excess_frac"]),
+                                  (esd, np.isin(span, span[where_esd]), steady_noise)):
+            values[where] = of.at(where)[where]
+
+    # noise unknown everywhere: the windows that qualify whatever the noise (own spread bounds the steady t)
+    *_, may_arrive, may_phase, may_persist, may_steady = judge(peers_known=False)
+    fill(may_arrive, may_phase | may_persist, may_steady)
+    over, pover, et, peer_et, by_arrival, by_phases, by_persistence, by_steady = judge()
     ok = by_arrival | by_phases | by_persistence | by_steady
     detected = _first_true(ok, win_gid, len(n))                 # first qualifying window (global index) or -1
     # Else the window with the largest median (the first of equals, NaN ignored), or the first window when no
@@ -181,6 +203,11 @@ def straggler_scores(lateness: pd.DataFrame, *, window_steps: int = 20, min_late
     any_finite = np.add.reduceat(np.isfinite(med).astype("int64"), first_window) > 0
     fallback = np.where(any_finite, _first_true(is_max, win_gid, len(n)), first_window)
     best = np.where(detected >= 0, detected, fallback)
+    chosen = np.zeros(len(windows), dtype=bool)
+    chosen[best] = True
+    done_steady = np.isin(span, span[may_steady])
+    fill(chosen & ~may_arrive, chosen & ~(may_phase | may_persist), chosen & ~done_steady)
+    over, pover, et, peer_et = judge()[:4]
     sel_start = win_start[best]                                 # first row of each (group, rank)'s chosen window
     victims = np.clip(column("victims_wait_ns", "float64"), 0, None)
     out = lat[keys].iloc[order[first_row]].reset_index(drop=True)
@@ -231,9 +258,13 @@ def _mean_t(x: np.ndarray, peer_sd: np.ndarray) -> np.ndarray:
     row's own standard deviation and ``peer_sd`` (its peers' in the same steps: a rank steadily late by less than
     its peers swing by chance does not stand out); NaN with fewer than five values, +-inf for a non-zero mean
     without any spread."""
+    return _t_of_mean(_nanmean_rows(x), x, np.fmax(_std_rows(x), peer_sd))
+
+
+def _t_of_mean(mean: np.ndarray, x: np.ndarray, sd: np.ndarray) -> np.ndarray:
+    """``_mean_t`` of rows ``x`` given their ``mean`` and the standard deviation ``sd`` already chosen; the larger
+    ``sd``, the smaller a positive t (so a row's own spread alone bounds it from above)."""
     k = (~np.isnan(x)).sum(axis=1)
-    mean = _nanmean_rows(x)
-    sd = np.fmax(_std_rows(x), peer_sd)
     with np.errstate(divide="ignore", invalid="ignore"):
         se = sd / np.sqrt(np.maximum(k, 1))
         t = np.where(se > 0, mean / se, np.where(mean != 0, np.inf * np.sign(mean), 0.0))
@@ -260,10 +291,11 @@ def _median_t(x: np.ndarray, med: np.ndarray) -> np.ndarray:
     return np.where(k >= 3, t, np.nan)
 
 
-def _peer_max(values: np.ndarray, windows: pd.DataFrame) -> np.ndarray:
+def _peer_max(values: np.ndarray, windows: pd.DataFrame, *, key: np.ndarray | None = None) -> np.ndarray:
     """Per window: the largest ``values`` among the other members' windows of the same group and steps (NaN
-    without any)."""
-    key = windows.groupby(["pg", "pg_ranks", "first_step", "last_step"], sort=False).ngroup().to_numpy()
+    without any). ``key``: the windows' (group, steps) codes when already known."""
+    if key is None:
+        key = windows.groupby(["pg", "pg_ranks", "first_step", "last_step"], sort=False).ngroup().to_numpy()
     v = np.where(np.isnan(values), -np.inf, values)
     order = np.lexsort((-v, key))                               # by key, largest first
     k, vs = key[order], v[order]
@@ -325,40 +357,64 @@ def peer_noise(lateness: pd.DataFrame, windows: pd.DataFrame, *, column: str = "
     two peer values. In a clean run this is how late any rank gets by chance (on a busy host, or in a group whose
     many collectives per step make every member's worst lateness positive); a straggler stands out of it.
     ``reduce`` (rows of pooled values -> one value per row) replaces that statistic, e.g. ``_std_rows``."""
-    reduce = reduce or _noise_rows
-    out = np.full(len(windows), np.nan)
-    if windows.empty:
+    return _PeerNoise(lateness, windows, column=column, reduce=reduce).at(np.ones(len(windows), dtype=bool))
+
+
+class _PeerNoise:
+    """``peer_noise`` of some of the windows at a time (``at``): each value as ``peer_noise`` gives it over all
+    ``windows`` (the same pool, padded to the same width), each group's step x rank grid built once."""
+
+    def __init__(self, lateness: pd.DataFrame, windows: pd.DataFrame, *, column: str,
+                 reduce: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
+        self._column, self._reduce = column, reduce or _noise_rows
+        self._windows = windows
+        self._wkey = windows.groupby(["pg", "pg_ranks"], sort=False).ngroup().to_numpy() if len(windows) else None
+        # each group's rows located once: a mask per group over the whole frame costs groups x rows (ranks squared)
+        self._rows_of = lateness.groupby(["pg", "pg_ranks"], sort=False).indices if len(windows) else {}
+        self._numbers = lateness[["step", "rank", column]]       # taken per group: no copy of the group strings
+        self._grids: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def at(self, select: np.ndarray) -> np.ndarray:
+        """The noise of the windows where ``select`` is true (NaN elsewhere)."""
+        windows, out = self._windows, np.full(len(self._windows), np.nan)
+        if windows.empty or not select.any():
+            return out
+        first_step = windows["first_step"].to_numpy(dtype="int64")
+        last_step = windows["last_step"].to_numpy(dtype="int64")
+        wrank = windows["rank"].to_numpy(dtype="int64")
+        for key, idx in pd.Series(np.arange(len(windows))).groupby(self._wkey):
+            idx = idx.to_numpy()
+            if not select[idx].any():
+                continue
+            if key not in self._grids:
+                pg, pg_ranks = windows["pg"].iloc[idx[0]], windows["pg_ranks"].iloc[idx[0]]
+                g = self._numbers.iloc[np.sort(self._rows_of.get((pg, pg_ranks), np.empty(0, dtype="int64")))]
+                self._grids[key] = _step_rank_grid(g, self._column)
+            grid, members, values = self._grids[key]
+            lo = np.searchsorted(grid, first_step[idx], side="left")
+            hi = np.searchsorted(grid, last_step[idx], side="right")
+            width = int((hi - lo).max())                         # over all of the group's windows: the same pool
+            padded = np.vstack([values, np.full((width, len(members)), np.nan)])
+            view = np.lib.stride_tricks.sliding_window_view(padded, width, axis=0)      # start x members x width
+
+            def pooled(sel: np.ndarray, cols: np.ndarray) -> np.ndarray:
+                """The values of members ``cols`` over the windows ``sel`` (positions in ``idx``), one row each."""
+                rows = view[lo[sel]][:, cols, :]
+                rows = np.where(np.arange(width)[None, None, :] < (hi - lo)[sel][:, None, None], rows, np.nan)
+                return rows.reshape(len(sel), -1)
+
+            wanted = select[idx]
+            if len(members) > MAX_PEERS_EXCLUDED:
+                chosen = np.flatnonzero(wanted)
+                _, first, inverse = np.unique(np.stack([lo[chosen], hi[chosen]]), axis=1, return_index=True,
+                                              return_inverse=True)
+                out[idx[chosen]] = self._reduce(pooled(chosen[first], np.arange(len(members))))[inverse.ravel()]
+                continue                                          # (once per step span)
+            rank = wrank[idx]
+            for r in np.unique(rank[wanted]):
+                sel = np.flatnonzero((rank == r) & wanted)
+                out[idx[sel]] = self._reduce(pooled(sel, members != r))
         return out
-    wkey = windows.groupby(["pg", "pg_ranks"], sort=False).ngroup().to_numpy()
-    # each group's rows located once: a mask per group over the whole frame costs groups x rows (ranks squared)
-    rows_of = lateness.groupby(["pg", "pg_ranks"], sort=False).indices
-    numbers = lateness[["step", "rank", column]]             # taken per group: no copy of the group strings
-    for _, idx in pd.Series(np.arange(len(windows))).groupby(wkey):
-        idx = idx.to_numpy()
-        pg, pg_ranks = windows["pg"].iloc[idx[0]], windows["pg_ranks"].iloc[idx[0]]
-        g = numbers.iloc[np.sort(rows_of.get((pg, pg_ranks), np.empty(0, dtype="int64")))]
-        grid, members, values = _step_rank_grid(g, column)
-        lo = np.searchsorted(grid, windows["first_step"].to_numpy(dtype="int64")[idx], side="left")
-        hi = np.searchsorted(grid, windows["last_step"].to_numpy(dtype="int64")[idx], side="right")
-        rank = windows["rank"].to_numpy(dtype="int64")[idx]
-        width = int((hi - lo).max())
-        padded = np.vstack([values, np.full((width, len(members)), np.nan)])
-        view = np.lib.stride_tricks.sliding_window_view(padded, width, axis=0)      # start x members x width
-
-        def pooled(sel: np.ndarray, cols: np.ndarray) -> np.ndarray:
-            """The values of members ``cols`` over the windows ``sel`` (positions in ``idx``), one row each."""
-            rows = view[lo[sel]][:, cols, :]
-            rows = np.where(np.arange(width)[None, None, :] < (hi - lo)[sel][:, None, None], rows, np.nan)
-            return rows.reshape(len(sel), -1)
-
-        if len(members) > MAX_PEERS_EXCLUDED:
-            _, first, inverse = np.unique(np.stack([lo, hi]), axis=1, return_index=True, return_inverse=True)
-            out[idx] = reduce(pooled(first, np.arange(len(members))))[inverse.ravel()]   # once per step span
-            continue
-        for r in np.unique(rank):
-            sel = np.flatnonzero(rank == r)
-            out[idx[sel]] = reduce(pooled(sel, members != r))
-    return out
 
 
 def _noise_rows(x: np.ndarray) -> np.ndarray:

@@ -210,7 +210,7 @@ def test_ctrl_c_or_sigterm_stops_every_worker_and_marks_the_run_crashed(tmp_path
         deadline = time.monotonic() + 600
         while not (steps_file.exists() and steps_file.stat().st_size) and time.monotonic() < deadline:
             assert launcher.poll() is None, (tmp_path / "log").read_text()
-            time.sleep(0.5)
+            time.sleep(0.1)
         launcher.send_signal(getattr(signal, sig))
         rc = launcher.wait(timeout=120)
         assert rc == 130, f"exit {rc}; dtprobe run's output:\n{(tmp_path / 'log').read_text()[-4000:]}"

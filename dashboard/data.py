@@ -248,6 +248,16 @@ def finding_lines(source: Source, analysis: RunAnalysis) -> list:
     return analysis.findings()
 
 
+def finding_lines_known(source: Source, analysis: RunAnalysis) -> list | None:
+    """``finding_lines`` when they are known without analyzing the run: a finished run's or trace folder's stored
+    (or already made) Overview's lines, None while that Overview is still to be made (a page draws what it can
+    first); of a running run ``analysis.findings()``."""
+    if not summary_store.is_finished(source.path):
+        return analysis.findings()
+    stored = _stored_overview(source)
+    return None if stored is None else list(stored.findings)
+
+
 def findings_with_evidence(source: Source, analysis: RunAnalysis, detectors: dict[str, str]) -> list:
     """The findings of ``source`` whose code is a key of ``detectors`` (worst first), each with its evidence rows:
     the facade method ``detectors[code]`` finds them, and ``finding_lines`` says which of them the run reports and

@@ -207,6 +207,30 @@ def test_stragglers_page_marks_the_ranks_of_the_url_not_the_detected_ones(stragg
     assert ":red[rank 1] (from the finding link)" in page_text(at)
 
 
+def test_stragglers_page_of_a_run_without_its_overview_draws_the_heatmap_before_analyzing(tmp_path, monkeypatch):
+    write_synthetic_run(tmp_path / "dp4_straggler", num_ranks=4, num_steps=40, straggler_rank=STRAGGLER_RANK)
+    drawn, asked = [], []          # the heatmaps' marked ranks; the heatmaps drawn when the findings were asked for
+    heatmap, lines = charts.lateness_heatmap, data.finding_lines
+    monkeypatch.setattr(charts, "lateness_heatmap", lambda *a, **k: drawn.append(k["marked"]) or heatmap(*a, **k))
+    monkeypatch.setattr(data, "finding_lines", lambda *a, **k: asked.append(list(drawn)) or lines(*a, **k))
+    monkeypatch.setenv(ROOT_ENV, str(tmp_path))
+    at = AppTest.from_file(str(APP), default_timeout=240)
+    at.query_params["run"] = "dp4_straggler"
+    at.switch_page("views/stragglers.py").run()   # the first page drawn: no Overview made or stored yet
+    assert not at.exception, [e.message for e in at.exception]
+    assert asked[0] == [[]] and drawn == [[], [STRAGGLER_RANK]]    # unmarked before the analysis, then marked
+    assert f":red[rank {STRAGGLER_RANK}] (detected culprits)" in page_text(at)
+    figs = figures(at)
+    assert "stragglers_heatmap_unmarked" not in figs and "stragglers_step_time_unmarked" not in figs
+    heat = figs["stragglers_heatmap"]
+    box = [s for s in heat["layout"]["shapes"] if s["type"] == "rect"]
+    assert len(box) == 1 and box[0]["y0"] == heat["data"][0]["y"].index(f"rank {STRAGGLER_RANK}") - 0.5
+
+    asked.clear(), drawn.clear()
+    at.run()                                      # the Overview is made now: the culprits are known at once
+    assert drawn == [[STRAGGLER_RANK]] and all(a == [[STRAGGLER_RANK]] for a in asked)
+
+
 # ------------------------------------------------------------------------------------------------ live
 
 

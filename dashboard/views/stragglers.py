@@ -12,31 +12,48 @@ MAX_SCORE_ROWS = 50
 """Rows of the culprits-and-victims table above ``charts.MAX_RANK_BARS`` ranks (culprits first, then the latest)."""
 
 
-def body(source) -> None:
-    analysis = common.load(source)
-    # the run's STRAGGLER lines (of a finished run, its stored Overview's) name the culprits at once; their evidence
-    # rows and the culprits table need the detector, run last so that the charts are drawn first, in slots above
-    lines = [f for f in data.finding_lines(source, analysis) if f.code == "STRAGGLER"]
-    marked = common.marked_ranks() or sorted({r for f in lines for r in f.ranks})
+def _culprits(lines: list) -> list[int]:
+    return sorted({r for f in lines if f.code == "STRAGGLER" for r in f.ranks})
+
+
+def _show_marked(marked: list[int]) -> None:
     if marked:
         shown = marked if len(marked) <= common.MAX_LISTED_RANKS else []
         st.markdown("**Marked:** " + (", ".join(f":red[rank {r}]" for r in shown)
                                       or f":red[{common.ranks_text(marked)}]")
                     + (" (from the finding link)" if common.marked_ranks() else " (detected culprits)"))
+
+
+def body(source) -> None:
+    analysis = common.load(source)
+    # the run's STRAGGLER lines (of a finished run, its stored Overview's) name the culprits at once; their evidence
+    # rows and the culprits table need the detector, run last so that the charts are drawn first, in slots above.
+    # A finished run whose Overview is still to be made: its charts are drawn unmarked first, then again once that
+    # Overview's analysis (the page's longest wait) names the culprits
+    lines = data.finding_lines_known(source, analysis)
+    marked = common.marked_ranks() or _culprits(lines or [])
+    marked_slot = st.empty()
+    with marked_slot.container():
+        _show_marked(marked)
     clock, aligned = analysis.arrival_clock(), analysis.clock_alignment()
     st.caption(clocks.run_clocks(aligned, clock))
     findings_slot = st.container()
-    if analysis.is_trace_folder:
+    if analysis.is_trace_folder or analysis.rank_lateness().empty:
+        if lines is None:
+            with marked_slot.container():
+                _show_marked(common.marked_ranks() or _culprits(data.finding_lines(source, analysis)))
         _show_findings(source, analysis, findings_slot)
-        _trace_folder_arrivals(analysis, aligned=aligned)
+        if analysis.is_trace_folder:
+            _trace_folder_arrivals(analysis, aligned=aligned)
+        else:
+            st.info("No collective arrivals recorded yet: the heatmap needs the collectives table "
+                    "(re-run without --no-collectives).")
         return
     lateness = analysis.rank_lateness()
-    if lateness.empty:
-        _show_findings(source, analysis, findings_slot)
-        st.info("No collective arrivals recorded yet: the heatmap needs the collectives table "
-                "(re-run without --no-collectives).")
-        return
-    common.chart(charts.lateness_heatmap(lateness, marked=marked, clock=clock), key="stragglers_heatmap")
+    heatmap_slot = st.empty()
+    key = "" if lines is not None else "_unmarked"
+    with heatmap_slot.container():
+        common.chart(charts.lateness_heatmap(lateness, marked=marked, clock=clock), key=f"stragglers_heatmap{key}")
     table_slot = st.container()
     exposure = analysis.comm_exposure()   # per rank and step (kept at compaction), not per collective and member
     if not exposure.empty:
@@ -46,8 +63,19 @@ def body(source) -> None:
         if not waits.empty:
             common.chart(charts.victims_wait(waits, clock=clock), key="stragglers_victims")
     steps = analysis.table("steps")
+    step_slot = st.empty()
     if not steps.empty:
-        common.chart(charts.step_time_overview(steps, marked=marked), key="stragglers_step_time")
+        with step_slot.container():
+            common.chart(charts.step_time_overview(steps, marked=marked), key=f"stragglers_step_time{key}")
+    if lines is None:
+        marked = common.marked_ranks() or _culprits(data.finding_lines(source, analysis))
+        with marked_slot.container():
+            _show_marked(marked)
+        with heatmap_slot.container():
+            common.chart(charts.lateness_heatmap(lateness, marked=marked, clock=clock), key="stragglers_heatmap")
+        if not steps.empty:
+            with step_slot.container():
+                common.chart(charts.step_time_overview(steps, marked=marked), key="stragglers_step_time")
     with table_slot:
         _culprits_table(analysis, marked=marked, clock=clock)
     _show_findings(source, analysis, findings_slot)

@@ -410,6 +410,15 @@ class _PeerNoise:
                                               return_inverse=True)
                 out[idx[chosen]] = self._reduce(pooled(chosen[first], np.arange(len(members))))[inverse.ravel()]
                 continue                                          # (once per step span)
+            sel = np.flatnonzero(wanted)
+            own = np.minimum(np.searchsorted(members, wrank[idx][sel]), len(members) - 1)
+            if (members[own] == wrank[idx][sel]).all():     # every member's peers at once, in member order
+                peers = np.arange(len(members) - 1)
+                peers = peers[None, :] + (peers[None, :] >= own[:, None])
+                rows = np.take_along_axis(view[lo[sel]], peers[:, :, None], axis=1)
+                rows = np.where(np.arange(width)[None, None, :] < (hi - lo)[sel][:, None, None], rows, np.nan)
+                out[idx[sel]] = self._reduce(rows.reshape(len(sel), -1))
+                continue
             rank = wrank[idx]
             for r in np.unique(rank[wanted]):
                 sel = np.flatnonzero((rank == r) & wanted)

@@ -80,6 +80,9 @@ WORKER = textwrap.dedent(f"""
         with open(os.path.join(out_dir, f"rank{{trainer.global_rank}}.json"), "w") as f:
             json.dump({{"batch_losses": module.batch_losses, "global_step": trainer.global_step,
                        "grad_bytes": sum(p.numel() * p.element_size() for p in module.parameters())}}, f)
+    if os.environ.get("WORKER_QUICK_EXIT"):             # under plain torchrun: skip torch's teardown (seconds)
+        from dtprobe.runtime.quick_exit import quick_exit
+        quick_exit(0)
 """)
 
 
@@ -89,7 +92,7 @@ def _fit_on_2_ranks(root, torchrun_cmd, child_env, *, sync_dist: bool, own_attac
     (root / "out").mkdir()
     cmd = torchrun_cmd(root / "worker.py", root / "run", root / "out", "2", "-1", str(int(sync_dist)),
                        *(["own_attach"] if own_attach else []), nproc=2)
-    proc = subprocess.run(cmd, env=child_env(), timeout=600, capture_output=True, text=True)
+    proc = subprocess.run(cmd, env=child_env(WORKER_QUICK_EXIT="1"), timeout=600, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return _read_outputs(root)
 

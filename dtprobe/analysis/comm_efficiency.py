@@ -105,7 +105,7 @@ def latency_bandwidth_fit(bw: pd.DataFrame, *, min_samples: int = 3) -> tuple[fl
     if bw.empty:
         return None
     op = bw.groupby("op")["duration_ns"].sum().idxmax()
-    d = bw[bw["op"] == op]
+    d = bw.loc[bw["op"] == op, ["num_bytes", "duration_ns"]]     # the columns read: no copy of the group texts
     sizes = d.groupby("num_bytes")["duration_ns"]
     med = sizes.median()[sizes.size() >= min_samples]
     if len(med) < 2:

@@ -541,6 +541,16 @@ def blocked_outside_groups(collectives: pd.DataFrame, waits: pd.DataFrame) -> pd
     })[BLOCKED_COLUMNS]
 
 
+def _as_text(values: pd.Series) -> np.ndarray:
+    """``values.astype(str).to_numpy()``; of a category column without a string per row (each category's text,
+    taken by code: a kept ``blocked`` table has hundreds of thousands of rows and a few groups)."""
+    if not isinstance(values.dtype, pd.CategoricalDtype):
+        return values.astype(str).to_numpy()
+    text = values.cat.categories.astype(str).to_numpy(dtype=object)
+    codes = values.cat.codes.to_numpy()
+    return np.where(codes >= 0, text[np.maximum(codes, 0)], np.nan) if len(text) else values.astype(str).to_numpy()
+
+
 def _comm_ns(blocked: pd.Series, index: pd.MultiIndex, pg_ranks: str) -> np.ndarray:
     """Per (rank, step) of ``index``: its blocked time outside group ``pg_ranks`` (``blocked_outside_groups`` as a
     series by rank, step, outside_pg_ranks), the time outside none when it had no wait there, else 0."""
@@ -604,7 +614,7 @@ def straggler_causes(scores: pd.DataFrame, lateness: pd.DataFrame, steps: pd.Dat
     require_columns(blocked, BLOCKED_COLUMNS, table="blocked_outside_groups")
     by_group = pd.Series(blocked["blocked_ns"].to_numpy(dtype="float64"), index=pd.MultiIndex.from_arrays(
         [blocked["rank"].to_numpy(dtype="int64"), blocked["step"].to_numpy(dtype="int64"),
-         blocked["outside_pg_ranks"].astype(str).to_numpy()]))
+         _as_text(blocked["outside_pg_ranks"])]))
     ph = steps.dropna(subset=["end_ns"]).copy()
     ph["rank"] = ph["rank"].astype("int64")
     ph["step"] = ph["step"].astype("int64")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
@@ -40,9 +41,25 @@ def read_files_at_once(tables_dir: Path, files: list[PartFile], name: str, expr:
     if parts is None:
         return read_files(tables_dir, files, name, expr, ordered=ordered, columns=columns)
     if ordered:
-        merged = interleave(parts)
+        merged = _interleave(parts)
         return merged if merged is not None else parts[0]
     return pa.concat_tables(parts)
+
+
+def _interleave(parts: list[pa.Table]) -> pa.Table | None:
+    """``partitions.interleave(parts)`` (each part sorted by rank, merged by rank, then part order) with one take:
+    the order is a stable sort of the parts' ranks, where the segments' slices cost a table per rank and file."""
+    parts = [p for p in parts if p.num_rows]
+    if len(parts) < 2:
+        return parts[0] if parts else None
+    whole = pa.concat_tables(parts)
+    rank = whole.column("rank").to_numpy()
+    if rank.dtype.kind == "f":      # a null rank (never written by compaction): as partitions.interleave does
+        return interleave(parts)
+    order = np.argsort(rank, kind="stable")
+    if (order == np.arange(len(order))).all():
+        return whole.combine_chunks()
+    return whole.take(pa.array(order)).combine_chunks()
 
 
 def _scan(tables_dir: Path, files: list[PartFile], name: str, expr: pc.Expression | None,

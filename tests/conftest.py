@@ -227,3 +227,18 @@ def crash_restart_run(tmp_path_factory, run_cli):
                        str(run.ckpt_every), "--max-restarts", "1", "--inject", f"crash:rank={run.rank},step={run.step}",
                        timeout_s=480)
     return run
+
+
+@pytest.fixture(scope="session")
+def clean_dp4_run(tmp_path_factory, run_cli):
+    """One clean ``dtprobe run`` of the tiny model on 4 CPU ranks (data parallel, device sampling on) of ``steps``
+    steps: step 0 is the warm-up, then the 20 steps a straggler verdict judges. Made once for the tests that read
+    it (no STRAGGLER in ``test_stragglers_on_dp4_runs``, the dp4 calibration in ``test_planner_calibrate_runs``).
+    A namespace: ``proc`` (the finished ``dtprobe run``), ``run_dir``, ``steps`` and ``flags`` (the job's flags
+    but the run directory, for runs that must differ from it by one flag only)."""
+    from types import SimpleNamespace
+
+    run = SimpleNamespace(run_dir=tmp_path_factory.mktemp("clean_dp4") / "clean_dp4", steps=21)
+    run.flags = ("--nproc", "4", "--device", "cpu", "--model", "tiny", "--steps", str(run.steps), "--timeout", "120")
+    run.proc = run_cli("run", *run.flags, "--run-dir", run.run_dir, timeout_s=600)
+    return run

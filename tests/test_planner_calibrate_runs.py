@@ -15,10 +15,15 @@ LAYOUTS = {"dp4": [], "dp2tp2": ["--tp", "2"], "pp4": ["--pp", "4"]}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, run_cli):
+def runs(tmp_path_factory, run_cli, clean_dp4_run):
     root = tmp_path_factory.mktemp("planner_runs")
-    out = {}
+    # dp4 is the shared clean dp4 run (conftest; 21 steps of this job); the other layouts run 10 steps
+    assert clean_dp4_run.proc.returncode == 0, f"dp4: {clean_dp4_run.proc.stderr[-2000:]}"
+    assert clean_dp4_run.flags[:6] == ("--nproc", "4", "--device", "cpu", "--model", "tiny")
+    out = {"dp4": clean_dp4_run.run_dir}
     for name, flags in LAYOUTS.items():
+        if name == "dp4":
+            continue
         run_dir = root / name
         proc = run_cli("run", "--nproc", "4", "--device", "cpu", "--model", "tiny", "--steps", "10", "--timeout",
                        "120", "--run-dir", run_dir, *flags, timeout_s=600)

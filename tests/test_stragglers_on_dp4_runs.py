@@ -19,16 +19,18 @@ DELAY_MS = 200.0
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, run_cli) -> dict:
+def runs(tmp_path_factory, run_cli, clean_dp4_run) -> dict:
     def run(run_dir: Path, *extra: str) -> Path:
-        proc = run_cli("run", "--nproc", "4", "--steps", str(NUM_STEPS), "--timeout", "120", "--run-dir", run_dir,
-                       *extra, timeout_s=600)
+        proc = run_cli("run", *clean_dp4_run.flags, "--run-dir", run_dir, *extra, timeout_s=600)
         assert proc.returncode == 0, f"dtprobe run failed ({proc.returncode}):\n{proc.stderr[-3000:]}"
         return run_dir
 
+    # the clean run is shared (conftest): the straggler runs are its job with one rank slowed
+    assert clean_dp4_run.steps == NUM_STEPS
+    assert clean_dp4_run.proc.returncode == 0, clean_dp4_run.proc.stderr[-3000:]
     root = tmp_path_factory.mktemp("real_runs")
     return {
-        "clean": run(root / "clean_dp4"),
+        "clean": clean_dp4_run.run_dir,
         1: run(root / "straggler_rank1", "--inject", f"straggler:rank=1,delay_ms={DELAY_MS:g}"),
         3: run(root / "straggler_rank3", "--inject", f"straggler:rank=3,delay_ms={DELAY_MS:g}"),
     }

@@ -167,8 +167,9 @@ def straggler_scores(lateness: pd.DataFrame, *, window_steps: int = 20, min_late
     # and at each (group, rank)'s chosen window; the steady view's peer_et also needs its peers' windows of the
     # same steps. Noise is computed there alone, each value as peer_noise computes it over all windows.
     unknown = np.full(len(windows), np.nan)
-    noise_of = {c: _PeerNoise(lat, windows, column=c) for c in ("lateness_frac", "pre_excess_frac")}
-    steady_noise = _PeerNoise(lat, windows, column="excess_frac", reduce=_std_rows)
+    rows_of = lat.groupby(["pg", "pg_ranks"], sort=False).indices
+    noise_of = {c: _PeerNoise(lat, windows, column=c, rows_of=rows_of) for c in ("lateness_frac", "pre_excess_frac")}
+    steady_noise = _PeerNoise(lat, windows, column="excess_frac", reduce=_std_rows, rows_of=rows_of)
     noise, pnoise, esd = unknown.copy(), unknown.copy(), unknown.copy()
 
     def judge(*, peers_known: bool = True) -> tuple[np.ndarray, ...]:
@@ -365,12 +366,15 @@ class _PeerNoise:
     ``windows`` (the same pool, padded to the same width), each group's step x rank grid built once."""
 
     def __init__(self, lateness: pd.DataFrame, windows: pd.DataFrame, *, column: str,
-                 reduce: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
+                 reduce: Callable[[np.ndarray], np.ndarray] | None = None, rows_of: dict | None = None) -> None:
+        """``rows_of``: ``lateness.groupby(["pg", "pg_ranks"]).indices`` when already known."""
         self._column, self._reduce = column, reduce or _noise_rows
         self._windows = windows
         self._wkey = windows.groupby(["pg", "pg_ranks"], sort=False).ngroup().to_numpy() if len(windows) else None
         # each group's rows located once: a mask per group over the whole frame costs groups x rows (ranks squared)
-        self._rows_of = lateness.groupby(["pg", "pg_ranks"], sort=False).indices if len(windows) else {}
+        if rows_of is None:
+            rows_of = lateness.groupby(["pg", "pg_ranks"], sort=False).indices if len(windows) else {}
+        self._rows_of = rows_of
         self._numbers = lateness[["step", "rank", column]]       # taken per group: no copy of the group strings
         self._grids: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 

@@ -167,9 +167,9 @@ def straggler_scores(lateness: pd.DataFrame, *, window_steps: int = 20, min_late
     # and at each (group, rank)'s chosen window; the steady view's peer_et also needs its peers' windows of the
     # same steps. Noise is computed there alone, each value as peer_noise computes it over all windows.
     unknown = np.full(len(windows), np.nan)
-    rows_of = lat.groupby(["pg", "pg_ranks"], sort=False).indices
-    noise_of = {c: _PeerNoise(lat, windows, column=c, rows_of=rows_of) for c in ("lateness_frac", "pre_excess_frac")}
-    steady_noise = _PeerNoise(lat, windows, column="excess_frac", reduce=_std_rows, rows_of=rows_of)
+    grids = _GroupGrids(lat, ["lateness_frac", "pre_excess_frac", "excess_frac"])
+    noise_of = {c: _PeerNoise(lat, windows, column=c, grids=grids) for c in ("lateness_frac", "pre_excess_frac")}
+    steady_noise = _PeerNoise(lat, windows, column="excess_frac", reduce=_std_rows, grids=grids)
     noise, pnoise, esd = unknown.copy(), unknown.copy(), unknown.copy()
 
     def judge(*, peers_known: bool = True) -> tuple[np.ndarray, ...]:
@@ -336,18 +336,48 @@ def _step_rank_grid(g: pd.DataFrame, column: str) -> tuple[np.ndarray, np.ndarra
     """``g.pivot_table(index="step", columns="rank", values=column, aggfunc="first", dropna=False)`` as (sorted
     steps, sorted ranks, steps x ranks values: each cell's first non-null value, else NaN), without pandas'
     per-call overhead (peer_noise builds one per group and column: thousands at a thousand ranks)."""
+    return _step_rank_grids(g, [column])[column]
+
+
+def _step_rank_grids(g: pd.DataFrame, columns: list[str]) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """``_step_rank_grid(g, column)`` of each of ``columns``, the steps and ranks located once."""
     if g["step"].isna().any() or g["rank"].isna().any():
-        m = g.pivot_table(index="step", columns="rank", values=column, aggfunc="first", dropna=False)
-        return m.index.to_numpy(dtype="int64"), m.columns.to_numpy(dtype="int64"), m.to_numpy(dtype="float64")
+        out = {}
+        for column in columns:
+            m = g.pivot_table(index="step", columns="rank", values=column, aggfunc="first", dropna=False)
+            out[column] = (m.index.to_numpy(dtype="int64"), m.columns.to_numpy(dtype="int64"),
+                           m.to_numpy(dtype="float64"))
+        return out
     grid, si = np.unique(g["step"].to_numpy(dtype="int64"), return_inverse=True)
     members, ri = np.unique(g["rank"].to_numpy(dtype="int64"), return_inverse=True)
-    vals = g[column].to_numpy(dtype="float64", na_value=np.nan)
-    values = np.full((len(grid), len(members)), np.nan)
-    known = np.flatnonzero(~np.isnan(vals))
-    cell = si[known] * len(members) + ri[known]
-    _, first = np.unique(cell, return_index=True)          # each cell's first non-null row, in table order
-    values.flat[cell[first]] = vals[known[first]]
-    return grid, members, values
+    out = {}
+    for column in columns:
+        vals = g[column].to_numpy(dtype="float64", na_value=np.nan)
+        values = np.full((len(grid), len(members)), np.nan)
+        known = np.flatnonzero(~np.isnan(vals))
+        cell = si[known] * len(members) + ri[known]
+        _, first = np.unique(cell, return_index=True)          # each cell's first non-null row, in table order
+        values.flat[cell[first]] = vals[known[first]]
+        out[column] = (grid, members, values)
+    return out
+
+
+class _GroupGrids:
+    """Each group's step x rank grids (``_step_rank_grids``) of ``columns`` of ``lateness``, built on first use and
+    shared by the ``_PeerNoise`` of each column."""
+
+    def __init__(self, lateness: pd.DataFrame, columns: list[str], *, rows_of: dict | None = None) -> None:
+        # each group's rows located once: a mask per group over the whole frame costs groups x rows (ranks squared)
+        self._rows_of = rows_of if rows_of is not None else lateness.groupby(["pg", "pg_ranks"], sort=False).indices
+        self._numbers = lateness[["step", "rank", *columns]]     # taken per group: no copy of the group strings
+        self._columns = list(columns)
+        self._grids: dict[tuple, dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+
+    def get(self, pg: str, pg_ranks: str, column: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if (pg, pg_ranks) not in self._grids:
+            rows = self._rows_of.get((pg, pg_ranks), np.empty(0, dtype="int64"))
+            self._grids[pg, pg_ranks] = _step_rank_grids(self._numbers.iloc[np.sort(rows)], self._columns)
+        return self._grids[pg, pg_ranks][column]
 
 
 def peer_noise(lateness: pd.DataFrame, windows: pd.DataFrame, *, column: str = "lateness_frac",
@@ -366,17 +396,12 @@ class _PeerNoise:
     ``windows`` (the same pool, padded to the same width), each group's step x rank grid built once."""
 
     def __init__(self, lateness: pd.DataFrame, windows: pd.DataFrame, *, column: str,
-                 reduce: Callable[[np.ndarray], np.ndarray] | None = None, rows_of: dict | None = None) -> None:
-        """``rows_of``: ``lateness.groupby(["pg", "pg_ranks"]).indices`` when already known."""
+                 reduce: Callable[[np.ndarray], np.ndarray] | None = None, grids: _GroupGrids | None = None) -> None:
+        """``grids``: the groups' grids of ``column`` (and others), shared between columns."""
         self._column, self._reduce = column, reduce or _noise_rows
         self._windows = windows
         self._wkey = windows.groupby(["pg", "pg_ranks"], sort=False).ngroup().to_numpy() if len(windows) else None
-        # each group's rows located once: a mask per group over the whole frame costs groups x rows (ranks squared)
-        if rows_of is None:
-            rows_of = lateness.groupby(["pg", "pg_ranks"], sort=False).indices if len(windows) else {}
-        self._rows_of = rows_of
-        self._numbers = lateness[["step", "rank", column]]       # taken per group: no copy of the group strings
-        self._grids: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._grids = grids if grids is not None else _GroupGrids(lateness, [column]) if len(windows) else None
 
     def at(self, select: np.ndarray) -> np.ndarray:
         """The noise of the windows where ``select`` is true (NaN elsewhere)."""
@@ -390,11 +415,8 @@ class _PeerNoise:
             idx = idx.to_numpy()
             if not select[idx].any():
                 continue
-            if key not in self._grids:
-                pg, pg_ranks = windows["pg"].iloc[idx[0]], windows["pg_ranks"].iloc[idx[0]]
-                g = self._numbers.iloc[np.sort(self._rows_of.get((pg, pg_ranks), np.empty(0, dtype="int64")))]
-                self._grids[key] = _step_rank_grid(g, self._column)
-            grid, members, values = self._grids[key]
+            grid, members, values = self._grids.get(windows["pg"].iloc[idx[0]], windows["pg_ranks"].iloc[idx[0]],
+                                                    self._column)
             lo = np.searchsorted(grid, first_step[idx], side="left")
             hi = np.searchsorted(grid, last_step[idx], side="right")
             width = int((hi - lo).max())                         # over all of the group's windows: the same pool

@@ -4,7 +4,8 @@
                                   [--seq-len 256] [--seed 0] [--quick]
 
 Every run is ``dtprobe run`` of the tiny GPT with 2 sequences of ``--seq-len`` tokens per rank (``--cpu-bind auto``
-places each worker on its own share of the cores).
+places each worker on its own share of the cores), its host sampler on as by default (every second: each rank's
+CPU, and the time its cgroup's CPU quota withheld).
 
 Scenario classes, on every layout (dp2, dp4, dp2xtp2, dp2xpp2) unless said otherwise:
 - ``clean``: ``--repeats`` undisturbed runs. Any verdict here is a false positive.
@@ -99,9 +100,9 @@ class Outcome:
 # ---------------------------------------------------------------------------------------------- the runs
 
 
-def _run_dtprobe(sc: Scenario, run_dir: Path, args: argparse.Namespace, *flags: str, devices: bool = False) -> Job:
+def _run_dtprobe(sc: Scenario, run_dir: Path, args: argparse.Namespace, *flags: str) -> Job:
     cmd = dtprobe_run_cmd(run_dir, *LAYOUTS[sc.layout], "--steps", str(args.steps), "--seq-len", str(args.seq_len),
-                          *flags, devices=devices)
+                          *flags, devices=True)
     return Job(cmd=cmd, run_dir=run_dir, timeout_s=JOB_TIMEOUT_S).start()
 
 
@@ -131,8 +132,8 @@ def run_scenario(sc: Scenario, run_dir: Path, args: argparse.Namespace) -> None:
             sc.fault_step = steps_done(run_dir, sc.rank)
             job.signal(sc.rank, signal.SIGKILL)
         elif sc.kind == "stop":
-            job = _run_dtprobe(sc, run_dir, args, "--collective-timeout", "6", "--device-interval", "0.2",
-                               devices=True)         # the liveness verdict reads the host sampler's rows
+            job = _run_dtprobe(sc, run_dir, args, "--collective-timeout", "6", "--device-interval", "0.2")
+            # (sampled every 0.2 s: the liveness verdict reads the host sampler's rows after the stall)
             job.wait_steps(sc.rank, args.fault_step)
             sc.fault_step = steps_done(run_dir, sc.rank)
             job.signal(sc.rank, signal.SIGSTOP)

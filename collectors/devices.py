@@ -1,5 +1,6 @@
 """Device sampler thread: NVML (GPU util, memory, power, clocks, throttle, PCIe/NVLink, XID) or host metrics
-(this process's CPU and RSS, load1) when NVML is absent; writes ``devices`` rows (``source`` nvml/host)."""
+(this process's CPU and RSS, load1, the CPU time its cgroup's quota withheld) when NVML is absent; writes
+``devices`` rows (``source`` nvml/host)."""
 
 from __future__ import annotations
 
@@ -112,8 +113,69 @@ class NvmlReader:
                 "nvlink_rx_bytes_per_s": (rx_kib - prev[2]) * 1024.0 / dt}
 
 
+CGROUP_ROOT = "/sys/fs/cgroup"
+
+
+class CpuThrottle:
+    """How long this process's CPU cgroup has been held back by its CFS bandwidth quota (``cpu.cfs_quota_us`` in
+    cgroup v1, ``cpu.max`` in v2; a container's CPU limit): the kernel's ``throttled_time`` (v1, ns) or
+    ``throttled_usec`` (v2) of the cgroup's ``cpu.stat``, summed over the cgroup's CPUs. ``read`` returns that time
+    accumulated since the first read, following the process when it is moved to another cgroup (a move adds
+    nothing: the new cgroup's earlier throttling was not this process's), so the value only grows; None where no
+    cgroup reports it (no CPU controller mounted, a v2 root). A rank throttled while its peers are not computes
+    slower for reasons outside the job: the CPU analog of NVML's throttle reasons."""
+
+    def __init__(self, *, proc_cgroup: str = "/proc/self/cgroup", root: str = CGROUP_ROOT) -> None:
+        self._proc_cgroup, self._root = proc_cgroup, root
+        self._last: tuple[str, int] | None = None       # (cpu.stat path, its throttled ns) at the latest read
+        self._total = 0
+
+    def _stat_path(self) -> str | None:
+        """The ``cpu.stat`` of this process's CPU cgroup (v1 ``cpu`` controller, else the v2 unified one)."""
+        try:
+            with open(self._proc_cgroup) as f:
+                lines = f.read().splitlines()
+        except OSError:
+            return None
+        unified = None
+        for line in lines:
+            _, controllers, path = line.split(":", 2)
+            if "cpu" in controllers.split(","):
+                for mount in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
+                    candidate = os.path.join(self._root, mount, path.lstrip("/"), "cpu.stat")
+                    if os.path.exists(candidate):
+                        return candidate
+            elif controllers == "":
+                unified = os.path.join(self._root, path.lstrip("/"), "cpu.stat")
+        return unified if unified is not None and os.path.exists(unified) else None
+
+    @staticmethod
+    def _throttled_ns(stat_path: str) -> int | None:
+        try:
+            with open(stat_path) as f:
+                fields = dict(line.split() for line in f if line.count(" ") == 1)
+        except (OSError, ValueError):
+            return None
+        if "throttled_time" in fields:
+            return int(fields["throttled_time"])
+        if "throttled_usec" in fields:
+            return int(fields["throttled_usec"]) * 1000
+        return None
+
+    def read(self) -> int | None:
+        path = self._stat_path()
+        value = self._throttled_ns(path) if path is not None else None
+        if value is None:
+            return None if self._last is None else self._total
+        if self._last is not None and self._last[0] == path:
+            self._total += max(0, value - self._last[1])
+        self._last = (path, value)
+        return self._total
+
+
 class HostReader:
-    """This process's CPU share of the machine (0..1, all cores = 1) and RSS, and the host's 1-minute load.
+    """This process's CPU share of the machine (0..1, all cores = 1), RSS and CPU time withheld by its cgroup's quota
+    (``cpu_throttled_ns``, ``CpuThrottle``), and the host's 1-minute load.
 
     The kernel counts process CPU time in clock ticks, so over a short window the CPU time can run a tick ahead
     of the wall time (psutil's ``cpu_percent`` then reports several hundred percent for a 1 ms interval). Each
@@ -129,6 +191,7 @@ class HostReader:
         self.num_cpus = psutil.cpu_count() or 1
         start = (_process_start(), 0.0)
         self._refs = [start, start]             # (monotonic_s, cpu_s): older and latest window starts
+        self.throttle = CpuThrottle()
 
     def _cpu_seconds(self) -> float:
         times = self.process.cpu_times()
@@ -155,7 +218,11 @@ class HostReader:
         with self.process.oneshot():
             cpu_frac = self.cpu_frac()
             rss = self.process.memory_info().rss
-        return {"cpu_frac": cpu_frac, "rss_bytes": int(rss), "load1": os.getloadavg()[0]}
+        row = {"cpu_frac": cpu_frac, "rss_bytes": int(rss), "load1": os.getloadavg()[0]}
+        throttled = self.throttle.read()
+        if throttled is not None:
+            row["cpu_throttled_ns"] = throttled
+        return row
 
 
 def _boot_clock() -> float:

@@ -28,6 +28,7 @@ from dtprobe.analysis import collective_matching as _matching
 from dtprobe.analysis import ckpt_corrupt as _corrupt
 from dtprobe.analysis import comm_efficiency as _comm
 from dtprobe.analysis import compression as _compression
+from dtprobe.analysis import cpu_throttle as _cpu_throttle
 from dtprobe.analysis import crashes as _crashes
 from dtprobe.analysis import device_arrivals as _device_arrivals
 from dtprobe.analysis import derived_tables as _derived
@@ -225,8 +226,16 @@ class RunAnalysis:
         """Per (group, rank): worst-window median lateness, share of steps late, mean wait imposed on peers."""
         o = self.options
         return self._memo("scores", lambda: _stragglers.straggler_scores(
-            self.rank_lateness(), window_steps=o.window_steps, min_lateness_frac=o.min_lateness_frac,
-            min_positive_frac=o.min_positive_frac))
+            self.rank_lateness(), cpu_throttled=self.cpu_throttled(), window_steps=o.window_steps,
+            min_lateness_frac=o.min_lateness_frac, min_positive_frac=o.min_positive_frac))
+
+    def cpu_throttled(self) -> pd.DataFrame | None:
+        """Per (rank, step): the share of the step its CPU cgroup's quota held it back (``cpu_throttle``); None when
+        no rank's host sampler read the kernel's throttle counter."""
+        def compute() -> pd.DataFrame | None:
+            per_step = _cpu_throttle.cpu_throttled_per_step(self.table("devices"), self.table("steps"))
+            return None if per_step.empty else per_step
+        return self._memo("cpu_throttled", compute)
 
     def straggler_causes(self) -> pd.DataFrame:
         """Per (group, rank) late enough to be a straggler candidate: excess data/compute/communication time in its

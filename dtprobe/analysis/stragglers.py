@@ -45,6 +45,9 @@ median over its standard error, ``pre_excess_t``) and the largest such value amo
 steps (``peer_pre_excess_t``); the steady view's lateness excess over the group's median lateness at each step:
 its mean over the window (``mean_excess_frac``), the share of steps it is positive (``excess_positive_frac``),
 its mean over its standard error (``excess_t``) and the largest such value among the peers (``peer_excess_t``)."""
+THROTTLE_SCORE_COLUMNS = ["cpu_throttled_frac", "peer_cpu_throttled_frac"]
+"""Extra columns of ``straggler_scores`` (last) when it is given the ranks' CPU throttling (``cpu_throttle``): the
+rank's mean ``cpu_throttled_frac`` over the chosen window and the largest of its peers' over the same steps."""
 CAUSE_COLUMNS = [
     "pg", "pg_ranks", "rank", "data_excess_ns", "compute_excess_ns", "comm_excess_ns", "throttled_frac", "cause",
 ]
@@ -90,10 +93,25 @@ MIN_PERSISTENT_PRE_OVER_NOISE = 1.3
 by chance is the host's, not the rank's. Clean runs of a busy host stay below 1, slowed ranks reach 1.05-1.4; 1.3
 leaves an excess inside uniform +-10% peer noise unnamed."""
 
+MIN_CPU_THROTTLED_FRAC = 0.02
+"""CPU-throttle view: the smallest mean share of the window's wall time the rank's cgroup was throttled by its CPU
+quota (``cpu_throttle.cpu_throttled_per_step``). Unquota'd processes read exactly 0, so any clear value is a
+limit the rank hit; 2% leaves out a quota touched once or twice in a window."""
+MAX_PEER_THROTTLED_SHARE = 0.25
+"""CPU-throttle view: every peer's throttled share must stay below this share of the rank's (a quota that holds
+back all members alike, one limit for a whole pod, singles out none of them)."""
+MIN_THROTTLED_T = 3.0
+"""CPU-throttle view: the rank's mean lateness excess over its group's median must be this many standard errors
+above zero (the steady view's error; the steady view alone needs ``MIN_STEADY_T``). The kernel's throttle
+counter tells that the rank lost CPU; the lateness must still show that the job waited for it. A quota throttles
+in bursts (frozen for the rest of each 100 ms period), so the excess comes in every other step or so: no
+positive-share condition."""
+
 THROTTLE_MASK = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
 """NVML clock-throttle reasons that slow a GPU: SW power cap, HW slowdown, SW/HW thermal, power brake."""
 
-def straggler_scores(lateness: pd.DataFrame, *, window_steps: int = 20, min_lateness_frac: float = 0.05,
+def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | None = None,
+                     window_steps: int = 20, min_lateness_frac: float = 0.05,
                      min_positive_frac: float = 0.8,
                      min_lateness_over_noise: float = MIN_LATENESS_OVER_NOISE,
                      min_pre_excess_over_noise: float = MIN_PRE_EXCESS_OVER_NOISE,
@@ -119,15 +137,24 @@ def straggler_scores(lateness: pd.DataFrame, *, window_steps: int = 20, min_late
     ``min_persistent_pre_over_noise`` x the peers' excess noise, and the median lateness is positive. The steady
     view (``_steady``) qualifies a window when the rank's mean lateness excess over the group's median is at least
     ``min_lateness_frac`` and ``MIN_STEADY_EXCESS_FRAC``, ``min_steady_t`` standard errors above zero and
-    ``MIN_STEADY_T_OVER_PEERS`` x any peer's, positive in ``MIN_STEADY_POSITIVE_FRAC`` of the steps. Every window
-    of every (group, rank) is scored at once (one windows x steps matrix), so the cost grows with the rows.
-    Columns: ``SCORE_COLUMNS`` + ``NOISE_COLUMNS``."""
+    ``MIN_STEADY_T_OVER_PEERS`` x any peer's, positive in ``MIN_STEADY_POSITIVE_FRAC`` of the steps. With
+    ``cpu_throttled`` (rank, step, cpu_throttled_frac: ``cpu_throttle.cpu_throttled_per_step``), the CPU-throttle
+    view (``_cpu_throttled``) qualifies a window when the rank's cgroup was throttled at least
+    ``MIN_CPU_THROTTLED_FRAC`` of it while no peer's was a ``MAX_PEER_THROTTLED_SHARE`` of that, and its mean
+    lateness excess is at least ``min_lateness_frac``, ``MIN_THROTTLED_T`` standard errors above zero and
+    ``MIN_STEADY_T_OVER_PEERS`` x any peer's. Every window of every (group, rank) is scored at once (one
+    windows x steps matrix), so the cost grows with the rows. Columns: ``SCORE_COLUMNS`` + ``NOISE_COLUMNS``
+    (+ ``THROTTLE_SCORE_COLUMNS`` with ``cpu_throttled``)."""
     require_columns(lateness, LATENESS_COLUMNS, table="rank_lateness")
     keys = ["pg", "pg_ranks", "rank"]
     lat = lateness.dropna(subset=keys) if lateness[keys].isna().any(axis=None) else lateness
     lat = lat.assign(excess_frac=_excess_over_group(lat))
+    with_throttle = cpu_throttled is not None
+    columns = SCORE_COLUMNS + NOISE_COLUMNS + (THROTTLE_SCORE_COLUMNS if with_throttle else [])
     if lat.empty:
-        return pd.DataFrame({col: [] for col in SCORE_COLUMNS + NOISE_COLUMNS})
+        return pd.DataFrame({col: [] for col in columns})
+    if with_throttle:
+        lat = lat.assign(cpu_throttled_frac=_throttled_of_rows(lat, cpu_throttled))
     gid = lat.groupby(keys, sort=True).ngroup().to_numpy(dtype="int64")
     order = np.lexsort((lat["step"].to_numpy(), gid))          # by (group, rank), then step
 
@@ -162,6 +189,11 @@ def straggler_scores(lateness: pd.DataFrame, *, window_steps: int = 20, min_late
     span = windows.groupby(["pg", "pg_ranks", "first_step", "last_step"], sort=False).ngroup().to_numpy()
     peer_t = _peer_max(pre_t, windows, key=span)
     emean, epos, own_sd = _nanmean_rows(exc), (exc > 0).sum(axis=1) / w[win_gid], _std_rows(exc)
+    if with_throttle:
+        thr = _nanmean_rows(_windows(column("cpu_throttled_frac", "float64"), win_start, w[win_gid]))
+        peer_thr = _peer_max(thr, windows, key=span)
+    else:
+        thr = peer_thr = np.full(len(windows), np.nan)
     # The peers' noise (the costly part: a pool of the peers' values per window) is needed only where a view's
     # other conditions hold (unknown noise does not block, so those windows are a superset of the qualifying ones)
     # and at each (group, rank)'s chosen window; the steady view's peer_et also needs its peers' windows of the
@@ -183,7 +215,8 @@ def straggler_scores(lateness: pd.DataFrame, *, window_steps: int = 20, min_late
                                      min_t=min_pre_excess_t, min_t_over_peers=min_pre_excess_t_over_peers,
                                      min_over_noise=min_persistent_pre_over_noise)
         by_steady = _steady(emean, epos, et, peer_et, min_lateness_frac=min_lateness_frac, min_t=min_steady_t)
-        return over, pover, et, peer_et, by_arrival, by_phases, by_persistence, by_steady
+        by_throttle = _cpu_throttled(emean, et, peer_et, thr, peer_thr, min_lateness_frac=min_lateness_frac)
+        return over, pover, et, peer_et, by_arrival, by_phases, by_persistence, by_steady, by_throttle
 
     def fill(where_noise: np.ndarray, where_pnoise: np.ndarray, where_esd: np.ndarray) -> None:
         for values, where, of in ((noise, where_noise, noise_of["lateness_frac"]),
@@ -192,10 +225,10 @@ def straggler_scores(lateness: pd.DataFrame, *, window_steps: int = 20, min_late
             values[where] = of.at(where)[where]
 
     # noise unknown everywhere: the windows that qualify whatever the noise (own spread bounds the steady t)
-    *_, may_arrive, may_phase, may_persist, may_steady = judge(peers_known=False)
-    fill(may_arrive, may_phase | may_persist, may_steady)
-    over, pover, et, peer_et, by_arrival, by_phases, by_persistence, by_steady = judge()
-    ok = by_arrival | by_phases | by_persistence | by_steady
+    *_, may_arrive, may_phase, may_persist, may_steady, may_throttle = judge(peers_known=False)
+    fill(may_arrive, may_phase | may_persist, may_steady | may_throttle)
+    over, pover, et, peer_et, by_arrival, by_phases, by_persistence, by_steady, by_throttle = judge()
+    ok = by_arrival | by_phases | by_persistence | by_steady | by_throttle
     detected = _first_true(ok, win_gid, len(n))                 # first qualifying window (global index) or -1
     # Else the window with the largest median (the first of equals, NaN ignored), or the first window when no
     # median is finite.
@@ -206,7 +239,7 @@ def straggler_scores(lateness: pd.DataFrame, *, window_steps: int = 20, min_late
     best = np.where(detected >= 0, detected, fallback)
     chosen = np.zeros(len(windows), dtype=bool)
     chosen[best] = True
-    done_steady = np.isin(span, span[may_steady])
+    done_steady = np.isin(span, span[may_steady | may_throttle])
     fill(chosen & ~may_arrive, chosen & ~(may_phase | may_persist), chosen & ~done_steady)
     over, pover, et, peer_et = judge()[:4]
     sel_start = win_start[best]                                 # first row of each (group, rank)'s chosen window
@@ -225,14 +258,26 @@ def straggler_scores(lateness: pd.DataFrame, *, window_steps: int = 20, min_late
         "detected_at_step": pd.array([int(steps_[win_start[d] + w[g] - 1]) if d >= 0 else None
                                       for g, d in enumerate(detected)], dtype="Int64"),
         "detected_by": [None if d < 0 else "arrival" if by_arrival[d] else "arrival+phases" if by_phases[d]
-                        else "persistence" if by_persistence[d] else "steady" for d in detected],
+                        else "persistence" if by_persistence[d] else "steady" if by_steady[d] else "cpu_throttle"
+                        for d in detected],
         "noise_frac": noise[best], "lateness_over_noise": over[best],
         "phase_noise_frac": pnoise[best], "pre_excess_over_noise": pover[best],
         "pre_excess_t": pre_t[best], "peer_pre_excess_t": peer_t[best],
         "mean_excess_frac": emean[best], "excess_positive_frac": epos[best], "excess_t": et[best],
-        "peer_excess_t": peer_et[best],
+        "peer_excess_t": peer_et[best], "cpu_throttled_frac": thr[best], "peer_cpu_throttled_frac": peer_thr[best],
     })
-    return out[SCORE_COLUMNS + NOISE_COLUMNS]
+    return out[columns]
+
+
+def _throttled_of_rows(lat: pd.DataFrame, cpu_throttled: pd.DataFrame) -> np.ndarray:
+    """Per row of ``rank_lateness``: its rank's ``cpu_throttled_frac`` at its step (NaN where not sampled)."""
+    if cpu_throttled.empty:
+        return np.full(len(lat), np.nan)
+    known = pd.Series(cpu_throttled["cpu_throttled_frac"].to_numpy(dtype="float64"), index=pd.MultiIndex.from_arrays(
+        [cpu_throttled["rank"].to_numpy(dtype="int64"), cpu_throttled["step"].to_numpy(dtype="int64")]))
+    where = pd.MultiIndex.from_arrays([lat["rank"].to_numpy(dtype="int64"),
+                                       lat["step"].to_numpy(dtype="float64", na_value=-1).astype("int64")])
+    return known.reindex(where).to_numpy(dtype="float64")
 
 
 def _excess_over_group(lat: pd.DataFrame) -> np.ndarray:
@@ -280,6 +325,17 @@ def _steady(mean: np.ndarray, pos: np.ndarray, t: np.ndarray, peer_t: np.ndarray
     zero and ``min_t_over_peers`` x any peer's (a peer's non-positive value does not block)."""
     return ((mean >= max(min_lateness_frac, MIN_STEADY_EXCESS_FRAC)) & (pos >= min_positive_frac) & (t >= min_t)
             & ~(t < min_t_over_peers * np.maximum(peer_t, 0)))
+
+
+def _cpu_throttled(mean: np.ndarray, t: np.ndarray, peer_t: np.ndarray, throttled: np.ndarray,
+                   peer_throttled: np.ndarray, *, min_lateness_frac: float) -> np.ndarray:
+    """The CPU-throttle view: the rank's cgroup throttled at least ``MIN_CPU_THROTTLED_FRAC`` of the window, no peer
+    a ``MAX_PEER_THROTTLED_SHARE`` of that (unknown peers do not block), and its mean lateness excess at least
+    ``min_lateness_frac``, ``MIN_THROTTLED_T`` standard errors above zero and ``MIN_STEADY_T_OVER_PEERS`` x any
+    peer's."""
+    return ((throttled >= MIN_CPU_THROTTLED_FRAC) & ~(peer_throttled >= MAX_PEER_THROTTLED_SHARE * throttled)
+            & (mean >= min_lateness_frac) & (t >= MIN_THROTTLED_T)
+            & ~(t < MIN_STEADY_T_OVER_PEERS * np.maximum(peer_t, 0)))
 
 
 def _median_t(x: np.ndarray, med: np.ndarray) -> np.ndarray:
@@ -587,11 +643,11 @@ def _comm_ns(blocked: pd.Series, index: pd.MultiIndex, pg_ranks: str) -> np.ndar
 
 
 def cause_candidates(scores: pd.DataFrame, *, min_lateness_frac: float = 0.0) -> pd.DataFrame:
-    """The ``scores`` rows ``straggler_causes`` examines: late in their best window, by ``min_lateness_frac`` or
-    named by a view (``detected_at_step``)."""
+    """The ``scores`` rows ``straggler_causes`` examines: late in their best window by ``min_lateness_frac``, or
+    named by a view (``detected_at_step``; a quota'd rank late in bursts can have a median lateness of 0)."""
     detected = scores["detected_at_step"].notna() if "detected_at_step" in scores else False
-    return scores[(scores["median_lateness_frac"] > 0)
-                  & ((scores["median_lateness_frac"] >= min_lateness_frac) | detected)]
+    return scores[((scores["median_lateness_frac"] > 0) & (scores["median_lateness_frac"] >= min_lateness_frac))
+                  | detected]
 
 
 def cause_rows(collectives: pd.DataFrame, scores: pd.DataFrame, *, min_lateness_frac: float = 0.0) -> pd.DataFrame:
@@ -627,7 +683,9 @@ def straggler_causes(scores: pd.DataFrame, lateness: pd.DataFrame, steps: pd.Dat
     """For each scored (group, rank) late in its best window, over its late steps: how much of its mean lateness
     comes from data loading (``data_ns`` above its peers' median), from waiting on other peers (p2p spans and
     other groups' collectives, union, above its peers'), and the rest from its own compute; plus the share of its
-    device samples with a slowing throttle reason. ``cause`` is ``device`` when throttled, else the largest part
+    device samples with a slowing throttle reason. ``cause`` is ``device`` when throttled, ``compute`` when its CPU
+    cgroup's quota held it back in its window while its peers' did not (``cpu_throttled_frac`` of ``scores``), else
+    the largest part
     if it explains at least ``min_explained_frac`` of the lateness, else ``unknown``. Only ranks whose median
     lateness reaches ``min_lateness_frac`` (0: every late rank) or that a view qualified (``detected_at_step``:
     the persistence view names ranks whose median lateness is below it) are examined. The waits come from
@@ -675,6 +733,10 @@ def straggler_causes(scores: pd.DataFrame, lateness: pd.DataFrame, steps: pd.Dat
         best = max(excess, key=excess.get)
         if throttled is not None and throttled >= throttle_frac:
             cause = "device"
+        elif _cpu_quota_held(s):
+            # its CPU withheld by its quota freezes every thread of it, the communication ones too: the waits it
+            # imposes then split between "compute" and "communication" at random; the kernel's count decides
+            cause = "compute"
         elif margin > 0 and excess[best] >= min_explained_frac * margin:
             cause = best
         else:
@@ -809,6 +871,14 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
             scores["excess_t"].to_numpy(dtype="float64", na_value=np.nan),
             scores["peer_excess_t"].to_numpy(dtype="float64", na_value=np.nan),
             min_lateness_frac=min_lateness_frac, min_t=min_steady_t), index=scores.index)
+    if "cpu_throttled_frac" in scores:
+        ok |= pd.Series(_cpu_throttled(
+            scores["mean_excess_frac"].to_numpy(dtype="float64", na_value=np.nan),
+            scores["excess_t"].to_numpy(dtype="float64", na_value=np.nan),
+            scores["peer_excess_t"].to_numpy(dtype="float64", na_value=np.nan),
+            scores["cpu_throttled_frac"].to_numpy(dtype="float64", na_value=np.nan),
+            scores["peer_cpu_throttled_frac"].to_numpy(dtype="float64", na_value=np.nan),
+            min_lateness_frac=min_lateness_frac), index=scores.index)
     flagged = scores[ok & (scores["window_steps"] >= min_steps)]
     if flagged.empty:
         return []
@@ -879,6 +949,8 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
             "mean_excess_frac": _opt_float(getattr(row, "mean_excess_frac", None)),
             "excess_t": _opt_float(getattr(row, "excess_t", None)),
             "peer_excess_t": _opt_float(getattr(row, "peer_excess_t", None)),
+            "cpu_throttled_frac": _opt_float(getattr(row, "cpu_throttled_frac", None)),
+            "peer_cpu_throttled_frac": _opt_float(getattr(row, "peer_cpu_throttled_frac", None)),
             "propagated_to": sorted(propagated.get(int(row.rank), [])),
             "injected": (injected or {}).get(int(row.rank)),
         }
@@ -899,10 +971,13 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
                    + (f"; its data+fwd is {row.median_pre_excess_frac:.0%} of the step longer than its peers' "
                       f"(median, {row.pre_excess_t:.1f} standard errors)" if row.detected_by == "persistence" else "")
                    + (f"; on average {row.mean_excess_frac:.0%} of the step later than its group's median "
-                      f"({row.excess_t:.1f} standard errors)" if row.detected_by == "steady" else "")
+                      f"({row.excess_t:.1f} standard errors)" if row.detected_by in ("steady", "cpu_throttle")
+                      else "")
+                   + (f"; its CPU cgroup was throttled by its quota for {row.cpu_throttled_frac:.0%} of the time"
+                      if _cpu_quota_held(row) else "")
                    + f"; cause: {cause}"),
             evidence=evidence,
-            recommendation=_advice(cause, int(row.rank)),
+            recommendation=_advice(cause, int(row.rank), cpu_quota=_cpu_quota_held(row)),
             predicted_gain=PredictedGain(metric="step_time", frac=min(max(wait_frac, 0.0), 1.0)),
             rows=evidence_rows,
         ))
@@ -962,12 +1037,23 @@ def _later_in_shared_groups(scores: pd.DataFrame) -> dict[tuple[int, int], bool]
     return dict(zip(zip(first.tolist(), second.tolist()), votes.tolist()))
 
 
+def _cpu_quota_held(row) -> bool:
+    """The score row's rank was held back by its cgroup's CPU quota in its window while its peers were not."""
+    thr, peer = getattr(row, "cpu_throttled_frac", None), getattr(row, "peer_cpu_throttled_frac", None)
+    return (thr is not None and not pd.isna(thr) and thr >= MIN_CPU_THROTTLED_FRAC
+            and not (peer is not None and not pd.isna(peer) and peer >= MAX_PEER_THROTTLED_SHARE * thr))
+
+
 def _opt_float(x) -> float | None:
     """``x`` as a float, None when missing or NaN (infinite stays: noise 0 with a late rank)."""
     return None if x is None or pd.isna(x) else float(x)
 
 
-def _advice(cause: str, rank: int) -> str:
+def _advice(cause: str, rank: int, *, cpu_quota: bool = False) -> str:
+    if cause == "compute" and cpu_quota:
+        return (f"Rank {rank}'s CPU cgroup hits its CPU quota (the kernel throttles it for part of every period): "
+                f"raise or remove the CPU limit of its container (cpu.cfs_quota_us / cpu.max; Kubernetes "
+                f"resources.limits.cpu), or move the other processes out of its cgroup.")
     return {
         "data": (f"Rank {rank} spends longer loading data than its peers: add DataLoader workers or "
                  f"prefetching (num_workers, pin_memory, prefetch_factor) and check its host's disk/CPU load."),

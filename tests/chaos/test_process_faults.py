@@ -135,14 +135,19 @@ def test_cpu_quota_of_one_rank_among_more_ranks_than_cores_makes_it_a_compute_st
                                        "tests as root on a host that mounts it")
     run = run_dir("cpu_quota_4ranks")
     # 40 steps: the quota slows every step after the first few (all ranks wait for rank 2), far more than the
-    # straggler verdict's 20-step window needs
-    job = launch(dtprobe_run_cmd(run, "--nproc", "4", "--steps", "40"), run, timeout_s=JOB_TIMEOUT_S)
+    # straggler verdict's 20-step window needs; the host sampler on (every 0.5 s), as in a user's run, reads the
+    # kernel's throttle counter of each rank's cgroup
+    job = launch(dtprobe_run_cmd(run, "--nproc", "4", "--steps", "40", "--device-interval", "0.5", devices=True),
+                 run, timeout_s=JOB_TIMEOUT_S)
     pid = job.worker_pid(2)
     job.wait_steps(2, 3)
     # a third of the CPU it gets now (load included): 3x slower than its peers whatever else runs
     cpu_quota(cpu_share(pid, seconds=0.5) / 3).add(pid)
     assert job.wait() == 0, job.output()[-3000:]
-    _straggler_verdict(analyze(run), 2)
+    ev = _straggler_verdict(analyze(run), 2)["evidence"]
+    # the kernel held rank 2 back for a clear share of its window (a third of its CPU: most of each period),
+    # its peers never
+    assert ev["cpu_throttled_frac"] >= 0.2 and ev["peer_cpu_throttled_frac"] == 0.0, ev
 
 
 # ------------------------------------------------------------------------- checkpoint damaged before a restart

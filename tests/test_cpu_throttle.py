@@ -1,0 +1,207 @@
+"""CPU time withheld by a rank's cgroup quota: the host sampler's counter (``CpuThrottle``, on fake cgroup files and
+on a real cgroup v1 quota), its per-step share (``cpu_throttle.cpu_throttled_per_step``) and the straggler
+detector's CPU-throttle view on hand-made lateness with known answers."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from dtprobe.analysis import cpu_throttle as ct
+from dtprobe.analysis import stragglers as st
+from dtprobe.collectors.devices import CpuThrottle
+
+STEP_NS = 100_000_000
+
+
+# ------------------------------------------------------------------------------------------- the counter
+
+
+def _cgroup_files(tmp_path: Path, *, v2: bool = False) -> tuple[Path, Path]:
+    root, proc = tmp_path / "cgroup", tmp_path / "proc_cgroup"
+    (root / ("" if v2 else "cpu")).mkdir(parents=True)
+    return root, proc
+
+
+def _place(root: Path, proc: Path, path: str, throttled: int, *, v2: bool = False) -> None:
+    """The process in cgroup ``path``, whose cpu.stat says ``throttled`` (ns in v1, us in v2)."""
+    folder = root / ("" if v2 else "cpu") / path.lstrip("/")
+    folder.mkdir(parents=True, exist_ok=True)
+    key = "throttled_usec" if v2 else "throttled_time"
+    (folder / "cpu.stat").write_text(f"nr_periods 10\nnr_throttled 3\n{key} {throttled}\n")
+    proc.write_text("4:memory:/x\n1:cpu:" + path + "\n0::/\n" if not v2 else "0::" + path + "\n")
+
+
+def test_counter_accumulates_the_cgroups_throttled_time_and_a_move_adds_nothing(tmp_path):
+    root, proc = _cgroup_files(tmp_path)
+    _place(root, proc, "/", 5_000)
+    reader = CpuThrottle(proc_cgroup=str(proc), root=str(root))
+    assert reader.read() == 0                                  # what the cgroup had before is not ours
+    _place(root, proc, "/", 7_000)
+    assert reader.read() == 2_000
+    _place(root, proc, "/quota", 900_000)                      # moved: that cgroup's past is another's
+    assert reader.read() == 2_000
+    _place(root, proc, "/quota", 950_000)
+    assert reader.read() == 52_000
+    (root / "cpu" / "quota" / "cpu.stat").unlink()             # cgroup gone: the count stays where it was
+    proc.write_text("1:cpu:/quota\n")
+    assert reader.read() == 52_000
+
+
+def test_counter_reads_cgroup_v2_microseconds(tmp_path):
+    root, proc = _cgroup_files(tmp_path, v2=True)
+    _place(root, proc, "/job.slice", 10, v2=True)
+    reader = CpuThrottle(proc_cgroup=str(proc), root=str(root))
+    assert reader.read() == 0
+    _place(root, proc, "/job.slice", 35, v2=True)
+    assert reader.read() == 25_000
+
+
+def test_counter_is_none_where_no_cgroup_reports_throttling(tmp_path):
+    root, proc = _cgroup_files(tmp_path, v2=True)
+    proc.write_text("0::/\n")
+    (root / "cpu.stat").write_text("usage_usec 100\n")         # a v2 root: no throttle fields
+    assert CpuThrottle(proc_cgroup=str(proc), root=str(root)).read() is None
+    assert CpuThrottle(proc_cgroup=str(tmp_path / "missing"), root=str(root)).read() is None
+
+
+CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
+
+
+@pytest.mark.skipif(not (CGROUP_CPU / "cpu.cfs_quota_us").is_file() or not os.access(CGROUP_CPU, os.W_OK),
+                    reason="needs a writable cgroup v1 cpu controller (root)")
+def test_counter_on_a_real_quota_counts_the_time_the_kernel_held_this_process_back():
+    folder = CGROUP_CPU / f"dtprobe_test_{uuid.uuid4().hex[:8]}"
+    origin = next(line.split(":", 2)[2] for line in Path("/proc/self/cgroup").read_text().splitlines()
+                  if "cpu" in line.split(":")[1].split(","))
+    folder.mkdir()
+    try:
+        (folder / "cpu.cfs_quota_us").write_text("20000")         # 20 ms of every 100 ms period
+        reader = CpuThrottle()
+        reader.read()
+        (folder / "cgroup.procs").write_text(str(os.getpid()))
+        assert reader.read() == reader.read()                     # the move itself adds nothing
+        before, t0 = reader.read(), time.monotonic()
+        while time.monotonic() - t0 < 0.6:                        # busy: wants the whole core, gets a fifth
+            pass
+        wall = time.monotonic() - t0
+        withheld = (reader.read() - before) / 1e9
+        assert 0.5 * wall <= withheld <= 1.1 * wall
+    finally:
+        (CGROUP_CPU / origin.lstrip("/") / "cgroup.procs").write_text(str(os.getpid()))
+        folder.rmdir()
+
+
+# ------------------------------------------------------------------------------------------- per step
+
+
+def _steps(rank: int, n: int, *, t0: int = 0) -> list[dict]:
+    return [{"rank": rank, "step": i, "start_ns": t0 + i * STEP_NS, "end_ns": t0 + (i + 1) * STEP_NS}
+            for i in range(n)]
+
+
+def test_per_step_share_interpolates_the_counter_between_samples():
+    # samples every 0.5 s; 40 ms of every 100 ms withheld between 1.0 s and 2.0 s, nothing else
+    devices = pd.DataFrame({"rank": 1, "time_ns": [0, 500_000_000, 1_000_000_000, 1_500_000_000, 2_000_000_000,
+                                                   2_500_000_000],
+                            "cpu_throttled_ns": [0, 0, 0, 200_000_000, 400_000_000, 400_000_000]})
+    steps = pd.DataFrame(_steps(1, 30))
+    got = ct.cpu_throttled_per_step(devices, steps).set_index("step")["cpu_throttled_frac"]
+    assert list(got.index) == list(range(25))                    # steps past the last sample are not known
+    assert got.loc[0:9].tolist() == pytest.approx([0.0] * 10)
+    assert got.loc[10:19].tolist() == pytest.approx([0.4] * 10)
+    assert got.loc[20:24].tolist() == pytest.approx([0.0] * 5)
+
+
+def test_per_step_share_counts_a_restarted_process_from_zero():
+    devices = pd.DataFrame({"rank": 0, "time_ns": [0, 1_000_000_000, 2_000_000_000, 3_000_000_000],
+                            "cpu_throttled_ns": [0, 500_000_000, 0, 100_000_000]})    # restarted before 2 s
+    got = ct.cpu_throttled_per_step(devices, pd.DataFrame(_steps(0, 30))).set_index("step")["cpu_throttled_frac"]
+    assert got.loc[0:9].tolist() == pytest.approx([0.5] * 10)
+    assert got.loc[10:19].tolist() == pytest.approx([0.0] * 10)   # the new process's first read: 0
+    assert got.loc[20:29].tolist() == pytest.approx([0.1] * 10)
+
+
+def test_per_step_share_is_empty_without_the_counter():
+    devices = pd.DataFrame({"rank": [0, 0], "time_ns": [0, 10**9], "cpu_frac": [0.5, 0.5]})
+    assert ct.cpu_throttled_per_step(devices, pd.DataFrame(_steps(0, 5))).empty
+    assert ct.cpu_throttled_per_step(pd.DataFrame(), pd.DataFrame(_steps(0, 5))).empty
+
+
+# ------------------------------------------------------------------------------------------- the view
+
+
+def _lateness(fracs: dict[int, list[float]]) -> pd.DataFrame:
+    members = ",".join(map(str, sorted(fracs)))
+    rows = [{"pg": "dp", "pg_ranks": members, "step": i + 1, "rank": r, "lateness_ns": f * STEP_NS,
+             "victims_wait_ns": max(f, 0.0) * STEP_NS, "is_last": False, "step_ns": STEP_NS, "lateness_frac": f,
+             "pre_excess_frac": np.nan}
+            for r, series in fracs.items() for i, f in enumerate(series)]
+    return pd.DataFrame(rows)[st.LATENESS_COLUMNS]
+
+
+def _throttled(shares: dict[int, list[float]]) -> pd.DataFrame:
+    return pd.DataFrame([{"rank": r, "step": i + 1, "cpu_throttled_frac": x}
+                         for r, series in shares.items() for i, x in enumerate(series)])
+
+
+def _bursty(n: int, first: int, *, seed: int) -> dict[int, list[float]]:
+    """Two ranks; from step ``first`` rank 1 is ~30% of the step late in every other step and on time in the
+    rest (a quota's bursts), with a few % of noise on both: its median lateness barely moves."""
+    rng = np.random.default_rng(seed)
+    late = [(0.3 if (i >= first and i % 2) else 0.0) + rng.normal(0, 0.02) for i in range(n)]
+    return {0: [-x for x in late], 1: late}
+
+
+def _findings(lateness: pd.DataFrame, throttled: pd.DataFrame | None) -> list:
+    scores = st.straggler_scores(lateness, cpu_throttled=throttled)
+    causes = st.straggler_causes(scores, lateness, _phase_steps(lateness), pd.DataFrame(), pd.DataFrame(),
+                                 pd.DataFrame(), blocked=pd.DataFrame({c: [] for c in st.BLOCKED_COLUMNS}))
+    return st.detect_stragglers(scores, causes, lateness=lateness)
+
+
+def _phase_steps(lateness: pd.DataFrame) -> pd.DataFrame:
+    keys = lateness[["rank", "step"]].drop_duplicates()
+    return keys.assign(start_ns=keys["step"] * STEP_NS, end_ns=(keys["step"] + 1) * STEP_NS, data_ns=0.0,
+                       fwd_ns=0.0, bwd_ns=0.0, opt_ns=0.0)
+
+
+def test_a_rank_late_in_bursts_while_its_quota_throttles_it_is_a_compute_straggler():
+    n, first = 40, 10
+    lateness = _lateness(_bursty(n, first, seed=1))
+    assert _findings(lateness, None) == []                      # the other views alone do not name it
+    held = _throttled({0: [0.0] * n, 1: [0.0] * first + [0.35] * (n - first)})
+    (f,) = _findings(lateness, held)
+    assert f.code == "STRAGGLER" and f.ranks == (1,) and f.severity in ("warning", "critical")
+    ev = f.evidence
+    assert ev["detected_by"] == "cpu_throttle" and ev["cause"] == "compute"
+    a, b = ev["window"]                                         # the first window that qualifies
+    assert b == ev["detected_at_step"] and first < b <= first + 20
+    held_steps = len(range(max(a, first + 1), b + 1))           # throttled from step first + 1 (1-based steps)
+    assert ev["cpu_throttled_frac"] == pytest.approx(0.35 * held_steps / (b - a + 1))
+    assert ev["peer_cpu_throttled_frac"] == 0.0
+    assert f"throttled by its quota for {ev['cpu_throttled_frac']:.0%}" in f.title
+    assert "CPU limit" in f.recommendation
+
+
+def test_throttling_without_lateness_or_shared_by_every_peer_names_nobody():
+    n, first = 40, 10
+    quiet = _lateness({r: list(np.random.default_rng(r).normal(0, 0.02, n)) for r in (0, 1)})
+    held = _throttled({0: [0.0] * n, 1: [0.0] * first + [0.35] * (n - first)})
+    assert _findings(quiet, held) == []                         # it had slack: the job never waited for it
+    both = _throttled({0: [0.0] * first + [0.3] * (n - first), 1: [0.0] * first + [0.35] * (n - first)})
+    assert _findings(_lateness(_bursty(n, first, seed=2)), both) == []     # one limit for the whole pod
+
+
+def test_scores_carry_the_throttle_columns_only_when_given():
+    lateness = _lateness(_bursty(30, 5, seed=3))
+    assert "cpu_throttled_frac" not in st.straggler_scores(lateness)
+    held = st.straggler_scores(lateness, cpu_throttled=_throttled({0: [0.0] * 30, 1: [0.25] * 30}))
+    assert list(held.columns) == st.SCORE_COLUMNS + st.NOISE_COLUMNS + st.THROTTLE_SCORE_COLUMNS
+    assert held.set_index("rank").loc[1, "cpu_throttled_frac"] == pytest.approx(0.25)

@@ -854,31 +854,23 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
         by_arrival &= ~(scores["lateness_over_noise"] < min_lateness_over_noise)
         by_phases &= ~(scores["pre_excess_over_noise"] < min_pre_excess_over_noise)
     ok = (scores["median_lateness_frac"] >= min_lateness_frac) & (by_arrival | by_phases)
+
+    def col(name: str) -> np.ndarray:
+        return scores[name].to_numpy(dtype="float64", na_value=np.nan)
     if "pre_excess_t" in scores:
         ok |= pd.Series(_persistent(
-            scores["median_lateness_frac"].to_numpy(dtype="float64"),
-            scores["median_pre_excess_frac"].to_numpy(dtype="float64", na_value=np.nan),
-            scores["pre_excess_t"].to_numpy(dtype="float64", na_value=np.nan),
-            scores["peer_pre_excess_t"].to_numpy(dtype="float64", na_value=np.nan),
-            scores["pre_excess_over_noise"].to_numpy(dtype="float64", na_value=np.nan),
-            min_lateness_frac=min_lateness_frac, min_t=min_pre_excess_t,
-            min_t_over_peers=min_pre_excess_t_over_peers,
+            col("median_lateness_frac"), col("median_pre_excess_frac"), col("pre_excess_t"),
+            col("peer_pre_excess_t"), col("pre_excess_over_noise"), min_lateness_frac=min_lateness_frac,
+            min_t=min_pre_excess_t, min_t_over_peers=min_pre_excess_t_over_peers,
             min_over_noise=min_persistent_pre_over_noise), index=scores.index)
     if "excess_t" in scores:
         ok |= pd.Series(_steady(
-            scores["mean_excess_frac"].to_numpy(dtype="float64", na_value=np.nan),
-            scores["excess_positive_frac"].to_numpy(dtype="float64", na_value=np.nan),
-            scores["excess_t"].to_numpy(dtype="float64", na_value=np.nan),
-            scores["peer_excess_t"].to_numpy(dtype="float64", na_value=np.nan),
+            col("mean_excess_frac"), col("excess_positive_frac"), col("excess_t"), col("peer_excess_t"),
             min_lateness_frac=min_lateness_frac, min_t=min_steady_t), index=scores.index)
     if "cpu_throttled_frac" in scores:
         ok |= pd.Series(_cpu_throttled(
-            scores["mean_excess_frac"].to_numpy(dtype="float64", na_value=np.nan),
-            scores["excess_t"].to_numpy(dtype="float64", na_value=np.nan),
-            scores["peer_excess_t"].to_numpy(dtype="float64", na_value=np.nan),
-            scores["cpu_throttled_frac"].to_numpy(dtype="float64", na_value=np.nan),
-            scores["peer_cpu_throttled_frac"].to_numpy(dtype="float64", na_value=np.nan),
-            min_lateness_frac=min_lateness_frac), index=scores.index)
+            col("mean_excess_frac"), col("excess_t"), col("peer_excess_t"), col("cpu_throttled_frac"),
+            col("peer_cpu_throttled_frac"), min_lateness_frac=min_lateness_frac), index=scores.index)
     flagged = scores[ok & (scores["window_steps"] >= min_steps)]
     if flagged.empty:
         return []

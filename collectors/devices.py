@@ -139,6 +139,8 @@ class CpuThrottle:
             return None
         unified = None
         for line in lines:
+            if line.count(":") < 2:                     # not "id:controllers:path"
+                continue
             _, controllers, path = line.split(":", 2)
             if "cpu" in controllers.split(","):
                 for mount in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):

@@ -69,6 +69,8 @@ def test_counter_is_none_where_no_cgroup_reports_throttling(tmp_path):
     (root / "cpu.stat").write_text("usage_usec 100\n")         # a v2 root: no throttle fields
     assert CpuThrottle(proc_cgroup=str(proc), root=str(root)).read() is None
     assert CpuThrottle(proc_cgroup=str(tmp_path / "missing"), root=str(root)).read() is None
+    proc.write_text("garbage\n\n0::/\n")                        # a line that is not id:controllers:path
+    assert CpuThrottle(proc_cgroup=str(proc), root=str(root)).read() is None
 
 
 CGROUP_CPU = Path("/sys/fs/cgroup/cpu")

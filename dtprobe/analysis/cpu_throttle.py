@@ -31,7 +31,7 @@ def cpu_throttled_per_step(devices: pd.DataFrame, steps: pd.DataFrame) -> pd.Dat
     if d.empty or s.empty:
         return empty
     d = d.sort_values(["rank", "time_ns"], kind="stable")
-    s_rank = s["rank"].to_numpy(dtype="int64")
+    rows_of = s.groupby(s["rank"].to_numpy(dtype="int64")).indices     # each rank's steps located once
     out = []
     for rank, g in d.groupby("rank", sort=False):
         t = g["time_ns"].to_numpy(dtype="int64")
@@ -41,7 +41,9 @@ def cpu_throttled_per_step(devices: pd.DataFrame, steps: pd.DataFrame) -> pd.Dat
         inc = np.diff(c)
         inc = np.where(inc < 0, c[1:], inc)                     # a drop: a new process, counting from 0
         cum = np.concatenate([[0.0], np.cumsum(inc)])
-        mine = s[s_rank == int(rank)]
+        if int(rank) not in rows_of:
+            continue
+        mine = s.iloc[rows_of[int(rank)]]
         start = mine["start_ns"].to_numpy(dtype="int64")
         end = mine["end_ns"].to_numpy(dtype="int64")
         inside = (start >= t[0]) & (end <= t[-1]) & (end > start)

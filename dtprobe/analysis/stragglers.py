@@ -333,9 +333,14 @@ def _cpu_throttled(mean: np.ndarray, t: np.ndarray, peer_t: np.ndarray, throttle
     a ``MAX_PEER_THROTTLED_SHARE`` of that (unknown peers do not block), and its mean lateness excess at least
     ``min_lateness_frac``, ``MIN_THROTTLED_T`` standard errors above zero and ``MIN_STEADY_T_OVER_PEERS`` x any
     peer's."""
-    return ((throttled >= MIN_CPU_THROTTLED_FRAC) & ~(peer_throttled >= MAX_PEER_THROTTLED_SHARE * throttled)
-            & (mean >= min_lateness_frac) & (t >= MIN_THROTTLED_T)
+    return (_held_by_quota(throttled, peer_throttled) & (mean >= min_lateness_frac) & (t >= MIN_THROTTLED_T)
             & ~(t < MIN_STEADY_T_OVER_PEERS * np.maximum(peer_t, 0)))
+
+
+def _held_by_quota(throttled: np.ndarray, peer_throttled: np.ndarray) -> np.ndarray:
+    """The rank's cgroup throttled at least ``MIN_CPU_THROTTLED_FRAC`` while no peer's was a
+    ``MAX_PEER_THROTTLED_SHARE`` of that (NaN: unknown, a rank's does not pass, a peer's does not block)."""
+    return (throttled >= MIN_CPU_THROTTLED_FRAC) & ~(peer_throttled >= MAX_PEER_THROTTLED_SHARE * throttled)
 
 
 def _median_t(x: np.ndarray, med: np.ndarray) -> np.ndarray:
@@ -1031,9 +1036,8 @@ def _later_in_shared_groups(scores: pd.DataFrame) -> dict[tuple[int, int], bool]
 
 def _cpu_quota_held(row) -> bool:
     """The score row's rank was held back by its cgroup's CPU quota in its window while its peers were not."""
-    thr, peer = getattr(row, "cpu_throttled_frac", None), getattr(row, "peer_cpu_throttled_frac", None)
-    return (thr is not None and not pd.isna(thr) and thr >= MIN_CPU_THROTTLED_FRAC
-            and not (peer is not None and not pd.isna(peer) and peer >= MAX_PEER_THROTTLED_SHARE * thr))
+    thr, peer = (_opt_float(getattr(row, c, None)) for c in THROTTLE_SCORE_COLUMNS)
+    return thr is not None and bool(_held_by_quota(np.float64(thr), np.float64(np.nan if peer is None else peer)))
 
 
 def _opt_float(x) -> float | None:

@@ -421,6 +421,27 @@ def analyze(run_dir: Path, *, timeout_s: float = 180) -> dict:
     return doc
 
 
+def own_compute_excess_ms(run_dir: Path, rank: int, first_step: int, last_step: int) -> float:
+    """How much longer ``rank``'s own compute was than its slowest peer's over steps ``first_step``..``last_step``,
+    read from the raw ``events/steps`` rows (not from dtprobe's analysis): the median of fwd + opt per rank (the
+    phases without a collective to wait in under data parallelism), rank minus the largest peer median, in ms.
+    Rows of every restart in the range count alike."""
+    own: dict[int, list[float]] = {}
+    for path in sorted((Path(run_dir) / "events" / "steps").glob("rank*.jsonl")):
+        for line in path.read_bytes().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:        # a torn last line
+                continue
+            if first_step <= row.get("step", -1) <= last_step and row.get("fwd_ns") is not None \
+                    and row.get("opt_ns") is not None:
+                own.setdefault(int(row["rank"]), []).append((row["fwd_ns"] + row["opt_ns"]) / 1e6)
+    if rank not in own or len(own) < 2:
+        raise ChaosError(f"{run_dir}: no fwd/opt step rows of rank {rank} and a peer in steps {first_step}-{last_step}")
+    median = {r: sorted(v)[len(v) // 2] for r, v in own.items()}
+    return median[rank] - max(m for r, m in median.items() if r != rank)
+
+
 def findings_of(doc: dict, code: str) -> list[dict]:
     return [f for f in doc["findings"] if f["code"] == code]
 

@@ -20,7 +20,8 @@ import pytest
 
 import netns
 from dtprobe.store import RunStore
-from harness import analyze, findings_of, is_alive, read_rank, scenario_dir, summary
+from harness import (analyze, assert_only_confirmed_stragglers, findings_of, is_alive, read_rank, scenario_dir,
+                     summary)
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.chaos]
 
@@ -96,9 +97,10 @@ def test_rate_limited_link_mid_run_gives_slow_link_naming_both_nodes(two_nodes, 
     # Payload over the shaped link cannot beat its rate (2 ranks: busbw = bytes each way / transfer time).
     assert ev["busbw_after_gbps"] <= SHAPED_RATE_BITS_PER_S / 1e9, ev
     assert ev["busbw_after_gbps"] < 0.5 * ev["busbw_before_gbps"], ev
-    blamed = [f for f in findings_of(doc, "STRAGGLER") if f["evidence"].get("cause") == "compute"
-              and f["severity"] in ("warning", "critical")]
-    assert not blamed, summary(doc)
+    # the link's slowness is not blamed on a rank's compute (a straggler the steps confirm may stand)
+    assert_only_confirmed_stragglers(run_dir, {"findings": [f for f in findings_of(doc, "STRAGGLER")
+                                                            if f["evidence"].get("cause") == "compute"]},
+                                     ("STRAGGLER",))
 
 
 def test_link_down_mid_run_gives_network_hang_with_both_sides_waiting(two_nodes, tmp_path):

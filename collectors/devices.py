@@ -175,9 +175,29 @@ class CpuThrottle:
         return self._total
 
 
+class RunQueueWait:
+    """How long a thread (by default the process's main thread, where a training loop runs) has been runnable but
+    waiting for a CPU: the second field of the kernel's ``/proc/self/task/<tid>/schedstat`` (``run_delay``, ns,
+    since the thread started). Another process or thread on the same core shows here, and so does time a cgroup's
+    CPU quota throttles the thread (``CpuThrottle`` tells those apart); a core the host runs slower does not. None
+    where the kernel keeps no schedstat."""
+
+    def __init__(self, tid: int | None = None, *, proc: str = "/proc") -> None:
+        tid = threading.main_thread().native_id if tid is None else tid
+        self._path = os.path.join(proc, "self", "task", str(tid), "schedstat")
+
+    def read(self) -> int | None:
+        try:
+            with open(self._path) as f:
+                return int(f.read().split()[1])
+        except (OSError, IndexError, ValueError):
+            return None
+
+
 class HostReader:
-    """This process's CPU share of the machine (0..1, all cores = 1), RSS and CPU time withheld by its cgroup's quota
-    (``cpu_throttled_ns``, ``CpuThrottle``), and the host's 1-minute load.
+    """This process's CPU share of the machine (0..1, all cores = 1), RSS, CPU time withheld by its cgroup's quota
+    (``cpu_throttled_ns``, ``CpuThrottle``), its main thread's time waiting for a CPU (``cpu_wait_ns``,
+    ``RunQueueWait``), and the host's 1-minute load.
 
     The kernel counts process CPU time in clock ticks, so over a short window the CPU time can run a tick ahead
     of the wall time (psutil's ``cpu_percent`` then reports several hundred percent for a 1 ms interval). Each
@@ -194,6 +214,7 @@ class HostReader:
         start = (_process_start(), 0.0)
         self._refs = [start, start]             # (monotonic_s, cpu_s): older and latest window starts
         self.throttle = CpuThrottle()
+        self.run_queue = RunQueueWait()
 
     def _cpu_seconds(self) -> float:
         times = self.process.cpu_times()
@@ -224,6 +245,9 @@ class HostReader:
         throttled = self.throttle.read()
         if throttled is not None:
             row["cpu_throttled_ns"] = throttled
+        waited = self.run_queue.read()
+        if waited is not None:
+            row["cpu_wait_ns"] = waited
         return row
 
 

@@ -1,10 +1,13 @@
-"""CPU time withheld by a rank's cgroup quota: the host sampler's counter (``CpuThrottle``, on fake cgroup files and
-on a real cgroup v1 quota), its per-step share (``cpu_throttle.cpu_throttled_per_step``) and the straggler
-detector's CPU-throttle view on hand-made lateness with known answers."""
+"""CPU time a rank lost: withheld by its cgroup quota (``CpuThrottle``, on fake cgroup files and on a real cgroup v1
+quota) and waited for in the run queue (``RunQueueWait``, on a fake schedstat and on a real shared core), their
+per-step shares (``cpu_throttle``), and what the straggler detector makes of them on hand-made lateness with known
+answers: the CPU-throttle view, and a shared core named as the reason."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -15,7 +18,7 @@ import pytest
 
 from dtprobe.analysis import cpu_throttle as ct
 from dtprobe.analysis import stragglers as st
-from dtprobe.collectors.devices import CpuThrottle
+from dtprobe.collectors.devices import CpuThrottle, RunQueueWait
 
 STEP_NS = 100_000_000
 
@@ -101,6 +104,35 @@ def test_counter_on_a_real_quota_counts_the_time_the_kernel_held_this_process_ba
         folder.rmdir()
 
 
+def test_run_queue_wait_reads_the_threads_schedstat_run_delay(tmp_path):
+    task = tmp_path / "self" / "task" / "123"
+    task.mkdir(parents=True)
+    (task / "schedstat").write_text("5000 7000 3\n")          # on-CPU ns, run-queue ns, timeslices
+    assert RunQueueWait(123, proc=str(tmp_path)).read() == 7000
+    (task / "schedstat").write_text("5000\n")
+    assert RunQueueWait(123, proc=str(tmp_path)).read() is None
+    assert RunQueueWait(456, proc=str(tmp_path)).read() is None
+
+
+def test_run_queue_wait_of_the_main_thread_grows_while_another_process_holds_its_core():
+    core = min(os.sched_getaffinity(0))
+    affinity = os.sched_getaffinity(0)
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        os.sched_setaffinity(hog.pid, {core})
+        os.sched_setaffinity(0, {core})                          # this (the main) thread shares the hog's core
+        reader = RunQueueWait()
+        before, t0 = reader.read(), time.monotonic()
+        while time.monotonic() - t0 < 0.6:                        # busy: wants the whole core, shares it
+            pass
+        waited = (reader.read() - before) / 1e9
+        assert 0.2 * 0.6 <= waited <= 0.6, waited                 # CFS gives each about half
+    finally:
+        os.sched_setaffinity(0, affinity)
+        hog.kill()
+        hog.wait(timeout=10)
+
+
 # ------------------------------------------------------------------------------------------- per step
 
 
@@ -129,6 +161,16 @@ def test_per_step_share_counts_a_restarted_process_from_zero():
     assert got.loc[0:9].tolist() == pytest.approx([0.5] * 10)
     assert got.loc[10:19].tolist() == pytest.approx([0.0] * 10)   # the new process's first read: 0
     assert got.loc[20:29].tolist() == pytest.approx([0.1] * 10)
+
+
+def test_per_step_wait_share_reads_the_run_queue_counter():
+    devices = pd.DataFrame({"rank": 0, "time_ns": [0, 1_000_000_000, 2_000_000_000],
+                            "cpu_wait_ns": [10**9, 10**9 + 50_000_000, 10**9 + 650_000_000]})
+    got = ct.cpu_wait_per_step(devices, pd.DataFrame(_steps(0, 25))).set_index("step")["cpu_wait_frac"]
+    assert list(got.index) == list(range(20))
+    assert got.loc[0:9].tolist() == pytest.approx([0.05] * 10)
+    assert got.loc[10:19].tolist() == pytest.approx([0.6] * 10)
+    assert ct.cpu_wait_per_step(devices.drop(columns="cpu_wait_ns"), pd.DataFrame(_steps(0, 5))).empty
 
 
 def test_per_step_share_is_empty_without_the_counter():
@@ -162,8 +204,8 @@ def _bursty(n: int, first: int, *, seed: int) -> dict[int, list[float]]:
     return {0: [-x for x in late], 1: late}
 
 
-def _findings(lateness: pd.DataFrame, throttled: pd.DataFrame | None) -> list:
-    scores = st.straggler_scores(lateness, cpu_throttled=throttled)
+def _findings(lateness: pd.DataFrame, throttled: pd.DataFrame | None, waited: pd.DataFrame | None = None) -> list:
+    scores = st.straggler_scores(lateness, cpu_throttled=throttled, cpu_wait=waited)
     causes = st.straggler_causes(scores, lateness, _phase_steps(lateness), pd.DataFrame(), pd.DataFrame(),
                                  pd.DataFrame(), blocked=pd.DataFrame({c: [] for c in st.BLOCKED_COLUMNS}))
     return st.detect_stragglers(scores, causes, lateness=lateness)
@@ -208,3 +250,32 @@ def test_scores_carry_the_throttle_columns_only_when_given():
     held = st.straggler_scores(lateness, cpu_throttled=_throttled({0: [0.0] * 30, 1: [0.25] * 30}))
     assert list(held.columns) == st.SCORE_COLUMNS + st.NOISE_COLUMNS + st.THROTTLE_SCORE_COLUMNS
     assert held.set_index("rank").loc[1, "cpu_throttled_frac"] == pytest.approx(0.25)
+
+
+
+def _waited(shares: dict[int, float], n: int) -> pd.DataFrame:
+    return pd.DataFrame([{"rank": r, "step": i + 1, "cpu_wait_frac": x} for r, x in shares.items()
+                         for i in range(n)])
+
+
+def test_a_straggler_whose_main_thread_waits_for_its_core_is_told_its_core_is_shared():
+    n = 30
+    rng = np.random.default_rng(4)
+    late = [0.3 + rng.normal(0, 0.02) for _ in range(n)]
+    lateness = _lateness({0: [-x for x in late], 1: late})
+    (plain,) = _findings(lateness, None)                        # named without the count: no reason given
+    assert plain.ranks == (1,) and "waited for a CPU" not in plain.title and "Another process" not in \
+        plain.recommendation
+    (f,) = _findings(lateness, None, _waited({0: 0.03, 1: 0.45}, n))
+    assert f.ranks == (1,) and f.evidence["cause"] == "compute"
+    assert (f.evidence["cpu_wait_frac"], f.evidence["peer_cpu_wait_frac"]) == pytest.approx((0.45, 0.03))
+    assert "its main thread waited for a CPU 45% of the time (its peers at most 3%)" in f.title
+    assert "Another process or thread runs on rank 1's core" in f.recommendation
+    # a few points more than its peer (as between clean cores) explains nothing
+    (g,) = _findings(lateness, None, _waited({0: 0.03, 1: 0.07}, n))
+    assert "waited for a CPU" not in g.title and g.evidence["cpu_wait_frac"] == pytest.approx(0.07)
+    # the kernel counts a quota's throttling as run-queue wait too: the quota is the reason then
+    held = _throttled({0: [0.0] * n, 1: [0.4] * n})
+    (h,) = _findings(lateness, held, _waited({0: 0.03, 1: 0.45}, n))
+    assert "waited for a CPU" not in h.title and "CPU limit" in h.recommendation
+

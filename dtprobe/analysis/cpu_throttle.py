@@ -1,9 +1,14 @@
-"""CPU time withheld from each rank by its cgroup's quota, per step: the host sampler's cumulative
-``cpu_throttled_ns`` (``devices`` rows, ``collectors.devices.CpuThrottle``) read at each step's start and end.
+"""CPU time each rank lost, per step, from two cumulative counters the host sampler keeps (``devices`` rows,
+``collectors.devices``), read at each step's start and end:
 
-A rank whose container hits its CPU limit is frozen for the rest of every quota period: it computes slower, in
-bursts, for a reason outside the job. The kernel counts that time; the straggler detector reads it beside the
-rank's lateness (``stragglers.straggler_scores``' CPU-throttle view), as it reads NVML's throttle reasons for a GPU.
+- ``cpu_throttled_ns`` (``CpuThrottle``): time the rank's cgroup was held back by its CPU quota. A rank whose
+  container hits its CPU limit is frozen for the rest of every quota period: it computes slower, in bursts, for a
+  reason outside the job. The straggler detector reads it beside the rank's lateness (``stragglers``' CPU-throttle
+  view), as it reads NVML's throttle reasons for a GPU.
+- ``cpu_wait_ns`` (``RunQueueWait``): time the rank's main thread was runnable but waited for a CPU: taken by
+  another process or thread on its core, or withheld by its quota (the kernel counts both). The straggler finding
+  reports it as evidence and names a shared core as the reason when it explains the rank's lateness and the quota
+  does not.
 """
 
 from __future__ import annotations
@@ -14,19 +19,36 @@ import pandas as pd
 THROTTLE_COLUMNS = ["rank", "step", "cpu_throttled_frac"]
 """``cpu_throttled_frac``: the time the rank's cgroup was throttled during the step, summed over the cgroup's CPUs,
 over the step's wall time (0 when never throttled; above 1 only for a cgroup throttled on several CPUs at once)."""
+WAIT_COLUMNS = ["rank", "step", "cpu_wait_frac"]
+"""``cpu_wait_frac``: the time the rank's main thread waited for a CPU during the step, over the step's wall time
+(0..1)."""
 
 
 def cpu_throttled_per_step(devices: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
-    """Per (rank, step) inside the span the rank's samples cover: ``cpu_throttled_frac``. The counter between two
-    samples is interpolated linearly (samples come every ``device_interval_s``, steps are shorter), so a window of
-    steps gets the throttled share of the samples it spans. A counter that drops started again (a restarted
-    process counts from 0). Empty when no sample carries the counter (no cgroup CPU controller, an older run).
+    """Per (rank, step) inside the span the rank's samples cover: ``cpu_throttled_frac`` (``counter_per_step`` of
+    ``cpu_throttled_ns``). Empty when no sample carries the counter (no cgroup CPU controller, an older run).
     Columns: ``THROTTLE_COLUMNS``."""
+    return counter_per_step(devices, steps, "cpu_throttled_ns", "cpu_throttled_frac")
+
+
+def cpu_wait_per_step(devices: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
+    """Per (rank, step) inside the span the rank's samples cover: ``cpu_wait_frac`` (``counter_per_step`` of
+    ``cpu_wait_ns``). Empty when no sample carries the counter (no schedstat, an older run). Columns:
+    ``WAIT_COLUMNS``."""
+    return counter_per_step(devices, steps, "cpu_wait_ns", "cpu_wait_frac")
+
+
+def counter_per_step(devices: pd.DataFrame, steps: pd.DataFrame, counter: str, name: str) -> pd.DataFrame:
+    """Per (rank, step) inside the span the rank's samples cover: the growth of the cumulative ns ``counter`` over
+    the step, over the step's wall time, as column ``name``. The counter between two samples is interpolated
+    linearly (samples come every ``device_interval_s``, steps are shorter), so a window of steps gets the share of
+    the samples it spans. A counter that drops started again (a restarted process counts from 0). Empty when no
+    sample carries the counter. Columns: rank, step, ``name``."""
     empty = pd.DataFrame({"rank": pd.Series([], dtype="int64"), "step": pd.Series([], dtype="int64"),
-                          "cpu_throttled_frac": pd.Series([], dtype="float64")})
-    if devices is None or devices.empty or "cpu_throttled_ns" not in devices.columns or steps.empty:
+                          name: pd.Series([], dtype="float64")})
+    if devices is None or devices.empty or counter not in devices.columns or steps.empty:
         return empty
-    d = devices[["rank", "time_ns", "cpu_throttled_ns"]].dropna()
+    d = devices[["rank", "time_ns", counter]].dropna()
     s = steps[["rank", "step", "start_ns", "end_ns"]].dropna()
     if d.empty or s.empty:
         return empty
@@ -35,7 +57,7 @@ def cpu_throttled_per_step(devices: pd.DataFrame, steps: pd.DataFrame) -> pd.Dat
     out = []
     for rank, g in d.groupby("rank", sort=False):
         t = g["time_ns"].to_numpy(dtype="int64")
-        c = g["cpu_throttled_ns"].to_numpy(dtype="float64")
+        c = g[counter].to_numpy(dtype="float64")
         if len(t) < 2:
             continue
         inc = np.diff(c)
@@ -50,9 +72,9 @@ def cpu_throttled_per_step(devices: pd.DataFrame, steps: pd.DataFrame) -> pd.Dat
         if not inside.any():
             continue
         start, end = start[inside], end[inside]
-        withheld = np.interp(end, t, cum) - np.interp(start, t, cum)
+        lost = np.interp(end, t, cum) - np.interp(start, t, cum)
         out.append(pd.DataFrame({"rank": int(rank), "step": mine["step"].to_numpy(dtype="int64")[inside],
-                                 "cpu_throttled_frac": withheld / (end - start)}))
+                                 name: lost / (end - start)}))
     if not out:
         return empty
-    return pd.concat(out, ignore_index=True).drop_duplicates(["rank", "step"], keep="last")[THROTTLE_COLUMNS]
+    return pd.concat(out, ignore_index=True).drop_duplicates(["rank", "step"], keep="last")[["rank", "step", name]]

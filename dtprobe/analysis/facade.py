@@ -226,8 +226,8 @@ class RunAnalysis:
         """Per (group, rank): worst-window median lateness, share of steps late, mean wait imposed on peers."""
         o = self.options
         return self._memo("scores", lambda: _stragglers.straggler_scores(
-            self.rank_lateness(), cpu_throttled=self.cpu_throttled(), window_steps=o.window_steps,
-            min_lateness_frac=o.min_lateness_frac, min_positive_frac=o.min_positive_frac))
+            self.rank_lateness(), cpu_throttled=self.cpu_throttled(), cpu_wait=self.cpu_wait(),
+            window_steps=o.window_steps, min_lateness_frac=o.min_lateness_frac, min_positive_frac=o.min_positive_frac))
 
     def cpu_throttled(self) -> pd.DataFrame | None:
         """Per (rank, step): the share of the step its CPU cgroup's quota held it back (``cpu_throttle``); None when
@@ -236,6 +236,14 @@ class RunAnalysis:
             per_step = _cpu_throttle.cpu_throttled_per_step(self.table("devices"), self.table("steps"))
             return None if per_step.empty else per_step
         return self._memo("cpu_throttled", compute)
+
+    def cpu_wait(self) -> pd.DataFrame | None:
+        """Per (rank, step): the share of the step its main thread waited for a CPU (``cpu_throttle``); None when no
+        rank's host sampler read the kernel's schedstat."""
+        def compute() -> pd.DataFrame | None:
+            per_step = _cpu_throttle.cpu_wait_per_step(self.table("devices"), self.table("steps"))
+            return None if per_step.empty else per_step
+        return self._memo("cpu_wait", compute)
 
     def straggler_causes(self) -> pd.DataFrame:
         """Per (group, rank) late enough to be a straggler candidate: excess data/compute/communication time in its

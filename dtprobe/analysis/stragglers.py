@@ -48,6 +48,10 @@ its mean over its standard error (``excess_t``) and the largest such value among
 THROTTLE_SCORE_COLUMNS = ["cpu_throttled_frac", "peer_cpu_throttled_frac"]
 """Extra columns of ``straggler_scores`` (last) when it is given the ranks' CPU throttling (``cpu_throttle``): the
 rank's mean ``cpu_throttled_frac`` over the chosen window and the largest of its peers' over the same steps."""
+WAIT_SCORE_COLUMNS = ["cpu_wait_frac", "peer_cpu_wait_frac"]
+"""Extra columns of ``straggler_scores`` (after the throttle ones) when it is given the ranks' run-queue waits
+(``cpu_throttle.cpu_wait_per_step``): the rank's mean ``cpu_wait_frac`` over the chosen window and the largest of
+its peers' over the same steps."""
 CAUSE_COLUMNS = [
     "pg", "pg_ranks", "rank", "data_excess_ns", "compute_excess_ns", "comm_excess_ns", "throttled_frac", "cause",
 ]
@@ -107,10 +111,19 @@ counter tells that the rank lost CPU; the lateness must still show that the job 
 in bursts (frozen for the rest of each 100 ms period), so the excess comes in every other step or so: no
 positive-share condition."""
 
+MIN_CPU_WAIT_EXCESS_FRAC = 0.03
+"""A straggler's core counts as shared when its main thread waited for a CPU (run queue, ``cpu_wait_frac``) at
+least this share of its window more than any peer's: clean ranks with a core each wait 0.5-10% of the time here
+(their own gloo and sampler threads), differing by up to about 6 points between cores."""
+CPU_WAIT_SHARE_OF_LATENESS = 0.5
+"""... and that extra wait is at least this share of its median lateness (it explains the lateness, not a sliver
+of it)."""
+
 THROTTLE_MASK = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
 """NVML clock-throttle reasons that slow a GPU: SW power cap, HW slowdown, SW/HW thermal, power brake."""
 
 def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | None = None,
+                     cpu_wait: pd.DataFrame | None = None,
                      window_steps: int = 20, min_lateness_frac: float = 0.05,
                      min_positive_frac: float = 0.8,
                      min_lateness_over_noise: float = MIN_LATENESS_OVER_NOISE,
@@ -144,17 +157,21 @@ def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | No
     lateness excess is at least ``min_lateness_frac``, ``MIN_THROTTLED_T`` standard errors above zero and
     ``MIN_STEADY_T_OVER_PEERS`` x any peer's. Every window of every (group, rank) is scored at once (one
     windows x steps matrix), so the cost grows with the rows. Columns: ``SCORE_COLUMNS`` + ``NOISE_COLUMNS``
-    (+ ``THROTTLE_SCORE_COLUMNS`` with ``cpu_throttled``)."""
+    (+ ``THROTTLE_SCORE_COLUMNS`` with ``cpu_throttled``, + ``WAIT_SCORE_COLUMNS`` with ``cpu_wait``: evidence,
+    no view reads it)."""
     require_columns(lateness, LATENESS_COLUMNS, table="rank_lateness")
     keys = ["pg", "pg_ranks", "rank"]
     lat = lateness.dropna(subset=keys) if lateness[keys].isna().any(axis=None) else lateness
     lat = lat.assign(excess_frac=_excess_over_group(lat))
-    with_throttle = cpu_throttled is not None
-    columns = SCORE_COLUMNS + NOISE_COLUMNS + (THROTTLE_SCORE_COLUMNS if with_throttle else [])
+    with_throttle, with_wait = cpu_throttled is not None, cpu_wait is not None
+    columns = (SCORE_COLUMNS + NOISE_COLUMNS + (THROTTLE_SCORE_COLUMNS if with_throttle else [])
+               + (WAIT_SCORE_COLUMNS if with_wait else []))
     if lat.empty:
         return pd.DataFrame({col: [] for col in columns})
     if with_throttle:
-        lat = lat.assign(cpu_throttled_frac=_throttled_of_rows(lat, cpu_throttled))
+        lat = lat.assign(cpu_throttled_frac=_per_step_of_rows(lat, cpu_throttled, "cpu_throttled_frac"))
+    if with_wait:
+        lat = lat.assign(cpu_wait_frac=_per_step_of_rows(lat, cpu_wait, "cpu_wait_frac"))
     gid = lat.groupby(keys, sort=True).ngroup().to_numpy(dtype="int64")
     order = np.lexsort((lat["step"].to_numpy(), gid))          # by (group, rank), then step
 
@@ -194,6 +211,11 @@ def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | No
         peer_thr = _peer_max(thr, windows, key=span)
     else:
         thr = peer_thr = np.full(len(windows), np.nan)
+    if with_wait:
+        waited = _nanmean_rows(_windows(column("cpu_wait_frac", "float64"), win_start, w[win_gid]))
+        peer_waited = _peer_max(waited, windows, key=span)
+    else:
+        waited = peer_waited = np.full(len(windows), np.nan)
     # The peers' noise (the costly part: a pool of the peers' values per window) is needed only where a view's
     # other conditions hold (unknown noise does not block, so those windows are a superset of the qualifying ones)
     # and at each (group, rank)'s chosen window; the steady view's peer_et also needs its peers' windows of the
@@ -265,16 +287,18 @@ def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | No
         "pre_excess_t": pre_t[best], "peer_pre_excess_t": peer_t[best],
         "mean_excess_frac": emean[best], "excess_positive_frac": epos[best], "excess_t": et[best],
         "peer_excess_t": peer_et[best], "cpu_throttled_frac": thr[best], "peer_cpu_throttled_frac": peer_thr[best],
+        "cpu_wait_frac": waited[best], "peer_cpu_wait_frac": peer_waited[best],
     })
     return out[columns]
 
 
-def _throttled_of_rows(lat: pd.DataFrame, cpu_throttled: pd.DataFrame) -> np.ndarray:
-    """Per row of ``rank_lateness``: its rank's ``cpu_throttled_frac`` at its step (NaN where not sampled)."""
-    if cpu_throttled.empty:
+def _per_step_of_rows(lat: pd.DataFrame, per_step: pd.DataFrame, name: str) -> np.ndarray:
+    """Per row of ``rank_lateness``: its rank's ``name`` (a column of ``per_step``: rank, step, name) at its step
+    (NaN where not sampled)."""
+    if per_step.empty:
         return np.full(len(lat), np.nan)
-    known = pd.Series(cpu_throttled["cpu_throttled_frac"].to_numpy(dtype="float64"), index=pd.MultiIndex.from_arrays(
-        [cpu_throttled["rank"].to_numpy(dtype="int64"), cpu_throttled["step"].to_numpy(dtype="int64")]))
+    known = pd.Series(per_step[name].to_numpy(dtype="float64"), index=pd.MultiIndex.from_arrays(
+        [per_step["rank"].to_numpy(dtype="int64"), per_step["step"].to_numpy(dtype="int64")]))
     where = pd.MultiIndex.from_arrays([lat["rank"].to_numpy(dtype="int64"),
                                        lat["step"].to_numpy(dtype="float64", na_value=-1).astype("int64")])
     return known.reindex(where).to_numpy(dtype="float64")
@@ -738,9 +762,10 @@ def straggler_causes(scores: pd.DataFrame, lateness: pd.DataFrame, steps: pd.Dat
         best = max(excess, key=excess.get)
         if throttled is not None and throttled >= throttle_frac:
             cause = "device"
-        elif _cpu_quota_held(s):
-            # its CPU withheld by its quota freezes every thread of it, the communication ones too: the waits it
-            # imposes then split between "compute" and "communication" at random; the kernel's count decides
+        elif _cpu_quota_held(s) or _core_shared(s):
+            # its CPU withheld by its quota (or taken by another process on its core) delays every thread of it,
+            # the communication ones too: the waits it imposes then split between "compute" and "communication"
+            # at random; the kernel's count decides
             cause = "compute"
         elif margin > 0 and excess[best] >= min_explained_frac * margin:
             cause = best
@@ -948,6 +973,8 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
             "peer_excess_t": _opt_float(getattr(row, "peer_excess_t", None)),
             "cpu_throttled_frac": _opt_float(getattr(row, "cpu_throttled_frac", None)),
             "peer_cpu_throttled_frac": _opt_float(getattr(row, "peer_cpu_throttled_frac", None)),
+            "cpu_wait_frac": _opt_float(getattr(row, "cpu_wait_frac", None)),
+            "peer_cpu_wait_frac": _opt_float(getattr(row, "peer_cpu_wait_frac", None)),
             "propagated_to": sorted(propagated.get(int(row.rank), [])),
             "injected": (injected or {}).get(int(row.rank)),
         }
@@ -972,9 +999,12 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
                       else "")
                    + (f"; its CPU cgroup was throttled by its quota for {row.cpu_throttled_frac:.0%} of the time"
                       if _cpu_quota_held(row) else "")
+                   + (f"; its main thread waited for a CPU {row.cpu_wait_frac:.0%} of the time (its peers at most "
+                      f"{row.peer_cpu_wait_frac:.0%})" if _core_shared(row) else "")
                    + f"; cause: {cause}"),
             evidence=evidence,
-            recommendation=_advice(cause, int(row.rank), cpu_quota=_cpu_quota_held(row)),
+            recommendation=_advice(cause, int(row.rank), cpu_quota=_cpu_quota_held(row),
+                                   core_shared=_core_shared(row)),
             predicted_gain=PredictedGain(metric="step_time", frac=min(max(wait_frac, 0.0), 1.0)),
             rows=evidence_rows,
         ))
@@ -1040,16 +1070,33 @@ def _cpu_quota_held(row) -> bool:
     return thr is not None and bool(_held_by_quota(np.float64(thr), np.float64(np.nan if peer is None else peer)))
 
 
+def _core_shared(row) -> bool:
+    """The score row's rank's main thread waited for a CPU in its window clearly more than any peer's
+    (``MIN_CPU_WAIT_EXCESS_FRAC``), enough to explain half its lateness (``CPU_WAIT_SHARE_OF_LATENESS``): something
+    else ran on its core. The kernel counts time a CPU quota throttles a thread as run-queue wait too, so a rank
+    its quota held back (``_cpu_quota_held``) is not called shared. Unknown (no host samples, no schedstat) is
+    False."""
+    wait, peer = (_opt_float(getattr(row, c, None)) for c in WAIT_SCORE_COLUMNS)
+    if wait is None or peer is None or _cpu_quota_held(row):
+        return False
+    late = _opt_float(getattr(row, "median_lateness_frac", None)) or 0.0
+    return wait - peer >= max(MIN_CPU_WAIT_EXCESS_FRAC, CPU_WAIT_SHARE_OF_LATENESS * late)
+
+
 def _opt_float(x) -> float | None:
     """``x`` as a float, None when missing or NaN (infinite stays: noise 0 with a late rank)."""
     return None if x is None or pd.isna(x) else float(x)
 
 
-def _advice(cause: str, rank: int, *, cpu_quota: bool = False) -> str:
+def _advice(cause: str, rank: int, *, cpu_quota: bool = False, core_shared: bool = False) -> str:
     if cause == "compute" and cpu_quota:
         return (f"Rank {rank}'s CPU cgroup hits its CPU quota (the kernel throttles it for part of every period): "
                 f"raise or remove the CPU limit of its container (cpu.cfs_quota_us / cpu.max; Kubernetes "
                 f"resources.limits.cpu), or move the other processes out of its cgroup.")
+    if cause == "compute" and core_shared:
+        return (f"Another process or thread runs on rank {rank}'s core and takes its CPU: find it (top -H, or "
+                f"ps -eLo pid,tid,psr,pcpu,comm for the core), move it off the cores the ranks use or stop it, and "
+                f"bind each rank to cores of its own (dtprobe run --cpu-bind auto, taskset or numactl).")
     return {
         "data": (f"Rank {rank} spends longer loading data than its peers: add DataLoader workers or "
                  f"prefetching (num_workers, pin_memory, prefetch_factor) and check its host's disk/CPU load."),

@@ -115,13 +115,19 @@ def _straggler_verdict(doc: dict, rank: int) -> dict:
 
 def test_busy_process_on_one_ranks_core_makes_it_a_compute_straggler(run_dir, launch, busy_loop):
     run = run_dir("cpu_hog_2ranks")
-    job = launch(dtprobe_run_cmd(run, "--nproc", "2", "--steps", "40"), run, timeout_s=JOB_TIMEOUT_S)
+    # the host sampler on (every 0.5 s), as in a user's run: it reads each rank's main-thread run-queue wait
+    job = launch(dtprobe_run_cmd(run, "--nproc", "2", "--steps", "40", "--device-interval", "0.5", devices=True),
+                 run, timeout_s=JOB_TIMEOUT_S)
     for rank in (0, 1):                       # each rank alone on its core; the hog shares rank 1's
         pin(job.worker_pid(rank), rank)
     job.wait_steps(1, 3)
     busy_loop(1, duty=0.8)                    # real-time, 80% of every 10 ms: rank 1 keeps 20% of its core
     assert job.wait() == 0, job.output()[-3000:]
-    _straggler_verdict(analyze(run), 1)
+    finding = _straggler_verdict(analyze(run), 1)
+    # the kernel's run-queue count: the hog holds rank 1's core 80% of the time, rank 0 has its core to itself
+    ev = finding["evidence"]
+    assert ev["cpu_wait_frac"] >= 0.4 and ev["peer_cpu_wait_frac"] < 0.1, ev
+    assert "waited for a CPU" in finding["title"] and "Another process" in finding["recommendation"], finding
 
 
 def test_cpu_quota_of_one_rank_among_more_ranks_than_cores_makes_it_a_compute_straggler(run_dir, launch, cpu_quota):
@@ -138,10 +144,14 @@ def test_cpu_quota_of_one_rank_among_more_ranks_than_cores_makes_it_a_compute_st
     # a third of the CPU it gets now (load included): 3x slower than its peers whatever else runs
     cpu_quota(cpu_share(pid, seconds=0.5) / 3).add(pid)
     assert job.wait() == 0, job.output()[-3000:]
-    ev = _straggler_verdict(analyze(run), 2)["evidence"]
+    finding = _straggler_verdict(analyze(run), 2)
+    ev = finding["evidence"]
     # the kernel held rank 2 back for a clear share of its window (a third of its CPU: most of each period),
-    # its peers never
+    # its peers never; the kernel counts the throttled time as run-queue wait too, and the finding does not call
+    # that a shared core
     assert ev["cpu_throttled_frac"] >= 0.2 and ev["peer_cpu_throttled_frac"] == 0.0, ev
+    assert ev["cpu_wait_frac"] > ev["peer_cpu_wait_frac"], ev
+    assert "CPU quota" in finding["recommendation"] and "waited for a CPU" not in finding["title"], finding
 
 
 # ------------------------------------------------------------------------- checkpoint damaged before a restart

@@ -19,6 +19,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 import streamlit
 from streamlit.testing.v1 import AppTest
@@ -613,3 +614,35 @@ def test_dashboard_command_stops_its_server_when_sent_sigterm(tmp_path, free_por
         if outer.poll() is None:
             outer.kill()
             outer.wait(10)
+
+
+def test_devices_page_plots_the_cpu_time_each_rank_lost_per_step(tmp_path, monkeypatch):
+    from dtprobe.synthetic import MS, T0, lockstep_tables, write_rows_run
+
+    rows = lockstep_tables(world=2, num_steps=20, step_ms=100.0)
+    wait_share, throttle_share = {0: 0.04, 1: 0.4}, {0: 0.0, 1: 0.1}
+    for row in rows["devices"]:                 # the kernel's counters, growing at each rank's own rate
+        elapsed = row["time_ns"] - T0
+        row["cpu_wait_ns"] = 5 * MS + int(wait_share[row["rank"]] * elapsed)
+        row["cpu_throttled_ns"] = int(throttle_share[row["rank"]] * elapsed)
+    at = app(write_rows_run(tmp_path / "lost_cpu", rows, world_size=2, status="finished"), monkeypatch)
+    at.switch_page("views/devices.py").run()
+    assert not at.exception, [e.message for e in at.exception]
+    series = at.selectbox(key="devices_series")
+    assert {"CPU throttled by its quota (share of the step)",
+            "main thread waiting for a CPU (share of the step)"} <= set(series.options)
+    for column, share in (("cpu_wait_frac", wait_share), ("cpu_throttled_frac", throttle_share)):
+        series.set_value(column).run()
+        chart = figures(at)["devices_series_chart"]
+        assert "share of the step" in chart["layout"]["title"]["text"]
+        got = {int(trace["name"].split()[-1]): _plotly_values(trace["y"]) for trace in chart["data"]}
+        assert sorted(got) == [0, 1]
+        for rank, values in got.items():
+            assert len(values) == 20 and values == pytest.approx([share[rank]] * 20), (column, rank)
+
+
+def _plotly_values(values) -> list[float]:
+    """A plotly figure JSON's array: a list, or a typed array ``{"dtype", "bdata"}`` (base64 of the raw values)."""
+    if isinstance(values, dict):
+        return np.frombuffer(base64.b64decode(values["bdata"]), dtype=values["dtype"]).tolist()
+    return list(values)

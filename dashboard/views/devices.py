@@ -1,4 +1,5 @@
-"""Devices: NVML (GPU) or host (CPU, RSS, load) series per rank on the step axis, and device health."""
+"""Devices: NVML (GPU) or host (CPU, RSS, load) series per rank on the step axis, the CPU time each rank lost per
+step (to its cgroup's quota, waiting for a core), and device health."""
 
 from __future__ import annotations
 
@@ -11,6 +12,11 @@ SERIES = {
     "temp_c": "temperature (°C)", "sm_clock_mhz": "SM clock (MHz)", "cpu_frac": "host CPU (share)",
     "rss_bytes": "host RSS (bytes)", "load1": "host load (1 min)",
 }
+PER_STEP = {
+    "cpu_throttled_frac": "CPU throttled by its quota (share of the step)",
+    "cpu_wait_frac": "main thread waiting for a CPU (share of the step)",
+}
+"""Series the analysis derives per step from the host sampler's cumulative kernel counters."""
 
 
 def body(source) -> None:
@@ -24,9 +30,13 @@ def body(source) -> None:
     sources = sorted(dev["source"].dropna().unique())
     if sources == ["host"]:
         st.caption("Host samples (CPU run or NVML unavailable): these are CPU figures, not GPU ones.")
-    available = [c for c in SERIES if dev[c].notna().any()]
-    column = st.selectbox("Series", available, format_func=SERIES.get, key="devices_series")
-    common.chart(charts.device_series(dev, column=column, label=SERIES[column]), key="devices_series_chart")
+    per_step = {"cpu_throttled_frac": analysis.cpu_throttled(), "cpu_wait_frac": analysis.cpu_wait()}
+    labels = {**SERIES, **PER_STEP}
+    available = ([c for c in SERIES if dev[c].notna().any()]
+                 + [c for c, frame in per_step.items() if frame is not None])
+    column = st.selectbox("Series", available, format_func=labels.get, key="devices_series")
+    frame = per_step[column] if column in PER_STEP else dev
+    common.chart(charts.device_series(frame, column=column, label=labels[column]), key="devices_series_chart")
     health = analysis.device_health()
     if not health.empty:
         st.subheader("Health per rank")

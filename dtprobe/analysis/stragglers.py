@@ -113,8 +113,8 @@ positive-share condition."""
 
 MIN_CPU_WAIT_EXCESS_FRAC = 0.03
 """A straggler's core counts as shared when its main thread waited for a CPU (run queue, ``cpu_wait_frac``) at
-least this share of its window more than any peer's: clean ranks with a core each wait 0.5-10% of the time here
-(their own gloo and sampler threads), differing by up to about 6 points between cores."""
+least this share of its window more than any peer's: ranks with a core each still wait a few % of the time (their
+own gloo and sampler threads run beside them), by up to about 6 points more on one core than another."""
 CPU_WAIT_SHARE_OF_LATENESS = 0.5
 """... and that extra wait is at least this share of its median lateness (it explains the lateness, not a sliver
 of it)."""

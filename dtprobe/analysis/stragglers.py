@@ -1004,7 +1004,7 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
                    + f"; cause: {cause}"),
             evidence=evidence,
             recommendation=_advice(cause, int(row.rank), cpu_quota=_cpu_quota_held(row),
-                                   core_shared=_core_shared(row)),
+                                   core_shared=_core_shared(row), cpu_counted=_cpu_counted(row)),
             predicted_gain=PredictedGain(metric="step_time", frac=min(max(wait_frac, 0.0), 1.0)),
             rows=evidence_rows,
         ))
@@ -1083,12 +1083,18 @@ def _core_shared(row) -> bool:
     return wait - peer >= max(MIN_CPU_WAIT_EXCESS_FRAC, CPU_WAIT_SHARE_OF_LATENESS * late)
 
 
+def _cpu_counted(row) -> bool:
+    """The kernel's counts of the rank's lost CPU (quota throttling, run-queue wait) are known in its window."""
+    return all(_opt_float(getattr(row, c, None)) is not None for c in THROTTLE_SCORE_COLUMNS + WAIT_SCORE_COLUMNS)
+
+
 def _opt_float(x) -> float | None:
     """``x`` as a float, None when missing or NaN (infinite stays: noise 0 with a late rank)."""
     return None if x is None or pd.isna(x) else float(x)
 
 
-def _advice(cause: str, rank: int, *, cpu_quota: bool = False, core_shared: bool = False) -> str:
+def _advice(cause: str, rank: int, *, cpu_quota: bool = False, core_shared: bool = False,
+            cpu_counted: bool = False) -> str:
     if cause == "compute" and cpu_quota:
         return (f"Rank {rank}'s CPU cgroup hits its CPU quota (the kernel throttles it for part of every period): "
                 f"raise or remove the CPU limit of its container (cpu.cfs_quota_us / cpu.max; Kubernetes "
@@ -1097,6 +1103,11 @@ def _advice(cause: str, rank: int, *, cpu_quota: bool = False, core_shared: bool
         return (f"Another process or thread runs on rank {rank}'s core and takes its CPU: find it (top -H, or "
                 f"ps -eLo pid,tid,psr,pcpu,comm for the core), move it off the cores the ranks use or stop it, and "
                 f"bind each rank to cores of its own (dtprobe run --cpu-bind auto, taskset or numactl).")
+    if cause == "compute" and cpu_counted:
+        return (f"Rank {rank} computes slower than its peers, yet neither a CPU quota nor another process on its "
+                f"core held it back (the kernel's counts): its core or device itself runs slower (a VM's vCPU "
+                f"shared with other guests, a lower clock, a slower device) or it has more work (sequence "
+                f"lengths, an uneven layer split). Compare its host with its peers' or move the rank.")
     return {
         "data": (f"Rank {rank} spends longer loading data than its peers: add DataLoader workers or "
                  f"prefetching (num_workers, pin_memory, prefetch_factor) and check its host's disk/CPU load."),

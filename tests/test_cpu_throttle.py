@@ -276,8 +276,8 @@ def test_a_straggler_whose_main_thread_waits_for_its_core_is_told_its_core_is_sh
     assert "waited for a CPU" not in g.title and g.evidence["cpu_wait_frac"] == pytest.approx(0.07)
     # both counts known and neither explains it: the core or device itself is slower
     (k,) = _findings(lateness, _throttled({0: [0.0] * n, 1: [0.0] * n}), _waited({0: 0.03, 1: 0.07}, n))
-    assert "neither a CPU quota nor another process" in k.recommendation
-    assert "neither" not in g.recommendation                    # one count unknown: the general advice
+    assert "the kernel's counts do not explain it" in k.recommendation
+    assert "kernel's counts" not in g.recommendation            # one count unknown: the general advice
     # the kernel counts a quota's throttling as run-queue wait too: the quota is the reason then
     held = _throttled({0: [0.0] * n, 1: [0.4] * n})
     (h,) = _findings(lateness, held, _waited({0: 0.03, 1: 0.45}, n))

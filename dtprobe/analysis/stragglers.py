@@ -1104,10 +1104,10 @@ def _advice(cause: str, rank: int, *, cpu_quota: bool = False, core_shared: bool
                 f"ps -eLo pid,tid,psr,pcpu,comm for the core), move it off the cores the ranks use or stop it, and "
                 f"bind each rank to cores of its own (dtprobe run --cpu-bind auto, taskset or numactl).")
     if cause == "compute" and cpu_counted:
-        return (f"Rank {rank} computes slower than its peers, yet neither a CPU quota nor another process on its "
-                f"core held it back (the kernel's counts): its core or device itself runs slower (a VM's vCPU "
-                f"shared with other guests, a lower clock, a slower device) or it has more work (sequence "
-                f"lengths, an uneven layer split). Compare its host with its peers' or move the rank.")
+        return (f"Rank {rank} computes slower than its peers, and the kernel's counts do not explain it (no CPU "
+                f"quota held it back, and waiting for a CPU is not what makes it late): its core or device itself "
+                f"runs slower (a VM's vCPU shared with other guests, a lower clock, a slower device) or it has more "
+                f"work (sequence lengths, an uneven layer split). Compare its host with its peers' or move the rank.")
     return {
         "data": (f"Rank {rank} spends longer loading data than its peers: add DataLoader workers or "
                  f"prefetching (num_workers, pin_memory, prefetch_factor) and check its host's disk/CPU load."),

@@ -447,8 +447,9 @@ def own_compute_excess_ms(run_dir: Path, rank: int, first_step: int, last_step: 
 def straggler_confirmed(run_dir: Path, finding: dict) -> bool:
     """Whether the raw step rows confirm a STRAGGLER finding: its rank's own compute (fwd + opt) over the
     finding's window is longer than every other member's of its group by at least a third of its lateness
-    (``mean_lateness_ms``, the figure its title gives; fwd + opt carried half or more of it in every slowed-core
-    run measured). A verdict made of waiting (a victim, a slow link) has no compute excess of its own."""
+    (``mean_lateness_ms``, the figure its title gives; fwd + opt carried about half or more of it in every
+    slowed-core run measured). A verdict made of waiting (a victim, a slow link) has no compute excess of its
+    own."""
     ev = finding["evidence"]
     excess_ms = own_compute_excess_ms(run_dir, finding["ranks"][0], *ev["window"], peers=ev.get("pg_ranks"))
     return excess_ms >= ev["mean_lateness_ms"] / 3

@@ -206,16 +206,16 @@ def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | No
     span = windows.groupby(["pg", "pg_ranks", "first_step", "last_step"], sort=False).ngroup().to_numpy()
     peer_t = _peer_max(pre_t, windows, key=span)
     emean, epos, own_sd = _nanmean_rows(exc), (exc > 0).sum(axis=1) / w[win_gid], _std_rows(exc)
-    if with_throttle:
-        thr = _nanmean_rows(_windows(column("cpu_throttled_frac", "float64"), win_start, w[win_gid]))
-        peer_thr = _peer_max(thr, windows, key=span)
-    else:
-        thr = peer_thr = np.full(len(windows), np.nan)
-    if with_wait:
-        waited = _nanmean_rows(_windows(column("cpu_wait_frac", "float64"), win_start, w[win_gid]))
-        peer_waited = _peer_max(waited, windows, key=span)
-    else:
-        waited = peer_waited = np.full(len(windows), np.nan)
+
+    def window_mean(name: str, given: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Per window: the mean of per-step column ``name`` and the largest of the peers' (NaN when not given)."""
+        if not given:
+            return np.full(len(windows), np.nan), np.full(len(windows), np.nan)
+        mean = _nanmean_rows(_windows(column(name, "float64"), win_start, w[win_gid]))
+        return mean, _peer_max(mean, windows, key=span)
+
+    thr, peer_thr = window_mean("cpu_throttled_frac", with_throttle)
+    waited, peer_waited = window_mean("cpu_wait_frac", with_wait)
     # The peers' noise (the costly part: a pool of the peers' values per window) is needed only where a view's
     # other conditions hold (unknown noise does not block, so those windows are a superset of the qualifying ones)
     # and at each (group, rank)'s chosen window; the steady view's peer_et also needs its peers' windows of the
@@ -985,6 +985,7 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
         # named (e.g. a pipeline stage waiting on a slowed upstream stage): told, as info, not blamed.
         severity = ("info" if cause == "communication" else
                     "critical" if wait_frac >= critical_wait_frac else "warning")
+        quota_held, core_shared = _cpu_quota_held(row), _core_shared(row)
         findings.append(Finding(
             code="STRAGGLER",
             severity=severity,
@@ -998,13 +999,13 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
                       f"({row.excess_t:.1f} standard errors)" if row.detected_by in ("steady", "cpu_throttle")
                       else "")
                    + (f"; its CPU cgroup was throttled by its quota for {row.cpu_throttled_frac:.0%} of the time"
-                      if _cpu_quota_held(row) else "")
+                      if quota_held else "")
                    + (f"; its main thread waited for a CPU {row.cpu_wait_frac:.0%} of the time (its peers at most "
-                      f"{row.peer_cpu_wait_frac:.0%})" if _core_shared(row) else "")
+                      f"{row.peer_cpu_wait_frac:.0%})" if core_shared else "")
                    + f"; cause: {cause}"),
             evidence=evidence,
-            recommendation=_advice(cause, int(row.rank), cpu_quota=_cpu_quota_held(row),
-                                   core_shared=_core_shared(row), cpu_counted=_cpu_counted(row)),
+            recommendation=_advice(cause, int(row.rank), cpu_quota=quota_held, core_shared=core_shared,
+                                   cpu_counted=_cpu_counted(row)),
             predicted_gain=PredictedGain(metric="step_time", frac=min(max(wait_frac, 0.0), 1.0)),
             rows=evidence_rows,
         ))

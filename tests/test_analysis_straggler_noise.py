@@ -338,3 +338,24 @@ def test_a_flagged_rank_that_waited_on_an_unflagged_tp_peer_moves_the_blame_to_t
     assert (f.ranks, f.group, ev["detected_by"], ev["propagated_to"]) == ((0,), "dp", "via_victim", [1])
     assert ev["detected_at_step"] == scores.set_index(["pg", "pg_ranks", "rank"]).loc[("dp", "1,3", 1),
                                                                                         "detected_at_step"]
+
+
+def test_a_rank_later_in_the_same_group_as_the_flagged_rank_takes_no_blame_from_it():
+    # dp4 (one group): rank 2 is late from the start and named; rank 0 becomes late from step 17, in swings no view
+    # names, though later than rank 2 on average over its own window (as a rank held back by its CPU quota and
+    # its core-mate were, in a dp4 run of this host). Both arrivals are measured at the same collectives, so rank
+    # 2's lateness is its own: it stays named, and rank 0 is not made its culprit (``via_victim``)
+    rng = np.random.default_rng(16)
+    n = 40
+    fracs = {0: [(-0.2 + rng.normal(0.0, 0.02)) if i < 16 else (0.7 if i % 2 else 0.0) for i in range(n)],
+             1: list(-0.2 + rng.normal(0.0, 0.02, n)), 2: list(0.2 + rng.normal(0.0, 0.02, n)),
+             3: list(-0.2 + rng.normal(0.0, 0.02, n))}
+    lateness = _lateness(fracs)
+    scores = st.straggler_scores(lateness)
+    by_rank = scores.set_index("rank")
+    assert pd.isna(by_rank.loc[0, "detected_by"]) and not pd.isna(by_rank.loc[2, "detected_by"])
+    assert by_rank.loc[0, "mean_excess_frac"] > by_rank.loc[2, "mean_excess_frac"]      # rank 0 arrives later
+    none = pd.DataFrame({c: [] for c in st.CAUSE_COLUMNS})
+    links = {frozenset(p) for p in ((0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3))}
+    [f] = st.detect_stragglers(scores, none, links=links, axis_of_pg=lambda pg: pg, lateness=lateness)
+    assert (f.ranks, f.evidence["detected_by"], f.evidence["propagated_to"]) == ((2,), "arrival", [])

@@ -1018,12 +1018,16 @@ def _with_culprits_of_victims(best: pd.DataFrame, scores: pd.DataFrame, later: d
     (``later``) while that rank is itself late in a group of its own (median lateness and mean excess >=
     ``min_lateness_frac``): that rank's latest such score row, ``detected_by`` ``via_victim`` and the victim's
     ``detected_at_step``. The flagged rank waited on it (inside their TP collectives) and is late only
-    downstream of it; the victim rule then reports the flagged rank in its ``propagated_to``."""
+    downstream of it; the victim rule then reports the flagged rank in its ``propagated_to``. A rank of the group
+    the flagged rank was found late in is no such culprit: there both arrivals are measured at the same
+    collectives, so the flagged rank's lateness is its own, not a wait passed on through another group (ranks of a
+    shared core, or of a slow host, late together)."""
     flagged = set(int(r) for r in best["rank"])
     added: dict[int, pd.Series] = {}
     for row in best.itertuples(index=False):
+        judged_with = set(group_members(row.pg_ranks))
         for (a, b), is_later in later.items():
-            if b != int(row.rank) or not is_later or a in flagged or a in added:
+            if b != int(row.rank) or not is_later or a in flagged or a in added or a in judged_with:
                 continue
             own = scores[(scores["rank"] == a) & (scores["median_lateness_frac"] >= min_lateness_frac)]
             if "mean_excess_frac" in own:

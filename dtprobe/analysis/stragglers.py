@@ -104,10 +104,12 @@ limit the rank hit; 2% leaves out a quota touched once or twice in a window."""
 MAX_PEER_THROTTLED_SHARE = 0.25
 """CPU-throttle view: every peer's throttled share must stay below this share of the rank's (a quota that holds
 back all members alike, one limit for a whole pod, singles out none of them)."""
-MIN_THROTTLED_T = 3.0
+MIN_THROTTLED_T = 2.5
 """CPU-throttle view: the rank's mean lateness excess over its group's median must be this many standard errors
 above zero (the steady view's error; the steady view alone needs ``MIN_STEADY_T``). The kernel's throttle
-counter tells that the rank lost CPU; the lateness must still show that the job waited for it. A quota throttles
+counter tells that the rank lost CPU; the lateness must still show that the job waited for it. On a 2-core VM
+whose vCPUs run unevenly, a rank throttled 20-30% of the time reached 3 only at the end of a 40-step run while 2.5
+named it within 15 steps of the quota; ranks of clean runs read no throttling and never reach this view. A quota throttles
 in bursts (frozen for the rest of each 100 ms period), so the excess comes in every other step or so: no
 positive-share condition."""
 

@@ -108,10 +108,10 @@ MIN_THROTTLED_T = 2.5
 """CPU-throttle view: the rank's mean lateness excess over its group's median must be this many standard errors
 above zero (the steady view's error; the steady view alone needs ``MIN_STEADY_T``). The kernel's throttle
 counter tells that the rank lost CPU; the lateness must still show that the job waited for it. On a 2-core VM
-whose vCPUs run unevenly, a rank throttled 20-30% of the time reached 3 only at the end of a 40-step run while 2.5
-named it within 15 steps of the quota; ranks of clean runs read no throttling and never reach this view. A quota throttles
-in bursts (frozen for the rest of each 100 ms period), so the excess comes in every other step or so: no
-positive-share condition."""
+whose vCPUs run unevenly, a rank throttled 20-30% of the time reached 3 only at the end of a 40-step run, where
+2.5 named it within 15 steps of the quota; ranks of clean runs read no throttling and never reach this view. A
+quota throttles in bursts (frozen for the rest of each 100 ms period), so the excess comes in every other step or
+so: no positive-share condition."""
 
 MIN_CPU_WAIT_EXCESS_FRAC = 0.03
 """A straggler's core counts as shared when its main thread waited for a CPU (run queue, ``cpu_wait_frac``) at
@@ -854,7 +854,8 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
     """STRAGGLER for each rank whose median lateness over some window is at least ``min_lateness_frac`` of the step
     and which arrived after its peers' median in at least ``min_positive_frac`` of that window's steps (and the
     window has ``min_steps`` steps or more), or whose data+fwd time exceeds its peers' by that share in that
-    many steps while its median lateness passes (arrivals jitter more than phases on busy hosts); only the latest such rank of a group (the others are its victims).
+    many steps while its median lateness passes (arrivals jitter more than phases on busy hosts); only the latest
+    such rank of a group (the others are its victims).
     Of two flagged ranks sharing a group or p2p link, the victim (the delay propagated to it) is the one with
     the smaller median pipeline ``own_delay_ns`` (rank -> ns, from ``pipeline_own_delay``) when both are known,
     else the earlier of the two in every judged group they share (``_later_in_shared_groups``), else the one
@@ -870,11 +871,11 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
     least ``min_lateness_over_noise`` x the peers' lateness noise in the same window, the phases view the median
     data+fwd excess to be ``min_pre_excess_over_noise`` x the peers' excess noise, so a busy host's chance
     lateness is not a verdict; the persistence view (``_persistent``, with ``pre_excess_t`` in ``scores``) names a
-    rank whose data+fwd excess is steady where the other views' noise hides it. ``slow_link_ranks`` (rank -> step a SLOW_LINK on its node began,
-    ``links.slow_link_ranks``): a rank late in a window reaching that step is not blamed unless its cause is
-    data or device (its lateness is the link's: the link's finding carries it). ``group_clock``: (pg, pg_ranks) ->
-    the clock its arrivals were read on (``arrivals.arrival_clocks``), told in ``evidence.clock`` (``host`` when
-    not given)."""
+    rank whose data+fwd excess is steady where the other views' noise hides it. ``slow_link_ranks`` (rank -> step
+    a SLOW_LINK on its node began, ``links.slow_link_ranks``): a rank late in a window reaching that step is not
+    blamed unless its cause is data or device (its lateness is the link's: the link's finding carries it).
+    ``group_clock``: (pg, pg_ranks) -> the clock its arrivals were read on (``arrivals.arrival_clocks``), told in
+    ``evidence.clock`` (``host`` when not given)."""
     require_columns(scores, SCORE_COLUMNS, table="straggler_scores")
     if scores.empty:
         return []

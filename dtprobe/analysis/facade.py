@@ -203,23 +203,30 @@ class RunAnalysis:
         """Per (group, analysed step): the last arriver of the most skewed collective and its margin (kept at
         compaction: ``derived_tables``)."""
         return self._memo("late_rank", lambda: _tables.only_steps(self._derived(_derived.LATE_RANK, lambda: (
-            _stragglers.late_rank_per_step(self.collective_skew(), self.table("steps")))), self.steps_analyzed()))
+            _stragglers.late_rank_per_step(self.collective_skew(), self.table("steps"))), analysed=True),
+            self.steps_analyzed()))
 
     def rank_lateness(self) -> pd.DataFrame:
         """Per (group, analysed step, rank): arrival minus the median arrival of its peers, share of the step (kept
         at compaction: ``derived_tables``)."""
         return self._memo("lateness", lambda: _tables.only_steps(self._derived(_derived.LATENESS, lambda: (
-            _stragglers.rank_lateness(self.arrival_collectives(), self.table("steps")))), self.steps_analyzed()))
+            _stragglers.rank_lateness(self.arrival_collectives(), self.table("steps"))), analysed=True),
+            self.steps_analyzed()))
 
-    def _derived(self, name: str, compute: Callable[[], pd.DataFrame]) -> pd.DataFrame:
-        # a compacted run's per-step frame kept at compaction when it is still the whole run's, else computed
-        kept = self._kept(name)
+    def _derived(self, name: str, compute: Callable[[], pd.DataFrame], *, analysed: bool = False) -> pd.DataFrame:
+        # a compacted run's per-step frame kept at compaction when it is still the whole run's, else computed;
+        # analysed: the caller keeps only the analysed steps' rows (only_steps), so the kept frame is read from the
+        # first to the last of them alone (its rows in the same order; the whole frame when none is there)
+        span = self.steps_analyzed() if analysed else []
+        kept = self._kept(name, steps=(span[0], span[-1])) if span else None
+        kept = kept if kept is not None and not kept.empty else self._kept(name)
         return kept if kept is not None else compute()
 
-    def _kept(self, name: str) -> pd.DataFrame | None:
-        # the whole-run frame of a derived table kept at compaction, None when the source has none (or not now)
+    def _kept(self, name: str, *, steps: tuple[int, int] | None = None) -> pd.DataFrame | None:
+        # the whole-run frame of a derived table kept at compaction (of steps first..last when given), None when
+        # the source has none (or not now)
         kept = getattr(self.source, "derived_table", None)
-        kept = kept(name, _derived.KEY, deriver=_derived.deriver) if kept is not None else None
+        kept = kept(name, _derived.KEY, deriver=_derived.deriver, steps=steps) if kept is not None else None
         return _derived.whole_run_frame(name, kept) if kept is not None else None
 
     def straggler_scores(self) -> pd.DataFrame:

@@ -86,7 +86,9 @@ def changes_of_links(bw: pd.DataFrame, node_of: dict[int, str], *, min_steps: in
     empty = pd.DataFrame(columns=LINK_CHANGE_COLUMNS)
     if bw.empty or len(set(node_of.values())) < 2:
         return empty
-    ok, links_of = _crossing(bw, node_of)
+    # the member lists as categories: the rows are filtered and copied below, and copies of a long string per row
+    # cost more than the rest (no output column holds them)
+    ok, links_of = _crossing(bw.assign(pg_ranks=pd.Categorical(bw["pg_ranks"])), node_of)
     # rows of a group listing no members never equal its class in link_bandwidth either: none of them count
     classes = [k for k, links in links_of.items() if links and not pd.isna(k[0])]
     if not classes:

@@ -36,10 +36,15 @@ def analyzed_steps(steps: pd.DataFrame, *, skip_first: int = 1) -> list[int]:
 
 
 def only_steps(df: pd.DataFrame, step_ids: list[int]) -> pd.DataFrame:
-    """The rows of ``df`` whose ``step`` is in ``step_ids``; ``df`` itself when either is empty."""
+    """The rows of ``df`` whose ``step`` is in ``step_ids``; ``df`` itself when either is empty. Rows kept in one
+    stretch (all of them, or a frame in step order) are a slice, not a copy of every row (long group strings)."""
     if df.empty or not step_ids:
         return df
-    return df[df["step"].isin(step_ids)].reset_index(drop=True)
+    keep = df["step"].isin(step_ids).to_numpy(dtype=bool, na_value=False)
+    kept = np.flatnonzero(keep)
+    if len(kept) and kept[-1] - kept[0] + 1 == len(kept):
+        return df.iloc[kept[0]:kept[-1] + 1].reset_index(drop=True)
+    return df[keep].reset_index(drop=True)
 
 
 def wall_ns(steps: pd.DataFrame) -> float | None:

@@ -2,11 +2,13 @@
 ``partitions.read_files`` gives (same rows, columns, types and order) for ``RunStore``'s reads of a table's files.
 
 A compacted table is split by step block and rank block (``partitions.write_partitions``): a 1,024-rank run's
-per-step tables are hundreds of files of a few hundred rows each, where a read per file (its schema, its dataset,
-its cast) costs more than the rows. One scan opens them all with the file's schema once. Files that are not all
-alike (a column one of them lacks, a type that differs, a schema version), or a scan that fails (a missing or
-damaged file), go through ``read_files`` file by file, which reads such files as before and names a damaged one
-and the fix.
+per-step tables are hundreds of files, where a read per file (its schema, its dataset, its cast) costs more than
+the rows of a small file, and more than the rows a filter keeps of a large one. One scan opens them all with the
+file's schema once (unfiltered large files are read side by side as whole tables); small files' rows are then
+merged by one sort of their ranks, large ones' by each rank's stretch of every file (``partitions.interleave``).
+Files that are not all alike (a column one of them lacks, a type that differs, a schema version), or a scan that
+fails (a missing or damaged file), go through ``read_files`` file by file, which reads such files as before and
+names a damaged one and the fix.
 """
 
 from __future__ import annotations
@@ -25,23 +27,24 @@ from dtprobe.store.partitions import PartFile, interleave, read_files
 ONE_SCAN_FILES = 3
 """Fewer files are read one by one (``read_files``): nothing to gain."""
 SMALL_FILE_ROWS = 16_384
-"""Files of more rows on average are read one by one: their per-file cost is small beside their rows, and
-``read_files`` reads them side by side into whole tables (the scan's many batches cost more to merge)."""
+"""Files of more rows on average are merged by rank stretches (``partitions.interleave``): one sort of every row's
+rank and a take of every row cost more there than a slice per rank and file."""
 _VERSION_KEY = b"dtprobe.schema_version"
 
 
 def read_files_at_once(tables_dir: Path, files: list[PartFile], name: str, expr: pc.Expression | None, *,
                        ordered: bool, columns: list[str] | None = None) -> pa.Table:
     """``partitions.read_files(tables_dir, files, name, expr, ordered=ordered, columns=columns)``, in one scan
-    when the files are many and small and share one schema holding every column of the table (else file by
-    file)."""
+    when the files are many, small or filtered, and share one schema holding every column of the table (else file
+    by file: a whole large file is read as fast alone)."""
     files = list(files)
-    small = len(files) >= ONE_SCAN_FILES and sum(f.rows for f in files) <= SMALL_FILE_ROWS * len(files)
-    parts = _scan(tables_dir, files, name, expr, columns) if small else None
+    small = sum(f.rows for f in files) <= SMALL_FILE_ROWS * len(files)
+    scan = len(files) >= ONE_SCAN_FILES and (small or expr is not None)
+    parts = _scan(tables_dir, files, name, expr, columns) if scan else None
     if parts is None:
         return read_files(tables_dir, files, name, expr, ordered=ordered, columns=columns)
     if ordered:
-        merged = _interleave(parts)
+        merged = _interleave(parts) if small else interleave(parts)
         return merged if merged is not None else parts[0]
     return pa.concat_tables(parts)
 
@@ -92,6 +95,7 @@ def _scan(tables_dir: Path, files: list[PartFile], name: str, expr: pc.Expressio
         for tagged in whole.scanner(columns=wanted, filter=expr).scan_batches():
             batches[tagged.fragment.path].append(tagged.record_batch)
         read = pa.schema([whole.schema.field(c) for c in wanted])
-        return [pa.Table.from_batches(batches[p], schema=read).cast(selected) for p in paths]
+        parts = [pa.Table.from_batches(batches[p], schema=read) for p in paths]
+        return parts if read.equals(selected, check_metadata=True) else [p.cast(selected) for p in parts]
     except (OSError, ValueError, KeyError, pa.ArrowException):
         return None

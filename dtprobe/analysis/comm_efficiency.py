@@ -179,14 +179,18 @@ def detect_comm_inefficient(bw: pd.DataFrame, by_size: pd.DataFrame, *, fit: tup
     small_ns, small_count = float(small["total_ns"].sum()), int(small["count"].sum())
     half = fit[0] * fit[1] / 1e9 if fit else 256 * 1024
     # Only collectives that could be merged matter: several latency-bound ones in the same group and step.
-    small_rows = bw[bw["num_bytes"] < half]
-    per_group_step = small_rows.groupby(["pg_ranks", "step"]).size()
+    # the columns read (no copy of the other columns' strings), grouped once
+    is_small = (bw["num_bytes"] < half).to_numpy(dtype=bool, na_value=False)
+    small_rows = bw[["pg_ranks", "step", "num_bytes"]]
+    small_rows = small_rows if is_small.all() else small_rows[is_small]
+    by_group_step = small_rows.groupby(["pg_ranks", "step"])
+    per_group_step = by_group_step.size()
     mergeable = int((per_group_step - 1).clip(lower=0).sum())
     if (total > 0 and small_ns / total >= min_latency_share and small_count >= min_small_count
             and mergeable >= max(1, num_steps)):      # at least one mergeable collective per step
         target = int(2 ** np.ceil(np.log2(max(4 * half, 1))))
         alpha = fit[0] if fit else float(small["median_ns"].min())
-        sizes = small_rows.groupby(["pg_ranks", "step"])["num_bytes"].sum()
+        sizes = by_group_step["num_bytes"].sum()
         merged = np.maximum(1.0, np.ceil(sizes / target))
         saved_ns = float(((per_group_step - merged.reindex(per_group_step.index)).clip(lower=0) * alpha).sum())
         gain = None

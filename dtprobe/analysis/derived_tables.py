@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from dtprobe.analysis.arrivals import GROUP_ROW_COLUMNS, LATE_RANK_COLUMNS, LATENESS_COLUMNS, arrival_clocks
 from dtprobe.analysis.arrivals import collective_skew, collective_waits, group_rows, late_rank_per_step
@@ -139,11 +141,36 @@ def whole_run_frame(name: str, blocks: pd.DataFrame) -> pd.DataFrame:
     if blocks.empty:
         return pd.DataFrame({col: [] for col in columns})
     if name == BANDWIDTH:    # collectives outside steps count only when none is inside one (collective_bandwidth)
-        in_steps = blocks["step"].notna() & (blocks["step"].fillna(-1) >= 0)
-        if in_steps.any():
-            blocks = blocks[in_steps.to_numpy(dtype=bool)]
+        in_steps = (blocks["step"].notna() & (blocks["step"].fillna(-1) >= 0)).to_numpy(dtype=bool)
+        if in_steps.any() and not in_steps.all():
+            blocks = blocks[in_steps]
     if name == GROUPS:       # a group or link seen in several blocks is one row, its latest device arrival kept
         return group_rows(blocks)
-    if name == BLOCKED:      # read by key (rank, step, group): any order
+    if name == BLOCKED or _in_order(blocks, by):    # blocked: read by key (rank, step, group), any order
         return blocks[columns].reset_index(drop=True)
     return blocks.sort_values(by, kind="stable", na_position="last").reset_index(drop=True)[columns]
+
+
+def _in_order(df: pd.DataFrame, by: list[str]) -> bool:
+    """Whether ``df.sort_values(by, kind="stable", na_position="last")`` would leave every row where it is (blocks
+    whose rows sort by step first, as ``bandwidth``'s): each row against the next, on the keys alone, in Arrow
+    (a sort copies every row, long member lists included)."""
+    if len(df) < 2:
+        return True
+    keys = pa.Table.from_pandas(df[by], preserve_index=False)
+    tied = np.ones(len(df) - 1, dtype=bool)                     # neighbours equal on the keys so far
+    for name in by:
+        column = keys.column(name)
+        a, b = column.slice(0, len(df) - 1), column.slice(1)
+        a_null, b_null = (_flags(x.is_null()) for x in (a, b))
+        if (tied & (_flags(pc.greater(a, b)) | (a_null & ~b_null))).any():     # nulls sort last
+            return False
+        tied &= _flags(pc.equal(a, b)) | (a_null & b_null)
+        if not tied.any():
+            break
+    return True
+
+
+def _flags(values: pa.ChunkedArray) -> np.ndarray:
+    """A boolean Arrow column as a numpy array, null as False."""
+    return np.asarray(pc.fill_null(values, False).to_numpy(zero_copy_only=False), dtype=bool)

@@ -654,14 +654,14 @@ def blocked_outside_groups(collectives: pd.DataFrame, waits: pd.DataFrame) -> pd
     })[BLOCKED_COLUMNS]
 
 
-def _as_text(values: pd.Series) -> np.ndarray:
-    """``values.astype(str).to_numpy()``; of a category column without a string per row (each category's text,
-    taken by code: a kept ``blocked`` table has hundreds of thousands of rows and a few groups)."""
-    if not isinstance(values.dtype, pd.CategoricalDtype):
-        return values.astype(str).to_numpy()
-    text = values.cat.categories.astype(str).to_numpy(dtype=object)
-    codes = values.cat.codes.to_numpy()
-    return np.where(codes >= 0, text[np.maximum(codes, 0)], np.nan) if len(text) else values.astype(str).to_numpy()
+def _as_text(values: pd.Series) -> pd.api.extensions.ExtensionArray:
+    """``values.astype(str)`` as an array an index level is made of without a Python string per row; of a category
+    column, its categories as text with the same codes (a kept ``blocked`` table has hundreds of thousands of rows
+    and a few groups)."""
+    text = values.cat.categories.astype(str) if isinstance(values.dtype, pd.CategoricalDtype) else None
+    if text is None or not len(text) or text.has_duplicates:
+        return values.astype(str).array
+    return pd.Categorical.from_codes(values.cat.codes.to_numpy(), categories=text)
 
 
 def _comm_ns(blocked: pd.Series, index: pd.MultiIndex, pg_ranks: str) -> np.ndarray:

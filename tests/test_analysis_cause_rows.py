@@ -15,8 +15,9 @@ LAYOUT = {"layout": {"dp": 4, "tp": 1, "pp": 1}}
 
 
 def causes_from_every_row(a: RunAnalysis) -> pd.DataFrame:
-    return st.straggler_causes(a.straggler_scores(), a.rank_lateness(), a.table("steps"), a.arrival_collectives(),
-                               a.collective_waits(), a.table("devices"), min_lateness_frac=a.options.min_lateness_frac)
+    return st.straggler_causes(a.straggler_scores(), a.rank_lateness(), a.table("steps"), a.table("devices"),
+                               blocked=st.blocked_outside_groups(a.arrival_collectives(), a.collective_waits()),
+                               min_lateness_frac=a.options.min_lateness_frac)
 
 
 @pytest.mark.parametrize("clock", ["device", "host"])

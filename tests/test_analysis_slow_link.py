@@ -140,7 +140,8 @@ def _stragglers(t: dict, slow_link_ranks: dict[int, int] | None) -> list:
     lateness = lateness[lateness["step"] >= 1]
     scores = st.straggler_scores(lateness)
     waits = st.collective_waits(t["collectives"], st.collective_skew(t["collectives"]))
-    causes = st.straggler_causes(scores, lateness, t["steps"], t["collectives"], waits, pd.DataFrame())
+    causes = st.straggler_causes(scores, lateness, t["steps"], pd.DataFrame(),
+                                 blocked=st.blocked_outside_groups(t["collectives"], waits))
     return st.detect_stragglers(scores, causes, links=st.linked_ranks(t["collectives"]), lateness=lateness,
                                 slow_link_ranks=slow_link_ranks)
 

@@ -17,8 +17,8 @@ def _findings(t: dict, **kw) -> list:
     lateness = lateness[lateness["step"] >= 1]          # warm-up step skipped, as the facade does
     scores = st.straggler_scores(lateness, **kw)
     waits = st.collective_waits(t["collectives"], skew)
-    causes = st.straggler_causes(scores, lateness, t["steps"], t["collectives"], waits,
-                                 t.get("devices", pd.DataFrame()))
+    causes = st.straggler_causes(scores, lateness, t["steps"], t.get("devices", pd.DataFrame()),
+                                 blocked=st.blocked_outside_groups(t["collectives"], waits))
     return st.detect_stragglers(scores, causes, links=st.linked_ranks(t["collectives"]), lateness=lateness)
 
 

@@ -206,8 +206,8 @@ def _bursty(n: int, first: int, *, seed: int) -> dict[int, list[float]]:
 
 def _findings(lateness: pd.DataFrame, throttled: pd.DataFrame | None, waited: pd.DataFrame | None = None) -> list:
     scores = st.straggler_scores(lateness, cpu_throttled=throttled, cpu_wait=waited)
-    causes = st.straggler_causes(scores, lateness, _phase_steps(lateness), pd.DataFrame(), pd.DataFrame(),
-                                 pd.DataFrame(), blocked=pd.DataFrame({c: [] for c in st.BLOCKED_COLUMNS}))
+    causes = st.straggler_causes(scores, lateness, _phase_steps(lateness), pd.DataFrame(),
+                                 blocked=pd.DataFrame({c: [] for c in st.BLOCKED_COLUMNS}))
     return st.detect_stragglers(scores, causes, lateness=lateness)
 
 

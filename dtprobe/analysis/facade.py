@@ -256,8 +256,8 @@ class RunAnalysis:
         """Per (group, rank) late enough to be a straggler candidate: excess data/compute/communication time in its
         late steps, throttling, cause."""
         return self._memo("causes", lambda: _stragglers.straggler_causes(
-            self.straggler_scores(), self.rank_lateness(), self.table("steps"), pd.DataFrame(), pd.DataFrame(),
-            self.table("devices"), min_lateness_frac=self.options.min_lateness_frac, blocked=self._blocked()))
+            self.straggler_scores(), self.rank_lateness(), self.table("steps"), self.table("devices"),
+            blocked=self._blocked(), min_lateness_frac=self.options.min_lateness_frac))
 
     def _blocked(self) -> pd.DataFrame:
         # per (rank, step, group): time blocked on peers outside it (kept at compaction), else from the rows of the

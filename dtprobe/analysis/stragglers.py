@@ -707,10 +707,9 @@ def window_blocked(collectives: pd.DataFrame, scores: pd.DataFrame, *, min_laten
     return blocked_outside_groups(rows, collective_waits(rows, collective_skew(rows)))
 
 
-def straggler_causes(scores: pd.DataFrame, lateness: pd.DataFrame, steps: pd.DataFrame,
-                     collectives: pd.DataFrame, waits: pd.DataFrame, devices: pd.DataFrame, *,
-                     min_explained_frac: float = 0.25, throttle_frac: float = 0.5,
-                     min_lateness_frac: float = 0.0, blocked: pd.DataFrame | None = None) -> pd.DataFrame:
+def straggler_causes(scores: pd.DataFrame, lateness: pd.DataFrame, steps: pd.DataFrame, devices: pd.DataFrame, *,
+                     blocked: pd.DataFrame, min_explained_frac: float = 0.25, throttle_frac: float = 0.5,
+                     min_lateness_frac: float = 0.0) -> pd.DataFrame:
     """For each scored (group, rank) late in its best window, over its late steps: how much of its mean lateness
     comes from data loading (``data_ns`` above its peers' median), from waiting on other peers (p2p spans and
     other groups' collectives, union, above its peers'), and the rest from its own compute; plus the share of its
@@ -720,12 +719,10 @@ def straggler_causes(scores: pd.DataFrame, lateness: pd.DataFrame, steps: pd.Dat
     if it explains at least ``min_explained_frac`` of the lateness, else ``unknown``. Only ranks whose median
     lateness reaches ``min_lateness_frac`` (0: every late rank) or that a view qualified (``detected_at_step``:
     the persistence view names ranks whose median lateness is below it) are examined. The waits come from
-    ``blocked`` when given (``blocked_outside_groups``, e.g. kept at compaction), else from ``collectives`` and
-    ``waits``. Columns: ``CAUSE_COLUMNS``."""
+    ``blocked`` (``blocked_outside_groups`` of the collectives and their waits, or of the candidates' rows only:
+    ``window_blocked``; kept at compaction). Columns: ``CAUSE_COLUMNS``."""
     require_columns(steps, ["rank", "step", "start_ns", "end_ns", "data_ns", "fwd_ns", "bwd_ns", "opt_ns"],
                     table="steps")
-    if blocked is None:
-        blocked = blocked_outside_groups(collectives, waits)
     require_columns(blocked, BLOCKED_COLUMNS, table="blocked_outside_groups")
     by_group = pd.Series(blocked["blocked_ns"].to_numpy(dtype="float64"), index=pd.MultiIndex.from_arrays(
         [blocked["rank"].to_numpy(dtype="int64"), blocked["step"].to_numpy(dtype="int64"),

@@ -218,8 +218,11 @@ class RunAnalysis:
         # analysed: the caller keeps only the analysed steps' rows (only_steps), so the kept frame is read from the
         # first to the last of them alone (its rows in the same order; the whole frame when none is there)
         span = self.steps_analyzed() if analysed else []
-        kept = self._kept(name, steps=(span[0], span[-1])) if span else None
-        kept = kept if kept is not None and not kept.empty else self._kept(name)
+        kept = self._kept(name, steps=(span[0], span[-1])) if span else self._kept(name)
+        # no rows in the span: the whole frame (as only_steps then returns it); None is the same with or without
+        # steps (the store keeps no frame of it now), so it is not asked twice
+        if span and kept is not None and kept.empty:
+            kept = self._kept(name)
         return kept if kept is not None else compute()
 
     def _kept(self, name: str, *, steps: tuple[int, int] | None = None) -> pd.DataFrame | None:

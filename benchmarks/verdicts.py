@@ -28,6 +28,14 @@ on another rank; any other verdict on the faulted rank (another code, or a STRAG
 apart as ``other``. Recall = runs with a true positive / faulted runs; precision = true positives / (true
 positives + false positives). Time-to-detect = the finding's
 ``detected_at_step`` minus the fault's first step (blank when the finding has no ``detected_at_step``).
+Realized effect. A fault's nominal slowdown is not what the job gets: a CPU quota first takes the slack a rank
+had while waiting on its peers, and the host's own noise moves every rank. So each slowdown run also reports the
+slowdown it realized, read from the raw step rows (not from dtprobe's analysis): the faulted rank's own compute
+(the median of fwd + opt per step) against the median of the other ranks' over the steps after the fault
+(``--fault-step`` + 1 to the end), divided by the same ratio over the steps before it (from step 3: the first
+steps are warm-up), minus 1. The ``real>=10%`` row scores the slowdown runs that realized 10% or more; the goal's
+"slowdowns of 10% and more" is judged there as well as on the nominal ``slow>=10%`` row. On a pipeline layout
+fwd also holds the waits for the previous stage's activations, so the figure is rougher there.
 A STRAGGLER false positive is also checked against the run's raw step rows (the chaos harness's
 ``straggler_confirmed``): ``FP conf`` counts those whose rank's own fwd + opt over the finding's window was longer
 than its group's by a third of its lateness or more, a straggler the host made (a VM's vCPUs run at different
@@ -57,7 +65,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "chaos"))
 
 from harness import (CpuQuota, Job, analyze, cgroup_v1_cpu_available, cpu_seconds, dtprobe_run_cmd,  # noqa: E402
-                     steps_done, straggler_confirmed, torchrun_cmd)
+                     own_compute_ms, steps_done, straggler_confirmed, torchrun_cmd)
 
 LAYOUTS = {"dp2": ("--nproc", "2"), "dp4": ("--nproc", "4"), "dp2xtp2": ("--nproc", "4", "--tp", "2"),
            "dp2xpp2": ("--nproc", "4", "--pp", "2", "--batch-size", "4")}
@@ -69,6 +77,10 @@ EXPECTED_CODE = {"inject": "STRAGGLER", "quota": "STRAGGLER", "kill": "RANK_CRAS
                  "mismatch": "COLLECTIVE_MISMATCH"}
 SLOWDOWN_CAUSE = "compute"
 JOB_TIMEOUT_S = 600
+WARMUP_STEPS = 3
+"""Steps left out of the realized slowdown's before-the-fault window (``realized_slowdown``)."""
+REALIZED_MIN = 0.10
+"""Realized slowdown from which a slowdown run counts in the ``real>=10%`` row."""
 
 
 @dataclass(kw_only=True)
@@ -100,6 +112,8 @@ class Outcome:
     other: list[str] = field(default_factory=list)
     """Verdicts on the faulted rank that are not the expected one (another code or cause)."""
     detect_steps: int | None = None
+    realized: float | None = None
+    """For inject/quota: the slowdown the fault realized (``realized_slowdown``); None when not measurable."""
     error: str | None = None
     wall_s: float = 0.0
 
@@ -164,6 +178,8 @@ def run_scenario(sc: Scenario, run_dir: Path, args: argparse.Namespace) -> None:
 def score(sc: Scenario, doc: dict, run_dir: Path) -> Outcome:
     """Judge every (verdict, rank) pair of the findings document of ``run_dir`` against the scenario."""
     out = Outcome(scenario=sc)
+    if sc.kind in ("inject", "quota") and sc.fault_step is not None:
+        out.realized = realized_slowdown(run_dir, sc.rank, sc.fault_step)
     expected = EXPECTED_CODE.get(sc.kind)
     for f in doc["findings"]:
         if f["code"] not in VERDICT_CODES or f["severity"] not in ("warning", "critical"):
@@ -186,6 +202,22 @@ def score(sc: Scenario, doc: dict, run_dir: Path) -> Outcome:
                 out.false_positives.append(label + (" [own compute slower]" if confirmed else ""))
                 out.confirmed_fps += confirmed
     return out
+
+
+def realized_slowdown(run_dir: Path, rank: int, fault_step: int) -> float | None:
+    """How much slower ``rank``'s own compute became against the other ranks' once the fault began (module
+    docstring, "Realized effect"): 0.1 = 10%; None without step rows on both sides of the fault."""
+    before = own_compute_ms(run_dir, WARMUP_STEPS, fault_step - 1)
+    after = own_compute_ms(run_dir, fault_step + 1, 1 << 62)
+
+    def ratio(medians: dict[int, float]) -> float | None:
+        others = [v for r, v in medians.items() if r != rank]
+        if rank not in medians or not others or statistics.median(others) <= 0:
+            return None
+        return medians[rank] / statistics.median(others)
+
+    r0, r1 = ratio(before), ratio(after)
+    return None if r0 is None or r1 is None else r1 / r0 - 1
 
 
 def _confirmed(run_dir: Path, finding: dict) -> bool:
@@ -221,7 +253,8 @@ def _fmt(x: float | None, spec: str = ".2f") -> str:
 
 
 def report(outcomes: list[Outcome]) -> str:
-    """The table: per scenario class and overall, runs, TP, FN, FP, precision, recall, time-to-detect."""
+    """The table: per scenario class and overall, runs, TP, FN, FP, precision, recall, time-to-detect, and the
+    median realized slowdown of the class's slowdown runs."""
     def row(name: str, group: list[Outcome]) -> str:
         faulted = [o for o in group if o.scenario.kind != "clean" and o.error is None]
         tp = sum(o.true_positive for o in faulted)
@@ -233,12 +266,14 @@ def report(outcomes: list[Outcome]) -> str:
         recall = tp / len(faulted) if faulted else None
         ttd = [o.detect_steps for o in faulted if o.detect_steps is not None]
         ttd_med = _fmt(statistics.median(ttd) if ttd else None, '.0f')
+        realized = [o.realized for o in faulted if o.realized is not None]
+        real_med = _fmt(100 * statistics.median(realized) if realized else None, '+.0f')
         return (f"{name:<14} {len(group):>4} {tp:>4} {len(faulted) - tp:>4} {fp:>4} {fp_conf:>7} {other:>5} "
                 f"{errors:>4} {_fmt(precision):>9} {_fmt(recall):>6} {ttd_med:>8} "
-                f"{_fmt(max(ttd) if ttd else None, '.0f'):>8}")
+                f"{_fmt(max(ttd) if ttd else None, '.0f'):>8} {real_med:>9}")
 
     lines = [f"{'class':<14} {'runs':>4} {'TP':>4} {'FN':>4} {'FP':>4} {'FP conf':>7} {'other':>5} {'err':>4} "
-             f"{'precision':>9} {'recall':>6} {'ttd med':>8} {'ttd max':>8}"]
+             f"{'precision':>9} {'recall':>6} {'ttd med':>8} {'ttd max':>8} {'real med%':>9}"]
     labels = sorted({o.scenario.label for o in outcomes},
                     key=lambda s: (list(EXPECTED_CODE).index(s.split("-")[0]) + 1 if s != "clean" else 0, s))
     for label in labels:
@@ -246,8 +281,16 @@ def report(outcomes: list[Outcome]) -> str:
     big = [o for o in outcomes if o.scenario.kind in ("inject", "quota") and o.scenario.slowdown >= 0.1]
     if big:
         lines.append(row("slow>=10%", big))
+    real = [o for o in outcomes if o.scenario.kind in ("inject", "quota") and o.realized is not None
+            and o.realized >= REALIZED_MIN]
+    if real:
+        lines.append(row("real>=10%", real))
     lines.append(row("overall", outcomes))
     return "\n".join(lines)
+
+
+def _realized_text(out: Outcome) -> str:
+    return "" if out.realized is None else f" (realized {out.realized:+.0%})"
 
 
 def reanalyze(log: Path, work_dir: Path) -> list[Outcome]:
@@ -269,7 +312,8 @@ def reanalyze(log: Path, work_dir: Path) -> list[Outcome]:
         except Exception as exc:          # a run directory that is gone or broken: counted as an error
             outcomes.append(Outcome(scenario=sc, error=f"{type(exc).__name__}: {exc}"))
         print(f"{run_dir.name}: " + ("error" if outcomes[-1].error else "TP" if outcomes[-1].true_positive else
-                                     "-") + "".join(f"; FP {x}" for x in outcomes[-1].false_positives), flush=True)
+                                     "-") + _realized_text(outcomes[-1])
+              + "".join(f"; FP {x}" for x in outcomes[-1].false_positives), flush=True)
     return outcomes
 
 
@@ -324,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         verdict = ("error: " + out.error if out.error else
                    ("TP" if out.true_positive else ("FN" if sc.kind != "clean" else "ok"))
                    + (f" (detected +{out.detect_steps} steps)" if out.detect_steps is not None else "")
+                   + _realized_text(out)
                    + (f"; FP {', '.join(out.false_positives)}" if out.false_positives else "")
                    + (f"; other {', '.join(out.other)}" if out.other else ""))
         target = "" if sc.rank is None else f" rank {sc.rank} from step {sc.fault_step}"

@@ -421,12 +421,11 @@ def analyze(run_dir: Path, *, timeout_s: float = 180) -> dict:
     return doc
 
 
-def own_compute_excess_ms(run_dir: Path, rank: int, first_step: int, last_step: int,
-                          peers: list[int] | None = None) -> float:
-    """How much longer ``rank``'s own compute was than its slowest peer's (``peers``, default every other rank)
-    over steps ``first_step``..``last_step``, read from the raw ``events/steps`` rows (not from dtprobe's
-    analysis): the median of fwd + opt per rank (the phases without a collective to wait in under data
-    parallelism), rank minus the largest peer median, in ms. Rows of every restart in the range count alike."""
+def own_compute_ms(run_dir: Path, first_step: int, last_step: int) -> dict[int, float]:
+    """Per rank, the median of its own compute over steps ``first_step``..``last_step``, read from the raw
+    ``events/steps`` rows (not from dtprobe's analysis): fwd + opt, the phases without a collective to wait in
+    under data parallelism, in ms. Rows of every restart in the range count alike; ranks without such rows are
+    left out."""
     own: dict[int, list[float]] = {}
     for path in sorted((Path(run_dir) / "events" / "steps").glob("rank*.jsonl")):
         for line in path.read_bytes().splitlines():
@@ -437,10 +436,17 @@ def own_compute_excess_ms(run_dir: Path, rank: int, first_step: int, last_step: 
             if first_step <= row.get("step", -1) <= last_step and row.get("fwd_ns") is not None \
                     and row.get("opt_ns") is not None:
                 own.setdefault(int(row["rank"]), []).append((row["fwd_ns"] + row["opt_ns"]) / 1e6)
-    peers = [r for r in (own if peers is None else peers) if r != rank and r in own]
-    if rank not in own or not peers:
+    return {r: sorted(v)[len(v) // 2] for r, v in own.items()}
+
+
+def own_compute_excess_ms(run_dir: Path, rank: int, first_step: int, last_step: int,
+                          peers: list[int] | None = None) -> float:
+    """How much longer ``rank``'s own compute (``own_compute_ms``) was than its slowest peer's (``peers``, default
+    every other rank) over steps ``first_step``..``last_step``, in ms."""
+    median = own_compute_ms(run_dir, first_step, last_step)
+    peers = [r for r in (median if peers is None else peers) if r != rank and r in median]
+    if rank not in median or not peers:
         raise ChaosError(f"{run_dir}: no fwd/opt step rows of rank {rank} and a peer in steps {first_step}-{last_step}")
-    median = {r: sorted(v)[len(v) // 2] for r, v in own.items()}
     return median[rank] - max(median[r] for r in peers)
 
 

@@ -1,0 +1,54 @@
+"""``benchmarks/verdicts.py`` scores a slowdown run by the slowdown it realized as well as by its nominal one:
+the faulted rank's own compute (fwd + opt from the raw step rows) against the other ranks', after the fault over
+before it."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import verdicts  # noqa: E402
+
+
+def _write_steps(run: Path, fwd_opt_ms: dict[int, list[float]]) -> None:
+    """Step rows per rank whose fwd + opt is the given ms per step (fwd 3/4 of it, opt 1/4)."""
+    folder = run / "events" / "steps"
+    folder.mkdir(parents=True)
+    for rank, per_step in fwd_opt_ms.items():
+        lines = [json.dumps({"rank": rank, "step": step, "restart": 0, "fwd_ns": int(ms * 0.75e6),
+                             "opt_ns": int(ms * 0.25e6), "bwd_ns": 5_000_000})
+                 for step, ms in enumerate(per_step)]
+        (folder / f"rank{rank:05d}.jsonl").write_text("\n".join(lines) + "\n" + '{"rank": ')   # a torn last line
+
+
+def test_realized_slowdown_is_the_faulted_ranks_compute_against_its_peers_after_over_before(tmp_path):
+    # 20 steps, fault from step 10; everyone 20% slower after it (the host), rank 1 a further 15% on top
+    base = {0: 100.0, 1: 110.0, 2: 90.0}
+    rows = {r: [500.0] * 3 + [ms] * 7 + [ms * 5] + [ms * 1.2 * (1.15 if r == 1 else 1.0)] * 9
+            for r, ms in base.items()}
+    _write_steps(tmp_path, rows)
+    assert verdicts.realized_slowdown(tmp_path, 1, 10) == pytest.approx(0.15)
+    assert verdicts.realized_slowdown(tmp_path, 0, 10) == pytest.approx(120 / ((110 * 1.2 * 1.15 + 90 * 1.2) / 2) - 1)
+    assert verdicts.realized_slowdown(tmp_path, 3, 10) is None          # no rows of that rank
+
+
+def test_report_scores_the_runs_that_realized_ten_percent_apart_from_the_nominal_class():
+    def run(slowdown: float, realized: float | None, tp: bool) -> verdicts.Outcome:
+        sc = verdicts.Scenario(kind="quota", layout="dp2", rank=1, slowdown=slowdown, fault_step=10)
+        return verdicts.Outcome(scenario=sc, true_positive=tp, realized=realized, detect_steps=5 if tp else None)
+
+    outcomes = [run(0.1, 0.04, False), run(0.1, 0.12, True), run(0.2, 0.30, True), run(0.05, 0.11, True),
+                verdicts.Outcome(scenario=verdicts.Scenario(kind="clean", layout="dp2"))]
+    rows = {line.split()[0]: line.split() for line in verdicts.report(outcomes).splitlines()[1:]}
+    # columns: class runs TP FN FP FPconf other err precision recall ttd-med ttd-max real-med%
+    assert rows["slow>=10%"][1:4] == ["3", "2", "1"] and rows["slow>=10%"][9] == "0.67"
+    assert rows["real>=10%"][1:4] == ["3", "3", "0"] and rows["real>=10%"][9] == "1.00"
+    assert rows["real>=10%"][12] == "+12"                                 # median of 12, 30 and 11%
+    assert rows["quota-10"][12] == "+8"                                   # median of 4 and 12%
+    assert rows["clean"][12] == "-"

@@ -52,8 +52,10 @@ _MERGE_CHUNKS = 16
 _PARALLEL_FILES = 8
 """Parse events files on a thread pool when at least this many grew since the last read."""
 _PARSE_THREADS = min(8, os.cpu_count() or 1)
-_BATCH_BYTES = 4 << 20
-"""New bytes over all files of a table up to which a refresh parses them in one call (live tailing)."""
+_BATCH_BYTES = 64 << 20
+"""New bytes over all files of a table up to which a refresh parses them in one call (live tailing: a step of
+1,024 ranks is about 20 MB of collectives, parsed in one threaded Arrow call instead of 1,024 small ones; bounded,
+like ``jsonl._READ_BYTES``, so a first read of a long run still goes file by file)."""
 
 
 @dataclass
@@ -66,6 +68,8 @@ class _Chunk:
     """Rows already in the table's sort order (compacted files read in order)."""
     span: tuple[int, int] | None = None
     """Lowest and highest step block of the rows when known (``_block_span``)."""
+    steps: tuple[int, int] | None = None
+    """Lowest and highest ``step`` of the rows when known (rows with a step in one block: ``_append``)."""
 
 
 @dataclass
@@ -89,6 +93,8 @@ class _TableState:
     """Distinct steps per step block of the compacted files (the marker's ``step_blocks``)."""
     held_files: list[PartFile] = field(default_factory=list)
     """The compacted files whose rows the chunks hold (read by ``_load``)."""
+    step_counts: dict[int, int] | None = None
+    """Rows per step of the chunks (``RunStore._step_counts``), kept up to date by ``_append``; None: not counted."""
 
 
 class RunStore:
@@ -291,7 +297,7 @@ class RunStore:
                 if deriver is None or self._tail_from_step is not None:
                     return None
                 return self._live_derived.table(name, key, deriver, clock=self.clock_model().key,
-                                                counts=self._block_counts, rows=self._block_rows, steps=steps)
+                                                counts=self._step_counts, rows=self._block_rows, steps=steps)
             derived = self._compacted.get("derived") or {}
             if (derived.get("key") != key or name not in derived.get("tables", {}) or self._tail_from_step is not None
                     or not self.compaction_is_whole()):
@@ -426,6 +432,7 @@ class RunStore:
             return
         state.num_rows -= state.chunks[0].rows.num_rows
         state.chunks, state.unread, state.held_files = [], state.held_files, []
+        state.step_counts = None
 
     def _counted(self, name: str) -> _TableState:
         """The table's state for counting steps: compacted files not held are counted from the marker, unless
@@ -487,6 +494,7 @@ class RunStore:
         state.chunks.insert(0, _Chunk(rows, self._compacted_basis(), in_order=state.ordered or len(files) == 1))
         state.num_rows += rows.num_rows
         state.frame = None
+        state.step_counts = None
         return rows.num_rows
 
     def _read_compacted(self, name: str, state: _TableState, files: list[PartFile],
@@ -517,28 +525,37 @@ class RunStore:
                                     in_order=state.ordered or len(files) == 1))
         return self._aligned_chunks(name, chunks, self.clock_model())
 
-    def _block_counts(self, name: str) -> dict[int, int]:
-        """Rows per step block (``partitions.block_of``; -1: outside steps) of a not compacted table."""
-        steps = [c.rows.column("step") for c in self._load(name).chunks if c.rows.num_rows]
-        if not steps:
-            return {}
-        step = pc.fill_null(pa.chunked_array([a for c in steps for a in c.chunks], type=pa.int64()), -1)
-        count = np.bincount(block_of(step.to_numpy()) - NO_STEP_BLOCK)
-        return {int(b) + NO_STEP_BLOCK: int(n) for b, n in enumerate(count) if n}
+    def _step_counts(self, name: str) -> dict[int, int]:
+        """Rows per step (``NO_STEP_BLOCK``: outside steps, ``step`` null or negative) of a not compacted table
+        (counted once, then only the rows each refresh adds)."""
+        state = self._load(name)
+        if state.step_counts is None:
+            state.step_counts = _count_steps([c.rows for c in state.chunks])
+        return state.step_counts
 
-    def _block_rows(self, name: str, block: int) -> pd.DataFrame:
-        """A not compacted table's rows of step block ``block`` as ``table()`` gives them (-1: outside steps)."""
+    def _block_rows(self, name: str, block: int, first_step: int | None = None) -> pd.DataFrame:
+        """A not compacted table's rows of step block ``block`` (-1: outside steps) as ``table()`` gives them; from
+        step ``first_step`` on when given (a refresh's new steps of the block)."""
         if block == NO_STEP_BLOCK:
             expr = pc.field("step").is_null() | (pc.field("step") < 0)
         else:
-            expr = row_filter((block * STEP_BLOCK_STEPS, (block + 1) * STEP_BLOCK_STEPS - 1), None)
+            low = block * STEP_BLOCK_STEPS if first_step is None else max(first_step, block * STEP_BLOCK_STEPS)
+            expr = row_filter((low, (block + 1) * STEP_BLOCK_STEPS - 1), None)
         chunks = []
         for c in self._load(name).chunks:
             low, high = c.span if c.span is not None else _block_span(c.rows)
-            if low == high == block:      # wholly in the block (a live run's first read, its newest lines): as is
-                chunks.append(c)
-            elif low <= block <= high:
-                chunks.append(_Chunk(filter_rows(c.rows, expr), c.basis, c.in_order))
+            if not low <= block <= high:
+                continue
+            if low == high == block and (first_step is None or block == NO_STEP_BLOCK):
+                chunks.append(c)   # wholly in the block (a live run's first read, its newest lines): as is
+                continue
+            if low == high == block and c.steps is not None:
+                if c.steps[1] < first_step:
+                    continue       # the block's steps before first_step only: not read
+                if c.steps[0] >= first_step:
+                    chunks.append(c)
+                    continue
+            chunks.append(_Chunk(filter_rows(c.rows, expr), c.basis, c.in_order))
         rows = self._aligned_chunks(name, chunks, self.clock_model())
         return arrow_to_frame(rows, name) if rows.num_rows else empty_frame(name)
 
@@ -630,10 +647,18 @@ class RunStore:
         rows = pa.concat_tables(new_chunks)
         # a chunk per step block: a live refresh derives its newest block from that block's chunks alone
         # (``_block_rows``), not by filtering a first read that holds every block
-        state.chunks.extend(_Chunk(part, None, span=None if block is None else (block, block))
+        # (and its new steps from their chunks alone: each chunk's steps are known); a part of many Arrow chunks
+        # (one per rank's file, from a read file by file) is made contiguous once, so that every later filter or
+        # sort of it does not pay a per-chunk cost per rank
+        state.chunks.extend(_Chunk(part if part.column(0).num_chunks <= _MERGE_CHUNKS else part.combine_chunks(),
+                                   None, span=None if block is None else (block, block),
+                                   steps=None if block is None or block == NO_STEP_BLOCK else _step_span(part))
                             for block, part in _by_block(rows))
         state.num_rows += rows.num_rows
         state.frame = None
+        if state.step_counts is not None:
+            for step, n in _count_steps([rows]).items():
+                state.step_counts[step] = state.step_counts.get(step, 0) + n
         raw: dict[tuple[int, int] | None, list[_Chunk]] = {}
         for c in state.chunks:
             if c.basis is None:
@@ -641,7 +666,8 @@ class RunStore:
         if sum(map(len, raw.values())) - len(raw) > _MERGE_CHUNKS:   # many appends: one chunk per block again
             state.chunks = [c for c in state.chunks if c.basis is not None] + [
                 parts[0] if len(parts) == 1 else
-                _Chunk(pa.concat_tables([c.rows for c in parts]).combine_chunks(), None, span=span)
+                _Chunk(pa.concat_tables([c.rows for c in parts]).combine_chunks(), None, span=span,
+                       steps=_merged_steps([c.steps for c in parts]))
                 for span, parts in sorted(raw.items(), key=lambda item: item[0] or (NO_STEP_BLOCK, NO_STEP_BLOCK))]
         return rows.num_rows
 
@@ -695,6 +721,34 @@ def _block_span(rows: pa.Table) -> tuple[int, int]:
     return tuple(block_of(np.array([low_high["min"].as_py(), low_high["max"].as_py()])).tolist())
 
 
+def _count_steps(parts: list[pa.Table]) -> dict[int, int]:
+    """Rows per ``step`` of ``parts`` (``NO_STEP_BLOCK``: step null or negative); {} for a table without steps."""
+    steps = [p.column("step") for p in parts if p.num_rows and "step" in p.column_names]
+    if not steps:
+        return {}
+    step = pc.fill_null(pa.chunked_array([a for c in steps for a in c.chunks], type=pa.int64()), -1).to_numpy()
+    step = np.where(step < 0, NO_STEP_BLOCK, step)
+    if step.max() > 16 * len(step) + (1 << 20):     # sparse step numbers: count the distinct ones
+        values, count = np.unique(step, return_counts=True)
+        return dict(zip(values.tolist(), count.tolist()))
+    count = np.bincount(step - NO_STEP_BLOCK)
+    present = np.flatnonzero(count)
+    return dict(zip((present + NO_STEP_BLOCK).tolist(), count[present].tolist()))
+
+
+def _step_span(rows: pa.Table) -> tuple[int, int]:
+    """The lowest and highest ``step`` of rows that all have one (a step block's)."""
+    low_high = pc.min_max(rows.column("step"))
+    return int(low_high["min"].as_py()), int(low_high["max"].as_py())
+
+
+def _merged_steps(spans: list[tuple[int, int] | None]) -> tuple[int, int] | None:
+    """The step span of chunks merged into one (None when some chunk's is unknown)."""
+    if any(s is None for s in spans):
+        return None
+    return min(s[0] for s in spans), max(s[1] for s in spans)
+
+
 def _align(chunk: _Chunk, name: str, model: ClockModel, run_dir: Path) -> pa.Table:
     """``chunk``'s rows with every time column on rank 0's clock under ``model`` (raw rows: plus the rank's offset
     at each time; compacted rows: plus what changed since their basis, ``clock_sync.Basis.shifts``)."""
@@ -704,7 +758,8 @@ def _align(chunk: _Chunk, name: str, model: ClockModel, run_dir: Path) -> pa.Tab
         return rows
     ranks = rows.column("rank").to_numpy(zero_copy_only=False)
     present = np.unique(ranks)
-    missing = [int(r) for r in present if int(r) not in model.ranks]
+    known = model.ranks
+    missing = [int(r) for r in present if int(r) not in known]
     if missing:
         raise TraceError(f"ranks {missing} have '{name}' rows but no rank info file in {run_dir / 'ranks'}, so "
                          f"their clock offsets are unknown. Restore ranks/rankNNNNN.json for them.")

@@ -52,10 +52,14 @@ _MERGE_CHUNKS = 16
 _PARALLEL_FILES = 8
 """Parse events files on a thread pool when at least this many grew since the last read."""
 _PARSE_THREADS = min(8, os.cpu_count() or 1)
-_BATCH_BYTES = 64 << 20
-"""New bytes over all files of a table up to which a refresh parses them in one call (live tailing: a step of
-1,024 ranks is about 20 MB of collectives, parsed in one threaded Arrow call instead of 1,024 small ones; bounded,
-like ``jsonl._READ_BYTES``, so a first read of a long run still goes file by file)."""
+_BATCH_BYTES = 4 << 20
+"""New bytes over all files of a table up to which a refresh parses them in one call (live tailing)."""
+_BATCH_MANY = 16
+"""... and up to this many times that when each file grew by ``_BATCH_FILE_BYTES`` or less on average: a live step
+of 1,024 ranks is about 20 MB of collectives in 20 KB increments, parsed in one threaded Arrow call instead of 1,024
+small ones. Larger increments (a first read) are parsed file by file on the thread pool, which is faster there."""
+_BATCH_FILE_BYTES = 64 << 10
+"""Mean new bytes per grown file up to which ``_BATCH_MANY`` applies."""
 
 
 @dataclass
@@ -577,7 +581,9 @@ class RunStore:
                 continue  # nothing appended (a file shorter than its cursor is reported by read_new_rows)
             grown.append((rank, path, cursor, size))
         before = [(c, c.offset_bytes, c.lines) for _, _, c, _ in grown]
-        if 1 < len(grown) and sum(size - c.offset_bytes for _, _, c, size in grown) <= _BATCH_BYTES \
+        new_bytes = sum(size - c.offset_bytes for _, _, c, size in grown)
+        if 1 < len(grown) and (new_bytes <= _BATCH_BYTES or new_bytes <= min(_BATCH_MANY * _BATCH_BYTES,
+                                                                             _BATCH_FILE_BYTES * len(grown))) \
                 and all(rank in known for rank, *_ in grown):
             rows = read_new_rows_batched([(path, cursor, rank) for rank, path, cursor, _ in grown], name)
             if rows is not None:  # else read file by file below, which names any damage exactly

@@ -16,7 +16,7 @@ from dtprobe.runtime.options import options, toml_value
 DOCUMENTED_FLAGS = {
     "--nproc": "nproc", "--nnodes": "nnodes", "--node-rank": "node_rank", "--rdzv-endpoint": "rdzv_endpoint",
     "--max-restarts": "max_restarts", "--timeout": "timeout_s", "--run-dir": "run_dir", "--device": "device",
-    "--cpu-bind": "cpu_bind",
+    "--cpu-bind": "cpu_bind", "--worker-start": "worker_start",
     "--model": "model.name", "--dp": "layout.dp", "--tp": "layout.tp", "--pp": "layout.pp", "--zero": "layout.zero",
     "--pp-schedule": "layout.pp_schedule", "--microbatches": "layout.microbatches",
     "--virtual-stages": "layout.virtual_stages", "--sequence-parallel": "layout.sequence_parallel",
@@ -36,6 +36,7 @@ DOCUMENTED_FLAGS = {
 """Every option flag of ``dtprobe run`` as documented (README.md, ``--help``) -> the job key it sets."""
 
 DOCUMENTED_CHOICES = {"--device": ("auto", "cpu", "cuda"), "--cpu-bind": ("auto", "off"),
+                      "--worker-start": ("fork", "exec"),
                       "--lr-scaling": ("linear", "none"), "--data": ("synthetic", "text"),
                       "--optimizer": ("adamw", "lamb", "lars")}
 """Flags whose values argparse itself restricts (the dataclasses validate every other value)."""

@@ -29,6 +29,9 @@ OPTIMIZERS = ("adamw", "lamb", "lars")
 DATA_SOURCES = ("synthetic", "text")
 DEVICES = ("auto", "cpu", "cuda")
 CPU_BINDS = ("auto", "off")
+WORKER_STARTS = ("fork", "exec")
+WORKER_START_ENV = "DTPROBE_WORKER_START"
+"""The variable by which the launcher tells torchrun's agent the job's ``worker_start`` (``runtime.fork_start``)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -176,8 +179,14 @@ class JobConfig:
     """``auto``: on a CPU device each worker binds to its own share of the node's cores (``worker.bind_cores``),
     so ranks do not migrate between cores and the scheduler's noise stays off their step times; ``off``: leave
     placement to the OS."""
+    worker_start: str = option("fork", choices=WORKER_STARTS)
+    """How torchrun's agent starts each worker: ``fork`` a copy of itself that already imported torch and the
+    worker's modules (``runtime.fork_start``; the workers skip seconds of imports at every start and restart) or
+    ``exec`` a new ``python -m dtprobe.runtime.worker`` (torchrun's own start)."""
 
     def __post_init__(self) -> None:
+        if self.worker_start not in WORKER_STARTS:
+            raise ConfigError(f"worker_start = {self.worker_start!r}; use --worker-start fork or exec.")
         if self.cpu_bind not in CPU_BINDS:
             raise ConfigError(f"cpu_bind = {self.cpu_bind!r}; use --cpu-bind auto or off.")
         if self.device not in DEVICES:

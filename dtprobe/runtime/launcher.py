@@ -3,6 +3,8 @@ and finalizes the store (status, compaction). Called by ``dtprobe.commands.run``
 
 One launcher per node. Node 0 creates ``<run>/job.json`` (the resolved ``JobConfig``) and the manifest; other
 nodes wait for both (the run dir must be on a shared filesystem) and pass the same job to their workers.
+torchrun's agent (``runtime.torchrun_agent``) starts the workers by forking itself once it imported torch and the
+worker (``--worker-start fork``, ``runtime.fork_start``) or by exec (``--worker-start exec``, torchrun's own start).
 torchrun runs in its own session; its log goes to ``<run>/logs/torchrun.node<K>.log`` and each worker's
 stdout/stderr to ``<run>/logs/node<K>/<rdzv id>/attempt_<n>/<local rank>/``. Progress is read from the steps rows
 of the rank that reports the loss (rank 0, or with pipeline parallelism the first rank holding the last stage:
@@ -40,7 +42,7 @@ from typing import Callable
 import orjson
 
 from dtprobe.runtime.attempts import ExitWatcher, attempt_dirs, read_attempts
-from dtprobe.runtime.config import JobConfig
+from dtprobe.runtime.config import WORKER_START_ENV, JobConfig
 from dtprobe.runtime.parallel.mesh import loss_rank
 from dtprobe.store import manifest as store_manifest
 from dtprobe.store.errors import ConfigError
@@ -119,6 +121,7 @@ def torchrun_command(job: JobConfig) -> list[str]:
 def worker_env(job: JobConfig) -> dict[str, str]:
     env = dict(os.environ)
     env["DTPROBE_JOB"] = str(Path(job.run_dir) / JOB_FILE)
+    env[WORKER_START_ENV] = job.worker_start     # read by the agent (runtime.torchrun_agent)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), env.get("PYTHONPATH")]))
     if job.device != "cuda":
         env.setdefault("OMP_NUM_THREADS", "1")

@@ -9,8 +9,9 @@ whole): an uncaught exception is written (type and message, traceback, time) to 
 ``TORCHELASTIC_ERROR_FILE``, i.e.
 ``<log dir>/<run>_*/attempt_<n>/<local rank>/error.json`` under the launcher's ``--log-dir``. Beside it the worker
 writes ``worker.json`` (``WORKER_FILE``) first thing: ``{"rank", "local_rank", "node_rank", "pid", "restart",
-"started_ns"}``, and at a clean return ``"ended_ns"`` and ``"exit_code": 0`` too; the launcher reads both files
-to record each attempt's per-rank exits in run.json (``runtime.launcher.read_attempts``).
+"started_ns", "start"}`` (``start``: ``fork`` or ``exec``, ``runtime.fork_start``), and at a clean return
+``"ended_ns"`` and ``"exit_code": 0`` too; the launcher reads both files to record each attempt's per-rank exits
+in run.json (``runtime.launcher.read_attempts``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import dtprobe
 from dtprobe.runtime.attempts import WORKER_FILE
 from dtprobe.runtime.config import JobConfig, load_job
 from dtprobe.runtime.error_file import record
+from dtprobe.runtime.fork_start import started_by
 from dtprobe.runtime.train import train
 from dtprobe.store.errors import ConfigError
 
@@ -91,7 +93,8 @@ def write_worker_file(**update: object) -> None:
     except (OSError, ValueError):
         info = {"rank": int(os.environ.get("RANK", "0")), "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
                 "node_rank": int(os.environ.get("GROUP_RANK", "0")), "pid": os.getpid(),
-                "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), "started_ns": time.time_ns()}
+                "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), "started_ns": time.time_ns(),
+                "start": started_by()}
     info.update(update)
     tmp = path.with_name(f".{WORKER_FILE}.tmp")
     tmp.write_text(json.dumps(info) + "\n")

@@ -1,0 +1,335 @@
+"""Warm worker start for ``dtprobe run``: torchrun's agent (``runtime.torchrun_agent``) imports torch,
+``torch._dynamo`` (DDP imports it) and the worker's modules once, then starts each ``python -u -m
+dtprobe.runtime.worker`` it would have exec'd by forking itself and running that module in the child, so no worker
+pays the imports. Read by ``runtime.torchrun_agent``; chosen by ``runtime.launcher`` (``--worker-start``).
+
+The child gets what torchrun's ``SubprocessHandler`` gives a Popen'd worker, observable the same way:
+- torchrun's environment for its rank (``os.environ`` replaced, C ``environ`` too), ``sys.argv`` =
+  ``[<worker.py>, *args]`` (``runpy``, ``__name__ == "__main__"``), stdout/stderr on torchrun's per-rank files
+  (``dup2``) written through as under ``-u``, stdin inherited, every other descriptor closed (``close_fds``), its
+  own session (``start_new_session``: torchrun stops a worker with ``killpg``);
+- signal handlers of a fresh interpreter (torchrun's handlers in the agent are reset), no ``atexit`` functions but
+  those the warm imports registered (``multiprocessing``'s, ``logging.shutdown``), loggers with the handlers and
+  levels they had before torchrun ran;
+- its exit status as torchrun reads it (``poll``/``wait`` on a ``waitpid`` status; -N when signal N killed it): the
+  module's return through ``runtime.quick_exit``, ``SystemExit``'s code, 1 after an uncaught exception (the
+  worker's ``@record`` has written torchelastic's error file), death by SIGINT after an uncaught
+  ``KeyboardInterrupt``, as the interpreter does.
+
+Why forking the agent is safe: the fork happens on the agent's main thread inside torchrun's ``_start``; the other
+threads (the rendezvous store's server loop, the rendezvous keep-alive) do not exist in the child, and the child
+never touches an object they own: it closes every inherited descriptor (so the agent's store socket is not kept
+open by workers), builds its own process group and store client from the environment, writes through new
+``sys.std*`` objects (a lock the agent's old streams held stays unused) and freezes the inherited objects for the
+cycle collector (no finalizer of an agent object runs in the child and closes a descriptor number the worker
+reuses). CPython re-initializes its own locks after ``fork`` (GIL, import lock, ``logging``'s locks, ``random``'s
+seed). CUDA cannot be used in a forked child once the parent initialized it: the agent never does, and if it had,
+the start falls back to exec. OpenMP: the agent runs no tensor operation, so no thread pool exists to be
+inherited. The exec start (torchrun's own) stays: ``DTPROBE_WORKER_START=exec``.
+
+Only our worker module is forked (``WORKER_MODULE``); ``dtprobe launch`` runs user scripts, whose import-time
+behaviour (environment read at import, modules already imported by the agent) we cannot vouch for, so it execs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import gc
+import importlib
+import io
+import logging
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import warnings
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
+
+from dtprobe.runtime.config import WORKER_START_ENV, WORKER_STARTS
+from dtprobe.runtime.quick_exit import quick_exit
+from dtprobe.store.errors import ConfigError
+
+WORKER_MODULE = "dtprobe.runtime.worker"
+"""The only entrypoint started by fork (``python -u -m WORKER_MODULE ...``)."""
+WARM_MODULES = ("torch", "torch.distributed", "torch._dynamo", "torch.nn.parallel", "dtprobe.collectors.attach",
+                WORKER_MODULE)
+"""Imported by the agent before torchrun starts: torch, what DDP's ``__init__`` imports, what ``dtprobe.attach``
+imports when called (the collectors, the store, pandas), and the worker with everything it imports (the train
+loop, the layouts). The worker module's own top level runs again as ``__main__`` in every child, so it only
+defines things."""
+
+_WARM_ATEXIT: list[tuple[Callable, tuple, dict]] = []
+_WARM_LOGGERS: dict[str, tuple[list[logging.Handler], int, bool, bool]] = {}
+_KEEP_ALIVE: list[Any] = []     # the agent's sys.std* objects, replaced in the child but never finalized there
+_FORKED = False
+
+
+def started_by() -> str:
+    """``fork`` in a worker started by this module, else ``exec`` (recorded in the worker's ``worker.json``)."""
+    return "fork" if _FORKED else "exec"
+
+
+def requested(argv: Sequence[str], environ: dict[str, str] | None = None) -> bool:
+    """Whether the agent command ``argv`` runs ``WORKER_MODULE`` and the start is ``fork`` (the default)."""
+    environ = os.environ if environ is None else environ
+    method = environ.get(WORKER_START_ENV, "fork")
+    if method not in WORKER_STARTS:
+        raise ConfigError(f"{WORKER_START_ENV}={method!r}; use one of {', '.join(WORKER_STARTS)} (`dtprobe run "
+                          f"--worker-start` sets it).")
+    argv = list(argv)
+    runs_worker = any(a == "-m" and b == WORKER_MODULE for a, b in zip(argv, argv[1:]))
+    return method == "fork" and runs_worker
+
+
+def install() -> None:
+    """Import ``WARM_MODULES`` (recording the ``atexit`` functions and logger state they set up, which a worker's
+    own imports would set up too) and make torchrun start ``WORKER_MODULE`` with ``ForkHandler``."""
+    register = atexit.register
+
+    def recording_register(func: Callable, *args: Any, **kwargs: Any) -> Callable:
+        _WARM_ATEXIT.append((func, args, kwargs))
+        return register(func, *args, **kwargs)
+
+    atexit.register = recording_register
+    try:
+        for name in WARM_MODULES:
+            importlib.import_module(name)
+    finally:
+        atexit.register = register
+    sys.modules.pop(WORKER_MODULE, None)     # as in a fresh `python -m`: only __main__ runs the worker's code
+    for name, logger in [("", logging.getLogger()), *logging.Logger.manager.loggerDict.items()]:
+        if isinstance(logger, logging.Logger):
+            _WARM_LOGGERS[name] = (list(logger.handlers), logger.level, logger.propagate, logger.disabled)
+    from torch.distributed.elastic.multiprocessing import api
+
+    api.get_subprocess_handler = get_subprocess_handler
+
+
+def get_subprocess_handler(entrypoint: str, args: tuple, env: dict[str, str], stdout: str | None,
+                           stderr: str | None, local_rank_id: int, numa_options: Any = None) -> Any:
+    """torchrun's ``get_subprocess_handler`` (same arguments) returning a ``ForkHandler``."""
+    return ForkHandler(entrypoint=entrypoint, args=args, env=env, stdout=stdout, stderr=stderr,
+                       local_rank_id=local_rank_id, numa_options=numa_options)
+
+
+class ForkHandler(SubprocessHandler):
+    """torchrun's ``SubprocessHandler`` (files, environment, ``close`` by ``killpg``) whose process is a fork of
+    the agent running ``WORKER_MODULE`` when the command is ``python -u -m WORKER_MODULE ...`` and CUDA is not
+    initialized here; any other command (a numactl wrapper, another module) is Popen'd as torchrun does."""
+
+    def _popen(self, args: tuple, env: dict[str, str]) -> Any:
+        module_args = worker_args(args)
+        if module_args is None or torch.cuda.is_initialized():
+            return super()._popen(args, env)
+        return ForkedWorker.start(args, env, module_args=module_args, stdout=self._stdout, stderr=self._stderr)
+
+
+def worker_args(args: Sequence[str]) -> list[str] | None:
+    """The module's arguments when ``args`` is ``python -u -m WORKER_MODULE ARGS`` (torchrun's command for
+    ``-m``), else None."""
+    args = [str(a) for a in args]
+    python = os.environ.get("PYTHON_EXEC", sys.executable)
+    if len(args) >= 4 and args[0] == python and args[1:4] == ["-u", "-m", WORKER_MODULE]:
+        return args[4:]
+    return None
+
+
+class ForkedWorker:
+    """The part of ``subprocess.Popen`` torchrun uses (``pid``, ``args``, ``returncode``, ``poll``, ``wait``,
+    ``send_signal``, ``terminate``, ``kill``) for a forked worker; the status is ``waitpid``'s, decoded as Popen
+    does (-N for death by signal N)."""
+
+    def __init__(self, pid: int, args: tuple) -> None:
+        self.pid = pid
+        self.args = args
+        self.returncode: int | None = None
+
+    @classmethod
+    def start(cls, args: tuple, env: dict[str, str], *, module_args: list[str], stdout: io.IOBase | None,
+              stderr: io.IOBase | None) -> "ForkedWorker":
+        for stream in (sys.stdout, sys.stderr):      # nothing buffered here may be written again by the child
+            stream.flush()
+        out_fd = stdout.fileno() if stdout is not None else None
+        err_fd = stderr.fileno() if stderr is not None else None
+        with warnings.catch_warnings():     # Python >= 3.12 warns of fork() with threads; see the module docstring
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:
+            _child(env, module_args, out_fd=out_fd, err_fd=err_fd)     # never returns
+        return cls(pid, args)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:       # reaped elsewhere: the status is lost, as Popen reports it
+                self.returncode = 0
+                return self.returncode
+            if pid == self.pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 0.0005
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(list(self.args), timeout)
+            time.sleep(delay if deadline is None else min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, 0.05)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _child(env: dict[str, str], module_args: list[str], *, out_fd: int | None, err_fd: int | None) -> None:
+    """In the forked child: become what a Popen'd ``python -u -m WORKER_MODULE`` would be, run it, exit."""
+    global _FORKED
+    _FORKED = True
+    code = 1
+    try:
+        gc.freeze()                 # the agent's objects: never collected (nor finalized) here
+        os.setsid()
+        _reset_signals()
+        _redirect(out_fd, err_fd)
+        _reset_interpreter_state(env)
+        sys.argv = [WORKER_MODULE, *module_args]
+        sys.orig_argv = [os.environ.get("PYTHON_EXEC", sys.executable), "-u", "-m", WORKER_MODULE, *module_args]
+        code = _run_worker()
+    except BaseException:           # the child's own setup failed: report it as a worker that failed
+        try:
+            traceback.print_exc()
+        finally:
+            os._exit(1)
+    quick_exit(code)
+
+
+def _reset_signals() -> None:
+    """Dispositions of a fresh interpreter: SIGINT raises KeyboardInterrupt, torchrun's Python handlers (and any
+    other) back to the default, ignored signals stay ignored (exec keeps them too); no wakeup fd, no
+    faulthandler unless the worker's environment asks for it."""
+    signal.set_wakeup_fd(-1)
+    for sig in signal.valid_signals():
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        try:
+            handler = signal.getsignal(sig)
+        except (OSError, ValueError):
+            continue
+        if sig == signal.SIGINT:
+            signal.signal(sig, signal.default_int_handler)
+        elif callable(handler):
+            signal.signal(sig, signal.SIG_DFL)
+
+
+def _redirect(out_fd: int | None, err_fd: int | None) -> None:
+    """stdout/stderr onto torchrun's files, every descriptor above 2 closed, and ``sys.std*`` made anew over
+    0-2 (written through, as ``-u`` makes them)."""
+    if out_fd is not None:
+        os.dup2(out_fd, 1)
+    if err_fd is not None:
+        os.dup2(err_fd, 2)
+    fds = [int(fd) for fd in os.listdir("/proc/self/fd")] if os.path.isdir("/proc/self/fd") else []
+    for fd in fds:
+        if fd > 2:
+            try:
+                os.close(fd)
+            except OSError:         # the descriptor of the listing itself, already closed
+                pass
+    if not fds:
+        os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+    _KEEP_ALIVE.extend([sys.stdin, sys.stdout, sys.stderr])
+    old_out = sys.stdout
+    encoding = getattr(old_out, "encoding", None) or "utf-8"
+    errors = getattr(old_out, "errors", None) or "strict"
+    sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)),
+                                                 encoding=encoding, errors=errors)
+    sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding=encoding,
+                                                   errors=errors, write_through=True)
+    sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding=encoding,
+                                                   errors="backslashreplace", write_through=True)
+
+
+def _reset_interpreter_state(env: dict[str, str]) -> None:
+    """torchrun's environment for this rank, the warm imports' ``atexit`` functions and logger state, this process's
+    own main-thread id (the host sampler reads its schedstat), and what a fresh process would derive from its
+    environment (OpenMP threads, numpy's global seed)."""
+    main = threading.main_thread()
+    if main.native_id != threading.get_native_id():     # CPython < 3.12 keeps the agent's thread id after fork
+        main._set_native_id()
+    agent_threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ.clear()
+    os.environ.update(env)
+    atexit._clear()
+    for func, args, kwargs in _WARM_ATEXIT:
+        atexit.register(func, *args, **kwargs)
+    old_streams = {id(s): new for s, new in zip(_KEEP_ALIVE, (sys.stdin, sys.stdout, sys.stderr))}
+    for name, logger in [("", logging.getLogger()), *logging.Logger.manager.loggerDict.items()]:
+        if not isinstance(logger, logging.Logger):
+            continue
+        handlers, level, propagate, disabled = _WARM_LOGGERS.get(name, ([], logging.NOTSET, True, False))
+        for handler in handlers:        # e.g. torch's log handler: onto the new stream, not the agent's object
+            if isinstance(handler, logging.StreamHandler) and id(handler.stream) in old_streams:
+                handler.stream = old_streams[id(handler.stream)]
+        logger.handlers[:] = handlers
+        logger.setLevel(level)
+        logger.propagate, logger.disabled = propagate, disabled
+    if faulthandler.is_enabled() and not env.get("PYTHONFAULTHANDLER"):
+        faulthandler.disable()
+    threads = env.get("OMP_NUM_THREADS")
+    if threads != agent_threads and threads and threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))    # OpenMP read the agent's value when torch was imported
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+
+
+def _run_worker() -> int:
+    """Run ``WORKER_MODULE`` as ``__main__``; the exit code the interpreter would end with."""
+    try:
+        runpy.run_module(WORKER_MODULE, run_name="__main__", alter_sys=True)
+        return 0
+    except SystemExit as exc:
+        return _exit_code(exc.code)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        _flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)      # the interpreter ends by SIGINT after an uncaught one
+        os.kill(os.getpid(), signal.SIGINT)
+        return 130
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        return 1
+
+
+def _exit_code(code: object) -> int:
+    """``SystemExit.code`` as the interpreter turns it into a status: None 0, an int itself, else printed and 1."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass

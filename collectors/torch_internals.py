@@ -237,3 +237,29 @@ set_future_unwrap: Callable[[Any, Callable[[Any], None]], None] | None = getattr
 ``wait()`` or ``value()`` of ``future`` returns, not when the future failed (``torch._C.Future._set_unwrap_func``,
 the hook of the C++ future's Python wrapper); None on a torch without it. The unbound method itself, so the hot
 path pays no extra call."""
+
+
+# ---- torchrun's worker start (used by dtprobe/runtime/fork_start.py: workers forked from a warm agent) ----
+
+def subprocess_handler_class() -> type | None:
+    """torchrun's ``SubprocessHandler`` (public name) if it still makes the worker's process in one private step,
+    ``_popen(args, env)`` (called from ``__init__`` after the stdout/stderr files are opened), which the fork
+    start overrides; None on a torch without it (workers then start by exec)."""
+    try:
+        from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
+    except ImportError:
+        return None
+    return SubprocessHandler if callable(getattr(SubprocessHandler, "_popen", None)) else None
+
+
+def replace_subprocess_handler(factory: Callable[..., Any]) -> bool:
+    """Have torchrun build every worker's handler with ``factory`` (the arguments of the public
+    ``get_subprocess_handler``): ``SubprocessContext._start`` calls that function through the module name
+    ``torch.distributed.elastic.multiprocessing.api.get_subprocess_handler``, which is replaced. False, nothing
+    changed, on a torch without that name."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    if not callable(getattr(api, "get_subprocess_handler", None)):
+        return False
+    api.get_subprocess_handler = factory
+    return True

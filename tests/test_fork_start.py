@@ -195,3 +195,13 @@ def test_sigterm_to_the_agent_stops_its_forked_workers(start_python, child_env, 
         for pid in pids:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_torch_without_the_handler_surfaces_leaves_workers_to_start_by_exec(monkeypatch, capsys):
+    from torch.distributed.elastic.multiprocessing import api
+
+    before = api.get_subprocess_handler
+    monkeypatch.setattr(fork_start.torch_internals, "subprocess_handler_class", lambda: None)
+    assert fork_start.install() is False
+    assert api.get_subprocess_handler is before
+    assert "start by exec" in capsys.readouterr().err

@@ -136,3 +136,35 @@ def test_set_future_unwrap_calls_the_function_on_the_waiting_thread_after_each_p
             pass
         assert len(calls) == 2                              # never for a failed future
     """)
+
+
+def test_torchrun_builds_each_workers_handler_through_the_replaced_function_and_its_popen_step(run_python, tmp_path):
+    # what runtime/fork_start.py relies on: start_processes (torchrun's agent) gets every binary worker's handler
+    # from the replaced get_subprocess_handler, and the handler makes the process in _popen
+    proc = run_python(textwrap.dedent("""
+        import sys
+        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+        from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler, handlers
+        from dtprobe.collectors import torch_internals as ti
+        base = ti.subprocess_handler_class()
+        assert base is SubprocessHandler
+        made = []
+
+        class Recorded(base):
+            def _popen(self, args, env):
+                made.append((args[1:], env["PROBE"], self.local_rank_id))
+                return super()._popen(args, env)
+
+        def factory(**kwargs):
+            return Recorded(**kwargs)
+
+        assert ti.replace_subprocess_handler(factory)
+        ctx = start_processes(name="probe", entrypoint=sys.executable,
+                              args={0: ("-c", "pass"), 1: ("-c", "pass")}, envs={0: {"PROBE": "a"}, 1: {"PROBE": "b"}},
+                              logs_specs=DefaultLogsSpecs(log_dir=sys.argv[1]))
+        result = ctx.wait(60)
+        assert not result.is_failed(), result.failures
+        assert sorted(made) == [(("-c", "pass"), "a", 0), (("-c", "pass"), "b", 1)], made
+        print("OK")
+    """), tmp_path, timeout_s=120)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stderr[-3000:]

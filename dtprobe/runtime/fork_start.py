@@ -50,9 +50,7 @@ import traceback
 import warnings
 from typing import Any, Callable, Sequence
 
-import torch
-from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
-
+from dtprobe.collectors import torch_internals
 from dtprobe.runtime.config import WORKER_START_ENV, WORKER_STARTS
 from dtprobe.runtime.quick_exit import quick_exit
 from dtprobe.store.errors import ConfigError
@@ -70,6 +68,7 @@ _WARM_ATEXIT: list[tuple[Callable, tuple, dict]] = []
 _WARM_LOGGERS: dict[str, tuple[list[logging.Handler], int, bool, bool]] = {}
 _KEEP_ALIVE: list[Any] = []     # the agent's sys.std* objects, replaced in the child but never finalized there
 _FORKED = False
+_HANDLER: type | None = None    # ForkHandler over this torch's SubprocessHandler, once installed
 
 
 def started_by() -> str:
@@ -89,9 +88,17 @@ def requested(argv: Sequence[str], environ: dict[str, str] | None = None) -> boo
     return method == "fork" and runs_worker
 
 
-def install() -> None:
+def install() -> bool:
     """Import ``WARM_MODULES`` (recording the ``atexit`` functions and logger state they set up, which a worker's
-    own imports would set up too) and make torchrun start ``WORKER_MODULE`` with ``ForkHandler``."""
+    own imports would set up too) and make torchrun start ``WORKER_MODULE`` with ``ForkHandler``. False, and said
+    on stderr, when this torch's worker start lacks the surfaces the handler replaces
+    (``collectors.torch_internals``): workers then start by exec, as torchrun starts them."""
+    global _HANDLER
+    base = torch_internals.subprocess_handler_class()
+    if base is None:
+        print("dtprobe: this torch's torchrun has no SubprocessHandler._popen to start workers by fork; they "
+              "start by exec (--worker-start exec says so explicitly).", file=sys.stderr, flush=True)
+        return False
     register = atexit.register
 
     def recording_register(func: Callable, *args: Any, **kwargs: Any) -> Callable:
@@ -108,28 +115,38 @@ def install() -> None:
     for name, logger in [("", logging.getLogger()), *logging.Logger.manager.loggerDict.items()]:
         if isinstance(logger, logging.Logger):
             _WARM_LOGGERS[name] = (list(logger.handlers), logger.level, logger.propagate, logger.disabled)
-    from torch.distributed.elastic.multiprocessing import api
-
-    api.get_subprocess_handler = get_subprocess_handler
+    _HANDLER = _fork_handler(base)
+    if not torch_internals.replace_subprocess_handler(get_subprocess_handler):
+        print("dtprobe: this torch's torchrun builds worker handlers without get_subprocess_handler; workers start "
+              "by exec (--worker-start exec says so explicitly).", file=sys.stderr, flush=True)
+        return False
+    return True
 
 
 def get_subprocess_handler(entrypoint: str, args: tuple, env: dict[str, str], stdout: str | None,
                            stderr: str | None, local_rank_id: int, numa_options: Any = None) -> Any:
     """torchrun's ``get_subprocess_handler`` (same arguments) returning a ``ForkHandler``."""
-    return ForkHandler(entrypoint=entrypoint, args=args, env=env, stdout=stdout, stderr=stderr,
+    return _HANDLER(entrypoint=entrypoint, args=args, env=env, stdout=stdout, stderr=stderr,
                        local_rank_id=local_rank_id, numa_options=numa_options)
 
 
-class ForkHandler(SubprocessHandler):
-    """torchrun's ``SubprocessHandler`` (files, environment, ``close`` by ``killpg``) whose process is a fork of
-    the agent running ``WORKER_MODULE`` when the command is ``python -u -m WORKER_MODULE ...`` and CUDA is not
-    initialized here; any other command (a numactl wrapper, another module) is Popen'd as torchrun does."""
+def _fork_handler(base: type) -> type:
+    """``ForkHandler`` over torchrun's ``SubprocessHandler`` class ``base``."""
+    import torch
 
-    def _popen(self, args: tuple, env: dict[str, str]) -> Any:
-        module_args = worker_args(args)
-        if module_args is None or torch.cuda.is_initialized():
-            return super()._popen(args, env)
-        return ForkedWorker.start(args, env, module_args=module_args, stdout=self._stdout, stderr=self._stderr)
+    class ForkHandler(base):
+        """torchrun's ``SubprocessHandler`` (files, environment, ``close`` by ``killpg``) whose process is a fork
+        of the agent running ``WORKER_MODULE`` when the command is ``python -u -m WORKER_MODULE ...`` and CUDA is
+        not initialized here; any other command (a numactl wrapper, another module) is Popen'd as torchrun does."""
+
+        def _popen(self, args: tuple, env: dict[str, str]) -> Any:
+            module_args = worker_args(args)
+            if module_args is None or torch.cuda.is_initialized():
+                return super()._popen(args, env)
+            return ForkedWorker.start(args, env, module_args=module_args, stdout=self._stdout,
+                                      stderr=self._stderr)
+
+    return ForkHandler
 
 
 def worker_args(args: Sequence[str]) -> list[str] | None:
@@ -294,6 +311,8 @@ def _reset_interpreter_state(env: dict[str, str]) -> None:
         faulthandler.disable()
     threads = env.get("OMP_NUM_THREADS")
     if threads != agent_threads and threads and threads.isdigit() and int(threads) > 0:
+        import torch
+
         torch.set_num_threads(int(threads))    # OpenMP read the agent's value when torch was imported
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()

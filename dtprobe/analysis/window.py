@@ -6,19 +6,14 @@ per-step tables (``schema.STEP_TABLES``: the ones a tail-opened store reads from
 tables (faults, checkpoints) stay whole, so a crash, a hang report or a checkpoint stall earlier in the run is never
 dropped. Rows outside any step (``step`` null or -1, e.g. set-up collectives) are outside every window. The step
 range is pushed down to the store (``RunStore.table(name, steps=...)``): of a compacted run, only the partition
-files of the window's steps are read. The window passes on the store's derived per-step frames of its steps
-(``derived_table``: of a live run, derived step by step as the window slides) and its pushed-down Arrow reads
-(``arrow``), so a live refresh derives the steps it added and reads the few failure rows, not the whole window.
+files of the window's steps are read.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Iterable
 
 import pandas as pd
-import pyarrow as pa
-import pyarrow.compute as pc
 
 from dtprobe.store.schema import STEP_TABLES
 from dtprobe.store.source import SourceInfo
@@ -67,34 +62,6 @@ class StepWindow:
         if name not in STEP_TABLES:
             return self.store.table(name)
         return self.store.table(name, steps=(self.first_step, None))
-
-    def derived_table(self, name: str, key: dict, *, steps: tuple[int | None, int | None] | None = None,
-                      deriver: Callable[[], object] | None = None) -> pd.DataFrame | None:
-        """The derived per-step table ``name`` of the window's rows (``RunStore.derived_table`` from ``first_step``
-        on, only ``steps`` when given), None when the store keeps none: then the facade computes it from the
-        window's rows. Also None while the store holds ``pending`` rows outside the window's steps: ``table`` reads
-        ``pending`` whole, so the window's collectives hold them (``inputs.analysed_table``), and the frames
-        derived from the window's steps alone do not."""
-        kept = getattr(self.store, "derived_table", None)
-        if kept is None:
-            return None
-        pending = self.store.arrow("pending", columns=["step"])
-        if pending.num_rows and pc.sum(pc.fill_null(pc.less(pending.column("step"), self.first_step), True)).as_py():
-            return None
-        # (no steps: every frame derived from first_step on, also those without a step column, e.g. groups)
-        return kept(name, key, steps=None if steps is None else self._steps(steps), deriver=deriver,
-                    from_step=self.first_step)
-
-    def arrow(self, name: str, *, columns: Iterable[str] | None = None, filter: pc.Expression | None = None,
-              steps: tuple[int | None, int | None] | None = None, ranks: Iterable[int] | None = None) -> pa.Table:
-        """``RunStore.arrow`` of the window: a per-step table's rows of its steps only (as ``table`` gives them)."""
-        return self.store.arrow(name, columns=columns, filter=filter, ranks=ranks,
-                                steps=self._steps(steps) if name in STEP_TABLES else steps)
-
-    def _steps(self, steps: tuple[int | None, int | None] | None) -> tuple[int, int | None]:
-        """``steps`` (inclusive, None ends open) cut to the window's (from ``first_step`` on)."""
-        first, last = steps if steps is not None else (None, None)
-        return max(self.first_step, first if first is not None else self.first_step), last
 
     def describe(self) -> str:
         """``steps 900-999 (the last 100)`` for captions."""

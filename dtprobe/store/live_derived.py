@@ -17,10 +17,6 @@ for the units: the deriver checks that no collective has rows in two of them (tw
 the block is the unit from then on, so what is given is what deriving whole blocks gives. The frames are those
 compaction writes (kept as Arrow tables, read back as ``derived.read_derived`` reads its files), and they are given
 only while the deriver's ``invalid_reason`` is None.
-
-A step window's frames (``table(from_step=...)``, a run longer than the live window) are a derivation of their own:
-the steps from ``from_step`` on, one unit per step, so that the window's start is always a unit boundary; as it
-slides, the units before it are dropped and a refresh derives only the steps it added.
 """
 
 from __future__ import annotations
@@ -44,9 +40,9 @@ KEPT_UNITS = 2
 
 StepCounts = Callable[[str], dict[int, int]]
 """Rows per step (``NO_STEP_BLOCK``: outside steps, ``step`` null or negative) of an input table."""
-BlockRows = Callable[[str, int, int | None, int | None], pd.DataFrame]
-"""An input table's rows of one step block from a step on to a step (None: from the block's first step, to its last),
-as ``RunStore.table`` gives them (clock-aligned, in sort order)."""
+BlockRows = Callable[[str, int, int | None], pd.DataFrame]
+"""An input table's rows of one step block from a step on (None: the whole block), as ``RunStore.table`` gives
+them (clock-aligned, in sort order)."""
 
 
 @dataclass
@@ -80,9 +76,6 @@ class _Derivation:
     """In step order."""
     reason: str | None = None
     """``deriver.invalid_reason()`` after the last unit."""
-    from_step: int | None = None
-    """A window's derivation (``LiveDerived.table(from_step=...)``): only the steps from this one on, one unit per
-    step."""
 
 
 class LiveDerived:
@@ -91,59 +84,23 @@ class LiveDerived:
 
     def __init__(self) -> None:
         self._derivations: dict[bytes, _Derivation] = {}
-        self._windows: dict[bytes, _Derivation] = {}
-        """Deriver key -> its derivation of a step window (``table(from_step=...)``)."""
         self.num_derived = 0
         """Units derived so far (``derive`` calls; tests: a refresh derives only what changed)."""
         self.num_rows_derived = 0
         """Input rows handed to ``derive`` so far (tests: a refresh derives only its new steps' rows)."""
 
     def table(self, name: str, key: dict, new_deriver: Callable[[], Deriver], *, clock: tuple,
-              counts: StepCounts, rows: BlockRows, steps: tuple[int | None, int | None] | None = None,
-              from_step: int | None = None) -> pd.DataFrame | None:
+              counts: StepCounts, rows: BlockRows,
+              steps: tuple[int | None, int | None] | None = None) -> pd.DataFrame | None:
         """The derived table ``name`` of the rows as they are now (its units' frames in step order, only those of
         ``steps`` when given, as ``derived.read_derived`` gives them), None when the deriver says its units' frames
         would differ from the whole run's. ``new_deriver`` makes a fresh deriver of ``key``; ``clock`` is the
-        rows' clock model key; ``counts`` and ``rows`` read the input tables by step.
-
-        ``from_step``: the frames of the rows from that step on alone (a step window's: rows outside steps and
-        before it left out), derived one unit per step so that any later ``from_step`` is a unit boundary: as the
-        window slides, the units before it are dropped and only the new steps are derived."""
-        if from_step is not None:
-            d = self._window(key, new_deriver, clock, counts, rows, from_step)
-        else:
-            d = self._current(key, new_deriver, clock, counts, rows)
+        rows' clock model key; ``counts`` and ``rows`` read the input tables by step."""
+        d = self._current(key, new_deriver, clock, counts, rows)
         if d.reason is not None:
             return None
         parts = [u.frames[name] for u in d.units if name in u.frames and block_in_steps(u.block, steps)]
         return blocks_frame(parts, steps)
-
-    def _window(self, key: dict, new_deriver: Callable[[], Deriver], clock: tuple, counts: StepCounts,
-                rows: BlockRows, from_step: int) -> _Derivation:
-        """The window derivation of ``key`` from ``from_step`` on, brought up to the rows now held. Its deriver
-        remembers the units dropped since (it has no way to forget them), which can only make it refuse: a
-        refused derivation is kept as it is (the facade computes from the rows) until the window has slid past
-        every step it derived, and then started again from the window's first step."""
-        key_json = orjson.dumps(key, option=orjson.OPT_SORT_KEYS)
-        d = self._windows.get(key_json)
-        if d is None or d.clock != clock or from_step < d.from_step or (
-                d.reason is not None and (not d.units or from_step > d.units[-1].last)):
-            d = self._windows[key_json] = _Derivation(key_json, clock, new_deriver(), from_step=from_step)
-        elif d.reason is not None:
-            return d
-        if from_step > d.from_step:    # the window slid: its units before from_step are out of it
-            d.from_step = from_step
-            d.units = [u for u in d.units if u.last >= from_step]
-            d.counts = {s: n for s, n in d.counts.items() if s >= from_step}
-        per_table = [counts(t) for t in d.deriver.inputs]
-        now = {s: tuple(c.get(s, 0) for c in per_table)
-               for s in sorted(set().union(*per_table)) if s >= from_step}
-        changed = [s for s in sorted(set(now) | set(d.counts)) if d.counts.get(s) != now.get(s)]
-        if not changed:
-            return d
-        d = self._windows[key_json] = self._restored(d, changed[0], new_deriver)
-        self._derive(d, now, rows)
-        return d
 
     def _current(self, key: dict, new_deriver: Callable[[], Deriver], clock: tuple, counts: StepCounts,
                  rows: BlockRows) -> _Derivation:
@@ -177,7 +134,7 @@ class LiveDerived:
         while first >= 0 and d.units[first].state is None:
             first -= 1
         if first < 0:         # a change before the kept states: every block again
-            return _Derivation(d.key, d.clock, new_deriver(), whole_blocks=d.whole_blocks, from_step=d.from_step)
+            return _Derivation(d.key, d.clock, new_deriver(), whole_blocks=d.whole_blocks)
         d.deriver = copy.deepcopy(d.units[first].state)
         dropped_from = d.units[first].first
         del d.units[first:]
@@ -185,8 +142,8 @@ class LiveDerived:
         return d
 
     def _derive(self, d: _Derivation, now: dict[int, tuple[int, ...]], rows: BlockRows) -> None:
-        """Derive every step of ``now`` after ``d``'s units, one unit per step block (of a window's derivation:
-        per step); keep the deriver's state before the newest units and the newest blocks' first units."""
+        """Derive every step of ``now`` after ``d``'s units, one unit per step block; keep the deriver's state
+        before the newest units and blocks."""
         done = d.units[-1].last if d.units else None
         todo = [s for s in now if done is None or s > done]
         if not todo:
@@ -194,22 +151,12 @@ class LiveDerived:
             return
         blocks = block_of(np.array(todo)).tolist()
         newest_blocks = set(sorted(set(blocks) | {u.block for u in d.units})[-KEPT_STATES:])
-        if d.from_step is not None:
-            groups = [(block, [s]) for s, block in zip(todo, blocks)]
-        else:
-            groups = [(block, [s for s, b in zip(todo, blocks) if b == block]) for block in sorted(set(blocks))]
-        seen = {u.block for u in d.units}
-        total = len(d.units) + len(groups)
-        for block, steps in groups:
-            whole = block not in seen
-            seen.add(block)
-            # a copy of the deriver (it grows with the run) only where one is kept below
-            keep = len(d.units) >= total - KEPT_UNITS or (whole and block in newest_blocks)
-            d.units.append(_Unit(block, steps[0], steps[-1], {}, copy.deepcopy(d.deriver) if keep else None))
-            if d.from_step is not None:
-                inputs = {t: rows(t, block, steps[0], steps[-1]) for t in d.deriver.inputs}
-            else:
-                inputs = {t: rows(t, block, None if whole else steps[0], None) for t in d.deriver.inputs}
+        for block in sorted(set(blocks)):
+            steps = [s for s, b in zip(todo, blocks) if b == block]
+            whole = not any(u.block == block for u in d.units)
+            d.units.append(_Unit(block, steps[0], steps[-1], {},
+                                 copy.deepcopy(d.deriver) if block in newest_blocks else None))
+            inputs = {t: rows(t, block, None if whole else steps[0]) for t in d.deriver.inputs}
             frames = d.deriver.derive(block, inputs)
             d.units[-1].frames = {t: pa.Table.from_pandas(f, preserve_index=False)
                                   for t, f in frames.items() if not f.empty}

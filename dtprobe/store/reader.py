@@ -288,32 +288,23 @@ class RunStore:
             return (rows if in_order else _sort(rows, keys)).select(wanted)
 
     def derived_table(self, name: str, key: dict, *, steps: tuple[int | None, int | None] | None = None,
-                      deriver: Callable[[], Deriver] | None = None,
-                      from_step: int | None = None) -> pd.DataFrame | None:
+                      deriver: Callable[[], Deriver] | None = None) -> pd.DataFrame | None:
         """The derived per-step table ``name`` written at compaction (``store.derived``), when the marker records
         it under the same ``key`` and the compacted tables are still all of the run (no events line appended
         since, the same clock offsets, the whole run opened); else None: compute it from the rows.
         Of a run not compacted, with ``deriver`` (makes a fresh ``Deriver`` of ``key``): the frames ``deriver``
-        computes from the events rows per step block, kept, and recomputed only for the steps whose rows
+        computes from the events rows per step block, kept, and recomputed only for the blocks whose rows
         changed since (``live_derived``); None when the store is partial (``open(tail_steps=...)``) or the
-        deriver finds its blocks' frames would differ from the whole run's.
-        ``from_step``: the frames of the rows from that step on alone, as if no other row existed (a step window's,
-        ``analysis.window.StepWindow``): of a run not compacted, derived per step from there and kept as the window
-        slides (a partial store's too, when it holds that step on); None for a compacted run (its frames are whole
-        step blocks')."""
+        deriver finds its blocks' frames would differ from the whole run's."""
         with self._lock:
             if self._compacted is None:
-                if deriver is None:
-                    return None
-                tail = self._tail_from_step
-                if tail is not None and (from_step is None or from_step < tail):
+                if deriver is None or self._tail_from_step is not None:
                     return None
                 return self._live_derived.table(name, key, deriver, clock=self.clock_model().key,
-                                                counts=self._step_counts, rows=self._block_rows, steps=steps,
-                                                from_step=from_step)
+                                                counts=self._step_counts, rows=self._block_rows, steps=steps)
             derived = self._compacted.get("derived") or {}
-            if (from_step is not None or derived.get("key") != key or name not in derived.get("tables", {})
-                    or self._tail_from_step is not None or not self.compaction_is_whole()):
+            if (derived.get("key") != key or name not in derived.get("tables", {}) or self._tail_from_step is not None
+                    or not self.compaction_is_whole()):
                 return None
             return read_derived(self._path / TABLES_DIR, derived, name, steps)
 
@@ -546,31 +537,26 @@ class RunStore:
             state.step_counts = _count_steps([c.rows for c in state.chunks])
         return state.step_counts
 
-    def _block_rows(self, name: str, block: int, first_step: int | None = None,
-                    last_step: int | None = None) -> pd.DataFrame:
+    def _block_rows(self, name: str, block: int, first_step: int | None = None) -> pd.DataFrame:
         """A not compacted table's rows of step block ``block`` (-1: outside steps) as ``table()`` gives them; from
-        step ``first_step`` on (a refresh's new steps of the block) and up to step ``last_step`` when given."""
+        step ``first_step`` on when given (a refresh's new steps of the block)."""
         if block == NO_STEP_BLOCK:
             expr = pc.field("step").is_null() | (pc.field("step") < 0)
-            first_step = last_step = None
         else:
             low = block * STEP_BLOCK_STEPS if first_step is None else max(first_step, block * STEP_BLOCK_STEPS)
-            high = (block + 1) * STEP_BLOCK_STEPS - 1 if last_step is None else min(last_step,
-                                                                                   (block + 1) * STEP_BLOCK_STEPS - 1)
-            expr = row_filter((low, high), None)
+            expr = row_filter((low, (block + 1) * STEP_BLOCK_STEPS - 1), None)
         chunks = []
         for c in self._load(name).chunks:
             low, high = c.span if c.span is not None else _block_span(c.rows)
             if not low <= block <= high:
                 continue
-            if low == high == block and first_step is None and last_step is None:
+            if low == high == block and (first_step is None or block == NO_STEP_BLOCK):
                 chunks.append(c)   # wholly in the block (a live run's first read, its newest lines): as is
                 continue
             if low == high == block and c.steps is not None:
-                if (first_step is not None and c.steps[1] < first_step
-                        or last_step is not None and c.steps[0] > last_step):
-                    continue       # none of the steps asked for: not read
-                if (first_step is None or c.steps[0] >= first_step) and (last_step is None or c.steps[1] <= last_step):
+                if c.steps[1] < first_step:
+                    continue       # the block's steps before first_step only: not read
+                if c.steps[0] >= first_step:
                     chunks.append(c)
                     continue
             chunks.append(_Chunk(filter_rows(c.rows, expr), c.basis, c.in_order))

@@ -5,8 +5,8 @@ verdicts never load a long run's whole ``collectives`` table; built by the facad
 
 Every frame holds exactly the rows the same question asks of the analysers' ``collectives``
 (``inputs.analysed_table``: the ``pending`` rows no completed row matches are added). ``read_failure_rows`` returns
-None, and the facade uses the whole table, for a source without ``arrow`` (a trace folder; a step window passes
-on its store's reads, cut to its steps) or a run with more than one attempt: ``arrivals.unique_seq`` renumbers a restarted group's ``seq`` from the order of
+None, and the facade uses the whole table, for a source without ``arrow`` (a trace folder, a step window) or a
+run with more than one attempt: ``arrivals.unique_seq`` renumbers a restarted group's ``seq`` from the order of
 all of its rows.
 """
 

@@ -4,7 +4,10 @@ costs the window, not the run.
 ``RunAnalysis(StepWindow(store, 100))`` computes every metric and finding over the newest 100 steps of the
 per-step tables (``schema.STEP_TABLES``: the ones a tail-opened store reads from its newest steps); the event
 tables (faults, checkpoints) stay whole, so a crash, a hang report or a checkpoint stall earlier in the run is never
-dropped. Rows outside any step (``step`` null or -1, e.g. set-up collectives) are outside every window. The step
+dropped. Rows outside any step (``step`` null or -1, e.g. set-up collectives) are outside every window. ``pending``
+(collectives a rank was in when it last spilled) holds the window's steps' rows and the older ones of ranks with no
+step in the window: a rank stuck before the window still shows its hang, while a rank that went on past an older
+spilled collective completed it (its completed row lies before the window), so it is not unfinished here. The step
 range is pushed down to the store (``RunStore.table(name, steps=...)``): of a compacted run, only the partition
 files of the window's steps are read.
 """
@@ -59,9 +62,21 @@ class StepWindow:
     def table(self, name: str) -> pd.DataFrame:
         """Rows of ``name`` in the window (steps from ``first_step`` on); tables outside ``STEP_TABLES`` (rare
         events) are read whole."""
+        if name == "pending":
+            return self._pending()
         if name not in STEP_TABLES:
             return self.store.table(name)
         return self.store.table(name, steps=(self.first_step, None))
+
+    def _pending(self) -> pd.DataFrame:
+        """``pending`` rows of the window (module docstring): of its steps, and older ones (or outside any step) of
+        ranks with no step row in the window."""
+        pending = self.store.table("pending")
+        old = (pending["step"].fillna(-1) < self.first_step).to_numpy(dtype=bool)
+        if not old.any():
+            return pending
+        went_on = pending["rank"].isin(self.table("steps")["rank"].unique()).to_numpy(dtype=bool)
+        return pending[~(old & went_on)].reset_index(drop=True)
 
     def describe(self) -> str:
         """``steps 900-999 (the last 100)`` for captions."""

@@ -138,6 +138,7 @@ def test_set_future_unwrap_calls_the_function_on_the_waiting_thread_after_each_p
     """)
 
 
+@pytest.mark.multiproc
 def test_torchrun_builds_each_workers_handler_through_the_replaced_function_and_its_popen_step(run_python, tmp_path):
     # what runtime/fork_start.py relies on: start_processes (torchrun's agent) gets every binary worker's handler
     # from the replaced get_subprocess_handler, and the handler makes the process in _popen

@@ -31,7 +31,7 @@ import pandas as pd
 import pyarrow as pa
 
 from dtprobe.store.derived import Deriver, blocks_frame, block_in_steps
-from dtprobe.store.partitions import NO_STEP_BLOCK, block_of
+from dtprobe.store.partitions import block_of
 
 KEPT_STATES = 2
 """Newest step blocks before which the deriver's state is kept: a change there re-derives from that block on."""

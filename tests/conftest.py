@@ -10,8 +10,16 @@ first on ``PYTHONPATH`` (so the code under test is the code in this tree), and n
 of an outer torchrun or ``dtprobe run`` (``RANK``, ``MASTER_ADDR``, ``DTPROBE_*``, ``TORCHELASTIC_*``): a test
 started from inside a job must not join that job.
 
-Markers (declared in pyproject.toml): ``multiproc``, ``browser``, ``chaos``, ``gpu``; the README's test command
-deselects ``gpu`` (``-m "not gpu"``) on CPU machines.
+Markers (declared in pyproject.toml): ``multiproc``, ``browser``, ``chaos``, ``exclusive``, ``gpu``; the README's
+test command deselects ``gpu`` (``-m "not gpu"``) on CPU machines.
+
+The README's test command runs the suite on two pytest-xdist workers (``-n 2 --dist loadgroup``). Two rules keep
+that equal to a run on one worker:
+- a test whose verdict depends on how fast its ranks ran (``exclusive``, and every ``chaos`` test) runs while no
+  other test runs: the other worker finishes its test and waits;
+- a file's tests stay on one worker, and files that use the same run made once per session share one, so module
+  and session fixtures are made once.
+Both are hooks of ``tests/suite_rules.py``, imported here.
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from suite_rules import (pytest_collection_modifyitems, pytest_configure, pytest_runtest_protocol,  # noqa: F401
+                         pytest_unconfigure)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 """The checkout: the only folder the tests read outside their temporary directories."""
@@ -242,3 +252,4 @@ def clean_dp4_run(tmp_path_factory, run_cli):
     run.flags = ("--nproc", "4", "--device", "cpu", "--model", "tiny", "--steps", str(run.steps), "--timeout", "120")
     run.proc = run_cli("run", *run.flags, "--run-dir", run.run_dir, timeout_s=600)
     return run
+

@@ -26,6 +26,7 @@ quick_exit(0)                                         # no torch teardown (secon
 
 
 @pytest.mark.multiproc
+@pytest.mark.exclusive
 def test_clock_offset_is_zero_for_ranks_on_rank0s_machine_and_measured_elsewhere():
     """Ranks reading rank 0's clock (same kernel boot id) get offset 0 without a ping-pong; a rank with another
     clock id is measured (a positive round trip; on this one machine its offset is within the round trip)."""

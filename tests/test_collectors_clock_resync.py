@@ -69,6 +69,7 @@ def start_ranks(start_python, child_env, free_port, run_dir, mode, *extra):
 
 
 @pytest.mark.multiproc
+@pytest.mark.exclusive
 def test_clock_thread_writes_remeasured_offsets_and_stops_at_close(tmp_path, start_python, child_env, free_port):
     run = tmp_path / "run"
     procs = start_ranks(start_python, child_env, free_port, run, "clean")
@@ -102,6 +103,7 @@ def test_clock_interval_must_not_be_negative():
 
 
 @pytest.mark.multiproc
+@pytest.mark.exclusive
 def test_clock_thread_ends_quietly_when_the_script_destroys_its_groups_before_close(tmp_path, start_python,
                                                                                   child_env, free_port):
     run = tmp_path / "run"
@@ -115,6 +117,7 @@ def test_clock_thread_ends_quietly_when_the_script_destroys_its_groups_before_cl
 
 
 @pytest.mark.multiproc
+@pytest.mark.exclusive
 def test_clock_thread_ends_with_one_failed_row_when_its_peer_dies(tmp_path, start_python, child_env, free_port):
     run = tmp_path / "run"
     procs = start_ranks(start_python, child_env, free_port, run, "dead")
@@ -129,6 +132,7 @@ def test_clock_thread_ends_with_one_failed_row_when_its_peer_dies(tmp_path, star
 
 
 @pytest.mark.multiproc
+@pytest.mark.exclusive
 def test_close_and_exit_do_not_wait_for_a_clock_thread_stuck_on_a_hung_peer(tmp_path, start_python, child_env,
                                                                             free_port):
     run = tmp_path / "run"

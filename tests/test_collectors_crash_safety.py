@@ -294,6 +294,7 @@ def _never_completed(run: Path):
 
 
 @pytest.mark.multiproc
+@pytest.mark.exclusive
 def test_rank_killed_inside_an_all_reduce_leaves_a_pending_row_naming_it_and_no_close(start_ranks):
     run, procs = start_ranks("block", restart=2)
     try:
@@ -316,6 +317,7 @@ def test_rank_killed_inside_an_all_reduce_leaves_a_pending_row_naming_it_and_no_
 
 
 @pytest.mark.multiproc
+@pytest.mark.exclusive
 def test_rank_sigtermed_inside_an_all_reduce_closes_its_probe_then_dies_of_sigterm(start_ranks):
     run, procs = start_ranks("block", restart=0)
     try:
@@ -339,6 +341,7 @@ def test_rank_sigtermed_inside_an_all_reduce_closes_its_probe_then_dies_of_sigte
 
 
 @pytest.mark.multiproc
+@pytest.mark.exclusive
 @pytest.mark.parametrize("mode,close_reason", [
     ("handler-before-attach", "SIGTERM"),   # chained: the probe closes first, then the user's handler runs
     ("handler-after-attach", "exit"),       # replaced: the user's handler alone; the probe closes at exit
@@ -385,6 +388,7 @@ def _zombie_exit_status(pid: int, *, timeout_s: float) -> int:
 
 
 @pytest.mark.multiproc
+@pytest.mark.exclusive
 def test_sigterm_to_a_forked_child_neither_closes_nor_kills_the_parent(tmp_path, child_env):
     script = tmp_path / "worker.py"
     script.write_text(FORKING_WORKER)

@@ -9,7 +9,7 @@ import pytest
 
 from dtprobe.analysis import RunAnalysis
 
-pytestmark = pytest.mark.multiproc
+pytestmark = [pytest.mark.multiproc, pytest.mark.exclusive]
 
 
 @pytest.fixture(scope="session")

@@ -69,6 +69,7 @@ def test_hang_config_rejects_bad_values(kwargs, match):
 # ------------------------------------------------------------------------------ 2 ranks through dtprobe run
 
 @pytest.mark.multiproc
+@pytest.mark.exclusive
 def test_hang_on_rank1_fires_the_watchdog_within_timeout_and_names_the_missing_rank(hang_rank1_run):
     from dtprobe.store import RunStore
 

@@ -116,6 +116,7 @@ def test_fired_watchdog_waits_for_the_live_peer_to_dump_its_stack_before_leaving
 
 
 @pytest.mark.multiproc
+@pytest.mark.exclusive
 def test_pipeline_stage_blocked_in_recv_fires_the_watchdog_naming_the_stage_that_never_sent(tmp_path, run_cli):
     from dtprobe.store import RunStore
 

@@ -75,6 +75,7 @@ def test_measured_bubble_counts_overlapping_actions_once_as_the_analysis_does():
 
 
 @pytest.mark.multiproc
+@pytest.mark.exclusive
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_measured_bubble_is_within_3_points_of_the_schedule_ideal(schedule, bubble_runs):
     run = bubble_runs()[schedule]
@@ -93,6 +94,7 @@ def test_measured_bubble_is_within_3_points_of_the_schedule_ideal(schedule, bubb
 
 
 @pytest.mark.multiproc
+@pytest.mark.exclusive
 def test_pipeline_table_has_one_row_per_stage_microbatch_and_action(bubble_runs):
     runs = bubble_runs()
     for schedule, actions in [("gpipe", {"F", "B"}), ("1f1b", {"F", "B"}), ("interleaved-1f1b", {"F", "B"}),
@@ -110,6 +112,7 @@ def test_pipeline_table_has_one_row_per_stage_microbatch_and_action(bubble_runs)
 
 
 @pytest.mark.multiproc
+@pytest.mark.exclusive
 def test_torch_order_matches_the_simulator_for_gpipe_and_is_skipped_for_1f1b(bubble_runs):
     runs = bubble_runs()
     assert runs["1f1b"]["order"] is None   # Schedule1F1B.pipeline_order is wrong on the last rank

@@ -9,7 +9,7 @@ import pytest
 
 from dtprobe.planner.calibrate import calibrate
 
-pytestmark = pytest.mark.multiproc
+pytestmark = [pytest.mark.multiproc, pytest.mark.exclusive]
 
 LAYOUTS = {"dp4": [], "dp2tp2": ["--tp", "2"], "pp4": ["--pp", "4"]}
 

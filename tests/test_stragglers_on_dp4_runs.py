@@ -15,7 +15,7 @@ import pytest
 
 from dtprobe.analysis import RunAnalysis
 
-pytestmark = pytest.mark.multiproc
+pytestmark = [pytest.mark.multiproc, pytest.mark.exclusive]
 
 NUM_STEPS = 21            # step 0 is warm-up: 20 analysed steps, so "named within 20 steps"
 DELAY_MS = 400.0

@@ -1,0 +1,115 @@
+"""The suite's rules for two xdist workers (tests/suite_rules.py): an exclusive test runs while no other test runs, and
+files that share a session-made run are scheduled as one group."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+from suite_rules import SHARED_RUNS, assign_groups, is_exclusive, suite_lock
+
+WAIT_S = 0.3
+"""How long a thread that should stay blocked is watched."""
+
+
+def hold(lock_dir: str, exclusive: bool, order: list[str], name: str, release: threading.Event) -> threading.Thread:
+    """A thread that takes the lock, appends ``name`` to ``order`` once it has it, and keeps it until ``release``."""
+    def body() -> None:
+        with suite_lock(lock_dir, exclusive):
+            order.append(name)
+            release.wait(30)
+    thread = threading.Thread(target=body, daemon=True)
+    thread.start()
+    return thread
+
+
+def wait_for(order: list[str], name: str) -> None:
+    deadline = time.monotonic() + 10
+    while name not in order:
+        assert time.monotonic() < deadline, f"{name} never took the lock: {order}"
+        time.sleep(0.01)
+
+
+def test_shared_holders_run_together_and_an_exclusive_one_waits_for_them(tmp_path):
+    order: list[str] = []
+    done_a, done_b, done_x = threading.Event(), threading.Event(), threading.Event()
+    a = hold(str(tmp_path), False, order, "a", done_a)
+    b = hold(str(tmp_path), False, order, "b", done_b)
+    wait_for(order, "a")
+    wait_for(order, "b")                              # two shared holders at once
+    x = hold(str(tmp_path), True, order, "x", done_x)
+    time.sleep(WAIT_S)
+    assert "x" not in order
+    done_a.set()
+    a.join(10)
+    time.sleep(WAIT_S)
+    assert "x" not in order                           # b still runs
+    done_b.set()
+    b.join(10)
+    wait_for(order, "x")
+    done_x.set()
+    x.join(10)
+
+
+def test_a_waiting_exclusive_test_stops_new_shared_ones_from_starting(tmp_path):
+    order: list[str] = []
+    done_a, done_x, done_c = threading.Event(), threading.Event(), threading.Event()
+    a = hold(str(tmp_path), False, order, "a", done_a)
+    wait_for(order, "a")
+    x = hold(str(tmp_path), True, order, "x", done_x)
+    time.sleep(WAIT_S)                                # x now holds the gate and waits for a
+    c = hold(str(tmp_path), False, order, "c", done_c)
+    time.sleep(WAIT_S)
+    assert order == ["a"]                             # c does not slip in beside a while x waits
+    done_a.set()
+    wait_for(order, "x")
+    time.sleep(WAIT_S)
+    assert order == ["a", "x"]                        # nor beside x
+    done_x.set()
+    wait_for(order, "c")
+    done_c.set()
+    for thread in (a, x, c):
+        thread.join(10)
+
+
+def test_without_xdist_nothing_is_locked(tmp_path):
+    with suite_lock(None, True), suite_lock(None, True):
+        pass
+    assert list(tmp_path.iterdir()) == []
+
+
+class FakeItem:
+    def __init__(self, nodeid: str, fixtures: tuple[str, ...] = (), marks: tuple[str, ...] = ()) -> None:
+        self.nodeid, self.fixturenames, self.groups = nodeid, list(fixtures), []
+        self.marks = set(marks)
+
+    def add_marker(self, mark) -> None:
+        assert mark.name == "xdist_group"
+        self.groups.append(mark.args[0])
+
+    def get_closest_marker(self, name: str):
+        return SimpleNamespace(name=name) if name in self.marks else None
+
+
+def test_files_sharing_a_session_run_form_one_group_and_other_files_keep_their_own():
+    shared_a, shared_b = SHARED_RUNS[0], SHARED_RUNS[1]
+    items = [FakeItem("tests/test_z.py::t1", (shared_a,)), FakeItem("tests/test_z.py::t2"),
+             FakeItem("tests/test_b.py::t1", ("tmp_path", shared_a)),
+             FakeItem("tests/test_m.py::t1", (shared_b,)), FakeItem("tests/test_b.py::t2", (shared_b,)),
+             FakeItem("tests/test_q.py::t1", ("tmp_path",)), FakeItem("tests/sub/test_q.py::t1")]
+    assign_groups(items)
+    groups = {item.nodeid: item.groups for item in items}
+    # z and b share the first run, b and m the second: one group named by the first file
+    for node in ("tests/test_z.py::t1", "tests/test_z.py::t2", "tests/test_b.py::t1", "tests/test_m.py::t1",
+                 "tests/test_b.py::t2"):
+        assert groups[node] == ["tests/test_b.py"], node
+    assert groups["tests/test_q.py::t1"] == ["tests/test_q.py"]
+    assert groups["tests/sub/test_q.py::t1"] == ["tests/sub/test_q.py"]
+
+
+@pytest.mark.parametrize(("marks", "expected"), [((), False), (("multiproc",), False), (("exclusive",), True),
+                                                 (("chaos", "multiproc"), True)])
+def test_exclusive_and_chaos_tests_run_alone(marks, expected):
+    assert is_exclusive(FakeItem("tests/test_x.py::t", marks=marks)) is expected

@@ -22,7 +22,7 @@ from dtprobe.store.columns import require_columns
 OFFSET_COLUMNS = ["rank", "offset_ns", "offset_us", "residual_us", "num_collectives"]
 
 
-def _member_ends(matched: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def member_ends(matched: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(ranks, rank index, coll_id, end_ns) of the matched rows, sorted by (rank, coll_id): one row per
     (collective, member), never a collectives x ranks matrix (its size would grow with the square of the ranks)."""
     require_columns(matched, ["coll_id", "rank", "end_ns", "status"], table="matched_collectives")
@@ -36,21 +36,65 @@ def _member_ends(matched: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndar
     return ranks, ri[order], coll[order], end[order]
 
 
-def _shared_counts(ri: np.ndarray, coll: np.ndarray, n: int) -> np.ndarray:
-    """[rank x rank] matched collectives two ranks are both members of (0 on the diagonal): each distinct member
-    set adds its number of collectives to the pairs of its members."""
-    shared = np.zeros((n, n), dtype=np.int64)
+def member_set_counts(ri: np.ndarray, coll: np.ndarray) -> dict[tuple[int, ...], int]:
+    """Matched collectives per distinct member set (tuples of the members' ``ri`` values, sorted), from rows
+    (``ri``, ``coll``) sorted by (``ri``, ``coll``)."""
+    counts: dict[tuple[int, ...], int] = {}
     by_coll = np.lexsort((ri, coll))
     members, colls = ri[by_coll], coll[by_coll]
-    first = np.flatnonzero(np.r_[True, colls[1:] != colls[:-1]])
+    first = np.flatnonzero(np.r_[True, colls[1:] != colls[:-1]]) if len(colls) else np.empty(0, dtype=np.int64)
     sizes = np.diff(np.r_[first, len(colls)])
     for size in np.unique(sizes):                      # collectives of one size as rows of their members
         at = first[sizes == size]
-        sets, counts = np.unique(members[at[:, None] + np.arange(size)[None, :]], axis=0, return_counts=True)
-        for member_set, count in zip(sets, counts):
-            shared[np.ix_(member_set, member_set)] += count
+        sets, num = np.unique(members[at[:, None] + np.arange(size)[None, :]], axis=0, return_counts=True)
+        for member_set, count in zip(sets.tolist(), num.tolist()):
+            counts[tuple(member_set)] = counts.get(tuple(member_set), 0) + count
+    return counts
+
+
+def shared_counts(sets: dict[tuple[int, ...], int], n: int) -> np.ndarray:
+    """[rank x rank] matched collectives two ranks are both members of (0 on the diagonal), from
+    ``member_set_counts`` over rank indices 0..n-1: each member set adds its count to the pairs of its members."""
+    shared = np.zeros((n, n), dtype=np.int64)
+    for member_set, count in sets.items():
+        shared[np.ix_(member_set, member_set)] += count
     np.fill_diagonal(shared, 0)
     return shared
+
+
+def placement(shared: np.ndarray) -> list[tuple[int, int]]:
+    """(rank index, the placed rank index it is placed from), in the order ranks are placed: from index 0, each
+    time the unplaced rank sharing the most collectives with a placed one (ties: the lowest unplaced rank, the
+    earliest placed one); ranks sharing none with the placed ones are left out."""
+    n = len(shared)
+    placed = np.zeros(n, dtype=bool)
+    placed[0] = True
+    best = np.where(placed, -1, shared[0])               # per unplaced rank: most collectives shared with a placed
+    parent = np.zeros(n, dtype=np.int64)                 # ... rank, and that rank (the earliest placed on ties)
+    order = []
+    while True:
+        u = int(np.argmax(best))                         # ties: the lowest rank
+        if best[u] <= 0:
+            break
+        order.append((u, int(parent[u])))
+        placed[u] = True
+        best[u] = -1
+        better = ~placed & (shared[u] > best)
+        best[better], parent[better] = shared[u][better], u
+    return order
+
+
+def chained_offsets(order: list[tuple[int, int]], median_diff_ns: dict[tuple[int, int], float], n: int
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """(offset_ns, placed) per rank index: 0 for index 0, each placed rank at its parent's offset plus the floor of
+    the median end difference (parent - rank) of their shared collectives (``median_diff_ns`` per (rank, parent))."""
+    offset = np.zeros(n, dtype=np.int64)
+    placed = np.zeros(n, dtype=bool)
+    placed[0] = True
+    for u, p in order:
+        offset[u] = offset[p] + int(np.floor(median_diff_ns[u, p]))
+        placed[u] = True
+    return offset, placed
 
 
 def clock_offsets(matched: pd.DataFrame) -> pd.DataFrame:
@@ -59,53 +103,66 @@ def clock_offsets(matched: pd.DataFrame) -> pd.DataFrame:
     ``residual_us`` (median over its collectives of |corrected end - the collective's median corrected end|),
     ``num_collectives`` (matched collectives it is a member of). Columns: OFFSET_COLUMNS. Memory: the matched
     rows and a [rank x rank] count, whatever the number of collectives."""
-    ranks, ri, coll, end = _member_ends(matched)
+    ranks, ri, coll, end = member_ends(matched)
     n = len(ranks)
     if n == 0:
         return pd.DataFrame(columns=OFFSET_COLUMNS)
     bounds = np.searchsorted(ri, np.arange(n + 1))     # rank i's rows: bounds[i]:bounds[i + 1], by coll_id
-    shared = _shared_counts(ri, coll, n)
-    offset = np.zeros(n, dtype=np.int64)
-    placed = np.zeros(n, dtype=bool)
-    placed[0] = True
-    best = np.where(placed, -1, shared[0])               # per unplaced rank: most collectives shared with a placed
-    parent = np.zeros(n, dtype=np.int64)                 # ... rank, and that rank (the earliest placed on ties)
-    while True:
-        u = int(np.argmax(best))                         # ties: the lowest rank
-        if best[u] <= 0:
-            break
-        p = int(parent[u])
-        _, at_p, at_u = np.intersect1d(coll[bounds[p]:bounds[p + 1]], coll[bounds[u]:bounds[u + 1]],
-                                       assume_unique=True, return_indices=True)
-        diff = end[bounds[p] + at_p] - end[bounds[u] + at_u]
-        offset[u] = offset[p] + int(np.floor(np.median(diff)))
-        placed[u] = True
-        best[u] = -1
-        better = ~placed & (shared[u] > best)
-        best[better], parent[better] = shared[u][better], u
-    residual = _residuals(ri, coll, end + offset[ri], placed[ri], n)
+    order = placement(shared_counts(member_set_counts(ri, coll), n))
+    medians = {}
+    for u, p in order:
+        medians[u, p] = np.median(edge_diffs(coll, end, bounds, u, p))
+    offset, placed = chained_offsets(order, medians, n)
+    rank, dev = deviations(ri, coll, end + offset[ri], placed[ri])
+    return offset_frame(ranks, offset, placed, median_deviation([(rank, dev)], n), np.diff(bounds))
+
+
+def edge_diffs(coll: np.ndarray, end: np.ndarray, bounds: np.ndarray, u: int, p: int) -> np.ndarray:
+    """End of ``p`` minus end of ``u`` over the collectives both are members of (rows sorted by (rank index,
+    coll_id); rank i's at ``bounds[i]:bounds[i + 1]``)."""
+    _, at_p, at_u = np.intersect1d(coll[bounds[p]:bounds[p + 1]], coll[bounds[u]:bounds[u + 1]],
+                                   assume_unique=True, return_indices=True)
+    return end[bounds[p] + at_p] - end[bounds[u] + at_u]
+
+
+def offset_frame(ranks: np.ndarray, offset: np.ndarray, placed: np.ndarray, residual_ns: np.ndarray,
+                 num_collectives: np.ndarray) -> pd.DataFrame:
+    """The ``clock_offsets`` frame of ``ranks`` from per-rank-index arrays (unplaced: null offset and residual)."""
     out = pd.DataFrame({
         "rank": ranks.astype("int64"),
         "offset_ns": pd.array(np.where(placed, offset, 0), dtype="Int64"),
-        "residual_us": np.where(placed, residual / 1e3, np.nan),
-        "num_collectives": np.diff(bounds).astype("int64"),
+        "residual_us": np.where(placed, residual_ns / 1e3, np.nan),
+        "num_collectives": np.asarray(num_collectives).astype("int64"),
     })
     out.loc[~placed, "offset_ns"] = pd.NA
     out["offset_us"] = out["offset_ns"].astype("Float64") / 1e3
     return out[OFFSET_COLUMNS]
 
 
-def _residuals(ri: np.ndarray, coll: np.ndarray, corrected_end: np.ndarray, keep: np.ndarray, n: int) -> np.ndarray:
-    """Per rank (NaN without rows kept): median over its kept rows of |corrected end - the median corrected end of
-    the collective's kept rows|; times relative to the earliest kept end, exact in float64."""
-    residual = np.full(n, np.nan)
+def deviations(ri: np.ndarray, coll: np.ndarray, corrected_end: np.ndarray, keep: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """Per kept row: its rank index and |corrected end - the median corrected end of the collective's kept rows|,
+    times relative to the earliest kept end (exact in float64, so the same whatever rows are taken together, as
+    long as every collective's rows are)."""
     if not keep.any():
-        return residual
+        return np.empty(0, dtype=np.int64), np.empty(0)
     rel = (corrected_end[keep] - corrected_end[keep].min()).astype(np.float64)
-    rows = pd.DataFrame({"rank": ri[keep], "coll": coll[keep], "rel": rel})
-    rows["dev"] = (rows["rel"] - rows.groupby("coll")["rel"].transform("median")).abs()
-    per_rank = rows.groupby("rank")["dev"].median()
-    residual[per_rank.index.to_numpy()] = per_rank.to_numpy()
+    rows = pd.DataFrame({"coll": coll[keep], "rel": rel})
+    return ri[keep], (rows["rel"] - rows.groupby("coll")["rel"].transform("median")).abs().to_numpy()
+
+
+def median_deviation(parts: list[tuple[np.ndarray, np.ndarray]], n: int) -> np.ndarray:
+    """Per rank index (NaN without rows): the median of its ``deviations`` over ``parts`` (their (rank index,
+    deviation) arrays)."""
+    residual = np.full(n, np.nan)
+    by_rank: dict[int, list[np.ndarray]] = {}
+    for rank, dev in parts:
+        order = np.argsort(rank, kind="stable")
+        ranks, starts = np.unique(rank[order], return_index=True)
+        for r, values in zip(ranks.tolist(), np.split(dev[order], starts[1:])):
+            by_rank.setdefault(r, []).append(values)
+    for r, values in by_rank.items():
+        residual[r] = np.median(np.concatenate(values))
     return residual
 
 

@@ -164,16 +164,24 @@ def _status(d: pd.DataFrame, group_size: np.ndarray, same_size: np.ndarray, *, b
     return status.astype(np.int64)
 
 
-def matching_summary(matched: pd.DataFrame, coverage: pd.DataFrame, *, by: str) -> dict:
-    """``method`` (``seq``/``order``), collectives matched and refused (by reason), groups not judged and why:
-    ``metrics.collective_matching`` of the findings document."""
+def status_counts(matched: pd.DataFrame) -> dict[str, int]:
+    """Collectives of ``matched`` per ``status`` (each collective counted once)."""
     per_coll = matched.drop_duplicates("coll_id")
-    refused = per_coll.loc[per_coll["status"] != "matched", "status"].astype(str).value_counts().sort_index()
+    return {str(k): int(v) for k, v in per_coll["status"].astype(str).value_counts().items()}
+
+
+def matching_summary(matched: pd.DataFrame, coverage: pd.DataFrame, *, by: str,
+                     counts: dict[str, int] | None = None) -> dict:
+    """``method`` (``seq``/``order``), collectives matched and refused (by reason), groups not judged and why:
+    ``metrics.collective_matching`` of the findings document. ``counts``: ``status_counts`` of the matched rows
+    summed over parts of them, instead of ``matched``."""
+    counts = status_counts(matched) if counts is None else counts
+    refused = {s: n for s, n in sorted(counts.items()) if s != "matched" and n}
     return {
         "method": by,
-        "num_matched": int((per_coll["status"] == "matched").sum()),
-        "num_refused": int(refused.sum()),
-        "refused_by_reason": {str(k): int(v) for k, v in refused.items()},
+        "num_matched": int(counts.get("matched", 0)),
+        "num_refused": int(sum(refused.values())),
+        "refused_by_reason": refused,
         "groups_not_judged": [{"pg": r.pg, "pg_ranks": list(group_members(r.pg_ranks)), "reason": r.reason}
                               for r in coverage.itertuples(index=False) if not r.matched],
     }

@@ -24,6 +24,7 @@ from dtprobe.analysis import bubble as _bubble
 from dtprobe.analysis import checkpoints as _ckpt
 from dtprobe.analysis import clock_alignment as _clocks
 from dtprobe.analysis import clocks as _clock_names
+from dtprobe.analysis import collective_groups as _groups
 from dtprobe.analysis import collective_matching as _matching
 from dtprobe.analysis import ckpt_corrupt as _corrupt
 from dtprobe.analysis import comm_efficiency as _comm
@@ -53,6 +54,7 @@ from dtprobe.analysis.inputs import analysed_table
 from dtprobe.analysis.key_figures import KeyFigures, key_figures
 from dtprobe.analysis.options import AnalysisOptions
 from dtprobe.analysis.report import SCHEMA
+from dtprobe.store.kineto import CollectiveParts
 from dtprobe.store.manifest import Manifest
 from dtprobe.store.resolve import open_source
 from dtprobe.store.source import Source, SourceInfo
@@ -172,8 +174,34 @@ class RunAnalysis:
 
     def _group_rows(self) -> pd.DataFrame:
         # one row per group and p2p link (kept at compaction): what arrival clocks and linked ranks read
-        return self._memo("group_rows", lambda: self._derived(_derived.GROUPS, lambda: _arrivals.group_rows(
-            self.table("collectives"))))
+        return self._memo("group_rows", lambda: self._derived(_derived.GROUPS, lambda: (
+            self._part_tables().group_rows if self._collective_parts() is not None
+            else _arrivals.group_rows(self.table("collectives")))))
+
+    def _collective_parts(self) -> CollectiveParts | None:
+        # the source's collectives in parts (``store.kineto.CollectiveParts``) when it reads them so (a trace folder:
+        # a process group at a time), else None (the whole table is read)
+        return self._memo("collective_parts", lambda: self.source.collective_parts()
+                          if hasattr(self.source, "collective_parts") else None)
+
+    def _part_tables(self) -> _groups.PartTables:
+        # bandwidth, group rows and collectives' clock of a source read in parts (read with the device clock's parts)
+        return self._collective_passes()[1]
+
+    def _device_clock(self) -> _groups.DeviceClock:
+        # matching, clock offsets and arrivals, a part at a time (the whole table as one part when not in parts)
+        return self._collective_passes()[0]
+
+    def _collective_passes(self) -> tuple[_groups.DeviceClock, _groups.PartTables | None]:
+        def compute() -> tuple[_groups.DeviceClock, _groups.PartTables | None]:
+            parts = self._collective_parts()
+            readers = parts.readers if parts is not None else [lambda: self.table("collectives")]
+            ranks = set(parts.ranks) if parts is not None else set(
+                self.table("collectives")["rank"].dropna().astype(int))
+            return _groups.device_clock(readers, world_size=self.world_size, by=self.matching_method(),
+                                        ranks_present=ranks | set(self.table("steps")["rank"].dropna().astype(int)),
+                                        with_tables=parts is not None)
+        return self._memo("collective_passes", compute)
 
     def arrival_clock(self) -> str | None:
         """The clock of the collectives' arrivals: ``host``, ``device``, or ``mixed`` (groups on both); on a trace
@@ -181,6 +209,7 @@ class RunAnalysis:
         without collectives."""
         return self._memo("arrival_clock", lambda: None if self._group_rows().empty
                           else _clock_names.clock_of(self.arrival_clocks()["clock"]) if self.info.clock_aligned
+                          else self._part_tables().timing_clock if self._collective_parts() is not None
                           else _clock_names.clock_of_timing(self.table("collectives")["timing"]))
 
     def collective_skew(self) -> pd.DataFrame:
@@ -309,22 +338,25 @@ class RunAnalysis:
 
     def group_coverage(self) -> pd.DataFrame:
         """Per group: members, how many are in the source, whether it is matched, and why not."""
-        return self._memo("coverage", lambda: _matching.group_coverage(
-            self.device_collectives(), ranks_present=set(self.table("collectives")["rank"].dropna().astype(int))
-            | set(self.table("steps")["rank"].dropna().astype(int))))
+        return self._device_clock().coverage
 
     def matching_method(self) -> str:
         """``seq`` when the source's sequence numbers name the same collective on every member, else ``order``."""
         return "order" if self.info.collective_seq == "order" else "seq"
 
     def matched_collectives(self) -> pd.DataFrame:
-        """Per (collective, member) of fully present groups: matched, or why refused (op/size/count mismatch)."""
+        """Per (collective, member) of fully present groups: matched, or why refused (op/size/count mismatch); every
+        group's rows at once (``collective_matching`` reads a part at a time)."""
         return self._memo("matched", lambda: _matching.match_collectives(
             self.device_collectives(), self.group_coverage(), by=self.matching_method()))
 
+    def collective_matching(self) -> dict:
+        """Method, collectives matched and refused (by reason), groups not judged and why."""
+        return self._device_clock().matching
+
     def clock_offsets(self) -> pd.DataFrame:
         """Per rank: offset onto the lowest rank's clock from the collectives' ends, residual, collectives used."""
-        return self._memo("offsets", lambda: _clocks.clock_offsets(self.matched_collectives()))
+        return self._device_clock().offsets
 
     def clock_alignment(self) -> str:
         """``host``, ``device_collectives``, or why the ranks' clocks could not be aligned."""
@@ -349,8 +381,7 @@ class RunAnalysis:
 
     def arrival_summary(self) -> pd.DataFrame:
         """Per (rank, group): collectives, share started last, median lateness, waits it caused."""
-        return self._memo("arrival_summary", lambda: _device_arrivals.arrival_summary(
-            self.device_arrivals(), self.device_collective_transfer()))
+        return self._device_clock().arrivals
 
     def device_stragglers(self) -> list[Finding]:
         """STRAGGLER from device arrivals (groups with at least ``device_arrivals.MIN_MATCHED_COLLECTIVES``)."""
@@ -470,8 +501,9 @@ class RunAnalysis:
 
     def collective_bandwidth(self) -> pd.DataFrame:
         """Per collective: transfer time, algbw, busbw (nccl-tests factors) (kept at compaction: ``derived_tables``)."""
-        return self._memo("bw", lambda: self._derived(_derived.BANDWIDTH, lambda: _comm.collective_bandwidth(
-            self.table("collectives"))))
+        return self._memo("bw", lambda: self._derived(_derived.BANDWIDTH, lambda: (
+            self._part_tables().bandwidth if self._collective_parts() is not None
+            else _comm.collective_bandwidth(self.table("collectives")))))
 
     def baseline_bandwidth(self) -> pd.DataFrame | None:
         """``collective_bandwidth`` of the baseline; None without a baseline."""

@@ -12,7 +12,6 @@ from typing import Any, Protocol
 import pandas as pd
 
 from dtprobe.analysis.bubble import PipelineShape, ideal_bubble
-from dtprobe.analysis.collective_matching import matching_summary
 from dtprobe.analysis.crashes import restart_summary
 from dtprobe.analysis.findings import Finding, jsonable
 from dtprobe.store.source import SourceInfo
@@ -58,7 +57,7 @@ class MetricsInputs(Protocol):
     def arrival_clock(self) -> str | None: ...
     def clock_offsets(self) -> pd.DataFrame: ...
     def arrival_summary(self) -> pd.DataFrame: ...
-    def matched_collectives(self) -> pd.DataFrame: ...
+    def collective_matching(self) -> dict: ...
     def group_coverage(self) -> pd.DataFrame: ...
     def matching_method(self) -> str: ...
 
@@ -153,7 +152,7 @@ def device_clock_metrics(a: MetricsInputs) -> dict[str, Any]:
     offsets = a.clock_offsets()
     arrivals = a.arrival_summary()
     return {
-        "collective_matching": matching_summary(a.matched_collectives(), a.group_coverage(), by=a.matching_method()),
+        "collective_matching": a.collective_matching(),
         "clock_alignment": _records(offsets, ["rank", "offset_us", "residual_us", "num_collectives"]),
         "arrivals": [dict(r, pg_ranks=[int(x) for x in str(r["pg_ranks"]).split(",") if x])
                      for r in _records(arrivals, ["rank", "pg", "pg_ranks", "num_collectives", "last_frac",

@@ -5,7 +5,8 @@ foreign GPU traces (NCCL, ROCm/RCCL) and CPU/gloo traces. Layers, in the order d
 and reduce each rank's file to its tables in a worker (``kineto_pool`` runs ``kineto_reduce``: a chunk of the
 file in memory at a time) -> spill each rank's tables to disk as it arrives (``kineto_spill``) -> check ranks ->
 when an analysis asks, assemble schema-typed DataFrames one rank at a time, ``kernels`` of the profiled steps
-only (``kineto_window``).
+only (``kineto_window``), in blocks of whole ranks (``kernel_blocks``) and ``collectives`` in parts of whole
+process groups (``collective_parts``) for the analyses that never need every rank's rows at once.
 
 Timestamps: ``*_ns`` columns are Unix-epoch nanoseconds (trace ``ts`` microseconds x 1000 +
 ``baseTimeNanoseconds``) on each rank's own clock, exactly as in the file (no cross-rank alignment is applied:
@@ -19,9 +20,9 @@ Kineto records none). Usage::
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Any
 
@@ -32,22 +33,40 @@ from dtprobe.store.errors import TraceError
 from dtprobe.store.kineto_collective_frame import collective_columns
 from dtprobe.store.kineto_events import RankMeta, kernel_kind
 from dtprobe.store.kineto_pool import ProgressFn, ReduceConfig, reduce_files
-from dtprobe.store.kineto_spill import RankSpill, SpilledRank, collective_tables, kernel_columns
+from dtprobe.store.kineto_spill import RankSpill, SpilledRank, collective_tables, group_tables, kernel_columns
 from dtprobe.store.kineto_window import check_gpu_coverage, last_step_ends_us, launched_in_steps
 from dtprobe.store.schema import MANIFEST_FILE, SCHEMAS
 from dtprobe.store.source import SourceInfo
 
-__all__ = ["KinetoRun", "RankMeta", "find_trace_files", "is_trace_dir", "kernel_kind", "load_trace_dir"]
+__all__ = ["CollectiveParts", "KinetoRun", "RankMeta", "find_trace_files", "is_trace_dir", "kernel_kind",
+           "load_trace_dir"]
 
 TRACE_SUFFIXES = (".json", ".json.gz")
 """File names read as traces (covers ``*.pt.trace.json`` and ``*.pt.trace.json.gz``)."""
 
-KERNEL_BLOCK_ROWS = 1_000_000
+COLLECTIVE_PART_ROWS = 50_000
+"""Collectives per part of ``KinetoRun.collective_parts`` (a process group larger than this is a part alone): what the
+cross-rank analyses of a trace folder hold at a time, whatever the number of ranks."""
+
+KERNEL_BLOCK_ROWS = 250_000
 """GPU events per block of ``KinetoRun.kernel_blocks``: what the kernel-level analyses of a trace folder hold at a
 time, whatever the number of ranks."""
 
 _PANDAS_DTYPES = {"int32": "Int32", "int64": "Int64", "float64": "float64", "boolean": "boolean",
                   "string": "string"}
+
+@dataclass(frozen=True, kw_only=True)
+class CollectiveParts:
+    """A source's ``collectives`` table in parts, each read when called: every row is in one part, all the rows of a
+    process group (pg, pg_ranks) are in the same part, in the table's order, with its columns and values. What
+    analyses that work group by group (``analysis.collective_groups``) read instead of the whole table, holding one
+    part at a time."""
+
+    readers: tuple[Callable[[], pd.DataFrame], ...]
+    """One call per part, each giving a fresh frame of its rows."""
+    ranks: frozenset[int]
+    """The ranks with at least one row in the table."""
+
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class KinetoRun:
@@ -79,6 +98,25 @@ class KinetoRun:
         """Collectives identified on each rank (NCCL kernels, gloo annotations); schema ``collectives``."""
         frame, seq_source = _collectives_frame(self.spill.ranks)
         assert seq_source == self.collective_seq, (seq_source, self.collective_seq)
+        return frame
+
+    def collective_parts(self, max_rows: int | None = None) -> CollectiveParts:
+        """``collectives`` in parts of whole process groups (pg, pg_ranks) of at most ``max_rows`` rows
+        (``COLLECTIVE_PART_ROWS`` by default; a larger group is a part alone) (``CollectiveParts``): each part is read
+        from the spilled ranks that have rows of its groups, so analyses that match collectives across ranks hold a
+        few groups' rows over their members, not every rank's. Groups an analysis could take for one (a rank's groups
+        of one name, numbered together when ``seq`` is each rank's order; a group named by none and ``world``) share
+        a part."""
+        world = ",".join(str(r) for r in range(self.world_size)) if self.world_size else None
+        parts = _group_parts([r.groups for r in self.spill.ranks], world_ranks=world,
+                             max_rows=COLLECTIVE_PART_ROWS if max_rows is None else max_rows)
+        return CollectiveParts(readers=tuple(partial(self._group_collectives, part) for part in parts),
+                               ranks=frozenset(r.meta.rank for r in self.spill.ranks if r.num_collectives))
+
+    def _group_collectives(self, groups: frozenset[tuple[str | None, str | None]]) -> pd.DataFrame:
+        """The rows of ``collectives`` of ``groups`` (pg, pg_ranks), in the table's order and with its ``seq``."""
+        frame, _ = _collectives_frame([r for r in self.spill.ranks if r.groups.keys() & groups], groups=groups,
+                                      seq_source=self.collective_seq)
         return frame
 
     @property
@@ -237,7 +275,9 @@ def _typed_frame(table: str, columns: dict[str, Any], *, length: int = 0) -> pd.
         if isinstance(columns.get(col), pd.Categorical):     # a string column kept dictionary-encoded
             data[col] = columns[col]
         elif col in columns:
-            data[col] = pd.array(columns[col], dtype=pd_dtype, copy=False)
+            values = columns[col]             # already of its dtype: taken as it is (coercing again costs a pass)
+            data[col] = values if isinstance(values, pd.api.extensions.ExtensionArray) and values.dtype == pd_dtype \
+                else pd.array(values, dtype=pd_dtype, copy=False)
         else:
             data[col] = pd.array([None] * length, dtype=pd_dtype)
     return pd.DataFrame(data, copy=False)     # the columns are this frame's alone: no second copy of each
@@ -306,9 +346,57 @@ def _steps_frame(ranks: list[SpilledRank]) -> pd.DataFrame:
     return _typed_frame("steps", columns, length=len(rows))
 
 
-def _collectives_frame(ranks: list[SpilledRank]) -> tuple[pd.DataFrame, str]:
-    """The ``collectives`` table and where its ``seq`` came from (``kineto_collectives.number_seq``)."""
-    columns, n, seq_source = collective_columns(list(collective_tables(ranks)))
+def _group_parts(rank_groups: list[dict[tuple[str | None, str | None], int]], *, world_ranks: str | None,
+                 max_rows: int) -> list[frozenset[tuple[str | None, str | None]]]:
+    """The (pg, pg_ranks) pairs of every rank (with their rows) put in parts, sorted, each of at most ``max_rows``
+    rows unless one set of pairs that must stay together is larger: pairs of one rank with the same ``pg`` (each
+    rank's collectives of a name are numbered together), and pairs that read the same once nulls are filled
+    (``world`` and the world's ranks, or "")."""
+    parent: dict = {}
+
+    def root(key):
+        while parent.setdefault(key, key) != key:
+            key = parent[key]
+        return key
+
+    def join(a, b) -> None:
+        parent[root(a)] = root(b)
+
+    for rank_at, groups in enumerate(rank_groups):
+        for pg, pg_ranks in groups:
+            key = (pg, pg_ranks)
+            root(key)
+            join(key, ("name", pg, rank_at))
+            join(key, ("filled", pg or "world", pg_ranks or world_ranks))
+            join(key, ("filled", pg or "", pg_ranks or ""))
+    together: dict = {}
+    for key in list(parent):
+        if len(key) == 2:
+            together.setdefault(root(key), set()).add(key)
+    rows = {}
+    for groups in rank_groups:
+        for key, n in groups.items():
+            rows[key] = rows.get(key, 0) + n
+    parts, part, part_rows = [], set(), 0
+    def first(keys: set) -> tuple:            # parts in the order of their groups, nulls last
+        return min(((g is None, g or ""), (r is None, r or "")) for g, r in keys)
+
+    for keys in sorted(together.values(), key=first):
+        size = sum(rows[k] for k in keys)
+        if part and part_rows + size > max_rows:
+            parts.append(frozenset(part))
+            part, part_rows = set(), 0
+        part |= keys
+        part_rows += size
+    return parts + [frozenset(part)] if part else parts
+
+
+def _collectives_frame(ranks: list[SpilledRank], *, groups: frozenset[tuple[str | None, str | None]] | None = None,
+                       seq_source: str | None = None) -> tuple[pd.DataFrame, str]:
+    """The ``collectives`` table (only the rows of ``groups``, (pg, pg_ranks) pairs, when given, ``seq`` from
+    ``seq_source``) and where its ``seq`` came from (``kineto_collectives.number_seq``)."""
+    tables = collective_tables(ranks) if groups is None else group_tables(ranks, groups)
+    columns, n, seq_source = collective_columns(list(tables), seq_source=seq_source)
     keys = []                      # sorted by rank, enqueue_ns, seq (nulls last, ties in row order), each column
     for col in ("seq", "enqueue_ns", "rank"):      # reordered in turn: no second copy of the whole table
         values = pd.array(columns[col])

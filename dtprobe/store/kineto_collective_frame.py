@@ -64,10 +64,11 @@ def _category(codes: np.ndarray, values: list[str]) -> pd.Categorical:
     return pd.Categorical.from_codes(position[np.where(codes >= 0, codes, len(values))], categories=names[order])
 
 
-def collective_columns(tables: list[pa.Table]) -> tuple[dict[str, Any], int, str]:
+def collective_columns(tables: list[pa.Table], *, seq_source: str | None = None) -> tuple[dict[str, Any], int, str]:
     """The ranks' ``collective_table``s (in rank order) as pandas columns, ``seq`` numbered as ``number_seq``
-    numbers rows; with the row count and where ``seq`` came from (``trace`` | ``order``). Strings stay codes
-    until the end: numbering on them needs no string per row."""
+    numbers rows; with the row count and where ``seq`` came from (``trace`` | ``order``: decided on these rows
+    unless ``seq_source`` says, as for one process group's rows of a folder). Strings stay codes until the end:
+    numbering on them needs no string per row."""
     table = pa.concat_tables(tables) if tables else collective_table(rank_collectives([]))
     coded = {col: _dictionary_codes(table[col]) for col, kind in ROW_TYPES.items() if kind is None}
     columns: dict[str, Any] = {
@@ -75,7 +76,7 @@ def collective_columns(tables: list[pa.Table]) -> tuple[dict[str, Any], int, str
         for col, kind in ROW_TYPES.items() if kind is not None}
     op_codes, op_values = coded["op"]
     p2p = np.isin(op_codes, [i for i, v in enumerate(op_values) if v in P2P_OPS])
-    columns["seq"], source = _seq_column(columns, p2p, coded["pg"][0])
+    columns["seq"], source = _seq_column(columns, p2p, coded["pg"][0], source=seq_source)
     del table
     for col, (codes, values) in coded.items():
         columns[col] = _category(codes, values) if col in DICTIONARY_COLUMNS["collectives"] else \
@@ -83,14 +84,15 @@ def collective_columns(tables: list[pa.Table]) -> tuple[dict[str, Any], int, str
     return columns, len(p2p), source
 
 
-def _seq_column(columns: dict[str, Any], p2p: np.ndarray, pg: np.ndarray
+def _seq_column(columns: dict[str, Any], p2p: np.ndarray, pg: np.ndarray, *, source: str | None = None
                 ) -> tuple[pd.api.extensions.ExtensionArray, str]:
     """``number_seq`` over columns of rows (``pg``: the group's code, -1 for none): p2p ops null; the trace's
-    ``Seq`` when every other row has one, else the 1-based order of each (rank, pg)'s collectives by enqueue time
-    (start time when none)."""
+    ``Seq`` when every other row has one (or ``source`` is ``trace``), else the 1-based order of each (rank, pg)'s
+    collectives by enqueue time (start time when none)."""
     n = len(p2p)
     trace_seq = columns["trace_seq"]
-    from_trace = bool((~p2p).any()) and not bool(trace_seq.isna()[~p2p].any())
+    from_trace = bool((~p2p).any()) and not bool(trace_seq.isna()[~p2p].any()) if source is None \
+        else source == "trace"
     if from_trace:
         values = trace_seq.to_numpy(dtype=np.int64, na_value=0)
     else:

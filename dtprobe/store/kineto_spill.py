@@ -48,6 +48,8 @@ class SpilledRank:
     """Collectives that are not send/recv (``seq`` numbers them)."""
     num_trace_seq: int
     """Of those, how many carry the trace's own ``Seq`` arg."""
+    groups: dict[tuple[str | None, str | None], int]
+    """Collectives per (``pg``, ``pg_ranks``) pair; None where a row names none."""
     kernels_file: Path
     collectives_file: Path
 
@@ -73,10 +75,16 @@ class RankSpill:
         op_codes, ops = tables.collectives.strings["op"]
         group = ~np.isin(op_codes, [i for i, op in enumerate(ops) if op in P2P_OPS])
         with_seq = tables.collectives.ints["trace_seq"][1]
+        pg_codes, pg_names = tables.collectives.strings["pg"]
+        pr_codes, pr_names = tables.collectives.strings["pg_ranks"]
+        pairs, counts = np.unique(np.stack([pg_codes, pr_codes]).astype(np.int64), axis=1, return_counts=True) \
+            if len(pg_codes) else (np.empty((2, 0), dtype=np.int64), np.empty(0, dtype=np.int64))
         spilled = SpilledRank(
             meta=tables.meta, names=tuple(tables.names), name_kinds=tuple(tables.name_kinds),
             steps=tuple(tables.steps), num_kernels=kernels.num_rows, num_collectives=collectives.num_rows,
             num_group_collectives=int(group.sum()), num_trace_seq=int((group & with_seq).sum()),
+            groups={(None if g < 0 else pg_names[g], None if r < 0 else pr_names[r]): n
+                    for (g, r), n in zip(pairs.T.tolist(), counts.tolist())},
             kernels_file=stem.with_suffix(".kernels.arrow"), collectives_file=stem.with_suffix(".collectives.arrow"))
         self.ranks.append(spilled)
         return spilled
@@ -107,3 +115,26 @@ def collective_tables(ranks: list[SpilledRank]) -> Iterator[pa.Table]:
     """Each rank's ``collective_table``, memory-mapped, in the order of ``ranks``."""
     for rank in ranks:
         yield _read(rank.collectives_file)
+
+
+def group_tables(ranks: list[SpilledRank], groups: frozenset[tuple[str | None, str | None]]) -> Iterator[pa.Table]:
+    """Each of ``ranks``' ``collective_table`` rows whose (``pg``, ``pg_ranks``) is one of ``groups`` (None: the
+    row names none), in their order, in the order of ``ranks``."""
+    for table in collective_tables(ranks):
+        yield table.filter(_of_groups(table, groups))
+
+
+def _of_groups(table: pa.Table, groups: frozenset[tuple[str | None, str | None]]) -> np.ndarray:
+    """Which rows of a ``collective_table`` have their (``pg``, ``pg_ranks``) in ``groups``."""
+    pg, pg_ranks = (table[col].combine_chunks() if table.num_rows else None for col in ("pg", "pg_ranks"))
+    if pg is None:
+        return np.zeros(0, dtype=bool)
+
+    def codes(column: pa.DictionaryArray) -> tuple[np.ndarray, dict[str | None, int]]:
+        at = {value: i for i, value in enumerate(column.dictionary.to_pylist())}
+        return column.indices.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64), {**at, None: -1}
+
+    (pg_codes, pg_at), (pr_codes, pr_at) = codes(pg), codes(pg_ranks)
+    width = len(pr_at)                   # codes + 1: 0 for null
+    wanted = [(pg_at[g] + 1) * width + pr_at[r] + 1 for g, r in groups if g in pg_at and r in pr_at]
+    return np.isin((pg_codes + 1) * width + pr_codes + 1, np.asarray(wanted, dtype=np.int64))

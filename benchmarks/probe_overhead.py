@@ -46,9 +46,11 @@ clocks do not count time spent waiting for a core, so this figure holds on a loa
    interleaved (`--record-cost-rounds` of each), in four ways: `blocking` (`dist.all_reduce`), `async`
    (`async_op=True`, waited at once: DTensor, FSDP), `future` (the work's future waited at once from Python:
    `get_future().wait()`) and `wait_all` (the work's future waited through `torch.futures.wait_all`, never by a
-   Python `wait()` on it, as DDP's reducer waits in C++: the recording group keeps the done-callback). The
-   same once more against a stub backend (every call returns one completed gloo Work), which leaves the Python
-   recording path alone. Per recorded collective, each round's difference recorded - plain of the caller
+   Python `wait()` on it, as DDP's reducer waits in C++). `gloo` is the group as attached (collectives recorded
+   by the native recorder, collectors/native_recorder.cpp, when it is built; the first line says which),
+   `gloo-python` the same gloo group recorded on the Python path (`RecordingProcessGroup(..., native=False)`: the
+   fallback without a build), `stub` the Python path around a stub backend (every call returns one completed gloo
+   Work), which leaves the Python recording path alone. Per recorded collective, each round's difference recorded - plain of the caller
    thread's CPU time (`time.thread_time`: waiting for a core is not counted), of the process CPU time (all
    threads, once the recorder has encoded the block's rows: the drain thread's share, and gloo's thread running
    a done-callback) and of wall time; median and 10th-90th percentile over the rounds. Without a peer, gloo's
@@ -255,6 +257,14 @@ def small_worker(run_dir: str, *, steps: int, num_collectives: int, off: bool, a
 
 RECORD_COST_MODES = ("blocking", "async", "future", "wait_all")
 """How the ``record_cost`` case issues and waits its collectives (module docstring, item 7)."""
+RECORD_COST_BACKENDS = ("gloo", "gloo-python", "stub")
+"""The ``record_cost`` case's (plain, recorded) pairs (module docstring, item 7)."""
+
+
+def _record_cost_pairs(plain: Any, recorded: Any, python_recorded: Any, stub: Any,
+                      stub_recorded: Any) -> list[tuple[str, tuple[Any, Any]]]:
+    """``RECORD_COST_BACKENDS`` with their (plain, recorded) groups."""
+    return list(zip(RECORD_COST_BACKENDS, ((plain, recorded), (plain, python_recorded), (stub, stub_recorded))))
 
 
 def _issue_block(group: Any, tensor: Any, count: int, mode: str) -> None:
@@ -339,13 +349,17 @@ def record_cost_worker(out: Path, *, rounds: int, block: int) -> None:
         stub_recorded = RecordingProcessGroup(stub, 0, 1, backend_name=GLOO_BACKEND)
         stub_recorded.dtprobe_name = "stub"
         stub_recorded._ranks_str = "0"     # noqa: SLF001 - members of a group torch does not know
+        python_recorded = RecordingProcessGroup(plain, 0, 1, backend_name=GLOO_BACKEND, native=False)
+        python_recorded.dtprobe_name = "python"
+        python_recorded._ranks_str = "0"   # noqa: SLF001
+        results["recorder"] = "native" if hasattr(recorded, "_native_backends") else "Python (native not built)"
         with probe.step(0):
-            for backend, pair in (("gloo", (plain, recorded)), ("stub", (stub, stub_recorded))):
+            for backend, pair in _record_cost_pairs(plain, recorded, python_recorded, stub, stub_recorded):
                 for mode in RECORD_COST_MODES:
                     results[f"{backend}/{mode}"] = _interleaved_costs(*pair, mode=mode, rounds=rounds, block=block)
         issued = sum(p["last_issued_seq"] for p in RECORDER.progress().values())
         completed = sum(p["last_completed_seq"] for p in RECORDER.progress().values())
-        expected = 2 * len(RECORD_COST_MODES) * (rounds + 1) * block
+        expected = 3 * len(RECORD_COST_MODES) * (rounds + 1) * block
         if not issued == completed == expected:
             raise SystemExit(f"record_cost: {issued} collectives issued and {completed} completed were recorded, "
                              f"not the {expected} run through the recording groups")
@@ -364,7 +378,7 @@ def _cost_line(key: str, took: dict[str, list[list[float]]]) -> str:
         parts.append(f"{clock} {statistics.median(diffs):5.1f} ({deciles[0]:.1f} .. {deciles[-1]:.1f}; best "
                      f"{best:.1f})")
     plain = statistics.median(p[0] for p in took["plain"])
-    return f"  {key:<14} " + ", ".join(parts) + f" [plain: {plain:.1f} thread CPU]"
+    return f"  {key:<20} " + ", ".join(parts) + f" [plain: {plain:.1f} thread CPU]"
 
 
 def report_record_cost(results: "Results", args: argparse.Namespace) -> list[str]:
@@ -376,9 +390,12 @@ def report_record_cost(results: "Results", args: argparse.Namespace) -> list[str
         run_sides({"record_cost": cmd}, Path(tmp) / "logs", concurrent=False)
         costs = json.loads(out.read_text())
     lines = [f"per recorded collective, precise (us; 1 process, recorded - plain over {costs['rounds']} interleaved "
-             f"blocks of {costs['block']} all_reduce of 1 KiB; CPU + gloo, not GPU):"]
-    lines += [_cost_line(key, costs[key]) for key in (f"{b}/{m}" for b in ("gloo", "stub") for m in RECORD_COST_MODES)]
-    lines.append("  (gloo: a 1-rank gloo group; stub: the Python recording path alone; goal <= 10 us)")
+             f"blocks of {costs['block']} all_reduce of 1 KiB; CPU + gloo, not GPU; gloo recorded by the "
+             f"{costs['recorder']} recorder):"]
+    lines += [_cost_line(key, costs[key])
+              for key in (f"{b}/{m}" for b in RECORD_COST_BACKENDS for m in RECORD_COST_MODES)]
+    lines.append("  (gloo: a 1-rank gloo group as attached; gloo-python: the same on the Python path; stub: the Python "
+                 "recording path alone; goal <= 10 us)")
     return lines
 
 

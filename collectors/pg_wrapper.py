@@ -5,6 +5,12 @@ A ``RecordingProcessGroup`` is a Python ``dist.ProcessGroup`` that forwards ever
 itself, it sees what a monkeypatch of ``torch.distributed`` misses: DDP's C++ reducer buckets, FSDP2
 all-gather/reduce-scatter, DTensor collectives and pipeline send/recv.
 
+Gloo collectives are recorded in C++ when the native recorder is built (``collectors/native_recorder.cpp``,
+``native_module``; ``_NativeGlooGroup``): the row is taken at the issue, ``end_ns`` is stamped by a done-callback on
+the work's future on the thread that completed it (no GIL), or when ``wait()`` returns for works without a future,
+and the rows reach the drain thread below in batches. What follows is the Python path: point-to-point, NCCL, and gloo
+without the build (one stderr line says so).
+
 Completion (``end_ns``), gloo: when the work completes. Blocking calls (torch's API with ``async_op=False``, which
 waits on the work as soon as it is returned) are waited by the group itself and stamped when that wait returns, on
 the caller's thread; the caller gets the completed backend Work. Otherwise, works whose callers wait on them
@@ -35,16 +41,20 @@ from __future__ import annotations
 
 import collections
 import functools
+import inspect
 import itertools
+import os
+import sys
 import threading
 import time
 import weakref
+from types import ModuleType
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from dtprobe.collectors import nccl, torch_internals
+from dtprobe.collectors import native_recorder, nccl, torch_internals
 from dtprobe.store.groups import MEMBER_COLUMNS, GroupKeys
 from dtprobe.store.schema import SCHEMAS
 
@@ -76,6 +86,28 @@ def _ended(row: dict[str, Any] | tuple, end_ns: int) -> dict[str, Any] | tuple:
     return row
 
 
+class _Mirrored:
+    """An attribute of ``CollectiveRecorder`` (kept in ``_<name>``) copied to its native recorder's ``native_name``
+    when set, as ``to_native(value)``."""
+
+    def __init__(self, native_name: str, to_native: Callable[[Any], Any] = lambda value: value) -> None:
+        self.native_name, self.to_native = native_name, to_native
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.private = f"_{name}"
+
+    def __get__(self, recorder: Any, owner: type) -> Any:
+        return self if recorder is None else getattr(recorder, self.private)
+
+    def __set__(self, recorder: Any, value: Any) -> None:
+        setattr(recorder, self.private, value)
+        if recorder._native is not None:
+            self.copy(recorder, recorder._native)
+
+    def copy(self, recorder: Any, native: Any) -> None:
+        setattr(native, self.native_name, self.to_native(getattr(recorder, self.private)))
+
+
 class CollectiveRecorder:
     """Process-wide sink shared by every recording group: the writer, the current step, the timing mode.
 
@@ -91,16 +123,15 @@ class CollectiveRecorder:
     """
 
     def __init__(self) -> None:
-        self.writer: Any = None
-        """``RankWriter`` (or None: drop rows)."""
-        self.step = -1
-        """Training step current at enqueue; -1 outside ``probe.step``."""
-        self.timing = "wait"
-        """``"wait"``: rows get ``end_ns`` at completion; ``"enqueue"``: rows are written at once, no end."""
+        self._native: Any = None
+        """The native recorder of this recorder's native gloo groups (``native_recorder.cpp``'s ``Recorder``), made
+        by the first one (``native``); None until then. Mirrors ``writer``, ``step``, ``timing`` and ``restart``."""
+        self._writer: Any = None
+        self._step = -1
+        self._timing = "wait"
+        self._restart = 0
         self.nccl_timing = True
         """Use the NCCL completion hook for device timings when ``TORCH_NCCL_ENABLE_TIMING=1``."""
-        self.restart = 0
-        """torchrun restart count of this worker (``TORCHELASTIC_RESTART_COUNT``), copied into every row."""
         self._paused = _PausedFlag()
         self._in_flight: dict[int, dict[str, Any] | tuple] = {}
         self._callbacks: weakref.WeakSet = weakref.WeakSet()   # done-callbacks a work's future still holds
@@ -117,6 +148,26 @@ class CollectiveRecorder:
         self._group_keys = GroupKeys()
         self._groups: dict[str, dict[str, Any]] = {}   # key -> the group's ``groups`` row (name, members)
 
+    writer = _Mirrored("writing", lambda writer: writer is not None)
+    """``RankWriter`` (or None: drop rows)."""
+    step = _Mirrored("step")
+    """Training step current at enqueue; -1 outside ``probe.step``."""
+    timing = _Mirrored("enqueue_timing", lambda timing: timing == "enqueue")
+    """``"wait"``: rows get ``end_ns`` at completion; ``"enqueue"``: rows are written at once, no end."""
+    restart = _Mirrored("restart")
+    """torchrun restart count of this worker (``TORCHELASTIC_RESTART_COUNT``), copied into every row."""
+
+    def native(self, module: ModuleType) -> Any:
+        """This recorder's native ``Recorder`` (of ``module``, the loaded ``native_recorder``), made at the first
+        call with the recorder's state."""
+        if self._native is None:
+            native = module.Recorder()
+            for mirrored in (CollectiveRecorder.writer, CollectiveRecorder.step, CollectiveRecorder.timing,
+                             CollectiveRecorder.restart):
+                mirrored.copy(self, native)
+            self._native = native
+        return self._native
+
     def start(self, writer: Any, *, timing: str = "wait", nccl_timing: bool = True,
               flush_interval_s: float = 1.0, restart: int = 0) -> None:
         """Begin recording into ``writer`` (attach); ``restart`` is the worker's torchrun restart count."""
@@ -131,6 +182,8 @@ class CollectiveRecorder:
         self.nccl_timing = nccl_timing
         self.step = -1
         self._seen_at_tick, self._spilled = set(), set()
+        if self._native is not None:
+            self._native.reset_ticks()
         self._stop_drain = threading.Event()
         self._drainer = threading.Thread(target=self._drain_loop, args=(self._stop_drain, flush_interval_s),
                                          name="dtprobe-collectives", daemon=True)
@@ -145,20 +198,23 @@ class CollectiveRecorder:
         if self.writer is not None:
             # A work's done-callback runs just after its waiters wake: give just-finished ones a moment.
             deadline = time.monotonic() + 0.2
-            while self._in_flight and time.monotonic() < deadline:
+            while self._num_in_flight() and time.monotonic() < deadline:
                 time.sleep(0.005)
             self.flush_in_flight()
             self.drain()
         self.writer = None
         self.step = -1
 
+    def _num_in_flight(self) -> int:
+        return len(self._in_flight) + (self._native.num_in_flight() if self._native is not None else 0)
+
     def drain(self) -> None:
         """Hand every queued row to the writer now: tuple rows in batches through ``writer.write_values`` when it has
-        one (``RankWriter``), else each as a dict through ``writer.write``."""
+        one (``RankWriter``), else each as a dict through ``writer.write``. The native recorder's rows come first."""
         writer = self.writer
         with self._drain_lock:
             queue = self._queue
-            rows = []
+            rows = self._native.take() if self._native is not None else []
             while True:
                 try:
                     rows.append(queue.popleft())
@@ -190,8 +246,10 @@ class CollectiveRecorder:
             in_flight = self._in_flight
             now = set(in_flight)               # a C-level copy under the GIL: safe against concurrent track/untrack
             spill = (now & self._seen_at_tick) - self._spilled
-            for key in sorted(spill):          # keys grow with issue order: oldest first
-                row = in_flight.get(key)
+            spilled = [in_flight.get(key) for key in sorted(spill)]   # keys grow with issue order: oldest first
+            if self._native is not None:
+                spilled += self._native.spill()
+            for row in spilled:
                 if row is not None:
                     row = row_dict(row)
                     writer.write("pending", {c: row[c] for c in _PENDING_COLUMNS if c in row})
@@ -202,7 +260,7 @@ class CollectiveRecorder:
             flush = getattr(writer, "flush", None)
             if flush is not None:
                 flush()
-            return len(spill)
+            return sum(row is not None for row in spilled)
 
     def _drain_loop(self, stop: threading.Event, interval_s: float) -> None:
         while not stop.wait(interval_s):
@@ -210,11 +268,11 @@ class CollectiveRecorder:
 
     @property
     def active(self) -> bool:
-        return self.writer is not None and not self._paused.on
+        return self._writer is not None and not self._paused.on
 
     def paused(self) -> "_Paused":
         """Context manager: collectives issued by this thread inside it are not recorded (clock sync)."""
-        return _Paused(self._paused)
+        return _Paused(self._paused, self)
 
     def group_key(self, name: str, pg_ranks: str, pg_size: int) -> str:
         """The ``pg`` key of group (``name``, ``pg_ranks``) in rows. The first time, its ``groups`` row is handed to
@@ -277,7 +335,7 @@ class CollectiveRecorder:
 
     def complete(self, key: int, row: dict[str, Any] | tuple, end_ns: int | None) -> None:
         """``untrack(key)`` and, unless it was already written, queue ``row`` finished at ``end_ns`` (None: no end)."""
-        if self.untrack(key) and self.writer is not None:     # ``emit``, inline: once per wrapped collective
+        if self.untrack(key) and self._writer is not None:     # ``emit``, inline: once per wrapped collective
             self._queue.append(row if end_ns is None else row + (end_ns,) if type(row) is tuple
                                else _ended(row, end_ns))
 
@@ -306,19 +364,31 @@ class CollectiveRecorder:
             seq = row[_SEQ]
             if seq > progress.completed_seq:
                 progress.completed_seq, progress.completed_op = seq, row[_OP]
-            if self.writer is not None:
+            if self._writer is not None:
                 self._queue.append(row + (end_ns,))
         return work
 
     def progress(self) -> dict[str, dict[str, Any]]:
         """Per group name: ``pg_ranks``, ``last_issued_seq``/``_op``/``_step``/``_ns`` and ``last_completed_seq``/
         ``_op`` of this rank's collectives (timing "wait" only); read by ``dtprobe.runtime.hang``'s watchdog."""
-        return {pg: p.as_dict() for pg, p in list(self._progress.items()) if p.issued is not None}
+        out = {pg: p.as_dict() for pg, p in list(self._progress.items()) if p.issued is not None}
+        for pg, seq, op, step, enqueue_ns, completed_seq, completed_op in (
+                self._native.progress() if self._native is not None else ()):
+            if pg in out and out[pg]["last_issued_seq"] >= seq:
+                continue                     # a group recorded in Python too (not made so): the further one
+            group = self._groups.get(pg)
+            out[pg] = {"pg_ranks": group["pg_ranks"] if group else "", "last_completed_seq": completed_seq,
+                       "last_completed_op": completed_op, "last_issued_seq": seq, "last_issued_op": op,
+                       "last_issued_step": step, "last_issued_ns": enqueue_ns}
+        return out
 
     def pending(self) -> list[dict[str, Any]]:
         """Rows of collectives issued but not completed yet, oldest first (what a hung rank waits on), each with its
         group's ``pg_ranks`` and ``pg_size``."""
-        return [self.with_members(dict(row_dict(r))) for r in list(self._in_flight.values())]
+        rows = [row_dict(r) for r in list(self._in_flight.values())]
+        if self._native is not None:
+            rows = sorted(rows + [row_dict(r) for r in self._native.in_flight()], key=lambda r: r["enqueue_ns"])
+        return [self.with_members(dict(r)) for r in rows]
 
     def flush_in_flight(self) -> int:
         """Write every in-flight row with ``end_ns`` null (at close: a hang or a crash); returns how many."""
@@ -329,7 +399,7 @@ class CollectiveRecorder:
                 rows.append(row)
         for row in rows:
             self.emit(row)
-        return len(rows)
+        return len(rows) + (self._native.flush_in_flight() if self._native is not None else 0)
 
     def on_done(self, future: Any, callback: "_FutureDone | _WorkDone") -> None:
         """``future.add_done_callback(callback)``, the callback known to ``settle_callbacks``."""
@@ -386,15 +456,21 @@ class _PausedFlag(threading.local):
 
 
 class _Paused:
-    def __init__(self, local: threading.local) -> None:
+    def __init__(self, local: threading.local, recorder: CollectiveRecorder) -> None:
         self._local = local
+        self._recorder = recorder
 
     def __enter__(self) -> None:
         self._prev = getattr(self._local, "on", False)
         self._local.on = True
+        self._native = self._recorder._native      # its native recorder pauses per thread too
+        if self._native is not None:
+            self._native.set_paused(True)
 
     def __exit__(self, *exc: object) -> None:
         self._local.on = self._prev
+        if self._native is not None:
+            self._native.set_paused(False)
 
 
 RECORDER = CollectiveRecorder()
@@ -753,10 +829,22 @@ class RecordingProcessGroup(dist.ProcessGroup):
     send/recv are numbered apart, per (peer, direction): the k-th send to rank B has seq k, and so does B's
     k-th recv from this rank (same seq = same message). Never reorders or delays a collective: the row is
     built before the call and the call is forwarded as is, on the caller's thread.
+
+    Made as a ``_NativeGlooGroup`` (collectives recorded in C++) when ``inner`` runs gloo on every device, the
+    native recorder is built (``native_module``) and ``native`` is left on; else every call is recorded here.
     """
 
+    def __new__(cls, inner: Any, rank: int, size: int, *, backend_name: str,
+                recorder: CollectiveRecorder | None = None, device_timing: bool = False,
+                native: bool = True) -> "RecordingProcessGroup":
+        if (cls is RecordingProcessGroup and native and not device_timing and _runs_gloo(inner)
+                and native_module() is not None):
+            cls = _NativeGlooGroup
+        return super().__new__(cls)
+
     def __init__(self, inner: dist.ProcessGroup, rank: int, size: int, *, backend_name: str,
-                 recorder: CollectiveRecorder | None = None, device_timing: bool = False) -> None:
+                 recorder: CollectiveRecorder | None = None, device_timing: bool = False,
+                 native: bool = True) -> None:
         super().__init__(rank, size)
         self._inner = inner
         self._rank = rank
@@ -909,10 +997,10 @@ class RecordingProcessGroup(dist.ProcessGroup):
             if counter is None:
                 counter = self._p2p_seq.setdefault((peer, op), itertools.count(1))
             seq = next(counter)
-        row: dict[str, Any] | tuple = (pg, seq, op, int(num_bytes), dtype, recorder.step, "host", time.time_ns(),
-                                       recorder.restart)        # ROW_COLUMNS but end_ns
+        row: dict[str, Any] | tuple = (pg, seq, op, int(num_bytes), dtype, recorder._step, "host", time.time_ns(),
+                                       recorder._restart)        # ROW_COLUMNS but end_ns
         if peer is None and not self._device_timing:     # a gloo collective: the row stays a tuple
-            if waits_now and recorder.timing != "enqueue":
+            if waits_now and recorder._timing != "enqueue":
                 # torch's blocking API (async_op=False) waits on the work as soon as it is returned: wait here, on
                 # the caller's thread, stamp the end and hand back the completed backend Work (its wait() returns
                 # at once). No Python Work, no done-callback on the gloo thread.
@@ -927,7 +1015,7 @@ class RecordingProcessGroup(dist.ProcessGroup):
             if self._device_timing:            # NCCL: timed on the device by collectors/nccl.py
                 return self._nccl.issue(row, functools.partial(call, *args, **kwargs), peer=peer)
         work = call(*args, **kwargs)
-        if work is None or recorder.timing == "enqueue":
+        if work is None or recorder._timing == "enqueue":
             recorder.emit(row)
             return work
         habit = self._habits.get(op)
@@ -1140,6 +1228,108 @@ class RecordingProcessGroup(dist.ProcessGroup):
         finally:
             if self._nccl is not None:
                 self._nccl.end_coalescing()
+
+
+def _runs_gloo(inner: Any) -> bool:
+    """True if ``inner`` is a process group whose every device runs a gloo backend."""
+    gloo = getattr(dist, "ProcessGroupGloo", None)
+    if gloo is None or not isinstance(inner, dist.ProcessGroup):
+        return False
+    try:
+        devices = inner._device_types
+        return bool(devices) and all(isinstance(inner._get_backend(device), gloo) for device in devices)
+    except (RuntimeError, AttributeError):
+        return False
+
+
+_NATIVE_COLLECTIVES = (
+    "allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather", "allgather_coalesced", "_allgather_base",
+    "all_gather_single", "all_gather_single_coalesced", "allgather_into_tensor_coalesced", "reduce_scatter",
+    "_reduce_scatter_base", "reduce_scatter_single", "reduce_scatter_single_coalesced",
+    "reduce_scatter_tensor_coalesced", "alltoall_base", "all_to_all_single", "alltoall", "gather", "scatter",
+    "barrier")
+"""The collectives a ``_NativeGlooGroup`` leaves to the C++ process group (and so to its native backend)."""
+
+_native: tuple[ModuleType | None] | None = None
+
+
+def native_module() -> ModuleType | None:
+    """The native recorder (``native_recorder.load``), loaded at the first recording gloo group; None records in
+    Python: when it is not built, one stderr line says so and how to build it. ``DTPROBE_NATIVE_RECORDER=0`` keeps
+    recording in Python, silently."""
+    global _native
+    if _native is None:
+        module = None
+        if os.environ.get("DTPROBE_NATIVE_RECORDER", "1") != "0":
+            module, why = native_recorder.load()
+            if module is None:
+                print(f"dtprobe: collectives are recorded in Python, at a higher cost per collective, because the "
+                      f"native recorder is not usable: {why}. Build it with `{native_recorder.BUILD_COMMAND}`.",
+                      file=sys.stderr, flush=True)
+        _native = (module,)
+    return _native[0]
+
+
+def _native_pg_key(group_ref: "weakref.ref[RecordingProcessGroup]") -> tuple[str, bool]:
+    """A native backend's question for its group's ``pg`` key: the key, and whether it stays (``_pg_key``)."""
+    group = group_ref()
+    if group is None:                    # the group is gone while its backend is still used
+        return WORLD_GROUP, False
+    key = group._pg_key()
+    return key, group._key is not None
+
+
+class _NativeGlooGroup(RecordingProcessGroup):
+    """A recording gloo group whose collectives are recorded in C++ (``native_recorder.cpp``).
+
+    A ``RecordingBackend`` around each of the inner group's backends is registered, for the same devices, on this
+    group and on ``_direct``, a plain C++ process group. A Python caller's collective (``dist.all_reduce``, FSDP,
+    DTensor's waits) is ``_direct``'s own method (instance attributes): no Python frame, and not torch's trampoline
+    for Python subclasses, which takes the GIL around the call. A C++ caller (DDP's reducer, functional collectives
+    resolving this group by name) goes through that trampoline, finds no Python override and reaches the same
+    backend. Rows go to the recorder's native ``Recorder`` and are drained with the Python ones. Point-to-point calls
+    stay on the Python path (their per-peer numbering and global peer rank)."""
+
+    def __init__(self, inner: dist.ProcessGroup, rank: int, size: int, *, backend_name: str,
+                 recorder: CollectiveRecorder | None = None, device_timing: bool = False,
+                 native: bool = True) -> None:
+        super().__init__(inner, rank, size, backend_name=backend_name, recorder=recorder)
+        module = native_module()
+        recorder_native = self._recorder.native(module)
+        resolve_key = functools.partial(_native_pg_key, weakref.ref(self))   # no cycle through C++
+        self._direct = dist.ProcessGroup(rank, size)
+        backends: dict[int, Any] = {}
+        for device in inner._device_types:
+            backend = inner._get_backend(device)
+            wrapped = backends.get(id(backend))
+            if wrapped is None:
+                wrapped = backends[id(backend)] = module.RecordingBackend(backend, recorder_native, resolve_key)
+            for group in (self, self._direct):
+                group._register_backend(device, dist.ProcessGroup.BackendType.CUSTOM, wrapped)
+        for group in (self, self._direct):
+            group._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
+        self._native_backends = tuple(backends.values())
+        for name in _NATIVE_COLLECTIVES:
+            setattr(self, name, getattr(self._direct, name))
+
+    def _set_group_name(self, name: str) -> None:
+        super()._set_group_name(name)
+        self._direct._set_group_name(name)
+
+    @property
+    def dtprobe_name(self) -> str | None:
+        """Recording name of this group (axis name); a new one is asked for by the next collective's row."""
+        return self.__dict__.get("_dtprobe_name")
+
+    @dtprobe_name.setter
+    def dtprobe_name(self, name: str | None) -> None:
+        self._dtprobe_name = name
+        for backend in self.__dict__.get("_native_backends", ()):
+            backend.reset_key()
+
+
+for _name in _NATIVE_COLLECTIVES:     # C++ callers: the class's own entry (a C++ method), so no Python override
+    setattr(_NativeGlooGroup, _name, inspect.getattr_static(dist.ProcessGroup, _name))
 
 
 # ---- backend registration ----

@@ -35,6 +35,9 @@ else
   echo "[install] dtprobe"
   "$PY" -m pip install -q -e .
 fi
+# The native collective recorder (collectors/native_recorder.cpp; g++ and ninja): without a compiler or torch's
+# headers it is not built, says so, and collectives are recorded in Python; never fatal.
+"$PY" -m dtprobe.collectors.native_recorder || echo "[install] WARNING: native recorder not built" >&2
 # An editable install leaves the project's modules uncompiled, and with PYTHONDONTWRITEBYTECODE set (as on CI
 # machines) every process would compile them again at import: compile them once here, as pip does for wheels.
 "$PY" -m compileall -q dtprobe dashboard collectors >/dev/null

@@ -3,7 +3,7 @@ waiting promptly (no done-callback comes back), a late wait still brings it back
 at its wait with no done-callback, one released unwaited (as DDP's reducer takes it, in C++) or waited late brings
 the callback back, with an exact end where the work was still in flight; the watchdog's progress lists a group only
 once it issued; and ``benchmarks/probe_overhead.py``'s ``record_cost`` case accounts for every collective it runs
-(a 1-rank gloo group and the stub backend, each way of waiting)."""
+(a 1-rank gloo group, natively and on the Python path, and the stub backend, each way of waiting)."""
 
 from __future__ import annotations
 
@@ -218,7 +218,7 @@ def test_record_cost_case_records_every_collective_it_runs(repo_root, child_env,
                           env=child_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]     # the worker checks the recorder saw each collective
     costs = json.loads(out.read_text())
-    keys = [f"{b}/{m}" for b in ("gloo", "stub") for m in ("blocking", "async", "future", "wait_all")]
+    keys = [f"{b}/{m}" for b in ("gloo", "gloo-python", "stub") for m in ("blocking", "async", "future", "wait_all")]
     assert sorted(k for k in costs if "/" in k) == sorted(keys)
     for key in keys:
         for side in ("plain", "recorded"):

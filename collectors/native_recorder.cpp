@@ -560,17 +560,12 @@ class RecordingBackend : public c10d::Backend {
     if (!rec.recording()) return without_gil(call);
     Row row{pg_key(), op, dtype, seq_.fetch_add(1) + 1, num_bytes, rec.step.load(std::memory_order_relaxed),
             now_ns(), rec.restart.load(std::memory_order_relaxed)};
-    if (rec.enqueue_timing.load(std::memory_order_relaxed)) {
-      auto work = without_gil(call);
-      rec.emit(row);
+    auto work = without_gil(call);    // a call that raises (bad arguments) records nothing
+    if (!work || rec.enqueue_timing.load(std::memory_order_relaxed)) {
+      rec.emit(row);                  // written at once, without an end
       return work;
     }
-    int64_t key = rec.track(row);     // in flight from before the call: a call that raises stays in flight
-    auto work = without_gil(call);
-    if (!work) {
-      rec.complete(key, false, 0);
-      return work;
-    }
+    int64_t key = rec.track(row);
     if (no_future_[op].load(std::memory_order_relaxed)) {
       return c10::make_intrusive<TimedWork>(std::move(work), recorder_, key);
     }

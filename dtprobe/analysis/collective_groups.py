@@ -143,7 +143,7 @@ def device_clock(readers: Iterable[Reader], *, world_size: int | None, ranks_pre
         deviations.append(_clocks.deviations(at, coll, end + offset[at], placed[at]))
         members = _arrivals.member_arrivals(_clocks.corrected(matched, offsets))
         if not members.empty:
-            summaries.extend(_arrivals.arrival_summary(members, _arrivals.collective_transfer(members))
+            summaries.extend(_arrivals.arrival_summary(members, _arrivals.last_arrivers(members))
                              .astype({"pg": object, "pg_ranks": object}).to_dict("records"))
         del matched, members
     offsets = _clocks.offset_frame(ranks, offset, placed, _clocks.median_deviation(deviations, n), num_collectives)

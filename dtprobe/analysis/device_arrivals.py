@@ -84,8 +84,7 @@ def collective_transfer(members: pd.DataFrame) -> pd.DataFrame:
     out = g.agg(pg=("pg", "first"), pg_ranks=("pg_ranks", "first"), step=("step", "first"), op=("op", "first"),
                 num_bytes=("num_bytes", "max"), group_size=("rank", "size"), wait_us=("wait_us", "max"),
                 latency_us=("dur_us", "min"), end_min=("end_ns", "min"), end_max=("end_ns", "max")).reset_index()
-    last = members.loc[members["is_last"]].groupby("coll_id")["rank"].min()
-    out["last_rank"] = out["coll_id"].map(last).astype("int64")
+    out["last_rank"] = out["coll_id"].map(_last_rank(members)).astype("int64")
     out["end_spread_us"] = (out["end_max"].astype("int64") - out["end_min"].astype("int64")) / 1e3
     latency_s = out["latency_us"].to_numpy(dtype="float64") / 1e6
     nbytes = out["num_bytes"].to_numpy(dtype="float64", na_value=np.nan)
@@ -96,6 +95,19 @@ def collective_transfer(members: pd.DataFrame) -> pd.DataFrame:
     out["algbw_gb_per_s"] = algbw
     out["busbw_gb_per_s"] = algbw * factor
     return out[COLLECTIVE_COLUMNS]
+
+
+def _last_rank(members: pd.DataFrame) -> pd.Series:
+    """Per coll_id: the lowest of the members that started last."""
+    return members.loc[members["is_last"]].groupby("coll_id")["rank"].min()
+
+
+def last_arrivers(members: pd.DataFrame) -> pd.DataFrame:
+    """Per collective of ``member_arrivals``: coll_id, pg, pg_ranks, last_rank, as ``collective_transfer`` gives
+    them: what ``arrival_summary`` reads of it."""
+    require_columns(members, MEMBER_COLUMNS, table="member_arrivals")
+    first = members.drop_duplicates("coll_id")[["coll_id", "pg", "pg_ranks"]]
+    return first.assign(last_rank=first["coll_id"].map(_last_rank(members)).astype("int64").to_numpy())
 
 
 def arrival_summary(members: pd.DataFrame, collectives: pd.DataFrame) -> pd.DataFrame:

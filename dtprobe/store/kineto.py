@@ -276,8 +276,15 @@ def _typed_frame(table: str, columns: dict[str, Any], *, length: int = 0) -> pd.
             data[col] = columns[col]
         elif col in columns:
             values = columns[col]             # already of its dtype: taken as it is (coercing again costs a pass)
-            data[col] = values if isinstance(values, pd.api.extensions.ExtensionArray) and values.dtype == pd_dtype \
-                else pd.array(values, dtype=pd_dtype, copy=False)
+            if isinstance(values, pd.api.extensions.ExtensionArray) and values.dtype == pd_dtype:
+                data[col] = values
+            elif isinstance(values, np.ndarray) and values.dtype.kind == "i" and pd_dtype in ("Int32", "Int64"):
+                data[col] = pd.arrays.IntegerArray(values.astype(pd_dtype.lower(), copy=False),
+                                                   np.zeros(len(values), dtype=bool))
+            else:
+                data[col] = pd.array(values, dtype=pd_dtype, copy=False)
+        elif pd_dtype in ("Int32", "Int64"):           # all null, built from its parts
+            data[col] = pd.arrays.IntegerArray(np.zeros(length, dtype=pd_dtype.lower()), np.ones(length, dtype=bool))
         else:
             data[col] = pd.array([None] * length, dtype=pd_dtype)
     return pd.DataFrame(data, copy=False)     # the columns are this frame's alone: no second copy of each

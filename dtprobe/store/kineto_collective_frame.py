@@ -33,9 +33,10 @@ def collective_table(rank: RankCollectives) -> pa.Table:
 
 
 def _nullable_ints(column: pa.ChunkedArray, dtype: str) -> pd.api.extensions.ExtensionArray:
-    values = column.fill_null(0).to_numpy()
-    return pd.array(values, dtype=dtype) if column.null_count == 0 else \
-        pd.arrays.IntegerArray(values.astype(dtype.lower()), column.is_null().to_numpy(zero_copy_only=False))
+    values = column.fill_null(0).to_numpy().astype(dtype.lower(), copy=False)
+    nulls = np.zeros(len(values), dtype=bool) if column.null_count == 0 else \
+        column.is_null().to_numpy(zero_copy_only=False)
+    return pd.arrays.IntegerArray(values, nulls)       # built from its parts: no check of every value
 
 
 def _dictionary_codes(column: pa.ChunkedArray) -> tuple[np.ndarray, list[str]]:
@@ -48,9 +49,15 @@ def _dictionary_codes(column: pa.ChunkedArray) -> tuple[np.ndarray, list[str]]:
 
 
 def _strings(codes: np.ndarray, values: list[str]) -> pd.api.extensions.ExtensionArray:
-    """``values[codes]`` as a ``string`` array, built from the few distinct values."""
-    return pd.Categorical.from_codes(codes, categories=pd.Index(values, dtype=object)).astype("string") \
-        if len(codes) else pd.array([], dtype="string")
+    """``values[codes]`` as a ``string`` array, built from the few distinct values (in Arrow when that is where
+    pandas keeps its strings: no Python string per row)."""
+    if not len(codes):
+        return pd.array([], dtype="string")
+    if pd.StringDtype().storage == "pyarrow":
+        decoded = pa.DictionaryArray.from_arrays(pa.array(codes, pa.int32(), mask=codes < 0),
+                                                 pa.array(values, pa.string())).dictionary_decode()
+        return pd.arrays.ArrowStringArray(decoded)
+    return pd.Categorical.from_codes(codes, categories=pd.Index(values, dtype=object)).astype("string")
 
 
 def _category(codes: np.ndarray, values: list[str]) -> pd.Categorical:

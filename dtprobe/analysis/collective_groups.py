@@ -101,15 +101,17 @@ def device_clock(readers: Iterable[Reader], *, world_size: int | None, ranks_pre
     module docstring), the part read last in a pass the first of the next (one part is read once)."""
     parts = _Parts(list(readers), world_size=world_size, ranks_present=ranks_present, by=by)
     tables = _Tables() if with_tables else None
-    coverage, counts, member_sets, rank_rows = [], {}, {}, {}
+    coverage, counts, member_sets, rank_rows, part_sets = [], {}, {}, {}, []
     for matched, part_coverage in parts.each(on_rows=tables.add if tables is not None else None):
         coverage.extend(part_coverage.to_dict("records"))
         for status, n in _matching.status_counts(matched).items():
             counts[status] = counts.get(status, 0) + n
         ranks, ri, coll, _ = _clocks.member_ends(matched)
+        part_sets.append([])
         for member_set, n in _clocks.member_set_counts(ri, coll).items():
             key = tuple(int(ranks[i]) for i in member_set)
             member_sets[key] = member_sets.get(key, 0) + n
+            part_sets[-1].append(frozenset(key))
         for rank, n in zip(ranks.tolist(), np.bincount(ri, minlength=len(ranks)).tolist()):
             rank_rows[rank] = rank_rows.get(rank, 0) + n
         del matched
@@ -125,7 +127,9 @@ def device_clock(readers: Iterable[Reader], *, world_size: int | None, ranks_pre
     order = _clocks.placement(_clocks.shared_counts(
         {tuple(index[r] for r in key): count for key, count in member_sets.items()}, n))
     diffs: dict[tuple[int, int], list[np.ndarray]] = {edge: [] for edge in order}
-    for matched, _ in parts.each():
+    pairs = [(int(ranks[u]), int(ranks[p])) for u, p in order]
+    with_pairs = {i for i, sets in enumerate(part_sets) if any(u in s and p in s for s in sets for u, p in pairs)}
+    for matched, _ in parts.each(only=with_pairs):         # the parts where a placed pair shares collectives
         part_ranks, ri, coll, end = _clocks.member_ends(matched)
         local = {int(r): i for i, r in enumerate(part_ranks)}
         bounds = np.searchsorted(ri, np.arange(len(part_ranks) + 1))
@@ -169,11 +173,12 @@ class _Parts:
         self.held: tuple[int, tuple[pd.DataFrame, pd.DataFrame]] | None = None
         self.forward = True
 
-    def each(self, *, on_rows: Callable[[pd.DataFrame], None] | None = None):
-        """(matched rows, group coverage) of every part; ``on_rows`` sees each part's rows (first pass only)."""
+    def each(self, *, on_rows: Callable[[pd.DataFrame], None] | None = None, only: set[int] | None = None):
+        """(matched rows, group coverage) of every part (of the parts ``only`` names); ``on_rows`` sees each part's
+        rows (first pass only)."""
         order = range(len(self.readers)) if self.forward else range(len(self.readers) - 1, -1, -1)
         self.forward = not self.forward
-        for i in order:
+        for i in (i for i in order if only is None or i in only):
             if self.held is not None and self.held[0] == i:
                 item = self.held[1]
             else:

@@ -12,15 +12,22 @@ writes ``worker.json`` (``WORKER_FILE``) first thing: ``{"rank", "local_rank", "
 "started_ns", "start"}`` (``start``: ``fork`` or ``exec``, ``runtime.fork_start``), and at a clean return
 ``"ended_ns"`` and ``"exit_code": 0`` too; the launcher reads both files to record each attempt's per-rank exits
 in run.json (``runtime.launcher.read_attempts``).
+
+A worker that has not joined the process group after half the job's timeout (``--timeout``) writes every thread's
+Python stack to its stderr, torchrun's per-rank log (``stacks_if_slow``): when a start hangs, the log shows where,
+before the other ranks give up waiting for it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import faulthandler
 import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -101,6 +108,21 @@ def write_worker_file(**update: object) -> None:
     os.replace(tmp, path)
 
 
+START_STACKS_MIN_S = 10.0
+"""``stacks_if_slow`` around the attach waits at least this long, whatever the job's timeout."""
+
+
+@contextlib.contextmanager
+def stacks_if_slow(after_s: float) -> Iterator[None]:
+    """Every thread's stack on stderr (``faulthandler``, so also while the main thread is blocked in C++) if the
+    body is still running after ``after_s``; nothing if it returned before."""
+    faulthandler.dump_traceback_later(after_s, exit=False, file=sys.stderr)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
 @record
 def main() -> int:
     write_worker_file()
@@ -113,7 +135,8 @@ def main() -> int:
     if job.cpu_bind == "auto" and device.type == "cpu":
         cores = bind_cores(int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         write_worker_file(cpus=cores)
-    probe = attach_for(job, device)
+    with stacks_if_slow(max(START_STACKS_MIN_S, job.timeout_s / 2)):
+        probe = attach_for(job, device)
     status = "crashed"
     try:
         train(job, probe=probe, device=device)

@@ -13,7 +13,7 @@ started from inside a job must not join that job.
 Markers (declared in pyproject.toml): ``multiproc``, ``browser``, ``chaos``, ``exclusive``, ``gpu``; the README's
 test command deselects ``gpu`` (``-m "not gpu"``) on CPU machines.
 
-The README's test command runs the suite on two pytest-xdist workers (``-n 2 --dist loadgroup``). Two rules keep
+The README's test command runs the suite on two pytest-xdist workers (``-n 2 --dist loadfile``). Two rules keep
 that equal to a run on one worker:
 - a test whose verdict depends on how fast its ranks ran (``exclusive``, and every ``chaos`` test) runs while no
   other test runs: the other worker finishes its test and waits;
@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from suite_rules import (pytest_collection_modifyitems, pytest_configure, pytest_runtest_protocol,  # noqa: F401
-                         pytest_unconfigure)
+from suite_rules import (pytest_configure, pytest_runtest_protocol, pytest_unconfigure,  # noqa: F401
+                         pytest_xdist_make_scheduler)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 """The checkout: the only folder the tests read outside their temporary directories."""

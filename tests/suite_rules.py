@@ -1,9 +1,11 @@
-"""The suite's rules for two pytest-xdist workers (the README's ``-n 2 --dist loadgroup``), as hooks that
+"""The suite's rules for two pytest-xdist workers (the README's ``-n 2 --dist loadfile``), as hooks that
 ``tests/conftest.py`` imports:
 - a test whose verdict depends on how fast its ranks ran (marked ``exclusive``, and every ``chaos`` test) runs
   while no other test runs: the other worker finishes its current test and waits (``suite_lock``);
 - a file's tests stay on one worker, and files whose tests use the same run made once per session
-  (``SHARED_RUNS``) are one group, so module and session fixtures are made once (``assign_groups``).
+  (``SHARED_RUNS``) are one unit of work, so module and session fixtures are made once (``shared_run_groups``,
+  through xdist's scheduler hook: ``xdist_group`` markers would need node ids xdist can rewrite, which pytest 9.2
+  no longer lets it do).
 Without ``-n`` nothing changes: one test at a time, nothing locked.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -37,15 +40,29 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(os.environ.pop(LOCK_DIR_ENV), ignore_errors=True)
 
 
-@pytest.hookimpl(tryfirst=True)     # before xdist's own hook reads the groups (``--dist loadgroup``)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if config.pluginmanager.hasplugin("xdist"):       # it declares the marker
-        assign_groups(items)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """``--dist loadfile``, with the files that share a session-made run (``shared_run_groups``) as one unit."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    try:
+        from xdist.scheduler import LoadFileScheduling
+    except ImportError:         # a pytest-xdist without it: its own scheduling
+        return None
+    groups = shared_run_groups({str(p.relative_to(config.rootpath)): p.read_text(errors="replace")
+                                for p in (config.rootpath / "tests").rglob("test_*.py")})
+
+    class SharedRunScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = super()._split_scope(nodeid)
+            return groups.get(file, file)
+
+    return SharedRunScheduling(config, log)
 
 
-def assign_groups(items: list[pytest.Item]) -> None:
-    """Each test gets the ``xdist_group`` of its file; files whose tests use the same ``SHARED_RUNS`` fixture are
-    merged into one group (by the alphabetically first of them)."""
+def shared_run_groups(sources: dict[str, str]) -> dict[str, str]:
+    """Test file -> its unit of work: the alphabetically first of the files that use a ``SHARED_RUNS`` fixture with
+    it (files linked through several fixtures are one unit), else itself; ``sources`` maps each file to its text. The fixtures' names are looked up in the text: the controller schedules by node id, before any worker
+    has collected a fixture."""
     parent: dict[str, str] = {}
 
     def root(node: str) -> str:
@@ -53,12 +70,12 @@ def assign_groups(items: list[pytest.Item]) -> None:
             node = parent[node]
         return node
 
-    for item in items:
-        for name in set(SHARED_RUNS) & set(getattr(item, "fixturenames", ())):
-            a, b = sorted((root(item.nodeid.split("::")[0]), root(f"~{name}")))   # "~" sorts after a path
-            parent[b] = a
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(root(item.nodeid.split("::")[0])))
+    for file, text in sources.items():
+        for name in SHARED_RUNS:
+            if re.search(rf"\b{name}\b", text):
+                a, b = sorted((root(file), root(f"~{name}")))   # "~" sorts after a path: files name groups
+                parent[b] = a
+    return {file: root(file) for file in sources}
 
 
 def is_exclusive(item: pytest.Item) -> bool:

@@ -8,7 +8,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from suite_rules import SHARED_RUNS, assign_groups, is_exclusive, suite_lock
+from suite_rules import SHARED_RUNS, is_exclusive, shared_run_groups, suite_lock
 
 WAIT_S = 0.3
 """How long a thread that should stay blocked is watched."""
@@ -81,35 +81,37 @@ def test_without_xdist_nothing_is_locked(tmp_path):
 
 
 class FakeItem:
-    def __init__(self, nodeid: str, fixtures: tuple[str, ...] = (), marks: tuple[str, ...] = ()) -> None:
-        self.nodeid, self.fixturenames, self.groups = nodeid, list(fixtures), []
+    def __init__(self, marks: tuple[str, ...] = ()) -> None:
         self.marks = set(marks)
-
-    def add_marker(self, mark) -> None:
-        assert mark.name == "xdist_group"
-        self.groups.append(mark.args[0])
 
     def get_closest_marker(self, name: str):
         return SimpleNamespace(name=name) if name in self.marks else None
 
 
-def test_files_sharing_a_session_run_form_one_group_and_other_files_keep_their_own():
+def test_files_sharing_a_session_run_are_one_unit_and_other_files_their_own():
     shared_a, shared_b = SHARED_RUNS[0], SHARED_RUNS[1]
-    items = [FakeItem("tests/test_z.py::t1", (shared_a,)), FakeItem("tests/test_z.py::t2"),
-             FakeItem("tests/test_b.py::t1", ("tmp_path", shared_a)),
-             FakeItem("tests/test_m.py::t1", (shared_b,)), FakeItem("tests/test_b.py::t2", (shared_b,)),
-             FakeItem("tests/test_q.py::t1", ("tmp_path",)), FakeItem("tests/sub/test_q.py::t1")]
-    assign_groups(items)
-    groups = {item.nodeid: item.groups for item in items}
-    # z and b share the first run, b and m the second: one group named by the first file
-    for node in ("tests/test_z.py::t1", "tests/test_z.py::t2", "tests/test_b.py::t1", "tests/test_m.py::t1",
-                 "tests/test_b.py::t2"):
-        assert groups[node] == ["tests/test_b.py"], node
-    assert groups["tests/test_q.py::t1"] == ["tests/test_q.py"]
-    assert groups["tests/sub/test_q.py::t1"] == ["tests/sub/test_q.py"]
+    sources = {"tests/test_z.py": f"def test_t1({shared_a}): ...", "tests/test_b.py": f"def t({shared_a}, {shared_b})",
+               "tests/test_m.py": f"def test_t1(tmp_path, {shared_b}): ...", "tests/test_q.py": "def test_t1(): ...",
+               "tests/sub/test_q.py": "def test_t1(tmp_path): ..."}
+    # z and b share the first run, b and m the second: one unit named by the first file
+    assert shared_run_groups(sources) == {"tests/test_z.py": "tests/test_b.py", "tests/test_b.py": "tests/test_b.py",
+                                          "tests/test_m.py": "tests/test_b.py", "tests/test_q.py": "tests/test_q.py",
+                                          "tests/sub/test_q.py": "tests/sub/test_q.py"}
+
+
+def test_the_suites_own_files_sharing_runs_are_one_unit(repo_root):
+    groups = shared_run_groups({str(p.relative_to(repo_root)): p.read_text()
+                                for p in (repo_root / "tests").rglob("test_*.py")})
+    # the hang, fp16-overflow and crash-restart runs are read by these four files, the clean dp4 run by two others
+    for users in (["tests/test_findings_on_fault_injected_runs.py", "tests/test_hang.py", "tests/test_precision.py",
+                   "tests/test_recovery.py"], ["tests/test_planner_calibrate_runs.py",
+                                               "tests/test_stragglers_on_dp4_runs.py"]):
+        assert {groups[f] for f in users} == {users[0]}
+    assert sum(group == "tests/test_findings_on_fault_injected_runs.py" for group in groups.values()) == 4
+    assert groups["tests/test_layouts.py"] == "tests/test_layouts.py"
 
 
 @pytest.mark.parametrize(("marks", "expected"), [((), False), (("multiproc",), False), (("exclusive",), True),
                                                  (("chaos", "multiproc"), True)])
 def test_exclusive_and_chaos_tests_run_alone(marks, expected):
-    assert is_exclusive(FakeItem("tests/test_x.py::t", marks=marks)) is expected
+    assert is_exclusive(FakeItem(marks)) is expected

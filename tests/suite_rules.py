@@ -61,8 +61,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
 
 def shared_run_groups(sources: dict[str, str]) -> dict[str, str]:
     """Test file -> its unit of work: the alphabetically first of the files that use a ``SHARED_RUNS`` fixture with
-    it (files linked through several fixtures are one unit), else itself; ``sources`` maps each file to its text. The fixtures' names are looked up in the text: the controller schedules by node id, before any worker
-    has collected a fixture."""
+    it (files linked through several fixtures are one unit), else itself; ``sources`` maps each file to its text.
+    The fixtures' names are looked up in the text, as whole words: the controller schedules by node id, before
+    any worker has collected a fixture."""
     parent: dict[str, str] = {}
 
     def root(node: str) -> str:

@@ -415,6 +415,19 @@ class RecordingBackend : public c10d::Backend {
         recorder_(std::move(recorder)),
         resolve_key_(std::make_shared<PyRef>(std::move(resolve_key))) {}
 
+  // The inner gloo backend's destructor joins its threads, and one of them may be freeing a finished work whose
+  // thread-local state holds Python objects (it needs the GIL). The last reference to this backend is often dropped
+  // by Python (a DDP reducer freed at a script's exit, GIL held): drop the inner one without the GIL, or the join
+  // waits forever.
+  ~RecordingBackend() override {
+    if (Py_IsInitialized() && PyGILState_Check()) {
+      py::gil_scoped_release nogil;
+      inner_.reset();
+    } else {
+      inner_.reset();
+    }
+  }
+
   void reset_key() { key_.store(-1); }
 
   // ---- collectives: recorded, then forwarded ----

@@ -200,7 +200,12 @@ WORKER = textwrap.dedent("""
         pg.allreduce([torch.ones(3)]).wait()
         kinds.append(type(pg).__name__)
     recorder.stop()
-    print(kinds, [(r["op"], r["num_bytes"], r["end_ns"] is not None) for r in writer.table("collectives")])
+    print(kinds, [(r["op"], r["num_bytes"], r["end_ns"] is not None) for r in writer.table("collectives")],
+          flush=True)
+    # as dtprobe's workers end (runtime.quick_exit): the interpreter's teardown of live gloo groups can abort
+    # ("terminate called without an active exception"), which is torch's, not what this test checks
+    import os
+    os._exit(0)
 """)
 
 

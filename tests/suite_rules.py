@@ -40,6 +40,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(os.environ.pop(LOCK_DIR_ENV), ignore_errors=True)
 
 
+@pytest.hookimpl(optionalhook=True)     # xdist's hook: without xdist installed, never called
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
     """``--dist loadfile``, with the files that share a session-made run (``shared_run_groups``) as one unit."""
     if config.getvalue("dist") != "loadfile":

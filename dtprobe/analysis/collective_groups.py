@@ -60,29 +60,29 @@ class PartTables:
 
 
 class _Tables:
-    """``PartTables`` gathered a part at a time (each part's frames joined to the others' as it comes: one frame
-    held per table, not one per part)."""
+    """``PartTables`` gathered a part at a time: each part's bandwidth rows (a row per collective, joined once at
+    the end), the group rows folded into one small frame as they come, and the clocks seen."""
 
     def __init__(self) -> None:
-        self.bandwidth: pd.DataFrame | None = None
+        self.bandwidth: list[pd.DataFrame] = []
         self.groups: pd.DataFrame | None = None
         self.clocks: set[str] = set()
 
     def add(self, rows: pd.DataFrame) -> None:
         bw = collective_bandwidth(rows)
         if not bw.empty:
-            self.bandwidth = bw if self.bandwidth is None else pd.concat([self.bandwidth, bw], ignore_index=True)
+            self.bandwidth.append(bw)
         groups = group_rows(rows)
         self.groups = groups if self.groups is None else group_rows(pd.concat([self.groups, groups],
                                                                               ignore_index=True))
         if len(rows):
             device = (rows["timing"].fillna(HOST).astype(str) == DEVICE_TIMING).to_numpy(dtype=bool)
-            self.clocks |= set(np.where(device, DEVICE, HOST).tolist())
+            self.clocks |= {DEVICE} if device.all() else {HOST} if not device.any() else {DEVICE, HOST}
 
     def result(self) -> PartTables:
         clocks = self.clocks
         return PartTables(
-            bandwidth=whole_run_frame(BANDWIDTH, self.bandwidth) if self.bandwidth is not None
+            bandwidth=whole_run_frame(BANDWIDTH, pd.concat(self.bandwidth, ignore_index=True)) if self.bandwidth
             else collective_bandwidth(pd.DataFrame({c: [] for c in _BANDWIDTH_INPUT})),
             group_rows=whole_run_frame(GROUPS, self.groups) if self.groups is not None
             else group_rows(pd.DataFrame({c: [] for c in _GROUP_INPUT})),

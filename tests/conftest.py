@@ -15,10 +15,10 @@ test command deselects ``gpu`` (``-m "not gpu"``) on CPU machines.
 
 The README's test command runs the suite on two pytest-xdist workers (``-n 2 --dist loadfile``). Two rules keep
 that equal to a run on one worker:
-- a test whose verdict depends on how fast its ranks ran (``exclusive``, and every ``chaos`` test) runs while no
-  other test runs: the other worker finishes its test and waits;
+- a test whose verdict depends on how fast its ranks ran (marked ``exclusive``) runs while no other test runs: the
+  other worker finishes its test and waits;
 - a file's tests stay on one worker, and files that use the same run made once per session share one, so module
-  and session fixtures are made once.
+  and session fixtures are made once; these units are handed out longest first (``tests/file_costs.json``).
 Both are hooks of ``tests/suite_rules.py``, imported here.
 """
 

@@ -1,29 +1,40 @@
 """The suite's rules for two pytest-xdist workers (the README's ``-n 2 --dist loadfile``), as hooks that
 ``tests/conftest.py`` imports:
-- a test whose verdict depends on how fast its ranks ran (marked ``exclusive``, and every ``chaos`` test) runs
-  while no other test runs: the other worker finishes its current test and waits (``suite_lock``);
+- a test whose verdict depends on how fast its ranks ran (marked ``exclusive``) runs while no other test runs: the
+  other worker finishes its current test and waits (``suite_lock``);
 - a file's tests stay on one worker, and files whose tests use the same run made once per session
   (``SHARED_RUNS``) are one unit of work, so module and session fixtures are made once (``shared_run_groups``,
   through xdist's scheduler hook: ``xdist_group`` markers would need node ids xdist can rewrite, which pytest 9.2
-  no longer lets it do).
+  no longer lets it do);
+- the units are handed out longest first, by the seconds each file took in a recorded run (``FILE_COSTS``,
+  ``order_units``), so the last minutes do not leave one worker idle while the other runs a long unit.
 Without ``-n`` nothing changes: one test at a time, nothing locked.
+
+``python tests/suite_rules.py REPORT`` rewrites ``FILE_COSTS`` from a run's ``--durations=0 -vv`` report.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import re
 import shutil
+import statistics
+import sys
 import tempfile
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 
 import pytest
 
 SHARED_RUNS = ("hang_rank1_run", "fp16_overflow_run", "crash_restart_run", "clean_dp4_run")
 """Session fixtures of ``tests/conftest.py`` that make a ``dtprobe run`` for tests in several files: those files
 run on one xdist worker, so each run is made once."""
+FILE_COSTS = Path(__file__).with_name("file_costs.json")
+"""Seconds each test file's tests took (set-up, call and teardown summed), from a recorded run of the suite."""
 LOCK_DIR_ENV = "DTPROBE_TEST_LOCK_DIR"
 """Set by the xdist controller for its workers: the folder of ``suite_lock``'s two lock files."""
 
@@ -51,13 +62,46 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
         return None
     groups = shared_run_groups({str(p.relative_to(config.rootpath)): p.read_text(errors="replace")
                                 for p in (config.rootpath / "tests").rglob("test_*.py")})
+    costs = json.loads(FILE_COSTS.read_text()) if FILE_COSTS.exists() else {}
 
     class SharedRunScheduling(LoadFileScheduling):
+        ordered = False
+
         def _split_scope(self, nodeid: str) -> str:
             file = super()._split_scope(nodeid)
             return groups.get(file, file)
 
+        def _assign_work_unit(self, node) -> None:
+            if not self.ordered:              # the first hand-out: the queue holds every unit
+                self.workqueue = order_units(self.workqueue, costs)
+                self.ordered = True
+            super()._assign_work_unit(node)
+
     return SharedRunScheduling(config, log)
+
+
+def order_units(workqueue: Mapping[str, Mapping[str, bool]], costs: Mapping[str, float]) -> OrderedDict:
+    """xdist's work queue (unit -> {node id: done}) with the costliest unit first: a unit costs the sum of its files'
+    ``costs`` (seconds), a file missing from them the median of the others (a new file is seldom the longest).
+    Without costs, the queue's own order."""
+    if not costs:
+        return OrderedDict(workqueue)
+    default = statistics.median(costs.values())
+
+    def cost(unit: tuple[str, Mapping[str, bool]]) -> float:
+        files = {nodeid.split("::", 1)[0] for nodeid in unit[1]}
+        return sum(costs.get(file, default) for file in files)
+
+    return OrderedDict(sorted(workqueue.items(), key=cost, reverse=True))     # stable: ties keep their order
+
+
+def costs_from_durations(report: str) -> dict[str, float]:
+    """{test file: seconds} summed over the set-up, call and teardown lines of a pytest ``--durations=0 -vv``
+    report (``12.34s call     tests/test_x.py::test_y[param]``)."""
+    costs: dict[str, float] = {}
+    for match in re.finditer(r"^\s*([\d.]+)s (?:setup|call|teardown)\s+([^:\s]+)::", report, re.M):
+        costs[match[2]] = costs.get(match[2], 0.0) + float(match[1])
+    return {file: round(seconds, 1) for file, seconds in sorted(costs.items())}
 
 
 def shared_run_groups(sources: dict[str, str]) -> dict[str, str]:
@@ -81,8 +125,9 @@ def shared_run_groups(sources: dict[str, str]) -> dict[str, str]:
 
 
 def is_exclusive(item: pytest.Item) -> bool:
-    """Whether ``item`` runs alone under xdist: marked ``exclusive`` or ``chaos``."""
-    return any(item.get_closest_marker(name) for name in ("exclusive", "chaos"))
+    """Whether ``item`` runs alone under xdist: marked ``exclusive`` (a ``chaos`` test too only when so marked:
+    a crash, a damaged checkpoint or a wrong collective is found the same however busy the machine is)."""
+    return item.get_closest_marker("exclusive") is not None
 
 
 @contextlib.contextmanager
@@ -116,3 +161,14 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     with suite_lock(os.environ.get(LOCK_DIR_ENV) if hasattr(item.config, "workerinput") else None,
                     is_exclusive(item)):
         return (yield)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2 or sys.argv[1] in ("-h", "--help"):
+        sys.exit("usage: python tests/suite_rules.py REPORT\n  REPORT: the output of the README's test command run "
+                 "with --durations=0 -vv added; rewrites " + str(FILE_COSTS))
+    found = costs_from_durations(Path(sys.argv[1]).read_text(errors="replace"))
+    if not found:
+        sys.exit(f"{sys.argv[1]}: no duration lines; run pytest with --durations=0 -vv and pass its output")
+    FILE_COSTS.write_text(json.dumps(found, indent=0, sort_keys=True) + "\n")
+    print(f"{FILE_COSTS}: {len(found)} files, {sum(found.values()):.0f} s in all")

@@ -9,7 +9,7 @@ import pytest
 
 from dtprobe.analysis import RunAnalysis
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.exclusive]
+pytestmark = pytest.mark.multiproc
 
 
 @pytest.fixture(scope="session")
@@ -27,6 +27,7 @@ def _codes(a: RunAnalysis) -> list[str]:
     return [f.code for f in a.findings()]
 
 
+@pytest.mark.exclusive
 def test_pipeline_bubble_on_pp4_gpipe_with_4_microbatches(tmp_path, dtprobe_run):
     run = dtprobe_run(tmp_path / "pp4_gpipe", "--nproc", "4", "--pp", "4", "--pp-schedule", "gpipe", "--microbatches",
                       "4", "--stage-sleep", "fwd_ms=10,bwd_ms=20", "--steps", "6")
@@ -59,6 +60,7 @@ def test_amp_overflow_on_the_fp16_overflow_run(fp16_overflow_run):
     assert f.evidence["num_overflows"] >= 1 and f.evidence["final_scale"] < 65536.0
 
 
+@pytest.mark.exclusive
 def test_checkpoint_stall_on_a_slow_checkpoint_run(tmp_path, dtprobe_run):
     run = dtprobe_run(tmp_path / "slow_ckpt", "--nproc", "2", "--ckpt-every", "2", "--inject",
                       "slow-ckpt:rank=1,delay_ms=1500", "--steps", "8")
@@ -69,6 +71,7 @@ def test_checkpoint_stall_on_a_slow_checkpoint_run(tmp_path, dtprobe_run):
     assert f.evidence["blocking_share_of_wall"] > 0.25 and f.severity == "critical"
 
 
+@pytest.mark.exclusive
 def test_hang_names_the_hung_rank(hang_rank1_run):
     assert hang_rank1_run.proc.returncode in (0, 1), hang_rank1_run.proc.stderr[-3000:]
     a = RunAnalysis.open(hang_rank1_run.run_dir)
@@ -78,6 +81,7 @@ def test_hang_names_the_hung_rank(hang_rank1_run):
     assert hangs[0].evidence.get("step", hang_rank1_run.step) == hang_rank1_run.step
 
 
+@pytest.mark.exclusive
 def test_straggler_in_dp2_pp2_names_the_rank_and_its_dp_group(tmp_path, dtprobe_run):
     run = dtprobe_run(tmp_path / "dp2pp2", "--nproc", "4", "--pp", "2", "--inject", "straggler:rank=2,delay_ms=200",
                       "--steps", "21")

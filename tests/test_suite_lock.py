@@ -1,14 +1,16 @@
-"""The suite's rules for two xdist workers (tests/suite_rules.py): an exclusive test runs while no other test runs, and
-files that share a session-made run are scheduled as one group."""
+"""The suite's rules for two xdist workers (tests/suite_rules.py): an exclusive test runs while no other test runs,
+files that share a session-made run are scheduled as one group, and groups are handed out longest first."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from types import SimpleNamespace
 
 import pytest
-from suite_rules import SHARED_RUNS, is_exclusive, shared_run_groups, suite_lock
+from suite_rules import (FILE_COSTS, SHARED_RUNS, costs_from_durations, is_exclusive, order_units, shared_run_groups,
+                         suite_lock)
 
 WAIT_S = 0.3
 """How long a thread that should stay blocked is watched."""
@@ -112,6 +114,39 @@ def test_the_suites_own_files_sharing_runs_are_one_unit(repo_root):
 
 
 @pytest.mark.parametrize(("marks", "expected"), [((), False), (("multiproc",), False), (("exclusive",), True),
-                                                 (("chaos", "multiproc"), True)])
-def test_exclusive_and_chaos_tests_run_alone(marks, expected):
+                                                 (("chaos", "multiproc"), False),
+                                                 (("chaos", "multiproc", "exclusive"), True)])
+def test_only_tests_marked_exclusive_run_alone(marks, expected):
     assert is_exclusive(FakeItem(marks)) is expected
+
+
+def test_units_are_handed_out_costliest_first_summing_their_files_and_a_new_file_costs_the_median():
+    queue = {"tests/test_a.py": {"tests/test_a.py::t1": False, "tests/test_a.py::t2": False},
+             "tests/test_b.py": {"tests/test_b.py::t": False, "tests/test_c.py::t": False},     # a shared-run unit
+             "tests/test_new.py": {"tests/test_new.py::t": False},
+             "tests/test_d.py": {"tests/test_d.py::t[x]": False, "tests/test_d.py::t[y]": False}}
+    costs = {"tests/test_a.py": 30.0, "tests/test_b.py": 20.0, "tests/test_c.py": 25.0, "tests/test_d.py": 1.0,
+             "tests/test_gone.py": 5.0}
+    ordered = order_units(queue, costs)
+    # b + c = 45 > a 30 > new (median of the five: 20) > d 1
+    assert list(ordered) == ["tests/test_b.py", "tests/test_a.py", "tests/test_new.py", "tests/test_d.py"]
+    assert ordered["tests/test_b.py"] is queue["tests/test_b.py"]              # the units themselves untouched
+    assert list(order_units(queue, {})) == list(queue)                          # no costs: xdist's own order
+
+
+def test_costs_are_summed_per_file_from_a_durations_report():
+    report = """============================= slowest durations ==============================
+94.41s call     tests/test_conv.py::test_lamb[dp4]
+1.50s setup    tests/test_conv.py::test_lamb[dp4]
+0.25s teardown tests/chaos/test_process_faults.py::test_sigkill
+12.00s call     tests/chaos/test_process_faults.py::test_quota[a::b]
+(20 durations < 0.005s hidden.  Use -vv to show these durations.)
+1 passed in 3.0s"""
+    assert costs_from_durations(report) == {"tests/chaos/test_process_faults.py": 12.2, "tests/test_conv.py": 95.9}
+
+
+def test_the_recorded_costs_name_only_files_that_exist(repo_root):
+    # a renamed file would be scheduled at the median: rewrite the table (python tests/suite_rules.py REPORT)
+    costs = json.loads(FILE_COSTS.read_text())
+    assert len(costs) > 50 and all(seconds >= 0 for seconds in costs.values())
+    assert [file for file in costs if not (repo_root / file).is_file()] == []

@@ -23,7 +23,7 @@ from dtprobe.store import RunStore
 from harness import (analyze, assert_only_confirmed_stragglers, findings_of, is_alive, read_rank, scenario_dir,
                      summary)
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.chaos]
+pytestmark = [pytest.mark.multiproc, pytest.mark.chaos, pytest.mark.exclusive]
 
 TINY = ("--batch-size", "2", "--seq-len", "16", "--device-interval", "0.5")
 """The tiny model (3.6 MB of gradients all-reduced per step: enough for the shaped link to matter), small batches."""

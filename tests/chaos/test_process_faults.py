@@ -85,6 +85,7 @@ def test_sigkill_of_a_worker_without_restart_is_a_critical_rank_crash_naming_it(
 # --------------------------------------------------------------------------------------- SIGSTOP of a worker
 
 
+@pytest.mark.exclusive
 def test_sigstop_of_a_worker_is_a_hang_naming_it_stopped(run_dir, launch):
     run = run_dir("sigstop")
     # devices on: the liveness verdict reads the host sampler's rows after the stall
@@ -113,6 +114,7 @@ def _straggler_verdict(doc: dict, rank: int) -> dict:
     return stragglers[0]
 
 
+@pytest.mark.exclusive
 def test_busy_process_on_one_ranks_core_makes_it_a_compute_straggler(run_dir, launch, busy_loop):
     run = run_dir("cpu_hog_2ranks")
     # the host sampler on (every 0.5 s), as in a user's run: it reads each rank's main-thread run-queue wait
@@ -130,6 +132,7 @@ def test_busy_process_on_one_ranks_core_makes_it_a_compute_straggler(run_dir, la
     assert "waited for a CPU" in finding["title"] and "Another process" in finding["recommendation"], finding
 
 
+@pytest.mark.exclusive
 def test_cpu_quota_of_one_rank_among_more_ranks_than_cores_makes_it_a_compute_straggler(run_dir, launch, cpu_quota):
     assert cgroup_v1_cpu_available(), ("needs a writable cgroup v1 cpu controller at /sys/fs/cgroup/cpu: run the "
                                        "tests as root on a host that mounts it")

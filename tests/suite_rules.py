@@ -10,7 +10,8 @@
   ``order_units``), so the last minutes do not leave one worker idle while the other runs a long unit.
 Without ``-n`` nothing changes: one test at a time, nothing locked.
 
-``python tests/suite_rules.py REPORT`` rewrites ``FILE_COSTS`` from a run's ``--durations=0 -vv`` report.
+``python tests/suite_rules.py REPORT`` rewrites ``FILE_COSTS`` from a run's ``--durations=0 -vvv`` report
+(``-vvv`` after the README's ``-q``: every duration listed, the shortest too).
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def order_units(workqueue: Mapping[str, Mapping[str, bool]], costs: Mapping[str,
 
 
 def costs_from_durations(report: str) -> dict[str, float]:
-    """{test file: seconds} summed over the set-up, call and teardown lines of a pytest ``--durations=0 -vv``
+    """{test file: seconds} summed over the set-up, call and teardown lines of a pytest ``--durations=0``
     report (``12.34s call     tests/test_x.py::test_y[param]``)."""
     costs: dict[str, float] = {}
     for match in re.finditer(r"^\s*([\d.]+)s (?:setup|call|teardown)\s+([^:\s]+)::", report, re.M):
@@ -164,11 +165,18 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2 or sys.argv[1] in ("-h", "--help"):
-        sys.exit("usage: python tests/suite_rules.py REPORT\n  REPORT: the output of the README's test command run "
-                 "with --durations=0 -vv added; rewrites " + str(FILE_COSTS))
-    found = costs_from_durations(Path(sys.argv[1]).read_text(errors="replace"))
+    USAGE = ("usage: python tests/suite_rules.py REPORT\n  REPORT: the output of the README's test command run with "
+             f"--durations=0 -vvv added; rewrites {FILE_COSTS}")
+    if len(sys.argv) == 2 and sys.argv[1] in ("-h", "--help"):
+        print(USAGE)
+        sys.exit(0)
+    if len(sys.argv) != 2:
+        sys.exit(USAGE)
+    try:
+        found = costs_from_durations(Path(sys.argv[1]).read_text(errors="replace"))
+    except OSError as e:
+        sys.exit(f"{sys.argv[1]}: cannot read it ({e.strerror}); pass the saved output of the test command")
     if not found:
-        sys.exit(f"{sys.argv[1]}: no duration lines; run pytest with --durations=0 -vv and pass its output")
+        sys.exit(f"{sys.argv[1]}: no duration lines; run pytest with --durations=0 -vvv and pass its output")
     FILE_COSTS.write_text(json.dumps(found, indent=0, sort_keys=True) + "\n")
     print(f"{FILE_COSTS}: {len(found)} files, {sum(found.values()):.0f} s in all")

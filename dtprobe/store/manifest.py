@@ -15,7 +15,9 @@ import fcntl
 import json
 import os
 import tempfile
+import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -223,7 +225,7 @@ def read_manifest(run_dir: str | os.PathLike) -> Manifest:
     """Read and validate run.json and every ranks/*.json; TraceError if the directory is not a usable run."""
     run_dir = Path(run_dir)
     data = read_run_json(run_dir)
-    ranks = tuple(sorted((_read_rank_info(p) for p in _rank_info_paths(run_dir)), key=lambda r: r.rank))
+    ranks = tuple(sorted(_rank_infos(run_dir), key=lambda r: r.rank))
     restarts = tuple(
         Restart(restart=int(r["restart"]), time_ns=int(r["time_ns"]), steps_lost=r.get("steps_lost"),
                 from_step=r.get("from_step"))
@@ -301,12 +303,42 @@ def check_schema_version(version: Any, path: Path) -> None:
                          f"dtprobe version that wrote it, or re-collect the run.")
 
 
-def _rank_info_paths(run_dir: Path) -> list[Path]:
+RANK_INFO_DIRS_KEPT = 64
+"""Runs whose parsed rank infos ``read_manifest`` keeps (least recently read dropped first)."""
+_RANK_INFOS: "OrderedDict[str, dict[str, tuple[tuple[int, ...], RankInfo]]]" = OrderedDict()
+"""ranks folder -> file name -> (its ``_file_key`` when parsed, the parsed ``RankInfo``)."""
+_RANK_INFOS_LOCK = threading.Lock()
+
+
+def _rank_infos(run_dir: Path) -> list[RankInfo]:
+    """Every ``ranks/rankNNNNN.json`` of the run, parsed; a file whose ``_file_key`` is unchanged since this process
+    last parsed it is not read again (a live refresh of a 1,024-rank run lists the folder instead of parsing 1,024
+    files). A rank rewrites its file by a rename, so a rewritten file has another inode and times."""
     ranks_dir = run_dir / Path(RANK_INFO_FILE).parent
     if not ranks_dir.is_dir():
         return []
-    return sorted(p for p in ranks_dir.iterdir()
-                  if p.name.startswith("rank") and p.name.endswith(".json") and p.name[4:-5].isdigit())
+    with os.scandir(ranks_dir) as it:
+        found = {e.name: _file_key(e.stat()) for e in it
+                 if e.name.startswith("rank") and e.name.endswith(".json") and e.name[4:-5].isdigit()}
+    folder = str(ranks_dir.resolve())
+    with _RANK_INFOS_LOCK:
+        known = _RANK_INFOS.get(folder, {})
+    parsed = {}
+    for name in sorted(found):
+        hit = known.get(name)
+        parsed[name] = hit if hit is not None and hit[0] == found[name] else (found[name],
+                                                                              _read_rank_info(ranks_dir / name))
+    with _RANK_INFOS_LOCK:
+        _RANK_INFOS[folder] = parsed
+        _RANK_INFOS.move_to_end(folder)
+        while len(_RANK_INFOS) > RANK_INFO_DIRS_KEPT:
+            _RANK_INFOS.popitem(last=False)
+    return [info for _, info in parsed.values()]
+
+
+def _file_key(st: os.stat_result) -> tuple[int, ...]:
+    """What changes when a file is rewritten (in place or by a rename)."""
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def _read_rank_info(path: Path) -> RankInfo:

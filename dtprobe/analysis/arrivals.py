@@ -63,23 +63,40 @@ def group_rows(collectives: pd.DataFrame) -> pd.DataFrame:
     one), and one per p2p link (pg, pg_ranks, op, rank, peer of a send/recv naming its peer). Computed per step
     block at compaction (``derived_tables``); ``group_rows`` of blocks' frames together is the whole run's.
     Columns: ``GROUP_ROW_COLUMNS``."""
-    require_columns(collectives, ["pg", "pg_ranks", "op", "rank", "peer", "arrive_ns"], table="collectives")
+    return _group_rows(collectives, per_step=False)
+
+
+def group_rows_per_step(collectives: pd.DataFrame) -> pd.DataFrame:
+    """``group_rows`` of each step's rows on their own (``step`` null as -1), with a ``step`` column last: a step
+    window keeps those of its steps, and ``group_rows`` of them is the window's."""
+    return _group_rows(collectives, per_step=True)
+
+
+def _group_rows(collectives: pd.DataFrame, *, per_step: bool) -> pd.DataFrame:
+    needed = ["pg", "pg_ranks", "op", "rank", "peer", "arrive_ns"] + (["step"] if per_step else [])
+    require_columns(collectives, needed, table="collectives")
     code, pg_names, pr_names = frame_group_codes(collectives)
+    step = collectives["step"].to_numpy(dtype="float64", na_value=-1).astype("int64") if per_step else 0
     arrive = collectives["arrive_ns"].to_numpy(dtype="float64", na_value=np.nan)
-    latest = pd.Series(arrive).groupby(code).max() if len(code) else pd.Series(dtype="float64")
-    groups = pd.DataFrame({"pg": pg_names.take(latest.index), "pg_ranks": pr_names.take(latest.index), "op": None,
-                           "rank": -1, "peer": np.nan, "arrive_ns": latest.to_numpy()})
+    keys = pd.DataFrame({"code": code, "step": step})
+    latest = (pd.Series(arrive).groupby([keys["code"], keys["step"]]).max().reset_index() if len(code)
+              else pd.DataFrame({"code": np.empty(0, "int64"), "step": np.empty(0, "int64"), 0: np.empty(0)}))
+    groups = pd.DataFrame({"pg": pg_names.take(latest["code"]), "pg_ranks": pr_names.take(latest["code"]),
+                           "op": None, "rank": -1, "peer": np.nan, "arrive_ns": latest[0].to_numpy(),
+                           "step": latest["step"].to_numpy()})
     link = (collectives["op"].isin(P2P_OPS) & collectives["peer"].notna()).to_numpy(dtype=bool)
-    links = pd.DataFrame({"code": code[link], "op": collectives["op"].to_numpy()[link].astype(str),
+    links = pd.DataFrame({"code": code[link], "step": keys["step"].to_numpy()[link],
+                          "op": collectives["op"].to_numpy()[link].astype(str),
                           "rank": collectives["rank"].to_numpy()[link].astype("int64"),
                           "peer": collectives["peer"].to_numpy()[link].astype("float64")}
-                         ).drop_duplicates().sort_values(["code", "rank", "peer", "op"])
+                         ).drop_duplicates().sort_values(["step", "code", "rank", "peer", "op"])
     links = pd.DataFrame({"pg": pg_names.take(links["code"]), "pg_ranks": pr_names.take(links["code"]),
                           "op": links["op"].to_numpy(), "rank": links["rank"].to_numpy(),
-                          "peer": links["peer"].to_numpy(), "arrive_ns": np.nan})
+                          "peer": links["peer"].to_numpy(), "arrive_ns": np.nan, "step": links["step"].to_numpy()})
     out = pd.concat([groups, links], ignore_index=True) if len(links) else groups
+    columns = GROUP_ROW_COLUMNS + ["step"] if per_step else GROUP_ROW_COLUMNS
     return out.astype({"pg": object, "pg_ranks": object, "op": object, "rank": "int64", "peer": "float64",
-                       "arrive_ns": "float64"})[GROUP_ROW_COLUMNS]
+                       "arrive_ns": "float64", "step": "int64"})[columns]
 
 
 ATTEMPT_SEQ_STRIDE = 1_000_000_000

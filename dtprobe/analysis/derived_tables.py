@@ -14,7 +14,9 @@ Each block's frames come from the same functions over the block's rows as the fa
 step's lateness and exposure depend on that step's rows only: every collective (pg, pg_ranks, seq) has all its
 rows in one step block, each group's arrival clock is the same in every block, and no attempt's numbering restarts
 inside a block (``arrivals.unique_seq`` left every block unchanged). ``invalid_reason`` says which of these failed;
-then the store keeps no derived frames and the facade computes from the rows. No frame depends on an
+then the store keeps no derived frames and the facade computes from the rows. A step window of a live run derives
+the same frames per unit of steps (``derive_steps``, with ``groups`` and ``suspects`` per step and the
+``StepFacts`` that say whether cutting them at any step is exact: ``window_derived``). No frame depends on an
 ``AnalysisOptions`` field (the facade applies ``steps_analyzed`` afterwards), so the key holds only ``VERSION``.
 ``bandwidth`` keeps the collectives outside steps (block -1) too: ``collective_bandwidth`` uses them only when no
 collective is inside a step, and ``whole_run_frame`` applies that rule to the blocks' rows.
@@ -22,13 +24,16 @@ collective is inside a step, and ``whole_run_frame`` applies that rule to the bl
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from dtprobe.analysis.arrivals import GROUP_ROW_COLUMNS, LATE_RANK_COLUMNS, LATENESS_COLUMNS, arrival_clocks
-from dtprobe.analysis.arrivals import collective_skew, collective_waits, group_rows, late_rank_per_step
+from dtprobe.analysis.arrivals import collective_skew, collective_waits, group_rows, group_rows_per_step
+from dtprobe.analysis.arrivals import late_rank_per_step
 from dtprobe.analysis.arrivals import on_arrival_clock, rank_lateness
 from dtprobe.analysis.arrivals import unique_seq
 from dtprobe.analysis.comm_efficiency import BANDWIDTH_COLUMNS, BANDWIDTH_ORDER, collective_bandwidth
@@ -86,13 +91,7 @@ class LatenessExposure:
         if unique_seq(collectives) is not collectives and self._reason is None:
             self._reason = f"a collective numbering restarts inside step block {step_block} (a torchrun restart)"
         self._remember(step_block, collectives)
-        arrival = on_arrival_clock(collectives)
-        steps, skew = frames["steps"], collective_skew(arrival)
-        return {LATENESS: rank_lateness(arrival, steps), EXPOSURE: comm_exposure(arrival, steps, skew),
-                LATE_RANK: late_rank_per_step(skew, steps),
-                BLOCKED: blocked_outside_groups(arrival, collective_waits(arrival, skew)),
-                BANDWIDTH: collective_bandwidth(collectives), GROUPS: group_rows(collectives),
-                SUSPECTS: suspect_calls(collectives)}
+        return _step_frames(collectives, frames["steps"], per_step=False)
 
     def invalid_reason(self) -> str | None:
         """Why the blocks' frames may differ from the whole run's (None: they are equal)."""
@@ -127,6 +126,101 @@ class LatenessExposure:
             clocks = arrival_clocks(collectives)
             for pg, ranks, clock in zip(clocks["pg"], clocks["pg_ranks"], clocks["clock"]):
                 self._clocks.setdefault((pg, ranks), set()).add(clock)
+
+
+def _step_frames(collectives: pd.DataFrame, steps: pd.DataFrame, *, per_step: bool) -> dict[str, pd.DataFrame]:
+    """Every derived frame of the rows of some steps (``collectives`` with the pending rows merged); ``per_step``:
+    ``groups`` and ``suspects`` of each step apart, with a ``step`` column (the other frames have one)."""
+    arrival = on_arrival_clock(collectives)
+    skew = collective_skew(arrival)
+    return {LATENESS: rank_lateness(arrival, steps), EXPOSURE: comm_exposure(arrival, steps, skew),
+            LATE_RANK: late_rank_per_step(skew, steps),
+            BLOCKED: blocked_outside_groups(arrival, collective_waits(arrival, skew)),
+            BANDWIDTH: collective_bandwidth(collectives),
+            GROUPS: group_rows_per_step(collectives) if per_step else group_rows(collectives),
+            SUSPECTS: _suspects_per_step(collectives) if per_step else suspect_calls(collectives)}
+
+
+def _suspects_per_step(collectives: pd.DataFrame) -> pd.DataFrame:
+    """``suspect_calls`` of each step's rows on their own, with a ``step`` column (none in a clean run: then the
+    rows are compared once)."""
+    whole = suspect_calls(collectives)
+    if whole.empty:
+        return whole.assign(step=pd.Series([], dtype="int64"))
+    step = collectives["step"].to_numpy(dtype="float64", na_value=-1).astype("int64")
+    parts = [suspect_calls(collectives[step == s]).assign(step=s) for s in np.unique(step)]
+    return pd.concat(parts, ignore_index=True)
+
+
+@dataclass(frozen=True)
+class StepFacts:
+    """What must hold of the units of a step window (``window_derived``) for the derived frames of their steps to
+    equal those computed from the window's rows, whatever step it starts at: what ``LatenessExposure`` checks
+    between step blocks, here between steps."""
+
+    reason: str | None
+    """Why the unit's own steps fail it: a collective numbering restarts inside the unit, or a collective has rows
+    in two of its steps."""
+    keys: np.ndarray
+    """Its collectives, each once: group code * 2**40 + seq (codes from the window's ``codes``)."""
+    clocks: np.ndarray
+    """Each group's arrival clock in each of its steps, once: group code * 2 + 1 for the device clock, + 0 host."""
+    arrivals: pd.DataFrame
+    """Per (rank, group code) of its rows that ``arrivals.unique_seq`` orders: ``ARRIVAL_COLUMNS``, ``pair`` (rank *
+    2**32 + code), the first and last arrival (``t_first``, ``t_last``) and their ``seq``."""
+
+
+ARRIVAL_COLUMNS = ["pair", "t_first", "seq_first", "t_last", "seq_last"]
+"""Columns of ``StepFacts.arrivals``."""
+
+
+def derive_steps(frames: dict[str, pd.DataFrame], codes: dict[tuple[str, str], int]
+                 ) -> tuple[dict[str, pd.DataFrame], StepFacts]:
+    """The derived frames of some consecutive steps of one step block (``frames``: their rows of
+    ``LatenessExposure.inputs``) with ``groups`` and ``suspects`` per step, and their ``StepFacts``. ``codes``:
+    (pg, pg_ranks) -> group code, shared by the units of one window (new groups are added)."""
+    collectives = merge_pending(frames["collectives"], frames["pending"])
+    return _step_frames(collectives, frames["steps"], per_step=True), _step_facts(collectives, codes)
+
+
+def _step_facts(collectives: pd.DataFrame, codes: dict[tuple[str, str], int]) -> StepFacts:
+    local, pg_names, pr_names = group_codes(collectives["pg"], collectives["pg_ranks"])
+    table = np.array([codes.setdefault(g, len(codes)) for g in zip(pg_names, pr_names)], dtype=np.int64)
+    code = table[local] if len(collectives) else np.empty(0, dtype=np.int64)
+    step = collectives["step"].to_numpy(dtype="int64", na_value=-1)
+    device = collectives["arrive_ns"].notna().to_numpy(dtype=bool)
+    if device.any():
+        per_step = pd.Series(device).groupby([code, step]).any()
+        clocks = np.unique(per_step.index.get_level_values(0).to_numpy() * 2 + per_step.to_numpy())
+    else:
+        clocks = np.unique(code) * 2
+    # the rows arrivals.unique_seq numbers (no send/recv), per (rank, group) in arrival order (as it sorts them):
+    # its first and last arrival, and whether its seq ever fails to increase (unique_seq would renumber)
+    ordered = (~collectives["op"].isin(P2P_OPS) & collectives["seq"].notna()).to_numpy(dtype=bool)
+    seq = collectives["seq"].to_numpy(dtype="int64", na_value=0)
+    timed = ordered & collectives["enqueue_ns"].notna().to_numpy(dtype=bool)
+    t = collectives["enqueue_ns"].to_numpy(dtype="int64", na_value=0)[timed]
+    pair = collectives["rank"].to_numpy(dtype="int64")[timed] * (1 << 32) + code[timed]
+    by = np.lexsort((t, pair))
+    pair, t, seq_t = pair[by], t[by], seq[timed][by]
+    new = np.r_[True, pair[1:] != pair[:-1]] if len(pair) else np.empty(0, dtype=bool)
+    reason = None
+    if (~new[1:] & (seq_t[1:] <= seq_t[:-1])).any():
+        reason = "a collective numbering restarts inside the window (a torchrun restart)"
+    first = np.flatnonzero(new)
+    last = np.r_[first[1:] - 1, len(pair) - 1] if len(pair) else first
+    arrivals = pd.DataFrame({"pair": pair[first], "t_first": t[first], "seq_first": seq_t[first],
+                             "t_last": t[last], "seq_last": seq_t[last]})
+    # each collective once, and whether one has rows in two steps
+    steps_of = pd.Series(step[ordered]).groupby(code[ordered] * (1 << 40) + seq[ordered]).agg(["min", "max"])
+    across = steps_of[steps_of["min"] != steps_of["max"]]
+    if len(across) and reason is None:
+        key = int(across.index[0])
+        group = next(g for g, c in codes.items() if c == key >> 40)
+        reason = (f"collective seq {key & ((1 << 40) - 1)} of group {group[0]!r} has rows in steps "
+                  f"{int(across['min'].iloc[0])} and {int(across['max'].iloc[0])} (ranks were at different steps "
+                  f"in it)")
+    return StepFacts(reason=reason, keys=steps_of.index.to_numpy(dtype=np.int64), clocks=clocks, arrivals=arrivals)
 
 
 def deriver() -> LatenessExposure:

@@ -9,17 +9,29 @@ dropped. Rows outside any step (``step`` null or -1, e.g. set-up collectives) ar
 step in the window: a rank stuck before the window still shows its hang, while a rank that went on past an older
 spilled collective completed it (its completed row lies before the window), so it is not unfinished here. The step
 range is pushed down to the store (``RunStore.table(name, steps=...)``): of a compacted run, only the partition
-files of the window's steps are read.
+files of the window's steps are read. Of a run read from its events, the window also gives the derived per-step
+frames of its steps (``derived_table``: ``window_derived``, kept per store as the window slides) and its rows
+through the store's pushed-down Arrow reads (``arrow``), so a live refresh derives the steps it added and the
+failure verdicts read their few rows, not the window's whole ``collectives`` frame.
 """
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
+from typing import Callable, Iterable
 
 import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
 
+from dtprobe.analysis.derived_tables import KEY
+from dtprobe.analysis.window_derived import WindowFrames
 from dtprobe.store.schema import STEP_TABLES
 from dtprobe.store.source import SourceInfo
+
+_FRAMES: "weakref.WeakKeyDictionary[object, WindowFrames]" = weakref.WeakKeyDictionary()
+"""store -> the derived frames of its windows (a window is built anew for every analysis; its frames outlive it)."""
 
 
 class StepWindow:
@@ -77,6 +89,43 @@ class StepWindow:
             return pending
         went_on = pending["rank"].isin(self.table("steps")["rank"].unique()).to_numpy(dtype=bool)
         return pending[~(old & went_on)].reset_index(drop=True)
+
+    def derived_table(self, name: str, key: dict, *, steps: tuple[int | None, int | None] | None = None,
+                      deriver: Callable[[], object] | None = None) -> pd.DataFrame | None:
+        """The derived per-step table ``name`` (``derived_tables``, under its ``key``) of the window's rows, only
+        of ``steps`` when given; None when the window cannot give it (the facade then computes it from the rows):
+        a compacted run (its kept frames are whole step blocks'), a tail-opened store that does not hold the
+        window's first step, ``pending`` rows of earlier steps (``table`` keeps some of them, so the window's
+        collectives hold rows of no step of it), or frames of its units that may differ from the rows'
+        (``window_derived``). ``deriver`` is not used: the window derives ``derived_tables``' frames itself."""
+        store = self.store
+        if key != KEY or getattr(store, "is_compacted", True) or not hasattr(store, "_step_counts"):
+            return None
+        tail = store.tail_from_step
+        if tail is not None and self.first_step < tail:
+            return None
+        if (store.table("pending")["step"].fillna(-1) < self.first_step).any():
+            return None
+        # the store's rows per step and per block (what RunStore.derived_table hands its own live frames), under
+        # its lock: the counts and the rows read must be of the same moment
+        with store._lock:
+            frames = _FRAMES.setdefault(store, WindowFrames())
+            return frames.table(name, first_step=self.first_step, clock=store.clock_model().key,
+                                counts=store._step_counts, rows=store._block_rows, steps=steps)
+
+    def arrow(self, name: str, *, columns: Iterable[str] | None = None, filter: pc.Expression | None = None,
+              steps: tuple[int | None, int | None] | None = None, ranks: Iterable[int] | None = None) -> pa.Table:
+        """``RunStore.arrow`` of the window: a per-step table's rows of its steps only (as ``table`` gives them)."""
+        if name in STEP_TABLES:
+            first, last = steps if steps is not None else (None, None)
+            steps = (self.first_step if first is None else max(first, self.first_step), last)
+            if not getattr(self.store, "is_compacted", True):
+                # rows held in memory: the steps are part of the filter, so only the rows that pass it are copied
+                # (a steps cut copies every row of the window before the filter)
+                cut = pc.field("step") >= steps[0]
+                cut = cut if last is None else cut & (pc.field("step") <= last)
+                filter, steps = (cut if filter is None else cut & filter), None
+        return self.store.arrow(name, columns=columns, filter=filter, ranks=ranks, steps=steps)
 
     def describe(self) -> str:
         """``steps 900-999 (the last 100)`` for captions."""

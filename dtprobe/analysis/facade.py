@@ -11,8 +11,10 @@ document (renderings in ``dtprobe.analysis.render``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
@@ -54,12 +56,16 @@ from dtprobe.analysis.inputs import analysed_table
 from dtprobe.analysis.key_figures import KeyFigures, key_figures
 from dtprobe.analysis.options import AnalysisOptions
 from dtprobe.analysis.report import SCHEMA
+from dtprobe.analysis.score_memo import ScoreMemo
 from dtprobe.store.kineto import CollectiveParts
 from dtprobe.store.manifest import Manifest
 from dtprobe.store.resolve import open_source
 from dtprobe.store.source import Source, SourceInfo
 
 __all__ = ["SCHEMA", "AnalysisOptions", "KeyFigures", "RunAnalysis", "open_source"]
+
+_SCORE_MEMOS: "weakref.WeakKeyDictionary[Any, ScoreMemo]" = weakref.WeakKeyDictionary()
+"""store -> the per-window figures of its last straggler scoring (``score_memo``), while its run is running."""
 
 
 class RunAnalysis:
@@ -264,9 +270,25 @@ class RunAnalysis:
     def straggler_scores(self) -> pd.DataFrame:
         """Per (group, rank): worst-window median lateness, share of steps late, mean wait imposed on peers."""
         o = self.options
-        return self._memo("scores", lambda: _stragglers.straggler_scores(
-            self.rank_lateness(), cpu_throttled=self.cpu_throttled(), cpu_wait=self.cpu_wait(),
-            window_steps=o.window_steps, min_lateness_frac=o.min_lateness_frac, min_positive_frac=o.min_positive_frac))
+
+        def compute() -> pd.DataFrame:
+            memo = self._score_memo()
+            with memo.lock if memo is not None else contextlib.nullcontext():
+                return _stragglers.straggler_scores(
+                    self.rank_lateness(), cpu_throttled=self.cpu_throttled(), cpu_wait=self.cpu_wait(),
+                    window_steps=o.window_steps, min_lateness_frac=o.min_lateness_frac,
+                    min_positive_frac=o.min_positive_frac, memo=memo)
+        return self._memo("scores", compute)
+
+    def _score_memo(self) -> ScoreMemo | None:
+        # a running run's scoring keeps its per-window figures for the next analysis of the same store (a window's
+        # store), which then scores only the windows of the steps it added
+        if self.status != "running":
+            return None
+        try:
+            return _SCORE_MEMOS.setdefault(getattr(self.source, "store", self.source), ScoreMemo())
+        except TypeError:    # a source that cannot be weakly referenced keeps none
+            return None
 
     def cpu_throttled(self) -> pd.DataFrame | None:
         """Per (rank, step): the share of the step its CPU cgroup's quota held it back (``cpu_throttle``); None when

@@ -28,7 +28,9 @@ from dtprobe.analysis.arrivals import (  # noqa: F401 (re-exported: the straggle
 from dtprobe.analysis.clocks import HOST
 from dtprobe.analysis.findings import Finding, PredictedGain
 from dtprobe.analysis.pipeline_delay import OWN_DELAY_COLUMNS, pipeline_groups, pipeline_own_delay  # noqa: F401
-from dtprobe.analysis.tables import P2P_OPS, axis_of, coded_rows, group_members, group_phrase, ms, run_starts
+from dtprobe.analysis.score_memo import ScoreMemo, window_keys
+from dtprobe.analysis.tables import (P2P_OPS, axis_of, coded_rows, group_codes, group_members, group_phrase, ms,
+                                     run_starts)
 from dtprobe.intervals import union_length_by_group
 from dtprobe.store.columns import require_columns
 
@@ -133,7 +135,7 @@ def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | No
                      min_pre_excess_t: float = MIN_PRE_EXCESS_T,
                      min_pre_excess_t_over_peers: float = MIN_PRE_EXCESS_T_OVER_PEERS,
                      min_persistent_pre_over_noise: float = MIN_PERSISTENT_PRE_OVER_NOISE,
-                     min_steady_t: float = MIN_STEADY_T) -> pd.DataFrame:
+                     min_steady_t: float = MIN_STEADY_T, memo: ScoreMemo | None = None) -> pd.DataFrame:
     """Per (group, member rank), over sliding windows of ``window_steps`` steps (the whole run when shorter):
     the first window where its median lateness (share of the step) is at least ``min_lateness_frac`` and it
     arrived after its peers' median in at least ``min_positive_frac`` of the steps (else the window with the
@@ -158,13 +160,16 @@ def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | No
     ``MIN_CPU_THROTTLED_FRAC`` of it while no peer's was a ``MAX_PEER_THROTTLED_SHARE`` of that, and its mean
     lateness excess is at least ``min_lateness_frac``, ``MIN_THROTTLED_T`` standard errors above zero and
     ``MIN_STEADY_T_OVER_PEERS`` x any peer's. Every window of every (group, rank) is scored at once (one
-    windows x steps matrix), so the cost grows with the rows. Columns: ``SCORE_COLUMNS`` + ``NOISE_COLUMNS``
-    (+ ``THROTTLE_SCORE_COLUMNS`` with ``cpu_throttled``, + ``WAIT_SCORE_COLUMNS`` with ``cpu_wait``: evidence,
-    no view reads it)."""
+    windows x steps matrix), so the cost grows with the rows; with ``memo`` (``score_memo.ScoreMemo``: a live run
+    scored again after a refresh) only the windows over steps whose rows changed are, with the same result.
+    Columns: ``SCORE_COLUMNS`` + ``NOISE_COLUMNS`` (+ ``THROTTLE_SCORE_COLUMNS`` with ``cpu_throttled``, +
+    ``WAIT_SCORE_COLUMNS`` with ``cpu_wait``: evidence, no view reads it)."""
     require_columns(lateness, LATENESS_COLUMNS, table="rank_lateness")
     keys = ["pg", "pg_ranks", "rank"]
     lat = lateness.dropna(subset=keys) if lateness[keys].isna().any(axis=None) else lateness
-    lat = lat.assign(excess_frac=_excess_over_group(lat))
+    # (pg, pg_ranks) coded once, in their sorted order: the groupings below read the codes, not the long strings
+    group, pg_names, pr_names = group_codes(lat["pg"], lat["pg_ranks"])
+    lat = lat.assign(excess_frac=_excess_over_group(lat, group))
     with_throttle, with_wait = cpu_throttled is not None, cpu_wait is not None
     columns = (SCORE_COLUMNS + NOISE_COLUMNS + (THROTTLE_SCORE_COLUMNS if with_throttle else [])
                + (WAIT_SCORE_COLUMNS if with_wait else []))
@@ -174,7 +179,8 @@ def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | No
         lat = lat.assign(cpu_throttled_frac=_per_step_of_rows(lat, cpu_throttled, "cpu_throttled_frac"))
     if with_wait:
         lat = lat.assign(cpu_wait_frac=_per_step_of_rows(lat, cpu_wait, "cpu_wait_frac"))
-    gid = lat.groupby(keys, sort=True).ngroup().to_numpy(dtype="int64")
+    rank_of_row = lat["rank"].to_numpy(dtype="int64")
+    gid = pd.factorize(group * (int(rank_of_row.max()) + 1) + rank_of_row, sort=True)[0].astype("int64")
     order = np.lexsort((lat["step"].to_numpy(), gid))          # by (group, rank), then step
 
     def column(name: str, dtype: str) -> np.ndarray:
@@ -191,46 +197,58 @@ def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | No
     first_window = np.cumsum(num_windows) - num_windows
     win_gid = np.repeat(np.arange(len(n)), num_windows)
     win_start = first_row[win_gid] + np.arange(len(win_gid)) - first_window[win_gid]
-    frac = _windows(column("lateness_frac", "float64"), win_start, w[win_gid])
-    exc = _windows(column("excess_frac", "float64"), win_start, w[win_gid])
-    pre = _windows(column("pre_excess_frac", "float64"), win_start, w[win_gid])
-    med, pmed = _nanmedian_rows(frac), _nanmedian_rows(pre)
-    pos = (frac > 0).sum(axis=1) / w[win_gid]
-    ppos = (pre > 0).sum(axis=1) / w[win_gid]
+    wlen = w[win_gid]
     steps_ = column("step", "int64")
     first_key = lat[keys].iloc[order[first_row]]
     windows = pd.DataFrame({    # groups as categories: one string per group, not per window
         "pg": pd.Categorical(first_key["pg"]).take(win_gid),
         "pg_ranks": pd.Categorical(first_key["pg_ranks"]).take(win_gid),
         "rank": first_key["rank"].to_numpy(dtype="int64")[win_gid], "first_step": steps_[win_start],
-        "last_step": steps_[win_start + w[win_gid] - 1]})
-    pre_t = _median_t(pre, pmed)
+        "last_step": steps_[win_start + wlen - 1]})
     span = windows.groupby(["pg", "pg_ranks", "first_step", "last_step"], sort=False).ngroup().to_numpy()
-    peer_t = _peer_max(pre_t, windows, key=span)
-    emean, epos, own_sd = _nanmean_rows(exc), (exc > 0).sum(axis=1) / w[win_gid], _std_rows(exc)
-
-    def window_mean(name: str, given: bool) -> tuple[np.ndarray, np.ndarray]:
-        """Per window: the mean of per-step column ``name`` and the largest of the peers' (NaN when not given)."""
-        if not given:
-            return np.full(len(windows), np.nan), np.full(len(windows), np.nan)
-        mean = _nanmean_rows(_windows(column(name, "float64"), win_start, w[win_gid]))
-        return mean, _peer_max(mean, windows, key=span)
-
-    thr, peer_thr = window_mean("cpu_throttled_frac", with_throttle)
-    waited, peer_waited = window_mean("cpu_wait_frac", with_wait)
+    # each window's figures (of its group's rows in its steps alone): from the memo where they still hold, the
+    # others computed (every window of a span together: peer maxima read them all)
+    settings = (window_steps, with_throttle, with_wait)
+    reused, remember = np.full(len(windows), -1, dtype=np.int64), None
+    if memo is not None:
+        group_code = memo.group_codes(first_key["pg"], first_key["pg_ranks"])     # per (group, rank)
+        win_code, win_first, win_last = group_code[win_gid], steps_[win_start], steps_[win_start + wlen - 1]
+        wkeys = window_keys(win_code, windows["rank"].to_numpy(), win_first, win_last, wlen)
+        if wkeys is not None:
+            reused, step_keys, prints = memo.reuse(settings, lat, order, group_code[gid], steps_, wkeys, win_code,
+                                                   win_first, win_last)
+            remember = (step_keys, prints, wkeys)
+    todo = np.isin(span, span[reused < 0])
+    fig = _window_figures(column, win_start, wlen, span, todo, with_throttle=with_throttle, with_wait=with_wait)
+    if not todo.all():
+        for name, values in fig.items():
+            values[~todo] = memo.figures[name][reused[~todo]]
+    med, pos, pmed, ppos, pre_t, peer_t = (fig[k] for k in ("med", "pos", "pmed", "ppos", "pre_t", "peer_t"))
+    emean, epos, own_sd, k_exc = (fig[k] for k in ("emean", "epos", "own_sd", "k_exc"))
+    thr, peer_thr, waited, peer_waited = (fig[k] for k in ("thr", "peer_thr", "waited", "peer_waited"))
     # The peers' noise (the costly part: a pool of the peers' values per window) is needed only where a view's
     # other conditions hold (unknown noise does not block, so those windows are a superset of the qualifying ones)
     # and at each (group, rank)'s chosen window; the steady view's peer_et also needs its peers' windows of the
-    # same steps. Noise is computed there alone, each value as peer_noise computes it over all windows.
+    # same steps. Noise is computed there alone, each value as peer_noise computes it over all windows (or taken
+    # from the memo where it computed it).
     unknown = np.full(len(windows), np.nan)
-    grids = _GroupGrids(lat, ["lateness_frac", "pre_excess_frac", "excess_frac"])
-    noise_of = {c: _PeerNoise(lat, windows, column=c, grids=grids) for c in ("lateness_frac", "pre_excess_frac")}
-    steady_noise = _PeerNoise(lat, windows, column="excess_frac", reduce=_std_rows, grids=grids)
+    by_group = np.argsort(group, kind="stable")
+    bounds = np.flatnonzero(np.r_[True, group[by_group][1:] != group[by_group][:-1], True])
+    rows_of = {(pg_names[group[by_group[a]]], pr_names[group[by_group[a]]]): by_group[a:b]
+               for a, b in zip(bounds[:-1], bounds[1:])}
+    grids = _GroupGrids(lat, ["lateness_frac", "pre_excess_frac", "excess_frac"], rows_of=rows_of)
+    noise_of = {"noise": _PeerNoise(lat, windows, column="lateness_frac", grids=grids),
+                "pnoise": _PeerNoise(lat, windows, column="pre_excess_frac", grids=grids),
+                "esd": _PeerNoise(lat, windows, column="excess_frac", reduce=_std_rows, grids=grids)}
     noise, pnoise, esd = unknown.copy(), unknown.copy(), unknown.copy()
+    cached = {name: (unknown.copy(), np.zeros(len(windows), dtype=bool)) for name in noise_of}
+    if not todo.all():
+        for name, (values, known) in cached.items():
+            values[~todo], known[~todo] = (memo.noise[name][0][reused[~todo]], memo.noise[name][1][reused[~todo]])
 
     def judge(*, peers_known: bool = True) -> tuple[np.ndarray, ...]:
         over, pover = _over(med, noise), _over(pmed, pnoise)
-        et = _t_of_mean(emean, exc, np.fmax(own_sd, esd))
+        et = _t_of_count(emean, k_exc, np.fmax(own_sd, esd))
         peer_et = _peer_max(et, windows, key=span) if peers_known else unknown
         by_arrival = (med >= min_lateness_frac) & (pos >= min_positive_frac) & ~(over < min_lateness_over_noise)
         by_phases = ((med >= min_lateness_frac) & (pmed >= min_lateness_frac) & (ppos >= min_positive_frac)
@@ -243,10 +261,14 @@ def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | No
         return over, pover, et, peer_et, by_arrival, by_phases, by_persistence, by_steady, by_throttle
 
     def fill(where_noise: np.ndarray, where_pnoise: np.ndarray, where_esd: np.ndarray) -> None:
-        for values, where, of in ((noise, where_noise, noise_of["lateness_frac"]),
-                                  (pnoise, where_pnoise, noise_of["pre_excess_frac"]),
-                                  (esd, np.isin(span, span[where_esd]), steady_noise)):
-            values[where] = of.at(where)[where]
+        for name, values, where in (("noise", noise, where_noise), ("pnoise", pnoise, where_pnoise),
+                                    ("esd", esd, np.isin(span, span[where_esd]))):
+            known_values, known = cached[name]
+            values[where & known] = known_values[where & known]
+            need = where & ~known
+            if need.any():
+                values[need] = noise_of[name].at(need)[need]
+                known_values[need], known[need] = values[need], True
 
     # noise unknown everywhere: the windows that qualify whatever the noise (own spread bounds the steady t)
     *_, may_arrive, may_phase, may_persist, may_steady, may_throttle = judge(peers_known=False)
@@ -266,6 +288,8 @@ def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | No
     done_steady = np.isin(span, span[may_steady | may_throttle])
     fill(chosen & ~may_arrive, chosen & ~(may_phase | may_persist), chosen & ~done_steady)
     over, pover, et, peer_et = judge()[:4]
+    if remember is not None:
+        memo.keep(settings, remember[0], remember[1], remember[2], fig, cached)
     sel_start = win_start[best]                                 # first row of each (group, rank)'s chosen window
     victims = np.clip(column("victims_wait_ns", "float64"), 0, None)
     out = lat[keys].iloc[order[first_row]].reset_index(drop=True)
@@ -294,6 +318,40 @@ def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | No
     return out[columns]
 
 
+def _window_figures(column: Callable[[str, str], np.ndarray], win_start: np.ndarray, wlen: np.ndarray,
+                    span: np.ndarray, todo: np.ndarray, *, with_throttle: bool, with_wait: bool
+                    ) -> dict[str, np.ndarray]:
+    """``straggler_scores``' figures of the windows where ``todo`` holds (NaN elsewhere): each window's medians and
+    shares of its steps (``med``, ``pos``, ``pmed``, ``ppos``), the persistence t and its peers' largest
+    (``pre_t``, ``peer_t``), its mean excess, share positive, spread and count (``emean``, ``epos``, ``own_sd``,
+    ``k_exc``), and its CPU throttle and wait shares and the peers' largest. ``column(name, dtype)``: the lateness
+    column in (group, rank, step) order; ``span``: each window's (group, steps) code (``todo`` holds every window
+    of a span or none)."""
+    sel = np.flatnonzero(todo)
+    out = {name: np.full(len(todo), np.nan) for name in ("med", "pos", "pmed", "ppos", "pre_t", "peer_t", "emean",
+                                                           "epos", "own_sd", "k_exc", "thr", "peer_thr", "waited",
+                                                           "peer_waited")}
+    if not len(sel):
+        return out
+    starts, lengths, key = win_start[sel], wlen[sel], span[sel]
+    frac = _windows(column("lateness_frac", "float64"), starts, lengths)
+    exc = _windows(column("excess_frac", "float64"), starts, lengths)
+    pre = _windows(column("pre_excess_frac", "float64"), starts, lengths)
+    med, pmed = _nanmedian_rows(frac), _nanmedian_rows(pre)
+    pre_t = _median_t(pre, pmed)
+    part = {"med": med, "pos": (frac > 0).sum(axis=1) / lengths, "pmed": pmed, "ppos": (pre > 0).sum(axis=1) / lengths,
+            "pre_t": pre_t, "peer_t": _peer_max(pre_t, None, key=key), "emean": _nanmean_rows(exc),
+            "epos": (exc > 0).sum(axis=1) / lengths, "own_sd": _std_rows(exc), "k_exc": (~np.isnan(exc)).sum(axis=1)}
+    for name, peer, given in (("thr", "peer_thr", with_throttle), ("waited", "peer_waited", with_wait)):
+        if given:
+            source = "cpu_throttled_frac" if name == "thr" else "cpu_wait_frac"
+            part[name] = _nanmean_rows(_windows(column(source, "float64"), starts, lengths))
+            part[peer] = _peer_max(part[name], None, key=key)
+    for name, values in part.items():
+        out[name][sel] = values
+    return out
+
+
 def _per_step_of_rows(lat: pd.DataFrame, per_step: pd.DataFrame, name: str) -> np.ndarray:
     """Per row of ``rank_lateness``: its rank's ``name`` (a column of ``per_step``: rank, step, name) at its step
     (NaN where not sampled)."""
@@ -306,12 +364,16 @@ def _per_step_of_rows(lat: pd.DataFrame, per_step: pd.DataFrame, name: str) -> n
     return known.reindex(where).to_numpy(dtype="float64")
 
 
-def _excess_over_group(lat: pd.DataFrame) -> np.ndarray:
+def _excess_over_group(lat: pd.DataFrame, group: np.ndarray | None = None) -> np.ndarray:
     """Per row of ``rank_lateness``: its ``lateness_frac`` minus the median ``lateness_frac`` of its group's members
     (itself included) at the same step. In a group of two that is the lateness itself; in a group with many
-    collectives per step, where every member's worst lateness is positive, it removes that common part."""
-    code = lat.groupby(["pg", "pg_ranks", "step"], sort=False).ngroup().to_numpy(dtype="int64")
+    collectives per step, where every member's worst lateness is positive, it removes that common part.
+    ``group``: each row's (pg, pg_ranks) code when known (``tables.group_codes``)."""
     x = lat["lateness_frac"].to_numpy(dtype="float64", na_value=np.nan)
+    if group is not None and not lat["step"].isna().any():
+        med = pd.Series(x).groupby([group, lat["step"].to_numpy(dtype="int64")]).transform("median")
+        return x - med.to_numpy(dtype="float64")
+    code = lat.groupby(["pg", "pg_ranks", "step"], sort=False).ngroup().to_numpy(dtype="int64")
     med = pd.Series(x).groupby(code).transform("median").to_numpy(dtype="float64")
     return x - med
 
@@ -336,7 +398,11 @@ def _mean_t(x: np.ndarray, peer_sd: np.ndarray) -> np.ndarray:
 def _t_of_mean(mean: np.ndarray, x: np.ndarray, sd: np.ndarray) -> np.ndarray:
     """``_mean_t`` of rows ``x`` given their ``mean`` and the standard deviation ``sd`` already chosen; the larger
     ``sd``, the smaller a positive t (so a row's own spread alone bounds it from above)."""
-    k = (~np.isnan(x)).sum(axis=1)
+    return _t_of_count(mean, (~np.isnan(x)).sum(axis=1), sd)
+
+
+def _t_of_count(mean: np.ndarray, k: np.ndarray, sd: np.ndarray) -> np.ndarray:
+    """``_t_of_mean`` of rows of ``k`` values each."""
     with np.errstate(divide="ignore", invalid="ignore"):
         se = sd / np.sqrt(np.maximum(k, 1))
         t = np.where(se > 0, mean / se, np.where(mean != 0, np.inf * np.sign(mean), 0.0))
@@ -379,7 +445,7 @@ def _median_t(x: np.ndarray, med: np.ndarray) -> np.ndarray:
     return np.where(k >= 3, t, np.nan)
 
 
-def _peer_max(values: np.ndarray, windows: pd.DataFrame, *, key: np.ndarray | None = None) -> np.ndarray:
+def _peer_max(values: np.ndarray, windows: pd.DataFrame | None, *, key: np.ndarray | None = None) -> np.ndarray:
     """Per window: the largest ``values`` among the other members' windows of the same group and steps (NaN
     without any). ``key``: the windows' (group, steps) codes when already known."""
     if key is None:
@@ -454,14 +520,17 @@ class _GroupGrids:
     shared by the ``_PeerNoise`` of each column."""
 
     def __init__(self, lateness: pd.DataFrame, columns: list[str], *, rows_of: dict | None = None) -> None:
-        # each group's rows located once: a mask per group over the whole frame costs groups x rows (ranks squared)
-        self._rows_of = rows_of if rows_of is not None else lateness.groupby(["pg", "pg_ranks"], sort=False).indices
+        # each group's rows located once (on first use): a mask per group over the whole frame costs groups x rows
+        # (ranks squared)
+        self._lateness, self._rows_of = lateness, rows_of
         self._numbers = lateness[["step", "rank", *columns]]     # taken per group: no copy of the group strings
         self._columns = list(columns)
         self._grids: dict[tuple, dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
 
     def get(self, pg: str, pg_ranks: str, column: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if (pg, pg_ranks) not in self._grids:
+            if self._rows_of is None:
+                self._rows_of = self._lateness.groupby(["pg", "pg_ranks"], sort=False).indices
             rows = self._rows_of.get((pg, pg_ranks), np.empty(0, dtype="int64"))
             self._grids[pg, pg_ranks] = _step_rank_grids(self._numbers.iloc[np.sort(rows)], self._columns)
         return self._grids[pg, pg_ranks][column]
@@ -487,7 +556,8 @@ class _PeerNoise:
         """``grids``: the groups' grids of ``column`` (and others), shared between columns."""
         self._column, self._reduce = column, reduce or _noise_rows
         self._windows = windows
-        self._wkey = windows.groupby(["pg", "pg_ranks"], sort=False).ngroup().to_numpy() if len(windows) else None
+        self._wkey: np.ndarray | None = None    # each window's group code, on first use
+        self._of_group: dict[int, np.ndarray] = {}   # group code -> its windows, in order
         self._grids = grids if grids is not None else _GroupGrids(lateness, [column]) if len(windows) else None
 
     def at(self, select: np.ndarray) -> np.ndarray:
@@ -495,13 +565,16 @@ class _PeerNoise:
         windows, out = self._windows, np.full(len(self._windows), np.nan)
         if windows.empty or not select.any():
             return out
+        if self._wkey is None:
+            self._wkey = windows.groupby(["pg", "pg_ranks"], sort=False).ngroup().to_numpy()
+            by = np.argsort(self._wkey, kind="stable")
+            bounds = np.flatnonzero(np.r_[True, self._wkey[by][1:] != self._wkey[by][:-1], True])
+            self._of_group = {int(self._wkey[by[a]]): by[a:b] for a, b in zip(bounds[:-1], bounds[1:])}
         first_step = windows["first_step"].to_numpy(dtype="int64")
         last_step = windows["last_step"].to_numpy(dtype="int64")
         wrank = windows["rank"].to_numpy(dtype="int64")
-        for key, idx in pd.Series(np.arange(len(windows))).groupby(self._wkey):
-            idx = idx.to_numpy()
-            if not select[idx].any():
-                continue
+        for key in np.unique(self._wkey[select]):     # the groups of the windows asked for, each window of them
+            idx = self._of_group[int(key)]
             grid, members, values = self._grids.get(windows["pg"].iloc[idx[0]], windows["pg_ranks"].iloc[idx[0]],
                                                     self._column)
             lo = np.searchsorted(grid, first_step[idx], side="left")
@@ -724,9 +797,7 @@ def straggler_causes(scores: pd.DataFrame, lateness: pd.DataFrame, steps: pd.Dat
     require_columns(steps, ["rank", "step", "start_ns", "end_ns", "data_ns", "fwd_ns", "bwd_ns", "opt_ns"],
                     table="steps")
     require_columns(blocked, BLOCKED_COLUMNS, table="blocked_outside_groups")
-    by_group = pd.Series(blocked["blocked_ns"].to_numpy(dtype="float64"), index=pd.MultiIndex.from_arrays(
-        [blocked["rank"].to_numpy(dtype="int64"), blocked["step"].to_numpy(dtype="int64"),
-         _as_text(blocked["outside_pg_ranks"])]))
+    blocked_rank, blocked_step = blocked["rank"].to_numpy(dtype="int64"), blocked["step"].to_numpy(dtype="int64")
     ph = steps.dropna(subset=["end_ns"]).copy()
     ph["rank"] = ph["rank"].astype("int64")
     ph["step"] = ph["step"].astype("int64")
@@ -742,6 +813,11 @@ def straggler_causes(scores: pd.DataFrame, lateness: pd.DataFrame, steps: pd.Dat
         peers = [m for m in members if m != s.rank]
         # the members' waits outside this group only: the others' (rank, step) are not compared
         p = ph[ph["step"].isin(late_steps) & ph["rank"].isin(list(members))].set_index(["rank", "step"])
+        # the waits of these (rank, step)s alone, as a series by rank, step and group (a window's blocked table
+        # has a row per rank, step and group)
+        mine = np.isin(blocked_rank, list(members)) & np.isin(blocked_step, list(late_steps))
+        by_group = pd.Series(blocked["blocked_ns"].to_numpy(dtype="float64")[mine], index=pd.MultiIndex.from_arrays(
+            [blocked_rank[mine], blocked_step[mine], _as_text(blocked["outside_pg_ranks"][mine])]))
         p["comm_ns"] = _comm_ns(by_group, p.index, s.pg_ranks)
         p = p.reset_index()
         diffs = {}

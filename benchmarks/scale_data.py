@@ -19,9 +19,11 @@ dtprobe imported.
 The trace set: one ``rankNNNNN.pt.trace.json`` per rank (``.json.gz`` with ``gzip``) with ``distributedInfo``
 (rank, world size, its process groups), ProfilerStep annotations, CPU ops, ``cudaLaunchKernel`` runtime events with
 their flow arrows, compute kernels and NCCL kernels carrying PyTorch 2.x collective args (``Collective name``,
-``In msg nelems``, ``Process Group Ranks``, ...), in the tp8 x dp layout; the model's depth is chosen so that a file
-holds about ``mb_per_rank`` MB. The header is written with Python's default JSON spacing (HTA finds a file's rank
-with the regex ``"rank":\\s+(\\d+)``), the events compactly.
+``In msg nelems``, ``Process Group Ranks``, ...), in the tp8 x dp layout or a pure data-parallel one whose every
+collective is on a group spanning every rank (``TRACE_LAYOUTS``), matched by order or, with ``seq``, by the
+collectives' ``Seq`` arg; the model's depth is chosen so that a file holds about ``mb_per_rank`` MB. The header
+is written with Python's default JSON spacing (HTA finds a file's rank with the regex ``"rank":\\s+(\\d+)``), the
+events compactly.
 """
 
 from __future__ import annotations
@@ -397,17 +399,38 @@ class TraceSetSpec:
     gzip: bool = False
     """Write ``.json.gz`` instead of plain ``.json``."""
     seed: int = 0
+    layout: str = "tp8xdp"
+    """One of ``TRACE_LAYOUTS``."""
+    seq: bool = False
+    """Give each collective its group's sequence number (the ``Seq`` arg of recent PyTorch), which dtprobe then
+    matches by; without it, collectives are matched by their order within each ProfilerStep."""
+
+    def __post_init__(self) -> None:
+        if self.layout not in TRACE_LAYOUTS:
+            raise ValueError(f"TraceSetSpec.layout={self.layout!r}: expected one of {sorted(TRACE_LAYOUTS)}")
 
 
-def trace_layout(world: int) -> tuple[int, int]:
-    """(tp, dp) of a trace set: tp8 x dp when the world is a multiple of 8 of at least 16, else one tp group."""
+TRACE_LAYOUTS = {
+    "tp8xdp": "tp groups of 8 ranks and dp groups across them (one tp group of every rank below 16 ranks)",
+    "dp": "pure data parallel (FSDP): every collective on the default group, which spans every rank",
+    "dp_unnamed": "as dp, with no process-group args or pg_config (older traces): every collective is taken as "
+                  "world-wide"}
+"""Layouts of a trace set: what its collectives' groups are."""
+
+
+def trace_layout(world: int, layout: str = "tp8xdp") -> tuple[int, int]:
+    """(tp, dp) of a trace set: for ``tp8xdp``, tp8 x dp when the world is a multiple of 8 of at least 16, else one
+    tp group; for the pure data-parallel layouts, (1, world)."""
+    if layout != "tp8xdp":
+        return 1, world
     return (TP, world // TP) if world % TP == 0 and world >= 2 * TP else (world, 1)
 
 
-def _trace_ops(num_layers: int, dp: int) -> list[tuple]:
-    layer_ops = [op for op in _TRACE_FWD if not (op[0] == "comm" and op[1] == "dp" and dp == 1)]
-    bwd_ops = [op for op in _TRACE_BWD if not (op[0] == "comm" and op[1] == "dp" and dp == 1)]
-    return layer_ops * num_layers + bwd_ops * num_layers
+def _trace_ops(num_layers: int, dp: int, tp: int) -> list[tuple]:
+    def kept(op: tuple) -> bool:
+        return not (op[0] == "comm" and ((op[1] == "dp" and dp == 1) or (op[1] == "tp" and tp == 1)))
+
+    return [op for op in _TRACE_FWD if kept(op)] * num_layers + [op for op in _TRACE_BWD if kept(op)] * num_layers
 
 
 def _simulate_trace_step(ops: list[tuple], world: int, tp: int, slow: np.ndarray, rng, t0_us: float) -> tuple:
@@ -438,12 +461,16 @@ def _simulate_trace_step(ops: list[tuple], world: int, tp: int, slow: np.ndarray
 
 
 def _rank_step_events(ops: list[tuple], rank: int, step: int, launch, start, end, *, corr0: int,
-                      members: dict[str, list[int]], tp: int) -> list[dict]:
+                      members: dict[str, list[int]], tp: int, layout: str = "tp8xdp", seq: bool = False
+                      ) -> list[dict]:
     """The events of one rank's step: ProfilerStep, then per op a CPU op, its launch, the flow and the kernel."""
     dp = len(members["tp"])
     node, local = rank // tp, rank % tp
     groups = {"tp": members["tp"][node], "dp": members["dp"][local] if dp > 1 else [rank]}
-    names = {"tp": "1", "dp": "2"}
+    names = {"tp": "1", "dp": "2"} if layout == "tp8xdp" else {"dp": "0"}
+    descs = {"tp": "tp", "dp": "dp"} if layout == "tp8xdp" else {"dp": "default_pg"}
+    per_step = {axis: sum(1 for op in ops if op[0] == "comm" and op[1] == axis) for axis in ("tp", "dp")}
+    issued = {axis: step * n for axis, n in per_step.items()}      # the group's collectives before this one
     first, last = float(launch[0, rank]) - 100.0, float(max(end[-1, rank], launch[-1, rank])) + 200.0
     events = [{"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{step}", "pid": HOST_PID,
                "tid": HOST_TID, "ts": round(first, 3), "dur": round(last - first, 3),
@@ -467,8 +494,13 @@ def _rank_step_events(ops: list[tuple], rank: int, step: int, launch, start, end
             out = nelems * len(group) if name == "allgather" else nelems // len(group)
             comm_args = {"Collective name": NCCL_COLLECTIVE_NAME[name], "In msg nelems": nelems,
                          "Out msg nelems": out, "Group size": len(group), "dtype": "BFloat16",
-                         "In split size": "[]", "Out split size": "[]", "Process Group Name": names[axis],
-                         "Process Group Description": axis, "Process Group Ranks": ranks_text}
+                         "In split size": "[]", "Out split size": "[]"}
+            if layout != "dp_unnamed":
+                comm_args.update({"Process Group Name": names[axis], "Process Group Description": descs[axis],
+                                  "Process Group Ranks": ranks_text})
+            issued[axis] += 1
+            if seq:
+                comm_args["Seq"] = issued[axis]
             events.append({"ph": "X", "cat": "cpu_op", "name": "record_param_comms", "pid": HOST_PID,
                            "tid": HOST_TID, "ts": ts_cpu, "dur": 20.0, "args": {"External id": corr, **comm_args}})
             kernel = {"ph": "X", "cat": "kernel", "name": NCCL_KERNEL[name], "pid": 0, "tid": COMM_STREAM,
@@ -486,20 +518,25 @@ def _rank_step_events(ops: list[tuple], rank: int, step: int, launch, start, end
     return events
 
 
-def _trace_header(rank: int, world: int, members: dict[str, list[list[int]]], tp: int) -> dict:
+def _trace_header(rank: int, world: int, members: dict[str, list[list[int]]], tp: int,
+                  layout: str = "tp8xdp") -> dict:
     dp = world // tp
     pg_config = [{"pg_name": "0", "pg_desc": "default_pg", "backend_config": "cuda:nccl", "pg_size": world,
-                  "ranks": list(range(world))},
-                 {"pg_name": "1", "pg_desc": "tp", "backend_config": "cuda:nccl", "pg_size": tp,
-                  "ranks": members["tp"][rank // tp]}]
-    if dp > 1:
+                  "ranks": list(range(world))}]
+    if layout == "tp8xdp":
+        pg_config.append({"pg_name": "1", "pg_desc": "tp", "backend_config": "cuda:nccl", "pg_size": tp,
+                          "ranks": members["tp"][rank // tp]})
+    if layout == "tp8xdp" and dp > 1:
         pg_config.append({"pg_name": "2", "pg_desc": "dp", "backend_config": "cuda:nccl", "pg_size": dp,
                           "ranks": members["dp"][rank % tp]})
+    info = {"backend": "nccl", "rank": rank, "world_size": world, "pg_count": len(pg_config),
+            "pg_config": pg_config, "nccl_version": "2.21.5"}
+    if layout == "dp_unnamed":
+        del info["pg_count"], info["pg_config"]
     return {"schemaVersion": 1,
             "deviceProperties": [{"id": 0, "name": "NVIDIA H100 80GB HBM3", "totalGlobalMem": 85520809984,
                                   "computeMajor": 9, "computeMinor": 0, "numSms": 132}],
-            "distributedInfo": {"backend": "nccl", "rank": rank, "world_size": world, "pg_count": len(pg_config),
-                                "pg_config": pg_config, "nccl_version": "2.21.5"},
+            "distributedInfo": info,
             "record_shapes": 1, "displayTimeUnit": "ms", "traceName": f"rank{rank:05d}.pt.trace.json"}
 
 
@@ -513,7 +550,7 @@ def _write_trace_file(rank: int) -> int:
     tp = st["tp"]
     suffix = ".pt.trace.json.gz" if spec.gzip else ".pt.trace.json"
     path = Path(st["out"]) / f"rank{rank:05d}{suffix}"
-    head = json.dumps(_trace_header(rank, spec.ranks, st["members"], tp))[:-1]
+    head = json.dumps(_trace_header(rank, spec.ranks, st["members"], tp, spec.layout))[:-1]
     meta = [{"name": "process_name", "ph": "M", "ts": 0, "pid": HOST_PID, "tid": 0, "args": {"name": "python3"}},
             {"name": "process_name", "ph": "M", "ts": 0, "pid": 0, "tid": 0, "args": {"name": "GPU 0"}},
             {"name": "thread_name", "ph": "M", "ts": 0, "pid": 0, "tid": COMPUTE_STREAM,
@@ -532,7 +569,8 @@ def _write_trace_file(rank: int) -> int:
         write(orjson.dumps(meta)[1:-1])
         for step, (launch, start, end) in enumerate(st["steps"]):
             events = _rank_step_events(st["ops"], rank, step, launch, start, end,
-                                       corr0=1 + step * (len(st["ops"]) + 1), members=st["members"], tp=tp)
+                                       corr0=1 + step * (len(st["ops"]) + 1), members=st["members"], tp=tp,
+                                       layout=spec.layout, seq=spec.seq)
             write(b"," + orjson.dumps(events)[1:-1])
         write(b"]}")
     return raw
@@ -544,9 +582,9 @@ def write_trace_set(out_dir: str | os.PathLike, spec: TraceSetSpec, *, workers: 
     the bytes of JSON of each file, by rank (before gzip)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tp, dp = trace_layout(spec.ranks)
+    tp, dp = trace_layout(spec.ranks, spec.layout)
     members = group_members(spec.ranks, tp)
-    one_layer = _trace_ops(1, dp)
+    one_layer = _trace_ops(1, dp, tp)
     rng = np.random.default_rng(spec.seed)
     slow = np.ones(spec.ranks)
     if spec.straggler_rank is not None:
@@ -554,9 +592,9 @@ def write_trace_set(out_dir: str | os.PathLike, spec: TraceSetSpec, *, workers: 
     # size one layer's events of one step on rank 0, then pick the depth that fills the files
     launch, start, end = _simulate_trace_step(one_layer, spec.ranks, tp, slow, rng, 0.0)
     layer_bytes = len(orjson.dumps(_rank_step_events(one_layer, 0, 0, launch, start, end, corr0=1,
-                                                     members=members, tp=tp)))
+                                                     members=members, tp=tp, layout=spec.layout, seq=spec.seq)))
     num_layers = max(1, round(spec.mb_per_rank * 1e6 / (spec.steps * layer_bytes)))
-    ops = _trace_ops(num_layers, dp)
+    ops = _trace_ops(num_layers, dp, tp)
     steps, t = [], time.time() * 1e6 - 600e6
     for _ in range(spec.steps):
         launch, start, end = _simulate_trace_step(ops, spec.ranks, tp, slow, rng, t)
@@ -597,12 +635,15 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--straggler", type=int, default=None, help="straggler rank (default: ranks // 2 + 3)")
     run.add_argument("--delay-ms", type=float, default=DEFAULT_DELAY_MS, help="the straggler's delay per step")
     run.add_argument("--workers", type=int, default=2, help="writer processes")
-    tr = sub.add_parser("traces", help="a Kineto trace set in a tp8 x dp layout")
+    tr = sub.add_parser("traces", help="a Kineto trace set in a tp8 x dp (or pure dp) layout")
     tr.add_argument("dir", type=Path, help="folder to write the trace files into")
     tr.add_argument("--ranks", type=int, default=64, help="trace files (ranks)")
     tr.add_argument("--mb-per-rank", type=float, default=50.0, help="MB of JSON per file")
     tr.add_argument("--steps", type=int, default=4, help="ProfilerSteps per file")
     tr.add_argument("--gzip", action="store_true", help="write .json.gz")
+    tr.add_argument("--layout", choices=sorted(TRACE_LAYOUTS), default="tp8xdp",
+                    help="; ".join(f"{k}: {v}" for k, v in TRACE_LAYOUTS.items()))
+    tr.add_argument("--seq", action="store_true", help="give collectives their group's Seq arg")
     tr.add_argument("--workers", type=int, default=2, help="writer processes")
     args = ap.parse_args(argv)
 
@@ -618,7 +659,8 @@ def main(argv: list[str] | None = None) -> int:
               f"rows, {events_bytes(args.dir) / 1e6:.0f} MB of events) in {time.perf_counter() - t:.1f} s; "
               f"straggler rank {spec.straggler_rank}")
     else:
-        spec = TraceSetSpec(ranks=args.ranks, mb_per_rank=args.mb_per_rank, steps=args.steps, gzip=args.gzip)
+        spec = TraceSetSpec(ranks=args.ranks, mb_per_rank=args.mb_per_rank, steps=args.steps, gzip=args.gzip,
+                            layout=args.layout, seq=args.seq)
         raw = write_trace_set(args.dir, spec, workers=args.workers, progress=progress)
         size = sum(p.stat().st_size for p in trace_files(args.dir))
         print(f"\nwrote {spec.ranks} trace files, {sum(raw) / 1e6:.0f} MB of JSON ({size / 1e6:.0f} MB on disk), "

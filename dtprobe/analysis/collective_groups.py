@@ -1,17 +1,19 @@
 """The cross-rank analyses of a source's collectives computed one part (a trace folder's process group) at a time:
-matching, clock offsets and device arrivals (``GroupResults``), and for a source that reads its collectives in
+matching, clock offsets and device arrivals (``DeviceClock``), and for a source that reads its collectives in
 parts (``store.kineto.CollectiveParts``) also the bandwidth, group rows and the collectives' clock; read by the
 facade, so by ``dtprobe analyze`` on Kineto trace folders, whose collectives are never held whole.
 
-Each part holds every row of the process groups in it, so what is computed per collective or per group comes out
-of a part alone as it does out of the whole table: matching (``collective_matching``), arrivals
-(``device_arrivals``), bandwidth (``comm_efficiency``), group rows (``arrivals.group_rows``). Clock offsets link
+Each part holds every row of the process groups in it, or, for a group too large for a part (one spanning every
+rank), every member's rows of a window of its collectives (with matching by order, of whole ProfilerSteps). What
+is computed per collective comes out of a part alone as it does out of the whole table: matching
+(``collective_matching``), bandwidth (``comm_efficiency``); per group, the parts' results are folded: group rows
+(``arrivals.group_rows``), arrivals per (rank, group) (``_Arrivals``). Clock offsets link
 ranks across groups (``clock_alignment``); they are built in three passes over the parts, each holding one part's
 rows: (1) match, count the collectives each set of members shares, and place the ranks from the counts; (2) the
 end differences of each placed rank and the rank it is placed from, hence the offsets; (3) residuals and arrivals
 on the aligned clock. Beyond one part, memory holds per-rank, per-group and per-collective results (the bandwidth
-table) and, for the exact medians, the end differences of the placed pairs and the residuals' deviations: a number
-per matched row.
+table) and, for the exact medians, the end differences of the placed pairs, the residuals' deviations and the
+arrivals' lateness: a few numbers per matched row.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dtprobe.analysis.arrivals import group_rows, unique_seq
 from dtprobe.analysis.clocks import DEVICE, DEVICE_TIMING, HOST, MIXED
 from dtprobe.analysis.comm_efficiency import collective_bandwidth
 from dtprobe.analysis.derived_tables import BANDWIDTH, GROUPS, whole_run_frame
+from dtprobe.analysis.tables import group_codes
 
 Reader = Callable[[], pd.DataFrame]
 
@@ -140,25 +143,79 @@ def device_clock(readers: Iterable[Reader], *, world_size: int | None, ranks_pre
     offset, placed = _clocks.chained_offsets(order, {e: np.median(np.concatenate(d)) for e, d in diffs.items()}, n)
     num_collectives = np.array([rank_rows[r] for r in ranks.tolist()], dtype=np.int64)
     offsets = _clocks.offset_frame(ranks, offset, placed, np.full(n, np.nan), num_collectives)
-    deviations, summaries = [], []
+    deviations, arrivals = [], _Arrivals()
     for matched, _ in parts.each():
         part_ranks, ri, coll, end = _clocks.member_ends(matched)
         at = np.searchsorted(ranks, part_ranks)[ri]
         deviations.append(_clocks.deviations(at, coll, end + offset[at], placed[at]))
-        members = _arrivals.member_arrivals(_clocks.corrected(matched, offsets))
-        if not members.empty:
-            summaries.extend(_arrivals.arrival_summary(members, _arrivals.last_arrivers(members))
-                             .astype({"pg": object, "pg_ranks": object}).to_dict("records"))
-        del matched, members
+        arrivals.add(_arrivals.member_arrivals(_clocks.corrected(matched, offsets)))
+        del matched
     offsets = _clocks.offset_frame(ranks, offset, placed, _clocks.median_deviation(deviations, n), num_collectives)
-    arrivals = (pd.DataFrame(summaries, columns=_arrivals.SUMMARY_COLUMNS)
-                .sort_values(["rank", "pg", "pg_ranks"], kind="stable").reset_index(drop=True)
-                if summaries else _no_arrivals())
-    return DeviceClock(coverage=coverage, matching=matching, offsets=offsets, arrivals=arrivals), tables
+    return DeviceClock(coverage=coverage, matching=matching, offsets=offsets, arrivals=arrivals.summary()), tables
 
 
 def _no_arrivals() -> pd.DataFrame:
     return _arrivals.arrival_summary(pd.DataFrame(columns=_arrivals.MEMBER_COLUMNS), pd.DataFrame())
+
+
+class _Arrivals:
+    """``device_arrivals.arrival_summary`` of the parts' member arrivals, gathered a part at a time and equal to it
+    on all of them at once, also when a group's collectives come in several parts (windows of a large group): per
+    (rank, group) its counts and its lateness values (for the exact median), per collective its last arriver and
+    mean wait (summed at the end in collective order, as ``arrival_summary`` sums them), per group its span."""
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[int, str, str], np.ndarray] = {}      # collectives, started last, after its peers
+        self.lateness: dict[tuple[int, str, str], list[np.ndarray]] = {}
+        self.waits: list[pd.DataFrame] = []
+        self.spans: dict[tuple[str, str], tuple[int, int]] = {}
+
+    def add(self, members: pd.DataFrame) -> None:
+        if members.empty:
+            return
+        code, pg_names, pr_names = group_codes(members["pg"], members["pg_ranks"])
+        rank = members["rank"].to_numpy(dtype="int64")
+        key, first = pd.factorize(pd.MultiIndex.from_arrays([rank, code]), sort=True)
+        lateness = members["lateness_us"].to_numpy(dtype="float64")
+        flags = np.stack([np.ones(len(key)), members["is_last"].to_numpy(dtype=bool), lateness > 0])
+        counts = np.stack([np.bincount(key, weights=f, minlength=len(first)) for f in flags], axis=1)
+        order = np.argsort(key, kind="stable")
+        values = np.split(lateness[order], np.flatnonzero(np.diff(key[order])) + 1)
+        for (r, c), n, late in zip(first, counts.astype(np.int64), values):
+            k = (int(r), str(pg_names[c]), str(pr_names[c]))
+            self.counts[k] = self.counts[k] + n if k in self.counts else n
+            self.lateness.setdefault(k, []).append(late)
+        last = _arrivals.last_arrivers(members)
+        self.waits.append(pd.DataFrame({
+            "coll_id": last["coll_id"].to_numpy(dtype="int64"), "last_rank": last["last_rank"].to_numpy(),
+            "pg": last["pg"].astype(str).to_numpy(dtype=object), "pg_ranks": last["pg_ranks"].astype(str)
+            .to_numpy(dtype=object), "w": last["coll_id"].map(members.groupby("coll_id")["wait_us"].mean())
+            .to_numpy(dtype="float64")}))
+        start, end = members["start_ns"].to_numpy(dtype="int64"), members["end_ns"].to_numpy(dtype="int64")
+        for c in np.unique(code).tolist():
+            k, at = (str(pg_names[c]), str(pr_names[c])), code == c
+            lo, hi = int(start[at].min()), int(end[at].max())
+            old = self.spans.get(k)
+            self.spans[k] = (lo, hi) if old is None else (min(old[0], lo), max(old[1], hi))
+
+    def summary(self) -> pd.DataFrame:
+        """``arrival_summary`` of every part's members, rows sorted by (rank, pg, pg_ranks)."""
+        if not self.counts:
+            return _no_arrivals()
+        keys = sorted(self.counts)
+        counts = np.array([self.counts[k] for k in keys], dtype=np.int64)
+        waits = pd.concat(self.waits, ignore_index=True).sort_values("coll_id", kind="stable")
+        caused = waits.groupby(["last_rank", "pg", "pg_ranks"])["w"].sum()
+        out = pd.DataFrame({
+            "rank": np.array([k[0] for k in keys], dtype=np.int64), "pg": [k[1] for k in keys],
+            "pg_ranks": [k[2] for k in keys], "num_collectives": counts[:, 0],
+            "last_frac": counts[:, 1] / counts[:, 0],
+            "median_lateness_us": [float(np.median(np.concatenate(self.lateness[k]))) for k in keys],
+            "positive_frac": counts[:, 2] / counts[:, 0],
+            "caused_wait_us": [float(caused.get(k, 0.0)) for k in keys],
+            "group_span_us": [(self.spans[k[1:]][1] - self.spans[k[1:]][0]) / 1e3 for k in keys]})
+        return out.astype({"pg": object, "pg_ranks": object}).sort_values(
+            ["rank", "pg", "pg_ranks"], kind="stable").reset_index(drop=True)[_arrivals.SUMMARY_COLUMNS]
 
 
 class _Parts:
@@ -207,6 +264,7 @@ class _Parts:
 
 def _coverage_frame(rows: list[dict]) -> pd.DataFrame:
     """The parts' ``group_coverage`` rows as its frame, in its row order (by pg, then pg_ranks)."""
-    out = pd.DataFrame(rows, columns=_matching.COVERAGE_COLUMNS)
-    return out.sort_values(["pg", "pg_ranks"], na_position="last", kind="stable").reset_index(drop=True) \
+    out = pd.DataFrame(rows, columns=_matching.COVERAGE_COLUMNS)     # a group read in windows: its row once
+    return out.drop_duplicates(["pg", "pg_ranks"]).sort_values(["pg", "pg_ranks"], na_position="last",
+                                                               kind="stable").reset_index(drop=True) \
         if rows else out

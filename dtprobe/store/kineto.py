@@ -6,7 +6,8 @@ and reduce each rank's file to its tables in a worker (``kineto_pool`` runs ``ki
 file in memory at a time) -> spill each rank's tables to disk as it arrives (``kineto_spill``) -> check ranks ->
 when an analysis asks, assemble schema-typed DataFrames one rank at a time, ``kernels`` of the profiled steps
 only (``kineto_window``), in blocks of whole ranks (``kernel_blocks``) and ``collectives`` in parts of whole
-process groups (``collective_parts``) for the analyses that never need every rank's rows at once.
+process groups, a group spanning many ranks in windows of whole collectives (``collective_parts``,
+``kineto_group_windows``), for the analyses that never need every rank's rows at once.
 
 Timestamps: ``*_ns`` columns are Unix-epoch nanoseconds (trace ``ts`` microseconds x 1000 +
 ``baseTimeNanoseconds``) on each rank's own clock, exactly as in the file (no cross-rank alignment is applied:
@@ -19,6 +20,7 @@ Kineto records none). Usage::
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -32,8 +34,10 @@ import pandas as pd
 from dtprobe.store.errors import TraceError
 from dtprobe.store.kineto_collective_frame import collective_columns
 from dtprobe.store.kineto_events import RankMeta, kernel_kind
+from dtprobe.store.kineto_group_windows import Window, plan_windows, row_keys, window_mask, window_ranges
 from dtprobe.store.kineto_pool import ProgressFn, ReduceConfig, reduce_files
-from dtprobe.store.kineto_spill import RankSpill, SpilledRank, collective_tables, group_tables, kernel_columns
+from dtprobe.store.kineto_spill import (RankSpill, SpilledRank, collective_rows, collective_tables, group_masks,
+                                        group_tables, kernel_columns, read_keys, write_keys)
 from dtprobe.store.kineto_window import check_gpu_coverage, last_step_ends_us, launched_in_steps
 from dtprobe.store.schema import MANIFEST_FILE, SCHEMAS
 from dtprobe.store.source import SourceInfo
@@ -48,9 +52,16 @@ COLLECTIVE_PART_ROWS = 50_000
 """Collectives per part of ``KinetoRun.collective_parts`` (a process group larger than this is a part alone): what the
 cross-rank analyses of a trace folder hold at a time, whatever the number of ranks."""
 
+COLLECTIVE_WINDOW_ROWS = 50_000
+"""Collectives per window of a part that holds more (``kineto_group_windows``): a group spanning many ranks is read a
+slice of its collectives over every member at a time, whatever the number of ranks."""
+
 KERNEL_BLOCK_ROWS = 250_000
 """GPU events per block of ``KinetoRun.kernel_blocks``: what the kernel-level analyses of a trace folder hold at a
 time, whatever the number of ranks."""
+
+_KEY_FILES = itertools.count()
+"""Numbers the window key files written in a run's spill folder (each ``collective_parts`` call writes its own)."""
 
 _PANDAS_DTYPES = {"int32": "Int32", "int64": "Int64", "float64": "float64", "boolean": "boolean",
                   "string": "string"}
@@ -100,24 +111,73 @@ class KinetoRun:
         assert seq_source == self.collective_seq, (seq_source, self.collective_seq)
         return frame
 
-    def collective_parts(self, max_rows: int | None = None) -> CollectiveParts:
+    def collective_parts(self, max_rows: int | None = None, *, window_rows: int | None = None) -> CollectiveParts:
         """``collectives`` in parts of whole process groups (pg, pg_ranks) of at most ``max_rows`` rows
         (``COLLECTIVE_PART_ROWS`` by default; a larger group is a part alone) (``CollectiveParts``): each part is read
         from the spilled ranks that have rows of its groups, so analyses that match collectives across ranks hold a
         few groups' rows over their members, not every rank's. Groups an analysis could take for one (a rank's groups
         of one name, numbered together when ``seq`` is each rank's order; a group named by none and ``world``) share
-        a part."""
-        world = ",".join(str(r) for r in range(self.world_size)) if self.world_size else None
-        parts = _group_parts([r.groups for r in self.spill.ranks], world_ranks=world,
+        a part. A part of more than ``window_rows`` rows (``COLLECTIVE_WINDOW_ROWS`` by default: a group over many
+        ranks) is read in windows of whole collectives over every member (``kineto_group_windows``), each a part."""
+        parts = _group_parts([r.groups for r in self.spill.ranks], world_ranks=self._world_ranks,
                              max_rows=COLLECTIVE_PART_ROWS if max_rows is None else max_rows)
-        return CollectiveParts(readers=tuple(partial(self._group_collectives, part) for part in parts),
+        window_rows = COLLECTIVE_WINDOW_ROWS if window_rows is None else window_rows
+        readers = []
+        for part in parts:
+            windows = self._windows(part, window_rows) \
+                if sum(r.groups.get(key, 0) for r in self.spill.ranks for key in part) > window_rows else None
+            if windows is None:
+                readers.append(partial(self._group_collectives, part))
+                continue
+            ranks, files = self._ranks_of(part), []
+            rows = np.zeros((len(windows), len(ranks), 2), dtype=np.int64)
+            for j, (rank, (table, in_part)) in enumerate(zip(ranks, group_masks(ranks, part))):
+                keys = row_keys(table, in_part, windows, seq_source=self.collective_seq, world_ranks=self._world_ranks)
+                files.append(rank.collectives_file.with_suffix(f".keys{next(_KEY_FILES)}.npy"))
+                write_keys(files[-1], keys)
+                rows[:, j] = window_ranges(keys, windows, rank.meta.rank)
+                del table, keys
+            readers += [partial(self._window_collectives, ranks, files, window=w, rows=rows[i])
+                        for i, w in enumerate(windows)]
+        return CollectiveParts(readers=tuple(readers),
                                ranks=frozenset(r.meta.rank for r in self.spill.ranks if r.num_collectives))
+
+    def _windows(self, groups: frozenset[tuple[str | None, str | None]], max_rows: int) -> list[Window] | None:
+        """``kineto_group_windows.plan_windows`` of the rows of ``groups``, read one rank at a time."""
+        return plan_windows(group_tables(self._ranks_of(groups), groups), seq_source=self.collective_seq,
+                            world_ranks=self._world_ranks, max_rows=max_rows)
+
+    @property
+    def _world_ranks(self) -> str | None:
+        # the members of a group the traces name none of, as the analyses spell them (``pg_ranks``)
+        return ",".join(str(r) for r in range(self.world_size)) if self.world_size else None
+
+    def _ranks_of(self, groups: frozenset[tuple[str | None, str | None]]) -> list[SpilledRank]:
+        return [r for r in self.spill.ranks if r.groups.keys() & groups]
 
     def _group_collectives(self, groups: frozenset[tuple[str | None, str | None]]) -> pd.DataFrame:
         """The rows of ``collectives`` of ``groups`` (pg, pg_ranks), in the table's order and with its ``seq``."""
-        frame, _ = _collectives_frame([r for r in self.spill.ranks if r.groups.keys() & groups], groups=groups,
-                                      seq_source=self.collective_seq)
+        frame, _ = _collectives_frame(self._ranks_of(groups), groups=groups, seq_source=self.collective_seq)
         return frame
+
+    def _window_collectives(self, ranks: list[SpilledRank], files: list[Path], *, window: Window, rows: np.ndarray
+                            ) -> pd.DataFrame:
+        """The rows of ``collectives`` of ``window`` of a part, each rank's looked for in its ``rows`` [start, stop)
+        of its table with the keys in its file of ``files`` (``kineto_group_windows.row_keys``), in the table's
+        order and with its ``seq``."""
+        tables, seq, no_seq = [], [], []
+        for rank, path, (start, stop) in zip(ranks, files, rows.tolist()):
+            if stop <= start:
+                continue
+            keys = read_keys(path, start, stop)
+            keep = window_mask(keys, window, rank.meta.rank)
+            tables.append(collective_rows(rank, start, stop).filter(keep))
+            seq.append(keys["seq"][keep])
+            no_seq.append(keys["no_seq"][keep])
+        columns, n, _ = collective_columns(tables, seq_source=self.collective_seq,
+                                           seq=(np.concatenate(seq or [np.empty(0, np.int64)]),
+                                                np.concatenate(no_seq or [np.empty(0, bool)])))
+        return _table_order(columns, n)
 
     @property
     def collective_seq(self) -> str:
@@ -404,6 +464,11 @@ def _collectives_frame(ranks: list[SpilledRank], *, groups: frozenset[tuple[str 
     ``seq_source``) and where its ``seq`` came from (``kineto_collectives.number_seq``)."""
     tables = collective_tables(ranks) if groups is None else group_tables(ranks, groups)
     columns, n, seq_source = collective_columns(list(tables), seq_source=seq_source)
+    return _table_order(columns, n), seq_source
+
+
+def _table_order(columns: dict[str, Any], n: int) -> pd.DataFrame:
+    """``collective_columns``' columns as the ``collectives`` frame, in its row order."""
     keys = []                      # sorted by rank, enqueue_ns, seq (nulls last, ties in row order), each column
     for col in ("seq", "enqueue_ns", "rank"):      # reordered in turn: no second copy of the whole table
         values = pd.array(columns[col])
@@ -411,4 +476,4 @@ def _collectives_frame(ranks: list[SpilledRank], *, groups: frozenset[tuple[str 
     order = np.lexsort(keys)
     for col in list(columns):
         columns[col] = columns[col].take(order)
-    return _typed_frame("collectives", columns, length=n), seq_source
+    return _typed_frame("collectives", columns, length=n)

@@ -5,7 +5,9 @@ back one rank at a time by ``kineto.py`` when an analysis first asks for a trace
 Loading a folder then holds one rank's tables at a time (plus each rank's few-hundred distinct kernel names and
 its steps), not every rank's until the last file is read; a table is built only when asked for, straight into
 arrays of its final length (no list of per-rank parts next to their concatenation). The folder is removed when
-its ``RankSpill`` is garbage-collected (with the ``KinetoRun`` that holds it) or at interpreter exit.
+its ``RankSpill`` is garbage-collected (with the ``KinetoRun`` that holds it) or at interpreter exit. A part of the
+collectives read in windows (``kineto_group_windows``) also keeps each rank's window keys there (a record per row,
+read a stretch at a time).
 """
 
 from __future__ import annotations
@@ -120,8 +122,30 @@ def collective_tables(ranks: list[SpilledRank]) -> Iterator[pa.Table]:
 def group_tables(ranks: list[SpilledRank], groups: frozenset[tuple[str | None, str | None]]) -> Iterator[pa.Table]:
     """Each of ``ranks``' ``collective_table`` rows whose (``pg``, ``pg_ranks``) is one of ``groups`` (None: the
     row names none), in their order, in the order of ``ranks``."""
+    for table, of_groups in group_masks(ranks, groups):
+        yield table.filter(of_groups)
+
+
+def group_masks(ranks: list[SpilledRank], groups: frozenset[tuple[str | None, str | None]]
+                ) -> Iterator[tuple[pa.Table, np.ndarray]]:
+    """Each of ``ranks``' ``collective_table``, with which of its rows are of ``groups``."""
     for table in collective_tables(ranks):
-        yield table.filter(_of_groups(table, groups))
+        yield table, _of_groups(table, groups)
+
+
+def collective_rows(rank: SpilledRank, start: int, stop: int) -> pa.Table:
+    """Rows [start, stop) of one rank's ``collective_table``."""
+    return _read(rank.collectives_file).slice(start, stop - start)
+
+
+def write_keys(path: Path, keys: np.ndarray) -> None:
+    """One rank's per-row keys (a numpy record array) into the spill folder."""
+    np.save(path, keys, allow_pickle=False)
+
+
+def read_keys(path: Path, start: int, stop: int) -> np.ndarray:
+    """Records [start, stop) of ``write_keys``' array (memory-mapped: only they are read)."""
+    return np.load(path, mmap_mode="r", allow_pickle=False)[start:stop]
 
 
 def _of_groups(table: pa.Table, groups: frozenset[tuple[str | None, str | None]]) -> np.ndarray:

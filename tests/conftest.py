@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from suite_rules import (pytest_configure, pytest_runtest_protocol, pytest_unconfigure,  # noqa: F401
-                         pytest_xdist_make_scheduler)
+from suite_rules import (pytest_collection_modifyitems, pytest_configure, pytest_runtest_protocol,  # noqa: F401
+                         pytest_unconfigure, pytest_xdist_make_scheduler)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 """The checkout: the only folder the tests read outside their temporary directories."""

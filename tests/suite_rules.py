@@ -1,7 +1,8 @@
 """The suite's rules for two pytest-xdist workers (the README's ``-n 2 --dist loadfile``), as hooks that
 ``tests/conftest.py`` imports:
 - a test whose verdict depends on how fast its ranks ran (marked ``exclusive``) runs while no other test runs: the
-  other worker finishes its current test and waits (``suite_lock``);
+  other worker finishes its current test and waits (``WorkerLock``); a file's exclusive tests run first in it and
+  back to back, so the other worker is waited for once per file;
 - a file's tests stay on one worker, and files whose tests use the same run made once per session
   (``SHARED_RUNS``) are one unit of work, so module and session fixtures are made once (``shared_run_groups``,
   through xdist's scheduler hook: ``xdist_group`` markers would need node ids xdist can rewrite, which pytest 9.2
@@ -131,37 +132,86 @@ def is_exclusive(item: pytest.Item) -> bool:
     return item.get_closest_marker("exclusive") is not None
 
 
-@contextlib.contextmanager
-def suite_lock(lock_dir: str | None, exclusive: bool) -> Iterator[None]:
-    """Held around one test's setup, call and teardown. ``exclusive``: no other test runs meanwhile; else shared
-    with other non-exclusive tests. Two ``flock`` files: ``main`` (shared by running tests, exclusive for an
+class WorkerLock:
+    """One worker's hold on the suite's two ``flock`` files: ``main`` (shared by running tests, exclusive for an
     exclusive one) and ``gate``, which an exclusive test holds from before it waits for ``main``, so that the other
-    worker, once its current test ends, starts no new one until the exclusive test is done. Without xdist
-    (``lock_dir`` None) nothing is locked."""
-    if lock_dir is None:
-        yield
-        return
-    with open(os.path.join(lock_dir, "gate"), "a") as gate, open(os.path.join(lock_dir, "main"), "a") as main:
+    worker, once its current test ends, starts no new one until the exclusive test is done.
+
+    ``leave(keep=True)`` after an exclusive test whose successor on this worker is exclusive too keeps both locks:
+    released in between, the other worker would start a new test and the next exclusive one would wait for all of
+    it. Without xdist (``lock_dir`` None) nothing is locked."""
+
+    def __init__(self, lock_dir: str | None) -> None:
+        self.lock_dir = lock_dir
+        self.files: tuple | None = None
+        self.exclusive_held = False
+
+    def enter(self, exclusive: bool) -> None:
+        if self.lock_dir is None or (exclusive and self.exclusive_held):
+            return
+        if self.exclusive_held:            # kept for an exclusive test that did not come: let the other worker on
+            self.leave()
+        gate, main = self.files = (open(os.path.join(self.lock_dir, "gate"), "a"),
+                                   open(os.path.join(self.lock_dir, "main"), "a"))
         if exclusive:
             fcntl.flock(gate, fcntl.LOCK_EX)
             fcntl.flock(main, fcntl.LOCK_EX)
+            self.exclusive_held = True
         else:
             fcntl.flock(gate, fcntl.LOCK_SH)
             fcntl.flock(main, fcntl.LOCK_SH)
             fcntl.flock(gate, fcntl.LOCK_UN)
-        try:
-            yield
-        finally:
-            fcntl.flock(main, fcntl.LOCK_UN)
-            fcntl.flock(gate, fcntl.LOCK_UN)
+
+    def leave(self, *, keep: bool = False) -> None:
+        if self.files is None or (keep and self.exclusive_held):
+            return
+        for file in reversed(self.files):       # closing a file drops its flock
+            file.close()
+        self.files, self.exclusive_held = None, False
+
+
+@contextlib.contextmanager
+def suite_lock(lock_dir: str | None, exclusive: bool) -> Iterator[None]:
+    """Held around one test's setup, call and teardown (``WorkerLock``): ``exclusive``, no other test runs
+    meanwhile; else shared with other non-exclusive tests."""
+    lock = WorkerLock(lock_dir)
+    lock.enter(exclusive)
+    try:
+        yield
+    finally:
+        lock.leave()
+
+
+_WORKER_LOCK: WorkerLock | None = None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In an xdist worker: each file's exclusive tests moved together, first in their file (their own order kept),
+    so that one wait for the other worker serves them all (``WorkerLock.leave``). Every worker sorts alike, so
+    their collections stay equal, as xdist requires."""
+    if not hasattr(config, "workerinput"):
+        return
+    position = {}
+    for index, item in enumerate(items):
+        position.setdefault(item.nodeid.split("::", 1)[0], index)
+    items.sort(key=lambda item: (position[item.nodeid.split("::", 1)[0]], not is_exclusive(item)))
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
-    """Every test (fixture set-up and teardown included) inside ``suite_lock``."""
-    with suite_lock(os.environ.get(LOCK_DIR_ENV) if hasattr(item.config, "workerinput") else None,
-                    is_exclusive(item)):
+    """Every test (fixture set-up and teardown included) inside the worker's lock (``WorkerLock``), kept into the
+    next test when both are exclusive."""
+    global _WORKER_LOCK
+    if not hasattr(item.config, "workerinput"):
         return (yield)
+    if _WORKER_LOCK is None:
+        _WORKER_LOCK = WorkerLock(os.environ.get(LOCK_DIR_ENV))
+    exclusive = is_exclusive(item)
+    _WORKER_LOCK.enter(exclusive)
+    try:
+        return (yield)
+    finally:
+        _WORKER_LOCK.leave(keep=exclusive and nextitem is not None and is_exclusive(nextitem))
 
 
 if __name__ == "__main__":

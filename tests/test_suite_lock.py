@@ -9,8 +9,8 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from suite_rules import (FILE_COSTS, SHARED_RUNS, costs_from_durations, is_exclusive, order_units, shared_run_groups,
-                         suite_lock)
+from suite_rules import (FILE_COSTS, SHARED_RUNS, WorkerLock, costs_from_durations, is_exclusive, order_units,
+                         pytest_collection_modifyitems, shared_run_groups, suite_lock)
 
 WAIT_S = 0.3
 """How long a thread that should stay blocked is watched."""
@@ -74,6 +74,49 @@ def test_a_waiting_exclusive_test_stops_new_shared_ones_from_starting(tmp_path):
     done_c.set()
     for thread in (a, x, c):
         thread.join(10)
+
+
+def test_an_exclusive_hold_kept_for_the_next_exclusive_test_lets_no_other_test_start_in_between(tmp_path):
+    worker = WorkerLock(str(tmp_path))
+    worker.enter(exclusive=True)
+    order: list[str] = []
+    done_c = threading.Event()
+    c = hold(str(tmp_path), False, order, "c", done_c)      # the other worker, waiting for its next test
+    worker.leave(keep=True)                                 # the next test on this worker is exclusive too
+    time.sleep(WAIT_S)
+    assert order == []
+    worker.enter(exclusive=True)                            # no wait: the hold is still this worker's
+    worker.leave(keep=False)                                # the next test is not exclusive
+    wait_for(order, "c")
+    worker.enter(exclusive=False)                           # shared: runs beside c
+    worker.leave(keep=True)                                 # keep applies to an exclusive hold only
+    x = hold(str(tmp_path), True, order, "x", threading.Event())
+    time.sleep(WAIT_S)
+    assert order == ["c"]                                   # x waits for c alone
+    done_c.set()
+    wait_for(order, "x")
+    c.join(10)
+
+
+def test_a_files_exclusive_tests_are_moved_together_first_in_it_in_xdist_workers_only():
+    class Item(FakeItem):
+        def __init__(self, nodeid: str, marks: tuple[str, ...] = ()) -> None:
+            super().__init__(marks)
+            self.nodeid = nodeid
+
+    def items() -> list[Item]:
+        return [Item("tests/test_a.py::t1"), Item("tests/test_a.py::x1", ("exclusive",)),
+                Item("tests/test_a.py::t2"), Item("tests/test_a.py::x2", ("exclusive",)),
+                Item("tests/test_b.py::t1"), Item("tests/sub/test_c.py::x[1]", ("exclusive",)),
+                Item("tests/sub/test_c.py::t[1]")]
+
+    worker, controller = items(), items()
+    pytest_collection_modifyitems(SimpleNamespace(workerinput={}), worker)
+    pytest_collection_modifyitems(SimpleNamespace(), controller)
+    assert [i.nodeid for i in worker] == ["tests/test_a.py::x1", "tests/test_a.py::x2", "tests/test_a.py::t1",
+                                          "tests/test_a.py::t2", "tests/test_b.py::t1", "tests/sub/test_c.py::x[1]",
+                                          "tests/sub/test_c.py::t[1]"]
+    assert [i.nodeid for i in controller] == [i.nodeid for i in items()]
 
 
 def test_without_xdist_nothing_is_locked(tmp_path):

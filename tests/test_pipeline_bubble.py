@@ -3,7 +3,7 @@ micro-batches, the measured bubble of every pipeline rank is within 3 points of 
 action list simulated with the measured per-action costs) for GPipe, 1F1B and interleaved 1F1B; the pipeline
 table has one row per (stage, micro-batch, action), with I and W for zero-bubble.
 
-The sleeps (F 150 ms, B 300 ms per stage and micro-batch) are far longer than the host overhead of an action
+The sleeps (F 100 ms, B 200 ms per stage and micro-batch) are far longer than the host overhead of an action
 (a few ms on a loaded CPU), so the verdict does not depend on CPU contention.
 """
 
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from layouts_launch import launch  # noqa: E402
 
 PP, M = 4, 8
-SLEEP = "fwd_ms=150,bwd_ms=300"
+SLEEP = "fwd_ms=100,bwd_ms=200"
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b"]
 STEPS = 2
 """Steps of each schedule's run: the first pays the warm-up, the bubble is measured on the rest (``compare_bubble``)."""

@@ -104,11 +104,13 @@ class StepWindow:
         tail = store.tail_from_step
         if tail is not None and self.first_step < tail:
             return None
-        if (store.table("pending")["step"].fillna(-1) < self.first_step).any():
-            return None
         # the store's rows per step and per block, under its lock: the counts and the rows read must be of the same
         # moment
         with store.step_rows() as rows:
+            # a pending row before the window (or of no step: key -1), from the counts the store keeps (the frames
+            # read them too), not from the pending rows
+            if min(rows.counts("pending"), default=self.first_step) < self.first_step:
+                return None
             frames = _FRAMES.setdefault(store, WindowFrames())
             return frames.table(name, first_step=self.first_step, clock=store.clock_model().key,
                                 counts=rows.counts, rows=rows.block, steps=steps)

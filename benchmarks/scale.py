@@ -3,6 +3,7 @@ tp, 40 on dp groups) at several world sizes, and a foreign Kineto trace set, tim
 
     python benchmarks/scale.py [--ranks 64 256 1024] [--steps 200] [--traces 64x50] [--browser] [--json scale.json]
     python benchmarks/scale.py --ranks 1024 --traces none --phases live      # the write and the live Overview only
+    python benchmarks/scale.py --ranks --traces 64x50 --trace-layout dp --trace-seq   # a pure dp trace set with Seq
     PYTHONPATH=/path/to/old/checkout python benchmarks/scale.py ...     # the same figures for another dtprobe
 
 Per world size (data written by ``benchmarks/scale_data.py``; every phase runs in a fresh process, whose peak
@@ -30,8 +31,9 @@ children):
   drawn (key figures) and whole (the STRAGGLER finding shown).
 Growth exponent between consecutive sizes: log(t2 / t1) / log(n2 / n1) (1.0: linear in the ranks).
 
-The trace set (``--traces RANKSxMB``, e.g. 64x50; ``--traces none`` skips it): written once, then ``dtprobe
-analyze``'s work and HTA 0.5.0's (load, temporal breakdown, comm/comp overlap, kernel breakdown, as
+The trace set (``--traces RANKSxMB``, e.g. 64x50; ``--traces none`` skips it; its groups by ``--trace-layout``,
+one of ``scale_data.TRACE_LAYOUTS``, and with ``--trace-seq`` each collective's ``Seq`` arg): written once, then
+``dtprobe analyze``'s work and HTA 0.5.0's (load, temporal breakdown, comm/comp overlap, kernel breakdown, as
 ``benchmarks/analysis_vs_hta.py``) side by side, on the first 16 files and on all of them (peak memory against the
 raw JSON: flat in the number of ranks?). HTA's memory is predicted from its peak on the smaller subset (7x the raw
 JSON before any measurement): when the larger one would not fit in ``--hta-mem-gb`` it runs on as many files as
@@ -194,7 +196,8 @@ def phase_overview(a: dict) -> dict:
 def phase_write_traces(a: dict) -> dict:
     from scale_data import TraceSetSpec, trace_files, write_trace_set
 
-    spec = TraceSetSpec(ranks=a["ranks"], mb_per_rank=a["mb"], steps=a["steps"], gzip=a["gzip"])
+    spec = TraceSetSpec(ranks=a["ranks"], mb_per_rank=a["mb"], steps=a["steps"], gzip=a["gzip"],
+                        layout=a["layout"], seq=a["seq"])
     t = time.perf_counter()
     raw = write_trace_set(a["dir"], spec, workers=a["workers"])
     seconds = time.perf_counter() - t
@@ -453,16 +456,24 @@ def _bench_run(run: Path, ranks: int, cli: argparse.Namespace, env: dict, workdi
     return res
 
 
+def trace_set_layout(layout: str, seq: bool) -> str:
+    """``layout dp, Seq args``: how a trace set's collectives name their groups, for titles."""
+    return f"layout {layout}, " + ("Seq args" if seq else "no Seq args (matched by order)")
+
+
 def bench_traces(num_ranks: int, mb: float, cli: argparse.Namespace, env: dict, workdir: Path) -> dict:
     """The foreign trace set: written once; dtprobe analyze and HTA on subsets of it and on all of it."""
     from scale_data import trace_files
 
     common = dict(timeout_s=cli.timeout_s, mem_cap_bytes=int(cli.mem_cap_gb * 2**30), env=env)
     folder = workdir / f"traces{num_ranks}x{mb:g}"
-    print(f"trace set: {num_ranks} ranks x {mb:g} MB", file=sys.stderr)
+    print(f"trace set: {num_ranks} ranks x {mb:g} MB, {trace_set_layout(cli.trace_layout, cli.trace_seq)}",
+          file=sys.stderr)
     w = run_phase("write_traces", {"dir": str(folder), "ranks": num_ranks, "mb": mb, "steps": cli.trace_steps,
-                                   "gzip": cli.trace_gzip, "workers": cli.workers}, label="write traces", **common)
-    res: dict = {"ranks": num_ranks, "mb_per_rank": mb, "write": w.to_dict(), "sizes": []}
+                                   "gzip": cli.trace_gzip, "layout": cli.trace_layout, "seq": cli.trace_seq,
+                                   "workers": cli.workers}, label="write traces", **common)
+    res: dict = {"ranks": num_ranks, "mb_per_rank": mb, "layout": cli.trace_layout, "seq": cli.trace_seq,
+                 "write": w.to_dict(), "sizes": []}
     if not w.ok:
         return res
     files = trace_files(folder)
@@ -632,7 +643,8 @@ def print_tables(doc: dict) -> None:
         console.print(table)
     tr = doc.get("traces")
     if tr:
-        table = Table(title=f"foreign Kineto trace set: {tr['ranks']} ranks x {tr['mb_per_rank']:g} MB "
+        table = Table(title=f"foreign Kineto trace set: {tr['ranks']} ranks x {tr['mb_per_rank']:g} MB, "
+                            f"{trace_set_layout(tr['layout'], tr['seq'])} "
                             f"(written in {_fmt_s(tr['write'].get('seconds'))} s)")
         for col in ("tool", "trace files", "raw MB", "seconds", "peak GB", "peak / raw JSON"):
             table.add_column(col, justify="right")
@@ -677,6 +689,8 @@ def print_goals(doc: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from scale_data import TRACE_LAYOUTS, TraceSetSpec
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  epilog="Docstring: the phases, the goals and how peak memory is measured.")
     ap.add_argument("--ranks", type=int, nargs="*", default=[64, 256, 1024],
@@ -686,6 +700,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="foreign trace set: files x MB of JSON per file, or 'none'")
     ap.add_argument("--trace-steps", type=int, default=4, help="ProfilerSteps per trace file")
     ap.add_argument("--trace-gzip", action="store_true", help="write the trace files gzipped")
+    ap.add_argument("--trace-layout", choices=sorted(TRACE_LAYOUTS), default=None,
+                    help=f"the trace set's process groups (default {TraceSetSpec.layout}): "
+                         + "; ".join(f"{k}: {v}" for k, v in TRACE_LAYOUTS.items()))
+    ap.add_argument("--trace-seq", action="store_true",
+                    help="give the trace set's collectives their group's Seq arg (recent PyTorch), which dtprobe "
+                         "matches by; without it they are matched by their order in each ProfilerStep")
     ap.add_argument("--no-hta", action="store_true", help="do not run HTA on the trace set")
     ap.add_argument("--hta-mem-gb", type=float, default=None,
                     help="memory HTA may use; it runs on as many files as fit (default: --mem-cap-gb)")
@@ -716,6 +736,12 @@ def main(argv: list[str] | None = None) -> int:
             traces = (int(n_text), float(mb_text))
         except ValueError:
             ap.error(f"--traces {cli.traces!r}: expected RANKSxMB, e.g. 64x50, or none")
+    if traces is None and (cli.trace_layout is not None or cli.trace_seq):
+        given = " and ".join(f for f, on in (("--trace-layout", cli.trace_layout), ("--trace-seq", cli.trace_seq))
+                             if on)
+        ap.error(f"--traces none skips the foreign trace set, so {given} would have no effect; give --traces "
+                 f"RANKSxMB (e.g. 64x50), or leave out {given}")
+    cli.trace_layout = cli.trace_layout or TraceSetSpec.layout
     if cli.hta_mem_gb is None:
         cli.hta_mem_gb = cli.mem_cap_gb
 

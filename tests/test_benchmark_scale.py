@@ -70,6 +70,7 @@ def tiny_scale(tmp_path_factory, child_env) -> tuple[dict, Path]:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "straggler named" in proc.stdout and "yes (rank 11)" in proc.stdout
     assert "HTA ran on 1 of 2 files" in proc.stdout
+    assert "layout tp8xdp, no Seq args" in proc.stdout
     return json.loads(out.read_text()), work / "data"
 
 
@@ -95,6 +96,7 @@ def test_scale_reports_every_run_phase_and_names_the_planted_straggler_when_run_
 
 def test_scale_runs_hta_on_the_files_that_fit_and_scales_its_time_when_memory_is_short(tiny_scale):
     doc, _ = tiny_scale
+    assert (doc["traces"]["layout"], doc["traces"]["seq"]) == ("tp8xdp", False)    # the defaults
     [size] = doc["traces"]["sizes"]
     assert size["ranks"] == 2 and 1.6e6 < size["raw_bytes"] < 2.4e6
     assert size["dtprobe"]["ok"] is True and size["peak_over_raw"] > 0
@@ -142,3 +144,54 @@ def test_scale_goals_judge_the_largest_run_and_the_whole_trace_set():
         "trace set: dtprobe peak flat from 16 to 64 files (ratio <= 1.25)": (True, pytest.approx(1.2)),
         "trace set, 64 files: HTA time / dtprobe time >= 9": (False, 8.5),
     }
+
+
+@pytest.mark.parametrize("flags,layout,seq,pg_descs", [
+    ([], "tp8xdp", False, {"tp"}),
+    (["--trace-layout", "dp", "--trace-seq"], "dp", True, {"default_pg"}),
+    (["--trace-layout", "dp_unnamed"], "dp_unnamed", False, {None}),
+])
+def test_scale_writes_the_trace_set_in_the_layout_asked_and_names_it_when_given_trace_flags(
+        tmp_path, monkeypatch, capsys, flags, layout, seq, pg_descs):
+    # the trace set written for real (2 tiny files, in this process); the analysis phases are not run
+    import scale
+
+    asked = []
+
+    def run_phase(phase: str, args: dict, **_) -> scale.Outcome:
+        asked.append(phase)
+        if phase != "write_traces":
+            return scale.Outcome(ok=False, why="not run here")
+        return scale.Outcome(ok=True, figures=scale.PHASES[phase](args))
+
+    monkeypatch.setattr(scale, "run_phase", run_phase)
+    out = tmp_path / "scale.json"
+    assert scale.main(["--ranks", "--traces", "2x0.05", "--no-hta", "--keep", "--workdir", str(tmp_path / "data"),
+                       "--workers", "1", "--json", str(out), *flags]) == 0
+    traces = json.loads(out.read_text())["traces"]
+    assert (traces["layout"], traces["seq"]) == (layout, seq)
+    assert asked == ["write_traces", "analyze"]
+    files = scale_data.trace_files(tmp_path / "data" / "traces2x0.05")
+    assert len(files) == 2
+    doc = json.loads(files[1].read_text())
+    comms = [e["args"] for e in doc["traceEvents"] if e.get("cat") == "kernel" and "Collective name" in e["args"]]
+    assert comms and {a.get("Process Group Description") for a in comms} == pg_descs
+    assert all(("Seq" in a) == seq for a in comms)
+    title = "layout " + layout + (", Seq args" if seq else ", no Seq args")
+    assert title in " ".join(capsys.readouterr().out.split())          # the table's title (rich may wrap it)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--trace-layout", "tp4xdp"], "argument --trace-layout: invalid choice: 'tp4xdp' (choose from 'dp', "
+                                   "'dp_unnamed', 'tp8xdp')"),
+    (["--traces", "none", "--trace-seq"], "--traces none skips the foreign trace set, so --trace-seq would have "
+                                          "no effect"),
+    (["--traces", "none", "--trace-layout", "dp"], "leave out --trace-layout"),
+])
+def test_scale_rejects_trace_flags_it_cannot_use_when_parsing(capsys, flags, message):
+    import scale
+
+    with pytest.raises(SystemExit) as exit_:
+        scale.main(["--ranks", *flags])
+    assert exit_.value.code == 2
+    assert message in " ".join(capsys.readouterr().err.split())

@@ -42,7 +42,8 @@ def test_rows_are_held_per_step_block_and_a_block_reads_only_its_chunks(tmp_path
     real_filter = reader.filter_rows
     monkeypatch.setattr(reader, "filter_rows", lambda rows, expr: filtered.append(rows.num_rows) or
                         real_filter(rows, expr))
-    block = store._block_rows("collectives", 2)
+    with store.step_rows() as rows:
+        block = rows.block("collectives", 2)
     assert sorted(block["step"].unique()) == list(range(40, 55))
     assert filtered == []                                 # its chunks taken whole, no other block's rows scanned
     monkeypatch.undo()

@@ -99,19 +99,21 @@ class StepWindow:
         collectives hold rows of no step of it), or frames of its units that may differ from the rows'
         (``window_derived``). ``deriver`` is not used: the window derives ``derived_tables``' frames itself."""
         store = self.store
-        if key != KEY or getattr(store, "is_compacted", True) or not hasattr(store, "_step_counts"):
+        if key != KEY or getattr(store, "is_compacted", True) or not hasattr(store, "step_rows"):
             return None
         tail = store.tail_from_step
         if tail is not None and self.first_step < tail:
             return None
-        if (store.table("pending")["step"].fillna(-1) < self.first_step).any():
-            return None
-        # the store's rows per step and per block (what RunStore.derived_table hands its own live frames), under
-        # its lock: the counts and the rows read must be of the same moment
-        with store._lock:
+        # the store's rows per step and per block, under its lock: the counts and the rows read must be of the same
+        # moment
+        with store.step_rows() as rows:
+            # a pending row before the window (or of no step: key -1), from the counts the store keeps (the frames
+            # read them too), not from the pending rows
+            if min(rows.counts("pending"), default=self.first_step) < self.first_step:
+                return None
             frames = _FRAMES.setdefault(store, WindowFrames())
             return frames.table(name, first_step=self.first_step, clock=store.clock_model().key,
-                                counts=store._step_counts, rows=store._block_rows, steps=steps)
+                                counts=rows.counts, rows=rows.block, steps=steps)
 
     def arrow(self, name: str, *, columns: Iterable[str] | None = None, filter: pc.Expression | None = None,
               steps: tuple[int | None, int | None] | None = None, ranks: Iterable[int] | None = None) -> pa.Table:

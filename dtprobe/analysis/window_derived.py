@@ -17,7 +17,7 @@ per unit; when it fails, ``table`` gives None and the facade computes from the w
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 import pandas as pd
@@ -34,9 +34,14 @@ GROUP_CODE = "_group_code"
 """A column the units' ``lateness`` rows carry: the (pg, pg_ranks) code of ``WindowFrames.codes``."""
 
 StepCounts = Callable[[str], dict[int, int]]
-"""Rows per step of an input table (steps below 0: rows outside steps)."""
-BlockRows = Callable[[str, int, int | None], pd.DataFrame]
-"""An input table's rows of one step block from a step on (None: the whole block), as the store gives them."""
+"""Rows per step of an input table (steps below 0: rows outside steps): ``RunStore.step_rows()``'s ``counts``."""
+
+
+class BlockRows(Protocol):
+    """An input table's rows of one step block, from ``first_step`` on (None: the whole block), as the store gives
+    them: ``RunStore.step_rows()``'s ``block``."""
+
+    def __call__(self, name: str, block: int, *, first_step: int | None = None) -> pd.DataFrame: ...
 
 
 @dataclass
@@ -124,7 +129,7 @@ class WindowFrames:
         blocks = block_of(np.array(todo, dtype=np.int64)).tolist()
         for block in sorted(set(blocks)):
             steps = [s for s, b in zip(todo, blocks) if b == block]
-            inputs = {t: rows(t, block, steps[0]) for t in INPUTS}
+            inputs = {t: rows(t, block, first_step=steps[0]) for t in INPUTS}
             frames, facts = derive_steps(inputs, self.codes)
             if not frames[LATENESS].empty:   # each row's group code: the window sorts on it (_in_run_order)
                 lateness = frames[LATENESS]

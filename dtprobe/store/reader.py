@@ -20,9 +20,10 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import orjson
@@ -307,6 +308,18 @@ class RunStore:
                     or not self.compaction_is_whole()):
                 return None
             return read_derived(self._path / TABLES_DIR, derived, name, steps)
+
+    @contextmanager
+    def step_rows(self) -> Iterator["StepRows"]:
+        """The rows the store holds, by step and by step block, with the store's lock held until the block ends: no
+        ``refresh()`` or ``load_head()`` runs in between, so counts and rows read inside are of one moment (what an
+        incremental derivation needs: it derives the steps whose counts changed from those steps' rows)."""
+        with self._lock:
+            rows = StepRows(self)
+            try:
+                yield rows
+            finally:
+                rows._active = False
 
     def compaction_is_whole(self) -> bool:
         """True while the run is compacted, no events file differs from what the compaction consumed and the clock
@@ -696,6 +709,39 @@ class RunStore:
         if len(chunks) == 1 and chunks[0].in_order and basis is not None and basis.matches(model):
             return aligned  # compacted rows, read back in their sort order
         return _sort(aligned, SORT_KEYS.get(name, ("rank",)))
+
+
+class StepRows:
+    """A ``RunStore``'s rows by step and by step block, given by ``RunStore.step_rows()`` and used inside its ``with``
+    block (the store's lock held): ``counts`` says which steps changed since a caller last looked, ``block`` reads
+    the rows of those steps. Covers the rows the store holds: a compacted table's files are read whole first; a store
+    opened with ``tail_steps`` holds no rows of the skipped head until ``load_head()``."""
+
+    def __init__(self, store: RunStore) -> None:
+        self._store = store
+        self._active = True
+        """Inside the ``with`` block (cleared under the lock when it ends)."""
+
+    def counts(self, name: str) -> dict[int, int]:
+        """Rows per ``step`` of table ``name`` (key ``NO_STEP_BLOCK``, -1: rows outside steps, ``step`` null or
+        negative; {} for a table without a ``step`` column). Kept up to date by each refresh (counted once, then
+        only the rows it adds); the dict returned is the caller's."""
+        with self._store._lock:
+            self._check_active()
+            return dict(self._store._step_counts(_check_table_name(name)))
+
+    def block(self, name: str, block: int, *, first_step: int | None = None) -> pd.DataFrame:
+        """Rows of table ``name`` in step block ``block`` (``partitions.block_of``: steps ``block * STEP_BLOCK_STEPS``
+        on; ``NO_STEP_BLOCK``: rows outside steps) as ``RunStore.table()`` gives them (every schema column,
+        clock-aligned, sorted); only those of steps from ``first_step`` on when given. Only the chunks of that block
+        are read."""
+        with self._store._lock:
+            self._check_active()
+            return self._store._block_rows(_check_table_name(name), block, first_step)
+
+    def _check_active(self) -> None:
+        if not self._active:
+            raise RuntimeError("StepRows used after its `with store.step_rows()` block ended; read inside it")
 
 
 def _rows_of(state: _TableState, name: str) -> pa.Table:

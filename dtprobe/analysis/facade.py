@@ -324,6 +324,12 @@ class RunAnalysis:
         return self._memo("own_delay", lambda: _tables.only_steps(_stragglers.pipeline_own_delay(
             self.table("pipeline"), self.table("steps"), self._pipeline_groups()), self.steps_analyzed()))
 
+    def pipeline_stage_excess(self) -> pd.DataFrame:
+        """Per (pipeline rank, analysed step): its own time on its stage and its excess over the same stage of the
+        other pipelines (share of the step)."""
+        return self._memo("stage_excess", lambda: _pipeline_delay.stage_excess(
+            self.table("pipeline"), self.table("steps"), self.pipeline_own_delay(), self._pipeline_groups()))
+
     def _pipeline_groups(self) -> dict:
         # without pipeline rows there is no need to find the pipelines among the collectives
         return self._memo("pipeline_groups", lambda: _stragglers.pipeline_groups(self._group_rows())

@@ -354,7 +354,7 @@ class RunAnalysis:
             injected=self.injected_faults("straggler"), lateness=self.rank_lateness(), axis_of_pg=self.group_axis,
             own_delay_ns=_pipeline_delay.median_own_delay(self.pipeline_own_delay()),
             slow_link_ranks=_links.slow_link_ranks(self.slow_links()),
-            group_clock=self._group_clock()) if self.info.clock_aligned
+            group_clock=self._group_clock(), stage_excess=self.pipeline_stage_excess()) if self.info.clock_aligned
             else self.device_stragglers())
 
     # ------------------------------------------------------------------------------------------ device clock

@@ -338,6 +338,12 @@ def median_of_others(v: np.ndarray) -> np.ndarray:
     return _median_of_others_grouped(np.asarray(v, dtype="float64"), np.zeros(len(v), dtype="int64"))
 
 
+def median_of_others_in_groups(v: np.ndarray, gid: np.ndarray) -> np.ndarray:
+    """For each element of ``v``: the median of the other elements of its group (``gid``); NaN in groups of fewer
+    than two elements or with a NaN. O(n log n)."""
+    return _median_of_others_grouped(np.asarray(v, dtype="float64"), np.asarray(gid, dtype="int64"))
+
+
 def _pre_collective_excess(code: np.ndarray, step: np.ndarray, rank: np.ndarray, steps: pd.DataFrame) -> np.ndarray:
     """For rows (group code, step, rank): the rank's data+fwd time minus the median of its group peers' (NaN when
     phases are not recorded). Before its first gradient collective a data-parallel rank has waited on nobody,

@@ -324,6 +324,12 @@ class RunAnalysis:
         return self._memo("own_delay", lambda: _tables.only_steps(_stragglers.pipeline_own_delay(
             self.table("pipeline"), self.table("steps"), self._pipeline_groups()), self.steps_analyzed()))
 
+    def pipeline_stage_excess(self) -> pd.DataFrame:
+        """Per (pipeline rank, analysed step): its own time on its stage and its excess over the same stage of the
+        other pipelines (share of the step)."""
+        return self._memo("stage_excess", lambda: _pipeline_delay.stage_excess(
+            self.table("pipeline"), self.table("steps"), self.pipeline_own_delay(), self._pipeline_groups()))
+
     def _pipeline_groups(self) -> dict:
         # without pipeline rows there is no need to find the pipelines among the collectives
         return self._memo("pipeline_groups", lambda: _stragglers.pipeline_groups(self._group_rows())
@@ -348,7 +354,7 @@ class RunAnalysis:
             injected=self.injected_faults("straggler"), lateness=self.rank_lateness(), axis_of_pg=self.group_axis,
             own_delay_ns=_pipeline_delay.median_own_delay(self.pipeline_own_delay()),
             slow_link_ranks=_links.slow_link_ranks(self.slow_links()),
-            group_clock=self._group_clock()) if self.info.clock_aligned
+            group_clock=self._group_clock(), stage_excess=self.pipeline_stage_excess()) if self.info.clock_aligned
             else self.device_stragglers())
 
     # ------------------------------------------------------------------------------------------ device clock

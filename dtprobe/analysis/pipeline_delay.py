@@ -1,15 +1,18 @@
-"""Pipeline own delay: time a pipeline rank is neither running an action nor waiting for its input; read by the
-straggler detector (which of two late, linked pipeline ranks is the origin) and the facade."""
+"""Pipeline own delay: time a pipeline rank is neither running an action nor waiting for its input, and its own
+time on its stage against the same stage of the other pipelines; read by the straggler detector (which rank of a
+late pipeline is the origin) and the facade."""
 
 from __future__ import annotations
 
 import numpy as np
 import pandas as pd
 
+from dtprobe.analysis.arrivals import median_of_others_in_groups
 from dtprobe.analysis.tables import P2P_OPS, axis_of, group_members, step_durations
 from dtprobe.store.columns import require_columns
 
 OWN_DELAY_COLUMNS = ["rank", "step", "own_delay_ns", "num_actions"]
+STAGE_EXCESS_COLUMNS = ["rank", "step", "pipeline", "stage", "own_ns", "own_excess_frac"]
 
 
 def pipeline_groups(collectives: pd.DataFrame) -> dict[int, tuple[int, ...]]:
@@ -95,3 +98,35 @@ def median_own_delay(own_delay: pd.DataFrame) -> dict[int, float]:
     if own_delay.empty:
         return {}
     return {int(r): float(v) for r, v in own_delay.groupby("rank")["own_delay_ns"].median().items()}
+
+
+def stage_excess(pipeline: pd.DataFrame, steps: pd.DataFrame, own_delay: pd.DataFrame,
+                 groups: dict[int, tuple[int, ...]]) -> pd.DataFrame:
+    """Per (rank, step) of a pipelined run: its own time on its stage (``own_ns``: its actions' run time plus its
+    ``own_delay_ns`` from ``pipeline_own_delay``; neither holds a wait for its input) and how much longer that is
+    than the median of the same-stage ranks of the other pipelines at that step, as a share of the step's median
+    duration (``own_excess_frac``; NaN where no other pipeline has the stage). A rank that computes slower or
+    idles outside its actions has a positive excess; its pipeline peers, which only wait for it, do not.
+    ``pipeline``: the smallest rank of its pipeline (``groups``, from ``pipeline_groups``). A rank's stage is the
+    smallest it runs (with several stages per rank, ranks at the same position of their pipelines share it).
+    Columns: ``STAGE_EXCESS_COLUMNS``."""
+    require_columns(pipeline, ["rank", "stage", "step", "start_ns", "end_ns"], table="pipeline")
+    require_columns(own_delay, OWN_DELAY_COLUMNS, table="pipeline_own_delay")
+    p = pipeline.dropna(subset=["start_ns", "end_ns", "stage", "step"])
+    if p.empty or own_delay.empty or steps.empty or not groups:
+        return pd.DataFrame({col: [] for col in STAGE_EXCESS_COLUMNS})
+    acts = pd.DataFrame({
+        "rank": p["rank"].to_numpy(dtype="int64"), "step": p["step"].to_numpy(dtype="int64"),
+        "stage": p["stage"].to_numpy(dtype="int64"),
+        "run_ns": (p["end_ns"].to_numpy(dtype="int64") - p["start_ns"].to_numpy(dtype="int64")).astype("float64"),
+    }).groupby(["rank", "step"]).agg(stage=("stage", "min"), run_ns=("run_ns", "sum")).reset_index()
+    d = acts.merge(own_delay[["rank", "step", "own_delay_ns"]].astype({"rank": "int64", "step": "int64"}),
+                   on=["rank", "step"])
+    d["pipeline"] = d["rank"].map({r: min(g) for r, g in groups.items()})
+    d = d.dropna(subset=["pipeline"]).astype({"pipeline": "int64"})
+    step_ns = step_durations(steps).groupby("step")["step_ns"].median()
+    d["own_ns"] = d["run_ns"] + d["own_delay_ns"].astype("float64")
+    same_stage = d.groupby(["step", "stage"], sort=False).ngroup().to_numpy()
+    others = median_of_others_in_groups(d["own_ns"].to_numpy(dtype="float64"), same_stage)
+    d["own_excess_frac"] = (d["own_ns"] - others) / d["step"].map(step_ns).astype("float64")
+    return d.sort_values(["rank", "step"], kind="stable").reset_index(drop=True)[STAGE_EXCESS_COLUMNS]

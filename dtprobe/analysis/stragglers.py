@@ -909,6 +909,83 @@ def linked_ranks(collectives: pd.DataFrame) -> LinkedRanks:
     return LinkedRanks({r: frozenset(g) for r, g in groups_of.items()}, frozenset(pairs))
 
 
+PIPELINE_ORIGIN_COLUMNS = ["rank", "pipeline", "stage_excess_frac", "stage_excess_t", "peer_stage_excess_t",
+                           "confirmed"]
+
+
+def pipeline_origin_scores(stage: pd.DataFrame, first_step: int, last_step: int, *,
+                           min_lateness_frac: float = 0.05, min_t: float = MIN_STEADY_T) -> pd.DataFrame:
+    """Per pipelined rank over steps ``first_step``..``last_step`` of ``stage`` (``pipeline_delay.stage_excess``):
+    the mean excess of its own time on its stage over the same stage of the other pipelines
+    (``stage_excess_frac``, share of the step), that mean over its standard error (``stage_excess_t``; the error
+    from the larger of its own spread and the largest of the other ranks' in the same steps: the run's own noise),
+    and the largest such t among the other ranks of any stage (``peer_stage_excess_t``). ``confirmed``: its own
+    time stands out beyond that noise as the steady view judges lateness: a mean excess of at least
+    ``min_lateness_frac`` and ``MIN_STEADY_EXCESS_FRAC``, ``min_t`` standard errors above zero and
+    ``MIN_STEADY_T_OVER_PEERS`` x any other rank's (when the host slows a whole pipeline's ranks alike, none of
+    them is singled out). Columns: ``PIPELINE_ORIGIN_COLUMNS``."""
+    w = stage[stage["step"].between(first_step, last_step)].dropna(subset=["own_excess_frac"])
+    if w.empty:
+        return pd.DataFrame({col: [] for col in PIPELINE_ORIGIN_COLUMNS})
+    g = w.groupby("rank")
+    out = pd.DataFrame({"pipeline": g["pipeline"].first(), "stage_excess_frac": g["own_excess_frac"].mean(),
+                        "sd": g["own_excess_frac"].std(), "k": g["own_excess_frac"].count()})
+    mean, sd = out["stage_excess_frac"].to_numpy(), out["sd"].to_numpy(dtype="float64")
+    other_sd = _max_of_others(sd)
+    t = _t_of_count(mean, out["k"].to_numpy(), np.fmax(sd, other_sd))
+    out["stage_excess_t"], out["peer_stage_excess_t"] = t, _max_of_others(t)
+    out["confirmed"] = ((mean >= max(min_lateness_frac, MIN_STEADY_EXCESS_FRAC)) & (t >= min_t)
+                        & ~(t < MIN_STEADY_T_OVER_PEERS * np.maximum(out["peer_stage_excess_t"].to_numpy(), 0)))
+    return out.reset_index()[PIPELINE_ORIGIN_COLUMNS]
+
+
+def _max_of_others(x: np.ndarray) -> np.ndarray:
+    """Per element: the largest of the other elements, NaN ignored (NaN when there is none)."""
+    v = np.where(np.isnan(x), -np.inf, x)
+    if len(v) < 2:
+        return np.full(len(v), np.nan)
+    top = np.argsort(-v, kind="stable")[:2]
+    out = np.full(len(v), v[top[0]])
+    out[top[0]] = v[top[1]]
+    return np.where(np.isneginf(out), np.nan, out)
+
+
+class _PipelineJudge:
+    """``pipeline_origin_scores`` of a run's ``stage_excess`` rows, per window on first use: who shares a pipeline,
+    and whose own time on its stage is confirmed slower than its stage's in the other pipelines."""
+
+    def __init__(self, stage: pd.DataFrame, *, min_lateness_frac: float) -> None:
+        self._stage, self._min_lateness_frac = stage, min_lateness_frac
+        self._pipeline = dict(zip(stage["rank"].astype("int64"), stage["pipeline"].astype("int64")))
+        self._scores: dict[tuple[int, int], pd.DataFrame] = {}
+
+    def same_pipeline(self, a: int, b: int) -> bool:
+        return a in self._pipeline and self._pipeline[a] == self._pipeline.get(b)
+
+    def peers(self, rank: int) -> list[int]:
+        """The other ranks of ``rank``'s pipeline."""
+        return sorted(r for r, p in self._pipeline.items() if r != rank and p == self._pipeline.get(rank))
+
+    def figures(self, rank: int, first_step: int, last_step: int) -> dict | None:
+        """``rank``'s row of ``pipeline_origin_scores`` over the window, as a dict; None when it has none."""
+        key = (int(first_step), int(last_step))
+        if key not in self._scores:
+            self._scores[key] = pipeline_origin_scores(self._stage, *key, min_lateness_frac=self._min_lateness_frac
+                                                       ).set_index("rank")
+        scores = self._scores[key]
+        return scores.loc[rank].to_dict() if rank in scores.index else None
+
+    def confirmed(self, rank: int, first_step: int, last_step: int) -> bool:
+        fig = self.figures(rank, first_step, last_step)
+        return fig is not None and bool(fig["confirmed"])
+
+    def culprit(self, ranks: Iterable[int], first_step: int, last_step: int) -> int | None:
+        """Of ``ranks``, the one confirmed slower over the window with the largest ``stage_excess_t``; None if none."""
+        found = [(self.figures(r, first_step, last_step)["stage_excess_t"], r) for r in ranks
+                 if self.confirmed(r, first_step, last_step)]
+        return max(found)[1] if found else None
+
+
 def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Container[frozenset[int]] = frozenset(),
                       min_lateness_frac: float = 0.05, min_positive_frac: float = 0.8, min_steps: int = 3,
                       critical_wait_frac: float = 0.2, injected: dict[int, dict] | None = None,
@@ -923,16 +1000,25 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
                       min_persistent_pre_over_noise: float = MIN_PERSISTENT_PRE_OVER_NOISE,
                       min_steady_t: float = MIN_STEADY_T,
                       slow_link_ranks: dict[int, int] | None = None,
-                      group_clock: dict[tuple[str, str], str] | None = None) -> list[Finding]:
+                      group_clock: dict[tuple[str, str], str] | None = None,
+                      stage_excess: pd.DataFrame | None = None) -> list[Finding]:
     """STRAGGLER for each rank whose median lateness over some window is at least ``min_lateness_frac`` of the step
     and which arrived after its peers' median in at least ``min_positive_frac`` of that window's steps (and the
     window has ``min_steps`` steps or more), or whose data+fwd time exceeds its peers' by that share in that
     many steps while its median lateness passes (arrivals jitter more than phases on busy hosts); only the latest
     such rank of a group (the others are its victims).
-    Of two flagged ranks sharing a group or p2p link, the victim (the delay propagated to it) is the one with
-    the smaller median pipeline ``own_delay_ns`` (rank -> ns, from ``pipeline_own_delay``) when both are known,
-    else the earlier of the two in every judged group they share (``_later_in_shared_groups``), else the one
-    whose cause is communication: it is reported inside the culprit's finding, not as its own. A flagged rank
+    Of two flagged ranks of one pipeline, when ``stage_excess`` (``pipeline_delay.stage_excess``) is given: the
+    one whose cause is communication is the victim of the other; of two late by their own time, the one whose
+    own time on its stage is confirmed longer than the same stage's in the other pipelines
+    (``pipeline_origin_scores`` over its window: beyond the run's noise) is the origin, and when neither is, the
+    one reported (by the rule below) is at most ``info`` (``pipeline_origin`` ``unconfirmed``: the host slowed
+    both alike, or the origin is not known). A flagged rank whose cause is communication and whose origin is not
+    found so is followed upstream: the pipeline peer confirmed slower on its stage in the victim's window is
+    named (cause compute; ``detected_by`` ``via_victim`` from its judged group's row when no view named it).
+    Else, of two flagged ranks sharing a group or p2p link, the victim (the delay propagated to it) is the one
+    with the smaller median pipeline ``own_delay_ns`` (rank -> ns, from ``pipeline_own_delay``) when both are
+    known, else the earlier of the two in every judged group they share (``_later_in_shared_groups``), else the
+    one whose cause is communication: it is reported inside the culprit's finding, not as its own. A flagged rank
     earlier than an unflagged one in every group they share, while that one is late in its own group, is such a
     victim too: the later rank is reported (``detected_by`` ``via_victim``, ``_with_culprits_of_victims``).
     Critical when the victims wait ``critical_wait_frac`` of the step or more; ``info`` when its cause is
@@ -948,7 +1034,9 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
     a SLOW_LINK on its node began, ``links.slow_link_ranks``): a rank late in a window reaching that step is not
     blamed unless its cause is data or device (its lateness is the link's: the link's finding carries it).
     ``group_clock``: (pg, pg_ranks) -> the clock its arrivals were read on (``arrivals.arrival_clocks``), told in
-    ``evidence.clock`` (``host`` when not given)."""
+    ``evidence.clock`` (``host`` when not given). ``stage_excess``: per (rank, step) of a pipelined run, its own
+    time's excess over its stage's in the other pipelines (``pipeline_delay.stage_excess``); None or empty: the
+    pipeline rules above are not applied."""
     require_columns(scores, SCORE_COLUMNS, table="straggler_scores")
     if scores.empty:
         return []
@@ -988,12 +1076,46 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
     best = _with_culprits_of_victims(best, scores, later, min_lateness_frac=min_lateness_frac)
     ranks = set(int(r) for r in best["rank"])
     own = own_delay_ns or {}
+    judge = (_PipelineJudge(stage_excess, min_lateness_frac=min_lateness_frac)
+             if stage_excess is not None and not stage_excess.empty else None)
+    best_of = {int(b.rank): b for b in best.itertuples(index=False)}
+
+    def waited(rank: int) -> bool:
+        """Its lateness is explained by waiting on other ranks (cause communication)."""
+        b = best_of[rank]
+        c = cause_of.get((b.pg, b.pg_ranks, b.rank))
+        return c is not None and c.cause == "communication"
+
+    def stage_confirmed(rank: int) -> bool:
+        b = best_of[rank]
+        return judge.confirmed(rank, b.window_first_step, b.window_last_step)
+
     propagated: dict[int, list[int]] = {}
+    origin_how: dict[int, str] = {}          # rank -> how it was found the origin of its late pipeline peers
     for row in best.itertuples(index=False):
         c = cause_of.get((row.pg, row.pg_ranks, row.rank))
         for r in ranks:
             if r == row.rank or frozenset((r, row.rank)) not in links:
                 continue
+            if judge is not None and judge.same_pipeline(r, int(row.rank)):
+                # Both late, in one pipeline: either may be late only because it waited on the other. The one
+                # whose lateness is its waits is the victim; of two late by their own time, the one whose own
+                # time on its stage stands out of the other pipelines' (beyond the run's noise) is the origin;
+                # when neither does (the host slowed both alike), the one reported is at most info.
+                if waited(int(row.rank)) and not waited(r):
+                    propagated.setdefault(r, []).append(int(row.rank))
+                    origin_how.setdefault(r, "victim_waits")
+                    continue
+                if waited(int(row.rank)) or waited(r):
+                    continue                     # the other way round, or both waited: each is followed upstream
+                if stage_confirmed(r) and not stage_confirmed(int(row.rank)):
+                    propagated.setdefault(r, []).append(int(row.rank))
+                    origin_how[r] = "confirmed"
+                    continue
+                if stage_confirmed(int(row.rank)):
+                    continue
+                origin_how.setdefault(r, "unconfirmed")
+                origin_how.setdefault(int(row.rank), "unconfirmed")
             if row.rank in own and r in own:
                 # Both late and linked (same pipeline): the one idle outside its actions longer is the origin.
                 if own[r] > own[row.rank]:
@@ -1005,6 +1127,29 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
                 propagated.setdefault(r, []).append(int(row.rank))
             elif c is not None and c.cause == "communication":
                 propagated.setdefault(r, []).append(int(row.rank))
+    stage_window: dict[int, tuple[int, int]] = {}     # a culprit found upstream of its victim: the victim's window
+    upstream_of = {}                                  # a culprit named by no view -> the score row of its victim
+    if judge is not None:
+        # A rank late only because it waited on its pipeline peers and whose origin no rule above found: the blame
+        # follows upstream to the peer whose own time on its stage is confirmed slower in the victim's window.
+        victims = {v for vs in propagated.values() for v in vs}
+        for row in list(best.itertuples(index=False)):
+            rank = int(row.rank)
+            if not waited(rank) or rank in victims or rank in propagated:
+                continue
+            culprit = judge.culprit(judge.peers(rank), row.window_first_step, row.window_last_step)
+            if culprit is None:
+                continue
+            if culprit not in best_of:          # named by no view: reported from its judged group's row
+                top = _culprit_row(scores, culprit, row)
+                if top is None:
+                    continue
+                best = pd.concat([best, pd.DataFrame([top])[best.columns]], ignore_index=True)
+                best_of[culprit] = next(best.iloc[[-1]].itertuples(index=False))
+                upstream_of[culprit] = row
+            propagated.setdefault(culprit, []).append(rank)
+            origin_how[culprit] = "confirmed"
+            stage_window[culprit] = (int(row.window_first_step), int(row.window_last_step))
     victims_of_others = {v for vs in propagated.values() for v in vs}
     behind_link = slow_link_ranks or {}
     findings = []
@@ -1013,6 +1158,13 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
             continue
         c = cause_of.get((row.pg, row.pg_ranks, row.rank))
         cause = c.cause if c is not None else "unknown"
+        how = origin_how.get(int(row.rank))
+        if how == "confirmed" and cause in ("communication", "unknown"):
+            cause = "compute"            # its own time on its stage is longer: not a wait, whatever its arrivals say
+        first, last = stage_window.get(int(row.rank), (int(row.window_first_step), int(row.window_last_step)))
+        stage_fig = judge.figures(int(row.rank), first, last) if judge is not None else None
+        pipeline_victims = sorted(v for v in propagated.get(int(row.rank), [])
+                                  if judge is not None and judge.same_pipeline(v, int(row.rank)))
         if (int(row.rank) in behind_link and row.window_last_step >= behind_link[int(row.rank)]
                 and cause not in ("data", "device")):
             continue
@@ -1053,20 +1205,29 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
             "peer_cpu_wait_frac": _opt_float(getattr(row, "peer_cpu_wait_frac", None)),
             "propagated_to": sorted(propagated.get(int(row.rank), [])),
             "injected": (injected or {}).get(int(row.rank)),
+            "pipeline_origin": how,
+            "stage_window": None if stage_fig is None else [first, last],
+            "stage_excess_frac": None if stage_fig is None else _opt_float(stage_fig["stage_excess_frac"]),
+            "stage_excess_t": None if stage_fig is None else _opt_float(stage_fig["stage_excess_t"]),
+            "peer_stage_excess_t": None if stage_fig is None else _opt_float(stage_fig["peer_stage_excess_t"]),
         }
         evidence_rows = None
         if lateness is not None:
             evidence_rows = lateness[(lateness["pg"] == row.pg) & (lateness["pg_ranks"] == row.pg_ranks)]
         # A rank late only because it waited on others (p2p, other groups) is a victim whose culprit no view
-        # named (e.g. a pipeline stage waiting on a slowed upstream stage): told, as info, not blamed.
-        severity = ("info" if cause == "communication" else
+        # named (e.g. a pipeline stage waiting on a slowed upstream stage), and of a late pipeline whose ranks
+        # none stands out from the other pipelines' the origin is not known: told, as info, not blamed.
+        severity = ("info" if cause == "communication" or how == "unconfirmed" else
                     "critical" if wait_frac >= critical_wait_frac else "warning")
         quota_held, core_shared = _cpu_quota_held(row), _core_shared(row)
         findings.append(Finding(
             code="STRAGGLER",
             severity=severity,
             ranks=(int(row.rank),), group=axis,
-            title=(f"rank {row.rank} arrives late at its {group_phrase(axis or row.pg, members)} collectives: "
+            title=(_stage_phrase(int(row.rank), stage_fig, first, last, pipeline_victims, how)
+                   + (_arrival_phrase(upstream_of[int(row.rank)], axis_of_pg) + f"; cause: {cause}"
+                      if int(row.rank) in upstream_of else
+                   f"rank {row.rank} arrives late at its {group_phrase(axis or row.pg, members)} collectives: "
                    f"+{ms(row.mean_lateness_ns)} ms ({row.median_lateness_frac:.0%} of the step, median) in "
                    f"{row.positive_frac:.0%} of steps {row.window_first_step}-{row.window_last_step}"
                    + (f"; its data+fwd is {row.median_pre_excess_frac:.0%} of the step longer than its peers' "
@@ -1078,7 +1239,11 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
                       if quota_held else "")
                    + (f"; its main thread waited for a CPU {row.cpu_wait_frac:.0%} of the time (its peers at most "
                       f"{row.peer_cpu_wait_frac:.0%})" if core_shared else "")
-                   + f"; cause: {cause}"),
+                   + _unconfirmed_phrase(stage_fig, how)
+                   + (f"; its pipeline peer rank{'s' if len(pipeline_victims) > 1 else ''} "
+                      f"{', '.join(map(str, pipeline_victims))} arrive{'' if len(pipeline_victims) > 1 else 's'} "
+                      f"late only by waiting on it" if how == "victim_waits" and pipeline_victims else "")
+                   + f"; cause: {cause}")),
             evidence=evidence,
             recommendation=_advice(cause, int(row.rank), cpu_quota=quota_held, core_shared=core_shared,
                                    cpu_counted=_cpu_counted(row)),
@@ -1086,6 +1251,48 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
             rows=evidence_rows,
         ))
     return findings
+
+
+def _stage_phrase(rank: int, fig: dict | None, first: int, last: int, victims: list[int], how: str | None) -> str:
+    """The title's opening for a rank confirmed the origin of its late pipeline peers (``victims``) by its own time
+    on its stage (``pipeline_origin_scores`` figures ``fig`` over steps ``first``..``last``); empty otherwise."""
+    if how != "confirmed" or fig is None or not victims:
+        return ""
+    waiting = ", ".join(str(v) for v in victims)
+    return (f"rank {rank}'s own time on its pipeline stage is {fig['stage_excess_frac']:.0%} of the step longer "
+            f"than the same stage's in the other pipelines ({fig['stage_excess_t']:.1f} standard errors, steps "
+            f"{first}-{last}), and its pipeline peer rank{'s' if len(victims) > 1 else ''} {waiting} "
+            f"wait{'' if len(victims) > 1 else 's'} on it; ")
+
+
+def _arrival_phrase(victim, axis_of_pg: Callable[[str], str | None]) -> str:
+    """How the ``victim`` (a score row) of a culprit named by no view of its own arrives late."""
+    axis = axis_of_pg(victim.pg)
+    return (f"rank {victim.rank} arrives late at its {group_phrase(axis or victim.pg, group_members(victim.pg_ranks))} "
+            f"collectives: +{ms(victim.mean_lateness_ns)} ms ({victim.median_lateness_frac:.0%} of the step, median) "
+            f"in {victim.positive_frac:.0%} of steps {victim.window_first_step}-{victim.window_last_step}")
+
+
+def _unconfirmed_phrase(fig: dict | None, how: str | None) -> str:
+    """The title's note on a rank of a late pipeline none of whose ranks stands out of the other pipelines."""
+    if how != "unconfirmed" or fig is None:
+        return ""
+    return (f"; a rank of its pipeline is late with it and neither one's own time on its stage stands out of the "
+            f"other pipelines' (its own {fig['stage_excess_frac']:+.0%} of the step, "
+            f"{fig['stage_excess_t']:.1f} standard errors; another rank's {fig['peer_stage_excess_t']:.1f}): "
+            f"the origin is not known")
+
+
+def _culprit_row(scores: pd.DataFrame, rank: int, victim) -> pd.Series | None:
+    """``rank``'s score row in its latest judged group (largest ``median_lateness_frac``), as a culprit found
+    through its ``victim``'s score row: ``detected_by`` ``via_victim`` and the victim's ``detected_at_step``;
+    None when it has no row."""
+    own = scores[scores["rank"] == rank]
+    if own.empty:
+        return None
+    top = own.sort_values("median_lateness_frac", ascending=False).iloc[0].copy()
+    top["detected_by"], top["detected_at_step"] = "via_victim", victim.detected_at_step
+    return top
 
 
 def _with_culprits_of_victims(best: pd.DataFrame, scores: pd.DataFrame, later: dict[tuple[int, int], bool], *,

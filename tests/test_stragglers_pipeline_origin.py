@@ -1,0 +1,207 @@
+"""STRAGGLER in dp2 x pp2 with pipeline rows: a rank late at its dp group only because it waited on its pipeline
+peer is followed upstream, and the rank named is the one whose own time on its stage is confirmed longer than the
+same stage's in the other pipeline (``pipeline_delay.stage_excess``, ``stragglers.pipeline_origin_scores``)."""
+
+from __future__ import annotations
+
+import random
+
+import pandas as pd
+import pytest
+
+from dtprobe.analysis import stragglers as st
+from dtprobe.analysis.pipeline_delay import median_own_delay, stage_excess
+from dtprobe.store.frames import frame_from_rows
+from dtprobe.synthetic import MS, T0
+
+DP, MICROBATCHES, F_MS, B_MS, XFER_MS, DATA_MS, OPT_MS = 2, 2, 10.0, 20.0, 1.0, 2.0, 5.0
+
+
+def _ns(x_ms: float) -> int:
+    return round(x_ms * MS)
+
+
+def _at(t_ms: float) -> int:
+    return T0 + _ns(t_ms)
+
+
+def dp2_pp2_tables(*, slow: dict[int, float] | None = None, jitter_ms: float = 0.5, num_steps: int = 30,
+                   seed: int = 0) -> dict[str, pd.DataFrame]:
+    """dp2 x pp2 as the verdicts matrix lays it out: rank = stage * 2 + pipeline, pp groups [0,2] and [1,3], dp
+    groups [0,1] (stage 0) and [2,3] (stage 1). GPipe, 2 micro-batches, F 10 ms and B 20 ms (+ up to
+    ``jitter_ms`` each); ``slow`` (rank -> share) lengthens a rank's actions by that share. Each stage's gradient
+    all-reduce is enqueued after its last backward; every rank starts the next step after the slowest ended."""
+    rng = random.Random(seed)
+    slow = slow or {}
+    pipe, steps, coll = [], [], []
+    seq: dict[tuple, int] = {}
+
+    def row(rank: int, pg: str, members: str, op: str, enq: float, end: float, step: int, peer: int | None = None):
+        key = (rank, pg, members, peer)
+        seq[key] = seq.get(key, 0) + 1
+        coll.append({"rank": rank, "pg": pg, "pg_ranks": members, "pg_size": 2, "seq": seq[key], "op": op,
+                     "num_bytes": 1 << 20, "dtype": "float32", "enqueue_ns": _at(enq), "end_ns": _at(end),
+                     "step": step, "timing": "host", **({"peer": peer} if peer is not None else {})})
+
+    t = 0.0
+    for step in range(num_steps):
+        last_b, fwd, bwd = {}, {}, {}
+        for d in range(DP):
+            first, second = d, DP + d                          # stage 0 and stage 1 of pipeline d
+            pp = f"{first},{second}"
+
+            def cost(rank: int, base: float) -> float:
+                return (base + rng.uniform(0, jitter_ms)) * (1 + slow.get(rank, 0.0))
+            f0, f1 = [], []
+            at = t + DATA_MS
+            for mb in range(MICROBATCHES):
+                f0.append((at, at + cost(first, F_MS)))
+                at = f0[-1][1]
+            ready = t + DATA_MS
+            for mb in range(MICROBATCHES):
+                arrive = f0[mb][1] + XFER_MS
+                row(first, "pp", pp, "send", f0[mb][1], arrive, step, second)
+                row(second, "pp", pp, "recv", ready, arrive, step, first)
+                start = max(ready, arrive)
+                f1.append((start, start + cost(second, F_MS)))
+                ready = f1[-1][1]
+            b1 = []
+            for mb in range(MICROBATCHES):
+                b1.append((ready, ready + cost(second, B_MS)))
+                ready = b1[-1][1]
+            b0, ready = [], f0[-1][1]
+            for mb in range(MICROBATCHES):
+                arrive = b1[mb][1] + XFER_MS
+                row(second, "pp", pp, "send", b1[mb][1], arrive, step, first)
+                row(first, "pp", pp, "recv", ready, arrive, step, second)
+                start = max(ready, arrive)
+                b0.append((start, start + cost(first, B_MS)))
+                ready = b0[-1][1]
+            for rank, stage, acts in ((first, 0, (("F", f0), ("B", b0))), (second, 1, (("F", f1), ("B", b1)))):
+                for action, spans in acts:
+                    for mb, (a, b) in enumerate(spans):
+                        pipe.append({"rank": rank, "stage": stage, "step": step, "microbatch": mb, "action": action,
+                                     "start_ns": _at(a), "end_ns": _at(b)})
+                last_b[rank] = acts[1][1][-1][1]
+                fwd[rank] = sum(b - a for a, b in acts[0][1])
+                bwd[rank] = last_b[rank] - acts[0][1][-1][1]
+        ends = {}
+        for stage in range(2):
+            group = [stage * DP + d for d in range(DP)]
+            done = max(last_b[r] for r in group) + 2.0
+            for r in group:
+                row(r, "dp", ",".join(map(str, group)), "allreduce", last_b[r], done, step)
+                ends[r] = done + OPT_MS
+                steps.append({"rank": r, "step": step, "start_ns": _at(t), "end_ns": _at(ends[r]),
+                              "data_ns": _ns(DATA_MS), "fwd_ns": _ns(fwd[r]), "bwd_ns": _ns(bwd[r] + done - last_b[r]),
+                              "opt_ns": _ns(OPT_MS), "tokens": 256})
+        t = max(ends.values()) + 1.0
+    return {"pipeline": frame_from_rows("pipeline", pipe), "steps": frame_from_rows("steps", steps),
+            "collectives": frame_from_rows("collectives", coll)}
+
+
+def _findings(t: dict) -> list:
+    """The facade's straggler path on the tables (warm-up step skipped)."""
+    coll, steps = t["collectives"], t["steps"]
+    lateness = st.rank_lateness(coll, steps)
+    lateness = lateness[lateness["step"] >= 1]
+    scores = st.straggler_scores(lateness)
+    waits = st.collective_waits(coll, st.collective_skew(coll))
+    causes = st.straggler_causes(scores, lateness, steps, pd.DataFrame(),
+                                 blocked=st.blocked_outside_groups(coll, waits))
+    groups = st.pipeline_groups(coll)
+    own = st.pipeline_own_delay(t["pipeline"], steps, groups)
+    own = own[own["step"] >= 1]
+    return st.detect_stragglers(scores, causes, links=st.linked_ranks(coll), lateness=lateness,
+                                own_delay_ns=median_own_delay(own),
+                                stage_excess=stage_excess(t["pipeline"], steps, own, groups))
+
+
+def _verdicts(findings: list) -> list:
+    return [(f.ranks, f.evidence["cause"]) for f in findings if f.severity in ("warning", "critical")]
+
+
+def test_stage_excess_is_a_ranks_own_time_over_the_same_stage_of_the_other_pipeline():
+    t = dp2_pp2_tables(slow={0: 0.3}, jitter_ms=0.0, num_steps=4)
+    groups = st.pipeline_groups(t["collectives"])
+    assert groups == {0: (0, 2), 2: (0, 2), 1: (1, 3), 3: (1, 3)}
+    ex = stage_excess(t["pipeline"], t["steps"], st.pipeline_own_delay(t["pipeline"], t["steps"], groups), groups)
+    mean = ex.groupby("rank")["own_excess_frac"].mean()
+    step_ms = (t["steps"]["end_ns"] - t["steps"]["start_ns"]).median() / MS
+    # rank 0's four actions (2 F, 2 B) each run 30% longer; its stage-1 peer only waits for it (its one extra
+    # transfer that does not overlap a forward counts as its own)
+    assert mean[0] == pytest.approx(0.3 * (2 * F_MS + 2 * B_MS) / step_ms, rel=1e-6)
+    assert mean[1] == pytest.approx(-mean[0])
+    assert mean[2] == pytest.approx(XFER_MS / step_ms, rel=1e-6) and mean[3] == pytest.approx(-mean[2])
+    assert ex.set_index("rank")["pipeline"].groupby(level=0).first().to_dict() == {0: 0, 1: 1, 2: 0, 3: 1}
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_stragglers_names_a_slow_stage0_rank_with_cause_compute_not_its_pipeline_victim(seed):
+    f = _findings(dp2_pp2_tables(slow={0: 0.35}, seed=seed))
+    assert _verdicts(f) == [((0,), "compute")]
+    ev = f[0].evidence
+    assert ev["propagated_to"] == [2] and ev["pg_ranks"] == [0, 1]
+    assert "rank 2" in f[0].title
+    assert all(x.ranks != (2,) for x in f)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_stragglers_gives_no_verdict_when_a_pipelines_ranks_are_slowed_alike(seed):
+    # a slower core under both ranks of pipeline 0: each is late at its dp group, neither stands out of the other
+    f = _findings(dp2_pp2_tables(slow={0: 0.12, 2: 0.12}, seed=seed))
+    assert _verdicts(f) == []
+    assert [x.evidence["pipeline_origin"] for x in f] == ["unconfirmed"]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_stragglers_finds_nothing_in_a_clean_dp2_pp2_run_with_pipeline_rows(seed):
+    assert _verdicts(_findings(dp2_pp2_tables(jitter_ms=2.0, seed=seed))) == []
+
+
+def _score(rank: int, pg_ranks: str, *, late: float, first: int = 1, last: int = 20) -> dict:
+    return {"pg": "dp", "pg_ranks": pg_ranks, "rank": rank, "num_steps": 20, "window_steps": last - first + 1,
+            "window_first_step": first, "window_last_step": last, "median_lateness_frac": late,
+            "positive_frac": 0.9 if late > 0 else 0.1, "median_pre_excess_frac": 0.0, "pre_positive_frac": 0.5,
+            "last_frac": 0.9 if late > 0 else 0.1, "mean_lateness_ns": late * 1e9, "mean_victims_wait_ns": late * 1e9,
+            "mean_step_ns": 1e9, "detected_at_step": 20 if late >= 0.05 else None,
+            "detected_by": "arrival" if late >= 0.05 else None}
+
+
+def _stage(excess: dict[int, list[float]]) -> pd.DataFrame:
+    """stage_excess rows of dp2 x pp2 (pipelines {0, 2} and {1, 3}), steps 1.., the given excess per rank."""
+    return pd.DataFrame([{"rank": r, "step": i + 1, "pipeline": r % 2, "stage": r // 2, "own_ns": 1e8,
+                          "own_excess_frac": x} for r, xs in excess.items() for i, x in enumerate(xs)])
+
+
+def _victim_only(stage: pd.DataFrame) -> list:
+    """Rank 2 late at dp [2,3] by its waits (cause communication); rank 0 on time at dp [0,1]."""
+    scores = pd.DataFrame([_score(0, "0,1", late=0.0), _score(1, "0,1", late=0.0), _score(2, "2,3", late=0.15),
+                           _score(3, "2,3", late=-0.15)])[st.SCORE_COLUMNS]
+    causes = pd.DataFrame([{"pg": "dp", "pg_ranks": "2,3", "rank": 2, "data_excess_ns": 0.0, "compute_excess_ns": 0.0,
+                            "comm_excess_ns": 1.5e8, "throttled_frac": float("nan"), "cause": "communication"}])
+    links = st.LinkedRanks({0: frozenset({"0,1"}), 1: frozenset({"0,1"}), 2: frozenset({"2,3"}),
+                            3: frozenset({"2,3"})}, frozenset({frozenset((0, 2)), frozenset((1, 3))}))
+    return st.detect_stragglers(scores, causes[st.CAUSE_COLUMNS], links=links, stage_excess=stage)
+
+
+def test_stragglers_follows_a_waiting_victim_upstream_to_the_rank_confirmed_slower_on_its_stage():
+    wobble = [0.01 * (-1) ** i for i in range(20)]
+    stage = _stage({0: [0.12 + w for w in wobble], 1: [-0.12 - w for w in wobble], 2: [w for w in wobble],
+                    3: [-w for w in wobble]})
+    f = _victim_only(stage)
+    assert [(x.code, x.severity, x.ranks, x.group, x.evidence["cause"]) for x in f] == [
+        ("STRAGGLER", "warning", (0,), "dp", "compute")]
+    ev = f[0].evidence
+    assert ev["propagated_to"] == [2] and ev["pg_ranks"] == [0, 1] and ev["detected_by"] == "via_victim"
+    assert ev["pipeline_origin"] == "confirmed" and ev["stage_excess_frac"] == pytest.approx(0.12)
+    assert f[0].title.startswith("rank 0's own time on its pipeline stage") and "rank 2 arrives late" in f[0].title
+
+
+def test_stragglers_keeps_a_waiting_victim_at_info_when_no_upstream_rank_stands_out_of_the_noise():
+    # rank 0's own time is 6% longer, but rank 3's swings by as much: not confirmed
+    noisy = [0.06 * (-1) ** i for i in range(20)]
+    stage = _stage({0: [0.06 + 0.02 * (-1) ** i for i in range(20)], 1: [-0.06] * 20, 2: noisy,
+                    3: [-x for x in noisy]})
+    f = _victim_only(stage)
+    assert [(x.severity, x.ranks, x.evidence["cause"]) for x in f] == [("info", (2,), "communication")]

@@ -137,6 +137,52 @@ def test_straggler_slowdown_on_cpu_burns_factor_minus_one_times_the_last_compute
     assert probe.faults[0]["slowdown"] == 1.5
 
 
+class _SpinStage:
+    """A pipeline stage whose every action is ``cpu_s`` of this thread's CPU work."""
+
+    stage_index = 0
+
+    def __init__(self, cpu_s: float) -> None:
+        self.cpu_s = cpu_s
+
+    def forward_one_chunk(self, chunk, *args, **kwargs):
+        _spin(self.cpu_s)
+
+    def backward_one_chunk(self, chunk, *args, **kwargs):
+        _spin(2 * self.cpu_s)
+
+    def backward_weight_one_chunk(self, chunk, *args, **kwargs):
+        _spin(self.cpu_s)
+
+
+def test_straggler_slowdown_on_a_pipeline_rank_stretches_each_action_not_the_steps_start():
+    from dtprobe.runtime.parallel.pp import PipelineTimer
+
+    probe = RecordingProbe()
+    injector = FaultInjector((parse_fault("straggler:rank=0,slowdown=2,from_step=1"),), rank=0, restart=0,
+                             probe=probe, burn=True)
+    stage = _SpinStage(0.03)
+    timer = PipelineTimer([stage], None, device=None)
+    lengths, cpu = {}, {}
+    for step in range(3):
+        cpu0 = time.thread_time()
+        injector.in_compute(step, per_action=True)       # the step's start: nothing burnt there
+        assert time.thread_time() - cpu0 < 0.01
+        timer.start_step(step)
+        timer.faults = injector
+        stage.forward_one_chunk(0)
+        stage.backward_one_chunk(0, None, True)
+        injector.after_compute()
+        cpu[step] = time.thread_time() - cpu0
+        lengths[step] = [(r["action"], (r["end_ns"] - r["start_ns"]) / 1e9) for r in timer.rows]
+    assert [a for a, _ in lengths[0]] == ["F", "B"]
+    assert cpu[0] == pytest.approx(0.09, abs=0.02)        # before from_step: the actions' own work only
+    for step in (1, 2):                                   # then twice that, inside each action's row
+        assert cpu[step] == pytest.approx(0.18, abs=0.03)
+        assert lengths[step][0][1] >= 0.058 and lengths[step][1][1] >= 0.118
+    assert [f["step"] for f in probe.faults] == [1]
+
+
 def test_faults_for_another_rank_or_a_restarted_attempt_are_inactive():
     specs = (parse_fault("straggler:rank=3,delay_ms=500"), parse_fault("crash:rank=0,step=1"))
     assert not FaultInjector(specs[:1], rank=0, restart=0, probe=None).active

@@ -181,7 +181,10 @@ class FaultInjector:
     """The runtime's own faults for one rank, called by the train loop at fixed points of every step.
 
     ``at_step_start`` (before the step row opens: hang, crash), ``in_compute`` (start of the first forward of the step:
-    straggler delay), ``after_compute`` (end of the last backward: measures compute for ``slowdown``).
+    straggler delay), ``after_compute`` (end of the last backward: measures compute for ``slowdown``). A pipeline
+    rank's step interleaves its computing with waits for its stage peers, so there ``slowdown`` stretches each
+    action instead (``stretch``, called by ``parallel.pp.PipelineTimer`` at the end of every action): put in front
+    of the step, extra work would fill the rank's idle start (the bubble) and slow nothing.
     ``burn`` (CPU devices): ``slowdown`` is extra work, CPU time burnt on this thread, (slowdown - 1) x the CPU
     time of the last compute, so the rank computes that much longer whatever shares its core (a sleep would hand
     its core to a rank bound beside it, which then catches up). Otherwise it is a sleep of (slowdown - 1) x the
@@ -214,7 +217,9 @@ class FaultInjector:
             _flush(self.probe)
             os._exit(1)
 
-    def in_compute(self, step: int) -> None:
+    def in_compute(self, step: int, *, per_action: bool = False) -> None:
+        """The step's compute starts: record each straggler fault once from its step, sleep its ``delay_ms`` and,
+        unless ``per_action`` (a pipeline rank: ``stretch``), do its ``slowdown`` for the last compute."""
         delay_s, work_s = 0.0, 0.0
         for i, spec in enumerate(self._stragglers):
             from_step = spec.get("from_step", 0)
@@ -226,7 +231,7 @@ class FaultInjector:
                 self.probe.fault("straggler", step=step, injected=True, **{"from_step": from_step, **detail})
             if "delay_ms" in spec.params:
                 delay_s += spec.get("delay_ms") / 1000.0
-            else:
+            elif not per_action:
                 work_s += (spec.get("slowdown") - 1.0) * self._last_compute_s
         if work_s > 0 and self.burn:
             _burn_cpu(work_s)
@@ -239,6 +244,23 @@ class FaultInjector:
     def after_compute(self) -> None:
         """The last compute's length: this thread's CPU time when burning, else wall time."""
         self._last_compute_s = self._clock() - self._compute_start
+
+    def clock(self) -> float:
+        """What a compute's length is measured in: this thread's CPU time when burning, else wall time."""
+        return self._clock()
+
+    def stretch(self, step: int, started: float) -> None:
+        """End of a compute that began at ``started`` (``clock()``) in ``step``: make it slowdown times longer,
+        (slowdown - 1) x its length burnt (``burn``) or slept, for each ``slowdown`` fault active at ``step``."""
+        extra = sum(spec.get("slowdown") - 1.0 for spec in self._stragglers
+                    if "slowdown" in spec.params and step >= spec.get("from_step", 0))
+        if extra <= 0:
+            return
+        work_s = extra * (self._clock() - started)
+        if self.burn:
+            _burn_cpu(work_s)
+        else:
+            time.sleep(work_s)
 
 
 def inject_hang(probe: Any, *, step: int) -> None:

@@ -148,7 +148,8 @@ class Parallelized:
             self._raw_losses = {}
             self._loss_factor = _overflow_factor(ops) if inject_overflow and self.has_loss else 1.0
             if faults is not None:
-                faults.in_compute(step)
+                faults.in_compute(step, per_action=True)     # a slowdown stretches each action (the timer)
+            self.timer.faults = faults
             try:
                 with ops.autocast():
                     if self.has_loss:

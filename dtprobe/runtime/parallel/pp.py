@@ -136,6 +136,9 @@ class PipelineTimer:
         self._record = record
         self._device = training.device_clock() if device == "auto" else device
         self._held: list[tuple[dict[str, Any], DeviceSpan]] = []
+        self.faults: Any = None
+        """The runtime's ``FaultInjector`` of the current step (set by the train step; None: no faults): an
+        injected slowdown stretches each action inside its timing (``FaultInjector.stretch``)."""
         for stage in stages:
             self._wrap(stage)
         if self._device is not None:
@@ -173,8 +176,12 @@ class PipelineTimer:
         if self._device is not None:
             span = DeviceSpan(self._device[0], self._device[1], f"{action}{stage}.{int(chunk)}")
             span.begin()
+        faults = self.faults
+        started = faults.clock() if faults is not None else 0.0
         t0 = time.time_ns()
         out = fn(*args, **kwargs)
+        if faults is not None:
+            faults.stretch(self.step, started)
         t1 = time.time_ns()
         if span is not None:
             span.end()

@@ -430,3 +430,18 @@ def test_group_codes_of_a_collectives_frame_are_computed_once_and_not_for_its_co
     tables.coded_rows(c.iloc[:5], every.iloc[:5], ["rank"])
     tables.coded_rows(c.copy(), every, ["rank"])
     assert calls == [len(c), 5, len(c)]                             # a slice or a copy is coded afresh
+
+
+def test_last_seen_names_each_ranks_latest_arrival_whatever_the_row_order():
+    def row(rank, step, seq, enqueue):
+        return {"rank": rank, "step": step, "pg": "dp", "pg_ranks": "0,1,2", "seq": seq, "op": "allreduce",
+                "enqueue_ns": enqueue}
+
+    coll = frame_from_rows("collectives", [
+        row(1, 5, 11, T0 + 50 * MS), row(0, 4, 10, T0 + 40 * MS), row(1, 4, 10, T0 + 41 * MS),
+        row(0, 3, 9, T0 + 45 * MS),                   # recorded after step 4's row, but arrived later
+        row(0, 5, 11, None),                          # never enqueued (a row without timing): not an arrival
+        row(2, 2, 7, T0 + 9 * MS), row(2, 3, 8, T0 + 9 * MS)])     # equal arrivals: the later row
+    seen = hangs.last_seen(frame_from_rows("steps", []), coll).set_index("rank")
+    assert seen["last_collective"].to_dict() == {0: "dp#9 allreduce", 1: "dp#11 allreduce", 2: "dp#8 allreduce"}
+    assert seen["last_step"].to_dict() == {0: 3, 1: 5, 2: 3}

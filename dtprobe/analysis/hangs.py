@@ -322,14 +322,15 @@ def last_seen(steps: pd.DataFrame, collectives: pd.DataFrame) -> pd.DataFrame:
         for rank, s in steps.groupby("rank")["step"].max().items():
             out.setdefault(int(rank), {"rank": int(rank), "last_step": s, "last_collective": None})
     if not collectives.empty:
-        arrival = collectives["enqueue_ns"].reset_index(drop=True).dropna().sort_values()  # positions by arrival
-        ranks = collectives["rank"].reset_index(drop=True).loc[arrival.index]
-        last = ranks.groupby(ranks).tail(1)                                   # each rank's last arrival
-        named = collectives[["step", "pg", "seq", "op"]]
-        for pos, rank in sorted(last.items(), key=lambda kv: kv[1]):
-            x = named.iloc[pos]
-            row = out.setdefault(int(rank), {"rank": int(rank), "last_step": x["step"], "last_collective": None})
-            row["last_collective"] = f"{x['pg']}#{x['seq']} {x['op']}"
+        enqueue = collectives["enqueue_ns"].to_numpy(dtype="float64", na_value=np.nan)
+        ranks = collectives["rank"].to_numpy()
+        known = np.flatnonzero(~np.isnan(enqueue))[::-1]      # newest rows first: of equal arrivals, the later
+        newest = pd.Series(enqueue[known]).groupby(ranks[known], sort=True).idxmax().to_numpy()
+        last = known[newest]                                   # each rank's last arrival (a hash pass, no sort)
+        named = collectives[["rank", "step", "pg", "seq", "op"]].iloc[last]
+        for x in named.itertuples(index=False):
+            row = out.setdefault(int(x.rank), {"rank": int(x.rank), "last_step": x.step, "last_collective": None})
+            row["last_collective"] = f"{x.pg}#{x.seq} {x.op}"
     if not out:
         return pd.DataFrame({"rank": [], "last_step": [], "last_collective": []})
     return pd.DataFrame(list(out.values()))[["rank", "last_step", "last_collective"]]

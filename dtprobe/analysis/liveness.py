@@ -122,8 +122,13 @@ class Activity:
         self.has_lifecycle = {int(r) for r in tables["lifecycle"]["rank"].unique()} if (
             tables.get("lifecycle") is not None and not tables["lifecycle"].empty) else set()
         """Ranks with lifecycle rows."""
-        all_ = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame({"rank": [], "time_ns": []})
-        self._times = {int(r): np.sort(g["time_ns"].to_numpy(dtype="int64")) for r, g in all_.groupby("rank")}
+        ranks = np.concatenate([p["rank"].to_numpy(dtype="int64") for p in parts]) if parts else np.empty(0, "int64")
+        times = np.concatenate([p["time_ns"].to_numpy(dtype="int64") for p in parts]) if parts else ranks
+        order = np.lexsort((times, ranks))                     # by rank, then time: one sort for every rank
+        ranks, times = ranks[order], times[order]
+        cuts = np.flatnonzero(np.diff(ranks)) + 1
+        self._times = ({int(r): t for r, t in zip(ranks[np.r_[0, cuts]], np.split(times, cuts))}
+                       if len(ranks) else {})
 
     def last_ns(self, rank: int, *, before_ns: int | None = None) -> int | None:
         """The rank's last timestamp (before ``before_ns`` if given), None if it wrote nothing (then)."""

@@ -155,31 +155,42 @@ class _SpinStage:
         _spin(self.cpu_s)
 
 
-def test_straggler_slowdown_on_a_pipeline_rank_stretches_each_action_not_the_steps_start():
+def test_straggler_slowdown_on_a_pipeline_rank_stretches_each_action_not_the_steps_start(monkeypatch):
+    from dtprobe.runtime import faults
     from dtprobe.runtime.parallel.pp import PipelineTimer
 
+    slept: list[tuple[int, float]] = []
+    step = 0
+    real_sleep = time.sleep
+
+    def sleep(seconds: float) -> None:
+        slept.append((step, seconds))
+        real_sleep(seconds)
+
+    monkeypatch.setattr(faults.time, "sleep", sleep)
     probe = RecordingProbe()
     injector = FaultInjector((parse_fault("straggler:rank=0,slowdown=2,from_step=1"),), rank=0, restart=0,
                              probe=probe, burn=True)
     stage = _SpinStage(0.03)
     timer = PipelineTimer([stage], None, device=None)
-    lengths, cpu = {}, {}
+    lengths = {}
     for step in range(3):
         cpu0 = time.thread_time()
-        injector.in_compute(step, per_action=True)       # the step's start: nothing burnt there
-        assert time.thread_time() - cpu0 < 0.01
+        injector.in_compute(step, per_action=True)       # the step's start: nothing burnt or slept there
+        assert time.thread_time() - cpu0 < 0.01 and [s for s in slept if s[0] == step] == []
         timer.start_step(step)
         timer.faults = injector
         stage.forward_one_chunk(0)
         stage.backward_one_chunk(0, None, True)
         injector.after_compute()
-        cpu[step] = time.thread_time() - cpu0
         lengths[step] = [(r["action"], (r["end_ns"] - r["start_ns"]) / 1e9) for r in timer.rows]
     assert [a for a, _ in lengths[0]] == ["F", "B"]
-    assert cpu[0] == pytest.approx(0.09, abs=0.02)        # before from_step: the actions' own work only
-    for step in (1, 2):                                   # then twice that, inside each action's row
-        assert cpu[step] == pytest.approx(0.18, abs=0.03)
-        assert lengths[step][0][1] >= 0.058 and lengths[step][1][1] >= 0.118
+    # before from_step nothing; then each action sleeps (2 - 1) x its own CPU time, inside its row
+    assert [s for s in slept if s[0] == 0] == []
+    for step in (1, 2):
+        f, b = [seconds for s, seconds in slept if s == step]
+        assert f == pytest.approx(0.03, abs=0.01) and b == pytest.approx(0.06, abs=0.015)
+        assert lengths[step][0][1] >= 0.03 + f and lengths[step][1][1] >= 0.06 + b
     assert [f["step"] for f in probe.faults] == [1]
 
 

@@ -193,7 +193,8 @@ def test_stragglers_follows_a_waiting_victim_upstream_to_the_rank_confirmed_slow
     assert [(x.code, x.severity, x.ranks, x.group, x.evidence["cause"]) for x in f] == [
         ("STRAGGLER", "warning", (0,), "dp", "compute")]
     ev = f[0].evidence
-    assert ev["propagated_to"] == [2] and ev["pg_ranks"] == [0, 1] and ev["detected_by"] == "via_victim"
+    # its own stage time is confirmed in the first window: the stage view names it, its victim told in the title
+    assert ev["propagated_to"] == [2] and ev["pg_ranks"] == [0, 1] and ev["detected_by"] == "stage"
     assert ev["pipeline_origin"] == "confirmed" and ev["stage_excess_frac"] == pytest.approx(0.12)
     assert f[0].title.startswith("rank 0's own time on its pipeline stage") and "rank 2 arrives late" in f[0].title
 
@@ -205,3 +206,34 @@ def test_stragglers_keeps_a_waiting_victim_at_info_when_no_upstream_rank_stands_
                     3: [-x for x in noisy]})
     f = _victim_only(stage)
     assert [(x.severity, x.ranks, x.evidence["cause"]) for x in f] == [("info", (2,), "communication")]
+
+
+def _coupled(t: dict) -> dict:
+    """The tables with every dp all-reduce enqueued by both members at once (the later one's time): the two
+    pipelines in lockstep, as the dp all-reduces of a real run make them, so no arrival shows a rank late."""
+    coll = t["collectives"].copy()
+    dp = coll["pg"] == "dp"
+    coll.loc[dp, "enqueue_ns"] = coll[dp].groupby(["pg_ranks", "step"])["enqueue_ns"].transform("max")
+    return {**t, "collectives": coll}
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("slow_rank", [0, 2])
+def test_a_slow_pipeline_rank_no_arrival_shows_late_is_found_by_its_own_time_on_its_stage(slow_rank, seed):
+    findings = [f for f in _findings(_coupled(dp2_pp2_tables(slow={slow_rank: 0.1}, jitter_ms=2.0, seed=seed)))
+                if f.code == "STRAGGLER"]
+    assert [(f.severity, f.ranks, f.group) for f in findings] == [("warning", (slow_rank,), "dp")]
+    ev = findings[0].evidence
+    assert (ev["detected_by"], ev["cause"], ev["pipeline_origin"]) == ("stage", "compute", "confirmed")
+    # the first window (of 20 steps, after the warm-up) over which its excess is confirmed: at or soon after 1-20
+    assert 20 <= ev["detected_at_step"] <= 22 and ev["stage_window"] == [ev["detected_at_step"] - 19,
+                                                                          ev["detected_at_step"]]
+    assert ev["stage_excess_frac"] >= 0.06 and ev["stage_excess_t"] >= 6
+    assert "own time on its pipeline stage" in findings[0].title
+
+
+@pytest.mark.parametrize("slow", [{}, {0: 0.15, 2: 0.15}])
+def test_the_stage_view_names_no_one_on_a_balanced_pipeline_or_one_slowed_as_a_whole(slow):
+    # a whole pipeline slowed alike (its ranks sharing a slow core) has no rank of its own to blame
+    findings = _findings(_coupled(dp2_pp2_tables(slow=slow, jitter_ms=2.0)))
+    assert [f for f in findings if f.code == "STRAGGLER" and f.severity != "info"] == []

@@ -979,6 +979,23 @@ class _PipelineJudge:
         fig = self.figures(rank, first_step, last_step)
         return fig is not None and bool(fig["confirmed"])
 
+    def first_confirmed(self, window_steps: int) -> dict[int, tuple[int, int]]:
+        """rank -> the first window of ``window_steps`` steps (sliding by one; the whole run when shorter) over
+        which its own time on its stage is confirmed slower than the other pipelines' (``pipeline_origin_scores``):
+        the stage view, which finds a slow pipeline rank that no arrival shows late (the dp all-reduces couple the
+        pipelines, so both ranks of a stage arrive together at theirs)."""
+        steps = np.unique(self._stage["step"].to_numpy(dtype="int64"))
+        if len(steps) == 0:
+            return {}
+        w = max(1, min(int(window_steps), len(steps)))
+        found: dict[int, tuple[int, int]] = {}
+        for end in range(w - 1, len(steps)):
+            first, last = int(steps[end - w + 1]), int(steps[end])
+            for rank in self._pipeline:
+                if rank not in found and self.confirmed(rank, first, last):
+                    found[rank] = (first, last)
+        return found
+
     def culprit(self, ranks: Iterable[int], first_step: int, last_step: int) -> int | None:
         """Of ``ranks``, the one confirmed slower over the window with the largest ``stage_excess_t``; None if none."""
         found = [(self.figures(r, first_step, last_step)["stage_excess_t"], r) for r in ranks
@@ -1066,7 +1083,10 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
             col("mean_excess_frac"), col("excess_t"), col("peer_excess_t"), col("cpu_throttled_frac"),
             col("peer_cpu_throttled_frac"), min_lateness_frac=min_lateness_frac), index=scores.index)
     flagged = scores[ok & (scores["window_steps"] >= min_steps)]
-    if flagged.empty:
+    judge = (_PipelineJudge(stage_excess, min_lateness_frac=min_lateness_frac)
+             if stage_excess is not None and not stage_excess.empty else None)
+    by_stage = _stage_view_rows(scores, judge, min_steps=min_steps) if judge is not None else {}
+    if flagged.empty and not by_stage:
         return []
     flagged = flagged.sort_values(["median_lateness_frac"], ascending=False)
     flagged = flagged.drop_duplicates(["pg", "pg_ranks"])      # one culprit per group: the latest
@@ -1074,10 +1094,16 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
     cause_of = {(c.pg, c.pg_ranks, c.rank): c for c in causes.itertuples(index=False)}
     later = _later_in_shared_groups(scores)
     best = _with_culprits_of_victims(best, scores, later, min_lateness_frac=min_lateness_frac)
+    stage_window: dict[int, tuple[int, int]] = {}     # rank -> the window its own stage time was judged over
+    origin_how: dict[int, str] = {}          # rank -> how it was found the origin of its late pipeline peers
+    new_by_stage = [row for rank, (row, _) in by_stage.items() if rank not in set(int(r) for r in best["rank"])]
+    if new_by_stage:
+        best = pd.concat([best, pd.DataFrame(new_by_stage)[best.columns]], ignore_index=True)
+    for rank, (_, window) in by_stage.items():
+        if rank in {int(r) for r in best["rank"]} and (rank not in stage_window):
+            stage_window[rank], origin_how[rank] = window, "confirmed"
     ranks = set(int(r) for r in best["rank"])
     own = own_delay_ns or {}
-    judge = (_PipelineJudge(stage_excess, min_lateness_frac=min_lateness_frac)
-             if stage_excess is not None and not stage_excess.empty else None)
     best_of = {int(b.rank): b for b in best.itertuples(index=False)}
 
     def waited(rank: int) -> bool:
@@ -1088,10 +1114,10 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
 
     def stage_confirmed(rank: int) -> bool:
         b = best_of[rank]
-        return judge.confirmed(rank, b.window_first_step, b.window_last_step)
+        return judge.confirmed(rank, *stage_window.get(rank, (b.window_first_step, b.window_last_step)))
 
     propagated: dict[int, list[int]] = {}
-    origin_how: dict[int, str] = {}          # rank -> how it was found the origin of its late pipeline peers
+    upstream_of = {}                    # a culprit named through a victim -> the victim's score row (its title)
     for row in best.itertuples(index=False):
         c = cause_of.get((row.pg, row.pg_ranks, row.rank))
         for r in ranks:
@@ -1105,6 +1131,8 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
                 if waited(int(row.rank)) and not waited(r):
                     propagated.setdefault(r, []).append(int(row.rank))
                     origin_how.setdefault(r, "victim_waits")
+                    if best_of[r].detected_by == "stage":        # told through its victim's lateness
+                        upstream_of.setdefault(r, row)
                     continue
                 if waited(int(row.rank)) or waited(r):
                     continue                     # the other way round, or both waited: each is followed upstream
@@ -1127,8 +1155,6 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
                 propagated.setdefault(r, []).append(int(row.rank))
             elif c is not None and c.cause == "communication":
                 propagated.setdefault(r, []).append(int(row.rank))
-    stage_window: dict[int, tuple[int, int]] = {}     # a culprit found upstream of its victim: the victim's window
-    upstream_of = {}                                  # a culprit named by no view -> the score row of its victim
     if judge is not None:
         # A rank late only because it waited on its pipeline peers and whose origin no rule above found: the blame
         # follows upstream to the peer whose own time on its stage is confirmed slower in the victim's window.
@@ -1227,6 +1253,8 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
             title=(_stage_phrase(int(row.rank), stage_fig, first, last, pipeline_victims, how)
                    + (_arrival_phrase(upstream_of[int(row.rank)], axis_of_pg) + f"; cause: {cause}"
                       if int(row.rank) in upstream_of else
+                      f"its stage-mates meet it in its {group_phrase(axis or row.pg, members)}; cause: {cause}"
+                      if row.detected_by == "stage" and stage_fig is not None else
                    f"rank {row.rank} arrives late at its {group_phrase(axis or row.pg, members)} collectives: "
                    f"+{ms(row.mean_lateness_ns)} ms ({row.median_lateness_frac:.0%} of the step, median) in "
                    f"{row.positive_frac:.0%} of steps {row.window_first_step}-{row.window_last_step}"
@@ -1256,13 +1284,13 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
 def _stage_phrase(rank: int, fig: dict | None, first: int, last: int, victims: list[int], how: str | None) -> str:
     """The title's opening for a rank confirmed the origin of its late pipeline peers (``victims``) by its own time
     on its stage (``pipeline_origin_scores`` figures ``fig`` over steps ``first``..``last``); empty otherwise."""
-    if how != "confirmed" or fig is None or not victims:
+    if how != "confirmed" or fig is None:
         return ""
     waiting = ", ".join(str(v) for v in victims)
     return (f"rank {rank}'s own time on its pipeline stage is {fig['stage_excess_frac']:.0%} of the step longer "
             f"than the same stage's in the other pipelines ({fig['stage_excess_t']:.1f} standard errors, steps "
-            f"{first}-{last}), and its pipeline peer rank{'s' if len(victims) > 1 else ''} {waiting} "
-            f"wait{'' if len(victims) > 1 else 's'} on it; ")
+            f"{first}-{last})" + (f", and its pipeline peer rank{'s' if len(victims) > 1 else ''} {waiting} "
+                                  f"wait{'' if len(victims) > 1 else 's'} on it" if victims else "") + "; ")
 
 
 def _arrival_phrase(victim, axis_of_pg: Callable[[str], str | None]) -> str:
@@ -1293,6 +1321,28 @@ def _culprit_row(scores: pd.DataFrame, rank: int, victim) -> pd.Series | None:
     top = own.sort_values("median_lateness_frac", ascending=False).iloc[0].copy()
     top["detected_by"], top["detected_at_step"] = "via_victim", victim.detected_at_step
     return top
+
+
+def _stage_view_rows(scores: pd.DataFrame, judge: "_PipelineJudge", *, min_steps: int) -> dict[int, tuple]:
+    """rank -> (its score row, the window) for each pipeline rank whose own time on its stage is confirmed slower
+    than the same stage's in the other pipelines (``_PipelineJudge.first_confirmed``, first such window): the row
+    of its judged group that holds ranks of other pipelines (where its stage-mates are), ``detected_by`` ``stage``
+    and ``detected_at_step`` the window's last step."""
+    if scores.empty:
+        return {}
+    found = judge.first_confirmed(int(scores["window_steps"].max()))
+    out = {}
+    for rank, (first, last) in found.items():
+        if last - first + 1 < min_steps:
+            continue
+        own = scores[scores["rank"] == rank]
+        across = own[[any(not judge.same_pipeline(m, rank) for m in group_members(g)) for g in own["pg_ranks"]]]
+        if across.empty:
+            continue
+        top = across.sort_values("median_lateness_frac", ascending=False).iloc[0].copy()
+        top["detected_by"], top["detected_at_step"] = "stage", last
+        out[rank] = (top, (first, last))
+    return out
 
 
 def _with_culprits_of_victims(best: pd.DataFrame, scores: pd.DataFrame, later: dict[tuple[int, int], bool], *,

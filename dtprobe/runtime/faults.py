@@ -184,7 +184,9 @@ class FaultInjector:
     straggler delay), ``after_compute`` (end of the last backward: measures compute for ``slowdown``). A pipeline
     rank's step interleaves its computing with waits for its stage peers, so there ``slowdown`` stretches each
     action instead (``stretch``, called by ``parallel.pp.PipelineTimer`` at the end of every action): put in front
-    of the step, extra work would fill the rank's idle start (the bubble) and slow nothing.
+    of the step, extra work would fill the rank's idle start (the bubble) and slow nothing. The stretch is a sleep
+    even on CPU: the rank's pipeline peers may share its core (4 ranks on 2 cores put a pipeline's two stages on
+    one), and burnt work would slow them alike, a slow pipeline rather than one slow rank.
     ``burn`` (CPU devices): ``slowdown`` is extra work, CPU time burnt on this thread, (slowdown - 1) x the CPU
     time of the last compute, so the rank computes that much longer whatever shares its core (a sleep would hand
     its core to a rank bound beside it, which then catches up). Otherwise it is a sleep of (slowdown - 1) x the
@@ -250,17 +252,15 @@ class FaultInjector:
         return self._clock()
 
     def stretch(self, step: int, started: float) -> None:
-        """End of a compute that began at ``started`` (``clock()``) in ``step``: make it slowdown times longer,
-        (slowdown - 1) x its length burnt (``burn``) or slept, for each ``slowdown`` fault active at ``step``."""
+        """End of a pipeline action that began at ``started`` (``clock()``) in ``step``: make it slowdown times
+        longer, a sleep of (slowdown - 1) x its length (its CPU time when ``burn``), for each ``slowdown`` fault
+        active at ``step``."""
         extra = sum(spec.get("slowdown") - 1.0 for spec in self._stragglers
                     if "slowdown" in spec.params and step >= spec.get("from_step", 0))
         if extra <= 0:
             return
         work_s = extra * (self._clock() - started)
-        if self.burn:
-            _burn_cpu(work_s)
-        else:
-            time.sleep(work_s)
+        time.sleep(work_s)
 
 
 def inject_hang(probe: Any, *, step: int) -> None:

@@ -192,6 +192,22 @@ def _kill(proc: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="session")
+def sample_trace_analyze(run_cli) -> Callable[[str], subprocess.CompletedProcess]:
+    """``sample_trace_analyze(scenario)``: ``dtprobe analyze sample_traces/<scenario> --format json`` to its end,
+    output captured as text (the caller checks ``returncode``). Made once per scenario and session for the tests
+    that compare against what the CLI prints for a checked-in run (the exporters' gauges, scalars and metrics, the
+    straggler scenario's golden): a checked-in run does not change while the suite runs."""
+    done: dict[str, subprocess.CompletedProcess] = {}
+
+    def analyze(scenario: str) -> subprocess.CompletedProcess:
+        if scenario not in done:
+            done[scenario] = run_cli("analyze", REPO_ROOT / "sample_traces" / scenario, "--format", "json",
+                                     timeout_s=180)
+        return done[scenario]
+    return analyze
+
+
+@pytest.fixture(scope="session")
 def hang_rank1_run(tmp_path_factory, run_cli):
     """One ``dtprobe run`` (2 ranks, tiny job, no device sampling, no restarts) in which rank 1 hangs at step 5 and
     rank 0's watchdog ends the job after ``timeout_s``, made once for the tests that read it (the watchdog's

@@ -32,9 +32,9 @@ from pathlib import Path
 
 import pytest
 
-SHARED_RUNS = ("hang_rank1_run", "fp16_overflow_run", "crash_restart_run", "clean_dp4_run")
-"""Session fixtures of ``tests/conftest.py`` that make a ``dtprobe run`` for tests in several files: those files
-run on one xdist worker, so each run is made once."""
+SHARED_RUNS = ("hang_rank1_run", "fp16_overflow_run", "crash_restart_run", "clean_dp4_run", "sample_trace_analyze")
+"""Session fixtures of ``tests/conftest.py`` that make a ``dtprobe run`` (or ``dtprobe analyze`` a checked-in one)
+for tests in several files: those files run on one xdist worker, so each is made once."""
 FILE_COSTS = Path(__file__).with_name("file_costs.json")
 """Seconds each test file's tests took (set-up, call and teardown summed), from a recorded run of the suite."""
 LOCK_DIR_ENV = "DTPROBE_TEST_LOCK_DIR"

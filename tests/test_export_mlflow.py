@@ -18,7 +18,7 @@ SCENARIO = "fp16_overflow"
 
 
 @pytest.fixture(scope="module")
-def logged(tmp_path_factory, sample_traces_dir, run_cli):
+def logged(tmp_path_factory, sample_traces_dir, run_cli, sample_trace_analyze):
     """(client, the MLflow run, the analyze JSON document, the run directory, a scratch folder)."""
     tmp = tmp_path_factory.mktemp("mlflow")
     uri = f"file:{tmp / 'mlruns'}"
@@ -26,7 +26,7 @@ def logged(tmp_path_factory, sample_traces_dir, run_cli):
     res = run_cli("export", "mlflow", run_dir, "--tracking-uri", uri, "--experiment", "exporters")
     assert res.returncode == 0, res.stderr
     assert "Logged MLflow run" in res.stdout and "findings.json, timeline.perfetto.json" in res.stdout
-    doc = json.loads(run_cli("analyze", run_dir, "--format", "json").stdout)
+    doc = json.loads(sample_trace_analyze(SCENARIO).stdout)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MLFLOW_ALLOW_FILE_STORE", "true")      # reading MLflow's file store back needs the same opt-in
         client = MlflowClient(tracking_uri=uri)

@@ -76,8 +76,9 @@ def stop_server(proc, sig: int) -> str:
     return err
 
 
-def test_serve_metrics_of_finished_runs_equal_analyze_json_and_the_store(tmp_path, sample_traces_dir, run_cli,
-                                                                        start_python, free_port):
+def test_serve_metrics_of_finished_runs_equal_analyze_json_and_the_store(tmp_path, sample_traces_dir,
+                                                                        sample_trace_analyze, start_python,
+                                                                        free_port):
     root = tmp_path / "runs"
     for scenario in ("fp16_overflow", "dp4_straggler_rank2"):
         shutil.copytree(sample_traces_dir / scenario, root / scenario)
@@ -88,7 +89,7 @@ def test_serve_metrics_of_finished_runs_equal_analyze_json_and_the_store(tmp_pat
     for name, labels, _ in samples:
         assert set(labels) == LABELS[name], name
     for scenario in ("fp16_overflow", "dp4_straggler_rank2"):
-        doc = json.loads(run_cli("analyze", root / scenario, "--format", "json").stdout)
+        doc = json.loads(sample_trace_analyze(scenario).stdout)    # root holds copies of these sample runs
         m = doc["metrics"]
         assert of(samples, "dtprobe_tokens_per_second", run=scenario)[()] == pytest.approx(
             m["throughput"]["tokens_per_s"], abs=1e-6)

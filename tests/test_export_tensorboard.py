@@ -25,7 +25,7 @@ def points(acc: ea.EventAccumulator, tag: str) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory, sample_traces_dir, run_cli):
+def exported(tmp_path_factory, sample_traces_dir, run_cli, sample_trace_analyze):
     """scenario -> (its run directory, TensorBoard's reader over the exported events, analyze's JSON document)."""
     out = {}
     for scenario in ("fp16_overflow", "dp4_straggler_rank2"):
@@ -34,7 +34,7 @@ def exported(tmp_path_factory, sample_traces_dir, run_cli):
         res = run_cli("export", "tensorboard", run, "-o", log_dir)
         assert res.returncode == 0, res.stderr
         assert f"to {log_dir}" in res.stdout and "tensorboard --logdir" in res.stdout
-        analyzed = run_cli("analyze", run, "--format", "json")
+        analyzed = sample_trace_analyze(scenario)
         out[scenario] = (run, read_events(log_dir), json.loads(analyzed.stdout))
     return out
 

@@ -58,10 +58,14 @@ def test_run_rejects_an_unknown_fault_kind_with_exit_2(tmp_path, dtprobe_run):
     assert proc.returncode == 2 and "unknown fault kind 'meteor'" in proc.stderr
 
 
+STRAGGLER_RUN_STEPS = 12
+"""Steps of ``straggler_run``: its profile window, steps 10-11, is the run's last two steps."""
+
+
 @pytest.fixture(scope="module")
 def straggler_run(tmp_path_factory, dtprobe_run) -> tuple[subprocess.CompletedProcess, RunStore]:
     run_dir = tmp_path_factory.mktemp("straggler") / "run"
-    proc = dtprobe_run("--nproc", "4", "--steps", "30", "--run-dir", str(run_dir), "--inject",
+    proc = dtprobe_run("--nproc", "4", "--steps", str(STRAGGLER_RUN_STEPS), "--run-dir", str(run_dir), "--inject",
                        "straggler:rank=2,delay_ms=40", "--profile-steps", "10-11", "--seq-len", "32",
                        "--batch-size", "4")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -73,12 +77,12 @@ def test_straggler_run_finishes_and_prints_its_run_directory(straggler_run):
     assert proc.stdout.strip().splitlines()[-1] == str(store.path.resolve())
     assert store.manifest.status == "finished" and store.manifest.world_size == 4
     assert (store.path / "tables" / "steps" / "step_block=0").is_dir()          # compacted by the launcher
-    assert json.loads((store.path / "job.json").read_text())["train"]["steps"] == 30
+    assert json.loads((store.path / "job.json").read_text())["train"]["steps"] == STRAGGLER_RUN_STEPS
 
 
-def test_straggler_run_has_30_step_rows_on_each_of_4_ranks(straggler_run):
+def test_straggler_run_has_a_step_row_per_step_on_each_of_4_ranks(straggler_run):
     steps = straggler_run[1].table("steps")
-    assert steps.groupby("rank")["step"].apply(sorted).to_dict() == {r: list(range(30)) for r in range(4)}
+    assert steps.groupby("rank")["step"].apply(sorted).to_dict() == {r: list(range(STRAGGLER_RUN_STEPS)) for r in range(4)}
     assert steps["loss"].notna().all() and (steps["tokens"] == 4 * 32).all()
 
 
@@ -87,7 +91,7 @@ def test_straggler_run_allreduce_bytes_per_step_equal_the_gradient_bytes(straggl
     allreduce = coll[(coll["op"] == "allreduce") & (coll["step"] >= 0)]
     per_step = allreduce.groupby(["rank", "step"])["num_bytes"].sum()
     assert sorted(per_step.index.get_level_values("rank").unique()) == [0, 1, 2, 3]
-    assert len(per_step) == 4 * 30
+    assert len(per_step) == 4 * STRAGGLER_RUN_STEPS
     assert (per_step == tiny_grad_bytes()).all()
 
 

@@ -141,9 +141,9 @@ def test_scenario_world_size_and_steps_are_those_of_its_command(name):
     assert (analysis.world_size, analysis.key_figures().num_steps) == SHAPES[name]
 
 
-def test_analyze_json_of_the_straggler_scenario_gives_its_golden_and_exit_1(run_cli):
+def test_analyze_json_of_the_straggler_scenario_gives_its_golden_and_exit_1(sample_trace_analyze):
     name = "dp4_straggler_rank2"
-    proc = run_cli("analyze", SAMPLES / name, "--format", "json", timeout_s=180)
+    proc = sample_trace_analyze(name)
     assert proc.returncode == 1, proc.stderr[-3000:]              # 1: a critical finding
     doc = json.loads(proc.stdout)
     got = [(f["code"], f["severity"], tuple(f["ranks"]), f["group"]) for f in doc["findings"]]

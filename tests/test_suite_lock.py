@@ -147,10 +147,13 @@ def test_files_sharing_a_session_run_are_one_unit_and_other_files_their_own():
 def test_the_suites_own_files_sharing_runs_are_one_unit(repo_root):
     groups = shared_run_groups({str(p.relative_to(repo_root)): p.read_text()
                                 for p in (repo_root / "tests").rglob("test_*.py")})
-    # the hang, fp16-overflow and crash-restart runs are read by these four files, the clean dp4 run by two others
+    # the hang, fp16-overflow and crash-restart runs are read by these four files, the clean dp4 run by two others,
+    # the analyze output of sample traces by the exporters' files and the golden findings
     for users in (["tests/test_findings_on_fault_injected_runs.py", "tests/test_hang.py", "tests/test_precision.py",
                    "tests/test_recovery.py"], ["tests/test_planner_calibrate_runs.py",
-                                               "tests/test_stragglers_on_dp4_runs.py"]):
+                                               "tests/test_stragglers_on_dp4_runs.py"],
+                  ["tests/test_export_mlflow.py", "tests/test_export_prometheus.py", "tests/test_export_tensorboard.py",
+                   "tests/test_sample_trace_findings.py"]):
         assert {groups[f] for f in users} == {users[0]}
     assert sum(group == "tests/test_findings_on_fault_injected_runs.py" for group in groups.values()) == 4
     assert groups["tests/test_layouts.py"] == "tests/test_layouts.py"

@@ -150,6 +150,7 @@ def _checked_against_store(samples, run_dir: Path, run: str) -> dict[int, int]:
 
 
 @pytest.mark.multiproc
+@pytest.mark.exclusive
 def test_serve_metrics_scraped_while_a_run_runs_moves_and_matches_the_store(tmp_path, child_env, start_python,
                                                                            free_port):
     root = tmp_path / "runs"

@@ -82,7 +82,8 @@ def test_straggler_run_finishes_and_prints_its_run_directory(straggler_run):
 
 def test_straggler_run_has_a_step_row_per_step_on_each_of_4_ranks(straggler_run):
     steps = straggler_run[1].table("steps")
-    assert steps.groupby("rank")["step"].apply(sorted).to_dict() == {r: list(range(STRAGGLER_RUN_STEPS)) for r in range(4)}
+    assert steps.groupby("rank")["step"].apply(sorted).to_dict() == {r: list(range(STRAGGLER_RUN_STEPS))
+                                                                     for r in range(4)}
     assert steps["loss"].notna().all() and (steps["tokens"] == 4 * 32).all()
 
 

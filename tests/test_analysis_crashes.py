@@ -276,7 +276,8 @@ def test_p2p_a_stage_blocked_in_recv_names_the_stage_that_never_sent_not_the_cha
     ev = f.evidence
     assert (f.ranks, ev["op"], ev["peer"], ev["arrived_ranks"], ev["liveness"]["0"]) == ((0,), "recv", 0, [1],
                                                                                         "stopped")
-    assert "never sent" in f.title
+    assert f.title.startswith("rank(s) [0] never sent: rank(s) [1] waited ")
+    assert " s in recv #4 from rank 0 on pp " in f.title
 
 
 def test_p2p_recv_whose_peer_sent_is_no_stall():

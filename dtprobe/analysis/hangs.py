@@ -249,8 +249,8 @@ def detect_hangs(missing: pd.DataFrame, faults: pd.DataFrame | None, *, last_see
                      f"{what} for {waited_ns / 1e9:.1f} s, all alive: the network between the nodes")
         elif miss and is_p2p:           # r is the waiting side's op: name what it waited for, and from whom
             title = (f"rank(s) {culprits} never {'sent' if r.op == 'recv' else 'received'}: rank(s) "
-                     f"{list(group_members(str(r.arrived_ranks)))} waited {waited_ns / 1e9:.1f} s in {r.op} #{r.seq % ATTEMPT_SEQ_STRIDE} "
-                     f"{'from' if r.op == 'recv' else 'to'} rank {int(r.peer)} on "
+                     f"{list(group_members(str(r.arrived_ranks)))} waited {waited_ns / 1e9:.1f} s in "
+                     f"{r.op} #{r.seq % ATTEMPT_SEQ_STRIDE} {'from' if r.op == 'recv' else 'to'} rank {int(r.peer)} on "
                      f"{group_phrase(r.pg, group_members(r.pg_ranks))} (step {r.step})"
                      f" ({', '.join(f'rank {m} {live[m]}' for m in miss)})")
         elif miss:

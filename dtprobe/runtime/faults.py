@@ -150,7 +150,7 @@ FAULT_KINDS: Mapping[str, FaultKind] = {kind.name: kind for kind in (
         required=("rank",), example="straggler:rank=2,delay_ms=40",
         help="rank R sleeps delay_ms in every step's compute from from_step on, or computes slowdown times longer "
              "(on CPU it burns (slowdown-1) x its compute's CPU time, so a rank sharing a core stays slowed; on "
-             "CUDA the host sleeps that long)",
+             "CUDA the host sleeps that long; a pipeline rank sleeps (slowdown-1) x each action's length)",
         check=_check_straggler),
     FaultKind(
         name="crash", keys={"rank": int, "step": int}, required=("rank", "step"), example="crash:rank=1,step=10",

@@ -61,7 +61,9 @@ Per recorded collective, for the DDP case and the many-small cases: (median step
 the collectives rank 0 recorded per step in the "on" run; for the many-small cases also the same from each rank's
 process CPU time per step (all its threads): waiting for a core is not counted, though a loaded machine still
 inflates it (contended caches, gloo's polling while it waits). Goal <= 10 us on gloo; both figures need a quiet
-machine.
+machine. Every figure made from pairs of runs is printed with the standard error of its median over the pairs
+(`median_error`): where that error is larger than the figure's distance to its goal, pairs of identical runs
+scatter more than the effect measured, and the precise case (7) is the one that decides the per-collective goal.
 
 The first `--skip` steps of every run are left out (DDP rebuilds its buckets after step 0). On a CPU machine the
 figures are CPU/gloo ones, not GPU ones.
@@ -409,10 +411,24 @@ class Results:
     cpu: dict[str, list[float]]
 
 
+def median_error(values: list[float]) -> float | None:
+    """The standard error of the median of ``values`` (sqrt(pi / 2) x their standard deviation / sqrt(n), the
+    normal approximation); None for fewer than 2. A figure whose error exceeds its distance to a goal does not
+    decide it: pairs of identical runs scatter that much on the machine."""
+    if len(values) < 2:
+        return None
+    return 1.2533 * statistics.stdev(values) / len(values) ** 0.5
+
+
+def _error_text(values: list[float], spec: str, unit: str = "") -> str:
+    error = median_error(values)
+    return "" if error is None else f"; standard error +-{error:{spec}}{unit}"
+
+
 def _ratio_line(label: str, results: Results, on: str, off: str, goal: str) -> str:
     ratios = [a / b for a, b in zip(results.medians[on], results.medians[off])]
     return (f"{label} {statistics.median(ratios):.3f}  (per pair: {', '.join(f'{r:.3f}' for r in ratios)}"
-            f"{'; goal ' + goal if goal else ''})")
+            f"{_error_text(ratios, '.3f')}{'; goal ' + goal if goal else ''})")
 
 
 def _per_collective_lines(label: str, results: Results, on: str, off: str) -> list[str]:
@@ -423,12 +439,13 @@ def _per_collective_lines(label: str, results: Results, on: str, off: str) -> li
     if not costs:
         return [f"per recorded collective, {label}: no collectives"]
     lines = [f"per recorded collective, {label}: {statistics.median(costs):.1f} us  (per pair: "
-             f"{', '.join(f'{c:.1f}' for c in costs)}; {statistics.median(counts):.0f} collectives per step; "
-             f"goal <= 10 us)"]
+             f"{', '.join(f'{c:.1f}' for c in costs)}{_error_text(costs, '.1f', ' us')}; "
+             f"{statistics.median(counts):.0f} collectives per step; goal <= 10 us)"]
     if on in results.cpu:
         cpu_costs = [(a - b) / n * 1e6 for a, b, n in zip(results.cpu[on], results.cpu[off], counts) if n]
         lines.append(f"per recorded collective, {label}, process CPU: {statistics.median(cpu_costs):.1f} us  "
-                     f"(per pair: {', '.join(f'{c:.1f}' for c in cpu_costs)}; goal <= 10 us)")
+                     f"(per pair: {', '.join(f'{c:.1f}' for c in cpu_costs)}{_error_text(cpu_costs, '.1f', ' us')}; "
+                     f"goal <= 10 us)")
     return lines
 
 

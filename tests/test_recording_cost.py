@@ -225,3 +225,18 @@ def test_record_cost_case_records_every_collective_it_runs(repo_root, child_env,
             rounds = costs[key][side]
             assert len(rounds) == 3 and all(len(r) == 3 for r in rounds)
             assert all(r[0] > 0 and r[1] > 0 and r[2] > 0 for r in rounds)   # thread CPU, process CPU, wall
+
+
+def test_probe_overhead_prints_each_pair_figure_with_the_standard_error_of_its_median(repo_root):
+    sys.path.insert(0, str(repo_root / "benchmarks"))
+    try:
+        import probe_overhead as po
+    finally:
+        sys.path.remove(str(repo_root / "benchmarks"))
+    assert po.median_error([1.0]) is None
+    assert po.median_error([1.0, 1.1, 0.9, 1.02]) == pytest.approx(1.2533 * (0.0203 / 3) ** 0.5 / 2, rel=1e-6)
+    results = po.Results(medians={"on": [1.0, 1.1, 0.9, 1.02], "off": [1.0] * 4}, per_step={"on": [2.0] * 4}, cpu={})
+    assert po._ratio_line("on/off:", results, "on", "off", "<= 1.01") == (
+        "on/off: 1.010  (per pair: 1.000, 1.100, 0.900, 1.020; standard error +-0.052; goal <= 1.01)")
+    (line,) = po._per_collective_lines("DDP", results, "on", "off")
+    assert "standard error +-25774.0 us; 2 collectives per step; goal <= 10 us" in line

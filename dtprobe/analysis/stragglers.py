@@ -1094,14 +1094,14 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
     cause_of = {(c.pg, c.pg_ranks, c.rank): c for c in causes.itertuples(index=False)}
     later = _later_in_shared_groups(scores)
     best = _with_culprits_of_victims(best, scores, later, min_lateness_frac=min_lateness_frac)
-    stage_window: dict[int, tuple[int, int]] = {}     # rank -> the window its own stage time was judged over
-    origin_how: dict[int, str] = {}          # rank -> how it was found the origin of its late pipeline peers
-    new_by_stage = [row for rank, (row, _) in by_stage.items() if rank not in set(int(r) for r in best["rank"])]
+    flagged_ranks = {int(r) for r in best["rank"]}
+    new_by_stage = [row for rank, (row, _) in by_stage.items() if rank not in flagged_ranks]
     if new_by_stage:
         best = pd.concat([best, pd.DataFrame(new_by_stage)[best.columns]], ignore_index=True)
-    for rank, (_, window) in by_stage.items():
-        if rank in {int(r) for r in best["rank"]} and (rank not in stage_window):
-            stage_window[rank], origin_how[rank] = window, "confirmed"
+    # rank -> the window its own stage time was judged over; rank -> how it was found the origin of its late
+    # pipeline peers (every rank of the stage view is in best now, flagged by another view or added above)
+    stage_window: dict[int, tuple[int, int]] = {rank: window for rank, (_, window) in by_stage.items()}
+    origin_how: dict[int, str] = dict.fromkeys(by_stage, "confirmed")
     ranks = set(int(r) for r in best["rank"])
     own = own_delay_ns or {}
     best_of = {int(b.rank): b for b in best.itertuples(index=False)}

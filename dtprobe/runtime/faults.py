@@ -233,8 +233,8 @@ class FaultInjector:
                 self.probe.fault("straggler", step=step, injected=True, **{"from_step": from_step, **detail})
             if "delay_ms" in spec.params:
                 delay_s += spec.get("delay_ms") / 1000.0
-            elif not per_action:
-                work_s += (spec.get("slowdown") - 1.0) * self._last_compute_s
+        if not per_action:
+            work_s = self._extra_work(step) * self._last_compute_s
         if work_s > 0 and self.burn:
             _burn_cpu(work_s)
         else:
@@ -255,12 +255,15 @@ class FaultInjector:
         """End of a pipeline action that began at ``started`` (``clock()``) in ``step``: make it slowdown times
         longer, a sleep of (slowdown - 1) x its length (its CPU time when ``burn``), for each ``slowdown`` fault
         active at ``step``."""
-        extra = sum(spec.get("slowdown") - 1.0 for spec in self._stragglers
-                    if "slowdown" in spec.params and step >= spec.get("from_step", 0))
-        if extra <= 0:
-            return
-        work_s = extra * (self._clock() - started)
-        time.sleep(work_s)
+        extra = self._extra_work(step)
+        if extra > 0:
+            time.sleep(extra * (self._clock() - started))
+
+    def _extra_work(self, step: int) -> float:
+        """The summed (slowdown - 1) of the ``slowdown`` faults active at ``step``: the share of a compute's own
+        length to add to it."""
+        return sum(spec.get("slowdown") - 1.0 for spec in self._stragglers
+                   if "slowdown" in spec.params and step >= spec.get("from_step", 0))
 
 
 def inject_hang(probe: Any, *, step: int) -> None:

@@ -1,6 +1,7 @@
 """Stands in for ``dtprobe.runtime.worker`` in ``test_fork_start.py``: a forked worker that prints what it was
-given (argv, environment, session, signal handlers, descriptors, loggers) as one JSON line on stdout, a line on
-stderr, then ends as ``sys.argv[1]`` says (return, exit3, raise, sigkill, interrupt, sleep)."""
+given (argv, environment, session, parent, signal handlers, descriptors, loggers, whether a lock an agent thread
+holds is free) as one JSON line on stdout, a line on stderr, then ends as ``sys.argv[1]`` says (return, exit3,
+raise, sigkill, interrupt, sleep)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import signal
 import sys
 import threading
 import time
+
+import fork_probe_warm     # imported by the agent before the fork: a forked worker has the agent's module
 
 
 def c_getenv(name: str) -> str | None:
@@ -28,7 +31,9 @@ def report() -> dict:
                                                                                        "SIGHUP", "SIGPIPE")},
             "fds": sorted(int(fd) for fd in os.listdir("/proc/self/fd")),
             "root_handlers": len(logging.getLogger().handlers), "stdin": os.readlink("/proc/self/fd/0"),
-            "main_native_id": threading.main_thread().native_id}
+            "main_native_id": threading.main_thread().native_id, "ppid": os.getppid(),
+            "grandparent": int(open(f"/proc/{os.getppid()}/stat").read().rsplit(")", 1)[1].split()[1]),
+            "warm_lock_free": fork_probe_warm.LOCK.acquire(timeout=2)}
 
 
 if __name__ == "__main__":

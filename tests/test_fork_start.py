@@ -36,6 +36,10 @@ logging.getLogger().addHandler(logging.StreamHandler(sys.stderr))
 for sig in (signal.SIGTERM, signal.SIGHUP):
     signal.signal(sig, lambda *a: None)
 listener = socket.socket(); listener.bind(("127.0.0.1", 0)); listener.listen()
+import fork_probe_warm, threading
+held = threading.Event()
+threading.Thread(target=lambda: (fork_probe_warm.LOCK.acquire(), held.set(), time.sleep(30)), daemon=True).start()
+held.wait()     # as the store's server thread may hold a lock of its own while workers start
 out_dir, behaviour, cuda = sys.argv[2], sys.argv[3], sys.argv[4] == "cuda"
 if cuda:
     import torch
@@ -80,6 +84,8 @@ def test_fork_start_gives_the_worker_torchruns_env_argv_session_and_files_and_no
     assert worker["argv"] == [str(TESTS_DIR / "fork_probe_worker.py"), "return", "two words"]
     assert (worker["rank"], worker["c_rank"], worker["extra"]) == ("3", "3", "x")
     assert worker["pid"] == agent["pid"] and worker["sid"] == worker["pgid"] == worker["pid"]   # own session
+    assert worker["ppid"] != agent["agent_pid"] and worker["grandparent"] == agent["agent_pid"]  # the fork server
+    assert worker["warm_lock_free"]     # forked from the server, not from the agent whose thread holds the lock
     assert worker["main_native_id"] == worker["pid"]       # not the agent's (the host sampler reads it)
     assert worker["handlers"]["SIGTERM"] == worker["handlers"]["SIGHUP"] == "<Handlers.SIG_DFL: 0>"
     assert "default_int_handler" in worker["handlers"]["SIGINT"]
@@ -183,7 +189,7 @@ def test_sigterm_to_the_agent_stops_its_forked_workers(start_python, child_env, 
         time.sleep(0.2)
     pids = [w["pid"] for w in workers]
     assert len(pids) == 2 and all(w["start"] == "fork" for w in workers)
-    agent = _ppid(pids[0])
+    agent = _ppid(_ppid(pids[0]))        # a worker's parent is the agent's fork server
     try:
         os.kill(agent, signal.SIGTERM)
         deadline = time.monotonic() + 60

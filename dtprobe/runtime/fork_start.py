@@ -3,7 +3,8 @@
 dtprobe.runtime.worker`` it would have exec'd by forking itself and running that module in the child, so no worker
 pays the imports. Read by ``runtime.torchrun_agent``; chosen by ``runtime.launcher`` (``--worker-start``).
 
-The child gets what torchrun's ``SubprocessHandler`` gives a Popen'd worker, observable the same way:
+The child gets what torchrun's ``SubprocessHandler`` gives a Popen'd worker, observable the same way (but for its
+parent process, the agent's fork server, see below):
 - torchrun's environment for its rank (``os.environ`` replaced, C ``environ`` too), ``sys.argv`` =
   ``[<worker.py>, *args]`` (``runpy``, ``__name__ == "__main__"``), stdout/stderr on torchrun's per-rank files
   (``dup2``) written through as under ``-u``, stdin inherited, every other descriptor closed (``close_fds``), its
@@ -16,16 +17,20 @@ The child gets what torchrun's ``SubprocessHandler`` gives a Popen'd worker, obs
   worker's ``@record`` has written torchelastic's error file), death by SIGINT after an uncaught
   ``KeyboardInterrupt``, as the interpreter does.
 
-Why forking the agent is safe: the fork happens on the agent's main thread inside torchrun's ``_start``; the other
-threads (the rendezvous store's server loop, the rendezvous keep-alive) do not exist in the child, and the child
-never touches an object they own: it closes every inherited descriptor (so the agent's store socket is not kept
-open by workers), builds its own process group and store client from the environment, writes through new
-``sys.std*`` objects (a lock the agent's old streams held stays unused) and freezes the inherited objects for the
+Why forking is safe: workers are not forked from the agent but from its fork server, a child the agent forks at
+``install``, right after the warm imports and before torchrun runs: it has the agent's modules but never any of the
+threads torchrun starts later (the rendezvous store's server loop, the keep-alive). Forking the agent itself, a
+worker could inherit a lock that the store's server thread held at that instant, serving the workers already
+started: once in a few hundred starts, a worker then blocked for ever in its own store client (seen with 8 ranks
+on 2 cores). The server does nothing but fork on request and report each worker's ``waitpid`` status back over a
+socket pair; it ends when the agent's end closes. A worker closes every inherited descriptor (so neither the
+agent's store socket nor the server's socket is kept open by workers), builds its own process group and store
+client from the environment, writes through new ``sys.std*`` objects and freezes the inherited objects for the
 cycle collector (no finalizer of an agent object runs in the child and closes a descriptor number the worker
 reuses). CPython re-initializes its own locks after ``fork`` (GIL, import lock, ``logging``'s locks, ``random``'s
-seed). CUDA cannot be used in a forked child once the parent initialized it: the agent never does, and if it had,
-the start falls back to exec. OpenMP: the agent runs no tensor operation, so no thread pool exists to be
-inherited. The exec start (torchrun's own) stays: ``DTPROBE_WORKER_START=exec``.
+seed). CUDA cannot be used in a forked child once the parent initialized it: neither the agent nor its server
+does, and if the agent had, the start falls back to exec. OpenMP: no tensor operation ran before the fork, so no
+thread pool exists to be inherited. The exec start (torchrun's own) stays: ``DTPROBE_WORKER_START=exec``.
 
 Only our worker module is forked (``WORKER_MODULE``); ``dtprobe launch`` runs user scripts, whose import-time
 behaviour (environment read at import, modules already imported by the agent) we cannot vouch for, so it execs.
@@ -40,8 +45,11 @@ import importlib
 import io
 import logging
 import os
+import pickle
 import runpy
+import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -69,6 +77,7 @@ _WARM_LOGGERS: dict[str, tuple[list[logging.Handler], int, bool, bool]] = {}
 _KEEP_ALIVE: list[Any] = []     # the agent's sys.std* objects, replaced in the child but never finalized there
 _FORKED = False
 _HANDLER: type | None = None    # ForkHandler over this torch's SubprocessHandler, once installed
+_SERVER: "ForkServer | None" = None     # the agent's fork server, started by install
 
 
 def started_by() -> str:
@@ -90,10 +99,10 @@ def requested(argv: Sequence[str], environ: dict[str, str] | None = None) -> boo
 
 def install() -> bool:
     """Import ``WARM_MODULES`` (recording the ``atexit`` functions and logger state they set up, which a worker's
-    own imports would set up too) and make torchrun start ``WORKER_MODULE`` with ``ForkHandler``. False, and said
-    on stderr, when this torch's worker start lacks the surfaces the handler replaces
-    (``collectors.torch_internals``): workers then start by exec, as torchrun starts them."""
-    global _HANDLER
+    own imports would set up too), start the fork server and make torchrun start ``WORKER_MODULE`` with
+    ``ForkHandler``. False, and said on stderr, when this torch's worker start lacks the surfaces the handler
+    replaces (``collectors.torch_internals``): workers then start by exec, as torchrun starts them."""
+    global _HANDLER, _SERVER
     base = torch_internals.subprocess_handler_class()
     if base is None:
         print("dtprobe: this torch's torchrun has no SubprocessHandler._popen to start workers by fork; they "
@@ -120,6 +129,7 @@ def install() -> bool:
         print("dtprobe: this torch's torchrun builds worker handlers without get_subprocess_handler; workers start "
               "by exec (--worker-start exec says so explicitly).", file=sys.stderr, flush=True)
         return False
+    _SERVER = ForkServer.start()
     return True
 
 
@@ -141,7 +151,7 @@ def _fork_handler(base: type) -> type:
 
         def _popen(self, args: tuple, env: dict[str, str]) -> Any:
             module_args = worker_args(args)
-            if module_args is None or torch.cuda.is_initialized():
+            if module_args is None or torch.cuda.is_initialized() or _SERVER is None or not _SERVER.alive:
                 return super()._popen(args, env)
             return ForkedWorker.start(args, env, module_args=module_args, stdout=self._stdout,
                                       stderr=self._stderr)
@@ -159,38 +169,157 @@ def worker_args(args: Sequence[str]) -> list[str] | None:
     return None
 
 
+class ForkServer:
+    """The agent's end of its fork server (``_serve``, a child forked by ``install`` before torchrun starts any
+    thread): ``fork`` asks it for a worker and returns the worker's pid, ``status`` is that worker's ``waitpid``
+    status once the server reaped it. Messages are pickled tuples on a ``SOCK_SEQPACKET`` pair (one message per
+    send); the worker's stdout/stderr descriptors travel with the request (``SCM_RIGHTS``)."""
+
+    START_TIMEOUT_S = 60.0
+
+    def __init__(self, sock: socket.socket, pid: int) -> None:
+        self.sock = sock
+        self.pid = pid
+        self.alive = True
+        self._statuses: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def start(cls) -> "ForkServer":
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        _flush()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:
+            ours.close()
+            _serve(theirs)          # never returns
+        theirs.close()
+        return cls(ours, pid)
+
+    def fork(self, env: dict[str, str], module_args: list[str], out_fd: int | None, err_fd: int | None) -> int:
+        fds = [fd for fd in (out_fd, err_fd) if fd is not None]
+        request = pickle.dumps((env, module_args, out_fd is not None, err_fd is not None))
+        with self._lock:
+            socket.send_fds(self.sock, [request], fds)
+            deadline = time.monotonic() + self.START_TIMEOUT_S
+            while True:
+                message = self._receive(timeout=max(0.0, deadline - time.monotonic()))
+                if message is None:
+                    raise RuntimeError(f"dtprobe: the fork server (pid {self.pid}) did not start a worker within "
+                                       f"{self.START_TIMEOUT_S:.0f} s; rerun with --worker-start exec.")
+                if message[0] == "started":
+                    return message[1]
+
+    def status(self, pid: int) -> int | None:
+        """The worker's ``waitpid`` status once it ended, else None (never blocks)."""
+        with self._lock:
+            while pid not in self._statuses and self._receive(timeout=0.0) is not None:
+                pass
+            if pid not in self._statuses and not self.alive and not _exists(pid):
+                print(f"dtprobe: the fork server ended before worker {pid}; its exit status is lost, reported as 1.",
+                      file=sys.stderr, flush=True)
+                self._statuses[pid] = 1 << 8
+            return self._statuses.get(pid)
+
+    def _receive(self, timeout: float) -> tuple | None:
+        """One message (an ``exit`` one is filed under its pid), or None when none came within ``timeout``."""
+        if not self.alive or not select.select([self.sock], [], [], timeout)[0]:
+            return None
+        data = self.sock.recv(1 << 16)
+        if not data:                # the server ended
+            self.alive = False
+            return None
+        message = pickle.loads(data)
+        if message[0] == "exit":
+            self._statuses[message[1]] = message[2]
+        return message
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _serve(sock: socket.socket) -> None:
+    """The fork server's loop: fork a worker per request (``_child``), report each one's ``waitpid`` status when it
+    ends; exit when the agent's end closes. Single-threaded by construction. SIGINT, SIGTERM and SIGHUP (a Ctrl-C
+    or a stop may reach the agent's whole process group) are ignored, so that the server outlives the agent's own
+    handling of them and the statuses of the workers torchrun then stops still reach it; each worker gets the
+    dispositions back."""
+    code = 0
+    try:
+        gc.freeze()
+        stopping = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        dispositions = {sig: signal.signal(sig, signal.SIG_IGN) for sig in stopping}
+        children: dict[int, int | None] = {}         # pid -> its pidfd (None where pidfds are unavailable)
+        while True:
+            watched = [fd for fd in children.values() if fd is not None]
+            timeout = 0.05 if None in children.values() else None
+            ready = select.select([sock, *watched], [], [], timeout)[0]
+            if sock in ready:
+                data, fds, _, _ = socket.recv_fds(sock, 1 << 20, 2)
+                if not data:
+                    break
+                env, module_args, has_out, has_err = pickle.loads(data)
+                received = iter(fds)
+                out_fd = next(received) if has_out else None
+                err_fd = next(received) if has_err else None
+                pid = os.fork()
+                if pid == 0:
+                    sock.close()
+                    for sig, disposition in dispositions.items():
+                        signal.signal(sig, disposition)
+                    _child(env, module_args, out_fd=out_fd, err_fd=err_fd)     # never returns
+                for fd in fds:
+                    os.close(fd)
+                try:
+                    children[pid] = os.pidfd_open(pid)
+                except (AttributeError, OSError):
+                    children[pid] = None
+                sock.send(pickle.dumps(("started", pid)))
+            for pid in list(children):
+                ended, status = os.waitpid(pid, os.WNOHANG)
+                if ended == pid:
+                    fd = children.pop(pid)
+                    if fd is not None:
+                        os.close(fd)
+                    sock.send(pickle.dumps(("exit", pid, status)))
+    except BrokenPipeError:         # the agent is gone
+        pass
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    os._exit(code)
+
+
 class ForkedWorker:
     """The part of ``subprocess.Popen`` torchrun uses (``pid``, ``args``, ``returncode``, ``poll``, ``wait``,
-    ``send_signal``, ``terminate``, ``kill``) for a forked worker; the status is ``waitpid``'s, decoded as Popen
-    does (-N for death by signal N)."""
+    ``send_signal``, ``terminate``, ``kill``) for a worker forked by the agent's ``ForkServer``; the status is the
+    server's ``waitpid``'s, decoded as Popen does (-N for death by signal N)."""
 
-    def __init__(self, pid: int, args: tuple) -> None:
+    def __init__(self, pid: int, args: tuple, server: ForkServer) -> None:
         self.pid = pid
         self.args = args
+        self.server = server
         self.returncode: int | None = None
 
     @classmethod
     def start(cls, args: tuple, env: dict[str, str], *, module_args: list[str], stdout: io.IOBase | None,
               stderr: io.IOBase | None) -> "ForkedWorker":
-        for stream in (sys.stdout, sys.stderr):      # nothing buffered here may be written again by the child
-            stream.flush()
         out_fd = stdout.fileno() if stdout is not None else None
         err_fd = stderr.fileno() if stderr is not None else None
-        with warnings.catch_warnings():     # Python >= 3.12 warns of fork() with threads; see the module docstring
-            warnings.simplefilter("ignore", DeprecationWarning)
-            pid = os.fork()
-        if pid == 0:
-            _child(env, module_args, out_fd=out_fd, err_fd=err_fd)     # never returns
-        return cls(pid, args)
+        return cls(_SERVER.fork(env, module_args, out_fd, err_fd), args, _SERVER)
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            try:
-                pid, status = os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:       # reaped elsewhere: the status is lost, as Popen reports it
-                self.returncode = 0
-                return self.returncode
-            if pid == self.pid:
+            status = self.server.status(self.pid)
+            if status is not None:
                 self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
 

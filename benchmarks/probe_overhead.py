@@ -60,10 +60,11 @@ clocks do not count time spent waiting for a core, so this figure holds on a loa
 Per recorded collective, for the DDP case and the many-small cases: (median step on - median step off) divided by
 the collectives rank 0 recorded per step in the "on" run; for the many-small cases also the same from each rank's
 process CPU time per step (all its threads): waiting for a core is not counted, though a loaded machine still
-inflates it (contended caches, gloo's polling while it waits). Goal <= 10 us on gloo; both figures need a quiet
-machine. Every figure made from pairs of runs is printed with the standard error of its median over the pairs
-(`median_error`): where that error is larger than the figure's distance to its goal, pairs of identical runs
-scatter more than the effect measured, and the precise case (7) is the one that decides the per-collective goal.
+inflates it (contended caches, gloo's polling while it waits). Both figures need a quiet machine, and neither
+judges the goal of at most 10 us per collective on gloo: the precise case (7) does, on its caller-thread CPU of the
+group as attached, in its last line (`record_cost_verdict`). Every figure made from pairs of runs is printed with
+the standard error of its median over the pairs (`median_error`): where that error is larger than the figure's
+distance to its goal, pairs of identical runs scatter more than the effect measured.
 
 The first `--skip` steps of every run are left out (DDP rebuilds its buckets after step 0). On a CPU machine the
 figures are CPU/gloo ones, not GPU ones.
@@ -397,8 +398,25 @@ def report_record_cost(results: "Results", args: argparse.Namespace) -> list[str
     lines += [_cost_line(key, costs[key])
               for key in (f"{b}/{m}" for b in RECORD_COST_BACKENDS for m in RECORD_COST_MODES)]
     lines.append("  (gloo: a 1-rank gloo group as attached; gloo-python: the same on the Python path; stub: the Python "
-                 "recording path alone; goal <= 10 us)")
+                 "recording path alone)")
+    lines.append(record_cost_verdict(costs))
     return lines
+
+
+RECORD_COST_GOAL_US = 10.0
+"""Issue 15's goal per recorded collective on gloo, judged on the caller thread's CPU of the group as attached."""
+
+
+def record_cost_verdict(costs: dict[str, Any]) -> str:
+    """The per-collective goal judged on the precise case: the median caller-thread CPU (recorded - plain) of the
+    group as attached (``gloo``), in every way of issuing and waiting; the largest of them decides."""
+    medians = {mode: statistics.median(r[0] - p[0] for r, p in zip(costs[f"gloo/{mode}"]["recorded"],
+                                                                    costs[f"gloo/{mode}"]["plain"]))
+               for mode in RECORD_COST_MODES}
+    worst = max(medians, key=medians.get)
+    met = "met" if medians[worst] <= RECORD_COST_GOAL_US else "NOT met"
+    return (f"per recorded collective, goal <= {RECORD_COST_GOAL_US:g} us (caller thread CPU, gloo as attached, "
+            f"{costs['recorder']} recorder): {met}; largest {medians[worst]:.1f} us ({worst})")
 
 
 @dataclass(frozen=True)
@@ -440,13 +458,16 @@ def _per_collective_lines(label: str, results: Results, on: str, off: str) -> li
         return [f"per recorded collective, {label}: no collectives"]
     lines = [f"per recorded collective, {label}: {statistics.median(costs):.1f} us  (per pair: "
              f"{', '.join(f'{c:.1f}' for c in costs)}{_error_text(costs, '.1f', ' us')}; "
-             f"{statistics.median(counts):.0f} collectives per step; goal <= 10 us)"]
+             f"{statistics.median(counts):.0f} collectives per step; {PAIR_FIGURE_NOTE})"]
     if on in results.cpu:
         cpu_costs = [(a - b) / n * 1e6 for a, b, n in zip(results.cpu[on], results.cpu[off], counts) if n]
         lines.append(f"per recorded collective, {label}, process CPU: {statistics.median(cpu_costs):.1f} us  "
                      f"(per pair: {', '.join(f'{c:.1f}' for c in cpu_costs)}{_error_text(cpu_costs, '.1f', ' us')}; "
-                     f"goal <= 10 us)")
+                     f"{PAIR_FIGURE_NOTE})")
     return lines
+
+
+PAIR_FIGURE_NOTE = "a step-time difference: the precise case judges the 10 us goal"
 
 
 def report_ddp(results: Results, args: argparse.Namespace) -> list[str]:

@@ -232,8 +232,12 @@ def test_analyze_json_reports_clock_alignment_and_arrivals_of_a_trace_folder(cap
 
 def test_markdown_report_of_a_trace_folder_says_how_its_clocks_were_aligned(tmp_path):
     from dtprobe.analysis.render import render_markdown
-    assert "clocks: aligned from 8 collectives matched by order (0 refused)" in render_markdown(
-        _analysis(DLRM).report())
+    dlrm = render_markdown(_analysis(DLRM).report())
+    assert "clocks: aligned from 8 collectives matched by order (0 refused)" in dlrm
+    assert ("rank 7 starts last in 62% of its world collectives (median +129 us, device clock), too few to judge: "
+            "STRAGGLER needs 20 matched collectives of a group, it has 8") in dlrm
+    judged = render_markdown(_analysis(Scenario(num_steps=6, late={1: 700}).write(tmp_path / "judged")).report())
+    assert "starts last in" in judged and "too few to judge" not in judged
     partial = _analysis(Scenario(world=16, num_steps=2, ranks=[0, 1]).write(tmp_path / "partial"))
     assert "clocks: not aligned: only 2 of the group's 16 members" in render_markdown(partial.report())
 

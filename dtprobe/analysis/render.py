@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from dtprobe.analysis.device_arrivals import MIN_MATCHED_COLLECTIVES
+
 SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
 """rich style of each severity in the text rendering."""
 
@@ -75,6 +77,9 @@ def clock_fact(m: dict[str, Any]) -> str:
         last = max(arrivals, key=lambda r: (r["last_frac"], r["median_lateness_us"]))
         line += (f"; rank {last['rank']} starts last in {last['last_frac']:.0%} of its {last['pg']} "
                  f"collectives (median +{last['median_lateness_us']:.0f} us, device clock)")
+        if last["num_collectives"] < MIN_MATCHED_COLLECTIVES:
+            line += (f", too few to judge: STRAGGLER needs {MIN_MATCHED_COLLECTIVES} matched collectives of a "
+                     f"group, it has {last['num_collectives']}")
     return line
 
 

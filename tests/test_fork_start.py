@@ -40,10 +40,13 @@ import fork_probe_warm, threading
 held = threading.Event()
 threading.Thread(target=lambda: (fork_probe_warm.LOCK.acquire(), held.set(), time.sleep(30)), daemon=True).start()
 held.wait()     # as the store's server thread may hold a lock of its own while workers start
-out_dir, behaviour, cuda = sys.argv[2], sys.argv[3], sys.argv[4] == "cuda"
-if cuda:
+out_dir, behaviour, agent_state = sys.argv[2], sys.argv[3], sys.argv[4]
+if agent_state == "cuda":
     import torch
     torch.cuda.is_initialized = lambda: True
+if agent_state == "server-gone":
+    os.kill(fork_start._SERVER.pid, signal.SIGKILL)
+    os.waitpid(fork_start._SERVER.pid, 0)
 path = os.pathsep.join([sys.argv[1], os.environ.get("PYTHONPATH", "")])
 handler = api.get_subprocess_handler(
     entrypoint=sys.executable, args=("-u", "-m", "fork_probe_worker", behaviour, "two words"),
@@ -65,11 +68,15 @@ print(json.dumps({"returncode": code, "pid": handler.proc.pid, "agent_pid": os.g
 """
 
 
-def run_agent(run_python, tmp_path: Path, behaviour: str, *, cuda: bool = False) -> tuple[dict, dict, str, str]:
-    """(agent's report, worker's report, worker stdout, worker stderr) of one start (``cuda``: with CUDA
-    initialized in the agent)."""
-    proc = run_python(AGENT, TESTS_DIR, tmp_path, behaviour, "cuda" if cuda else "-", timeout_s=120)
+def run_agent(run_python, tmp_path: Path, behaviour: str, *, agent_state: str = "-",
+              agent_stderr: list[str] | None = None) -> tuple[dict, dict, str, str]:
+    """(agent's report, worker's report, worker stdout, worker stderr) of one start (``agent_state``: ``cuda``
+    with CUDA initialized in the agent, ``server-gone`` with its fork server killed; the agent's own stderr is
+    appended to ``agent_stderr``)."""
+    proc = run_python(AGENT, TESTS_DIR, tmp_path, behaviour, agent_state, timeout_s=120)
     assert proc.returncode == 0, proc.stderr
+    if agent_stderr is not None:
+        agent_stderr.append(proc.stderr)
     agent = json.loads(proc.stdout.splitlines()[0])
     out = (tmp_path / "stdout.log").read_text()
     err = (tmp_path / "stderr.log").read_text()
@@ -95,9 +102,17 @@ def test_fork_start_gives_the_worker_torchruns_env_argv_session_and_files_and_no
 
 
 def test_fork_start_execs_the_worker_when_the_agent_has_initialized_cuda(run_python, tmp_path):
-    agent, worker, _, _ = run_agent(run_python, tmp_path, "return", cuda=True)
+    agent, worker, _, _ = run_agent(run_python, tmp_path, "return", agent_state="cuda")
     assert (agent["process"], agent["returncode"]) == ("Popen", 0)
     assert worker["argv"][1:] == ["return", "two words"] and worker["rank"] == "3"
+
+
+def test_fork_start_execs_the_worker_and_says_so_when_the_fork_server_is_gone(run_python, tmp_path):
+    stderr: list[str] = []
+    agent, worker, _, _ = run_agent(run_python, tmp_path, "return", agent_state="server-gone", agent_stderr=stderr)
+    assert (agent["process"], agent["returncode"]) == ("Popen", 0)
+    assert worker["argv"][1:] == ["return", "two words"] and worker["grandparent"] != agent["agent_pid"]
+    assert "is gone" in stderr[0] and "workers start by exec" in stderr[0]
 
 
 @pytest.mark.parametrize("behaviour,returncode,in_stderr", [

@@ -153,8 +153,14 @@ def _fork_handler(base: type) -> type:
             module_args = worker_args(args)
             if module_args is None or torch.cuda.is_initialized() or _SERVER is None or not _SERVER.alive:
                 return super()._popen(args, env)
-            return ForkedWorker.start(args, env, module_args=module_args, stdout=self._stdout,
-                                      stderr=self._stderr)
+            try:
+                return ForkedWorker.start(args, env, module_args=module_args, stdout=self._stdout,
+                                          stderr=self._stderr)
+            except OSError as exc:      # the fork server is gone: this and later workers start by exec
+                _SERVER.alive = False
+                print(f"dtprobe: the fork server (pid {_SERVER.pid}) is gone ({exc}); workers start by exec.",
+                      file=sys.stderr, flush=True)
+                return super()._popen(args, env)
 
     return ForkHandler
 

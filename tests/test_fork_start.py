@@ -53,6 +53,13 @@ handler = api.get_subprocess_handler(
     env={"RANK": "3", "EXTRA": "x", "PYTHONPATH": path}, stdout=f"{out_dir}/stdout.log",
     stderr=f"{out_dir}/stderr.log", local_rank_id=0)
 timed_out = False
+zombie_until_polled = None
+if behaviour == "sigkill":      # dead but not reaped before torchrun's poll (the launcher reads its exit code then)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and open(f"/proc/{handler.proc.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+        time.sleep(0.01)
+    time.sleep(0.3)
+    zombie_until_polled = open(f"/proc/{handler.proc.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
 if behaviour == "sleep":
     while not os.path.getsize(f"{out_dir}/stdout.log"):
         time.sleep(0.05)
@@ -64,6 +71,7 @@ if behaviour == "sleep":
 code = handler.proc.wait(60)
 print(json.dumps({"returncode": code, "pid": handler.proc.pid, "agent_pid": os.getpid(),
                   "listener_fd": listener.fileno(), "timed_out": timed_out, "kind": type(handler).__name__,
+                  "zombie_until_polled": zombie_until_polled,
                   "process": type(handler.proc).__name__}))
 """
 
@@ -126,6 +134,8 @@ def test_fork_start_reports_the_exit_code_or_signal_the_interpreter_would_end_wi
     agent, _, _, err = run_agent(run_python, tmp_path, behaviour)
     assert agent["returncode"] == returncode
     assert in_stderr in err
+    if behaviour == "sigkill":
+        assert agent["zombie_until_polled"] is True
 
 
 def test_fork_start_close_signals_the_workers_process_group_and_wait_times_out_while_it_runs(run_python, tmp_path):

@@ -22,8 +22,9 @@ Why forking is safe: workers are not forked from the agent but from its fork ser
 threads torchrun starts later (the rendezvous store's server loop, the keep-alive). Forking the agent itself, a
 worker could inherit a lock that the store's server thread held at that instant, serving the workers already
 started: once in a few hundred starts, a worker then blocked for ever in its own store client (seen with 8 ranks
-on 2 cores). The server does nothing but fork on request and report each worker's ``waitpid`` status back over a
-socket pair; it ends when the agent's end closes. A worker closes every inherited descriptor (so neither the
+on 2 cores). The server does nothing but fork on request and, when torchrun polls a worker, ``waitpid`` it
+without blocking (so a dead worker stays a zombie until that poll, as a Popen'd one does); it ends when the
+agent's end of their socket pair closes. A worker closes every inherited descriptor (so neither the
 agent's store socket nor the server's socket is kept open by workers), builds its own process group and store
 client from the environment, writes through new ``sys.std*`` objects and freezes the inherited objects for the
 cycle collector (no finalizer of an agent object runs in the child and closes a descriptor number the worker
@@ -177,17 +178,18 @@ def worker_args(args: Sequence[str]) -> list[str] | None:
 
 class ForkServer:
     """The agent's end of its fork server (``_serve``, a child forked by ``install`` before torchrun starts any
-    thread): ``fork`` asks it for a worker and returns the worker's pid, ``status`` is that worker's ``waitpid``
-    status once the server reaped it. Messages are pickled tuples on a ``SOCK_SEQPACKET`` pair (one message per
-    send); the worker's stdout/stderr descriptors travel with the request (``SCM_RIGHTS``)."""
+    thread): ``fork`` asks it for a worker and returns the worker's pid; ``status`` asks it to ``waitpid`` that
+    worker without blocking. The server reaps a worker only when asked, so a worker that died stays a zombie until
+    torchrun's next poll, as a Popen'd one does (the launcher's ``ExitWatcher`` reads exit codes from zombies).
+    Messages are pickled tuples on a ``SOCK_SEQPACKET`` pair, one per send, each request answered before the next;
+    the worker's stdout/stderr descriptors travel with a fork request (``SCM_RIGHTS``)."""
 
-    START_TIMEOUT_S = 60.0
+    REPLY_TIMEOUT_S = 60.0
 
     def __init__(self, sock: socket.socket, pid: int) -> None:
         self.sock = sock
         self.pid = pid
         self.alive = True
-        self._statuses: dict[int, int] = {}
         self._lock = threading.Lock()
 
     @classmethod
@@ -205,41 +207,32 @@ class ForkServer:
 
     def fork(self, env: dict[str, str], module_args: list[str], out_fd: int | None, err_fd: int | None) -> int:
         fds = [fd for fd in (out_fd, err_fd) if fd is not None]
-        request = pickle.dumps((env, module_args, out_fd is not None, err_fd is not None))
-        with self._lock:
-            socket.send_fds(self.sock, [request], fds)
-            deadline = time.monotonic() + self.START_TIMEOUT_S
-            while True:
-                message = self._receive(timeout=max(0.0, deadline - time.monotonic()))
-                if message is None:
-                    raise RuntimeError(f"dtprobe: the fork server (pid {self.pid}) did not start a worker within "
-                                       f"{self.START_TIMEOUT_S:.0f} s; rerun with --worker-start exec.")
-                if message[0] == "started":
-                    return message[1]
+        return self._ask(("fork", env, module_args, out_fd is not None, err_fd is not None), fds)
 
     def status(self, pid: int) -> int | None:
-        """The worker's ``waitpid`` status once it ended, else None (never blocks)."""
-        with self._lock:
-            while pid not in self._statuses and self._receive(timeout=0.0) is not None:
-                pass
-            if pid not in self._statuses and not self.alive and not _exists(pid):
-                print(f"dtprobe: the fork server ended before worker {pid}; its exit status is lost, reported as 1.",
-                      file=sys.stderr, flush=True)
-                self._statuses[pid] = 1 << 8
-            return self._statuses.get(pid)
+        """The worker's ``waitpid`` status once it ended, else None (the server does not block on it)."""
+        if self.alive:
+            try:
+                return self._ask(("poll", pid), [])
+            except OSError:
+                self.alive = False
+        if _exists(pid):
+            return None
+        print(f"dtprobe: the fork server ended before worker {pid}; its exit status is lost, reported as 1.",
+              file=sys.stderr, flush=True)
+        return 1 << 8
 
-    def _receive(self, timeout: float) -> tuple | None:
-        """One message (an ``exit`` one is filed under its pid), or None when none came within ``timeout``."""
-        if not self.alive or not select.select([self.sock], [], [], timeout)[0]:
-            return None
-        data = self.sock.recv(1 << 16)
-        if not data:                # the server ended
-            self.alive = False
-            return None
-        message = pickle.loads(data)
-        if message[0] == "exit":
-            self._statuses[message[1]] = message[2]
-        return message
+    def _ask(self, request: tuple, fds: list[int]) -> Any:
+        """Send one request, return the server's answer; OSError when the server is gone or does not answer."""
+        with self._lock:
+            socket.send_fds(self.sock, [pickle.dumps(request)], fds)
+            if not select.select([self.sock], [], [], self.REPLY_TIMEOUT_S)[0]:
+                raise TimeoutError(f"the fork server (pid {self.pid}) did not answer {request[0]!r} within "
+                                   f"{self.REPLY_TIMEOUT_S:.0f} s")
+            data = self.sock.recv(1 << 16)
+            if not data:
+                raise ConnectionResetError(f"the fork server (pid {self.pid}) ended")
+            return pickle.loads(data)
 
 
 def _exists(pid: int) -> bool:
@@ -253,49 +246,42 @@ def _exists(pid: int) -> bool:
 
 
 def _serve(sock: socket.socket) -> None:
-    """The fork server's loop: fork a worker per request (``_child``), report each one's ``waitpid`` status when it
-    ends; exit when the agent's end closes. Single-threaded by construction. SIGINT, SIGTERM and SIGHUP (a Ctrl-C
-    or a stop may reach the agent's whole process group) are ignored, so that the server outlives the agent's own
-    handling of them and the statuses of the workers torchrun then stops still reach it; each worker gets the
-    dispositions back."""
+    """The fork server's loop, one request at a time: ``fork`` (a worker, ``_child``; answers its pid) or ``poll``
+    (``waitpid`` of one of its workers without blocking; answers the status or None); exit when the agent's end
+    closes. Single-threaded by construction. SIGINT, SIGTERM and SIGHUP (a Ctrl-C or a stop may reach the agent's
+    whole process group) are ignored, so that the server outlives the agent's own handling of them and torchrun
+    can still poll the workers it then stops; each worker gets the dispositions back."""
     code = 0
     try:
         gc.freeze()
         stopping = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
         dispositions = {sig: signal.signal(sig, signal.SIG_IGN) for sig in stopping}
-        children: dict[int, int | None] = {}         # pid -> its pidfd (None where pidfds are unavailable)
         while True:
-            watched = [fd for fd in children.values() if fd is not None]
-            timeout = 0.05 if None in children.values() else None
-            ready = select.select([sock, *watched], [], [], timeout)[0]
-            if sock in ready:
-                data, fds, _, _ = socket.recv_fds(sock, 1 << 20, 2)
-                if not data:
-                    break
-                env, module_args, has_out, has_err = pickle.loads(data)
-                received = iter(fds)
-                out_fd = next(received) if has_out else None
-                err_fd = next(received) if has_err else None
-                pid = os.fork()
-                if pid == 0:
-                    sock.close()
-                    for sig, disposition in dispositions.items():
-                        signal.signal(sig, disposition)
-                    _child(env, module_args, out_fd=out_fd, err_fd=err_fd)     # never returns
-                for fd in fds:
-                    os.close(fd)
+            data, fds, _, _ = socket.recv_fds(sock, 1 << 20, 2)
+            if not data:
+                break
+            request = pickle.loads(data)
+            if request[0] == "poll":
                 try:
-                    children[pid] = os.pidfd_open(pid)
-                except (AttributeError, OSError):
-                    children[pid] = None
-                sock.send(pickle.dumps(("started", pid)))
-            for pid in list(children):
-                ended, status = os.waitpid(pid, os.WNOHANG)
-                if ended == pid:
-                    fd = children.pop(pid)
-                    if fd is not None:
-                        os.close(fd)
-                    sock.send(pickle.dumps(("exit", pid, status)))
+                    pid, status = os.waitpid(request[1], os.WNOHANG)
+                    answer = status if pid == request[1] else None
+                except ChildProcessError:      # reaped by an earlier poll: Popen reports such a worker as 0
+                    answer = 0
+                sock.send(pickle.dumps(answer))
+                continue
+            _, env, module_args, has_out, has_err = request
+            received = iter(fds)
+            out_fd = next(received) if has_out else None
+            err_fd = next(received) if has_err else None
+            pid = os.fork()
+            if pid == 0:
+                sock.close()
+                for sig, disposition in dispositions.items():
+                    signal.signal(sig, disposition)
+                _child(env, module_args, out_fd=out_fd, err_fd=err_fd)     # never returns
+            for fd in fds:
+                os.close(fd)
+            sock.send(pickle.dumps(pid))
     except BrokenPipeError:         # the agent is gone
         pass
     except BaseException:

@@ -52,6 +52,12 @@ handler = api.get_subprocess_handler(
     entrypoint=sys.executable, args=("-u", "-m", "fork_probe_worker", behaviour, "two words"),
     env={"RANK": "3", "EXTRA": "x", "PYTHONPATH": path}, stdout=f"{out_dir}/stdout.log",
     stderr=f"{out_dir}/stderr.log", local_rank_id=0)
+if agent_state == "stale-answer":  # a poll whose answer was never read (a signal interrupted it), after the exit
+    import pickle
+    time.sleep(1.0)
+    fork_start._SERVER._asked += 1
+    socket.send_fds(fork_start._SERVER.sock, [pickle.dumps((fork_start._SERVER._asked, "poll", handler.proc.pid))], [])
+    time.sleep(0.3)
 timed_out = False
 zombie_until_polled = None
 if behaviour == "sigkill":      # dead but not reaped before torchrun's poll (the launcher reads its exit code then)
@@ -136,6 +142,11 @@ def test_fork_start_reports_the_exit_code_or_signal_the_interpreter_would_end_wi
     assert in_stderr in err
     if behaviour == "sigkill":
         assert agent["zombie_until_polled"] is True
+
+
+def test_fork_start_skips_an_unread_answer_and_keeps_the_status_the_server_reaped(run_python, tmp_path):
+    agent, _, _, _ = run_agent(run_python, tmp_path, "exit3", agent_state="stale-answer")
+    assert (agent["process"], agent["returncode"]) == ("ForkedWorker", 3)
 
 
 def test_fork_start_close_signals_the_workers_process_group_and_wait_times_out_while_it_runs(run_python, tmp_path):

@@ -181,8 +181,10 @@ class ForkServer:
     thread): ``fork`` asks it for a worker and returns the worker's pid; ``status`` asks it to ``waitpid`` that
     worker without blocking. The server reaps a worker only when asked, so a worker that died stays a zombie until
     torchrun's next poll, as a Popen'd one does (the launcher's ``ExitWatcher`` reads exit codes from zombies).
-    Messages are pickled tuples on a ``SOCK_SEQPACKET`` pair, one per send, each request answered before the next;
-    the worker's stdout/stderr descriptors travel with a fork request (``SCM_RIGHTS``)."""
+    Messages are pickled tuples on a ``SOCK_SEQPACKET`` pair, one per send, each answer carrying its request's
+    number: an answer left unread by a request that a signal interrupted (torchrun raises from its SIGTERM
+    handler) is skipped by the next one. The worker's stdout/stderr descriptors travel with a fork request
+    (``SCM_RIGHTS``)."""
 
     REPLY_TIMEOUT_S = 60.0
 
@@ -191,6 +193,7 @@ class ForkServer:
         self.pid = pid
         self.alive = True
         self._lock = threading.Lock()
+        self._asked = 0
 
     @classmethod
     def start(cls) -> "ForkServer":
@@ -225,14 +228,20 @@ class ForkServer:
     def _ask(self, request: tuple, fds: list[int]) -> Any:
         """Send one request, return the server's answer; OSError when the server is gone or does not answer."""
         with self._lock:
-            socket.send_fds(self.sock, [pickle.dumps(request)], fds)
-            if not select.select([self.sock], [], [], self.REPLY_TIMEOUT_S)[0]:
-                raise TimeoutError(f"the fork server (pid {self.pid}) did not answer {request[0]!r} within "
-                                   f"{self.REPLY_TIMEOUT_S:.0f} s")
-            data = self.sock.recv(1 << 16)
-            if not data:
-                raise ConnectionResetError(f"the fork server (pid {self.pid}) ended")
-            return pickle.loads(data)
+            self._asked += 1
+            number = self._asked
+            socket.send_fds(self.sock, [pickle.dumps((number, *request))], fds)
+            deadline = time.monotonic() + self.REPLY_TIMEOUT_S
+            while True:
+                if not select.select([self.sock], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                    raise TimeoutError(f"the fork server (pid {self.pid}) did not answer {request[0]!r} within "
+                                       f"{self.REPLY_TIMEOUT_S:.0f} s")
+                data = self.sock.recv(1 << 16)
+                if not data:
+                    raise ConnectionResetError(f"the fork server (pid {self.pid}) ended")
+                answered, answer = pickle.loads(data)
+                if answered == number:
+                    return answer
 
 
 def _exists(pid: int) -> bool:
@@ -256,20 +265,24 @@ def _serve(sock: socket.socket) -> None:
         gc.freeze()
         stopping = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
         dispositions = {sig: signal.signal(sig, signal.SIG_IGN) for sig in stopping}
+        reaped: dict[int, int] = {}      # pid -> status: asked again when the answer was not read
         while True:
             data, fds, _, _ = socket.recv_fds(sock, 1 << 20, 2)
             if not data:
                 break
-            request = pickle.loads(data)
-            if request[0] == "poll":
-                try:
-                    pid, status = os.waitpid(request[1], os.WNOHANG)
-                    answer = status if pid == request[1] else None
-                except ChildProcessError:      # reaped by an earlier poll: Popen reports such a worker as 0
-                    answer = 0
-                sock.send(pickle.dumps(answer))
+            number, kind, *request = pickle.loads(data)
+            if kind == "poll":
+                (pid,) = request
+                if pid not in reaped:
+                    try:
+                        ended, status = os.waitpid(pid, os.WNOHANG)
+                    except ChildProcessError:      # not a worker of this server: Popen reports such a pid as 0
+                        ended, status = pid, 0
+                    if ended == pid:
+                        reaped[pid] = status
+                sock.send(pickle.dumps((number, reaped.get(pid))))
                 continue
-            _, env, module_args, has_out, has_err = request
+            env, module_args, has_out, has_err = request
             received = iter(fds)
             out_fd = next(received) if has_out else None
             err_fd = next(received) if has_err else None
@@ -281,7 +294,7 @@ def _serve(sock: socket.socket) -> None:
                 _child(env, module_args, out_fd=out_fd, err_fd=err_fd)     # never returns
             for fd in fds:
                 os.close(fd)
-            sock.send(pickle.dumps(pid))
+            sock.send(pickle.dumps((number, pid)))
     except BrokenPipeError:         # the agent is gone
         pass
     except BaseException:

@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from dtprobe.analysis.device_arrivals import MIN_MATCHED_COLLECTIVES
-
 SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
 """rich style of each severity in the text rendering."""
 
@@ -74,6 +72,8 @@ def clock_fact(m: dict[str, Any]) -> str:
             f"{max(abs(o['offset_us'] or 0) for o in offsets):.1f} us, residual up to "
             f"{max(o['residual_us'] or 0 for o in offsets):.1f} us")
     if arrivals:
+        from dtprobe.analysis.device_arrivals import MIN_MATCHED_COLLECTIVES   # pandas: not for the exporters
+
         last = max(arrivals, key=lambda r: (r["last_frac"], r["median_lateness_us"]))
         line += (f"; rank {last['rank']} starts last in {last['last_frac']:.0%} of its {last['pg']} "
                  f"collectives (median +{last['median_lateness_us']:.0f} us, device clock)")

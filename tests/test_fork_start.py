@@ -4,7 +4,8 @@ forked workers.
 
 The handler tests run a small agent (``AGENT``: torchrun's ``get_subprocess_handler`` after ``install``, with
 ``tests/fork_probe_worker.py`` standing in for the worker module) that has what torchrun's agent has when it
-starts workers: Python signal handlers, an ``atexit`` function, a root log handler and a listening socket.
+starts workers: Python signal handlers, an ``atexit`` function, a root log handler, a listening socket and a
+thread holding a lock (as the rendezvous store's server thread may while it serves the workers already started).
 """
 
 from __future__ import annotations
@@ -85,8 +86,8 @@ print(json.dumps({"returncode": code, "pid": handler.proc.pid, "agent_pid": os.g
 def run_agent(run_python, tmp_path: Path, behaviour: str, *, agent_state: str = "-",
               agent_stderr: list[str] | None = None) -> tuple[dict, dict, str, str]:
     """(agent's report, worker's report, worker stdout, worker stderr) of one start (``agent_state``: ``cuda``
-    with CUDA initialized in the agent, ``server-gone`` with its fork server killed; the agent's own stderr is
-    appended to ``agent_stderr``)."""
+    with CUDA initialized in the agent, ``server-gone`` with its fork server killed, ``stale-answer`` with a poll
+    whose answer the agent never read; the agent's own stderr is appended to ``agent_stderr``)."""
     proc = run_python(AGENT, TESTS_DIR, tmp_path, behaviour, agent_state, timeout_s=120)
     assert proc.returncode == 0, proc.stderr
     if agent_stderr is not None:

@@ -5,8 +5,8 @@ can finalize the run sooner. A failure (torchrun's ``ChildFailedError`` and any 
 exit path unchanged.
 
 When ARGS run ``-m dtprobe.runtime.worker`` (``dtprobe run``) and ``DTPROBE_WORKER_START`` is not ``exec``, the
-agent first imports torch and the worker's modules, and starts each worker as a fork of itself
-(``runtime.fork_start``); any other entrypoint (``dtprobe launch``'s user scripts) is exec'd as torchrun does.
+agent first imports torch and the worker's modules, and starts each worker as a fork of its fork server, a copy
+of itself made before torchrun starts any thread (``runtime.fork_start``); any other entrypoint (``dtprobe launch``'s user scripts) is exec'd as torchrun does.
 """
 
 from __future__ import annotations

@@ -242,21 +242,21 @@ def detect_hangs(missing: pd.DataFrame, faults: pd.DataFrame | None, *, last_see
         sides = ({f"node{n}": [m for m in everyone if node_of.get(m) == n] for n in sorted(spans)}
                  if cause == "network" else None)
         is_p2p = getattr(r, "peer", None) is not None and not pd.isna(getattr(r, "peer", None))
-        what = (f"{r.op} #{r.seq % ATTEMPT_SEQ_STRIDE}" + (f" with peer {int(r.peer)}" if is_p2p else "")
-                + f" on {group_phrase(r.pg, group_members(r.pg_ranks))} (step {r.step})")
+        op_no = f"{r.op} #{r.seq % ATTEMPT_SEQ_STRIDE}"
+        where = f"on {group_phrase(r.pg, group_members(r.pg_ranks))} (step {r.step})"
+        what = op_no + (f" with peer {int(r.peer)}" if is_p2p else "") + f" {where}"
+        waiters = list(group_members(str(r.arrived_ranks)))
+        states = f" ({', '.join(f'rank {m} {live[m]}' for m in miss)})"
         if cause == "network":
             title = (f"ranks on {' and '.join(f'{k} {ranks_phrase(v)}' for k, v in sides.items())} wait for each other at "
                      f"{what} for {waited_ns / 1e9:.1f} s, all alive: the network between the nodes")
         elif miss and is_p2p:           # r is the waiting side's op: name what it waited for, and from whom
-            title = (f"rank(s) {culprits} never {'sent' if r.op == 'recv' else 'received'}: rank(s) "
-                     f"{list(group_members(str(r.arrived_ranks)))} waited {waited_ns / 1e9:.1f} s in "
-                     f"{r.op} #{r.seq % ATTEMPT_SEQ_STRIDE} {'from' if r.op == 'recv' else 'to'} rank {int(r.peer)} on "
-                     f"{group_phrase(r.pg, group_members(r.pg_ranks))} (step {r.step})"
-                     f" ({', '.join(f'rank {m} {live[m]}' for m in miss)})")
+            title = (f"rank(s) {culprits} never {'sent' if r.op == 'recv' else 'received'}: rank(s) {waiters} waited "
+                     f"{waited_ns / 1e9:.1f} s in {op_no} {'from' if r.op == 'recv' else 'to'} rank {int(r.peer)} "
+                     f"{where}{states}")
         elif miss:
-            title = (f"rank(s) {culprits} never arrived at {what}; rank(s) {list(group_members(str(r.arrived_ranks)))} "
-                     f"waited {waited_ns / 1e9:.1f} s"
-                     f" ({', '.join(f'rank {m} {live[m]}' for m in miss)})")
+            title = (f"rank(s) {culprits} never arrived at {what}; rank(s) {waiters} waited {waited_ns / 1e9:.1f} s"
+                     f"{states}")
         else:
             title = f"ranks {everyone} all entered {what} and none finished it in {waited_ns / 1e9:.1f} s"
         report = _watchdog_report(observed, r)

@@ -370,12 +370,17 @@ def record_cost_worker(out: Path, *, rounds: int, block: int) -> None:
     out.write_text(json.dumps(results))
 
 
+def _round_costs(took: dict[str, list[list[float]]], clock: int) -> list[float]:
+    """Per round, recorded - plain on clock ``clock`` (0 caller thread CPU, 1 process CPU, 2 wall), us."""
+    return [r[clock] - p[clock] for r, p in zip(took["recorded"], took["plain"])]
+
+
 def _cost_line(key: str, took: dict[str, list[list[float]]]) -> str:
     """One way's costs: per clock, the median (10th .. 90th percentile) over rounds of recorded - plain, and the
     difference of each side's best round (load only adds time, so the best rounds are the least disturbed)."""
     parts = []
     for k, clock in enumerate(("caller thread CPU", "process CPU", "wall")):
-        diffs = [r[k] - p[k] for r, p in zip(took["recorded"], took["plain"])]
+        diffs = _round_costs(took, k)
         deciles = statistics.quantiles(diffs, n=10) if len(diffs) > 1 else diffs * 9
         best = min(r[k] for r in took["recorded"]) - min(p[k] for p in took["plain"])
         parts.append(f"{clock} {statistics.median(diffs):5.1f} ({deciles[0]:.1f} .. {deciles[-1]:.1f}; best "
@@ -410,9 +415,7 @@ RECORD_COST_GOAL_US = 10.0
 def record_cost_verdict(costs: dict[str, Any]) -> str:
     """The per-collective goal judged on the precise case: the median caller-thread CPU (recorded - plain) of the
     group as attached (``gloo``), in every way of issuing and waiting; the largest of them decides."""
-    medians = {mode: statistics.median(r[0] - p[0] for r, p in zip(costs[f"gloo/{mode}"]["recorded"],
-                                                                    costs[f"gloo/{mode}"]["plain"]))
-               for mode in RECORD_COST_MODES}
+    medians = {mode: statistics.median(_round_costs(costs[f"gloo/{mode}"], 0)) for mode in RECORD_COST_MODES}
     worst = max(medians, key=medians.get)
     met = "met" if medians[worst] <= RECORD_COST_GOAL_US else "NOT met"
     return (f"per recorded collective, goal <= {RECORD_COST_GOAL_US:g} us (caller thread CPU, gloo as attached, "

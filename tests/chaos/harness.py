@@ -303,13 +303,6 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def cpu_share(pid: int, *, seconds: float) -> float:
-    """Cores ``pid`` used on average over the next ``seconds`` (what it gets now, load included)."""
-    cpu0, t0 = cpu_seconds(pid), time.monotonic()
-    time.sleep(seconds)
-    return (cpu_seconds(pid) - cpu0) / (time.monotonic() - t0)
-
-
 def pin(pid: int, core: int) -> None:
     """Pin every thread of ``pid`` to ``core`` (threads it starts later inherit the mask)."""
     subprocess.run(["taskset", "-a", "-p", "-c", str(core), str(pid)], check=True, capture_output=True, timeout=10)

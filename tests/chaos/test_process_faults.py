@@ -8,13 +8,14 @@ Set ``DTPROBE_CHAOS_RUNS=/some/dir`` to keep each scenario's run directory there
 from __future__ import annotations
 
 import json
+import os
 import signal
 from pathlib import Path
 
 import pytest
 
 from harness import (analyze, assert_only_confirmed_stragglers, cgroup_v1_cpu_available, committed_checkpoints,
-                     cpu_share, dtprobe_run_cmd, findings_of, flip_bit, largest_data_file, pin, summary, torchrun_cmd,
+                     dtprobe_run_cmd, findings_of, flip_bit, largest_data_file, pin, summary, torchrun_cmd,
                      truncate, verdicts_on)
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.chaos]
@@ -137,15 +138,15 @@ def test_cpu_quota_of_one_rank_among_more_ranks_than_cores_makes_it_a_compute_st
     assert cgroup_v1_cpu_available(), ("needs a writable cgroup v1 cpu controller at /sys/fs/cgroup/cpu: run the "
                                        "tests as root on a host that mounts it")
     run = run_dir("cpu_quota_4ranks")
-    # 40 steps: the quota slows every step after the first few (all ranks wait for rank 2), far more than the
-    # straggler verdict's 20-step window needs; the host sampler on (every 0.5 s), as in a user's run, reads the
-    # kernel's throttle counter of each rank's cgroup
+    # 40 steps, the quota in place from rank 2's start (its ranks/ file appears before its first step): every
+    # step of the straggler verdict's 20-step window is slowed, however fast the steps are (a quota set after a
+    # measured step count lands late: the steps' rows reach the disk a flush interval after them). The host
+    # sampler on (every 0.5 s), as in a user's run, reads the kernel's throttle counter of each rank's cgroup.
     job = launch(dtprobe_run_cmd(run, "--nproc", "4", "--steps", "40", "--device-interval", "0.5", devices=True),
                  run, timeout_s=JOB_TIMEOUT_S)
     pid = job.worker_pid(2)
-    job.wait_steps(2, 3)
-    # a third of the CPU it gets now (load included): 3x slower than its peers whatever else runs
-    cpu_quota(cpu_share(pid, seconds=0.5) / 3).add(pid)
+    # a third of its fair share of the cores (4 ranks share them; this test runs alone): 3x slower than its peers
+    cpu_quota(min(1.0, len(os.sched_getaffinity(0)) / 4) / 3).add(pid)
     assert job.wait() == 0, job.output()[-3000:]
     finding = _straggler_verdict(analyze(run), 2)
     ev = finding["evidence"]

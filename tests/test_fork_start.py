@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -49,10 +50,24 @@ if agent_state == "server-gone":
     os.kill(fork_start._SERVER.pid, signal.SIGKILL)
     os.waitpid(fork_start._SERVER.pid, 0)
 path = os.pathsep.join([sys.argv[1], os.environ.get("PYTHONPATH", "")])
-handler = api.get_subprocess_handler(
-    entrypoint=sys.executable, args=("-u", "-m", "fork_probe_worker", behaviour, "two words"),
-    env={"RANK": "3", "EXTRA": "x", "PYTHONPATH": path}, stdout=f"{out_dir}/stdout.log",
-    stderr=f"{out_dir}/stderr.log", local_rank_id=0)
+if agent_state == "interrupted-fork":   # torchrun's SIGTERM handler raises after the fork request went out
+    import select
+    class InterruptOnce:
+        raised = False
+        def select(self, *args):
+            if not self.raised:
+                self.raised = True
+                raise KeyboardInterrupt
+            return select.select(*args)
+    fork_start.select = InterruptOnce()
+try:
+    handler = api.get_subprocess_handler(
+        entrypoint=sys.executable, args=("-u", "-m", "fork_probe_worker", behaviour, "two words"),
+        env={"RANK": "3", "EXTRA": "x", "PYTHONPATH": path}, stdout=f"{out_dir}/stdout.log",
+        stderr=f"{out_dir}/stderr.log", local_rank_id=0)
+except KeyboardInterrupt:
+    print(json.dumps({"interrupted": True}))
+    sys.exit(0)
 if agent_state == "stale-answer":  # a poll whose answer was never read (a signal interrupted it), after the exit
     import pickle
     time.sleep(1.0)
@@ -148,6 +163,25 @@ def test_fork_start_reports_the_exit_code_or_signal_the_interpreter_would_end_wi
 def test_fork_start_skips_an_unread_answer_and_keeps_the_status_the_server_reaped(run_python, tmp_path):
     agent, _, _, _ = run_agent(run_python, tmp_path, "exit3", agent_state="stale-answer")
     assert (agent["process"], agent["returncode"]) == ("ForkedWorker", 3)
+
+
+def test_a_fork_request_interrupted_by_a_signal_kills_the_worker_nobody_owns(run_python, tmp_path):
+    proc = run_python(AGENT, TESTS_DIR, tmp_path, "sleep", "interrupted-fork", timeout_s=120)
+    assert proc.returncode == 0 and json.loads(proc.stdout.splitlines()[0]) == {"interrupted": True}, proc.stderr
+    killed = re.search(r"worker (\d+) was forked for a start that a signal interrupted; it was killed", proc.stderr)
+    assert killed, proc.stderr
+    pid = int(killed[1])
+    deadline = time.monotonic() + 10      # the agent is gone: its server ends, init reaps the killed worker
+    while time.monotonic() < deadline and Path(f"/proc/{pid}").exists() and _state(pid) != "Z":
+        time.sleep(0.05)
+    assert not Path(f"/proc/{pid}").exists() or _state(pid) == "Z", f"worker {pid} still runs"
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return "gone"
 
 
 def test_fork_start_close_signals_the_workers_process_group_and_wait_times_out_while_it_runs(run_python, tmp_path):

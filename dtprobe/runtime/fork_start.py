@@ -40,6 +40,7 @@ behaviour (environment read at import, modules already imported by the agent) we
 from __future__ import annotations
 
 import atexit
+import contextlib
 import faulthandler
 import gc
 import importlib
@@ -183,10 +184,12 @@ class ForkServer:
     torchrun's next poll, as a Popen'd one does (the launcher's ``ExitWatcher`` reads exit codes from zombies).
     Messages are pickled tuples on a ``SOCK_SEQPACKET`` pair, one per send, each answer carrying its request's
     number: an answer left unread by a request that a signal interrupted (torchrun raises from its SIGTERM
-    handler) is skipped by the next one. The worker's stdout/stderr descriptors travel with a fork request
-    (``SCM_RIGHTS``)."""
+    handler) is skipped by the next one, and the worker of such a fork request is killed (``_stop_unowned``). The
+    worker's stdout/stderr descriptors travel with a fork request (``SCM_RIGHTS``)."""
 
     REPLY_TIMEOUT_S = 60.0
+    UNOWNED_ANSWER_S = 5.0
+    """How long an interrupted fork request still waits for its worker's pid, to kill the worker."""
 
     def __init__(self, sock: socket.socket, pid: int) -> None:
         self.sock = sock
@@ -231,17 +234,41 @@ class ForkServer:
             self._asked += 1
             number = self._asked
             socket.send_fds(self.sock, [pickle.dumps((number, *request))], fds)
-            deadline = time.monotonic() + self.REPLY_TIMEOUT_S
-            while True:
-                if not select.select([self.sock], [], [], max(0.0, deadline - time.monotonic()))[0]:
-                    raise TimeoutError(f"the fork server (pid {self.pid}) did not answer {request[0]!r} within "
-                                       f"{self.REPLY_TIMEOUT_S:.0f} s")
-                data = self.sock.recv(1 << 16)
-                if not data:
-                    raise ConnectionResetError(f"the fork server (pid {self.pid}) ended")
-                answered, answer = pickle.loads(data)
-                if answered == number:
-                    return answer
+            try:
+                return self._answer(number, request[0], self.REPLY_TIMEOUT_S)
+            except BaseException:
+                if request[0] == "fork":
+                    self._stop_unowned(number)
+                raise
+
+    def _answer(self, number: int, kind: str, timeout_s: float) -> Any:
+        """The answer to request ``number``, skipping older ones left unread."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if not select.select([self.sock], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                raise TimeoutError(f"the fork server (pid {self.pid}) did not answer {kind!r} within "
+                                   f"{timeout_s:.0f} s")
+            data = self.sock.recv(1 << 16)
+            if not data:
+                raise ConnectionResetError(f"the fork server (pid {self.pid}) ended")
+            answered, answer = pickle.loads(data)
+            if answered == number:
+                return answer
+
+    def _stop_unowned(self, number: int) -> None:
+        """A fork request ended before its answer was read (torchrun's SIGTERM handler raised meanwhile): the
+        server may have forked the worker, and no handler knows its pid, so nothing would ever stop it. Read the
+        pid (briefly) and kill the worker and its process group (its own session, as torchrun's ``close``
+        signals)."""
+        try:
+            pid = self._answer(number, "fork", self.UNOWNED_ANSWER_S)
+        except BaseException:       # the server is gone or stuck, or a second signal: nothing more to do here
+            return
+        for kill in (os.killpg, os.kill):   # its group, once it has made its session; itself, also before that
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                kill(pid, signal.SIGKILL)
+        print(f"dtprobe: worker {pid} was forked for a start that a signal interrupted; it was killed.",
+              file=sys.stderr, flush=True)
 
 
 def _exists(pid: int) -> bool:

@@ -191,9 +191,21 @@ def write_scale_run(run_dir: Path, ranks: int, steps: int, *, one_host: bool) ->
     compact(run_dir)
     took = time.perf_counter() - t
     t = time.perf_counter()
-    summary_store.make(run_dir)  # what `dtprobe run` leaves: the Overview is drawn from it
-    print(f"  {ranks} ranks: analysis and stored summary made in {time.perf_counter() - t:.1f} s", flush=True)
+    finish_as_dtprobe_run(run_dir)
+    print(f"  {ranks} ranks: derived tables, analysis and stored summary made in {time.perf_counter() - t:.1f} s",
+          flush=True)
     return took
+
+
+def finish_as_dtprobe_run(run_dir: Path) -> None:
+    """What `dtprobe run` does after the launcher compacted a finished run: add the analysis' derived per-step
+    tables (the pages read lateness, exposure and waits from them) and store the Overview, by the same call."""
+    from rich.console import Console
+
+    from dtprobe.commands.compact import store_summary
+
+    if store_summary(run_dir, console=Console(stderr=True)) is None:
+        raise SystemExit(f"{run_dir}: no summary stored (see above)")
 
 
 def measure_pages(root: Path, runs: list[str], pages: list[str]) -> dict[tuple[str, str, str], float]:
@@ -366,7 +378,7 @@ def main() -> None:
         shutil.copytree(live_root / "big", done_root / "big")
         set_status(done_root / "big", "finished")
         compact(done_root / "big")
-        summary_store.make(done_root / "big")
+        finish_as_dtprobe_run(done_root / "big")
         cases = [("live (running, newest steps)", lambda: server_to_overview_s(live_root, "big")),
                  ("finished (compacted, whole run)", lambda: server_to_overview_s(done_root, "big")),
                  ("floor: a one-metric Streamlit page", lambda: streamlit_floor_s(Path(tmp)))]

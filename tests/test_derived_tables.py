@@ -202,6 +202,34 @@ def test_dtprobe_compact_writes_the_derived_tables(tmp_path, run_cli):
     assert derived["key"] == KEY and derived["tables"][LATENESS]["rows"] == 120
 
 
+def test_analyze_says_when_a_large_compacted_run_lacks_this_dtprobes_derived_tables(tmp_path, monkeypatch, capsys):
+    from dtprobe.cli import main as cli_main
+    from dtprobe.commands import compact as compact_command
+
+    run = tmp_path / "dp4_straggler_rank2"
+    shutil.copytree(SAMPLES / "dp4_straggler_rank2", run)
+    compact(run)                                                       # compacted by the API alone: none written
+    rows = RunStore.open(run).num_rows()["collectives"]
+
+    def hint_of_analyze() -> str:
+        cli_main(["analyze", str(run), "--format", "json"])
+        return capsys.readouterr().err
+
+    assert "hold no derived tables" not in hint_of_analyze()           # below DERIVED_HINT_ROWS: said nowhere
+    monkeypatch.setattr(compact_command, "DERIVED_HINT_ROWS", rows)    # the run counts as large
+    err = hint_of_analyze()
+    assert (f"{run}: its compacted tables hold no derived tables of this dtprobe, so every analysis derives them "
+            f"from all {rows:,} collective rows; `dtprobe compact {run}` adds them once, and later analyses read "
+            f"them.\n") in err
+    assert add_derived(run, deriver()) is True
+    assert "hold no derived tables" not in hint_of_analyze()
+    marker = run / "tables" / "_compacted.json"                        # written by a dtprobe whose deriver differs
+    doc = orjson.loads(marker.read_bytes())
+    doc["derived"]["key"] = {**KEY, "version": KEY["version"] - 1}
+    marker.write_bytes(orjson.dumps(doc))
+    assert "hold no derived tables" in hint_of_analyze()
+
+
 def _compacted(run: Path) -> Path:
     compact(run, derive=deriver())
     assert "skipped" not in orjson.loads((run / "tables" / "_compacted.json").read_bytes())["derived"]

@@ -76,6 +76,7 @@ def main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from dtprobe.analysis.facade import AnalysisOptions, RunAnalysis, open_source
+    from dtprobe.commands.compact import missing_derived_hint
     from dtprobe.store.errors import ConfigError
 
     err = Console(stderr=True)
@@ -97,6 +98,9 @@ def main(args: argparse.Namespace) -> int:
             baseline = open_source(args.baseline, **reading)
         analysis = RunAnalysis(source, baseline=baseline, options=options)
         check_not_empty(analysis)
+        hint = missing_derived_hint(source)
+        if hint is not None:
+            err.print(hint, highlight=False, soft_wrap=True)   # one line: a path must stay whole to copy
         status.update("Analysing ...")
         report = analysis.report()
     render = {"json": render_json, "md": render_markdown}.get(args.format)

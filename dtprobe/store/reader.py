@@ -309,6 +309,12 @@ class RunStore:
                 return None
             return read_derived(self._path / TABLES_DIR, derived, name, steps)
 
+    def derived_key(self) -> dict | None:
+        """The key the compaction's derived tables were written under (``derived_table`` reads them only under the
+        same key); None when the run is not compacted or its compaction wrote none."""
+        with self._lock:
+            return ((self._compacted or {}).get("derived") or {}).get("key")
+
     @contextmanager
     def step_rows(self) -> Iterator["StepRows"]:
         """The rows the store holds, by step and by step block, with the store's lock held until the block ends: no

@@ -146,6 +146,7 @@ def refresh_cost_s(run: SyntheticRun) -> tuple[float, float, float]:
 
     source = Source(name=run.run_dir.name, path=run.run_dir.resolve(), kind="run")
     data.live_overview(source)
+    data.wait_for_refresh(source)   # a large run's first analysis runs behind: its store is open once it is done
     run.write_steps(1)
     store = data.open_store(source)
     t0 = time.perf_counter()

@@ -17,8 +17,9 @@ without the extra tracemalloc parse of the first file it runs by default for > 8
 HTA down). dtprobe uses 2 worker processes.
 CPU time (user + system of the tool's process tree, sampled every 50 ms beside the memory, so that workers of a
 pool or fork server the tool never reaped count too) is printed beside wall time: on a shared, oversubscribed
-machine it is the steadier measure of work. Peak memory = the largest sum of RSS over the tool's process and its children, sampled every 50 ms (forked
-workers share pages with their parent, so this over-counts both tools alike).
+machine it is the steadier measure of work. Peak memory = the largest sum of RSS over the tool's process and its
+children, sampled every 50 ms (forked workers share pages with their parent, so this over-counts both tools
+alike).
 
 Goal (issue 15): dtprobe at least 9x faster than HTA (wall time) on the same work, with the matching on, and a peak
 memory at most 1x the raw JSON; the printed ratios are those figures (CPU time and wall time of each tool,

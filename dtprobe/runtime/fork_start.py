@@ -1,7 +1,8 @@
 """Warm worker start for ``dtprobe run``: torchrun's agent (``runtime.torchrun_agent``) imports torch,
 ``torch._dynamo`` (DDP imports it) and the worker's modules once, then starts each ``python -u -m
 dtprobe.runtime.worker`` it would have exec'd as a fork of that warm process (through its fork server, below)
-running that module in the child, so no worker pays the imports. Read by ``runtime.torchrun_agent``; chosen by ``runtime.launcher`` (``--worker-start``).
+running that module in the child, so no worker pays the imports. Read by ``runtime.torchrun_agent``; chosen by
+``runtime.launcher`` (``--worker-start``).
 
 The child gets what torchrun's ``SubprocessHandler`` gives a Popen'd worker, observable the same way (but for its
 parent process, the agent's fork server, see below):

@@ -4,7 +4,8 @@ and finalizes the store (status, compaction). Called by ``dtprobe.commands.run``
 One launcher per node. Node 0 creates ``<run>/job.json`` (the resolved ``JobConfig``) and the manifest; other
 nodes wait for both (the run dir must be on a shared filesystem) and pass the same job to their workers.
 torchrun's agent (``runtime.torchrun_agent``) starts the workers as forks of its warm fork server once it imported
-torch and the worker (``--worker-start fork``, ``runtime.fork_start``) or by exec (``--worker-start exec``, torchrun's own start).
+torch and the worker (``--worker-start fork``, ``runtime.fork_start``) or by exec (``--worker-start exec``,
+torchrun's own start).
 torchrun runs in its own session; its log goes to ``<run>/logs/torchrun.node<K>.log`` and each worker's
 stdout/stderr to ``<run>/logs/node<K>/<rdzv id>/attempt_<n>/<local rank>/``. Progress is read from the steps rows
 of the rank that reports the loss (rank 0, or with pipeline parallelism the first rank holding the last stage:

@@ -6,7 +6,8 @@ exit path unchanged.
 
 When ARGS run ``-m dtprobe.runtime.worker`` (``dtprobe run``) and ``DTPROBE_WORKER_START`` is not ``exec``, the
 agent first imports torch and the worker's modules, and starts each worker as a fork of its fork server, a copy
-of itself made before torchrun starts any thread (``runtime.fork_start``); any other entrypoint (``dtprobe launch``'s user scripts) is exec'd as torchrun does.
+of itself made before torchrun starts any thread (``runtime.fork_start``); any other entrypoint (``dtprobe
+launch``'s user scripts) is exec'd as torchrun does.
 """
 
 from __future__ import annotations

@@ -142,6 +142,8 @@ def load_analysis(source: Source, *, whole_run: bool = False) -> RunAnalysis:
         analysis = summary.analyze(entry.source, source.kind, whole_run=whole, window=window)
         if source.kind == "run":
             entry.version = _version(entry.source)  # the skipped head may have been read
+        if summary_store.is_finished(source.path):   # what was kept beside its stored summary is read, not computed
+            analysis.use_kept(summary_store.load_kept(path, key=_summary_key(source)))
         entry.analyses[whole] = (entry.version, analysis)
         return analysis
 
@@ -167,8 +169,9 @@ def load_overview(source: Source, *, whole_run: bool = False) -> Overview:
             key = summary_store.key_of(path)  # before the source is read: a change meanwhile makes it stale
             stored = summary_store.load(path, key=key)   # made while this call waited for the lock
             if stored is None:
-                stored = summarize(load_analysis(source, whole_run=whole_run), path=path)
-                summary_store.store(path, stored, key=key)
+                analysis = load_analysis(source, whole_run=whole_run)
+                stored = summarize(analysis, path=path)
+                summary_store.store(path, stored, key=key, kept=analysis.kept_results())
             _STORED[path] = (token, stored)
             return stored
     entry = _entry(path, None if source.kind == "run" else ("traces", _mtime(source.path)))
@@ -189,10 +192,21 @@ def _stored_overview(source: Source) -> Overview | None:
     memo = _STORED.get(path)
     if memo is not None and memo[0] == token:
         return memo[1]
-    stored = summary_store.load(path)
+    stored = summary_store.load(path, key=_summary_key(source))
     if stored is not None:
         _STORED[path] = (token, stored)
     return stored
+
+
+def _summary_key(source: Source) -> dict:
+    """``summary_store.key_of`` the finished ``source`` (memoized while its files are unchanged: it stats every
+    file of the run), which its stored summary and the results kept beside it are read under."""
+    path = str(source.path)
+    token = _stored_token(source)
+    memo = _KEYS.get(path)
+    if memo is None or memo[0] != token:
+        memo = _KEYS[path] = (token, summary_store.key_of(path))
+    return memo[1]
 
 
 def finished_overview(source: Source, *, whole_run: bool = False) -> Live:
@@ -223,6 +237,8 @@ def overview_pending(source: Source) -> bool:
 _STORED: dict[str, tuple[Any, Overview]] = {}
 """path -> (``_stored_token`` when read or made, the valid stored summary): a rerun skips ``summary_store.key_of``,
 which stats every file of the run."""
+_KEYS: dict[str, tuple[Any, dict]] = {}
+"""path -> (``_stored_token`` when made, ``summary_store.key_of`` the source then)."""
 
 
 def _stored_token(source: Source) -> tuple:
@@ -435,6 +451,7 @@ def clear() -> None:
     with _LOCK:
         _ENTRIES.clear()
         _STORED.clear()
+        _KEYS.clear()
         _STEPS_ONLY.clear()
 
 

@@ -9,7 +9,12 @@ version, other options, a damaged or foreign file) is recomputed, never shown. `
 reads the folders it shows, stores what it made in the per-user cache (``$XDG_CACHE_HOME/dtprobe/summaries``,
 default ``~/.cache/dtprobe/summaries``), as it does for trace folders. A running run has none.
 
-No Streamlit, and the analysis modules (pandas) are imported only to make a summary or its key.
+Beside a summary, the analysis results its pages read back instead of computing them again (the Stragglers page's
+scores and findings with their evidence rows: ``dtprobe.analysis.kept``), in ``<summary file>.kept/`` under the
+same key.
+
+No Streamlit, and the analysis modules (pandas) are imported only to make a summary or its key, or to read the
+results kept beside it.
 """
 
 from __future__ import annotations
@@ -128,11 +133,14 @@ def load(path: str | os.PathLike, *, key: dict[str, Any] | None = None,
     return None
 
 
-def store(path: str | os.PathLike, overview: Overview, *, key: dict[str, Any], in_run_dir: bool = False) -> Path | None:
+def store(path: str | os.PathLike, overview: Overview, *, key: dict[str, Any], in_run_dir: bool = False,
+          kept: dict[str, Any] | None = None) -> Path | None:
     """Store ``overview`` of the finished run or trace folder at ``path`` under ``key`` (made before the source
     was read, so that a change while it was analyzed makes it stale): in the per-user cache, or with
-    ``in_run_dir`` in the run directory when it is a writable run. Returns the file, or None when the Overview
-    covers only some steps or nowhere is writable (the summary is a cache: the next view makes it again)."""
+    ``in_run_dir`` in the run directory when it is a writable run; and beside it the analysis results ``kept``
+    (``RunAnalysis.kept_results()``: in ``<summary file>.kept/``, see ``dtprobe.analysis.kept``). Returns the
+    file, or None when the Overview covers only some steps or nowhere is writable (the summary is a cache: the
+    next view makes it again)."""
     path = Path(path).resolve()
     if not overview.whole or not is_finished(path):
         return None
@@ -141,12 +149,39 @@ def store(path: str | os.PathLike, overview: Overview, *, key: dict[str, Any], i
     for file in places:
         try:
             write_text_atomically(file, doc)
-            return file
         except OSError:
             continue  # a read-only run folder or cache: try the next place
+        if kept is not None:
+            from dtprobe.analysis import kept as kept_results
+
+            kept_results.write(_kept_dir(file), kept, source=str(path), key=key)
+        return file
     return None
 
 
+def _kept_dir(summary_file: Path) -> Path:
+    return summary_file.with_suffix(".kept")
+
+
+def load_kept(path: str | os.PathLike, *, key: dict[str, Any] | None = None,
+              options: AnalysisOptions | None = None):
+    """The analysis results kept beside a stored summary of the finished run or trace folder at ``path``
+    (``dtprobe.analysis.kept.Kept``) when they are valid for ``key`` (default: ``key_of(path, options)``), else
+    None."""
+    from dtprobe.analysis import kept as kept_results
+
+    path = Path(path).resolve()
+    if not is_finished(path):
+        return None
+    folders = [_kept_dir(file) for file in _candidates(path)]
+    if not any(folder.is_dir() for folder in folders):
+        return None
+    key = key or key_of(path, options)
+    for folder in folders:
+        found = kept_results.read(folder, source=str(path), key=key)
+        if found is not None:
+            return found
+    return None
 
 
 def make(path: str | os.PathLike, *, options: AnalysisOptions | None = None, in_run_dir: bool = True) -> Overview:
@@ -157,6 +192,7 @@ def make(path: str | os.PathLike, *, options: AnalysisOptions | None = None, in_
 
     path = Path(path).resolve()
     key = key_of(path, options)
-    overview = summarize(RunAnalysis(open_source(path), options=options), path=str(path))
-    store(path, overview, key=key, in_run_dir=in_run_dir)
+    analysis = RunAnalysis(open_source(path), options=options)
+    overview = summarize(analysis, path=str(path))
+    store(path, overview, key=key, in_run_dir=in_run_dir, kept=analysis.kept_results())
     return overview

@@ -40,6 +40,7 @@ from dtprobe.analysis import exposed_comm as _exposed
 from dtprobe.analysis import failure_reads as _failure_reads
 from dtprobe.analysis import failures as _failures
 from dtprobe.analysis import hangs as _hangs
+from dtprobe.analysis import kept as _kept
 from dtprobe.analysis import links as _links
 from dtprobe.analysis import liveness as _liveness
 from dtprobe.analysis import mismatch as _mismatch
@@ -82,6 +83,7 @@ class RunAnalysis:
         self.options = options or AnalysisOptions()
         self._now_ns = now_ns
         self._cache: dict[str, Any] = {}
+        self._stored: Any = None   # results kept beside the stored summary (use_kept)
 
     @classmethod
     def open(cls, path: str | os.PathLike, *, baseline: str | os.PathLike | None = None,
@@ -93,8 +95,18 @@ class RunAnalysis:
 
     def _memo(self, key: str, fn: Callable[[], Any]) -> Any:
         if key not in self._cache:
-            self._cache[key] = fn()
+            stored = self._stored.get(key) if self._stored is not None and _kept.is_kept(key) else _kept.NOT_KEPT
+            self._cache[key] = fn() if stored is _kept.NOT_KEPT else stored
         return self._cache[key]
+
+    def use_kept(self, kept: _kept.Kept | None) -> None:
+        """Read the results ``kept`` holds (``kept.is_kept``: kept beside the stored summary of this source as it is
+        now, under these options) instead of computing them; each is read when first asked for."""
+        self._stored = kept
+
+    def kept_results(self) -> dict[str, Any]:
+        """The results ``kept.is_kept`` computed so far (what ``summary_store.store`` keeps beside the summary)."""
+        return {name: value for name, value in self._cache.items() if _kept.is_kept(name)}
 
     @property
     def info(self) -> SourceInfo:

@@ -87,6 +87,19 @@ class Finding:
             "predicted_gain": self.predicted_gain.to_json() if self.predicted_gain else None,
         }
 
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any], *, rows: pd.DataFrame | None = None) -> "Finding":
+        """The finding of a ``to_json`` object (its evidence as JSON gives it back: plain values, floats to 6
+        digits), with ``rows``. Raises ValueError for an object that is not one."""
+        try:
+            gain = doc["predicted_gain"]
+            return cls(code=doc["code"], severity=doc["severity"], ranks=tuple(doc["ranks"]), group=doc["group"],
+                       title=doc["title"], evidence=dict(doc["evidence"]), recommendation=doc["recommendation"],
+                       predicted_gain=PredictedGain(metric=gain["metric"], frac=gain["frac"]) if gain else None,
+                       rows=rows)
+        except (KeyError, TypeError, AssertionError) as exc:
+            raise ValueError(f"not a finding object ({exc!r})") from None
+
 
 def sort_findings(findings: list[Finding]) -> list[Finding]:
     """Worst first, then by code and ranks (stable, so reports are reproducible)."""

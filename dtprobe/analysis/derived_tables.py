@@ -228,6 +228,13 @@ def deriver() -> LatenessExposure:
     return LatenessExposure()
 
 
+def read_order(name: str) -> list[str] | None:
+    """The order to ask the store to read the derived table ``name`` in (``derived_table(order=...)``: it sorts in
+    Arrow, where a long member list moves as a dictionary code), so that ``whole_run_frame`` finds it sorted;
+    None for the tables it does not sort (``groups``, ``blocked``)."""
+    return None if name in (GROUPS, BLOCKED) else ORDER[name][0]
+
+
 def whole_run_frame(name: str, blocks: pd.DataFrame) -> pd.DataFrame:
     """The derived table ``name`` as read (its blocks' frames in block order) put in the whole-run frame's row
     order and columns, as ``rank_lateness`` / ``comm_exposure`` return it."""

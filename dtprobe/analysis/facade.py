@@ -276,7 +276,8 @@ class RunAnalysis:
         # the whole-run frame of a derived table kept at compaction (of steps first..last when given), None when
         # the source has none (or not now)
         kept = getattr(self.source, "derived_table", None)
-        kept = kept(name, _derived.KEY, deriver=_derived.deriver, steps=steps) if kept is not None else None
+        kept = (kept(name, _derived.KEY, deriver=_derived.deriver, steps=steps, order=_derived.read_order(name))
+                if kept is not None else None)
         return _derived.whole_run_frame(name, kept) if kept is not None else None
 
     def straggler_scores(self) -> pd.DataFrame:

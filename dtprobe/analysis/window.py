@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import weakref
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import pandas as pd
 import pyarrow as pa
@@ -91,13 +91,15 @@ class StepWindow:
         return pending[~(old & went_on)].reset_index(drop=True)
 
     def derived_table(self, name: str, key: dict, *, steps: tuple[int | None, int | None] | None = None,
-                      deriver: Callable[[], object] | None = None) -> pd.DataFrame | None:
+                      deriver: Callable[[], object] | None = None,
+                      order: Sequence[str] | None = None) -> pd.DataFrame | None:
         """The derived per-step table ``name`` (``derived_tables``, under its ``key``) of the window's rows, only
         of ``steps`` when given; None when the window cannot give it (the facade then computes it from the rows):
         a compacted run (its kept frames are whole step blocks'), a tail-opened store that does not hold the
         window's first step, ``pending`` rows of earlier steps (``table`` keeps some of them, so the window's
         collectives hold rows of no step of it), or frames of its units that may differ from the rows'
-        (``window_derived``). ``deriver`` is not used: the window derives ``derived_tables``' frames itself."""
+        (``window_derived``). ``deriver`` is not used: the window derives ``derived_tables``' frames itself.
+        ``order``: sorted by those columns (``derived.blocks_frame``)."""
         store = self.store
         if key != KEY or getattr(store, "is_compacted", True) or not hasattr(store, "step_rows"):
             return None
@@ -113,7 +115,7 @@ class StepWindow:
                 return None
             frames = _FRAMES.setdefault(store, WindowFrames())
             return frames.table(name, first_step=self.first_step, clock=store.clock_model().key,
-                                counts=rows.counts, rows=rows.block, steps=steps)
+                                counts=rows.counts, rows=rows.block, steps=steps, order=order)
 
     def arrow(self, name: str, *, columns: Iterable[str] | None = None, filter: pc.Expression | None = None,
               steps: tuple[int | None, int | None] | None = None, ranks: Iterable[int] | None = None) -> pa.Table:

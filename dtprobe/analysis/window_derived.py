@@ -17,7 +17,7 @@ per unit; when it fails, ``table`` gives None and the facade computes from the w
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 import pandas as pd
@@ -76,9 +76,11 @@ class WindowFrames:
     """(``invalid_reason()``,) of the units as they are, None when they changed since."""
 
     def table(self, name: str, *, first_step: int, clock: tuple, counts: StepCounts, rows: BlockRows,
-              steps: tuple[int | None, int | None] | None = None) -> pd.DataFrame | None:
+              steps: tuple[int | None, int | None] | None = None,
+              order: Sequence[str] | None = None) -> pd.DataFrame | None:
         """The derived table ``name`` of the rows from ``first_step`` on as they are now (only those of ``steps``
-        when given, as ``derived.read_derived`` gives them), or None when it may differ from the one computed from
+        when given, sorted by ``order`` when given, as ``derived.read_derived`` gives them; ``lateness`` always in
+        the whole-run frame's order, sorted on group codes), or None when it may differ from the one computed from
         those rows (module docstring). ``clock``: the rows' clock model key; ``counts`` and ``rows`` read the
         input tables by step."""
         self._update(first_step, clock, counts, rows)
@@ -86,7 +88,8 @@ class WindowFrames:
             return None
         low, high = (None, None) if steps is None else steps
         cut = (first_step if low is None else max(low, first_step), high)
-        frame = blocks_frame([u.frames[name] for u in self.units if name in u.frames], cut)
+        frame = blocks_frame([u.frames[name] for u in self.units if name in u.frames], cut,
+                             None if name == LATENESS else order)
         return self._in_run_order(frame) if name == LATENESS else frame
 
     def _in_run_order(self, frame: pd.DataFrame) -> pd.DataFrame:

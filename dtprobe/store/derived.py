@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Iterable, Iterator, Protocol
+from typing import Iterable, Iterator, Protocol, Sequence
 
 import numpy as np
 import pandas as pd
@@ -115,22 +115,27 @@ def _block_spans(rows: pa.Table) -> tuple[np.ndarray, dict[int, tuple[int, int]]
     return order, {int(b): (int(f), int(f + n)) for b, f, n in zip(found, first, count)}
 
 
-def read_derived(tables_dir: Path, entry: dict, name: str,
-                 steps: tuple[int | None, int | None] | None = None) -> pd.DataFrame:
+def read_derived(tables_dir: Path, entry: dict, name: str, steps: tuple[int | None, int | None] | None = None,
+                 order: Sequence[str] | None = None) -> pd.DataFrame:
     """The derived table ``name`` of a marker's ``derived`` entry: its step blocks' frames concatenated in block
-    order (only the blocks that can hold ``steps``, then filtered to them); an empty frame without columns when it
-    has no rows. TraceError names a damaged or missing file and the fix."""
+    order (only the blocks that can hold ``steps``, then filtered to them), sorted by ``order`` when given
+    (``blocks_frame``); an empty frame without columns when it has no rows. TraceError names a damaged or missing
+    file and the fix."""
     files = [f for f in entry["tables"][name]["files"] if block_in_steps(f["step_block"], steps)]
     parts = []
     for f in files:
         path = tables_dir / f["path"]
         try:
-            parts.append(pq.read_table(path))
+            # text columns as dictionaries (as Parquet stores them): a sort moves codes, not a group's member list
+            # per row; they are plain text again in the frame
+            parts.append(pq.read_table(path, read_dictionary=[field.name for field in pq.read_schema(path)
+                                                              if pa.types.is_large_string(field.type)
+                                                              or pa.types.is_string(field.type)]))
         except (OSError, pa.ArrowException) as exc:
             raise TraceError(f"'{path}', a derived table listed in {tables_dir / '_compacted.json'}, cannot be "
                              f"read ({exc}). Delete {tables_dir} and run `dtprobe compact {tables_dir.parent}` "
                              f"to rebuild it.") from None
-    return blocks_frame(parts, steps)
+    return blocks_frame(parts, steps, order)
 
 
 def block_in_steps(step_block: int, steps: tuple[int | None, int | None] | None) -> bool:
@@ -142,14 +147,17 @@ def block_in_steps(step_block: int, steps: tuple[int | None, int | None] | None)
             and (last is None or step_block * STEP_BLOCK_STEPS <= last))
 
 
-def blocks_frame(parts: list[pa.Table], steps: tuple[int | None, int | None] | None = None) -> pd.DataFrame:
-    """A derived table's step blocks' frames (``parts``, in block order) as one frame, filtered to ``steps``; an
-    empty frame without columns when no block has rows (compacted files and ``live_derived`` alike)."""
+def blocks_frame(parts: list[pa.Table], steps: tuple[int | None, int | None] | None = None,
+                 order: Sequence[str] | None = None) -> pd.DataFrame:
+    """A derived table's step blocks' frames (``parts``, in block order) as one frame, filtered to ``steps`` and,
+    with ``order``, sorted by those columns (ascending, stable, nulls last: as pandas' ``sort_values(order,
+    kind="stable", na_position="last")``); an empty frame without columns when no block has rows (compacted files
+    and ``live_derived`` alike). Dictionary columns come out as plain ones."""
     if not parts:
         return pd.DataFrame()
     # a block's frame types a column by its own values (step_ns is float in the block whose last step has no
     # steps row, int elsewhere): promoted as the whole run's frame would type it
-    table = pa.concat_tables(parts, promote_options="permissive")
+    table = pa.concat_tables(parts, promote_options="permissive").unify_dictionaries()
     if steps is not None:
         first, last = steps
         keep = pc.is_valid(table.column("step"))
@@ -158,4 +166,35 @@ def blocks_frame(parts: list[pa.Table], steps: tuple[int | None, int | None] | N
         if last is not None:
             keep = pc.and_(keep, pc.less_equal(table.column("step"), last))
         table = table.filter(keep)
-    return table.to_pandas()
+    if order:
+        table = table.take(_sort_indices(table, order))
+    return _plain(table).to_pandas()
+
+
+def _sort_indices(table: pa.Table, order: Sequence[str]) -> pa.Array:
+    """The stable ascending sort of ``table`` by ``order`` (nulls last); a dictionary column by its values, through
+    each code's rank among the (unified) dictionary's values."""
+    keys = {}
+    for name in order:
+        column = table.column(name)
+        if pa.types.is_dictionary(column.type):
+            column = column.combine_chunks()
+            ranks = pc.rank(column.dictionary, sort_keys="ascending", tiebreaker="first")
+            column = pc.take(ranks, column.indices)
+        keys[name] = column
+    return pc.sort_indices(pa.table(keys), sort_keys=[(name, "ascending") for name in order])
+
+
+def _plain(table: pa.Table) -> pa.Table:
+    """``table`` with every dictionary column decoded to its value type."""
+    if not any(pa.types.is_dictionary(field.type) for field in table.schema):
+        return table
+    # a take from the dictionary by the codes decodes faster than a cast
+    columns = [_decoded(c.combine_chunks()) if pa.types.is_dictionary(c.type) else c for c in table.columns]
+    return pa.Table.from_arrays(columns, schema=pa.schema(
+        [f.with_type(f.type.value_type) if pa.types.is_dictionary(f.type) else f for f in table.schema],
+        metadata=table.schema.metadata))
+
+
+def _decoded(column: pa.DictionaryArray) -> pa.Array:
+    return column.dictionary.take(column.indices)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import orjson
@@ -90,17 +90,18 @@ class LiveDerived:
         """Input rows handed to ``derive`` so far (tests: a refresh derives only its new steps' rows)."""
 
     def table(self, name: str, key: dict, new_deriver: Callable[[], Deriver], *, clock: tuple,
-              counts: StepCounts, rows: BlockRows,
-              steps: tuple[int | None, int | None] | None = None) -> pd.DataFrame | None:
+              counts: StepCounts, rows: BlockRows, steps: tuple[int | None, int | None] | None = None,
+              order: Sequence[str] | None = None) -> pd.DataFrame | None:
         """The derived table ``name`` of the rows as they are now (its units' frames in step order, only those of
-        ``steps`` when given, as ``derived.read_derived`` gives them), None when the deriver says its units' frames
+        ``steps`` when given, sorted by ``order`` when given, as ``derived.read_derived`` gives them), None when
+        the deriver says its units' frames
         would differ from the whole run's. ``new_deriver`` makes a fresh deriver of ``key``; ``clock`` is the
         rows' clock model key; ``counts`` and ``rows`` read the input tables by step."""
         d = self._current(key, new_deriver, clock, counts, rows)
         if d.reason is not None:
             return None
         parts = [u.frames[name] for u in d.units if name in u.frames and block_in_steps(u.block, steps)]
-        return blocks_frame(parts, steps)
+        return blocks_frame(parts, steps, order)
 
     def _current(self, key: dict, new_deriver: Callable[[], Deriver], clock: tuple, counts: StepCounts,
                  rows: BlockRows) -> _Derivation:

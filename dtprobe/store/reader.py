@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import orjson
@@ -289,10 +289,12 @@ class RunStore:
             return (rows if in_order else _sort(rows, keys)).select(wanted)
 
     def derived_table(self, name: str, key: dict, *, steps: tuple[int | None, int | None] | None = None,
-                      deriver: Callable[[], Deriver] | None = None) -> pd.DataFrame | None:
+                      deriver: Callable[[], Deriver] | None = None,
+                      order: Sequence[str] | None = None) -> pd.DataFrame | None:
         """The derived per-step table ``name`` written at compaction (``store.derived``), when the marker records
         it under the same ``key`` and the compacted tables are still all of the run (no events line appended
-        since, the same clock offsets, the whole run opened); else None: compute it from the rows.
+        since, the same clock offsets, the whole run opened); else None: compute it from the rows. Sorted by the
+        columns ``order`` when given (``derived.blocks_frame``: in Arrow, cheaper than in pandas).
         Of a run not compacted, with ``deriver`` (makes a fresh ``Deriver`` of ``key``): the frames ``deriver``
         computes from the events rows per step block, kept, and recomputed only for the blocks whose rows
         changed since (``live_derived``); None when the store is partial (``open(tail_steps=...)``) or the
@@ -302,12 +304,13 @@ class RunStore:
                 if deriver is None or self._tail_from_step is not None:
                     return None
                 return self._live_derived.table(name, key, deriver, clock=self.clock_model().key,
-                                                counts=self._step_counts, rows=self._block_rows, steps=steps)
+                                                counts=self._step_counts, rows=self._block_rows, steps=steps,
+                                                order=order)
             derived = self._compacted.get("derived") or {}
             if (derived.get("key") != key or name not in derived.get("tables", {}) or self._tail_from_step is not None
                     or not self.compaction_is_whole()):
                 return None
-            return read_derived(self._path / TABLES_DIR, derived, name, steps)
+            return read_derived(self._path / TABLES_DIR, derived, name, steps, order)
 
     def derived_key(self) -> dict | None:
         """The key the compaction's derived tables were written under (``derived_table`` reads them only under the

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from dtprobe.analysis.fault_detail import fault_detail
+from dtprobe.analysis.fault_detail import fault_detail, split_injected
 from dtprobe.analysis.findings import Finding
 from dtprobe.store.columns import require_columns
 
@@ -20,8 +20,7 @@ def detect_corrupt_checkpoints(faults: pd.DataFrame) -> list[Finding]:
     rows = faults[faults["kind"] == "corrupt-ckpt"]
     if rows.empty:
         return []
-    inj = rows["injected"].fillna(False).astype(bool)
-    observed, injected = rows[~inj], rows[inj]
+    observed, injected = split_injected(rows)
     found: dict[tuple, dict] = {}
     for r in observed.sort_values("time_ns").itertuples(index=False):
         d = fault_detail(r.detail)

@@ -11,7 +11,7 @@ from typing import Any
 import pandas as pd
 
 from dtprobe.analysis.arrivals import ATTEMPT_SEQ_STRIDE
-from dtprobe.analysis.fault_detail import fault_detail
+from dtprobe.analysis.fault_detail import fault_detail, is_injected
 from dtprobe.analysis.findings import Finding
 from dtprobe.analysis.liveness import (CONSEQUENCE_REASONS, WATCHDOG_EXIT_CODE, Activity, is_missing, is_own_failure)
 from dtprobe.analysis.phases import phase_at
@@ -340,7 +340,7 @@ def restarts_of(manifest: Any, faults: pd.DataFrame) -> list[dict]:
         out[int(r.restart)] = {"restart": int(r.restart), "time_ns": r.time_ns, "from_step": r.from_step,
                                "steps_lost": r.steps_lost}
     if faults is not None and not faults.empty:
-        rows = faults[(faults["kind"] == "restart") & ~faults["injected"].fillna(False).astype(bool)]
+        rows = faults[(faults["kind"] == "restart") & ~is_injected(faults)]
         for f in rows.itertuples(index=False):
             d = fault_detail(f.detail)
             if d.get("restart") is None:

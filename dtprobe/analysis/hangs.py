@@ -13,7 +13,7 @@ from pandas.api.types import union_categoricals
 
 from dtprobe.analysis.arrivals import ATTEMPT_SEQ_STRIDE
 from dtprobe.analysis.clocks import HOST
-from dtprobe.analysis.fault_detail import fault_detail
+from dtprobe.analysis.fault_detail import fault_detail, split_injected
 from dtprobe.analysis.findings import Finding
 from dtprobe.analysis.liveness import Activity, liveness
 from dtprobe.analysis.stragglers import SKEW_COLUMNS
@@ -293,8 +293,7 @@ def _fault_rows(faults: pd.DataFrame | None) -> tuple[pd.DataFrame | None, pd.Da
     if faults is None or faults.empty:
         return None, None
     require_columns(faults, ["rank", "time_ns", "step", "kind", "injected", "detail"], table="faults")
-    inj = faults["injected"].fillna(False).astype(bool)
-    return faults[~inj], faults[inj]
+    return split_injected(faults)
 
 
 def _watchdog_report(observed: pd.DataFrame | None, stall) -> dict | None:

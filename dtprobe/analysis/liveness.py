@@ -10,6 +10,8 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import pandas as pd
 
+from dtprobe.analysis.fault_detail import split_injected
+
 WATCHDOG_EXIT_CODE = 124
 """Exit code of a rank whose hang watchdog fired (``dtprobe.runtime.hang.HANG_EXIT_CODE``, as ``timeout(1)``):
 the end of a hang, not a crash."""
@@ -111,7 +113,7 @@ class Activity:
             if df is None or df.empty:
                 continue
             if name == "faults":
-                df = df[~df["injected"].fillna(False).astype(bool)]
+                df = split_injected(df)[0]
             for col in cols:
                 part = df[["rank", col]].dropna()
                 parts.append(pd.DataFrame({"rank": part["rank"].astype("int64"),

@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from dtprobe.store.derived import DERIVED_DIR, Deriver, block_inputs, write_derived
+from dtprobe.store.derived import DERIVED_DIR, Deriver, block_inputs, marker_entry, write_derived
 from dtprobe.store.partitions import PartFile, write_partitions
 from dtprobe.store.rank_blocks import RankBlockSource
 from dtprobe.store.reader import COMPACTED_FORMAT, COMPACTED_MARKER, TABLES_DIR, RunStore
@@ -150,7 +150,7 @@ def add_derived(run_dir: str | os.PathLike, derive: Deriver) -> bool:
     if not store.compaction_is_whole():
         return False
     marker = orjson.loads(marker_path.read_bytes())
-    if (marker.get("derived") or {}).get("key") == derive.key:
+    if marker_entry(marker).get("key") == derive.key:
         return False
     tables = run_dir / TABLES_DIR
     stamp = f"{os.getpid()}-{time.time_ns()}"

@@ -115,6 +115,11 @@ def _block_spans(rows: pa.Table) -> tuple[np.ndarray, dict[int, tuple[int, int]]
     return order, {int(b): (int(f), int(f + n)) for b, f, n in zip(found, first, count)}
 
 
+def marker_entry(marker: dict | None) -> dict:
+    """The compaction marker's ``derived`` entry (``key``, ``tables``, or why none was kept); {} when it has none."""
+    return (marker or {}).get("derived") or {}
+
+
 def read_derived(tables_dir: Path, entry: dict, name: str, steps: tuple[int | None, int | None] | None = None,
                  order: Sequence[str] | None = None) -> pd.DataFrame:
     """The derived table ``name`` of a marker's ``derived`` entry: its step blocks' frames concatenated in block

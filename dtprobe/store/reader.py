@@ -34,7 +34,7 @@ import pyarrow.compute as pc
 from dtprobe.store.clock_sync import Basis, ClockModel, align_rows
 from dtprobe.store.errors import TraceError
 from dtprobe.store.file_scan import read_files_at_once
-from dtprobe.store.derived import Deriver, read_derived
+from dtprobe.store.derived import Deriver, marker_entry, read_derived
 from dtprobe.store.frames import SORT_KEYS, arrow_to_frame, empty_frame, memory_schema, time_columns
 from dtprobe.store.groups import GROUPS_SINCE_VERSION, fill_members, missing_groups_error
 from dtprobe.store.jsonl import FileCursor, last_step_in_file, read_new_rows, read_new_rows_batched, tail_cursor
@@ -306,7 +306,7 @@ class RunStore:
                 return self._live_derived.table(name, key, deriver, clock=self.clock_model().key,
                                                 counts=self._step_counts, rows=self._block_rows, steps=steps,
                                                 order=order)
-            derived = self._compacted.get("derived") or {}
+            derived = marker_entry(self._compacted)
             if (derived.get("key") != key or name not in derived.get("tables", {}) or self._tail_from_step is not None
                     or not self.compaction_is_whole()):
                 return None
@@ -316,7 +316,7 @@ class RunStore:
         """The key the compaction's derived tables were written under (``derived_table`` reads them only under the
         same key); None when the run is not compacted or its compaction wrote none."""
         with self._lock:
-            return ((self._compacted or {}).get("derived") or {}).get("key")
+            return marker_entry(self._compacted).get("key")
 
     @contextmanager
     def step_rows(self) -> Iterator["StepRows"]:

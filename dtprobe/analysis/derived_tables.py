@@ -231,8 +231,9 @@ def deriver() -> LatenessExposure:
 def read_order(name: str) -> list[str] | None:
     """The order to ask the store to read the derived table ``name`` in (``derived_table(order=...)``: it sorts in
     Arrow, where a long member list moves as a dictionary code), so that ``whole_run_frame`` finds it sorted;
-    None for the tables it does not sort (``groups``, ``blocked``)."""
-    return None if name in (GROUPS, BLOCKED) else ORDER[name][0]
+    None for the tables it does not sort (``groups``, ``blocked``) and for ``bandwidth``, whose blocks' rows are
+    already in its order (by step first): a sort there would only move every row."""
+    return None if name in (GROUPS, BLOCKED, BANDWIDTH) else ORDER[name][0]
 
 
 def whole_run_frame(name: str, blocks: pd.DataFrame) -> pd.DataFrame:

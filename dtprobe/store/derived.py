@@ -131,11 +131,11 @@ def read_derived(tables_dir: Path, entry: dict, name: str, steps: tuple[int | No
     for f in files:
         path = tables_dir / f["path"]
         try:
-            # text columns as dictionaries (as Parquet stores them): a sort moves codes, not a group's member list
-            # per row; they are plain text again in the frame
-            parts.append(pq.read_table(path, read_dictionary=[field.name for field in pq.read_schema(path)
-                                                              if pa.types.is_large_string(field.type)
-                                                              or pa.types.is_string(field.type)]))
+            # to be sorted, text columns are read as dictionaries (as Parquet stores them): a sort moves codes, not
+            # a group's member list per row; they are plain text again in the frame
+            parts.append(pq.read_table(path, read_dictionary=None if not order else [
+                field.name for field in pq.read_schema(path)
+                if pa.types.is_large_string(field.type) or pa.types.is_string(field.type)]))
         except (OSError, pa.ArrowException) as exc:
             raise TraceError(f"'{path}', a derived table listed in {tables_dir / '_compacted.json'}, cannot be "
                              f"read ({exc}). Delete {tables_dir} and run `dtprobe compact {tables_dir.parent}` "

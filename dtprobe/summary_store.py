@@ -9,9 +9,8 @@ version, other options, a damaged or foreign file) is recomputed, never shown. `
 reads the folders it shows, stores what it made in the per-user cache (``$XDG_CACHE_HOME/dtprobe/summaries``,
 default ``~/.cache/dtprobe/summaries``), as it does for trace folders. A running run has none.
 
-Beside a summary, the analysis results its pages read back instead of computing them again (the Stragglers page's
-scores and findings with their evidence rows: ``dtprobe.analysis.kept``), in ``<summary file>.kept/`` under the
-same key.
+Beside a summary, the analysis results its pages read back instead of computing them again (every finding with its
+evidence rows, the straggler scores: ``dtprobe.analysis.kept``), in ``<summary file>.kept/`` under the same key.
 
 No Streamlit, and the analysis modules (pandas) are imported only to make a summary or its key, or to read the
 results kept beside it.

@@ -43,13 +43,17 @@ def is_kept(name: str) -> bool:
     """Whether the facade result of memo ``name`` is kept: a frame or figure of ``FRAMES`` and ``VALUES``, or a
     detector's findings."""
     return name in FRAMES or name in VALUES or name.startswith(FINDINGS)
+
+
 _FRAME_ERRORS = (OSError, ValueError, TypeError, KeyError, pa.ArrowException)
+"""What writing or reading one entry may raise: that entry is not kept, or not read."""
 
 
 def write(folder: Path, values: Mapping[str, Any], *, source: str, key: Any) -> bool:
-    """Keep ``values`` (memo name -> a frame or a list of findings; names not ``is_kept`` are ignored) of the run
-    or trace folder ``source`` in ``folder`` under ``key``, replacing what it held. An entry Parquet cannot hold is left out (computed at its
-    next use). False when the folder could not be written (a read-only place: it is a cache)."""
+    """Keep ``values`` (memo name -> a frame, a figure or a list of findings; names not ``is_kept`` are ignored)
+    of the run or trace folder ``source`` in ``folder`` under ``key``, replacing what it held. An entry Parquet or
+    JSON cannot hold is left out (computed at its next use). False when the folder could not be written (a
+    read-only place: it is a cache)."""
     folder = Path(folder)
     tmp = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
     old = folder.with_name(f".{folder.name}.{os.getpid()}.old")
@@ -60,10 +64,11 @@ def write(folder: Path, values: Mapping[str, Any], *, source: str, key: Any) -> 
         entries = {}
         for name in sorted(filter(is_kept, values)):
             try:
-                entries[name] = _entry(tmp, name, values[name], files)
+                entry = _entry(tmp, name, values[name], files)
             except _FRAME_ERRORS:
-                entries.pop(name, None)
-        entries = {name: entry for name, entry in entries.items() if entry is not None}
+                continue
+            if entry is not None:
+                entries[name] = entry
         (tmp / INDEX).write_text(json.dumps({"schema": SCHEMA, "path": source, "key": key, "entries": entries}))
         if folder.exists():
             os.rename(folder, old)

@@ -94,9 +94,9 @@ class LiveDerived:
               order: Sequence[str] | None = None) -> pd.DataFrame | None:
         """The derived table ``name`` of the rows as they are now (its units' frames in step order, only those of
         ``steps`` when given, sorted by ``order`` when given, as ``derived.read_derived`` gives them), None when
-        the deriver says its units' frames
-        would differ from the whole run's. ``new_deriver`` makes a fresh deriver of ``key``; ``clock`` is the
-        rows' clock model key; ``counts`` and ``rows`` read the input tables by step."""
+        the deriver says its units' frames would differ from the whole run's. ``new_deriver`` makes a fresh
+        deriver of ``key``; ``clock`` is the rows' clock model key; ``counts`` and ``rows`` read the input tables
+        by step."""
         d = self._current(key, new_deriver, clock, counts, rows)
         if d.reason is not None:
             return None

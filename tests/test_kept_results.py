@@ -174,3 +174,14 @@ def test_a_trace_folders_results_are_kept_in_the_user_cache(tmp_path, monkeypatc
     _no_compute(monkeypatch)
     monkeypatch.setattr(RunAnalysis, "device_stragglers", lambda self: pytest.fail("computed, not read"))
     _assert_same_findings(_reading(traces.resolve()).stragglers(), computed)
+
+
+def test_a_running_run_reads_no_kept_results_even_under_its_current_key(straggler_run):
+    from dtprobe.store.manifest import set_status
+
+    set_status(straggler_run, "running")
+    key = summary_store.key_of(straggler_run)
+    frame = pd.DataFrame({"rank": [0], "median_lateness_frac": [0.5]})
+    assert kept.write(straggler_run / "summary.kept", {"scores": frame}, source=str(straggler_run), key=key)
+    assert kept.read(straggler_run / "summary.kept", source=str(straggler_run), key=key) is not None
+    assert summary_store.load_kept(straggler_run, key=key) is None      # its rows still grow: nothing is kept

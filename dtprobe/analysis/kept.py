@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dtprobe.analysis.findings import Finding
+from dtprobe.store.manifest import swap_in_dir
 
 SCHEMA = "dtprobe.kept/1"
 """Value of the index's ``schema`` key."""
@@ -70,9 +71,7 @@ def write(folder: Path, values: Mapping[str, Any], *, source: str, key: Any) -> 
             if entry is not None:
                 entries[name] = entry
         (tmp / INDEX).write_text(json.dumps({"schema": SCHEMA, "path": source, "key": key, "entries": entries}))
-        if folder.exists():
-            os.rename(folder, old)
-        os.rename(tmp, folder)
+        swap_in_dir(tmp, folder, old)
         return True
     except OSError:
         return False

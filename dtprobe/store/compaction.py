@@ -30,6 +30,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dtprobe.store.derived import DERIVED_DIR, Deriver, block_inputs, marker_entry, write_derived
+from dtprobe.store.manifest import swap_in_dir
 from dtprobe.store.partitions import PartFile, write_partitions
 from dtprobe.store.rank_blocks import RankBlockSource
 from dtprobe.store.reader import COMPACTED_FORMAT, COMPACTED_MARKER, TABLES_DIR, RunStore
@@ -91,7 +92,7 @@ def compact(run_dir: str | os.PathLike, *, derive: Deriver | None = None,
             marker["derived"] = write_derived(derive, tmp, _observed(block_inputs(tmp, entries, derive.inputs),
                                                                      observe))
         (tmp / Path(COMPACTED_MARKER).name).write_bytes(orjson.dumps(marker, option=orjson.OPT_INDENT_2))
-        _swap_in(tmp, run_dir / TABLES_DIR, run_dir / f".{TABLES_DIR}.old-{stamp}")
+        swap_in_dir(tmp, run_dir / TABLES_DIR, run_dir / f".{TABLES_DIR}.old-{stamp}")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -159,7 +160,7 @@ def add_derived(run_dir: str | os.PathLike, derive: Deriver) -> bool:
     try:
         marker["derived"] = write_derived(derive, tmp, block_inputs(tables, marker["tables"], derive.inputs))
         if (tmp / DERIVED_DIR).exists():
-            _swap_in(tmp / DERIVED_DIR, tables / DERIVED_DIR, tables / f".derived.old-{stamp}")
+            swap_in_dir(tmp / DERIVED_DIR, tables / DERIVED_DIR, tables / f".derived.old-{stamp}")
         else:
             shutil.rmtree(tables / DERIVED_DIR, ignore_errors=True)
         new_marker = tables / f".{Path(COMPACTED_MARKER).name}.tmp-{stamp}"
@@ -168,10 +169,3 @@ def add_derived(run_dir: str | os.PathLike, derive: Deriver) -> bool:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return True
-
-
-def _swap_in(new: Path, target: Path, graveyard: Path) -> None:
-    if target.exists():
-        os.rename(target, graveyard)
-    os.rename(new, target)
-    shutil.rmtree(graveyard, ignore_errors=True)

@@ -14,6 +14,7 @@ import errno
 import fcntl
 import json
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -377,6 +378,15 @@ def write_text_atomically(path: Path, text: str) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def swap_in_dir(new: Path, target: Path, graveyard: Path) -> None:
+    """Put the folder ``new`` in place of ``target`` (moved to ``graveyard`` first, then removed): a reader sees
+    the old folder or the new one, whole, apart from the instant between the two renames."""
+    if target.exists():
+        os.rename(target, graveyard)
+    os.rename(new, target)
+    shutil.rmtree(graveyard, ignore_errors=True)
 
 
 def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:

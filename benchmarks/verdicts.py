@@ -36,9 +36,10 @@ slowdown it realized, read from the raw step rows (not from dtprobe's analysis):
 steps are warm-up), minus 1. The ``real>=10%`` row scores the slowdown runs that realized 10% or more; the goal's
 "slowdowns of 10% and more" is judged there as well as on the nominal ``slow>=10%`` row. On a pipeline layout
 fwd also holds the waits for the previous stage's activations, so the figure is rougher there.
-A STRAGGLER false positive is also checked against the run's raw step rows (the chaos harness's
-``straggler_confirmed``): ``FP conf`` counts those whose rank's own fwd + opt over the finding's window was longer
-than its group's by a third of its lateness or more, a straggler the host made (a VM's vCPUs run at different
+A STRAGGLER false positive is also checked against the run's raw step and collective rows (the chaos harness's
+``straggler_confirmed``): ``FP conf`` counts those whose rank's own work between synchronization points (from the
+end of its backward to its next step's first collective) over the finding's window was longer than its group's by
+half its lateness or more, a straggler the host made (a VM's vCPUs run at different
 speeds for stretches when other guests share the host), rather than one dtprobe made up; they stay false
 positives by this benchmark's rule.
 

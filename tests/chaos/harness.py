@@ -414,44 +414,78 @@ def analyze(run_dir: Path, *, timeout_s: float = 180) -> dict:
     return doc
 
 
-def own_compute_ms(run_dir: Path, first_step: int, last_step: int) -> dict[int, float]:
-    """Per rank, the median of its own compute over steps ``first_step``..``last_step``, read from the raw
-    ``events/steps`` rows (not from dtprobe's analysis): fwd + opt, the phases without a collective to wait in
-    under data parallelism, in ms. Rows of every restart in the range count alike; ranks without such rows are
-    left out."""
-    own: dict[int, list[float]] = {}
-    for path in sorted((Path(run_dir) / "events" / "steps").glob("rank*.jsonl")):
+def _jsonl_rows(run_dir: Path, kind: str):
+    """Every parseable row of ``events/<kind>/rank*.jsonl`` (a torn last line is skipped)."""
+    for path in sorted((Path(run_dir) / "events" / kind).glob("rank*.jsonl")):
         for line in path.read_bytes().splitlines():
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError:        # a torn last line
+                yield json.loads(line)
+            except json.JSONDecodeError:
                 continue
-            if first_step <= row.get("step", -1) <= last_step and row.get("fwd_ns") is not None \
-                    and row.get("opt_ns") is not None:
-                own.setdefault(int(row["rank"]), []).append((row["fwd_ns"] + row["opt_ns"]) / 1e6)
+
+
+def own_compute_ms(run_dir: Path, first_step: int, last_step: int) -> dict[int, float]:
+    """Per rank, the median of its fwd + opt over steps ``first_step``..``last_step``, read from the raw
+    ``events/steps`` rows (not from dtprobe's analysis), in ms: the compute phases, for a slowdown's size
+    (``benchmarks/verdicts.py``). Rows of every restart in the range count alike; ranks without such rows are
+    left out."""
+    own: dict[int, list[float]] = {}
+    for row in _jsonl_rows(run_dir, "steps"):
+        if first_step <= row.get("step", -1) <= last_step and row.get("fwd_ns") is not None \
+                and row.get("opt_ns") is not None:
+            own.setdefault(int(row["rank"]), []).append((row["fwd_ns"] + row["opt_ns"]) / 1e6)
     return {r: sorted(v)[len(v) // 2] for r, v in own.items()}
 
 
-def own_compute_excess_ms(run_dir: Path, rank: int, first_step: int, last_step: int,
-                          peers: list[int] | None = None) -> float:
-    """How much longer ``rank``'s own compute (``own_compute_ms``) was than its slowest peer's (``peers``, default
+def own_work_ms(run_dir: Path, first_step: int, last_step: int) -> dict[int, float]:
+    """Per rank, the median over steps ``first_step``..``last_step`` of the time it spent on its own between two
+    synchronization points, read from the raw ``events/steps`` and ``events/collectives`` rows (not from dtprobe's
+    analysis), in ms: from the end of its backward in step s-1 (under data parallelism that is where it last waited
+    for its peers: the gradient all-reduce is waited for inside backward) to its first collective's enqueue in step
+    s. That span holds opt, the step's bookkeeping, data, fwd and backward up to the first gradient bucket: all the
+    work that makes a rank arrive late, and no waiting on others, so a victim's is no longer than its peers'.
+    The median of the per-step sums, not a sum of per-phase medians: a CPU quota throttles a rank in whichever
+    phase the period runs out. Steps pair within one restart."""
+    backward_end: dict[tuple[int, int, int], int] = {}
+    for row in _jsonl_rows(run_dir, "steps"):
+        if all(row.get(k) is not None for k in ("start_ns", "data_ns", "fwd_ns", "bwd_ns")):
+            key = (int(row["rank"]), row.get("restart", 0), row["step"])
+            backward_end[key] = row["start_ns"] + row["data_ns"] + row["fwd_ns"] + row["bwd_ns"]
+    first_enqueue: dict[tuple[int, int, int], int] = {}
+    for row in _jsonl_rows(run_dir, "collectives"):
+        step = row.get("step", -1)
+        if first_step <= step <= last_step and row.get("enqueue_ns") is not None:
+            key = (int(row["rank"]), row.get("restart", 0), step)
+            first_enqueue[key] = min(first_enqueue.get(key, row["enqueue_ns"]), row["enqueue_ns"])
+    own: dict[int, list[float]] = {}
+    for (rank, restart, step), enqueue_ns in first_enqueue.items():
+        left_ns = backward_end.get((rank, restart, step - 1))
+        if left_ns is not None and enqueue_ns > left_ns:
+            own.setdefault(rank, []).append((enqueue_ns - left_ns) / 1e6)
+    return {r: sorted(v)[len(v) // 2] for r, v in own.items()}
+
+
+def own_work_excess_ms(run_dir: Path, rank: int, first_step: int, last_step: int,
+                       peers: list[int] | None = None) -> float:
+    """How much longer ``rank``'s own work (``own_work_ms``) was than its slowest peer's (``peers``, default
     every other rank) over steps ``first_step``..``last_step``, in ms."""
-    median = own_compute_ms(run_dir, first_step, last_step)
+    median = own_work_ms(run_dir, first_step, last_step)
     peers = [r for r in (median if peers is None else peers) if r != rank and r in median]
     if rank not in median or not peers:
-        raise ChaosError(f"{run_dir}: no fwd/opt step rows of rank {rank} and a peer in steps {first_step}-{last_step}")
+        raise ChaosError(f"{run_dir}: no step and collective rows of rank {rank} and a peer in steps "
+                         f"{first_step}-{last_step}")
     return median[rank] - max(median[r] for r in peers)
 
 
 def straggler_confirmed(run_dir: Path, finding: dict) -> bool:
-    """Whether the raw step rows confirm a STRAGGLER finding: its rank's own compute (fwd + opt) over the
-    finding's window is longer than every other member's of its group by at least a third of its lateness
-    (``mean_lateness_ms``, the figure its title gives; fwd + opt carried about half or more of it in every
-    slowed-core run measured). A verdict made of waiting (a victim, a slow link) has no compute excess of its
-    own."""
+    """Whether the raw rows confirm a STRAGGLER finding: its rank's own work between synchronization points
+    (``own_work_ms``) over the finding's window is longer than every other member's of its group by at least half
+    its lateness (``mean_lateness_ms``, the figure its title gives). A rank that arrives late because it is slow
+    spends about its lateness there (a slowed core, a CPU quota, a busy neighbour in every run measured); a verdict
+    made of waiting (a victim, a slow link) has no excess of its own."""
     ev = finding["evidence"]
-    excess_ms = own_compute_excess_ms(run_dir, finding["ranks"][0], *ev["window"], peers=ev.get("pg_ranks"))
-    return excess_ms >= ev["mean_lateness_ms"] / 3
+    excess_ms = own_work_excess_ms(run_dir, finding["ranks"][0], *ev["window"], peers=ev.get("pg_ranks"))
+    return excess_ms >= ev["mean_lateness_ms"] / 2
 
 
 def findings_of(doc: dict, code: str) -> list[dict]:
@@ -482,6 +516,7 @@ def assert_only_confirmed_stragglers(run_dir: Path, doc: dict, codes: tuple[str,
     for f in verdicts_on(doc, codes):
         assert f["code"] == "STRAGGLER", summary(doc)
         if not straggler_confirmed(run_dir, f):
-            excess = own_compute_excess_ms(run_dir, f["ranks"][0], *f["evidence"]["window"])
-            raise AssertionError(f"{f['title']}: its own fwd+opt is only {excess:.2f} ms longer than its peers'\n"
+            excess = own_work_excess_ms(run_dir, f["ranks"][0], *f["evidence"]["window"])
+            raise AssertionError(f"{f['title']}: its own work between syncs is only {excess:.2f} ms longer than its "
+                                 f"peers'\n"
                                  f"{summary(doc)}")

@@ -12,6 +12,10 @@ default ``~/.cache/dtprobe/summaries``), as it does for trace folders. A running
 Beside a summary, the analysis results its pages read back instead of computing them again (every finding with its
 evidence rows, the straggler scores: ``dtprobe.analysis.kept``), in ``<summary file>.kept/`` under the same key.
 
+The per-user cache is bounded (``cache_limit_bytes``): each store there removes the entries of folders that are
+gone, then the least recently used ones until the rest fit (``prune_cache``); a summary read from it counts as a
+use.
+
 No Streamlit, and the analysis modules (pandas) are imported only to make a summary or its key, or to read the
 results kept beside it.
 """
@@ -22,6 +26,8 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +44,10 @@ SUMMARY_FILE = "summary.json"
 """A run's stored summary: ``<run>/summary.json``."""
 CACHE_ENV = "XDG_CACHE_HOME"
 """Where the per-user cache lives (``$XDG_CACHE_HOME/dtprobe/summaries``; unset: ``~/.cache``)."""
+CACHE_LIMIT_ENV = "DTPROBE_CACHE_MAX_MB"
+"""The per-user cache's bound in MB (``cache_limit_bytes``)."""
+DEFAULT_CACHE_MAX_MB = 1024
+"""The bound without ``DTPROBE_CACHE_MAX_MB``: summaries are tens of KB, a large folder's kept results a few MB."""
 RUN_INPUTS = ("run.json", "ranks", "events", "tables", "traces")
 """What the analysis of a run reads, under the run directory (the state a summary is keyed by)."""
 
@@ -50,6 +60,86 @@ def cache_dir() -> Path:
     """The per-user folder of stored summaries of trace folders and read-only runs."""
     base = os.environ.get(CACHE_ENV) or str(Path.home() / ".cache")
     return Path(base) / "dtprobe" / "summaries"
+
+
+def cache_limit_bytes() -> int:
+    """How many bytes the per-user cache may hold (summaries and their kept results): ``DTPROBE_CACHE_MAX_MB``, else
+    ``DEFAULT_CACHE_MAX_MB``. Raises ValueError naming the variable for a value that is not a whole number >= 0."""
+    value = os.environ.get(CACHE_LIMIT_ENV, "").strip()
+    if not value:
+        return DEFAULT_CACHE_MAX_MB << 20
+    if not value.isdigit():
+        raise ValueError(f"{CACHE_LIMIT_ENV}={value!r}: give the per-user summary cache's size in whole MB "
+                         f"(e.g. {DEFAULT_CACHE_MAX_MB}), or unset it for {DEFAULT_CACHE_MAX_MB} MB")
+    return int(value) << 20
+
+
+_CACHE_ENTRY = re.compile(r"[0-9a-f]{32}\.(json|kept)")
+"""A per-user cache entry's file or folder name (``_cache_file``; what the prune may remove)."""
+
+
+def prune_cache(*, keep: Path | None = None, max_bytes: int | None = None) -> list[Path]:
+    """Bound the per-user cache: remove each entry (a summary file with its ``.kept`` folder) whose folder is gone
+    or whose summary cannot be read, each ``.kept`` folder without its summary, then the least recently used
+    entries (oldest mtime: ``load`` touches what it reads) until the rest hold at most ``max_bytes`` (default
+    ``cache_limit_bytes()``). ``keep`` (the entry just stored) stays. Returns the summary files removed."""
+    limit = cache_limit_bytes() if max_bytes is None else max_bytes
+    folder = cache_dir()
+    try:
+        names = [n for n in os.listdir(folder) if _CACHE_ENTRY.fullmatch(n)]
+    except OSError:
+        return []
+    removed: list[Path] = []
+    entries: list[tuple[int, Path, int]] = []
+    for name in names:
+        item = folder / name
+        if name.endswith(".kept"):
+            if not item.with_suffix(".json").exists():
+                shutil.rmtree(item, ignore_errors=True)
+            continue
+        try:
+            st = item.stat()
+        except OSError:   # removed meanwhile by another process' prune
+            continue
+        if item != keep and not _source_exists(item):
+            _remove_entry(item)
+            removed.append(item)
+            continue
+        entries.append((st.st_mtime_ns, item, st.st_size + _tree_bytes(_kept_dir(item))))
+    total = sum(size for _, _, size in entries)
+    for _, item, size in sorted(entries):
+        if total <= limit:
+            break
+        if item != keep:
+            _remove_entry(item)
+            removed.append(item)
+            total -= size
+    return removed
+
+
+def _source_exists(summary_file: Path) -> bool:
+    """Whether the folder a stored summary is of still exists (False for a summary that cannot be read)."""
+    try:
+        source = json.loads(summary_file.read_bytes()).get("path")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return isinstance(source, str) and Path(source).exists()
+
+
+def _remove_entry(summary_file: Path) -> None:
+    shutil.rmtree(_kept_dir(summary_file), ignore_errors=True)
+    summary_file.unlink(missing_ok=True)
+
+
+def _tree_bytes(folder: Path) -> int:
+    total = 0
+    for base, _, files in os.walk(folder):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(base, name)).st_size
+            except OSError:
+                continue
+    return total
 
 
 def state_of(path: str | os.PathLike) -> str:
@@ -128,8 +218,18 @@ def load(path: str | os.PathLike, *, key: dict[str, Any] | None = None,
         except ValueError:
             continue
         if overview.whole and overview.path == str(path):
+            if file.parent == cache_dir():
+                _touch(file)
             return overview
     return None
+
+
+def _touch(file: Path) -> None:
+    """Mark a per-user cache entry as used now (``prune_cache`` removes the least recently used first)."""
+    try:
+        os.utime(file)
+    except OSError:   # a read-only cache: it is never pruned from here either
+        pass
 
 
 def store(path: str | os.PathLike, overview: Overview, *, key: dict[str, Any], in_run_dir: bool = False,
@@ -154,6 +254,8 @@ def store(path: str | os.PathLike, overview: Overview, *, key: dict[str, Any], i
             from dtprobe.analysis import kept as kept_results
 
             kept_results.write(_kept_dir(file), kept, source=str(path), key=key)
+        if file.parent == cache_dir():
+            prune_cache(keep=file)
         return file
     return None
 

@@ -39,9 +39,9 @@ fwd also holds the waits for the previous stage's activations, so the figure is 
 A STRAGGLER false positive is also checked against the run's raw step and collective rows (the chaos harness's
 ``straggler_confirmed``): ``FP conf`` counts those whose rank's own work between synchronization points (from the
 end of its backward to its next step's first collective) over the finding's window was longer than its group's by
-half its lateness or more, a straggler the host made (a VM's vCPUs run at different
-speeds for stretches when other guests share the host), rather than one dtprobe made up; they stay false
-positives by this benchmark's rule.
+half its lateness or more, a straggler the host made (a VM's vCPUs run at different speeds for stretches when
+other guests share the host), rather than one dtprobe made up; they stay false positives by this benchmark's
+rule.
 
 Goals: precision 1.00; recall 1.00 for slowdowns of 10% and more, detected within 20 steps of the fault; every
 kill, stop and mismatch named.

@@ -22,16 +22,16 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from dtprobe.analysis.derived_tables import ARRIVAL_COLUMNS, LATENESS, StepFacts, derive_steps, deriver
-from dtprobe.analysis.tables import group_codes
+from dtprobe.analysis.derived_tables import ARRIVAL_COLUMNS, StepFacts, derive_steps, deriver
 from dtprobe.store.derived import blocks_frame
 from dtprobe.store.partitions import block_of
 
 INPUTS = deriver().inputs
 """The tables the frames are computed from (``derived_tables.LatenessExposure.inputs``)."""
-GROUP_CODE = "_group_code"
-"""A column the units' ``lateness`` rows carry: the (pg, pg_ranks) code of ``WindowFrames.codes``."""
+GROUP_COLUMNS = ("pg", "pg_ranks")
+"""The text columns naming a group, dictionary-encoded in the units' frames (``_coded``)."""
 
 StepCounts = Callable[[str], dict[int, int]]
 """Rows per step of an input table (steps below 0: rows outside steps): ``RunStore.step_rows()``'s ``counts``."""
@@ -79,30 +79,15 @@ class WindowFrames:
               steps: tuple[int | None, int | None] | None = None,
               order: Sequence[str] | None = None) -> pd.DataFrame | None:
         """The derived table ``name`` of the rows from ``first_step`` on as they are now (only those of ``steps``
-        when given, sorted by ``order`` when given, as ``derived.read_derived`` gives them; ``lateness`` always in
-        the whole-run frame's order, sorted on group codes), or None when it may differ from the one computed from
-        those rows (module docstring). ``clock``: the rows' clock model key; ``counts`` and ``rows`` read the
-        input tables by step."""
+        when given, sorted by ``order`` when given, as ``derived.read_derived`` gives them), or None when it may
+        differ from the one computed from those rows (module docstring). ``clock``: the rows' clock model key;
+        ``counts`` and ``rows`` read the input tables by step."""
         self._update(first_step, clock, counts, rows)
         if self.invalid_reason() is not None:
             return None
         low, high = (None, None) if steps is None else steps
         cut = (first_step if low is None else max(low, first_step), high)
-        frame = blocks_frame([u.frames[name] for u in self.units if name in u.frames], cut,
-                             None if name == LATENESS else order)
-        return self._in_run_order(frame) if name == LATENESS else frame
-
-    def _in_run_order(self, frame: pd.DataFrame) -> pd.DataFrame:
-        """``lateness`` in the whole-run frame's order (``derived_tables.ORDER``: pg, pg_ranks, rank, step), sorted
-        on the group codes its units' rows carry (``GROUP_CODE``), not on the member lists' text; without them."""
-        if frame.empty or frame[["pg", "pg_ranks"]].isna().any(axis=None):   # (nulls sort last there)
-            return frame.drop(columns=GROUP_CODE, errors="ignore")
-        by_text = sorted(self.codes)
-        position = np.empty(len(self.codes), dtype=np.int64)
-        position[[self.codes[g] for g in by_text]] = np.arange(len(by_text))
-        order = np.lexsort((frame["step"].to_numpy(dtype=np.int64), frame["rank"].to_numpy(dtype=np.int64),
-                            position[frame[GROUP_CODE].to_numpy(dtype=np.int64)]))
-        return frame.drop(columns=GROUP_CODE).take(order).reset_index(drop=True)
+        return blocks_frame([u.frames[name] for u in self.units if name in u.frames], cut, order)
 
     def invalid_reason(self) -> str | None:
         """Why the units' frames may differ from those of the window's rows (None: they are equal); judged once per
@@ -134,17 +119,22 @@ class WindowFrames:
             steps = [s for s, b in zip(todo, blocks) if b == block]
             inputs = {t: rows(t, block, first_step=steps[0]) for t in INPUTS}
             frames, facts = derive_steps(inputs, self.codes)
-            if not frames[LATENESS].empty:   # each row's group code: the window sorts on it (_in_run_order)
-                lateness = frames[LATENESS]
-                local, pg_names, pr_names = group_codes(lateness["pg"], lateness["pg_ranks"])
-                codes = np.array([self.codes.setdefault(g, len(self.codes)) for g in zip(pg_names, pr_names)],
-                                 dtype=np.int64)
-                frames[LATENESS] = lateness.assign(**{GROUP_CODE: codes[local]})
             self.units.append(_Unit(block, steps[0], steps[-1], {s: now[s] for s in steps},
-                                    {t: pa.Table.from_pandas(f, preserve_index=False)
-                                     for t, f in frames.items() if not f.empty}, facts))
+                                    {t: _coded(f) for t, f in frames.items() if not f.empty}, facts))
             self.num_derived += 1
             self.num_rows_derived += sum(len(f) for f in inputs.values())
+
+
+def _coded(frame: pd.DataFrame) -> pa.Table:
+    """A unit's frame as Arrow with its group columns (``pg``, ``pg_ranks``) dictionary-encoded: the window's frame
+    is sorted on them (``blocks_frame``), where a long member list then moves as a code."""
+    table = pa.Table.from_pandas(frame, preserve_index=False)
+    for name in GROUP_COLUMNS:
+        i = table.schema.get_field_index(name)
+        if i >= 0 and (pa.types.is_string(table.schema.field(i).type)
+                       or pa.types.is_large_string(table.schema.field(i).type)):
+            table = table.set_column(i, name, pc.dictionary_encode(table.column(i)))
+    return table
 
 
 def _invalid_reason(facts: list[StepFacts]) -> str | None:

@@ -230,7 +230,8 @@ def load_overview(source: Source):
     if pending:
         st.caption(FINDINGS_PENDING)
     elif live.updating:
-        _updating_caption(overview.num_steps)
+        _updating_caption(overview.num_steps if live.analyzed_steps is None else live.analyzed_steps,
+                          current_steps=live.analyzed_steps is not None)
     if overview.window is not None:
         _window_caption(overview.window, overview.num_steps)
     return overview, pending
@@ -252,8 +253,13 @@ FINDINGS_PENDING = ("Analyzing the run in the background: the key figures of its
 """Caption of an Overview drawn before its first analysis ended (``data.Live.pending``)."""
 
 
-def _updating_caption(num_steps: int) -> None:
-    st.caption(f"Analyzing the newest rows in the background; shown meanwhile: the analysis of {num_steps} steps.")
+def _updating_caption(num_steps: int, *, current_steps: bool = False) -> None:
+    if current_steps:   # (data.live_overview: the steps' figures of now beside the previous analysis)
+        st.caption(f"Analyzing the newest rows in the background; the steps, step time, tokens/s and MFU are "
+                   f"current, the findings and other figures meanwhile those of the analysis of {num_steps} steps.")
+    else:
+        st.caption(f"Analyzing the newest rows in the background; shown meanwhile: the analysis of {num_steps} "
+                   f"steps.")
 
 
 def _window_caption(window: str, total_steps: int) -> None:

@@ -41,7 +41,7 @@ import streamlit as st
 from dtprobe import summary_store
 from dtprobe.dashboard import summary
 from dtprobe.dashboard.paths import LIVE_WINDOW_ENV, Source, list_sources, live_window_steps  # noqa: F401 (re-exported)
-from dtprobe.overview import Overview, summarize
+from dtprobe.overview import Overview, summarize, with_steps_of
 from dtprobe.store.errors import TraceError
 from dtprobe.store.schema import STEP_BLOCK_STEPS
 
@@ -217,6 +217,7 @@ def finished_overview(source: Source, *, whole_run: bool = False) -> Live:
     thread raised is raised by the next call."""
     stored = _stored_overview(source) if source.kind == "run" else None
     if stored is not None or source.kind != "run":
+        _STEPS_ONLY.pop(str(source.path), None)   # (one a live or pending view opened)
         return Live(stored or load_overview(source, whole_run=whole_run), updating=False)
     entry = _entry(str(source.path), None)
     if not _is_large(entry, source.path):
@@ -300,16 +301,20 @@ class Live:
 
     value: Any
     updating: bool
-    """Rows read since are being analyzed in the background; ``value`` is of the previous analysis."""
+    """Rows read since are being analyzed in the background; ``value`` is of the previous analysis (an Overview:
+    with the steps table's key figures and trends of now, ``overview.with_steps_of``)."""
     pending: bool = False
     """The first analysis is still running: ``value`` holds the key figures of the steps table alone, no findings."""
+    analyzed_steps: int | None = None
+    """While ``updating``: the steps of the analysis whose findings and other figures ``value`` shows."""
 
 
 def live_overview(source: Source, *, whole_run: bool = False) -> Live:
     """The Overview of a running run for a live refresh: ``load_overview`` when the run's events hold less than
-    ``LARGE_EVENTS_BYTES`` or its previous analysis took less than ``LIVE_BLOCK_S``; else the previous Overview at
-    once, while a background thread reads the new rows and re-analyzes (one at a time per source). The first
-    analysis of a large run runs on that thread too, while the page shows the key figures of the steps table alone
+    ``LARGE_EVENTS_BYTES`` or its previous analysis took less than ``LIVE_BLOCK_S``; else, at once, the previous
+    Overview with the steps table's key figures and trends of now (its own steps-only store tails the steps alone),
+    while a background thread reads the new rows and re-analyzes (one at a time per source). The first analysis of
+    a large run runs on that thread too, while the page shows the key figures of the steps table alone
     (``Live.pending``). What that thread raised (TraceError for damaged rows) is raised by the next call."""
     entry = _entry(str(source.path), None)
     if not _is_large(entry, source.path):
@@ -318,11 +323,15 @@ def live_overview(source: Source, *, whole_run: bool = False) -> Live:
         quick = _steps_overview(source, whole_run)   # before the analysis starts, which would slow it down
         _refresh_behind(entry, source, whole_run)
         return Live(quick, updating=True, pending=True)
-    _STEPS_ONLY.pop(str(source.path), None)   # the analysis is there: the steps-only store is not needed
     if entry.build_s < LIVE_BLOCK_S:
+        _STEPS_ONLY.pop(str(source.path), None)   # every refresh analyzes its rows: no steps-only store needed
         return Live(load_overview(source, whole_run=whole_run), updating=False)
+    steps = _steps_overview(source, whole_run)
     updating = _refresh_behind(entry, source, whole_run)
-    return Live(entry.overviews[whole_run][1], updating=updating)
+    analyzed = entry.overviews[whole_run][1]
+    if not updating or steps.num_steps < analyzed.num_steps:
+        return Live(analyzed, updating=updating)
+    return Live(with_steps_of(analyzed, steps), updating=True, analyzed_steps=analyzed.num_steps)
 
 
 def live_analysis(source: Source, *, whole_run: bool = False) -> Live:

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 SCHEMA = "dtprobe.overview/1"
 """Value of the ``schema`` key of the JSON document."""
 TREND_POINTS = 200
 """Most points a key figure's trend keeps (longer series are averaged in bins)."""
+STEP_FIGURES = ("num_steps", "step_time_ms", "tokens_per_s", "mfu", "mfu_reason")
+"""The key figures made of the steps table alone (``dashboard.summary.steps_overview`` gives them)."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,14 @@ def summarize(analysis: Any, *, path: str) -> Overview:
         window=window.describe() if window is not None else None, made_s=time.time(),
         clock_aligned=analysis.clock_alignment(), arrival_clock=analysis.arrival_clock(),
         restarts=tuple(restart_lines(run_events(analysis))))
+
+
+def with_steps_of(analyzed: Overview, steps: Overview) -> Overview:
+    """``analyzed`` with the key figures of the steps table (``STEP_FIGURES``), the step count and the trends of
+    ``steps`` (an Overview of the steps table alone, made since): a live refresh's Overview while the newest rows
+    are analyzed, its findings and other figures those of ``analyzed``."""
+    return replace(analyzed, figures={**analyzed.figures, **{k: steps.figures.get(k) for k in STEP_FIGURES}},
+                   num_steps=steps.num_steps, trends=steps.trends, window=steps.window)
 
 
 def trends(analysis: Any) -> dict[str, list[float]]:

@@ -102,8 +102,8 @@ def test_live_refresh_reads_each_file_from_where_the_last_read_ended_when_a_step
     assert spy.events == [] and spy.compacted == []
 
 
-def test_slow_live_analysis_refreshes_at_once_with_the_previous_overview_then_shows_the_new_one(tmp_path,
-                                                                                               monkeypatch):
+def test_slow_live_analysis_refreshes_at_once_with_the_steps_of_now_and_the_previous_findings(tmp_path,
+                                                                                              monkeypatch):
     monkeypatch.setattr(data, "LIVE_BLOCK_S", 0.0)  # every analysis counts as slow
     run = SyntheticRun(tmp_path / "live", num_ranks=4, straggler_rank=1)
     run.write_steps(5)
@@ -115,26 +115,35 @@ def test_slow_live_analysis_refreshes_at_once_with_the_previous_overview_then_sh
     analyze = data.summary.analyze
 
     def held_analyze(*args, **kwargs):  # the background re-analysis waits until the refresh has been drawn
-        assert gate.wait(60)
+        if threading.current_thread().name.startswith("dtprobe-refresh-"):
+            assert gate.wait(60)
         return analyze(*args, **kwargs)
 
     monkeypatch.setattr(data.summary, "analyze", held_analyze)
     spy = ReadSpy(monkeypatch)
     run.write_steps(2)
     at.run()
-    assert not at.exception and _steps_metric(at) == "5"  # the previous analysis, said so
-    assert any("Analyzing the newest rows in the background" in c.value for c in at.caption)
+    # the steps' figures of now beside the previous analysis' findings, said so
+    assert not at.exception and _steps_metric(at) == "7"
+    assert any("Analyzing the newest rows in the background" in c.value and "analysis of 5 steps" in c.value
+               for c in at.caption)
+    assert any("STRAGGLER" in m.value and "ranks 1 " in m.value for m in at.markdown)
     gate.set()
     data.wait_for_refresh(source, 60)
-    assert spy.events and all(thread.startswith("dtprobe-refresh-") for _, _, thread in spy.events)
+    page_reads = {Path(path).parent.name for path, _, thread in spy.events if not thread.startswith("dtprobe-refresh-")}
+    assert page_reads == {"steps"}            # the page tailed the steps alone; the rest was read behind it
+    assert any(thread.startswith("dtprobe-refresh-") for _, _, thread in spy.events)
     spy.clear()
     run.write_steps(1)
-    at.run()  # shows the re-analysis of the 2 steps and starts that of the next one
-    assert not at.exception and _steps_metric(at) == "7"
+    at.run()  # the 8 steps of now, the findings of the re-analysis of 7 steps; starts that of the newest one
+    assert not at.exception and _steps_metric(at) == "8"
+    assert any("analysis of 7 steps" in c.value for c in at.caption)
     data.wait_for_refresh(source, 60)
     at.run()
     assert _steps_metric(at) == "8"
-    assert spy.events and all(thread.startswith("dtprobe-refresh-") for _, _, thread in spy.events)
+    assert not any("analysis of 7 steps" in c.value for c in at.caption)
+    page_reads = {Path(path).parent.name for path, _, thread in spy.events if not thread.startswith("dtprobe-refresh-")}
+    assert page_reads == {"steps"} and any(thread.startswith("dtprobe-refresh-") for _, _, thread in spy.events)
 
 
 @pytest.mark.parametrize("status", ["running", "finished"])

@@ -217,7 +217,7 @@ def finished_overview(source: Source, *, whole_run: bool = False) -> Live:
     thread raised is raised by the next call."""
     stored = _stored_overview(source) if source.kind == "run" else None
     if stored is not None or source.kind != "run":
-        _STEPS_ONLY.pop(str(source.path), None)   # (one a live or pending view opened)
+        _STEPS_ONLY.pop(str(source.path), None)   # the steps-only store a live or pending view left
         return Live(stored or load_overview(source, whole_run=whole_run), updating=False)
     entry = _entry(str(source.path), None)
     if not _is_large(entry, source.path):

@@ -44,13 +44,13 @@ def steps_overview(store: Any, *, whole_run: bool, window: int, path: str):
 
     from dtprobe.analysis.key_figures import KeyFigures
     from dtprobe.analysis.window import StepWindow
-    from dtprobe.overview import Overview, trends
+    from dtprobe.overview import STEP_FIGURES, Overview, trends
 
     analysis = analyze(store, "run", whole_run=whole_run, window=window)
     source = analysis.source
     k = analysis.throughput_summary()
-    figures = {**{f.name: None for f in fields(KeyFigures)}, **{key: k.get(key) for key in (
-        "step_time_ms", "tokens_per_s", "mfu", "mfu_reason")}, "num_steps": store.num_steps()}
+    figures = {**{f.name: None for f in fields(KeyFigures)},
+               **{key: k.get(key) for key in STEP_FIGURES if key != "num_steps"}, "num_steps": store.num_steps()}
     window_of = source if isinstance(source, StepWindow) else None
     return Overview(path=path, whole=window_of is None, figures=figures, num_steps=store.num_steps(),
                     trends=trends(analysis), findings=(), made_s=time.time(),

@@ -30,12 +30,13 @@ positives + false positives). Time-to-detect = the finding's
 ``detected_at_step`` minus the fault's first step (blank when the finding has no ``detected_at_step``).
 Realized effect. A fault's nominal slowdown is not what the job gets: a CPU quota first takes the slack a rank
 had while waiting on its peers, and the host's own noise moves every rank. So each slowdown run also reports the
-slowdown it realized, read from the raw step rows (not from dtprobe's analysis): the faulted rank's own compute
-(the median of fwd + opt per step) against the median of the other ranks' over the steps after the fault
-(``--fault-step`` + 1 to the end), divided by the same ratio over the steps before it (from step 3: the first
-steps are warm-up), minus 1. The ``real>=10%`` row scores the slowdown runs that realized 10% or more; the goal's
-"slowdowns of 10% and more" is judged there as well as on the nominal ``slow>=10%`` row. On a pipeline layout
-fwd also holds the waits for the previous stage's activations, so the figure is rougher there.
+slowdown it realized, read from the raw events (not from dtprobe's analysis): the faulted rank's own compute (the
+median per step of fwd + opt; on a pipeline layout of its pipeline actions' summed length, since its fwd also
+holds the waits for the previous stage's activations) against the median of the other ranks' over the steps after
+the fault (``--fault-step`` + 1 to the end), divided by the same ratio over the steps before it (from step 3: the
+first steps are warm-up), minus 1. The ``real>=10%`` row scores the slowdown runs that realized 10% or more; the goal's
+"slowdowns of 10% and more" is judged there as well as on the nominal ``slow>=10%`` row. On a tensor-parallel
+layout fwd also holds the waits at the tp collectives, so the figure is rougher there.
 A STRAGGLER false positive is also checked against the run's raw step and collective rows (the chaos harness's
 ``straggler_confirmed``): ``FP conf`` counts those whose rank's own work between synchronization points (from the
 end of its backward to its next step's first collective) over the finding's window was longer than its group's by

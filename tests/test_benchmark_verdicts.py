@@ -1,6 +1,6 @@
 """``benchmarks/verdicts.py`` scores a slowdown run by the slowdown it realized as well as by its nominal one:
-the faulted rank's own compute (fwd + opt from the raw step rows) against the other ranks', after the fault over
-before it."""
+the faulted rank's own compute (fwd + opt from the raw step rows; a pipeline rank's summed action lengths) against
+the other ranks', after the fault over before it."""
 
 from __future__ import annotations
 
@@ -36,6 +36,24 @@ def test_realized_slowdown_is_the_faulted_ranks_compute_against_its_peers_after_
     assert verdicts.realized_slowdown(tmp_path, 1, 10) == pytest.approx(0.15)
     assert verdicts.realized_slowdown(tmp_path, 0, 10) == pytest.approx(120 / ((110 * 1.2 * 1.15 + 90 * 1.2) / 2) - 1)
     assert verdicts.realized_slowdown(tmp_path, 3, 10) is None          # no rows of that rank
+
+
+def test_a_pipeline_ranks_realized_slowdown_is_of_its_actions_not_of_fwd_that_holds_its_waits(tmp_path):
+    # 2 stages; rank 1's actions 10% longer from step 10, while its fwd (waits for stage 0 included) barely moves
+    _write_steps(tmp_path, {0: [100.0] * 20, 1: [100.0] * 10 + [101.0] * 10})
+    folder = tmp_path / "events" / "pipeline"
+    folder.mkdir()
+    for rank in (0, 1):
+        rows, t = [], 0
+        for step in range(20):
+            for microbatch in range(2):
+                for action in ("F", "B"):
+                    ms = 20.0 * (1.1 if rank == 1 and step >= 10 else 1.0)
+                    rows.append({"rank": rank, "stage": rank, "step": step, "microbatch": microbatch,
+                                 "action": action, "start_ns": t, "end_ns": t + int(ms * 1e6)})
+                    t += int(50e6)
+        (folder / f"rank{rank:05d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert verdicts.realized_slowdown(tmp_path, 1, 10) == pytest.approx(0.10)
 
 
 def test_report_scores_the_runs_that_realized_ten_percent_apart_from_the_nominal_class():

@@ -425,15 +425,25 @@ def _jsonl_rows(run_dir: Path, kind: str):
 
 
 def own_compute_ms(run_dir: Path, first_step: int, last_step: int) -> dict[int, float]:
-    """Per rank, the median of its fwd + opt over steps ``first_step``..``last_step``, read from the raw
-    ``events/steps`` rows (not from dtprobe's analysis), in ms: the compute phases, for a slowdown's size
-    (``benchmarks/verdicts.py``). Rows of every restart in the range count alike; ranks without such rows are
-    left out."""
-    own: dict[int, list[float]] = {}
+    """Per rank, the median per step of its own compute over steps ``first_step``..``last_step``, read from the raw
+    events (not from dtprobe's analysis), in ms, for a slowdown's size (``benchmarks/verdicts.py``): fwd + opt of
+    its ``events/steps`` rows; for a pipeline rank the summed length of its ``events/pipeline`` actions instead (its
+    fwd also holds the waits for the previous stage's activations, an action's span does not). Rows of every
+    restart in the range count alike; ranks without such rows are left out."""
+    per_step: dict[tuple[int, int, int], float] = {}
+    for row in _jsonl_rows(run_dir, "pipeline"):
+        if first_step <= row.get("step", -1) <= last_step and row.get("start_ns") is not None \
+                and row.get("end_ns") is not None:
+            key = (int(row["rank"]), row.get("restart", 0), row["step"])
+            per_step[key] = per_step.get(key, 0.0) + (row["end_ns"] - row["start_ns"]) / 1e6
+    pipelined = {rank for rank, _, _ in per_step}
     for row in _jsonl_rows(run_dir, "steps"):
         if first_step <= row.get("step", -1) <= last_step and row.get("fwd_ns") is not None \
-                and row.get("opt_ns") is not None:
-            own.setdefault(int(row["rank"]), []).append((row["fwd_ns"] + row["opt_ns"]) / 1e6)
+                and row.get("opt_ns") is not None and int(row["rank"]) not in pipelined:
+            per_step[(int(row["rank"]), row.get("restart", 0), row["step"])] = (row["fwd_ns"] + row["opt_ns"]) / 1e6
+    own: dict[int, list[float]] = {}
+    for (rank, _, _), ms in per_step.items():
+        own.setdefault(rank, []).append(ms)
     return {r: sorted(v)[len(v) // 2] for r, v in own.items()}
 
 

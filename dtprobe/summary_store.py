@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from dtprobe import __version__
 from dtprobe.overview import Overview
+from dtprobe.store.errors import ConfigError
 from dtprobe.store.manifest import write_text_atomically
 
 if TYPE_CHECKING:
@@ -64,12 +65,13 @@ def cache_dir() -> Path:
 
 def cache_limit_bytes() -> int:
     """How many bytes the per-user cache may hold (summaries and their kept results): ``DTPROBE_CACHE_MAX_MB``, else
-    ``DEFAULT_CACHE_MAX_MB``. Raises ValueError naming the variable for a value that is not a whole number >= 0."""
+    ``DEFAULT_CACHE_MAX_MB``. Raises ConfigError naming the variable for a value that is not a whole number >= 0
+    (the dashboard shows it as it shows a bad run)."""
     value = os.environ.get(CACHE_LIMIT_ENV, "").strip()
     if not value:
         return DEFAULT_CACHE_MAX_MB << 20
     if not value.isdigit():
-        raise ValueError(f"{CACHE_LIMIT_ENV}={value!r}: give the per-user summary cache's size in whole MB "
+        raise ConfigError(f"{CACHE_LIMIT_ENV}={value!r}: give the per-user summary cache's size in whole MB "
                          f"(e.g. {DEFAULT_CACHE_MAX_MB}), or unset it for {DEFAULT_CACHE_MAX_MB} MB")
     return int(value) << 20
 

@@ -11,6 +11,7 @@ import pytest
 
 from dtprobe import summary_store
 from dtprobe.overview import Overview
+from dtprobe.store.errors import ConfigError
 
 
 @pytest.fixture
@@ -100,5 +101,5 @@ def test_a_run_folders_own_summary_is_never_pruned(cache, tmp_path, monkeypatch)
 @pytest.mark.parametrize("value", ["lots", "-1", "1.5"])
 def test_a_bound_that_is_not_whole_megabytes_is_an_error_naming_the_variable(cache, monkeypatch, value):
     monkeypatch.setenv(summary_store.CACHE_LIMIT_ENV, value)
-    with pytest.raises(ValueError, match=f"{summary_store.CACHE_LIMIT_ENV}=.*whole MB"):
+    with pytest.raises(ConfigError, match=f"{summary_store.CACHE_LIMIT_ENV}=.*whole MB"):
         summary_store.cache_limit_bytes()

@@ -100,7 +100,8 @@ def _entry(path: str, version_now: tuple | None) -> _Entry:
             entry = _ENTRIES[path] = _Entry(None, version_now or (), {}, threading.RLock())
         _ENTRIES.move_to_end(path)
         while len(_ENTRIES) > MAX_SOURCES:
-            _ENTRIES.popitem(last=False)
+            dropped, _ = _ENTRIES.popitem(last=False)
+            _STEPS_ONLY.pop(dropped, None)      # (its live view's steps-only store goes with it)
         return entry
 
 

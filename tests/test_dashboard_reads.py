@@ -192,6 +192,19 @@ def test_a_small_finished_run_without_a_summary_is_summarized_before_its_overvie
     assert not data.overview_pending(resolve_choice(tmp_path, "done"))
 
 
+def test_a_live_views_steps_only_store_goes_when_its_source_is_dropped_from_the_open_ones(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "LARGE_EVENTS_BYTES", 0)
+    monkeypatch.setattr(data, "MAX_SOURCES", 1)
+    for name in ("live", "other"):
+        write_synthetic_run(tmp_path / name, num_ranks=2, num_steps=3, status="running")
+    live, other = resolve_choice(tmp_path, "live"), resolve_choice(tmp_path, "other")
+    assert data.live_overview(live).pending                 # the first draw: the steps table alone, kept open
+    data.wait_for_refresh(live, 60)
+    assert str(live.path) in data._STEPS_ONLY
+    data.load_overview(other)                                # the one source kept open now
+    assert str(live.path) not in data._STEPS_ONLY and str(live.path) not in data._ENTRIES
+
+
 def test_what_the_background_re_analysis_raised_is_shown_by_the_next_refresh(tmp_path, monkeypatch):
     monkeypatch.setattr(data, "LIVE_BLOCK_S", 0.0)
     run = SyntheticRun(tmp_path / "live", num_ranks=2)

@@ -104,3 +104,25 @@ def test_launch_returns_the_failing_scripts_exit_code_and_reports_rank_crash(
     assert store.manifest.status == "crashed"
     steps = store.table("steps")
     assert steps[steps["rank"] == 1]["step"].tolist() == [0, 1]        # step 2 never reached its optimizer step
+
+
+LEAVES_ITS_GROUP = """
+import atexit, os, sys
+import torch, torch.distributed as dist
+
+dist.init_process_group("gloo")
+dist.all_reduce(torch.ones(4))
+out = os.path.join(sys.argv[1], f"rank{dist.get_rank()}.txt")
+atexit.register(lambda: open(out, "w").write(str(dist.is_initialized())))   # never destroys its group
+"""
+
+
+@pytest.mark.multiproc
+def test_launch_destroys_the_process_group_a_finished_script_left_before_the_exit(tmp_path, run_cli, child_env):
+    # torch's teardown of a gloo group still alive at exit can abort the worker (-6) after its work is done: a
+    # script that returned has its groups destroyed first, so its atexit functions find none
+    (tmp_path / "leave.py").write_text(LEAVES_ITS_GROUP)
+    proc = _launch(run_cli, child_env, tmp_path / "run", tmp_path / "leave.py", tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)] == ["False", "False"]
+    assert RunStore.open(tmp_path / "run").manifest.status == "finished"

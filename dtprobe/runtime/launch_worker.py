@@ -11,7 +11,8 @@ its arguments, the ``[collect]`` options, the process-group timeout), then:
    a script that never initializes torch.distributed is still run, and nothing is recorded;
 2. runs the script as ``python SCRIPT ARGS`` would (``runpy``: ``__name__ == "__main__"``, ``sys.argv`` =
    ``[SCRIPT, *ARGS]``, the script's folder first on ``sys.path``; ``-m``: ``sys.argv[0]`` the module's file);
-3. closes the probe ("finished" when the script returned or exited 0, else "crashed") and exits with the script's
+3. closes the probe ("finished" when the script returned or exited 0, else "crashed"), destroys the process
+   groups a script that ended with 0 left initialized (``release_process_groups``), and exits with the script's
    exit code (an uncaught exception: 1, written to torchelastic's error file by ``@record``).
 
 Like ``runtime.worker`` it writes ``worker.json`` beside torchelastic's error file, for the launcher's attempts.
@@ -105,6 +106,18 @@ def run_target(spec: dict[str, Any]) -> None:
         runpy.run_path(script, run_name="__main__")
 
 
+def release_process_groups() -> None:
+    """Destroy the process groups a finished script left initialized, as torch asks scripts to and many do not:
+    torch's interpreter teardown of gloo groups still alive at exit can abort the process (exit -6, "terminate
+    called without an active exception") after all of its work is done, which torchrun reports as a failed worker.
+    ``destroy_process_group`` shuts each group's threads down first. No barrier: a peer may have ended already.
+    Runs before the script's ``atexit`` functions, so one of those that uses a group finds none."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def exit_code_of(exc: SystemExit) -> int:
     """The process exit code ``sys.exit(code)`` gives (None: 0; a message: printed, 1)."""
     code = exc.code
@@ -135,6 +148,8 @@ def main() -> int:
         session.close("crashed")
         raise
     session.close("finished" if code == 0 else "crashed")
+    if code == 0:   # (a failed script's groups may still wait on peers: left to the exit)
+        release_process_groups()
     write_worker_file(ended_ns=time.time_ns(), exit_code=code)
     return code
 

@@ -107,10 +107,10 @@ def test_launch_returns_the_failing_scripts_exit_code_and_reports_rank_crash(
 
 
 LEAVES_ITS_GROUP = """
-import atexit, os, sys
+import atexit, datetime, os, sys
 import torch, torch.distributed as dist
 
-dist.init_process_group("gloo")
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 dist.all_reduce(torch.ones(4))
 out = os.path.join(sys.argv[1], f"rank{dist.get_rank()}.txt")
 atexit.register(lambda: open(out, "w").write(str(dist.is_initialized())))   # never destroys its group

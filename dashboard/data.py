@@ -28,7 +28,6 @@ Timeline window (``load_window``) are read from the store with the window pushed
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 import time
 from collections import OrderedDict
@@ -43,6 +42,7 @@ from dtprobe.dashboard import summary
 from dtprobe.dashboard.paths import LIVE_WINDOW_ENV, Source, list_sources, live_window_steps  # noqa: F401 (re-exported)
 from dtprobe.overview import Overview, summarize, with_steps_of
 from dtprobe.store.errors import TraceError
+from dtprobe.store.manifest import folder_bytes
 from dtprobe.store.schema import STEP_BLOCK_STEPS
 
 if TYPE_CHECKING:  # imported where used: a stored Overview is drawn before the analysis modules are imported
@@ -363,22 +363,8 @@ def _is_large(entry: _Entry, run_dir: Path) -> bool:
     """The run's events and compacted tables hold ``LARGE_EVENTS_BYTES`` or more (once large, a run stays so: not
     checked again)."""
     if not entry.large:
-        entry.large = sum(_files_bytes(run_dir / part) for part in ("events", "tables")) >= LARGE_EVENTS_BYTES
+        entry.large = sum(folder_bytes(run_dir / part) for part in ("events", "tables")) >= LARGE_EVENTS_BYTES
     return entry.large
-
-
-def _files_bytes(folder: Path) -> int:
-    """Bytes of the files under ``folder`` (a run's events or tables: one directory scan per folder)."""
-    if not folder.is_dir():
-        return 0
-    total = 0
-    with os.scandir(folder) as entries:
-        for item in entries:
-            if item.is_dir(follow_symlinks=False):
-                total += _files_bytes(Path(item.path))
-            elif item.is_file(follow_symlinks=False):
-                total += item.stat().st_size
-    return total
 
 
 def _steps_overview(source: Source, whole_run: bool) -> Overview:

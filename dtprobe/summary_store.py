@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from dtprobe import __version__
 from dtprobe.overview import Overview
 from dtprobe.store.errors import ConfigError
-from dtprobe.store.manifest import write_text_atomically
+from dtprobe.store.manifest import folder_bytes, write_text_atomically
 
 if TYPE_CHECKING:
     from dtprobe.analysis.facade import AnalysisOptions
@@ -107,7 +107,7 @@ def prune_cache(*, keep: Path | None = None, max_bytes: int | None = None) -> li
             _remove_entry(item)
             removed.append(item)
             continue
-        entries.append((st.st_mtime_ns, item, st.st_size + _tree_bytes(_kept_dir(item))))
+        entries.append((st.st_mtime_ns, item, st.st_size + folder_bytes(_kept_dir(item))))
     total = sum(size for _, _, size in entries)
     for _, item, size in sorted(entries):
         if total <= limit:
@@ -131,17 +131,6 @@ def _source_exists(summary_file: Path) -> bool:
 def _remove_entry(summary_file: Path) -> None:
     shutil.rmtree(_kept_dir(summary_file), ignore_errors=True)
     summary_file.unlink(missing_ok=True)
-
-
-def _tree_bytes(folder: Path) -> int:
-    total = 0
-    for base, _, files in os.walk(folder):
-        for name in files:
-            try:
-                total += os.stat(os.path.join(base, name)).st_size
-            except OSError:
-                continue
-    return total
 
 
 def state_of(path: str | os.PathLike) -> str:

@@ -389,6 +389,26 @@ def swap_in_dir(new: Path, target: Path, graveyard: Path) -> None:
     shutil.rmtree(graveyard, ignore_errors=True)
 
 
+def folder_bytes(folder: str | os.PathLike) -> int:
+    """Bytes of the files under ``folder``, one directory scan per folder, symlinks not followed; 0 when it is not
+    a folder. A file or folder removed while it is scanned counts 0 (a cache pruned by another process)."""
+    try:
+        with os.scandir(folder) as scan:
+            items = list(scan)
+    except (FileNotFoundError, NotADirectoryError):
+        return 0
+    total = 0
+    for item in items:
+        try:
+            if item.is_dir(follow_symlinks=False):
+                total += folder_bytes(item.path)
+            elif item.is_file(follow_symlinks=False):
+                total += item.stat(follow_symlinks=False).st_size
+        except FileNotFoundError:
+            continue
+    return total
+
+
 def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     write_text_atomically(path, json.dumps(data, indent=1) + "\n")
 

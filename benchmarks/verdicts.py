@@ -17,16 +17,17 @@ Scenario classes, on every layout (dp2, dp4, dp2xtp2, dp2xpp2) unless said other
   that slack: its lateness grows by less than F.
 - ``kill``: the rank is SIGKILLed mid-run (``--max-restarts 1 --ckpt-every 5``: the run recovers).
 - ``stop``: the rank is SIGSTOPped mid-run (``--collective-timeout`` ends the job).
+- ``pause``: the rank is SIGSTOPped mid-run for ``PAUSE_S`` seconds, then SIGCONTed: the job goes on (RANK_STALL).
 - ``mismatch`` (a user's 4-rank torchrun script, tests/chaos/mismatch_job.py, as many runs as layouts): the rank
   all_gathers where its peers all_reduce, and the job dies on the process-group timeout.
 
-Scoring. A *verdict* is a warning or critical STRAGGLER, HANG, RANK_CRASH, COLLECTIVE_MISMATCH or SLOW_LINK
-finding; each (verdict, named rank) pair is judged. It is a true positive when it is the scenario's expected
-code (STRAGGLER with cause ``compute`` for a slowdown, RANK_CRASH for kill, HANG for stop, COLLECTIVE_MISMATCH for
-mismatch) naming the faulted rank (a run counts at most one); a false positive is any verdict on a clean run or
-on another rank; any other verdict on the faulted rank (another code, or a STRAGGLER of another cause) is counted
-apart as ``other``. Recall = runs with a true positive / faulted runs; precision = true positives / (true
-positives + false positives). Time-to-detect = the finding's
+Scoring. A *verdict* is a warning or critical STRAGGLER, HANG, RANK_CRASH, COLLECTIVE_MISMATCH, SLOW_LINK or
+RANK_STALL finding; each (verdict, named rank) pair is judged. It is a true positive when it is the scenario's
+expected code (STRAGGLER with cause ``compute`` for a slowdown, RANK_CRASH for kill, HANG for stop,
+COLLECTIVE_MISMATCH for mismatch, RANK_STALL for pause) naming the faulted rank (a run counts at most one); a false
+positive is any verdict on a clean run or on another rank; any other verdict on the faulted rank (another code, or
+a STRAGGLER of another cause) is counted apart as ``other``. Recall = runs with a true positive / faulted runs;
+precision = true positives / (true positives + false positives). Time-to-detect = the finding's
 ``detected_at_step`` minus the fault's first step (blank when the finding has no ``detected_at_step``).
 Realized effect. A fault's nominal slowdown is not what the job gets: a CPU quota first takes the slack a rank
 had while waiting on its peers, and the host's own noise moves every rank. So each slowdown run also reports the
@@ -73,12 +74,15 @@ LAYOUTS = {"dp2": ("--nproc", "2"), "dp4": ("--nproc", "4"), "dp2xtp2": ("--npro
            "dp2xpp2": ("--nproc", "4", "--pp", "2", "--batch-size", "4")}
 """Layout name -> ``dtprobe run`` flags (a pipeline of 2 stages runs 4 micro-batches: batch 4)."""
 WORLD_SIZE = {"dp2": 2, "dp4": 4, "dp2xtp2": 4, "dp2xpp2": 4}
-VERDICT_CODES = ("STRAGGLER", "HANG", "RANK_CRASH", "COLLECTIVE_MISMATCH", "SLOW_LINK")
-KINDS = ("clean", "inject", "quota", "kill", "stop", "mismatch")
+VERDICT_CODES = ("STRAGGLER", "HANG", "RANK_CRASH", "COLLECTIVE_MISMATCH", "SLOW_LINK", "RANK_STALL")
+KINDS = ("clean", "inject", "quota", "kill", "stop", "mismatch", "pause")
 EXPECTED_CODE = {"inject": "STRAGGLER", "quota": "STRAGGLER", "kill": "RANK_CRASH", "stop": "HANG",
+                 "pause": "RANK_STALL",
                  "mismatch": "COLLECTIVE_MISMATCH"}
 SLOWDOWN_CAUSE = "compute"
 JOB_TIMEOUT_S = 600
+PAUSE_S = 2.0
+"""How long a ``pause`` scenario keeps its rank stopped."""
 WARMUP_STEPS = 3
 """Steps left out of the realized slowdown's before-the-fault window (``realized_slowdown``)."""
 REALIZED_MIN = 0.10
@@ -90,7 +94,7 @@ class Scenario:
     """One run of the matrix."""
 
     kind: str
-    """``clean``, ``inject``, ``quota``, ``kill``, ``stop`` or ``mismatch``."""
+    """``clean``, ``inject``, ``quota``, ``kill``, ``stop``, ``mismatch`` or ``pause``."""
     layout: str
     rank: int | None = None
     """The faulted rank (None on a clean run)."""
@@ -161,6 +165,13 @@ def run_scenario(sc: Scenario, run_dir: Path, args: argparse.Namespace) -> None:
             sc.fault_step = steps_done(run_dir, sc.rank)
             job.signal(sc.rank, signal.SIGSTOP)
             job.end_stopped(sc.rank)                    # once the others' watchdogs ended the job
+        elif sc.kind == "pause":
+            job = _run_dtprobe(sc, run_dir, args, "--device-interval", "0.25")
+            job.wait_steps(sc.rank, args.fault_step)
+            sc.fault_step = steps_done(run_dir, sc.rank)
+            job.signal(sc.rank, signal.SIGSTOP)
+            time.sleep(PAUSE_S)
+            job.signal(sc.rank, signal.SIGCONT)
         elif sc.kind == "mismatch":
             sc.fault_step = args.fault_step
             cmd = torchrun_cmd(ROOT / "tests" / "chaos" / "mismatch_job.py", str(run_dir), "--odd-rank",
@@ -247,6 +258,9 @@ def build_matrix(args: argparse.Namespace) -> list[Scenario]:
         matrix += [Scenario(kind=k, layout=layout, rank=rng.randrange(world)) for k in ("kill", "stop")]
     # the mismatch job is its own 4-rank data-parallel script, run once per layout of the matrix
     matrix += [Scenario(kind="mismatch", layout="dp4", rank=rng.randrange(4)) for _ in args.layouts]
+    # drawn after the others, so that adding them left the earlier scenarios' ranks as they were
+    matrix += [Scenario(kind="pause", layout=layout, rank=rng.randrange(WORLD_SIZE[layout]))
+               for layout in args.layouts]
     return [sc for sc in matrix if sc.kind in args.kinds]      # drawn in full first: the same seed, the same ranks
 
 

@@ -37,6 +37,7 @@ PAGES = (
 
 FINDING_PAGE = {
     "STRAGGLER": "views/stragglers.py",
+    "RANK_STALL": "views/stragglers.py",
     "EXPOSED_COMM": "views/communication.py",
     "COMM_INEFFICIENT": "views/communication.py",
     "COMPRESSION": "views/communication.py",

@@ -5,7 +5,8 @@ deterministic timelines as schema-typed tables (``dp_tables``, ``cuda_dp_tables`
 step to a run that is still running (``SyntheticRun``).
 
 ``dp_tables`` / ``DataParallelTimeline`` model DDP: per step data -> fwd -> bwd (bucket all-reduces enqueued during
-bwd, complete when the last member arrives + a transfer time) -> opt, with one optional straggler. ``dp_pp_tables``
+bwd, complete when the last member arrives + a transfer time) -> opt, with one optional straggler (``dp_stall_tables``:
+one rank late in one step only). ``dp_pp_tables``
 models dp x pp with one micro-batch: stage 0 sends activations to stage 1, stage 1 sends gradients back, then each
 stage all-reduces over its dp group. Times in ms, converted to ns. No Streamlit, no torch.
 """
@@ -120,6 +121,29 @@ def dp_tables(*, world: int = 4, num_steps: int = 20, straggler: int | None = No
     rows = DataParallelTimeline(world=world, straggler=straggler, delay_ms=delay_ms, phase=phase,
                                 num_buckets=num_buckets, jitter_ms=jitter_ms, seed=seed, from_step=from_step, pg=pg,
                                 xfer_ms=xfer_ms, throttle=throttle).next_rows(num_steps)
+    return {table: frame_from_rows(table, table_rows) for table, table_rows in rows.items()}
+
+
+def dp_stall_tables(*, world: int = 4, num_steps: int = 30, rank: int = 2, step: int = 15, delay_ms: float = 400.0,
+                    sampler_ms: float | None = 20.0, frozen: bool = False) -> dict:
+    """``dp_tables`` with one stall: ``rank``'s forward takes ``delay_ms`` longer in ``step`` only (RANK_STALL);
+    with ``sampler_ms``, host sampler rows of every rank at that interval instead of one device row per step,
+    none of ``rank``'s during that step when ``frozen``."""
+    timeline = DataParallelTimeline(world=world, jitter_ms=1.0, device_source="host")
+    rows = timeline.next_rows(step)
+    timeline.straggler, timeline.delay_ms, timeline.phase = rank, delay_ms, "fwd"
+    stalled = timeline.next_rows(1)
+    timeline.straggler = None
+    later = timeline.next_rows(num_steps - step - 1)
+    for table in rows:
+        rows[table] += stalled[table] + later[table]
+    if sampler_ms is not None:
+        end = max(r["end_ns"] for r in rows["steps"])
+        rows["devices"] = [row for r in range(world) for row in sampler_rows(r, T0, end, every_ms=sampler_ms)]
+        if frozen:
+            span = next(r for r in stalled["steps"] if r["rank"] == rank)
+            rows["devices"] = [r for r in rows["devices"]
+                               if not (r["rank"] == rank and span["start_ns"] < r["time_ns"] < span["end_ns"])]
     return {table: frame_from_rows(table, table_rows) for table, table_rows in rows.items()}
 
 

@@ -29,7 +29,7 @@ from dtprobe import summary_store
 from dtprobe.dashboard import charts, data, export
 from dtprobe.dashboard.nav import FINDING_PAGE, PAGES
 from dtprobe.dashboard.paths import ROOT_ENV, list_sources, resolve_choice
-from dtprobe.synthetic import SyntheticRun, write_synthetic_run
+from dtprobe.synthetic import SyntheticRun, dp_stall_tables, write_run, write_synthetic_run
 from dtprobe.analysis.facade import RunAnalysis
 from dtprobe.store.errors import ConfigError
 
@@ -200,6 +200,20 @@ def test_straggler_finding_links_to_stragglers_page_with_its_rank(straggler_root
     table = next(d.value for d in at.dataframe if "role" in d.value.columns)
     assert table.loc[table["role"] == "culprit", "rank"].tolist() == [STRAGGLER_RANK]
     assert sorted(table.loc[table["role"] == "victim", "rank"]) == [0, 1, 3]
+
+
+def test_rank_stall_links_to_the_stragglers_page_which_shows_it_with_its_stalls(tmp_path, monkeypatch):
+    write_run(tmp_path / "dp4_stall", dp_stall_tables(rank=2, step=15, delay_ms=400.0), world_size=4)
+    at = app(tmp_path, monkeypatch, run="dp4_stall")
+    assert not at.exception, [e.message for e in at.exception]
+    link = next(p for p in page_links(at) if "RANK_STALL" in p.label)
+    assert link.page.endswith("stragglers") and "ranks=2" in link.query_string
+    at.switch_page("views/stragglers.py").run()
+    assert not at.exception, [e.message for e in at.exception]
+    assert "RANK_STALL** · ranks 2 · group dp" in page_text(at)
+    assert "rank 2 stalled once, for up to 0.4 s (step 15)" in page_text(at)
+    rows = next(d.value for d in at.dataframe if "stall_ns" in d.value.columns)
+    assert rows[["rank", "step", "kind", "phase"]].values.tolist() == [[2, 15, "late_arrival", "fwd"]]
 
 
 def test_stragglers_page_marks_the_ranks_of_the_url_not_the_detected_ones(straggler_root, monkeypatch):

@@ -83,7 +83,8 @@ def body(source) -> None:
 
 def _show_findings(source, analysis, slot) -> None:
     with slot:
-        common.show_findings(common.findings_with_evidence(source, analysis, {"STRAGGLER": "stragglers"}),
+        common.show_findings(common.findings_with_evidence(source, analysis, {"STRAGGLER": "stragglers",
+                                                                              "RANK_STALL": "rank_stall_findings"}),
                              key="stragglers")
 
 

@@ -46,6 +46,7 @@ from dtprobe.analysis import liveness as _liveness
 from dtprobe.analysis import mismatch as _mismatch
 from dtprobe.analysis import peaks as _peaks
 from dtprobe.analysis import pipeline_delay as _pipeline_delay
+from dtprobe.analysis import rank_stalls as _rank_stalls
 from dtprobe.analysis import report as _report
 from dtprobe.analysis import stragglers as _stragglers
 from dtprobe.analysis import tables as _tables
@@ -318,6 +319,21 @@ class RunAnalysis:
             per_step = _cpu_throttle.cpu_wait_per_step(self.table("devices"), self.table("steps"))
             return None if per_step.empty else per_step
         return self._memo("cpu_wait", compute)
+
+    def rank_stalls(self) -> pd.DataFrame:
+        """Per (rank, step) where a rank stalled for seconds while its groups waited for it (late to a collective,
+        or frozen inside one: ``rank_stalls.rank_stalls``); empty without aligned clocks (a trace folder)."""
+        return self._memo("rank_stalls", lambda: _rank_stalls.rank_stalls(
+            self.late_rank_per_step(), bandwidth=self.collective_bandwidth(), exposure=self.comm_exposure(),
+            steps=self.table("steps"), devices=self.table("devices"), checkpoints=self.table("checkpoints"),
+            step_ns=self.step_time_ns())
+            if self.info.clock_aligned else pd.DataFrame({c: [] for c in _rank_stalls.STALL_COLUMNS}))
+
+    def rank_stall_findings(self) -> list[Finding]:
+        """RANK_STALL: one per rank that stalled (``rank_stalls``)."""
+        return self._memo("f:rank_stalls", lambda: _rank_stalls.detect_rank_stalls(
+            self.rank_stalls(), wall_ns=self.wall_ns(), hosts={r.rank: r.host for r in self.info.ranks},
+            axis_of_pg=self.group_axis))
 
     def straggler_causes(self) -> pd.DataFrame:
         """Per (group, rank) late enough to be a straggler candidate: excess data/compute/communication time in its
@@ -730,9 +746,9 @@ class RunAnalysis:
         a group a COLLECTIVE_MISMATCH explains."""
         return self._memo("findings", lambda: sort_findings(info_without_gain(_mismatch.without_explained_stragglers(
             self.hangs() + self.mismatch_findings() + self.corrupt_checkpoints()
-            + self.stragglers() + self.slow_links() + self.exposed_comm() + self.pipeline_findings()
-            + self.amp_findings() + self.checkpoint_findings() + self.comm_findings() + self.compression_findings()
-            + self.device_findings() + _throughput.detect_low_mfu(self.throughput_summary())))))
+            + self.stragglers() + self.rank_stall_findings() + self.slow_links() + self.exposed_comm()
+            + self.pipeline_findings() + self.amp_findings() + self.checkpoint_findings() + self.comm_findings()
+            + self.compression_findings() + self.device_findings() + _throughput.detect_low_mfu(self.throughput_summary())))))
 
     def key_figures(self) -> KeyFigures:
         """Headline numbers: steps, step time, tokens/s, MFU, exposed comm, bubble, overflows, checkpoint share."""

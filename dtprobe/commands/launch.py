@@ -29,9 +29,9 @@ phases come from module, autograd and optimizer hooks. Loss and tokens are recor
 dtprobe.record(loss=..., tokens=...) (a no-op when not run by dtprobe): otherwise they are absent, never guessed.
 
 Shows progress (optimizer steps on rank 0), then the findings that need no knowledge of the model (stragglers,
-exposed or inefficient communication, hangs, crashes, collective mismatches, device problems; pipeline, AMP and
-checkpoint findings when the telemetry holds those rows), and prints the run directory on stdout. The workers'
-output goes to RUN/logs/. Exit code: the script's (that of the first rank that failed), 130 when interrupted,
+stalls, exposed or inefficient communication, hangs, crashes, collective mismatches, device problems; pipeline,
+AMP and checkpoint findings when the telemetry holds those rows), and prints the run directory on stdout. The
+workers' output goes to RUN/logs/. Exit code: the script's (that of the first rank that failed), 130 when interrupted,
 2 for a bad command line."""
 
 

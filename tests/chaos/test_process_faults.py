@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,8 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.chaos]
 HERE = Path(__file__).resolve().parent
 JOB_TIMEOUT_S = 300
 """Outer bound of every job: launcher, workers and their restarts."""
+PAUSE_S = 2.0
+"""How long the pause test keeps its worker stopped each time."""
 
 
 def _per_rank(value) -> dict[int, object]:
@@ -102,6 +105,36 @@ def test_sigstop_of_a_worker_is_a_hang_naming_it_stopped(run_dir, launch):
     assert [(f["severity"], f["ranks"]) for f in hangs] == [("critical", [1])], summary(doc)
     assert _liveness(hangs[0]).get(1) == "stopped", hangs[0]["evidence"]
     assert_only_confirmed_stragglers(run, doc, ("RANK_CRASH", "STRAGGLER", "COLLECTIVE_MISMATCH"))
+
+
+def test_sigstop_then_sigcont_of_a_worker_is_a_rank_stall_naming_it_frozen(run_dir, launch):
+    # a process paused and resumed (a scheduler's or debugger's SIGSTOP, a VM pause): the job goes on, the
+    # others wait; no HANG (every collective completed), no crash, but the lost time is reported
+    run = run_dir("sigstop_sigcont")
+    job = launch(dtprobe_run_cmd(run, "--nproc", "4", "--steps", "40", "--device-interval", "0.25", devices=True),
+                 run, timeout_s=JOB_TIMEOUT_S)
+    paused_at = []
+    for step in (12, 26):
+        job.wait_steps(2, step)
+        paused_at.append(step)
+        job.signal(2, signal.SIGSTOP)
+        time.sleep(PAUSE_S)
+        job.signal(2, signal.SIGCONT)
+    assert job.wait() == 0, job.output()[-3000:]
+
+    doc = analyze(run)
+    stalls = verdicts_on(doc, ("RANK_STALL",))
+    assert [f["ranks"] for f in stalls] == [[2]], summary(doc)
+    ev = stalls[0]["evidence"]
+    pauses = sorted(ev["stalls"], key=lambda s: -s["stall_ms"])[:2]
+    # each pause is one stall, at or after the step it came in, whether rank 2 was stopped before the collective
+    # (late_arrival) or inside it (in_collective), and its sampler wrote nothing meanwhile
+    assert sorted(s["step"] for s in pauses)[0] >= paused_at[0] and len({s["step"] for s in pauses}) == 2, ev
+    assert all(0.8 * PAUSE_S * 1e3 <= s["stall_ms"] <= 1.3 * PAUSE_S * 1e3 for s in pauses), ev
+    assert all(s["liveness"] == "frozen" for s in pauses) and ev["liveness"] == "frozen", ev
+    assert ev["lost_ms"] >= 2 * 0.8 * PAUSE_S * 1e3
+    assert not verdicts_on(doc, ("HANG", "RANK_CRASH", "COLLECTIVE_MISMATCH")), summary(doc)
+    assert_only_confirmed_stragglers(run, doc, ("STRAGGLER",))
 
 
 # ------------------------------------------------------------------------------------ CPU slowdown of one rank

@@ -1,0 +1,207 @@
+"""RANK_STALL: a rank that stopped for a while and went on while its peers waited, on synthetic runs read through
+the facade and on hand-made per-step frames (the real SIGSTOP of a worker: tests/chaos/test_process_faults.py)."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+from analysis_synth import MS, T0, dp_stall_tables, sampler_rows, write_run
+
+from dtprobe.analysis import rank_stalls
+from dtprobe.analysis.facade import RunAnalysis
+from dtprobe.store.frames import frame_from_rows
+
+STALL_STEP = 15
+
+
+def _ddp_run(tmp_path, *, delay_ms: float, sampler_ms: float | None = 20.0, frozen: bool = False,
+             num_steps: int = 30, stall_step: int = STALL_STEP) -> RunAnalysis:
+    """A 4-rank DDP run where rank 2's forward takes ``delay_ms`` longer in ``stall_step`` only
+    (``synthetic.dp_stall_tables``)."""
+    tables = dp_stall_tables(num_steps=num_steps, rank=2, step=stall_step, delay_ms=delay_ms, sampler_ms=sampler_ms,
+                             frozen=frozen)
+    return RunAnalysis.open(write_run(tmp_path / "run", tables, world_size=4))
+
+
+def _codes(analysis: RunAnalysis) -> list[str]:
+    return [f.code for f in analysis.findings() if f.severity != "info"]
+
+
+def test_a_rank_late_by_four_steps_once_is_a_rank_stall_naming_it_and_what_it_did(tmp_path):
+    a = _ddp_run(tmp_path, delay_ms=400.0)
+    [stall] = a.rank_stalls().to_dict(orient="records")
+    assert (stall["rank"], stall["step"], stall["kind"], stall["pg"]) == (2, STALL_STEP, "late_arrival", "dp")
+    assert stall["stall_ns"] == pytest.approx(400 * MS, abs=3 * MS)
+    assert stall["phase"] == "fwd" and stall["phase_excess_ns"] == pytest.approx(400 * MS, abs=2 * MS)
+    assert stall["liveness"] == "running"                  # its sampler kept writing every 20 ms
+    [f] = [f for f in a.findings() if f.code == "RANK_STALL"]
+    assert (f.ranks, f.group, f.severity) == ((2,), "dp", "warning")
+    wall = a.wall_ns()
+    assert f.evidence["lost_frac"] == pytest.approx(stall["stall_ns"] / wall, abs=1e-4)
+    assert 0.1 < f.evidence["lost_frac"] < 0.25
+    assert f.predicted_gain.metric == "wall_time"
+    assert f.evidence["stalls"][0]["op"] == "allreduce" and f.evidence["liveness"] == "running"
+    assert "kept running" in f.recommendation and "fwd" in f.recommendation
+    assert "STRAGGLER" not in _codes(a)                    # once is not a straggler
+
+
+def test_a_stalled_rank_whose_sampler_wrote_nothing_meanwhile_was_frozen(tmp_path):
+    a = _ddp_run(tmp_path, delay_ms=400.0, frozen=True)
+    [f] = [f for f in a.findings() if f.code == "RANK_STALL"]
+    assert f.evidence["liveness"] == "frozen" and f.evidence["stalls"][0]["max_gap_ms"] >= 400
+    assert "frozen" in f.recommendation and "SIGSTOP" in f.recommendation
+
+
+def test_no_sampler_rows_leave_the_liveness_unknown_not_the_stall(tmp_path):
+    a = _ddp_run(tmp_path, delay_ms=400.0, sampler_ms=None)
+    [f] = [f for f in a.findings() if f.code == "RANK_STALL"]
+    assert f.ranks == (2,)
+    # one device row per rank and step (the timeline's own): the sampler cannot tell in a 4-step stall
+    assert f.evidence["stalls"][0]["liveness"] in ("frozen", "unknown")
+
+
+@pytest.mark.parametrize("delay_ms", [0.0, 150.0])
+def test_no_rank_stall_on_a_clean_run_or_a_delay_under_two_steps(tmp_path, delay_ms):
+    a = _ddp_run(tmp_path, delay_ms=delay_ms)
+    assert a.rank_stalls().empty
+    assert "RANK_STALL" not in [f.code for f in a.findings()]
+
+
+def test_a_run_too_short_to_know_its_noise_gets_no_rank_stall(tmp_path):
+    a = _ddp_run(tmp_path, delay_ms=400.0, num_steps=10, stall_step=6)      # the first step skipped: 9 judged
+    assert len(a.late_rank_per_step()) == rank_stalls.MIN_GROUP_STEPS - 1
+    assert a.rank_stalls().empty
+
+
+# ----------------------------------------------------------------------------------- hand-made per-step frames
+
+STEP = 100 * MS
+RANKS = (0, 1, 2, 3)
+
+
+def _frames(num_steps: int = 20, *, restart_from: int | None = None) -> dict[str, pd.DataFrame]:
+    """Per-step frames of a clean 4-rank run of 100 ms steps: late_rank (1 ms margins, rank s % 4 last), one
+    all-reduce a step (2 ms transfers), 10 ms of communication per rank and step, sampler rows every 10 ms; steps
+    from ``restart_from`` on belong to attempt 1."""
+    steps = [{"rank": r, "step": s, "start_ns": T0 + s * STEP, "end_ns": T0 + (s + 1) * STEP, "data_ns": 1 * MS,
+              "fwd_ns": 30 * MS, "bwd_ns": 60 * MS, "opt_ns": 9 * MS,
+              "restart": 1 if restart_from is not None and s >= restart_from else 0}
+             for s in range(num_steps) for r in RANKS]
+    late = [{"pg": "dp", "pg_ranks": "0,1,2,3", "step": s, "seq": s + 1, "op": "allreduce", "late_rank": s % 4,
+             "margin_ns": 1.0 * MS + (s % 3) * 0.2 * MS} for s in range(num_steps)]
+    bandwidth = [{"pg": "dp", "pg_ranks": "0,1,2,3", "seq": s + 1, "op": "allreduce", "step": s,
+                  "duration_ns": 2.0 * MS} for s in range(num_steps)]
+    exposure = [{"rank": r, "step": s, "comm_ns": 10.0 * MS} for s in range(num_steps) for r in RANKS]
+    devices = [row for r in RANKS for row in sampler_rows(r, T0, T0 + num_steps * STEP, every_ms=10.0)]
+    return {"late_rank": pd.DataFrame(late), "bandwidth": pd.DataFrame(bandwidth), "exposure": pd.DataFrame(exposure),
+            "steps": frame_from_rows("steps", steps), "devices": frame_from_rows("devices", devices),
+            "checkpoints": frame_from_rows("checkpoints", [])}
+
+
+def _stall(f: dict, *, rank: int, step: int, ms: float, pg: str = "dp", members: str = "0,1,2,3") -> None:
+    """``rank`` late by ``ms`` at ``step``'s collective of group ``pg`` (a group new to the frames gets 1 ms
+    margins in every step first), its step that much longer."""
+    lr = f["late_rank"]
+    if not (lr["pg"] == pg).any():
+        ranks = [int(m) for m in members.split(",")]
+        steps = sorted(f["steps"]["step"].unique())
+        lr = f["late_rank"] = pd.concat([lr, pd.DataFrame([
+            {"pg": pg, "pg_ranks": members, "step": s, "seq": 1000 + s, "op": "allgather",
+             "late_rank": ranks[s % len(ranks)], "margin_ns": 1.0 * MS} for s in steps])], ignore_index=True)
+    lr.loc[(lr["pg"] == pg) & (lr["step"] == step), ["late_rank", "margin_ns"]] = [rank, ms * MS]
+    _longer_step(f, rank, step, ms)
+
+
+def _longer_step(f: dict, rank: int, step: int, ms: float, phase: str = "fwd_ns") -> None:
+    s = f["steps"]
+    at = (s["rank"] == rank) & (s["step"] == step)
+    s.loc[at, phase] = s.loc[at, phase] + int(ms * MS)
+    s.loc[at, "end_ns"] = s.loc[at, "end_ns"] + int(ms * MS)
+
+
+def _freeze(f: dict, rank: int, step: int) -> None:
+    """No sampler row of ``rank`` during ``step``."""
+    s = f["steps"]
+    row = s[(s["rank"] == rank) & (s["step"] == step)].iloc[0]
+    d = f["devices"]
+    f["devices"] = d[~((d["rank"] == rank) & (d["time_ns"] > row["start_ns"]) & (d["time_ns"] < row["end_ns"]))]
+
+
+def _stalls(f: dict) -> pd.DataFrame:
+    return rank_stalls.rank_stalls(f["late_rank"], bandwidth=f["bandwidth"], exposure=f["exposure"],
+                                   steps=f["steps"], devices=f["devices"], checkpoints=f["checkpoints"],
+                                   step_ns=float(STEP))
+
+
+def test_frames_find_the_stall_and_its_liveness():
+    f = _frames()
+    _stall(f, rank=1, step=12, ms=250)
+    _freeze(f, 1, 12)
+    [s] = _stalls(f).to_dict(orient="records")
+    assert (s["rank"], s["step"], s["kind"], s["liveness"], s["phase"]) == (1, 12, "late_arrival", "frozen", "fwd")
+    assert s["noise_ns"] == pytest.approx(1.2 * MS)
+
+
+def test_a_group_whose_margins_are_wide_needs_ten_times_its_median_margin():
+    f = _frames()
+    f["late_rank"]["margin_ns"] = 30.0 * MS            # median margin 30 ms: a stall needs 300 ms
+    _stall(f, rank=1, step=12, ms=250)
+    assert _stalls(f).empty
+    _stall(f, rank=1, step=12, ms=350)
+    assert _stalls(f)["rank"].tolist() == [1]
+
+
+def test_a_late_rank_that_was_waiting_in_communication_is_a_victim_and_the_stalled_one_is_named():
+    # a pipeline-like step: rank 3 froze; rank 2 waited for it in a send/recv, then came late to its dp group
+    f = _frames()
+    _stall(f, rank=2, step=12, ms=300)
+    _stall(f, rank=3, step=12, ms=300, pg="tp", members="1,3")
+    ex = f["exposure"]
+    ex.loc[(ex["rank"] == 2) & (ex["step"] == 12), "comm_ns"] = 310.0 * MS
+    assert _stalls(f)[["rank", "pg"]].values.tolist() == [[3, "tp"]]
+
+
+def test_one_stall_seen_by_two_groups_is_one_row_with_the_longer_margin():
+    f = _frames()
+    _stall(f, rank=1, step=12, ms=300)
+    _stall(f, rank=1, step=12, ms=280, pg="tp", members="1,3")
+    [s] = _stalls(f).to_dict(orient="records")
+    assert (s["rank"], s["pg"], s["stall_ns"]) == (1, "dp", 300 * MS)
+
+
+def test_the_first_steps_of_an_attempt_and_checkpoint_steps_are_not_judged():
+    f = _frames(restart_from=10)
+    _stall(f, rank=1, step=11, ms=300)                  # 2nd step of attempt 1: every rank restores
+    assert _stalls(f).empty
+    f = _frames()
+    _stall(f, rank=1, step=12, ms=300)
+    f["checkpoints"] = frame_from_rows("checkpoints", [{"rank": 1, "step": 11, "kind": "save", "ok": True}])
+    assert _stalls(f).empty                             # the save of step 11 delays step 12: CHECKPOINT_STALL's
+
+
+@pytest.mark.parametrize("frozen,named", [((2,), [2]), ((), []), ((1, 2), [])])
+def test_a_transfer_that_took_seconds_names_the_one_member_frozen_meanwhile(frozen, named):
+    f = _frames()
+    f["bandwidth"].loc[f["bandwidth"]["step"] == 12, "duration_ns"] = 300.0 * MS
+    for r in RANKS:                                      # every member's step waited inside the collective
+        _longer_step(f, r, 12, 300, phase="bwd_ns")
+    for r in frozen:
+        _freeze(f, r, 12)
+    s = _stalls(f)
+    assert s["rank"].tolist() == named
+    if named:
+        assert s.iloc[0]["kind"] == "in_collective" and s.iloc[0]["liveness"] == "frozen"
+
+
+def test_severity_follows_the_share_of_the_wall_time_lost():
+    f = _frames()
+    _stall(f, rank=1, step=12, ms=250)
+    stalls = _stalls(f)
+    hosts = {r: f"h{r}" for r in RANKS}
+
+    def severity(wall_s: float) -> str:
+        [finding] = rank_stalls.detect_rank_stalls(stalls, wall_ns=wall_s * 1e9, hosts=hosts,
+                                                   axis_of_pg=lambda pg: pg)
+        return finding.severity
+
+    assert (severity(0.9), severity(2.3), severity(100.0)) == ("critical", "warning", "info")

@@ -46,7 +46,7 @@ other guests share the host), rather than one dtprobe made up; they stay false p
 rule.
 
 Goals: precision 1.00; recall 1.00 for slowdowns of 10% and more, detected within 20 steps of the fault; every
-kill, stop and mismatch named.
+kill, stop, mismatch and pause named.
 
 Faults are caused with the chaos suite's harness (tests/chaos/harness.py). The defaults start several hundred
 jobs; ``--quick`` runs one of each class on dp2 (slowdowns of 20% only) as a smoke test.

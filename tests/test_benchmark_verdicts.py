@@ -70,3 +70,24 @@ def test_report_scores_the_runs_that_realized_ten_percent_apart_from_the_nominal
     assert rows["real>=10%"][12] == "+12"                                 # median of 12, 30 and 11%
     assert rows["quota-10"][12] == "+8"                                   # median of 4 and 12%
     assert rows["clean"][12] == "-"
+
+
+def test_a_rank_stall_is_the_pause_scenarios_verdict_and_a_false_positive_anywhere_else(tmp_path):
+    stall = {"code": "RANK_STALL", "severity": "critical", "ranks": [2], "evidence": {}}
+    pause = verdicts.Scenario(kind="pause", layout="dp4", rank=2, fault_step=10)
+    assert verdicts.score(pause, {"findings": [stall]}, tmp_path).true_positive
+    clean = verdicts.score(verdicts.Scenario(kind="clean", layout="dp4"), {"findings": [stall]}, tmp_path)
+    assert clean.false_positives == ["RANK_STALL(critical) rank 2"]
+    info = {**stall, "severity": "info"}                  # a stall that cost under 1% of the run: no verdict
+    assert not verdicts.score(pause, {"findings": [info]}, tmp_path).true_positive
+
+
+def test_the_pause_scenarios_are_drawn_after_the_others_so_their_ranks_stay_as_they_were():
+    def matrix(kinds):
+        args = type("Args", (), {"seed": 0, "layouts": ["dp2", "dp4"], "repeats": 1, "slowdowns": [0.1],
+                                 "kinds": kinds})()
+        return [(sc.kind, sc.layout, sc.rank) for sc in verdicts.build_matrix(args)]
+
+    with_pause = matrix(list(verdicts.KINDS))
+    assert [s for s in with_pause if s[0] != "pause"] == matrix([k for k in verdicts.KINDS if k != "pause"])
+    assert [s[:2] for s in with_pause if s[0] == "pause"] == [("pause", "dp2"), ("pause", "dp4")]

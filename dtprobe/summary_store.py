@@ -23,6 +23,7 @@ results kept beside it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -158,11 +159,24 @@ def _stat_line(base: Path, file: Path) -> str:
     return f"{file.relative_to(base)}\t{st.st_size}\t{st.st_mtime_ns}"
 
 
+@functools.cache
+def analysis_code() -> str:
+    """SHA-256 (32 hex) of the code that makes a summary (``dtprobe/analysis``, ``dtprobe/overview.py``): a summary
+    made by other code, a detector added or changed under the same version number (a development install), is
+    made again, not shown."""
+    root = Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for file in sorted([*(root / "analysis").glob("*.py"), root / "overview.py"]):
+        digest.update(f"{file.name}\0".encode() + file.read_bytes())
+    return digest.hexdigest()[:32]
+
+
 def key_of(path: str | os.PathLike, options: AnalysisOptions | None = None) -> dict[str, Any]:
-    """What a summary of ``path`` made now is valid for: the files' state, dtprobe's version, the options."""
+    """What a summary of ``path`` made now is valid for: the files' state, dtprobe's version and analysis code,
+    the options."""
     from dtprobe.analysis.facade import AnalysisOptions
 
-    key = {"state": state_of(path), "dtprobe_version": __version__,
+    key = {"state": state_of(path), "dtprobe_version": __version__, "analysis_code": analysis_code(),
            "options": dataclasses.asdict(options or AnalysisOptions())}
     return json.loads(json.dumps(key))  # as it reads back from the file (tuples become lists)
 

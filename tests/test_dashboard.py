@@ -392,8 +392,8 @@ def test_finished_runs_overview_is_drawn_from_its_stored_summary_without_analyzi
     assert not at.exception and data.open_store(source) is not None
 
 
-@pytest.mark.parametrize("spoil", ["new events", "status changed", "other version", "other options", "corrupt file",
-                                   "foreign schema", "another run's", "window only"])
+@pytest.mark.parametrize("spoil", ["new events", "status changed", "other version", "other analysis code",
+                                   "other options", "corrupt file", "foreign schema", "another run's", "window only"])
 def test_a_stale_or_corrupt_stored_summary_is_made_again_never_shown(tmp_path, monkeypatch, spoil):
     run = SyntheticRun(tmp_path / "r", num_ranks=4, straggler_rank=STRAGGLER_RANK)
     run.write_steps(30)
@@ -415,6 +415,9 @@ def test_a_stale_or_corrupt_stored_summary_is_made_again_never_shown(tmp_path, m
         set_status(path, "crashed")
     elif spoil == "other version":
         doc["key"]["dtprobe_version"] = "0.0.1"
+    elif spoil == "other analysis code":         # e.g. made before a detector was added, same version number
+        assert doc["key"]["analysis_code"] == summary_store.analysis_code()
+        doc["key"]["analysis_code"] = "0" * 32
     elif spoil == "other options":
         doc["key"]["options"]["window_steps"] += 1
     elif spoil == "corrupt file":
@@ -425,7 +428,8 @@ def test_a_stale_or_corrupt_stored_summary_is_made_again_never_shown(tmp_path, m
         doc["path"] = str(tmp_path / "elsewhere")
     elif spoil == "window only":
         doc["overview"]["whole"] = False
-    if spoil in ("other version", "other options", "foreign schema", "another run's", "window only"):
+    if spoil in ("other version", "other analysis code", "other options", "foreign schema", "another run's",
+                 "window only"):
         file.write_text(json.dumps(doc))
     spoiled = file.read_bytes()
     assert summary_store.load(path) is None

@@ -173,6 +173,8 @@ def test_the_first_steps_of_an_attempt_and_checkpoint_steps_are_not_judged():
     f = _frames(restart_from=10)
     _stall(f, rank=1, step=11, ms=300)                  # 2nd step of attempt 1: every rank restores
     assert _stalls(f).empty
+    _stall(f, rank=1, step=1, ms=300)                   # the first attempt's (a live window's) first steps count
+    assert _stalls(f)[["rank", "step"]].values.tolist() == [[1, 1]]
     f = _frames()
     _stall(f, rank=1, step=12, ms=300)
     f["checkpoints"] = frame_from_rows("checkpoints", [{"rank": 1, "step": 11, "kind": "save", "ok": True}])

@@ -17,7 +17,7 @@ Two kinds, read from per-step frames kept at compaction or in a live window:
   rank (a network stall is SLOW_LINK's), and no finding is made.
 
 Either kind is left out when its group has fewer than ``MIN_GROUP_STEPS`` analysed steps (no noise to judge it
-against), in the first ``SETTLE_STEPS`` steps of an attempt (after a restart every rank restores), and when the
+against), in the first ``SETTLE_STEPS`` steps of an attempt after a restart (every rank restores), and when the
 rank saved or loaded a checkpoint in that step or the one before (CHECKPOINT_STALL's part).
 
 Per stall, what the rank did: the phase of its step that ran longest beyond its own median (``phase``), and its
@@ -48,7 +48,7 @@ needs a proportionally longer stall."""
 MIN_GROUP_STEPS = 10
 """Analysed steps a group needs before its margins are judged."""
 SETTLE_STEPS = 2
-"""First steps of each attempt not judged (after a restart every rank loads the checkpoint and rebuilds)."""
+"""First steps of each attempt after a restart not judged (every rank loads the checkpoint and rebuilds)."""
 MAX_TRANSFERS_JUDGED = 32
 """Of the stalled transfers, only the longest this many have their members' liveness read (each reads every
 member's rows: a network that slows hundreds of transfers of a 1,024-rank group is SLOW_LINK's, not a stall)."""
@@ -147,10 +147,13 @@ def _over_noise(rows: pd.DataFrame, keys: list[str], column: str, step_ns: float
 
 
 def _settling(cand: pd.DataFrame, steps: pd.DataFrame) -> np.ndarray:
-    """Per candidate: its step is one of the first ``SETTLE_STEPS`` of an attempt (``restart``)."""
+    """Per candidate: its step is one of the first ``SETTLE_STEPS`` of an attempt after a restart (``restart`` > 0;
+    the first attempt's warm-up is not analysed, and a live window's first steps are no attempt's)."""
     s = steps.dropna(subset=["step"])
-    restart = s["restart"].fillna(0) if "restart" in s else pd.Series(0, index=s.index)
-    first = s.groupby(restart.to_numpy())["step"].min()
+    if "restart" not in s or cand.empty:
+        return np.zeros(len(cand), dtype=bool)
+    s = s[s["restart"].fillna(0).to_numpy() > 0]
+    first = s.groupby(s["restart"].to_numpy())["step"].min()
     settle = {int(f) + k for f in first for k in range(SETTLE_STEPS)}
     return cand["step"].isin(settle).to_numpy(dtype=bool)
 

@@ -40,10 +40,10 @@ first steps are warm-up), minus 1. The ``real>=10%`` row scores the slowdown run
 layout fwd also holds the waits at the tp collectives, so the figure is rougher there.
 A STRAGGLER false positive is also checked against the run's raw step and collective rows (the chaos harness's
 ``straggler_confirmed``): ``FP conf`` counts those whose rank's own work between synchronization points (from the
-end of its backward to its next step's first collective) over the finding's window was longer than its group's by
-half its lateness or more, a straggler the host made (a VM's vCPUs run at different speeds for stretches when
-other guests share the host), rather than one dtprobe made up; they stay false positives by this benchmark's
-rule.
+end of its backward to its next step's first collective; a pipeline rank's summed actions) over the finding's window
+was longer than its group's by half its lateness or more, a straggler the host made (a VM's vCPUs run at different
+speeds for stretches when other guests share the host), rather than one dtprobe made up; they stay false positives
+by this benchmark's rule.
 
 Goals: precision 1.00; recall 1.00 for slowdowns of 10% and more, detected within 20 steps of the fault; every
 kill, stop, mismatch and pause named.

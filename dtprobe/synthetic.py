@@ -5,10 +5,10 @@ deterministic timelines as schema-typed tables (``dp_tables``, ``cuda_dp_tables`
 step to a run that is still running (``SyntheticRun``).
 
 ``dp_tables`` / ``DataParallelTimeline`` model DDP: per step data -> fwd -> bwd (bucket all-reduces enqueued during
-bwd, complete when the last member arrives + a transfer time) -> opt, with one optional straggler (``dp_stall_tables``:
-one rank late in one step only). ``dp_pp_tables``
-models dp x pp with one micro-batch: stage 0 sends activations to stage 1, stage 1 sends gradients back, then each
-stage all-reduces over its dp group. Times in ms, converted to ns. No Streamlit, no torch.
+bwd, complete when the last member arrives + a transfer time) -> opt, with one optional straggler
+(``dp_stall_tables``: one rank late in one step only). ``dp_pp_tables`` models dp x pp with one micro-batch: stage 0
+sends activations to stage 1, stage 1 sends gradients back, then each stage all-reduces over its dp group. Times in
+ms, converted to ns. No Streamlit, no torch.
 """
 
 from __future__ import annotations

@@ -748,7 +748,8 @@ class RunAnalysis:
             self.hangs() + self.mismatch_findings() + self.corrupt_checkpoints()
             + self.stragglers() + self.rank_stall_findings() + self.slow_links() + self.exposed_comm()
             + self.pipeline_findings() + self.amp_findings() + self.checkpoint_findings() + self.comm_findings()
-            + self.compression_findings() + self.device_findings() + _throughput.detect_low_mfu(self.throughput_summary())))))
+            + self.compression_findings() + self.device_findings()
+            + _throughput.detect_low_mfu(self.throughput_summary())))))
 
     def key_figures(self) -> KeyFigures:
         """Headline numbers: steps, step time, tokens/s, MFU, exposed comm, bubble, overflows, checkpoint share."""

@@ -477,9 +477,12 @@ def own_work_ms(run_dir: Path, first_step: int, last_step: int) -> dict[int, flo
 
 def own_work_excess_ms(run_dir: Path, rank: int, first_step: int, last_step: int,
                        peers: list[int] | None = None) -> float:
-    """How much longer ``rank``'s own work (``own_work_ms``) was than its slowest peer's (``peers``, default
-    every other rank) over steps ``first_step``..``last_step``, in ms."""
-    median = own_work_ms(run_dir, first_step, last_step)
+    """How much longer ``rank``'s own work was than its slowest peer's (``peers``, default every other rank) over
+    steps ``first_step``..``last_step``, in ms: the time between synchronization points (``own_work_ms``), or for
+    a pipeline rank (one with ``events/pipeline`` actions) its summed action lengths (``own_compute_ms``): its
+    first collective of a step is a send/recv, whose wait for the other stage that span would hold."""
+    pipelined = own_compute_ms(run_dir, first_step, last_step) if _has_rows(run_dir, "pipeline", rank) else None
+    median = pipelined if pipelined is not None else own_work_ms(run_dir, first_step, last_step)
     peers = [r for r in (median if peers is None else peers) if r != rank and r in median]
     if rank not in median or not peers:
         raise ChaosError(f"{run_dir}: no step and collective rows of rank {rank} and a peer in steps "
@@ -487,12 +490,18 @@ def own_work_excess_ms(run_dir: Path, rank: int, first_step: int, last_step: int
     return median[rank] - max(median[r] for r in peers)
 
 
+def _has_rows(run_dir: Path, kind: str, rank: int) -> bool:
+    """Whether ``rank`` wrote any row of the events table ``kind``."""
+    path = run_dir / "events" / kind / f"rank{rank:05d}.jsonl"
+    return path.is_file() and path.stat().st_size > 0
+
+
 def straggler_confirmed(run_dir: Path, finding: dict) -> bool:
-    """Whether the raw rows confirm a STRAGGLER finding: its rank's own work between synchronization points
-    (``own_work_ms``) over the finding's window is longer than every other member's of its group by at least half
-    its lateness (``mean_lateness_ms``, the figure its title gives). A rank that arrives late because it is slow
-    spends about its lateness there (a slowed core, a CPU quota, a busy neighbour in every run measured); a verdict
-    made of waiting (a victim, a slow link) has no excess of its own."""
+    """Whether the raw rows confirm a STRAGGLER finding: its rank's own work (``own_work_excess_ms``) over the
+    finding's window is longer than every other member's of its group by at least half its lateness
+    (``mean_lateness_ms``, the figure its title gives). A rank that arrives late because it is slow spends about
+    its lateness there (a slowed core, a CPU quota, a busy neighbour in every run measured); a verdict made of
+    waiting (a victim, a slow link) has no excess of its own."""
     ev = finding["evidence"]
     excess_ms = own_work_excess_ms(run_dir, finding["ranks"][0], *ev["window"], peers=ev.get("pg_ranks"))
     return excess_ms >= ev["mean_lateness_ms"] / 2

@@ -73,3 +73,24 @@ def test_a_slowdown_only_the_median_of_sums_sees_is_confirmed(tmp_path):
 def test_a_rank_only_a_little_slower_than_its_lateness_claims_is_not_confirmed(tmp_path):
     _write_run(tmp_path, {0: [dict(BASE) for _ in range(10)], 1: [dict(BASE, fwd=5.0) for _ in range(10)]})
     assert not straggler_confirmed(tmp_path, _finding(1, 8.6))           # 2 ms of own work for 8.6 ms late
+
+
+def _write_pipeline(run_dir: Path, action_ms: dict[int, float], *, steps: int = 10, actions: int = 4) -> None:
+    """Pipeline actions (``events/pipeline``) of ranks of one stage in different pipelines: ``actions`` per step of
+    ``action_ms[r]`` each, with gaps between them (the waits for the other stage, which actions never hold)."""
+    folder = run_dir / "events" / "pipeline"
+    folder.mkdir(parents=True, exist_ok=True)
+    for r, ms in action_ms.items():
+        rows, t = [], 0.0
+        for s in range(steps):
+            for _ in range(actions):
+                rows.append({"rank": r, "step": s, "restart": 0, "start_ns": int(t * MS), "end_ns": int((t + ms) * MS)})
+                t += ms + 7.0                                     # 7 ms waiting for the other stage each time
+        (folder / f"rank{r:05d}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def test_a_pipeline_ranks_own_work_is_its_actions_not_its_waits_for_the_other_stage(tmp_path):
+    _write_pipeline(tmp_path, {0: 25.0, 1: 27.0})                 # rank 1: 8 ms more compute a step
+    assert straggler_confirmed(tmp_path, _finding(1, 14.0))
+    assert not straggler_confirmed(tmp_path, _finding(1, 17.0))   # 8 ms of own work for 17 ms late
+    assert not straggler_confirmed(tmp_path, _finding(0, 14.0))   # the faster one

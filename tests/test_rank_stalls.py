@@ -17,9 +17,11 @@ STALL_STEP = 15
 def _ddp_run(tmp_path, *, delay_ms: float, sampler_ms: float | None = 20.0, frozen: bool = False,
              num_steps: int = 30, stall_step: int = STALL_STEP) -> RunAnalysis:
     """A 4-rank DDP run where rank 2's forward takes ``delay_ms`` longer in ``stall_step`` only
-    (``synthetic.dp_stall_tables``)."""
+    (``synthetic.dp_stall_tables``); no device rows at all without ``sampler_ms``."""
     tables = dp_stall_tables(num_steps=num_steps, rank=2, step=stall_step, delay_ms=delay_ms, sampler_ms=sampler_ms,
                              frozen=frozen)
+    if sampler_ms is None:
+        tables["devices"] = frame_from_rows("devices", [])
     return RunAnalysis.open(write_run(tmp_path / "run", tables, world_size=4))
 
 
@@ -53,11 +55,11 @@ def test_a_stalled_rank_whose_sampler_wrote_nothing_meanwhile_was_frozen(tmp_pat
 
 
 def test_no_sampler_rows_leave_the_liveness_unknown_not_the_stall(tmp_path):
-    a = _ddp_run(tmp_path, delay_ms=400.0, sampler_ms=None)
+    a = _ddp_run(tmp_path, delay_ms=400.0, sampler_ms=None)              # as under --no-devices
     [f] = [f for f in a.findings() if f.code == "RANK_STALL"]
-    assert f.ranks == (2,)
-    # one device row per rank and step (the timeline's own): the sampler cannot tell in a 4-step stall
-    assert f.evidence["stalls"][0]["liveness"] in ("frozen", "unknown")
+    assert f.ranks == (2,) and f.evidence["liveness"] == "unknown"
+    assert f.evidence["stalls"][0]["max_gap_ms"] is None
+    assert "a pause of its process" in f.recommendation and "fwd" in f.recommendation
 
 
 @pytest.mark.parametrize("delay_ms", [0.0, 150.0])

@@ -20,7 +20,8 @@ Either kind is left out when its group has fewer than ``MIN_GROUP_STEPS`` analys
 against), in the first ``SETTLE_STEPS`` steps of an attempt after a restart (every rank restores), and when the
 rank saved or loaded a checkpoint in that step or the one before (CHECKPOINT_STALL's part).
 
-Per stall, what the rank did: the phase of its step that ran longest beyond its own median (``phase``), and its
+Per stall, what the rank did: where the time went (``phase``: the span that ran longest beyond the rank's own
+median among that step's phases, the previous step's optimizer and the gap between the two steps), and its
 liveness from its host sampler's rows (``devices``): ``frozen`` when the rows stopped for most of the stall (no
 thread of the process ran: stopped, swapped out, a call holding the GIL), ``running`` when they kept coming,
 ``unknown`` when the stall is too short for the sampler's interval or there are no rows. Only a source whose

@@ -1,8 +1,11 @@
 """Findings on runs made by `dtprobe run` for each scenario (CPU/gloo, tiny GPT): the pipeline bubble of a pp4
-GPipe run with sleep stages, an fp16 overflow, a slow checkpoint, a hang, a straggler in dp2 x pp2."""
+GPipe run with sleep stages, an fp16 overflow, a slow checkpoint, a hang, a straggler in dp2 x pp2, and the
+README's main job."""
 
 from __future__ import annotations
 
+import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -87,6 +90,27 @@ def test_straggler_in_dp2_pp2_names_the_rank_and_its_dp_group(tmp_path, dtprobe_
                       "--steps", "21")
     stragglers = [f for f in RunAnalysis.open(run).findings() if f.code == "STRAGGLER"]
     assert [(f.ranks, f.group) for f in stragglers] == [((2,), "dp")]
+
+
+def _readme_demo_flags() -> list[str]:
+    """The flags of the README's main job (its first ``dtprobe run`` command), without ``--run-dir``."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    flags = shlex.split(re.search(r"dtprobe run ([^;\n]*);", readme).group(1))
+    at = flags.index("--run-dir")
+    return flags[:at] + flags[at + 2:]
+
+
+@pytest.mark.exclusive
+def test_the_readme_main_job_finds_its_injected_straggler(tmp_path, dtprobe_run):
+    # the demo a new user runs first: 4 ranks on this machine's cores, a sleep injected on rank 2. A sleep hands
+    # the rank's core to its core-mate meanwhile, so one no longer than the core-mates' compute hides (it did at
+    # 40 ms: "No findings")
+    flags = _readme_demo_flags()
+    assert "--inject" in flags and flags[flags.index("--inject") + 1].startswith("straggler:rank=2,")
+    run = dtprobe_run(tmp_path / "demo", *flags)
+    verdicts = [f for f in RunAnalysis.open(run).findings() if f.severity != "info"]
+    assert [(f.code, f.ranks) for f in verdicts if f.code == "STRAGGLER"] == [("STRAGGLER", (2,))], verdicts
+    assert not [f for f in verdicts if f.code in ("HANG", "RANK_CRASH", "RANK_STALL", "COLLECTIVE_MISMATCH")]
 
 
 def test_compression_report_against_a_baseline_run(tmp_path, dtprobe_run):

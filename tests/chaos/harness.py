@@ -481,8 +481,7 @@ def own_work_excess_ms(run_dir: Path, rank: int, first_step: int, last_step: int
     steps ``first_step``..``last_step``, in ms: the time between synchronization points (``own_work_ms``), or for
     a pipeline rank (one with ``events/pipeline`` actions) its summed action lengths (``own_compute_ms``): its
     first collective of a step is a send/recv, whose wait for the other stage that span would hold."""
-    pipelined = own_compute_ms(run_dir, first_step, last_step) if _has_rows(run_dir, "pipeline", rank) else None
-    median = pipelined if pipelined is not None else own_work_ms(run_dir, first_step, last_step)
+    median = (own_compute_ms if _has_rows(run_dir, "pipeline", rank) else own_work_ms)(run_dir, first_step, last_step)
     peers = [r for r in (median if peers is None else peers) if r != rank and r in median]
     if rank not in median or not peers:
         raise ChaosError(f"{run_dir}: no step and collective rows of rank {rank} and a peer in steps "

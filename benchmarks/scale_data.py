@@ -209,6 +209,33 @@ _DEVICE_LINE = ('{"rank":%d,"host":"node%d","time_ns":%d,"source":"nvml","gpu":%
                 '"power_limit_w":700.0,"temp_c":%.1f,"sm_clock_mhz":1980.0,"throttle_reasons":0,"step":%d}\n')
 
 
+_COMM_STEP_LINE = ('{"rank":%d,"restart":0,"step":%d,%s"num_collectives":%d,"num_completed":%d,"num_bytes":%d,'
+                   '"first_enqueue_ns":%d,"last_enqueue_ns":%d,"last_end_ns":%d,"comm_ns":%d,"longest_ns":%d}\n')
+
+
+def _union_ns(enq: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """Per row (a rank-step): length of the union of the spans ``[enq, end]``, whose starts rise along axis 1."""
+    reach = np.maximum.accumulate(end, axis=1)
+    before = np.concatenate([np.full((len(enq), 1), np.iinfo(np.int64).min), reach[:, :-1]], axis=1)
+    return np.clip(end - np.maximum(enq, before), 0, None).sum(axis=1)
+
+
+def _comm_step_lines(enq: np.ndarray, end: np.ndarray, rank: int, steps: list[int]) -> str:
+    """The ``comm_steps`` lines of ``rank`` (``enq``/``end``: its collectives' times, steps x ops): per step one
+    row per group and the all-groups row, what ``collectors.comm_summaries`` writes."""
+    parts = []
+    for axis in ("tp", "dp", None):
+        cols = np.array([axis is None or op.axis == axis for op in OPS])
+        e, d = enq[:, cols], np.maximum(end[:, cols], enq[:, cols])
+        pg = '"all_groups":true,' if axis is None else f'"pg":"{axis}",'
+        n, nbytes = int(cols.sum()), sum(op.num_bytes for op, c in zip(OPS, cols) if c)
+        parts.append([_COMM_STEP_LINE % (rank, step, pg, n, n, nbytes, first, last, last_end, comm, longest)
+                      for step, first, last, last_end, comm, longest in zip(
+                          steps, e.min(axis=1).tolist(), e.max(axis=1).tolist(), d.max(axis=1).tolist(),
+                          _union_ns(e, d).tolist(), (d - e).max(axis=1).tolist())])
+    return "".join(line for rows in zip(*parts) for line in rows)
+
+
 def _seq_offsets() -> tuple[np.ndarray, int, int]:
     """Per op: its 1-based number among its group's ops of the step; ops per step on tp and on dp."""
     counts = {"tp": 0, "dp": 0}
@@ -220,7 +247,7 @@ def _seq_offsets() -> tuple[np.ndarray, int, int]:
 
 
 def _rank_lines(chunk: Chunk, rank: int, templates: list[str]) -> dict[str, str]:
-    """The ``collectives``, ``steps`` and ``devices`` lines of ``rank`` for the chunk's steps."""
+    """The ``collectives``, ``comm_steps``, ``steps`` and ``devices`` lines of ``rank`` for the chunk's steps."""
     within, per_tp, per_dp = _seq_offsets()
     num_steps = chunk.enqueue_ns.shape[0]
     steps = np.arange(chunk.first_step, chunk.first_step + num_steps)
@@ -239,7 +266,8 @@ def _rank_lines(chunk: Chunk, rank: int, templates: list[str]) -> dict[str, str]
     dev_lines = "".join([_DEVICE_LINE % (rank, rank // TP, t + 100 * MS, rank % TP, 640.0 + (step % 7),
                                          64.0 + (step % 5), step)
                          for t, step in zip(chunk.start_ns[:, rank].tolist(), steps.tolist())])
-    return {"collectives": "".join(parts), "steps": step_lines, "devices": dev_lines}
+    comm_lines = _comm_step_lines(chunk.enqueue_ns[:, rank, :], chunk.end_ns[:, rank, :], rank, steps.tolist())
+    return {"collectives": "".join(parts), "comm_steps": comm_lines, "steps": step_lines, "devices": dev_lines}
 
 
 def _events_path(run_dir: Path, table: str, rank: int) -> Path:
@@ -281,7 +309,8 @@ def sidecar_path(run_dir: Path) -> Path:
 def write_run(run_dir: str | os.PathLike, spec: ScaleRunSpec, *, workers: int = 2, status: str = "running",
               progress=None) -> Path:
     """Write ``spec`` as a dtprobe run at ``run_dir`` (which must not exist): run.json (status ``status``),
-    ranks/*.json, events of ``groups``, ``collectives``, ``steps`` and ``devices``; the run ends about now."""
+    ranks/*.json, events of ``groups``, ``collectives``, ``comm_steps``, ``steps`` and ``devices``; the run ends
+    about now."""
     from dtprobe.store.manifest import create_manifest, set_status, write_rank_info
 
     run_dir = Path(run_dir)
@@ -295,7 +324,7 @@ def write_run(run_dir: str | os.PathLike, spec: ScaleRunSpec, *, workers: int = 
         write_rank_info(run_dir, rank, host=f"node{rank // TP}", node_rank=rank // TP, local_rank=rank % TP,
                         device=f"cuda:{rank % TP}", pid=10_000 + rank, clock_offset_ns=0,
                         device_name="NVIDIA H100 80GB HBM3")
-    for table in ("groups", "collectives", "steps", "devices"):
+    for table in ("groups", "collectives", "comm_steps", "steps", "devices"):
         _events_path(run_dir, table, 0).parent.mkdir(parents=True, exist_ok=True)
     for axis in ("tp", "dp"):
         for group in members[axis]:

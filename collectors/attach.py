@@ -170,6 +170,7 @@ class Probe:
             self._profiler.on_step_end(ctx.step)
         self._step = -1
         RECORDER.step = -1
+        RECORDER.step_ended(ctx.step)
 
     def discard_step(self, ctx: StepContext) -> None:
         """Leave the open step ``ctx`` without writing its row (``dtprobe launch``: a step that ended with no
@@ -177,6 +178,7 @@ class Probe:
         if self._step == ctx.step:
             self._step = -1
             RECORDER.step = -1
+            RECORDER.step_ended(ctx.step)
 
     def fault(self, kind: str, *, step: Any = None, injected: bool = False, **detail: Any) -> None:
         """Write a ``faults`` row; ``step`` (an int or the step context) defaults to the current step;

@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from dtprobe.collectors import native_recorder, nccl, torch_internals
+from dtprobe.collectors.comm_summaries import ROW_POSITIONS, StepSummaries
 from dtprobe.store.groups import MEMBER_COLUMNS, GroupKeys
 from dtprobe.store.schema import SCHEMAS
 
@@ -69,8 +70,9 @@ ROW_COLUMNS = ("pg", "seq", "op", "num_bytes", "dtype", "step", "timing", "enque
 """Columns of a row kept as a tuple (a gloo collective, not send/recv), in order; an in-flight row lacks the last
 (``end_ns``). Rows kept as dicts (p2p, NCCL) have these keys in this order, with ``peer`` before ``end_ns``. ``pg``
 is the group's key in the ``groups`` table (``CollectiveRecorder.group_key``)."""
-_PG, _SEQ, _OP = (ROW_COLUMNS.index(c) for c in ("pg", "seq", "op"))
+_PG, _SEQ, _OP, _STEP = (ROW_COLUMNS.index(c) for c in ("pg", "seq", "op", "step"))
 assert set(ROW_COLUMNS) <= set(SCHEMAS["collectives"])
+assert all(ROW_COLUMNS[i] == c for c, i in ROW_POSITIONS.items())
 
 
 def row_dict(row: dict[str, Any] | tuple) -> dict[str, Any]:
@@ -147,6 +149,7 @@ class CollectiveRecorder:
         self._group_lock = threading.Lock()
         self._group_keys = GroupKeys()
         self._groups: dict[str, dict[str, Any]] = {}   # key -> the group's ``groups`` row (name, members)
+        self._summaries = StepSummaries()              # ``comm_steps`` rows in the making (used under _drain_lock)
 
     writer = _Mirrored("writing", lambda writer: writer is not None)
     """``RankWriter`` (or None: drop rows)."""
@@ -181,6 +184,8 @@ class CollectiveRecorder:
         self.timing = timing
         self.nccl_timing = nccl_timing
         self.step = -1
+        with self._drain_lock:
+            self._summaries = StepSummaries(self.restart)
         self._seen_at_tick, self._spilled = set(), set()
         if self._native is not None:
             self._native.reset_ticks()
@@ -202,17 +207,36 @@ class CollectiveRecorder:
                 time.sleep(0.005)
             self.flush_in_flight()
             self.drain()
+            with self._drain_lock:
+                for row in self._summaries.rest():
+                    self.writer.write("comm_steps", row)
         self.writer = None
         self.step = -1
 
     def _num_in_flight(self) -> int:
         return len(self._in_flight) + (self._native.num_in_flight() if self._native is not None else 0)
 
+    def step_ended(self, step: int) -> None:
+        """The training thread left step ``step``: its ``comm_steps`` rows are written once its collectives are
+        all drained (``comm_summaries``)."""
+        with self._drain_lock:
+            self._summaries.end_step(step)
+
+    def _in_flight_steps(self) -> list[int]:
+        """The steps of the rows in flight now (Python and native)."""
+        rows = list(self._in_flight.values())
+        steps = [row[_STEP] if type(row) is tuple else row.get("step") for row in rows]
+        if self._native is not None and self._native.num_in_flight():
+            steps += [row[_STEP] for row in self._native.in_flight()]
+        return steps
+
     def drain(self) -> None:
         """Hand every queued row to the writer now: tuple rows in batches through ``writer.write_values`` when it has
-        one (``RankWriter``), else each as a dict through ``writer.write``. The native recorder's rows come first."""
+        one (``RankWriter``), else each as a dict through ``writer.write``. The native recorder's rows come first.
+        Then the ``comm_steps`` rows of the steps that are over (``comm_summaries.StepSummaries``)."""
         writer = self.writer
         with self._drain_lock:
+            in_flight_steps = self._in_flight_steps() if writer is not None else []   # before the rows are taken
             queue = self._queue
             rows = self._native.take() if self._native is not None else []
             while True:
@@ -220,8 +244,10 @@ class CollectiveRecorder:
                     rows.append(queue.popleft())
                 except IndexError:
                     break
-            if writer is None or not rows:
+            if writer is None:
                 return
+            summaries = self._summaries
+            summaries.add(rows)
             write_values = getattr(writer, "write_values", None)
             batch: list[tuple] = []
             for row in rows:
@@ -234,6 +260,8 @@ class CollectiveRecorder:
                 writer.write("collectives", row_dict(row))
             if batch:
                 write_values("collectives", ROW_COLUMNS, batch)
+            for summary in summaries.due(in_flight_steps):
+                writer.write("comm_steps", summary)
 
     def tick(self) -> int:
         """One drain-thread tick: drain the queue, spill to ``pending`` the collectives in flight since the previous

@@ -387,6 +387,7 @@ def key_figures(overview) -> dict[str, str]:
         "step time": fmt(k["step_time_ms"], "{:.1f} ms"),
         "tokens/s": fmt(k["tokens_per_s"], "{:,.0f}"),
         "MFU": fmt(k["mfu"], "{:.1%}"),
+        "comm": fmt(k.get("comm_frac"), "{:.1%}"),    # absent from Overviews stored before it was a key figure
         "exposed comm": fmt(k["exposed_comm_frac"], "{:.1%}"),
         "bubble": fmt(k["bubble_frac"], "{:.1%}"),
         "overflows": fmt(k["num_overflows"], "{:d}"),

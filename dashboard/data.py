@@ -368,8 +368,8 @@ def _is_large(entry: _Entry, run_dir: Path) -> bool:
 
 
 def _steps_overview(source: Source, whole_run: bool) -> Overview:
-    """``summary.steps_overview`` of ``source``, its steps table opened apart (and tailed on later calls), so the
-    first analysis' lock and reads are not waited for."""
+    """``summary.steps_overview`` of ``source``, its steps table and the ranks' per-step summaries (``comm_steps``)
+    opened apart (and tailed on later calls), so the first analysis' lock and reads are not waited for."""
     from dtprobe.store import RunStore
 
     path = str(source.path)
@@ -378,7 +378,7 @@ def _steps_overview(source: Source, whole_run: bool) -> Overview:
     window = live_window_steps()
     if store is None:
         finished = summary_store.is_finished(source.path)   # analyzed whole: no tail to read first
-        store = RunStore.open(path, tables=("steps",), tail_steps=None if finished else window or None)
+        store = RunStore.open(path, tables=("steps", "comm_steps"), tail_steps=None if finished else window or None)
         with _LOCK:
             _STEPS_ONLY[path] = store
     else:
@@ -387,7 +387,7 @@ def _steps_overview(source: Source, whole_run: bool) -> Overview:
 
 
 _STEPS_ONLY: dict[str, Any] = {}
-"""path -> the ``RunStore`` of a live run's steps table alone (``_steps_overview``)."""
+"""path -> the ``RunStore`` of a live run's steps and comm_steps tables alone (``_steps_overview``)."""
 
 
 def _refresh_in_background(entry: _Entry, source: Source, whole_run: bool) -> None:

@@ -37,11 +37,13 @@ def analyze(store: Any, kind: str, *, whole_run: bool, window: int):
 
 def steps_overview(store: Any, *, whole_run: bool, window: int, path: str):
     """The Overview a live page shows while the first analysis of a large run is still running: the key figures of
-    the ``steps`` table alone (steps, step time, tokens/s, MFU) and their trends, the others unknown, no findings
-    (``store`` holds the steps table only: nothing else is read)."""
+    the ``steps`` table (steps, step time, tokens/s, MFU) and their trends, and the communication share of the
+    ranks' own per-step summaries (``comm_steps``, when the run has them); the others unknown, no findings
+    (``store`` holds these two tables only: nothing else is read)."""
     import time
     from dataclasses import fields
 
+    from dtprobe.analysis.comm_steps import SUMMARY_COLUMNS, comm_by_rank, mean_comm_frac
     from dtprobe.analysis.key_figures import KeyFigures
     from dtprobe.analysis.window import StepWindow
     from dtprobe.overview import STEP_FIGURES, Overview, trends
@@ -51,6 +53,12 @@ def steps_overview(store: Any, *, whole_run: bool, window: int, path: str):
     k = analysis.throughput_summary()
     figures = {**{f.name: None for f in fields(KeyFigures)},
                **{key: k.get(key) for key in STEP_FIGURES if key != "num_steps"}, "num_steps": store.num_steps()}
+    # the step totals' columns the share needs, read apart: the whole frame of a 1,024-rank window costs more
+    rows = store.arrow("comm_steps", columns=SUMMARY_COLUMNS, ordered=False,
+                       steps=(source.first_step, None) if isinstance(source, StepWindow) else None)
+    if rows.num_rows:
+        figures["comm_frac"] = mean_comm_frac(comm_by_rank(rows.to_pandas(), analysis.table("steps"),
+                                                           step_ids=analysis.steps_analyzed() or None))
     window_of = source if isinstance(source, StepWindow) else None
     return Overview(path=path, whole=window_of is None, figures=figures, num_steps=store.num_steps(),
                     trends=trends(analysis), findings=(), made_s=time.time(),

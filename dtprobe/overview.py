@@ -17,6 +17,9 @@ TREND_POINTS = 200
 """Most points a key figure's trend keeps (longer series are averaged in bins)."""
 STEP_FIGURES = ("num_steps", "step_time_ms", "tokens_per_s", "mfu", "mfu_reason")
 """The key figures made of the steps table alone (``dashboard.summary.steps_overview`` gives them)."""
+SUMMARY_FIGURES = ("comm_frac",)
+"""The key figures made of the steps table and the ranks' own per-step summaries (``comm_steps``), which
+``dashboard.summary.steps_overview`` also gives when the run has summaries."""
 
 
 @dataclass(frozen=True)
@@ -117,11 +120,14 @@ def summarize(analysis: Any, *, path: str) -> Overview:
 
 
 def with_steps_of(analyzed: Overview, steps: Overview) -> Overview:
-    """``analyzed`` with the key figures of the steps table (``STEP_FIGURES``), the step count and the trends of
-    ``steps`` (an Overview of the steps table alone, made since): a live refresh's Overview while the newest rows
-    are analyzed, its findings and other figures those of ``analyzed``."""
-    return replace(analyzed, figures={**analyzed.figures, **{k: steps.figures.get(k) for k in STEP_FIGURES}},
-                   num_steps=steps.num_steps, trends=steps.trends, window=steps.window)
+    """``analyzed`` with the key figures of the steps table (``STEP_FIGURES``) and, where known, of the summaries
+    (``SUMMARY_FIGURES``), the step count and the trends of ``steps`` (an Overview of the steps table and the
+    summaries alone, made since): a live refresh's Overview while the newest rows are analyzed, its findings and
+    other figures those of ``analyzed``."""
+    now = {k: steps.figures.get(k) for k in STEP_FIGURES}
+    now.update({k: steps.figures[k] for k in SUMMARY_FIGURES if steps.figures.get(k) is not None})
+    return replace(analyzed, figures={**analyzed.figures, **now}, num_steps=steps.num_steps, trends=steps.trends,
+                   window=steps.window)
 
 
 def trends(analysis: Any) -> dict[str, list[float]]:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from dtprobe.collectors.comm_summaries import StepSummaries
 from dtprobe.store.frames import frame_from_rows
 from dtprobe.store.groups import GroupLayout
 
@@ -461,6 +462,7 @@ class SyntheticRun:
                             device="cpu", pid=10_000 + rank, clock_offset_ns=0)
         self.writers = [RankWriter(self.run_dir, rank, flush_interval_s=3600) for rank in range(num_ranks)]
         self._layout = GroupLayout()
+        self._summaries = [StepSummaries(restart=None) for _ in range(num_ranks)]   # its rows have no restart
 
     @property
     def t_ns(self) -> int:
@@ -472,12 +474,18 @@ class SyntheticRun:
         return self.timeline.next_step
 
     def write_steps(self, num_steps: int) -> None:
-        """Append ``num_steps`` more steps on every rank and flush them to disk."""
+        """Append ``num_steps`` more steps on every rank, with each rank's per-step summaries of its collectives
+        (``comm_steps``, as its collector writes them), and flush them to disk."""
         for table, rows in self._layout.split(self.timeline.next_rows(num_steps)).items():
             for row in rows:
-                self.writers[row["rank"]].write(table, {k: v for k, v in row.items() if k != "rank"})
-        for w in self.writers:
-            w.flush()
+                rank, row = row["rank"], {k: v for k, v in row.items() if k != "rank"}
+                self.writers[rank].write(table, row)
+                if table == "collectives":
+                    self._summaries[rank].add([row])
+        for writer, summaries in zip(self.writers, self._summaries):
+            for row in summaries.rest():
+                writer.write("comm_steps", row)
+            writer.flush()
 
     def close_writers(self) -> None:
         """Close the writers and leave the run ``running`` (its launcher was killed, say)."""

@@ -132,7 +132,9 @@ def test_a_group_row_is_written_once_before_the_first_row_that_names_it():
     pg.send([torch.ones(5)], 1, 0).wait()
     recorder.stop()
     tables = [table for table, _ in writer.rows]
-    assert tables == ["groups"] + ["collectives"] * 4
+    # at close, after every row: the step's summary (its one group's row; see test_comm_summaries)
+    assert tables == ["groups"] + ["collectives"] * 4 + ["comm_steps"]
+    assert [r.get("pg") for r in writer.table("comm_steps")] == ["tp"]
     # The fake group is not registered with torch.distributed: its members are unknown (""), as in the rows before.
     assert writer.table("groups") == [{"pg": "tp", "name": "tp", "pg_ranks": "", "pg_size": 2, "restart": RESTART}]
     assert {r["pg"] for r in writer.table("collectives")} == {"tp"}

@@ -131,7 +131,9 @@ def test_slow_live_analysis_refreshes_at_once_with_the_steps_of_now_and_the_prev
     gate.set()
     data.wait_for_refresh(source, 60)
     page_reads = {Path(path).parent.name for path, _, thread in spy.events if not thread.startswith("dtprobe-refresh-")}
-    assert page_reads == {"steps"}            # the page tailed the steps alone; the rest was read behind it
+    # the page tailed the steps and the ranks' per-step summaries (their group keys resolved by the groups rows)
+    # alone; the raw rows were read behind it
+    assert page_reads == {"steps", "comm_steps", "groups"}
     assert any(thread.startswith("dtprobe-refresh-") for _, _, thread in spy.events)
     spy.clear()
     run.write_steps(1)
@@ -143,7 +145,8 @@ def test_slow_live_analysis_refreshes_at_once_with_the_steps_of_now_and_the_prev
     assert _steps_metric(at) == "8"
     assert not any("analysis of 7 steps" in c.value for c in at.caption)
     page_reads = {Path(path).parent.name for path, _, thread in spy.events if not thread.startswith("dtprobe-refresh-")}
-    assert page_reads == {"steps"} and any(thread.startswith("dtprobe-refresh-") for _, _, thread in spy.events)
+    assert page_reads == {"steps", "comm_steps"} and any(thread.startswith("dtprobe-refresh-")
+                                                          for _, _, thread in spy.events)
 
 
 @pytest.mark.parametrize("status", ["running", "finished"])
@@ -170,7 +173,8 @@ def test_a_slow_first_analysis_draws_the_steps_key_figures_at_once_then_the_find
     assert any("key figures of its steps" in c.value for c in at.caption)
     assert not at.success and not at.warning and not at.error               # no health verdict yet
     drawn = {Path(path).parent.name for path, _, thread in spy.events if not thread.startswith("dtprobe-refresh-")}
-    assert drawn == {"steps"}                                                # the page read the steps alone
+    # the page read the steps and the ranks' per-step summaries alone: the communication share is known at once
+    assert drawn == {"steps", "comm_steps", "groups"} and metrics["comm"] != "-"
     if status == "finished":
         assert data.overview_pending(source) and summary_store.load(source.path) is None
     gate.set()
@@ -181,7 +185,8 @@ def test_a_slow_first_analysis_draws_the_steps_key_figures_at_once_then_the_find
     assert not at.exception
     assert not any("key figures of its steps" in c.value for c in at.caption)
     assert any("STRAGGLER" in m.value and f"ranks {STRAGGLER_RANK} " in m.value for m in at.markdown)
-    assert {m.label: m.value for m in at.metric}["exposed comm"] != "-"
+    analyzed = {m.label: m.value for m in at.metric}
+    assert analyzed["exposed comm"] != "-" and analyzed["comm"] == metrics["comm"]   # the same steps' figure
 
 
 def test_a_small_finished_run_without_a_summary_is_summarized_before_its_overview_is_drawn(tmp_path, monkeypatch):

@@ -92,3 +92,13 @@ def test_hang_on_rank1_fires_the_watchdog_within_timeout_and_names_the_missing_r
     coll = store.table("collectives")
     stuck = coll[(coll["rank"] == 0) & (coll["pg"] == "world") & (coll["seq"] == detail["seq"])]
     assert len(stuck) == 1 and stuck["end_ns"].isna().all()   # written at exit, never completed
+
+
+@pytest.mark.multiproc
+def test_the_hung_job_s_per_step_summaries_equal_its_raw_rows_and_count_the_collective_left_waiting(hang_rank1_run):
+    from comm_summary_checks import assert_summaries_equal_raw_rows
+
+    summaries = assert_summaries_equal_raw_rows(hang_rank1_run.run_dir)
+    at_hang = summaries[(summaries["step"] == hang_rank1_run.step) & (summaries["pg"] == "world")].set_index("rank")
+    # rank 0 waited in the step's all-reduce until its watchdog gave up: written at close, never completed
+    assert at_hang.loc[0, "num_collectives"] == at_hang.loc[0, "num_completed"] + 1

@@ -161,3 +161,16 @@ def test_last_completed_step_ignores_rows_without_loss_torn_lines_and_the_curren
     assert last_completed_step(tmp_path, before_restart=1) == 2
     assert last_completed_step(tmp_path, before_restart=2) == 9
     assert last_completed_step(tmp_path / "nothing", before_restart=1) == -1
+
+
+@pytest.mark.multiproc
+def test_the_restarted_job_s_per_step_summaries_equal_its_raw_rows_attempt_by_attempt(crash_restart_run):
+    from comm_summary_checks import assert_summaries_equal_raw_rows
+
+    assert crash_restart_run.proc.returncode == 0, crash_restart_run.proc.stderr[-3000:]
+    summaries = assert_summaries_equal_raw_rows(crash_restart_run.run_dir)
+    assert set(summaries["restart"]) == {0, 1}
+    # the steps after the last checkpoint before the crash are summarized by both attempts, each its own row
+    redone = summaries[summaries["rank"] == 0].groupby("step")["restart"].nunique()
+    assert (redone[redone > 1].index >= crash_restart_run.step - crash_restart_run.ckpt_every).all()
+    assert len(redone[redone > 1]) >= 1

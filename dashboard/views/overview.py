@@ -23,8 +23,8 @@ def body(source) -> None:
     if not pending:   # the arrival clock is known once the collectives are analyzed
         st.caption(clocks.run_clocks(overview.clock_aligned, overview.arrival_clock))
     items = list(common.key_figures(overview).items())
-    for row in (items[:4], items[4:]):
-        for col, (label, value) in zip(st.columns(4, border=True), row):
+    for row in (items[:5], items[5:]):
+        for col, (label, value) in zip(st.columns(5, border=True), row):
             col.metric(label, value)
             if label in overview.trends:
                 col.markdown(common.sparkline(label, overview.trends[label]))

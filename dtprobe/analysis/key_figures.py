@@ -22,6 +22,9 @@ class KeyFigures:
     """Model FLOPs utilisation (None on CPU or with no known peak; ``mfu_reason`` says why)."""
     mfu_reason: str | None
     """Why MFU is (not) known: the peak used or the reason there is none."""
+    comm_frac: float | None
+    """Mean over ranks of the share of the step time spent in collectives (the union of their spans): from the ranks'
+    own per-step summaries (``comm_steps``) where the run has them."""
     exposed_comm_frac: float | None
     """Mean over ranks of the exposed communication share of the step (kernel-level for trace folders)."""
     bubble_frac: float | None
@@ -33,8 +36,8 @@ class KeyFigures:
 
 
 def key_figures(*, steps: pd.DataFrame, throughput_summary: dict, step_ns: float | None,
-                exposed_comm_frac: float | None, bubble_by_rank: pd.DataFrame, amp_steps: pd.DataFrame,
-                checkpoint_summary: dict) -> KeyFigures:
+                comm_frac: float | None, exposed_comm_frac: float | None, bubble_by_rank: pd.DataFrame,
+                amp_steps: pd.DataFrame, checkpoint_summary: dict) -> KeyFigures:
     """The figures from the ``steps`` table and the facade's metrics of the same names; the step time falls back
     to ``step_ns`` when the throughput summary has none."""
     summary = throughput_summary or {}
@@ -44,7 +47,7 @@ def key_figures(*, steps: pd.DataFrame, throughput_summary: dict, step_ns: float
     return KeyFigures(
         num_steps=int(steps["step"].nunique()) if not steps.empty else 0,
         step_time_ms=step_ms, tokens_per_s=summary.get("tokens_per_s"), mfu=summary.get("mfu"),
-        mfu_reason=summary.get("mfu_reason"), exposed_comm_frac=exposed_comm_frac,
+        mfu_reason=summary.get("mfu_reason"), comm_frac=comm_frac, exposed_comm_frac=exposed_comm_frac,
         bubble_frac=float(bubble_by_rank["bubble_frac"].mean()) if not bubble_by_rank.empty else None,
         num_overflows=int(amp_steps["overflow"].sum()) if not amp_steps.empty else None,
         checkpoint_share_frac=checkpoint_summary.get("blocking_share_of_wall"))

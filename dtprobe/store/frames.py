@@ -54,6 +54,7 @@ SORT_KEYS: dict[str, tuple[str, ...]] = {
     "lifecycle": ("rank", "restart", "time_ns"),
     "pending": ("rank", "restart", "enqueue_ns", "seq"),
     "groups": ("rank", "restart"),
+    "comm_steps": ("rank", "step", "restart", "pg"),
 }
 """Row order of each table as returned by the reader (stable: ties keep file order; nulls last)."""
 

@@ -239,10 +239,12 @@ class RunStore:
             return state.frame.copy(deep=False)
 
     def arrow(self, name: str, *, columns: Iterable[str] | None = None, filter: pc.Expression | None = None,
-              steps: tuple[int | None, int | None] | None = None, ranks: Iterable[int] | None = None) -> pa.Table:
+              steps: tuple[int | None, int | None] | None = None, ranks: Iterable[int] | None = None,
+              ordered: bool = True) -> pa.Table:
         """The rows of table ``name`` that pass ``filter`` (an Arrow expression over any of its columns, on
         clock-aligned values), with only ``columns`` (every schema column when None), as one Arrow table in the
-        table's sort order; ``steps`` and ``ranks`` as in ``table()``. Of the compacted files not held only those
+        table's sort order (``ordered=False``: in no given order, not sorted: for a caller that aggregates them);
+        ``steps`` and ``ranks`` as in ``table()``. Of the compacted files not held only those
         columns are read, with the filter pushed down (row groups whose statistics rule it out are skipped, e.g.
         ``pc.field("end_ns").is_null()`` of a run whose collectives all finished reads no rows), and nothing is
         kept: a question about a few rows of a long run costs those rows, not the run."""
@@ -267,11 +269,12 @@ class RunStore:
             in_order = (not held and aligned and (state.ordered or len(files) <= 1)) or (
                 not files and len(held) == 1 and held[0].in_order and held[0].basis is not None
                 and held[0].basis.matches(model))
+            in_order = in_order or not ordered
             need = [c for c in SCHEMAS[name] if c in wanted or c == "rank" or (c in keys and not in_order)]
             rows_expr = row_filter(steps, rank_set)
             # (chunk, filter still to apply): the filter may name any column, so it is applied to the aligned
             # rows before only ``need`` is kept, unless it was pushed down to the files
-            chunks = [(_Chunk(filter_rows(c.rows, rows_expr), c.basis, c.in_order), filter) for c in held]
+            chunks = [(_in_steps(c, rows_expr, steps, rank_set), filter) for c in held]
             if files:   # stored values are the aligned ones unless offsets changed since: only then filter later
                 later = filter is not None and not aligned
                 pushed = rows_expr if later or filter is None else (
@@ -544,7 +547,7 @@ class RunStore:
         of the compacted files not held that can match, read with the filter pushed down."""
         state = self._state(name)
         expr = row_filter(steps, ranks)
-        chunks = [_Chunk(filter_rows(c.rows, expr), c.basis, c.in_order) for c in state.chunks]
+        chunks = [_in_steps(c, expr, steps, ranks) for c in state.chunks]
         files = [f for f in state.unread + state.head_files if f.may_hold(steps, ranks)]
         if files:  # compacted rows first, as in a state that holds them
             chunks.insert(0, _Chunk(self._read_compacted(name, state, files, expr), self._compacted_basis(),
@@ -855,6 +858,17 @@ def _sort(rows: pa.Table, keys: tuple[str, ...]) -> pa.Table:
     return rows.take(order)
 
 
+def _in_steps(chunk: _Chunk, expr: pc.Expression | None, steps: tuple[int | None, int | None] | None,
+              ranks: frozenset[int] | None) -> _Chunk:
+    """``chunk``'s rows that pass ``expr`` (``row_filter(steps, ranks)``): the chunk itself when its known step
+    span lies inside ``steps`` and no rank is selected (a live window's held blocks: no filter to run)."""
+    if expr is not None and ranks is None and chunk.steps is not None:
+        first, last = steps
+        if (first is None or chunk.steps[0] >= first) and (last is None or chunk.steps[1] <= last):
+            return chunk
+    return _Chunk(filter_rows(chunk.rows, expr), chunk.basis, chunk.in_order)
+
+
 def _events_files(run_dir: Path, name: str) -> dict[int, Path]:
     folder = run_dir / EVENTS_DIR / name
     try:
@@ -862,11 +876,23 @@ def _events_files(run_dir: Path, name: str) -> dict[int, Path]:
     except FileNotFoundError:
         return {}
     files = {}
+    paths = _EVENTS_PATHS
+    if len(paths) > _EVENTS_PATHS_MAX:
+        paths.clear()
     for e in entries:
         stem = e.name[4:-6]
         if e.name.startswith("rank") and e.name.endswith(".jsonl") and stem.isdigit() and e.is_file():
-            files[int(stem)] = Path(e.path)
+            path = paths.get(e.path)
+            if path is None:
+                path = paths[e.path] = Path(e.path)
+            files[int(stem)] = path
     return dict(sorted(files.items()))
+
+
+_EVENTS_PATHS: dict[str, Path] = {}
+"""``_events_files``' Path of each file path met: a live refresh lists a table's files of every rank, and making
+thousands of Paths again each time costs more than the listing."""
+_EVENTS_PATHS_MAX = 200_000
 
 
 def _events_rel(name: str, path: Path) -> str:

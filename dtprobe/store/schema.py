@@ -115,6 +115,19 @@ SCHEMAS: dict[str, dict[str, str]] = {
         "rank": "int32", "restart": "int32", "pg": "string", "name": "string", "pg_ranks": "string",
         "pg_size": "int32",
     },
+    # Per-step, per-group summaries of a rank's own collectives (``collectors.comm_summaries``), written once the
+    # step ended and its collectives completed: one row per (step, group the rank recorded on), ``pg`` a ``groups``
+    # key like ``collectives``, and for a step on two or more groups one row with ``pg`` null over all of them
+    # (``comm_ns`` the union over them). ``all_groups`` is true on the row that covers all of the step's
+    # collectives: that one, or a one-group step's group row. Collectives and p2p rows of steps >= 0; ``comm_ns``,
+    # ``last_end_ns`` and ``longest_ns`` count completed rows only. A collective that completed after its step's
+    # rows were written gets a second row of the same key: readers add the counts, bytes and ``comm_ns``.
+    "comm_steps": {
+        "rank": "int32", "restart": "int32", "step": "int64", "pg": "string", "pg_ranks": "string",
+        "pg_size": "int32", "all_groups": "boolean", "num_collectives": "int64", "num_completed": "int64",
+        "num_bytes": "int64", "first_enqueue_ns": "int64", "last_enqueue_ns": "int64", "last_end_ns": "int64",
+        "comm_ns": "int64", "longest_ns": "int64",
+    },
     # Clock offset samples of a rank (rank 0's clock minus the rank's): ``event`` "attach" (the measurement at
     # attach, also in ranks/*.json), "remeasure" (the periodic thread) or "failed" (the thread stopped: offset
     # null, ``detail`` says why). ``time_ns`` is on the rank's own clock and is NOT shifted by the reader: the
@@ -136,14 +149,16 @@ TIME_COLUMNS: dict[str, tuple[str, ...]] = {
     "kernels": ("start_ns", "launch_ns"),
     "lifecycle": ("time_ns",),
     "pending": ("enqueue_ns",),
+    "comm_steps": ("first_enqueue_ns", "last_enqueue_ns", "last_end_ns"),
 }
 """Columns holding a rank-clock timestamp: the reader adds that rank's clock offset to these."""
 
-STEP_TABLES = ("steps", "collectives", "devices", "pipeline", "amp", "memory", "compression", "kernels")
+STEP_TABLES = ("steps", "collectives", "devices", "pipeline", "amp", "memory", "compression", "kernels",
+               "comm_steps")
 """Tables with rows every step (their volume grows with the run); the others (faults, checkpoints) hold rare
 events. A recent-steps view reads these from the newest steps only."""
 
-GROUPED_TABLES = ("collectives", "pending")
+GROUPED_TABLES = ("collectives", "pending", "comm_steps")
 """Tables whose events rows refer to a ``groups`` row by (rank, restart, pg) instead of repeating its members."""
 FLUSH_FIRST = ("groups",)
 """Tables a rank's writer hands to the OS before any other at every flush: rows of other tables refer to them, so

@@ -161,13 +161,17 @@ def _stat_line(base: Path, file: Path) -> str:
 
 @functools.cache
 def analysis_code() -> str:
-    """SHA-256 (32 hex) of the code that makes a summary (``dtprobe/analysis``, ``dtprobe/overview.py``): a summary
-    made by other code, a detector added or changed under the same version number (a development install), is
-    made again, not shown."""
-    root = Path(__file__).resolve().parent
+    """SHA-256 (32 hex) of the code that makes a summary (``dtprobe/analysis``, ``dtprobe/store``: the tables it
+    reads, ``dtprobe/overview.py``): a summary made by other code, a detector or a reader changed under the same
+    version number (a development install), is made again, not shown."""
+    return code_digest(Path(__file__).resolve().parent)
+
+
+def code_digest(root: Path) -> str:
+    """``analysis_code`` of the package at ``root`` (its ``analysis/*.py``, ``store/*.py`` and ``overview.py``)."""
     digest = hashlib.sha256()
-    for file in sorted([*(root / "analysis").glob("*.py"), root / "overview.py"]):
-        digest.update(f"{file.name}\0".encode() + file.read_bytes())
+    for file in sorted([*(root / "analysis").glob("*.py"), *(root / "store").glob("*.py"), root / "overview.py"]):
+        digest.update(f"{file.relative_to(root).as_posix()}\0".encode() + file.read_bytes())
     return digest.hexdigest()[:32]
 
 

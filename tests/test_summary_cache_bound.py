@@ -1,5 +1,6 @@
 """The per-user summary cache stays bounded (``summary_store.prune_cache``): entries of folders that are gone go
-first, then the least recently used, each with its kept results; the one just stored stays."""
+first, then the least recently used, each with its kept results; the one just stored stays. And a stored summary's
+key follows the code that made it (``summary_store.code_digest``)."""
 
 from __future__ import annotations
 
@@ -103,3 +104,23 @@ def test_a_bound_that_is_not_whole_megabytes_is_an_error_naming_the_variable(cac
     monkeypatch.setenv(summary_store.CACHE_LIMIT_ENV, value)
     with pytest.raises(ConfigError, match=f"{summary_store.CACHE_LIMIT_ENV}=.*whole MB"):
         summary_store.cache_limit_bytes()
+
+
+def test_the_code_digest_of_stored_summaries_follows_the_analysis_the_store_and_the_overview_only(tmp_path):
+    package = Path(summary_store.__file__).resolve().parent
+    root = tmp_path / "dtprobe"
+    for part in ("analysis", "store"):
+        shutil.copytree(package / part, root / part, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(package / "overview.py", root / "overview.py")
+    (root / "cli.py").write_text("# not read by a summary\n")
+    first = summary_store.code_digest(root)
+    assert first == summary_store.analysis_code()                  # the copy is the installed code
+    (root / "cli.py").write_text("# changed\n")
+    assert summary_store.code_digest(root) == first
+    for changed in ("analysis/stragglers.py", "store/reader.py", "overview.py"):
+        path = root / changed
+        before = path.read_bytes()
+        path.write_bytes(before + b"\n# changed\n")
+        assert summary_store.code_digest(root) != first, changed    # a summary it made is stale
+        path.write_bytes(before)
+    assert summary_store.code_digest(root) == first

@@ -132,6 +132,7 @@ def test_overview_key_figures_come_from_the_facade(straggler_root, monkeypatch):
     assert metrics["steps"] == "40"
     assert metrics["step time"] == f"{k.step_time_ms:.1f} ms"
     assert metrics["exposed comm"] == f"{k.exposed_comm_frac:.1%}"
+    assert metrics["comm"] == f"{k.comm_frac:.1%}" and 0 < k.comm_frac < 1
     assert metrics["MFU"] == "-" and metrics["bubble"] == "-"  # CPU run, no pipeline: unknown, not zero
     trend = sparklines(at)
     per_step = RunAnalysis.open(straggler_root / "dp4_straggler").throughput().sort_values("step")

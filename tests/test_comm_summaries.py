@@ -10,7 +10,9 @@ import pytest
 
 from dtprobe.analysis.comm_steps import comm_by_rank, mean_comm_frac
 from dtprobe.analysis.facade import RunAnalysis
+from dtprobe.analysis.window import StepWindow
 from dtprobe.collectors.comm_summaries import StepSummaries, union_ns
+from dtprobe.store import RunStore
 
 from collector_fakes import ListWriter
 from comm_summary_checks import assert_summaries_equal_raw_rows
@@ -146,21 +148,28 @@ def test_summaries_equal_the_raw_rows_and_give_the_analysis_communication_share_
     summaries = assert_summaries_equal_raw_rows(tp_run)
     assert set(summaries["pg"].dropna()) == {"dp", "tp"}
     analysis = RunAnalysis.open(tp_run)
-    from_summaries, from_rows = analysis.comm_by_rank(), analysis.exposure_by_rank()
+    from_summaries = comm_by_rank(analysis.table("comm_steps"), analysis.table("steps"),
+                                  step_ids=analysis.steps_analyzed())
+    from_rows = analysis.exposure_by_rank()
     assert from_summaries["rank"].tolist() == from_rows["rank"].tolist() == [0, 1, 2, 3]
     assert from_summaries["comm_frac"].to_numpy() == pytest.approx(from_rows["comm_frac"].to_numpy(), rel=1e-9)
     assert 0.0 < analysis.key_figures().comm_frac < 1.0
     assert analysis.key_figures().comm_frac == pytest.approx(mean_comm_frac(from_summaries))
 
 
-def test_without_summaries_the_communication_share_comes_from_the_raw_rows(tmp_path):
+def test_a_live_page_reads_the_communication_share_from_the_summaries_and_leaves_it_unknown_without_them(tmp_path):
+    from dtprobe.dashboard.summary import steps_overview
     from dtprobe.synthetic import write_synthetic_run
 
-    run = write_synthetic_run(tmp_path / "run", num_ranks=4, num_steps=6)
-    with_summaries = RunAnalysis.open(run).key_figures().comm_frac
-    for f in (run / "events" / "comm_steps").glob("*.jsonl"):   # a run of an older dtprobe, or a trace folder
+    run = write_synthetic_run(tmp_path / "run", num_ranks=4, num_steps=12, status="running")
+    quick = steps_overview(RunStore.open(run, tables=("steps", "comm_steps"), tail_steps=8), whole_run=False,
+                           window=8, path=str(run))
+    window = RunAnalysis(StepWindow(RunStore.open(run), 8))
+    assert quick.figures["comm_frac"] == pytest.approx(window.key_figures().comm_frac, rel=1e-9)
+    assert 0 < quick.figures["comm_frac"] < 1
+    for f in (run / "events" / "comm_steps").glob("*.jsonl"):   # a run of an older dtprobe
         f.unlink()
-    analysis = RunAnalysis.open(run)
-    assert analysis.table("comm_steps").empty
-    assert analysis.key_figures().comm_frac == pytest.approx(with_summaries, rel=1e-9)
-    assert analysis.key_figures().comm_frac == pytest.approx(analysis.exposure_by_rank()["comm_frac"].mean())
+    quick = steps_overview(RunStore.open(run, tables=("steps", "comm_steps"), tail_steps=8), whole_run=False,
+                           window=8, path=str(run))
+    assert quick.figures["comm_frac"] is None                   # known once the raw rows are analyzed
+    assert RunAnalysis(StepWindow(RunStore.open(run), 8)).key_figures().comm_frac == window.key_figures().comm_frac

@@ -1,5 +1,7 @@
 """What the ranks' own per-step summaries (the ``comm_steps`` table, written by ``collectors.comm_summaries``) give
-the Overview without reading a raw collective row: each rank's share of the step time spent in collectives.
+the Overview without reading a raw collective row: each rank's share of the step time spent in collectives. A live
+page's first draw and refreshes read it so (``dashboard.summary.steps_overview``); the analysis, which derives the
+exposure from the raw rows anyway, takes the same figure from ``exposure_by_rank``.
 
 A (rank, step)'s time in collectives is the union of its collectives' spans: its summary row over the whole step
 (``all_groups``: the row over all its groups, or a one-group step's group row). It is ``comm_exposure``'s
@@ -59,6 +61,7 @@ def comm_by_rank(comm_steps: pd.DataFrame, steps: pd.DataFrame, *, step_ids: lis
 
 
 def mean_comm_frac(by_rank: pd.DataFrame) -> float | None:
-    """The Overview's communication share: the mean of ``comm_frac`` over ranks; None when unknown."""
+    """The Overview's communication share: the mean of ``comm_frac`` over ranks (of ``comm_by_rank`` or
+    ``exposure_by_rank``); None when unknown."""
     fracs = by_rank["comm_frac"].dropna() if not by_rank.empty else by_rank
     return float(fracs.mean()) if len(fracs) else None

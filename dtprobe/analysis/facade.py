@@ -474,24 +474,6 @@ class RunAnalysis:
         return self._memo("exposure_rank", lambda: _exposed.exposure_by_rank(
             self.comm_exposure(), step_ids=self.steps_analyzed() or None))
 
-    def comm_by_rank(self) -> pd.DataFrame:
-        """Per rank over the analysed steps: the share of the step time in collectives, from the ranks' own
-        per-step summaries (``comm_steps``) when the source has them for timed steps, else from ``exposure_by_rank``
-        (equal where both exist). Columns: ``comm_steps.COMM_BY_RANK_COLUMNS`` (``comm_ns`` unknown without
-        summaries)."""
-        def compute() -> pd.DataFrame:
-            summaries = self.table("comm_steps")
-            if not summaries.empty:
-                by_rank = _comm_steps.comm_by_rank(summaries, self.table("steps"),
-                                                   step_ids=self.steps_analyzed() or None)
-                if not by_rank.empty:
-                    return by_rank
-            e = self.exposure_by_rank()
-            return pd.DataFrame({"rank": e["rank"], "num_steps": e["num_steps"], "comm_ns": float("nan"),
-                                 "step_ns": e["step_ns"] * e["num_steps"], "comm_frac": e["comm_frac"]},
-                                columns=_comm_steps.COMM_BY_RANK_COLUMNS)
-        return self._memo("comm_rank", compute)
-
     def kernel_exposure_by_rank(self) -> pd.DataFrame:
         """Per rank from GPU kernels: comm / exposed comm shares of the kernel span, overlap; empty without kernels."""
         return self._memo("kernel_exposure", lambda: _exposed.kernel_exposure_by_rank(
@@ -775,7 +757,7 @@ class RunAnalysis:
         share."""
         return self._memo("key_figures", lambda: key_figures(
             steps=self.table("steps"), throughput_summary=self.throughput_summary(), step_ns=self.step_time_ns(),
-            comm_frac=_comm_steps.mean_comm_frac(self.comm_by_rank()),
+            comm_frac=_comm_steps.mean_comm_frac(self.exposure_by_rank()),
             exposed_comm_frac=_exposed.mean_exposed_frac(self.exposure_by_rank(), self.kernel_exposure_by_rank(),
                                                          clock_aligned=self.info.clock_aligned),
             bubble_by_rank=self.bubble_by_rank(), amp_steps=self.amp_steps(),

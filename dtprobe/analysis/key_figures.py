@@ -23,8 +23,8 @@ class KeyFigures:
     mfu_reason: str | None
     """Why MFU is (not) known: the peak used or the reason there is none."""
     comm_frac: float | None
-    """Mean over ranks of the share of the step time spent in collectives (the union of their spans): from the ranks'
-    own per-step summaries (``comm_steps``) where the run has them."""
+    """Mean over ranks of the share of the step time spent in collectives (the union of their spans); a live page
+    reads the same figure from the ranks' own per-step summaries (``comm_steps``)."""
     exposed_comm_frac: float | None
     """Mean over ranks of the exposed communication share of the step (kernel-level for trace folders)."""
     bubble_frac: float | None

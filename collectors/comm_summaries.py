@@ -7,9 +7,9 @@ in flight to the drain queue in two steps, so one drain may see it in neither: t
 ``rest`` gives what is left. Summaries of what the rank knows alone: counts, bytes, its own first and last enqueue,
 last completion, the union of its collectives' spans (``comm_ns``) and the longest one, per group, and over all
 groups (``pg`` left out) when the step used two or more; the row over the whole step (that one, or a one-group
-step's group row) says ``all_groups``. Cross-rank
-figures (lateness, waits) are the analysis' derived tables, made from the raw rows at compaction and per step by a
-live reader. ``tests/comm_summary_checks.py`` holds the rows equal to the raw rows' aggregates on recorded runs.
+step's group row) says ``all_groups``. Cross-rank figures (lateness, waits) are the analysis' derived tables, made
+from the raw rows at compaction and per step by a live reader. ``tests/comm_summary_checks.py`` holds the rows
+equal to the raw rows' aggregates on recorded runs.
 """
 
 from __future__ import annotations

@@ -17,8 +17,7 @@ import pandas as pd
 from dtprobe.analysis.tables import require_columns, step_durations
 
 COMM_BY_RANK_COLUMNS = ["rank", "num_steps", "comm_ns", "step_ns", "comm_frac"]
-
-
+"""Columns of ``comm_by_rank``: steps counted, time in collectives and step time summed over them, their ratio."""
 SUMMARY_COLUMNS = ["rank", "step", "all_groups", "comm_ns"]
 """The ``comm_steps`` columns ``comm_by_rank`` reads (a caller may read only these, or only its ``all_groups``
 rows)."""

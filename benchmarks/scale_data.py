@@ -214,7 +214,9 @@ _COMM_STEP_LINE = ('{"rank":%d,"restart":0,"step":%d,%s"num_collectives":%d,"num
 
 
 def _union_ns(enq: np.ndarray, end: np.ndarray) -> np.ndarray:
-    """Per row (a rank-step): length of the union of the spans ``[enq, end]``, whose starts rise along axis 1."""
+    """Per row (a rank-step): length of the union of the spans ``[enq, end]``, whose starts rise along axis 1, so one
+    running maximum per row does (``dtprobe.intervals.union_length_by_group`` sorts first, and a writer of 1,024 ranks
+    calls this 30,000 times)."""
     reach = np.maximum.accumulate(end, axis=1)
     before = np.concatenate([np.full((len(enq), 1), np.iinfo(np.int64).min), reach[:, :-1]], axis=1)
     return np.clip(end - np.maximum(enq, before), 0, None).sum(axis=1)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+from dtprobe.intervals import union_length
+
 ROW_POSITIONS = {"pg": 0, "num_bytes": 3, "step": 5, "enqueue_ns": 7, "end_ns": 9}
 """Positions of the columns read here in a tuple row (``pg_wrapper.ROW_COLUMNS``, which asserts them): numbers, so
 that this module does not import torch through pg_wrapper."""
@@ -59,22 +61,10 @@ class _Group:
         if self.first_enqueue is not None:
             out.update(first_enqueue_ns=self.first_enqueue, last_enqueue_ns=self.last_enqueue)
         if self.spans:
-            out.update(last_end_ns=max(end for _, end in self.spans), comm_ns=union_ns(self.spans),
+            starts, ends = zip(*self.spans)
+            out.update(last_end_ns=max(ends), comm_ns=union_length(starts, ends),
                        longest_ns=max(end - start for start, end in self.spans))
         return out
-
-
-def union_ns(spans: list[tuple[int, int]]) -> int:
-    """Length of the union of ``[start, end]`` spans (nanoseconds)."""
-    total, reach = 0, None
-    for start, end in sorted(spans):
-        if reach is None or start > reach:
-            total += end - start
-            reach = end
-        elif end > reach:
-            total += end - reach
-            reach = end
-    return total
 
 
 class StepSummaries:

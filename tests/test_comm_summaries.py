@@ -11,7 +11,7 @@ import pytest
 from dtprobe.analysis.comm_steps import comm_by_rank, mean_comm_frac
 from dtprobe.analysis.facade import RunAnalysis
 from dtprobe.analysis.window import StepWindow
-from dtprobe.collectors.comm_summaries import StepSummaries, union_ns
+from dtprobe.collectors.comm_summaries import StepSummaries
 from dtprobe.store import RunStore
 
 from collector_fakes import ListWriter
@@ -30,11 +30,18 @@ def _drain_twice(s: StepSummaries, in_flight=()) -> list[dict]:
     return s.due(in_flight)
 
 
-def test_union_of_spans_counts_overlaps_once():
-    assert union_ns([]) == 0
-    assert union_ns([(0, 10), (5, 20), (30, 40)]) == 30
-    assert union_ns([(0, 100), (10, 20), (30, 40)]) == 100      # nested
-    assert union_ns([(10, 20), (0, 10)]) == 20                   # touching, given out of order
+def _comm_ns(spans: list[tuple[int, int]]) -> int | None:
+    """``comm_ns`` of a one-group step whose collectives ran over ``spans`` (None: no completed one)."""
+    s = StepSummaries()
+    s.add([_tuple("dp", 1, start, end) for start, end in spans])
+    return s.rest()[0].get("comm_ns") if spans else None
+
+
+def test_time_in_collectives_counts_overlaps_once():
+    assert _comm_ns([]) is None
+    assert _comm_ns([(0, 10), (5, 20), (30, 40)]) == 30
+    assert _comm_ns([(0, 100), (10, 20), (30, 40)]) == 100      # nested
+    assert _comm_ns([(10, 20), (0, 10)]) == 20                   # touching, given out of order
 
 
 def test_a_step_is_summarized_per_group_and_over_all_its_groups():

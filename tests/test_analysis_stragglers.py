@@ -233,6 +233,46 @@ def test_unique_seq_separates_collectives_of_different_torchrun_attempts():
     assert unique_seq(clean) is clean
 
 
+def _redone_step_tables() -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Two ranks; attempt 0 ran steps 3 and 4 (rank 0 3 ms late at step 4's all-reduce, steps of 50 ms) and was
+    killed; attempt 1 resumed from the checkpoint at step 4 and redid it (rank 1 2 ms late, a step of 80 ms)."""
+    from dtprobe.analysis.arrivals import unique_seq
+
+    colls, steps = [], []
+    for restart, step, late_rank, late_ms, step_ms, seq, t in (
+            (0, 3, 1, 1, 50, 1, T0), (0, 4, 0, 3, 50, 2, T0 + 100 * MS), (1, 4, 1, 2, 80, 1, T0 + 1_000 * MS)):
+        for r in (0, 1):
+            enq = t + 30 * MS + (late_ms * MS if r == late_rank else 0)
+            colls.append({"rank": r, "restart": restart, "pg": "dp", "pg_ranks": "0,1", "pg_size": 2, "seq": seq,
+                          "op": "allreduce", "num_bytes": 1024, "step": step, "enqueue_ns": enq,
+                          "end_ns": t + 30 * MS + late_ms * MS + 4 * MS})
+            steps.append({"rank": r, "restart": restart, "step": step, "start_ns": t, "end_ns": t + step_ms * MS})
+    return unique_seq(frame_from_rows("collectives", colls)), frame_from_rows("steps", steps)
+
+
+def test_a_step_redone_after_a_restart_is_judged_on_the_attempt_that_redid_it():
+    from dtprobe.analysis.exposed_comm import comm_exposure
+
+    coll, steps = _redone_step_tables()
+    late = st.rank_lateness(coll, steps)
+    step4 = late[late["step"] == 4].set_index("rank")
+    # attempt 1 alone: rank 1 2 ms late, rank 0 2 ms early (both attempts mixed: rank 0 +3 ms and rank 1 +2 ms)
+    assert step4["lateness_ns"].to_dict() == {0: -2 * MS, 1: 2 * MS}
+    assert (step4["step_ns"] == 80 * MS).all()
+    skew = st.collective_skew(coll)
+    top = st.late_rank_per_step(skew, steps).set_index("step")
+    assert (top.loc[4, "late_rank"], top.loc[4, "margin_ns"], top.loc[4, "step_ns"]) == (1, 2 * MS, 80 * MS)
+    assert (top.loc[3, "late_rank"], top.loc[3, "step_ns"]) == (1, 50 * MS)
+    exposure = comm_exposure(coll, steps, skew)
+    assert sorted(zip(exposure["rank"], exposure["step"])) == [(0, 3), (0, 4), (1, 3), (1, 4)]   # one row each
+    by = exposure.set_index(["rank", "step"])
+    assert by.loc[(0, 4), "step_ns"] == 80 * MS and by.loc[(0, 4), "comm_ns"] == 6 * MS   # waited 2 ms, ran 4
+    assert by.loc[(1, 4), "comm_ns"] == 4 * MS
+    blocked = st.blocked_outside_groups(coll, st.collective_waits(coll, skew))
+    blocked = blocked[blocked["outside_pg_ranks"] == st.OUTSIDE_NONE].set_index(["rank", "step"])["blocked_ns"]
+    assert blocked.to_dict() == {(0, 3): 1 * MS, (0, 4): 2 * MS}          # rank 1's 3 ms wait was attempt 0's
+
+
 def test_collective_skew_margin_is_exact_nanoseconds_when_another_collective_has_one_arrival():
     # A collective with one arrival has no second-last arrival; the margins must stay exact integers, not
     # Unix nanoseconds rounded through float64 (256 ns steps near 1.7e18).

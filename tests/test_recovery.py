@@ -174,3 +174,31 @@ def test_the_restarted_job_s_per_step_summaries_equal_its_raw_rows_attempt_by_at
     redone = summaries[summaries["rank"] == 0].groupby("step")["restart"].nunique()
     assert (redone[redone > 1].index >= crash_restart_run.step - crash_restart_run.ckpt_every).all()
     assert len(redone[redone > 1]) >= 1
+
+
+@pytest.mark.multiproc
+def test_the_restarted_job_s_step_figures_read_the_attempt_that_redid_each_step(crash_restart_run):
+    from dtprobe.analysis.comm_steps import comm_by_rank
+    from dtprobe.analysis.facade import RunAnalysis
+
+    assert crash_restart_run.proc.returncode == 0, crash_restart_run.proc.stderr[-3000:]
+    a = RunAnalysis.open(crash_restart_run.run_dir)
+    steps = a.table("steps")
+    last = steps[steps["restart"] == 1]
+    redone = sorted(set(steps.loc[steps["restart"] == 0, "step"]) & set(last["step"]))
+    assert redone and redone[0] == crash_restart_run.step       # rank 0 began the crashed step; attempt 1 redid it
+    throughput = a.throughput().set_index("step")
+    for step in redone:
+        rows = last[last["step"] == step]
+        # the step's wall time is the attempt's own, not one that spans the restart, and its tokens count once
+        assert throughput.loc[step, "step_ns"] == rows["end_ns"].max() - rows["start_ns"].min()
+        assert throughput.loc[step, "tokens"] == rows["tokens"].sum()
+    exposure = a.comm_exposure()
+    assert not exposure.duplicated(["rank", "step"]).any()
+    assert set(exposure["step"]) >= set(redone)
+    lateness = a.rank_lateness()
+    assert not lateness.duplicated(["pg", "pg_ranks", "step", "rank"]).any()
+    # the ranks' own summaries give the same communication share as the raw rows, attempts resolved alike
+    from_summaries = comm_by_rank(a.table("comm_steps"), steps, step_ids=a.steps_analyzed())
+    assert from_summaries["comm_frac"].to_numpy() == pytest.approx(a.exposure_by_rank()["comm_frac"].to_numpy(),
+                                                                   rel=1e-9)

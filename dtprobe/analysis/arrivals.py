@@ -14,8 +14,8 @@ import numpy as np
 import pandas as pd
 
 from dtprobe.analysis.clocks import DEVICE, HOST
-from dtprobe.analysis.tables import (P2P_OPS, coded_rows, coded_text, frame_group_codes, group_members,
-                                     lookup_group_codes, run_starts, step_durations)
+from dtprobe.analysis.tables import (P2P_OPS, coded_rows, coded_text, completing_attempts, frame_group_codes,
+                                     group_members, lookup_group_codes, run_starts, step_durations)
 from dtprobe.store.columns import require_columns
 
 CLOCK_COLUMNS = ["pg", "pg_ranks", "clock"]
@@ -185,16 +185,18 @@ def collective_skew(collectives: pd.DataFrame) -> pd.DataFrame:
 def collective_waits(collectives: pd.DataFrame, skew: pd.DataFrame) -> pd.DataFrame:
     """Per member of each collective: ``wait_ns`` = last arrival - own arrival (0 for the late rank).
     Columns: pg, pg_ranks (a category: one row per collective row), seq, step, rank, enqueue_ns, wait_ns,
-    late_rank."""
+    late_rank, restart (the row's torchrun attempt; 0 when ``collectives`` has no such column)."""
     require_columns(collectives, _COLL_COLUMNS, table="collectives")
-    cols = ["pg", "pg_ranks", "seq", "step", "rank", "enqueue_ns", "wait_ns", "late_rank"]
+    cols = ["pg", "pg_ranks", "seq", "step", "rank", "enqueue_ns", "wait_ns", "late_rank", "restart"]
     if collectives.empty or skew.empty:
         return pd.DataFrame({col: [] for col in cols})
     c, code, pg_names, pr_names = coded_rows(
         collectives, ~collectives["op"].isin(P2P_OPS) & collectives["seq"].notna() & collectives["enqueue_ns"].notna(),
-        ["rank", "seq", "enqueue_ns", "step"])
+        ["rank", "seq", "enqueue_ns", "step"] + (["restart"] if "restart" in collectives.columns else []))
     if c.empty:
         return pd.DataFrame({col: [] for col in cols})
+    restart = (c["restart"].to_numpy(dtype="int64", na_value=0) if "restart" in c.columns
+               else np.zeros(len(c), dtype="int64"))
     skew_code = lookup_group_codes(skew["pg"], skew["pg_ranks"], pg_names, pr_names)
     m = pd.DataFrame({"code": code, "seq": c["seq"].to_numpy(dtype="int64"), "row": np.arange(len(c))}).merge(
         pd.DataFrame({"code": skew_code, "seq": skew["seq"].to_numpy(dtype="int64"),
@@ -207,18 +209,26 @@ def collective_waits(collectives: pd.DataFrame, skew: pd.DataFrame) -> pd.DataFr
         "pg": pg_names.take(code[rows]), "pg_ranks": coded_text(pr_names, code[rows]), "seq": m["seq"].to_numpy(),
         "step": c["step"].fillna(-1).to_numpy(dtype="int64")[rows], "rank": c["rank"].to_numpy(dtype="int64")[rows],
         "enqueue_ns": enq, "wait_ns": (m["last_enqueue_ns"].to_numpy() - enq).astype("int64"),
-        "late_rank": m["late_rank"].to_numpy(),
+        "late_rank": m["late_rank"].to_numpy(), "restart": restart[rows],
     })
     return out[cols]
 
 
 def late_rank_per_step(skew: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     """Per (group, step): the complete collective with the largest margin, its late rank, and that margin as a
-    share of the group's median step time (``margin_frac``). Columns: ``LATE_RANK_COLUMNS``."""
+    share of the group's median step time (``margin_frac``). A step redone after a torchrun restart is read from
+    the last attempt's collectives (``unique_seq``'s attempt) and step times (``completing_attempts``).
+    Columns: ``LATE_RANK_COLUMNS``."""
     require_columns(skew, SKEW_COLUMNS, table="collective_skew")
     done = skew[skew["complete"].astype(bool) & (skew["step"] >= 0) & (skew["num_members"] > 1)]
     if done.empty:
         return pd.DataFrame({col: [] for col in LATE_RANK_COLUMNS})
+    attempt = done["seq"].to_numpy(dtype="int64") // ATTEMPT_SEQ_STRIDE
+    if attempt.any():
+        last = pd.Series(attempt).groupby([done["pg"].to_numpy(), done["pg_ranks"].to_numpy(),
+                                           done["step"].to_numpy()]).transform("max").to_numpy()
+        done = done[attempt == last]
+    steps = completing_attempts(steps)
     top = done.loc[done.groupby(["pg", "pg_ranks", "step"], sort=True)["margin_ns"].idxmax()].copy()
     codes, pg_ranks = pd.factorize(top["pg_ranks"])
     top["step_ns"] = _group_step_ns(pg_ranks, codes, top["step"].to_numpy(dtype="int64"), steps)
@@ -250,8 +260,10 @@ def rank_lateness(collectives: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFram
     """Per (group, step, member rank): how much later than the median of its peers the rank arrived, at the
     step's collective where it was latest (``lateness_ns``, negative when early), as a share of the group's
     step time; the mean wait it imposed on its peers there (``victims_wait_ns``); whether it was the last to
-    arrive. Complete non-p2p collectives of steps >= 0 only. Columns: ``LATENESS_COLUMNS``."""
+    arrive. Complete non-p2p collectives of steps >= 0 only; a step redone after a torchrun restart is read from
+    the attempt that redid it (``completing_attempts``). Columns: ``LATENESS_COLUMNS``."""
     require_columns(collectives, _COLL_COLUMNS, table="collectives")
+    collectives, steps = completing_attempts(collectives), completing_attempts(steps)
     c, code, pg_names, pr_names = coded_rows(
         collectives, ~collectives["op"].isin(P2P_OPS) & collectives["seq"].notna() & collectives["enqueue_ns"].notna()
         & (collectives["step"].fillna(-1) >= 0), ["rank", "seq", "enqueue_ns", "step"])

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from dtprobe.analysis.tables import require_columns, step_durations
+from dtprobe.analysis.tables import completing_attempts, require_columns, step_durations
 
 COMM_BY_RANK_COLUMNS = ["rank", "num_steps", "comm_ns", "step_ns", "comm_frac"]
 """Columns of ``comm_by_rank``: steps counted, time in collectives and step time summed over them, their ratio."""
@@ -27,8 +27,10 @@ def comm_by_rank(comm_steps: pd.DataFrame, steps: pd.DataFrame, *, step_ids: lis
                  ) -> pd.DataFrame:
     """Per rank, over the steps ``step_ids`` (all when None) that have both a summary and a timed steps row: the
     time in collectives and the step time summed, and their ratio (``comm_frac``). ``comm_steps``: at least
-    ``SUMMARY_COLUMNS``. Columns: ``COMM_BY_RANK_COLUMNS``; empty without summaries."""
+    ``SUMMARY_COLUMNS``. Columns: ``COMM_BY_RANK_COLUMNS``; empty without summaries. A step redone after a torchrun
+    restart is read from the attempt that redid it (``completing_attempts``, when both frames have ``restart``)."""
     require_columns(comm_steps, SUMMARY_COLUMNS, table="comm_steps")
+    comm_steps, steps = completing_attempts(comm_steps), completing_attempts(steps)
     ok = (comm_steps["all_groups"].to_numpy(dtype=bool, na_value=False)
           & comm_steps["step"].notna().to_numpy(dtype=bool))
     if not ok.any():
@@ -42,8 +44,7 @@ def comm_by_rank(comm_steps: pd.DataFrame, steps: pd.DataFrame, *, step_ids: lis
     if step_ids:
         keep = np.isin(t_step, step_ids)
         t_rank, t_step, t_ns = t_rank[keep], t_step[keep], t_ns[keep]
-    # one key per rank-step; several rows of one rank-step add up (an attempt's and a restarted one's, or a late
-    # completion's second row); every timed steps row of a summarized rank-step counts, as in ``comm_exposure``
+    # one key per rank-step; several rows of one rank-step add up (a late completion's second row)
     span = int(max(step.max(), t_step.max(initial=0))) + 1
     keys, where = np.unique(rank * span + step, return_inverse=True)
     sums = np.bincount(where, weights=comm)

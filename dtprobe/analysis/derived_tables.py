@@ -47,7 +47,9 @@ VERSION = 4
 """Bumped whenever the derived tables or what ``rank_lateness``, ``comm_exposure``, ``collective_bandwidth``,
 ``late_rank_per_step``, ``blocked_outside_groups``, ``group_rows`` or ``suspect_calls`` compute change (4 added
 ``suspects``): older derived frames are then ignored (the marker's key differs), computed from the rows, and
-derived again by the next ``dtprobe compact`` / ``compaction.add_derived``."""
+derived again by the next ``dtprobe compact`` / ``compaction.add_derived``. A change to what they compute for
+runs whose collective numbering restarts (a torchrun restart) alone needs no bump: no frame of such a run is
+kept (``invalid_reason``)."""
 KEY = {"deriver": "dtprobe.analysis.derived_tables", "version": VERSION, "options": []}
 """The marker's ``derived.key``: no analysis option changes these frames."""
 LATENESS = "lateness"

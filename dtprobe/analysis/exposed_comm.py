@@ -18,7 +18,8 @@ import pandas as pd
 
 from dtprobe.analysis.clocks import DEVICE, HOST
 from dtprobe.analysis.findings import Finding, PredictedGain
-from dtprobe.analysis.tables import P2P_OPS, coded_rows, lookup_group_codes, run_starts, step_durations
+from dtprobe.analysis.tables import (P2P_OPS, coded_rows, completing_attempts, lookup_group_codes, run_starts,
+                                     step_durations)
 from dtprobe.intervals import union_length_by_group
 from dtprobe.store.columns import require_columns
 
@@ -32,9 +33,11 @@ BY_RANK_COLUMNS = ["rank", "num_steps", "step_ns", "comm_frac", "exposed_frac", 
 
 def comm_exposure(collectives: pd.DataFrame, steps: pd.DataFrame, skew: pd.DataFrame) -> pd.DataFrame:
     """Per (rank, step): communication time (union of enqueue..end spans), exposed tail, straggler wait inside it,
-    exposed net of that wait as a share of the step, overlap = 1 - exposed / comm. Columns: ``EXPOSURE_COLUMNS``."""
+    exposed net of that wait as a share of the step, overlap = 1 - exposed / comm. A step redone after a torchrun
+    restart is read from the attempt that redid it (``completing_attempts``). Columns: ``EXPOSURE_COLUMNS``."""
     require_columns(collectives, ["rank", "pg", "pg_ranks", "seq", "op", "enqueue_ns", "end_ns", "step"],
                     table="collectives")
+    collectives, steps = completing_attempts(collectives), completing_attempts(steps)
     c, code, pg_names, pr_names = coded_rows(
         collectives, collectives["enqueue_ns"].notna() & collectives["end_ns"].notna() & (collectives["step"] >= 0),
         ["rank", "step", "enqueue_ns", "end_ns", "seq", "op"])

@@ -172,8 +172,14 @@ class RunAnalysis:
 
     def step_time_ns(self) -> float | None:
         """Median step time over ranks and analysed steps."""
-        return self._memo("step_ns", lambda: _tables.median_step_ns(self.table("steps"),
+        return self._memo("step_ns", lambda: _tables.median_step_ns(self.completed_steps(),
                                                                     self.steps_analyzed() or None))
+
+    def completed_steps(self) -> pd.DataFrame:
+        """``steps`` with a step redone after a torchrun restart read from the attempt that redid it
+        (``tables.completing_attempts``): what step times, throughput and straggler causes read. The crash and hang
+        verdicts read every attempt's rows (``table("steps")``)."""
+        return self._memo("completed_steps", lambda: _tables.completing_attempts(self.table("steps")))
 
     def now_ns(self) -> int:
         """Reference time for hang waits: now while the run is running, else its end (or last event)."""
@@ -309,7 +315,7 @@ class RunAnalysis:
         """Per (rank, step): the share of the step its CPU cgroup's quota held it back (``cpu_throttle``); None when
         no rank's host sampler read the kernel's throttle counter."""
         def compute() -> pd.DataFrame | None:
-            per_step = _cpu_throttle.cpu_throttled_per_step(self.table("devices"), self.table("steps"))
+            per_step = _cpu_throttle.cpu_throttled_per_step(self.table("devices"), self.completed_steps())
             return None if per_step.empty else per_step
         return self._memo("cpu_throttled", compute)
 
@@ -317,7 +323,7 @@ class RunAnalysis:
         """Per (rank, step): the share of the step its main thread waited for a CPU (``cpu_throttle``); None when no
         rank's host sampler read the kernel's schedstat."""
         def compute() -> pd.DataFrame | None:
-            per_step = _cpu_throttle.cpu_wait_per_step(self.table("devices"), self.table("steps"))
+            per_step = _cpu_throttle.cpu_wait_per_step(self.table("devices"), self.completed_steps())
             return None if per_step.empty else per_step
         return self._memo("cpu_wait", compute)
 
@@ -340,7 +346,7 @@ class RunAnalysis:
         """Per (group, rank) late enough to be a straggler candidate: excess data/compute/communication time in its
         late steps, throttling, cause."""
         return self._memo("causes", lambda: _stragglers.straggler_causes(
-            self.straggler_scores(), self.rank_lateness(), self.table("steps"), self.table("devices"),
+            self.straggler_scores(), self.rank_lateness(), self.completed_steps(), self.table("devices"),
             blocked=self._blocked(), min_lateness_frac=self.options.min_lateness_frac))
 
     def _blocked(self) -> pd.DataFrame:
@@ -731,7 +737,7 @@ class RunAnalysis:
     def throughput(self) -> pd.DataFrame:
         """Per step: wall time, tokens (dp ranks only), tokens/s, model FLOP/s, MFU."""
         return self._memo("throughput", lambda: _throughput.throughput(
-            _throughput.dp_tokens(self.table("steps"), layout=self.layout()), flops_per_token=self.flops_per_token(),
+            _throughput.dp_tokens(self.completed_steps(), layout=self.layout()), flops_per_token=self.flops_per_token(),
             peak_flops_per_device=self.device_peak()[0], num_devices=self.world_size or 0))
 
     def throughput_summary(self) -> dict:

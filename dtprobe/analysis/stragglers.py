@@ -29,8 +29,8 @@ from dtprobe.analysis.clocks import HOST
 from dtprobe.analysis.findings import Finding, PredictedGain
 from dtprobe.analysis.pipeline_delay import OWN_DELAY_COLUMNS, pipeline_groups, pipeline_own_delay  # noqa: F401
 from dtprobe.analysis.score_memo import ScoreMemo, window_keys
-from dtprobe.analysis.tables import (P2P_OPS, axis_of, coded_rows, group_codes, group_members, group_phrase, ms,
-                                     run_starts)
+from dtprobe.analysis.tables import (P2P_OPS, axis_of, coded_rows, completing_attempts, group_codes, group_members,
+                                     group_phrase, ms, run_starts)
 from dtprobe.intervals import union_length_by_group
 from dtprobe.store.columns import require_columns
 
@@ -661,8 +661,10 @@ def _first_true(flags: np.ndarray, gid: np.ndarray, num_groups: int) -> np.ndarr
 
 
 def _blocking_waits(collectives: pd.DataFrame, waits: pd.DataFrame) -> pd.DataFrame:
-    """Intervals a rank spent blocked on peers: p2p spans and [own arrival, last arrival] at collectives.
+    """Intervals a rank spent blocked on peers: p2p spans and [own arrival, last arrival] at collectives, of the
+    attempt that redid a step after a torchrun restart (``completing_attempts``).
     Columns: rank, step, pg_ranks (categorical; ``p2p`` for p2p), a_ns, b_ns."""
+    collectives, waits = completing_attempts(collectives), completing_attempts(waits)
     p2p = collectives[collectives["op"].isin(P2P_OPS) & collectives["end_ns"].notna()
                       & collectives["enqueue_ns"].notna()]
     w = waits["wait_ns"].to_numpy(dtype="int64") > 0

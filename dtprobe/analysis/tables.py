@@ -26,6 +26,25 @@ def step_durations(steps: pd.DataFrame) -> pd.DataFrame:
     })
 
 
+def completing_attempts(df: pd.DataFrame) -> pd.DataFrame:
+    """The rows of a per-rank table (``rank``, ``step``, ``restart``) from the last torchrun attempt that recorded
+    each (rank, step): a step redone after a restart is judged on the attempt that redid it, not on a mix of both
+    (the earlier attempt's rows stay in the store for the crash and hang verdicts). Rows outside steps (null or
+    negative ``step``) are kept; a null ``restart`` is attempt 0. ``df`` itself when no (rank, step) has rows of
+    two attempts, or when it has no ``restart`` column (one attempt)."""
+    if df.empty or "restart" not in df.columns:
+        return df
+    restart = df["restart"].to_numpy(dtype="float64", na_value=0.0)
+    if restart.min() == restart.max():
+        return df
+    require_columns(df, ["rank", "step"], table="a per-rank table")
+    rank = df["rank"].to_numpy(dtype="int64")
+    step = df["step"].to_numpy(dtype="float64", na_value=-1.0).astype("int64")
+    latest = pd.Series(restart).groupby([rank, step]).transform("max").to_numpy()
+    keep = (restart == latest) | (step < 0)
+    return df if keep.all() else df[keep].reset_index(drop=True)
+
+
 def analyzed_steps(steps: pd.DataFrame, *, skip_first: int = 1) -> list[int]:
     """Steps analysed: every step some rank finished, minus the first ``skip_first`` (warm-up: DDP rebuilds
     its buckets and allocators warm up on the first step), unless that would leave nothing."""

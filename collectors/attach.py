@@ -190,7 +190,7 @@ class Probe:
 
     def record(self, table: str, row: dict[str, Any]) -> None:
         """Write a row of any schema table (amp, checkpoints, pipeline, memory, ...); ``step`` defaults to the
-        current step when the table has that column."""
+        current step and ``restart`` to this attempt's when the table has that column."""
         if table not in SCHEMAS:
             raise ConfigError(f"probe.record: unknown table {table!r}; tables are {sorted(SCHEMAS)} "
                               f"(dtprobe/store/schema.py).")
@@ -200,6 +200,8 @@ class Probe:
                               f"{sorted(SCHEMAS[table])}.")
         if "step" in SCHEMAS[table] and "step" not in row:
             row = {**row, "step": self._step}
+        if "restart" in SCHEMAS[table] and "restart" not in row:
+            row = {**row, "restart": self.restart}
         self.writer.write(table, row)
 
     # ---- groups ----

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 from background_run import background_run, wait_for
@@ -147,6 +148,17 @@ def test_pipeline_stages_resume_from_their_own_checkpoint_shards(tmp_path, run_d
     # the last stage (rank 1) holds the losses: step 3 completed before the crash at the start of step 4
     assert (restart["checkpoint_step"], restart["last_step"], restart["steps_lost"]) == (2, 3, 1)
     assert store.manifest.status == "finished"
+    # the redone step's pipeline figures are the second attempt's alone (each action row says its attempt)
+    from dtprobe.analysis import bubble
+    from dtprobe.analysis.facade import RunAnalysis
+
+    pipe = store.table("pipeline")
+    assert set(pipe.loc[pipe["step"] == 3, "restart"]) == {0, 1}
+    measured = RunAnalysis(store).pipeline_bubble()
+    assert not measured.duplicated(["rank", "step"]).any()
+    redone = bubble.pipeline_bubble(pipe[pipe["restart"] == 1])
+    pd.testing.assert_frame_equal(measured[measured["step"] == 3].reset_index(drop=True),
+                                  redone[redone["step"] == 3].reset_index(drop=True))
 
 
 def test_last_completed_step_ignores_rows_without_loss_torn_lines_and_the_current_attempt(tmp_path):
@@ -180,6 +192,7 @@ def test_the_restarted_job_s_per_step_summaries_equal_its_raw_rows_attempt_by_at
 def test_the_restarted_job_s_step_figures_read_the_attempt_that_redid_each_step(crash_restart_run):
     from dtprobe.analysis.comm_steps import comm_by_rank
     from dtprobe.analysis.facade import RunAnalysis
+    from dtprobe.dashboard.summary import steps_overview
 
     assert crash_restart_run.proc.returncode == 0, crash_restart_run.proc.stderr[-3000:]
     a = RunAnalysis.open(crash_restart_run.run_dir)
@@ -202,3 +215,28 @@ def test_the_restarted_job_s_step_figures_read_the_attempt_that_redid_each_step(
     from_summaries = comm_by_rank(a.table("comm_steps"), steps, step_ids=a.steps_analyzed())
     assert from_summaries["comm_frac"].to_numpy() == pytest.approx(a.exposure_by_rank()["comm_frac"].to_numpy(),
                                                                    rel=1e-9)
+    # and a page's quick Overview, which reads only the summaries' columns it needs, the same figure
+    quick = steps_overview(RunStore.open(crash_restart_run.run_dir, tables=("steps", "comm_steps")), whole_run=True,
+                           window=0, path=str(crash_restart_run.run_dir))
+    assert quick.figures["comm_frac"] == pytest.approx(a.key_figures().comm_frac, rel=1e-9)
+
+
+def test_loss_scale_figures_of_a_redone_step_are_the_attempt_that_redid_it_s(tmp_path):
+    # rank 0 overflowed at step 4 in attempt 0, which then died; attempt 1 redid step 4 without an overflow
+    import json
+
+    from dtprobe.analysis.facade import RunAnalysis
+    from dtprobe.synthetic import write_synthetic_run
+
+    run = write_synthetic_run(tmp_path / "run", num_ranks=2, num_steps=6)
+    (run / "events" / "amp").mkdir()
+    for rank in (0, 1):
+        rows = [{"rank": rank, "step": s, "restart": 0, "scale_before": 1024.0,
+                 "scale_after": 512.0 if (rank, s) == (0, 4) else 1024.0, "found_inf": (rank, s) == (0, 4),
+                 "skipped": s == 4} for s in range(5)]
+        rows += [{"rank": rank, "step": s, "restart": 1, "scale_before": 1024.0, "scale_after": 1024.0,
+                  "found_inf": False, "skipped": False} for s in (4, 5)]
+        (run / "events" / "amp" / f"rank{rank:05d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    per_step = RunAnalysis.open(run).amp_steps().set_index("step")
+    assert per_step.index.tolist() == [0, 1, 2, 3, 4, 5]
+    assert not per_step["overflow"].any() and not per_step["skipped"].any()

@@ -18,7 +18,7 @@ from dtprobe.analysis.tables import completing_attempts, require_columns, step_d
 
 COMM_BY_RANK_COLUMNS = ["rank", "num_steps", "comm_ns", "step_ns", "comm_frac"]
 """Columns of ``comm_by_rank``: steps counted, time in collectives and step time summed over them, their ratio."""
-SUMMARY_COLUMNS = ["rank", "step", "all_groups", "comm_ns"]
+SUMMARY_COLUMNS = ["rank", "restart", "step", "all_groups", "comm_ns"]
 """The ``comm_steps`` columns ``comm_by_rank`` reads (a caller may read only these, or only its ``all_groups``
 rows)."""
 
@@ -28,7 +28,7 @@ def comm_by_rank(comm_steps: pd.DataFrame, steps: pd.DataFrame, *, step_ids: lis
     """Per rank, over the steps ``step_ids`` (all when None) that have both a summary and a timed steps row: the
     time in collectives and the step time summed, and their ratio (``comm_frac``). ``comm_steps``: at least
     ``SUMMARY_COLUMNS``. Columns: ``COMM_BY_RANK_COLUMNS``; empty without summaries. A step redone after a torchrun
-    restart is read from the attempt that redid it (``completing_attempts``, when both frames have ``restart``)."""
+    restart is read from the attempt that redid it (``completing_attempts``)."""
     require_columns(comm_steps, SUMMARY_COLUMNS, table="comm_steps")
     comm_steps, steps = completing_attempts(comm_steps), completing_attempts(steps)
     ok = (comm_steps["all_groups"].to_numpy(dtype=bool, na_value=False)

@@ -172,14 +172,14 @@ class RunAnalysis:
 
     def step_time_ns(self) -> float | None:
         """Median step time over ranks and analysed steps."""
-        return self._memo("step_ns", lambda: _tables.median_step_ns(self.completed_steps(),
+        return self._memo("step_ns", lambda: _tables.median_step_ns(self.completed_table("steps"),
                                                                     self.steps_analyzed() or None))
 
-    def completed_steps(self) -> pd.DataFrame:
-        """``steps`` with a step redone after a torchrun restart read from the attempt that redid it
-        (``tables.completing_attempts``): what step times, throughput and straggler causes read. The crash and hang
-        verdicts read every attempt's rows (``table("steps")``)."""
-        return self._memo("completed_steps", lambda: _tables.completing_attempts(self.table("steps")))
+    def completed_table(self, name: str) -> pd.DataFrame:
+        """Table ``name`` (``steps``, ``pipeline`` or ``amp``) with a step redone after a torchrun restart read from
+        the attempt that redid it (``tables.completing_attempts``): what step times, throughput, straggler causes,
+        pipeline and loss-scale figures read. The crash and hang verdicts read every attempt's rows (``table``)."""
+        return self._memo(f"completed:{name}", lambda: _tables.completing_attempts(self.table(name)))
 
     def now_ns(self) -> int:
         """Reference time for hang waits: now while the run is running, else its end (or last event)."""
@@ -315,7 +315,7 @@ class RunAnalysis:
         """Per (rank, step): the share of the step its CPU cgroup's quota held it back (``cpu_throttle``); None when
         no rank's host sampler read the kernel's throttle counter."""
         def compute() -> pd.DataFrame | None:
-            per_step = _cpu_throttle.cpu_throttled_per_step(self.table("devices"), self.completed_steps())
+            per_step = _cpu_throttle.cpu_throttled_per_step(self.table("devices"), self.completed_table("steps"))
             return None if per_step.empty else per_step
         return self._memo("cpu_throttled", compute)
 
@@ -323,7 +323,7 @@ class RunAnalysis:
         """Per (rank, step): the share of the step its main thread waited for a CPU (``cpu_throttle``); None when no
         rank's host sampler read the kernel's schedstat."""
         def compute() -> pd.DataFrame | None:
-            per_step = _cpu_throttle.cpu_wait_per_step(self.table("devices"), self.completed_steps())
+            per_step = _cpu_throttle.cpu_wait_per_step(self.table("devices"), self.completed_table("steps"))
             return None if per_step.empty else per_step
         return self._memo("cpu_wait", compute)
 
@@ -346,7 +346,7 @@ class RunAnalysis:
         """Per (group, rank) late enough to be a straggler candidate: excess data/compute/communication time in its
         late steps, throttling, cause."""
         return self._memo("causes", lambda: _stragglers.straggler_causes(
-            self.straggler_scores(), self.rank_lateness(), self.completed_steps(), self.table("devices"),
+            self.straggler_scores(), self.rank_lateness(), self.completed_table("steps"), self.table("devices"),
             blocked=self._blocked(), min_lateness_frac=self.options.min_lateness_frac))
 
     def _blocked(self) -> pd.DataFrame:
@@ -358,13 +358,15 @@ class RunAnalysis:
     def pipeline_own_delay(self) -> pd.DataFrame:
         """Per (pipeline rank, analysed step): time neither running a pipeline action nor waiting for its input."""
         return self._memo("own_delay", lambda: _tables.only_steps(_stragglers.pipeline_own_delay(
-            self.table("pipeline"), self.table("steps"), self._pipeline_groups()), self.steps_analyzed()))
+            self.completed_table("pipeline"), self.completed_table("steps"), self._pipeline_groups()),
+            self.steps_analyzed()))
 
     def pipeline_stage_excess(self) -> pd.DataFrame:
         """Per (pipeline rank, analysed step): its own time on its stage and its excess over the same stage of the
         other pipelines (share of the step)."""
         return self._memo("stage_excess", lambda: _pipeline_delay.stage_excess(
-            self.table("pipeline"), self.table("steps"), self.pipeline_own_delay(), self._pipeline_groups()))
+            self.completed_table("pipeline"), self.completed_table("steps"), self.pipeline_own_delay(),
+            self._pipeline_groups()))
 
     def _pipeline_groups(self) -> dict:
         # without pipeline rows there is no need to find the pipelines among the collectives
@@ -514,7 +516,7 @@ class RunAnalysis:
 
     def pipeline_bubble(self) -> pd.DataFrame:
         """Per (rank, step): pipeline window, busy time, bubble fraction."""
-        return self._memo("bubble", lambda: _bubble.pipeline_bubble(self.table("pipeline")))
+        return self._memo("bubble", lambda: _bubble.pipeline_bubble(self.completed_table("pipeline")))
 
     def bubble_by_rank(self) -> pd.DataFrame:
         """Mean bubble per rank over the analysed steps."""
@@ -524,7 +526,7 @@ class RunAnalysis:
     def pipeline_shape(self) -> _bubble.PipelineShape | None:
         """Schedule, ranks, virtual stages, micro-batches and measured action costs (``PipelineShape``) or None."""
         return self._memo("pshape", lambda: _bubble.pipeline_shape(
-            self.table("pipeline"), schedule=self.layout().get("pp_schedule")))
+            self.completed_table("pipeline"), schedule=self.layout().get("pp_schedule")))
 
     def pipeline_findings(self) -> list[Finding]:
         """PIPELINE_BUBBLE with the ideal bubble and the predicted gain of doubling the micro-batches."""
@@ -536,7 +538,7 @@ class RunAnalysis:
 
     def amp_steps(self) -> pd.DataFrame:
         """Per step: overflow, skipped, overflowing ranks, loss scale before/after."""
-        return self._memo("amp", lambda: _amp.amp_steps(self.table("amp")))
+        return self._memo("amp", lambda: _amp.amp_steps(self.completed_table("amp")))
 
     def amp_findings(self) -> list[Finding]:
         """AMP_OVERFLOW (rate, bursts, scale at its floor)."""
@@ -737,8 +739,8 @@ class RunAnalysis:
     def throughput(self) -> pd.DataFrame:
         """Per step: wall time, tokens (dp ranks only), tokens/s, model FLOP/s, MFU."""
         return self._memo("throughput", lambda: _throughput.throughput(
-            _throughput.dp_tokens(self.completed_steps(), layout=self.layout()), flops_per_token=self.flops_per_token(),
-            peak_flops_per_device=self.device_peak()[0], num_devices=self.world_size or 0))
+            _throughput.dp_tokens(self.completed_table("steps"), layout=self.layout()),
+            flops_per_token=self.flops_per_token(), peak_flops_per_device=self.device_peak()[0], num_devices=self.world_size or 0))
 
     def throughput_summary(self) -> dict:
         """Median step time, tokens/s, TFLOP/s, MFU (null with the reason, never a made-up peak)."""

@@ -69,11 +69,11 @@ SCHEMAS: dict[str, dict[str, str]] = {
     },
     "pipeline": {
         "rank": "int32", "stage": "int32", "step": "int64", "microbatch": "int32", "action": "string",
-        "start_ns": "int64", "end_ns": "int64", "clock": "string",
+        "start_ns": "int64", "end_ns": "int64", "clock": "string", "restart": "int32",
     },
     "amp": {
         "rank": "int32", "step": "int64", "scale_before": "float64", "scale_after": "float64",
-        "found_inf": "boolean", "skipped": "boolean",
+        "found_inf": "boolean", "skipped": "boolean", "restart": "int32",
     },
     "checkpoints": {
         "rank": "int32", "step": "int64", "kind": "string", "start_ns": "int64", "blocking_ns": "int64",

@@ -250,6 +250,20 @@ def _redone_step_tables() -> tuple[pd.DataFrame, pd.DataFrame]:
     return unique_seq(frame_from_rows("collectives", colls)), frame_from_rows("steps", steps)
 
 
+def test_completing_attempts_keeps_each_rank_steps_last_attempt_and_rows_outside_steps():
+    from dtprobe.analysis.tables import completing_attempts
+
+    steps = frame_from_rows("steps", [
+        {"rank": 0, "step": 3, "restart": None}, {"rank": 0, "step": 4, "restart": None},   # null: attempt 0
+        {"rank": 0, "step": 4, "restart": 1}, {"rank": 1, "step": 4, "restart": 0},          # rank 1 never redid it
+        {"rank": 0, "step": None, "restart": 0}, {"rank": 0, "step": 5, "restart": 1}])
+    kept = completing_attempts(steps)
+    assert list(zip(kept["rank"], kept["step"].fillna(-1), kept["restart"].fillna(0))) == [
+        (0, 3, 0), (0, 4, 1), (1, 4, 0), (0, -1, 0), (0, 5, 1)]
+    one, without = steps[steps["step"] == 3], steps.drop(columns="restart")     # one attempt: the frame itself
+    assert completing_attempts(one) is one and completing_attempts(without) is without
+
+
 def test_a_step_redone_after_a_restart_is_judged_on_the_attempt_that_redid_it():
     from dtprobe.analysis.exposed_comm import comm_exposure
 

@@ -153,6 +153,29 @@ def test_cores_for_gives_each_worker_its_own_block_or_round_robin_cores(local_ra
     assert cores_for(local_rank, world, cores) == want
 
 
+@pytest.mark.parametrize("layout,want", [
+    ({"pp": 2}, [[0], [0], [1], [1]]),          # dp2 x pp2: stage 0 (ranks 0, 1) on core 0, stage 1 on core 1
+    ({"tp": 2}, [[0], [1], [0], [1]]),          # dp2 x tp2: tp rank 0 (ranks 0, 2) on core 0
+    ({}, [[0], [1], [0], [1]]),                 # dp4: round-robin by local rank
+    ({"tp": 2, "pp": 2}, [[0], [1], [0], [1]]),  # one replica: its 4 ranks spread over both cores
+])
+def test_more_workers_than_cores_put_a_replica_s_ranks_on_different_cores(layout, want):
+    # the ranks of one model replica compute concurrently (a pipeline's two stages overlap), and the same rank of
+    # every replica shares a core: a sleeping rank hands its core to another replica, not to its own stage peer
+    from dtprobe.runtime.layout import LayoutConfig
+    from dtprobe.runtime.worker import cores_for, model_position_of
+
+    config = LayoutConfig(**layout)
+    got = [cores_for(r, 4, [0, 1], model_position=model_position_of(config, rank=r, world_size=4)) for r in range(4)]
+    assert got == want
+    if layout == {"pp": 2}:
+        from dtprobe.runtime.parallel.mesh import ParallelDims
+
+        dims = ParallelDims(dp=2, tp=1, pp=2, world_size=4)
+        pipelines = [[r for r in range(4) if dims.coords(r)["dp"] == d] for d in range(2)]
+        assert pipelines == [[0, 2], [1, 3]] and all(got[a] != got[b] for a, b in pipelines)
+
+
 def test_bind_cores_binds_existing_and_later_threads_of_the_process(run_python):
     code = """
 import os, threading, time, json

@@ -185,8 +185,9 @@ class FaultInjector:
     rank's step interleaves its computing with waits for its stage peers, so there ``slowdown`` stretches each
     action instead (``stretch``, called by ``parallel.pp.PipelineTimer`` at the end of every action): put in front
     of the step, extra work would fill the rank's idle start (the bubble) and slow nothing. The stretch is a sleep
-    even on CPU: the rank's pipeline peers may share its core (4 ranks on 2 cores put a pipeline's two stages on
-    one), and burnt work would slow them alike, a slow pipeline rather than one slow rank.
+    even on CPU: burnt work would slow the ranks that share its core alike (under ``--cpu-bind auto`` with more
+    ranks than cores, the same stage of the other pipelines: ``worker.cores_for``), every pipeline slower and no
+    rank singled out; a sleep leaves them their speed, as a slow device leaves its neighbours theirs.
     ``burn`` (CPU devices): ``slowdown`` is extra work, CPU time burnt on this thread, (slowdown - 1) x the CPU
     time of the last compute, so the rank computes that much longer whatever shares its core (a sleep would hand
     its core to a rank bound beside it, which then catches up). Otherwise it is a sleep of (slowdown - 1) x the

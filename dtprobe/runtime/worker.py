@@ -29,6 +29,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,8 @@ from dtprobe.runtime.attempts import WORKER_FILE
 from dtprobe.runtime.config import JobConfig, load_job
 from dtprobe.runtime.error_file import record
 from dtprobe.runtime.fork_start import started_by
+from dtprobe.runtime.layout import resolve_dp
+from dtprobe.runtime.parallel.mesh import ParallelDims
 from dtprobe.runtime.train import train
 from dtprobe.store.errors import ConfigError
 
@@ -52,21 +55,38 @@ def pick_device(kind: str, *, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def cores_for(local_rank: int, local_world_size: int, cores: list[int]) -> list[int]:
+def cores_for(local_rank: int, local_world_size: int, cores: list[int], *, model_position: int | None = None
+              ) -> list[int]:
     """This worker's share of ``cores`` (the node's usable cores, sorted): a contiguous block of
-    len(cores) // local_world_size when every worker gets at least one, else one core, round-robin."""
+    len(cores) // local_world_size when every worker gets at least one, else one core: round-robin by
+    ``model_position`` (``model_position_of``: which tp and pp rank of its model replica it is) when the layout has
+    one, else by local rank. So the ranks of one replica sit on different cores and compute concurrently, as on
+    their own devices (a pipeline's stages overlap; a rank slowed by a sleep hands its core to the same rank of
+    another replica, not to its own stage or tp peer, which would absorb the slowdown), and the same rank of every
+    replica shares a core."""
     if local_world_size <= len(cores):
         k = len(cores) // local_world_size
         return cores[local_rank * k:(local_rank + 1) * k]
-    return [cores[local_rank % len(cores)]]
+    return [cores[(local_rank if model_position is None else model_position) % len(cores)]]
 
 
-def bind_cores(local_rank: int, local_world_size: int) -> list[int]:
+def model_position_of(layout: Any, *, rank: int, world_size: int) -> int | None:
+    """Which rank of its model replica global ``rank`` is under ``layout`` (``LayoutConfig``): pp rank x tp + tp
+    rank, the same in every dp replica; None for a data-parallel layout (every rank is a whole replica)."""
+    tp, pp = int(layout.tp), int(layout.pp)
+    if tp * pp == 1:
+        return None
+    coords = ParallelDims(dp=resolve_dp(dp=int(layout.dp), tp=tp, pp=pp, world_size=world_size), tp=tp, pp=pp,
+                          world_size=world_size).coords(rank)
+    return coords["pp"] * tp + coords["tp"]
+
+
+def bind_cores(local_rank: int, local_world_size: int, *, model_position: int | None = None) -> list[int]:
     """Bind every thread of this process (threads it starts later inherit it) to its share of the cores it may
     use (``cores_for``); returns them. Unbound, the workers of a CPU job migrate between cores and queue behind
     each other at random, which puts several times more noise on their step times (and arrival order) than a
     fixed placement does; DeepSpeed's ``--bind_cores_to_rank`` and torch.backends.xeon's launcher do the same."""
-    cores = cores_for(local_rank, local_world_size, sorted(os.sched_getaffinity(0)))
+    cores = cores_for(local_rank, local_world_size, sorted(os.sched_getaffinity(0)), model_position=model_position)
     for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else [0]:
         try:
             os.sched_setaffinity(int(tid), cores)
@@ -133,7 +153,10 @@ def main() -> int:
     job = load_job(path)
     device = pick_device(job.device, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
     if job.cpu_bind == "auto" and device.type == "cpu":
-        cores = bind_cores(int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        position = model_position_of(job.layout, rank=int(os.environ.get("RANK", "0")),
+                                     world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        cores = bind_cores(int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                           model_position=position)
         write_worker_file(cpus=cores)
     with stacks_if_slow(max(START_STACKS_MIN_S, job.timeout_s / 2)):
         probe = attach_for(job, device)

@@ -740,7 +740,8 @@ class RunAnalysis:
         """Per step: wall time, tokens (dp ranks only), tokens/s, model FLOP/s, MFU."""
         return self._memo("throughput", lambda: _throughput.throughput(
             _throughput.dp_tokens(self.completed_table("steps"), layout=self.layout()),
-            flops_per_token=self.flops_per_token(), peak_flops_per_device=self.device_peak()[0], num_devices=self.world_size or 0))
+            flops_per_token=self.flops_per_token(), peak_flops_per_device=self.device_peak()[0],
+            num_devices=self.world_size or 0))
 
     def throughput_summary(self) -> dict:
         """Median step time, tokens/s, TFLOP/s, MFU (null with the reason, never a made-up peak)."""

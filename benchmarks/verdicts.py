@@ -38,6 +38,14 @@ the fault (``--fault-step`` + 1 to the end), divided by the same ratio over the 
 first steps are warm-up), minus 1. The ``real>=10%`` row scores the slowdown runs that realized 10% or more; the goal's
 "slowdowns of 10% and more" is judged there as well as on the nominal ``slow>=10%`` row. On a tensor-parallel
 layout fwd also holds the waits at the tp collectives, so the figure is rougher there.
+Job effect. Neither figure says whether the job got slower: a rank with slack (a pipeline stage that finishes
+before the others, a rank faster than its peers) can compute longer without lengthening the step, and then no
+straggler verdict with a gain is due. So every slowdown and clean run also reports the job's step-time change, read
+from the raw step rows (``harness.job_step_ms``: per step the median over ranks of a step row's length, then the
+median over steps) over the steps after ``--fault-step`` against the steps before it (from step 3), minus 1; a clean
+run's is taken at ``--fault-step`` too, which shows the host's own spread. The table prints each class's range (``job
+%``). It scores nothing: where the clean runs' spread is as wide as the slowdowns (a host whose other guests come and
+go), a threshold on it would sort runs by the host's noise.
 A STRAGGLER false positive is also checked against the run's raw step and collective rows (the chaos harness's
 ``straggler_confirmed``): ``FP conf`` counts those whose rank's own work between synchronization points (from the
 end of its backward to its next step's first collective; a pipeline rank's summed actions) over the finding's window
@@ -68,7 +76,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "chaos"))
 
 from harness import (CpuQuota, Job, analyze, cgroup_v1_cpu_available, cpu_seconds, dtprobe_run_cmd,  # noqa: E402
-                     own_compute_ms, steps_done, straggler_confirmed, torchrun_cmd)
+                     job_step_ms, own_compute_ms, steps_done, straggler_confirmed, torchrun_cmd)
 
 LAYOUTS = {"dp2": ("--nproc", "2"), "dp4": ("--nproc", "4"), "dp2xtp2": ("--nproc", "4", "--tp", "2"),
            "dp2xpp2": ("--nproc", "4", "--pp", "2", "--batch-size", "4")}
@@ -120,6 +128,8 @@ class Outcome:
     detect_steps: int | None = None
     realized: float | None = None
     """For inject/quota: the slowdown the fault realized (``realized_slowdown``); None when not measurable."""
+    job: float | None = None
+    """For clean, inject and quota runs: the job's step-time change after the fault step (``job_effect``)."""
     error: str | None = None
     wall_s: float = 0.0
 
@@ -188,11 +198,14 @@ def run_scenario(sc: Scenario, run_dir: Path, args: argparse.Namespace) -> None:
             quota.remove()
 
 
-def score(sc: Scenario, doc: dict, run_dir: Path) -> Outcome:
-    """Judge every (verdict, rank) pair of the findings document of ``run_dir`` against the scenario."""
+def score(sc: Scenario, doc: dict, run_dir: Path, *, nominal_fault_step: int) -> Outcome:
+    """Judge every (verdict, rank) pair of the findings document of ``run_dir`` against the scenario. A clean run's
+    job effect is taken at ``nominal_fault_step``."""
     out = Outcome(scenario=sc)
     if sc.kind in ("inject", "quota") and sc.fault_step is not None:
         out.realized = realized_slowdown(run_dir, sc.rank, sc.fault_step)
+    if sc.kind in ("clean", "inject", "quota"):
+        out.job = job_effect(run_dir, sc.fault_step if sc.fault_step is not None else nominal_fault_step)
     expected = EXPECTED_CODE.get(sc.kind)
     for f in doc["findings"]:
         if f["code"] not in VERDICT_CODES or f["severity"] not in ("warning", "critical"):
@@ -233,6 +246,14 @@ def realized_slowdown(run_dir: Path, rank: int, fault_step: int) -> float | None
     return None if r0 is None or r1 is None else r1 / r0 - 1
 
 
+def job_effect(run_dir: Path, fault_step: int) -> float | None:
+    """How much longer the job's steps became once the fault began (module docstring, "Job effect"): 0.1 = 10%;
+    None without step rows on both sides of the fault."""
+    before = job_step_ms(run_dir, WARMUP_STEPS, fault_step - 1)
+    after = job_step_ms(run_dir, fault_step + 1, 1 << 62)
+    return None if not before or after is None else after / before - 1
+
+
 def _confirmed(run_dir: Path, finding: dict) -> bool:
     try:
         return straggler_confirmed(run_dir, finding)
@@ -269,8 +290,8 @@ def _fmt(x: float | None, spec: str = ".2f") -> str:
 
 
 def report(outcomes: list[Outcome]) -> str:
-    """The table: per scenario class and overall, runs, TP, FN, FP, precision, recall, time-to-detect, and the
-    median realized slowdown of the class's slowdown runs."""
+    """The table: per scenario class and overall, runs, TP, FN, FP, precision, recall, time-to-detect, the median
+    realized slowdown of the class's slowdown runs and the range of its runs' job effects."""
     def row(name: str, group: list[Outcome]) -> str:
         faulted = [o for o in group if o.scenario.kind != "clean" and o.error is None]
         tp = sum(o.true_positive for o in faulted)
@@ -284,12 +305,14 @@ def report(outcomes: list[Outcome]) -> str:
         ttd_med = _fmt(statistics.median(ttd) if ttd else None, '.0f')
         realized = [o.realized for o in faulted if o.realized is not None]
         real_med = _fmt(100 * statistics.median(realized) if realized else None, '+.0f')
+        job = [o.job for o in group if o.job is not None and o.error is None]
+        job_range = "-" if not job else f"{100 * min(job):+.0f}..{100 * max(job):+.0f}"
         return (f"{name:<14} {len(group):>4} {tp:>4} {len(faulted) - tp:>4} {fp:>4} {fp_conf:>7} {other:>5} "
                 f"{errors:>4} {_fmt(precision):>9} {_fmt(recall):>6} {ttd_med:>8} "
-                f"{_fmt(max(ttd) if ttd else None, '.0f'):>8} {real_med:>9}")
+                f"{_fmt(max(ttd) if ttd else None, '.0f'):>8} {real_med:>9} {job_range:>10}")
 
     lines = [f"{'class':<14} {'runs':>4} {'TP':>4} {'FN':>4} {'FP':>4} {'FP conf':>7} {'other':>5} {'err':>4} "
-             f"{'precision':>9} {'recall':>6} {'ttd med':>8} {'ttd max':>8} {'real med%':>9}"]
+             f"{'precision':>9} {'recall':>6} {'ttd med':>8} {'ttd max':>8} {'real med%':>9} {'job %':>10}"]
     labels = sorted({o.scenario.label for o in outcomes},
                     key=lambda s: (list(EXPECTED_CODE).index(s.split("-")[0]) + 1 if s != "clean" else 0, s))
     for label in labels:
@@ -306,10 +329,12 @@ def report(outcomes: list[Outcome]) -> str:
 
 
 def _realized_text(out: Outcome) -> str:
-    return "" if out.realized is None else f" (realized {out.realized:+.0%})"
+    parts = ([] if out.realized is None else [f"realized {out.realized:+.0%}"]) + \
+        ([] if out.job is None else [f"job {out.job:+.0%}"])
+    return f" ({', '.join(parts)})" if parts else ""
 
 
-def reanalyze(log: Path, work_dir: Path) -> list[Outcome]:
+def reanalyze(log: Path, work_dir: Path, *, nominal_fault_step: int) -> list[Outcome]:
     """The outcomes of the runs an earlier invocation printed in ``log``, re-scored from their directories."""
     import re
 
@@ -324,7 +349,7 @@ def reanalyze(log: Path, work_dir: Path) -> list[Outcome]:
                       slowdown=int(pct) / 100 if pct else 0.0, fault_step=None if step is None else int(step))
         run_dir = work_dir / f"{int(i):03d}-{layout}-{label}"
         try:
-            outcomes.append(score(sc, analyze(run_dir), run_dir))
+            outcomes.append(score(sc, analyze(run_dir), run_dir, nominal_fault_step=nominal_fault_step))
         except Exception as exc:          # a run directory that is gone or broken: counted as an error
             outcomes.append(Outcome(scenario=sc, error=f"{type(exc).__name__}: {exc}"))
         print(f"{run_dir.name}: " + ("error" if outcomes[-1].error else "TP" if outcomes[-1].true_positive else
@@ -362,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--steps {args.steps} leaves fewer than 10 steps after --fault-step {args.fault_step}")
 
     if args.reanalyze is not None:
-        print(report(reanalyze(args.reanalyze, args.work_dir)))
+        print(report(reanalyze(args.reanalyze, args.work_dir, nominal_fault_step=args.fault_step)))
         return 0
     matrix = build_matrix(args)
     print(f"{len(matrix)} runs: layouts {' '.join(args.layouts)}, {args.repeats} clean each, slowdowns "
@@ -376,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         try:
             run_scenario(sc, run_dir, args)
-            out = score(sc, analyze(run_dir), run_dir)
+            out = score(sc, analyze(run_dir), run_dir, nominal_fault_step=args.fault_step)
         except Exception as exc:          # one broken run must not lose the hour's other results
             out = Outcome(scenario=sc, error=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
         out.wall_s = time.monotonic() - t0

@@ -1,6 +1,6 @@
 """``benchmarks/verdicts.py`` scores a slowdown run by the slowdown it realized as well as by its nominal one:
 the faulted rank's own compute (fwd + opt from the raw step rows; a pipeline rank's summed action lengths) against
-the other ranks', after the fault over before it."""
+the other ranks', after the fault over before it; and by the job's step-time change (the job effect)."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def test_report_scores_the_runs_that_realized_ten_percent_apart_from_the_nominal
     outcomes = [run(0.1, 0.04, False), run(0.1, 0.12, True), run(0.2, 0.30, True), run(0.05, 0.11, True),
                 verdicts.Outcome(scenario=verdicts.Scenario(kind="clean", layout="dp2"))]
     rows = {line.split()[0]: line.split() for line in verdicts.report(outcomes).splitlines()[1:]}
-    # columns: class runs TP FN FP FPconf other err precision recall ttd-med ttd-max real-med%
+    # columns: class runs TP FN FP FPconf other err precision recall ttd-med ttd-max real-med% job-range
     assert rows["slow>=10%"][1:4] == ["3", "2", "1"] and rows["slow>=10%"][9] == "0.67"
     assert rows["real>=10%"][1:4] == ["3", "3", "0"] and rows["real>=10%"][9] == "1.00"
     assert rows["real>=10%"][12] == "+12"                                 # median of 12, 30 and 11%
@@ -72,14 +72,56 @@ def test_report_scores_the_runs_that_realized_ten_percent_apart_from_the_nominal
     assert rows["clean"][12] == "-"
 
 
+def _write_step_spans(run: Path, step_ms: dict[int, list[float]], *, restart_of: dict | None = None) -> None:
+    """Step rows per rank (start_ns, end_ns) lasting the given ms; ``restart_of``: (rank, step) -> rows of that
+    step written again by a later attempt, lasting the given ms."""
+    folder = run / "events" / "steps"
+    folder.mkdir(parents=True)
+    for rank, per_step in step_ms.items():
+        rows = [{"rank": rank, "step": step, "restart": 0, "start_ns": step * 10**9,
+                 "end_ns": step * 10**9 + int(ms * 1e6)} for step, ms in enumerate(per_step)]
+        rows += [{"rank": r, "step": st, "restart": 1, "start_ns": 99 * 10**9, "end_ns": 99 * 10**9 + int(ms * 1e6)}
+                 for (r, st), ms in (restart_of or {}).items() if r == rank]
+        (folder / f"rank{rank:05d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_job_effect_is_the_median_step_time_after_the_fault_over_before_from_the_raw_rows(tmp_path):
+    # rank 2 slowed 50% from step 10 but its peers' step rows (which wait for it) only 12%: the job is the ranks'
+    # median; step 12 was redone after a restart, the last attempt's rows count
+    rows = {r: [900.0] * 3 + [100.0] * 7 + [400.0] + [112.0 if r != 2 else 150.0] * 9 for r in (0, 1, 2)}
+    _write_step_spans(tmp_path, rows, restart_of={(0, 12): 112.0, (1, 12): 112.0, (2, 12): 150.0})
+    assert verdicts.job_effect(tmp_path, 10) == pytest.approx(0.12)
+    assert verdicts.job_effect(tmp_path, 30) is None                  # no steps after it
+    # only a first attempt's slow rows at step 12, redone fast: the redone rows are the step's
+    slow = tmp_path / "slow"
+    _write_step_spans(slow, {r: [100.0] * 12 + [900.0] + [100.0] * 7 for r in (0, 1)},
+                      restart_of={(0, 12): 100.0, (1, 12): 100.0})
+    assert verdicts.job_effect(slow, 10) == pytest.approx(0.0)
+
+
+def test_report_prints_the_range_of_each_classs_job_effects():
+    def run(job: float | None, tp: bool) -> verdicts.Outcome:
+        sc = verdicts.Scenario(kind="inject", layout="dp2xpp2", rank=1, slowdown=0.1, fault_step=10)
+        return verdicts.Outcome(scenario=sc, true_positive=tp, job=job)
+
+    clean = [verdicts.Outcome(scenario=verdicts.Scenario(kind="clean", layout="dp2"), job=j) for j in (-0.02, 0.07)]
+    outcomes = [run(0.01, False), run(0.08, True), run(-0.05, True), run(None, False), *clean]
+    rows = {line.split()[0]: line.split() for line in verdicts.report(outcomes).splitlines()[1:]}
+    assert rows["inject-10"][1:4] == ["4", "2", "2"] and rows["inject-10"][13] == "-5..+8"
+    assert rows["clean"][13] == "-2..+7"
+    assert rows["overall"][13] == "-5..+8"
+    assert rows["slow>=10%"][13] == "-5..+8"
+
+
 def test_a_rank_stall_is_the_pause_scenarios_verdict_and_a_false_positive_anywhere_else(tmp_path):
     stall = {"code": "RANK_STALL", "severity": "critical", "ranks": [2], "evidence": {}}
     pause = verdicts.Scenario(kind="pause", layout="dp4", rank=2, fault_step=10)
-    assert verdicts.score(pause, {"findings": [stall]}, tmp_path).true_positive
-    clean = verdicts.score(verdicts.Scenario(kind="clean", layout="dp4"), {"findings": [stall]}, tmp_path)
+    assert verdicts.score(pause, {"findings": [stall]}, tmp_path, nominal_fault_step=10).true_positive
+    clean = verdicts.score(verdicts.Scenario(kind="clean", layout="dp4"), {"findings": [stall]}, tmp_path,
+                           nominal_fault_step=10)
     assert clean.false_positives == ["RANK_STALL(critical) rank 2"]
     info = {**stall, "severity": "info"}                  # a stall that cost under 1% of the run: no verdict
-    assert not verdicts.score(pause, {"findings": [info]}, tmp_path).true_positive
+    assert not verdicts.score(pause, {"findings": [info]}, tmp_path, nominal_fault_step=10).true_positive
 
 
 def test_the_pause_scenarios_are_drawn_after_the_others_so_their_ranks_stay_as_they_were():

@@ -17,6 +17,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -445,6 +446,25 @@ def own_compute_ms(run_dir: Path, first_step: int, last_step: int) -> dict[int, 
     for (rank, _, _), ms in per_step.items():
         own.setdefault(rank, []).append(ms)
     return {r: sorted(v)[len(v) // 2] for r, v in own.items()}
+
+
+def job_step_ms(run_dir: Path, first_step: int, last_step: int) -> float | None:
+    """The job's step time over steps ``first_step``..``last_step``, read from the raw ``events/steps`` rows (not
+    from dtprobe's analysis), in ms: the median over steps of the median over ranks of a step row's length. Of a
+    step run twice (a restart), the last attempt's rows; None without rows in the range."""
+    rows: dict[tuple[int, int], tuple[int, float]] = {}
+    for row in _jsonl_rows(run_dir, "steps"):
+        step, restart = row.get("step", -1), row.get("restart", 0) or 0
+        if first_step <= step <= last_step and row.get("start_ns") is not None and row.get("end_ns") is not None:
+            key = (int(row["rank"]), step)
+            if key not in rows or restart >= rows[key][0]:
+                rows[key] = (restart, (row["end_ns"] - row["start_ns"]) / 1e6)
+    per_step: dict[int, list[float]] = {}
+    for (_, step), (_, ms) in rows.items():
+        per_step.setdefault(step, []).append(ms)
+    if not per_step:
+        return None
+    return statistics.median(statistics.median(v) for v in per_step.values())
 
 
 def own_work_ms(run_dir: Path, first_step: int, last_step: int) -> dict[int, float]:

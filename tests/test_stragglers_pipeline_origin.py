@@ -10,7 +10,9 @@ import pandas as pd
 import pytest
 
 from dtprobe.analysis import stragglers as st
-from dtprobe.analysis.pipeline_delay import median_own_delay, stage_excess
+from dtprobe.analysis.bubble import pipeline_shape
+from dtprobe.analysis.findings import info_without_gain
+from dtprobe.analysis.pipeline_delay import median_own_delay, schedule_gain_ns, stage_excess
 from dtprobe.store.frames import frame_from_rows
 from dtprobe.synthetic import MS, T0
 
@@ -101,7 +103,7 @@ def dp2_pp2_tables(*, slow: dict[int, float] | None = None, jitter_ms: float = 0
 
 
 def _findings(t: dict) -> list:
-    """The facade's straggler path on the tables (warm-up step skipped)."""
+    """The facade's straggler path on the tables (warm-up step skipped), the schedule gain included."""
     coll, steps = t["collectives"], t["steps"]
     lateness = st.rank_lateness(coll, steps)
     lateness = lateness[lateness["step"] >= 1]
@@ -112,9 +114,11 @@ def _findings(t: dict) -> list:
     groups = st.pipeline_groups(coll)
     own = st.pipeline_own_delay(t["pipeline"], steps, groups)
     own = own[own["step"] >= 1]
+    shape = pipeline_shape(t["pipeline"])
     return st.detect_stragglers(scores, causes, links=st.linked_ranks(coll), lateness=lateness,
                                 own_delay_ns=median_own_delay(own),
-                                stage_excess=stage_excess(t["pipeline"], steps, own, groups))
+                                stage_excess=stage_excess(t["pipeline"], steps, own, groups),
+                                schedule_gain=lambda r, a, b: schedule_gain_ns(t["pipeline"], own, shape, groups, r, a, b))
 
 
 def _verdicts(findings: list) -> list:
@@ -144,6 +148,63 @@ def test_stragglers_names_a_slow_stage0_rank_with_cause_compute_not_its_pipeline
     assert ev["propagated_to"] == [2] and ev["pg_ranks"] == [0, 1]
     assert "rank 2" in f[0].title
     assert all(x.ranks != (2,) for x in f)
+    # GPipe puts all of stage 0's extra fill and drain on the step: the schedule gives back what its peer waits
+    assert f[0].predicted_gain.frac == pytest.approx(min(ev["victims_wait_frac"], ev["schedule_gain_frac"]))
+    assert ev["schedule_gain_frac"] == pytest.approx(ev["victims_wait_frac"], abs=0.02)
+
+
+def _gain_ms(t: dict, rank: int, first: int = 1, last: int = 5) -> float | None:
+    groups = st.pipeline_groups(t["collectives"])
+    own = st.pipeline_own_delay(t["pipeline"], t["steps"], groups)
+    ns = schedule_gain_ns(t["pipeline"], own, pipeline_shape(t["pipeline"]), groups, rank, first, last)
+    return None if ns is None else ns / MS
+
+
+def test_schedule_gain_is_the_longest_pipelines_simulated_makespan_now_minus_with_the_rank_as_its_stage_mates():
+    # GPipe, 2 micro-batches; rank 0 (stage 0 of pipeline 0) runs F in 13 ms and B in 26 ms, stage 1 F 10, B 20:
+    # F0 0-13, 13-26; F1 13-23, 26-36; B1 36-56, 56-76; B0 56-82, 82-108: 108 ms, against 90 ms at 10 and 20
+    assert _gain_ms(dp2_pp2_tables(slow={0: 0.3}, jitter_ms=0.0, num_steps=6), 0) == pytest.approx(18.0)
+    # its stage-mate and a rank of the other pipeline cost nothing; rank 2 only its one transfer that does not
+    # overlap a forward, which its own delay counts (test above)
+    t = dp2_pp2_tables(slow={0: 0.3}, jitter_ms=0.0, num_steps=6)
+    assert [_gain_ms(t, r) for r in (1, 2, 3)] == [pytest.approx(0.0), pytest.approx(XFER_MS), pytest.approx(0.0)]
+    # the other pipeline takes longer (both its ranks 30% slower): making rank 0 as fast as rank 1 leaves the step
+    # as long as pipeline 1's
+    slower = dp2_pp2_tables(slow={0: 0.1, 1: 0.3, 3: 0.3}, jitter_ms=0.0, num_steps=6)
+    assert _gain_ms(slower, 0) == pytest.approx(0.0)
+    assert _gain_ms(slower, 3) > 0
+    # no other pipeline runs its stage, or no pipeline rows in the steps asked: unknown
+    assert _gain_ms(t, 0, 50, 60) is None
+
+
+def test_a_straggler_whose_wait_the_schedule_does_not_put_on_the_step_has_that_smaller_gain():
+    wobble = [0.01 * (-1) ** i for i in range(20)]
+    stage = _stage({0: [0.12 + w for w in wobble], 1: [-0.12 - w for w in wobble], 2: [w for w in wobble],
+                    3: [-w for w in wobble]})
+    asked = []
+
+    def gain(rank: int, first: int, last: int) -> float | None:
+        asked.append((rank, first, last))
+        return {0: 0.03e9}.get(rank)        # 3% of the 1 s step, where its peers wait 15%
+
+    scores = pd.DataFrame([_score(0, "0,1", late=0.15), _score(1, "0,1", late=-0.15), _score(2, "2,3", late=0.0),
+                           _score(3, "2,3", late=0.0)])[st.SCORE_COLUMNS]
+    f = st.detect_stragglers(scores, pd.DataFrame(columns=st.CAUSE_COLUMNS), stage_excess=stage,
+                             schedule_gain=gain)
+    assert [(x.ranks, x.severity) for x in f] == [((0,), "warning")]
+    assert f[0].predicted_gain.frac == pytest.approx(0.03)
+    assert f[0].evidence["schedule_gain_frac"] == pytest.approx(0.03)
+    assert f[0].evidence["victims_wait_frac"] == pytest.approx(0.15)
+    assert "the step would be only 3% shorter without it" in f[0].title
+    assert asked == [(0, 1, 20)]
+    # a gain that rounds to 0%: info; a larger schedule gain than the wait: the wait
+    none = st.detect_stragglers(scores, pd.DataFrame(columns=st.CAUSE_COLUMNS), stage_excess=stage,
+                                schedule_gain=lambda r, a, b: 0.002e9)
+    assert [(x.ranks, x.predicted_gain.frac) for x in none] == [((0,), pytest.approx(0.002))]
+    assert [x.severity for x in info_without_gain(none)] == ["info"]
+    more = st.detect_stragglers(scores, pd.DataFrame(columns=st.CAUSE_COLUMNS), stage_excess=stage,
+                                schedule_gain=lambda r, a, b: 0.5e9)
+    assert more[0].predicted_gain.frac == pytest.approx(0.15) and "shorter without it" not in more[0].title
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

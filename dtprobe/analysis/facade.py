@@ -392,8 +392,14 @@ class RunAnalysis:
             injected=self.injected_faults("straggler"), lateness=self.rank_lateness(), axis_of_pg=self.group_axis,
             own_delay_ns=_pipeline_delay.median_own_delay(self.pipeline_own_delay()),
             slow_link_ranks=_links.slow_link_ranks(self.slow_links()),
-            group_clock=self._group_clock(), stage_excess=self.pipeline_stage_excess()) if self.info.clock_aligned
-            else self.device_stragglers())
+            group_clock=self._group_clock(), stage_excess=self.pipeline_stage_excess(),
+            schedule_gain=self._schedule_gain) if self.info.clock_aligned else self.device_stragglers())
+
+    def _schedule_gain(self, rank: int, first_step: int, last_step: int) -> float | None:
+        # ns per step a pipelined rank costs the step by the schedule simulator (pipeline_delay.schedule_gain_ns)
+        return self._memo(f"schedule_gain:{rank}:{first_step}:{last_step}", lambda: _pipeline_delay.schedule_gain_ns(
+            self.completed_table("pipeline"), self.pipeline_own_delay(), self.pipeline_shape(),
+            self._pipeline_groups(), rank, first_step, last_step) if not self.table("pipeline").empty else None)
 
     # ------------------------------------------------------------------------------------------ device clock
 

@@ -93,6 +93,53 @@ def pipeline_own_delay(pipeline: pd.DataFrame, steps: pd.DataFrame,
 
 
 
+def schedule_gain_ns(pipeline: pd.DataFrame, own_delay: pd.DataFrame, shape, groups: dict[int, tuple[int, ...]],
+                     rank: int, first_step: int, last_step: int) -> float | None:
+    """How much shorter, per step over steps ``first_step``..``last_step``, the job's step would be if ``rank`` took
+    as long as the same stage's ranks of the other pipelines: the schedule simulator (``schedule_sim.simulate``,
+    with ``shape``'s schedule, pipeline ranks, stages per rank and micro-batches: ``bubble.PipelineShape``) replays
+    each pipeline with its own mean action costs of those steps; the gain is the longest pipeline's makespan now
+    minus the longest with ``rank``'s costs replaced by the other pipelines' at its stages (a stage with slack gives
+    back only its share of the fill and drain; a pipeline other than the rank's that takes longer leaves nothing),
+    plus the rank's mean own delay (``pipeline_own_delay``: time outside its actions, not waiting for input) over
+    the median of those ranks'. None when ``shape`` is None, the rank has no actions there, or no other pipeline
+    runs its stages."""
+    from dtprobe.schedule_sim import simulate
+
+    p = pipeline.dropna(subset=["start_ns", "end_ns", "stage", "step"])
+    p = p[p["step"].between(first_step, last_step)]
+    if shape is None or p.empty or rank not in groups:
+        return None
+    pipe_of = {r: min(g) for r, g in groups.items()}
+    d = pd.DataFrame({"pipeline": p["rank"].map(pipe_of).to_numpy(), "rank": p["rank"].to_numpy(dtype="int64"),
+                      "stage": p["stage"].to_numpy(dtype="int64"), "action": p["action"].astype(str).to_numpy(),
+                      "ns": (p["end_ns"].to_numpy(dtype="int64") - p["start_ns"].to_numpy(dtype="int64"))})
+    d = d.dropna(subset=["pipeline"])
+    mine = pipe_of[rank]
+    stages = set(d.loc[d["rank"] == rank, "stage"].tolist())
+    others = d[(d["pipeline"] != mine) & d["stage"].isin(stages)]
+    if not stages or others.empty:
+        return None
+
+    def makespan(rows: pd.DataFrame) -> float:
+        costs = rows.groupby(["stage", "action"])["ns"].mean()
+        return simulate(shape.schedule, num_ranks=shape.num_ranks, num_microbatches=shape.num_microbatches,
+                        virtual_stages=shape.virtual_stages,
+                        costs={(int(s), str(a)): float(c) for (s, a), c in costs.items()}).makespan
+
+    now = {pl: makespan(rows) for pl, rows in d.groupby("pipeline")}
+    fixed = makespan(pd.concat([d[(d["pipeline"] == mine) & ~d["stage"].isin(stages)], others]))
+    rest = [m for pl, m in now.items() if pl != mine]
+    gain = max(now.values()) - max([fixed, *rest])
+    o = own_delay[own_delay["step"].between(first_step, last_step)]
+    per_rank = o.groupby("rank")["own_delay_ns"].mean()
+    peers = [r for r in per_rank.index if pipe_of.get(int(r), mine) != mine
+             and set(d.loc[d["rank"] == r, "stage"].tolist()) == stages]
+    if rank in per_rank.index and peers:
+        gain += max(0.0, float(per_rank[rank]) - float(per_rank[peers].median()))
+    return max(0.0, float(gain))
+
+
 def median_own_delay(own_delay: pd.DataFrame) -> dict[int, float]:
     """rank -> median ``own_delay_ns`` over its steps (``pipeline_own_delay`` rows); {} without any."""
     if own_delay.empty:

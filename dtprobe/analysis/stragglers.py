@@ -1020,7 +1020,8 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
                       min_steady_t: float = MIN_STEADY_T,
                       slow_link_ranks: dict[int, int] | None = None,
                       group_clock: dict[tuple[str, str], str] | None = None,
-                      stage_excess: pd.DataFrame | None = None) -> list[Finding]:
+                      stage_excess: pd.DataFrame | None = None,
+                      schedule_gain: Callable[[int, int, int], float | None] | None = None) -> list[Finding]:
     """STRAGGLER for each rank whose median lateness over some window is at least ``min_lateness_frac`` of the step
     and which arrived after its peers' median in at least ``min_positive_frac`` of that window's steps (and the
     window has ``min_steps`` steps or more), or whose data+fwd time exceeds its peers' by that share in that
@@ -1055,7 +1056,10 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
     ``group_clock``: (pg, pg_ranks) -> the clock its arrivals were read on (``arrivals.arrival_clocks``), told in
     ``evidence.clock`` (``host`` when not given). ``stage_excess``: per (rank, step) of a pipelined run, its own
     time's excess over its stage's in the other pipelines (``pipeline_delay.stage_excess``); None or empty: the
-    pipeline rules above are not applied."""
+    pipeline rules above are not applied. Predicted gain: the victims' mean wait per step time; for a pipelined
+    rank, when ``schedule_gain`` (rank, first step, last step -> ns per step, ``pipeline_delay.schedule_gain_ns``,
+    None where unknown) gives less over the window its stage was judged on, that: a wait the schedule does not put
+    on the step's critical path is not a gain. Critical when the gain is ``critical_wait_frac`` or more."""
     require_columns(scores, SCORE_COLUMNS, table="straggler_scores")
     if scores.empty:
         return []
@@ -1198,6 +1202,9 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
             continue
         axis = axis_of_pg(row.pg)
         wait_frac = row.mean_victims_wait_ns / row.mean_step_ns if row.mean_step_ns else 0.0
+        sched = schedule_gain(int(row.rank), first, last) if schedule_gain is not None else None
+        sched_frac = sched / row.mean_step_ns if sched is not None and row.mean_step_ns else None
+        gain_frac = min(max(wait_frac if sched_frac is None else min(wait_frac, sched_frac), 0.0), 1.0)
         members = list(group_members(row.pg_ranks))
         evidence = {
             "rank": int(row.rank), "pg": row.pg, "pg_ranks": members, "victims": [m for m in members if m != row.rank],
@@ -1238,6 +1245,7 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
             "stage_excess_frac": None if stage_fig is None else _opt_float(stage_fig["stage_excess_frac"]),
             "stage_excess_t": None if stage_fig is None else _opt_float(stage_fig["stage_excess_t"]),
             "peer_stage_excess_t": None if stage_fig is None else _opt_float(stage_fig["peer_stage_excess_t"]),
+            "schedule_gain_frac": _opt_float(sched_frac),
         }
         evidence_rows = None
         if lateness is not None:
@@ -1246,7 +1254,7 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
         # named (e.g. a pipeline stage waiting on a slowed upstream stage), and of a late pipeline whose ranks
         # none stands out from the other pipelines' the origin is not known: told, as info, not blamed.
         severity = ("info" if cause == "communication" or how == "unconfirmed" else
-                    "critical" if wait_frac >= critical_wait_frac else "warning")
+                    "critical" if gain_frac >= critical_wait_frac else "warning")
         quota_held, core_shared = _cpu_quota_held(row), _core_shared(row)
         findings.append(Finding(
             code="STRAGGLER",
@@ -1273,14 +1281,23 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
                    + (f"; its pipeline peer rank{'s' if len(pipeline_victims) > 1 else ''} "
                       f"{', '.join(map(str, pipeline_victims))} arrive{'' if len(pipeline_victims) > 1 else 's'} "
                       f"late only by waiting on it" if how == "victim_waits" and pipeline_victims else "")
-                   + f"; cause: {cause}")),
+                   + f"; cause: {cause}")
+                   + _schedule_phrase(wait_frac, sched_frac)),
             evidence=evidence,
             recommendation=_advice(cause, int(row.rank), cpu_quota=quota_held, core_shared=core_shared,
                                    cpu_counted=_cpu_counted(row)),
-            predicted_gain=PredictedGain(metric="step_time", frac=min(max(wait_frac, 0.0), 1.0)),
+            predicted_gain=PredictedGain(metric="step_time", frac=gain_frac),
             rows=evidence_rows,
         ))
     return findings
+
+
+def _schedule_phrase(wait_frac: float, sched_frac: float | None) -> str:
+    """What the pipeline schedule gives back of the victims' wait, when it is visibly less (else empty)."""
+    if sched_frac is None or round(100 * sched_frac) >= round(100 * wait_frac):
+        return ""
+    return (f"; its peers wait {wait_frac:.0%} of the step for it, but with the pipeline's schedule and the other "
+            f"stages' times the step would be only {max(sched_frac, 0.0):.0%} shorter without it")
 
 
 def _stage_phrase(rank: int, fig: dict | None, first: int, last: int, victims: list[int], how: str | None) -> str:

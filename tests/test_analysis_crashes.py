@@ -370,6 +370,49 @@ def test_a_frozen_rank_whose_peers_die_on_the_collective_timeout_is_a_hang_not_t
     assert _codes(a, "RANK_CRASH") == []
 
 
+@pytest.mark.parametrize("attempts", [True, False], ids=["dtprobe-run", "plain-torchrun"])
+def test_ranks_torchrun_sigtermed_before_they_reached_the_collective_are_the_crashs_not_a_hang(tmp_path, attempts):
+    # a dp2 x pp2 kill of the verdicts matrix: rank 0 is SIGKILLed between a checkpoint's collectives; rank 1 enters
+    # the next one at 360 ms, ranks 2 and 3 are still writing their shards when torchrun SIGTERMs them 35 ms later
+    # (their probes close on it); rank 1 raises on the broken connection at 560 ms; the job restarts at 2 s
+    rows = lockstep_tables(world=4, num_steps=6)
+    cut_rank(rows, 0, T0 + 330 * MS)
+    stall_rank(rows, 1, T0 + 360 * MS, until_ns=T0 + 560 * MS, close=("crashed", "exception"))
+    for r in (2, 3):
+        stall_rank(rows, r, T0 + 340 * MS, until_ns=T0 + 395 * MS, close=("crashed", "SIGTERM"))
+    rows["pending"] = [pending_row(1, step=3, seq=4, t_ns=T0 + 360 * MS, world=4)]
+    again = lockstep_tables(world=4, num_steps=4, t0=T0 + 2 * S, first_step=2, restart=1)
+    for table, new in again.items():
+        rows[table] += new
+    att = [_attempt(0, "failed", [{"rank": 0, "exit_code": -9, "signal": "SIGKILL", "first_failure": True,
+                                   "time_ns": T0 + 330 * MS},
+                                  {"rank": 1, "exit_code": 1, "time_ns": T0 + 560 * MS},
+                                  {"rank": 2, "exit_code": -15, "signal": "SIGTERM", "time_ns": T0 + 395 * MS},
+                                  {"rank": 3, "exit_code": -15, "signal": "SIGTERM", "time_ns": T0 + 395 * MS}],
+                    ended=T0 + 560 * MS),
+           _attempt(1, "succeeded", [{"rank": r, "exit_code": 0} for r in range(4)], started=T0 + 2 * S,
+                    ended=T0 + 3 * S)]
+    a = RunAnalysis.open(write_rows_run(tmp_path / "run", rows, world_size=4, status="finished",
+                                        attempts=att if attempts else None))
+    assert _codes(a, "HANG") == []
+    [f] = _codes(a, "RANK_CRASH")
+    assert f.ranks == (0,) and f.evidence["recovered"] is True
+
+
+def test_a_hangs_wait_ends_with_the_waiters_last_row_of_that_attempt_not_the_restarted_jobs(tmp_path):
+    # the frozen rank 1 of above; torchrun restarts the job at 12 s and it runs to 12.6 s
+    rows, att = _frozen_rank1(attempts=True)
+    again = lockstep_tables(world=2, num_steps=6, t0=T0 + 12 * S, first_step=2, restart=1)
+    for table, new in again.items():
+        rows[table] += new
+    att.append(_attempt(1, "succeeded", [{"rank": 0, "exit_code": 0}, {"rank": 1, "exit_code": 0}],
+                        started=T0 + 12 * S, ended=T0 + 13 * S))
+    a = RunAnalysis.open(write_rows_run(tmp_path / "run", rows, world_size=2, status="finished", attempts=att))
+    [f] = _codes(a, "HANG")
+    assert f.ranks == (1,) and f.evidence["liveness"] == {"0": "waiting", "1": "stopped"}
+    assert f.evidence["waited_s"] == pytest.approx(10.4 - 0.36, abs=0.2)
+
+
 def test_a_stopped_pipeline_rank_is_one_hang_not_one_per_group_it_froze():
     # real run (tests/data/dp2xpp2_rank0_stopped/README.md): the stall on rank 0 also left an all-reduce in each
     # pipeline group that every member entered and nobody finished; those are stuck behind it, not hangs of

@@ -6,7 +6,7 @@ report header and the dashboard's Overview."""
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Callable
 
 import pandas as pd
 
@@ -54,7 +54,8 @@ def classify_cause(*, exit_code: Any, signal: Any, error_type: Any, error_messag
 
 def crash_events(exits: pd.DataFrame, *, activity: Activity, collectives: pd.DataFrame, steps: pd.DataFrame,
                  devices: pd.DataFrame, restarts: list[dict], status: str, attempts_known: bool,
-                 stale_ns: int, now_ns: int, stalls: pd.DataFrame | None = None) -> pd.DataFrame:
+                 stale_ns: int, now_ns: int, stalls: pd.DataFrame | None = None,
+                 starts: list[int] = ()) -> pd.DataFrame:
     """Per failed attempt, its first failure. Which attempts failed: with the launcher's ``attempts``
     (``attempts_known``) the ranks' exits say it (the ``first_failure`` rank; a watchdog exit is a hang, not a
     crash); else a rank whose probe closed ``crashed`` for its own reason, or never closed although its attempt is
@@ -63,7 +64,8 @@ def crash_events(exits: pd.DataFrame, *, activity: Activity, collectives: pd.Dat
     rows) is a failure too. The first to die is the first failure, else the lost rank whose rows stopped first;
     the others lost in that attempt are ``also_lost`` (consequences: torchrun ends the survivors). ``stalls``
     (``hangs.stalls``): a collective the others entered and the dead rank never did bounds its step from below
-    (its last rows may have been lost with it). Columns: ``CRASH_COLUMNS``."""
+    (its last rows may have been lost with it). ``starts``: ``liveness.attempt_starts`` (a rank's rows of an
+    attempt end where the next one starts). Columns: ``CRASH_COLUMNS``."""
     # the attempt of a collective row: its restart column, else (older runs) the attempt unique_seq numbered
     require_columns(collectives, ["rank", "pg", "seq", "op", "peer", "step", "enqueue_ns", "end_ns", "restart"],
                     table="collectives")
@@ -74,7 +76,8 @@ def crash_events(exits: pd.DataFrame, *, activity: Activity, collectives: pd.Dat
     st = steps.assign(restart=steps["restart"].fillna(0).astype("int64")) if not steps.empty else steps
     rows = []
     candidates = _failed_attempts(exits, activity=activity, restarts=restarts, status=status, st=st, coll=coll,
-                                  attempts_known=attempts_known, stale_ns=stale_ns, now_ns=now_ns)
+                                  attempts_known=attempts_known, stale_ns=stale_ns, now_ns=now_ns,
+                                  starts=starts)
     for restart, lost, culprit, ex in candidates:
         t_end = _attempt_end_ns(st, coll, restart)
         died_ns = ex.get("exit_ns") if ex and not is_missing(ex.get("exit_ns")) else activity.last_ns(culprit,
@@ -132,7 +135,7 @@ def crash_events(exits: pd.DataFrame, *, activity: Activity, collectives: pd.Dat
 
 def _failed_attempts(exits: pd.DataFrame, *, activity: Activity, restarts: list[dict], status: str,
                      st: pd.DataFrame, coll: pd.DataFrame, attempts_known: bool, stale_ns: int,
-                     now_ns: int) -> list[tuple[int, list[int], int, dict | None]]:
+                     now_ns: int, starts: list[int] = ()) -> list[tuple[int, list[int], int, dict | None]]:
     """[(restart, lost ranks, culprit, culprit's exit row)] per failed attempt."""
     out = []
     restart_ids = sorted({int(r["restart"]) for r in restarts})
@@ -141,6 +144,13 @@ def _failed_attempts(exits: pd.DataFrame, *, activity: Activity, restarts: list[
         for restart, g in exits.groupby("restart"):
             restart = int(restart)
             recs = [{k: (None if is_missing(v) else v) for k, v in r.items()} for r in g.to_dict("records")]
+            # the rows of a later attempt (from its first attach, step or collective) say nothing of this one
+            ends = [t for t in (_attempt_end_ns(st, coll, restart), starts[restart] if restart < len(starts) else None)
+                    if t is not None]
+            end = min(ends) if ends else None
+
+            def last_ns(rank: int) -> int | None:
+                return activity.last_ns(rank, before_ns=end)
             over = restart < latest or restart + 1 in restart_ids or status != "running"
             if attempts_known and any(r["source"] == "attempts" for r in recs):
                 lost = [r for r in recs if is_own_failure(r)]
@@ -149,7 +159,7 @@ def _failed_attempts(exits: pd.DataFrame, *, activity: Activity, restarts: list[
                     first = min(firsts, key=lambda r: (r.get("exit_ns") or 0, r["rank"]))
                     if first.get("exit_code") is not None and int(first["exit_code"]) == WATCHDOG_EXIT_CODE:
                         continue                   # the watchdog ended a hang: HANG reports it
-                    first = _silent_before(first, recs, activity) or first
+                    first = _silent_before(first, recs, last_ns) or first
                     lost_ranks = [int(r["rank"]) for r in recs if r.get("exit_code") not in (None, 0)]
                     out.append((restart, lost_ranks, int(first["rank"]), first))
                     continue
@@ -157,13 +167,13 @@ def _failed_attempts(exits: pd.DataFrame, *, activity: Activity, restarts: list[
                 # SIGTERMs): judge the attempt from the telemetry below, as without attempts
             if any(r.get("reason") == "watchdog" for r in recs):
                 continue                           # the attempt ended on a hang: HANG reports it
-            others_last = [activity.last_ns(r["rank"]) or 0 for r in recs]
+            others_last = [last_ns(r["rank"]) or 0 for r in recs]
             newest = max(others_last) if others_last else 0
             # a peer closed crashed (SIGTERMed, an exception): the attempt is ending, also when the run.json of a
             # plain torchrun job still says running because its leader was the rank killed
             ending = any(r.get("closed") and r.get("status") == "crashed" for r in recs)
             lost = [r for r in recs if (r.get("closed") is False and (
-                        over or ending or newest - (activity.last_ns(r["rank"]) or 0) > stale_ns))
+                        over or ending or newest - (last_ns(r["rank"]) or 0) > stale_ns))
                     or (r.get("closed") and r.get("status") == "crashed"
                         and r.get("reason") not in CONSEQUENCE_REASONS)]
             if not lost:
@@ -172,8 +182,8 @@ def _failed_attempts(exits: pd.DataFrame, *, activity: Activity, restarts: list[
                 first = min(lost, key=lambda r: (int(r["exit_ns"]), r["rank"]))
             else:
                 own = [r for r in lost if r.get("closed")] or lost  # an exception closes first; else the first silent
-                first = min(own, key=lambda r: (activity.last_ns(r["rank"]) or 0, r["rank"]))
-                first = _silent_before(first, lost, activity) or first
+                first = min(own, key=lambda r: (last_ns(r["rank"]) or 0, r["rank"]))
+                first = _silent_before(first, lost, last_ns) or first
             gone = [int(r["rank"]) for r in recs if r.get("closed") is False or r.get("status") == "crashed"]
             out.append((restart, gone, int(first["rank"]), first))
         return out
@@ -189,21 +199,20 @@ def _failed_attempts(exits: pd.DataFrame, *, activity: Activity, restarts: list[
     return out
 
 
-def _silent_before(first: dict, recs: list[dict], activity: Activity) -> dict | None:
+def _silent_before(first: dict, recs: list[dict], last_ns: Callable[[int], int | None]) -> dict | None:
     """A rank of the attempt that went silent (never closed, not stopped by torchrun's SIGTERM) before ``first``
     closed its probe on an exception: ``first`` was still running after that rank's last row, so its exception
     (typically the lost connection to that rank) is the consequence and the silent rank died first. torchrun's
     own choice can name the survivor: it orders failures by whole seconds, an error file's timestamp before a
-    signal's discovery. None when nothing contradicts ``first``."""
+    signal's discovery. None when nothing contradicts ``first``. ``last_ns``: a rank's last row in the attempt."""
     if not first.get("closed") or first.get("status") != "crashed" or first.get("reason") in CONSEQUENCE_REASONS:
         return None
     closed_at = first.get("close_ns")
     if closed_at is None:
         return None
     silent = [r for r in recs if r is not first and r.get("closed") is False and r.get("signal") != "SIGTERM"
-              and r.get("exit_code") != 0 and activity.last_ns(r["rank"]) is not None
-              and activity.last_ns(r["rank"]) < int(closed_at)]
-    return min(silent, key=lambda r: (activity.last_ns(r["rank"]), r["rank"])) if silent else None
+              and r.get("exit_code") != 0 and last_ns(r["rank"]) is not None and last_ns(r["rank"]) < int(closed_at)]
+    return min(silent, key=lambda r: (last_ns(r["rank"]), r["rank"])) if silent else None
 
 
 def _attempt_end_ns(st: pd.DataFrame, coll: pd.DataFrame, restart: int) -> int | None:

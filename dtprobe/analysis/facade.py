@@ -697,7 +697,7 @@ class RunAnalysis:
         return self._memo("crash_events", lambda: _crashes.crash_events(
             self.rank_exits(), activity=self.activity(), collectives=self._failure_collectives("doing"),
             steps=self.table("steps"), devices=self.table("devices"), restarts=self.restarts(),
-            status=self.status, attempts_known=bool(self.attempts()),
+            status=self.status, attempts_known=bool(self.attempts()), starts=self.attempt_starts(),
             stale_ns=int(self.options.hang_timeout_s * 1e9), now_ns=self.now_ns(), stalls=self.stalls()))
 
     def collective_mismatches(self) -> pd.DataFrame:

@@ -227,7 +227,9 @@ def detect_hangs(missing: pd.DataFrame, faults: pd.DataFrame | None, *, last_see
         everyone = sorted(set(waiters) | set(miss))
         waited_ns = int(r.waited_ns)
         if activity is not None:            # a finished run's end may be long after the waiters gave up
-            ends = [activity.last_ns(w) for w in waiters]
+            # (their last sign of life in this attempt: a restarted job's next attempt proves nothing about it)
+            later = [t for t in starts if t > int(r.first_enqueue_ns)]
+            ends = [activity.last_ns(w, before_ns=min(later) if later else None) for w in waiters]
             ends = [t - int(r.first_enqueue_ns) for t in ends if t is not None and t > int(r.first_enqueue_ns)]
             waited_ns = min(waited_ns, max(ends)) if ends else waited_ns
         node_of = nodes or {}

@@ -187,7 +187,9 @@ def liveness(rank: int, since_ns: int, *, in_collective: bool, activity: Activit
     after the stall and its process failed on its own: attempts' first failure / own exit, a probe closed
     crashed, or no close while its ``peers`` were SIGTERMed, which torchrun does when a worker exits, or raised in
     the collective within ``EXITED_AT_STALL_NS`` of the stall: a broken connection, where a frozen rank's peers
-    wait out their timeout),
+    wait out their timeout; or it exited unclosed or closed on SIGTERM within ``EXITED_AT_STALL_NS`` of the stall:
+    torchrun ended it because another rank had died, where a frozen or stuck rank is ended only once its peers
+    gave up),
     ``stopped`` (no row after the stall and no own death: frozen, e.g. SIGSTOP), ``unknown`` (no sampler and no
     lifecycle rows to tell). ``starts``: ``attempt_starts`` (the verdict is about the incarnation alive at
     ``since_ns``)."""
@@ -201,6 +203,9 @@ def liveness(rank: int, since_ns: int, *, in_collective: bool, activity: Activit
     if (ex is not None and ex.get("closed") is False and ex.get("exit_ns") is not None
             and int(ex["exit_ns"]) <= since_ns + EXITED_AT_STALL_NS):
         return "dead"                     # seen exiting unclosed as the stall began: killed, not frozen in it
+    if (ex is not None and ex.get("reason") == "SIGTERM" and ex.get("close_ns") is not None
+            and int(ex["close_ns"]) <= since_ns + EXITED_AT_STALL_NS):
+        return "dead"                     # closed on torchrun's SIGTERM as the stall began: another rank had died
     if ex is not None and ex.get("closed") is False:
         peer_exits = [_exit_of(exits, p, restart) or {} for p in peers]
         peer_reasons = {x.get("reason") for x in peer_exits}

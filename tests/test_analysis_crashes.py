@@ -280,6 +280,42 @@ def test_p2p_a_stage_blocked_in_recv_names_the_stage_that_never_sent_not_the_cha
     assert " s in recv #4 from rank 0 on pp " in f.title
 
 
+def test_a_stopped_rank_that_leaves_peers_stuck_in_several_groups_is_one_hang_listing_them_all(tmp_path):
+    # dp2 x pp2: pipelines 0 -> 1 and 2 -> 3, dp groups [0, 2] and [1, 3]; each step a stage-0 rank sends at +10 ms,
+    # then the dp all-reduces at +50 ms. Rank 0 freezes at 305 ms: rank 1 waits in its recv from 0 from 310 ms,
+    # rank 2 in the dp all-reduce from 350 ms (rank 3 waits there on rank 1: behind it, not a hang of its own)
+    rows = lockstep_tables(world=4, num_steps=6)
+    rows["collectives"] = []
+
+    def coll(rank: int, step: int, pg: str, members: str, op: str, at_ms: float, peer: int | None = None) -> dict:
+        t = T0 + step * 100 * MS + int(at_ms * MS)
+        return {"rank": rank, "pg": pg, "pg_ranks": members, "pg_size": 2, "seq": step + 1, "op": op,
+                "num_bytes": 1 << 20, "dtype": "float32", "enqueue_ns": t, "end_ns": t + 5 * MS, "step": step,
+                "restart": 0, "timing": "host", **({"peer": peer} if peer is not None else {})}
+    for step in range(6):
+        for first, second in ((0, 1), (2, 3)):
+            rows["collectives"] += [coll(first, step, "pp", f"{first},{second}", "send", 10, second),
+                                    coll(second, step, "pp", f"{first},{second}", "recv", 10, first)]
+        rows["collectives"] += [coll(r, step, "dp", members, "allreduce", 50) for members in ("0,2", "1,3")
+                                for r in map(int, members.split(","))]
+    cut_rank(rows, 0, T0 + 305 * MS)
+    for rank, at_ms in ((1, 310), (2, 350), (3, 350)):
+        stall_rank(rows, rank, T0 + at_ms * MS, until_ns=T0 + 10_400 * MS, close=("crashed", "watchdog"))
+    rows["pending"] = [
+        pending_row(1, step=3, seq=4, t_ns=T0 + 310 * MS, pg="pp", pg_ranks="0,1", op="recv", peer=0),
+        pending_row(2, step=3, seq=4, t_ns=T0 + 350 * MS, pg="dp", pg_ranks="0,2"),
+        pending_row(3, step=3, seq=4, t_ns=T0 + 350 * MS, pg="dp", pg_ranks="1,3")]
+    a = RunAnalysis.open(write_rows_run(tmp_path / "run", rows, world_size=4, status="crashed"))
+    [f] = _codes(a, "HANG")
+    ev = f.evidence
+    assert (f.ranks, ev["op"], ev["peer"], ev["arrived_ranks"]) == ((0,), "recv", 0, [1])     # the first wait
+    assert [(x["pg"], x["pg_ranks"], x["op"], x["seq"], x["arrived_ranks"]) for x in ev["also_stuck"]] == [
+        ("dp", [0, 2], "allreduce", 4, [2])]
+    assert ev["also_stuck"][0]["waited_s"] == pytest.approx(10.4 - 0.35, abs=0.2)
+    assert ev["liveness"] == {"0": "stopped", "1": "waiting", "2": "waiting"}
+    assert f.title.endswith("; also stuck on it: allreduce #4 on dp group [0, 2] (rank(s) [2] waiting)")
+
+
 def test_p2p_recv_whose_peer_sent_is_no_stall():
     from dtprobe.analysis.hangs import p2p_stalls
 

@@ -6,6 +6,7 @@ facade and the dashboard."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 import pandas as pd
@@ -185,9 +186,9 @@ def detect_hangs(missing: pd.DataFrame, faults: pd.DataFrame | None, *, last_see
     never finished (``unfinished_since``): a missing rank still inside an earlier collective of its own (one
     whose last message never reached it, while its peers finished it and moved on: a cut link) is waiting, not
     merely alive."""
-    findings: list[Finding] = []
+    findings: list[tuple[int, Finding]] = []      # (when its wait began, the finding)
     if missing is None or missing.empty:
-        return findings
+        return []
     last = {int(r.rank): r for r in last_seen.itertuples(index=False)} if last_seen is not None else {}
     observed, injected = _fault_rows(faults)
     rows = list(missing.itertuples(index=False))
@@ -262,7 +263,7 @@ def detect_hangs(missing: pd.DataFrame, faults: pd.DataFrame | None, *, last_see
         else:
             title = f"ranks {everyone} all entered {what} and none finished it in {waited_ns / 1e9:.1f} s"
         report = _watchdog_report(observed, r)
-        findings.append(Finding(
+        findings.append((int(r.first_enqueue_ns), Finding(
             code="HANG", severity="critical", ranks=tuple(culprits), group=axis_of_pg(r.pg), title=title,
             evidence={
                 "clock": HOST,   # host enqueues: a stuck collective's device arrival may never resolve
@@ -274,7 +275,7 @@ def detect_hangs(missing: pd.DataFrame, faults: pd.DataFrame | None, *, last_see
                                                 "last_collective": last[m].last_collective}
                                                if m in last else None) for m in miss},
                 "stacks": _stacks(observed, everyone),
-                "watchdog_report": report,
+                "watchdog_report": report, "also_stuck": [],
                 "injected": bool(injected is not None and not injected.empty and (
                     injected[(injected["kind"] == "hang")]["rank"].astype("int64").isin(culprits).any())),
             },
@@ -286,8 +287,36 @@ def detect_hangs(missing: pd.DataFrame, faults: pd.DataFrame | None, *, last_see
                 f"collective timeout (init_process_group(timeout=...)) so the job fails fast and torchrun can "
                 f"restart it."),
             predicted_gain=None, rows=missing,
-        ))
-    return findings
+        )))
+    return _one_per_culprits(findings)
+
+
+def _one_per_culprits(found: list[tuple[int, Finding]]) -> list[Finding]:
+    """One HANG per set of culprits and cause: of the stalls they caused, the one whose wait began first, with the
+    others in ``also_stuck`` and its title (a stopped pipeline rank leaves its stage peer stuck in a recv and its
+    dp peer in the all-reduce: one fault, one verdict). The liveness and stacks of every rank involved are kept."""
+    merged: dict[tuple, tuple[Finding, list[Finding]]] = {}
+    for _, f in sorted(found, key=lambda x: x[0]):
+        key = (f.ranks, f.evidence["cause"])
+        if key in merged:
+            merged[key][1].append(f)
+        else:
+            merged[key] = (f, [])
+    out = []
+    for first, others in merged.values():
+        if not others:
+            out.append(first)
+            continue
+        ev = dict(first.evidence)
+        ev["also_stuck"] = [{k: o.evidence[k] for k in ("pg", "pg_ranks", "seq", "op", "peer", "step",
+                                                         "arrived_ranks", "waited_s")} for o in others]
+        ev["liveness"] = {**{k: v for o in others for k, v in o.evidence["liveness"].items()}, **ev["liveness"]}
+        ev["stacks"] = {**{k: v for o in others for k, v in (o.evidence["stacks"] or {}).items()},
+                        **(ev["stacks"] or {})}
+        also = "; ".join(f"{e['op']} #{e['seq']} on {group_phrase(e['pg'], e['pg_ranks'])} (rank(s) "
+                         f"{e['arrived_ranks']} waiting)" for e in ev["also_stuck"])
+        out.append(replace(first, evidence=ev, title=f"{first.title}; also stuck on it: {also}"))
+    return out
 
 
 def _fault_rows(faults: pd.DataFrame | None) -> tuple[pd.DataFrame | None, pd.DataFrame | None]:

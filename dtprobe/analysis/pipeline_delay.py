@@ -91,8 +91,6 @@ def pipeline_own_delay(pipeline: pd.DataFrame, steps: pd.DataFrame,
     return out[OWN_DELAY_COLUMNS]
 
 
-
-
 def schedule_gain_ns(pipeline: pd.DataFrame, own_delay: pd.DataFrame, shape, groups: dict[int, tuple[int, ...]],
                      rank: int, first_step: int, last_step: int) -> float | None:
     """How much shorter, per step over steps ``first_step``..``last_step``, the job's step would be if ``rank`` took

@@ -229,6 +229,19 @@ def _score(rank: int, pg_ranks: str, *, late: float, first: int = 1, last: int =
             "detected_by": "arrival" if late >= 0.05 else None}
 
 
+def test_a_rank_flagged_in_two_groups_was_detected_when_the_first_of_them_flagged_it():
+    # dp2 x tp2, rank 1 under a CPU quota: its tp group shows it later but by more (the row the finding reads),
+    # its dp group flagged it 19 steps earlier; the verdict was available then
+    tp = {**_score(1, "0,1", late=0.13, first=20, last=39), "pg": "tp", "detected_at_step": 39}
+    tp_peer = {**_score(0, "0,1", late=-0.13, first=20, last=39), "pg": "tp"}
+    dp = {**_score(1, "1,3", late=0.06, first=1, last=20), "detected_at_step": 20}
+    dp_peer = _score(3, "1,3", late=-0.06)
+    scores = pd.DataFrame([tp, tp_peer, dp, dp_peer])[st.SCORE_COLUMNS]
+    [f] = st.detect_stragglers(scores, pd.DataFrame(columns=st.CAUSE_COLUMNS))
+    assert (f.ranks, f.evidence["pg"], f.evidence["window"]) == ((1,), "tp", [20, 39])
+    assert f.evidence["detected_at_step"] == 20
+
+
 def _stage(excess: dict[int, list[float]]) -> pd.DataFrame:
     """stage_excess rows of dp2 x pp2 (pipelines {0, 2} and {1, 3}), steps 1.., the given excess per rank."""
     return pd.DataFrame([{"rank": r, "step": i + 1, "pipeline": r % 2, "stage": r // 2, "own_ns": 1e8,

@@ -1097,6 +1097,9 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
     flagged = flagged.sort_values(["median_lateness_frac"], ascending=False)
     flagged = flagged.drop_duplicates(["pg", "pg_ranks"])      # one culprit per group: the latest
     best = flagged.drop_duplicates("rank")                      # one entry per rank: its worst group
+    # the verdict on a rank was available once it was the culprit of any of its groups (a CPU quota can show in
+    # its dp group's throttle view 20 steps before its tp group's lateness is the larger)
+    first_flagged = {int(r): int(v) for r, v in flagged.groupby("rank")["detected_at_step"].min().dropna().items()}
     cause_of = {(c.pg, c.pg_ranks, c.rank): c for c in causes.itertuples(index=False)}
     later = _later_in_shared_groups(scores)
     best = _with_culprits_of_victims(best, scores, later, min_lateness_frac=min_lateness_frac)
@@ -1217,7 +1220,7 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
             "last_frac": row.last_frac, "mean_lateness_ms": ms(row.mean_lateness_ns),
             "victims_mean_wait_ms": ms(row.mean_victims_wait_ns), "step_time_ms": ms(row.mean_step_ns),
             "victims_wait_frac": wait_frac,
-            "detected_at_step": None if pd.isna(row.detected_at_step) else int(row.detected_at_step),
+            "detected_at_step": _first_step(row.detected_at_step, first_flagged.get(int(row.rank))),
             "cause": cause,
             "cause_excess_ms": {
                 "data": ms(c.data_excess_ns) if c is not None else None,
@@ -1290,6 +1293,12 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
             rows=evidence_rows,
         ))
     return findings
+
+
+def _first_step(*steps) -> int | None:
+    """The earliest of the known steps (None and NA left out), None when none is known."""
+    known = [int(s) for s in steps if s is not None and not pd.isna(s)]
+    return min(known) if known else None
 
 
 def _schedule_phrase(wait_frac: float, sched_frac: float | None) -> str:

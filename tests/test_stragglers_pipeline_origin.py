@@ -5,6 +5,7 @@ same stage's in the other pipeline (``pipeline_delay.stage_excess``, ``straggler
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pandas as pd
 import pytest
@@ -175,6 +176,17 @@ def test_schedule_gain_is_the_longest_pipelines_simulated_makespan_now_minus_wit
     assert _gain_ms(slower, 3) > 0
     # no other pipeline runs its stage, or no pipeline rows in the steps asked: unknown
     assert _gain_ms(t, 0, 50, 60) is None
+    # a shape the simulator refuses (the config's 1f1b with two stages per rank measured): unknown, not an error
+    groups = st.pipeline_groups(t["collectives"])
+    own = st.pipeline_own_delay(t["pipeline"], t["steps"], groups)
+    refused = replace(pipeline_shape(t["pipeline"]), schedule="1f1b", virtual_stages=2)
+    assert schedule_gain_ns(t["pipeline"], own, refused, groups, 0, 1, 5) is None
+    # interleaved 1F1B with 3 micro-batches on 2 ranks: simulated with 4, a whole round, as the ideal bubble is
+    three, four = (replace(pipeline_shape(t["pipeline"]), schedule="interleaved-1f1b", num_microbatches=m)
+                   for m in (3, 4))
+    gain = schedule_gain_ns(t["pipeline"], own, three, groups, 0, 1, 5)
+    assert gain is not None and gain > 0
+    assert gain == schedule_gain_ns(t["pipeline"], own, four, groups, 0, 1, 5)
 
 
 def test_a_straggler_whose_wait_the_schedule_does_not_put_on_the_step_has_that_smaller_gain():

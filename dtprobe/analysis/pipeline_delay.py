@@ -100,8 +100,9 @@ def schedule_gain_ns(pipeline: pd.DataFrame, own_delay: pd.DataFrame, shape, gro
     minus the longest with ``rank``'s costs replaced by the other pipelines' at its stages (a stage with slack gives
     back only its share of the fill and drain; a pipeline other than the rank's that takes longer leaves nothing),
     plus the rank's mean own delay (``pipeline_own_delay``: time outside its actions, not waiting for input) over
-    the median of those ranks'. None when ``shape`` is None, the rank has no actions there, or no other pipeline
-    runs its stages."""
+    the median of those ranks'. None when ``shape`` is None or one the simulator does not take (a schedule named
+    in the config that the measured stages contradict), the rank has no actions there, or no other pipeline runs
+    its stages. Interleaved 1F1B's micro-batches are rounded up to whole rounds, as for the ideal bubble."""
     from dtprobe.schedule_sim import simulate
 
     p = pipeline.dropna(subset=["start_ns", "end_ns", "stage", "step"])
@@ -119,14 +120,21 @@ def schedule_gain_ns(pipeline: pd.DataFrame, own_delay: pd.DataFrame, shape, gro
     if not stages or others.empty:
         return None
 
+    m = shape.num_microbatches
+    if shape.schedule == "interleaved-1f1b" and m % shape.num_ranks:
+        m += shape.num_ranks - m % shape.num_ranks
+
     def makespan(rows: pd.DataFrame) -> float:
         costs = rows.groupby(["stage", "action"])["ns"].mean()
-        return simulate(shape.schedule, num_ranks=shape.num_ranks, num_microbatches=shape.num_microbatches,
+        return simulate(shape.schedule, num_ranks=shape.num_ranks, num_microbatches=m,
                         virtual_stages=shape.virtual_stages,
                         costs={(int(s), str(a)): float(c) for (s, a), c in costs.items()}).makespan
 
-    now = {pl: makespan(rows) for pl, rows in d.groupby("pipeline")}
-    fixed = makespan(pd.concat([d[(d["pipeline"] == mine) & ~d["stage"].isin(stages)], others]))
+    try:
+        now = {pl: makespan(rows) for pl, rows in d.groupby("pipeline")}
+        fixed = makespan(pd.concat([d[(d["pipeline"] == mine) & ~d["stage"].isin(stages)], others]))
+    except ValueError:              # the simulator refuses the shape: no schedule figure, the wait stands
+        return None
     rest = [m for pl, m in now.items() if pl != mine]
     gain = max(now.values()) - max([fixed, *rest])
     o = own_delay[own_delay["step"].between(first_step, last_step)]

@@ -116,10 +116,12 @@ def _findings(t: dict) -> list:
     own = st.pipeline_own_delay(t["pipeline"], steps, groups)
     own = own[own["step"] >= 1]
     shape = pipeline_shape(t["pipeline"])
+
+    def gain(rank: int, first: int, last: int) -> float | None:
+        return schedule_gain_ns(t["pipeline"], own, shape, groups, rank, first, last)
     return st.detect_stragglers(scores, causes, links=st.linked_ranks(coll), lateness=lateness,
                                 own_delay_ns=median_own_delay(own),
-                                stage_excess=stage_excess(t["pipeline"], steps, own, groups),
-                                schedule_gain=lambda r, a, b: schedule_gain_ns(t["pipeline"], own, shape, groups, r, a, b))
+                                stage_excess=stage_excess(t["pipeline"], steps, own, groups), schedule_gain=gain)
 
 
 def _verdicts(findings: list) -> list:

@@ -45,6 +45,11 @@ def pipeline_groups(collectives: pd.DataFrame) -> dict[int, tuple[int, ...]]:
     return groups
 
 
+def pipeline_ids(groups: dict[int, tuple[int, ...]]) -> dict[int, int]:
+    """rank -> its pipeline's id, the smallest rank of it (``groups`` from ``pipeline_groups``)."""
+    return {r: min(g) for r, g in groups.items()}
+
+
 def pipeline_own_delay(pipeline: pd.DataFrame, steps: pd.DataFrame,
                        groups: dict[int, tuple[int, ...]]) -> pd.DataFrame:
     """Per (rank, step) of a pipelined run: time the rank was neither running a pipeline action nor waiting for
@@ -56,7 +61,7 @@ def pipeline_own_delay(pipeline: pd.DataFrame, steps: pd.DataFrame,
     p = pipeline.dropna(subset=["start_ns", "end_ns", "stage", "step"])
     if p.empty or not groups:
         return pd.DataFrame({col: [] for col in OWN_DELAY_COLUMNS})
-    gid = {r: min(g) for r, g in groups.items()}
+    gid = pipeline_ids(groups)
     d = pd.DataFrame({
         "rank": p["rank"].astype("int64"), "stage": p["stage"].astype("int64"), "step": p["step"].astype("int64"),
         "mb": p["microbatch"].fillna(-1).astype("int64"), "action": p["action"].astype(str),
@@ -109,13 +114,14 @@ def schedule_gain_ns(pipeline: pd.DataFrame, own_delay: pd.DataFrame, shape, gro
     p = p[p["step"].between(first_step, last_step)]
     if shape is None or p.empty or rank not in groups:
         return None
-    pipe_of = {r: min(g) for r, g in groups.items()}
+    pipe_of = pipeline_ids(groups)
     d = pd.DataFrame({"pipeline": p["rank"].map(pipe_of).to_numpy(), "rank": p["rank"].to_numpy(dtype="int64"),
                       "stage": p["stage"].to_numpy(dtype="int64"), "action": p["action"].astype(str).to_numpy(),
                       "ns": (p["end_ns"].to_numpy(dtype="int64") - p["start_ns"].to_numpy(dtype="int64"))})
     d = d.dropna(subset=["pipeline"])
     mine = pipe_of[rank]
-    stages = set(d.loc[d["rank"] == rank, "stage"].tolist())
+    stages_of = d.groupby("rank")["stage"].agg(frozenset)        # rank -> the stages it runs, read once
+    stages = stages_of.get(rank, frozenset())
     others = d[(d["pipeline"] != mine) & d["stage"].isin(stages)]
     if not stages or others.empty:
         return None
@@ -135,12 +141,11 @@ def schedule_gain_ns(pipeline: pd.DataFrame, own_delay: pd.DataFrame, shape, gro
         fixed = makespan(pd.concat([d[(d["pipeline"] == mine) & ~d["stage"].isin(stages)], others]))
     except ValueError:              # the simulator refuses the shape: no schedule figure, the wait stands
         return None
-    rest = [m for pl, m in now.items() if pl != mine]
+    rest = [span for pl, span in now.items() if pl != mine]
     gain = max(now.values()) - max([fixed, *rest])
     o = own_delay[own_delay["step"].between(first_step, last_step)]
     per_rank = o.groupby("rank")["own_delay_ns"].mean()
-    peers = [r for r in per_rank.index if pipe_of.get(int(r), mine) != mine
-             and set(d.loc[d["rank"] == r, "stage"].tolist()) == stages]
+    peers = [r for r in per_rank.index if pipe_of.get(int(r), mine) != mine and stages_of.get(r) == stages]
     if rank in per_rank.index and peers:
         gain += max(0.0, float(per_rank[rank]) - float(per_rank[peers].median()))
     return max(0.0, float(gain))
@@ -175,7 +180,7 @@ def stage_excess(pipeline: pd.DataFrame, steps: pd.DataFrame, own_delay: pd.Data
     }).groupby(["rank", "step"]).agg(stage=("stage", "min"), run_ns=("run_ns", "sum")).reset_index()
     d = acts.merge(own_delay[["rank", "step", "own_delay_ns"]].astype({"rank": "int64", "step": "int64"}),
                    on=["rank", "step"])
-    d["pipeline"] = d["rank"].map({r: min(g) for r, g in groups.items()})
+    d["pipeline"] = d["rank"].map(pipeline_ids(groups))
     d = d.dropna(subset=["pipeline"]).astype({"pipeline": "int64"})
     step_ns = step_durations(steps).groupby("step")["step_ns"].median()
     d["own_ns"] = d["run_ns"] + d["own_delay_ns"].astype("float64")

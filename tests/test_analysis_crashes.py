@@ -433,6 +433,11 @@ def test_ranks_torchrun_sigtermed_before_they_reached_the_collective_are_the_cra
     assert _codes(a, "HANG") == []
     [f] = _codes(a, "RANK_CRASH")
     assert f.ranks == (0,) and f.evidence["recovered"] is True
+    # it died at 330 ms (the launcher's exit time), else at its last row of attempt 0 (its sampler at 300 ms), not
+    # at its next incarnation's attach 5 ms before the restart
+    died_s = 0.33 if attempts else 0.3
+    assert f.evidence["phase"] == ("fwd" if attempts else "data")
+    assert f.evidence["time_to_recover_s"] == pytest.approx(2.0 - died_s, abs=0.01)
 
 
 def test_a_hangs_wait_ends_with_the_waiters_last_row_of_that_attempt_not_the_restarted_jobs(tmp_path):

@@ -79,7 +79,7 @@ def crash_events(exits: pd.DataFrame, *, activity: Activity, collectives: pd.Dat
                                   attempts_known=attempts_known, stale_ns=stale_ns, now_ns=now_ns,
                                   starts=starts)
     for restart, lost, culprit, ex in candidates:
-        t_end = _attempt_end_ns(st, coll, restart)
+        t_end = _attempt_end_ns(st, coll, restart, starts)
         died_ns = ex.get("exit_ns") if ex and not is_missing(ex.get("exit_ns")) else activity.last_ns(culprit,
                                                                                                   before_ns=t_end)
         mine_c = coll[(coll["rank"] == culprit) & (coll["restart"] == restart)] if not coll.empty else coll
@@ -144,10 +144,7 @@ def _failed_attempts(exits: pd.DataFrame, *, activity: Activity, restarts: list[
         for restart, g in exits.groupby("restart"):
             restart = int(restart)
             recs = [{k: (None if is_missing(v) else v) for k, v in r.items()} for r in g.to_dict("records")]
-            # the rows of a later attempt (from its first attach, step or collective) say nothing of this one
-            ends = [t for t in (_attempt_end_ns(st, coll, restart), starts[restart] if restart < len(starts) else None)
-                    if t is not None]
-            end = min(ends) if ends else None
+            end = _attempt_end_ns(st, coll, restart, starts)   # a later attempt's rows say nothing of this one
 
             def last_ns(rank: int) -> int | None:
                 return activity.last_ns(rank, before_ns=end)
@@ -190,7 +187,7 @@ def _failed_attempts(exits: pd.DataFrame, *, activity: Activity, restarts: list[
     # no lifecycle rows at all (an older run): a restart says its previous attempt failed
     for restart in restart_ids:
         prev = restart - 1
-        t_end = _attempt_end_ns(st, coll, prev)
+        t_end = _attempt_end_ns(st, coll, prev, starts)
         ranks = sorted({int(r) for r in st[st["restart"] == prev]["rank"].unique()}) if not st.empty else []
         if not ranks:
             continue
@@ -215,10 +212,11 @@ def _silent_before(first: dict, recs: list[dict], last_ns: Callable[[int], int |
     return min(silent, key=lambda r: (last_ns(r["rank"]), r["rank"])) if silent else None
 
 
-def _attempt_end_ns(st: pd.DataFrame, coll: pd.DataFrame, restart: int) -> int | None:
-    """The first row of a later attempt (a step's start or a collective's enqueue): rows before it belong to
-    ``restart`` or earlier. None when no later attempt wrote a row."""
-    firsts = []
+def _attempt_end_ns(st: pd.DataFrame, coll: pd.DataFrame, restart: int, starts: list[int] = ()) -> int | None:
+    """The first row of a later attempt (a step's start, a collective's enqueue, or its start in ``starts``,
+    ``liveness.attempt_starts``: the launcher's, else its first attach): rows before it belong to ``restart`` or
+    earlier. None when no later attempt wrote a row."""
+    firsts = [starts[restart]] if restart < len(starts) else []
     if not st.empty:
         firsts.append(st[st["restart"] > restart]["start_ns"].dropna().min())
     if not coll.empty:

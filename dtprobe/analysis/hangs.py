@@ -16,7 +16,7 @@ from dtprobe.analysis.arrivals import ATTEMPT_SEQ_STRIDE
 from dtprobe.analysis.clocks import HOST
 from dtprobe.analysis.fault_detail import fault_detail, split_injected
 from dtprobe.analysis.findings import Finding
-from dtprobe.analysis.liveness import Activity, liveness
+from dtprobe.analysis.liveness import Activity, attempt_at, liveness
 from dtprobe.analysis.stragglers import SKEW_COLUMNS
 from dtprobe.analysis.tables import P2P_OPS, axis_of, coded_rows, group_members, group_phrase, ranks_phrase, text_or
 from dtprobe.store.columns import require_columns
@@ -229,8 +229,8 @@ def detect_hangs(missing: pd.DataFrame, faults: pd.DataFrame | None, *, last_see
         waited_ns = int(r.waited_ns)
         if activity is not None:            # a finished run's end may be long after the waiters gave up
             # (their last sign of life in this attempt: a restarted job's next attempt proves nothing about it)
-            later = [t for t in starts if t > int(r.first_enqueue_ns)]
-            ends = [activity.last_ns(w, before_ns=min(later) if later else None) for w in waiters]
+            until = attempt_at(starts, int(r.first_enqueue_ns))[1]
+            ends = [activity.last_ns(w, before_ns=until) for w in waiters]
             ends = [t - int(r.first_enqueue_ns) for t in ends if t is not None and t > int(r.first_enqueue_ns)]
             waited_ns = min(waited_ns, max(ends)) if ends else waited_ns
         node_of = nodes or {}

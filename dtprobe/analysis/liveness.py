@@ -156,6 +156,12 @@ class Activity:
         return last is not None and last > t_ns + LIVE_GRACE_NS
 
 
+def attempt_at(starts: list[int], t_ns: int) -> tuple[int, int | None]:
+    """(the attempt running at ``t_ns``, the start of the next one or None) by ``attempt_starts``' ``starts``."""
+    restart = int(np.searchsorted(np.asarray(starts, dtype="int64"), t_ns, side="right"))
+    return restart, (starts[restart] if restart < len(starts) else None)
+
+
 def attempt_starts(attempts: list[dict], tables: dict[str, pd.DataFrame]) -> list[int]:
     """Start (ns) of attempts 1, 2, ... (restart k at index k - 1): the launcher's ``started_ns``, else the first
     row any rank wrote with that ``restart`` (lifecycle attach, step, collective)."""
@@ -193,8 +199,7 @@ def liveness(rank: int, since_ns: int, *, in_collective: bool, activity: Activit
     ``stopped`` (no row after the stall and no own death: frozen, e.g. SIGSTOP), ``unknown`` (no sampler and no
     lifecycle rows to tell). ``starts``: ``attempt_starts`` (the verdict is about the incarnation alive at
     ``since_ns``)."""
-    restart = int(np.searchsorted(np.asarray(starts, dtype="int64"), since_ns, side="right"))
-    until = starts[restart] if restart < len(starts) else None
+    restart, until = attempt_at(starts, since_ns)
     if activity is not None and activity.alive_after(rank, since_ns, until_ns=until):
         return "waiting" if in_collective else "alive"
     ex = _exit_of(exits, rank, restart)

@@ -137,22 +137,29 @@ def test_straggler_slowdown_on_cpu_burns_factor_minus_one_times_the_last_compute
     assert probe.faults[0]["slowdown"] == 1.5
 
 
+_SLEEP = time.sleep   # not the tests' patched one
+
+
 class _SpinStage:
-    """A pipeline stage whose every action is ``cpu_s`` of this thread's CPU work."""
+    """A pipeline stage whose every action is ``cpu_s`` of this thread's CPU work (twice that for a backward), then
+    ``off_s`` off the CPU (as when a rank sharing its core runs meanwhile)."""
 
     stage_index = 0
 
-    def __init__(self, cpu_s: float) -> None:
-        self.cpu_s = cpu_s
+    def __init__(self, cpu_s: float, off_s: float = 0.0) -> None:
+        self.cpu_s, self.off_s = cpu_s, off_s
 
     def forward_one_chunk(self, chunk, *args, **kwargs):
         _spin(self.cpu_s)
+        _SLEEP(self.off_s)
 
     def backward_one_chunk(self, chunk, *args, **kwargs):
         _spin(2 * self.cpu_s)
+        _SLEEP(self.off_s)
 
     def backward_weight_one_chunk(self, chunk, *args, **kwargs):
         _spin(self.cpu_s)
+        _SLEEP(self.off_s)
 
 
 def test_straggler_slowdown_on_a_pipeline_rank_stretches_each_action_not_the_steps_start(monkeypatch):
@@ -171,7 +178,7 @@ def test_straggler_slowdown_on_a_pipeline_rank_stretches_each_action_not_the_ste
     probe = RecordingProbe()
     injector = FaultInjector((parse_fault("straggler:rank=0,slowdown=2,from_step=1"),), rank=0, restart=0,
                              probe=probe, burn=True)
-    stage = _SpinStage(0.03)
+    stage = _SpinStage(0.03, off_s=0.03)   # an action's wall time is its CPU time and as long again off the CPU
     timer = PipelineTimer([stage], None, device=None)
     lengths = {}
     for step in range(3):
@@ -185,12 +192,15 @@ def test_straggler_slowdown_on_a_pipeline_rank_stretches_each_action_not_the_ste
         injector.after_compute()
         lengths[step] = [(r["action"], (r["end_ns"] - r["start_ns"]) / 1e9) for r in timer.rows]
     assert [a for a, _ in lengths[0]] == ["F", "B"]
-    # before from_step nothing; then each action sleeps (2 - 1) x its own CPU time, inside its row
+    # before from_step nothing; then each action sleeps (2 - 1) x its own wall time (CPU time and time off the
+    # CPU, where a sleep of its CPU time would add only half that), inside its row
     assert [s for s in slept if s[0] == 0] == []
     for step in (1, 2):
         f, b = [seconds for s, seconds in slept if s == step]
-        assert f == pytest.approx(0.03, abs=0.01) and b == pytest.approx(0.06, abs=0.015)
-        assert lengths[step][0][1] >= 0.03 + f and lengths[step][1][1] >= 0.06 + b
+        assert f >= 0.055 and b >= 0.085
+        (_, f_row), (_, b_row) = lengths[step]
+        assert f <= f_row - f + 0.002 and b <= b_row - b + 0.002   # no longer than the action itself
+        assert f_row >= 0.06 + f and b_row >= 0.09 + b
     assert [f["step"] for f in probe.faults] == [1]
 
 

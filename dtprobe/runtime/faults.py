@@ -185,9 +185,12 @@ class FaultInjector:
     rank's step interleaves its computing with waits for its stage peers, so there ``slowdown`` stretches each
     action instead (``stretch``, called by ``parallel.pp.PipelineTimer`` at the end of every action): put in front
     of the step, extra work would fill the rank's idle start (the bubble) and slow nothing. The stretch is a sleep
-    even on CPU: burnt work would slow the ranks that share its core alike (under ``--cpu-bind auto`` with more
-    ranks than cores, the same stage of the other pipelines: ``worker.cores_for``), every pipeline slower and no
-    rank singled out; a sleep leaves them their speed, as a slow device leaves its neighbours theirs.
+    of (slowdown - 1) x the action's wall time, even on CPU: burnt work would slow the ranks that share its core
+    alike (under ``--cpu-bind auto`` with more ranks than cores, the same stage of the other pipelines:
+    ``worker.cores_for``), every pipeline slower and no rank singled out; a sleep leaves them their speed, as a
+    slow device leaves its neighbours theirs. It is measured in wall time like the sleep it is: on a core shared
+    with another rank an action's CPU time is about half its wall time, and a sleep of the CPU share would make
+    the action only half the slowdown longer.
     ``burn`` (CPU devices): ``slowdown`` is extra work, CPU time burnt on this thread, (slowdown - 1) x the CPU
     time of the last compute, so the rank computes that much longer whatever shares its core (a sleep would hand
     its core to a rank bound beside it, which then catches up). Otherwise it is a sleep of (slowdown - 1) x the
@@ -248,17 +251,17 @@ class FaultInjector:
         """The last compute's length: this thread's CPU time when burning, else wall time."""
         self._last_compute_s = self._clock() - self._compute_start
 
-    def clock(self) -> float:
-        """What a compute's length is measured in: this thread's CPU time when burning, else wall time."""
-        return self._clock()
+    @staticmethod
+    def clock() -> float:
+        """When a pipeline action starts, for ``stretch``: wall time (the stretch is a sleep)."""
+        return time.perf_counter()
 
     def stretch(self, step: int, started: float) -> None:
         """End of a pipeline action that began at ``started`` (``clock()``) in ``step``: make it slowdown times
-        longer, a sleep of (slowdown - 1) x its length (its CPU time when ``burn``), for each ``slowdown`` fault
-        active at ``step``."""
+        longer, a sleep of (slowdown - 1) x its wall time, for each ``slowdown`` fault active at ``step``."""
         extra = self._extra_work(step)
         if extra > 0:
-            time.sleep(extra * (self._clock() - started))
+            time.sleep(extra * (time.perf_counter() - started))
 
     def _extra_work(self, step: int) -> float:
         """The summed (slowdown - 1) of the ``slowdown`` faults active at ``step``: the share of a compute's own

@@ -140,6 +140,11 @@ def test_stage_excess_is_a_ranks_own_time_over_the_same_stage_of_the_other_pipel
     assert mean[0] == pytest.approx(0.3 * (2 * F_MS + 2 * B_MS) / step_ms, rel=1e-6)
     assert mean[1] == pytest.approx(-mean[0])
     assert mean[2] == pytest.approx(XFER_MS / step_ms, rel=1e-6) and mean[3] == pytest.approx(-mean[2])
+    # as a share of the other pipeline's own time on the stage (its actions and the transfer it waits on alone),
+    # whatever the step's length
+    rel, own = ex.groupby("rank")["own_excess_rel"].mean(), ex.groupby("rank")["own_ns"].mean()
+    assert rel[0] == pytest.approx(0.3 * (2 * F_MS + 2 * B_MS) * MS / own[1], rel=1e-6)
+    assert rel[1] == pytest.approx(own[1] / own[0] - 1, rel=1e-6) and 0.28 < rel[0] < 0.3
     assert ex.set_index("rank")["pipeline"].groupby(level=0).first().to_dict() == {0: 0, 1: 1, 2: 0, 3: 1}
 
 
@@ -256,10 +261,12 @@ def test_a_rank_flagged_in_two_groups_was_detected_when_the_first_of_them_flagge
     assert f.evidence["detected_at_step"] == 20
 
 
-def _stage(excess: dict[int, list[float]]) -> pd.DataFrame:
-    """stage_excess rows of dp2 x pp2 (pipelines {0, 2} and {1, 3}), steps 1.., the given excess per rank."""
+def _stage(excess: dict[int, list[float]], stage_share: float = 0.5) -> pd.DataFrame:
+    """stage_excess rows of dp2 x pp2 (pipelines {0, 2} and {1, 3}), steps 1.., the given excess per rank (share of
+    the step), each stage's own time ``stage_share`` of the step."""
     return pd.DataFrame([{"rank": r, "step": i + 1, "pipeline": r % 2, "stage": r // 2, "own_ns": 1e8,
-                          "own_excess_frac": x} for r, xs in excess.items() for i, x in enumerate(xs)])
+                          "own_excess_frac": x, "own_excess_rel": x / stage_share}
+                         for r, xs in excess.items() for i, x in enumerate(xs)])
 
 
 def _victim_only(stage: pd.DataFrame) -> list:
@@ -284,7 +291,24 @@ def test_stragglers_follows_a_waiting_victim_upstream_to_the_rank_confirmed_slow
     # its own stage time is confirmed in the first window: the stage view names it, its victim told in the title
     assert ev["propagated_to"] == [2] and ev["pg_ranks"] == [0, 1] and ev["detected_by"] == "stage"
     assert ev["pipeline_origin"] == "confirmed" and ev["stage_excess_frac"] == pytest.approx(0.12)
-    assert f[0].title.startswith("rank 0's own time on its pipeline stage") and "rank 2 arrives late" in f[0].title
+    assert ev["stage_excess_rel"] == pytest.approx(0.24)
+    assert f[0].title.startswith("rank 0's own time on its pipeline stage is 24% longer (12% of the step)")
+    assert "rank 2 arrives late" in f[0].title
+
+
+@pytest.mark.parametrize("slower,named", [(0.10, True), (0.04, False)])
+def test_the_stage_view_judges_a_rank_s_excess_against_its_stage_s_time_not_the_step_s(slower, named):
+    # a stage is half the step: a rank 10% slower on it is 5% of the step later, under the 6% a rank that is its
+    # whole step must reach, and is named; 4% slower is not
+    wobble = [0.003 * (-1) ** i for i in range(20)]
+    frac = slower * 0.5
+    stage = _stage({0: [frac + w for w in wobble], 1: [-frac - w for w in wobble], 2: [w for w in wobble],
+                    3: [-w for w in wobble]})
+    f = [x for x in _victim_only(stage) if x.severity != "info"]
+    assert [(x.ranks, x.evidence["detected_by"]) for x in f] == ([((0,), "stage")] if named else [])
+    if named:
+        assert f[0].evidence["stage_excess_rel"] == pytest.approx(0.10)
+        assert f[0].evidence["stage_excess_frac"] == pytest.approx(0.05)
 
 
 def test_stragglers_keeps_a_waiting_victim_at_info_when_no_upstream_rank_stands_out_of_the_noise():
@@ -316,7 +340,7 @@ def test_a_slow_pipeline_rank_no_arrival_shows_late_is_found_by_its_own_time_on_
     # the first window (of 20 steps, after the warm-up) over which its excess is confirmed: at or soon after 1-20
     assert 20 <= ev["detected_at_step"] <= 22 and ev["stage_window"] == [ev["detected_at_step"] - 19,
                                                                           ev["detected_at_step"]]
-    assert ev["stage_excess_frac"] >= 0.06 and ev["stage_excess_t"] >= 6
+    assert ev["stage_excess_rel"] >= 0.06 and ev["stage_excess_t"] >= 6
     assert "own time on its pipeline stage" in findings[0].title
 
 

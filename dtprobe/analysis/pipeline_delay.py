@@ -12,7 +12,7 @@ from dtprobe.analysis.tables import P2P_OPS, axis_of, group_members, step_durati
 from dtprobe.store.columns import require_columns
 
 OWN_DELAY_COLUMNS = ["rank", "step", "own_delay_ns", "num_actions"]
-STAGE_EXCESS_COLUMNS = ["rank", "step", "pipeline", "stage", "own_ns", "own_excess_frac"]
+STAGE_EXCESS_COLUMNS = ["rank", "step", "pipeline", "stage", "own_ns", "own_excess_frac", "own_excess_rel"]
 
 
 def pipeline_groups(collectives: pd.DataFrame) -> dict[int, tuple[int, ...]]:
@@ -163,7 +163,8 @@ def stage_excess(pipeline: pd.DataFrame, steps: pd.DataFrame, own_delay: pd.Data
     """Per (rank, step) of a pipelined run: its own time on its stage (``own_ns``: its actions' run time plus its
     ``own_delay_ns`` from ``pipeline_own_delay``; neither holds a wait for its input) and how much longer that is
     than the median of the same-stage ranks of the other pipelines at that step, as a share of the step's median
-    duration (``own_excess_frac``; NaN where no other pipeline has the stage). A rank that computes slower or
+    duration (``own_excess_frac``) and of that median (``own_excess_rel``: how much slower it is on its stage; NaN
+    where no other pipeline has the stage). A rank that computes slower or
     idles outside its actions has a positive excess; its pipeline peers, which only wait for it, do not.
     ``pipeline``: the smallest rank of its pipeline (``groups``, from ``pipeline_groups``). A rank's stage is the
     smallest it runs (with several stages per rank, ranks at the same position of their pipelines share it).
@@ -187,4 +188,6 @@ def stage_excess(pipeline: pd.DataFrame, steps: pd.DataFrame, own_delay: pd.Data
     same_stage = d.groupby(["step", "stage"], sort=False).ngroup().to_numpy()
     others = median_of_others_in_groups(d["own_ns"].to_numpy(dtype="float64"), same_stage)
     d["own_excess_frac"] = (d["own_ns"] - others) / d["step"].map(step_ns).astype("float64")
+    d["own_excess_rel"] = np.where(others > 0, d["own_ns"].to_numpy() / np.where(others > 0, others, 1.0) - 1.0,
+                                   np.nan)
     return d.sort_values(["rank", "step"], kind="stable").reset_index(drop=True)[STAGE_EXCESS_COLUMNS]

@@ -911,32 +911,36 @@ def linked_ranks(collectives: pd.DataFrame) -> LinkedRanks:
     return LinkedRanks({r: frozenset(g) for r, g in groups_of.items()}, frozenset(pairs))
 
 
-PIPELINE_ORIGIN_COLUMNS = ["rank", "pipeline", "stage_excess_frac", "stage_excess_t", "peer_stage_excess_t",
-                           "confirmed"]
+PIPELINE_ORIGIN_COLUMNS = ["rank", "pipeline", "stage_excess_frac", "stage_excess_rel", "stage_excess_t",
+                           "peer_stage_excess_t", "confirmed"]
 
 
 def pipeline_origin_scores(stage: pd.DataFrame, first_step: int, last_step: int, *,
                            min_lateness_frac: float = 0.05, min_t: float = MIN_STEADY_T) -> pd.DataFrame:
     """Per pipelined rank over steps ``first_step``..``last_step`` of ``stage`` (``pipeline_delay.stage_excess``):
     the mean excess of its own time on its stage over the same stage of the other pipelines
-    (``stage_excess_frac``, share of the step), that mean over its standard error (``stage_excess_t``; the error
-    from the larger of its own spread and the largest of the other ranks' in the same steps: the run's own noise),
-    and the largest such t among the other ranks of any stage (``peer_stage_excess_t``). ``confirmed``: its own
-    time stands out beyond that noise as the steady view judges lateness: a mean excess of at least
-    ``min_lateness_frac`` and ``MIN_STEADY_EXCESS_FRAC``, ``min_t`` standard errors above zero and
-    ``MIN_STEADY_T_OVER_PEERS`` x any other rank's (when the host slows a whole pipeline's ranks alike, none of
-    them is singled out). Columns: ``PIPELINE_ORIGIN_COLUMNS``."""
+    (``stage_excess_frac``, share of the step; ``stage_excess_rel``, share of the other pipelines' own time on
+    the stage), that mean over its standard error (``stage_excess_t``; the error from the larger of its own spread
+    and the largest of the other ranks' in the same steps: the run's own noise), and the largest such t among the
+    other ranks of any stage (``peer_stage_excess_t``). ``confirmed``: its own time stands out beyond that noise
+    as the steady view judges lateness, with the stage's time in the place of the step (a stage is a share of
+    the step: a rank computing 10% slower on a stage that is half the step is 5% of the step later): a mean
+    excess of at least ``min_lateness_frac`` and ``MIN_STEADY_EXCESS_FRAC`` of the stage's time, ``min_t``
+    standard errors above zero and ``MIN_STEADY_T_OVER_PEERS`` x any other rank's (when the host slows a whole
+    pipeline's ranks alike, none of them is singled out). Columns: ``PIPELINE_ORIGIN_COLUMNS``."""
     w = stage[stage["step"].between(first_step, last_step)].dropna(subset=["own_excess_frac"])
     if w.empty:
         return pd.DataFrame({col: [] for col in PIPELINE_ORIGIN_COLUMNS})
     g = w.groupby("rank")
     out = pd.DataFrame({"pipeline": g["pipeline"].first(), "stage_excess_frac": g["own_excess_frac"].mean(),
-                        "sd": g["own_excess_frac"].std(), "k": g["own_excess_frac"].count()})
+                        "stage_excess_rel": g["own_excess_rel"].mean(), "sd": g["own_excess_frac"].std(),
+                        "k": g["own_excess_frac"].count()})
     mean, sd = out["stage_excess_frac"].to_numpy(), out["sd"].to_numpy(dtype="float64")
     other_sd = _max_of_others(sd)
     t = _t_of_count(mean, out["k"].to_numpy(), np.fmax(sd, other_sd))
     out["stage_excess_t"], out["peer_stage_excess_t"] = t, _max_of_others(t)
-    out["confirmed"] = ((mean >= max(min_lateness_frac, MIN_STEADY_EXCESS_FRAC)) & (t >= min_t)
+    rel = out["stage_excess_rel"].to_numpy(dtype="float64")
+    out["confirmed"] = ((rel >= max(min_lateness_frac, MIN_STEADY_EXCESS_FRAC)) & (t >= min_t)
                         & ~(t < MIN_STEADY_T_OVER_PEERS * np.maximum(out["peer_stage_excess_t"].to_numpy(), 0)))
     return out.reset_index()[PIPELINE_ORIGIN_COLUMNS]
 
@@ -1246,6 +1250,7 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
             "pipeline_origin": how,
             "stage_window": None if stage_fig is None else [first, last],
             "stage_excess_frac": None if stage_fig is None else _opt_float(stage_fig["stage_excess_frac"]),
+            "stage_excess_rel": None if stage_fig is None else _opt_float(stage_fig["stage_excess_rel"]),
             "stage_excess_t": None if stage_fig is None else _opt_float(stage_fig["stage_excess_t"]),
             "peer_stage_excess_t": None if stage_fig is None else _opt_float(stage_fig["peer_stage_excess_t"]),
             "schedule_gain_frac": _opt_float(sched_frac),
@@ -1315,8 +1320,9 @@ def _stage_phrase(rank: int, fig: dict | None, first: int, last: int, victims: l
     if how != "confirmed" or fig is None:
         return ""
     waiting = ", ".join(str(v) for v in victims)
-    return (f"rank {rank}'s own time on its pipeline stage is {fig['stage_excess_frac']:.0%} of the step longer "
-            f"than the same stage's in the other pipelines ({fig['stage_excess_t']:.1f} standard errors, steps "
+    return (f"rank {rank}'s own time on its pipeline stage is {fig['stage_excess_rel']:.0%} longer "
+            f"({fig['stage_excess_frac']:.0%} of the step) than the same stage's in the other pipelines "
+            f"({fig['stage_excess_t']:.1f} standard errors, steps "
             f"{first}-{last})" + (f", and its pipeline peer rank{'s' if len(victims) > 1 else ''} {waiting} "
                                   f"wait{'' if len(victims) > 1 else 's'} on it" if victims else "") + "; ")
 

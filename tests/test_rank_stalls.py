@@ -163,6 +163,21 @@ def test_a_late_rank_that_was_waiting_in_communication_is_a_victim_and_the_stall
     assert _stalls(f)[["rank", "pg"]].values.tolist() == [[3, "tp"]]
 
 
+@pytest.mark.parametrize("frozen", [True, False])
+def test_a_rank_frozen_inside_a_send_recv_is_the_stalled_one_not_a_victim(frozen):
+    # rank 1 was stopped while inside its pipeline send/recv: that time counts as its communication, as a waiting
+    # victim's does, but its sampler wrote nothing meanwhile; its p2p peer, rank 3, waited (and kept writing)
+    f = _frames()
+    _stall(f, rank=1, step=12, ms=300)
+    _stall(f, rank=3, step=12, ms=300, pg="tp", members="2,3")
+    ex = f["exposure"]
+    ex.loc[ex["rank"].isin([1, 3]) & (ex["step"] == 12), "comm_ns"] = 310.0 * MS
+    if frozen:
+        _freeze(f, 1, 12)
+    got = _stalls(f)
+    assert got[["rank", "pg", "liveness"]].values.tolist() == ([[1, "dp", "frozen"]] if frozen else [])
+
+
 def test_one_stall_seen_by_two_groups_is_one_row_with_the_longer_margin():
     f = _frames()
     _stall(f, rank=1, step=12, ms=300)

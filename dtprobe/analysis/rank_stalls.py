@@ -10,7 +10,8 @@ Two kinds, read from per-step frames kept at compaction or in a live window:
   the run and ``MIN_STALL_OVER_NOISE`` times the group's median margin (its own noise). Left out when the late rank
   spent at least ``VICTIM_WAIT_SHARE`` of the margin longer than usual in communication in that step
   (``exposure``): it was itself waiting for a peer (a pipeline stage behind a stalled one, a tensor-parallel peer
-  of the stalled rank), a victim, not the stalled rank.
+  of the stalled rank), a victim, not the stalled rank; unless its process was ``frozen`` then (below): a rank
+  stopped inside a send/recv has that time in communication too, but a waiting one's sampler goes on writing.
 - ``in_collective`` (``comm_efficiency.collective_bandwidth``: per collective, last arrival to latest completion):
   every member arrived, but the transfer took as long, against the median of its group and operation; the
   stalled rank is the one member whose process was frozen then (below). With none or several, nothing names a
@@ -80,11 +81,16 @@ def rank_stalls(late_rank: pd.DataFrame, *, bandwidth: pd.DataFrame, exposure: p
         return empty
     late = _late_arrivals(late_rank, step_ns)
     late = late.assign(rank=late["late_rank"].astype("int64"))
-    late = late[~_waiting(late, exposure)]
+    by_rank = _PerRank(steps, devices)
+    waiting = _waiting(late, exposure)
+    if waiting.any():      # frozen while inside a send/recv or another group's collective: stalled, not waiting
+        waiting &= np.array([not w or by_rank.liveness(r, s, stall)[0] != "frozen" for w, r, s, stall
+                             in zip(waiting, late["rank"].tolist(), late["step"].tolist(), late["stall_ns"].tolist())],
+                            dtype=bool)
+    late = late[~waiting]
     inside = _stalled_transfers(bandwidth, step_ns).nlargest(MAX_TRANSFERS_JUDGED, "stall_ns")
     if late.empty and inside.empty:
         return empty
-    by_rank = _PerRank(steps, devices)
     # the member whose process froze while the others waited inside the collective: exactly one, or no one named
     frozen = [[m for m in group_members(r.pg_ranks) if by_rank.liveness(m, int(r.step), r.stall_ns)[0] == "frozen"]
               for r in inside.itertuples(index=False)]

@@ -163,9 +163,9 @@ def stage_excess(pipeline: pd.DataFrame, steps: pd.DataFrame, own_delay: pd.Data
     """Per (rank, step) of a pipelined run: its own time on its stage (``own_ns``: its actions' run time plus its
     ``own_delay_ns`` from ``pipeline_own_delay``; neither holds a wait for its input) and how much longer that is
     than the median of the same-stage ranks of the other pipelines at that step, as a share of the step's median
-    duration (``own_excess_frac``) and of that median (``own_excess_rel``: how much slower it is on its stage; NaN
-    where no other pipeline has the stage). A rank that computes slower or
-    idles outside its actions has a positive excess; its pipeline peers, which only wait for it, do not.
+    duration (``own_excess_frac``) and of that median (``own_excess_rel``: how much slower it is on its stage; both
+    NaN where no other pipeline has the stage). A rank that computes slower or idles outside its actions has a
+    positive excess; its pipeline peers, which only wait for it, do not.
     ``pipeline``: the smallest rank of its pipeline (``groups``, from ``pipeline_groups``). A rank's stage is the
     smallest it runs (with several stages per rank, ranks at the same position of their pipelines share it).
     Columns: ``STAGE_EXCESS_COLUMNS``."""

@@ -189,8 +189,8 @@ class FaultInjector:
     alike (under ``--cpu-bind auto`` with more ranks than cores, the same stage of the other pipelines:
     ``worker.cores_for``), every pipeline slower and no rank singled out; a sleep leaves them their speed, as a
     slow device leaves its neighbours theirs. It is measured in wall time like the sleep it is: on a core shared
-    with another rank an action's CPU time is about half its wall time, and a sleep of the CPU share would make
-    the action only half the slowdown longer.
+    with another rank an action's CPU time can be half its wall time, and a sleep of the CPU share would then
+    make the action only half the slowdown longer.
     ``burn`` (CPU devices): ``slowdown`` is extra work, CPU time burnt on this thread, (slowdown - 1) x the CPU
     time of the last compute, so the rank computes that much longer whatever shares its core (a sleep would hand
     its core to a rank bound beside it, which then catches up). Otherwise it is a sleep of (slowdown - 1) x the

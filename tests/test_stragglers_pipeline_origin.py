@@ -261,6 +261,21 @@ def test_a_rank_flagged_in_two_groups_was_detected_when_the_first_of_them_flagge
     assert f.evidence["detected_at_step"] == 20
 
 
+def test_a_pipeline_rank_confirmed_by_its_stage_before_any_arrival_view_was_detected_then():
+    # rank 0 (dp2 x pp2) is named from its dp group's arrival row, flagged at step 30; its own stage time was
+    # confirmed slower over steps 1-20 already, when the stage view alone would have named it
+    wobble = [0.003 * (-1) ** i for i in range(30)]
+    stage = _stage({0: [0.05 + w for w in wobble], 1: [-0.05 - w for w in wobble], 2: wobble,
+                    3: [-w for w in wobble]})
+    scores = pd.DataFrame([{**_score(0, "0,1", late=0.06, first=11, last=30), "detected_at_step": 30},
+                           _score(1, "0,1", late=-0.06, first=11, last=30), _score(2, "2,3", late=0.0),
+                           _score(3, "2,3", late=0.0)])[st.SCORE_COLUMNS]
+    [f] = [x for x in st.detect_stragglers(scores, pd.DataFrame(columns=st.CAUSE_COLUMNS), stage_excess=stage)
+           if x.severity != "info"]
+    assert (f.ranks, f.evidence["window"], f.evidence["stage_window"]) == ((0,), [11, 30], [1, 20])
+    assert f.evidence["detected_at_step"] == 20
+
+
 def _stage(excess: dict[int, list[float]], stage_share: float = 0.5) -> pd.DataFrame:
     """stage_excess rows of dp2 x pp2 (pipelines {0, 2} and {1, 3}), steps 1.., the given excess per rank (share of
     the step), each stage's own time ``stage_share`` of the step."""

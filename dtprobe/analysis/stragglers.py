@@ -1102,8 +1102,11 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
     flagged = flagged.drop_duplicates(["pg", "pg_ranks"])      # one culprit per group: the latest
     best = flagged.drop_duplicates("rank")                      # one entry per rank: its worst group
     # the verdict on a rank was available once it was the culprit of any of its groups (a CPU quota can show in
-    # its dp group's throttle view 20 steps before its tp group's lateness is the larger)
+    # its dp group's throttle view 20 steps before its tp group's lateness is the larger), or once the stage view
+    # confirmed it (which names it alone when no arrival view does)
     first_flagged = {int(r): int(v) for r, v in flagged.groupby("rank")["detected_at_step"].min().dropna().items()}
+    for rank, (_, (_, last)) in by_stage.items():
+        first_flagged[rank] = min(first_flagged.get(rank, last), last)
     cause_of = {(c.pg, c.pg_ranks, c.rank): c for c in causes.itertuples(index=False)}
     later = _later_in_shared_groups(scores)
     best = _with_culprits_of_victims(best, scores, later, min_lateness_frac=min_lateness_frac)

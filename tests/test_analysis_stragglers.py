@@ -316,7 +316,7 @@ def _scores_one_group_at_a_time(lateness: pd.DataFrame, window_steps: int) -> pd
         best = int(np.nanargmax(med)) if np.isfinite(med).any() else 0
         rows.append({"pg": pg, "rank": int(rank), "window_steps": w, "window_first_step": int(grp["step"].iloc[best]),
                      "median_lateness_frac": med[best], "median_pre_excess_frac": pmed[best],
-                     "positive_frac": float((win[best] > 0).mean()),
+                     "positive_frac": float((win[best] > st.LATE_TIE_FRAC).mean()),
                      "mean_lateness_ns": float(grp["lateness_ns"].iloc[best:best + w].mean())})
     return pd.DataFrame(rows)
 
@@ -341,3 +341,17 @@ def test_straggler_scores_scores_each_rank_alone_when_ranks_have_different_step_
     assert got["window_steps"].tolist() == want["window_steps"].tolist() == [10, 10, 10, 6, 5, 4]
     pd.testing.assert_frame_equal(got[want.columns].reset_index(drop=True), want, check_dtype=False, rtol=1e-12)
     assert got["detected_at_step"].isna().all()
+
+
+def test_a_tie_with_the_peers_median_is_not_a_late_step():
+    # a 2-rank run killed at step 6 (the chaos suite's SIGKILL test on a loaded host): rank 0 started 10 ms late
+    # and caught up over three steps, then the two arrived together, +30 ns apart; a catch-up, not a straggler
+    fracs = [0.28, 0.165, 0.13, -0.0012, 7e-7]
+    rows = [{"pg": "world", "pg_ranks": "0,1", "step": s + 1, "rank": r, "lateness_ns": sign * f * 4e7,
+             "victims_wait_ns": max(sign * f, 0.0) * 4e7, "is_last": sign * f > 0, "step_ns": 4e7,
+             "lateness_frac": sign * f, "pre_excess_frac": 0.0}
+            for s, f in enumerate(fracs) for r, sign in ((0, 1.0), (1, -1.0))]
+    scores = st.straggler_scores(pd.DataFrame(rows), window_steps=20)
+    assert scores.set_index("rank").loc[0, "positive_frac"] == pytest.approx(0.6)     # 3 of 5: the tie is not late
+    findings = st.detect_stragglers(scores, pd.DataFrame(columns=st.CAUSE_COLUMNS))
+    assert [f for f in findings if f.severity != "info"] == []

@@ -60,6 +60,10 @@ CAUSE_COLUMNS = [
 CAUSES = ("data", "compute", "communication", "device", "unknown")
 """Cause classes of a straggler."""
 
+LATE_TIE_FRAC = 0.001
+"""A step counts as late (``positive_frac``) when the rank arrived after its peers' median by more than this share of
+the step; closer is a tie: ranks in lockstep leave a collective together and arrive at the next within
+microseconds of each other, either one first."""
 MIN_LATENESS_OVER_NOISE = 2.5
 """Arrival view: a straggler's median lateness must be at least this many times its peers' lateness noise in the
 same window (``noise_frac``). Calibrated on clean and slowed ``dtprobe run`` jobs of a busy host (docs/findings.md):
@@ -339,7 +343,7 @@ def _window_figures(column: Callable[[str, str], np.ndarray], win_start: np.ndar
     pre = _windows(column("pre_excess_frac", "float64"), starts, lengths)
     med, pmed = _nanmedian_rows(frac), _nanmedian_rows(pre)
     pre_t = _median_t(pre, pmed)
-    part = {"med": med, "pos": (frac > 0).sum(axis=1) / lengths, "pmed": pmed, "ppos": (pre > 0).sum(axis=1) / lengths,
+    part = {"med": med, "pos": (frac > LATE_TIE_FRAC).sum(axis=1) / lengths, "pmed": pmed, "ppos": (pre > 0).sum(axis=1) / lengths,
             "pre_t": pre_t, "peer_t": _peer_max(pre_t, None, key=key), "emean": _nanmean_rows(exc),
             "epos": (exc > 0).sum(axis=1) / lengths, "own_sd": _std_rows(exc), "k_exc": (~np.isnan(exc)).sum(axis=1)}
     for name, peer, given in (("thr", "peer_thr", with_throttle), ("waited", "peer_waited", with_wait)):

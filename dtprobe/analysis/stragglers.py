@@ -343,9 +343,10 @@ def _window_figures(column: Callable[[str, str], np.ndarray], win_start: np.ndar
     pre = _windows(column("pre_excess_frac", "float64"), starts, lengths)
     med, pmed = _nanmedian_rows(frac), _nanmedian_rows(pre)
     pre_t = _median_t(pre, pmed)
-    part = {"med": med, "pos": (frac > LATE_TIE_FRAC).sum(axis=1) / lengths, "pmed": pmed, "ppos": (pre > 0).sum(axis=1) / lengths,
-            "pre_t": pre_t, "peer_t": _peer_max(pre_t, None, key=key), "emean": _nanmean_rows(exc),
-            "epos": (exc > 0).sum(axis=1) / lengths, "own_sd": _std_rows(exc), "k_exc": (~np.isnan(exc)).sum(axis=1)}
+    part = {"med": med, "pos": (frac > LATE_TIE_FRAC).sum(axis=1) / lengths, "pmed": pmed,
+            "ppos": (pre > 0).sum(axis=1) / lengths, "pre_t": pre_t, "peer_t": _peer_max(pre_t, None, key=key),
+            "emean": _nanmean_rows(exc), "epos": (exc > 0).sum(axis=1) / lengths, "own_sd": _std_rows(exc),
+            "k_exc": (~np.isnan(exc)).sum(axis=1)}
     for name, peer, given in (("thr", "peer_thr", with_throttle), ("waited", "peer_waited", with_wait)):
         if given:
             source = "cpu_throttled_frac" if name == "thr" else "cpu_wait_frac"

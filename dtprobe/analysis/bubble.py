@@ -136,14 +136,21 @@ def _gpipe_or_1f1b(p: pd.DataFrame) -> str:
     return "gpipe" if "F" not in seq[first_b:] else "1f1b"
 
 
+def whole_rounds(shape: PipelineShape, num_microbatches: int) -> int:
+    """``num_microbatches`` as ``shape``'s schedule can simulate it: interleaved 1F1B runs its micro-batches in
+    rounds of ``num_ranks``, so rounded up to whole rounds; unchanged for the other schedules."""
+    m = num_microbatches
+    if shape.schedule == "interleaved-1f1b" and m % shape.num_ranks:
+        m += shape.num_ranks - m % shape.num_ranks
+    return m
+
+
 def ideal_bubble(shape: PipelineShape, *, microbatch_factor: float = 1.0) -> tuple[float, float]:
     """(ideal bubble fraction, makespan in ns) of ``shape``'s schedule with its measured costs, with
     ``microbatch_factor`` times the micro-batches (costs divided by the factor: same global batch)."""
     from dtprobe.schedule_sim import simulate
 
-    m = max(1, int(round(shape.num_microbatches * microbatch_factor)))
-    if shape.schedule == "interleaved-1f1b" and m % shape.num_ranks:
-        m += shape.num_ranks - m % shape.num_ranks
+    m = whole_rounds(shape, max(1, int(round(shape.num_microbatches * microbatch_factor))))
     scale = shape.num_microbatches / m
     costs = {k: v * scale for k, v in shape.costs.items()}
     f = [costs.get((s, "F"), 1.0) for s in range(shape.num_stages)]

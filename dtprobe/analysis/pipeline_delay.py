@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 
 from dtprobe.analysis.arrivals import median_of_others_in_groups
+from dtprobe.analysis.bubble import whole_rounds
 from dtprobe.analysis.tables import P2P_OPS, axis_of, group_members, step_durations
 from dtprobe.store.columns import require_columns
 
@@ -126,9 +127,7 @@ def schedule_gain_ns(pipeline: pd.DataFrame, own_delay: pd.DataFrame, shape, gro
     if not stages or others.empty:
         return None
 
-    m = shape.num_microbatches
-    if shape.schedule == "interleaved-1f1b" and m % shape.num_ranks:
-        m += shape.num_ranks - m % shape.num_ranks
+    m = whole_rounds(shape, shape.num_microbatches)
 
     def makespan(rows: pd.DataFrame) -> float:
         costs = rows.groupby(["stage", "action"])["ns"].mean()

@@ -81,3 +81,39 @@ def test_facts_not_the_kind_of_source_decide_which_analyses_apply():
     assert window_like.skipped_warmup_steps == 0
     assert window_like.steps_analyzed()[0] == RunAnalysis(store).steps_analyzed()[0] - 1
     assert not window_like.is_trace_folder   # a label of the kind, read by no analysis
+
+
+def _attempts(table: str, make_row, *, ranks=(0, 1), steps=range(10), redone=range(5, 8)) -> pd.DataFrame:
+    """Rows of ``table``: attempt 0 ran steps 0-7 and crashed; attempt 1 resumed after step 4, redid 5-7, ran on."""
+    from dtprobe.store.frames import frame_from_rows
+
+    return frame_from_rows(table, [make_row(r, s, a) for r in ranks for s in steps for a in (0, 1)
+                                   if (a == 0 and s <= max(redone)) or (a == 1 and s >= min(redone))])
+
+
+def test_compression_figures_and_the_loss_gap_read_a_redone_step_from_the_attempt_that_redid_it():
+    store = RunStore.open(STRAGGLER_RUN)
+    mib = 1 << 20
+    # the first attempt sent twice the bytes and its loss diverged: its redone steps may show in no figure
+    compression = _attempts("compression", lambda r, s, a: {
+        "rank": r, "step": s, "bucket": 0, "method": "topk", "raw_bytes": 4 * mib, "sent_bytes": (2 - a) * mib // 2,
+        "encode_ns": 1_000_000, "decode_ns": 1_000_000, "restart": a})
+    steps = _attempts("steps", lambda r, s, a: {"rank": r, "step": s, "loss": 9.0 if a == 0 and s >= 5 else 2.0,
+                                                 "restart": a})
+    base_steps = _attempts("steps", lambda r, s, a: {"rank": r, "step": s, "loss": 9.0 if a == 0 and s >= 8 else 1.6,
+                                                      "restart": a}, redone=range(8, 10))
+    frames = {name: store.table(name) for name in SCHEMAS}
+    run = FrameSource(path=store.path, info=store.info, frames={**frames, "compression": compression,
+                                                               "steps": steps})
+    baseline = FrameSource(path=store.path, info=store.info, frames={**frames, "steps": base_steps})
+    a = RunAnalysis(run, baseline=baseline)
+    [row] = a.compression().to_dict("records")
+    # 2 ranks x 10 steps, each once (16 rows of attempt 0 and 10 of attempt 1 were recorded): steps 0-4 of
+    # attempt 0 sent 1 MiB, steps 5-9 of attempt 1 half that
+    assert (row["num_steps"], row["raw_bytes"], row["sent_bytes"]) == (10, 20 * 4 * mib, 15 * mib)
+    assert row["ratio"] == pytest.approx(80 / 15) and row["raw_bytes_per_step"] == pytest.approx(4 * mib)
+    assert row["encode_ns_per_step"] == pytest.approx(1_000_000)
+    # the last 5 common steps (5-9), each from its last attempt in either run: 2.0 against 1.6
+    [gap] = a.loss_gap().to_dict("records")
+    assert (gap["loss"], gap["baseline_loss"]) == (pytest.approx(2.0), pytest.approx(1.6))
+    assert gap["loss_gap_frac"] == pytest.approx(0.25)

@@ -9,19 +9,19 @@ from dtprobe.dashboard import charts, common
 
 
 def _per_step(name: str, analysis) -> dict[str, pd.DataFrame]:
-    steps = analysis.table("steps")
+    steps = analysis.completed_table("steps")     # a step redone after a restart: the attempt that redid it
     out = {}
     if not steps.empty:
         s = steps.dropna(subset=["start_ns", "end_ns"])
         out["step_ms"] = (s.assign(step_ms=(s["end_ns"] - s["start_ns"]).astype("float64") / 1e6)
                           .groupby("step", as_index=False)["step_ms"].max())
         out["loss"] = steps.dropna(subset=["loss"]).groupby("step", as_index=False)["loss"].mean()
-    mem = analysis.table("memory")
+    mem = analysis.completed_table("memory")
     if not mem.empty:
         col = "peak_bytes" if mem["peak_bytes"].notna().any() else "rss_bytes"
         out["memory_gib"] = (mem.groupby("step", as_index=False)[col].max()
                              .assign(memory_gib=lambda d: d[col].astype("float64") / 2**30))
-    coll = analysis.table("collectives")
+    coll = analysis.completed_table("collectives")
     if not coll.empty:
         c = coll[coll["step"].fillna(-1) >= 0]
         out["comm_mib"] = (c.groupby("step", as_index=False)["num_bytes"].sum()

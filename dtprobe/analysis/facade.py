@@ -176,9 +176,10 @@ class RunAnalysis:
                                                                     self.steps_analyzed() or None))
 
     def completed_table(self, name: str) -> pd.DataFrame:
-        """Table ``name`` (``steps``, ``pipeline`` or ``amp``) with a step redone after a torchrun restart read from
-        the attempt that redid it (``tables.completing_attempts``): what step times, throughput, straggler causes,
-        pipeline and loss-scale figures read. The crash and hang verdicts read every attempt's rows (``table``)."""
+        """Table ``name`` (a per-step table with a ``restart`` column: ``steps``, ``pipeline``, ``amp``,
+        ``compression``, ``memory``) with a step redone after a torchrun restart read from the attempt that redid it
+        (``tables.completing_attempts``): what step times, throughput, straggler causes, pipeline, loss-scale,
+        compression and loss-gap figures read. The crash and hang verdicts read every attempt's rows (``table``)."""
         return self._memo(f"completed:{name}", lambda: _tables.completing_attempts(self.table(name)))
 
     def now_ns(self) -> int:
@@ -603,12 +604,17 @@ class RunAnalysis:
 
     def compression(self) -> pd.DataFrame:
         """Per method: bytes before/after, ratio, encode/decode time per step."""
-        return self._memo("compression", lambda: _compression.compression_summary(self.table("compression")))
+        return self._memo("compression", lambda: _compression.compression_summary(
+            self.completed_table("compression")))
 
     def loss_gap(self) -> pd.DataFrame:
-        """Loss of the last common steps vs the baseline run (empty without a baseline)."""
-        return self._memo("loss_gap", lambda: _compression.loss_gap(self.table("steps"),
-                                                                    self.baseline_table("steps")))
+        """Loss of the last common steps vs the baseline run (empty without a baseline); a step redone after a
+        restart, in either run, is read from the attempt that redid it."""
+        def compute() -> pd.DataFrame:
+            baseline = self.baseline_table("steps")
+            return _compression.loss_gap(self.completed_table("steps"),
+                                         None if baseline is None else _tables.completing_attempts(baseline))
+        return self._memo("loss_gap", compute)
 
     def compression_findings(self) -> list[Finding]:
         """COMPRESSION per method (ratio, time saved net of encoding, loss gap vs the baseline)."""

@@ -81,11 +81,12 @@ SCHEMAS: dict[str, dict[str, str]] = {
     },
     "memory": {
         "rank": "int32", "step": "int64", "param_bytes": "int64", "grad_bytes": "int64",
-        "optim_bytes": "int64", "peak_bytes": "int64", "rss_bytes": "int64",
+        "optim_bytes": "int64", "peak_bytes": "int64", "rss_bytes": "int64", "restart": "int32",
     },
     "compression": {
         "rank": "int32", "step": "int64", "bucket": "int32", "method": "string", "raw_bytes": "int64",
         "sent_bytes": "int64", "encode_ns": "int64", "decode_ns": "int64", "residual_norm": "float64",
+        "restart": "int32",
     },
     "kernels": {
         "rank": "int32", "name": "string", "kind": "string", "stream": "int64", "start_ns": "int64",

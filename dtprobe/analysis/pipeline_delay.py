@@ -108,7 +108,8 @@ def schedule_gain_ns(pipeline: pd.DataFrame, own_delay: pd.DataFrame, shape, gro
     plus the rank's mean own delay (``pipeline_own_delay``: time outside its actions, not waiting for input) over
     the median of those ranks'. None when ``shape`` is None or one the simulator does not take (a schedule named
     in the config that the measured stages contradict), the rank has no actions there, or no other pipeline runs
-    its stages. Interleaved 1F1B's micro-batches are rounded up to whole rounds, as for the ideal bubble."""
+    its stages. Interleaved 1F1B's micro-batches are rounded up to whole rounds of proportionally cheaper
+    micro-batches (the same global batch), as for the ideal bubble."""
     from dtprobe.schedule_sim import simulate
 
     p = pipeline.dropna(subset=["start_ns", "end_ns", "stage", "step"])
@@ -141,7 +142,9 @@ def schedule_gain_ns(pipeline: pd.DataFrame, own_delay: pd.DataFrame, shape, gro
     except ValueError:              # the simulator refuses the shape: no schedule figure, the wait stands
         return None
     rest = [span for pl, span in now.items() if pl != mine]
-    gain = max(now.values()) - max([fixed, *rest])
+    # the makespans of m whole rounds at the measured costs: scaled to the real micro-batches' share of them, the
+    # same global batch in m (``bubble.ideal_bubble`` scales the costs alike; a makespan is linear in them)
+    gain = (max(now.values()) - max([fixed, *rest])) * shape.num_microbatches / m
     o = own_delay[own_delay["step"].between(first_step, last_step)]
     per_rank = o.groupby("rank")["own_delay_ns"].mean()
     peers = [r for r in per_rank.index if pipe_of.get(int(r), mine) != mine and stages_of.get(r) == stages]

@@ -345,7 +345,7 @@ def _window_figures(column: Callable[[str, str], np.ndarray], win_start: np.ndar
     pre_t = _median_t(pre, pmed)
     part = {"med": med, "pos": (frac > LATE_TIE_FRAC).sum(axis=1) / lengths, "pmed": pmed,
             "ppos": (pre > 0).sum(axis=1) / lengths, "pre_t": pre_t, "peer_t": _peer_max(pre_t, None, key=key),
-            "emean": _nanmean_rows(exc), "epos": (exc > 0).sum(axis=1) / lengths, "own_sd": _std_rows(exc),
+            "emean": _nanmean_rows(exc), "epos": (exc > LATE_TIE_FRAC).sum(axis=1) / lengths, "own_sd": _std_rows(exc),
             "k_exc": (~np.isnan(exc)).sum(axis=1)}
     for name, peer, given in (("thr", "peer_thr", with_throttle), ("waited", "peer_waited", with_wait)):
         if given:
@@ -790,16 +790,16 @@ def window_blocked(collectives: pd.DataFrame, scores: pd.DataFrame, *, min_laten
 def straggler_causes(scores: pd.DataFrame, lateness: pd.DataFrame, steps: pd.DataFrame, devices: pd.DataFrame, *,
                      blocked: pd.DataFrame, min_explained_frac: float = 0.25, throttle_frac: float = 0.5,
                      min_lateness_frac: float = 0.0) -> pd.DataFrame:
-    """For each scored (group, rank) late in its best window, over its late steps: how much of its mean lateness
-    comes from data loading (``data_ns`` above its peers' median), from waiting on other peers (p2p spans and
-    other groups' collectives, union, above its peers'), and the rest from its own compute; plus the share of its
-    device samples with a slowing throttle reason. ``cause`` is ``device`` when throttled, ``compute`` when its CPU
-    cgroup's quota held it back in its window while its peers' did not (``cpu_throttled_frac`` of ``scores``), else
-    the largest part
-    if it explains at least ``min_explained_frac`` of the lateness, else ``unknown``. Only ranks whose median
-    lateness reaches ``min_lateness_frac`` (0: every late rank) or that a view qualified (``detected_at_step``:
-    the persistence view names ranks whose median lateness is below it) are examined. The waits come from
-    ``blocked`` (``blocked_outside_groups`` of the collectives and their waits, or of the candidates' rows only:
+    """For each scored (group, rank) late in its best window, over its late steps (later than its peers' median by
+    more than ``LATE_TIE_FRAC`` of the step): how much of its mean lateness comes from data loading (``data_ns``
+    above its peers' median), from waiting on other peers (p2p spans and other groups' collectives, union, above
+    its peers'), and the rest from its own compute; plus the share of its device samples with a slowing throttle
+    reason. ``cause`` is ``device`` when throttled, ``compute`` when its CPU cgroup's quota held it back in its
+    window while its peers' did not (``cpu_throttled_frac`` of ``scores``), else the largest part if it explains
+    at least ``min_explained_frac`` of the lateness, else ``unknown``. Only ranks whose median lateness reaches
+    ``min_lateness_frac`` (0: every late rank) or that a view qualified (``detected_at_step``: the persistence view
+    names ranks whose median lateness is below it) are examined. The waits come from ``blocked``
+    (``blocked_outside_groups`` of the collectives and their waits, or of the candidates' rows only:
     ``window_blocked``; kept at compaction). Columns: ``CAUSE_COLUMNS``."""
     require_columns(steps, ["rank", "step", "start_ns", "end_ns", "data_ns", "fwd_ns", "bwd_ns", "opt_ns"],
                     table="steps")
@@ -814,7 +814,7 @@ def straggler_causes(scores: pd.DataFrame, lateness: pd.DataFrame, steps: pd.Dat
     for s in cause_candidates(scores, min_lateness_frac=min_lateness_frac).itertuples(index=False):
         late = lateness[(lateness["pg"] == s.pg) & (lateness["pg_ranks"] == s.pg_ranks) & (lateness["rank"] == s.rank)
                         & lateness["step"].between(s.window_first_step, s.window_last_step)
-                        & (lateness["lateness_ns"] > 0)]
+                        & (lateness["lateness_frac"] > LATE_TIE_FRAC)]
         late_steps = set(int(x) for x in late["step"])
         members = group_members(s.pg_ranks)
         peers = [m for m in members if m != s.rank]

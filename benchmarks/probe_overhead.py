@@ -2,14 +2,18 @@
 
     python benchmarks/probe_overhead.py [--nproc 2] [--steps 100] [--pairs 3]
                                         [--cases record_cost,ddp,runtime,small,small_async]
-                                        [--flush-baseline 1.0] [--concurrent]
+                                        [--flush-baseline 1.0] [--concurrent | --pinned]
                                         [--record-cost-rounds 40] [--record-cost-block 200]
 
 Ratios of median step time, each from runs alternated in one invocation (A B A B ...) so that drift of the
 shared machine hits both sides alike; with `--concurrent` the sides of each pair run at the same time instead
-(they share the cores, so a burst of outside load hits every side at once; use it on a busy machine). Each case
-below is one entry of `CASES` (its sides and its report function); `--cases` picks some, and the sides of all
-picked cases are alternated together:
+(they share the cores, so a burst of outside load hits every side at once, but so does each side's own extra work:
+the ratio understates it). With `--pinned` the sides also run at the same time, each confined with `taskset` to
+its own block of the cores (the blocks rotate between the sides every pair), so drift of the machine hits both
+sides while each side's threads stay on its own cores: on a host whose speed drifts between runs it is the
+precise one; `--pinned --nproc 1` runs one rank per side on a 2-core machine. Each case below is one entry of
+`CASES` (its sides and its report function); `--cases` picks some, and the sides of all picked cases are
+alternated together:
 
 1. collectors on / off (`ddp`): `dtprobe run` with its default telemetry (every collective recorded by the wrapping
    ProcessGroup, host/NVML sampler, steps, and the loss bound: rows flushed every `collect.flush_interval_s`
@@ -50,12 +54,12 @@ clocks do not count time spent waiting for a core, so this figure holds on a loa
    by the native recorder, collectors/native_recorder.cpp, when it is built; the first line says which),
    `gloo-python` the same gloo group recorded on the Python path (`RecordingProcessGroup(..., native=False)`: the
    fallback without a build), `stub` the Python path around a stub backend (every call returns one completed gloo
-   Work), which leaves the Python recording path alone. Per recorded collective, each round's difference recorded - plain of the caller
-   thread's CPU time (`time.thread_time`: waiting for a core is not counted), of the process CPU time (all
-   threads, once the recorder has encoded the block's rows: the drain thread's share, and gloo's thread running
-   a done-callback) and of wall time; median and 10th-90th percentile over the rounds. Without a peer, gloo's
-   cost is a thread hand-off, so the difference is the recording cost itself rather than the noise of a 2-rank
-   collective.
+   Work), which leaves the Python recording path alone. Per recorded collective, each round's difference
+   recorded - plain of the caller thread's CPU time (`time.thread_time`: waiting for a core is not counted), of
+   the process CPU time (all threads, once the recorder has encoded the block's rows: the drain thread's share,
+   and gloo's thread running a done-callback) and of wall time; median and 10th-90th percentile over the
+   rounds. Without a peer, gloo's cost is a thread hand-off, so the difference is the recording cost itself
+   rather than the noise of a 2-rank collective.
 
 Per recorded collective, for the DDP case and the many-small cases: (median step on - median step off) divided by
 the collectives rank 0 recorded per step in the "on" run; for the many-small cases also the same from each rank's
@@ -76,6 +80,7 @@ import argparse
 import json
 import os
 import statistics
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -140,16 +145,20 @@ def side_step_times(name: str, out: Path) -> list[float]:
     return ((leader["end_ns"] - leader["start_ns"]).astype("float64") / 1e9).tolist()
 
 
-def run_sides(commands: dict[str, list[str]], logs: Path, *, concurrent: bool) -> None:
-    """Run the commands one after another, or all at once; a failing side raises with its log's tail."""
+def run_sides(commands: dict[str, list[str]], logs: Path, *, concurrent: bool,
+              cores: dict[str, list[int]] | None = None) -> None:
+    """Run the commands one after another, or all at once (also with ``cores``: each command confined to its
+    cores with ``taskset``); a failing side raises with its log's tail."""
     logs.mkdir(parents=True, exist_ok=True)
     names = list(commands)
-    batches = [names] if concurrent else [[n] for n in names]
+    batches = [names] if concurrent or cores else [[n] for n in names]
     for batch in batches:
         procs = {}
         for name in batch:
+            pin = ["taskset", "-c", ",".join(map(str, cores[name]))] if cores else []
             with open(logs / f"{name}.log", "wb") as log:
-                procs[name] = subprocess.Popen(commands[name], env=_env(), stdout=log, stderr=subprocess.STDOUT)
+                procs[name] = subprocess.Popen(pin + commands[name], env=_env(), stdout=log,
+                                               stderr=subprocess.STDOUT)
         for name, proc in procs.items():
             try:
                 code = proc.wait(timeout=900)
@@ -549,7 +558,8 @@ def run_cases(cases: list[str], args: argparse.Namespace) -> Results:
                                            flush_baseline=args.flush_baseline, num_small=args.small_collectives,
                                            launch_model=args.launch_model)
                         for name in order}
-            run_sides(commands, tmp_path / f"logs{i}", concurrent=args.concurrent)
+            run_sides(commands, tmp_path / f"logs{i}", concurrent=args.concurrent,
+                      cores=pinned_cores(order) if args.pinned else None)
             for name in names:
                 if name in LAUNCH_SIDES:      # the loop's mean step: the script times its loop, not each step
                     report = json.loads((outs[name] / "report.json").read_text())
@@ -563,6 +573,14 @@ def run_cases(cases: list[str], args: argparse.Namespace) -> Results:
             for name in results.cpu:
                 results.cpu[name].append(cpu_per_step(outs[name]))
     return results
+
+
+def pinned_cores(order: tuple[str, ...]) -> dict[str, list[int]]:
+    """``--pinned``: the usable cores cut into one block per side, the first block to ``order``'s first side (the
+    caller rotates ``order`` every pair, so every side runs on every block alike)."""
+    cores = sorted(os.sched_getaffinity(0))
+    per = len(cores) // len(order)
+    return {name: cores[j * per:(j + 1) * per] for j, name in enumerate(order)}
 
 
 def _launch_model(text: str) -> tuple[int, int]:
@@ -587,9 +605,14 @@ def main() -> int:
     parser.add_argument("--flush-baseline", type=float, default=None, metavar="S",
                         help="also run the default telemetry with collect.flush_interval_s=S and print the ratio "
                              "default / S (what the loss bound costs); default: not run")
-    parser.add_argument("--concurrent", action="store_true",
-                        help="run the sides of each pair at the same time (fairer on a busy machine; every "
-                             "side is slower, the ratios are what counts)")
+    sides_at_once = parser.add_mutually_exclusive_group()
+    sides_at_once.add_argument("--concurrent", action="store_true",
+                               help="run the sides of each pair at the same time (fairer on a busy machine; every "
+                                    "side is slower, and each side's extra work slows the others too)")
+    sides_at_once.add_argument("--pinned", action="store_true",
+                               help="run the sides of each pair at the same time, each on its own block of the "
+                                    "cores (taskset; blocks rotate every pair): for a host whose speed drifts "
+                                    "between runs; needs a core per side (with 2 cores: --nproc 1, one case)")
     parser.add_argument("--small-collectives", type=int, default=200,
                         help="all_reduce per step in the many-small-collectives cases (default 200)")
     parser.add_argument("--launch-model", type=_launch_model, default=(2048, 2), metavar="HIDDEN,LAYERS",
@@ -619,6 +642,13 @@ def main() -> int:
             parser.error(f"--cases {args.cases!r}: unknown {unknown or 'none given'}; choose from {', '.join(CASES)}")
     if "flush" in cases and args.flush_baseline is None:
         parser.error("--cases flush needs --flush-baseline S (the interval to compare the default with)")
+    if args.pinned:
+        sides = {side for case in cases for side in CASES[case][0]}
+        usable = len(os.sched_getaffinity(0))
+        if len(sides) > usable or shutil.which("taskset") is None:
+            parser.error(f"--pinned runs each of the {len(sides)} sides of --cases {','.join(cases)} on cores of "
+                         f"its own, but {usable} cores are usable" if len(sides) > usable else
+                         "--pinned needs taskset (util-linux) on PATH")
 
     from dtprobe.collectors.config import CollectConfig
 
@@ -640,7 +670,8 @@ def main() -> int:
     for case in cases:
         for line in CASES[case][1](results, args):
             print(line)
-    mode = "sides run concurrently" if args.concurrent else "sides alternated"
+    mode = ("sides run concurrently" if args.concurrent else
+            "sides run at once, each on its own cores (rotated every pair)" if args.pinned else "sides alternated")
     print(f"({args.nproc} ranks x {args.steps} steps per run, {mode}, CPU + gloo on this machine)")
     return 0
 

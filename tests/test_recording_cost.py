@@ -261,3 +261,15 @@ def test_the_precise_case_judges_the_per_collective_goal_by_its_worst_way(repo_r
     costs["gloo/wait_all"] = way(5.0, [7.0, 8.0, 9.0])
     assert po.record_cost_verdict(costs).startswith("per recorded collective, goal <= 10 us (caller thread CPU, "
                                                     "gloo as attached, native recorder): met; largest 3.0 us")
+
+
+def test_pinned_sides_get_disjoint_blocks_of_the_usable_cores_rotating_with_the_order(repo_root, monkeypatch):
+    sys.path.insert(0, str(repo_root / "benchmarks"))
+    try:
+        import probe_overhead as po
+    finally:
+        sys.path.remove(str(repo_root / "benchmarks"))
+    monkeypatch.setattr(po.os, "sched_getaffinity", lambda pid: {5, 1, 3, 7})
+    assert po.pinned_cores(("on", "off")) == {"on": [1, 3], "off": [5, 7]}
+    assert po.pinned_cores(("off", "on")) == {"off": [1, 3], "on": [5, 7]}
+    assert po.pinned_cores(("a", "b", "c")) == {"a": [1], "b": [3], "c": [5]}

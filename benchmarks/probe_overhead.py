@@ -19,7 +19,10 @@ alternated together:
    ProcessGroup, host/NVML sampler, steps, and the loss bound: rows flushed every `collect.flush_interval_s`
    and in-flight collectives spilled to `pending` by background threads, SIGTERM handler) against
    `dtprobe run --no-collectives --no-devices` (only the steps table, which both sides need to time the step).
-   Goal <= 1.01.
+   Goal <= 1.01. Also, in CPU time rather than wall time: the share of a core that each worker's Python threads
+   besides its main one took over the timed steps, on minus off (read from /proc's schedstat of every thread while
+   the sides run, `TreeThreadCpu`): what the collector threads cost a rank, which the machine's drift between runs
+   does not move as it moves step times.
 2. runtime / plain (`runtime`): `dtprobe run --no-collectives --no-devices` against benchmarks/plain_ddp.py, a 30-line
    torchrun DDP script of the same model, batch and optimizer, timed the same way (data, forward, backward,
    clip, optimizer, loss.item()). Goal <= 1.02.
@@ -84,7 +87,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -97,6 +100,8 @@ LAUNCH_BATCH = 16
 """Per-rank batch of the launch sides (the script's default)."""
 RECORDING_SIDES = ("on", "small_on", "small_async_on")
 """Sides that record collectives (their collectives per step divide the cost)."""
+THREAD_SIDES = ("on", "off")
+"""`dtprobe run` sides whose workers' threads are clocked while they run (``TreeThreadCpu``)."""
 
 
 def _env() -> dict[str, str]:
@@ -145,13 +150,95 @@ def side_step_times(name: str, out: Path) -> list[float]:
     return ((leader["end_ns"] - leader["start_ns"]).astype("float64") / 1e9).tolist()
 
 
+def steps_window_ns(out: Path, skip: int) -> tuple[int, int]:
+    """When rank 0's timed steps (after ``skip``) of a finished `dtprobe run` side began and ended (wall ns)."""
+    from dtprobe.store import RunStore
+
+    steps_df = RunStore.open(out).table("steps")
+    leader = steps_df[(steps_df["rank"] == 0) & (steps_df["step"] >= skip)]
+    return int(leader["start_ns"].min()), int(leader["end_ns"].max())
+
+
+class TreeThreadCpu:
+    """While a side runs: every ``interval_s``, the CPU time of every Python thread of every process under ``root``
+    (the side's command), from ``/proc/PID/task/TID/schedstat`` (ns on the CPU; waiting for a core is not
+    counted), stamped with the wall clock. ``samples``: (time_ns, {pid: {tid: cpu_ns}}) in time order. A Python
+    thread keeps its process's name (``/proc/PID/task/TID/comm``); the threads that gloo and torch start name
+    themselves (``gloo_tcp_loop``, ``pt_gloo_runloop``, ...) and are left out: their CPU follows how long the
+    collectives wait, which differs from run to run on both sides."""
+
+    def __init__(self, root: int, interval_s: float = 0.25) -> None:
+        import threading
+
+        self.root, self.interval_s = root, interval_s
+        self.samples: list[tuple[int, dict[int, dict[int, int]]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-thread-cpu", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import time
+
+        while not self._stop.wait(self.interval_s):
+            tree: dict[int, dict[int, int]] = {}
+            todo = [self.root]
+            while todo:
+                pid = todo.pop()
+                try:
+                    with open(f"/proc/{pid}/task/{pid}/children") as f:
+                        todo += [int(x) for x in f.read().split()]
+                    name = _thread_name(pid, str(pid))
+                    tree[pid] = {int(tid): _schedstat_ns(pid, tid) for tid in os.listdir(f"/proc/{pid}/task")
+                                 if _thread_name(pid, tid) == name}
+                except (OSError, ValueError):       # the process or a thread ended meanwhile
+                    continue
+            self.samples.append((time.time_ns(), tree))
+
+    def stop(self) -> list[tuple[int, dict[int, dict[int, int]]]]:
+        self._stop.set()
+        self._thread.join()
+        return self.samples
+
+
+def _thread_name(pid: int, tid: str) -> str:
+    with open(f"/proc/{pid}/task/{tid}/comm") as f:
+        return f.read().strip()
+
+
+def _schedstat_ns(pid: int, tid: str) -> int:
+    with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+        return int(f.read().split()[0])
+
+
+def helper_thread_share(samples: list[tuple[int, dict[int, dict[int, int]]]], first_ns: int, last_ns: int,
+                        nproc: int) -> float | None:
+    """The CPU share of one core that each worker's Python threads other than its main one took between the first
+    and the last sample inside ``first_ns``..``last_ns`` (the steps timed), mean over the ``nproc`` workers (the
+    processes that used the most CPU then); None with fewer than two samples inside. These are dtprobe's threads
+    (writer flusher, recorder drain, device sampler; the flusher of the steps rows runs on both sides) and any the
+    training's Python code starts."""
+    inside = [(t, tree) for t, tree in samples if first_ns <= t <= last_ns]
+    if len(inside) < 2:
+        return None
+    (t0, a), (t1, b) = inside[0], inside[-1]
+    used = {pid: sum(b[pid].values()) - sum(a[pid].values()) for pid in b if pid in a}
+    workers = sorted(used, key=used.get, reverse=True)[:nproc]
+    shares = [sum(ns - a[pid].get(tid, 0) for tid, ns in b[pid].items() if tid != pid) / (t1 - t0)
+              for pid in workers]
+    return statistics.mean(shares) if shares else None
+
+
 def run_sides(commands: dict[str, list[str]], logs: Path, *, concurrent: bool,
-              cores: dict[str, list[int]] | None = None) -> None:
+              cores: dict[str, list[int]] | None = None,
+              clocked: tuple[str, ...] = ()) -> dict[str, list[tuple[int, dict[int, dict[int, int]]]]]:
     """Run the commands one after another, or all at once (also with ``cores``: each command confined to its
-    cores with ``taskset``); a failing side raises with its log's tail."""
+    cores with ``taskset``); a failing side raises with its log's tail. The sides named in ``clocked`` have their
+    threads' CPU sampled while they run (``TreeThreadCpu``): returned by side."""
     logs.mkdir(parents=True, exist_ok=True)
     names = list(commands)
     batches = [names] if concurrent or cores else [[n] for n in names]
+    clocks: dict[str, TreeThreadCpu] = {}
+    samples = {}
     for batch in batches:
         procs = {}
         for name in batch:
@@ -159,6 +246,8 @@ def run_sides(commands: dict[str, list[str]], logs: Path, *, concurrent: bool,
             with open(logs / f"{name}.log", "wb") as log:
                 procs[name] = subprocess.Popen(pin + commands[name], env=_env(), stdout=log,
                                                stderr=subprocess.STDOUT)
+            if name in clocked:
+                clocks[name] = TreeThreadCpu(procs[name].pid)
         for name, proc in procs.items():
             try:
                 code = proc.wait(timeout=900)
@@ -166,9 +255,12 @@ def run_sides(commands: dict[str, list[str]], logs: Path, *, concurrent: bool,
                 proc.kill()
                 proc.wait()
                 code = "timeout"
+            if name in clocks:
+                samples[name] = clocks.pop(name).stop()
             if code != 0:
                 tail = (logs / f"{name}.log").read_text(errors="replace")[-3000:]
                 raise SystemExit(f"side {name!r} failed ({code}): {' '.join(commands[name])}\n{tail}")
+    return samples
 
 
 def bound_thread_cpu(run_dir: Path, *, interval_s: float, seconds: float = 3.0, rate_per_s: int = 500) -> float:
@@ -439,6 +531,8 @@ class Results:
     medians: dict[str, list[float]]
     per_step: dict[str, list[float]]
     cpu: dict[str, list[float]]
+    threads: dict[str, list[float | None]] = field(default_factory=dict)
+    """For ``THREAD_SIDES``: each pair's ``helper_thread_share`` over the timed steps."""
 
 
 def median_error(values: list[float]) -> float | None:
@@ -485,7 +579,22 @@ PAIR_FIGURE_NOTE = "a step-time difference: the precise case judges the 10 us go
 def report_ddp(results: Results, args: argparse.Namespace) -> list[str]:
     """Case 1: `dtprobe run` with default telemetry against collectives and devices off."""
     return [_ratio_line("collectors on/off ratio:  ", results, "on", "off", "<= 1.01"),
-            *_per_collective_lines("DDP", results, "on", "off")]
+            *_per_collective_lines("DDP", results, "on", "off"), _thread_line(results, "on", "off")]
+
+
+def _thread_line(results: Results, on: str, off: str) -> str:
+    """The CPU share of a core that the on side's workers' threads besides the main one took over the off side's
+    (``helper_thread_share``: the collector threads, measured in CPU time, so the machine's drift between runs
+    does not enter)."""
+    pairs = [(a, b) for a, b in zip(results.threads.get(on, []), results.threads.get(off, []))
+             if a is not None and b is not None]
+    if not pairs:
+        return "collector threads' CPU per rank: not measured (no schedstat, or too few samples in the steps)"
+    diffs = [100 * (a - b) for a, b in pairs]
+    on_pct, off_pct = (100 * statistics.median(side) for side in zip(*pairs))
+    return (f"collector threads' CPU per rank, on - off: {statistics.median(diffs):.2f}% of a core  (worker Python "
+            f"threads besides the main one over the timed steps, from schedstat; on {on_pct:.2f}%, off {off_pct:.2f}%; "
+            f"per pair: {', '.join(f'{d:.2f}' for d in diffs)}{_error_text(diffs, '.2f', '%')})")
 
 
 def report_runtime(results: Results, args: argparse.Namespace) -> list[str]:
@@ -558,8 +667,12 @@ def run_cases(cases: list[str], args: argparse.Namespace) -> Results:
                                            flush_baseline=args.flush_baseline, num_small=args.small_collectives,
                                            launch_model=args.launch_model)
                         for name in order}
-            run_sides(commands, tmp_path / f"logs{i}", concurrent=args.concurrent,
-                      cores=pinned_cores(order) if args.pinned else None)
+            clocked = run_sides(commands, tmp_path / f"logs{i}", concurrent=args.concurrent,
+                                cores=pinned_cores(order) if args.pinned else None,
+                                clocked=tuple(n for n in order if n in THREAD_SIDES))
+            for name, samples in clocked.items():
+                results.threads.setdefault(name, []).append(
+                    helper_thread_share(samples, *steps_window_ns(outs[name], args.skip), args.nproc))
             for name in names:
                 if name in LAUNCH_SIDES:      # the loop's mean step: the script times its loop, not each step
                     report = json.loads((outs[name] / "report.json").read_text())

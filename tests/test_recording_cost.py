@@ -273,3 +273,27 @@ def test_pinned_sides_get_disjoint_blocks_of_the_usable_cores_rotating_with_the_
     assert po.pinned_cores(("on", "off")) == {"on": [1, 3], "off": [5, 7]}
     assert po.pinned_cores(("off", "on")) == {"off": [1, 3], "on": [5, 7]}
     assert po.pinned_cores(("a", "b", "c")) == {"a": [1], "b": [3], "c": [5]}
+
+
+def test_helper_thread_share_is_the_workers_other_threads_cpu_over_the_timed_steps(repo_root):
+    sys.path.insert(0, str(repo_root / "benchmarks"))
+    try:
+        import probe_overhead as po
+    finally:
+        sys.path.remove(str(repo_root / "benchmarks"))
+    s = 1_000_000_000
+
+    def tree(t: int) -> dict:      # a launcher (pid 10), two workers (20, 30: main thread, one helper); t in s
+        return {10: {10: 50_000_000 * t}, 20: {20: 990_000_000 * t, 21: 10_000_000 * t},
+                30: {30: 900_000_000 * t, 31: 20_000_000 * t, 32: 0}}
+
+    samples = [(t * s, tree(t)) for t in range(10)]
+    # between the samples at 2 s and 8 s: 1% and 2% of a core besides the main threads; the launcher is no worker
+    assert po.helper_thread_share(samples, 2 * s - 1, 8 * s + 1, 2) == pytest.approx(0.015)
+    assert po.helper_thread_share(samples, 2 * s - 1, 8 * s + 1, 1) == pytest.approx(0.01)
+    assert po.helper_thread_share(samples, 2 * s + 1, 3 * s - 1, 2) is None     # no two samples inside
+    results = po.Results(medians={}, per_step={}, cpu={}, threads={"on": [0.012, 0.011, None], "off": [0.005, 0.006,
+                                                                                                        0.004]})
+    assert po._thread_line(results, "on", "off").startswith(
+        "collector threads' CPU per rank, on - off: 0.60% of a core  (worker Python threads besides the main one "
+        "over the timed steps, from schedstat; on 1.15%, off 0.55%; per pair: 0.70, 0.50;")

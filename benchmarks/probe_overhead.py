@@ -583,9 +583,9 @@ def report_ddp(results: Results, args: argparse.Namespace) -> list[str]:
 
 
 def _thread_line(results: Results, on: str, off: str) -> str:
-    """The CPU share of a core that the on side's workers' threads besides the main one took over the off side's
-    (``helper_thread_share``: the collector threads, measured in CPU time, so the machine's drift between runs
-    does not enter)."""
+    """The CPU share of a core that the on side's workers' Python threads besides the main one took over the off
+    side's (``helper_thread_share``: the collector threads, measured in CPU time, so the machine's drift between
+    runs does not enter)."""
     pairs = [(a, b) for a, b in zip(results.threads.get(on, []), results.threads.get(off, []))
              if a is not None and b is not None]
     if not pairs:

@@ -139,24 +139,27 @@ def side_command(name: str, out: Path, *, nproc: int, steps: int, flush_baseline
     return cmd
 
 
+def _leader_steps(out: Path):
+    """Rank 0's ``steps`` rows of a finished `dtprobe run` side, in step order."""
+    from dtprobe.store import RunStore
+
+    steps_df = RunStore.open(out).table("steps")
+    return steps_df[steps_df["rank"] == 0].sort_values("step")
+
+
 def side_step_times(name: str, out: Path) -> list[float]:
     """Rank 0's step times (s) of a finished side."""
     if name == "plain":
         return json.loads(out.read_text())["step_s"]
-    from dtprobe.store import RunStore
-
-    steps_df = RunStore.open(out).table("steps")
-    leader = steps_df[steps_df["rank"] == 0].sort_values("step")
+    leader = _leader_steps(out)
     return ((leader["end_ns"] - leader["start_ns"]).astype("float64") / 1e9).tolist()
 
 
 def steps_window_ns(out: Path, skip: int) -> tuple[int, int]:
     """When rank 0's timed steps (after ``skip``) of a finished `dtprobe run` side began and ended (wall ns)."""
-    from dtprobe.store import RunStore
-
-    steps_df = RunStore.open(out).table("steps")
-    leader = steps_df[(steps_df["rank"] == 0) & (steps_df["step"] >= skip)]
-    return int(leader["start_ns"].min()), int(leader["end_ns"].max())
+    leader = _leader_steps(out)
+    timed = leader[leader["step"] >= skip]
+    return int(timed["start_ns"].min()), int(timed["end_ns"].max())
 
 
 class TreeThreadCpu:
@@ -758,10 +761,11 @@ def main() -> int:
     if args.pinned:
         sides = {side for case in cases for side in CASES[case][0]}
         usable = len(os.sched_getaffinity(0))
-        if len(sides) > usable or shutil.which("taskset") is None:
+        if len(sides) > usable:
             parser.error(f"--pinned runs each of the {len(sides)} sides of --cases {','.join(cases)} on cores of "
-                         f"its own, but {usable} cores are usable" if len(sides) > usable else
-                         "--pinned needs taskset (util-linux) on PATH")
+                         f"its own, but {usable} cores are usable")
+        if shutil.which("taskset") is None:
+            parser.error("--pinned needs taskset (util-linux) on PATH")
 
     from dtprobe.collectors.config import CollectConfig
 

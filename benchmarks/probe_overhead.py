@@ -29,8 +29,8 @@ alternated together:
 3. with `--flush-baseline S` (`flush`): the default telemetry against the same with `collect.flush_interval_s = S`
    (e.g. 1.0, flushing ten times less often): what the loss bound costs. Goal <= 1.01.
 
-Printed first, in this process and in a few seconds: the thread CPU time of the writer's flusher and the
-recorder's drain thread while rows arrive at a fixed rate (500 collectives/s, 1 in 50 left in flight for
+Printed first, in this process and in a few seconds: the thread CPU time of the recorder's drain thread (which
+also flushes the writer; its own flusher stops meanwhile) while rows arrive at a fixed rate (500 collectives/s, 1 in 50 left in flight for
 0.3 s so it is spilled to `pending`, 10 steps rows/s), at the default interval and at 1 s. Per-thread CPU
 clocks do not count time spent waiting for a core, so this figure holds on a loaded machine too.
 
@@ -218,7 +218,8 @@ def helper_thread_share(samples: list[tuple[int, dict[int, dict[int, int]]]], fi
     """The CPU share of one core that each worker's Python threads other than its main one took between the first
     and the last sample inside ``first_ns``..``last_ns`` (the steps timed), mean over the ``nproc`` workers (the
     processes that used the most CPU then); None with fewer than two samples inside. These are dtprobe's threads
-    (writer flusher, recorder drain, device sampler; the flusher of the steps rows runs on both sides) and any the
+    (recorder drain, which flushes the writer, and device sampler; with collectives off the writer's own flusher,
+    of the steps rows) and any the
     training's Python code starts."""
     inside = [(t, tree) for t, tree in samples if first_ns <= t <= last_ns]
     if len(inside) < 2:
@@ -267,7 +268,7 @@ def run_sides(commands: dict[str, list[str]], logs: Path, *, concurrent: bool,
 
 
 def bound_thread_cpu(run_dir: Path, *, interval_s: float, seconds: float = 3.0, rate_per_s: int = 500) -> float:
-    """Thread CPU seconds per wall second of the flusher and drain threads (see the module docstring, item 3)."""
+    """Thread CPU seconds per wall second of dtprobe's threads that flush rows (see the module docstring)."""
     import threading
     import time
 
@@ -277,7 +278,8 @@ def bound_thread_cpu(run_dir: Path, *, interval_s: float, seconds: float = 3.0, 
     writer = RankWriter(run_dir, 0, flush_interval_s=interval_s, autoflush=True)
     recorder = CollectiveRecorder()
     recorder.start(writer, flush_interval_s=interval_s)
-    threads = [writer._flusher, recorder._drainer]      # noqa: SLF001 - measuring our own threads
+    # noqa below: measuring our own threads; the writer has none while the drain thread flushes it
+    threads = [writer._flusher, recorder._drainer]  # noqa: SLF001
     clocks = [time.pthread_getcpuclockid(t.ident) for t in threads if isinstance(t, threading.Thread)]
     cpu0 = [time.clock_gettime(c) for c in clocks]
     t0 = time.monotonic()

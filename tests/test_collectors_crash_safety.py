@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -196,6 +197,43 @@ def test_drain_thread_gets_completed_and_pending_rows_to_disk_while_the_caller_i
         writer.close()
     assert [(r["seq"], "end_ns" in r) for r in _lines(coll)] == [(1, True), (2, False)]
     del stuck
+
+
+def test_the_drain_thread_flushes_the_writer_in_its_stead_and_gives_the_flushing_back(tmp_path, monkeypatch):
+    interval = 0.05
+    writer = RankWriter(tmp_path, 0, flush_interval_s=interval, autoflush=True)
+    steps = tmp_path / "events" / "steps" / "rank00000.jsonl"
+    recorder = CollectiveRecorder()
+    assert not writer.hand_over_flushing(2 * interval)        # a longer interval would loosen the loss bound
+    recorder.start(writer, flush_interval_s=interval, restart=0)
+    try:
+        assert writer._flusher is None and recorder._drainer.is_alive()   # one thread wakes per interval
+        writer.write("steps", {"step": 1})                     # a training-thread row, no collective
+        assert _wait_for_lines(steps, 1, timeout_s=5) < 5      # the drain tick got it out
+    finally:
+        recorder.stop()
+    assert writer._flusher is not None and writer._flusher.is_alive()
+    writer.write("steps", {"step": 2})                         # after stop: the writer's own flusher again
+    assert _wait_for_lines(steps, 2, timeout_s=5) < 5
+
+    # a drain thread that dies of an error gives the flushing back too
+    def broken_tick() -> int:
+        raise RuntimeError("broken tick")
+
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)    # the error is the point: not printed
+    recorder.start(writer, flush_interval_s=interval, restart=0)
+    try:
+        assert writer._flusher is None
+        monkeypatch.setattr(recorder, "tick", broken_tick)
+        recorder._drainer.join(timeout=5)
+        assert not recorder._drainer.is_alive()
+        writer.write("steps", {"step": 3})
+        assert _wait_for_lines(steps, 3, timeout_s=5) < 5
+    finally:
+        recorder.stop()
+        writer.close()
+    assert not writer.hand_over_flushing(interval)             # closed: nothing to hand over
+    assert [r["step"] for r in _lines(steps)] == [1, 2, 3]
 
 
 # ---------------------------------------------------------------------------------------------- API

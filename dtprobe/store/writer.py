@@ -33,7 +33,8 @@ class RankWriter:
     Rows are buffered and reach the OS (``write(2)``; no fsync: the page cache survives a killed process) at
     ``flush``/``close`` and every ``flush_interval_s``: with ``autoflush`` from a background thread, so a rank
     blocked in a collective or a long step still gets its rows out and a killed rank loses at most the rows of
-    its last ``flush_interval_s``; without it, from the caller's thread on the next ``write``. Each flush writes
+    its last ``flush_interval_s`` (a thread that flushes anyway, the collective recorder's, may take that over:
+    ``hand_over_flushing``); without it, from the caller's thread on the next ``write``. Each flush writes
     whole lines with one ``write`` call per table, so a rank killed mid-write leaves at most one torn last line,
     which the reader skips; ``schema.FLUSH_FIRST`` tables (``groups``) go first, so a row that names a group never
     reaches the OS before the group's row. Thread-safe.
@@ -51,11 +52,12 @@ class RankWriter:
         self._lock = threading.Lock()
         self._last_flush = time.monotonic()
         self._closed = False
+        self._autoflush = autoflush
         self._stop_flusher = threading.Event()
         self._flusher: threading.Thread | None = None
+        self._handed_over = False
         if autoflush:
-            self._flusher = threading.Thread(target=self._flush_loop, name=f"dtprobe-writer-{rank}", daemon=True)
-            self._flusher.start()
+            self._start_flusher()
 
     def write(self, table: str, row: dict[str, Any]) -> None:
         """Queue one row of ``table``; ``rank`` is filled in. Unknown tables or columns are programmer errors."""
@@ -91,7 +93,7 @@ class RankWriter:
             if self._closed:
                 return
             self._buffers.setdefault(table, []).append(lines)
-            if self._flusher is None and time.monotonic() - self._last_flush >= self.flush_interval_s:
+            if not self._autoflush and time.monotonic() - self._last_flush >= self.flush_interval_s:
                 self._flush_locked()
 
     def flush(self) -> None:
@@ -100,12 +102,32 @@ class RankWriter:
             if not self._closed:
                 self._flush_locked()
 
+    def hand_over_flushing(self, interval_s: float) -> bool:
+        """Stop the background flusher because the caller's own thread calls ``flush`` every ``interval_s`` from
+        now on (the collective recorder's drain tick, which flushes anyway): one thread waking per interval, not
+        two. True when handed over; False (nothing changes) without ``autoflush``, once closed, or when
+        ``interval_s`` is longer than ``flush_interval_s`` (the loss bound would grow). Undone by
+        ``take_back_flushing``."""
+        with self._lock:
+            if not self._autoflush or self._closed or self._handed_over or interval_s > self.flush_interval_s:
+                return False
+            self._handed_over = True
+        self._stop_background_flusher()
+        return True
+
+    def take_back_flushing(self) -> None:
+        """The caller stops flushing (``hand_over_flushing``): the background flusher runs again, unless closed."""
+        with self._lock:
+            if not self._handed_over:
+                return
+            self._handed_over = False
+            if self._closed:
+                return
+        self._start_flusher()
+
     def close(self) -> None:
         """Stop the background flusher, flush and close all files; later writes are dropped. Idempotent."""
-        self._stop_flusher.set()
-        flusher, self._flusher = self._flusher, None
-        if flusher is not None and flusher is not threading.current_thread():
-            flusher.join(timeout=10)
+        self._stop_background_flusher()
         with self._lock:
             if self._closed:
                 return
@@ -115,8 +137,20 @@ class RankWriter:
             self._files.clear()
             self._closed = True
 
-    def _flush_loop(self) -> None:
-        while not self._stop_flusher.wait(self.flush_interval_s):
+    def _start_flusher(self) -> None:
+        self._stop_flusher = threading.Event()
+        self._flusher = threading.Thread(target=self._flush_loop, args=(self._stop_flusher,),
+                                         name=f"dtprobe-writer-{self.rank}", daemon=True)
+        self._flusher.start()
+
+    def _stop_background_flusher(self) -> None:
+        self._stop_flusher.set()
+        flusher, self._flusher = self._flusher, None
+        if flusher is not None and flusher is not threading.current_thread():
+            flusher.join(timeout=10)
+
+    def _flush_loop(self, stop: threading.Event) -> None:
+        while not stop.wait(self.flush_interval_s) and not self._closed:
             self.flush()
 
     def _flush_locked(self) -> None:

@@ -5,13 +5,15 @@ the session's hung and restarted runs are checked in ``test_hang`` and ``test_re
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 import pytest
 
 from dtprobe.analysis.comm_steps import comm_by_rank, mean_comm_frac
 from dtprobe.analysis.facade import RunAnalysis
 from dtprobe.analysis.window import StepWindow
-from dtprobe.collectors.comm_summaries import StepSummaries
+from dtprobe.collectors.comm_summaries import StepSummaries, union_ns
+from dtprobe.intervals import union_length
 from dtprobe.store import RunStore
 
 from collector_fakes import ListWriter
@@ -42,6 +44,16 @@ def test_time_in_collectives_counts_overlaps_once():
     assert _comm_ns([(0, 10), (5, 20), (30, 40)]) == 30
     assert _comm_ns([(0, 100), (10, 20), (30, 40)]) == 100      # nested
     assert _comm_ns([(10, 20), (0, 10)]) == 20                   # touching, given out of order
+
+
+def test_the_drain_thread_s_union_equals_the_analysis_union_on_random_spans():
+    rng = np.random.default_rng(7)
+    for n in [1, 2, 3, 5, 20, 200]:
+        for _ in range(50):
+            starts = rng.integers(0, 1_000, n)
+            ends = starts + rng.integers(0, 300, n)          # zero-length spans too
+            spans = list(zip(starts.tolist(), ends.tolist()))
+            assert union_ns(spans) == union_length(starts, ends), spans
 
 
 def test_a_step_is_summarized_per_group_and_over_all_its_groups():

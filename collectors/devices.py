@@ -195,7 +195,8 @@ class RunQueueWait:
 
 
 class HostReader:
-    """This process's CPU share of the machine (0..1, all cores = 1), RSS, CPU time withheld by its cgroup's quota
+    """This process's CPU share of the machine (0..1, all cores = 1), its CPU time so far (``cpu_time_ns``: user +
+    system of all its threads since it started), RSS, CPU time withheld by its cgroup's quota
     (``cpu_throttled_ns``, ``CpuThrottle``), its main thread's time waiting for a CPU (``cpu_wait_ns``,
     ``RunQueueWait``), and the host's 1-minute load.
 
@@ -220,8 +221,9 @@ class HostReader:
         times = self.process.cpu_times()
         return times.user + times.system
 
-    def cpu_frac(self) -> float:
-        now, cpu = _boot_clock(), self._cpu_seconds()
+    def cpu_frac(self, cpu: float | None = None) -> float:
+        """The share over the window (class docstring); ``cpu``: the process's CPU seconds now, when just read."""
+        now, cpu = _boot_clock(), self._cpu_seconds() if cpu is None else cpu
         older, latest = self._refs
         if now - latest[0] >= self.MIN_WINDOW_S:
             ref, self._refs = latest, [latest, (now, cpu)]
@@ -239,9 +241,11 @@ class HostReader:
 
     def process_metrics(self) -> dict[str, Any]:
         with self.process.oneshot():
-            cpu_frac = self.cpu_frac()
+            cpu = self._cpu_seconds()
+            cpu_frac = self.cpu_frac(cpu)
             rss = self.process.memory_info().rss
-        row = {"cpu_frac": cpu_frac, "rss_bytes": int(rss), "load1": os.getloadavg()[0]}
+        row = {"cpu_frac": cpu_frac, "cpu_time_ns": int(round(cpu * 1e9)), "rss_bytes": int(rss),
+               "load1": os.getloadavg()[0]}
         throttled = self.throttle.read()
         if throttled is not None:
             row["cpu_throttled_ns"] = throttled

@@ -11,7 +11,7 @@ from dtprobe.store.errors import TraceError
 from dtprobe.store.frames import frame_from_rows
 
 
-def _findings(t: dict, **kw) -> list:
+def _findings(t: dict, detect: dict | None = None, **kw) -> list:
     skew = st.collective_skew(t["collectives"])
     lateness = st.rank_lateness(t["collectives"], t["steps"])
     lateness = lateness[lateness["step"] >= 1]          # warm-up step skipped, as the facade does
@@ -19,7 +19,8 @@ def _findings(t: dict, **kw) -> list:
     waits = st.collective_waits(t["collectives"], skew)
     causes = st.straggler_causes(scores, lateness, t["steps"], t.get("devices", pd.DataFrame()),
                                  blocked=st.blocked_outside_groups(t["collectives"], waits))
-    return st.detect_stragglers(scores, causes, links=st.linked_ranks(t["collectives"]), lateness=lateness)
+    return st.detect_stragglers(scores, causes, links=st.linked_ranks(t["collectives"]), lateness=lateness,
+                                **(detect or {}))
 
 
 def _coll(rows):
@@ -94,6 +95,50 @@ def test_straggler_cause_comes_from_phases_and_device_samples(phase, throttle, c
     f = _findings(dp_tables(straggler=3, delay_ms=15, phase=phase, throttle=throttle, num_steps=21))
     assert [x.ranks for x in f] == [(3,)]
     assert f[0].evidence["cause"] == cause
+
+
+def _busy(extra: float, steps: range, *, straggler: int = 3, peers: tuple = (0, 1, 2), base: float = 0.5,
+          ranks_with: tuple | None = None) -> pd.DataFrame:
+    """``cpu_busy_per_step`` rows: every rank uses ``base`` cores' worth per step, the straggler ``extra`` more."""
+    ranks = ranks_with if ranks_with is not None else (*peers, straggler)
+    return pd.DataFrame([{"rank": r, "step": s, "cpu_busy_frac": base + (extra if r == straggler else 0.0)}
+                         for r in ranks for s in steps])
+
+
+@pytest.mark.parametrize("extra,host_compute,off_cpu", [
+    (0.0, True, True),          # late with no more CPU than its peers: asleep, blocked
+    (0.01, True, True),
+    (None, True, None),         # the lateness share itself (filled in below): computing longer
+    (0.0, False, None),         # a GPU run: its host thread may sleep while its device is slow
+])
+def test_a_compute_straggler_that_used_no_more_cpu_than_its_peers_was_off_the_cpu(extra, host_compute, off_cpu):
+    t = dp_tables(straggler=3, delay_ms=15, phase="fwd", num_steps=21)
+    [plain] = _findings(t)
+    late = plain.evidence["mean_lateness_ms"] / plain.evidence["step_time_ms"]
+    if extra is None:
+        extra, off_cpu = late, (False if host_compute else None)
+    [f] = _findings(t, detect={"cpu_busy": _busy(extra, range(1, 21)), "host_compute": host_compute})
+    ev = f.evidence
+    assert (f.ranks, ev["cause"], ev["off_cpu"]) == ((3,), "compute", off_cpu)
+    assert ev["cpu_busy_frac"] == pytest.approx(0.5 + extra) and ev["peer_cpu_busy_frac"] == pytest.approx(0.5)
+    assert ("off the CPU" in f.title) == bool(off_cpu)
+    assert ("off the CPU" in f.recommendation) == bool(off_cpu)
+    if not off_cpu:
+        assert (f.title, f.recommendation) == (plain.title, plain.recommendation)
+
+
+def test_the_off_cpu_rule_needs_the_cpu_of_the_rank_and_a_peer_over_half_the_window():
+    t = dp_tables(straggler=3, delay_ms=15, phase="fwd", num_steps=21)
+    for busy in (_busy(0.0, range(15, 21)),                   # 6 of the window's 20 steps
+                 _busy(0.0, range(1, 21), ranks_with=(3,)),  # no peer
+                 None):
+        [f] = _findings(t, detect={"cpu_busy": busy, "host_compute": True})
+        assert (f.evidence["cpu_busy_frac"], f.evidence["off_cpu"]) == (None, None)
+        assert "off the CPU" not in f.recommendation
+    # a cause other than compute is never called off the CPU
+    [f] = _findings(dp_tables(straggler=3, delay_ms=15, phase="data", num_steps=21),
+                    detect={"cpu_busy": _busy(0.0, range(1, 21)), "host_compute": True})
+    assert (f.evidence["cause"], f.evidence["off_cpu"]) == ("data", None)
 
 
 @pytest.mark.parametrize("culprit,victim", [(2, 3), (3, 2), (0, 1), (1, 0)])

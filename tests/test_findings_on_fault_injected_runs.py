@@ -111,6 +111,28 @@ def test_the_readme_main_job_finds_its_injected_straggler(tmp_path, dtprobe_run)
     verdicts = [f for f in RunAnalysis.open(run).findings() if f.severity != "info"]
     assert [(f.code, f.ranks) for f in verdicts if f.code == "STRAGGLER"] == [("STRAGGLER", (2,))], verdicts
     assert not [f for f in verdicts if f.code in ("HANG", "RANK_CRASH", "RANK_STALL", "COLLECTIVE_MISMATCH")]
+    # it sleeps: late by most of its step while its process uses no more CPU than its peers', which the finding
+    # tells from the host samples (not from the injector's row) and says
+    [f] = [f for f in verdicts if f.code == "STRAGGLER"]
+    ev = f.evidence
+    assert ev["off_cpu"] is True and "off the CPU" in f.recommendation, (f.title, ev)
+    late = ev["mean_lateness_ms"] / ev["step_time_ms"]
+    assert ev["cpu_busy_frac"] - ev["peer_cpu_busy_frac"] < late / 3, ev
+
+
+@pytest.mark.exclusive
+def test_a_rank_that_computes_slower_is_not_called_off_the_cpu(tmp_path, dtprobe_run):
+    # the counterpart of the README's sleeping rank: rank 1 burns half its compute's CPU time again, so it is late
+    # by work it does on the CPU
+    run = dtprobe_run(tmp_path / "burn", "--nproc", "2", "--steps", "30", "--inject",
+                      "straggler:rank=1,slowdown=1.5")
+    stragglers = [f for f in RunAnalysis.open(run).findings() if f.code == "STRAGGLER"]
+    assert [f.ranks for f in stragglers] == [(1,)], stragglers
+    ev = stragglers[0].evidence
+    assert ev["cause"] == "compute" and ev["off_cpu"] is False, ev
+    late = ev["mean_lateness_ms"] / ev["step_time_ms"]
+    assert ev["cpu_busy_frac"] - ev["peer_cpu_busy_frac"] >= late / 3, ev
+    assert "off the CPU" not in stragglers[0].title + stragglers[0].recommendation
 
 
 def test_compression_report_against_a_baseline_run(tmp_path, dtprobe_run):

@@ -46,3 +46,26 @@ def test_real_reader_right_after_start_stays_within_one():
             pass
         values.append(host.process_metrics()["cpu_frac"])
     assert all(0 <= v <= 1 for v in values), max(values)
+
+
+def test_cpu_time_counts_every_thread_of_the_process():
+    # cpu_time_ns (the straggler finding's off-CPU check reads its growth per step): user + system of all threads,
+    # so work on another thread counts, and a sleep adds nothing
+    import threading
+
+    host = devices.HostReader()
+    before = host.process_metrics()["cpu_time_ns"]
+    time.sleep(0.3)
+    slept = host.process_metrics()["cpu_time_ns"] - before
+
+    def burn() -> None:
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < 0.3:
+            pass
+
+    worker = threading.Thread(target=burn)
+    start = host.process_metrics()["cpu_time_ns"]
+    worker.start()
+    worker.join()
+    burnt = host.process_metrics()["cpu_time_ns"] - start
+    assert slept < 0.1e9 and burnt >= 0.28e9, (slept, burnt)

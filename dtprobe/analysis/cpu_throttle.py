@@ -9,6 +9,9 @@
   another process or thread on its core, or withheld by its quota (the kernel counts both). The straggler finding
   reports it as evidence and names a shared core as the reason when it explains the rank's lateness and the quota
   does not.
+- ``cpu_time_ns`` (``HostReader``): the CPU time the rank's process used (all its threads). A rank late by its own
+  compute uses more CPU per step than its peers; one that is late while using no more was off the CPU (asleep,
+  blocked in I/O or a lock): the straggler finding of a run on CPU tells which.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ over the step's wall time (0 when never throttled; above 1 only for a cgroup thr
 WAIT_COLUMNS = ["rank", "step", "cpu_wait_frac"]
 """``cpu_wait_frac``: the time the rank's main thread waited for a CPU during the step, over the step's wall time
 (0..1)."""
+BUSY_COLUMNS = ["rank", "step", "cpu_busy_frac"]
+"""``cpu_busy_frac``: the CPU time the rank's process used during the step (all its threads) over the step's wall
+time: cores' worth, above 1 for a process computing on several cores at once."""
 
 
 def cpu_throttled_per_step(devices: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
@@ -36,6 +42,12 @@ def cpu_wait_per_step(devices: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFram
     ``cpu_wait_ns``). Empty when no sample carries the counter (no schedstat, an older run). Columns:
     ``WAIT_COLUMNS``."""
     return counter_per_step(devices, steps, "cpu_wait_ns", "cpu_wait_frac")
+
+
+def cpu_busy_per_step(devices: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
+    """Per (rank, step) inside the span the rank's samples cover: ``cpu_busy_frac`` (``counter_per_step`` of
+    ``cpu_time_ns``). Empty when no sample carries the counter (an older run). Columns: ``BUSY_COLUMNS``."""
+    return counter_per_step(devices, steps, "cpu_time_ns", "cpu_busy_frac")
 
 
 def counter_per_step(devices: pd.DataFrame, steps: pd.DataFrame, counter: str, name: str) -> pd.DataFrame:

@@ -328,6 +328,14 @@ class RunAnalysis:
             return None if per_step.empty else per_step
         return self._memo("cpu_wait", compute)
 
+    def cpu_busy(self) -> pd.DataFrame | None:
+        """Per (rank, step): the CPU time its process used over the step's wall time (``cpu_throttle``); None when
+        no rank's host sampler recorded it."""
+        def compute() -> pd.DataFrame | None:
+            per_step = _cpu_throttle.cpu_busy_per_step(self.table("devices"), self.completed_table("steps"))
+            return None if per_step.empty else per_step
+        return self._memo("cpu_busy", compute)
+
     def rank_stalls(self) -> pd.DataFrame:
         """Per (rank, step) where a rank stalled for seconds while its groups waited for it (late to a collective,
         or frozen inside one: ``rank_stalls.rank_stalls``); empty without aligned clocks (a trace folder)."""
@@ -394,7 +402,8 @@ class RunAnalysis:
             own_delay_ns=_pipeline_delay.median_own_delay(self.pipeline_own_delay()),
             slow_link_ranks=_links.slow_link_ranks(self.slow_links()),
             group_clock=self._group_clock(), stage_excess=self.pipeline_stage_excess(),
-            schedule_gain=self._schedule_gain) if self.info.clock_aligned else self.device_stragglers())
+            schedule_gain=self._schedule_gain, cpu_busy=self.cpu_busy(),
+            host_compute=self.info.device_name == "cpu") if self.info.clock_aligned else self.device_stragglers())
 
     def _schedule_gain(self, rank: int, first_step: int, last_step: int) -> float | None:
         # ns per step a pipelined rank costs the step by the schedule simulator (pipeline_delay.schedule_gain_ns)

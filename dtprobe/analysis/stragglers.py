@@ -127,6 +127,13 @@ CPU_WAIT_SHARE_OF_LATENESS = 0.5
 """... and that extra wait is at least this share of its median lateness (it explains the lateness, not a sliver
 of it)."""
 
+OFF_CPU_SHARE_OF_LATENESS = 1 / 3
+"""A straggler of a run on CPU (cause ``compute``, no quota or shared core to blame) was off the CPU when the CPU
+time its process used per step exceeded its peers' median, plus the time its main thread waited for a CPU beyond
+its peers', by less than this share of its lateness: a rank that computes longer uses about its lateness more (a
+slow core as well), one that sleeps, waits for a lock or for I/O uses none of it. On a GPU the host thread of a
+rank waiting for a slow device may sleep too: not judged there."""
+
 THROTTLE_MASK = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
 """NVML clock-throttle reasons that slow a GPU: SW power cap, HW slowdown, SW/HW thermal, power brake."""
 
@@ -1030,7 +1037,8 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
                       slow_link_ranks: dict[int, int] | None = None,
                       group_clock: dict[tuple[str, str], str] | None = None,
                       stage_excess: pd.DataFrame | None = None,
-                      schedule_gain: Callable[[int, int, int], float | None] | None = None) -> list[Finding]:
+                      schedule_gain: Callable[[int, int, int], float | None] | None = None,
+                      cpu_busy: pd.DataFrame | None = None, host_compute: bool = False) -> list[Finding]:
     """STRAGGLER for each rank whose median lateness over some window is at least ``min_lateness_frac`` of the step
     and which arrived after its peers' median in at least ``min_positive_frac`` of that window's steps (and the
     window has ``min_steps`` steps or more), or whose data+fwd time exceeds its peers' by that share in that
@@ -1068,7 +1076,11 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
     pipeline rules above are not applied. Predicted gain: the victims' mean wait per step time; for a pipelined
     rank, when ``schedule_gain`` (rank, first step, last step -> ns per step, ``pipeline_delay.schedule_gain_ns``,
     None where unknown) gives less over the window its stage was judged on, that: a wait the schedule does not put
-    on the step's critical path is not a gain. Critical when the gain is ``critical_wait_frac`` or more."""
+    on the step's critical path is not a gain. Critical when the gain is ``critical_wait_frac`` or more.
+    ``cpu_busy`` (``cpu_throttle.cpu_busy_per_step``): the rank's and its peers' CPU use per step over the window,
+    in evidence; with ``host_compute`` (the ranks compute on the CPU), a rank late by compute while its process used
+    no more CPU than its peers (``OFF_CPU_SHARE_OF_LATENESS``) is said to be off the CPU (``off_cpu``), with advice
+    to find what it waits for."""
     require_columns(scores, SCORE_COLUMNS, table="straggler_scores")
     if scores.empty:
         return []
@@ -1272,6 +1284,16 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
         severity = ("info" if cause == "communication" or how == "unconfirmed" else
                     "critical" if gain_frac >= critical_wait_frac else "warning")
         quota_held, core_shared = _cpu_quota_held(row), _core_shared(row)
+        busy, peer_busy = _busy_figures(cpu_busy, int(row.rank), members, int(row.window_first_step),
+                                        int(row.window_last_step))
+        late_frac = row.mean_lateness_ns / row.mean_step_ns if row.mean_step_ns else None
+        off_cpu = None
+        if host_compute and busy is not None and late_frac is not None and late_frac > 0 and cause == "compute" \
+                and not quota_held and not core_shared:
+            wait, peer_wait = (_opt_float(getattr(row, c, None)) for c in WAIT_SCORE_COLUMNS)
+            waited = max(0.0, wait - peer_wait) if wait is not None and peer_wait is not None else 0.0
+            off_cpu = bool(busy - peer_busy + waited < OFF_CPU_SHARE_OF_LATENESS * late_frac)
+        evidence.update(cpu_busy_frac=busy, peer_cpu_busy_frac=peer_busy, off_cpu=off_cpu)
         findings.append(Finding(
             code="STRAGGLER",
             severity=severity,
@@ -1293,6 +1315,9 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
                       if quota_held else "")
                    + (f"; its main thread waited for a CPU {row.cpu_wait_frac:.0%} of the time (its peers at most "
                       f"{row.peer_cpu_wait_frac:.0%})" if core_shared else "")
+                   + (f"; its process used {busy:.2f} cores' worth of CPU over the steps, its peers {peer_busy:.2f}: "
+                      f"it was off the CPU, neither computing nor waiting for a core, for most of its lateness"
+                      if off_cpu else "")
                    + _unconfirmed_phrase(stage_fig, how)
                    + (f"; its pipeline peer rank{'s' if len(pipeline_victims) > 1 else ''} "
                       f"{', '.join(map(str, pipeline_victims))} arrive{'' if len(pipeline_victims) > 1 else 's'} "
@@ -1301,7 +1326,7 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
                    + _schedule_phrase(wait_frac, sched_frac)),
             evidence=evidence,
             recommendation=_advice(cause, int(row.rank), cpu_quota=quota_held, core_shared=core_shared,
-                                   cpu_counted=_cpu_counted(row)),
+                                   cpu_counted=_cpu_counted(row), off_cpu=bool(off_cpu)),
             predicted_gain=PredictedGain(metric="step_time", frac=gain_frac),
             rows=evidence_rows,
         ))
@@ -1473,8 +1498,23 @@ def _opt_float(x) -> float | None:
     return None if x is None or pd.isna(x) else float(x)
 
 
+def _busy_figures(cpu_busy: pd.DataFrame | None, rank: int, members: list[int], first: int,
+                  last: int) -> tuple[float | None, float | None]:
+    """The rank's mean ``cpu_busy_frac`` over steps ``first``..``last`` and the median of its peers' (the other
+    ``members``) over the same steps; (None, None) unless the rank and a peer have it for at least half the steps."""
+    if cpu_busy is None or cpu_busy.empty:
+        return None, None
+    mine = cpu_busy[cpu_busy["step"].between(first, last) & cpu_busy["rank"].isin(members)]
+    enough = mine.groupby("rank")["cpu_busy_frac"].agg(["mean", "size"])
+    enough = enough[enough["size"] * 2 >= last - first + 1]["mean"]
+    peers = enough.drop(rank, errors="ignore")
+    if rank not in enough.index or peers.empty:
+        return None, None
+    return float(enough[rank]), float(peers.median())
+
+
 def _advice(cause: str, rank: int, *, cpu_quota: bool = False, core_shared: bool = False,
-            cpu_counted: bool = False) -> str:
+            cpu_counted: bool = False, off_cpu: bool = False) -> str:
     if cause == "compute" and cpu_quota:
         return (f"Rank {rank}'s CPU cgroup hits its CPU quota (the kernel throttles it for part of every period): "
                 f"raise or remove the CPU limit of its container (cpu.cfs_quota_us / cpu.max; Kubernetes "
@@ -1483,6 +1523,11 @@ def _advice(cause: str, rank: int, *, cpu_quota: bool = False, core_shared: bool
         return (f"Another process or thread runs on rank {rank}'s core and takes its CPU: find it (top -H, or "
                 f"ps -eLo pid,tid,psr,pcpu,comm for the core), move it off the cores the ranks use or stop it, and "
                 f"bind each rank to cores of its own (dtprobe run --cpu-bind auto, taskset or numactl).")
+    if cause == "compute" and off_cpu:
+        return (f"Rank {rank} is late without using more CPU than its peers: its process was off the CPU, not "
+                f"computing slower, waiting for something outside the collectives (a sleep, a lock, file or network "
+                f"I/O, another process). Find where its main thread waits (py-spy dump --pid <its pid>, or dtprobe "
+                f"run --profile-steps A-B) and take that wait out of the step.")
     if cause == "compute" and cpu_counted:
         return (f"Rank {rank} computes slower than its peers, and the kernel's counts do not explain it (no CPU "
                 f"quota held it back, and waiting for a CPU is not what makes it late): its core or device itself "

@@ -62,6 +62,7 @@ SCHEMAS: dict[str, dict[str, str]] = {
         "pcie_rx_bytes_per_s": "float64", "nvlink_tx_bytes_per_s": "float64",
         "nvlink_rx_bytes_per_s": "float64", "xid": "int64", "cpu_frac": "float64", "rss_bytes": "int64",
         "load1": "float64", "step": "int64", "cpu_throttled_ns": "int64", "cpu_wait_ns": "int64",
+        "cpu_time_ns": "int64",
     },
     "faults": {
         "rank": "int32", "time_ns": "int64", "step": "int64", "kind": "string", "injected": "boolean",

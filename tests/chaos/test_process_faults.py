@@ -168,6 +168,7 @@ def test_busy_process_on_one_ranks_core_makes_it_a_compute_straggler(run_dir, la
     ev = finding["evidence"]
     assert ev["cpu_wait_frac"] >= 0.4 and ev["peer_cpu_wait_frac"] < 0.1, ev
     assert "waited for a CPU" in finding["title"] and "Another process" in finding["recommendation"], finding
+    assert ev["off_cpu"] is None, ev          # its lost time is the hog's: not called off the CPU
 
 
 @pytest.mark.exclusive
@@ -193,6 +194,7 @@ def test_cpu_quota_of_one_rank_among_more_ranks_than_cores_makes_it_a_compute_st
     assert ev["cpu_throttled_frac"] >= 0.2 and ev["peer_cpu_throttled_frac"] == 0.0, ev
     assert ev["cpu_wait_frac"] is not None and ev["peer_cpu_wait_frac"] is not None, ev
     assert "CPU quota" in finding["recommendation"] and "waited for a CPU" not in finding["title"], finding
+    assert ev["off_cpu"] is None, ev          # the quota holds it back: not called off the CPU
 
 
 # ------------------------------------------------------------------------- checkpoint damaged before a restart

@@ -635,25 +635,28 @@ def test_dashboard_command_stops_its_server_when_sent_sigterm(tmp_path, free_por
             outer.wait(10)
 
 
-def test_devices_page_plots_the_cpu_time_each_rank_lost_per_step(tmp_path, monkeypatch):
+def test_devices_page_plots_the_cpu_time_each_rank_used_and_lost_per_step(tmp_path, monkeypatch):
     from dtprobe.synthetic import MS, T0, lockstep_tables, write_rows_run
 
     rows = lockstep_tables(world=2, num_steps=20, step_ms=100.0)
-    wait_share, throttle_share = {0: 0.04, 1: 0.4}, {0: 0.0, 1: 0.1}
+    wait_share, throttle_share, busy_share = {0: 0.04, 1: 0.4}, {0: 0.0, 1: 0.1}, {0: 1.5, 1: 0.5}
     for row in rows["devices"]:                 # the kernel's counters, growing at each rank's own rate
         elapsed = row["time_ns"] - T0
         row["cpu_wait_ns"] = 5 * MS + int(wait_share[row["rank"]] * elapsed)
         row["cpu_throttled_ns"] = int(throttle_share[row["rank"]] * elapsed)
+        row["cpu_time_ns"] = 20 * MS + int(busy_share[row["rank"]] * elapsed)
     at = app(write_rows_run(tmp_path / "lost_cpu", rows, world_size=2, status="finished"), monkeypatch)
     at.switch_page("views/devices.py").run()
     assert not at.exception, [e.message for e in at.exception]
     series = at.selectbox(key="devices_series")
     assert {"CPU throttled by its quota (share of the step)",
             "main thread waiting for a CPU (share of the step)"} <= set(series.options)
-    for column, share in (("cpu_wait_frac", wait_share), ("cpu_throttled_frac", throttle_share)):
+    for column, share, unit in (("cpu_wait_frac", wait_share, "share of the step"),
+                                ("cpu_throttled_frac", throttle_share, "share of the step"),
+                                ("cpu_busy_frac", busy_share, "cores' worth over the step")):
         series.set_value(column).run()
         chart = figures(at)["devices_series_chart"]
-        assert "share of the step" in chart["layout"]["title"]["text"]
+        assert unit in chart["layout"]["title"]["text"]
         got = {int(trace["name"].split()[-1]): _plotly_values(trace["y"]) for trace in chart["data"]}
         assert sorted(got) == [0, 1]
         for rank, values in got.items():

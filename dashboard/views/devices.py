@@ -1,5 +1,5 @@
-"""Devices: NVML (GPU) or host (CPU, RSS, load) series per rank on the step axis, the CPU time each rank lost per
-step (to its cgroup's quota, waiting for a core), and device health."""
+"""Devices: NVML (GPU) or host (CPU, RSS, load) series per rank on the step axis, the CPU time each rank used and
+lost per step (to its cgroup's quota, waiting for a core), and device health."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ SERIES = {
 PER_STEP = {
     "cpu_throttled_frac": "CPU throttled by its quota (share of the step)",
     "cpu_wait_frac": "main thread waiting for a CPU (share of the step)",
+    "cpu_busy_frac": "CPU its process used (cores' worth over the step)",
 }
 """Series the analysis derives per step from the host sampler's cumulative kernel counters."""
 
@@ -30,7 +31,8 @@ def body(source) -> None:
     sources = sorted(dev["source"].dropna().unique())
     if sources == ["host"]:
         st.caption("Host samples (CPU run or NVML unavailable): these are CPU figures, not GPU ones.")
-    per_step = {"cpu_throttled_frac": analysis.cpu_throttled(), "cpu_wait_frac": analysis.cpu_wait()}
+    per_step = {"cpu_throttled_frac": analysis.cpu_throttled(), "cpu_wait_frac": analysis.cpu_wait(),
+                "cpu_busy_frac": analysis.cpu_busy()}
     labels = {**SERIES, **PER_STEP}
     available = ([c for c in SERIES if dev[c].notna().any()]
                  + [c for c, frame in per_step.items() if frame is not None])

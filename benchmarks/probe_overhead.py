@@ -30,9 +30,10 @@ alternated together:
    (e.g. 1.0, flushing ten times less often): what the loss bound costs. Goal <= 1.01.
 
 Printed first, in this process and in a few seconds: the thread CPU time of the recorder's drain thread (which
-also flushes the writer; its own flusher stops meanwhile) while rows arrive at a fixed rate (500 collectives/s, 1 in 50 left in flight for
-0.3 s so it is spilled to `pending`, 10 steps rows/s), at the default interval and at 1 s. Per-thread CPU
-clocks do not count time spent waiting for a core, so this figure holds on a loaded machine too.
+also flushes the writer; its own flusher stops meanwhile) while rows arrive at a fixed rate (500 collectives/s, 1
+in 50 left in flight for 0.3 s so it is spilled to `pending`, 10 steps rows/s), at the default interval and at
+1 s. Per-thread CPU clocks do not count time spent waiting for a core, so this figure holds on a loaded machine
+too.
 
 4. many small collectives, on / off (`small`): a torchrun worker of this file (`--small-worker`) attached with the
    default telemetry against the same with `collectives=False, devices=False`, each step a small matmul and

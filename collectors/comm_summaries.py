@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+from dtprobe.intervals import union_of_spans
 
 ROW_POSITIONS = {"pg": 0, "num_bytes": 3, "step": 5, "enqueue_ns": 7, "end_ns": 9}
 """Positions of the columns read here in a tuple row (``pg_wrapper.ROW_COLUMNS``, which asserts them): numbers, so
@@ -60,25 +61,9 @@ class _Group:
         if self.first_enqueue is not None:
             out.update(first_enqueue_ns=self.first_enqueue, last_enqueue_ns=self.last_enqueue)
         if self.spans:
-            out.update(last_end_ns=max(end for _, end in self.spans), comm_ns=union_ns(self.spans),
+            out.update(last_end_ns=max(end for _, end in self.spans), comm_ns=union_of_spans(self.spans),
                        longest_ns=max(end - start for start, end in self.spans))
         return out
-
-
-def union_ns(spans: list[tuple[int, int]]) -> int:
-    """Length of the union of [start, end) ``spans`` (end >= start), as ``intervals.union_length``: in plain Python,
-    since a step holds a few spans and the drain thread wakes with cold caches, where numpy's per-call cost is
-    the larger one."""
-    total = 0
-    first = last = None
-    for start, end in sorted(spans):
-        if last is None or start > last:
-            if last is not None:
-                total += last - first
-            first, last = start, end
-        elif end > last:
-            last = end
-    return total if last is None else total + last - first
 
 
 class StepSummaries:

@@ -12,8 +12,8 @@ import pytest
 from dtprobe.analysis.comm_steps import comm_by_rank, mean_comm_frac
 from dtprobe.analysis.facade import RunAnalysis
 from dtprobe.analysis.window import StepWindow
-from dtprobe.collectors.comm_summaries import StepSummaries, union_ns
-from dtprobe.intervals import union_length
+from dtprobe.collectors.comm_summaries import StepSummaries
+from dtprobe.intervals import union_length, union_of_spans
 from dtprobe.store import RunStore
 
 from collector_fakes import ListWriter
@@ -53,7 +53,7 @@ def test_the_drain_thread_s_union_equals_the_analysis_union_on_random_spans():
             starts = rng.integers(0, 1_000, n)
             ends = starts + rng.integers(0, 300, n)          # zero-length spans too
             spans = list(zip(starts.tolist(), ends.tolist()))
-            assert union_ns(spans) == union_length(starts, ends), spans
+            assert union_of_spans(spans) == union_length(starts, ends), spans
 
 
 def test_a_step_is_summarized_per_group_and_over_all_its_groups():

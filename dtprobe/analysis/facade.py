@@ -315,26 +315,25 @@ class RunAnalysis:
     def cpu_throttled(self) -> pd.DataFrame | None:
         """Per (rank, step): the share of the step its CPU cgroup's quota held it back (``cpu_throttle``); None when
         no rank's host sampler read the kernel's throttle counter."""
-        def compute() -> pd.DataFrame | None:
-            per_step = _cpu_throttle.cpu_throttled_per_step(self.table("devices"), self.completed_table("steps"))
-            return None if per_step.empty else per_step
-        return self._memo("cpu_throttled", compute)
+        return self._host_counter("cpu_throttled", _cpu_throttle.cpu_throttled_per_step)
 
     def cpu_wait(self) -> pd.DataFrame | None:
         """Per (rank, step): the share of the step its main thread waited for a CPU (``cpu_throttle``); None when no
         rank's host sampler read the kernel's schedstat."""
-        def compute() -> pd.DataFrame | None:
-            per_step = _cpu_throttle.cpu_wait_per_step(self.table("devices"), self.completed_table("steps"))
-            return None if per_step.empty else per_step
-        return self._memo("cpu_wait", compute)
+        return self._host_counter("cpu_wait", _cpu_throttle.cpu_wait_per_step)
 
     def cpu_busy(self) -> pd.DataFrame | None:
         """Per (rank, step): the CPU time its process used over the step's wall time (``cpu_throttle``); None when
         no rank's host sampler recorded it."""
+        return self._host_counter("cpu_busy", _cpu_throttle.cpu_busy_per_step)
+
+    def _host_counter(self, key: str, per_step: Callable[[pd.DataFrame, pd.DataFrame], pd.DataFrame]
+                      ) -> pd.DataFrame | None:
+        # a host sampler counter per (rank, step) of the completed steps, memoized; None when no sample carries it
         def compute() -> pd.DataFrame | None:
-            per_step = _cpu_throttle.cpu_busy_per_step(self.table("devices"), self.completed_table("steps"))
-            return None if per_step.empty else per_step
-        return self._memo("cpu_busy", compute)
+            frame = per_step(self.table("devices"), self.completed_table("steps"))
+            return None if frame.empty else frame
+        return self._memo(key, compute)
 
     def rank_stalls(self) -> pd.DataFrame:
         """Per (rank, step) where a rank stalled for seconds while its groups waited for it (late to a collective,

@@ -220,8 +220,7 @@ def helper_thread_share(samples: list[tuple[int, dict[int, dict[int, int]]]], fi
     and the last sample inside ``first_ns``..``last_ns`` (the steps timed), mean over the ``nproc`` workers (the
     processes that used the most CPU then); None with fewer than two samples inside. These are dtprobe's threads
     (recorder drain, which flushes the writer, and device sampler; with collectives off the writer's own flusher,
-    of the steps rows) and any the
-    training's Python code starts."""
+    of the steps rows) and any the training's Python code starts."""
     inside = [(t, tree) for t, tree in samples if first_ns <= t <= last_ns]
     if len(inside) < 2:
         return None

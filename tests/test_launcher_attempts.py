@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -199,3 +200,52 @@ def test_first_failure_moves_to_the_rank_the_launcher_saw_exit_first_when_torchr
     (tied,) = read_attempts(log_dir, log, node_rank=0, nproc=2, final=True, exit_code=1, ended_ns=t0 + int(6e9),
                             observed={101: (t0 + int(4.8e9), -9), 100: (t0 + int(4.8e9), 1)})
     assert [r["rank"] for r in tied["ranks"] if r["first_failure"]] == [0]
+
+
+def _wait(condition, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {timeout_s:.0f} s for {what}"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("pidfds", [True, False], ids=["pidfd", "proc-polling"])
+def test_exit_watcher_sees_each_worker_exit_with_its_code_and_follows_a_restart(tmp_path, start_python, monkeypatch,
+                                                                                pidfds):
+    from dtprobe.runtime import attempts
+
+    if not pidfds:
+        monkeypatch.setattr(attempts, "_pidfd", lambda pid: None)
+    killed = start_python("import time; time.sleep(60)")
+    raised = start_python("import sys; sys.stdin.readline(); sys.exit(3)", stdin=subprocess.PIPE)
+    log_dir = tmp_path / "node0"
+    _attempt_dir(log_dir, 0, 0, rank=0, pid=killed.pid)
+    _attempt_dir(log_dir, 0, 1, rank=1, pid=raised.pid)
+    watcher = attempts.ExitWatcher(log_dir, interval_s=0.02, scan_interval_s=0.02)
+    scans = []
+    scan = watcher.scan
+    monkeypatch.setattr(watcher, "scan", lambda: scans.append(time.monotonic()) or scan())
+    watcher.start()
+    try:
+        _wait(lambda: len(watcher._known) == 2, "the watcher to read both workers' pids")
+        time.sleep(0.5)
+        seen_alive = len(scans)
+        assert watcher.observed() == {}
+        os.kill(killed.pid, signal.SIGKILL)
+        killed_ns = time.time_ns()
+        raised.stdin.write(b"go\n")
+        raised.stdin.flush()
+        _wait(lambda: len(watcher.observed()) == 2, "both exits")
+        observed = watcher.observed()
+        assert observed[killed.pid][1] == -9 and observed[raised.pid][1] == 3       # zombies: the test reaps them
+        assert observed[killed.pid][0] >= killed_ns
+        # every local rank had its pid and both lived: no scan for new workers until they exited
+        assert seen_alive == 1, scans
+        # a restart: the next attempt's worker is watched once the last one has exited
+        restarted = start_python("import sys; sys.exit(7)")
+        _attempt_dir(log_dir, 1, 0, rank=0, pid=restarted.pid)
+        _wait(lambda: restarted.pid in watcher.observed(), "the restarted worker's exit")
+        assert watcher.observed()[restarted.pid][1] == 7
+    finally:
+        watcher.stop()
+    assert not watcher._thread.is_alive()

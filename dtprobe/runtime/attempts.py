@@ -18,13 +18,13 @@ Sources (torch 2.13's elastic agent), most robust first:
 3. The ``ChildFailedError`` summary torchrun prints when it gives up (``Failures:`` ... ``Root Cause (first
    observed failure):``): global rank, local rank, exit code and pid of every failed worker of the last attempt.
 
-4. The launcher's own sight of its node's workers (``ExitWatcher``): every 50 ms it checks each worker pid of
-   the current attempt (from ``worker.json``) in ``/proc``; a worker that exited is a zombie until torchrun's
-   next monitor poll (every 0.5 s) reaps it, and ``/proc/<pid>/stat`` then holds its exit status. This gives
-   ``time_ns`` (first seen exited) to within one tick and the exit code of workers torchrun does not report.
+4. The launcher's own sight of its node's workers (``ExitWatcher``): it waits on a pidfd of each worker of the
+   current attempt (pid from ``worker.json``) and reads ``/proc`` as soon as one exits; a worker that exited is a
+   zombie until torchrun's next monitor poll (every 0.5 s) reaps it, and ``/proc/<pid>/stat`` then holds its exit
+   status. This gives ``time_ns`` (first seen exited) and the exit code of workers torchrun does not report.
 
-``first_failure`` is the rank torchrun reported, unless the watcher saw another rank of the attempt exit at an
-earlier tick while torchrun's choice was still alive, that rank not stopped by the agent and not exiting 0:
+``first_failure`` is the rank torchrun reported, unless the watcher saw another rank of the attempt exit
+earlier while torchrun's choice was still alive, that rank not stopped by the agent and not exiting 0:
 torchrun ranks failures by whole seconds (and by local rank within one), so a survivor that raised within the
 same second as a killed peer can be reported first.
 
@@ -37,7 +37,9 @@ events (``--event-log-handler``), emitted only once, for the final attempt.
 from __future__ import annotations
 
 import json
+import os
 import re
+import select
 import signal
 import threading
 import time
@@ -195,16 +197,25 @@ def proc_exit(pid: int) -> tuple[bool, int | None]:
 
 class ExitWatcher:
     """Watches the workers of this node's current attempt and notes when each exited and how (a thread of the
-    launcher; see the module docstring). ``observed()``: pid -> (time_ns first seen exited, exit code or None)."""
+    launcher; see the module docstring). ``observed()``: pid -> (time_ns first seen exited, exit code or None).
 
-    def __init__(self, log_dir: Path, *, interval_s: float = 0.05) -> None:
+    The thread sleeps in ``poll`` on a pidfd per worker (``os.pidfd_open``: readable once the process has exited),
+    so it wakes when a worker exits, not on a timer: it runs beside the ranks on their cores, and a poll loop's
+    wake-ups cost them CPU. It looks for new workers every ``scan_interval_s`` only until every local rank of the
+    newest attempt has written its pid, and again once none of them is alive (a restart brings a new attempt).
+    Without pidfds (another OS, an old kernel) it checks each worker in ``/proc`` every ``interval_s``."""
+
+    def __init__(self, log_dir: Path, *, interval_s: float = 0.05, scan_interval_s: float = 0.25) -> None:
         self.log_dir = log_dir
         self.interval_s = interval_s
+        self.scan_interval_s = scan_interval_s
         self._alive: set[int] = set()
         self._known: set[int] = set()
+        self._complete = False                            # every local rank of the newest attempt seen
         self._observed: dict[int, tuple[int, int | None]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()            # stop() writes a byte: the poll returns at once
         self._thread = threading.Thread(target=self._run, name="dtprobe-exit-watcher", daemon=True)
 
     def start(self) -> "ExitWatcher":
@@ -212,42 +223,97 @@ class ExitWatcher:
         return self
 
     def stop(self) -> None:
+        if self._stop.is_set():
+            return
         self._stop.set()
+        os.write(self._wake_w, b"x")
         self._thread.join(timeout=5)
         self.tick()                                       # a last look: exits since the last tick
+        if not self._thread.is_alive():
+            os.close(self._wake_r)
+            os.close(self._wake_w)
 
     def observed(self) -> dict[int, tuple[int, int | None]]:
         with self._lock:
             return dict(self._observed)
 
     def _run(self) -> None:
+        poller = select.poll()
+        poller.register(self._wake_r, select.POLLIN)
+        pidfds: dict[int, int] = {}                       # pidfd -> pid
+        polled: set[int] = set()                          # workers without a pidfd: checked every interval_s
         next_scan = 0.0
-        while not self._stop.wait(self.interval_s):
-            if time.monotonic() >= next_scan:             # new workers appear at most once per attempt
-                self.scan()
-                next_scan = time.monotonic() + 0.25
-            self.tick()
+        try:
+            while not self._stop.is_set():
+                scanning = not self._complete or not self._alive
+                if scanning and time.monotonic() >= next_scan:
+                    for pid in self.scan():
+                        fd = _pidfd(pid)
+                        if fd is None:
+                            polled.add(pid)
+                        else:
+                            pidfds[fd] = pid
+                            poller.register(fd, select.POLLIN)
+                    next_scan = time.monotonic() + self.scan_interval_s
+                    scanning = not self._complete or not self._alive
+                waits = ([max(0.0, next_scan - time.monotonic())] if scanning else []) + \
+                    ([self.interval_s] if polled else [])
+                ready = poller.poll(None if not waits else int(min(waits) * 1000) + 1)
+                exited = [pidfds[fd] for fd, _ in ready if fd in pidfds]
+                for fd in [fd for fd, _ in ready if fd in pidfds]:
+                    poller.unregister(fd)
+                    os.close(fd)
+                    del pidfds[fd]
+                self._check(exited + sorted(polled))
+                polled &= self._alive
+        finally:
+            for fd in pidfds:
+                os.close(fd)
 
-    def scan(self) -> None:
-        """Start watching the workers of the newest attempt that wrote their ``worker.json``."""
+    def scan(self) -> list[int]:
+        """Start watching the workers of the newest attempt that wrote their ``worker.json``; returns the pids
+        found new."""
         dirs = attempt_dirs(self.log_dir)
         if not dirs:
-            return
+            return []
+        new, complete = [], True
         for p in dirs[max(dirs)].iterdir():
-            info = _read_json(p / WORKER_FILE) if p.is_dir() else None
+            if not p.is_dir():
+                continue
+            info = _read_json(p / WORKER_FILE)
             pid = info.get("pid") if info else None
-            if isinstance(pid, int) and pid not in self._known:
+            if not isinstance(pid, int):
+                complete = False                          # this local rank's worker has not started yet
+            elif pid not in self._known:
                 self._known.add(pid)
                 self._alive.add(pid)
+                new.append(pid)
+        self._complete = complete
+        return new
 
     def tick(self) -> None:
+        """Check every worker still thought alive."""
+        self._check(sorted(self._alive))
+
+    def _check(self, pids: list[int]) -> None:
         now = time.time_ns()
-        for pid in list(self._alive):
+        for pid in pids:
+            if pid not in self._alive:
+                continue
             exited, code = proc_exit(pid)
             if exited:
                 self._alive.discard(pid)
                 with self._lock:
                     self._observed[pid] = (now, code)
+
+
+def _pidfd(pid: int) -> int | None:
+    """A pidfd of ``pid`` (readable once it has exited), None where there are none (not Linux >= 5.3) or the
+    process is already gone (the next check finds it exited)."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
 
 
 def read_attempts(log_dir: Path, torchrun_log: Path, *, node_rank: int, nproc: int, final: bool,
@@ -301,8 +367,8 @@ def read_attempts(log_dir: Path, torchrun_log: Path, *, node_rank: int, nproc: i
 
 def _correct_first_failure(ranks: list[dict[str, Any]], ev: _LogEvents,
                            observed: dict[int, tuple[int, int | None]]) -> None:
-    """Move ``first_failure`` to the rank the watcher saw exit first, when that was at a tick strictly before it
-    saw torchrun's choice exit (ranks the agent stopped and clean exits excluded; unseen exits change nothing)."""
+    """Move ``first_failure`` to the rank the watcher saw exit first, when it saw that one exit strictly before
+    torchrun's choice (ranks the agent stopped and clean exits excluded; unseen exits change nothing)."""
     chosen = [r for r in ranks if r["first_failure"]]
     seen = [r for r in ranks if r["pid"] in observed and r["pid"] not in ev.closed and r["exit_code"] != 0]
     if not chosen or not seen:
@@ -343,7 +409,7 @@ def _rank_entry(local_rank: int, info: dict[str, Any] | None, error: dict[str, s
     if exit_code == 0 and info:
         time_ns = time_ns or info.get("ended_ns")
     if seen is not None:
-        time_ns = seen[0]                                 # the launcher's own sight: within one 50 ms tick
+        time_ns = seen[0]                                 # the launcher's own sight of the exit
     if info is None and not first and summary is None and error is None and pid not in ev.closed:
         return None
     if info and info.get("rank") is not None:

@@ -185,7 +185,8 @@ def follow(proc: subprocess.Popen, run_dir: Path, console: Any, *, on_poll: Any 
     offset, done = 0, 0
     columns = (SpinnerColumn(), TextColumn("[progress.description]{task.description}"), TimeElapsedColumn(),
                TextColumn("{task.fields[info]}"))
-    with Progress(*columns, console=console, transient=False) as progress:
+    # Redrawn at each poll, not by rich's refresh thread (10 a second), which would wake on the ranks' cores.
+    with Progress(*columns, console=console, transient=False, auto_refresh=False) as progress:
         task = progress.add_task("optimizer steps: 0", total=None, info="starting workers")
         exited = False
         while not exited:
@@ -199,6 +200,7 @@ def follow(proc: subprocess.Popen, run_dir: Path, console: Any, *, on_poll: Any 
                 if row.get("loss") is not None:
                     info += f"  loss {row['loss']:.3f}"
                 progress.update(task, description=f"optimizer steps: {done}", info=info)
+            progress.refresh()
 
 
 __all__ = ["LAUNCH_FILE", "LaunchResult", "LaunchTarget", "launch", "launch_spec", "prepare", "script_exit_code", "torchrun_command"]

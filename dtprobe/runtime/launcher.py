@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -219,7 +220,8 @@ def _follow(proc: subprocess.Popen, job: JobConfig, console: object, *, rank: in
     offset, done, loss = 0, 0, float("nan")
     columns = (TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn(), TextColumn("{task.fields[info]}"))
-    with Progress(*columns, console=console, transient=False) as progress:
+    # Redrawn at each poll, not by rich's refresh thread (10 a second), which would wake on the ranks' cores.
+    with Progress(*columns, console=console, transient=False, auto_refresh=False) as progress:
         task = progress.add_task("steps", total=job.train.steps, info="starting workers")
         exited = False
         while not exited:
@@ -232,15 +234,27 @@ def _follow(proc: subprocess.Popen, job: JobConfig, console: object, *, rank: in
                 loss = row["loss"] if row.get("loss") is not None else loss
                 step_ms = (row["end_ns"] - row["start_ns"]) / 1e6
                 progress.update(task, completed=done, info=f"loss {loss:.3f}  {step_ms:.0f} ms/step")
+            progress.refresh()
 
 
 def wait_exit(proc: subprocess.Popen, wait_s: float) -> bool:
-    """Whether ``proc`` has exited, waiting up to ``wait_s`` for it: a poll that returns as soon as it exits."""
-    try:
-        proc.wait(timeout=wait_s)
+    """Whether ``proc`` has exited, waiting up to ``wait_s`` for it: returns as soon as it exits. Sleeps on a
+    pidfd where there is one: ``Popen.wait(timeout)`` polls every few ms, waking on the ranks' cores."""
+    if proc.poll() is not None:
         return True
-    except subprocess.TimeoutExpired:
-        return False
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):          # no pidfds (not Linux >= 5.3)
+        try:
+            proc.wait(timeout=wait_s)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+    try:
+        select.select([fd], [], [], wait_s)
+    finally:
+        os.close(fd)
+    return proc.poll() is not None
 
 
 def new_rows(path: Path, offset: int) -> tuple[list[dict], int]:

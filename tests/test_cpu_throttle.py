@@ -244,6 +244,44 @@ def test_throttling_without_lateness_or_shared_by_every_peer_names_nobody():
     assert _findings(_lateness(_bursty(n, first, seed=2)), both) == []     # one limit for the whole pod
 
 
+def _last_among_scattered_peers(n: int, first: int, *, late_every: int | None = None) -> dict[int, list[float]]:
+    """Four ranks whose peers scatter widely (lateness -0.25, 0 and +0.25 of the step, taking turns); from step
+    ``first`` rank 1 is later than the group's median in every step (``late_every`` None: by 6% of the step), or
+    in all but every ``late_every``-th step (by 12%, and 5% early in the others). Its excess is steady, but so small
+    against the peers' spread that its t stays near 1."""
+    out: dict[int, list[float]] = {r: [] for r in range(4)}
+    for i in range(n):
+        turn = np.roll([-0.25, 0.0, 0.25], i)
+        for r, x in zip((0, 2, 3), turn):
+            out[r].append(float(x))
+        if i < first:
+            out[1].append(0.0)
+        elif late_every is None:
+            out[1].append(0.12)                   # median of (-0.25, 0, 0.12, 0.25) is 0.06: its excess 0.06
+        else:
+            out[1].append(-0.1 if i % late_every == 0 else 0.24)   # excess -0.05 or 0.12
+    return out
+
+
+def test_a_throttled_rank_later_than_its_group_in_nearly_every_step_is_named_though_its_t_is_low():
+    n, first = 40, 10
+    held = _throttled({0: [0.0] * n, 1: [0.0] * first + [0.3] * (n - first), 2: [0.0] * n, 3: [0.0] * n})
+    lateness = _lateness(_last_among_scattered_peers(n, first))
+    assert _findings(lateness, None) == []                      # the other views do not name it
+    (f,) = _findings(lateness, held)
+    ev = f.evidence
+    assert f.ranks == (1,) and ev["detected_by"] == "cpu_throttle" and ev["cause"] == "compute"
+    assert ev["excess_t"] < st.MIN_THROTTLED_T                  # the t alone would not name it
+    assert ev["excess_positive_frac"] >= st.MIN_THROTTLED_POSITIVE_FRAC and ev["mean_excess_frac"] >= 0.05
+    assert first < ev["detected_at_step"] <= first + 20
+    # later than its group in only 2 of 3 steps, at the same mean excess and t: a quota'd rank with slack
+    sometimes = _lateness(_last_among_scattered_peers(n, first, late_every=3))
+    scores = st.straggler_scores(sometimes, cpu_throttled=held).set_index("rank").loc[1]
+    assert scores["mean_excess_frac"] >= 0.05 and scores["excess_t"] < st.MIN_THROTTLED_T
+    assert scores["excess_positive_frac"] < st.MIN_THROTTLED_POSITIVE_FRAC
+    assert _findings(sometimes, held) == []
+
+
 def test_scores_carry_the_throttle_columns_only_when_given():
     lateness = _lateness(_bursty(30, 5, seed=3))
     assert "cpu_throttled_frac" not in st.straggler_scores(lateness)

@@ -239,7 +239,8 @@ def _follow(proc: subprocess.Popen, job: JobConfig, console: object, *, rank: in
 
 def wait_exit(proc: subprocess.Popen, wait_s: float) -> bool:
     """Whether ``proc`` has exited, waiting up to ``wait_s`` for it: returns as soon as it exits. Sleeps on a
-    pidfd where there is one: ``Popen.wait(timeout)`` polls every few ms, waking on the ranks' cores."""
+    pidfd where there is one: ``Popen.wait(timeout)`` polls, sleeping at most 50 ms at a time, and each wake-up
+    can take a rank's core."""
     if proc.poll() is not None:
         return True
     try:

@@ -215,7 +215,7 @@ def test_exit_watcher_sees_each_worker_exit_with_its_code_and_follows_a_restart(
     from dtprobe.runtime import attempts
 
     if not pidfds:
-        monkeypatch.setattr(attempts, "_pidfd", lambda pid: None)
+        monkeypatch.setattr(attempts, "open_pidfd", lambda pid: None)
     killed = start_python("import time; time.sleep(60)")
     raised = start_python("import sys; sys.stdin.readline(); sys.exit(3)", stdin=subprocess.PIPE)
     log_dir = tmp_path / "node0"

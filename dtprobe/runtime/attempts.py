@@ -248,7 +248,7 @@ class ExitWatcher:
                 scanning = not self._complete or not self._alive
                 if scanning and time.monotonic() >= next_scan:
                     for pid in self.scan():
-                        fd = _pidfd(pid)
+                        fd = open_pidfd(pid)
                         if fd is None:
                             polled.add(pid)
                         else:
@@ -307,9 +307,9 @@ class ExitWatcher:
                     self._observed[pid] = (now, code)
 
 
-def _pidfd(pid: int) -> int | None:
-    """A pidfd of ``pid`` (readable once it has exited), None where there are none (not Linux >= 5.3) or the
-    process is already gone (the next check finds it exited)."""
+def open_pidfd(pid: int) -> int | None:
+    """A pidfd of ``pid`` (readable once it has exited; the caller closes it), None where there are none (not
+    Linux >= 5.3) or the process is already gone (the next check finds it exited)."""
     try:
         return os.pidfd_open(pid)
     except (AttributeError, OSError):

@@ -43,7 +43,7 @@ from typing import Callable
 
 import orjson
 
-from dtprobe.runtime.attempts import ExitWatcher, attempt_dirs, read_attempts
+from dtprobe.runtime.attempts import ExitWatcher, attempt_dirs, open_pidfd, read_attempts
 from dtprobe.runtime.config import WORKER_START_ENV, JobConfig
 from dtprobe.runtime.parallel.mesh import loss_rank
 from dtprobe.store import manifest as store_manifest
@@ -243,9 +243,8 @@ def wait_exit(proc: subprocess.Popen, wait_s: float) -> bool:
     can take a rank's core."""
     if proc.poll() is not None:
         return True
-    try:
-        fd = os.pidfd_open(proc.pid)
-    except (AttributeError, OSError):          # no pidfds (not Linux >= 5.3)
+    fd = open_pidfd(proc.pid)
+    if fd is None:                             # no pidfds (not Linux >= 5.3), or it has just exited
         try:
             proc.wait(timeout=wait_s)
             return True

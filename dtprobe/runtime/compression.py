@@ -107,10 +107,13 @@ class CompressionHook:
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.step: int | None = None
-        """Set by ``set_step``; when never set, the probe's current step (``dtprobe.collectors.pg_wrapper.RECORDER``)."""
+        """Set by ``set_step``; when never set, the probe's current step
+        (``dtprobe.collectors.pg_wrapper.RECORDER``)."""
         self._record = record or (lambda table, row: None)
         self._residuals: dict[int, torch.Tensor] = {}
         self._qs: dict[int, list[torch.Tensor]] = {}
+        self._layouts: dict[int, tuple] = {}
+        """Bucket index -> the parameters its memory (residual, PowerSGD's Q) was laid out for (``_layout``)."""
         self._reduce = {"fp16": self._cast, "bf16": self._cast, "topk": self._topk,
                         "signsgd": self._signsgd, "powersgd": self._powersgd}[config.method]
 
@@ -119,20 +122,30 @@ class CompressionHook:
 
     def __call__(self, bucket: dist.GradBucket) -> torch.Tensor:
         """All-reduce (average) ``bucket`` in place through the method; returns the averaged buffer."""
-        buf = bucket.buffer()
-        stats = self._reduce(bucket.index(), buf, bucket.gradients())
+        buf, index = bucket.buffer(), bucket.index()
+        layout = _layout(bucket)
+        if self._layouts.get(index) != layout:
+            # The first step, or DDP rebuilt its buckets (after the first step it regroups the parameters in the
+            # order their gradients became ready): this index may now hold other parameters or the same ones in
+            # another order, even at the same size, so the memory laid out for the old ones would be added to the
+            # wrong gradients (and PowerSGD's Q would not fit them). It starts again from zero.
+            self._layouts[index] = layout
+            self._residuals.pop(index, None)
+            self._qs.pop(index, None)
+        stats = self._reduce(index, buf, bucket.gradients())
         self._record("compression", {
-            "step": self.step if self.step is not None else _probe_step(), "bucket": int(bucket.index()), "method": self.config.spec,
+            "step": self.step if self.step is not None else _probe_step(), "bucket": int(index),
+            "method": self.config.spec,
             "raw_bytes": buf.numel() * buf.element_size(), "sent_bytes": stats.sent_bytes,
             "encode_ns": stats.encode_ns, "decode_ns": stats.decode_ns, "residual_norm": stats.residual_norm})
         return buf
 
     # --- error feedback memory
     def _residual(self, index: int, buf: torch.Tensor) -> torch.Tensor:
+        """The bucket's error-feedback memory (zeros when its layout is new: ``__call__``)."""
         res = self._residuals.get(index)
-        if res is None or res.numel() != buf.numel():   # first step (one big bucket) or buckets rebuilt
+        if res is None:
             res = self._residuals[index] = torch.zeros_like(buf)
-            self._qs.pop(index, None)
         return res
 
     # --- methods: each averages buf in place and reports its own encode/decode time
@@ -257,6 +270,11 @@ def register_compression(ddp_model: Any, config: CompressionConfig, *, process_g
     state = CompressionHook(config, process_group=process_group, record=record)
     ddp_model.register_comm_hook(state, _compression_hook)
     return state
+
+
+def _layout(bucket: Any) -> tuple:
+    """Which parameters a bucket holds, in order: each one's address and shape."""
+    return tuple((p.data_ptr(), tuple(p.shape)) for p in bucket.parameters())
 
 
 def _probe_step() -> int:

@@ -103,6 +103,25 @@ def test_a_call_at_a_step_boundary_numbered_one_step_apart_is_no_mismatch():
     assert collective_mismatches(f["collectives"], f["steps"]).empty
 
 
+
+def test_calls_of_another_thread_numbered_with_a_later_step_are_no_skip():
+    # an asynchronous checkpoint's collectives (the same three calls on every member at each save) are issued by a
+    # thread of their own: rank 0's training thread sometimes moved on to the next step before its third call, so
+    # rank 0 made fewer calls than rank 1 in step k and more in step k + 1, the same number over both
+    rows = {"collectives": []}
+    seq = 0
+    for save, k in enumerate((2, 5, 8)):
+        for i, (op, size) in enumerate((("allgather", 16), ("gather", 4096), ("broadcast", 8))):
+            seq += 1
+            for r in range(2):
+                step = k + 1 if (r == 0 and i == 2 and save != 1) else k
+                t = T0 + (k * 100 + 20 * i + r) * MS
+                rows["collectives"].append({"rank": r, "pg": "ckpt", "pg_ranks": "0,1", "pg_size": 2, "seq": seq,
+                                            "op": op, "num_bytes": size, "dtype": "int64", "enqueue_ns": t,
+                                            "end_ns": t + 5 * MS, "step": step, "restart": 0})
+    f = frames(rows)
+    assert collective_mismatches(f["collectives"], f["steps"]).empty
+
 def test_a_clean_run_has_no_mismatch():
     f = frames(lockstep_tables(world=4, num_steps=8))
     assert collective_mismatches(f["collectives"], f["steps"]).empty

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Callable
 
+import numpy as np
 import pandas as pd
 
 from dtprobe.analysis.arrivals import ATTEMPT_SEQ_STRIDE
@@ -135,8 +136,12 @@ def _shift(calls: dict[int, pd.DataFrame], odd: list[int], normal: list[int], s:
 
 
 def _skipper(calls: dict[int, pd.DataFrame], at: dict) -> list[int] | None:
-    """With the same calls at a seq but different steps: the rank(s) that made fewer calls than the others in
-    some earlier step every member has rows around (they skipped one, so they run ahead), or None."""
+    """With the same calls at a seq but different steps: the rank(s) that made fewer calls than the others by the
+    end of some earlier step every member has rows around, and stayed behind at the end of every later such step,
+    of which there is at least one (they skipped one, so they run ahead: their count never catches up), or None.
+    A member whose calls are only numbered with another step (issued from another thread, as an asynchronous
+    checkpoint's are, while its training thread moved on) is behind at one step's end and even again at the next
+    (at the last step, nothing shows which it is: no verdict)."""
     per_step = {r: d[d["step"].notna()].groupby("step").size() for r, d in calls.items() if r in at}
     if any(c.empty for c in per_step.values()):
         return None
@@ -144,11 +149,18 @@ def _skipper(calls: dict[int, pd.DataFrame], at: dict) -> list[int] | None:
     # only the steps every member has rows on both sides of (a member numbering its steps from 1 is no skip)
     lo = max(int(c.index.min()) for c in per_step.values())
     hi = min(int(c.index.max()) for c in per_step.values())
-    for step in range(lo, min(hi, ahead - 1) + 1):
-        n = {r: int(c.get(step, 0)) for r, c in per_step.items()}
-        if len(set(n.values())) > 1:
-            most = max(n.values())
-            return sorted(r for r, k in n.items() if k < most)
+    if hi <= lo:
+        return None
+    # per member and step from lo to hi: its calls from lo to the end of that step, fewer than another member's?
+    ranks = sorted(per_step)
+    done = np.array([c.reindex(range(lo, hi + 1), fill_value=0).to_numpy().cumsum() for c in
+                     (per_step[r] for r in ranks)])
+    behind = done < done.max(axis=0)
+    # behind at a step's end and at the end of every later step up to hi (reversed cumulative "and")
+    stays = np.logical_and.accumulate(behind[:, ::-1], axis=1)[:, ::-1]
+    for i in range(min(hi - 1, ahead - 1) - lo + 1):     # a later step to see it stay behind at
+        if stays[:, i].any():
+            return [r for r, k in zip(ranks, stays[:, i]) if k]
     return None
 
 

@@ -7,9 +7,10 @@ in flight to the drain queue in two steps, so one drain may see it in neither: t
 ``rest`` gives what is left. Summaries of what the rank knows alone: counts, bytes, its own first and last enqueue,
 last completion, the union of its collectives' spans (``comm_ns``) and the longest one, per group, and over all
 groups (``pg`` left out) when the step used two or more; the row over the whole step (that one, or a one-group
-step's group row) says ``all_groups``. Cross-rank figures (lateness, waits) are the analysis' derived tables, made
-from the raw rows at compaction and per step by a live reader. ``tests/comm_summary_checks.py`` holds the rows
-equal to the raw rows' aggregates on recorded runs.
+step's group row) says ``all_groups``. A checkpoint group's collectives (``schema.is_checkpoint_group``) run beside
+the steps: they get their group's row and are in no ``all_groups`` row. Cross-rank figures (lateness, waits) are
+the analysis' derived tables, made from the raw rows at compaction and per step by a live reader.
+``tests/comm_summary_checks.py`` holds the rows equal to the raw rows' aggregates on recorded runs.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from dtprobe.intervals import union_of_spans
+from dtprobe.store.schema import is_checkpoint_group
 
 ROW_POSITIONS = {"pg": 0, "num_bytes": 3, "step": 5, "enqueue_ns": 7, "end_ns": 9}
 """Positions of the columns read here in a tuple row (``pg_wrapper.ROW_COLUMNS``, which asserts them): numbers, so
@@ -101,7 +103,8 @@ class StepSummaries:
             groups = steps.get(step)
             if groups is None:
                 groups = steps[step] = {}
-            for key in (pg, None):       # the group's row and the all-groups row
+            # the group's row and the all-groups row (not a checkpoint group's: it runs beside the steps)
+            for key in (pg,) if is_checkpoint_group(pg) else (pg, None):
                 group = groups.get(key)
                 if group is None:
                     group = groups[key] = _Group()
@@ -127,11 +130,11 @@ class StepSummaries:
         out = []
         for step in steps:
             groups = self._steps.pop(step)
-            total = groups.pop(None)
-            with_total = len(groups) > 1 or step in self._with_total
-            out += [group.row(step, self.restart, pg, all_groups=not with_total)
+            total = groups.pop(None, None)
+            with_total = sum(not is_checkpoint_group(pg) for pg in groups) > 1 or step in self._with_total
+            out += [group.row(step, self.restart, pg, all_groups=not with_total and not is_checkpoint_group(pg))
                     for pg, group in sorted(groups.items(), key=_by_name)]
-            if with_total:
+            if with_total and total is not None:
                 out.append(total.row(step, self.restart, None, all_groups=True))
                 self._with_total.add(step)
         if len(self._with_total) > 2 * _LATE_STEPS:     # a late row comes a drain or two after its step's rows

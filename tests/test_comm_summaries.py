@@ -111,6 +111,18 @@ def test_a_collective_completed_after_its_step_was_written_gives_a_second_row_th
     assert comm_by_rank(rows, steps, step_ids=[3])["comm_ns"].tolist() == [400.0]
 
 
+
+def test_a_checkpoint_group_gets_its_own_rows_and_is_in_no_all_groups_row():
+    s = StepSummaries()
+    s.add([_tuple("dp", 4, 100, 200), _tuple("ckpt", 4, 150, 900),       # an async save's call beside the step
+           _tuple("tp", 5, 300, 400), _tuple("dp", 5, 350, 500), _tuple("ckpt#2", 5, 320, 800),
+           _tuple("ckpt", 6, 600, 700)])                                 # a step with the save's calls alone
+    s.end_step(6)
+    rows = [(r["step"], r.get("pg"), r.get("all_groups", False), r["comm_ns"]) for r in _drain_twice(s)]
+    assert rows == [(4, "ckpt", False, 750), (4, "dp", True, 100),
+                    (5, "ckpt#2", False, 480), (5, "dp", False, 150), (5, "tp", False, 100), (5, None, True, 200),
+                    (6, "ckpt", False, 100)]
+
 def test_rest_gives_every_step_still_held_at_close():
     s = StepSummaries()
     s.add([_tuple("dp", 7, 100, 200), _tuple("dp", 8, 300)])   # step 8 never ended: the job stopped in it
@@ -151,30 +163,61 @@ def test_the_recorder_writes_a_step_s_summaries_once_the_step_ended_and_its_coll
 # ------------------------------------------------------------------------------------------- recorded runs
 
 
+def _recorded(tmp_path_factory, run_cli, name: str, *flags: str):
+    """A clean tiny ``dtprobe run`` with ``flags`` into a folder ``name``."""
+    run_dir = tmp_path_factory.mktemp("comm_summaries") / name
+    proc = run_cli("run", "--run-dir", run_dir, "--no-devices", "--timeout", "120", *flags, "--batch-size", "2",
+                   "--seq-len", "16", timeout_s=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
 @pytest.fixture(scope="module")
 def tp_run(tmp_path_factory, run_cli):
     """A clean dp2 x tp2 ``dtprobe run``: two groups per rank, DDP's all-reduces completing through their futures
     on dp, tensor parallelism's blocking collectives on tp."""
-    run_dir = tmp_path_factory.mktemp("comm_summaries") / "dp2xtp2"
-    proc = run_cli("run", "--run-dir", run_dir, "--no-devices", "--timeout", "120", "--nproc", "4", "--dp", "2",
-                   "--tp", "2", "--steps", "8", "--batch-size", "2", "--seq-len", "16", timeout_s=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return run_dir
+    return _recorded(tmp_path_factory, run_cli, "dp2xtp2", "--nproc", "4", "--dp", "2", "--tp", "2", "--steps", "8")
+
+
+@pytest.fixture(scope="module")
+def async_ckpt_run(tmp_path_factory, run_cli):
+    """A clean dp2 ``dtprobe run`` saving every 3 steps with ``--ckpt-async``: the saves' collectives on the
+    ``ckpt`` group, from a thread beside the training steps."""
+    return _recorded(tmp_path_factory, run_cli, "async_ckpt", "--nproc", "2", "--steps", "12", "--ckpt-every", "3",
+                     "--ckpt-async")
+
+
+def _comm_share_of_summaries_and_rows(run_dir) -> tuple[RunAnalysis, pd.DataFrame]:
+    """The run's analysis, and its per-rank communication share from the summaries, held equal to the one the
+    analysis derives from the raw rows."""
+    analysis = RunAnalysis.open(run_dir)
+    from_summaries = comm_by_rank(analysis.table("comm_steps"), analysis.table("steps"),
+                                  step_ids=analysis.steps_analyzed())
+    from_rows = analysis.exposure_by_rank()
+    assert from_summaries["rank"].tolist() == from_rows["rank"].tolist()
+    assert from_summaries["comm_frac"].to_numpy() == pytest.approx(from_rows["comm_frac"].to_numpy(), rel=1e-9)
+    return analysis, from_summaries
 
 
 @pytest.mark.multiproc
 def test_summaries_equal_the_raw_rows_and_give_the_analysis_communication_share_on_a_tp_run(tp_run):
     summaries = assert_summaries_equal_raw_rows(tp_run)
     assert set(summaries["pg"].dropna()) == {"dp", "tp"}
-    analysis = RunAnalysis.open(tp_run)
-    from_summaries = comm_by_rank(analysis.table("comm_steps"), analysis.table("steps"),
-                                  step_ids=analysis.steps_analyzed())
-    from_rows = analysis.exposure_by_rank()
-    assert from_summaries["rank"].tolist() == from_rows["rank"].tolist() == [0, 1, 2, 3]
-    assert from_summaries["comm_frac"].to_numpy() == pytest.approx(from_rows["comm_frac"].to_numpy(), rel=1e-9)
+    analysis, from_summaries = _comm_share_of_summaries_and_rows(tp_run)
+    assert from_summaries["rank"].tolist() == [0, 1, 2, 3]
     assert 0.0 < analysis.key_figures().comm_frac < 1.0
     assert analysis.key_figures().comm_frac == pytest.approx(mean_comm_frac(from_summaries))
 
+
+@pytest.mark.multiproc
+def test_an_async_checkpoint_group_is_summarized_apart_and_counts_in_no_step_figure(async_ckpt_run):
+    summaries = assert_summaries_equal_raw_rows(async_ckpt_run)
+    assert set(summaries["pg"].dropna()) == {"world", "ckpt"}
+    analysis, from_summaries = _comm_share_of_summaries_and_rows(async_ckpt_run)
+    assert from_summaries["rank"].tolist() == [0, 1]
+    assert set(analysis.rank_lateness()["pg"]) == {"world"}
+    verdicts = [f for f in analysis.findings() if f.code in ("STRAGGLER", "COLLECTIVE_MISMATCH", "HANG")]
+    assert verdicts == [], verdicts
 
 def test_a_live_page_reads_the_communication_share_from_the_summaries_and_leaves_it_unknown_without_them(tmp_path):
     from dtprobe.dashboard.summary import steps_overview

@@ -41,12 +41,13 @@ from dtprobe.analysis.exposed_comm import EXPOSURE_COLUMNS, comm_exposure
 from dtprobe.analysis.hangs import merge_pending
 from dtprobe.analysis.mismatch import SUSPECT_COLUMNS, suspect_calls
 from dtprobe.analysis.stragglers import BLOCKED_COLUMNS, blocked_outside_groups
-from dtprobe.analysis.tables import P2P_OPS, group_codes
+from dtprobe.analysis.tables import P2P_OPS, group_codes, step_collectives
 
-VERSION = 4
+VERSION = 5
 """Bumped whenever the derived tables or what ``rank_lateness``, ``comm_exposure``, ``collective_bandwidth``,
 ``late_rank_per_step``, ``blocked_outside_groups``, ``group_rows`` or ``suspect_calls`` compute change (4 added
-``suspects``): older derived frames are then ignored (the marker's key differs), computed from the rows, and
+``suspects``; 5 left a checkpoint group's rows out of lateness, exposure and waits: ``tables.step_collectives``):
+older derived frames are then ignored (the marker's key differs), computed from the rows, and
 derived again by the next ``dtprobe compact`` / ``compaction.add_derived``. A change to what they compute for
 runs whose collective numbering restarts (a torchrun restart) alone needs no bump: no frame of such a run is
 kept (``invalid_reason``)."""
@@ -133,7 +134,7 @@ class LatenessExposure:
 def _step_frames(collectives: pd.DataFrame, steps: pd.DataFrame, *, per_step: bool) -> dict[str, pd.DataFrame]:
     """Every derived frame of the rows of some steps (``collectives`` with the pending rows merged); ``per_step``:
     ``groups`` and ``suspects`` of each step apart, with a ``step`` column (the other frames have one)."""
-    arrival = on_arrival_clock(collectives)
+    arrival = step_collectives(on_arrival_clock(collectives))
     skew = collective_skew(arrival)
     return {LATENESS: rank_lateness(arrival, steps), EXPOSURE: comm_exposure(arrival, steps, skew),
             LATE_RANK: late_rank_per_step(skew, steps),

@@ -191,9 +191,11 @@ class RunAnalysis:
     # ------------------------------------------------------------------------------------------ stragglers
 
     def arrival_collectives(self) -> pd.DataFrame:
-        """``collectives`` with ``enqueue_ns`` on each group's arrival clock: the device arrival (``arrive_ns``) in
-        groups of a CUDA run, the host enqueue elsewhere (the table itself on CPU runs)."""
-        return self._memo("arrival_colls", lambda: _arrivals.on_arrival_clock(self.table("collectives")))
+        """The collectives steps wait for (``tables.step_collectives``: no checkpoint group) with ``enqueue_ns`` on
+        each group's arrival clock: the device arrival (``arrive_ns``) in groups of a CUDA run, the host enqueue
+        elsewhere (the table itself on CPU runs without a checkpoint group)."""
+        return self._memo("arrival_colls", lambda: _tables.step_collectives(
+            _arrivals.on_arrival_clock(self.table("collectives"))))
 
     def arrival_clocks(self) -> pd.DataFrame:
         """Per group (pg, pg_ranks): ``device`` or ``host``, the clock its arrivals are read on."""

@@ -10,9 +10,21 @@ import numpy as np
 import pandas as pd
 
 from dtprobe.store.columns import require_columns
+from dtprobe.store.schema import CHECKPOINT_GROUP
 
 P2P_OPS = frozenset({"send", "recv"})
 """Point-to-point ops: numbered per (pg, peer), never part of a collective's arrival skew."""
+
+
+def step_collectives(collectives: pd.DataFrame) -> pd.DataFrame:
+    """The collectives that training steps wait for: all but a checkpoint group's (``schema.CHECKPOINT_GROUP``). An
+    asynchronous save runs its collectives on a thread of its own beside the steps, so a member that is late there
+    (the save's coordinator, writing between its calls) holds back no step; what a save costs the steps is
+    CHECKPOINT_STALL's. The same object when there are none (the arrival, skew, lateness, wait and exposure figures
+    read these rows; hangs, mismatches and crashes read every group's)."""
+    require_columns(collectives, ["pg"], table="collectives")
+    ckpt = (collectives["pg"] == CHECKPOINT_GROUP).to_numpy(dtype=bool, na_value=False)
+    return collectives[~ckpt] if ckpt.any() else collectives
 
 
 def step_durations(steps: pd.DataFrame) -> pd.DataFrame:

@@ -121,9 +121,10 @@ SCHEMAS: dict[str, dict[str, str]] = {
     # step ended and its collectives completed: one row per (step, group the rank recorded on), ``pg`` a ``groups``
     # key like ``collectives``, and for a step on two or more groups one row with ``pg`` null over all of them
     # (``comm_ns`` the union over them). ``all_groups`` is true on the row that covers all of the step's
-    # collectives: that one, or a one-group step's group row. Collectives and p2p rows of steps >= 0; ``comm_ns``,
-    # ``last_end_ns`` and ``longest_ns`` count completed rows only. A collective that completed after its step's
-    # rows were written gets a second row of the same key: readers add the counts, bytes and ``comm_ns``.
+    # collectives: that one, or a one-group step's group row; a checkpoint group's (``is_checkpoint_group``) are in
+    # none. Collectives and p2p rows of steps >= 0; ``comm_ns``, ``last_end_ns`` and ``longest_ns`` count completed
+    # rows only. A collective that completed after its step's rows were written gets a second row of the same key:
+    # readers add the counts, bytes and ``comm_ns``.
     "comm_steps": {
         "rank": "int32", "restart": "int32", "step": "int64", "pg": "string", "pg_ranks": "string",
         "pg_size": "int32", "all_groups": "boolean", "num_collectives": "int64", "num_completed": "int64",
@@ -159,6 +160,18 @@ STEP_TABLES = ("steps", "collectives", "devices", "pipeline", "amp", "memory", "
                "comm_steps")
 """Tables with rows every step (their volume grows with the run); the others (faults, checkpoints) hold rare
 events. A recent-steps view reads these from the newest steps only."""
+
+CHECKPOINT_GROUP = "ckpt"
+"""The name of a checkpoint group (``--ckpt-async`` saves on one; ``probe.new_group(ranks, name="ckpt")`` names a
+script's own): its collectives run beside the training steps, so they count in no step figure (``comm_steps``'
+``all_groups`` row, the analysis' lateness and exposure)."""
+
+
+def is_checkpoint_group(pg: str | None) -> bool:
+    """Whether a ``pg`` name or ``groups`` key (``<name>#<k>`` for a second group of that name) is a checkpoint
+    group's."""
+    return pg is not None and (pg == CHECKPOINT_GROUP or pg.startswith(CHECKPOINT_GROUP + "#"))
+
 
 GROUPED_TABLES = ("collectives", "pending", "comm_steps")
 """Tables whose events rows refer to a ``groups`` row by (rank, restart, pg) instead of repeating its members."""

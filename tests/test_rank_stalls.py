@@ -196,6 +196,15 @@ def test_the_first_steps_of_an_attempt_and_checkpoint_steps_are_not_judged():
     _stall(f, rank=1, step=12, ms=300)
     f["checkpoints"] = frame_from_rows("checkpoints", [{"rank": 1, "step": 11, "kind": "save", "ok": True}])
     assert _stalls(f).empty                             # the save of step 11 delays step 12: CHECKPOINT_STALL's
+    for blocking_ms, judged in ((300, False), (160, False), (12, True)):
+        f["checkpoints"] = frame_from_rows("checkpoints", [{"rank": 1, "step": 11, "kind": "save", "ok": True,
+                                                            "blocking_ns": blocking_ms * MS}])
+        # a save that blocked the rank for half the stall or more explains it; an asynchronous save that blocked
+        # it 12 ms (its writing beside the steps blocks nothing) leaves the 300 ms stall a stall
+        assert _stalls(f)[["rank", "step"]].values.tolist() == ([[1, 12]] if judged else []), blocking_ms
+    f["checkpoints"] = frame_from_rows("checkpoints", [{"rank": 1, "step": 11, "kind": "load", "ok": True,
+                                                        "blocking_ns": 12 * MS}])
+    assert _stalls(f).empty                             # a load: the rank restored, whatever it blocked
 
 
 @pytest.mark.parametrize("frozen,named", [((2,), [2]), ((), []), ((1, 2), [])])

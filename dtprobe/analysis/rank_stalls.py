@@ -19,7 +19,8 @@ Two kinds, read from per-step frames kept at compaction or in a live window:
 
 Either kind is left out when its group has fewer than ``MIN_GROUP_STEPS`` analysed steps (no noise to judge it
 against), in the first ``SETTLE_STEPS`` steps of an attempt after a restart (every rank restores), and when the
-rank saved or loaded a checkpoint in that step or the one before (CHECKPOINT_STALL's part).
+rank loaded a checkpoint in that step or the one before, or a save blocked it there for half the stall or more
+(CHECKPOINT_STALL's part; an asynchronous save's writing beside the steps blocks nothing).
 
 Per stall, what the rank did: where the time went (``phase``: the span that ran longest beyond the rank's own
 median among that step's phases, the previous step's optimizer and the gap between the two steps), and its
@@ -54,6 +55,9 @@ SETTLE_STEPS = 2
 MAX_TRANSFERS_JUDGED = 32
 """Of the stalled transfers, only the longest this many have their members' liveness read (each reads every
 member's rows: a network that slows hundreds of transfers of a 1,024-rank group is SLOW_LINK's, not a stall)."""
+CHECKPOINT_SHARE_OF_STALL = 0.5
+"""A checkpoint save that blocked the rank for at least this share of a stall, in its step or the one before,
+explains it (CHECKPOINT_STALL's part)."""
 VICTIM_WAIT_SHARE = 0.5
 """A late rank whose time in communication grew by at least this share of the margin in that step was waiting."""
 FROZEN_GAP_SHARE = 0.8
@@ -166,12 +170,21 @@ def _settling(cand: pd.DataFrame, steps: pd.DataFrame) -> np.ndarray:
 
 
 def _checkpointing(cand: pd.DataFrame, checkpoints: pd.DataFrame) -> np.ndarray:
-    """Per candidate: its rank has a checkpoint row (save or load) in its step or the one before."""
+    """Per candidate: its rank has a checkpoint row in its step or the one before that explains the stall: a load,
+    or a save that blocked the rank (``blocking_ns``; unknown: assumed) for at least ``CHECKPOINT_SHARE_OF_STALL``
+    of it. An asynchronous save blocks only while it stages the state; its writing beside the steps holds back
+    nothing, so a rank frozen meanwhile is still a stall."""
     if checkpoints is None or checkpoints.empty:
         return np.zeros(len(cand), dtype=bool)
     c = checkpoints.dropna(subset=["step"])
-    marked = set(zip(c["rank"].astype("int64"), c["step"].astype("int64")))
-    return np.array([(r, s) in marked or (r, s - 1) in marked for r, s in zip(cand["rank"], cand["step"])],
+    blocking = c["blocking_ns"].astype("float64").to_numpy(na_value=np.inf) if "blocking_ns" in c else \
+        np.full(len(c), np.inf)
+    blocking = np.where(c["kind"].astype(str).to_numpy() == "save", blocking, np.inf) if "kind" in c else blocking
+    held: dict[tuple[int, int], float] = {}
+    for r, s, b in zip(c["rank"].astype("int64"), c["step"].astype("int64"), blocking):
+        held[(r, s)] = held.get((r, s), 0.0) + b
+    return np.array([max(held.get((r, s), 0.0), held.get((r, s - 1), 0.0)) >= CHECKPOINT_SHARE_OF_STALL * stall
+                     for r, s, stall in zip(cand["rank"], cand["step"], cand["stall_ns"].astype("float64"))],
                     dtype=bool)
 
 

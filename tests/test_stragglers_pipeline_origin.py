@@ -13,7 +13,7 @@ import pytest
 from dtprobe.analysis import stragglers as st
 from dtprobe.analysis.bubble import pipeline_shape
 from dtprobe.analysis.findings import info_without_gain
-from dtprobe.analysis.pipeline_delay import median_own_delay, schedule_gain_ns, stage_excess
+from dtprobe.analysis.pipeline_delay import median_own_delay, pipeline_replicas, schedule_gain_ns, stage_excess
 from dtprobe.store.frames import frame_from_rows
 from dtprobe.synthetic import MS, T0
 
@@ -127,6 +127,48 @@ def _findings(t: dict) -> list:
 def _verdicts(findings: list) -> list:
     return [(f.ranks, f.evidence["cause"]) for f in findings if f.severity in ("warning", "critical")]
 
+
+def _tp_pp_stage_rows(own_ms: dict[int, float], *, stage_of: dict[int, int], steps: int = 3) -> tuple:
+    """One action per rank and step of ``own_ms[rank]`` ms at its stage, no own delay: pipeline, steps and
+    own-delay frames."""
+    pipeline, step_rows, own = [], [], []
+    for step in range(steps):
+        t = T0 + step * 1000 * MS
+        for r, ms in own_ms.items():
+            pipeline.append({"rank": r, "stage": stage_of[r], "step": step, "microbatch": 0, "action": "F",
+                             "start_ns": t, "end_ns": t + int(ms * MS)})
+            step_rows.append({"rank": r, "step": step, "start_ns": t, "end_ns": t + 1000 * MS})
+            own.append({"rank": r, "step": step, "own_delay_ns": 0.0, "num_actions": 1})
+    return frame_from_rows("pipeline", pipeline), frame_from_rows("steps", step_rows), pd.DataFrame(own)
+
+
+def test_a_stage_of_tensor_parallel_ranks_is_measured_against_the_other_replicas_only():
+    # dp2 x tp2 x pp2: pipelines (pp groups) 0-4, 1-5, 2-6, 3-7; tp groups 0-1, 2-3, 4-5, 6-7. Replicas 0 (ranks 0, 1,
+    # 4, 5) and 2. Each replica's second tp rank takes 10 ms longer on stage 0 (say it starts its action early and
+    # waits for its peer inside it): against the other pipelines it is the slow one; the replicas' stages are alike.
+    groups = {r: (r % 4, r % 4 + 4) for r in range(8)}
+    rows = pd.DataFrame({"pg": ["tp"] * 4 + ["pp"] * 4, "pg_ranks": ["0,1", "2,3", "4,5", "6,7", "0,4", "1,5",
+                                                                     "2,6", "3,7"]})
+    replicas = pipeline_replicas(groups, rows)
+    assert replicas == {0: 0, 1: 0, 4: 0, 5: 0, 2: 2, 3: 2, 6: 2, 7: 2}
+    own = {0: 100, 1: 110, 2: 100, 3: 110, 4: 100, 5: 100, 6: 100, 7: 100}
+    pipeline, steps, delay = _tp_pp_stage_rows(own, stage_of={r: r // 4 for r in range(8)})
+    by_pipeline = stage_excess(pipeline, steps, delay, groups).groupby("rank")["own_excess_frac"].mean()
+    assert by_pipeline[1] == pytest.approx(0.01)          # 10 ms over the median of 100, 100, 110: 1% of the step
+    ex = stage_excess(pipeline, steps, delay, groups, replicas=replicas).groupby("rank")["own_excess_frac"].mean()
+    # each against the other replica's stage 0 (its two tp ranks' mean, 105 ms): a unit's excesses cancel out
+    assert ex[[0, 1, 2, 3]].tolist() == pytest.approx([-0.005, 0.005, -0.005, 0.005])
+    assert ex[[4, 5, 6, 7]].tolist() == [0.0] * 4
+    own[2] = own[3] = 130                                 # replica 2's stage 0 slower: both its tp ranks
+    pipeline, steps, delay = _tp_pp_stage_rows(own, stage_of={r: r // 4 for r in range(8)})
+    ex = stage_excess(pipeline, steps, delay, groups, replicas=replicas).groupby("rank")["own_excess_frac"].mean()
+    assert ex[[0, 1, 2, 3]].tolist() == pytest.approx([-0.03, -0.02, 0.025, 0.025])
+    # tp2 x pp2: one replica, no other to measure a stage against
+    groups = {0: (0, 2), 2: (0, 2), 1: (1, 3), 3: (1, 3)}
+    replicas = pipeline_replicas(groups, pd.DataFrame({"pg": ["tp", "tp"], "pg_ranks": ["0,1", "2,3"]}))
+    assert set(replicas.values()) == {0}
+    pipeline, steps, delay = _tp_pp_stage_rows({0: 100, 1: 110, 2: 100, 3: 100}, stage_of={0: 0, 1: 0, 2: 1, 3: 1})
+    assert stage_excess(pipeline, steps, delay, groups, replicas=replicas)["own_excess_frac"].isna().all()
 
 def test_stage_excess_is_a_ranks_own_time_over_the_same_stage_of_the_other_pipeline():
     t = dp2_pp2_tables(slow={0: 0.3}, jitter_ms=0.0, num_steps=4)

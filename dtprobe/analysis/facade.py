@@ -376,7 +376,12 @@ class RunAnalysis:
         other pipelines (share of the step)."""
         return self._memo("stage_excess", lambda: _pipeline_delay.stage_excess(
             self.completed_table("pipeline"), self.completed_table("steps"), self.pipeline_own_delay(),
-            self._pipeline_groups()))
+            self._pipeline_groups(), replicas=self._pipeline_replicas()))
+
+    def _pipeline_replicas(self) -> dict[int, int]:
+        # rank -> its model replica (its pipeline and its tensor-parallel peers' pipelines)
+        return self._memo("pipeline_replicas", lambda: _pipeline_delay.pipeline_replicas(
+            self._pipeline_groups(), self._group_rows(), axis_of_pg=self.group_axis))
 
     def _pipeline_groups(self) -> dict:
         # without pipeline rows there is no need to find the pipelines among the collectives
@@ -410,7 +415,8 @@ class RunAnalysis:
         # ns per step a pipelined rank costs the step by the schedule simulator (pipeline_delay.schedule_gain_ns)
         return self._memo(f"schedule_gain:{rank}:{first_step}:{last_step}", lambda: _pipeline_delay.schedule_gain_ns(
             self.completed_table("pipeline"), self.pipeline_own_delay(), self.pipeline_shape(),
-            self._pipeline_groups(), rank, first_step, last_step) if not self.table("pipeline").empty else None)
+            self._pipeline_groups(), rank, first_step, last_step, replicas=self._pipeline_replicas())
+            if not self.table("pipeline").empty else None)
 
     # ------------------------------------------------------------------------------------------ device clock
 

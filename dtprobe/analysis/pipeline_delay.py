@@ -51,6 +51,28 @@ def pipeline_ids(groups: dict[int, tuple[int, ...]]) -> dict[int, int]:
     return {r: min(g) for r, g in groups.items()}
 
 
+def pipeline_replicas(groups: dict[int, tuple[int, ...]], group_rows: pd.DataFrame, *,
+                      axis_of_pg=axis_of) -> dict[int, int]:
+    """rank -> its model replica's id (the smallest rank of it): its pipeline and the pipelines of its
+    tensor-parallel peers (members of its ``tp`` groups in ``group_rows``: pg, pg_ranks), which run each stage in
+    lockstep with it, so one stage of a replica is never measured against another pipeline of the same replica.
+    Without tensor parallelism every pipeline is its own replica (``pipeline_ids``)."""
+    parent = dict(pipeline_ids(groups))
+
+    def find(x: int) -> int:
+        while parent.setdefault(x, x) != x:
+            x = parent[x]
+        return x
+    if not group_rows.empty:
+        tp = group_rows.loc[group_rows["pg"].map(lambda pg: axis_of_pg(pg) == "tp").astype(bool), "pg_ranks"]
+        for pg_ranks in tp.dropna().unique():
+            members = [m for m in group_members(pg_ranks) if m in groups]
+            for m in members[1:]:
+                a, b = find(parent[members[0]]), find(parent[m])
+                parent[max(a, b)] = min(a, b)
+    return {r: find(r) for r in groups}
+
+
 def pipeline_own_delay(pipeline: pd.DataFrame, steps: pd.DataFrame,
                        groups: dict[int, tuple[int, ...]]) -> pd.DataFrame:
     """Per (rank, step) of a pipelined run: time the rank was neither running a pipeline action nor waiting for
@@ -98,7 +120,8 @@ def pipeline_own_delay(pipeline: pd.DataFrame, steps: pd.DataFrame,
 
 
 def schedule_gain_ns(pipeline: pd.DataFrame, own_delay: pd.DataFrame, shape, groups: dict[int, tuple[int, ...]],
-                     rank: int, first_step: int, last_step: int) -> float | None:
+                     rank: int, first_step: int, last_step: int, *,
+                     replicas: dict[int, int] | None = None) -> float | None:
     """How much shorter, per step over steps ``first_step``..``last_step``, the job's step would be if ``rank`` took
     as long as the same stage's ranks of the other pipelines: the schedule simulator (``schedule_sim.simulate``,
     with ``shape``'s schedule, pipeline ranks, stages per rank and micro-batches: ``bubble.PipelineShape``) replays
@@ -109,7 +132,9 @@ def schedule_gain_ns(pipeline: pd.DataFrame, own_delay: pd.DataFrame, shape, gro
     the median of those ranks'. None when ``shape`` is None or one the simulator does not take (a schedule named
     in the config that the measured stages contradict), the rank has no actions there, or no other pipeline runs
     its stages. Interleaved 1F1B's micro-batches are rounded up to whole rounds of proportionally cheaper
-    micro-batches (the same global batch), as for the ideal bubble."""
+    micro-batches (the same global batch), as for the ideal bubble. ``replicas`` (``pipeline_replicas``): the other
+    pipelines are those of the other model replicas (a tensor-parallel peer's pipeline runs in lockstep with the
+    rank's)."""
     from dtprobe.schedule_sim import simulate
 
     p = pipeline.dropna(subset=["start_ns", "end_ns", "stage", "step"])
@@ -122,9 +147,11 @@ def schedule_gain_ns(pipeline: pd.DataFrame, own_delay: pd.DataFrame, shape, gro
                       "ns": (p["end_ns"].to_numpy(dtype="int64") - p["start_ns"].to_numpy(dtype="int64"))})
     d = d.dropna(subset=["pipeline"])
     mine = pipe_of[rank]
+    replica_of = replicas or pipe_of
+    d["replica"] = d["rank"].map(replica_of).fillna(d["pipeline"])
     stages_of = d.groupby("rank")["stage"].agg(frozenset)        # rank -> the stages it runs, read once
     stages = stages_of.get(rank, frozenset())
-    others = d[(d["pipeline"] != mine) & d["stage"].isin(stages)]
+    others = d[(d["replica"] != replica_of.get(rank, mine)) & d["stage"].isin(stages)]
     if not stages or others.empty:
         return None
 
@@ -147,7 +174,8 @@ def schedule_gain_ns(pipeline: pd.DataFrame, own_delay: pd.DataFrame, shape, gro
     gain = (max(now.values()) - max([fixed, *rest])) * shape.num_microbatches / m
     o = own_delay[own_delay["step"].between(first_step, last_step)]
     per_rank = o.groupby("rank")["own_delay_ns"].mean()
-    peers = [r for r in per_rank.index if pipe_of.get(int(r), mine) != mine and stages_of.get(r) == stages]
+    peers = [r for r in per_rank.index if replica_of.get(int(r), mine) != replica_of.get(rank, mine)
+             and stages_of.get(r) == stages]
     if rank in per_rank.index and peers:
         gain += max(0.0, float(per_rank[rank]) - float(per_rank[peers].median()))
     return max(0.0, float(gain))
@@ -161,16 +189,18 @@ def median_own_delay(own_delay: pd.DataFrame) -> dict[int, float]:
 
 
 def stage_excess(pipeline: pd.DataFrame, steps: pd.DataFrame, own_delay: pd.DataFrame,
-                 groups: dict[int, tuple[int, ...]]) -> pd.DataFrame:
+                 groups: dict[int, tuple[int, ...]], *, replicas: dict[int, int] | None = None) -> pd.DataFrame:
     """Per (rank, step) of a pipelined run: its own time on its stage (``own_ns``: its actions' run time plus its
     ``own_delay_ns`` from ``pipeline_own_delay``; neither holds a wait for its input) and how much longer that is
-    than the median of the same-stage ranks of the other pipelines at that step, as a share of the step's median
+    than the median of the same stage in the other model replicas at that step, as a share of the step's median
     duration (``own_excess_frac``) and of that median (``own_excess_rel``: how much slower it is on its stage; both
-    NaN where no other pipeline has the stage). A rank that computes slower or idles outside its actions has a
+    NaN where no other replica has the stage). A rank that computes slower or idles outside its actions has a
     positive excess; its pipeline peers, which only wait for it, do not.
     ``pipeline``: the smallest rank of its pipeline (``groups``, from ``pipeline_groups``). A rank's stage is the
     smallest it runs (with several stages per rank, ranks at the same position of their pipelines share it).
-    Columns: ``STAGE_EXCESS_COLUMNS``."""
+    ``replicas`` (``pipeline_replicas``; None: every pipeline its own): a stage of a replica with tensor
+    parallelism is its tp ranks, which wait for each other inside every action, so it is measured as one (their
+    mean time) against the other replicas, never one tp rank against another. Columns: ``STAGE_EXCESS_COLUMNS``."""
     require_columns(pipeline, ["rank", "stage", "step", "start_ns", "end_ns"], table="pipeline")
     require_columns(own_delay, OWN_DELAY_COLUMNS, table="pipeline_own_delay")
     p = pipeline.dropna(subset=["start_ns", "end_ns", "stage", "step"])
@@ -187,8 +217,12 @@ def stage_excess(pipeline: pd.DataFrame, steps: pd.DataFrame, own_delay: pd.Data
     d = d.dropna(subset=["pipeline"]).astype({"pipeline": "int64"})
     step_ns = step_durations(steps).groupby("step")["step_ns"].median()
     d["own_ns"] = d["run_ns"] + d["own_delay_ns"].astype("float64")
-    same_stage = d.groupby(["step", "stage"], sort=False).ngroup().to_numpy()
-    others = median_of_others_in_groups(d["own_ns"].to_numpy(dtype="float64"), same_stage)
+    d["replica"] = d["rank"].map(replicas).fillna(d["pipeline"]).astype("int64") if replicas else d["pipeline"]
+    keys = ["step", "stage", "replica"]
+    unit = d.groupby(keys, sort=False)["own_ns"].mean()     # one rank per stage and replica without tp
+    same_stage = unit.index.droplevel("replica").to_frame(index=False).groupby(["step", "stage"], sort=False)
+    others = pd.Series(median_of_others_in_groups(unit.to_numpy(dtype="float64"), same_stage.ngroup().to_numpy()),
+                       index=unit.index).reindex(pd.MultiIndex.from_frame(d[keys])).to_numpy(dtype="float64")
     d["own_excess_frac"] = (d["own_ns"] - others) / d["step"].map(step_ns).astype("float64")
     d["own_excess_rel"] = np.where(others > 0, d["own_ns"].to_numpy() / np.where(others > 0, others, 1.0) - 1.0,
                                    np.nan)

@@ -142,6 +142,26 @@ def _tp_pp_stage_rows(own_ms: dict[int, float], *, stage_of: dict[int, int], ste
     return frame_from_rows("pipeline", pipeline), frame_from_rows("steps", step_rows), pd.DataFrame(own)
 
 
+@pytest.mark.parametrize("calls,clock,own_ms", [
+    ([], "host", 20),                                                  # the whole gap is its own
+    ([("allreduce", 12, 27)], "host", 5),                             # a dp all-reduce in it is not
+    ([("allreduce", 12, 27), ("allreduce", 25, 35)], "host", 2),      # each instant once: 12-35 covers 18 of it
+    ([("send", 12, 27)], "host", 20),                                  # a send is the pipeline's own traffic
+    ([("allreduce", 12, 27)], "device", 20),                           # device-clocked actions: left as they are
+])
+def test_own_delay_leaves_out_the_time_in_the_rank_s_other_groups_collectives(calls, clock, own_ms):
+    # a zero-bubble schedule all-reduces a stage's gradients on dp between its actions, waiting for the other
+    # replicas there: that wait is theirs, not the rank's own delay
+    pipeline = frame_from_rows("pipeline", [
+        {"rank": 0, "stage": 0, "step": 0, "microbatch": mb, "action": "F", "start_ns": T0 + a * MS,
+         "end_ns": T0 + b * MS, "clock": clock} for mb, (a, b) in enumerate([(0, 10), (30, 40)])])
+    steps = frame_from_rows("steps", [{"rank": 0, "step": 0, "start_ns": T0, "end_ns": T0 + 50 * MS}])
+    collectives = frame_from_rows("collectives", [
+        {"rank": 0, "pg": "dp", "pg_ranks": "0,2", "pg_size": 2, "seq": i + 1, "op": op, "step": 0,
+         "enqueue_ns": T0 + a * MS, "end_ns": T0 + b * MS, "timing": "host"} for i, (op, a, b) in enumerate(calls)])
+    own = st.pipeline_own_delay(pipeline, steps, {0: (0, 1), 1: (0, 1)}, collectives=collectives)
+    assert own["own_delay_ns"].tolist() == [own_ms * MS]
+
 def test_a_stage_of_tensor_parallel_ranks_is_measured_against_the_other_replicas_only():
     # dp2 x tp2 x pp2: pipelines (pp groups) 0-4, 1-5, 2-6, 3-7; tp groups 0-1, 2-3, 4-5, 6-7. Replicas 0 (ranks 0, 1,
     # 4, 5) and 2. Each replica's second tp rank takes 10 ms longer on stage 0 (say it starts its action early and

@@ -367,9 +367,11 @@ class RunAnalysis:
 
     def pipeline_own_delay(self) -> pd.DataFrame:
         """Per (pipeline rank, analysed step): time neither running a pipeline action nor waiting for its input."""
+        # the rank's time in its other groups' collectives is not its own delay (read only for a pipelined run)
         return self._memo("own_delay", lambda: _tables.only_steps(_stragglers.pipeline_own_delay(
-            self.completed_table("pipeline"), self.completed_table("steps"), self._pipeline_groups()),
-            self.steps_analyzed()))
+            self.completed_table("pipeline"), self.completed_table("steps"), self._pipeline_groups(),
+            collectives=None if self.table("pipeline").empty
+            else _tables.step_collectives(self.completed_table("collectives"))), self.steps_analyzed()))
 
     def pipeline_stage_excess(self) -> pd.DataFrame:
         """Per (pipeline rank, analysed step): its own time on its stage and its excess over the same stage of the

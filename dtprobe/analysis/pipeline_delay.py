@@ -73,13 +73,16 @@ def pipeline_replicas(groups: dict[int, tuple[int, ...]], group_rows: pd.DataFra
     return {r: find(r) for r in groups}
 
 
-def pipeline_own_delay(pipeline: pd.DataFrame, steps: pd.DataFrame,
-                       groups: dict[int, tuple[int, ...]]) -> pd.DataFrame:
+def pipeline_own_delay(pipeline: pd.DataFrame, steps: pd.DataFrame, groups: dict[int, tuple[int, ...]], *,
+                       collectives: pd.DataFrame | None = None) -> pd.DataFrame:
     """Per (rank, step) of a pipelined run: time the rank was neither running a pipeline action nor waiting for
     its input (``own_delay_ns``): for each action, start - max(end of its previous action (the step start for
     the first), end of the action producing its input on the neighbouring stage of the same pipeline: F after
-    F of stage-1, B/I after B/I of stage+1). A rank that sleeps or is slow outside its actions accumulates it;
-    its pipeline peers, which only wait, do not. Columns: ``OWN_DELAY_COLUMNS``."""
+    F of stage-1, B/I after B/I of stage+1), less the time in that gap the rank was in a collective of its other
+    groups (``collectives``: the rank's host-timed group collectives, e.g. the data-parallel all-reduce a
+    zero-bubble schedule issues between its stages' actions, where it waits for the other replicas; host-clocked
+    actions only). A rank that sleeps or is slow outside its actions accumulates it; its pipeline peers, which only
+    wait, do not, nor do the ranks that wait for it in another group. Columns: ``OWN_DELAY_COLUMNS``."""
     require_columns(pipeline, ["rank", "stage", "step", "microbatch", "action", "start_ns", "end_ns"], table="pipeline")
     p = pipeline.dropna(subset=["start_ns", "end_ns", "stage", "step"])
     if p.empty or not groups:
@@ -114,9 +117,44 @@ def pipeline_own_delay(pipeline: pd.DataFrame, steps: pd.DataFrame,
         d["prev_end"] = d["prev_end"].fillna(pd.Series(first, index=d.index).astype("float64"))
     d["prev_end"] = d["prev_end"].fillna(d["start"])
     ready = np.fmax(d["prev_end"].to_numpy(dtype="float64"), d["dep_end"].to_numpy(dtype="float64"))
-    d["delay"] = np.clip(d["start"].to_numpy(dtype="float64") - ready, 0, None)
+    gap = np.clip(d["start"].to_numpy(dtype="float64") - ready, 0, None)
+    host = (p.loc[d.index, "clock"].fillna("host").astype(str).to_numpy() == "host") if "clock" in p else \
+        np.ones(len(d), dtype=bool)
+    if collectives is not None and gap.any() and host.any():
+        gap = gap - np.where(host, _in_collectives(d, ready, collectives, base), 0.0)
+    d["delay"] = np.clip(gap, 0, None)
     out = d.groupby(["rank", "step"]).agg(own_delay_ns=("delay", "sum"), num_actions=("delay", "size")).reset_index()
     return out[OWN_DELAY_COLUMNS]
+
+
+def _in_collectives(d: pd.DataFrame, ready: np.ndarray, collectives: pd.DataFrame, base: int) -> np.ndarray:
+    """Per action row of ``d`` (rank, step, start; ``ready``: when its input and the rank were ready, relative to
+    ``base``): how long the rank was in one of its host-timed group collectives (not a send/recv) of the same step
+    between ``ready`` and the action's start (each instant once)."""
+    require_columns(collectives, ["rank", "op", "step", "enqueue_ns", "end_ns", "timing"], table="collectives")
+    c = collectives[~collectives["op"].isin(P2P_OPS) & collectives["enqueue_ns"].notna()
+                    & collectives["end_ns"].notna() & collectives["step"].notna()
+                    & (collectives["timing"].fillna("host") == "host")]
+    out = np.zeros(len(d))
+    if c.empty:
+        return out
+    spans = pd.DataFrame({"rank": c["rank"].to_numpy(dtype="int64"), "step": c["step"].to_numpy(dtype="int64"),
+                          "s": c["enqueue_ns"].to_numpy(dtype="int64") - base,
+                          "e": c["end_ns"].to_numpy(dtype="int64") - base})
+    spans = spans.sort_values(["rank", "step", "s"], kind="stable")
+    # merged per (rank, step): a span starts a new interval when it begins after every earlier one ended
+    before = spans.groupby(["rank", "step"])["e"].cummax().groupby([spans["rank"], spans["step"]]).shift()
+    fresh = (before.isna() | (spans["s"] > before)).to_numpy()
+    spans["k"] = np.cumsum(fresh)
+    merged = spans.groupby("k").agg(rank=("rank", "first"), step=("step", "first"), s=("s", "min"), e=("e", "max"))
+    acts = pd.DataFrame({"row": np.arange(len(d)), "rank": d["rank"].to_numpy(), "step": d["step"].to_numpy(),
+                         "lo": ready, "hi": d["start"].to_numpy(dtype="float64")})
+    m = acts[acts["hi"] > acts["lo"]].merge(merged, on=["rank", "step"])
+    if m.empty:
+        return out
+    overlap = np.clip(np.fmin(m["hi"], m["e"]) - np.fmax(m["lo"], m["s"]), 0, None)
+    np.add.at(out, m["row"].to_numpy(), overlap.to_numpy(dtype="float64"))
+    return out
 
 
 def schedule_gain_ns(pipeline: pd.DataFrame, own_delay: pd.DataFrame, shape, groups: dict[int, tuple[int, ...]],

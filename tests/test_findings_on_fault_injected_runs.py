@@ -145,7 +145,6 @@ def test_compression_report_against_a_baseline_run(tmp_path, dtprobe_run):
     assert ev["measured_transfer_saved_ms_per_step"] is not None
 
 
-
 def test_powersgd_run_with_one_bucket_finishes_and_reports_its_ratio(tmp_path, dtprobe_run):
     # the built-in model's gradients fit one 25 MB bucket, which DDP refills in another order after the first
     # step: the hook's memory must start again there (a crash at step 2 when it did not)
@@ -155,6 +154,7 @@ def test_powersgd_run_with_one_bucket_finishes_and_reports_its_ratio(tmp_path, d
     [f] = [f for f in analysis.findings() if f.code == "COMPRESSION"]
     assert f.evidence["method"] == "powersgd:rank=2" and f.evidence["ratio"] > 10, f.evidence
     assert not [f for f in analysis.findings() if f.code == "RANK_CRASH"]
+
 
 def test_crash_with_restart_is_a_recovered_rank_crash_not_a_hang(crash_restart_run):
     assert crash_restart_run.proc.returncode == 0, crash_restart_run.proc.stderr[-3000:]

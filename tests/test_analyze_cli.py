@@ -87,6 +87,22 @@ def test_analyze_exits_2_on_a_run_without_events(tmp_path, capsys):
     assert "holds no events" in capsys.readouterr().err
 
 
+def test_analyze_reports_the_crash_of_workers_that_died_before_they_wrote_a_row(tmp_path, capsys):
+    # a script given an argument it does not take exits 2 in argparse, before it attaches: the launcher's record
+    # of the attempt is all the run holds, and it is what analyze reports (as `dtprobe launch` printed it)
+    from dtprobe.store.manifest import record_attempt, set_status
+
+    run = write_run(tmp_path / "argv", {}, world_size=2)
+    ranks = [{"rank": r, "local_rank": r, "pid": 700 + r, "exit_code": 2, "signal": None, "first_failure": r == 1,
+              "time_ns": T0 + r, "error": None} for r in range(2)]
+    record_attempt(run, {"attempt": 0, "node_rank": 0, "started_ns": T0 - 1, "ended_ns": T0 + 5, "result": "failed",
+                         "ranks": ranks})
+    set_status(run, "crashed")
+    assert main(["analyze", str(run), "--format", "json"]) == 1       # a critical finding
+    [f] = json.loads(capsys.readouterr().out)["findings"]
+    assert (f["code"], f["severity"], f["ranks"], f["evidence"]["exit_code"]) == ("RANK_CRASH", "critical", [1], 2)
+
+
 def test_analyze_exits_2_naming_a_malformed_trace_file(capsys):
     assert main(["analyze", str(TRACES / "malformed")]) == 2
     assert "distributed_info_not_found.json.gz" in capsys.readouterr().err

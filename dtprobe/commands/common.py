@@ -12,9 +12,14 @@ EVENT_TABLES = ("steps", "collectives", "kernels", "faults", "pipeline", "checkp
 
 def check_not_empty(analysis) -> None:
     """TraceError when the source of ``analysis`` (a ``RunAnalysis``) holds nothing to analyse: a run whose ranks
-    never wrote a row."""
+    never wrote a row and whose launcher recorded no rank that failed (a worker that died before it attached, e.g.
+    on a wrong script argument, still gets its RANK_CRASH)."""
     for name in EVENT_TABLES:
         if not analysis.table(name).empty:
+            return
+    manifest = getattr(analysis.source, "manifest", None)
+    for attempt in getattr(manifest, "attempts", None) or ():
+        if any(r.get("exit_code") not in (0, None) or r.get("signal") for r in attempt.get("ranks") or ()):
             return
     where = analysis.path / "events" if not analysis.is_trace_folder else analysis.path
     raise TraceError(f"'{where}' holds no events: no rank wrote steps, collectives or any other table. Check that "

@@ -94,13 +94,17 @@ def test_analyze_reports_the_crash_of_workers_that_died_before_they_wrote_a_row(
 
     run = write_run(tmp_path / "argv", {}, world_size=2)
     ranks = [{"rank": r, "local_rank": r, "pid": 700 + r, "exit_code": 2, "signal": None, "first_failure": r == 1,
-              "time_ns": T0 + r, "error": None} for r in range(2)]
+              "time_ns": T0 + r, "error": None,
+              "stderr_tail": "usage: train.py [-h]\ntrain.py: error: unrecognized arguments: --steps 30"}
+             for r in range(2)]
     record_attempt(run, {"attempt": 0, "node_rank": 0, "started_ns": T0 - 1, "ended_ns": T0 + 5, "result": "failed",
                          "ranks": ranks})
     set_status(run, "crashed")
     assert main(["analyze", str(run), "--format", "json"]) == 1       # a critical finding
     [f] = json.loads(capsys.readouterr().out)["findings"]
     assert (f["code"], f["severity"], f["ranks"], f["evidence"]["exit_code"]) == ("RANK_CRASH", "critical", [1], 2)
+    assert f["evidence"]["stderr_tail"].endswith("--steps 30")
+    assert 'exit code 2, its stderr ending "train.py: error: unrecognized arguments: --steps 30"' in f["title"]
 
 
 def test_analyze_exits_2_naming_a_malformed_trace_file(capsys):

@@ -139,6 +139,32 @@ def test_read_attempts_assigns_log_lines_to_attempts_by_time_and_reads_the_final
     assert [a["attempt"] for a in read_attempts(log_dir, log, node_rank=1, nproc=2, final=False)] == [0]
 
 
+
+def test_a_rank_that_failed_without_an_error_file_carries_the_end_of_its_stderr(tmp_path):
+    # rank 1 exits 2 in argparse (no error file); rank 0, stopped by the agent, and a rank that raised (error file)
+    # carry none; the entries with a tail are still valid run.json attempts
+    log_dir, t0 = tmp_path / "node0", 1_790_000_000_000_000_000
+    for local_rank, pid in ((0, 100), (1, 101), (2, 102)):
+        d = _attempt_dir(log_dir, 0, local_rank, rank=local_rank, pid=pid, started_ns=t0)
+        (d / "stderr.log").write_text("usage: train.py [-h] [--epochs EPOCHS]\n\n" * 20
+                                      + f"train.py: error: unrecognized arguments: --steps {local_rank}\n\n")
+    (log_dir / "run_abc" / "attempt_0" / "2" / "error.json").write_text(json.dumps(
+        {"message": {"message": "ValueError: bad", "extraInfo": {"py_callstack": "Traceback ...", "timestamp": "1"}}}))
+    log = tmp_path / "torchrun.log"
+    log.write_text("\n".join([
+        f"{_glog(t0 + int(5e9), 'W')} 9 api.py:1028] Sending process 100 closing signal SIGTERM",
+        f"{_glog(t0 + int(5e9))} 9 api.py:1002] failed (exitcode: 2) local_rank: 1 (pid: 101) of binary: py", ""]))
+    [a] = read_attempts(log_dir, log, node_rank=0, nproc=3, final=True, exit_code=2, ended_ns=t0 + int(6e9),
+                        observed={102: (t0 + int(5e9), 1)})
+    by_rank = {r["rank"]: r for r in a["ranks"]}
+    assert by_rank[1]["exit_code"] == 2 and by_rank[1]["error"] is None
+    tail = by_rank[1]["stderr_tail"].splitlines()
+    assert len(tail) == 5 and tail[-1] == "train.py: error: unrecognized arguments: --steps 1"
+    assert "stderr_tail" not in by_rank[0] and "stderr_tail" not in by_rank[2]
+    create_manifest(tmp_path / "run", run_id="r", command=["x"], config={}, world_size=3)
+    record_attempt(tmp_path / "run", a)
+    assert read_manifest(tmp_path / "run").attempts[0]["ranks"][1]["stderr_tail"] == by_rank[1]["stderr_tail"]
+
 def test_glog_time_reads_the_local_time_prefix_and_rejects_other_lines():
     t = 1_790_000_000_123_456_000
     assert glog_time_ns(_glog(t) + " 1 x.py:1] failed", now_ns=t + 10**9) == t

@@ -19,7 +19,7 @@ from dtprobe.store.columns import require_columns
 
 CRASH_COLUMNS = [
     "restart", "rank", "time_ns", "step", "last_step", "exit_code", "signal", "error_type", "error_message",
-    "cause", "doing_pg", "doing_seq", "doing_op", "doing_peer", "doing_step", "doing_open", "phase", "also_lost",
+    "stderr_tail", "cause", "doing_pg", "doing_seq", "doing_op", "doing_peer", "doing_step", "doing_open", "phase", "also_lost",
     "recovered", "resumed_from_step", "steps_lost", "time_to_recover_s", "source",
 ]
 """``crash_events()``: one row per failed attempt (its first failure)."""
@@ -118,7 +118,8 @@ def crash_events(exits: pd.DataFrame, *, activity: Activity, collectives: pd.Dat
             "restart": restart, "rank": culprit, "time_ns": died_ns, "step": step, "last_step": last_step,
             "exit_code": ex.get("exit_code") if ex else None, "signal": ex.get("signal") if ex else None,
             "error_type": ex.get("error_type") if ex else None,
-            "error_message": ex.get("error_message") if ex else None, "cause": cause,
+            "error_message": ex.get("error_message") if ex else None,
+            "stderr_tail": ex.get("stderr_tail") if ex else None, "cause": cause,
             "doing_pg": doing["pg"] if doing is not None else None,
             "doing_seq": int(doing["seq"]) % ATTEMPT_SEQ_STRIDE if doing is not None else None,
             "doing_op": doing["op"] if doing is not None else None,
@@ -252,7 +253,9 @@ def how(e: Any) -> str:
     if not is_missing(e.signal):
         return str(e.signal)
     if not is_missing(e.exit_code):
-        return f"exit code {int(e.exit_code)}"
+        tail = getattr(e, "stderr_tail", None)
+        last = "" if is_missing(tail) else f", its stderr ending \"{str(tail).splitlines()[-1][:120]}\""
+        return f"exit code {int(e.exit_code)}{last}"
     if e.source == "attempts":
         return "exited, status not reported; its probe never closed"
     return "its probe never closed" if e.source == "lifecycle" else "stopped writing (the job restarted)"
@@ -302,7 +305,7 @@ def detect_crashes(events: pd.DataFrame, *, num_restarts: int = 0, missing: pd.D
             evidence={
                 "rank": int(e.rank), "restart": int(e.restart), "step": e.step, "last_step": e.last_step,
                 "time_ns": e.time_ns, "exit_code": e.exit_code, "signal": e.signal, "error_type": e.error_type,
-                "error_message": e.error_message, "cause": e.cause,
+                "error_message": e.error_message, "stderr_tail": e.stderr_tail, "cause": e.cause,
                 "doing": None if is_missing(e.doing_op) else {
                     "pg": e.doing_pg, "seq": e.doing_seq, "op": e.doing_op, "peer": e.doing_peer,
                     "step": e.doing_step, "open": bool(e.doing_open)},

@@ -51,6 +51,10 @@ WORKER_FILE = "worker.json"
 """Name of the worker's own record beside its error file (``runtime.worker.WORKER_FILE``)."""
 ERROR_FILE = "error.json"
 """Name of torchelastic's per-worker error file."""
+STDERR_FILE = "stderr.log"
+"""Name of a worker's stderr in its log directory (torchrun ``--redirects``/``--tee``, which the launchers set)."""
+STDERR_TAIL_LINES = 5
+"""Lines of a failed worker's stderr kept in its attempt entry when it left no error file."""
 
 _GLOG_RE = re.compile(r"^[IWEF](\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d{6}) ")
 _FAILED_RE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
@@ -330,12 +334,12 @@ def read_attempts(log_dir: Path, torchrun_log: Path, *, node_rank: int, nproc: i
     if not dirs:
         return []
     workers = {n: {int(p.name): (_read_json(p / WORKER_FILE), read_error_file(p / ERROR_FILE),
-                                 (p / ERROR_FILE).stat().st_mtime_ns if (p / ERROR_FILE).is_file() else None)
+                                 (p / ERROR_FILE).stat().st_mtime_ns if (p / ERROR_FILE).is_file() else None, p)
                    for p in d.iterdir() if p.is_dir() and p.name.isdigit()}
                for n, d in dirs.items()}
     starts: dict[int, int | None] = {}
     for n, d in dirs.items():
-        known = [w["started_ns"] for w, _, _ in workers[n].values() if w and w.get("started_ns")]
+        known = [w["started_ns"] for w, _, _, _ in workers[n].values() if w and w.get("started_ns")]
         starts[n] = min(known) if known else d.stat().st_mtime_ns
     now_ns = ended_ns or time.time_ns()
     log_text = torchrun_log.read_text(errors="replace") if torchrun_log.is_file() else ""
@@ -349,10 +353,10 @@ def read_attempts(log_dir: Path, torchrun_log: Path, *, node_rank: int, nproc: i
         ev = events.get(n, _LogEvents())
         is_last = n == last
         ranks = []
-        for local_rank, (info, error, error_mtime) in sorted(workers[n].items()):
+        for local_rank, (info, error, error_mtime, worker_dir) in sorted(workers[n].items()):
             ranks.append(_rank_entry(local_rank, info, error, error_mtime, ev,
                                      summary.get(local_rank) if is_last else None,
-                                     node_rank=node_rank, nproc=nproc, observed=observed))
+                                     node_rank=node_rank, nproc=nproc, observed=observed, worker_dir=worker_dir))
         ranks = [r for r in ranks if r is not None]
         _correct_first_failure(ranks, ev, observed)
         result = _result(ranks, ev, is_last=is_last, exit_code=exit_code, interrupted=interrupted)
@@ -381,8 +385,11 @@ def _correct_first_failure(ranks: list[dict[str, Any]], ev: _LogEvents,
 
 def _rank_entry(local_rank: int, info: dict[str, Any] | None, error: dict[str, str] | None,
                 error_mtime: int | None, ev: _LogEvents, summary: tuple[int, int, int] | None, *,
-                node_rank: int, nproc: int, observed: dict[int, tuple[int, int | None]]) -> dict[str, Any] | None:
-    """One rank's exit in one attempt, or None when nothing is known about it (no worker file, no report)."""
+                node_rank: int, nproc: int, observed: dict[int, tuple[int, int | None]],
+                worker_dir: Path | None = None) -> dict[str, Any] | None:
+    """One rank's exit in one attempt, or None when nothing is known about it (no worker file, no report). A rank
+    that failed on its own (a non-zero exit the agent did not cause) without an error file gets the last lines
+    of its stderr (``worker_dir``'s ``stderr.log``: an exit in argparse, a ``sys.exit``, an abort)."""
     pid = info.get("pid") if info else None
     first = ev.first_failure is not None and ev.first_failure[1] == local_rank and (
         pid is None or ev.first_failure[2] == pid)
@@ -418,8 +425,25 @@ def _rank_entry(local_rank: int, info: dict[str, Any] | None, error: dict[str, s
         rank = summary[0]
     else:
         rank = node_rank * nproc + local_rank          # torchrun's order for equal nproc on every node
-    return {"rank": rank, "local_rank": local_rank, "pid": pid, "exit_code": exit_code, "signal": sig,
-            "first_failure": first, "time_ns": time_ns, "error": error}
+    entry = {"rank": rank, "local_rank": local_rank, "pid": pid, "exit_code": exit_code, "signal": sig,
+             "first_failure": first, "time_ns": time_ns, "error": error}
+    if error is None and exit_code not in (None, 0) and pid not in ev.closed and worker_dir is not None:
+        tail = stderr_tail(worker_dir / STDERR_FILE)
+        if tail:
+            entry["stderr_tail"] = tail
+    return entry
+
+
+def stderr_tail(path: Path, *, lines: int = STDERR_TAIL_LINES) -> str | None:
+    """The last ``lines`` non-blank lines of a worker's stderr log (from its last 8 KB), or None."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 8192))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    kept = [line.rstrip() for line in text.splitlines() if line.strip()][-lines:]
+    return "\n".join(kept) or None
 
 
 def _result(ranks: list[dict[str, Any]], ev: _LogEvents, *, is_last: bool, exit_code: int | None,

@@ -107,7 +107,7 @@ class Manifest:
     attempts: tuple[dict[str, Any], ...] = ()
     """torchrun attempts, one entry per (attempt, node), sorted by both, as ``record_attempt`` stores them:
     ``{"attempt", "node_rank", "started_ns", "ended_ns", "result", "ranks": [{"rank", "local_rank", "pid",
-    "exit_code", "signal", "first_failure", "time_ns", "error"}]}`` (docs/run-store.md). Empty for runs
+    "exit_code", "signal", "first_failure", "time_ns", "error"[, "stderr_tail"]}]}`` (docs/run-store.md). Empty for runs
     recorded before attempts were (and for ``attach`` runs, which have no launcher)."""
     ranks: tuple[RankInfo, ...]
     """Per-rank info, sorted by rank (only ranks that wrote their file)."""
@@ -190,6 +190,7 @@ def record_attempt(run_dir: str | os.PathLike, attempt: dict[str, Any]) -> None:
 
 _ATTEMPT_KEYS = ("attempt", "node_rank", "started_ns", "ended_ns", "result", "ranks")
 _ATTEMPT_RANK_KEYS = ("rank", "local_rank", "pid", "exit_code", "signal", "first_failure", "time_ns", "error")
+_ATTEMPT_RANK_OPTIONAL = ("stderr_tail",)
 
 
 def _check_attempt(attempt: dict[str, Any]) -> None:
@@ -198,8 +199,9 @@ def _check_attempt(attempt: dict[str, Any]) -> None:
     if attempt["result"] not in ATTEMPT_RESULTS:
         raise ValueError(f"attempt result must be one of {ATTEMPT_RESULTS}, got {attempt['result']!r}")
     for r in attempt["ranks"]:
-        if set(r) != set(_ATTEMPT_RANK_KEYS):
-            raise ValueError(f"attempt rank keys must be {list(_ATTEMPT_RANK_KEYS)}, got {sorted(r)}")
+        if not set(_ATTEMPT_RANK_KEYS) <= set(r) <= set(_ATTEMPT_RANK_KEYS + _ATTEMPT_RANK_OPTIONAL):
+            raise ValueError(f"attempt rank keys must be {list(_ATTEMPT_RANK_KEYS)} (and optionally "
+                             f"{list(_ATTEMPT_RANK_OPTIONAL)}), got {sorted(r)}")
         if r["error"] is not None and set(r["error"]) != {"type", "message", "traceback"}:
             raise ValueError(f"a rank's error must have keys type, message, traceback; got {sorted(r['error'])}")
 

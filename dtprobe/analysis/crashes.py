@@ -19,8 +19,8 @@ from dtprobe.store.columns import require_columns
 
 CRASH_COLUMNS = [
     "restart", "rank", "time_ns", "step", "last_step", "exit_code", "signal", "error_type", "error_message",
-    "stderr_tail", "cause", "doing_pg", "doing_seq", "doing_op", "doing_peer", "doing_step", "doing_open", "phase", "also_lost",
-    "recovered", "resumed_from_step", "steps_lost", "time_to_recover_s", "source",
+    "stderr_tail", "cause", "doing_pg", "doing_seq", "doing_op", "doing_peer", "doing_step", "doing_open", "phase",
+    "also_lost", "recovered", "resumed_from_step", "steps_lost", "time_to_recover_s", "source",
 ]
 """``crash_events()``: one row per failed attempt (its first failure)."""
 CAUSES = ("out_of_memory", "device", "communication", "user_exception", "killed_by_signal", "unknown")

@@ -54,15 +54,14 @@ def union_of_spans(spans: list[tuple[int, int]]) -> int:
     return total if last is None else total + last - first
 
 
-def union_length_by_group(group: np.ndarray, start: np.ndarray, end: np.ndarray, *, num_groups: int) -> np.ndarray:
-    """Per group code ``0 .. num_groups - 1``: the length of the union of its intervals (int64; 0 without any).
-
-    ``group`` holds dense integer codes; rows may come in any order.
-    """
+def merge_intervals_by_group(group: np.ndarray, start: np.ndarray, end: np.ndarray
+                             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``merge_intervals`` within each group: the union of each group's [start, end) intervals as disjoint
+    (group, start, end) arrays, sorted by group, then start; touching intervals merge. ``group``: integer codes;
+    rows may come in any order."""
     group, start, end = np.asarray(group, dtype=np.int64), np.asarray(start), np.asarray(end)
-    out = np.zeros(num_groups, dtype=np.int64)
     if not len(group):
-        return out
+        return group, start, end
     order = np.lexsort((start, group))
     g, s, e = group[order], start[order], end[order]
     new_group = np.empty(len(g), dtype=bool)
@@ -73,8 +72,17 @@ def union_length_by_group(group: np.ndarray, start: np.ndarray, end: np.ndarray,
     seg = new_group.copy()
     seg[1:] |= s[1:] > reach[:-1]
     seg_first = np.flatnonzero(seg)
-    seg_len = np.maximum.reduceat(e, seg_first) - s[seg_first]
-    np.add.at(out, g[seg_first], seg_len.astype(np.int64))
+    return g[seg_first], s[seg_first], np.maximum.reduceat(e, seg_first)
+
+
+def union_length_by_group(group: np.ndarray, start: np.ndarray, end: np.ndarray, *, num_groups: int) -> np.ndarray:
+    """Per group code ``0 .. num_groups - 1``: the length of the union of its intervals (int64; 0 without any).
+
+    ``group`` holds dense integer codes; rows may come in any order.
+    """
+    out = np.zeros(num_groups, dtype=np.int64)
+    g, s, e = merge_intervals_by_group(group, start, end)
+    np.add.at(out, g, (e - s).astype(np.int64))
     return out
 
 

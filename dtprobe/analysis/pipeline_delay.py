@@ -10,6 +10,7 @@ import pandas as pd
 from dtprobe.analysis.arrivals import median_of_others_in_groups
 from dtprobe.analysis.bubble import whole_rounds
 from dtprobe.analysis.tables import P2P_OPS, axis_of, group_members, step_durations
+from dtprobe.intervals import merge_intervals_by_group
 from dtprobe.store.columns import require_columns
 
 OWN_DELAY_COLUMNS = ["rank", "step", "own_delay_ns", "num_actions"]
@@ -138,15 +139,12 @@ def _in_collectives(d: pd.DataFrame, ready: np.ndarray, collectives: pd.DataFram
     out = np.zeros(len(d))
     if c.empty:
         return out
-    spans = pd.DataFrame({"rank": c["rank"].to_numpy(dtype="int64"), "step": c["step"].to_numpy(dtype="int64"),
-                          "s": c["enqueue_ns"].to_numpy(dtype="int64") - base,
-                          "e": c["end_ns"].to_numpy(dtype="int64") - base})
-    spans = spans.sort_values(["rank", "step", "s"], kind="stable")
-    # merged per (rank, step): a span starts a new interval when it begins after every earlier one ended
-    before = spans.groupby(["rank", "step"])["e"].cummax().groupby([spans["rank"], spans["step"]]).shift()
-    fresh = (before.isna() | (spans["s"] > before)).to_numpy()
-    spans["k"] = np.cumsum(fresh)
-    merged = spans.groupby("k").agg(rank=("rank", "first"), step=("step", "first"), s=("s", "min"), e=("e", "max"))
+    keys = pd.MultiIndex.from_arrays([c["rank"].to_numpy(dtype="int64"), c["step"].to_numpy(dtype="int64")])
+    code, pairs = pd.factorize(keys)
+    g, s, e = merge_intervals_by_group(code, c["enqueue_ns"].to_numpy(dtype="int64") - base,
+                                       c["end_ns"].to_numpy(dtype="int64") - base)
+    merged = pd.DataFrame({"rank": pairs.get_level_values(0)[g], "step": pairs.get_level_values(1)[g], "s": s,
+                           "e": e})
     acts = pd.DataFrame({"row": np.arange(len(d)), "rank": d["rank"].to_numpy(), "step": d["step"].to_numpy(),
                          "lo": ready, "hi": d["start"].to_numpy(dtype="float64")})
     m = acts[acts["hi"] > acts["lo"]].merge(merged, on=["rank", "step"])

@@ -4,6 +4,8 @@ late pipeline is the origin) and the facade."""
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import numpy as np
 import pandas as pd
 
@@ -30,21 +32,28 @@ def pipeline_groups(collectives: pd.DataFrame) -> dict[int, tuple[int, ...]]:
             members = group_members(pg_ranks)
             groups.update({r: members for r in members})
     p2p = collectives[collectives["op"].isin(P2P_OPS) & collectives["peer"].notna()]
+    comps: dict[int, list[int]] = {}
+    for r, root in _components((int(a), int(b)) for a, b in
+                               p2p[["rank", "peer"]].drop_duplicates().itertuples(index=False)).items():
+        comps.setdefault(root, []).append(r)
+    for members in comps.values():
+        for r in members:
+            groups.setdefault(r, tuple(sorted(members)))
+    return groups
+
+
+def _components(pairs: Iterable[tuple[int, int]]) -> dict[int, int]:
+    """node -> the smallest node of its connected component, over the undirected edges ``pairs``."""
     parent: dict[int, int] = {}
 
     def find(x: int) -> int:
         while parent.setdefault(x, x) != x:
             x = parent[x]
         return x
-    for a, b in p2p[["rank", "peer"]].drop_duplicates().itertuples(index=False):
-        parent[find(int(a))] = find(int(b))
-    comps: dict[int, list[int]] = {}
-    for r in list(parent):
-        comps.setdefault(find(r), []).append(r)
-    for members in comps.values():
-        for r in members:
-            groups.setdefault(r, tuple(sorted(members)))
-    return groups
+    for a, b in pairs:
+        ra, rb = find(a), find(b)
+        parent[max(ra, rb)] = min(ra, rb)
+    return {x: find(x) for x in list(parent)}
 
 
 def pipeline_ids(groups: dict[int, tuple[int, ...]]) -> dict[int, int]:
@@ -58,20 +67,13 @@ def pipeline_replicas(groups: dict[int, tuple[int, ...]], group_rows: pd.DataFra
     tensor-parallel peers (members of its ``tp`` groups in ``group_rows``: pg, pg_ranks), which run each stage in
     lockstep with it, so one stage of a replica is never measured against another pipeline of the same replica.
     Without tensor parallelism every pipeline is its own replica (``pipeline_ids``)."""
-    parent = dict(pipeline_ids(groups))
-
-    def find(x: int) -> int:
-        while parent.setdefault(x, x) != x:
-            x = parent[x]
-        return x
+    links = [(r, pipeline) for r, pipeline in pipeline_ids(groups).items()]
     if not group_rows.empty:
         tp = group_rows.loc[group_rows["pg"].map(lambda pg: axis_of_pg(pg) == "tp").astype(bool), "pg_ranks"]
         for pg_ranks in tp.dropna().unique():
             members = [m for m in group_members(pg_ranks) if m in groups]
-            for m in members[1:]:
-                a, b = find(parent[members[0]]), find(parent[m])
-                parent[max(a, b)] = min(a, b)
-    return {r: find(r) for r in groups}
+            links += [(members[0], m) for m in members[1:]]
+    return {r: root for r, root in _components(links).items() if r in groups}
 
 
 def pipeline_own_delay(pipeline: pd.DataFrame, steps: pd.DataFrame, groups: dict[int, tuple[int, ...]], *,

@@ -253,8 +253,8 @@ def how(e: Any) -> str:
     if not is_missing(e.signal):
         return str(e.signal)
     if not is_missing(e.exit_code):
-        tail = getattr(e, "stderr_tail", None)
-        last = "" if is_missing(tail) else f", its stderr ending \"{str(tail).splitlines()[-1][:120]}\""
+        last = ("" if is_missing(e.stderr_tail)
+                else f", its stderr ending \"{str(e.stderr_tail).splitlines()[-1][:120]}\"")
         return f"exit code {int(e.exit_code)}{last}"
     if e.source == "attempts":
         return "exited, status not reported; its probe never closed"

@@ -17,8 +17,9 @@ def check_not_empty(analysis) -> None:
     for name in EVENT_TABLES:
         if not analysis.table(name).empty:
             return
-    manifest = getattr(analysis.source, "manifest", None)
-    for attempt in getattr(manifest, "attempts", None) or ():
+    from dtprobe.analysis.liveness import attempts_of   # here: dtprobe --help imports this module, not pandas
+
+    for attempt in attempts_of(getattr(analysis.source, "manifest", None)):
         if any(r.get("exit_code") not in (0, None) or r.get("signal") for r in attempt.get("ranks") or ()):
             return
     where = analysis.path / "events" if not analysis.is_trace_folder else analysis.path

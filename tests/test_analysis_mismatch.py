@@ -122,6 +122,25 @@ def test_calls_of_another_thread_numbered_with_a_later_step_are_no_skip():
     f = frames(rows)
     assert collective_mismatches(f["collectives"], f["steps"]).empty
 
+
+def test_calls_of_another_thread_behind_up_to_the_last_step_are_no_skip_when_every_call_was_made():
+    # a save in every step, rank 0's third call of each numbered with the next step: rank 0 is behind at the end
+    # of every step both ranks have rows in, but it made all 9 calls, as rank 1 did
+    rows = {"collectives": []}
+    seq = 0
+    for k in (2, 3, 4):
+        for i, op in enumerate(("allgather", "gather", "broadcast")):
+            seq += 1
+            for r in range(2):
+                t = T0 + (k * 100 + 20 * i + r) * MS
+                rows["collectives"].append({"rank": r, "pg": "ckpt", "pg_ranks": "0,1", "pg_size": 2, "seq": seq,
+                                            "op": op, "num_bytes": 8, "dtype": "int64", "enqueue_ns": t,
+                                            "end_ns": t + 5 * MS, "step": k + 1 if (r == 0 and i == 2) else k,
+                                            "restart": 0})
+    f = frames(rows)
+    assert collective_mismatches(f["collectives"], f["steps"]).empty
+
+
 def test_a_clean_run_has_no_mismatch():
     f = frames(lockstep_tables(world=4, num_steps=8))
     assert collective_mismatches(f["collectives"], f["steps"]).empty

@@ -141,7 +141,8 @@ def _skipper(calls: dict[int, pd.DataFrame], at: dict) -> list[int] | None:
     of which there is at least one (they skipped one, so they run ahead: their count never catches up), or None.
     A member whose calls are only numbered with another step (issued from another thread, as an asynchronous
     checkpoint's are, while its training thread moved on) is behind at one step's end and even again at the next
-    (at the last step, nothing shows which it is: no verdict)."""
+    (at the last step, nothing shows which it is: no verdict), and in all it made as many calls as the others, so
+    a skipper must also have made fewer calls in all."""
     per_step = {r: d[d["step"].notna()].groupby("step").size() for r, d in calls.items() if r in at}
     if any(c.empty for c in per_step.values()):
         return None
@@ -158,9 +159,13 @@ def _skipper(calls: dict[int, pd.DataFrame], at: dict) -> list[int] | None:
     behind = done < done.max(axis=0)
     # behind at a step's end and at the end of every later step up to hi (reversed cumulative "and")
     stays = np.logical_and.accumulate(behind[:, ::-1], axis=1)[:, ::-1]
+    # and in all made fewer calls than another member: one whose calls were only numbered with later steps, all
+    # the way to the last step the members share, made as many
+    total = np.array([len(calls[r]) for r in ranks])
+    short = total < total.max()
     for i in range(min(hi - 1, ahead - 1) - lo + 1):     # a later step to see it stay behind at
-        if stays[:, i].any():
-            return [r for r, k in zip(ranks, stays[:, i]) if k]
+        if (stays[:, i] & short).any():
+            return [r for r, k in zip(ranks, stays[:, i] & short) if k]
     return None
 
 

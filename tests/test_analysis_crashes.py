@@ -12,7 +12,7 @@ from analysis_synth import (MS, T0, cut_rank, frames, lockstep_tables, pending_r
                             write_rows_run)
 
 from dtprobe.analysis import RunAnalysis
-from dtprobe.analysis.crashes import classify_cause
+from dtprobe.analysis.crashes import classify_cause, how
 from dtprobe.analysis.hangs import merge_pending
 
 S = 1000 * MS
@@ -136,6 +136,10 @@ def test_the_first_failure_is_the_culprit_and_its_cause_not_the_survivors_commun
     assert "CUDA out of memory" in f.title
 
 
+_ABORT = ("terminate called after throwing an instance of 'c10::Error'\n  what():  {}\nFatal Python error: Aborted\n"
+          'File "/home/u/train.py", line 40 in step')
+
+
 @pytest.mark.parametrize("kw,cause", [
     (dict(error_type="torch.OutOfMemoryError", error_message="CUDA out of memory"), "out_of_memory"),
     (dict(error_type="MemoryError", error_message=""), "out_of_memory"),
@@ -149,10 +153,41 @@ def test_the_first_failure_is_the_culprit_and_its_cause_not_the_survivors_commun
     (dict(error_type=None, error_message=None, exit_code=None, closed=False), "killed_by_signal"),
     (dict(error_type=None, error_message=None, exit_code=1, closed=False), "unknown"),   # os._exit(1): no signal
     (dict(error_type=None, error_message=None, exit_code=3), "unknown"),
+    # no Python error: a death of its own is classed by the error lines of its stderr excerpt, a kill is not
+    (dict(error_type=None, error_message=None, exit_code=-6, signal="SIGABRT", stderr=_ABORT.format(
+        "CUDA error: an illegal memory access was encountered")), "device"),
+    (dict(error_type=None, error_message=None, exit_code=-6, signal="SIGABRT", stderr=_ABORT.format(
+        "[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE)")),
+     "communication"),
+    (dict(error_type=None, error_message=None, exit_code=-6, signal="SIGABRT", stderr=_ABORT.format(
+        "CUDA out of memory. Tried to allocate 2.00 GiB")), "out_of_memory"),
+    (dict(error_type=None, error_message=None, exit_code=1, stderr="RuntimeError: NCCL error: unhandled system "
+          "error"), "communication"),
+    (dict(error_type=None, error_message=None, exit_code=-9, signal="SIGKILL", stderr="CUDA error: launch failure"),
+     "killed_by_signal"),
+    (dict(error_type=None, error_message=None, exit_code=-11, signal="SIGSEGV",
+          stderr='Fatal Python error: Segmentation fault\nFile "/opt/gloo_socket_utils.py", line 3 in send'),
+     "killed_by_signal"),      # frame lines and the dump's header name no cause
+    (dict(error_type=None, error_message=None, exit_code=-6, signal="SIGABRT",
+          stderr="loaded 12 gloo timeout settings\nFatal Python error: Aborted"), "killed_by_signal"),
 ])
 def test_crash_cause_classes(kw, cause):
     base = dict(exit_code=1, signal=None)
     assert classify_cause(**{**base, **kw}) == cause
+
+
+def test_a_native_abort_is_titled_with_its_message_and_the_scripts_line_and_a_kill_with_its_signal_alone():
+    abort = _abort_row(signal="SIGABRT", stderr_tail=_ABORT.format("CUDA error: an illegal memory access"))
+    assert how(abort) == 'SIGABRT in train.py:40, its stderr: "CUDA error: an illegal memory access"'
+    assert how(_abort_row(signal="SIGKILL", stderr_tail="CUDA error: launch failure")) == "SIGKILL"
+    assert how(_abort_row(signal="SIGSEGV", stderr_tail=None)) == "SIGSEGV"
+
+
+def _abort_row(**kw):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**{"error_type": None, "error_message": None, "exit_code": None, "source": "attempts",
+                              **kw})
 
 
 def _frozen_rank1(*, attempts: bool, world: int = 2) -> tuple[dict, list | None]:

@@ -126,3 +126,49 @@ def test_launch_destroys_the_process_group_a_finished_script_left_before_the_exi
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)] == ["False", "False"]
     assert RunStore.open(tmp_path / "run").manifest.status == "finished"
+
+
+ABORTS_IN_NATIVE_CODE = """
+import datetime, os, sys
+import torch, torch.distributed as dist
+
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+model = torch.nn.Linear(16, 16)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(6):
+    model(torch.randn(4, 16)).sum().backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+    opt.step()
+    opt.zero_grad()
+    if step == 2 and dist.get_rank() == 1:
+        # what libstdc++ prints when a C++ exception escapes a thread, then the abort it calls
+        sys.stderr.write("terminate called after throwing an instance of 'c10::Error'\\n"
+                         "  what():  CUDA error: an illegal memory access was encountered\\n"
+                         "Exception raised from c10_cuda_check_implementation (most recent call first):\\n"
+                         "frame #0: c10::Error::Error(c10::SourceLocation, std::string) + 0x96\\n")
+        sys.stderr.flush()
+        os.abort()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.multiproc
+def test_a_rank_that_aborts_in_native_code_is_named_with_its_message_line_and_cause(tmp_path, run_cli, child_env):
+    # no Python exception, no error file: the cause and the script's line come from the worker's stderr (the abort
+    # message before faulthandler's dump, the dump's frames), the frames of the Python installation skipped
+    script = tmp_path / "native.py"
+    script.write_text(ABORTS_IN_NATIVE_CODE)
+    proc = _launch(run_cli, child_env, tmp_path / "run", script)
+    assert proc.returncode != 0
+    report = json.loads(run_cli("analyze", tmp_path / "run", "--format", "json", timeout_s=120,
+                                env=child_env()).stdout)
+    [crash] = [f for f in report["findings"] if f["code"] == "RANK_CRASH"]
+    assert crash["ranks"] == [1] and crash["evidence"]["signal"] == "SIGABRT"
+    assert crash["evidence"]["cause"] == "device"
+    assert "SIGABRT in native.py:21" in crash["title"]
+    assert 'its stderr: "CUDA error: an illegal memory access was encountered"' in crash["title"]
+    tail = crash["evidence"]["stderr_tail"].splitlines()
+    assert tail[:2] == ["terminate called after throwing an instance of 'c10::Error'",
+                        "  what():  CUDA error: an illegal memory access was encountered"]
+    assert tail[2] == "Fatal Python error: Aborted" and not any("frame #" in line for line in tail)

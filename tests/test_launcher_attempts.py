@@ -8,13 +8,14 @@ import os
 import signal
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
 import pytest
 from background_run import background_run, wait_for
 
-from dtprobe.runtime.attempts import glog_time_ns, read_attempts, read_error_file
+from dtprobe.runtime.attempts import glog_time_ns, read_attempts, read_error_file, stderr_excerpt
 from dtprobe.store.manifest import create_manifest, read_manifest, record_attempt
 
 
@@ -164,6 +165,45 @@ def test_a_rank_that_failed_without_an_error_file_carries_the_end_of_its_stderr(
     create_manifest(tmp_path / "run", run_id="r", command=["x"], config={}, world_size=3)
     record_attempt(tmp_path / "run", a)
     assert read_manifest(tmp_path / "run").attempts[0]["ranks"][1]["stderr_tail"] == by_rank[1]["stderr_tail"]
+
+def test_the_stderr_excerpt_of_a_native_abort_keeps_its_message_and_the_scripts_frame_not_the_backtraces():
+    # NCCL's watchdog ends a process this way: a C++ exception escapes its thread, libstdc++ prints it with c10's
+    # backtrace and aborts; faulthandler then dumps every thread (the failing one with library frames innermost)
+    stdlib = sysconfig.get_paths()["stdlib"]
+    text = "\n".join(
+        ["step 41 loss 2.31"] * 50
+        + ["terminate called after throwing an instance of 'c10::DistBackendError'",
+           "  what():  [PG ID 0 Rank 1] Process group watchdog thread terminated with exception: [Rank 1] Watchdog "
+           "caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE) ran for 600042 milliseconds "
+           "before timing out.",
+           "Exception raised from checkTimeout at ../torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:616 (most "
+           "recent call first):"]
+        + [f"frame #{i}: <unknown function> + 0x{i:x}" for i in range(12)]
+        + ["", "Fatal Python error: Aborted", "",
+           "Thread 0x00007f6b6ae9d6c0 (most recent call first):",
+           f'  File "{stdlib}/threading.py", line 331 in wait', "",
+           "Current thread 0x00007f6b9f609b80 (most recent call first):",
+           f'  File "{stdlib}/selectors.py", line 415 in select',
+           '  File "/home/u/proj/train.py", line 88 in train_step',
+           '  File "/home/u/proj/train.py", line 120 in main',
+           f'  File "{stdlib}/runpy.py", line 88 in _run_code', "",
+           "Extension modules: numpy._core._multiarray_umath, torch._C (total: 2)", ""])
+    assert stderr_excerpt(text).splitlines() == [
+        "terminate called after throwing an instance of 'c10::DistBackendError'",
+        "  what():  [PG ID 0 Rank 1] Process group watchdog thread terminated with exception: [Rank 1] Watchdog "
+        "caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE) ran for 600042 milliseconds "
+        "before timing out.",
+        "Fatal Python error: Aborted",
+        f'File "{stdlib}/selectors.py", line 415 in select',
+        'File "/home/u/proj/train.py", line 88 in train_step']
+    # a segfault without a message: the lines before the dump are kept as they are, and a frame of the script
+    # innermost is given once
+    segv = "\n".join(["epoch 3", "Fatal Python error: Segmentation fault", "Current thread 0x1 (most recent call "
+                      "first):", '  File "/home/u/proj/ext.py", line 9 in call', "Extension modules: torch._C"])
+    assert stderr_excerpt(segv).splitlines() == ["epoch 3", "Fatal Python error: Segmentation fault",
+                                                 'File "/home/u/proj/ext.py", line 9 in call']
+    assert stderr_excerpt("\n\n") is None
+
 
 def test_glog_time_reads_the_local_time_prefix_and_rejects_other_lines():
     t = 1_790_000_000_123_456_000

@@ -31,17 +31,51 @@ _DEVICE = re.compile(r"\bXid\b|CUDA error|cudaError|CUBLAS_STATUS|CUDNN_STATUS|E
                      r"illegal memory access|uncorrectable", re.I)
 _COMM = re.compile(r"DistBackendError|DistNetworkError|ProcessGroup|\bgloo\b|\bNCCL\b|c10d|Connection (closed|reset|"
                    r"refused)|closed by peer|Broken pipe|Timed out|timeout|socket", re.I)
+SELF_SIGNALS = ("SIGABRT", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL")
+"""Signals a process raises on itself (an abort, a fault in native code): its stderr says why, unlike a kill's."""
+_ERROR_LINE = re.compile(r"what\(\)|error|exception|terminate called|abort|fail", re.I)
+_FRAME = re.compile(r'^(\[rank\d+\]:)?\s*File "(?P<path>[^"]+)", line (?P<line>\d+)')
+
+
+def stderr_errors(tail: Any) -> str:
+    """The error lines of a crash's stderr excerpt (``runtime.attempts.stderr_excerpt``), joined: no stack frames,
+    no faulthandler header, only lines that name an error, exception or abort."""
+    if is_missing(tail):
+        return ""
+    return " ".join(line.strip() for line in str(tail).splitlines() if not _FRAME.match(line)
+                    and not line.startswith("Fatal Python error:") and _ERROR_LINE.search(line))
+
+
+def stderr_quote(tail: Any) -> tuple[str | None, str | None]:
+    """(the message, where) a self-inflicted death's stderr excerpt names: the last ``what():`` text (a C++
+    exception's message), else the last error line (``stderr_errors``); the innermost frame outside the Python
+    installation as ``file.py:line`` (the excerpt's last frame)."""
+    if is_missing(tail):
+        return None, None
+    lines = str(tail).splitlines()
+    whats = [line.split("what():", 1)[1].strip() for line in lines if "what():" in line]
+    errors = [line.strip() for line in lines if not _FRAME.match(line) and not line.startswith("Fatal Python error:")
+              and _ERROR_LINE.search(line)]
+    message = whats[-1] if whats else errors[-1] if errors else None
+    frames = [m for m in map(_FRAME.match, lines) if m]
+    where = f"{frames[-1]['path'].rsplit('/', 1)[-1]}:{frames[-1]['line']}" if frames else None
+    return message, where
 
 
 def classify_cause(*, exit_code: Any, signal: Any, error_type: Any, error_message: Any, reason: Any = None,
-                   closed: Any = None, xid: bool = False) -> str:
-    """The cause class (``CAUSES``) of one rank's failure from its exit and Python error (type + message)."""
+                   closed: Any = None, xid: bool = False, stderr: Any = None) -> str:
+    """The cause class (``CAUSES``) of one rank's failure from its exit and Python error (type + message); without a
+    Python error, from the error lines of its stderr excerpt (``stderr_errors``) when it ended on its own (a
+    non-zero exit code or a ``SELF_SIGNALS`` signal: a kill's stderr says nothing of the kill)."""
     text = " ".join(str(x) for x in (error_type, error_message) if not is_missing(x))
-    if text and _OOM.search(text):
+    own_end = (str(signal) in SELF_SIGNALS if not is_missing(signal)
+               else not is_missing(exit_code) and int(exit_code) > 0)
+    said = text or (stderr_errors(stderr) if own_end else "")
+    if said and _OOM.search(said):
         return "out_of_memory"
-    if xid or (text and _DEVICE.search(text)):
+    if xid or (said and _DEVICE.search(said)):
         return "device"
-    if text and _COMM.search(text):
+    if said and _COMM.search(said):
         return "communication"
     if text or reason == "exception":
         return "user_exception"
@@ -105,7 +139,8 @@ def crash_events(exits: pd.DataFrame, *, activity: Activity, collectives: pd.Dat
                    (devices[(devices["rank"] == culprit)]["xid"].fillna(0) > 0).any())
         cause = classify_cause(exit_code=ex.get("exit_code"), signal=ex.get("signal"),
                                error_type=ex.get("error_type"), error_message=ex.get("error_message"),
-                               reason=ex.get("reason"), closed=ex.get("closed"), xid=xid) if ex else "unknown"
+                               reason=ex.get("reason"), closed=ex.get("closed"), xid=xid,
+                               stderr=ex.get("stderr_tail")) if ex else "unknown"
         inside = doing is not None and not open_.empty
         if inside and not is_missing(doing["step"]) and not is_missing(doing["enqueue_ns"]):
             phase = phase_at(st_r, culprit, int(doing["step"]), int(doing["enqueue_ns"]))
@@ -251,7 +286,11 @@ def how(e: Any) -> str:
         msg = "" if is_missing(e.error_message) else f": {str(e.error_message).splitlines()[0][:120]}"
         return f"{e.error_type}{msg}"
     if not is_missing(e.signal):
-        return str(e.signal)
+        if str(e.signal) not in SELF_SIGNALS:
+            return str(e.signal)
+        message, where = stderr_quote(e.stderr_tail)
+        return (str(e.signal) + (f" in {where}" if where else "")
+                + (f", its stderr: \"{message[:120]}\"" if message else ""))
     if not is_missing(e.exit_code):
         last = ("" if is_missing(e.stderr_tail)
                 else f", its stderr ending \"{str(e.stderr_tail).splitlines()[-1][:120]}\"")
@@ -284,9 +323,9 @@ def detect_crashes(events: pd.DataFrame, *, num_restarts: int = 0, missing: pd.D
     """RANK_CRASH per crash event (``crash_events``): critical when the job did not recover, warning when it
     resumed. A first failure among ``explained_ranks`` (ranks a HANG or COLLECTIVE_MISMATCH already names or
     holds waiting) is not reported unless it has a cause of its own (out of memory, a device error, a Python
-    exception with its type known): a waiter's collective timeout is the hang's consequence. ``missing``: stalls whose missing ranks
-    include the crashed one (``waited_at``). ``injected_ranks``: ranks with an injected ``crash`` row (cross-check
-    only)."""
+    exception with its type known): a waiter's collective timeout is the hang's consequence. ``missing``: stalls
+    whose missing ranks include the crashed one (``waited_at``). ``injected_ranks``: ranks with an injected
+    ``crash`` row (cross-check only)."""
     findings = []
     for e in events.itertuples(index=False):
         specific = e.cause in ("out_of_memory", "device") or (e.cause == "user_exception"
@@ -314,13 +353,13 @@ def detect_crashes(events: pd.DataFrame, *, num_restarts: int = 0, missing: pd.D
                 "time_to_recover_s": e.time_to_recover_s, "num_restarts": int(num_restarts), "waited_at": waited,
                 "source": e.source, "injected": int(e.rank) in injected_ranks,
             },
-            recommendation=_advice(e.cause, int(e.rank)),
+            recommendation=_advice(e.cause, int(e.rank), signal=e.signal),
             predicted_gain=None,
         ))
     return findings
 
 
-def _advice(cause: str, rank: int) -> str:
+def _advice(cause: str, rank: int, *, signal: Any = None) -> str:
     tail = (" Keep torchrun --max-restarts and frequent enough checkpoints (see CHECKPOINT_STALL / Young-Daly) so "
             "a crash loses few steps.")
     return {
@@ -331,8 +370,11 @@ def _advice(cause: str, rank: int) -> str:
         "communication": f"Rank {rank} failed first in communication: check its node's network (link, NIC, "
                          f"firewall) and the peers it talked to.",
         "user_exception": f"Rank {rank} raised an exception: read the traceback in its stderr (or the error above).",
-        "killed_by_signal": f"Rank {rank} was killed by a signal: look for the OOM killer (dmesg), a scheduler "
-                            f"preemption or an operator's kill.",
+        "killed_by_signal": (f"Rank {rank} ended on {signal} in native code (a C++ abort or a memory fault): read "
+                             f"its stderr above the fault dump, and check the native libraries and extensions it "
+                             f"ran (versions, custom kernels)." if str(signal) in SELF_SIGNALS else
+                             f"Rank {rank} was killed by a signal: look for the OOM killer (dmesg), a scheduler "
+                             f"preemption or an operator's kill."),
     }.get(cause, f"Read rank {rank}'s stderr.") + tail
 
 

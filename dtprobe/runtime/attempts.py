@@ -435,15 +435,77 @@ def _rank_entry(local_rank: int, info: dict[str, Any] | None, error: dict[str, s
 
 
 def stderr_tail(path: Path, *, lines: int = STDERR_TAIL_LINES) -> str | None:
-    """The last ``lines`` non-blank lines of a worker's stderr log (from its last 8 KB), or None."""
+    """What a worker's stderr log (its last ``STDERR_READ_BYTES``) says of its end, as non-blank lines, or None:
+    ``stderr_excerpt`` of its text."""
     try:
         with open(path, "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - 8192))
+            f.seek(max(0, f.seek(0, os.SEEK_END) - STDERR_READ_BYTES))
             text = f.read().decode(errors="replace")
     except OSError:
         return None
-    kept = [line.rstrip() for line in text.splitlines() if line.strip()][-lines:]
-    return "\n".join(kept) or None
+    return stderr_excerpt(text, lines=lines)
+
+
+def stderr_excerpt(text: str, *, lines: int = STDERR_TAIL_LINES) -> str | None:
+    """The lines of a failed worker's stderr that say why it ended. A native abort (``terminate called after
+    throwing ...``, as a C++ exception such as NCCL's watchdog timeout or a CUDA error ends a process) gives that
+    line and its ``what():`` message, without the C++ backtrace under it; otherwise up to ``lines`` non-blank
+    lines. When a fatal-signal dump of faulthandler follows (``Fatal Python error: ...`` and each thread's
+    stack), the message is taken from before it, and the dump gives its header line and the failing thread's
+    innermost frame and its innermost frame outside the Python installation (the script's line), each as
+    faulthandler wrote it (``File "...", line N in f``)."""
+    kept = [line.rstrip() for line in text.splitlines() if line.strip()]
+    fatal = max((i for i, line in enumerate(kept) if line.startswith(FATAL_HEADER)), default=None)
+    body, dump = (kept, []) if fatal is None else (kept[:fatal], kept[fatal:])
+    term = max((i for i, line in enumerate(body) if line.startswith("terminate called")), default=None)
+    if term is not None:
+        message = []
+        for line in body[term:]:
+            if line.startswith("Exception raised from") or line.lstrip().startswith("frame #"):
+                break
+            message.append(line[:MESSAGE_LINE_CHARS])
+        message = message[:lines]
+    else:
+        message = [line[:MESSAGE_LINE_CHARS] for line in body if not line.startswith("Extension modules:")][-lines:]
+    return "\n".join(message + _fatal_lines(dump)) or None
+
+
+FATAL_HEADER = "Fatal Python error:"
+"""How faulthandler's dump on a fatal signal (SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL) starts."""
+STDERR_READ_BYTES = 32768
+"""How much of the end of a failed worker's stderr is read (a fatal-signal dump lists every thread's stack)."""
+MESSAGE_LINE_CHARS = 1000
+"""A longer stderr line is cut to this many characters in the excerpt."""
+
+
+def _fatal_lines(dump: list[str]) -> list[str]:
+    """The header of a faulthandler dump and the failing thread's frames ``stderr_excerpt`` keeps."""
+    if not dump:
+        return []
+    frames, current = [], False
+    for line in dump[1:]:
+        if line.startswith("Current thread"):
+            current = True
+        elif current and line.lstrip().startswith('File "'):
+            frames.append(line.strip())
+        elif current:
+            break
+    out = [dump[0]]
+    if frames:
+        out.append(frames[0])
+        own = next((f for f in frames if not _in_python_install(f)), None)
+        if own is not None and own != frames[0]:
+            out.append(own)
+    return out
+
+
+def _in_python_install(frame: str) -> bool:
+    """A faulthandler frame line is of the Python installation (its standard library or site-packages) or frozen."""
+    import sysconfig
+
+    path = frame.split('"', 2)[1] if frame.count('"') >= 2 else ""
+    roots = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    return path.startswith("<") or any(path.startswith(root.rstrip("/") + "/") for root in roots)
 
 
 def _result(ranks: list[dict[str, Any]], ev: _LogEvents, *, is_last: bool, exit_code: int | None,

@@ -148,3 +148,38 @@ def test_checkpoint_async_save_returns_before_the_slow_write_and_commits_on_clos
     assert row["ok"] and row["async_ns"] >= 4e9 and row["blocking_ns"] < row["async_ns"]
     assert row["total_ns"] == row["blocking_ns"] + row["async_ns"]
     verify_checkpoint(tmp_path / "checkpoints" / "step00000004")
+
+
+def test_each_rank_checksums_the_files_it_wrote_and_the_commit_reads_only_the_rest(tmp_path, monkeypatch):
+    # the leader's commit would otherwise read every rank's data again: on one rank's training, growing with the
+    # world size. Here the writer checksums its data file once, the commit only DCP's .metadata
+    import dtprobe.runtime.checkpoint as ckpt
+
+    read = []
+    real = ckpt._crc32
+    monkeypatch.setattr(ckpt, "_crc32", lambda p: read.append(p.name) or real(p))
+    _checkpointer(tmp_path).save(_state(), step=4)
+    path = tmp_path / "checkpoints" / "step00000004"
+    data = sorted(p.name for p in path.iterdir() if p.suffix == ".distcp")
+    assert data and sorted(read) == sorted(data + [".metadata"])
+    assert not [p for p in path.iterdir() if p.name.endswith(ckpt.CHECKSUM_SUFFIX)]
+    marker = verify_checkpoint(path)
+    assert set(marker["files"]) == set(data) | {".metadata"}
+
+
+def test_a_checksum_that_does_not_fit_its_file_is_not_taken(tmp_path):
+    # a file rewritten after its checksum (another size), or a checksum file that cannot be read: the commit
+    # checksums the file itself, and the marker verifies
+    import dtprobe.runtime.checkpoint as ckpt
+
+    path = tmp_path / "ck"
+    path.mkdir()
+    for name, body in (("__0_0.distcp", b"a" * 100), ("__1_0.distcp", b"b" * 50), (".metadata", b"m" * 10)):
+        (path / name).write_bytes(body)
+    ckpt.write_checksums(path, ["__0_0.distcp", "__1_0.distcp"])
+    (path / "__0_0.distcp").write_bytes(b"c" * 120)
+    (path / ("__1_0.distcp" + ckpt.CHECKSUM_SUFFIX)).write_bytes(b"{not json")
+    marker = ckpt.write_commit(path, step=1, world_size=2)
+    assert marker["files"]["__0_0.distcp"] == {"num_bytes": 120, "crc32": ckpt._crc32(path / "__0_0.distcp")}
+    assert marker["files"]["__1_0.distcp"]["crc32"] == ckpt._crc32(path / "__1_0.distcp")
+    verify_checkpoint(path)

@@ -7,10 +7,12 @@ Layout under ``<run>/checkpoints/`` (read back by ``Checkpointer.load_latest`` a
     step00000010/COMMIT.json  {"step", "created_ns", "world_size", "files": {name: {"num_bytes", "crc32"}}}
     LATEST                    "step00000010": pointer to the newest commit, swapped with os.replace
 
-Commit protocol (the leader, once every rank's data and DCP's ``.metadata`` are on disk, i.e. after
-``dcp.save`` returns or the ``async_save`` future completes): checksum every file, write ``COMMIT.json``
-(write aside + ``os.replace``), rename ``.tmp-stepN`` to ``stepN``, swap ``LATEST``, then prune all but the
-newest ``keep`` commits. A crash or SIGKILL at any point leaves the previous commit intact and loadable.
+Every rank checksums the data files it wrote as it finishes writing them (``<file>.crc32.json`` beside each,
+``write_checksums``), on the thread that wrote them. Commit protocol (the leader, once every rank's data and
+DCP's ``.metadata`` are on disk, i.e. after ``dcp.save`` returns or the ``async_save`` future completes): take
+those checksums and checksum the rest (``.metadata``), write ``COMMIT.json`` (write aside + ``os.replace``),
+remove the checksum files, rename ``.tmp-stepN`` to ``stepN``, swap ``LATEST``, then prune all but the newest
+``keep`` commits. A crash or SIGKILL at any point leaves the previous commit intact and loadable.
 ``step`` is the number of the last completed training step; training resumes at ``step + 1``.
 
 Loading verifies sizes and CRC32s against ``COMMIT.json`` and walks back from the newest commit to the first
@@ -109,10 +111,13 @@ class TrainState(Stateful):
 
 
 class _MeasuredWriter(FileSystemWriter):
-    """FileSystemWriter that counts this rank's bytes and can sleep before writing (``slow-ckpt``)."""
+    """FileSystemWriter that counts this rank's bytes, checksums the files it wrote (``write_checksums``: the
+    leader's commit reads them instead of reading every rank's data) and can sleep before writing
+    (``slow-ckpt``)."""
 
     def __init__(self, path: Path, *, delay_s: float = 0.0) -> None:
         super().__init__(str(path))
+        self.dir = path
         self.delay_s = delay_s
         self.num_bytes = 0
 
@@ -120,8 +125,27 @@ class _MeasuredWriter(FileSystemWriter):
         if self.delay_s:
             time.sleep(self.delay_s)
         fut = super().write_data(plan, planner)
-        self.num_bytes = sum(int(r.storage_data.length) for r in fut.wait())
+        results = fut.wait()
+        self.num_bytes = sum(int(r.storage_data.length) for r in results)
+        write_checksums(self.dir, sorted({r.storage_data.relative_path for r in results}))
         return fut
+
+
+CHECKSUM_SUFFIX = ".crc32.json"
+"""A rank's checksum of a file it wrote, beside it until the commit (``{"num_bytes", "crc32"}``)."""
+
+
+def write_checksums(path: Path, names: list[str]) -> None:
+    """Checksum the files ``names`` of checkpoint dir ``path`` that this rank wrote, each into its
+    ``CHECKSUM_SUFFIX`` file (written aside, then renamed: the commit never reads half of one). Every rank
+    checksums its own files, as it writes them: the leader's commit would otherwise read the whole checkpoint
+    of every rank, a cost that grows with the world size and falls on one rank's training."""
+    for name in names:
+        f = path / name
+        body = orjson.dumps({"num_bytes": f.stat().st_size, "crc32": _crc32(f)})
+        tmp = path / (name + CHECKSUM_SUFFIX + ".tmp")
+        tmp.write_bytes(body)
+        os.replace(tmp, path / (name + CHECKSUM_SUFFIX))
 
 
 def checkpoint_name(step: int) -> str:
@@ -148,14 +172,36 @@ def _crc32(path: Path) -> int:
 
 
 def write_commit(path: Path, *, step: int, world_size: int) -> dict[str, Any]:
-    """Checksum every file of ``path`` and write its COMMIT.json atomically; returns the marker."""
-    files = {p.name: {"num_bytes": p.stat().st_size, "crc32": _crc32(p)}
-             for p in sorted(path.iterdir()) if p.is_file() and p.name != COMMIT_FILE}
+    """Checksum every file of ``path`` and write its COMMIT.json atomically; returns the marker. A file whose
+    writer left its checksum (``write_checksums``) for its present size takes that one; the others (DCP's
+    ``.metadata``, which the coordinator writes last) are read here. The checksum files are removed once the
+    marker is written."""
+    names = sorted(p.name for p in path.iterdir() if p.is_file())
+    sums = [n for n in names if n.endswith(CHECKSUM_SUFFIX)]
+    files = {}
+    for name in names:
+        if name == COMMIT_FILE or name.endswith(CHECKSUM_SUFFIX) or name.endswith(".tmp"):
+            continue
+        size = (path / name).stat().st_size
+        given = _read_checksum(path / (name + CHECKSUM_SUFFIX)) if name + CHECKSUM_SUFFIX in sums else None
+        crc = given["crc32"] if given is not None and given["num_bytes"] == size else _crc32(path / name)
+        files[name] = {"num_bytes": size, "crc32": crc}
     marker = {"step": step, "created_ns": time.time_ns(), "world_size": world_size, "files": files}
     tmp = path / (COMMIT_FILE + ".tmp")
     tmp.write_bytes(orjson.dumps(marker, option=orjson.OPT_INDENT_2))
     os.replace(tmp, path / COMMIT_FILE)
+    for name in sums:
+        (path / name).unlink(missing_ok=True)
     return marker
+
+
+def _read_checksum(path: Path) -> dict[str, int] | None:
+    """A ``write_checksums`` file's figures, or None when it cannot be read (the commit then reads the file)."""
+    try:
+        data = orjson.loads(path.read_bytes())
+        return {"num_bytes": int(data["num_bytes"]), "crc32": int(data["crc32"])}
+    except (OSError, orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+        return None
 
 
 def verify_checkpoint(path: Path) -> dict[str, Any]:

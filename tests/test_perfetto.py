@@ -1,5 +1,5 @@
 """`dtprobe export perfetto`: one Chrome-trace JSON timeline of every rank (steps, phases, collectives, pipeline,
-checkpoints, faults, device counters) on the store's aligned clock."""
+checkpoints, faults, device counters, the launcher's record of each rank's exit) on the store's aligned clock."""
 
 from __future__ import annotations
 
@@ -50,3 +50,26 @@ def test_perfetto_has_pipeline_actions_per_stage(tmp_path):
     assert summary.counts["pipeline"] == 2 * 2 * 2 * 2       # steps x ranks x microbatches x {F, B}
     pipe = [e for e in json.loads((tmp_path / "pp.json").read_text())["traceEvents"] if e.get("tid") == 3 and e["ph"] == "X"]
     assert {e["name"] for e in pipe} == {"F0", "F1", "B0", "B1"}
+
+
+def test_the_launchers_record_of_each_ranks_exit_is_an_instant_event_also_when_no_rank_wrote_a_row(tmp_path):
+    # rank 1 exited 2 in argparse before its probe attached; the agent then SIGTERMed rank 0: no table has a row,
+    # and the timeline still shows both ends, the first failure named, its stderr's last lines in the args
+    from dtprobe.synthetic import write_rows_run
+
+    attempts = [{"attempt": 0, "node_rank": 0, "started_ns": T0, "ended_ns": T0 + 900 * MS, "result": "failed",
+                 "ranks": [
+                     {"rank": 0, "local_rank": 0, "pid": 100, "exit_code": None, "signal": "SIGTERM",
+                      "first_failure": False, "time_ns": T0 + 800 * MS, "error": None},
+                     {"rank": 1, "local_rank": 1, "pid": 101, "exit_code": 2, "signal": None,
+                      "first_failure": True, "time_ns": T0 + 500 * MS, "error": None,
+                      "stderr_tail": "train.py: error: unrecognized arguments: --steps 30"}]}]
+    run = write_rows_run(tmp_path / "run", {}, world_size=2, status="crashed", attempts=attempts)
+    summary = export_perfetto(RunStore.open(run), tmp_path / "t.json")
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    exits = sorted((e for e in events if e["ph"] == "i"), key=lambda e: e["pid"])
+    assert [(e["pid"], e["name"], e["ts"]) for e in exits] == [
+        (0, "exit: SIGTERM", 300_000.0), (1, "exit: exit code 2 (first failure)", 0.0)]
+    assert exits[1]["args"]["stderr_tail"].endswith("--steps 30") and exits[1]["args"]["attempt"] == 0
+    assert summary.counts["exits"] == 2
+    assert {e["args"]["name"] for e in events if e["name"] == "thread_name" and e["pid"] == 1} >= {"exits"}

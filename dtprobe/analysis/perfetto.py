@@ -3,8 +3,10 @@ group, pipeline actions, checkpoints, faults and device counters on the store's 
 ``dtprobe export perfetto RUN -o merged.json``.
 
 Layout: one process per rank (``pid`` = rank, named ``rank N (host)``); threads: ``steps``, ``phases``,
-``pipeline``, ``checkpoint``; collectives as async slices (they overlap: DDP buckets) in one track per process
-group; device samples as counter tracks (``ph: "C"``); faults as instant events. Phases are laid out in their
+``pipeline``, ``checkpoint``, ``faults``, ``exits``; collectives as async slices (they overlap: DDP buckets) in one
+track per process group; device samples as counter tracks (``ph: "C"``); faults and the ranks' exits that the
+launcher recorded (run.json ``attempts``: a crash shows where the rank died, also in a run whose ranks died before
+writing any row) as instant events. Phases are laid out in their
 order (data, fwd, bwd, opt) from the step start, since the store keeps their durations, not their starts.
 Times are microseconds from the run's first event (``metadata.t0_unix_ns`` gives it in Unix nanoseconds).
 """
@@ -19,9 +21,10 @@ from typing import Any
 import pandas as pd
 
 from dtprobe.analysis.arrivals import unique_seq
+from dtprobe.analysis.liveness import attempts_of
 from dtprobe.analysis.tables import text_or
 
-TIDS = {"steps": 1, "phases": 2, "pipeline": 3, "checkpoint": 4, "faults": 5}
+TIDS = {"steps": 1, "phases": 2, "pipeline": 3, "checkpoint": 4, "faults": 5, "exits": 6}
 PHASES = ("data", "fwd", "bwd", "opt")
 COUNTERS = {
     "util_frac": ("gpu util", 1.0), "power_w": ("power W", 1.0), "temp_c": ("temperature C", 1.0),
@@ -40,7 +43,7 @@ class PerfettoSummary:
     num_events: int
     """Trace events written (metadata included)."""
     counts: dict
-    """Events per kind: steps, phases, collectives, pipeline, checkpoints, faults, counters."""
+    """Events per kind: steps, phases, collectives, pipeline, checkpoints, faults, exits, counters."""
 
 
 def _rows(df: pd.DataFrame, required: list[str]):
@@ -55,17 +58,21 @@ def _us(ns: Any, t0: int) -> float:
 
 
 def build_trace(tables: dict[str, pd.DataFrame], *, rank_hosts: dict[int, str] | None = None,
-                run_id: str = "") -> tuple[dict, dict]:
-    """(Chrome-trace JSON object, event counts per kind) from a run's tables (``RunStore.table`` frames)."""
+                run_id: str = "", attempts: list[dict] = ()) -> tuple[dict, dict]:
+    """(Chrome-trace JSON object, event counts per kind) from a run's tables (``RunStore.table`` frames) and the
+    launcher's ``attempts`` (run.json; ``liveness.attempts_of``)."""
     rank_hosts = rank_hosts or {}
+    exits = [(a, r) for a in attempts for r in a.get("ranks") or () if r.get("time_ns") is not None
+             and r.get("rank") is not None]
     starts = [df[c].dropna().astype("int64").min() for name, c in (
         ("steps", "start_ns"), ("collectives", "enqueue_ns"), ("pipeline", "start_ns"), ("devices", "time_ns"),
         ("faults", "time_ns"), ("checkpoints", "start_ns")) if not (df := tables.get(name, pd.DataFrame())).empty
-        and c in df and df[c].notna().any()]
+        and c in df and df[c].notna().any()] + [int(r["time_ns"]) for _, r in exits]
     t0 = int(min(starts)) if starts else 0
     events: list[dict] = []
-    counts = {k: 0 for k in ("steps", "phases", "collectives", "pipeline", "checkpoints", "faults", "counters")}
-    ranks: set[int] = set()
+    counts = {k: 0 for k in ("steps", "phases", "collectives", "pipeline", "checkpoints", "faults", "exits",
+                             "counters")}
+    ranks: set[int] = {int(r["rank"]) for _, r in exits}
     for df in tables.values():
         if not df.empty and "rank" in df:
             ranks.update(int(r) for r in df["rank"].dropna().unique())
@@ -139,6 +146,18 @@ def build_trace(tables: dict[str, pd.DataFrame], *, rank_hosts: dict[int, str] |
                                 "step": None if pd.isna(r.step) else int(r.step)}})
         counts["faults"] += 1
 
+    for a, r in exits:
+        how = r.get("signal") or (f"exit code {r['exit_code']}" if r.get("exit_code") is not None else "ended")
+        error = r.get("error") or {}
+        events.append({"ph": "i", "s": "p", "pid": int(r["rank"]), "tid": TIDS["exits"],
+                       "name": f"exit: {how}" + (" (first failure)" if r.get("first_failure") else ""),
+                       "ts": _us(r["time_ns"], t0),
+                       "args": {"attempt": a.get("attempt"), "exit_code": r.get("exit_code"),
+                                "signal": r.get("signal"), "first_failure": bool(r.get("first_failure")),
+                                "error": (f"{error.get('type')}: {error.get('message')}" if error else None),
+                                "stderr_tail": r.get("stderr_tail")}})
+        counts["exits"] += 1
+
     dev = tables.get("devices", pd.DataFrame())
     for col, (label, scale) in COUNTERS.items():
         if dev.empty or col not in dev or dev[col].isna().all():
@@ -171,7 +190,8 @@ def export_perfetto(store: Any, out: Path) -> PerfettoSummary:
         tables["collectives"] = unique_seq(tables["collectives"])   # restarts renumber collectives from 1
     manifest = getattr(store, "manifest", None)
     hosts = {info.rank: info.host for info in manifest.ranks} if manifest is not None else {}
-    trace, counts = build_trace(tables, rank_hosts=hosts, run_id=manifest.run_id if manifest is not None else "")
+    trace, counts = build_trace(tables, rank_hosts=hosts, run_id=manifest.run_id if manifest is not None else "",
+                                attempts=attempts_of(manifest))
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w") as f:

@@ -48,7 +48,8 @@ def test_perfetto_has_pipeline_actions_per_stage(tmp_path):
     run = write_run(tmp_path / "pp", t, world_size=2)
     summary = export_perfetto(RunStore.open(run), tmp_path / "pp.json")
     assert summary.counts["pipeline"] == 2 * 2 * 2 * 2       # steps x ranks x microbatches x {F, B}
-    pipe = [e for e in json.loads((tmp_path / "pp.json").read_text())["traceEvents"] if e.get("tid") == 3 and e["ph"] == "X"]
+    pipe = [e for e in json.loads((tmp_path / "pp.json").read_text())["traceEvents"]
+            if e.get("tid") == 3 and e["ph"] == "X"]
     assert {e["name"] for e in pipe} == {"F0", "F1", "B0", "B1"}
 
 

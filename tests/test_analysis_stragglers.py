@@ -400,3 +400,43 @@ def test_a_tie_with_the_peers_median_is_not_a_late_step():
     assert scores.set_index("rank").loc[0, "positive_frac"] == pytest.approx(0.6)     # 3 of 5: the tie is not late
     findings = st.detect_stragglers(scores, pd.DataFrame(columns=st.CAUSE_COLUMNS))
     assert [f for f in findings if f.severity != "info"] == []
+
+
+@pytest.mark.parametrize("step_ms, named", [(2.0, False), (200.0, True)])
+def test_a_window_spans_a_second_so_a_spell_of_a_few_steps_of_milliseconds_is_no_straggler(step_ms, named):
+    # 2 ranks, 500 steps; rank 0 is 40% of the step late in 16 of the 20 steps 41-60 and even elsewhere. At 2 ms a
+    # step that is a 40 ms spell of its host (a clean `dtprobe launch` run's critical false verdict): the window
+    # grows to 500 steps, whose median is a tie. At 200 ms the same steps last 4 s, and 20-step windows name it
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    step_ns = step_ms * 1e6
+    rows = []
+    for step in range(1, 501):
+        late = 0.4 if 41 <= step <= 60 and step % 5 else float(rng.normal(0.0, 0.01))
+        for rank, frac in ((0, late), (1, -late)):
+            rows.append({"pg": "world", "pg_ranks": "0,1", "step": step, "rank": rank,
+                         "lateness_ns": frac * step_ns, "victims_wait_ns": max(frac, 0.0) * step_ns,
+                         "is_last": frac > 0, "step_ns": step_ns, "lateness_frac": frac, "pre_excess_frac": 0.0})
+    scores = st.straggler_scores(pd.DataFrame(rows), window_steps=20)
+    assert scores["window_steps"].tolist() == ([250, 250] if not named else [20, 20])
+    findings = [f for f in st.detect_stragglers(scores, pd.DataFrame(columns=st.CAUSE_COLUMNS))
+                if f.severity != "info"]
+    assert [f.ranks for f in findings] == ([(0,)] if named else [])
+    if named:                                               # the first window with 10 of the spell's late steps
+        first, last = findings[0].evidence["window"]
+        assert last - first == 19 and sum(41 <= s <= 60 and s % 5 != 0 for s in range(first, last + 1)) >= 10
+
+
+@pytest.mark.parametrize("step_ms, named", [(3.0, False), (200.0, True)])
+def test_a_run_shorter_than_a_window_of_time_is_not_judged(step_ms, named):
+    # a 2-rank run that crashed after 6 steps, rank 1 30% late in each: 18 ms of steps say nothing of a straggler
+    # (a crash test's critical false verdict); 1.2 s of them do
+    step_ns = step_ms * 1e6
+    rows = [{"pg": "world", "pg_ranks": "0,1", "step": step, "rank": rank, "lateness_ns": frac * step_ns,
+             "victims_wait_ns": max(frac, 0.0) * step_ns, "is_last": frac > 0, "step_ns": step_ns,
+             "lateness_frac": frac, "pre_excess_frac": 0.0}
+            for step in range(1, 7) for rank, frac in ((0, -0.3 - step / 1000), (1, 0.3 + step / 1000))]
+    scores = st.straggler_scores(pd.DataFrame(rows), window_steps=20)
+    findings = st.detect_stragglers(scores, pd.DataFrame(columns=st.CAUSE_COLUMNS))
+    assert [f.ranks for f in findings if f.severity != "info"] == ([(1,)] if named else [])

@@ -64,6 +64,12 @@ LATE_TIE_FRAC = 0.001
 """A step counts as late (``positive_frac``) when the rank arrived after its peers' median by more than this share of
 the step; closer is a tie: ranks in lockstep leave a collective together and arrive at the next within
 microseconds of each other, either one first."""
+MIN_WINDOW_S = 0.5
+"""A window spans at least this long: ``window_steps`` steps, more when the run's median step is shorter than
+``MIN_WINDOW_S / window_steps``. Over a few tens of milliseconds, one hiccup of a rank's host (a garbage
+collection, a page-cache flush, another process's burst) makes that rank late in most of the window's steps.
+Half a second leaves the 20 steps of runs whose steps take 25 ms or more (every layout ``benchmarks/verdicts.py``
+runs) as they are."""
 MIN_LATENESS_OVER_NOISE = 2.5
 """Arrival view: a straggler's median lateness must be at least this many times its peers' lateness noise in the
 same window (``noise_frac``). Calibrated on clean and slowed ``dtprobe run`` jobs of a busy host (docs/findings.md):
@@ -154,8 +160,10 @@ def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | No
                      min_pre_excess_t: float = MIN_PRE_EXCESS_T,
                      min_pre_excess_t_over_peers: float = MIN_PRE_EXCESS_T_OVER_PEERS,
                      min_persistent_pre_over_noise: float = MIN_PERSISTENT_PRE_OVER_NOISE,
-                     min_steady_t: float = MIN_STEADY_T, memo: ScoreMemo | None = None) -> pd.DataFrame:
-    """Per (group, member rank), over sliding windows of ``window_steps`` steps (the whole run when shorter):
+                     min_steady_t: float = MIN_STEADY_T, min_window_s: float = MIN_WINDOW_S,
+                     memo: ScoreMemo | None = None) -> pd.DataFrame:
+    """Per (group, member rank), over sliding windows of ``window_steps`` steps, or of ``min_window_s`` seconds of
+    the median step when that is more (``window_length``; the whole run when shorter):
     the first window where its median lateness (share of the step) is at least ``min_lateness_frac`` and it
     arrived after its peers' median in at least ``min_positive_frac`` of the steps (else the window with the
     largest median lateness), that median, the share of the window's
@@ -211,6 +219,7 @@ def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | No
     gid = gid[order]
     n = np.bincount(gid)                                        # steps per (group, rank)
     first_row = np.cumsum(n) - n
+    window_steps = window_length(window_steps, lat["step_ns"], min_window_s)
     w = np.maximum(1, np.minimum(window_steps, n))              # window length per (group, rank)
     num_windows = n - w + 1
     first_window = np.cumsum(num_windows) - num_windows
@@ -648,6 +657,15 @@ def _noise_rows(x: np.ndarray) -> np.ndarray:
     return np.where(k >= 2, np.maximum(mad, q90), np.nan)
 
 
+def window_length(window_steps: int, step_ns: pd.Series, min_window_s: float = MIN_WINDOW_S) -> int:
+    """Steps per window: ``window_steps``, or as many of the median step (``step_ns``, NaN ignored) as span
+    ``min_window_s`` seconds when that is more."""
+    median = float(pd.to_numeric(step_ns, errors="coerce").median()) if len(step_ns) else np.nan
+    if not median > 0 or not min_window_s > 0:
+        return int(window_steps)
+    return max(int(window_steps), int(np.ceil(min_window_s * 1e9 / median)))
+
+
 def _windows(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Rows ``values[start:start + length]``, right-padded with NaN to the longest length."""
     width = int(lengths.max()) if len(lengths) else 1
@@ -1032,7 +1050,7 @@ class _PipelineJudge:
 
 def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Container[frozenset[int]] = frozenset(),
                       min_lateness_frac: float = 0.05, min_positive_frac: float = 0.8, min_steps: int = 3,
-                      critical_wait_frac: float = 0.2, injected: dict[int, dict] | None = None,
+                      min_window_s: float = MIN_WINDOW_S, critical_wait_frac: float = 0.2, injected: dict[int, dict] | None = None,
                       lateness: pd.DataFrame | None = None,
                       axis_of_pg: Callable[[str], str | None] = axis_of,
                       skip_axes: tuple[str, ...] = ("pp",),
@@ -1050,7 +1068,8 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
                       cpu_busy: pd.DataFrame | None = None, host_compute: bool = False) -> list[Finding]:
     """STRAGGLER for each rank whose median lateness over some window is at least ``min_lateness_frac`` of the step
     and which arrived after its peers' median in at least ``min_positive_frac`` of that window's steps (and the
-    window has ``min_steps`` steps or more), or whose data+fwd time exceeds its peers' by that share in that
+    window has ``min_steps`` steps or more and spans ``min_window_s`` seconds of its mean step: a run shorter
+    than that is not judged), or whose data+fwd time exceeds its peers' by that share in that
     many steps while its median lateness passes (arrivals jitter more than phases on busy hosts); only the latest
     such rank of a group (the others are its victims).
     Of two flagged ranks of one pipeline, when ``stage_excess`` (``pipeline_delay.stage_excess``) is given: the
@@ -1119,7 +1138,8 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
             col("mean_excess_frac"), col("excess_positive_frac"), col("excess_t"), col("peer_excess_t"),
             col("cpu_throttled_frac"), col("peer_cpu_throttled_frac"), min_lateness_frac=min_lateness_frac),
             index=scores.index)
-    flagged = scores[ok & (scores["window_steps"] >= min_steps)]
+    long_enough = ~(scores["window_steps"] * scores["mean_step_ns"].astype("float64") < min_window_s * 1e9)
+    flagged = scores[ok & (scores["window_steps"] >= min_steps) & long_enough]
     judge = (_PipelineJudge(stage_excess, min_lateness_frac=min_lateness_frac)
              if stage_excess is not None and not stage_excess.empty else None)
     by_stage = _stage_view_rows(scores, judge, min_steps=min_steps) if judge is not None else {}

@@ -37,7 +37,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--mtbf-hours", type=float, default=24.0,
                         help="mean time between failures assumed for the Young/Daly checkpoint interval")
     parser.add_argument("--window-steps", type=int, default=20,
-                        help="sliding window (steps) over which a straggler must persist")
+                        help="sliding window (steps) over which a straggler must persist; longer when "
+                             "that many steps last under 0.5 s")
     parser.add_argument("--skip-steps", type=int, default=1,
                         help="warm-up steps left out of step-time metrics")
     parser.add_argument("--link-gbps", type=float, default=None,

@@ -1050,7 +1050,8 @@ class _PipelineJudge:
 
 def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Container[frozenset[int]] = frozenset(),
                       min_lateness_frac: float = 0.05, min_positive_frac: float = 0.8, min_steps: int = 3,
-                      min_window_s: float = MIN_WINDOW_S, critical_wait_frac: float = 0.2, injected: dict[int, dict] | None = None,
+                      min_window_s: float = MIN_WINDOW_S, critical_wait_frac: float = 0.2,
+                      injected: dict[int, dict] | None = None,
                       lateness: pd.DataFrame | None = None,
                       axis_of_pg: Callable[[str], str | None] = axis_of,
                       skip_axes: tuple[str, ...] = ("pp",),

@@ -153,6 +153,21 @@ def test_a_group_whose_margins_are_wide_needs_ten_times_its_median_margin():
     assert _stalls(f)["rank"].tolist() == [1]
 
 
+def test_a_stall_lasts_a_tenth_of_a_second_however_short_the_steps():
+    # steps of 2 ms with 0.05 ms margins: a rank 8 ms late once is 4 steps and 160x the noise, a spell of its host
+    # that a clean 2-ms-step run has a dozen of, not a stall; 150 ms is
+    f = _frames()
+    f["late_rank"]["margin_ns"] = 0.05 * MS
+    _stall(f, rank=1, step=12, ms=8)
+    assert rank_stalls.rank_stalls(f["late_rank"], bandwidth=f["bandwidth"], exposure=f["exposure"],
+                                   steps=f["steps"], devices=f["devices"], checkpoints=f["checkpoints"],
+                                   step_ns=2.0 * MS).empty
+    _stall(f, rank=1, step=12, ms=150)
+    assert rank_stalls.rank_stalls(f["late_rank"], bandwidth=f["bandwidth"], exposure=f["exposure"],
+                                   steps=f["steps"], devices=f["devices"], checkpoints=f["checkpoints"],
+                                   step_ns=2.0 * MS)["rank"].tolist() == [1]
+
+
 def test_a_late_rank_that_was_waiting_in_communication_is_a_victim_and_the_stalled_one_is_named():
     # a pipeline-like step: rank 3 froze; rank 2 waited for it in a send/recv, then came late to its dp group
     f = _frames()

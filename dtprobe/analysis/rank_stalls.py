@@ -7,8 +7,9 @@ Two kinds, read from per-step frames kept at compaction or in a live window:
 
 - ``late_arrival`` (``arrivals.late_rank_per_step``: per group and step, the last arriver at the collective with
   the largest margin over the second-last one): the margin is at least ``MIN_STALL_STEPS`` median step times of
-  the run and ``MIN_STALL_OVER_NOISE`` times the group's median margin (its own noise). Left out when the late rank
-  spent at least ``VICTIM_WAIT_SHARE`` of the margin longer than usual in communication in that step
+  the run, ``MIN_STALL_S`` and ``MIN_STALL_OVER_NOISE`` times the group's median margin (its own noise). Left out
+  when the late rank spent at least ``VICTIM_WAIT_SHARE`` of the margin longer than usual in communication in that
+  step
   (``exposure``): it was itself waiting for a peer (a pipeline stage behind a stalled one, a tensor-parallel peer
   of the stalled rank), a victim, not the stalled rank; unless its process was ``frozen`` then (below): a rank
   stopped inside a send/recv has that time in communication too, but a waiting one's sampler goes on writing.
@@ -45,6 +46,10 @@ from dtprobe.store.columns import require_columns
 MIN_STALL_STEPS = 2.0
 """A stall's margin is at least this many median step times: the job lost two steps or more to one rank. Clean
 runs of this project's matrix (``benchmarks/verdicts.py``) reach at most one."""
+MIN_STALL_S = 0.1
+"""... and at least this long: with steps of a few milliseconds, two steps are a spell of the host (a garbage
+collection, a burst of page faults) that every run has; a clean 2-ms-step `dtprobe launch` run had a dozen of
+4-10 ms."""
 MIN_STALL_OVER_NOISE = 10.0
 """... and this many times the group's median margin, so that a run whose margins are wide anyway (shared cores)
 needs a proportionally longer stall."""
@@ -136,7 +141,7 @@ def _stalled_transfers(bandwidth: pd.DataFrame, step_ns: float) -> pd.DataFrame:
     if bandwidth is None or bandwidth.empty or not set(cols) <= set(bandwidth):
         return empty
     duration = bandwidth["duration_ns"].to_numpy(dtype="float64", na_value=np.nan)
-    long = duration >= MIN_STALL_STEPS * step_ns            # (NaN: False) most runs have none: nothing grouped
+    long = duration >= _floor_ns(step_ns)                    # (NaN: False) most runs have none: nothing grouped
     if not long.any():
         return empty
     keys = ["pg", "pg_ranks", "op"]
@@ -145,14 +150,19 @@ def _stalled_transfers(bandwidth: pd.DataFrame, step_ns: float) -> pd.DataFrame:
     return _over_noise(b, keys, "duration_ns", step_ns)
 
 
+def _floor_ns(step_ns: float) -> float:
+    """The shortest stall: ``MIN_STALL_STEPS`` median steps, and ``MIN_STALL_S``."""
+    return max(MIN_STALL_STEPS * step_ns, MIN_STALL_S * 1e9)
+
+
 def _over_noise(rows: pd.DataFrame, keys: list[str], column: str, step_ns: float) -> pd.DataFrame:
-    """The ``rows`` whose ``column`` is a stall: at least ``MIN_STALL_STEPS`` x ``step_ns`` and
+    """The ``rows`` whose ``column`` is a stall: at least ``MIN_STALL_STEPS`` x ``step_ns`` and ``MIN_STALL_S``,
     ``MIN_STALL_OVER_NOISE`` x the median of their ``keys`` (``noise_ns``), in a ``keys`` group of
     ``MIN_GROUP_STEPS`` rows or more; with ``stall_ns`` (that column) and ``noise_ns``."""
     by = rows.groupby(keys, observed=True)[column]
     size, noise = by.transform("size"), by.transform("median").astype("float64")
     value = rows[column].astype("float64")
-    hit = ((size >= MIN_GROUP_STEPS) & (value >= MIN_STALL_STEPS * step_ns)
+    hit = ((size >= MIN_GROUP_STEPS) & (value >= _floor_ns(step_ns))
            & (value >= MIN_STALL_OVER_NOISE * noise)).to_numpy(dtype=bool)
     return rows[hit].assign(step=rows["step"][hit].astype("int64"), stall_ns=value[hit], noise_ns=noise[hit])
 

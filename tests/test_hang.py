@@ -102,3 +102,22 @@ def test_the_hung_job_s_per_step_summaries_equal_its_raw_rows_and_count_the_coll
     at_hang = summaries[(summaries["step"] == hang_rank1_run.step) & (summaries["pg"] == "world")].set_index("rank")
     # rank 0 waited in the step's all-reduce until its watchdog gave up: written at close, never completed
     assert at_hang.loc[0, "num_collectives"] == at_hang.loc[0, "num_completed"] + 1
+
+
+def test_a_hang_title_places_a_missing_rank_at_its_own_line_not_in_the_library_it_waits_in():
+    # the main thread's innermost frame outside the Python installation and dtprobe: a rank blocked in a
+    # DataLoader's queue is at the script's line that asked for the batch; other threads do not count
+    import sysconfig
+
+    from dtprobe.analysis.hangs import _at
+
+    lib = sysconfig.get_paths()["stdlib"]
+    stack = ("Thread MainThread (1):\n"
+             '  File "/home/u/train.py", line 120, in main\n    batch = next(it)\n'
+             f'  File "{lib}/queue.py", line 180, in get\n    self.not_empty.wait(remaining)\n'
+             f'  File "{lib}/threading.py", line 331, in wait\n    gotit = waiter.acquire(True, timeout)\n'
+             "\nThread worker (2):\n"
+             '  File "/home/u/loader.py", line 7, in run\n    time.sleep(1)\n')
+    assert _at(stack) == ", at train.py:120"
+    assert _at(f'Thread MainThread (1):\n  File "{lib}/threading.py", line 331, in wait\n') == ", at threading.py:331"
+    assert _at(None) == "" and _at("no frames") == ""

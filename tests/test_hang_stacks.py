@@ -74,6 +74,24 @@ def test_rank_leaving_because_a_peer_fired_writes_its_stack_flushes_then_closes(
     assert probe.log[-1] == ("close", "crashed", "watchdog") and exits == [HANG_EXIT_CODE]
 
 
+def test_a_watchdog_that_only_reports_writes_the_stacks_and_leaves_the_job_running():
+    # dtprobe launch's: the firing rank and a peer that sees it write their report and stacks, flushed, and neither
+    # closes the probe nor exits: the script's own process-group timeout ends the job
+    store, probe, exits = FakeStore(), FakeProbe(), []
+    dog = Watchdog(CFG, store=store, rank=1, restart=0, probe=probe, exit=exits.append, progress=lambda: {},
+                   pending=lambda: _recv_pending(time.time_ns() - int(3e9)), leave=False)
+    dog.fire(dog.check())
+    assert probe.names() == ["hang", "flush", "stack", "flush"] and exits == []
+    assert store.check(["dtprobe/hang/0/fired"])
+    peer_probe = FakeProbe()
+    peer = Watchdog(HangConfig(collective_timeout_s=30.0, poll_interval_s=0.01), store=store, rank=0, restart=0,
+                    probe=peer_probe, exit=exits.append, progress=lambda: {}, pending=lambda: [], leave=False)
+    peer.start()
+    peer._thread.join(timeout=5)
+    assert not peer._thread.is_alive() and [e[0] for e in peer_probe.log] == ["fault", "flush"] and exits == []
+    assert peer_probe.faults()[0][1]["reason"] == "peer watchdog fired" and store.check(["dtprobe/hang/0/stack0"])
+
+
 def test_thread_stacks_lists_every_thread_main_first():
     ready, done = threading.Event(), threading.Event()
 

@@ -128,29 +128,23 @@ def test_launch_destroys_the_process_group_a_finished_script_left_before_the_exi
     assert RunStore.open(tmp_path / "run").manifest.status == "finished"
 
 
-ABORTS_IN_NATIVE_CODE = """
-import datetime, os, sys
-import torch, torch.distributed as dist
+def _failing_script(fault: str, *, timeout_s: int = 60) -> tuple[str, int]:
+    """A 2-rank DDP-like loop of 6 steps whose rank 1 runs ``fault`` (one line) at step 2, and that line's number."""
+    lines = ["import datetime, os, sys, time", "import torch, torch.distributed as dist", "",
+             f'dist.init_process_group("gloo", timeout=datetime.timedelta(seconds={timeout_s}))',
+             "model = torch.nn.Linear(16, 16)", "opt = torch.optim.SGD(model.parameters(), lr=0.1)",
+             "for step in range(6):", "    model(torch.randn(4, 16)).sum().backward()",
+             "    for p in model.parameters():", "        dist.all_reduce(p.grad)", "    opt.step()",
+             "    opt.zero_grad()", "    if step == 2 and dist.get_rank() == 1:", f"        {fault}",
+             "dist.destroy_process_group()", ""]
+    return "\n".join(lines), lines.index(f"        {fault}") + 1
 
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-model = torch.nn.Linear(16, 16)
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-for step in range(6):
-    model(torch.randn(4, 16)).sum().backward()
-    for p in model.parameters():
-        dist.all_reduce(p.grad)
-    opt.step()
-    opt.zero_grad()
-    if step == 2 and dist.get_rank() == 1:
-        # what libstdc++ prints when a C++ exception escapes a thread, then the abort it calls
-        sys.stderr.write("terminate called after throwing an instance of 'c10::Error'\\n"
-                         "  what():  CUDA error: an illegal memory access was encountered\\n"
-                         "Exception raised from c10_cuda_check_implementation (most recent call first):\\n"
-                         "frame #0: c10::Error::Error(c10::SourceLocation, std::string) + 0x96\\n")
-        sys.stderr.flush()
-        os.abort()
-dist.destroy_process_group()
-"""
+
+# what libstdc++ prints when a C++ exception escapes a thread, then the abort it calls
+ABORTS_IN_NATIVE_CODE = ("sys.stderr.write(\"terminate called after throwing an instance of 'c10::Error'\\n  what():  "
+                         "CUDA error: an illegal memory access was encountered\\nException raised from "
+                         "c10_cuda_check_implementation (most recent call first):\\nframe #0: c10::Error::Error"
+                         "(c10::SourceLocation, std::string) + 0x96\\n\"); sys.stderr.flush(); os.abort()")
 
 
 @pytest.mark.multiproc
@@ -158,7 +152,8 @@ def test_a_rank_that_aborts_in_native_code_is_named_with_its_message_line_and_ca
     # no Python exception, no error file: the cause and the script's line come from the worker's stderr (the abort
     # message before faulthandler's dump, the dump's frames), the frames of the Python installation skipped
     script = tmp_path / "native.py"
-    script.write_text(ABORTS_IN_NATIVE_CODE)
+    text, line = _failing_script(ABORTS_IN_NATIVE_CODE)
+    script.write_text(text)
     proc = _launch(run_cli, child_env, tmp_path / "run", script)
     assert proc.returncode != 0
     report = json.loads(run_cli("analyze", tmp_path / "run", "--format", "json", timeout_s=120,
@@ -166,9 +161,32 @@ def test_a_rank_that_aborts_in_native_code_is_named_with_its_message_line_and_ca
     [crash] = [f for f in report["findings"] if f["code"] == "RANK_CRASH"]
     assert crash["ranks"] == [1] and crash["evidence"]["signal"] == "SIGABRT"
     assert crash["evidence"]["cause"] == "device"
-    assert "SIGABRT in native.py:21" in crash["title"]
+    assert f"SIGABRT in native.py:{line}" in crash["title"]
     assert 'its stderr: "CUDA error: an illegal memory access was encountered"' in crash["title"]
     tail = crash["evidence"]["stderr_tail"].splitlines()
     assert tail[:2] == ["terminate called after throwing an instance of 'c10::Error'",
                         "  what():  CUDA error: an illegal memory access was encountered"]
     assert tail[2] == "Fatal Python error: Aborted" and not any("frame #" in line for line in tail)
+
+
+
+
+@pytest.mark.multiproc
+def test_a_hung_scripts_stacks_are_written_and_its_hang_names_the_line_the_missing_rank_was_at(
+        tmp_path, run_cli, child_env):
+    # rank 1 sleeps at step 2; rank 0 waits in the next all-reduce. After --stacks-after 2 s every rank writes its
+    # stack into the run, and the script's own 12 s timeout ends the job, as without dtprobe
+    script = tmp_path / "stuck.py"
+    text, line = _failing_script("time.sleep(3600)", timeout_s=12)
+    script.write_text(text)
+    proc = run_cli("launch", "--nproc", "2", "--run-dir", tmp_path / "run", "--no-devices", "--stacks-after", "2",
+                   script, timeout_s=LAUNCH_TIMEOUT_S, env=child_env())
+    assert proc.returncode != 0
+    report = json.loads(run_cli("analyze", tmp_path / "run", "--format", "json", timeout_s=120,
+                                env=child_env()).stdout)
+    [hang] = [f for f in report["findings"] if f["code"] == "HANG"]
+    assert hang["ranks"] == [1] and f"at stuck.py:{line}" in hang["title"]
+    stacks = hang["evidence"]["stacks"]
+    assert set(stacks) == {"0", "1"} and f'stuck.py", line {line}' in stacks["1"] and "all_reduce" in stacks["0"]
+    assert hang["evidence"]["watchdog_report"]["timeout_s"] == 2.0
+    assert hang["evidence"]["waited_s"] >= 10        # the job went on until its own timeout

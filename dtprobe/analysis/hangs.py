@@ -5,8 +5,10 @@ facade and the dashboard."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -249,7 +251,8 @@ def detect_hangs(missing: pd.DataFrame, faults: pd.DataFrame | None, *, last_see
         where = f"on {group_phrase(r.pg, group_members(r.pg_ranks))} (step {r.step})"
         what = op_no + (f" with peer {int(r.peer)}" if is_p2p else "") + f" {where}"
         waiters = list(group_members(str(r.arrived_ranks)))
-        states = f" ({', '.join(f'rank {m} {live[m]}' for m in miss)})"
+        stacks = _stacks(observed, everyone)
+        states = f" ({', '.join(f'rank {m} {live[m]}' + _at(stacks.get(str(m))) for m in miss)})"
         if cause == "network":
             title = (f"ranks on {' and '.join(f'{k} {ranks_phrase(v)}' for k, v in sides.items())} wait for each other at "
                      f"{what} for {waited_ns / 1e9:.1f} s, all alive: the network between the nodes")
@@ -274,7 +277,7 @@ def detect_hangs(missing: pd.DataFrame, faults: pd.DataFrame | None, *, last_see
                 "missing_last_seen": {str(m): ({"step": _int_or_none(last[m].last_step),
                                                 "last_collective": last[m].last_collective}
                                                if m in last else None) for m in miss},
-                "stacks": _stacks(observed, everyone),
+                "stacks": stacks,
                 "watchdog_report": report, "also_stuck": [],
                 "injected": bool(injected is not None and not injected.empty and (
                     injected[(injected["kind"] == "hang")]["rank"].astype("int64").isin(culprits).any())),
@@ -336,6 +339,35 @@ def _watchdog_report(observed: pd.DataFrame | None, stall) -> dict | None:
         if d.get("pg") == stall.pg and d.get("pg_ranks", stall.pg_ranks) == stall.pg_ranks:
             return {"reported_by": int(r.rank), **d}
     return None
+
+
+_STACK_FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+)')
+
+
+def _at(stack: str | None) -> str:
+    """``, at train.py:88``: where a rank's main thread was in its watchdog's stack (``hang.thread_stacks``: the
+    main thread first, innermost call last): its innermost frame outside the Python installation and dtprobe,
+    else its innermost frame; empty without a stack."""
+    if not stack:
+        return ""
+    main = stack.split("\n\nThread ", 1)[0]
+    frames = [m for m in map(_STACK_FRAME.match, main.splitlines()) if m]
+    if not frames:
+        return ""
+    own = [m for m in frames if not _library_path(m["path"])]
+    m = (own or frames)[-1]
+    return f", at {m['path'].rsplit('/', 1)[-1]}:{m['line']}"
+
+
+def _library_path(path: str) -> bool:
+    """A frame's file is of the Python installation (standard library, site-packages), frozen, or dtprobe's."""
+    import sysconfig
+
+    import dtprobe
+
+    roots = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    roots |= {str(Path(dtprobe.__file__).resolve().parent.parent / d) for d in ("dtprobe", "collectors")}
+    return path.startswith("<") or any(path.startswith(root.rstrip("/") + "/") for root in roots)
 
 
 def _stacks(observed: pd.DataFrame | None, ranks: list[int]) -> dict[str, str]:

@@ -48,6 +48,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     groups = {LAUNCH_GROUP: p.add_argument_group("torchrun (run directory default: runs/<time>-<script>-n<ranks>)"),
               telemetry: p.add_argument_group("telemetry")}
     add_flags(groups, JobConfig, keys=LAUNCH_KEYS)
+    groups[telemetry].add_argument(
+        "--stacks-after", dest="stacks_after_s", type=float, default=None, metavar="S",
+        help="when a collective or send/recv has been pending S seconds, write every rank's Python stack into the "
+             "run (HANG evidence); the script's own process-group timeout still ends the job. Default: half that "
+             "timeout, at most 300; 0 = never")
     p.add_argument("-m", dest="as_module", action="store_true",
                    help="run SCRIPT as a module, like python -m (SCRIPT is then the module's name)")
     p.add_argument("target", nargs=argparse.REMAINDER, metavar="SCRIPT [ARGS ...]",
@@ -67,8 +72,9 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError("dtprobe launch: no SCRIPT given; e.g. `dtprobe launch --nproc 2 train.py` or "
                           "`dtprobe launch --nproc 2 -m mypkg.train`.")
     name, *script_args = args.target
-    target = (LaunchTarget(module=name, args=tuple(script_args)) if args.as_module
-              else LaunchTarget(script=name, args=tuple(script_args)))
+    target = (LaunchTarget(module=name, args=tuple(script_args), stacks_after_s=args.stacks_after_s)
+              if args.as_module else LaunchTarget(script=name, args=tuple(script_args),
+                                                  stacks_after_s=args.stacks_after_s))
     job = JobConfig.from_dict(flag_values(args, JobConfig), source="flags")
     console = Console(stderr=True)
     result = launch(job, target, command=["dtprobe", *sys.argv[1:]], console=console)

@@ -164,7 +164,7 @@ class Watchdog:
                  progress: Callable[[], dict[str, dict[str, Any]]] | None = None,
                  pending: Callable[[], list[dict[str, Any]]] | None = None,
                  exit: Callable[[int], None] = os._exit, peer_exit_grace_s: float = 5.0,
-                 store_timeout_s: float = 2.0) -> None:
+                 store_timeout_s: float = 2.0, leave: bool = True) -> None:
         from dtprobe.collectors.pg_wrapper import RECORDER
 
         self.config = config
@@ -179,6 +179,10 @@ class Watchdog:
         self.peer_exit_grace_s = peer_exit_grace_s
         """A rank leaving because a peer fired exits this long after the firing rank left (if torchrun has not
         stopped it by then), so that the firing rank is the attempt's first failure."""
+        self.leave = leave
+        """False: the watchdog only reports (its ``hang`` row and every rank's ``stack`` row, flushed), and the job
+        goes on until its own process-group timeout ends it (``dtprobe launch``: the script's job is not ended
+        by dtprobe)."""
         self._stop = threading.Event()
         self.fired: dict[str, Any] | None = None
         self._thread = threading.Thread(target=self._run, name="dtprobe-hang-watchdog", daemon=True)
@@ -319,10 +323,14 @@ class Watchdog:
               f"{detail['waiting_for_ranks']}"
               + (f", unreachable ranks {detail['unreachable_ranks']}" if detail.get("unreachable_ranks") else "")
               + (f" ({detail['store_error']})" if detail.get("store_error") else "")
-              + f". Exiting with {HANG_EXIT_CODE}.", flush=True)
+              + (f". Exiting with {HANG_EXIT_CODE}." if self.leave else
+                 "; every rank's stack is written to the run, and the job's own timeout ends it."), flush=True)
         # The stack goes after the report's own flush; the close below flushes it first thing.
         self.probe.fault("stack", step=-1 if step is None else step, injected=False, reason="watchdog fired",
                          stack=stack)
+        if not self.leave:
+            self.probe.flush()
+            return
         self._await_peer_stacks()
         self._leave()
 
@@ -353,6 +361,8 @@ class Watchdog:
             self.store.set(_key(self.restart, f"stack{self.rank}"), "1")
         except StoreUnreachable:                # best effort: the row above is on disk
             pass
+        if not self.leave:
+            return
         try:
             self.probe.close(status="crashed", reason="watchdog")
         finally:

@@ -43,11 +43,19 @@ class LaunchTarget:
     """Module name (as given to ``python -m MODULE``)."""
     args: tuple[str, ...] = ()
     """Its arguments (``sys.argv[1:]`` in the workers)."""
+    stacks_after_s: float | None = None
+    """``--stacks-after``: seconds a collective or send/recv stays pending before every rank's Python stack is
+    written to the run (0: never); None: half the script's process-group timeout, at most 300
+    (``launch_worker.stacks_after``)."""
 
     def __post_init__(self) -> None:
         if (self.script is None) == (self.module is None):
             raise ConfigError("dtprobe launch needs a SCRIPT or -m MODULE (exactly one), e.g. "
                               "`dtprobe launch --nproc 2 train.py --epochs 1`.")
+        if self.stacks_after_s is not None and not self.stacks_after_s >= 0:
+            raise ConfigError(f"dtprobe launch: --stacks-after {self.stacks_after_s:g}; give 0 (never) or the "
+                              f"seconds a collective may stay pending before the ranks' stacks are written, "
+                              f"e.g. --stacks-after 60.")
         if self.script is not None and not Path(self.script).is_file():
             raise ConfigError(f"dtprobe launch: script {self.script!r} is not a file; give the path of the Python "
                               f"script to run (or -m MODULE).")
@@ -68,7 +76,8 @@ def launch_spec(job: JobConfig, target: LaunchTarget) -> dict[str, Any]:
     collect = asdict(job.collect)
     collect["profile_steps"] = list(job.collect.profile_steps) if job.collect.profile_steps is not None else None
     return {"run_dir": job.run_dir, "script": str(Path(target.script).resolve()) if target.script else None,
-            "module": target.module, "args": list(target.args), "collect": collect, "timeout_s": job.timeout_s}
+            "module": target.module, "args": list(target.args), "collect": collect, "timeout_s": job.timeout_s,
+            "stacks_after_s": target.stacks_after_s}
 
 
 def prepare(job: JobConfig, target: LaunchTarget, *, command: list[str]) -> JobConfig:

@@ -8,7 +8,11 @@ its arguments, the ``[collect]`` options, the process-group timeout), then:
    right after the script's own call ``dtprobe.attach`` runs (attach after init: the default group and every group
    created later are recorded, ``collectors.attach``) and the step hooks are installed
    (``collectors.launch_steps``: a step per optimizer step attempt, fwd/bwd/opt phases, ``dtprobe.record``);
-   a script that never initializes torch.distributed is still run, and nothing is recorded;
+   a script that never initializes torch.distributed is still run, and nothing is recorded; with collectives
+   recorded, a watchdog that only reports (``runtime.hang.Watchdog``, ``leave=False``) writes every rank's
+   Python stack into the run once one of its collectives or send/recvs has been pending ``stacks_after_s``
+   (``stacks_after``: by default half the script's process-group timeout, at most ``STACKS_AFTER_MAX_S``), and
+   leaves the ending to that timeout;
 2. runs the script as ``python SCRIPT ARGS`` would (``runpy``: ``__name__ == "__main__"``, ``sys.argv`` =
    ``[SCRIPT, *ARGS]``, the script's folder first on ``sys.path``; ``-m``: ``sys.argv[0]`` the module's file);
 3. closes the probe ("finished" when the script returned or exited 0, else "crashed"), destroys the process
@@ -34,6 +38,37 @@ from dtprobe.runtime.worker import write_worker_file
 
 LAUNCH_ENV = "DTPROBE_LAUNCH"
 """Environment variable naming ``<run>/launch.json``."""
+STACKS_AFTER_MAX_S = 300.0
+"""The default wait before every rank's stack is written is half the script's process-group timeout, at most
+this (torch's default timeouts are 10 and 30 minutes)."""
+
+
+def stacks_after(spec: dict[str, Any], pg_timeout_s: float | None) -> float:
+    """Seconds a pending collective or send/recv waits before every rank's stack is written: ``launch.json``'s
+    ``stacks_after_s`` (0: never), else half ``pg_timeout_s`` (the script's process-group timeout), at most
+    ``STACKS_AFTER_MAX_S``."""
+    given = spec.get("stacks_after_s")
+    if given is not None:
+        return float(given)
+    return STACKS_AFTER_MAX_S if pg_timeout_s is None else min(STACKS_AFTER_MAX_S, pg_timeout_s / 2)
+
+
+def pg_timeout_s(original: Any, args: tuple, kwargs: dict[str, Any]) -> float | None:
+    """The timeout (seconds) of the default group that ``init_process_group(*args, **kwargs)`` made: the one given,
+    else torch's default for its backend; None when it cannot be told."""
+    import inspect
+
+    import torch.distributed as dist
+
+    try:
+        timeout = inspect.signature(original).bind_partial(*args, **kwargs).arguments.get("timeout")
+        if timeout is None:
+            from torch.distributed import distributed_c10d
+
+            timeout = distributed_c10d._get_default_timeout(dist.get_backend())
+        return float(timeout.total_seconds())
+    except (TypeError, ValueError, AttributeError, RuntimeError):
+        return None
 
 
 class LaunchSession:
@@ -43,6 +78,7 @@ class LaunchSession:
         self.spec = spec
         self.probe: Any = None
         self.steps: Any = None
+        self.watchdog: Any = None
         self._patched: list[tuple[Any, Any]] = []
 
     def install(self) -> None:
@@ -55,7 +91,7 @@ class LaunchSession:
 
         def init_process_group(*args: Any, **kwargs: Any) -> Any:
             result = original(*args, **kwargs)
-            session.attach()
+            session.attach(pg_timeout_s=pg_timeout_s(original, args, kwargs))
             return result
 
         init_process_group.__wrapped__ = original     # type: ignore[attr-defined]
@@ -65,8 +101,8 @@ class LaunchSession:
                 self._patched.append((module, original))
                 module.init_process_group = init_process_group
 
-    def attach(self) -> None:
-        """``dtprobe.attach`` (after init) and the step hooks; once."""
+    def attach(self, *, pg_timeout_s: float | None = None) -> None:
+        """``dtprobe.attach`` (after init), the step hooks and the stack watchdog; once."""
         if self.probe is not None:
             return
         from dtprobe.collectors.attach import Probe
@@ -80,12 +116,25 @@ class LaunchSession:
             self.steps.install()
             self.probe.step_hooks = self.steps      # a second attach or a framework callback stops them
             dtprobe._record_sink = self.steps.record
+            after = stacks_after(spec, pg_timeout_s)
+            if after > 0 and self.probe.config.collectives:
+                import torch.distributed as dist
+
+                from dtprobe.runtime.config_sections import HangConfig
+                from dtprobe.runtime.hang import Watchdog
+
+                self.watchdog = Watchdog(HangConfig(collective_timeout_s=after),
+                                         store=dist.distributed_c10d._get_default_store(), rank=self.probe.rank,
+                                         restart=int(getattr(self.probe, "restart", 0)), probe=self.probe,
+                                         leave=False).start()
 
     def close(self, status: str) -> None:
         for module, original in self._patched:
             module.init_process_group = original
         self._patched = []
         dtprobe._record_sink = None
+        if self.watchdog is not None:
+            self.watchdog.stop()
         if self.steps is not None:
             self.steps.close()
         if self.probe is not None:

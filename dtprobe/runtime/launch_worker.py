@@ -38,6 +38,8 @@ from dtprobe.runtime.worker import write_worker_file
 
 LAUNCH_ENV = "DTPROBE_LAUNCH"
 """Environment variable naming ``<run>/launch.json``."""
+STACKS_POLL_MAX_S = 5.0
+"""The stack watchdog checks at most this far apart (each check publishes the rank's progress to the store)."""
 STACKS_AFTER_MAX_S = 300.0
 """The default wait before every rank's stack is written is half the script's process-group timeout, at most
 this (torch's default timeouts are 10 and 30 minutes)."""
@@ -123,7 +125,9 @@ class LaunchSession:
                 from dtprobe.runtime.config_sections import HangConfig
                 from dtprobe.runtime.hang import Watchdog
 
-                self.watchdog = Watchdog(HangConfig(collective_timeout_s=after),
+                # polls (a store write and read per rank each) a quarter of the wait apart, at most 5 s
+                poll = min(STACKS_POLL_MAX_S, max(0.25, after / 4))
+                self.watchdog = Watchdog(HangConfig(collective_timeout_s=after, poll_interval_s=poll),
                                          store=dist.distributed_c10d._get_default_store(), rank=self.probe.rank,
                                          restart=int(getattr(self.probe, "restart", 0)), probe=self.probe,
                                          leave=False).start()

@@ -51,6 +51,11 @@ def _banned_hits(package: str, banned: str) -> list[str]:
         ("dtprobe/intervals.py", "dtprobe.runtime"),
         ("dtprobe/intervals.py", "dtprobe.store"),
         ("dtprobe/intervals.py", "torch"),
+        # the leaf module of stack frames (the launcher and the analysis share it): the standard library only
+        ("dtprobe/stack_frames.py", "dtprobe.analysis"),
+        ("dtprobe/stack_frames.py", "dtprobe.runtime"),
+        ("dtprobe/stack_frames.py", "dtprobe.store"),
+        ("dtprobe/stack_frames.py", "torch"),
         ("dtprobe/planner", "torch"),
         ("dtprobe/planner", "dtprobe.collectors"),
         ("dtprobe/planner", "streamlit"),

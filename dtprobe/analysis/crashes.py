@@ -15,6 +15,7 @@ from dtprobe.analysis.fault_detail import fault_detail, is_injected
 from dtprobe.analysis.findings import Finding
 from dtprobe.analysis.liveness import (CONSEQUENCE_REASONS, WATCHDOG_EXIT_CODE, Activity, is_missing, is_own_failure)
 from dtprobe.analysis.phases import phase_at
+from dtprobe.stack_frames import FRAME, location
 from dtprobe.store.columns import require_columns
 
 CRASH_COLUMNS = [
@@ -34,7 +35,6 @@ _COMM = re.compile(r"DistBackendError|DistNetworkError|ProcessGroup|\bgloo\b|\bN
 SELF_SIGNALS = ("SIGABRT", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL")
 """Signals a process raises on itself (an abort, a fault in native code): its stderr says why, unlike a kill's."""
 _ERROR_LINE = re.compile(r"what\(\)|error|exception|terminate called|abort|fail", re.I)
-_FRAME = re.compile(r'^(\[rank\d+\]:)?\s*File "(?P<path>[^"]+)", line (?P<line>\d+)')
 
 
 def stderr_errors(tail: Any) -> str:
@@ -42,7 +42,7 @@ def stderr_errors(tail: Any) -> str:
     no faulthandler header, only lines that name an error, exception or abort."""
     if is_missing(tail):
         return ""
-    return " ".join(line.strip() for line in str(tail).splitlines() if not _FRAME.match(line)
+    return " ".join(line.strip() for line in str(tail).splitlines() if not FRAME.match(line)
                     and not line.startswith("Fatal Python error:") and _ERROR_LINE.search(line))
 
 
@@ -54,11 +54,11 @@ def stderr_quote(tail: Any) -> tuple[str | None, str | None]:
         return None, None
     lines = str(tail).splitlines()
     whats = [line.split("what():", 1)[1].strip() for line in lines if "what():" in line]
-    errors = [line.strip() for line in lines if not _FRAME.match(line) and not line.startswith("Fatal Python error:")
+    errors = [line.strip() for line in lines if not FRAME.match(line) and not line.startswith("Fatal Python error:")
               and _ERROR_LINE.search(line)]
     message = whats[-1] if whats else errors[-1] if errors else None
-    frames = [m for m in map(_FRAME.match, lines) if m]
-    where = f"{frames[-1]['path'].rsplit('/', 1)[-1]}:{frames[-1]['line']}" if frames else None
+    frames = [m for m in map(FRAME.match, lines) if m]
+    where = location(frames[-1]) if frames else None
     return message, where
 
 

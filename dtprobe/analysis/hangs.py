@@ -5,10 +5,8 @@ facade and the dashboard."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -21,6 +19,7 @@ from dtprobe.analysis.findings import Finding
 from dtprobe.analysis.liveness import Activity, attempt_at, liveness
 from dtprobe.analysis.stragglers import SKEW_COLUMNS
 from dtprobe.analysis.tables import P2P_OPS, axis_of, coded_rows, group_members, group_phrase, ranks_phrase, text_or
+from dtprobe.stack_frames import FRAME, is_library, location
 from dtprobe.store.columns import require_columns
 
 MISSING_COLUMNS = ["pg", "pg_ranks", "seq", "op", "step", "arrived_ranks", "missing_ranks", "first_enqueue_ns",
@@ -341,9 +340,6 @@ def _watchdog_report(observed: pd.DataFrame | None, stall) -> dict | None:
     return None
 
 
-_STACK_FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+)')
-
-
 def _at(stack: str | None) -> str:
     """``, at train.py:88``: where a rank's main thread was in its watchdog's stack (``hang.thread_stacks``: the
     main thread first, innermost call last): its innermost frame outside the Python installation and dtprobe,
@@ -351,23 +347,11 @@ def _at(stack: str | None) -> str:
     if not stack:
         return ""
     main = stack.split("\n\nThread ", 1)[0]
-    frames = [m for m in map(_STACK_FRAME.match, main.splitlines()) if m]
+    frames = [m for m in map(FRAME.match, main.splitlines()) if m]
     if not frames:
         return ""
-    own = [m for m in frames if not _library_path(m["path"])]
-    m = (own or frames)[-1]
-    return f", at {m['path'].rsplit('/', 1)[-1]}:{m['line']}"
-
-
-def _library_path(path: str) -> bool:
-    """A frame's file is of the Python installation (standard library, site-packages), frozen, or dtprobe's."""
-    import sysconfig
-
-    import dtprobe
-
-    roots = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-    roots |= {str(Path(dtprobe.__file__).resolve().parent.parent / d) for d in ("dtprobe", "collectors")}
-    return path.startswith("<") or any(path.startswith(root.rstrip("/") + "/") for root in roots)
+    own = [m for m in frames if not is_library(m["path"], own=True)]
+    return f", at {location((own or frames)[-1])}"
 
 
 def _stacks(observed: pd.DataFrame | None, ranks: list[int]) -> dict[str, str]:

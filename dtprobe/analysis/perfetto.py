@@ -6,8 +6,8 @@ Layout: one process per rank (``pid`` = rank, named ``rank N (host)``); threads:
 ``pipeline``, ``checkpoint``, ``faults``, ``exits``; collectives as async slices (they overlap: DDP buckets) in one
 track per process group; device samples as counter tracks (``ph: "C"``); faults and the ranks' exits that the
 launcher recorded (run.json ``attempts``: a crash shows where the rank died, also in a run whose ranks died before
-writing any row) as instant events. Phases are laid out in their
-order (data, fwd, bwd, opt) from the step start, since the store keeps their durations, not their starts.
+writing any row) as instant events. Phases are laid out in their order (data, fwd, bwd, opt) from the step start,
+since the store keeps their durations, not their starts.
 Times are microseconds from the run's first event (``metadata.t0_unix_ns`` gives it in Unix nanoseconds).
 """
 

@@ -47,6 +47,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dtprobe.stack_frames import FRAME, is_library
+
 WORKER_FILE = "worker.json"
 """Name of the worker's own record beside its error file (``runtime.worker.WORKER_FILE``)."""
 ERROR_FILE = "error.json"
@@ -493,19 +495,10 @@ def _fatal_lines(dump: list[str]) -> list[str]:
     out = [dump[0]]
     if frames:
         out.append(frames[0])
-        own = next((f for f in frames if not _in_python_install(f)), None)
+        own = next((f for f in frames if (m := FRAME.match(f)) and not is_library(m["path"])), None)
         if own is not None and own != frames[0]:
             out.append(own)
     return out
-
-
-def _in_python_install(frame: str) -> bool:
-    """A faulthandler frame line is of the Python installation (its standard library or site-packages) or frozen."""
-    import sysconfig
-
-    path = frame.split('"', 2)[1] if frame.count('"') >= 2 else ""
-    roots = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-    return path.startswith("<") or any(path.startswith(root.rstrip("/") + "/") for root in roots)
 
 
 def _result(ranks: list[dict[str, Any]], ev: _LogEvents, *, is_last: bool, exit_code: int | None,

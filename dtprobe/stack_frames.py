@@ -1,0 +1,36 @@
+"""Frames of the Python stacks a failed or stuck rank leaves (a traceback, faulthandler's dump, the hang
+watchdog's ``thread_stacks``): which line of the user's own code a frame is. Read by the launcher's stderr excerpt
+(``runtime.attempts``) and the crash and hang verdicts."""
+
+from __future__ import annotations
+
+import functools
+import re
+
+FRAME = re.compile(r'^(\[rank\d+\]:)?\s*File "(?P<path>[^"]+)", line (?P<line>\d+)')
+"""A frame line as traceback and faulthandler write it (``File "path", line N, in f`` / ``... line N in f``),
+also behind torchrun's ``[rankN]:`` prefix."""
+
+
+@functools.lru_cache(maxsize=None)
+def _library_roots(own: bool) -> tuple[str, ...]:
+    import importlib.util
+    import sysconfig
+
+    roots = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    if own:                                    # dtprobe's package and its collectors (a folder of their own)
+        for name in ("dtprobe", "dtprobe.collectors"):
+            spec = importlib.util.find_spec(name)
+            roots.update(spec.submodule_search_locations or () if spec is not None else ())
+    return tuple(root.rstrip("/") + "/" for root in roots)
+
+
+def is_library(path: str, *, own: bool = False) -> bool:
+    """A frame's file is frozen or of the Python installation (standard library, site-packages); with ``own``, also
+    of dtprobe (its launcher and collectors run the script)."""
+    return path.startswith("<") or path.startswith(_library_roots(own))
+
+
+def location(match: re.Match) -> str:
+    """``train.py:88`` of a ``FRAME`` match."""
+    return f"{match['path'].rsplit('/', 1)[-1]}:{match['line']}"

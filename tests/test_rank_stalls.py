@@ -248,3 +248,29 @@ def test_severity_follows_the_share_of_the_wall_time_lost():
         return finding.severity
 
     assert (severity(0.9), severity(2.3), severity(100.0)) == ("critical", "warning", "info")
+
+
+def test_a_rank_frozen_inside_a_collective_is_a_stall_and_not_exposed_communication(tmp_path):
+    # a 4-rank DDP run whose rank 2 froze for 2 s inside the all-reduces of step 15 (they completed 2 s late, its
+    # sampler silent meanwhile): the peers' 2 s in the collective are RANK_STALL's loss. Counted as communication
+    # left exposed, they made a clean run's 3% exposure over 30%, an EXPOSED_COMM warning advising better overlap
+    from dtprobe.synthetic import DataParallelTimeline
+
+    timeline = DataParallelTimeline(world=4, jitter_ms=1.0, device_source="host")
+    rows = timeline.next_rows(15)
+    timeline.xfer_ms = 700.0                             # each of the 3 buckets of step 15
+    stalled = timeline.next_rows(1)
+    timeline.xfer_ms = 3.0
+    later = timeline.next_rows(14)
+    for table in rows:
+        rows[table] += stalled[table] + later[table]
+    span = next(r for r in stalled["steps"] if r["rank"] == 2)
+    end = max(r["end_ns"] for r in rows["steps"])
+    rows["devices"] = [row for r in range(4) for row in sampler_rows(r, T0, end, every_ms=20.0)
+                       if not (r == 2 and span["start_ns"] + 100 * MS < row["time_ns"] < span["end_ns"])]
+    a = RunAnalysis.open(write_run(tmp_path / "run", {t: frame_from_rows(t, v) for t, v in rows.items()},
+                                   world_size=4))
+    [stall] = a.rank_stalls().to_dict(orient="records")
+    assert (stall["rank"], stall["step"], stall["kind"], stall["liveness"]) == (2, 15, "in_collective", "frozen")
+    assert a.exposure_by_rank()["exposed_frac"].min() > 0.3       # the measure keeps every analysed step
+    assert [f.code for f in a.findings() if f.severity != "info"] == ["RANK_STALL"]

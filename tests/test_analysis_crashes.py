@@ -501,3 +501,18 @@ def test_a_stopped_pipeline_rank_is_one_hang_not_one_per_group_it_froze():
     assert not [x for x in a.findings() if x.code in ("RANK_CRASH", "STRAGGLER", "COLLECTIVE_MISMATCH")
                 and x.severity != "info"]
 
+
+
+def test_a_rank_that_gloo_aborted_on_an_oversized_message_is_told_to_look_for_a_skipped_collective(tmp_path):
+    # rank 1 skipped a collective, so rank 0's next one received rank 1's larger one: gloo's size check aborted
+    # rank 0 within milliseconds, its last rows lost. The network advice would send the user the wrong way
+    rows, att, faults = _killed_rank1_at_step3(restart=False, attempts=True)
+    [aborted] = [r for r in att[0]["ranks"] if r["rank"] == 1]
+    aborted.update(exit_code=-6, signal="SIGABRT", stderr_tail=(
+        "terminate called after throwing an instance of 'gloo::EnforceNotMet'\n  what():  [enforce fail at "
+        "gloo/transport/tcp/pair.cc:456] op.preamble.length <= op.nbytes. 1024 vs 256\nFatal Python error: Aborted"))
+    a = RunAnalysis.open(write_rows_run(tmp_path / "run", rows, world_size=2, status="crashed", attempts=att,
+                                        faults=faults))
+    [f] = _codes(a, "RANK_CRASH")
+    assert f.ranks == (1,) and f.evidence["cause"] == "communication"
+    assert "skipped or reordered a collective" in f.recommendation and "network is not at fault" in f.recommendation

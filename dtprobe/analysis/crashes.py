@@ -32,6 +32,9 @@ _DEVICE = re.compile(r"\bXid\b|CUDA error|cudaError|CUBLAS_STATUS|CUDNN_STATUS|E
                      r"illegal memory access|uncorrectable", re.I)
 _COMM = re.compile(r"DistBackendError|DistNetworkError|ProcessGroup|\bgloo\b|\bNCCL\b|c10d|Connection (closed|reset|"
                    r"refused)|closed by peer|Broken pipe|Timed out|timeout|socket", re.I)
+_SIZE_MISMATCH = re.compile(r"op\.preamble\.length <= op\.nbytes")
+"""gloo's check that a message fits the buffer its collective posted: it fails when the peers issued a different
+collective or size at the same point (one rank skipped or reordered one), aborting the receiver."""
 SELF_SIGNALS = ("SIGABRT", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL")
 """Signals a process raises on itself (an abort, a fault in native code): its stderr says why, unlike a kill's."""
 _ERROR_LINE = re.compile(r"what\(\)|error|exception|terminate called|abort|fail", re.I)
@@ -353,15 +356,21 @@ def detect_crashes(events: pd.DataFrame, *, num_restarts: int = 0, missing: pd.D
                 "time_to_recover_s": e.time_to_recover_s, "num_restarts": int(num_restarts), "waited_at": waited,
                 "source": e.source, "injected": int(e.rank) in injected_ranks,
             },
-            recommendation=_advice(e.cause, int(e.rank), signal=e.signal),
+            recommendation=_advice(e.cause, int(e.rank), signal=e.signal, said=" ".join(
+                str(x) for x in (e.error_message, stderr_errors(e.stderr_tail)) if not is_missing(x))),
             predicted_gain=None,
         ))
     return findings
 
 
-def _advice(cause: str, rank: int, *, signal: Any = None) -> str:
+def _advice(cause: str, rank: int, *, signal: Any = None, said: str = "") -> str:
     tail = (" Keep torchrun --max-restarts and frequent enough checkpoints (see CHECKPOINT_STALL / Young-Daly) so "
             "a crash loses few steps.")
+    if cause == "communication" and _SIZE_MISMATCH.search(said):
+        return (f"Rank {rank} received a message larger than the collective it had posted (gloo's size check): its "
+                f"peers issued another collective or another size at the same point, so one rank skipped or "
+                f"reordered a collective (a branch on the rank or the data, a parameter without a gradient). "
+                f"Compare the ranks' code paths before this step; the network is not at fault.")
     return {
         "out_of_memory": f"Rank {rank} ran out of memory: lower the micro-batch or sequence length, shard more "
                          f"(ZeRO/FSDP), or enable activation checkpointing.",

@@ -21,7 +21,8 @@ def _library_roots(own: bool) -> tuple[str, ...]:
     if own:                                    # dtprobe's package and its collectors (a folder of their own)
         for name in ("dtprobe", "dtprobe.collectors"):
             spec = importlib.util.find_spec(name)
-            roots.update(spec.submodule_search_locations or () if spec is not None else ())
+            if spec is not None:
+                roots.update(spec.submodule_search_locations or ())
     return tuple(root.rstrip("/") + "/" for root in roots)
 
 

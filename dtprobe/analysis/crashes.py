@@ -40,13 +40,18 @@ SELF_SIGNALS = ("SIGABRT", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL")
 _ERROR_LINE = re.compile(r"what\(\)|error|exception|terminate called|abort|fail", re.I)
 
 
-def stderr_errors(tail: Any) -> str:
-    """The error lines of a crash's stderr excerpt (``runtime.attempts.stderr_excerpt``), joined: no stack frames,
-    no faulthandler header, only lines that name an error, exception or abort."""
+def _error_lines(tail: Any) -> list[str]:
+    """The lines of a crash's stderr excerpt (``runtime.attempts.stderr_excerpt``) that name an error, exception
+    or abort, stripped: no stack frames, no faulthandler header."""
     if is_missing(tail):
-        return ""
-    return " ".join(line.strip() for line in str(tail).splitlines() if not FRAME.match(line)
-                    and not line.startswith("Fatal Python error:") and _ERROR_LINE.search(line))
+        return []
+    return [line.strip() for line in str(tail).splitlines() if not FRAME.match(line)
+            and not line.startswith("Fatal Python error:") and _ERROR_LINE.search(line)]
+
+
+def stderr_errors(tail: Any) -> str:
+    """The error lines of a crash's stderr excerpt (``_error_lines``), joined."""
+    return " ".join(_error_lines(tail))
 
 
 def stderr_quote(tail: Any) -> tuple[str | None, str | None]:
@@ -57,8 +62,7 @@ def stderr_quote(tail: Any) -> tuple[str | None, str | None]:
         return None, None
     lines = str(tail).splitlines()
     whats = [line.split("what():", 1)[1].strip() for line in lines if "what():" in line]
-    errors = [line.strip() for line in lines if not FRAME.match(line) and not line.startswith("Fatal Python error:")
-              and _ERROR_LINE.search(line)]
+    errors = _error_lines(tail)
     message = whats[-1] if whats else errors[-1] if errors else None
     frames = [m for m in map(FRAME.match, lines) if m]
     where = location(frames[-1]) if frames else None

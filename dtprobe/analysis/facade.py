@@ -545,9 +545,10 @@ class RunAnalysis:
         stalled = self.rank_stalls()
         if stalled.empty:
             return self.exposure_by_rank()
-        steps = self.steps_analyzed() or sorted(int(s) for s in self.comm_exposure()["step"].unique())
-        kept = sorted(set(steps) - {int(s) for s in stalled["step"]})
-        return _exposed.exposure_by_rank(self.comm_exposure(), step_ids=kept) if kept else self.exposure_by_rank()
+        exposure = self.comm_exposure()
+        by_rank = _exposed.exposure_by_rank(exposure[~exposure["step"].isin(stalled["step"])],
+                                            step_ids=self.steps_analyzed() or None)
+        return by_rank if not by_rank.empty else self.exposure_by_rank()   # every step stalled: all of them
 
     # ------------------------------------------------------------------------------------------ pipeline
 

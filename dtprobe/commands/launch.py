@@ -72,9 +72,8 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError("dtprobe launch: no SCRIPT given; e.g. `dtprobe launch --nproc 2 train.py` or "
                           "`dtprobe launch --nproc 2 -m mypkg.train`.")
     name, *script_args = args.target
-    target = (LaunchTarget(module=name, args=tuple(script_args), stacks_after_s=args.stacks_after_s)
-              if args.as_module else LaunchTarget(script=name, args=tuple(script_args),
-                                                  stacks_after_s=args.stacks_after_s))
+    target = LaunchTarget(**{"module" if args.as_module else "script": name}, args=tuple(script_args),
+                          stacks_after_s=args.stacks_after_s)
     job = JobConfig.from_dict(flag_values(args, JobConfig), source="flags")
     console = Console(stderr=True)
     result = launch(job, target, command=["dtprobe", *sys.argv[1:]], console=console)

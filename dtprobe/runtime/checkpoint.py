@@ -177,7 +177,7 @@ def write_commit(path: Path, *, step: int, world_size: int) -> dict[str, Any]:
     ``.metadata``, which the coordinator writes last) are read here. The checksum files are removed once the
     marker is written."""
     names = sorted(p.name for p in path.iterdir() if p.is_file())
-    sums = [n for n in names if n.endswith(CHECKSUM_SUFFIX)]
+    sums = {n for n in names if n.endswith(CHECKSUM_SUFFIX)}
     files = {}
     for name in names:
         if name == COMMIT_FILE or name.endswith(CHECKSUM_SUFFIX) or name.endswith(".tmp"):

@@ -203,6 +203,26 @@ def test_a_steady_data_fwd_excess_inside_noisy_arrivals_is_found_by_the_persiste
     assert _detect(lateness, min_pre_excess_t=np.inf) == []
 
 
+def test_a_longer_forward_spent_waiting_inside_it_for_a_later_tensor_parallel_peer_is_no_straggler():
+    # A user's dp2 x tp2 script, rank 1 held by a CPU quota: rank 3 (rank 1's dp peer) starts each step late, so
+    # rank 2 blocks in the first tp all-reduce of its forward. Rank 2 is a little late at its latest collective
+    # (+4% of the step) but rank 3 far more (+25%), and rank 2's data+fwd is 15% longer: its wait for rank 3
+    rng = np.random.default_rng(5)
+    n = 20
+    fracs = {2: list(rng.normal(0.04, 0.01, n)), 3: list(rng.normal(0.25, 0.05, n))}
+    pre2 = rng.normal(0.15, 0.02, n)
+    lateness = _lateness(fracs, pg="tp", pre={2: list(pre2), 3: list(-pre2)})
+    scores = st.straggler_scores(lateness).set_index("rank")
+    assert scores.loc[2, "pre_excess_t"] >= st.MIN_PRE_EXCESS_T and scores.loc[2, "median_lateness_frac"] > 0
+    assert scores.loc[2, "excess_t"] <= -st.MAX_PERSISTENT_EARLY_T          # on average before rank 3
+    assert pd.isna(scores.loc[2, "detected_at_step"])           # no view qualifies any window of rank 2
+    assert [f.ranks for f in _detect(lateness)] == [(3,)]       # alone here: no other group shows whom it waited for
+    # the same rank, as late as rank 3 on average and its forward as long: named by the persistence view
+    fracs[3] = list(rng.normal(0.04, 0.01, n))
+    [f] = _detect(_lateness(fracs, pg="tp", pre={2: list(pre2), 3: list(-pre2)}))
+    assert (f.ranks, f.evidence["detected_by"]) == ((2,), "persistence")
+
+
 def test_two_ranks_with_the_same_steady_excess_are_the_host_not_a_straggler():
     # ranks 0 and 1 both lose 6% to data+fwd in every step (a busy host slowing several ranks alike): each one's
     # persistence is matched by a peer's, so neither is singled out

@@ -190,3 +190,28 @@ def test_a_hung_scripts_stacks_are_written_and_its_hang_names_the_line_the_missi
     assert set(stacks) == {"0", "1"} and f'stuck.py", line {line}' in stacks["1"] and "all_reduce" in stacks["0"]
     assert hang["evidence"]["watchdog_report"]["timeout_s"] == 2.0
     assert hang["evidence"]["waited_s"] >= 10        # the job went on until its own timeout
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_launch_times_each_action_of_a_torch_pipelining_schedule_in_its_step(
+        tmp_path, repo_root, run_cli, child_env, schedule):
+    run = tmp_path / schedule
+    proc = _launch(run_cli, child_env, run, repo_root / "examples" / "launch" / "train_pipeline.py", "--steps", "4",
+                   "--microbatches", "4", "--schedule", schedule)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    store = RunStore.open(run)
+    steps, pipe = store.table("steps"), store.table("pipeline")
+    # each rank runs its own stage: a forward and a full backward of each micro-batch in each of the 4 steps
+    got = pipe.groupby(["rank", "step", "stage", "action"])["microbatch"].apply(sorted)
+    assert got.index.tolist() == [(r, s, r, a) for r in (0, 1) for s in range(4) for a in ("B", "F")]
+    assert all(mb == [0, 1, 2, 3] for mb in got)
+    assert (pipe["clock"] == "host").all() and (pipe["end_ns"] > pipe["start_ns"]).all()
+    # every action lies inside the step it is numbered in
+    inside = pipe.merge(steps[["rank", "step", "start_ns", "end_ns"]], on=["rank", "step"], suffixes=("", "_step"))
+    assert len(inside) == len(pipe)
+    assert ((inside["start_ns"] >= inside["start_ns_step"]) & (inside["end_ns"] <= inside["end_ns_step"])).all()
+    if schedule == "gpipe":      # every forward before the first backward, on each rank
+        for _, mine in pipe.groupby(["rank", "step"]):
+            assert mine.loc[mine["action"] == "F", "end_ns"].max() <= mine.loc[mine["action"] == "B",
+                                                                                 "start_ns"].min()

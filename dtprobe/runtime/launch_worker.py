@@ -7,7 +7,9 @@ its arguments, the ``[collect]`` options, the process-group timeout), then:
 1. wraps ``init_process_group`` (as ``torch.distributed``, ``distributed_c10d`` and ``device_mesh`` name it) so that
    right after the script's own call ``dtprobe.attach`` runs (attach after init: the default group and every group
    created later are recorded, ``collectors.attach``) and the step hooks are installed
-   (``collectors.launch_steps``: a step per optimizer step attempt, fwd/bwd/opt phases, ``dtprobe.record``);
+   (``collectors.launch_steps``: a step per optimizer step attempt, fwd/bwd/opt phases, ``dtprobe.record``), and
+   every ``torch.distributed.pipelining`` stage the script then builds is timed (``parallel.pp.ScriptPipelineTimers``:
+   ``pipeline`` rows, when the script imported ``torch.distributed.pipelining`` before its init);
    a script that never initializes torch.distributed is still run, and nothing is recorded; with collectives
    recorded, a watchdog that only reports (``runtime.hang.Watchdog``, ``leave=False``) writes every rank's
    Python stack into the run once one of its collectives or send/recvs has been pending ``stacks_after_s``
@@ -80,6 +82,7 @@ class LaunchSession:
         self.spec = spec
         self.probe: Any = None
         self.steps: Any = None
+        self.pipeline: Any = None
         self.watchdog: Any = None
         self._patched: list[tuple[Any, Any]] = []
 
@@ -109,6 +112,7 @@ class LaunchSession:
             return
         from dtprobe.collectors.attach import Probe
         from dtprobe.collectors.launch_steps import ScriptSteps
+        from dtprobe.runtime.parallel.pp import ScriptPipelineTimers
 
         spec = self.spec
         self.probe = dtprobe.attach(spec["run_dir"], manage_status=False, run_id=Path(spec["run_dir"]).name,
@@ -116,6 +120,8 @@ class LaunchSession:
         if isinstance(self.probe, Probe):       # not the NullProbe of --no-collect
             self.steps = ScriptSteps(self.probe)
             self.steps.install()
+            self.pipeline = ScriptPipelineTimers(self.steps, self.probe.record)
+            self.pipeline.install()
             self.probe.step_hooks = self.steps      # a second attach or a framework callback stops them
             dtprobe._record_sink = self.steps.record
             after = stacks_after(spec, pg_timeout_s)
@@ -139,6 +145,8 @@ class LaunchSession:
         dtprobe._record_sink = None
         if self.watchdog is not None:
             self.watchdog.stop()
+        if self.pipeline is not None:
+            self.pipeline.close()
         if self.steps is not None:
             self.steps.close()
         if self.probe is not None:

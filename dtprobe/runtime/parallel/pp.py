@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import copy
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -218,6 +219,56 @@ class PipelineTimer:
         fwd = sum(r["end_ns"] - r["start_ns"] for r in self.rows if r["action"] == "F")
         bwd = sum(r["end_ns"] - r["start_ns"] for r in self.rows if r["action"] != "F")
         return fwd, bwd
+
+
+class ScriptPipelineTimers:
+    """``dtprobe launch``: a ``PipelineTimer`` for every ``torch.distributed.pipelining`` stage the script builds, its
+    rows in the step ``steps`` (``collectors.launch_steps.ScriptSteps``) is in, so the pipeline findings read a
+    user's schedule as they read ``dtprobe run``'s. ``install()`` wraps the stages' base ``__init__``; ``close()``
+    restores it."""
+
+    def __init__(self, steps: Any, record: Callable[[str, dict[str, Any]], None]) -> None:
+        self._steps, self._record = steps, record
+        self._original: Any = None
+        self.timers: list[PipelineTimer] = []
+
+    def install(self) -> bool:
+        """Wrap the stages' ``__init__`` when the script has imported ``torch.distributed.pipelining`` (as a script
+        does before it initializes its process group, where ``dtprobe launch`` installs this); else do nothing,
+        sparing every other script that import's second. True when installed."""
+        stage_module = sys.modules.get("torch.distributed.pipelining.stage")
+        if stage_module is None:
+            return False
+        base = stage_module._PipelineStageBase
+        original = self._original = base.__init__
+        timers = self
+
+        def __init__(stage: Any, *args: Any, **kwargs: Any) -> None:
+            original(stage, *args, **kwargs)
+            timers.timers.append(_StepTimer([stage], timers._record, timers._steps))
+
+        base.__init__ = __init__
+        return True
+
+    def close(self) -> None:
+        if self._original is not None:
+            sys.modules["torch.distributed.pipelining.stage"]._PipelineStageBase.__init__ = self._original
+            self._original = None
+        for timer in self.timers:
+            timer.flush()
+
+
+class _StepTimer(PipelineTimer):
+    """A ``PipelineTimer`` whose step is the script's current one (``ScriptSteps.num_steps``)."""
+
+    def __init__(self, stages: Sequence[Any], record: Callable[[str, dict[str, Any]], None], steps: Any) -> None:
+        self._steps = steps
+        super().__init__(stages, record)
+
+    def _add(self, stage: int, chunk: int, action: str, t0: int, t1: int, span: DeviceSpan | None) -> None:
+        if self.step != self._steps.num_steps:
+            self.start_step(self._steps.num_steps)
+        super()._add(stage, chunk, action, t0, t1, span)
 
 
 def torch_action_order(schedule_obj: Any, schedule: str) -> list[list[Any]] | None:

@@ -49,6 +49,7 @@ from dtprobe.analysis import peaks as _peaks
 from dtprobe.analysis import pipeline_delay as _pipeline_delay
 from dtprobe.analysis import rank_stalls as _rank_stalls
 from dtprobe.analysis import report as _report
+from dtprobe.analysis import stage_trend as _stage_trend
 from dtprobe.analysis import stragglers as _stragglers
 from dtprobe.analysis import tables as _tables
 from dtprobe.analysis import throughput as _throughput
@@ -401,17 +402,33 @@ class RunAnalysis:
 
     def stragglers(self) -> list[Finding]:
         """STRAGGLER findings: from host arrivals when the source's clocks are aligned (a dtprobe run), else from
-        device arrivals on clocks aligned by the collectives (``device_stragglers``, a trace folder)."""
+        device arrivals on clocks aligned by the collectives (``device_stragglers``, a trace folder); then the
+        stage-trend view's (``stage_trend``) of pipeline ranks no other finding names."""
         o = self.options
-        return self._memo("f:stragglers", lambda: _stragglers.detect_stragglers(
-            self.straggler_scores(), self.straggler_causes(), links=_stragglers.linked_ranks(self._group_rows()),
-            min_lateness_frac=o.min_lateness_frac, min_positive_frac=o.min_positive_frac,
-            injected=self.injected_faults("straggler"), lateness=self.rank_lateness(), axis_of_pg=self.group_axis,
-            own_delay_ns=_pipeline_delay.median_own_delay(self.pipeline_own_delay()),
-            slow_link_ranks=_links.slow_link_ranks(self.slow_links()),
-            group_clock=self._group_clock(), stage_excess=self.pipeline_stage_excess(),
-            schedule_gain=self._schedule_gain, cpu_busy=self.cpu_busy(),
-            host_compute=self.info.device_name == "cpu") if self.info.clock_aligned else self.device_stragglers())
+
+        def compute() -> list[Finding]:
+            if not self.info.clock_aligned:
+                return self.device_stragglers()
+            found = _stragglers.detect_stragglers(
+                self.straggler_scores(), self.straggler_causes(), links=_stragglers.linked_ranks(self._group_rows()),
+                min_lateness_frac=o.min_lateness_frac, min_positive_frac=o.min_positive_frac,
+                injected=self.injected_faults("straggler"), lateness=self.rank_lateness(),
+                axis_of_pg=self.group_axis, own_delay_ns=_pipeline_delay.median_own_delay(self.pipeline_own_delay()),
+                slow_link_ranks=_links.slow_link_ranks(self.slow_links()),
+                group_clock=self._group_clock(), stage_excess=self.pipeline_stage_excess(),
+                schedule_gain=self._schedule_gain, cpu_busy=self.cpu_busy(),
+                host_compute=self.info.device_name == "cpu")
+            named = {r for f in found if f.severity != "info" for r in f.ranks}
+            clock = _clock_names.clock_of(self.table("pipeline")["clock"])
+            return found + _stage_trend.detect_stage_trends(self.stage_trends(), named=named, clock=clock)
+        return self._memo("f:stragglers", compute)
+
+    def stage_trends(self) -> pd.DataFrame:
+        """Per pipeline rank no other pipeline runs the stage of: its actions' run time, relative to its pipeline
+        peers', in its first qualifying window against the run's first (``stage_trend.stage_trends``)."""
+        return self._memo("stage_trends", lambda: _stage_trend.stage_trends(
+            self.completed_table("pipeline"), self.pipeline_stage_excess(), self.completed_table("steps"),
+            replicas=self._pipeline_replicas(), window_steps=self.options.window_steps))
 
     def _schedule_gain(self, rank: int, first_step: int, last_step: int) -> float | None:
         # ns per step a pipelined rank costs the step by the schedule simulator (pipeline_delay.schedule_gain_ns)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -195,6 +196,31 @@ def test_cpu_quota_of_one_rank_among_more_ranks_than_cores_makes_it_a_compute_st
     assert ev["cpu_wait_frac"] is not None and ev["peer_cpu_wait_frac"] is not None, ev
     assert "CPU quota" in finding["recommendation"] and "waited for a CPU" not in finding["title"], finding
     assert ev["off_cpu"] is None, ev          # the quota holds it back: not called off the CPU
+
+
+@pytest.mark.exclusive
+def test_cpu_quota_on_a_pipeline_stage_of_a_launched_script_names_it_against_its_own_first_steps(
+        run_dir, launch, cpu_quota):
+    assert cgroup_v1_cpu_available(), ("needs a writable cgroup v1 cpu controller at /sys/fs/cgroup/cpu: run the "
+                                       "tests as root on a host that mounts it")
+    run = run_dir("cpu_quota_pipeline_launch")
+    # a user's 2-stage pipeline script (torch.distributed.pipelining, no data parallelism: no other pipeline runs
+    # either stage) under dtprobe launch; stage 1 held to 40% of a core after 40 of its 120 steps
+    script = Path(__file__).resolve().parents[2] / "examples" / "launch" / "train_pipeline.py"
+    cmd = [sys.executable, "-m", "dtprobe.cli", "launch", "--nproc", "2", "--run-dir", str(run), "--no-devices",
+           str(script), "--steps", "120", "--dim", "512", "--batch-size", "256"]
+    job = launch(cmd, run, timeout_s=JOB_TIMEOUT_S)
+    pid = job.worker_pid(1)
+    job.wait_steps(1, 40)
+    cpu_quota(0.4).add(pid)
+    assert job.wait() == 0, job.output()[-3000:]
+    finding = _straggler_verdict(analyze(run), 1)
+    ev = finding["evidence"]
+    assert (finding["group"], ev["detected_by"], ev["stage"]) == ("pp", "stage_trend", 1), ev
+    assert ev["baseline_window"][0] <= 1 and ev["window"][0] > ev["baseline_window"][1], ev
+    # it grew against its peer (stage 0 kept its pace) and the step with it, within 40 steps of the quota
+    assert ev["rise"] >= 0.3 and ev["step_ms_after"] > 1.1 * ev["step_ms_before"], ev
+    assert ev["detected_at_step"] <= 40 + 40, ev
 
 
 # ------------------------------------------------------------------------- checkpoint damaged before a restart

@@ -1,0 +1,105 @@
+"""The stage-trend view of STRAGGLER (``dtprobe.analysis.stage_trend``): a pipeline rank that no other pipeline
+can be compared with is compared with its own first steps, relative to its pipeline peers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from dtprobe.analysis import stage_trend as tr
+from dtprobe.analysis.pipeline_delay import STAGE_EXCESS_COLUMNS
+
+MS = 1_000_000
+
+
+def _pipeline(run_ms: dict[int, np.ndarray], *, step_ms: np.ndarray, replicated: bool = False
+              ) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """The pipeline rows (a forward and a backward, half the time each), stage_excess rows and steps of one
+    pipeline whose rank r runs stage r, from each rank's actions' run time per step; its own delay adds 30 ms
+    of noise to each step's stage_excess time, which the view does not read."""
+    n = len(step_ms)
+    starts = np.concatenate([[0.0], np.cumsum(step_ms)[:-1]])
+    rows = []
+    for r, run in run_ms.items():
+        for s in range(n):
+            t0 = int(starts[s] * MS)
+            half = int(run[s] * MS / 2)
+            rows += [{"rank": r, "stage": r, "step": s, "microbatch": 0, "action": a, "start_ns": t0 + k * half,
+                      "end_ns": t0 + (k + 1) * half} for k, a in enumerate("FB")]
+    pipeline = pd.DataFrame(rows)
+    noise = np.random.default_rng(99)
+    excess = pd.DataFrame([
+        {"rank": r, "step": s, "pipeline": 0, "stage": r, "own_ns": (run[s] + noise.uniform(0, 30)) * MS,
+         "own_excess_frac": 0.0 if replicated else np.nan, "own_excess_rel": 0.0 if replicated else np.nan}
+        for r, run in run_ms.items() for s in range(n)])[STAGE_EXCESS_COLUMNS]
+    steps = pd.DataFrame([{"rank": r, "step": s, "start_ns": int(starts[s] * MS),
+                           "end_ns": int((starts[s] + step_ms[s]) * MS)} for r in run_ms for s in range(n)])
+    return pipeline, excess, steps
+
+
+def _run(slow_from: int | None, *, factor: float = 2.0, seed: int = 0, n: int = 80, stages: int = 2,
+         slow_rank: int = 1, from_start: bool = False):
+    # each stage's actions take 80 ms +- 5% per step; the slowed rank's grows by `factor` from `slow_from` on, and the
+    # step (the pipeline runs at its slowest stage's pace) with it
+    rng = np.random.default_rng(seed)
+    own = {r: 80.0 * (1 + rng.normal(0, 0.05, n)) for r in range(stages)}
+    step = 105.0 * (1 + rng.normal(0, 0.03, n))
+    if slow_from is not None:
+        k = np.arange(n) >= (0 if from_start else slow_from)
+        own[slow_rank] = np.where(k, own[slow_rank] * factor, own[slow_rank])
+        step = np.where(k, step + 80.0 * (factor - 1), step)
+    return own, step
+
+
+def test_a_stage_slowed_mid_run_is_named_with_its_window_gain_and_the_first_window_as_baseline():
+    own, step = _run(slow_from=40)
+    trends = tr.stage_trends(*_pipeline(own, step_ms=step)).set_index("rank")
+    assert trends.loc[1, "baseline_first_step"] == 0 and trends.loc[1, "baseline_last_step"] == 19
+    assert 40 <= trends.loc[1, "detected_at_step"] <= 40 + 20          # within a window of the slowdown
+    # the first window past the verdict's bar holds some steps of each kind: its median lies between 1x and 2x
+    assert tr.MIN_STAGE_RISE <= trends.loc[1, "rise"] <= 1.15 and trends.loc[1, "rise_t"] >= tr.MIN_STAGE_RISE_T
+    assert pd.isna(trends.loc[0, "detected_at_step"])                  # its peer only looks faster
+    [f] = tr.detect_stage_trends(trends.reset_index())
+    assert (f.code, f.ranks, f.group, f.evidence["detected_by"], f.evidence["cause"]) == (
+        "STRAGGLER", (1,), "pp", "stage_trend", "compute")
+    # back to its first window's run time: what its actions grew by, of the window's step
+    ev = f.evidence
+    assert f.predicted_gain.frac == pytest.approx((ev["actions_ms_after"] - ev["actions_ms_before"]) / ev["step_ms_after"],
+                                                  rel=1e-3)
+    assert 0.3 <= f.predicted_gain.frac <= 0.5 and f.severity == "critical"
+    assert f.evidence["window"][1] == f.evidence["detected_at_step"]
+    # a rank another finding names already is not named twice
+    assert tr.detect_stage_trends(trends.reset_index(), named={1}) == []
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_steady_stages_of_a_noisy_host_are_not_named(seed):
+    own, step = _run(slow_from=None, seed=seed)
+    assert tr.detect_stage_trends(tr.stage_trends(*_pipeline(own, step_ms=step))) == []
+
+
+def test_a_stage_slower_from_the_start_or_replicated_elsewhere_or_costing_no_step_is_not_this_views():
+    # slower from the first step: the partition's imbalance, nothing to compare with
+    own, step = _run(slow_from=0, from_start=True)
+    assert tr.detect_stage_trends(tr.stage_trends(*_pipeline(own, step_ms=step))) == []
+    # another pipeline runs the same stage: the stage view compares them, this one has no row
+    own, step = _run(slow_from=40)
+    assert tr.stage_trends(*_pipeline(own, step_ms=step, replicated=True)).empty
+    # ranks 0 and 1 are tensor-parallel peers of one replica on stage 0 (rank 2 runs stage 1): neither can be told
+    pipeline, excess, steps = _pipeline(own, step_ms=step)
+    excess.loc[excess["rank"] == 1, "stage"] = 0
+    trends = tr.stage_trends(pipeline, excess, steps, replicas={0: 0, 1: 0})
+    assert trends.empty
+    # slower by 60% mid-run but the step did not grow (the stage had slack): no gain, no verdict
+    own, step = _run(slow_from=40, factor=1.6)
+    step = 105.0 * np.ones(len(step))
+    trends = tr.stage_trends(*_pipeline(own, step_ms=step))
+    assert trends.set_index("rank").loc[1, "rise"] > tr.MIN_STAGE_RISE
+    assert tr.detect_stage_trends(trends) == []
+
+
+def test_the_middle_stage_of_three_is_named_and_its_neighbours_are_not():
+    own, step = _run(slow_from=30, stages=3, factor=1.5)
+    trends = tr.stage_trends(*_pipeline(own, step_ms=step))
+    assert [f.ranks for f in tr.detect_stage_trends(trends)] == [(1,)]

@@ -10,6 +10,8 @@ Read by the facade (``RunAnalysis.stragglers``)."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pandas as pd
 
@@ -36,82 +38,83 @@ CRITICAL_GAIN_FRAC = 0.2
 
 
 def stage_trends(pipeline: pd.DataFrame, stage_excess: pd.DataFrame, steps: pd.DataFrame, *,
-                 replicas: dict[int, int] | None = None, window_steps: int = 20,
-                 min_window_s: float = MIN_WINDOW_S) -> pd.DataFrame:
+                 replicas: dict[int, int] | None = None, steps_analyzed: list[int] | None = None,
+                 window_steps: int = 20, min_window_s: float = MIN_WINDOW_S) -> pd.DataFrame:
     """Per pipeline rank with no other pipeline on its stage (``own_excess_rel`` of ``stage_excess`` null in each
     of its rows) and at least one peer in its pipeline: the first window after the run's first one (``baseline``;
-    windows of ``stragglers.window_length`` steps, sliding by one) where its actions' run time per step
-    (``pipeline`` rows) relative to the median of its pipeline peers' qualifies: ``rise`` (window median over
-    baseline median, minus 1) >= ``MIN_STAGE_RISE``, ``rise_t`` >= ``MIN_STAGE_RISE_T`` and the median step
-    ``MIN_STEP_RISE`` longer; else the window with the largest rise, ``detected_at_step`` null. Ranks with fewer
-    than two windows of steps have no row, and so have tensor-parallel ranks (two ranks of one model replica,
-    ``replicas`` as ``pipeline_delay.pipeline_replicas`` gives it, on one stage): they wait for each other inside
-    every action, so the slow one's peer grows alike. Columns: ``TREND_COLUMNS``."""
+    windows of ``stragglers.window_length`` steps of ``steps_analyzed`` (None: all), sliding by one) where its
+    actions' run time per step (``pipeline`` rows) relative to the median of its pipeline peers' qualifies:
+    ``rise`` (window median over baseline median, minus 1) >= ``MIN_STAGE_RISE``, ``rise_t`` >=
+    ``MIN_STAGE_RISE_T`` and the median step ``MIN_STEP_RISE`` longer; else the window with the largest rise,
+    ``detected_at_step`` null. Ranks with fewer than two windows of steps have no row, and so have tensor-parallel
+    ranks (two ranks of one model replica, ``replicas`` as ``pipeline_delay.pipeline_replicas`` gives it, on one
+    stage): they wait for each other inside every action, so the slow one's peer grows alike. Columns:
+    ``TREND_COLUMNS``."""
     require_columns(stage_excess, STAGE_EXCESS_COLUMNS, table="stage_excess")
     empty = pd.DataFrame({col: [] for col in TREND_COLUMNS})
     if stage_excess.empty:
         return empty
     unreplicated = stage_excess.groupby("rank")["own_excess_rel"].transform(lambda v: v.isna().all())
     d = stage_excess.loc[unreplicated.astype(bool), ["rank", "step", "pipeline", "stage"]]
+    if steps_analyzed is not None:
+        d = d[d["step"].isin(steps_analyzed)]
     if replicas:
         unit = d.drop_duplicates("rank").assign(replica=lambda f: f["rank"].map(replicas).fillna(f["pipeline"]))
         shared = unit.groupby(["replica", "stage"])["rank"].transform("size") > 1
         d = d[~d["rank"].isin(unit.loc[shared, "rank"])]
     p = pipeline.dropna(subset=["start_ns", "end_ns", "step"])
-    run = pd.DataFrame({"rank": p["rank"].to_numpy(dtype="int64"), "step": p["step"].to_numpy(dtype="int64"),
-                        "run_ns": (p["end_ns"].to_numpy(dtype="int64") - p["start_ns"].to_numpy(dtype="int64"))
-                        .astype("float64")}).groupby(["rank", "step"], as_index=False)["run_ns"].sum()
-    d = d.astype({"rank": "int64", "step": "int64"}).merge(run, on=["rank", "step"])
+    run_ns = pd.DataFrame({"rank": p["rank"].to_numpy(dtype="int64"), "step": p["step"].to_numpy(dtype="int64"),
+                           "run_ns": (p["end_ns"].to_numpy(dtype="int64") - p["start_ns"].to_numpy(dtype="int64"))
+                           .astype("float64")}).groupby(["rank", "step"], as_index=False)["run_ns"].sum()
+    d = d.astype({"rank": "int64", "step": "int64"}).merge(run_ns, on=["rank", "step"])
     step_ns = step_durations(steps).groupby("step")["step_ns"].median()
     w = window_length(window_steps, step_ns, min_window_s)
     rows = []
-    for pipeline, rows_of in d.groupby("pipeline"):
-        own = rows_of.pivot_table(index="step", columns="rank", values="run_ns", aggfunc="first").dropna()
-        if own.shape[1] < 2 or len(own) < 2 * w:
+    for pipe, rows_of in d.groupby("pipeline"):
+        times = rows_of.pivot_table(index="step", columns="rank", values="run_ns", aggfunc="first").dropna()
+        if times.shape[1] < 2 or len(times) < 2 * w:
             continue
-        values = own.to_numpy(dtype="float64")
-        for i, rank in enumerate(own.columns):
+        values = times.to_numpy(dtype="float64")
+        step_of = step_ns.reindex(times.index).to_numpy(dtype="float64")
+        for i, rank in enumerate(times.columns):
             others = np.median(np.delete(values, i, axis=1), axis=1)
             rel = np.where(others > 0, values[:, i] / np.where(others > 0, others, 1.0), np.nan)
-            rows.append(_first_rise(int(rank), rows_of, int(pipeline), own.index.to_numpy(), rel, values[:, i],
-                                    step_ns, w))
+            stage = int(rows_of.loc[rows_of["rank"] == rank, "stage"].min())
+            rows.append({"rank": int(rank), "stage": stage, "pipeline": int(pipe),
+                         **_first_rise(times.index.to_numpy(), rel, values[:, i], step_of, w)})
     return pd.DataFrame(rows, columns=TREND_COLUMNS) if rows else empty
 
 
-def _first_rise(rank: int, rows: pd.DataFrame, pipeline: int, steps: np.ndarray, rel: np.ndarray,
-                own: np.ndarray, step_ns: pd.Series, w: int) -> dict:
-    base, base_se = _median_and_se(rel[:w])
-    step_of = step_ns.reindex(steps).to_numpy(dtype="float64")
+def _first_rise(steps: np.ndarray, rel: np.ndarray, run: np.ndarray, step_of: np.ndarray, w: int) -> dict:
+    """The figures of the first qualifying window after the first ``w`` steps (else of the largest rise)."""
+    base, base_se = _medians_and_se(rel[None, :w])
+    windows = np.lib.stride_tricks.sliding_window_view(rel[w:], w)          # window k: steps w+k .. 2w+k-1
+    med, se = _medians_and_se(windows)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rise = med / base[0] - 1
+        t = (med - base[0]) / np.hypot(se, base_se[0])
     step_before = float(np.nanmedian(step_of[:w]))
-    best, found = None, None
-    for start in range(w, len(steps) - w + 1):
-        med, se = _median_and_se(rel[start:start + w])
-        rise = med / base - 1 if base > 0 else np.nan
-        t = (med - base) / np.hypot(se, base_se) if np.hypot(se, base_se) > 0 else np.inf * np.sign(med - base)
-        step_after = float(np.nanmedian(step_of[start:start + w]))
-        figures = (start, med, rise, t, step_after)
-        if best is None or rise > best[2]:
-            best = figures
-        if rise >= MIN_STAGE_RISE and t >= MIN_STAGE_RISE_T and step_after >= (1 + MIN_STEP_RISE) * step_before:
-            found = figures
-            break
-    start, med, rise, t, step_after = found or best
-    return {"rank": rank, "stage": int(rows.loc[rows["rank"] == rank, "stage"].min()), "pipeline": pipeline,
-            "baseline_first_step": int(steps[0]), "baseline_last_step": int(steps[w - 1]),
+    step_after = np.nanmedian(np.lib.stride_tricks.sliding_window_view(step_of[w:], w), axis=1)
+    ok = (rise >= MIN_STAGE_RISE) & (t >= MIN_STAGE_RISE_T) & (step_after >= (1 + MIN_STEP_RISE) * step_before)
+    found = bool(ok.any())
+    k = int(np.argmax(ok)) if found else int(np.nanargmax(np.where(np.isnan(rise), -np.inf, rise)))
+    start = w + k
+    return {"baseline_first_step": int(steps[0]), "baseline_last_step": int(steps[w - 1]),
             "window_first_step": int(steps[start]), "window_last_step": int(steps[start + w - 1]),
-            "baseline_rel": base, "window_rel": med, "rise": rise, "rise_t": t,
-            "run_ns_before": float(np.median(own[:w])), "run_ns_after": float(np.median(own[start:start + w])),
-            "step_ns_before": step_before, "step_ns_after": step_after,
-            "detected_at_step": int(steps[start + w - 1]) if found is not None else None}
+            "baseline_rel": float(base[0]), "window_rel": float(med[k]), "rise": float(rise[k]),
+            "rise_t": float(t[k]), "run_ns_before": float(np.median(run[:w])),
+            "run_ns_after": float(np.median(run[start:start + w])), "step_ns_before": step_before,
+            "step_ns_after": float(step_after[k]), "detected_at_step": int(steps[start + w - 1]) if found else None}
 
 
-def _median_and_se(x: np.ndarray) -> tuple[float, float]:
-    """Median of ``x`` (NaN ignored) and its standard error, 1.4826 x MAD / sqrt(n)."""
-    x = x[~np.isnan(x)]
-    if not len(x):
-        return float("nan"), float("nan")
-    med = float(np.median(x))
-    return med, 1.4826 * float(np.median(np.abs(x - med))) / np.sqrt(len(x))
+def _medians_and_se(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of ``x`` (NaN ignored): its median and that median's standard error, 1.4826 x MAD / sqrt(n)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)      # an all-NaN row: NaN
+        med = np.nanmedian(x, axis=1)
+        mad = np.nanmedian(np.abs(x - med[:, None]), axis=1)
+    n = np.sum(~np.isnan(x), axis=1)
+    return med, 1.4826 * mad / np.sqrt(np.maximum(n, 1))
 
 
 def detect_stage_trends(trends: pd.DataFrame, *, named: set[int] = frozenset(), clock: str | None = None

@@ -234,8 +234,9 @@ class ScriptPipelineTimers:
 
     def install(self) -> bool:
         """Wrap the stages' ``__init__`` when the script has imported ``torch.distributed.pipelining`` (as a script
-        does before it initializes its process group, where ``dtprobe launch`` installs this); else do nothing,
-        sparing every other script that import's second. True when installed."""
+        does before it initializes its process group, where ``dtprobe launch`` installs this); else do nothing:
+        that import is costly (the schedules and what they import), and every other script is spared it. True when
+        installed."""
         stage_module = sys.modules.get("torch.distributed.pipelining.stage")
         if stage_module is None:
             return False

@@ -282,6 +282,24 @@ def test_a_throttled_rank_later_than_its_group_in_nearly_every_step_is_named_tho
     assert _findings(sometimes, held) == []
 
 
+def test_a_throttled_rank_a_few_percent_late_at_each_steps_latest_collective_is_named():
+    # A user's tp4 script, rank 2 under a CPU quota from step 10: the job's step grew 10%, but every tp collective
+    # re-synchronises the ranks, so at its latest collective of a step it is late by only 3.5% of the step more
+    # than its group's median (peers +-1.5%). The kernel counted it throttled 10% of the time, its peers never.
+    n, first = 40, 10
+    rng = np.random.default_rng(4)
+    fracs = {r: list(rng.normal(0.0, 0.015, n)) for r in range(4)}
+    fracs[2] = [x + (0.035 if i >= first else 0.0) for i, x in enumerate(fracs[2])]
+    lateness = _lateness(fracs)
+    assert _findings(lateness, None) == []                      # without the kernel's count: under every bar
+    held = _throttled({r: [0.0] * n if r != 2 else [0.0] * first + [0.1] * (n - first) for r in range(4)})
+    (f,) = _findings(lateness, held)
+    ev = f.evidence
+    assert (f.ranks, ev["detected_by"], ev["cause"]) == ((2,), "cpu_throttle", "compute")
+    assert st.MIN_THROTTLED_EXCESS_SHARE * 0.05 <= ev["mean_excess_frac"] < 0.05
+    assert first < ev["detected_at_step"] <= first + 20
+
+
 def test_scores_carry_the_throttle_columns_only_when_given():
     lateness = _lateness(_bursty(30, 5, seed=3))
     assert "cpu_throttled_frac" not in st.straggler_scores(lateness)

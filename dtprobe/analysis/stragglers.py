@@ -129,6 +129,11 @@ whose vCPUs run unevenly, a rank throttled 20-30% of the time reached 3 only at 
 quota throttles in bursts (frozen for the rest of each 100 ms period), so the excess may come in every other step
 or so: a positive share is not required (``MIN_THROTTLED_POSITIVE_FRAC`` is the other way to pass)."""
 
+MIN_THROTTLED_EXCESS_SHARE = 0.4
+"""CPU-throttle view: the rank's mean lateness excess must be at least this share of ``min_lateness_frac`` (2% of
+the step by default). The kernel's count already singles the rank out, and in a tensor-parallel group, where every
+collective re-synchronises the ranks, a rank whose quota costs the job 10% of its step is late by a few percent
+at its latest collective of a step."""
 MIN_THROTTLED_POSITIVE_FRAC = 0.9
 """CPU-throttle view, the other way to show that the job waited for the rank: its lateness exceeded its group's
 median in at least this share of the window's steps (18 of 20; were steps independent, 2 in 10,000 for a rank no
@@ -460,7 +465,8 @@ def _cpu_throttled(mean: np.ndarray, pos: np.ndarray, t: np.ndarray, peer_t: np.
     ``min_lateness_frac``, ``MIN_THROTTLED_T`` standard errors above zero or positive in
     ``MIN_THROTTLED_POSITIVE_FRAC`` of the steps (``pos``), and ``MIN_STEADY_T_OVER_PEERS`` x any peer's t."""
     shown = (t >= MIN_THROTTLED_T) | (pos >= MIN_THROTTLED_POSITIVE_FRAC)
-    return (_held_by_quota(throttled, peer_throttled) & (mean >= min_lateness_frac) & shown
+    return (_held_by_quota(throttled, peer_throttled) & (mean >= MIN_THROTTLED_EXCESS_SHARE * min_lateness_frac)
+            & shown
             & ~(t < MIN_STEADY_T_OVER_PEERS * np.maximum(peer_t, 0)))
 
 

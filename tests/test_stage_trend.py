@@ -43,18 +43,18 @@ def _run(slow_from: int | None, *, factor: float = 2.0, seed: int = 0, n: int = 
     # each stage's actions take 80 ms +- 5% per step; the slowed rank's grows by `factor` from `slow_from` on, and the
     # step (the pipeline runs at its slowest stage's pace) with it
     rng = np.random.default_rng(seed)
-    own = {r: 80.0 * (1 + rng.normal(0, 0.05, n)) for r in range(stages)}
+    run = {r: 80.0 * (1 + rng.normal(0, 0.05, n)) for r in range(stages)}
     step = 105.0 * (1 + rng.normal(0, 0.03, n))
     if slow_from is not None:
         k = np.arange(n) >= (0 if from_start else slow_from)
-        own[slow_rank] = np.where(k, own[slow_rank] * factor, own[slow_rank])
+        run[slow_rank] = np.where(k, run[slow_rank] * factor, run[slow_rank])
         step = np.where(k, step + 80.0 * (factor - 1), step)
-    return own, step
+    return run, step
 
 
 def test_a_stage_slowed_mid_run_is_named_with_its_window_gain_and_the_first_window_as_baseline():
-    own, step = _run(slow_from=40)
-    trends = tr.stage_trends(*_pipeline(own, step_ms=step)).set_index("rank")
+    run, step = _run(slow_from=40)
+    trends = tr.stage_trends(*_pipeline(run, step_ms=step)).set_index("rank")
     assert trends.loc[1, "baseline_first_step"] == 0 and trends.loc[1, "baseline_last_step"] == 19
     assert 40 <= trends.loc[1, "detected_at_step"] <= 40 + 20          # within a window of the slowdown
     # the first window past the verdict's bar holds some steps of each kind: its median lies between 1x and 2x
@@ -65,8 +65,8 @@ def test_a_stage_slowed_mid_run_is_named_with_its_window_gain_and_the_first_wind
         "STRAGGLER", (1,), "pp", "stage_trend", "compute")
     # back to its first window's run time: what its actions grew by, of the window's step
     ev = f.evidence
-    assert f.predicted_gain.frac == pytest.approx((ev["actions_ms_after"] - ev["actions_ms_before"]) / ev["step_ms_after"],
-                                                  rel=1e-3)
+    grew = ev["actions_ms_after"] - ev["actions_ms_before"]
+    assert f.predicted_gain.frac == pytest.approx(grew / ev["step_ms_after"], rel=1e-3)
     assert 0.3 <= f.predicted_gain.frac <= 0.5 and f.severity == "critical"
     assert f.evidence["window"][1] == f.evidence["detected_at_step"]
     # a rank another finding names already is not named twice
@@ -75,31 +75,31 @@ def test_a_stage_slowed_mid_run_is_named_with_its_window_gain_and_the_first_wind
 
 @pytest.mark.parametrize("seed", range(5))
 def test_steady_stages_of_a_noisy_host_are_not_named(seed):
-    own, step = _run(slow_from=None, seed=seed)
-    assert tr.detect_stage_trends(tr.stage_trends(*_pipeline(own, step_ms=step))) == []
+    run, step = _run(slow_from=None, seed=seed)
+    assert tr.detect_stage_trends(tr.stage_trends(*_pipeline(run, step_ms=step))) == []
 
 
 def test_a_stage_slower_from_the_start_or_replicated_elsewhere_or_costing_no_step_is_not_this_views():
     # slower from the first step: the partition's imbalance, nothing to compare with
-    own, step = _run(slow_from=0, from_start=True)
-    assert tr.detect_stage_trends(tr.stage_trends(*_pipeline(own, step_ms=step))) == []
+    run, step = _run(slow_from=0, from_start=True)
+    assert tr.detect_stage_trends(tr.stage_trends(*_pipeline(run, step_ms=step))) == []
     # another pipeline runs the same stage: the stage view compares them, this one has no row
-    own, step = _run(slow_from=40)
-    assert tr.stage_trends(*_pipeline(own, step_ms=step, replicated=True)).empty
+    run, step = _run(slow_from=40)
+    assert tr.stage_trends(*_pipeline(run, step_ms=step, replicated=True)).empty
     # ranks 0 and 1 are tensor-parallel peers of one replica on stage 0 (rank 2 runs stage 1): neither can be told
-    pipeline, excess, steps = _pipeline(own, step_ms=step)
+    pipeline, excess, steps = _pipeline(run, step_ms=step)
     excess.loc[excess["rank"] == 1, "stage"] = 0
     trends = tr.stage_trends(pipeline, excess, steps, replicas={0: 0, 1: 0})
     assert trends.empty
     # slower by 60% mid-run but the step did not grow (the stage had slack): no gain, no verdict
-    own, step = _run(slow_from=40, factor=1.6)
+    run, step = _run(slow_from=40, factor=1.6)
     step = 105.0 * np.ones(len(step))
-    trends = tr.stage_trends(*_pipeline(own, step_ms=step))
+    trends = tr.stage_trends(*_pipeline(run, step_ms=step))
     assert trends.set_index("rank").loc[1, "rise"] > tr.MIN_STAGE_RISE
     assert tr.detect_stage_trends(trends) == []
 
 
 def test_the_middle_stage_of_three_is_named_and_its_neighbours_are_not():
-    own, step = _run(slow_from=30, stages=3, factor=1.5)
-    trends = tr.stage_trends(*_pipeline(own, step_ms=step))
+    run, step = _run(slow_from=30, stages=3, factor=1.5)
+    trends = tr.stage_trends(*_pipeline(run, step_ms=step))
     assert [f.ranks for f in tr.detect_stage_trends(trends)] == [(1,)]

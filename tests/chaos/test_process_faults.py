@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from harness import (analyze, assert_only_confirmed_stragglers, cgroup_v1_cpu_available, committed_checkpoints,
-                     dtprobe_run_cmd, findings_of, flip_bit, largest_data_file, pin, summary, torchrun_cmd,
-                     truncate, verdicts_on)
+                     dtprobe_run_cmd, findings_of, flip_bit, largest_data_file, pin, steps_done, summary,
+                     torchrun_cmd, truncate, verdicts_on)
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.chaos]
 
@@ -213,14 +213,17 @@ def test_cpu_quota_on_a_pipeline_stage_of_a_launched_script_names_it_against_its
     pid = job.worker_pid(1)
     job.wait_steps(1, 40)
     cpu_quota(0.4).add(pid)
+    held_from = steps_done(run, 1)          # the steps on disk then: its rows reach the disk a flush later
     assert job.wait() == 0, job.output()[-3000:]
     finding = _straggler_verdict(analyze(run), 1)
     ev = finding["evidence"]
     assert (finding["group"], ev["detected_by"], ev["stage"]) == ("pp", "stage_trend", 1), ev
     assert ev["baseline_window"][0] <= 1 and ev["window"][0] > ev["baseline_window"][1], ev
-    # it grew against its peer (stage 0 kept its pace) and the step with it, within 40 steps of the quota
+    # it grew against its peer (stage 0 kept its pace) and the step with it; named after the quota, within two and
+    # a half windows of it (the first window whose median is slowed, and its spread small enough: the other
+    # tests of the suite share the cores)
     assert ev["rise"] >= 0.3 and ev["step_ms_after"] > 1.1 * ev["step_ms_before"], ev
-    assert ev["detected_at_step"] <= 40 + 40, ev
+    assert held_from < ev["detected_at_step"] <= held_from + 50, (held_from, ev)
 
 
 # ------------------------------------------------------------------------- checkpoint damaged before a restart

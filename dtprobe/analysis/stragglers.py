@@ -86,10 +86,11 @@ busy host's chance excess comes and goes with the steps and stays near zero on t
 MIN_PRE_EXCESS_T_OVER_PEERS = 2.0
 """Persistence view: ``pre_excess_t`` must also be this many times the largest of its peers' in the same steps
 (``peer_pre_excess_t``): on a host where several ranks lose CPU alike none of them is singled out."""
-MAX_PERSISTENT_EARLY_T = 3.0
-"""Persistence view: a rank whose mean lateness excess over its group's median is this many standard errors or more
-below zero (``excess_t``) arrives, on average, before its peers, so they do not wait for it. Its longer data+fwd
-is then time it spent inside its forward's collectives (tensor parallel, FSDP) waiting for a later peer."""
+MIN_PERSISTENT_LATER_FRAC = 0.5
+"""Persistence view: a rank whose lateness is below its group's median on average (``mean_excess_frac`` < 0) and
+above it in fewer than this share of the window's steps (``excess_positive_frac``) is not the one its peers wait
+for. Its longer data+fwd is then time it spent inside its forward's collectives (tensor parallel, FSDP) waiting
+for a later peer."""
 MIN_STEADY_T = 6.0
 """Steady view: a straggler's mean lateness excess (its lateness minus the group's median lateness, per step) must
 be at least this many standard errors above zero over the window (``excess_t``; the error from the larger of its
@@ -290,8 +291,7 @@ def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | No
         by_arrival = (med >= min_lateness_frac) & (pos >= min_positive_frac) & ~(over < min_lateness_over_noise)
         by_phases = ((med >= min_lateness_frac) & (pmed >= min_lateness_frac) & (ppos >= min_positive_frac)
                      & ~(pover < min_pre_excess_over_noise))
-        by_persistence = _persistent(med, pmed, pre_t, peer_t, pover, et if peers_known else unknown,
-                                     min_lateness_frac=min_lateness_frac,
+        by_persistence = _persistent(med, pmed, pre_t, peer_t, pover, emean, epos, min_lateness_frac=min_lateness_frac,
                                      min_t=min_pre_excess_t, min_t_over_peers=min_pre_excess_t_over_peers,
                                      min_over_noise=min_persistent_pre_over_noise)
         by_steady = _steady(emean, epos, et, peer_et, min_lateness_frac=min_lateness_frac, min_t=min_steady_t)
@@ -310,7 +310,7 @@ def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | No
 
     # noise unknown everywhere: the windows that qualify whatever the noise (own spread bounds the steady t)
     *_, may_arrive, may_phase, may_persist, may_steady, may_throttle = judge(peers_known=False)
-    fill(may_arrive, may_phase | may_persist, may_steady | may_throttle | may_persist)   # persistence reads et too
+    fill(may_arrive, may_phase | may_persist, may_steady | may_throttle)
     over, pover, et, peer_et, by_arrival, by_phases, by_persistence, by_steady, by_throttle = judge()
     ok = by_arrival | by_phases | by_persistence | by_steady | by_throttle
     detected = _first_true(ok, win_gid, len(n))                 # first qualifying window (global index) or -1
@@ -505,16 +505,16 @@ def _peer_max(values: np.ndarray, windows: pd.DataFrame | None, *, key: np.ndarr
 
 
 def _persistent(med: np.ndarray, pmed: np.ndarray, pre_t: np.ndarray, peer_t: np.ndarray, pover: np.ndarray,
-                et: np.ndarray, *, min_lateness_frac: float, min_t: float, min_t_over_peers: float,
-                min_over_noise: float) -> np.ndarray:
+                emean: np.ndarray, epos: np.ndarray, *, min_lateness_frac: float, min_t: float,
+                min_t_over_peers: float, min_over_noise: float) -> np.ndarray:
     """The persistence view: median data+fwd excess at least ``min_lateness_frac`` of the step, ``min_t``
     standard errors above zero and ``min_t_over_peers`` x any peer's (a peer's non-positive value does not block),
     at least ``min_over_noise`` x the peers' excess noise (unknown noise does not block), a positive median
-    lateness (it does arrive late), and a mean lateness excess ``et`` not ``MAX_PERSISTENT_EARLY_T`` standard errors
-    below zero (unknown does not block)."""
+    lateness (it does arrive late), and not below its group's median lateness on average while above it in fewer
+    than ``MIN_PERSISTENT_LATER_FRAC`` of the steps (``emean``, ``epos``; unknown does not block)."""
     return ((pmed >= min_lateness_frac) & (med > 0) & (pre_t >= min_t)
             & ~(pre_t < min_t_over_peers * np.maximum(peer_t, 0)) & ~(pover < min_over_noise)
-            & ~(et <= -MAX_PERSISTENT_EARLY_T))
+            & ~((emean < 0) & (epos < MIN_PERSISTENT_LATER_FRAC)))
 
 
 MAX_PEERS_EXCLUDED = 16
@@ -1141,8 +1141,8 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
         ok |= pd.Series(_persistent(
             col("median_lateness_frac"), col("median_pre_excess_frac"), col("pre_excess_t"),
             col("peer_pre_excess_t"), col("pre_excess_over_noise"),
-            col("excess_t") if "excess_t" in scores else np.full(len(scores), np.nan),
-            min_lateness_frac=min_lateness_frac,
+            *(col(c) if c in scores else np.full(len(scores), np.nan)
+              for c in ("mean_excess_frac", "excess_positive_frac")), min_lateness_frac=min_lateness_frac,
             min_t=min_pre_excess_t, min_t_over_peers=min_pre_excess_t_over_peers,
             min_over_noise=min_persistent_pre_over_noise), index=scores.index)
     if "excess_t" in scores:

@@ -14,28 +14,20 @@ MS = 1_000_000
 
 
 def _pipeline(run_ms: dict[int, np.ndarray], *, step_ms: np.ndarray, replicated: bool = False
-              ) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    """The pipeline rows (a forward and a backward, half the time each), stage_excess rows and steps of one
-    pipeline whose rank r runs stage r, from each rank's actions' run time per step; its own delay adds 30 ms
-    of noise to each step's stage_excess time, which the view does not read."""
+              ) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The stage_excess rows and steps of one pipeline whose rank r runs stage r, from each rank's actions' run
+    time per step; its own delay adds up to 30 ms of noise to each step's own time, which the view does not read."""
     n = len(step_ms)
-    starts = np.concatenate([[0.0], np.cumsum(step_ms)[:-1]])
-    rows = []
-    for r, run in run_ms.items():
-        for s in range(n):
-            t0 = int(starts[s] * MS)
-            half = int(run[s] * MS / 2)
-            rows += [{"rank": r, "stage": r, "step": s, "microbatch": 0, "action": a, "start_ns": t0 + k * half,
-                      "end_ns": t0 + (k + 1) * half} for k, a in enumerate("FB")]
-    pipeline = pd.DataFrame(rows)
     noise = np.random.default_rng(99)
     excess = pd.DataFrame([
-        {"rank": r, "step": s, "pipeline": 0, "stage": r, "own_ns": (run[s] + noise.uniform(0, 30)) * MS,
+        {"rank": r, "step": s, "pipeline": 0, "stage": r, "run_ns": run[s] * MS,
+         "own_ns": (run[s] + noise.uniform(0, 30)) * MS,
          "own_excess_frac": 0.0 if replicated else np.nan, "own_excess_rel": 0.0 if replicated else np.nan}
         for r, run in run_ms.items() for s in range(n)])[STAGE_EXCESS_COLUMNS]
+    starts = np.concatenate([[0.0], np.cumsum(step_ms)[:-1]])
     steps = pd.DataFrame([{"rank": r, "step": s, "start_ns": int(starts[s] * MS),
                            "end_ns": int((starts[s] + step_ms[s]) * MS)} for r in run_ms for s in range(n)])
-    return pipeline, excess, steps
+    return excess, steps
 
 
 def _run(slow_from: int | None, *, factor: float = 2.0, seed: int = 0, n: int = 80, stages: int = 2,
@@ -87,9 +79,9 @@ def test_a_stage_slower_from_the_start_or_replicated_elsewhere_or_costing_no_ste
     run, step = _run(slow_from=40)
     assert tr.stage_trends(*_pipeline(run, step_ms=step, replicated=True)).empty
     # ranks 0 and 1 are tensor-parallel peers of one replica on stage 0 (rank 2 runs stage 1): neither can be told
-    pipeline, excess, steps = _pipeline(run, step_ms=step)
+    excess, steps = _pipeline(run, step_ms=step)
     excess.loc[excess["rank"] == 1, "stage"] = 0
-    trends = tr.stage_trends(pipeline, excess, steps, replicas={0: 0, 1: 0})
+    trends = tr.stage_trends(excess, steps, replicas={0: 0, 1: 0})
     assert trends.empty
     # slower by 60% mid-run but the step did not grow (the stage had slack): no gain, no verdict
     run, step = _run(slow_from=40, factor=1.6)

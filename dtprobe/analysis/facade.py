@@ -427,9 +427,8 @@ class RunAnalysis:
         """Per pipeline rank no other pipeline runs the stage of: its actions' run time, relative to its pipeline
         peers', in its first qualifying window against the run's first (``stage_trend.stage_trends``)."""
         return self._memo("stage_trends", lambda: _stage_trend.stage_trends(
-            self.completed_table("pipeline"), self.pipeline_stage_excess(), self.completed_table("steps"),
-            replicas=self._pipeline_replicas(), steps_analyzed=self.steps_analyzed(),
-            window_steps=self.options.window_steps))
+            self.pipeline_stage_excess(), self.completed_table("steps"), replicas=self._pipeline_replicas(),
+            steps_analyzed=self.steps_analyzed(), window_steps=self.options.window_steps))
 
     def _schedule_gain(self, rank: int, first_step: int, last_step: int) -> float | None:
         # ns per step a pipelined rank costs the step by the schedule simulator (pipeline_delay.schedule_gain_ns)

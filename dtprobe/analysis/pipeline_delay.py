@@ -16,7 +16,8 @@ from dtprobe.intervals import merge_intervals_by_group
 from dtprobe.store.columns import require_columns
 
 OWN_DELAY_COLUMNS = ["rank", "step", "own_delay_ns", "num_actions"]
-STAGE_EXCESS_COLUMNS = ["rank", "step", "pipeline", "stage", "own_ns", "own_excess_frac", "own_excess_rel"]
+STAGE_EXCESS_COLUMNS = ["rank", "step", "pipeline", "stage", "run_ns", "own_ns", "own_excess_frac",
+                        "own_excess_rel"]
 
 
 def pipeline_groups(collectives: pd.DataFrame) -> dict[int, tuple[int, ...]]:
@@ -228,8 +229,9 @@ def median_own_delay(own_delay: pd.DataFrame) -> dict[int, float]:
 
 def stage_excess(pipeline: pd.DataFrame, steps: pd.DataFrame, own_delay: pd.DataFrame,
                  groups: dict[int, tuple[int, ...]], *, replicas: dict[int, int] | None = None) -> pd.DataFrame:
-    """Per (rank, step) of a pipelined run: its own time on its stage (``own_ns``: its actions' run time plus its
-    ``own_delay_ns`` from ``pipeline_own_delay``; neither holds a wait for its input) and how much longer that is
+    """Per (rank, step) of a pipelined run: its actions' run time (``run_ns``), its own time on its stage (``own_ns``:
+    ``run_ns`` plus its ``own_delay_ns`` from ``pipeline_own_delay``; neither holds a wait for its input) and how
+    much longer that is
     than the median of the same stage in the other model replicas at that step, as a share of the step's median
     duration (``own_excess_frac``) and of that median (``own_excess_rel``: how much slower it is on its stage; both
     NaN where no other replica has the stage). A rank that computes slower or idles outside its actions has a

@@ -10,14 +10,12 @@ Read by the facade (``RunAnalysis.stragglers``)."""
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import pandas as pd
 
 from dtprobe.analysis.findings import Finding, PredictedGain
 from dtprobe.analysis.pipeline_delay import STAGE_EXCESS_COLUMNS
-from dtprobe.analysis.stragglers import MIN_WINDOW_S, window_length
+from dtprobe.analysis.stragglers import MIN_WINDOW_S, medians_and_se, window_length
 from dtprobe.analysis.tables import step_durations
 from dtprobe.store.columns import require_columns
 
@@ -37,13 +35,13 @@ CRITICAL_GAIN_FRAC = 0.2
 """Critical when the predicted gain is at least this share of the step (the straggler detector's rule)."""
 
 
-def stage_trends(pipeline: pd.DataFrame, stage_excess: pd.DataFrame, steps: pd.DataFrame, *,
+def stage_trends(stage_excess: pd.DataFrame, steps: pd.DataFrame, *,
                  replicas: dict[int, int] | None = None, steps_analyzed: list[int] | None = None,
                  window_steps: int = 20, min_window_s: float = MIN_WINDOW_S) -> pd.DataFrame:
     """Per pipeline rank with no other pipeline on its stage (``own_excess_rel`` of ``stage_excess`` null in each
     of its rows) and at least one peer in its pipeline: the first window after the run's first one (``baseline``;
     windows of ``stragglers.window_length`` steps of ``steps_analyzed`` (None: all), sliding by one) where its
-    actions' run time per step (``pipeline`` rows) relative to the median of its pipeline peers' qualifies:
+    actions' run time per step (``run_ns``) relative to the median of its pipeline peers' qualifies:
     ``rise`` (window median over baseline median, minus 1) >= ``MIN_STAGE_RISE``, ``rise_t`` >=
     ``MIN_STAGE_RISE_T`` and the median step ``MIN_STEP_RISE`` longer; else the window with the largest rise,
     ``detected_at_step`` null. Ranks with fewer than two windows of steps have no row, and so have tensor-parallel
@@ -55,18 +53,13 @@ def stage_trends(pipeline: pd.DataFrame, stage_excess: pd.DataFrame, steps: pd.D
     if stage_excess.empty:
         return empty
     unreplicated = stage_excess.groupby("rank")["own_excess_rel"].transform(lambda v: v.isna().all())
-    d = stage_excess.loc[unreplicated.astype(bool), ["rank", "step", "pipeline", "stage"]]
+    d = stage_excess.loc[unreplicated.astype(bool), ["rank", "step", "pipeline", "stage", "run_ns"]]
     if steps_analyzed is not None:
         d = d[d["step"].isin(steps_analyzed)]
     if replicas:
         unit = d.drop_duplicates("rank").assign(replica=lambda f: f["rank"].map(replicas).fillna(f["pipeline"]))
         shared = unit.groupby(["replica", "stage"])["rank"].transform("size") > 1
         d = d[~d["rank"].isin(unit.loc[shared, "rank"])]
-    p = pipeline.dropna(subset=["start_ns", "end_ns", "step"])
-    run_ns = pd.DataFrame({"rank": p["rank"].to_numpy(dtype="int64"), "step": p["step"].to_numpy(dtype="int64"),
-                           "run_ns": (p["end_ns"].to_numpy(dtype="int64") - p["start_ns"].to_numpy(dtype="int64"))
-                           .astype("float64")}).groupby(["rank", "step"], as_index=False)["run_ns"].sum()
-    d = d.astype({"rank": "int64", "step": "int64"}).merge(run_ns, on=["rank", "step"])
     step_ns = step_durations(steps).groupby("step")["step_ns"].median()
     w = window_length(window_steps, step_ns, min_window_s)
     rows = []
@@ -87,9 +80,9 @@ def stage_trends(pipeline: pd.DataFrame, stage_excess: pd.DataFrame, steps: pd.D
 
 def _first_rise(steps: np.ndarray, rel: np.ndarray, run: np.ndarray, step_of: np.ndarray, w: int) -> dict:
     """The figures of the first qualifying window after the first ``w`` steps (else of the largest rise)."""
-    base, base_se = _medians_and_se(rel[None, :w])
+    base, base_se = medians_and_se(rel[None, :w])
     windows = np.lib.stride_tricks.sliding_window_view(rel[w:], w)          # window k: steps w+k .. 2w+k-1
-    med, se = _medians_and_se(windows)
+    med, se = medians_and_se(windows)
     with np.errstate(divide="ignore", invalid="ignore"):
         rise = med / base[0] - 1
         t = (med - base[0]) / np.hypot(se, base_se[0])
@@ -105,16 +98,6 @@ def _first_rise(steps: np.ndarray, rel: np.ndarray, run: np.ndarray, step_of: np
             "rise_t": float(t[k]), "run_ns_before": float(np.median(run[:w])),
             "run_ns_after": float(np.median(run[start:start + w])), "step_ns_before": step_before,
             "step_ns_after": float(step_after[k]), "detected_at_step": int(steps[start + w - 1]) if found else None}
-
-
-def _medians_and_se(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per row of ``x`` (NaN ignored): its median and that median's standard error, 1.4826 x MAD / sqrt(n)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)      # an all-NaN row: NaN
-        med = np.nanmedian(x, axis=1)
-        mad = np.nanmedian(np.abs(x - med[:, None]), axis=1)
-    n = np.sum(~np.isnan(x), axis=1)
-    return med, 1.4826 * mad / np.sqrt(np.maximum(n, 1))
 
 
 def detect_stage_trends(trends: pd.DataFrame, *, named: set[int] = frozenset(), clock: str | None = None
@@ -134,9 +117,8 @@ def detect_stage_trends(trends: pd.DataFrame, *, named: set[int] = frozenset(), 
             code="STRAGGLER", severity="critical" if gain >= CRITICAL_GAIN_FRAC else "warning",
             ranks=(int(r.rank),), group="pp",
             title=(f"rank {r.rank}'s forward and backward on pipeline stage {r.stage} grew from "
-                   f"{r.run_ns_before / 1e6:.1f} to "
-                   f"{r.run_ns_after / 1e6:.1f} ms per step (steps {first}-{last} against "
-                   f"{int(r.baseline_first_step)}-{int(r.baseline_last_step)}; {r.rise:+.0%} relative to its "
+                   f"{r.run_ns_before / 1e6:.1f} to {r.run_ns_after / 1e6:.1f} ms per step (steps {first}-{last} "
+                   f"against {int(r.baseline_first_step)}-{int(r.baseline_last_step)}; {r.rise:+.0%} relative to its "
                    f"pipeline peers, {r.rise_t:.1f} standard errors), and the step from "
                    f"{r.step_ns_before / 1e6:.1f} to {r.step_ns_after / 1e6:.1f} ms; cause: compute"),
             evidence={

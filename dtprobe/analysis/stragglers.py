@@ -476,11 +476,23 @@ def _held_by_quota(throttled: np.ndarray, peer_throttled: np.ndarray) -> np.ndar
     return (throttled >= MIN_CPU_THROTTLED_FRAC) & ~(peer_throttled >= MAX_PEER_THROTTLED_SHARE * throttled)
 
 
-def _median_t(x: np.ndarray, med: np.ndarray) -> np.ndarray:
-    """Per row: the median ``med`` over its standard error, 1.4826 x MAD / sqrt(values) (NaN ignored); +-inf for
-    a non-zero median without spread, NaN with fewer than three values."""
+def medians_and_se(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of ``x`` (NaN ignored): its median and that median's standard error (``_median_se``)."""
+    med = _nanmedian_rows(x)
+    return med, _median_se(x, med)
+
+
+def _median_se(x: np.ndarray, med: np.ndarray) -> np.ndarray:
+    """Per row: the standard error of its median ``med``, 1.4826 x MAD / sqrt(values) (NaN ignored)."""
     k = (~np.isnan(x)).sum(axis=1)
-    se = 1.4826 * _nanmedian_rows(np.abs(x - med[:, None])) / np.sqrt(np.maximum(k, 1))
+    return 1.4826 * _nanmedian_rows(np.abs(x - med[:, None])) / np.sqrt(np.maximum(k, 1))
+
+
+def _median_t(x: np.ndarray, med: np.ndarray) -> np.ndarray:
+    """Per row: the median ``med`` over its standard error (``_median_se``); +-inf for a non-zero median without
+    spread, NaN with fewer than three values."""
+    k = (~np.isnan(x)).sum(axis=1)
+    se = _median_se(x, med)
     with np.errstate(divide="ignore", invalid="ignore"):
         t = np.where(se > 0, med / se, np.where(med != 0, np.inf * np.sign(med), 0.0))
     return np.where(k >= 3, t, np.nan)

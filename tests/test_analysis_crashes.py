@@ -226,6 +226,30 @@ def test_a_frozen_rank_is_a_hang_with_liveness_stopped_and_the_waiter_waiting_no
     assert ev["waited_s"] == pytest.approx(10.4 - 0.36, abs=0.2)
 
 
+def test_a_frozen_rank_killed_when_the_operator_stopped_the_hung_job_is_a_hang_not_a_crash(tmp_path):
+    # Rank 1 freezes at 330 ms; rank 0 waits in all-reduce #4 from 360 ms until the operator interrupts the job at
+    # 40 s: rank 0 closes on torchrun's SIGTERM, the frozen rank 1 cannot, and is SIGKILLed 15 s later.
+    rows = lockstep_tables(world=2, num_steps=6)
+    cut_rank(rows, 1, T0 + 330 * MS)
+    stall_rank(rows, 0, T0 + 360 * MS, until_ns=T0 + 40 * S, close=("crashed", "SIGTERM"))
+    rows["pending"] = [pending_row(0, step=3, seq=4, t_ns=T0 + 360 * MS)]
+    ranks = [{"rank": 0, "exit_code": -15, "signal": "SIGTERM", "time_ns": T0 + 40 * S},
+             {"rank": 1, "exit_code": -9, "signal": "SIGKILL", "time_ns": T0 + 55 * S}]
+    a = RunAnalysis.open(write_rows_run(tmp_path / "run", rows, world_size=2, status="crashed",
+                                        attempts=[_attempt(0, "interrupted", ranks, ended=T0 + 55 * S)]))
+    assert _codes(a, "RANK_CRASH") == []
+    [f] = _codes(a, "HANG")
+    assert f.ranks == (1,) and f.evidence["liveness"] == {"0": "waiting", "1": "stopped"}
+    assert f.evidence["waited_s"] == pytest.approx(40 - 0.36, abs=0.2)
+    # the same exits with rank 1 gone before rank 0's SIGTERM: it died first, and torchrun stopped the job
+    ranks[1]["time_ns"] = T0 + 335 * MS
+    rows_again = {k: list(v) for k, v in rows.items()}
+    a = RunAnalysis.open(write_rows_run(tmp_path / "run2", rows_again, world_size=2, status="crashed",
+                                        attempts=[_attempt(0, "failed", ranks, ended=T0 + 40 * S)]))
+    [crash] = _codes(a, "RANK_CRASH")
+    assert crash.ranks == (1,) and _codes(a, "HANG") == []
+
+
 def test_a_rank_alive_outside_the_collective_is_named_alive(tmp_path):
     rows = lockstep_tables(world=2, num_steps=6)
     stall_rank(rows, 1, T0 + 330 * MS, until_ns=T0 + 10_400 * MS, close=("crashed", "watchdog"))

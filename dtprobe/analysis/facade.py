@@ -397,8 +397,10 @@ class RunAnalysis:
 
     def group_axis(self, pg: str) -> str | None:
         """``dp``/``tp``/``pp`` of a process-group name; the default group (``world``) is ``dp`` in a pure
-        data-parallel layout."""
-        return _tables.axis_of_group(pg, layout=self.layout())
+        data-parallel layout, or without a layout unless the groups say otherwise (``tables.world_is_dp``)."""
+        world_dp = self._memo("world_is_dp", lambda: _tables.world_is_dp(
+            self.layout(), self.table("groups")["pg"].dropna().unique(), pipelined=not self.table("pipeline").empty))
+        return _tables.axis_of_group(pg, layout=self.layout(), world_is_dp=world_dp)
 
     def stragglers(self) -> list[Finding]:
         """STRAGGLER findings: from host arrivals when the source's clocks are aligned (a dtprobe run), else from

@@ -215,7 +215,7 @@ def liveness(rank: int, since_ns: int, *, in_collective: bool, activity: Activit
     if ex is not None and ex.get("closed") is False:
         peer_exits = [_exit_of(exits, p, restart) or {} for p in peers]
         peer_reasons = {x.get("reason") for x in peer_exits}
-        if "SIGTERM" in peer_reasons and "watchdog" not in peer_reasons:
+        if "SIGTERM" in peer_reasons and "watchdog" not in peer_reasons and not exited_after_sigterm(ex, peer_exits):
             return "dead"                 # torchrun SIGTERMs the others only after a worker exited
         if any(x.get("reason") == "exception" and x.get("close_ns") is not None
                and int(x["close_ns"]) <= since_ns + EXITED_AT_STALL_NS for x in peer_exits):
@@ -224,6 +224,17 @@ def liveness(rank: int, since_ns: int, *, in_collective: bool, activity: Activit
                             and ex is None):
         return "unknown"
     return "stopped"
+
+
+def exited_after_sigterm(ex: dict, others: Iterable[dict]) -> bool:
+    """True when the launcher saw this unclosed rank exit after one of ``others`` (exit rows of the same attempt)
+    closed on SIGTERM: it was ended with the job (torchrun's SIGKILL of a worker that did not stop on SIGTERM, e.g.
+    a frozen one, or an operator's kill), not the death that made torchrun stop the others. False when either
+    time is unknown (a plain torchrun job's killed rank has no exit time)."""
+    if ex.get("exit_ns") is None or ex.get("source") != "attempts":
+        return False
+    termed = [int(x["close_ns"]) for x in others if x.get("reason") == "SIGTERM" and x.get("close_ns") is not None]
+    return bool(termed) and int(ex["exit_ns"]) > min(termed)
 
 
 def _exit_of(exits: pd.DataFrame | None, rank: int, restart: int) -> dict | None:

@@ -235,13 +235,30 @@ def axis_of(pg: str | None) -> str | None:
     return None
 
 
-def axis_of_group(pg: str | None, *, layout: dict) -> str | None:
-    """``axis_of(pg)``; the default group (``world``) is ``dp`` in a pure data-parallel ``layout`` (tp = pp = 1)."""
+def axis_of_group(pg: str | None, *, layout: dict, world_is_dp: bool | None = None) -> str | None:
+    """``axis_of(pg)``; the default group (``world``) is ``dp`` when ``world_is_dp``, by default when ``layout`` is
+    purely data-parallel (tp = pp = 1)."""
     axis = axis_of(pg)
-    pure_dp = int(layout.get("tp") or 1) * int(layout.get("pp") or 1) == 1
-    if axis is None and pg in ("world", "default", "0") and pure_dp:
+    if world_is_dp is None:
+        world_is_dp = int(layout.get("tp") or 1) * int(layout.get("pp") or 1) == 1
+    if axis is None and pg in WORLD_NAMES and world_is_dp:
         return "dp"
     return axis
+
+
+WORLD_NAMES = ("world", "default", "0")
+"""Names the default group goes by (the recorder's, a trace's)."""
+
+
+def world_is_dp(layout: dict, group_names: Iterable[Any], *, pipelined: bool) -> bool:
+    """Whether the default group is the data-parallel one: the ``layout`` says so (tp = pp = 1); without a layout (a
+    launched script, a trace folder), unless the run says otherwise: pipeline stages timed (``pipelined``; their
+    point-to-point ops may run on the default group), or another of its groups (``group_names``: the ``groups``
+    table's) named for an axis (a DeviceMesh dimension spanning every rank reuses the default group, and it may be
+    any of them: tp in a 1 x 4 dp x tp mesh)."""
+    if layout:
+        return int(layout.get("tp") or 1) * int(layout.get("pp") or 1) == 1
+    return not pipelined and not any(axis_of(pg) is not None for pg in set(map(str, group_names)) - set(WORLD_NAMES))
 
 
 def size_label(num_bytes: float) -> str:

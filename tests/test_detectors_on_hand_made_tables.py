@@ -41,6 +41,17 @@ def test_pipeline_bubble_finding_on_gpipe_pp4_mb4_predicts_gain_of_more_microbat
     assert "from 4 to 8" in f.recommendation
 
 
+def test_the_schedule_is_inferred_from_the_last_whole_step_not_one_cut_after_its_forwards():
+    t = pipeline_tables(schedule="1f1b", pp=2, microbatches=4, num_steps=3)
+    assert bubble.pipeline_shape(t["pipeline"]).schedule == "1f1b"
+    p = t["pipeline"]
+    last = p["step"] == p["step"].max()
+    cut = p[~last | (p["action"] == "F")]          # the run was stopped after the last step's forwards
+    assert bubble.pipeline_shape(cut).schedule == "1f1b"
+    assert bubble.pipeline_shape(pipeline_tables(schedule="gpipe", pp=2, microbatches=4, num_steps=3)["pipeline"]
+                                 ).schedule == "gpipe"
+
+
 def test_pipeline_bubble_reports_the_excess_when_p2p_gaps_stretch_the_step():
     t = pipeline_tables(schedule="gpipe", pp=4, microbatches=4, p2p_gap_ms=5.0)
     by_rank = bubble.bubble_by_rank(bubble.pipeline_bubble(t["pipeline"]))

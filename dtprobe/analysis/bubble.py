@@ -127,8 +127,16 @@ def _is_v_shape(p: pd.DataFrame, num_ranks: int) -> bool:
 
 
 def _gpipe_or_1f1b(p: pd.DataFrame) -> str:
+    """From the action order of one rank of the first stage in its last whole step (as many backwards as
+    forwards): GPipe runs every forward before the first backward. A step cut short (a run stopped after its
+    forwards) would read as GPipe."""
     first = p[p["stage"] == p["stage"].min()]
-    step = first["step"].max()
+    first = first[first["rank"] == first["rank"].min()]
+    action = first["action"].astype(str)
+    forwards = (action == "F").groupby(first["step"]).sum()
+    backwards = (action == "B").groupby(first["step"]).sum().reindex(forwards.index, fill_value=0)
+    whole = forwards.index[(forwards > 0) & (forwards == backwards)]
+    step = whole.max() if len(whole) else first["step"].max()
     seq = first[first["step"] == step].sort_values("start_ns")["action"].astype(str).tolist()
     if "B" not in seq:
         return "gpipe"

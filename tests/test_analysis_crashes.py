@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from analysis_synth import (MS, T0, cut_rank, frames, lockstep_tables, pending_row, sampler_rows, stall_rank,
                             write_rows_run)
@@ -83,6 +84,25 @@ def test_a_killed_rank_whose_exit_status_torchrun_never_reported_is_still_the_cr
     assert _codes(a, "HANG") == []
     [f] = _codes(a, "RANK_CRASH")
     assert (f.ranks, f.severity, f.evidence["cause"]) == ((1,), "critical", "killed_by_signal")
+
+
+def test_a_restart_that_fails_at_start_up_is_its_own_crash_and_the_first_ones_wait_ends_with_its_attempt(tmp_path):
+    rows, att, _ = _killed_rank1_at_step3(restart=False, attempts=True)
+    error = {"type": "RuntimeError", "message": "Gloo connectFullMesh failed with ... timed out connecting",
+             "traceback": None}
+    att.append(_attempt(1, "failed", [{"rank": 1, "exit_code": 1, "first_failure": True, "error": error,
+                                       "time_ns": T0 + 5 * S},
+                                      {"rank": 0, "exit_code": -15, "signal": "SIGTERM", "time_ns": T0 + 5200 * MS}],
+                        started=T0 + 4 * S, ended=T0 + 5200 * MS))       # no rows: it died before attaching
+    a = RunAnalysis.open(write_rows_run(tmp_path / "run", rows, world_size=2, status="crashed", attempts=att))
+    first, again = sorted(_codes(a, "RANK_CRASH"), key=lambda f: f.evidence["restart"])
+    assert (first.ranks, first.evidence["step"], again.ranks, again.evidence["cause"]) == ((1,), 3, (1,),
+                                                                                          "communication")
+    [w] = first.evidence["waited_at"]        # rank 0 waited from 360 ms until torchrun stopped it at 500 ms
+    assert (w["seq"], w["waited_s"]) == (4, pytest.approx(0.14, abs=0.05))
+    # the restart ran no step and entered no collective: no step of the first attempt's stall is its own
+    assert pd.isna(again.evidence["step"]) and again.evidence["waited_at"] == []
+    assert " at step " not in again.title
 
 
 @pytest.mark.parametrize("attempts", [True, False], ids=["torchrun-named-the-survivor", "plain-torchrun"])

@@ -137,7 +137,7 @@ def crash_events(exits: pd.DataFrame, *, activity: Activity, collectives: pd.Dat
         step = (int(doing["step"]) if doing is not None and not open_.empty and not is_missing(doing["step"])
                 else last_step + 1 if last_step is not None else None)
         waited = ([int(x.step) for x in stalls.itertuples(index=False) if not is_missing(x.step)
-                   and str(culprit) in str(x.missing_ranks).split(",")
+                   and int(x.seq) // ATTEMPT_SEQ_STRIDE == restart and str(culprit) in str(x.missing_ranks).split(",")
                    and (t_end is None or int(x.first_enqueue_ns) < t_end)
                    and (died_ns is None or is_missing(died_ns) or int(x.first_enqueue_ns) >= int(died_ns) - stale_ns)]
                   if stalls is not None and not stalls.empty else [])
@@ -328,25 +328,27 @@ def crash_title(e: Any) -> str:
 
 
 def detect_crashes(events: pd.DataFrame, *, num_restarts: int = 0, missing: pd.DataFrame | None = None,
-                   injected_ranks: frozenset = frozenset(), explained_ranks: frozenset = frozenset()) -> list[Finding]:
+                   injected_ranks: frozenset = frozenset(), explained_ranks: frozenset = frozenset(),
+                   waited: Callable[[Any], int] = lambda stall: int(stall.waited_ns)) -> list[Finding]:
     """RANK_CRASH per crash event (``crash_events``): critical when the job did not recover, warning when it
     resumed. A first failure among ``explained_ranks`` (ranks a HANG or COLLECTIVE_MISMATCH already names or
     holds waiting) is not reported unless it has a cause of its own (out of memory, a device error, a Python
     exception with its type known): a waiter's collective timeout is the hang's consequence. ``missing``: stalls
-    whose missing ranks include the crashed one (``waited_at``). ``injected_ranks``: ranks with an injected
-    ``crash`` row (cross-check only)."""
+    whose missing ranks include the crashed one, in its attempt (``waited_at``), each waited for ``waited(stall)``
+    ns. ``injected_ranks``: ranks with an injected ``crash`` row (cross-check only)."""
     findings = []
     for e in events.itertuples(index=False):
         specific = e.cause in ("out_of_memory", "device") or (e.cause == "user_exception"
                                                                and not is_missing(e.error_type))
         if int(e.rank) in explained_ranks and not specific:
             continue                       # e.g. a waiter's collective timeout, or its probe closed on it
-        waited = [] if missing is None or missing.empty else [
+        waited_at = [] if missing is None or missing.empty else [
             {"pg": m.pg, "seq": int(m.seq) % ATTEMPT_SEQ_STRIDE, "op": m.op, "step": m.step,
-             "waited_s": m.waited_ns / 1e9, "arrived_ranks": [int(x) for x in str(m.arrived_ranks).split(",") if x]}
+             "waited_s": waited(m) / 1e9, "arrived_ranks": [int(x) for x in str(m.arrived_ranks).split(",") if x]}
             for m in missing.itertuples(index=False)
-            if str(int(e.rank)) in str(m.missing_ranks).split(",")
-            or (not m.missing_ranks and str(int(e.rank)) in str(m.arrived_ranks).split(","))]
+            if int(m.seq) // ATTEMPT_SEQ_STRIDE == int(e.restart) and (
+                str(int(e.rank)) in str(m.missing_ranks).split(",")
+                or (not m.missing_ranks and str(int(e.rank)) in str(m.arrived_ranks).split(",")))]
         findings.append(Finding(
             code="RANK_CRASH", severity="warning" if e.recovered else "critical", ranks=(int(e.rank),), group=None,
             title=crash_title(e),
@@ -359,7 +361,7 @@ def detect_crashes(events: pd.DataFrame, *, num_restarts: int = 0, missing: pd.D
                     "step": e.doing_step, "open": bool(e.doing_open)},
                 "phase": e.phase, "also_lost": list(e.also_lost), "recovered": bool(e.recovered),
                 "resumed_from_step": e.resumed_from_step, "steps_lost": e.steps_lost,
-                "time_to_recover_s": e.time_to_recover_s, "num_restarts": int(num_restarts), "waited_at": waited,
+                "time_to_recover_s": e.time_to_recover_s, "num_restarts": int(num_restarts), "waited_at": waited_at,
                 "source": e.source, "injected": int(e.rank) in injected_ranks,
             },
             recommendation=_advice(e.cause, int(e.rank), signal=e.signal, said=" ".join(

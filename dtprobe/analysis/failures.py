@@ -27,5 +27,6 @@ def detect_failures(*, mismatches: pd.DataFrame, stalls: pd.DataFrame, faults: p
     held = {r for f in found for r in (*f.ranks, *f.evidence["arrived_ranks"])}
     for pg_ranks in (m for _, m in skip):
         held.update(int(x) for x in str(pg_ranks).split(",") if x.strip().lstrip("-").isdigit())
-    return found + crashes.detect_crashes(crash_events, num_restarts=num_restarts, missing=stalls,
-                                          injected_ranks=injected_crash_ranks, explained_ranks=frozenset(held))
+    return found + crashes.detect_crashes(
+        crash_events, num_restarts=num_restarts, missing=stalls, injected_ranks=injected_crash_ranks,
+        explained_ranks=frozenset(held), waited=lambda stall: hangs.waited_until_given_up(stall, activity, starts))

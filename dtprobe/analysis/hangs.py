@@ -6,6 +6,7 @@ facade and the dashboard."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 from dataclasses import replace
 
 import numpy as np
@@ -168,6 +169,19 @@ def _ints(value) -> list[int]:
     return [int(x) for x in value]
 
 
+def waited_until_given_up(stall: Any, activity: Activity | None, starts: list[int] = ()) -> int:
+    """How long the arrived ranks of a ``stalls`` row waited: until the last sign of life of the latest of them in
+    that attempt (a finished run's end may be long after they gave up, and a restarted job's next attempt proves
+    nothing about them), at most ``waited_ns`` (until the run's end)."""
+    waited_ns, since = int(stall.waited_ns), int(stall.first_enqueue_ns)
+    if activity is None:
+        return waited_ns
+    until = attempt_at(starts, since)[1]
+    ends = [activity.last_ns(w, before_ns=until) for w in _ints(stall.arrived_ranks)]
+    ends = [t - since for t in ends if t is not None and t > since]
+    return min(waited_ns, max(ends)) if ends else waited_ns
+
+
 def detect_hangs(missing: pd.DataFrame, faults: pd.DataFrame | None, *, last_seen: pd.DataFrame | None = None,
                  axis_of_pg: Callable[[str], str | None] = axis_of, activity: Activity | None = None,
                  exits: pd.DataFrame | None = None, nodes: dict[int, int] | None = None,
@@ -227,13 +241,7 @@ def detect_hangs(missing: pd.DataFrame, faults: pd.DataFrame | None, *, last_see
         if miss and not set(miss) - blocked and roots and i not in roots:
             continue                                  # the missing ranks wait elsewhere: the root is reported
         everyone = sorted(set(waiters) | set(miss))
-        waited_ns = int(r.waited_ns)
-        if activity is not None:            # a finished run's end may be long after the waiters gave up
-            # (their last sign of life in this attempt: a restarted job's next attempt proves nothing about it)
-            until = attempt_at(starts, int(r.first_enqueue_ns))[1]
-            ends = [activity.last_ns(w, before_ns=until) for w in waiters]
-            ends = [t - int(r.first_enqueue_ns) for t in ends if t is not None and t > int(r.first_enqueue_ns)]
-            waited_ns = min(waited_ns, max(ends)) if ends else waited_ns
+        waited_ns = waited_until_given_up(r, activity, starts)
         node_of = nodes or {}
         spans = {node_of.get(m) for m in everyone}
         if all(live[m] == "waiting" for m in everyone) and None not in spans and len(spans) >= 2:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 import pytest
-from analysis_synth import MS, T0, dp_stall_tables, sampler_rows, write_run
+from analysis_synth import MS, T0, dp_stall_tables, lockstep_tables, sampler_rows, write_rows_run, write_run
 
 from dtprobe.analysis import rank_stalls
 from dtprobe.analysis.facade import RunAnalysis
@@ -274,3 +274,49 @@ def test_a_rank_frozen_inside_a_collective_is_a_stall_and_not_exposed_communicat
     assert (stall["rank"], stall["step"], stall["kind"], stall["liveness"]) == (2, 15, "in_collective", "frozen")
     assert a.exposure_by_rank()["exposed_frac"].min() > 0.3       # the measure keeps every analysed step
     assert [f.code for f in a.findings() if f.severity != "info"] == ["RANK_STALL"]
+
+
+def _pipeline_with_a_stalled_stage(tmp_path) -> RunAnalysis:
+    """Three stages 0 -> 1 -> 2 of 100-ms steps, only send/recv between them: forward activations at +10/+20 ms
+    (the receiver posts its recv 2 ms before), backward gradients 2 -> 1 at +50 ms and 1 -> 0 at +60 ms (both
+    recvs posted at +45 ms). In ``STALL_STEP`` stage 2 freezes 400 ms before its backward send (no sampler row);
+    stage 1 waits for it in its recv, then sends 400 ms late to stage 0: a victim. Every later step is 400 ms later."""
+    world, stall = 3, 400 * MS
+    rows = lockstep_tables(world=world, num_steps=30, pg="pp")
+    rows["collectives"], members = [], "0,1,2"
+    for x in rows["steps"]:
+        late = stall if x["step"] > STALL_STEP else 0
+        x["start_ns"] += late
+        x["end_ns"] += late + (stall if x["step"] == STALL_STEP else 0)
+        x["bwd_ns"] += stall if x["step"] == STALL_STEP else 0
+    for step in range(30):
+        t = T0 + step * 100 * MS + (stall if step > STALL_STEP else 0)
+        held = stall if step == STALL_STEP else 0
+        jitter = (step * 3) % 5 * MS // 4
+        pairs = [(0, 1, 10 * MS + jitter, 8 * MS), (1, 2, 20 * MS + jitter, 18 * MS),
+                 (2, 1, 50 * MS + jitter + held, 45 * MS), (1, 0, 60 * MS + jitter + held, 45 * MS)]
+        for n, (src, dst, sent, posted) in enumerate(pairs):
+            end = t + sent + 2 * MS
+            for rank, peer, op, enq in ((src, dst, "send", t + sent), (dst, src, "recv", t + posted)):
+                rows["collectives"].append({"rank": rank, "pg": "pp", "pg_ranks": members, "pg_size": world,
+                                            "seq": step + 1, "op": op, "num_bytes": 1 << 20, "dtype": "float32",
+                                            "enqueue_ns": enq, "start_ns": enq, "end_ns": end, "step": step,
+                                            "peer": peer, "restart": 0, "timing": "host"})
+    frozen_from = T0 + STALL_STEP * 100 * MS + 48 * MS
+    rows["devices"] = [d for r in range(world) for d in sampler_rows(r, T0, T0 + 3400 * MS)
+                       if not (r == 2 and frozen_from < d["time_ns"] < frozen_from + stall)]
+    return RunAnalysis.open(write_rows_run(tmp_path / "run", rows, world_size=world, status="finished"))
+
+
+def test_a_pipeline_stage_that_stalled_is_named_by_its_late_send_and_the_stage_it_held_up_is_not(tmp_path):
+    a = _pipeline_with_a_stalled_stage(tmp_path)
+    late = a.late_rank_per_step()
+    links = late[(late["step"] == STALL_STEP) & (late["pg"] == "pp")].set_index("pg_ranks")
+    assert links.loc["1,2", "late_rank"] == 2 and links.loc["0,1", "late_rank"] == 1      # both sends came late
+    assert links.loc["1,2", "margin_ns"] == pytest.approx(405 * MS, abs=2 * MS)
+    [stall] = a.rank_stalls().to_dict(orient="records")
+    assert (stall["rank"], stall["step"], stall["kind"], stall["op"], stall["liveness"]) == (
+        2, STALL_STEP, "late_arrival", "send", "frozen")
+    [f] = [f for f in a.findings() if f.code == "RANK_STALL"]
+    assert f.ranks == (2,) and f.severity == "warning"
+    assert not [f for f in a.findings() if f.code in ("STRAGGLER", "HANG") and f.severity != "info"]

@@ -236,6 +236,61 @@ def late_rank_per_step(skew: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     return top[LATE_RANK_COLUMNS].sort_values(["pg", "pg_ranks", "step"], kind="stable").reset_index(drop=True)
 
 
+def late_p2p_per_step(collectives: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
+    """``late_rank_per_step``'s rows for point-to-point links: per (group, link, step), the send/recv pair whose
+    later side came the most after the other (the k-th send from A to B is B's k-th recv from A: the same ``seq``,
+    in the same attempt and step on both sides), that side's rank late by that margin (a receiver waited for a
+    sender, or a sender for a receiver). ``pg_ranks`` names the link's two ranks ("A,B", lower first), so each
+    link's margins are judged against its own; ``op`` and ``seq`` are the late side's. A step redone after a
+    torchrun restart is read from the attempt that redid it. Columns: ``LATE_RANK_COLUMNS``."""
+    empty = pd.DataFrame({col: [] for col in LATE_RANK_COLUMNS})
+    need = ["rank", "pg", "op", "peer", "seq", "enqueue_ns", "step"]
+    if collectives.empty or not set(need) <= set(collectives.columns):
+        return empty
+    c = collectives[collectives["op"].isin(P2P_OPS) & collectives["peer"].notna() & collectives["seq"].notna()
+                    & collectives["enqueue_ns"].notna() & collectives["step"].notna()]
+    if c.empty:
+        return empty
+    c = completing_attempts(c[c["step"] >= 0])
+    send = c["op"].to_numpy() == "send"
+    rank, peer = c["rank"].to_numpy(dtype="int64"), c["peer"].to_numpy(dtype="int64")
+    restart = (c["restart"].to_numpy(dtype="float64", na_value=0) if "restart" in c.columns
+               else np.zeros(len(c))).astype("int64")
+    side = pd.DataFrame({"pg": c["pg"].astype(str).to_numpy(), "restart": restart,
+                         "src": np.where(send, rank, peer), "dst": np.where(send, peer, rank),
+                         "seq": c["seq"].to_numpy(dtype="int64"), "step": c["step"].to_numpy(dtype="int64"),
+                         "enq": c["enqueue_ns"].to_numpy(dtype="int64"), "rank": rank, "send": send})
+    side = side[side["src"] >= 0]
+    key = ["pg", "restart", "src", "dst", "seq", "step"]
+    pairs = side[side["send"]].merge(side[~side["send"]], on=key, suffixes=("_s", "_r"))
+    if pairs.empty:
+        return empty
+    sender_late = (pairs["enq_s"] >= pairs["enq_r"]).to_numpy()
+    margin = (pairs["enq_s"] - pairs["enq_r"]).abs().to_numpy(dtype="int64")
+    out = pd.DataFrame({
+        "pg": pairs["pg"].to_numpy(),
+        "pg_ranks": [f"{min(a, b)},{max(a, b)}" for a, b in zip(pairs["src"].tolist(), pairs["dst"].tolist())],
+        "step": pairs["step"].to_numpy(), "seq": pairs["seq"].to_numpy(),
+        "op": np.where(sender_late, "send", "recv"),
+        "late_rank": np.where(sender_late, pairs["src"].to_numpy(), pairs["dst"].to_numpy()),
+        "skew_ns": margin, "margin_ns": margin, "victims_wait_ns": margin})
+    top = out.loc[out.groupby(["pg", "pg_ranks", "step"], sort=True)["margin_ns"].idxmax()].copy()
+    codes, pg_ranks = pd.factorize(top["pg_ranks"])
+    top["step_ns"] = _group_step_ns(pg_ranks, codes, top["step"].to_numpy(dtype="int64"), completing_attempts(steps))
+    top["margin_frac"] = top["margin_ns"] / top["step_ns"]
+    return top[LATE_RANK_COLUMNS].sort_values(["pg", "pg_ranks", "step"], kind="stable").reset_index(drop=True)
+
+
+def late_per_step(skew: pd.DataFrame, collectives: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
+    """``late_rank_per_step`` of the collectives (``skew``: their ``collective_skew``) and ``late_p2p_per_step`` of
+    the point-to-point links, in one frame ordered by (pg, pg_ranks, step). Columns: ``LATE_RANK_COLUMNS``."""
+    frames = [f for f in (late_rank_per_step(skew, steps), late_p2p_per_step(collectives, steps)) if not f.empty]
+    if len(frames) < 2:
+        return frames[0] if frames else pd.DataFrame({col: [] for col in LATE_RANK_COLUMNS})
+    return pd.concat(frames, ignore_index=True).sort_values(["pg", "pg_ranks", "step"], kind="stable"
+                                                            ).reset_index(drop=True)
+
+
 def _group_step_ns(pg_ranks: pd.Index, codes: np.ndarray, step: np.ndarray, steps: pd.DataFrame) -> np.ndarray:
     """Per row (``pg_ranks[codes]``, ``step``): the median step time of the group's members at that step; of all
     ranks when the group names no members or none of them recorded the step (NaN when no rank did)."""

@@ -1,8 +1,8 @@
 """The per-step frames the analysis keeps at compaction, one step block at a time (``LatenessExposure``, a
 ``store.derived.Deriver``): ``lateness`` (``arrivals.rank_lateness``, per group, step and rank), ``exposure``
-(``exposed_comm.comm_exposure``, per rank and step), ``late_rank`` (``arrivals.late_rank_per_step``, per group and
-step), ``blocked`` (``stragglers.blocked_outside_groups``, per rank, step and group: the waits the STRAGGLER causes
-read), ``bandwidth`` (``comm_efficiency.collective_bandwidth``, per collective: its rows are all in one block, and
+(``exposed_comm.comm_exposure``, per rank and step), ``late_rank`` (``arrivals.late_per_step``, per group or
+point-to-point link, and step), ``blocked`` (``stragglers.blocked_outside_groups``, per rank, step and group: the
+waits the STRAGGLER causes read), ``bandwidth`` (``comm_efficiency.collective_bandwidth``, per collective: its rows are all in one block, and
 its output order is explicit, not the table's) and ``groups`` (``arrivals.group_rows``: one row per group and p2p
 link, for the group clocks, linked ranks and pipelines) and ``suspects`` (``mismatch.suspect_calls``: the
 collectives whose members' calls differ, none in a clean run, so COLLECTIVE_MISMATCH judges only their groups'
@@ -33,7 +33,7 @@ import pyarrow.compute as pc
 
 from dtprobe.analysis.arrivals import GROUP_ROW_COLUMNS, LATE_RANK_COLUMNS, LATENESS_COLUMNS, arrival_clocks
 from dtprobe.analysis.arrivals import collective_skew, collective_waits, group_rows, group_rows_per_step
-from dtprobe.analysis.arrivals import late_rank_per_step
+from dtprobe.analysis.arrivals import late_per_step
 from dtprobe.analysis.arrivals import on_arrival_clock, rank_lateness
 from dtprobe.analysis.arrivals import unique_seq
 from dtprobe.analysis.comm_efficiency import BANDWIDTH_COLUMNS, BANDWIDTH_ORDER, collective_bandwidth
@@ -43,10 +43,11 @@ from dtprobe.analysis.mismatch import SUSPECT_COLUMNS, suspect_calls
 from dtprobe.analysis.stragglers import BLOCKED_COLUMNS, blocked_outside_groups
 from dtprobe.analysis.tables import P2P_OPS, group_codes, step_collectives
 
-VERSION = 5
+VERSION = 6
 """Bumped whenever the derived tables or what ``rank_lateness``, ``comm_exposure``, ``collective_bandwidth``,
-``late_rank_per_step``, ``blocked_outside_groups``, ``group_rows`` or ``suspect_calls`` compute change (4 added
-``suspects``; 5 left a checkpoint group's rows out of lateness, exposure and waits: ``tables.step_collectives``):
+``late_per_step``, ``blocked_outside_groups``, ``group_rows`` or ``suspect_calls`` compute change (4 added
+``suspects``; 5 left a checkpoint group's rows out of lateness, exposure and waits: ``tables.step_collectives``; 6
+added the point-to-point links' rows to ``late_rank``):
 older derived frames are then ignored (the marker's key differs), computed from the rows, and
 derived again by the next ``dtprobe compact`` / ``compaction.add_derived``. A change to what they compute for
 runs whose collective numbering restarts (a torchrun restart) alone needs no bump: no frame of such a run is
@@ -137,7 +138,7 @@ def _step_frames(collectives: pd.DataFrame, steps: pd.DataFrame, *, per_step: bo
     arrival = step_collectives(on_arrival_clock(collectives))
     skew = collective_skew(arrival)
     return {LATENESS: rank_lateness(arrival, steps), EXPOSURE: comm_exposure(arrival, steps, skew),
-            LATE_RANK: late_rank_per_step(skew, steps),
+            LATE_RANK: late_per_step(skew, arrival, steps),
             BLOCKED: blocked_outside_groups(arrival, collective_waits(arrival, skew)),
             BANDWIDTH: collective_bandwidth(collectives),
             GROUPS: group_rows_per_step(collectives) if per_step else group_rows(collectives),

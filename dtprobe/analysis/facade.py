@@ -259,11 +259,11 @@ class RunAnalysis:
                                                                         self.collective_skew()))
 
     def late_rank_per_step(self) -> pd.DataFrame:
-        """Per (group, analysed step): the last arriver of the most skewed collective and its margin (kept at
-        compaction: ``derived_tables``)."""
+        """Per (group or point-to-point link, analysed step): the last arriver of the most skewed collective, or
+        the later side of the most delayed send/recv pair, and its margin (kept at compaction: ``derived_tables``)."""
         return self._memo("late_rank", lambda: _tables.only_steps(self._derived(_derived.LATE_RANK, lambda: (
-            _stragglers.late_rank_per_step(self.collective_skew(), self.table("steps"))), analysed=True),
-            self.steps_analyzed()))
+            _arrivals.late_per_step(self.collective_skew(), self.arrival_collectives(), self.table("steps"))),
+            analysed=True), self.steps_analyzed()))
 
     def rank_lateness(self) -> pd.DataFrame:
         """Per (group, analysed step, rank): arrival minus the median arrival of its peers, share of the step (kept

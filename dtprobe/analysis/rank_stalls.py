@@ -5,8 +5,9 @@ window), so without this detector the lost time would go unreported.
 
 Two kinds, read from per-step frames kept at compaction or in a live window:
 
-- ``late_arrival`` (``arrivals.late_rank_per_step``: per group and step, the last arriver at the collective with
-  the largest margin over the second-last one): the margin is at least ``MIN_STALL_STEPS`` median step times of
+- ``late_arrival`` (``arrivals.late_per_step``: per group and step, the last arriver at the collective with
+  the largest margin over the second-last one; per point-to-point link and step, the later side of the send/recv
+  pair with the largest delay between its two sides): the margin is at least ``MIN_STALL_STEPS`` median step times of
   the run, ``MIN_STALL_S`` and ``MIN_STALL_OVER_NOISE`` times the group's median margin (its own noise). Left out
   when the late rank spent at least ``VICTIM_WAIT_SHARE`` of the margin longer than usual in communication in that
   step (``exposure``): it was itself waiting for a peer (a pipeline stage behind a stalled one, a tensor-parallel

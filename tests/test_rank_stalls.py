@@ -276,6 +276,20 @@ def test_a_rank_frozen_inside_a_collective_is_a_stall_and_not_exposed_communicat
     assert [f.code for f in a.findings() if f.severity != "info"] == ["RANK_STALL"]
 
 
+def _call(rank: int, pg: str, ranks: str, seq: int, op: str, at: int, end: int, step: int, **more) -> dict:
+    """One host-timed 1-MiB float32 ``collectives`` row of ``rank`` in group ``pg`` (members ``ranks``)."""
+    return {"rank": rank, "pg": pg, "pg_ranks": ranks, "pg_size": len(ranks.split(",")), "seq": seq, "op": op,
+            "num_bytes": 1 << 20, "dtype": "float32", "enqueue_ns": at, "start_ns": at, "end_ns": end, "step": step,
+            "restart": 0, "timing": "host", **more}
+
+
+def _with_rank_frozen(tmp_path, rows: dict, *, world: int, rank: int, from_ns: int, for_ns: int) -> RunAnalysis:
+    """The run of ``rows`` with sampler rows every 50 ms, none of ``rank``'s for ``for_ns`` from ``from_ns``."""
+    rows["devices"] = [d for r in range(world) for d in sampler_rows(r, T0, T0 + 3400 * MS)
+                       if not (r == rank and from_ns < d["time_ns"] < from_ns + for_ns)]
+    return RunAnalysis.open(write_rows_run(tmp_path / "run", rows, world_size=world, status="finished"))
+
+
 def _pipeline_with_a_stalled_stage(tmp_path) -> RunAnalysis:
     """Three stages 0 -> 1 -> 2 of 100-ms steps, only send/recv between them: forward activations at +10/+20 ms
     (the receiver posts its recv 2 ms before), backward gradients 2 -> 1 at +50 ms and 1 -> 0 at +60 ms (both
@@ -283,7 +297,7 @@ def _pipeline_with_a_stalled_stage(tmp_path) -> RunAnalysis:
     stage 1 waits for it in its recv, then sends 400 ms late to stage 0: a victim. Every later step is 400 ms later."""
     world, stall = 3, 400 * MS
     rows = lockstep_tables(world=world, num_steps=30, pg="pp")
-    rows["collectives"], members = [], "0,1,2"
+    rows["collectives"] = []
     for x in rows["steps"]:
         late = stall if x["step"] > STALL_STEP else 0
         x["start_ns"] += late
@@ -295,17 +309,12 @@ def _pipeline_with_a_stalled_stage(tmp_path) -> RunAnalysis:
         jitter = (step * 3) % 5 * MS // 4
         pairs = [(0, 1, 10 * MS + jitter, 8 * MS), (1, 2, 20 * MS + jitter, 18 * MS),
                  (2, 1, 50 * MS + jitter + held, 45 * MS), (1, 0, 60 * MS + jitter + held, 45 * MS)]
-        for n, (src, dst, sent, posted) in enumerate(pairs):
-            end = t + sent + 2 * MS
+        for src, dst, sent, posted in pairs:
             for rank, peer, op, enq in ((src, dst, "send", t + sent), (dst, src, "recv", t + posted)):
-                rows["collectives"].append({"rank": rank, "pg": "pp", "pg_ranks": members, "pg_size": world,
-                                            "seq": step + 1, "op": op, "num_bytes": 1 << 20, "dtype": "float32",
-                                            "enqueue_ns": enq, "start_ns": enq, "end_ns": end, "step": step,
-                                            "peer": peer, "restart": 0, "timing": "host"})
-    frozen_from = T0 + STALL_STEP * 100 * MS + 48 * MS
-    rows["devices"] = [d for r in range(world) for d in sampler_rows(r, T0, T0 + 3400 * MS)
-                       if not (r == 2 and frozen_from < d["time_ns"] < frozen_from + stall)]
-    return RunAnalysis.open(write_rows_run(tmp_path / "run", rows, world_size=world, status="finished"))
+                rows["collectives"].append(_call(rank, "pp", "0,1,2", step + 1, op, enq, t + sent + 2 * MS, step,
+                                                 peer=peer))
+    return _with_rank_frozen(tmp_path, rows, world=world, rank=2, from_ns=T0 + STALL_STEP * 100 * MS + 48 * MS,
+                             for_ns=stall)
 
 
 def test_a_pipeline_stage_that_stalled_is_named_by_its_late_send_and_the_stage_it_held_up_is_not(tmp_path):
@@ -320,3 +329,49 @@ def test_a_pipeline_stage_that_stalled_is_named_by_its_late_send_and_the_stage_i
     [f] = [f for f in a.findings() if f.code == "RANK_STALL"]
     assert f.ranks == (2,) and f.severity == "warning"
     assert not [f for f in a.findings() if f.code in ("STRAGGLER", "HANG") and f.severity != "info"]
+
+
+def _dp2_tp2_frozen_in_the_dp_all_reduce(tmp_path) -> RunAnalysis:
+    """dp2 x tp2 of 100-ms steps: tp groups [0, 1] and [2, 3] all-reduce at +30 ms, dp groups [0, 2] and [1, 3]
+    at +80 ms. In ``STALL_STEP`` rank 3 freezes for 400 ms inside the dp all-reduce (no sampler row), holding rank
+    1 in it; both then reach the next step's tp all-reduce 400 ms after their tp peers, who wait for them there."""
+    world, stall, held = 4, 400 * MS, {1, 3}
+
+    def start(rank: int, step: int) -> int:
+        behind = step > STALL_STEP + 1 or (step > STALL_STEP and rank in held)
+        return T0 + step * 100 * MS + (stall if behind else 0)
+
+    def group_time(step: int) -> int:       # where the ranks meet again: after the stall, 400 ms later
+        return T0 + step * 100 * MS + (stall if step > STALL_STEP else 0)
+
+    rows = lockstep_tables(world=world, num_steps=30, pg="dp")
+    rows["collectives"] = []
+    for x in rows["steps"]:
+        longer = (x["step"] == STALL_STEP) == (x["rank"] in held) and x["step"] in (STALL_STEP, STALL_STEP + 1)
+        x["start_ns"] = start(x["rank"], x["step"])
+        x["end_ns"] = x["start_ns"] + 100 * MS + (stall if longer else 0)
+    for step in range(30):
+        for rank in range(world):
+            tp, dp = ("0,1", "2,3")[rank // 2], ("0,2", "1,3")[rank % 2]
+            jitter = (rank * 7 + step * 3) % 5 * MS // 4
+            frozen = step == STALL_STEP and rank in held
+            met = group_time(step)
+            rows["collectives"] += [
+                _call(rank, "tp", tp, step + 1, "allreduce", start(rank, step) + 30 * MS + jitter, met + 36 * MS, step),
+                _call(rank, "dp", dp, step + 1, "allreduce", met + 80 * MS + jitter,
+                      met + 86 * MS + (stall if frozen else 0), step)]
+    return _with_rank_frozen(tmp_path, rows, world=world, rank=3, from_ns=T0 + STALL_STEP * 100 * MS + 84 * MS,
+                             for_ns=stall)
+
+
+def test_a_rank_frozen_in_a_dp_all_reduce_is_one_stall_and_its_held_dp_peer_is_no_stall(tmp_path):
+    a = _dp2_tp2_frozen_in_the_dp_all_reduce(tmp_path)
+    late = a.late_rank_per_step()
+    after = late[(late["step"] == STALL_STEP + 1) & (late["pg"] == "tp")].set_index("pg_ranks")
+    assert after.loc["0,1", "late_rank"] == 1 and after.loc["0,1", "margin_ns"] > 300 * MS   # rank 1 came late
+    [stall] = a.rank_stalls().to_dict(orient="records")
+    assert (stall["rank"], stall["step"], stall["kind"], stall["pg"], stall["liveness"]) == (
+        3, STALL_STEP, "in_collective", "dp", "frozen")
+    [f] = [f for f in a.findings() if f.code == "RANK_STALL"]
+    assert f.ranks == (3,) and f.evidence["num_stalls"] == 1
+    assert f.evidence["lost_ms"] == pytest.approx(400, abs=10)

@@ -91,12 +91,15 @@ def rank_stalls(late_rank: pd.DataFrame, *, bandwidth: pd.DataFrame, exposure: p
     late = _late_arrivals(late_rank, step_ns)
     late = late.assign(rank=late["late_rank"].astype("int64"))
     by_rank = _PerRank(steps, devices)
-    waiting = _waiting(late, exposure)
-    if waiting.any():      # frozen while inside a send/recv or another group's collective: stalled, not waiting
+    # waiting in that step, or at the end of the step before (a collective of that step it was held in while
+    # this group moved on): a victim, unless frozen while inside a send/recv or another group's collective
+    waited_before = _waiting(late, exposure, step_offset=-1)
+    waiting = _waiting(late, exposure) | waited_before
+    if waiting.any():
         waiting &= np.array([not w or by_rank.liveness(r, s, stall)[0] != "frozen" for w, r, s, stall
                              in zip(waiting, late["rank"].tolist(), late["step"].tolist(), late["stall_ns"].tolist())],
                             dtype=bool)
-    late = late[~waiting]
+    late, waited_before = late[~waiting], waited_before[~waiting]
     inside = _stalled_transfers(bandwidth, step_ns).nlargest(MAX_TRANSFERS_JUDGED, "stall_ns")
     if late.empty and inside.empty:
         return empty
@@ -105,10 +108,16 @@ def rank_stalls(late_rank: pd.DataFrame, *, bandwidth: pd.DataFrame, exposure: p
               for r in inside.itertuples(index=False)]
     one = np.array([len(f) == 1 for f in frozen], dtype=bool)
     inside = inside[one].assign(rank=[f[0] for f, ok in zip(frozen, one) if ok])
-    cand = pd.concat([late.assign(kind="late_arrival"), inside.assign(kind="in_collective")], ignore_index=True)
+    cand = pd.concat([late.assign(kind="late_arrival", held_before=waited_before),
+                      inside.assign(kind="in_collective", held_before=False)], ignore_index=True)
     if cand.empty:
         return empty
     cand = cand.astype({"rank": "int64", "step": "int64"})
+    # a frozen rank late in a step because it was frozen inside a collective of the step before, where that
+    # stall is already found: the same stall, counted once (at the step it began in)
+    before = pd.MultiIndex.from_arrays([cand["rank"], cand["step"] - 1]).isin(
+        pd.MultiIndex.from_arrays([cand["rank"], cand["step"]]))
+    cand = cand[~(cand["held_before"].to_numpy(dtype=bool) & before)]
     cand = cand[~_settling(cand, steps) & ~_checkpointing(cand, checkpoints)]
     cand = cand.sort_values("stall_ns", ascending=False, kind="stable").drop_duplicates(["rank", "step"])
     rows = []
@@ -198,16 +207,17 @@ def _checkpointing(cand: pd.DataFrame, checkpoints: pd.DataFrame) -> np.ndarray:
                     dtype=bool)
 
 
-def _waiting(cand: pd.DataFrame, exposure: pd.DataFrame) -> np.ndarray:
-    """Per candidate: the rank's time in communication in that step exceeds its median by at least
-    ``VICTIM_WAIT_SHARE`` of the margin (it was waiting for a peer, in another group or a send/recv)."""
+def _waiting(cand: pd.DataFrame, exposure: pd.DataFrame, *, step_offset: int = 0) -> np.ndarray:
+    """Per candidate: the rank's time in communication in that step (``step_offset``: in the step so many after
+    it) exceeds its median by at least ``VICTIM_WAIT_SHARE`` of the margin (it was waiting for a peer, in another
+    group or a send/recv)."""
     if cand.empty or exposure is None or exposure.empty:
         return np.zeros(len(cand), dtype=bool)
     comm = exposure.dropna(subset=["comm_ns"]).astype({"rank": "int64", "step": "int64"})
     usual = comm.groupby("rank")["comm_ns"].median()
     at = comm.set_index(["rank", "step"])["comm_ns"]
     at = at[~at.index.duplicated()]
-    key = pd.MultiIndex.from_arrays([cand["rank"].to_numpy(), cand["step"].to_numpy()])
+    key = pd.MultiIndex.from_arrays([cand["rank"].to_numpy(), cand["step"].to_numpy() + step_offset])
     grown = at.reindex(key).to_numpy(dtype="float64") - usual.reindex(cand["rank"]).to_numpy(dtype="float64")
     return np.nan_to_num(grown, nan=0.0) >= VICTIM_WAIT_SHARE * cand["stall_ns"].to_numpy(dtype="float64")
 

@@ -394,6 +394,24 @@ def test_comm_exposure_separates_the_tail_from_straggler_wait():
     assert exposed_comm.detect_exposed_comm(by_rank) == []          # 3 ms of 100+ ms: hidden enough
 
 
+def test_a_pipeline_stage_waiting_in_its_recv_for_the_next_stage_is_not_exposed_communication():
+    # stage 0 sends activations at 10 ms, posts its recv of the gradients at 20 ms; stage 1 sends them at 60 ms
+    def call(rank: int, op: str, peer: int, seq: int, at_ms: float, end_ms: float) -> dict:
+        return {"rank": rank, "pg": "pp", "pg_ranks": "0,1", "pg_size": 2, "seq": seq, "op": op, "peer": peer,
+                "num_bytes": 1 << 20, "dtype": "float32", "enqueue_ns": T0 + int(at_ms * MS),
+                "end_ns": T0 + int(end_ms * MS), "step": 0, "restart": 0, "timing": "host"}
+
+    colls = frame_from_rows("collectives", [call(0, "send", 1, 1, 10, 12), call(1, "recv", 0, 1, 8, 12),
+                                            call(1, "send", 0, 1, 60, 62), call(0, "recv", 1, 1, 20, 62)])
+    steps = frame_from_rows("steps", [{"rank": r, "step": 0, "start_ns": T0, "end_ns": T0 + 100 * MS}
+                                      for r in (0, 1)])
+    e = exposed_comm.comm_exposure(colls, steps, stragglers.collective_skew(colls)).set_index("rank")
+    assert e.loc[0, "exposed_ns"] == pytest.approx(42 * MS)              # from its last call (20 ms) to 62 ms
+    assert e.loc[0, "straggler_wait_ns"] == pytest.approx(40 * MS)       # 40 ms of it waiting for stage 1's send
+    assert e.loc[0, "exposed_net_ns"] == pytest.approx(2 * MS)
+    assert (e.loc[1, "exposed_ns"], e.loc[1, "straggler_wait_ns"]) == (2 * MS, 0)   # its recv came after the send
+
+
 def test_exposed_comm_finding_when_the_tail_is_long():
     t = dp_tables(num_steps=5, jitter_ms=0.0, num_buckets=1, xfer_ms=40.0)
     skew = stragglers.collective_skew(t["collectives"])

@@ -5,8 +5,9 @@ Without kernel timings, the exposed communication of a step is estimated from th
 communication tail (on the arrival clock of ``arrivals.on_arrival_clock``: a CUDA run's device arrivals and
 NCCL's device ends, else host enqueue and completion): from the rank's last collective enqueue in the step (its compute has issued everything:
 for DDP/FSDP the last gradient bucket) to the completion of its last collective. The part of that tail spent
-waiting for a late peer (group's last arrival - own last enqueue) is straggler wait, reported apart and taken
-out (``exposed_net_ns``), so a straggler does not show up as a communication problem. Blocking collectives in
+waiting for a late peer (group's last arrival - own last enqueue; for a send/recv, the peer's matching call) is
+straggler wait, reported apart and taken out (``exposed_net_ns``), so a straggler, or a pipeline stage waiting for
+its neighbour (the bubble), does not show up as a communication problem. Blocking collectives in
 the middle of fwd/bwd (TP) are not seen by this estimate; with kernels known, the kernel-level overlap
 (``dtprobe.analysis.overlap``) is the better number.
 """
@@ -38,9 +39,10 @@ def comm_exposure(collectives: pd.DataFrame, steps: pd.DataFrame, skew: pd.DataF
     require_columns(collectives, ["rank", "pg", "pg_ranks", "seq", "op", "enqueue_ns", "end_ns", "step"],
                     table="collectives")
     collectives, steps = completing_attempts(collectives), completing_attempts(steps)
+    extra = [col for col in ("peer", "restart") if col in collectives.columns]
     c, code, pg_names, pr_names = coded_rows(
         collectives, collectives["enqueue_ns"].notna() & collectives["end_ns"].notna() & (collectives["step"] >= 0),
-        ["rank", "step", "enqueue_ns", "end_ns", "seq", "op"])
+        ["rank", "step", "enqueue_ns", "end_ns", "seq", "op"] + extra)
     if c.empty:
         return pd.DataFrame({col: [] for col in EXPOSURE_COLUMNS})
     rank, step = c["rank"].to_numpy(dtype="int64"), c["step"].to_numpy(dtype="int64")
@@ -71,6 +73,10 @@ def comm_exposure(collectives: pd.DataFrame, steps: pd.DataFrame, skew: pd.DataF
         in_tail = latest.notna().to_numpy() & (end[coll] > last_enq[gid[coll]])
         waited = np.clip(latest.to_numpy(dtype="int64", na_value=0)[in_tail] - last_enq[gid[coll][in_tail]], 0, None)
         np.maximum.at(wait, gid[coll][in_tail], waited)
+    # a send/recv in the tail waited for its peer's matching call: a pipeline stage waiting for its neighbour
+    row, peer_enq = _p2p_peer_arrivals(c, code, order)
+    in_tail = end[row] > last_enq[gid[row]]
+    np.maximum.at(wait, gid[row][in_tail], np.clip(peer_enq[in_tail] - last_enq[gid[row][in_tail]], 0, None))
     straggler_wait = np.minimum(wait, exposed)
     out = pd.DataFrame({"rank": rank[first], "step": step[first], "comm_ns": comm, "exposed_ns": exposed,
                         "straggler_wait_ns": straggler_wait, "exposed_net_ns": exposed - straggler_wait})
@@ -79,6 +85,34 @@ def comm_exposure(collectives: pd.DataFrame, steps: pd.DataFrame, skew: pd.DataF
     out["overlap_frac"] = np.where(out["comm_ns"] > 0, 1 - out["exposed_ns"] / out["comm_ns"].where(out["comm_ns"] > 0),
                                    np.nan)
     return out[EXPOSURE_COLUMNS]
+
+
+def _p2p_peer_arrivals(c: pd.DataFrame, code: np.ndarray, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(positions in ``order`` of the send/recv rows of ``c`` whose peer's matching call was recorded, that call's
+    enqueue): the k-th send from A to B is B's k-th recv from A (same group, ``seq``, attempt and step)."""
+    none = np.empty(0, dtype="int64")
+    if "peer" not in c.columns:
+        return none, none
+    op = c["op"].to_numpy()[order]
+    seq = c["seq"].to_numpy(dtype="float64", na_value=np.nan)[order]
+    peer = c["peer"].to_numpy(dtype="float64", na_value=np.nan)[order]
+    at = np.flatnonzero(np.isin(op, list(P2P_OPS)) & ~np.isnan(seq) & (np.nan_to_num(peer, nan=-1) >= 0))
+    if not len(at):
+        return none, none
+    rank = c["rank"].to_numpy(dtype="int64")[order][at]
+    send = op[at] == "send"
+    sides = pd.DataFrame({
+        "pos": at, "code": code[order][at], "seq": seq[at].astype("int64"),
+        "step": c["step"].to_numpy(dtype="int64")[order][at],
+        "restart": (c["restart"].to_numpy(dtype="float64", na_value=0)[order][at].astype("int64")
+                    if "restart" in c.columns else 0),
+        "src": np.where(send, rank, peer[at].astype("int64")), "dst": np.where(send, peer[at].astype("int64"), rank),
+        "enq": c["enqueue_ns"].to_numpy(dtype="int64")[order][at], "send": send})
+    key = ["code", "seq", "step", "restart", "src", "dst"]
+    pairs = sides[sides["send"]].merge(sides[~sides["send"]], on=key, suffixes=("_s", "_r"))
+    pos = np.concatenate([pairs["pos_s"].to_numpy(), pairs["pos_r"].to_numpy()])
+    peer_enq = np.concatenate([pairs["enq_r"].to_numpy(), pairs["enq_s"].to_numpy()])
+    return pos.astype("int64"), peer_enq.astype("int64")
 
 
 def exposure_by_rank(exposure: pd.DataFrame, *, step_ids: list[int] | None = None) -> pd.DataFrame:

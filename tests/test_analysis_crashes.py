@@ -263,8 +263,7 @@ def test_a_frozen_rank_killed_when_the_operator_stopped_the_hung_job_is_a_hang_n
     assert f.evidence["waited_s"] == pytest.approx(40 - 0.36, abs=0.2)
     # the same exits with rank 1 gone before rank 0's SIGTERM: it died first, and torchrun stopped the job
     ranks[1]["time_ns"] = T0 + 335 * MS
-    rows_again = {k: list(v) for k, v in rows.items()}
-    a = RunAnalysis.open(write_rows_run(tmp_path / "run2", rows_again, world_size=2, status="crashed",
+    a = RunAnalysis.open(write_rows_run(tmp_path / "run2", rows, world_size=2, status="crashed",
                                         attempts=[_attempt(0, "failed", ranks, ended=T0 + 40 * S)]))
     [crash] = _codes(a, "RANK_CRASH")
     assert crash.ranks == (1,) and _codes(a, "HANG") == []

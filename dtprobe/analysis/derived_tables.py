@@ -2,12 +2,12 @@
 ``store.derived.Deriver``): ``lateness`` (``arrivals.rank_lateness``, per group, step and rank), ``exposure``
 (``exposed_comm.comm_exposure``, per rank and step), ``late_rank`` (``arrivals.late_per_step``, per group or
 point-to-point link, and step), ``blocked`` (``stragglers.blocked_outside_groups``, per rank, step and group: the
-waits the STRAGGLER causes read), ``bandwidth`` (``comm_efficiency.collective_bandwidth``, per collective: its rows are all in one block, and
-its output order is explicit, not the table's) and ``groups`` (``arrivals.group_rows``: one row per group and p2p
-link, for the group clocks, linked ranks and pipelines) and ``suspects`` (``mismatch.suspect_calls``: the
-collectives whose members' calls differ, none in a clean run, so COLLECTIVE_MISMATCH judges only their groups'
-rows); passed to ``store.compact`` by ``dtprobe compact`` and read back by the facade instead of computing them
-from the whole ``collectives`` table.
+waits the STRAGGLER causes read), ``bandwidth`` (``comm_efficiency.collective_bandwidth``, per collective: its
+rows are all in one block, and its output order is explicit, not the table's) and ``groups``
+(``arrivals.group_rows``: one row per group and p2p link, for the group clocks, linked ranks and pipelines) and
+``suspects`` (``mismatch.suspect_calls``: the collectives whose members' calls differ, none in a clean run, so
+COLLECTIVE_MISMATCH judges only their groups' rows); passed to ``store.compact`` by ``dtprobe compact`` and read
+back by the facade instead of computing them from the whole ``collectives`` table.
 
 Each block's frames come from the same functions over the block's rows as the facade's over the whole run
 (``inputs.analysed_table``, ``arrivals.on_arrival_clock``, ``collective_skew``), so they are equal whenever a

@@ -6,8 +6,8 @@ facade and the dashboard."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pandas as pd

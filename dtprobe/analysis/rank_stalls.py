@@ -7,12 +7,14 @@ Two kinds, read from per-step frames kept at compaction or in a live window:
 
 - ``late_arrival`` (``arrivals.late_per_step``: per group and step, the last arriver at the collective with
   the largest margin over the second-last one; per point-to-point link and step, the later side of the send/recv
-  pair with the largest delay between its two sides): the margin is at least ``MIN_STALL_STEPS`` median step times of
-  the run, ``MIN_STALL_S`` and ``MIN_STALL_OVER_NOISE`` times the group's median margin (its own noise). Left out
-  when the late rank spent at least ``VICTIM_WAIT_SHARE`` of the margin longer than usual in communication in that
-  step (``exposure``): it was itself waiting for a peer (a pipeline stage behind a stalled one, a tensor-parallel
-  peer of the stalled rank), a victim, not the stalled rank; unless its process was ``frozen`` then (below): a
-  rank stopped inside a send/recv has that time in communication too, but a waiting one's sampler goes on writing.
+  pair with the largest delay between its two sides): the margin is at least ``MIN_STALL_STEPS`` median step
+  times of the run, ``MIN_STALL_S`` and ``MIN_STALL_OVER_NOISE`` times the group's median margin (its own noise).
+  Left out when the late rank spent at least ``VICTIM_WAIT_SHARE`` of the margin longer than usual in
+  communication in that step or the step before (``exposure``): it was itself waiting for a peer (a pipeline stage
+  behind a stalled one, a tensor-parallel peer of the stalled rank, a rank held in the previous step's all-reduce
+  by a frozen peer), a victim, not the stalled rank; unless its process was ``frozen`` then (below): a rank
+  stopped inside a send/recv has that time in communication too, but a waiting one's sampler goes on writing. A
+  frozen rank's late arrival caused by its stall found in the step before is that stall, counted once.
 - ``in_collective`` (``comm_efficiency.collective_bandwidth``: per collective, last arrival to latest completion):
   every member arrived, but the transfer took as long, against the median of its group and operation; the
   stalled rank is the one member whose process was frozen then (below). With none or several, nothing names a

@@ -79,3 +79,21 @@ def test_a_restart_no_crash_tells_heads_the_report_and_the_overview(monkeypatch,
     at = AppTest.from_file(str(repo_root / "dashboard" / "app.py"), default_timeout=240).run()
     assert not at.exception, [e.message for e in at.exception]
     assert [m.value for m in at.markdown if "[restart]**" in m.value] == [f"**:orange[restart]** {line}"]
+
+
+def test_a_run_stopped_by_an_interrupt_says_so_unless_a_node_failed_in_its_last_attempt():
+    from dtprobe.analysis.render import event_lines
+    from dtprobe.analysis.report import interrupted_attempt
+
+    ended = [{"attempt": 0, "node_rank": 0, "result": "failed"},
+             {"attempt": 1, "node_rank": 0, "result": "interrupted"},
+             {"attempt": 1, "node_rank": 1, "result": "interrupted"}]
+    assert interrupted_attempt(ended, status="crashed")
+    assert not interrupted_attempt(ended[:2] + [{"attempt": 1, "node_rank": 1, "result": "failed"}], status="crashed")
+    assert not interrupted_attempt(ended[:1], status="crashed") and not interrupted_attempt([], status="crashed")
+    assert not interrupted_attempt(ended, status="running")            # a restart caused by another node
+    run = {"crashes": [], "restarts": [], "interrupted": True}
+    assert event_lines({"metrics": {"run": run}}) == [
+        "interrupted: the launcher was stopped (Ctrl-C or SIGTERM) and ended the workers of its last attempt, in "
+        "which no rank had failed"]
+    assert event_lines({"metrics": {"run": {**run, "interrupted": False}}}) == []

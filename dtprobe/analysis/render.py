@@ -21,9 +21,12 @@ def render_json(report: dict[str, Any]) -> str:
 
 def event_lines(report: dict[str, Any]) -> list[str]:
     """The header's crash and restart lines: every crash (its RANK_CRASH title), then every restart no crash line
-    mentions; shared by the text and Markdown renderers (the dashboard's Overview shows the same crash lines)."""
+    mentions, then whether the launcher was interrupted; shared by the text and Markdown renderers (the
+    dashboard's Overview shows the same crash lines)."""
     run = report["metrics"]["run"]
-    return [f"crash: {c['title']}" for c in run.get("crashes") or []] + restart_lines(run)
+    stopped = (["interrupted: the launcher was stopped (Ctrl-C or SIGTERM) and ended the workers of its last "
+                "attempt, in which no rank had failed"] if run.get("interrupted") else [])
+    return [f"crash: {c['title']}" for c in run.get("crashes") or []] + restart_lines(run) + stopped
 
 
 def restart_lines(run: dict[str, Any]) -> list[str]:

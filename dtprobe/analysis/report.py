@@ -52,6 +52,7 @@ class MetricsInputs(Protocol):
     def device_health(self) -> pd.DataFrame: ...
     def hangs(self) -> list[Finding]: ...
     def restarts(self) -> list[dict]: ...
+    def attempts(self) -> list[dict]: ...
     def clock_alignment(self) -> str: ...
     def clock_resync(self) -> pd.DataFrame: ...
     def arrival_clock(self) -> str | None: ...
@@ -160,12 +161,23 @@ def device_clock_metrics(a: MetricsInputs) -> dict[str, Any]:
     }
 
 
-def run_events(a: MetricsInputs) -> dict[str, list[dict[str, Any]]]:
+def run_events(a: MetricsInputs) -> dict[str, Any]:
     """``crashes`` (one per RANK_CRASH finding: rank, restart, step, cause, how, recovered, resumed_from_step,
     steps_lost, time_to_recover_s, title) and ``restarts`` (restart, time_ns, from_step, checkpoint_step,
-    steps_lost) of ``metrics.run``; empty lists for a source without either (a trace folder has neither)."""
+    steps_lost) of ``metrics.run``, empty lists for a source without either (a trace folder has neither); and
+    ``interrupted``: the launcher stopped the job's last attempt on an interrupt (``interrupted_attempt``)."""
     crashes = [{"rank": f.ranks[0], **{k: f.evidence.get(k) for k in (
                    "restart", "step", "cause", "signal", "exit_code", "error_type", "recovered", "resumed_from_step",
                    "steps_lost", "time_to_recover_s")}, "title": f.title}
                for f in a.hangs() if f.code == "RANK_CRASH"]
-    return {"crashes": crashes, "restarts": restart_summary(a.restarts())}
+    return {"crashes": crashes, "restarts": restart_summary(a.restarts()),
+            "interrupted": interrupted_attempt(a.attempts(), status=a.status)}
+
+
+def interrupted_attempt(attempts: list[dict], *, status: str) -> bool:
+    """True when the run is over and every node's record of its last attempt says ``interrupted`` (its workers
+    stopped without a failure: Ctrl-C or SIGTERM to the launcher); a failure on any node makes it False."""
+    if status == "running" or not attempts:
+        return False
+    last = max(int(x.get("attempt") or 0) for x in attempts)
+    return all(x.get("result") == "interrupted" for x in attempts if int(x.get("attempt") or 0) == last)

@@ -14,8 +14,9 @@ import numpy as np
 import pandas as pd
 
 from dtprobe.analysis.clocks import DEVICE, HOST
-from dtprobe.analysis.tables import (P2P_OPS, coded_rows, coded_text, completing_attempts, frame_group_codes,
-                                     group_members, lookup_group_codes, run_starts, step_durations)
+from dtprobe.analysis.tables import (P2P_OPS, attempts_of, coded_rows, coded_text, completing_attempts,
+                                     frame_group_codes, group_members, lookup_group_codes, p2p_pairs, run_starts,
+                                     step_durations)
 from dtprobe.store.columns import require_columns
 
 CLOCK_COLUMNS = ["pg", "pg_ranks", "clock"]
@@ -195,8 +196,7 @@ def collective_waits(collectives: pd.DataFrame, skew: pd.DataFrame) -> pd.DataFr
         ["rank", "seq", "enqueue_ns", "step"] + (["restart"] if "restart" in collectives.columns else []))
     if c.empty:
         return pd.DataFrame({col: [] for col in cols})
-    restart = (c["restart"].to_numpy(dtype="int64", na_value=0) if "restart" in c.columns
-               else np.zeros(len(c), dtype="int64"))
+    restart = attempts_of(c)
     skew_code = lookup_group_codes(skew["pg"], skew["pg_ranks"], pg_names, pr_names)
     m = pd.DataFrame({"code": code, "seq": c["seq"].to_numpy(dtype="int64"), "row": np.arange(len(c))}).merge(
         pd.DataFrame({"code": skew_code, "seq": skew["seq"].to_numpy(dtype="int64"),
@@ -252,23 +252,16 @@ def late_p2p_per_step(collectives: pd.DataFrame, steps: pd.DataFrame) -> pd.Data
     if c.empty:
         return empty
     c = completing_attempts(c[c["step"] >= 0])
-    send = c["op"].to_numpy() == "send"
-    rank, peer = c["rank"].to_numpy(dtype="int64"), c["peer"].to_numpy(dtype="int64")
-    restart = (c["restart"].to_numpy(dtype="float64", na_value=0) if "restart" in c.columns
-               else np.zeros(len(c))).astype("int64")
-    side = pd.DataFrame({"pg": c["pg"].astype(str).to_numpy(), "restart": restart,
-                         "src": np.where(send, rank, peer), "dst": np.where(send, peer, rank),
-                         "seq": c["seq"].to_numpy(dtype="int64"), "step": c["step"].to_numpy(dtype="int64"),
-                         "enq": c["enqueue_ns"].to_numpy(dtype="int64"), "rank": rank, "send": send})
-    side = side[side["src"] >= 0]
-    key = ["pg", "restart", "src", "dst", "seq", "step"]
-    pairs = side[side["send"]].merge(side[~side["send"]], on=key, suffixes=("_s", "_r"))
+    pairs = p2p_pairs(group=c["pg"].astype(str).to_numpy(), rank=c["rank"].to_numpy(dtype="int64"),
+                      peer=c["peer"].to_numpy(dtype="float64", na_value=np.nan), op=c["op"].astype(str).to_numpy(),
+                      seq=c["seq"].to_numpy(dtype="float64", na_value=np.nan), step=c["step"].to_numpy(dtype="int64"),
+                      restart=attempts_of(c), enqueue=c["enqueue_ns"].to_numpy(dtype="int64"))
     if pairs.empty:
         return empty
     sender_late = (pairs["enq_s"] >= pairs["enq_r"]).to_numpy()
     margin = (pairs["enq_s"] - pairs["enq_r"]).abs().to_numpy(dtype="int64")
     out = pd.DataFrame({
-        "pg": pairs["pg"].to_numpy(),
+        "pg": pairs["group"].to_numpy(),
         "pg_ranks": [f"{min(a, b)},{max(a, b)}" for a, b in zip(pairs["src"].tolist(), pairs["dst"].tolist())],
         "step": pairs["step"].to_numpy(), "seq": pairs["seq"].to_numpy(),
         "op": np.where(sender_late, "send", "recv"),

@@ -13,8 +13,8 @@ import pandas as pd
 from dtprobe.analysis.arrivals import ATTEMPT_SEQ_STRIDE
 from dtprobe.analysis.fault_detail import fault_detail, is_injected
 from dtprobe.analysis.findings import Finding
-from dtprobe.analysis.liveness import (CONSEQUENCE_REASONS, WATCHDOG_EXIT_CODE, Activity, exited_after_sigterm,
-                                      is_missing, is_own_failure)
+from dtprobe.analysis.liveness import (CONSEQUENCE_REASONS, WATCHDOG_EXIT_CODE, Activity, exited_after,
+                                      first_sigterm_ns, is_missing, is_own_failure)
 from dtprobe.analysis.phases import phase_at
 from dtprobe.stack_frames import FRAME, location
 from dtprobe.store.columns import require_columns
@@ -214,7 +214,8 @@ def _failed_attempts(exits: pd.DataFrame, *, activity: Activity, restarts: list[
             # plain torchrun job still says running because its leader was the rank killed
             ending = any(r.get("closed") and r.get("status") == "crashed" for r in recs)
             # a rank the launcher saw exit after a peer closed on SIGTERM was ended with the job, not lost first
-            lost = [r for r in recs if (r.get("closed") is False and not exited_after_sigterm(r, recs) and (
+            sigterm_ns = first_sigterm_ns(recs)
+            lost = [r for r in recs if (r.get("closed") is False and not exited_after(r, sigterm_ns) and (
                         over or ending or newest - (last_ns(r["rank"]) or 0) > stale_ns))
                     or (r.get("closed") and r.get("status") == "crashed"
                         and r.get("reason") not in CONSEQUENCE_REASONS)]

@@ -19,8 +19,8 @@ import pandas as pd
 
 from dtprobe.analysis.clocks import DEVICE, HOST
 from dtprobe.analysis.findings import Finding, PredictedGain
-from dtprobe.analysis.tables import (P2P_OPS, coded_rows, completing_attempts, lookup_group_codes, run_starts,
-                                     step_durations)
+from dtprobe.analysis.tables import (P2P_OPS, attempts_of, coded_rows, completing_attempts, lookup_group_codes,
+                                     p2p_pairs, run_starts, step_durations)
 from dtprobe.intervals import union_length_by_group
 from dtprobe.store.columns import require_columns
 
@@ -89,30 +89,17 @@ def comm_exposure(collectives: pd.DataFrame, steps: pd.DataFrame, skew: pd.DataF
 
 def _p2p_peer_arrivals(c: pd.DataFrame, code: np.ndarray, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(positions in ``order`` of the send/recv rows of ``c`` whose peer's matching call was recorded, that call's
-    enqueue): the k-th send from A to B is B's k-th recv from A (same group, ``seq``, attempt and step)."""
-    none = np.empty(0, dtype="int64")
+    enqueue; ``tables.p2p_pairs``)."""
     if "peer" not in c.columns:
+        none = np.empty(0, dtype="int64")
         return none, none
-    op = c["op"].to_numpy()[order]
-    seq = c["seq"].to_numpy(dtype="float64", na_value=np.nan)[order]
-    peer = c["peer"].to_numpy(dtype="float64", na_value=np.nan)[order]
-    at = np.flatnonzero(np.isin(op, list(P2P_OPS)) & ~np.isnan(seq) & (np.nan_to_num(peer, nan=-1) >= 0))
-    if not len(at):
-        return none, none
-    rank = c["rank"].to_numpy(dtype="int64")[order][at]
-    send = op[at] == "send"
-    sides = pd.DataFrame({
-        "pos": at, "code": code[order][at], "seq": seq[at].astype("int64"),
-        "step": c["step"].to_numpy(dtype="int64")[order][at],
-        "restart": (c["restart"].to_numpy(dtype="float64", na_value=0)[order][at].astype("int64")
-                    if "restart" in c.columns else 0),
-        "src": np.where(send, rank, peer[at].astype("int64")), "dst": np.where(send, peer[at].astype("int64"), rank),
-        "enq": c["enqueue_ns"].to_numpy(dtype="int64")[order][at], "send": send})
-    key = ["code", "seq", "step", "restart", "src", "dst"]
-    pairs = sides[sides["send"]].merge(sides[~sides["send"]], on=key, suffixes=("_s", "_r"))
-    pos = np.concatenate([pairs["pos_s"].to_numpy(), pairs["pos_r"].to_numpy()])
-    peer_enq = np.concatenate([pairs["enq_r"].to_numpy(), pairs["enq_s"].to_numpy()])
-    return pos.astype("int64"), peer_enq.astype("int64")
+    pairs = p2p_pairs(group=code[order], rank=c["rank"].to_numpy(dtype="int64")[order],
+                      peer=c["peer"].to_numpy(dtype="float64", na_value=np.nan)[order], op=c["op"].to_numpy()[order],
+                      seq=c["seq"].to_numpy(dtype="float64", na_value=np.nan)[order],
+                      step=c["step"].to_numpy(dtype="int64")[order], restart=attempts_of(c)[order],
+                      enqueue=c["enqueue_ns"].to_numpy(dtype="int64")[order])
+    pos = np.concatenate([pairs["row_s"].to_numpy(), pairs["row_r"].to_numpy()]).astype("int64")
+    return pos, np.concatenate([pairs["enq_r"].to_numpy(), pairs["enq_s"].to_numpy()]).astype("int64")
 
 
 def exposure_by_rank(exposure: pd.DataFrame, *, step_ids: list[int] | None = None) -> pd.DataFrame:

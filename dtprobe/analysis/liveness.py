@@ -215,7 +215,8 @@ def liveness(rank: int, since_ns: int, *, in_collective: bool, activity: Activit
     if ex is not None and ex.get("closed") is False:
         peer_exits = [_exit_of(exits, p, restart) or {} for p in peers]
         peer_reasons = {x.get("reason") for x in peer_exits}
-        if "SIGTERM" in peer_reasons and "watchdog" not in peer_reasons and not exited_after_sigterm(ex, peer_exits):
+        if ("SIGTERM" in peer_reasons and "watchdog" not in peer_reasons
+                and not exited_after(ex, first_sigterm_ns(peer_exits))):
             return "dead"                 # torchrun SIGTERMs the others only after a worker exited
         if any(x.get("reason") == "exception" and x.get("close_ns") is not None
                and int(x["close_ns"]) <= since_ns + EXITED_AT_STALL_NS for x in peer_exits):
@@ -226,15 +227,20 @@ def liveness(rank: int, since_ns: int, *, in_collective: bool, activity: Activit
     return "stopped"
 
 
-def exited_after_sigterm(ex: dict, others: Iterable[dict]) -> bool:
-    """True when the launcher saw this unclosed rank exit after one of ``others`` (exit rows of the same attempt)
-    closed on SIGTERM: it was ended with the job (torchrun's SIGKILL of a worker that did not stop on SIGTERM, e.g.
-    a frozen one, or an operator's kill), not the death that made torchrun stop the others. False when either
+def first_sigterm_ns(exits: Iterable[dict]) -> int | None:
+    """When the first of ``exits`` (exit rows of one attempt) closed its probe on SIGTERM; None if none did."""
+    return min((int(x["close_ns"]) for x in exits if x.get("reason") == "SIGTERM" and x.get("close_ns") is not None),
+               default=None)
+
+
+def exited_after(ex: dict, sigterm_ns: int | None) -> bool:
+    """True when the launcher saw this unclosed rank exit after a peer closed on SIGTERM at ``sigterm_ns``
+    (``first_sigterm_ns``): it was ended with the job (torchrun's SIGKILL of a worker that did not stop on SIGTERM,
+    e.g. a frozen one, or an operator's kill), not the death that made torchrun stop the others. False when either
     time is unknown (a plain torchrun job's killed rank has no exit time)."""
-    if ex.get("exit_ns") is None or ex.get("source") != "attempts":
+    if sigterm_ns is None or ex.get("exit_ns") is None or ex.get("source") != "attempts":
         return False
-    termed = [int(x["close_ns"]) for x in others if x.get("reason") == "SIGTERM" and x.get("close_ns") is not None]
-    return bool(termed) and int(ex["exit_ns"]) > min(termed)
+    return int(ex["exit_ns"]) > sigterm_ns
 
 
 def _exit_of(exits: pd.DataFrame | None, rank: int, restart: int) -> dict | None:

@@ -95,8 +95,8 @@ def rank_stalls(late_rank: pd.DataFrame, *, bandwidth: pd.DataFrame, exposure: p
     by_rank = _PerRank(steps, devices)
     # waiting in that step, or at the end of the step before (a collective of that step it was held in while
     # this group moved on): a victim, unless frozen while inside a send/recv or another group's collective
-    waited_before = _waiting(late, exposure, step_offset=-1)
-    waiting = _waiting(late, exposure) | waited_before
+    waited_now, waited_before = _waiting(late, exposure)
+    waiting = waited_now | waited_before
     if waiting.any():
         waiting &= np.array([not w or by_rank.liveness(r, s, stall)[0] != "frozen" for w, r, s, stall
                              in zip(waiting, late["rank"].tolist(), late["step"].tolist(), late["stall_ns"].tolist())],
@@ -209,19 +209,22 @@ def _checkpointing(cand: pd.DataFrame, checkpoints: pd.DataFrame) -> np.ndarray:
                     dtype=bool)
 
 
-def _waiting(cand: pd.DataFrame, exposure: pd.DataFrame, *, step_offset: int = 0) -> np.ndarray:
-    """Per candidate: the rank's time in communication in that step (``step_offset``: in the step so many after
-    it) exceeds its median by at least ``VICTIM_WAIT_SHARE`` of the margin (it was waiting for a peer, in another
-    group or a send/recv)."""
+def _waiting(cand: pd.DataFrame, exposure: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """Per candidate, in that step and in the step before: the rank's time in communication exceeds its median by
+    at least ``VICTIM_WAIT_SHARE`` of the margin (it was waiting for a peer, in another group or a send/recv)."""
     if cand.empty or exposure is None or exposure.empty:
-        return np.zeros(len(cand), dtype=bool)
+        return np.zeros(len(cand), dtype=bool), np.zeros(len(cand), dtype=bool)
     comm = exposure.dropna(subset=["comm_ns"]).astype({"rank": "int64", "step": "int64"})
-    usual = comm.groupby("rank")["comm_ns"].median()
+    usual = comm.groupby("rank")["comm_ns"].median().reindex(cand["rank"]).to_numpy(dtype="float64")
     at = comm.set_index(["rank", "step"])["comm_ns"]
     at = at[~at.index.duplicated()]
-    key = pd.MultiIndex.from_arrays([cand["rank"].to_numpy(), cand["step"].to_numpy() + step_offset])
-    grown = at.reindex(key).to_numpy(dtype="float64") - usual.reindex(cand["rank"]).to_numpy(dtype="float64")
-    return np.nan_to_num(grown, nan=0.0) >= VICTIM_WAIT_SHARE * cand["stall_ns"].to_numpy(dtype="float64")
+    bar = VICTIM_WAIT_SHARE * cand["stall_ns"].to_numpy(dtype="float64")
+
+    def grown(offset: int) -> np.ndarray:
+        key = pd.MultiIndex.from_arrays([cand["rank"].to_numpy(), cand["step"].to_numpy() + offset])
+        return np.nan_to_num(at.reindex(key).to_numpy(dtype="float64") - usual, nan=0.0) >= bar
+
+    return grown(0), grown(-1)
 
 
 class _PerRank:

@@ -27,6 +27,30 @@ def step_collectives(collectives: pd.DataFrame) -> pd.DataFrame:
     return collectives[~ckpt] if ckpt.any() else collectives
 
 
+def attempts_of(rows: pd.DataFrame) -> np.ndarray:
+    """Per row: its torchrun attempt (``restart``; 0 when null, or for a frame without the column)."""
+    if "restart" not in rows.columns:
+        return np.zeros(len(rows), dtype="int64")
+    return rows["restart"].to_numpy(dtype="float64", na_value=0).astype("int64")
+
+
+def p2p_pairs(*, group: np.ndarray, rank: np.ndarray, peer: np.ndarray, op: np.ndarray, seq: np.ndarray,
+              step: np.ndarray, restart: np.ndarray, enqueue: np.ndarray) -> pd.DataFrame:
+    """The send/recv pairs among rows given as aligned arrays (``peer`` and ``seq`` as float, NaN when null; rows
+    that are no send/recv or lack a peer or seq are left out): the k-th send from A to B is B's k-th recv from A,
+    the same ``seq`` in the same group, attempt (``restart``) and step on both sides. Columns: ``src``, ``dst``,
+    ``group``, ``seq``, ``step``, ``row_s`` and ``row_r`` (the two rows' positions), ``enq_s`` and ``enq_r``."""
+    at = np.flatnonzero(np.isin(op, list(P2P_OPS)) & ~np.isnan(seq) & (np.nan_to_num(peer, nan=-1) >= 0))
+    send = op[at] == "send"
+    other = peer[at].astype("int64")
+    sides = pd.DataFrame({"row": at, "group": group[at], "seq": seq[at].astype("int64"), "step": step[at],
+                          "restart": restart[at], "src": np.where(send, rank[at], other),
+                          "dst": np.where(send, other, rank[at]), "enq": enqueue[at], "send": send})
+    pairs = sides[sides["send"]].merge(sides[~sides["send"]], on=["group", "seq", "step", "restart", "src", "dst"],
+                                       suffixes=("_s", "_r"))
+    return pairs[["src", "dst", "group", "seq", "step", "row_s", "row_r", "enq_s", "enq_r"]]
+
+
 def step_durations(steps: pd.DataFrame) -> pd.DataFrame:
     """Per (rank, step): ``step_ns`` = end - start; rows without both timestamps dropped. Columns: rank, step, step_ns."""
     require_columns(steps, ["rank", "step", "start_ns", "end_ns"], table="steps")

@@ -65,6 +65,9 @@ class Overview:
     ``mixed``); None without collectives."""
     restarts: tuple[str, ...] = ()
     """The header's restart lines that no RANK_CRASH title tells (``report.restart_lines``), e.g. after a hang."""
+    interrupted: bool = False
+    """The launcher was stopped (Ctrl-C or SIGTERM) and ended its last attempt, in which no rank had failed
+    (``metrics.run.interrupted``)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The ``dtprobe.overview/1`` document as JSON-ready data."""
@@ -107,6 +110,7 @@ def summarize(analysis: Any, *, path: str) -> Overview:
 
     window = analysis.source if isinstance(analysis.source, StepWindow) else None
     k = analysis.key_figures()
+    events = run_events(analysis)
     return Overview(
         path=path, whole=window is None, figures=asdict(k),
         num_steps=int(window.total_steps if window is not None else k.num_steps), trends=trends(analysis),
@@ -116,7 +120,7 @@ def summarize(analysis: Any, *, path: str) -> Overview:
                        for f in analysis.findings()),
         window=window.describe() if window is not None else None, made_s=time.time(),
         clock_aligned=analysis.clock_alignment(), arrival_clock=analysis.arrival_clock(),
-        restarts=tuple(restart_lines(run_events(analysis))))
+        restarts=tuple(restart_lines(events)), interrupted=bool(events["interrupted"]))
 
 
 def with_steps_of(analyzed: Overview, steps: Overview) -> Overview:

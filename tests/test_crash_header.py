@@ -97,3 +97,19 @@ def test_a_run_stopped_by_an_interrupt_says_so_unless_a_node_failed_in_its_last_
         "interrupted: the launcher was stopped (Ctrl-C or SIGTERM) and ended the workers of its last attempt, in "
         "which no rank had failed"]
     assert event_lines({"metrics": {"run": {**run, "interrupted": False}}}) == []
+
+
+def test_an_interrupted_launcher_heads_the_overview(monkeypatch, tmp_path, crash_run, repo_root):
+    from dtprobe.analysis.render import INTERRUPTED
+    from dtprobe.overview import Overview, summarize
+
+    assert not summarize(RunAnalysis.open(crash_run), path=str(crash_run)).interrupted   # its last attempt succeeded
+    monkeypatch.setattr(RunAnalysis, "attempts", lambda self: [{"attempt": 0, "node_rank": 0, "result": "failed"},
+                                                               {"attempt": 1, "node_rank": 0, "result": "interrupted"}])
+    overview = summarize(RunAnalysis.open(crash_run), path=str(crash_run))
+    assert overview.interrupted and Overview.from_json(overview.to_json()).interrupted
+    monkeypatch.setenv(ROOT_ENV, str(crash_run))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))  # no summary stored by another test: the Overview is made here
+    at = AppTest.from_file(str(repo_root / "dashboard" / "app.py"), default_timeout=240).run()
+    assert not at.exception, [e.message for e in at.exception]
+    assert [m.value for m in at.markdown if "[interrupted]**" in m.value] == [f"**:blue[interrupted]** {INTERRUPTED}"]

@@ -1,8 +1,8 @@
-"""Overview: every crash and restart of the run (the RANK_CRASH titles, as `dtprobe analyze` heads its report),
-how the ranks' clocks were aligned and which clock arrivals were read on, health, findings by severity (each
-naming the clock of its timing evidence and linking to its page), key figures of the chosen run with the trend
-of step time and tokens/s (per-rank charts are on the pages the findings link to). Drawn from an
-``Overview`` (a finished run's stored summary when valid; a large run's steps figures alone while its first
+"""Overview: every crash and restart of the run (the RANK_CRASH titles, as `dtprobe analyze` heads its report) and
+an interrupt of its launcher, how the ranks' clocks were aligned and which clock arrivals were read on, health,
+findings by severity (each naming the clock of its timing evidence and linking to its page), key figures of the
+chosen run with the trend of step time and tokens/s (per-rank charts are on the pages the findings link to). Drawn
+from an ``Overview`` (a finished run's stored summary when valid; a large run's steps figures alone while its first
 analysis runs, live or finished), with no chart library; an empty chart after the run picker makes the browser load
 that library meanwhile, for the pages the findings link to."""
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 import streamlit as st
 
 from dtprobe.dashboard import clocks, common
+from dtprobe.analysis.render import INTERRUPTED
 from dtprobe.dashboard.nav import FINDING_PAGE
 
 
@@ -20,6 +21,8 @@ def body(source) -> None:
         st.markdown(f"**:{common.SEVERITY_BADGE[crash.severity]}[crash]** {crash.title}")
     for line in overview.restarts:                                          # restarts no crash line tells
         st.markdown(f"**:orange[restart]** {line}")
+    if overview.interrupted:                                                # a healthy job stopped by its operator
+        st.markdown(f"**:blue[interrupted]** {INTERRUPTED}")
     if not pending:   # the arrival clock is known once the collectives are analyzed
         st.caption(clocks.run_clocks(overview.clock_aligned, overview.arrival_clock))
     items = list(common.key_figures(overview).items())

@@ -312,7 +312,12 @@ def how(e: Any) -> str:
 
 def crash_title(e: Any) -> str:
     """One line naming a crash and its recovery (also the line the report header and the Overview show)."""
-    where = f" at step {int(e.step)}" if not is_missing(e.step) else ""
+    if not is_missing(e.step):
+        where = f" at step {int(e.step)}"
+    elif is_missing(e.last_step):   # no step of its attempt ended on it: e.g. a restart that failed to start
+        where = " before completing a step" + (f" of attempt {int(e.restart)}" if int(e.restart) else "")
+    else:
+        where = ""
     doing = (f" in {e.doing_op} #{int(e.doing_seq)} on {e.doing_pg}" if e.doing_open and not is_missing(e.doing_op)
              else "")
     head = f"rank {int(e.rank)} died{where}{doing} ({how(e)}; cause {e.cause})"

@@ -19,13 +19,17 @@ def render_json(report: dict[str, Any]) -> str:
     return json.dumps(report, indent=1) + "\n"
 
 
+INTERRUPTED = ("the launcher was stopped (Ctrl-C or SIGTERM) and ended the workers of its last attempt, in which no "
+               "rank had failed")
+"""The header's line for ``metrics.run.interrupted`` (after ``interrupted: ``), also on the dashboard's Overview."""
+
+
 def event_lines(report: dict[str, Any]) -> list[str]:
     """The header's crash and restart lines: every crash (its RANK_CRASH title), then every restart no crash line
     mentions, then whether the launcher was interrupted; shared by the text and Markdown renderers (the
     dashboard's Overview shows the same crash lines)."""
     run = report["metrics"]["run"]
-    stopped = (["interrupted: the launcher was stopped (Ctrl-C or SIGTERM) and ended the workers of its last "
-                "attempt, in which no rank had failed"] if run.get("interrupted") else [])
+    stopped = [f"interrupted: {INTERRUPTED}"] if run.get("interrupted") else []
     return [f"crash: {c['title']}" for c in run.get("crashes") or []] + restart_lines(run) + stopped
 
 

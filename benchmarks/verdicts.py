@@ -75,8 +75,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "chaos"))
 
-from harness import (CpuQuota, Job, analyze, cgroup_v1_cpu_available, cpu_seconds, dtprobe_run_cmd,  # noqa: E402
-                     job_step_ms, own_compute_ms, steps_done, straggler_confirmed, torchrun_cmd)
+from harness import (Job, analyze, cgroup_v1_cpu_available, cpu_quota_cgroup, cpu_seconds,  # noqa: E402
+                     dtprobe_run_cmd, job_step_ms, own_compute_ms, steps_done, straggler_confirmed, torchrun_cmd)
 
 LAYOUTS = {"dp2": ("--nproc", "2"), "dp4": ("--nproc", "4"), "dp2xtp2": ("--nproc", "4", "--tp", "2"),
            "dp2xpp2": ("--nproc", "4", "--pp", "2", "--batch-size", "4")}
@@ -160,7 +160,7 @@ def run_scenario(sc: Scenario, run_dir: Path, args: argparse.Namespace) -> None:
             cpu0, t0 = cpu_seconds(pid), time.monotonic()
             job.wait_steps(sc.rank, args.fault_step)
             share = (cpu_seconds(pid) - cpu0) / (time.monotonic() - t0)        # cores it gets now
-            quota = CpuQuota(share / (1 + sc.slowdown)).create()
+            quota = cpu_quota_cgroup(share / (1 + sc.slowdown)).create()
             quota.add(pid)
             sc.fault_step = steps_done(run_dir, sc.rank)
         elif sc.kind == "kill":

@@ -71,6 +71,23 @@ def test_rank_crash_names_the_killed_rank_not_the_sigtermed_survivor_and_no_hang
     assert ev["injected"] is False
 
 
+def test_a_rank_the_oom_killer_ended_is_out_of_memory_with_the_kernels_line_as_evidence(tmp_path):
+    rows, att, _ = _killed_rank1_at_step3(restart=False, attempts=True)
+    said = "Memory cgroup out of memory: Killed process 101 (python) total-vm:3518248kB, anon-rss:1250848kB"
+    att[0]["ranks"][0]["oom_kill"] = said                  # rank 1's entry, as the launcher recorded it
+    a = RunAnalysis.open(write_rows_run(tmp_path / "run", rows, world_size=2, status="crashed", attempts=att))
+    [f] = _codes(a, "RANK_CRASH")
+    assert (f.ranks, f.evidence["signal"], f.evidence["cause"], f.evidence["oom_kill"]) == (
+        (1,), "SIGKILL", "out_of_memory", said)
+    assert f.title.startswith("rank 1 died at step 3 (SIGKILL from the kernel's OOM killer; cause out_of_memory)")
+    assert f.recommendation.startswith("The kernel's OOM killer ended rank 1")
+    # the same kill without that evidence: a signal from outside, nothing more is known
+    del att[0]["ranks"][0]["oom_kill"]
+    [f] = _codes(RunAnalysis.open(write_rows_run(tmp_path / "run2", rows, world_size=2, status="crashed",
+                                                 attempts=att)), "RANK_CRASH")
+    assert (f.evidence["cause"], f.evidence["oom_kill"]) == ("killed_by_signal", None)
+
+
 def test_a_killed_rank_whose_exit_status_torchrun_never_reported_is_still_the_crash_not_a_hang(tmp_path):
     # the launcher saw rank 1's process go (its exit time) but torchrun reported no status for it and named no
     # first failure; rank 0 raised on the dead peer (closed crashed, "exception") before torchrun's SIGTERM
@@ -206,8 +223,8 @@ def test_a_native_abort_is_titled_with_its_message_and_the_scripts_line_and_a_ki
 def _abort_row(**kw):
     from types import SimpleNamespace
 
-    return SimpleNamespace(**{"error_type": None, "error_message": None, "exit_code": None, "source": "attempts",
-                              **kw})
+    return SimpleNamespace(**{"error_type": None, "error_message": None, "exit_code": None, "oom_kill": None,
+                              "source": "attempts", **kw})
 
 
 def _frozen_rank1(*, attempts: bool, world: int = 2) -> tuple[dict, list | None]:

@@ -21,8 +21,8 @@ from dtprobe.store.columns import require_columns
 
 CRASH_COLUMNS = [
     "restart", "rank", "time_ns", "step", "last_step", "exit_code", "signal", "error_type", "error_message",
-    "stderr_tail", "cause", "doing_pg", "doing_seq", "doing_op", "doing_peer", "doing_step", "doing_open", "phase",
-    "also_lost", "recovered", "resumed_from_step", "steps_lost", "time_to_recover_s", "source",
+    "stderr_tail", "oom_kill", "cause", "doing_pg", "doing_seq", "doing_op", "doing_peer", "doing_step",
+    "doing_open", "phase", "also_lost", "recovered", "resumed_from_step", "steps_lost", "time_to_recover_s", "source",
 ]
 """``crash_events()``: one row per failed attempt (its first failure)."""
 CAUSES = ("out_of_memory", "device", "communication", "user_exception", "killed_by_signal", "unknown")
@@ -71,10 +71,13 @@ def stderr_quote(tail: Any) -> tuple[str | None, str | None]:
 
 
 def classify_cause(*, exit_code: Any, signal: Any, error_type: Any, error_message: Any, reason: Any = None,
-                   closed: Any = None, xid: bool = False, stderr: Any = None) -> str:
+                   closed: Any = None, xid: bool = False, stderr: Any = None, oom_kill: Any = None) -> str:
     """The cause class (``CAUSES``) of one rank's failure from its exit and Python error (type + message); without a
     Python error, from the error lines of its stderr excerpt (``stderr_errors``) when it ended on its own (a
-    non-zero exit code or a ``SELF_SIGNALS`` signal: a kill's stderr says nothing of the kill)."""
+    non-zero exit code or a ``SELF_SIGNALS`` signal: a kill's stderr says nothing of the kill). ``oom_kill``: the
+    launcher's evidence that the kernel's OOM killer sent its SIGKILL (``runtime.oom_kills``)."""
+    if not is_missing(oom_kill) and oom_kill:
+        return "out_of_memory"
     text = " ".join(str(x) for x in (error_type, error_message) if not is_missing(x))
     own_end = (str(signal) in SELF_SIGNALS if not is_missing(signal)
                else not is_missing(exit_code) and int(exit_code) > 0)
@@ -148,7 +151,7 @@ def crash_events(exits: pd.DataFrame, *, activity: Activity, collectives: pd.Dat
         cause = classify_cause(exit_code=ex.get("exit_code"), signal=ex.get("signal"),
                                error_type=ex.get("error_type"), error_message=ex.get("error_message"),
                                reason=ex.get("reason"), closed=ex.get("closed"), xid=xid,
-                               stderr=ex.get("stderr_tail")) if ex else "unknown"
+                               stderr=ex.get("stderr_tail"), oom_kill=ex.get("oom_kill")) if ex else "unknown"
         inside = doing is not None and not open_.empty
         if inside and not is_missing(doing["step"]) and not is_missing(doing["enqueue_ns"]):
             phase = phase_at(st_r, culprit, int(doing["step"]), int(doing["enqueue_ns"]))
@@ -162,7 +165,8 @@ def crash_events(exits: pd.DataFrame, *, activity: Activity, collectives: pd.Dat
             "exit_code": ex.get("exit_code") if ex else None, "signal": ex.get("signal") if ex else None,
             "error_type": ex.get("error_type") if ex else None,
             "error_message": ex.get("error_message") if ex else None,
-            "stderr_tail": ex.get("stderr_tail") if ex else None, "cause": cause,
+            "stderr_tail": ex.get("stderr_tail") if ex else None, "oom_kill": ex.get("oom_kill") if ex else None,
+            "cause": cause,
             "doing_pg": doing["pg"] if doing is not None else None,
             "doing_seq": int(doing["seq"]) % ATTEMPT_SEQ_STRIDE if doing is not None else None,
             "doing_op": doing["op"] if doing is not None else None,
@@ -296,6 +300,8 @@ def how(e: Any) -> str:
         msg = "" if is_missing(e.error_message) else f": {str(e.error_message).splitlines()[0][:120]}"
         return f"{e.error_type}{msg}"
     if not is_missing(e.signal):
+        if not is_missing(e.oom_kill) and e.oom_kill:
+            return f"{e.signal} from the kernel's OOM killer"
         if str(e.signal) not in SELF_SIGNALS:
             return str(e.signal)
         message, where = stderr_quote(e.stderr_tail)
@@ -361,7 +367,8 @@ def detect_crashes(events: pd.DataFrame, *, num_restarts: int = 0, missing: pd.D
             evidence={
                 "rank": int(e.rank), "restart": int(e.restart), "step": e.step, "last_step": e.last_step,
                 "time_ns": e.time_ns, "exit_code": e.exit_code, "signal": e.signal, "error_type": e.error_type,
-                "error_message": e.error_message, "stderr_tail": e.stderr_tail, "cause": e.cause,
+                "error_message": e.error_message, "stderr_tail": e.stderr_tail,
+                "oom_kill": None if is_missing(e.oom_kill) else e.oom_kill, "cause": e.cause,
                 "doing": None if is_missing(e.doing_op) else {
                     "pg": e.doing_pg, "seq": e.doing_seq, "op": e.doing_op, "peer": e.doing_peer,
                     "step": e.doing_step, "open": bool(e.doing_open)},
@@ -370,14 +377,15 @@ def detect_crashes(events: pd.DataFrame, *, num_restarts: int = 0, missing: pd.D
                 "time_to_recover_s": e.time_to_recover_s, "num_restarts": int(num_restarts), "waited_at": waited_at,
                 "source": e.source, "injected": int(e.rank) in injected_ranks,
             },
-            recommendation=_advice(e.cause, int(e.rank), signal=e.signal, said=" ".join(
+            recommendation=_advice(e.cause, int(e.rank), signal=e.signal, oom_killed=not is_missing(e.oom_kill)
+                                   and bool(e.oom_kill), said=" ".join(
                 str(x) for x in (e.error_message, stderr_errors(e.stderr_tail)) if not is_missing(x))),
             predicted_gain=None,
         ))
     return findings
 
 
-def _advice(cause: str, rank: int, *, signal: Any = None, said: str = "") -> str:
+def _advice(cause: str, rank: int, *, signal: Any = None, said: str = "", oom_killed: bool = False) -> str:
     tail = (" Keep torchrun --max-restarts and frequent enough checkpoints (see CHECKPOINT_STALL / Young-Daly) so "
             "a crash loses few steps.")
     if cause == "communication" and _SIZE_MISMATCH.search(said):
@@ -385,6 +393,11 @@ def _advice(cause: str, rank: int, *, signal: Any = None, said: str = "") -> str
                 f"peers issued another collective or another size at the same point, so one rank skipped or "
                 f"reordered a collective (a branch on the rank or the data, a parameter without a gradient). "
                 f"Compare the ranks' code paths before this step; the network is not at fault.")
+    if oom_killed:
+        return (f"The kernel's OOM killer ended rank {rank}: its process went over the memory limit of its machine "
+                f"or container (host memory). Look for what grows in it (tensors kept across steps, dataloader "
+                f"workers and prefetch, pinned buffers) in its memory rows, lower the micro-batch, or give it a "
+                f"higher limit.")
     return {
         "out_of_memory": f"Rank {rank} ran out of memory: lower the micro-batch or sequence length, shard more "
                          f"(ZeRO/FSDP), or enable activation checkpointing.",

@@ -23,7 +23,7 @@ LIVE_GRACE_NS = 1_000_000_000
 just after it may have been produced before it)."""
 
 EXIT_COLUMNS = ["rank", "restart", "exit_ns", "exit_code", "signal", "first_failure", "status", "reason",
-                "error_type", "error_message", "traceback", "stderr_tail", "closed", "close_ns", "source"]
+                "error_type", "error_message", "traceback", "stderr_tail", "oom_kill", "closed", "close_ns", "source"]
 LIVENESS = ("dead", "stopped", "waiting", "alive", "unknown")
 EXITED_AT_STALL_NS = 1_000_000_000
 """A rank whose process exited (launcher's exit time) without closing at most this long after a stall began died
@@ -57,8 +57,8 @@ def rank_exits(attempts: list[dict], lifecycle: pd.DataFrame) -> pd.DataFrame:
                 "exit_code": r.get("exit_code"), "signal": r.get("signal"),
                 "first_failure": bool(r.get("first_failure")), "status": None, "reason": None,
                 "error_type": err.get("type"), "error_message": err.get("message"),
-                "traceback": err.get("traceback"), "stderr_tail": r.get("stderr_tail"), "closed": None,
-                "close_ns": None, "source": "attempts"}
+                "traceback": err.get("traceback"), "stderr_tail": r.get("stderr_tail"),
+                "oom_kill": r.get("oom_kill"), "closed": None, "close_ns": None, "source": "attempts"}
     if lifecycle is not None and not lifecycle.empty:
         lc = lifecycle.assign(restart=lifecycle["restart"].fillna(0).astype("int64"))
         for (rank, restart), g in lc.groupby(["rank", "restart"]):
@@ -68,7 +68,8 @@ def rank_exits(attempts: list[dict], lifecycle: pd.DataFrame) -> pd.DataFrame:
             row = rows.setdefault(key, {
                 "rank": key[0], "restart": key[1], "exit_ns": None, "exit_code": None, "signal": None,
                 "first_failure": False, "status": None, "reason": None, "error_type": None, "error_message": None,
-                "traceback": None, "stderr_tail": None, "closed": None, "close_ns": None, "source": "lifecycle"})
+                "traceback": None, "stderr_tail": None, "oom_kill": None, "closed": None, "close_ns": None,
+                "source": "lifecycle"})
             row["closed"] = c is not None
             if c is not None:
                 row["status"], row["reason"] = _str(c["status"]), _str(c["reason"])

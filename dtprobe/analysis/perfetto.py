@@ -155,7 +155,7 @@ def build_trace(tables: dict[str, pd.DataFrame], *, rank_hosts: dict[int, str] |
                        "args": {"attempt": a.get("attempt"), "exit_code": r.get("exit_code"),
                                 "signal": r.get("signal"), "first_failure": bool(r.get("first_failure")),
                                 "error": (f"{error.get('type')}: {error.get('message')}" if error else None),
-                                "stderr_tail": r.get("stderr_tail")}})
+                                "stderr_tail": r.get("stderr_tail"), "oom_kill": r.get("oom_kill")}})
         counts["exits"] += 1
 
     dev = tables.get("devices", pd.DataFrame())

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dtprobe.runtime.oom_kills import kernel_oom_kill, memory_cgroup, oom_evidence, oom_kill_count
 from dtprobe.stack_frames import FRAME, is_library
 
 WORKER_FILE = "worker.json"
@@ -209,7 +210,9 @@ class ExitWatcher:
     so it wakes when a worker exits, not on a timer: it runs beside the ranks on their cores, and a poll loop's
     wake-ups cost them CPU. It looks for new workers every ``scan_interval_s`` only until every local rank of the
     newest attempt has written its pid, and again once none of them is alive (a restart brings a new attempt).
-    Without pidfds (another OS, an old kernel) it checks each worker in ``/proc`` every ``interval_s``."""
+    Without pidfds (another OS, an old kernel) it checks each worker in ``/proc`` every ``interval_s``.
+    ``oom_kills()``: pid -> what says the kernel's OOM killer ended it (``oom_kills.oom_evidence``), for the workers
+    that exited on SIGKILL: the memory cgroup of each worker and its ``oom_kill`` count are read when it is found."""
 
     def __init__(self, log_dir: Path, *, interval_s: float = 0.05, scan_interval_s: float = 0.25) -> None:
         self.log_dir = log_dir
@@ -219,6 +222,8 @@ class ExitWatcher:
         self._known: set[int] = set()
         self._complete = False                            # every local rank of the newest attempt seen
         self._observed: dict[int, tuple[int, int | None]] = {}
+        self._memory: dict[int, tuple[int | None, tuple[Path, int] | None]] = {}  # pid -> (start, cgroup, count)
+        self._oom: dict[int, str] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._wake_r, self._wake_w = os.pipe()            # stop() writes a byte: the poll returns at once
@@ -242,6 +247,10 @@ class ExitWatcher:
     def observed(self) -> dict[int, tuple[int, int | None]]:
         with self._lock:
             return dict(self._observed)
+
+    def oom_kills(self) -> dict[int, str]:
+        with self._lock:
+            return dict(self._oom)
 
     def _run(self) -> None:
         poller = select.poll()
@@ -294,6 +303,9 @@ class ExitWatcher:
                 self._known.add(pid)
                 self._alive.add(pid)
                 new.append(pid)
+                cgroup = memory_cgroup(pid)
+                count = oom_kill_count(cgroup) if cgroup is not None else None
+                self._memory[pid] = (info.get("started_ns"), (cgroup, count) if count is not None else None)
         self._complete = complete
         return new
 
@@ -309,8 +321,14 @@ class ExitWatcher:
             exited, code = proc_exit(pid)
             if exited:
                 self._alive.discard(pid)
+                oom = None
+                if code == -signal.SIGKILL:
+                    since_ns, cgroup = self._memory.get(pid, (None, None))
+                    oom = oom_evidence(pid, since_ns=since_ns, cgroup=cgroup)
                 with self._lock:
                     self._observed[pid] = (now, code)
+                    if oom:
+                        self._oom[pid] = oom
 
 
 def open_pidfd(pid: int) -> int | None:
@@ -324,14 +342,15 @@ def open_pidfd(pid: int) -> int | None:
 
 def read_attempts(log_dir: Path, torchrun_log: Path, *, node_rank: int, nproc: int, final: bool,
                   exit_code: int | None = None, ended_ns: int | None = None, interrupted: bool = False,
-                  observed: dict[int, tuple[int, int | None]] | None = None) -> list[dict[str, Any]]:
+                  observed: dict[int, tuple[int, int | None]] | None = None,
+                  oom_kills: dict[int, str] | None = None) -> list[dict[str, Any]]:
     """run.json ``attempts`` entries of this node (shape: ``store.manifest.Manifest.attempts``).
 
     ``final``: torchrun has exited with ``exit_code`` at ``ended_ns`` (``interrupted``: stopped by Ctrl-C), so
     the last attempt is complete too; otherwise the last attempt (still running) is left out. ``observed``:
-    ``ExitWatcher.observed()``.
+    ``ExitWatcher.observed()``; ``oom_kills``: ``ExitWatcher.oom_kills()``.
     """
-    observed = observed or {}
+    observed, oom_kills = observed or {}, oom_kills or {}
     dirs = attempt_dirs(log_dir)
     if not dirs:
         return []
@@ -358,7 +377,8 @@ def read_attempts(log_dir: Path, torchrun_log: Path, *, node_rank: int, nproc: i
         for local_rank, (info, error, error_mtime, worker_dir) in sorted(workers[n].items()):
             ranks.append(_rank_entry(local_rank, info, error, error_mtime, ev,
                                      summary.get(local_rank) if is_last else None,
-                                     node_rank=node_rank, nproc=nproc, observed=observed, worker_dir=worker_dir))
+                                     node_rank=node_rank, nproc=nproc, observed=observed, worker_dir=worker_dir,
+                                     oom_kills=oom_kills))
         ranks = [r for r in ranks if r is not None]
         _correct_first_failure(ranks, ev, observed)
         result = _result(ranks, ev, is_last=is_last, exit_code=exit_code, interrupted=interrupted)
@@ -388,10 +408,12 @@ def _correct_first_failure(ranks: list[dict[str, Any]], ev: _LogEvents,
 def _rank_entry(local_rank: int, info: dict[str, Any] | None, error: dict[str, str] | None,
                 error_mtime: int | None, ev: _LogEvents, summary: tuple[int, int, int] | None, *,
                 node_rank: int, nproc: int, observed: dict[int, tuple[int, int | None]],
-                worker_dir: Path | None = None) -> dict[str, Any] | None:
+                worker_dir: Path | None = None, oom_kills: dict[int, str] | None = None) -> dict[str, Any] | None:
     """One rank's exit in one attempt, or None when nothing is known about it (no worker file, no report). A rank
     that failed on its own (a non-zero exit the agent did not cause) without an error file gets the last lines
-    of its stderr (``worker_dir``'s ``stderr.log``: an exit in argparse, a ``sys.exit``, an abort)."""
+    of its stderr (``worker_dir``'s ``stderr.log``: an exit in argparse, a ``sys.exit``, an abort). One that died on
+    a SIGKILL the agent did not send gets ``oom_kill`` when the kernel's OOM killer ended it (``oom_kills``: the
+    exit watcher's evidence, else the kernel log read now)."""
     pid = info.get("pid") if info else None
     first = ev.first_failure is not None and ev.first_failure[1] == local_rank and (
         pid is None or ev.first_failure[2] == pid)
@@ -433,6 +455,10 @@ def _rank_entry(local_rank: int, info: dict[str, Any] | None, error: dict[str, s
         tail = stderr_tail(worker_dir / STDERR_FILE)
         if tail:
             entry["stderr_tail"] = tail
+    if sig == "SIGKILL" and pid is not None and pid not in ev.closed:
+        oom = (oom_kills or {}).get(pid) or kernel_oom_kill(pid, since_ns=info.get("started_ns") if info else None)
+        if oom:
+            entry["oom_kill"] = oom
     return entry
 
 

@@ -205,7 +205,8 @@ class AttemptRecorder:
 
     def _record(self, **kw: object) -> None:
         for attempt in read_attempts(self.log_dir, self.torchrun_log, node_rank=self.job.node_rank,
-                                     nproc=self.job.nproc, observed=self.watcher.observed(), **kw):
+                                     nproc=self.job.nproc, observed=self.watcher.observed(),
+                                     oom_kills=self.watcher.oom_kills(), **kw):
             store_manifest.record_attempt(self.run_dir, attempt)
 
 

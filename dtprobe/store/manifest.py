@@ -107,8 +107,9 @@ class Manifest:
     attempts: tuple[dict[str, Any], ...] = ()
     """torchrun attempts, one entry per (attempt, node), sorted by both, as ``record_attempt`` stores them:
     ``{"attempt", "node_rank", "started_ns", "ended_ns", "result", "ranks": [{"rank", "local_rank", "pid",
-    "exit_code", "signal", "first_failure", "time_ns", "error"[, "stderr_tail"]}]}`` (docs/run-store.md). Empty for runs
-    recorded before attempts were (and for ``attach`` runs, which have no launcher)."""
+    "exit_code", "signal", "first_failure", "time_ns", "error"[, "stderr_tail"][, "oom_kill"]}]}``
+    (docs/run-store.md). Empty for runs recorded before attempts were (and for ``attach`` runs, which have no
+    launcher)."""
     ranks: tuple[RankInfo, ...]
     """Per-rank info, sorted by rank (only ranks that wrote their file)."""
     nodes: tuple[tuple[int, str], ...]
@@ -190,7 +191,7 @@ def record_attempt(run_dir: str | os.PathLike, attempt: dict[str, Any]) -> None:
 
 _ATTEMPT_KEYS = ("attempt", "node_rank", "started_ns", "ended_ns", "result", "ranks")
 _ATTEMPT_RANK_KEYS = ("rank", "local_rank", "pid", "exit_code", "signal", "first_failure", "time_ns", "error")
-_ATTEMPT_RANK_OPTIONAL = ("stderr_tail",)
+_ATTEMPT_RANK_OPTIONAL = ("stderr_tail", "oom_kill")
 
 
 def _check_attempt(attempt: dict[str, Any]) -> None:

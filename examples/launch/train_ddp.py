@@ -6,7 +6,9 @@ or with dtprobe attached:  dtprobe launch --nproc 2 examples/launch/train_ddp.py
 
 ``--grad-accum K`` steps the optimizer every K batches; ``--amp`` uses fp16 autocast with a GradScaler and
 ``--overflow-step S`` makes step S's loss overflow (the scaler skips it); ``--fail-rank R --fail-step S`` makes
-rank R raise at step S (``--fail-exit N``: call ``sys.exit(N)`` instead). ``--record`` reports loss and tokens.
+rank R raise at step S (``--fail-exit N``: call ``sys.exit(N)`` instead); ``--alloc-rank R --alloc-step S
+--alloc-mb N`` makes rank R allocate and hold N MiB at step S (a batch far larger than the others': under a memory
+limit, a container's or a cgroup's, the kernel's OOM killer ends it). ``--record`` reports loss and tokens.
 ``--hidden``/``--layers`` size the MLP (the default is tiny; the benchmark uses a step of realistic length).
 ``--report FILE``: rank 0 writes ``{"optimizer_steps", "loop_s"}`` there (the training loop's wall time, what
 ``benchmarks/`` compares between ``dtprobe launch`` and plain torchrun).
@@ -41,6 +43,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--fail-rank", type=int, default=-1)
     parser.add_argument("--fail-step", type=int, default=-1)
     parser.add_argument("--fail-exit", type=int, default=None)
+    parser.add_argument("--alloc-rank", type=int, default=-1)
+    parser.add_argument("--alloc-step", type=int, default=-1)
+    parser.add_argument("--alloc-mb", type=int, default=0)
     parser.add_argument("--record", action="store_true")
     parser.add_argument("--report", default=None)
     return parser.parse_args()
@@ -60,6 +65,7 @@ def main() -> None:
     model = DDP(nn.Sequential(*layers, nn.Linear(args.hidden, 8)))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     scaler = torch.amp.GradScaler("cpu", enabled=args.amp)
+    held = []
     step = 0
     start = time.perf_counter()
     for epoch in range(args.epochs):
@@ -73,6 +79,8 @@ def main() -> None:
                 if args.fail_exit is not None:
                     sys.exit(args.fail_exit)
                 raise RuntimeError(f"rank {rank} fails at step {step} (--fail-step)")
+            if rank == args.alloc_rank and step == args.alloc_step and not held:
+                held.append(torch.ones(args.alloc_mb << 18))   # float32: 4 bytes each, every page touched
             scaler.scale(loss / args.grad_accum).backward()
             if args.record:
                 import dtprobe

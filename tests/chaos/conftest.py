@@ -1,8 +1,10 @@
-"""Chaos suite fixtures: jobs, CPU hogs and CPU quotas that are always cleaned up, even when a test fails.
+"""Chaos suite fixtures: jobs, CPU hogs, CPU quotas and memory limits that are always cleaned up, even when a test
+fails.
 
 The functions behind them live in ``harness.py`` (importable by the benchmark too). A test asks for
 ``run_dir("scenario")`` (kept under ``$DTPROBE_CHAOS_RUNS/scenario`` when that is set), ``launch(cmd, run_dir)``
-(a started ``Job``), ``busy_loop(core)`` and ``cpu_quota(frac)``; each is stopped or removed in a finalizer.
+(a started ``Job``), ``busy_loop(core)``, ``cpu_quota(frac)`` and ``memory_limit(bytes)``; each is stopped or
+removed in a finalizer.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Callable
 
 import pytest
 
-from harness import BusyLoop, CpuQuota, Job, job_env, scenario_dir
+from harness import BusyLoop, Job, V1Cgroup, cpu_quota_cgroup, job_env, memory_limit_cgroup, scenario_dir
 
 
 @pytest.fixture
@@ -39,9 +41,18 @@ def busy_loop(request) -> Callable[[int], BusyLoop]:
 
 
 @pytest.fixture
-def cpu_quota(request) -> Callable[[float], CpuQuota]:
-    def create(frac: float) -> CpuQuota:
-        quota = CpuQuota(frac)
+def cpu_quota(request) -> Callable[[float], V1Cgroup]:
+    def create(frac: float) -> V1Cgroup:
+        quota = cpu_quota_cgroup(frac)
         request.addfinalizer(quota.remove)
         return quota.create()
+    return create
+
+
+@pytest.fixture
+def memory_limit(request) -> Callable[[int], V1Cgroup]:
+    def create(limit_bytes: int) -> V1Cgroup:
+        limit = memory_limit_cgroup(limit_bytes)
+        request.addfinalizer(limit.remove)
+        return limit.create()
     return create

@@ -6,7 +6,7 @@ pinning and a busy process, a CPU quota, bytes changed on disk): nothing is inje
 verdict can only come from telemetry.
 
 Every process a helper starts is stopped by its PID when the helper ends (``Job.stop``, ``BusyLoop.stop``,
-``CpuQuota.remove``); the callers register those in finalizers so a failing test cleans up too.
+``V1Cgroup.remove``); the callers register those in finalizers so a failing test cleans up too.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import psutil
 
 ROOT = Path(__file__).resolve().parents[2]
 CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
+CGROUP_MEMORY = Path("/sys/fs/cgroup/memory")
 RUNS_ENV = "DTPROBE_CHAOS_RUNS"
 """When set, each scenario's run directory is kept as ``$DTPROBE_CHAOS_RUNS/<scenario>`` (for inspection)."""
 TINY = ("--batch-size", "2", "--seq-len", "16")
@@ -272,7 +273,7 @@ class BusyLoop:
     priority (SCHED_FIFO 1, the default) it takes that share of the core before any ordinary process. A rank
     pinned there keeps the rest; on a machine busy with other (unpinned) work the scheduler moves that work to
     the other cores, which slows their ranks too, so the hog singles a rank out only when the rest of the
-    machine is quiet (a CPU quota, ``CpuQuota``, does regardless). ``stop`` kills it by PID."""
+    machine is quiet (a CPU quota, ``cpu_quota_cgroup``, does regardless). ``stop`` kills it by PID."""
 
     core: int
     duty: float = 0.6
@@ -313,40 +314,44 @@ def cgroup_v1_cpu_available() -> bool:
     return (CGROUP_CPU / "cpu.cfs_quota_us").is_file() and os.access(CGROUP_CPU, os.W_OK)
 
 
-@dataclass
-class CpuQuota:
-    """A cgroup v1 cpu cgroup limiting its processes to ``frac`` of one core (``cpu.cfs_quota_us`` /
-    ``cpu.cfs_period_us``). ``add`` moves a process (all its threads) in; ``remove`` moves them back to the
-    cgroup each came from and deletes the cgroup."""
+def cgroup_v1_memory_available() -> bool:
+    return (CGROUP_MEMORY / "memory.limit_in_bytes").is_file() and os.access(CGROUP_MEMORY, os.W_OK)
 
-    frac: float
+
+@dataclass
+class V1Cgroup:
+    """A cgroup of one cgroup v1 controller (``root``, e.g. /sys/fs/cgroup/cpu) whose ``settings`` (file name ->
+    value) are written when it is made. ``add`` moves a process (all its threads) in; ``remove`` moves them back to
+    the cgroup each came from and deletes the cgroup."""
+
+    root: Path
+    settings: dict[str, int]
     name: str = ""
-    period_us: int = 100_000
     path: Path | None = None
     origins: dict[int, Path] = field(default_factory=dict)
 
-    def create(self) -> "CpuQuota":
+    def create(self) -> "V1Cgroup":
         self.name = self.name or f"dtprobe-chaos-{os.getpid()}-{time.monotonic_ns()}"
-        self.path = CGROUP_CPU / self.name
+        self.path = self.root / self.name
         self.path.mkdir()
-        (self.path / "cpu.cfs_period_us").write_text(str(self.period_us))
-        (self.path / "cpu.cfs_quota_us").write_text(str(max(1000, int(self.frac * self.period_us))))
+        for name, value in self.settings.items():
+            (self.path / name).write_text(str(value))
         return self
 
     def add(self, pid: int) -> None:
-        self.origins[pid] = CGROUP_CPU / _cpu_cgroup_of(pid).lstrip("/")
+        self.origins[pid] = self.root / _cgroup_of(pid, self.root.name).lstrip("/")
         (self.path / "cgroup.procs").write_text(str(pid))
 
     def remove(self) -> None:
         if self.path is None or not self.path.exists():
             return
         for pid in (self.path / "cgroup.procs").read_text().split():
-            origin = self.origins.get(int(pid), CGROUP_CPU)
+            origin = self.origins.get(int(pid), self.root)
             try:
                 (origin / "cgroup.procs").write_text(pid)
             except OSError:          # exited meanwhile, or the origin is gone: the root always takes it
                 try:
-                    (CGROUP_CPU / "cgroup.procs").write_text(pid)
+                    (self.root / "cgroup.procs").write_text(pid)
                 except OSError:
                     pass
         for _ in range(50):          # rmdir fails while the kernel still counts an exiting task
@@ -358,10 +363,25 @@ class CpuQuota:
         self.path.rmdir()
 
 
-def _cpu_cgroup_of(pid: int) -> str:
+def cpu_quota_cgroup(frac: float, *, period_us: int = 100_000) -> V1Cgroup:
+    """A cpu cgroup limiting its processes to ``frac`` of one core (``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``)."""
+    return V1Cgroup(CGROUP_CPU, {"cpu.cfs_period_us": period_us,
+                                 "cpu.cfs_quota_us": max(1000, int(frac * period_us))})
+
+
+def memory_limit_cgroup(limit_bytes: int) -> V1Cgroup:
+    """A memory cgroup whose processes may charge at most ``limit_bytes`` (memory and swap): the kernel's OOM
+    killer ends the one that goes over. Only pages charged after a process moves in count."""
+    settings = {"memory.limit_in_bytes": limit_bytes}
+    if (CGROUP_MEMORY / "memory.memsw.limit_in_bytes").is_file():
+        settings["memory.memsw.limit_in_bytes"] = limit_bytes   # after the memory limit: never below it
+    return V1Cgroup(CGROUP_MEMORY, settings)
+
+
+def _cgroup_of(pid: int, controller: str) -> str:
     for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
         _, controllers, path = line.split(":", 2)
-        if "cpu" in controllers.split(","):
+        if controller in controllers.split(","):
             return path
     return "/"
 

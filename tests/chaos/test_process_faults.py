@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from harness import (analyze, assert_only_confirmed_stragglers, cgroup_v1_cpu_available, committed_checkpoints,
-                     dtprobe_run_cmd, findings_of, flip_bit, largest_data_file, pin, steps_done, summary,
-                     torchrun_cmd, truncate, verdicts_on)
+from harness import (analyze, assert_only_confirmed_stragglers, cgroup_v1_cpu_available, cgroup_v1_memory_available,
+                     committed_checkpoints, dtprobe_run_cmd, findings_of, flip_bit, largest_data_file, pin,
+                     steps_done, summary, torchrun_cmd, truncate, verdicts_on)
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.chaos]
 
@@ -89,6 +89,34 @@ def test_sigkill_of_a_worker_without_restart_is_a_critical_rank_crash_naming_it(
     assert crashes[0]["evidence"]["recovered"] is False, crashes[0]["evidence"]
     # rank 1 died of the lost connection (or torchrun's SIGTERM): a consequence, not a second culprit
     assert_only_confirmed_stragglers(run, doc, ("HANG", "STRAGGLER", "COLLECTIVE_MISMATCH"))
+
+
+def test_a_worker_the_kernels_oom_killer_ends_is_a_rank_crash_out_of_memory(run_dir, launch, memory_limit):
+    assert cgroup_v1_memory_available(), ("needs a writable cgroup v1 memory controller at /sys/fs/cgroup/memory: "
+                                          "run the tests as root on a host that mounts it")
+    run = run_dir("oom_kill")
+    # a user's DDP script under dtprobe launch; its rank 1 is moved into a 256 MiB memory cgroup (only what it
+    # allocates after the move is charged), then allocates 1 GiB at step 40, as a batch far larger than the
+    # others' would: the kernel's OOM killer ends it with SIGKILL, which is all torchrun reports
+    script = Path(__file__).resolve().parents[2] / "examples" / "launch" / "train_ddp.py"
+    cmd = [sys.executable, "-m", "dtprobe.cli", "launch", "--nproc", "2", "--run-dir", str(run), "--no-devices",
+           str(script), "--epochs", "20", "--alloc-rank", "1", "--alloc-step", "40", "--alloc-mb", "1024"]
+    job = launch(cmd, run, timeout_s=JOB_TIMEOUT_S)
+    pid = job.worker_pid(1)
+    memory_limit(256 << 20).add(pid)
+    moved_at = steps_done(run, 1)
+    assert job.wait() != 0, job.output()[-3000:]
+
+    doc = analyze(run)
+    crashes = findings_of(doc, "RANK_CRASH")
+    assert [(f["severity"], f["ranks"]) for f in crashes] == [("critical", [1])], summary(doc)
+    ev = crashes[0]["evidence"]
+    assert (ev["signal"], ev["cause"]) == ("SIGKILL", "out_of_memory"), ev
+    assert moved_at < 40 and ev["step"] == 40, (moved_at, ev)
+    # the kernel log names its pid (the launcher runs as root here, in the kernel's pid namespace)
+    assert f"Killed process {pid} (" in ev["oom_kill"], ev
+    assert "SIGKILL from the kernel's OOM killer" in crashes[0]["title"], crashes[0]["title"]
+    assert "OOM killer" in crashes[0]["recommendation"], crashes[0]["recommendation"]
 
 
 # --------------------------------------------------------------------------------------- SIGSTOP of a worker

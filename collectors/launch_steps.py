@@ -7,11 +7,15 @@ is the same step; several optimizers stepping in one iteration are several steps
 therefore counts optimizer steps, not micro-batches. A ``GradScaler.step`` that skips the optimizer (inf/NaN
 gradients) is still a step attempt: it ends the step and writes an ``amp`` row with ``skipped=True``.
 
-Step boundaries: step 0 starts at the first forward (or backward, or optimizer step) seen; each later step starts
-where the previous one ended, so data loading and anything else between two optimizer steps belongs to the
-next step. A step still open when the script ends (evaluation, saving) had no optimizer step and is not written.
+Step boundaries: step 0 starts at the first batch fetched from a DataLoader, forward, backward or optimizer step
+seen; each later step starts where the previous one ended, so data loading and anything else between two optimizer
+steps belongs to the next step. A step still open when the script ends (evaluation, saving) had no optimizer step
+and is not written.
 
-Phases (``fwd_ns``, ``bwd_ns``, ``opt_ns``), summed over a step's micro-batches:
+Phases (``data_ns``, ``fwd_ns``, ``bwd_ns``, ``opt_ns``), summed over a step's micro-batches:
+- ``data``: a ``torch.utils.data.DataLoader`` iterator's ``__next__`` on the main thread, outside the other phases
+  (the batch read and collated in the process, or waited for from its worker processes). Batches from other
+  iterables (a generator, a streaming client) are not seen: their time is in the step and in no phase.
 - ``fwd``: an outermost module call (``register_module_forward_pre_hook``/``_hook`` with ``always_call``; a module
   called inside another is not timed again, nor one called during backward: activation checkpointing's recompute
   is backward time). During step 0 every module call goes through these global hooks to
@@ -58,6 +62,7 @@ class ScriptSteps:
         self._handles: list[RemovableHandle] = []
         self._global_fwd: list[RemovableHandle] = []
         self._scaler_originals: dict[str, Any] = {}
+        self._loader_next: Any = None       # the DataLoader iterators' own __next__, while wrapped
         self._main_thread = threading.main_thread()
 
     # ---- install / close ----
@@ -71,6 +76,7 @@ class ScriptSteps:
         self._global_fwd = [nn_module.register_module_forward_pre_hook(self._on_fwd_pre),
                             nn_module.register_module_forward_hook(self._on_fwd_post, always_call=True)]
         self._wrap_grad_scaler()
+        self._wrap_data_loader()
 
     def close(self) -> None:
         """Remove every hook; an open step (no optimizer step in it) is dropped."""
@@ -82,6 +88,11 @@ class ScriptSteps:
         for name, original in self._scaler_originals.items():
             setattr(grad_scaler.GradScaler, name, original)
         self._scaler_originals = {}
+        if self._loader_next is not None:
+            from torch.utils.data import dataloader
+
+            dataloader._BaseDataLoaderIter.__next__ = self._loader_next
+            self._loader_next = None
         if self._step is not None:
             self.probe.discard_step(self._step)
             self._step = None
@@ -212,6 +223,24 @@ class ScriptSteps:
 
         self._scaler_originals["step"] = original
         grad_scaler.GradScaler.step = step
+
+
+    def _wrap_data_loader(self) -> None:
+        """Time every batch a DataLoader iterator hands the main thread outside fwd/bwd/opt as the ``data`` phase."""
+        from torch.utils.data import dataloader
+
+        original = dataloader._BaseDataLoaderIter.__next__
+        steps = self
+
+        def __next__(iterator: Any) -> Any:
+            if (threading.current_thread() is not steps._main_thread or steps._fwd_depth or steps._opt_depth
+                    or steps._bwd_phase is not None):
+                return original(iterator)
+            with steps._open().phase("data"):
+                return original(iterator)
+
+        self._loader_next = original
+        dataloader._BaseDataLoaderIter.__next__ = __next__
 
 
 def _first_grad_tensor(output: Any) -> torch.Tensor | None:

@@ -440,3 +440,29 @@ def test_a_run_shorter_than_a_window_of_time_is_not_judged(step_ms, named):
     scores = st.straggler_scores(pd.DataFrame(rows), window_steps=20)
     findings = st.detect_stragglers(scores, pd.DataFrame(columns=st.CAUSE_COLUMNS))
     assert [f.ranks for f in findings if f.severity != "info"] == ([(1,)] if named else [])
+
+
+def test_a_slowdown_that_lengthens_the_steps_is_named_from_the_first_window_that_spans_the_minimum_time():
+    # 2 ranks, 200 steps of 8 ms; from step 60 on rank 1 arrives 20 ms late and the steps take 28 ms (a slow data
+    # pipeline on one rank of a launched script). The run's median step sets 20-step windows; the first window
+    # that qualifies straddles the fast steps and spans 0.46 s, under the 0.5-s minimum: a later one is judged
+    import numpy as np
+
+    rng = np.random.default_rng(5)
+    rows = []
+    for step in range(1, 201):
+        slow = step >= 60
+        step_ns = (28.0 if slow else 8.0) * 1e6 * (1 + float(rng.normal(0.0, 0.01)))
+        late = (20e6 / step_ns if slow else 0.0) + float(rng.normal(0.0, 0.005))
+        for rank, frac in ((1, late), (0, -late)):
+            rows.append({"pg": "world", "pg_ranks": "0,1", "step": step, "rank": rank,
+                         "lateness_ns": frac * step_ns, "victims_wait_ns": max(frac, 0.0) * step_ns,
+                         "is_last": frac > 0, "step_ns": step_ns, "lateness_frac": frac, "pre_excess_frac": 0.0})
+    scores = st.straggler_scores(pd.DataFrame(rows), window_steps=20)
+    row = scores.set_index("rank").loc[1]
+    assert row["window_steps"] == 20 and row["window_steps"] * row["mean_step_ns"] >= 0.5e9
+    assert 56 <= row["window_first_step"] < 60, row      # a few fast steps: the window's mean step is long enough
+    findings = [f for f in st.detect_stragglers(scores, pd.DataFrame(columns=st.CAUSE_COLUMNS))
+                if f.severity != "info"]
+    assert [f.ranks for f in findings] == [(1,)]
+    assert findings[0].evidence["detected_at_step"] == row["detected_at_step"] <= 79

@@ -312,7 +312,11 @@ def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | No
     *_, may_arrive, may_phase, may_persist, may_steady, may_throttle = judge(peers_known=False)
     fill(may_arrive, may_phase | may_persist, may_steady | may_throttle)
     over, pover, et, peer_et, by_arrival, by_phases, by_persistence, by_steady, by_throttle = judge()
-    ok = by_arrival | by_phases | by_persistence | by_steady | by_throttle
+    # a window qualifies only if it spans min_window_s by its own steps, as detect_stragglers requires: a run whose
+    # steps slow down has short windows of its fast steps before its fault, and the first window of the fault
+    # straddles them (the windows after it are judged, not the rank)
+    ok = (by_arrival | by_phases | by_persistence | by_steady | by_throttle) & _spans(
+        column("step_ns", "float64"), win_start, wlen, min_window_s)
     detected = _first_true(ok, win_gid, len(n))                 # first qualifying window (global index) or -1
     # Else the window with the largest median (the first of equals, NaN ignored), or the first window when no
     # median is finite.
@@ -354,6 +358,17 @@ def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | No
         "cpu_wait_frac": waited[best], "peer_cpu_wait_frac": peer_waited[best],
     })
     return out[columns]
+
+
+def _spans(step_ns: np.ndarray, win_start: np.ndarray, wlen: np.ndarray, min_window_s: float) -> np.ndarray:
+    """Per window: its length times its mean step (NaN steps ignored) is at least ``min_window_s`` (unknown: True)."""
+    known = np.isfinite(step_ns)
+    total = np.concatenate([[0.0], np.cumsum(np.where(known, step_ns, 0.0))])
+    count = np.concatenate([[0], np.cumsum(known)])
+    end = win_start + wlen
+    num = count[end] - count[win_start]
+    mean = np.divide(total[end] - total[win_start], num, out=np.full(len(win_start), np.nan), where=num > 0)
+    return ~(wlen * mean < min_window_s * 1e9)
 
 
 def _window_figures(column: Callable[[str, str], np.ndarray], win_start: np.ndarray, wlen: np.ndarray,

@@ -6,9 +6,11 @@ or with dtprobe attached:  dtprobe launch --nproc 2 examples/launch/train_ddp.py
 
 ``--grad-accum K`` steps the optimizer every K batches; ``--amp`` uses fp16 autocast with a GradScaler and
 ``--overflow-step S`` makes step S's loss overflow (the scaler skips it); ``--fail-rank R --fail-step S`` makes
-rank R raise at step S (``--fail-exit N``: call ``sys.exit(N)`` instead); ``--alloc-rank R --alloc-step S
---alloc-mb N`` makes rank R allocate and hold N MiB at step S (a batch far larger than the others': under a memory
-limit, a container's or a cgroup's, the kernel's OOM killer ends it). ``--record`` reports loss and tokens.
+rank R raise at step S (``--fail-exit N``: call ``sys.exit(N)`` instead); ``--slow-data-rank R --slow-data-ms M
+--slow-data-from B`` makes rank R's data pipeline M ms slower per batch from its batch B on (a slow disk or
+decode); ``--alloc-rank R --alloc-step S --alloc-mb N`` makes rank R allocate and hold N MiB at step S (a batch
+far larger than the others': under a memory limit, a container's or a cgroup's, the kernel's OOM killer ends it).
+``--record`` reports loss and tokens.
 ``--hidden``/``--layers`` size the MLP (the default is tiny; the benchmark uses a step of realistic length).
 ``--report FILE``: rank 0 writes ``{"optimizer_steps", "loop_s"}`` there (the training loop's wall time, what
 ``benchmarks/`` compares between ``dtprobe launch`` and plain torchrun).
@@ -25,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset, default_collate
 from torch.utils.data.distributed import DistributedSampler
 
 
@@ -43,12 +45,29 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--fail-rank", type=int, default=-1)
     parser.add_argument("--fail-step", type=int, default=-1)
     parser.add_argument("--fail-exit", type=int, default=None)
+    parser.add_argument("--slow-data-rank", type=int, default=-1)
+    parser.add_argument("--slow-data-ms", type=float, default=0.0)
+    parser.add_argument("--slow-data-from", type=int, default=0, help="the first batch it slows (0-based)")
     parser.add_argument("--alloc-rank", type=int, default=-1)
     parser.add_argument("--alloc-step", type=int, default=-1)
     parser.add_argument("--alloc-mb", type=int, default=0)
     parser.add_argument("--record", action="store_true")
     parser.add_argument("--report", default=None)
     return parser.parse_args()
+
+
+class _Collate:
+    """The DataLoader's collate function: ``default_collate``, after ``delay_ms`` from batch ``first`` on (the slow
+    decode or disk of one node's data pipeline)."""
+
+    def __init__(self, delay_ms: float, first: int) -> None:
+        self.delay_s, self.first, self.batches = delay_ms / 1e3, first, 0
+
+    def __call__(self, items: list) -> object:
+        if self.delay_s and self.batches >= self.first:
+            time.sleep(self.delay_s)
+        self.batches += 1
+        return default_collate(items)
 
 
 def main() -> None:
@@ -58,7 +77,9 @@ def main() -> None:
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(args.samples, 32), torch.randn(args.samples, 8))
     sampler = DistributedSampler(data, num_replicas=world_size, rank=rank, shuffle=True, seed=0)
-    loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler)
+    loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler,
+                        collate_fn=_Collate(args.slow_data_ms if rank == args.slow_data_rank else 0.0,
+                                            args.slow_data_from))
     layers: list[nn.Module] = [nn.Linear(32, args.hidden), nn.ReLU()]
     for _ in range(args.layers - 1):
         layers += [nn.Linear(args.hidden, args.hidden), nn.ReLU()]

@@ -1,7 +1,8 @@
 """Faults caused from outside the training processes (no ``--inject``): the verdict must come from telemetry.
 
-Each test starts a tiny real job, hurts one worker with a signal, a CPU hog or quota, or damaged checkpoint bytes,
-and asserts the finding ``dtprobe analyze RUN --format json`` gives: its code, its severity and the rank.
+Each test starts a tiny real job, hurts one worker with a signal, a CPU hog or quota, a memory limit, a slow data
+pipeline of the user's script, or damaged checkpoint bytes, and asserts the finding ``dtprobe analyze RUN --format
+json`` gives: its code, its severity and the rank.
 Set ``DTPROBE_CHAOS_RUNS=/some/dir`` to keep each scenario's run directory there for inspection.
 """
 
@@ -119,6 +120,23 @@ def test_a_worker_the_kernels_oom_killer_ends_is_a_rank_crash_out_of_memory(run_
     assert "OOM killer" in crashes[0]["recommendation"], crashes[0]["recommendation"]
 
 
+def test_a_slow_data_pipeline_on_one_rank_of_a_launched_script_is_a_straggler_whose_cause_is_data(run_dir, launch):
+    run = run_dir("slow_data_launch")
+    # a user's DDP script under dtprobe launch: from its batch 60 on, rank 1's collate function takes 20 ms more (a
+    # slow disk or decode on its node), 2 to 4 times its steps; the launch's hooks time the DataLoader's batches
+    script = Path(__file__).resolve().parents[2] / "examples" / "launch" / "train_ddp.py"
+    cmd = [sys.executable, "-m", "dtprobe.cli", "launch", "--nproc", "2", "--run-dir", str(run), "--no-devices",
+           str(script), "--epochs", "25", "--hidden", "256", "--layers", "3", "--slow-data-rank", "1",
+           "--slow-data-ms", "20", "--slow-data-from", "60"]
+    job = launch(cmd, run, timeout_s=JOB_TIMEOUT_S)
+    assert job.wait() == 0, job.output()[-3000:]
+    finding = _straggler_verdict(analyze(run), 1, cause="data")
+    ev = finding["evidence"]
+    assert ev["cause_excess_ms"]["data"] >= 15, ev
+    assert 60 < ev["detected_at_step"] <= 60 + 25, ev      # within a window (and the steps of its minimum time)
+    assert "loading data" in finding["recommendation"], finding["recommendation"]
+
+
 # --------------------------------------------------------------------------------------- SIGSTOP of a worker
 
 
@@ -173,10 +191,10 @@ def test_sigstop_then_sigcont_of_a_worker_is_a_rank_stall_naming_it_frozen(run_d
 # ------------------------------------------------------------------------------------ CPU slowdown of one rank
 
 
-def _straggler_verdict(doc: dict, rank: int) -> dict:
+def _straggler_verdict(doc: dict, rank: int, *, cause: str = "compute") -> dict:
     stragglers = verdicts_on(doc, ("STRAGGLER",))
     assert [f["ranks"] for f in stragglers] == [[rank]], summary(doc)
-    assert stragglers[0]["evidence"]["cause"] == "compute", stragglers[0]["evidence"]
+    assert stragglers[0]["evidence"]["cause"] == cause, stragglers[0]["evidence"]
     assert not verdicts_on(doc, ("HANG", "RANK_CRASH", "COLLECTIVE_MISMATCH")), summary(doc)
     return stragglers[0]
 

@@ -16,14 +16,15 @@ SAMPLES = Path(__file__).resolve().parents[1] / "sample_traces"
 STEP_NS = 100e6
 
 
-def _lateness(fracs: dict[int, list[float]], *, pg: str = "dp", pre: dict[int, list[float]] | None = None
-              ) -> pd.DataFrame:
-    """A ``rank_lateness`` table: rank -> lateness_frac per step (steps 1..n); pre_excess_frac from ``pre``
-    (unknown without)."""
+def _lateness(fracs: dict[int, list[float]], *, pg: str = "dp", pre: dict[int, list[float]] | None = None,
+              comm: dict[int, list[float]] | None = None) -> pd.DataFrame:
+    """A ``rank_lateness`` table: rank -> lateness_frac per step (steps 1..n); pre_excess_frac from ``pre`` and
+    comm_excess_frac from ``comm`` (unknown without)."""
     members = ",".join(map(str, sorted(fracs)))
     rows = [{"pg": pg, "pg_ranks": members, "step": i + 1, "rank": r, "lateness_ns": f * STEP_NS,
              "victims_wait_ns": max(f, 0.0) * STEP_NS, "is_last": False, "step_ns": STEP_NS, "lateness_frac": f,
-             "pre_excess_frac": pre[r][i] if pre else np.nan}
+             "pre_excess_frac": pre[r][i] if pre else np.nan,
+             "comm_excess_frac": comm[r][i] if comm else np.nan}
             for r, series in fracs.items() for i, f in enumerate(series)]
     return pd.DataFrame(rows)[st.LATENESS_COLUMNS]
 
@@ -224,6 +225,22 @@ def test_a_longer_forward_spent_waiting_inside_it_for_a_later_tensor_parallel_pe
     fracs[3] = list(rng.normal(0.03, 0.01, n))
     [f] = _detect(_lateness(fracs, pg="tp", pre={2: list(pre2), 3: list(-pre2)}))
     assert (f.ranks, f.evidence["detected_by"]) == ((2,), "persistence")
+
+
+def test_a_steady_data_fwd_excess_while_waiting_longer_than_the_peers_in_the_groups_collectives_is_no_straggler():
+    # A busy host: for 20 steps rank 0's data+fwd is 6% of the step longer than its peers', and it spends 1% of the
+    # step more than they do inside the group's collectives (as a tensor-parallel rank of a clean user script, 4
+    # ranks on 2 cores, whose forward holds its all-reduces): that is no work its peers wait for. The same excess
+    # with 2% less time in them than its peers (they wait for it) is a straggler
+    fracs, pre = _busy_host(8)
+    rng = np.random.default_rng(11)
+    waits_longer = {r: list(rng.normal(0.01 if r == 0 else -0.01 / 3, 0.004, 20)) for r in fracs}
+    scores = st.straggler_scores(_lateness(fracs, pre=pre, comm=waits_longer)).set_index("rank")
+    assert scores.loc[0, "pre_excess_t"] >= st.MIN_PRE_EXCESS_T and scores.loc[0, "median_comm_excess_frac"] > 0
+    assert _detect(_lateness(fracs, pre=pre, comm=waits_longer)) == []
+    waited_for = {r: list(rng.normal(-0.02 if r == 0 else 0.02 / 3, 0.004, 20)) for r in fracs}
+    [f] = _detect(_lateness(fracs, pre=pre, comm=waited_for))
+    assert (f.ranks, f.evidence["detected_by"]) == ((0,), "persistence")
 
 
 def test_two_ranks_with_the_same_steady_excess_are_the_host_not_a_straggler():

@@ -53,6 +53,25 @@ def test_rank_lateness_is_arrival_minus_median_of_peers():
     assert late.loc[2, "victims_wait_ns"] == pytest.approx(35 * MS)
 
 
+def test_rank_lateness_compares_each_ranks_time_in_the_groups_collectives_with_its_peers():
+    # one step of 200 ms, two collectives ending at 100 and 120 ms; rank 2 arrives last at the first one: the
+    # others wait for it there, and it spends the least time in the group's collectives
+    coll = _coll([{"rank": 0, "seq": 1, "enqueue_ns": T0}, {"rank": 1, "seq": 1, "enqueue_ns": T0 + 10 * MS},
+                  {"rank": 2, "seq": 1, "enqueue_ns": T0 + 40 * MS},
+                  {"rank": 0, "seq": 2, "enqueue_ns": T0 + 110 * MS, "end_ns": T0 + 120 * MS},
+                  {"rank": 1, "seq": 2, "enqueue_ns": T0 + 90 * MS, "end_ns": T0 + 120 * MS},
+                  {"rank": 2, "seq": 2, "enqueue_ns": T0 + 115 * MS, "end_ns": T0 + 120 * MS}])
+    steps = frame_from_rows("steps", [{"rank": r, "step": 1, "start_ns": T0 - 60 * MS, "end_ns": T0 + 140 * MS}
+                                      for r in range(3)])
+    late = st.rank_lateness(coll, steps).set_index("rank")
+    # in them: rank 0 100 + 10 = 110 ms; rank 1 the union of 10-100 and 90-120, 110 ms; rank 2 60 + 5 = 65 ms;
+    # each minus the median of the other two
+    assert late["comm_excess_frac"].to_dict() == pytest.approx({0: 22.5 / 200, 1: 22.5 / 200, 2: -45 / 200})
+    # a member still in a collective: its group's step is not compared
+    coll.loc[(coll["rank"] == 1) & (coll["seq"] == 2), "end_ns"] = None
+    assert st.rank_lateness(coll, steps)["comm_excess_frac"].isna().all()
+
+
 def test_rank_lateness_skips_collectives_some_member_never_reached():
     coll = _coll([{"rank": 0, "seq": 1, "enqueue_ns": T0}, {"rank": 1, "seq": 1, "enqueue_ns": T0 + 10 * MS}])
     assert st.rank_lateness(coll, frame_from_rows("steps", [])).empty

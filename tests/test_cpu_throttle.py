@@ -186,7 +186,7 @@ def _lateness(fracs: dict[int, list[float]]) -> pd.DataFrame:
     members = ",".join(map(str, sorted(fracs)))
     rows = [{"pg": "dp", "pg_ranks": members, "step": i + 1, "rank": r, "lateness_ns": f * STEP_NS,
              "victims_wait_ns": max(f, 0.0) * STEP_NS, "is_last": False, "step_ns": STEP_NS, "lateness_frac": f,
-             "pre_excess_frac": np.nan}
+             "pre_excess_frac": np.nan, "comm_excess_frac": np.nan}
             for r, series in fracs.items() for i, f in enumerate(series)]
     return pd.DataFrame(rows)[st.LATENESS_COLUMNS]
 

@@ -30,7 +30,8 @@ def lateness_rows(steps: range, *, seed: int) -> pd.DataFrame:
             "pg": pg, "pg_ranks": ",".join(map(str, members)), "step": step, "rank": rank,
             "lateness_ns": frac * 1e8, "victims_wait_ns": rng.normal(1e6, 1e5, len(step)),
             "is_last": rng.random(len(step)) < 1 / len(members), "step_ns": 1e8, "lateness_frac": frac,
-            "pre_excess_frac": rng.normal(0.0, 0.01, len(step)) + late / 2}))
+            "pre_excess_frac": rng.normal(0.0, 0.01, len(step)) + late / 2,
+            "comm_excess_frac": rng.normal(0.0, 0.01, len(step)) - late / 2}))
     return pd.concat(parts, ignore_index=True)[LATENESS_COLUMNS]
 
 

@@ -43,12 +43,12 @@ from dtprobe.analysis.mismatch import SUSPECT_COLUMNS, suspect_calls
 from dtprobe.analysis.stragglers import BLOCKED_COLUMNS, blocked_outside_groups
 from dtprobe.analysis.tables import P2P_OPS, group_codes, step_collectives
 
-VERSION = 7
+VERSION = 8
 """Bumped whenever the derived tables or what ``rank_lateness``, ``comm_exposure``, ``collective_bandwidth``,
 ``late_per_step``, ``blocked_outside_groups``, ``group_rows`` or ``suspect_calls`` compute change (4 added
 ``suspects``; 5 left a checkpoint group's rows out of lateness, exposure and waits: ``tables.step_collectives``; 6
 added the point-to-point links' rows to ``late_rank``; 7 took a send/recv's wait for its peer out of
-``exposure``'s exposed time):
+``exposure``'s exposed time; 8 added ``comm_excess_frac`` to ``lateness``):
 older derived frames are then ignored (the marker's key differs), computed from the rows, and
 derived again by the next ``dtprobe compact`` / ``compaction.add_derived``. A change to what they compute for
 runs whose collective numbering restarts (a torchrun restart) alone needs no bump: no frame of such a run is

@@ -23,8 +23,8 @@ import numpy as np
 import pandas as pd
 
 from dtprobe.analysis.arrivals import (  # noqa: F401 (re-exported: the straggler metrics live there)
-    LATE_RANK_COLUMNS, LATENESS_COLUMNS, SKEW_COLUMNS, collective_skew, collective_waits, late_rank_per_step,
-    median_of_others, rank_lateness)
+    LATE_RANK_COLUMNS, LATENESS_COLUMNS, LATENESS_OPTIONAL, SKEW_COLUMNS, collective_skew, collective_waits,
+    late_rank_per_step, median_of_others, rank_lateness)
 from dtprobe.analysis.clocks import HOST
 from dtprobe.analysis.findings import Finding, PredictedGain
 from dtprobe.analysis.pipeline_delay import OWN_DELAY_COLUMNS, pipeline_groups, pipeline_own_delay  # noqa: F401
@@ -40,13 +40,16 @@ SCORE_COLUMNS = [
     "mean_lateness_ns", "mean_victims_wait_ns", "mean_step_ns", "detected_at_step", "detected_by",
 ]
 NOISE_COLUMNS = ["noise_frac", "lateness_over_noise", "phase_noise_frac", "pre_excess_over_noise", "pre_excess_t",
-                 "peer_pre_excess_t", "mean_excess_frac", "excess_positive_frac", "excess_t", "peer_excess_t"]
+                 "peer_pre_excess_t", "mean_excess_frac", "excess_positive_frac", "excess_t", "peer_excess_t",
+                 "median_comm_excess_frac"]
 """Extra columns of ``straggler_scores`` (after ``SCORE_COLUMNS``): the peers' noise in the chosen window, of the
 arrival view (lateness) and of the phases view (data+fwd excess); the persistence of the data+fwd excess (its
 median over its standard error, ``pre_excess_t``) and the largest such value among the group's peers in the same
 steps (``peer_pre_excess_t``); the steady view's lateness excess over the group's median lateness at each step:
 its mean over the window (``mean_excess_frac``), the share of steps it is positive (``excess_positive_frac``),
-its mean over its standard error (``excess_t``) and the largest such value among the peers (``peer_excess_t``)."""
+its mean over its standard error (``excess_t``) and the largest such value among the peers (``peer_excess_t``);
+the median of its time in the group's collectives minus its peers' (``median_comm_excess_frac``, a share of the
+step: negative for a rank its peers wait for)."""
 THROTTLE_SCORE_COLUMNS = ["cpu_throttled_frac", "peer_cpu_throttled_frac"]
 """Extra columns of ``straggler_scores`` (last) when it is given the ranks' CPU throttling (``cpu_throttle``): the
 rank's mean ``cpu_throttled_frac`` over the chosen window and the largest of its peers' over the same steps."""
@@ -201,7 +204,9 @@ def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | No
     scored again after a refresh) only the windows over steps whose rows changed are, with the same result.
     Columns: ``SCORE_COLUMNS`` + ``NOISE_COLUMNS`` (+ ``THROTTLE_SCORE_COLUMNS`` with ``cpu_throttled``, +
     ``WAIT_SCORE_COLUMNS`` with ``cpu_wait``: evidence, no view reads it)."""
-    require_columns(lateness, LATENESS_COLUMNS, table="rank_lateness")
+    require_columns(lateness, [c for c in LATENESS_COLUMNS if c not in LATENESS_OPTIONAL], table="rank_lateness")
+    if "comm_excess_frac" not in lateness:
+        lateness = lateness.assign(comm_excess_frac=np.nan)
     keys = ["pg", "pg_ranks", "rank"]
     lat = lateness.dropna(subset=keys) if lateness[keys].isna().any(axis=None) else lateness
     # (pg, pg_ranks) coded once, in their sorted order: the groupings below read the codes, not the long strings
@@ -261,7 +266,8 @@ def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | No
     if not todo.all():
         for name, values in fig.items():
             values[~todo] = memo.figures[name][reused[~todo]]
-    med, pos, pmed, ppos, pre_t, peer_t = (fig[k] for k in ("med", "pos", "pmed", "ppos", "pre_t", "peer_t"))
+    med, pos, pmed, ppos, pre_t, peer_t, cmed = (fig[k] for k in ("med", "pos", "pmed", "ppos", "pre_t", "peer_t",
+                                                                  "cmed"))
     emean, epos, own_sd, k_exc = (fig[k] for k in ("emean", "epos", "own_sd", "k_exc"))
     thr, peer_thr, waited, peer_waited = (fig[k] for k in ("thr", "peer_thr", "waited", "peer_waited"))
     # The peers' noise (the costly part: a pool of the peers' values per window) is needed only where a view's
@@ -291,7 +297,8 @@ def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | No
         by_arrival = (med >= min_lateness_frac) & (pos >= min_positive_frac) & ~(over < min_lateness_over_noise)
         by_phases = ((med >= min_lateness_frac) & (pmed >= min_lateness_frac) & (ppos >= min_positive_frac)
                      & ~(pover < min_pre_excess_over_noise))
-        by_persistence = _persistent(med, pmed, pre_t, peer_t, pover, emean, epos, min_lateness_frac=min_lateness_frac,
+        by_persistence = _persistent(med, pmed, pre_t, peer_t, pover, emean, epos, cmed,
+                                     min_lateness_frac=min_lateness_frac,
                                      min_t=min_pre_excess_t, min_t_over_peers=min_pre_excess_t_over_peers,
                                      min_over_noise=min_persistent_pre_over_noise)
         by_steady = _steady(emean, epos, et, peer_et, min_lateness_frac=min_lateness_frac, min_t=min_steady_t)
@@ -354,7 +361,8 @@ def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | No
         "phase_noise_frac": pnoise[best], "pre_excess_over_noise": pover[best],
         "pre_excess_t": pre_t[best], "peer_pre_excess_t": peer_t[best],
         "mean_excess_frac": emean[best], "excess_positive_frac": epos[best], "excess_t": et[best],
-        "peer_excess_t": peer_et[best], "cpu_throttled_frac": thr[best], "peer_cpu_throttled_frac": peer_thr[best],
+        "peer_excess_t": peer_et[best], "median_comm_excess_frac": cmed[best], "cpu_throttled_frac": thr[best],
+        "peer_cpu_throttled_frac": peer_thr[best],
         "cpu_wait_frac": waited[best], "peer_cpu_wait_frac": peer_waited[best],
     })
     return out[columns]
@@ -377,13 +385,14 @@ def _window_figures(column: Callable[[str, str], np.ndarray], win_start: np.ndar
     """``straggler_scores``' figures of the windows where ``todo`` holds (NaN elsewhere): each window's medians and
     shares of its steps (``med``, ``pos``, ``pmed``, ``ppos``), the persistence t and its peers' largest
     (``pre_t``, ``peer_t``), its mean excess, share positive, spread and count (``emean``, ``epos``, ``own_sd``,
-    ``k_exc``), and its CPU throttle and wait shares and the peers' largest. ``column(name, dtype)``: the lateness
+    ``k_exc``), the median of its communication excess (``cmed``), and its CPU throttle and wait shares and the
+    peers' largest. ``column(name, dtype)``: the lateness
     column in (group, rank, step) order; ``span``: each window's (group, steps) code (``todo`` holds every window
     of a span or none)."""
     sel = np.flatnonzero(todo)
     out = {name: np.full(len(todo), np.nan) for name in ("med", "pos", "pmed", "ppos", "pre_t", "peer_t", "emean",
-                                                           "epos", "own_sd", "k_exc", "thr", "peer_thr", "waited",
-                                                           "peer_waited")}
+                                                           "epos", "own_sd", "k_exc", "cmed", "thr", "peer_thr",
+                                                           "waited", "peer_waited")}
     if not len(sel):
         return out
     starts, lengths, key = win_start[sel], wlen[sel], span[sel]
@@ -395,7 +404,8 @@ def _window_figures(column: Callable[[str, str], np.ndarray], win_start: np.ndar
     part = {"med": med, "pos": (frac > LATE_TIE_FRAC).sum(axis=1) / lengths, "pmed": pmed,
             "ppos": (pre > 0).sum(axis=1) / lengths, "pre_t": pre_t, "peer_t": _peer_max(pre_t, None, key=key),
             "emean": _nanmean_rows(exc), "epos": (exc > LATE_TIE_FRAC).sum(axis=1) / lengths, "own_sd": _std_rows(exc),
-            "k_exc": (~np.isnan(exc)).sum(axis=1)}
+            "k_exc": (~np.isnan(exc)).sum(axis=1),
+            "cmed": _nanmedian_rows(_windows(column("comm_excess_frac", "float64"), starts, lengths))}
     for name, peer, given in (("thr", "peer_thr", with_throttle), ("waited", "peer_waited", with_wait)):
         if given:
             source = "cpu_throttled_frac" if name == "thr" else "cpu_wait_frac"
@@ -532,16 +542,18 @@ def _peer_max(values: np.ndarray, windows: pd.DataFrame | None, *, key: np.ndarr
 
 
 def _persistent(med: np.ndarray, pmed: np.ndarray, pre_t: np.ndarray, peer_t: np.ndarray, pover: np.ndarray,
-                emean: np.ndarray, epos: np.ndarray, *, min_lateness_frac: float, min_t: float,
+                emean: np.ndarray, epos: np.ndarray, cmed: np.ndarray, *, min_lateness_frac: float, min_t: float,
                 min_t_over_peers: float, min_over_noise: float) -> np.ndarray:
     """The persistence view: median data+fwd excess at least ``min_lateness_frac`` of the step, ``min_t``
     standard errors above zero and ``min_t_over_peers`` x any peer's (a peer's non-positive value does not block),
     at least ``min_over_noise`` x the peers' excess noise (unknown noise does not block), a positive median
-    lateness (it does arrive late), and not below its group's median lateness on average while above it in fewer
-    than ``MIN_PERSISTENT_LATER_FRAC`` of the steps (``emean``, ``epos``; unknown does not block)."""
+    lateness (it does arrive late), not below its group's median lateness on average while above it in fewer
+    than ``MIN_PERSISTENT_LATER_FRAC`` of the steps (``emean``, ``epos``; unknown does not block), and less time
+    in the group's collectives than its peers (``cmed`` < 0, the median of ``comm_excess_frac``; unknown does not
+    block): the peers of a rank whose own work is longer wait for it there, and it does not wait for them."""
     return ((pmed >= min_lateness_frac) & (med > 0) & (pre_t >= min_t)
             & ~(pre_t < min_t_over_peers * np.maximum(peer_t, 0)) & ~(pover < min_over_noise)
-            & ~((emean < 0) & (epos < MIN_PERSISTENT_LATER_FRAC)))
+            & ~((emean < 0) & (epos < MIN_PERSISTENT_LATER_FRAC)) & ~(cmed >= 0))
 
 
 MAX_PEERS_EXCLUDED = 16
@@ -1169,7 +1181,8 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
             col("median_lateness_frac"), col("median_pre_excess_frac"), col("pre_excess_t"),
             col("peer_pre_excess_t"), col("pre_excess_over_noise"),
             *(col(c) if c in scores else np.full(len(scores), np.nan)
-              for c in ("mean_excess_frac", "excess_positive_frac")), min_lateness_frac=min_lateness_frac,
+              for c in ("mean_excess_frac", "excess_positive_frac", "median_comm_excess_frac")),
+            min_lateness_frac=min_lateness_frac,
             min_t=min_pre_excess_t, min_t_over_peers=min_pre_excess_t_over_peers,
             min_over_noise=min_persistent_pre_over_noise), index=scores.index)
     if "excess_t" in scores:
@@ -1335,6 +1348,7 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
             "excess_positive_frac": _opt_float(getattr(row, "excess_positive_frac", None)),
             "excess_t": _opt_float(getattr(row, "excess_t", None)),
             "peer_excess_t": _opt_float(getattr(row, "peer_excess_t", None)),
+            "median_comm_excess_frac": _opt_float(getattr(row, "median_comm_excess_frac", None)),
             "cpu_throttled_frac": _opt_float(getattr(row, "cpu_throttled_frac", None)),
             "peer_cpu_throttled_frac": _opt_float(getattr(row, "peer_cpu_throttled_frac", None)),
             "cpu_wait_frac": _opt_float(getattr(row, "cpu_wait_frac", None)),

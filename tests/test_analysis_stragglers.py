@@ -64,9 +64,9 @@ def test_rank_lateness_compares_each_ranks_time_in_the_groups_collectives_with_i
     steps = frame_from_rows("steps", [{"rank": r, "step": 1, "start_ns": T0 - 60 * MS, "end_ns": T0 + 140 * MS}
                                       for r in range(3)])
     late = st.rank_lateness(coll, steps).set_index("rank")
-    # in them: rank 0 100 + 10 = 110 ms; rank 1 the union of 10-100 and 90-120, 110 ms; rank 2 60 + 5 = 65 ms;
-    # each minus the median of the other two
-    assert late["comm_excess_frac"].to_dict() == pytest.approx({0: 22.5 / 200, 1: 22.5 / 200, 2: -45 / 200})
+    # in them: rank 0 100 + 10 = 110 ms, rank 1 90 + 30 = 120 ms, rank 2 60 + 5 = 65 ms; each minus the median
+    # of the other two
+    assert late["comm_excess_frac"].to_dict() == pytest.approx({0: 17.5 / 200, 1: 32.5 / 200, 2: -50 / 200})
     # a member still in a collective: its group's step is not compared
     coll.loc[(coll["rank"] == 1) & (coll["seq"] == 2), "end_ns"] = None
     assert st.rank_lateness(coll, steps)["comm_excess_frac"].isna().all()

@@ -17,7 +17,6 @@ from dtprobe.analysis.clocks import DEVICE, HOST
 from dtprobe.analysis.tables import (P2P_OPS, attempts_of, coded_rows, coded_text, completing_attempts,
                                      frame_group_codes, group_members, lookup_group_codes, p2p_pairs, run_starts,
                                      step_durations)
-from dtprobe.intervals import union_length_by_group
 from dtprobe.store.columns import require_columns
 
 CLOCK_COLUMNS = ["pg", "pg_ranks", "clock"]
@@ -311,9 +310,9 @@ def rank_lateness(collectives: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFram
     """Per (group, step, member rank): how much later than the median of its peers the rank arrived, at the
     step's collective where it was latest (``lateness_ns``, negative when early), as a share of the group's
     step time; the mean wait it imposed on its peers there (``victims_wait_ns``); whether it was the last to
-    arrive; and its time with a collective of the group in flight in that step minus its peers' median
+    arrive; and its time in the group's collectives of that step (their durations summed) minus its peers' median
     (``comm_excess_frac``, a share of the step: negative for a rank its peers wait for, which waits less than they
-    do). Complete non-p2p collectives of steps >= 0 only; a step redone after a torchrun restart is read from
+    do; NaN when a member has a collective without an end). Complete non-p2p collectives of steps >= 0 only; a step redone after a torchrun restart is read from
     the attempt that redid it (``completing_attempts``). Columns: ``LATENESS_COLUMNS``."""
     require_columns(collectives, _COLL_COLUMNS, table="collectives")
     collectives, steps = completing_attempts(collectives), completing_attempts(steps)
@@ -325,17 +324,19 @@ def rank_lateness(collectives: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFram
     seq, rank = c["seq"].to_numpy(dtype="int64"), c["rank"].to_numpy(dtype="int64")
     keep = ~pd.DataFrame({"code": code, "seq": seq, "rank": rank}).duplicated().to_numpy()   # first row per member
     enq, step = c["enqueue_ns"].to_numpy(dtype="int64")[keep], c["step"].to_numpy(dtype="int64")[keep]
-    end = c["end_ns"].to_numpy(dtype="float64", na_value=np.nan)[keep]
+    ended = c["end_ns"].notna().to_numpy()[keep]
+    end = c["end_ns"].to_numpy(dtype="int64", na_value=0)[keep]
     code, seq, rank = code[keep], seq[keep], rank[keep]
     order = np.lexsort((enq, seq, code))                 # by collective, then arrival
-    code, seq, rank, enq, step, end = code[order], seq[order], rank[order], enq[order], step[order], end[order]
+    code, seq, rank, enq, step = code[order], seq[order], rank[order], enq[order], step[order]
+    dur = np.where(ended[order], np.clip(end[order] - enq, 0, None), np.nan)    # exact in int64, then float
     coll = np.cumsum(run_starts(code, seq)) - 1
     n = np.bincount(coll)[coll]
     members = np.array([len(group_members(p)) for p in pr_names], dtype="int64")[code]
     complete = (n >= 2) & ((members == 0) | (n >= members))
     if not complete.any():
         return pd.DataFrame({col: [] for col in LATENESS_COLUMNS})
-    code, seq, rank, enq, step, end, n = (v[complete] for v in (code, seq, rank, enq, step, end, n))
+    code, seq, rank, enq, step, dur, n = (v[complete] for v in (code, seq, rank, enq, step, dur, n))
     start = np.flatnonzero(run_starts(code, seq))
     coll = np.cumsum(run_starts(code, seq)) - 1
     pos = np.arange(len(code)) - start[coll]
@@ -344,12 +345,16 @@ def rank_lateness(collectives: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFram
     lateness = x - _median_of_others_sorted(x, start[coll], pos, n)
     before = pd.Series(rel).groupby(coll).cumsum().to_numpy() - rel
     victims = (pos * x - before) / (n - 1)
-    # Per (group, step, rank): its collective with the largest lateness (the first of equals).
-    top = np.lexsort((np.arange(len(code)), -lateness, rank, step, code))
-    top = top[run_starts(code[top], step[top], rank[top])]
-    top = top[np.lexsort((step[top], rank[top], code[top]))]
+    # Per (group, step, rank): its collective with the largest lateness (the first of equals), and its time in the
+    # group's collectives: their durations summed (NaN when one has no end: still in it, or lost with its rank)
+    by_key = np.lexsort((np.arange(len(code)), -lateness, rank, step, code))
+    first = run_starts(code[by_key], step[by_key], rank[by_key])
+    top = by_key[first]
+    comm = np.add.reduceat(dur[by_key], np.flatnonzero(first))
+    comm_excess = comm - _median_of_others_grouped(comm, np.cumsum(run_starts(code[top], step[top])) - 1)
+    by_rank = np.lexsort((step[top], rank[top], code[top]))
+    top, comm_excess = top[by_rank], comm_excess[by_rank]
     step_ns = _group_step_ns(pr_names, code[top], step[top], steps)
-    comm_excess = _comm_excess_ns(code, step, rank, enq, end, top)
     out = pd.DataFrame({
         "pg": pg_names.take(code[top]), "pg_ranks": pr_names.take(code[top]), "step": step[top], "rank": rank[top],
         "lateness_ns": lateness[top], "victims_wait_ns": victims[top], "is_last": (pos == n - 1)[top],
@@ -358,23 +363,6 @@ def rank_lateness(collectives: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFram
         "comm_excess_frac": comm_excess / step_ns,
     })
     return out[LATENESS_COLUMNS]
-
-
-def _comm_excess_ns(code: np.ndarray, step: np.ndarray, rank: np.ndarray, enq: np.ndarray, end: np.ndarray,
-                    top: np.ndarray) -> np.ndarray:
-    """Per (group, step, rank) of the rows ``top`` (one row of each): the union of its collectives' [enqueue, end]
-    spans in that group and step, minus the median of its peers' (NaN when one of them has a collective without
-    an end: a rank still in one, or a row lost with a killed rank)."""
-    key = pd.DataFrame({"code": code, "step": step, "rank": rank})
-    gid = key.groupby(["code", "step", "rank"], sort=False).ngroup().to_numpy(dtype="int64")
-    num = int(gid.max()) + 1
-    done = ~np.isnan(end)
-    comm = union_length_by_group(gid[done], enq[done], np.maximum(end[done], enq[done]).astype("int64"),
-                                 num_groups=num).astype("float64")
-    comm[np.bincount(gid[~done], minlength=num) > 0] = np.nan
-    mine = comm[gid[top]]
-    return mine - _median_of_others_grouped(mine, key.groupby(["code", "step"], sort=False).ngroup()
-                                            .to_numpy(dtype="int64")[top])
 
 
 def _median_of_others_sorted(x: np.ndarray, start: np.ndarray, pos: np.ndarray, n: np.ndarray) -> np.ndarray:

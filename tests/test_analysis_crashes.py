@@ -88,6 +88,51 @@ def test_a_rank_the_oom_killer_ended_is_out_of_memory_with_the_kernels_line_as_e
     assert (f.evidence["cause"], f.evidence["oom_kill"]) == ("killed_by_signal", None)
 
 
+@pytest.mark.parametrize("fails_after_s, hang", [(2.0, False), (90.0, True)])
+def test_a_rank_alive_in_a_stall_that_then_fails_on_its_own_is_a_crash_unless_it_was_stuck_longer_than_a_hang(
+        tmp_path, fails_after_s, hang):
+    # rank 1 stops entering collectives at 330 ms (its DataLoader waits for a worker the OOM killer ended) while
+    # its sampler shows it alive; rank 0 waits in all-reduce #4 from 360 ms. Rank 1 raises after 2 s: its crash,
+    # with that wait; raising only after 90 s (more than the 60-s hang timeout) it was stuck: a HANG
+    fail_ns = T0 + 360 * MS + int(fails_after_s * S)
+    rows = lockstep_tables(world=2, num_steps=6)
+    stall_rank(rows, 1, T0 + 330 * MS, until_ns=fail_ns, close=("crashed", "exception"))
+    stall_rank(rows, 0, T0 + 360 * MS, until_ns=fail_ns + 200 * MS, close=("crashed", "SIGTERM"))
+    rows["pending"] = [pending_row(0, step=3, seq=4, t_ns=T0 + 360 * MS)]
+    error = {"type": "RuntimeError", "message": "DataLoader worker (pid(s) 4321) exited unexpectedly",
+             "traceback": None}
+    att = [_attempt(0, "failed", [{"rank": 1, "exit_code": 1, "first_failure": True, "error": error,
+                                   "time_ns": fail_ns},
+                                  {"rank": 0, "exit_code": -15, "signal": "SIGTERM", "time_ns": fail_ns + 200 * MS}],
+                    ended=fail_ns + 200 * MS)]
+    a = RunAnalysis.open(write_rows_run(tmp_path / "run", rows, world_size=2, status="crashed", attempts=att))
+    assert [f.ranks for f in _codes(a, "HANG")] == ([(1,)] if hang else [])
+    [crash] = _codes(a, "RANK_CRASH")
+    assert (crash.ranks, crash.evidence["cause"]) == ((1,), "user_exception")
+    if not hang:                          # the wait it imposed is in its crash: until torchrun stopped rank 0
+        [w] = crash.evidence["waited_at"]
+        assert (w["seq"], w["arrived_ranks"], w["waited_s"]) == (4, [0], pytest.approx(2.2, abs=0.06))
+
+
+@pytest.mark.parametrize("signal, oom_kill, cause, advice", [
+    ("Killed", None, "killed_by_signal", "A DataLoader worker of rank 1 was killed (SIGKILL), most often by the "
+                                          "kernel's OOM killer"),
+    ("Killed", "its DataLoader worker 4321: Memory cgroup out of memory: Killed process 4321 (pt_data_worker)",
+     "out_of_memory", "The kernel's OOM killer ended a DataLoader worker of rank 1"),
+    ("Bus error", None, "out_of_memory", "A DataLoader worker of rank 1 died of a bus error: its shared memory "
+                                         "(/dev/shm) is too small")])
+def test_a_rank_whose_dataloader_worker_died_is_classed_by_how_the_worker_died(tmp_path, signal, oom_kill, cause,
+                                                                               advice):
+    rows, att, _ = _killed_rank1_at_step3(restart=False, attempts=True)
+    error = {"type": "RuntimeError", "message": f"DataLoader worker (pid 4321) is killed by signal: {signal}. ",
+             "traceback": None}
+    att[0]["ranks"][0].update(exit_code=1, signal=None, error=error, **({"oom_kill": oom_kill} if oom_kill else {}))
+    [f] = _codes(RunAnalysis.open(write_rows_run(tmp_path / "run", rows, world_size=2, status="crashed",
+                                                 attempts=att)), "RANK_CRASH")
+    assert (f.ranks, f.evidence["cause"], f.evidence["oom_kill"]) == ((1,), cause, oom_kill)
+    assert f.recommendation.startswith(advice), f.recommendation
+
+
 def test_a_killed_rank_whose_exit_status_torchrun_never_reported_is_still_the_crash_not_a_hang(tmp_path):
     # the launcher saw rank 1's process go (its exit time) but torchrun reported no status for it and named no
     # first failure; rank 0 raised on the dead peer (closed crashed, "exception") before torchrun's SIGTERM

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -74,8 +75,7 @@ def test_a_memory_cgroup_whose_oom_kill_count_grew_while_the_worker_ran_is_the_e
     assert oom_kills.memory_cgroup(os.getpid(), root=tmp_path / "none") is None     # no such controller files
 
 
-def test_the_exit_watcher_keeps_the_oom_evidence_of_a_worker_that_died_on_sigkill_only(tmp_path, start_python,
-                                                                                        monkeypatch):
+def test_the_exit_watcher_keeps_the_oom_evidence_of_the_workers_that_failed(tmp_path, start_python, monkeypatch):
     log_dir = tmp_path / "node0"
     cgroups = {}
 
@@ -88,29 +88,33 @@ def test_the_exit_watcher_keeps_the_oom_evidence_of_a_worker_that_died_on_sigkil
     monkeypatch.setattr(attempts, "memory_cgroup", cgroup_of)
     monkeypatch.setattr(oom_kills, "KMSG", str(tmp_path / "no-kmsg"))
     killed = start_python("import time; time.sleep(60)")
-    exited = start_python("import sys; sys.stdin.readline(); sys.exit(3)", stdin=__import__("subprocess").PIPE)
-    for local_rank, proc in enumerate((killed, exited)):
+    exited = start_python("import sys; sys.stdin.readline(); sys.exit(3)", stdin=subprocess.PIPE)
+    clean = start_python("import sys; sys.stdin.readline()", stdin=subprocess.PIPE)
+    for local_rank, proc in enumerate((killed, exited, clean)):
         d = log_dir / "run_abc" / "attempt_0" / str(local_rank)
         d.mkdir(parents=True)
         (d / "worker.json").write_text(json.dumps({"rank": local_rank, "pid": proc.pid, "started_ns": time.time_ns()}))
     watcher = attempts.ExitWatcher(log_dir, interval_s=0.02, scan_interval_s=0.02).start()
     try:
         deadline = time.monotonic() + 30
-        while len(cgroups) < 2:
-            assert time.monotonic() < deadline, "the watcher did not find both workers"
+        while len(cgroups) < 3:
+            assert time.monotonic() < deadline, "the watcher did not find the workers"
             time.sleep(0.01)
-        for pid in cgroups:                 # the kernel counts a kill in both cgroups; only a SIGKILL was one
+        for pid in cgroups:                 # the kernel counted a kill in each cgroup while its worker ran
             (cgroups[pid] / "memory.events").write_text("oom_kill 1\n")
         os.kill(killed.pid, signal.SIGKILL)
-        exited.stdin.write(b"go\n")
-        exited.stdin.flush()
-        while len(watcher.observed()) < 2:
-            assert time.monotonic() < deadline, "the watcher did not see both exits"
+        for proc in (exited, clean):
+            proc.stdin.write(b"go\n")
+            proc.stdin.flush()
+        while len(watcher.observed()) < 3:
+            assert time.monotonic() < deadline, "the watcher did not see the exits"
             time.sleep(0.01)
     finally:
         watcher.stop()
+    # a SIGKILL, and an error exit (a rank raising over a DataLoader worker the OOM killer ended); not a clean exit
     assert watcher.oom_kills() == {
-        killed.pid: f"its memory cgroup {cgroups[killed.pid]} counted 1 OOM kill(s) while it ran (oom_kill 1)"}
+        proc.pid: f"its memory cgroup {cgroups[proc.pid]} counted 1 OOM kill(s) while it ran (oom_kill 1)"
+        for proc in (killed, exited)}
 
 
 def test_attempts_carry_the_oom_kill_of_a_sigkilled_rank_but_not_of_one_the_agent_stopped(tmp_path, monkeypatch):
@@ -140,3 +144,45 @@ def test_attempts_carry_the_oom_kill_of_a_sigkilled_rank_but_not_of_one_the_agen
     monkeypatch.setattr(oom_kills, "KMSG", str(kmsg))
     [a] = read_attempts(log_dir, log, node_rank=0, nproc=2, final=True, exit_code=1, ended_ns=t0 + 6 * 10**9)
     assert {r["rank"]: r.get("oom_kill") for r in a["ranks"]} == {0: None, 1: _kill_line(101)}
+
+
+def test_a_rank_that_raised_because_the_oom_killer_ended_its_dataloader_worker_carries_that_kill(tmp_path,
+                                                                                                 monkeypatch):
+    log_dir, t0 = tmp_path / "node0", 1_790_000_000_000_000_000
+    d = log_dir / "run_abc" / "attempt_0" / "0"
+    d.mkdir(parents=True)
+    (d / "worker.json").write_text(json.dumps({"rank": 0, "pid": 100, "started_ns": t0}))
+    (d / "error.json").write_text(json.dumps({"message": {
+        "message": "RuntimeError: DataLoader worker (pid 4444) is killed by signal: Killed. ",
+        "extraInfo": {"py_callstack": "Traceback ...", "timestamp": "1"}}}))
+    log = tmp_path / "torchrun.log"
+    log.write_text("")
+    kmsg = tmp_path / "kmsg"
+    kmsg.write_text(_record(time.time_ns(), _kill_line(4444), 1))
+    monkeypatch.setattr(oom_kills, "KMSG", str(kmsg))
+    [a] = read_attempts(log_dir, log, node_rank=0, nproc=1, final=True, exit_code=1, ended_ns=t0 + 6 * 10**9,
+                        observed={100: (t0 + 5 * 10**9, 1)})
+    [entry] = a["ranks"]
+    assert (entry["exit_code"], entry["oom_kill"]) == (1, f"its DataLoader worker 4444: {_kill_line(4444)}")
+    # the kernel log unreadable: the rank's memory cgroup counted the kill while it ran
+    monkeypatch.setattr(oom_kills, "KMSG", str(tmp_path / "no-kmsg"))
+    cgroup_said = "its memory cgroup /sys/fs/cgroup/memory/job counted 1 OOM kill(s) while it ran (oom_kill 1)"
+    [a] = read_attempts(log_dir, log, node_rank=0, nproc=1, final=True, exit_code=1, ended_ns=t0 + 6 * 10**9,
+                        observed={100: (t0 + 5 * 10**9, 1)}, oom_kills={100: cgroup_said})
+    assert a["ranks"][0]["oom_kill"] == f"its DataLoader worker(s) 4444 died, and {cgroup_said}"
+    # neither: nothing is claimed
+    [a] = read_attempts(log_dir, log, node_rank=0, nproc=1, final=True, exit_code=1, ended_ns=t0 + 6 * 10**9,
+                        observed={100: (t0 + 5 * 10**9, 1)})
+    assert "oom_kill" not in a["ranks"][0]
+
+
+def test_the_dataloader_worker_message_gives_its_pids_and_signal():
+    from dtprobe.stack_frames import DATALOADER_WORKER_DIED, dataloader_worker_pids
+
+    assert dataloader_worker_pids("RuntimeError: DataLoader worker (pid 31667) is killed by signal: Killed. ") == [
+        31667]
+    assert dataloader_worker_pids("DataLoader worker (pid(s) 12, 13) exited unexpectedly") == [12, 13]
+    assert dataloader_worker_pids("DataLoader worker (pid 5) exited unexpectedly with exit code 1. Details") == [5]
+    assert dataloader_worker_pids("RuntimeError: CUDA error") == [] and dataloader_worker_pids(None) == []
+    said = DATALOADER_WORKER_DIED.search("DataLoader worker (pid 9) is killed by signal: Bus error. ")
+    assert said.group("signal") == "Bus error"

@@ -16,7 +16,7 @@ from dtprobe.analysis.findings import Finding
 from dtprobe.analysis.liveness import (CONSEQUENCE_REASONS, WATCHDOG_EXIT_CODE, Activity, exited_after,
                                       first_sigterm_ns, is_missing, is_own_failure)
 from dtprobe.analysis.phases import phase_at
-from dtprobe.stack_frames import FRAME, location
+from dtprobe.stack_frames import DATALOADER_WORKER_DIED, FRAME, location
 from dtprobe.store.columns import require_columns
 
 CRASH_COLUMNS = [
@@ -78,6 +78,11 @@ def classify_cause(*, exit_code: Any, signal: Any, error_type: Any, error_messag
     launcher's evidence that the kernel's OOM killer sent its SIGKILL (``runtime.oom_kills``)."""
     if not is_missing(oom_kill) and oom_kill:
         return "out_of_memory"
+    died = DATALOADER_WORKER_DIED.search(" ".join(str(x) for x in (error_type, error_message) if not is_missing(x)))
+    if died and died.group("signal") in ("Killed", "Bus error"):
+        # a worker process of its DataLoader was killed (most often by the OOM killer) or hit a bus error (its
+        # shared memory, /dev/shm, too small for the batches in flight)
+        return "out_of_memory" if died.group("signal") == "Bus error" else "killed_by_signal"
     text = " ".join(str(x) for x in (error_type, error_message) if not is_missing(x))
     own_end = (str(signal) in SELF_SIGNALS if not is_missing(signal)
                else not is_missing(exit_code) and int(exit_code) > 0)
@@ -393,6 +398,18 @@ def _advice(cause: str, rank: int, *, signal: Any = None, said: str = "", oom_ki
                 f"peers issued another collective or another size at the same point, so one rank skipped or "
                 f"reordered a collective (a branch on the rank or the data, a parameter without a gradient). "
                 f"Compare the ranks' code paths before this step; the network is not at fault.")
+    died = DATALOADER_WORKER_DIED.search(said)
+    if died and oom_killed:
+        return (f"The kernel's OOM killer ended a DataLoader worker of rank {rank}: the rank's processes went over "
+                f"the memory limit of its machine or container. Lower num_workers or prefetch_factor, or find what "
+                f"grows in the workers (a dataset of Python objects each worker copies as it reads them).")
+    if died and died.group("signal") == "Bus error":
+        return (f"A DataLoader worker of rank {rank} died of a bus error: its shared memory (/dev/shm) is too small "
+                f"for the batches in flight. Give the container more (docker --shm-size, a memory-backed emptyDir "
+                f"on Kubernetes) or lower num_workers or prefetch_factor.")
+    if died and died.group("signal") == "Killed":
+        return (f"A DataLoader worker of rank {rank} was killed (SIGKILL), most often by the kernel's OOM killer "
+                f"(dmesg says so): lower num_workers or prefetch_factor, or find what grows in the workers' memory.")
     if oom_killed:
         return (f"The kernel's OOM killer ended rank {rank}: its process went over the memory limit of its machine "
                 f"or container (host memory). Look for what grows in it (tensors kept across steps, dataloader "

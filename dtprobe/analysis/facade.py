@@ -785,8 +785,8 @@ class RunAnalysis:
             collectives=self._failure_collectives("unfinished"), last_seen=self.last_seen(), activity=self.activity(),
             exits=self.rank_exits(), nodes={r.rank: r.node_rank for r in self.info.ranks},
             starts=self.attempt_starts(), crash_events=self.crash_events(), num_restarts=len(self.restarts()),
-            injected_crash_ranks=injected_ranks(self.table("faults"), "crash"), axis_of_pg=self.group_axis)
-            if self.info.whole_record else [])
+            injected_crash_ranks=injected_ranks(self.table("faults"), "crash"), axis_of_pg=self.group_axis,
+            hang_ns=int(self.options.hang_timeout_s * 1e9)) if self.info.whole_record else [])
 
     # ------------------------------------------------------------------------------------------ throughput
 

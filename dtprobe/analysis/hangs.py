@@ -17,7 +17,7 @@ from dtprobe.analysis.arrivals import ATTEMPT_SEQ_STRIDE
 from dtprobe.analysis.clocks import HOST
 from dtprobe.analysis.fault_detail import fault_detail, split_injected
 from dtprobe.analysis.findings import Finding
-from dtprobe.analysis.liveness import Activity, attempt_at, liveness
+from dtprobe.analysis.liveness import Activity, attempt_at, exit_of, is_own_failure, liveness
 from dtprobe.analysis.stragglers import SKEW_COLUMNS
 from dtprobe.analysis.tables import P2P_OPS, axis_of, coded_rows, group_members, group_phrase, ranks_phrase, text_or
 from dtprobe.stack_frames import FRAME, is_library, location
@@ -186,10 +186,13 @@ def detect_hangs(missing: pd.DataFrame, faults: pd.DataFrame | None, *, last_see
                  axis_of_pg: Callable[[str], str | None] = axis_of, activity: Activity | None = None,
                  exits: pd.DataFrame | None = None, nodes: dict[int, int] | None = None,
                  skip_groups: frozenset = frozenset(), starts: list[int] = (),
-                 open_since: dict[int, list[int]] | None = None) -> list[Finding]:
+                 open_since: dict[int, list[int]] | None = None, own_failure_within_ns: int = 0) -> list[Finding]:
     """HANG for each stall (``missing_arrivals`` / ``stalls`` rows) with the liveness of every stuck rank
     (``liveness.liveness``). Not a HANG: a stall whose missing ranks are all ``dead`` (RANK_CRASH reports it, with
-    this wait), one every member entered while a member died, one whose missing ranks are all themselves stuck
+    this wait), or dead or, alive outside any collective, ended by their own failure within
+    ``own_failure_within_ns`` of the stall (on their way to that failure: a DataLoader whose worker died, an
+    exception after a slow operation; RANK_CRASH reports it; a rank waiting in a collective that then times out is
+    a hang's), one every member entered while a member died, one whose missing ranks are all themselves stuck
     in another stall (a chain: its root is reported), one every member entered that shares a rank with a stall
     whose missing rank is neither waiting nor dead (a stopped rank also freezes the other groups it was in), and
     a group in ``skip_groups`` ((pg, pg_ranks) pairs that COLLECTIVE_MISMATCH explains). ``cause`` is
@@ -222,6 +225,13 @@ def detect_hangs(missing: pd.DataFrame, faults: pd.DataFrame | None, *, last_see
                                      activity=activity, exits=exits, peers=[p for p in everyone if p != m],
                                      starts=starts)
                          for m in everyone})
+    def failed_soon(m: int, r) -> bool:       # its own failure ended it soon after the stall began
+        since = int(r.first_enqueue_ns)
+        ex = exit_of(exits, m, attempt_at(starts, since)[0])
+        t = None if ex is None else ex.get("exit_ns") or ex.get("close_ns")
+        return (ex is not None and t is not None and is_own_failure(ex)
+                and since <= int(t) <= since + own_failure_within_ns)
+
     roots = [i for i, r in enumerate(rows) if set(_ints(r.missing_ranks)) - blocked]
     # Ranks of a stall whose missing rank is stopped or busy (neither waiting nor dead): every collective
     # they entered afterwards and nobody finished is stuck behind it (the members that could finish it wait in
@@ -232,7 +242,7 @@ def detect_hangs(missing: pd.DataFrame, faults: pd.DataFrame | None, *, last_see
         miss, waiters, live = _ints(r.missing_ranks), sorted(waiters_of[i]), verdicts[i]
         if (r.pg, r.pg_ranks) in skip_groups:
             continue
-        if miss and all(live[m] == "dead" for m in miss):
+        if miss and all(live[m] == "dead" or (live[m] == "alive" and failed_soon(m, r)) for m in miss):
             continue                                  # they died: RANK_CRASH reports it (with this wait)
         if not miss and any(v == "dead" for v in live.values()):
             continue                                  # a member died inside it: RANK_CRASH

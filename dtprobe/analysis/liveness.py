@@ -204,7 +204,7 @@ def liveness(rank: int, since_ns: int, *, in_collective: bool, activity: Activit
     restart, until = attempt_at(starts, since_ns)
     if activity is not None and activity.alive_after(rank, since_ns, until_ns=until):
         return "waiting" if in_collective else "alive"
-    ex = _exit_of(exits, rank, restart)
+    ex = exit_of(exits, rank, restart)
     if ex is not None and is_own_failure(ex):
         return "dead"
     if (ex is not None and ex.get("closed") is False and ex.get("exit_ns") is not None
@@ -214,7 +214,7 @@ def liveness(rank: int, since_ns: int, *, in_collective: bool, activity: Activit
             and int(ex["close_ns"]) <= since_ns + EXITED_AT_STALL_NS):
         return "dead"                     # closed on torchrun's SIGTERM as the stall began: another rank had died
     if ex is not None and ex.get("closed") is False:
-        peer_exits = [_exit_of(exits, p, restart) or {} for p in peers]
+        peer_exits = [exit_of(exits, p, restart) or {} for p in peers]
         peer_reasons = {x.get("reason") for x in peer_exits}
         if ("SIGTERM" in peer_reasons and "watchdog" not in peer_reasons
                 and not exited_after(ex, first_sigterm_ns(peer_exits))):
@@ -244,7 +244,7 @@ def exited_after(ex: dict, sigterm_ns: int | None) -> bool:
     return int(ex["exit_ns"]) > sigterm_ns
 
 
-def _exit_of(exits: pd.DataFrame | None, rank: int, restart: int) -> dict | None:
+def exit_of(exits: pd.DataFrame | None, rank: int, restart: int) -> dict | None:
     """How ``rank``'s incarnation of attempt ``restart`` ended (None when unknown)."""
     if exits is None or exits.empty:
         return None

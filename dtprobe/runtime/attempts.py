@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from dtprobe.runtime.oom_kills import kernel_oom_kill, memory_cgroup, oom_evidence, oom_kill_count
-from dtprobe.stack_frames import FRAME, is_library
+from dtprobe.stack_frames import FRAME, dataloader_worker_pids, is_library
 
 WORKER_FILE = "worker.json"
 """Name of the worker's own record beside its error file (``runtime.worker.WORKER_FILE``)."""
@@ -211,8 +211,9 @@ class ExitWatcher:
     wake-ups cost them CPU. It looks for new workers every ``scan_interval_s`` only until every local rank of the
     newest attempt has written its pid, and again once none of them is alive (a restart brings a new attempt).
     Without pidfds (another OS, an old kernel) it checks each worker in ``/proc`` every ``interval_s``.
-    ``oom_kills()``: pid -> what says the kernel's OOM killer ended it (``oom_kills.oom_evidence``), for the workers
-    that exited on SIGKILL: the memory cgroup of each worker and its ``oom_kill`` count are read when it is found."""
+    ``oom_kills()``: pid -> what says the kernel's OOM killer ended it or a process of its cgroup (its DataLoader
+    workers) while it ran (``oom_kills.oom_evidence``), for the workers that exited with a failure: the memory
+    cgroup of each worker and its ``oom_kill`` count are read when it is found."""
 
     def __init__(self, log_dir: Path, *, interval_s: float = 0.05, scan_interval_s: float = 0.25) -> None:
         self.log_dir = log_dir
@@ -322,7 +323,7 @@ class ExitWatcher:
             if exited:
                 self._alive.discard(pid)
                 oom = None
-                if code == -signal.SIGKILL:
+                if code not in (None, 0):           # a SIGKILL, or an error over a killed DataLoader worker
                     since_ns, cgroup = self._memory.get(pid, (None, None))
                     oom = oom_evidence(pid, since_ns=since_ns, cgroup=cgroup)
                 with self._lock:
@@ -413,7 +414,9 @@ def _rank_entry(local_rank: int, info: dict[str, Any] | None, error: dict[str, s
     that failed on its own (a non-zero exit the agent did not cause) without an error file gets the last lines
     of its stderr (``worker_dir``'s ``stderr.log``: an exit in argparse, a ``sys.exit``, an abort). One that died on
     a SIGKILL the agent did not send gets ``oom_kill`` when the kernel's OOM killer ended it (``oom_kills``: the
-    exit watcher's evidence, else the kernel log read now)."""
+    exit watcher's evidence, else the kernel log read now); so does one that raised because a worker process of its
+    DataLoader died, when the OOM killer ended that one (the kernel log names its pid, or the rank's memory cgroup
+    counted a kill while it ran)."""
     pid = info.get("pid") if info else None
     first = ev.first_failure is not None and ev.first_failure[1] == local_rank and (
         pid is None or ev.first_failure[2] == pid)
@@ -455,10 +458,20 @@ def _rank_entry(local_rank: int, info: dict[str, Any] | None, error: dict[str, s
         tail = stderr_tail(worker_dir / STDERR_FILE)
         if tail:
             entry["stderr_tail"] = tail
+    since_ns, seen_oom = (info.get("started_ns") if info else None), (oom_kills or {}).get(pid)
+    oom = None
     if sig == "SIGKILL" and pid is not None and pid not in ev.closed:
-        oom = (oom_kills or {}).get(pid) or kernel_oom_kill(pid, since_ns=info.get("started_ns") if info else None)
-        if oom:
-            entry["oom_kill"] = oom
+        oom = seen_oom or kernel_oom_kill(pid, since_ns=since_ns)
+    elif error is not None and exit_code not in (None, 0):
+        data_workers = dataloader_worker_pids(f"{error.get('type')}: {error.get('message')}")
+        said = [(w, kernel_oom_kill(w, since_ns=since_ns)) for w in data_workers]
+        said = [f"its DataLoader worker {w}: {line}" for w, line in said if line]
+        if said:
+            oom = "; ".join(said)
+        elif data_workers and seen_oom:
+            oom = f"its DataLoader worker(s) {', '.join(map(str, data_workers))} died, and {seen_oom}"
+    if oom:
+        entry["oom_kill"] = oom
     return entry
 
 

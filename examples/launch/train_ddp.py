@@ -9,7 +9,8 @@ or with dtprobe attached:  dtprobe launch --nproc 2 examples/launch/train_ddp.py
 rank R raise at step S (``--fail-exit N``: call ``sys.exit(N)`` instead); ``--slow-data-rank R --slow-data-ms M
 --slow-data-from B`` makes rank R's data pipeline M ms slower per batch from its batch B on (a slow disk or
 decode); ``--alloc-rank R --alloc-step S --alloc-mb N`` makes rank R allocate and hold N MiB at step S (a batch
-far larger than the others': under a memory limit, a container's or a cgroup's, the kernel's OOM killer ends it).
+far larger than the others': under a memory limit, a container's or a cgroup's, the kernel's OOM killer ends it;
+with ``--alloc-in-data-worker`` and ``--num-workers K``, a worker process of its DataLoader does, at its S-th batch).
 ``--record`` reports loss and tokens.
 ``--hidden``/``--layers`` size the MLP (the default is tiny; the benchmark uses a step of realistic length).
 ``--report FILE``: rank 0 writes ``{"optimizer_steps", "loop_s"}`` there (the training loop's wall time, what
@@ -51,6 +52,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--alloc-rank", type=int, default=-1)
     parser.add_argument("--alloc-step", type=int, default=-1)
     parser.add_argument("--alloc-mb", type=int, default=0)
+    parser.add_argument("--alloc-in-data-worker", action="store_true",
+                        help="allocate in a DataLoader worker process, from its --alloc-step'th batch")
+    parser.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")
     parser.add_argument("--record", action="store_true")
     parser.add_argument("--report", default=None)
     return parser.parse_args()
@@ -58,14 +62,18 @@ def parse_args() -> argparse.Namespace:
 
 class _Collate:
     """The DataLoader's collate function: ``default_collate``, after ``delay_ms`` from batch ``first`` on (the slow
-    decode or disk of one node's data pipeline)."""
+    decode or disk of one node's data pipeline); with ``alloc_mb``, it allocates and holds that much at its batch
+    ``alloc_at`` (each DataLoader worker process counts its own batches)."""
 
-    def __init__(self, delay_ms: float, first: int) -> None:
+    def __init__(self, delay_ms: float, first: int, alloc_mb: int = 0, alloc_at: int = -1) -> None:
         self.delay_s, self.first, self.batches = delay_ms / 1e3, first, 0
+        self.alloc_mb, self.alloc_at, self.held = alloc_mb, alloc_at, []
 
     def __call__(self, items: list) -> object:
         if self.delay_s and self.batches >= self.first:
             time.sleep(self.delay_s)
+        if self.alloc_mb and self.batches == self.alloc_at:
+            self.held.append(torch.ones(self.alloc_mb << 18))
         self.batches += 1
         return default_collate(items)
 
@@ -77,9 +85,11 @@ def main() -> None:
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(args.samples, 32), torch.randn(args.samples, 8))
     sampler = DistributedSampler(data, num_replicas=world_size, rank=rank, shuffle=True, seed=0)
-    loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler,
+    in_worker = rank == args.alloc_rank and args.alloc_in_data_worker
+    loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, num_workers=args.num_workers,
+                        persistent_workers=args.num_workers > 0,
                         collate_fn=_Collate(args.slow_data_ms if rank == args.slow_data_rank else 0.0,
-                                            args.slow_data_from))
+                                            args.slow_data_from, args.alloc_mb if in_worker else 0, args.alloc_step))
     layers: list[nn.Module] = [nn.Linear(32, args.hidden), nn.ReLU()]
     for _ in range(args.layers - 1):
         layers += [nn.Linear(args.hidden, args.hidden), nn.ReLU()]
@@ -100,7 +110,7 @@ def main() -> None:
                 if args.fail_exit is not None:
                     sys.exit(args.fail_exit)
                 raise RuntimeError(f"rank {rank} fails at step {step} (--fail-step)")
-            if rank == args.alloc_rank and step == args.alloc_step and not held:
+            if rank == args.alloc_rank and step == args.alloc_step and not held and not args.alloc_in_data_worker:
                 held.append(torch.ones(args.alloc_mb << 18))   # float32: 4 bytes each, every page touched
             scaler.scale(loss / args.grad_accum).backward()
             if args.record:

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from harness import (analyze, assert_only_confirmed_stragglers, cgroup_v1_cpu_available, cgroup_v1_memory_available,
@@ -118,6 +119,39 @@ def test_a_worker_the_kernels_oom_killer_ends_is_a_rank_crash_out_of_memory(run_
     assert f"Killed process {pid} (" in ev["oom_kill"], ev
     assert "SIGKILL from the kernel's OOM killer" in crashes[0]["title"], crashes[0]["title"]
     assert "OOM killer" in crashes[0]["recommendation"], crashes[0]["recommendation"]
+
+
+def test_a_dataloader_worker_the_oom_killer_ends_is_its_ranks_crash_out_of_memory_not_a_hang(run_dir, launch,
+                                                                                             memory_limit):
+    assert cgroup_v1_memory_available(), ("needs a writable cgroup v1 memory controller at /sys/fs/cgroup/memory: "
+                                          "run the tests as root on a host that mounts it")
+    run = run_dir("oom_kill_data_worker")
+    # the same script with 2 DataLoader worker processes per rank; rank 1 and its workers in a 768 MiB memory
+    # cgroup, and one of its workers allocates 2 GiB at its 20th batch: the OOM killer ends that worker (by then
+    # the largest process of the cgroup), rank 1 raises "DataLoader worker (pid(s) N) exited unexpectedly" seconds
+    # later, while rank 0 waits for it
+    script = Path(__file__).resolve().parents[2] / "examples" / "launch" / "train_ddp.py"
+    cmd = [sys.executable, "-m", "dtprobe.cli", "launch", "--nproc", "2", "--run-dir", str(run), "--no-devices",
+           str(script), "--epochs", "20", "--num-workers", "2", "--alloc-rank", "1", "--alloc-step", "20",
+           "--alloc-mb", "2048", "--alloc-in-data-worker"]
+    job = launch(cmd, run, timeout_s=JOB_TIMEOUT_S)
+    pid = job.worker_pid(1)
+    limit = memory_limit(768 << 20)
+    limit.add(pid)
+    job.wait_steps(1, 2)                       # its DataLoader workers run: moved too if forked before the rank
+    for child in psutil.Process(pid).children():
+        limit.add(child.pid)
+    assert job.wait() != 0, job.output()[-3000:]
+
+    doc = analyze(run)
+    assert not verdicts_on(doc, ("HANG",)), summary(doc)     # rank 1 was on its way to its crash, not stuck
+    crashes = findings_of(doc, "RANK_CRASH")
+    assert [(f["severity"], f["ranks"]) for f in crashes] == [("critical", [1])], summary(doc)
+    ev = crashes[0]["evidence"]
+    assert (ev["error_type"], ev["cause"]) == ("RuntimeError", "out_of_memory"), ev
+    assert "DataLoader worker" in ev["error_message"] and ev["oom_kill"].startswith("its DataLoader worker "), ev
+    assert "OOM killer ended a DataLoader worker of rank 1" in crashes[0]["recommendation"], crashes[0]
+    assert [w["arrived_ranks"] for w in ev["waited_at"]] == [[0]], ev
 
 
 def test_a_slow_data_pipeline_on_one_rank_of_a_launched_script_is_a_straggler_whose_cause_is_data(run_dir, launch):

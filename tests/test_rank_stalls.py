@@ -250,6 +250,28 @@ def test_severity_follows_the_share_of_the_wall_time_lost():
     assert (severity(0.9), severity(2.3), severity(100.0)) == ("critical", "warning", "info")
 
 
+@pytest.mark.parametrize("steps, period", [([1, 11, 21, 31], 10), ([1, 11, 31, 41], 10), ([5, 6, 7, 8], None),
+                                           ([1, 5, 17, 40], None), ([3, 13], None), ([2, 12, 22, 25], None)])
+def test_stalls_on_a_schedule_have_their_period(steps, period):
+    # every 10 steps, also with one missed (a gap of two periods); not consecutive steps, scattered ones, two
+    # stalls, or a schedule broken by an extra stall
+    import numpy as np
+
+    assert rank_stalls.stall_period(np.array(steps)) == period
+
+
+def test_a_rank_that_stalls_every_n_steps_is_told_to_look_at_its_scheduled_work():
+    # rank 1 late by 250 ms at steps 12, 17 and 22 (its evaluation every 5 steps): the title and advice say so
+    f = _frames(30)
+    for step in (12, 17, 22):
+        _stall(f, rank=1, step=step, ms=250)
+    [finding] = rank_stalls.detect_rank_stalls(_stalls(f), wall_ns=100e9, hosts={r: f"h{r}" for r in RANKS},
+                                               axis_of_pg=lambda pg: pg)
+    assert finding.evidence["period_steps"] == 5
+    assert "stalled 3 times, every 5 steps (steps 12, 17, 22, ...)" in finding.title
+    assert finding.recommendation.startswith("Its stalls recur every 5 steps: work that rank alone does on a schedule")
+
+
 def test_a_rank_frozen_inside_a_collective_is_a_stall_and_not_exposed_communication(tmp_path):
     # a 4-rank DDP run whose rank 2 froze for 2 s inside the all-reduces of step 15 (they completed 2 s late, its
     # sampler silent meanwhile): the peers' 2 s in the collective are RANK_STALL's loss. Counted as communication

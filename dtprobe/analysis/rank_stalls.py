@@ -328,6 +328,25 @@ class _PerRank:
         return "unknown", gap, interval
 
 
+MIN_PERIODIC_STALLS = 3
+"""Stalls of one rank from which ``stall_period`` looks for a schedule."""
+
+
+def stall_period(steps: np.ndarray) -> int | None:
+    """The step interval at which a rank's stalls recur, or None: at least ``MIN_PERIODIC_STALLS`` stalls, and
+    every gap between consecutive ones a multiple of the most common gap (2 steps or more), which half of them
+    equal (a stall missed when the work took less than the noise leaves a gap of two periods)."""
+    steps = np.unique(steps)
+    if len(steps) < MIN_PERIODIC_STALLS:
+        return None
+    gaps = np.diff(steps)
+    values, counts = np.unique(gaps, return_counts=True)
+    period = int(values[np.argmax(counts)])
+    if period < 2 or counts.max() * 2 < len(gaps) or (gaps % period).any():
+        return None
+    return period
+
+
 def detect_rank_stalls(stalls: pd.DataFrame, *, wall_ns: float | None, hosts: dict[int, str],
                        axis_of_pg: Callable[[str], str | None]) -> list[Finding]:
     """One RANK_STALL per stalled rank (``rank_stalls``): its stalls, the time its peers lost, what it was doing.
@@ -346,6 +365,10 @@ def detect_rank_stalls(stalls: pd.DataFrame, *, wall_ns: float | None, hosts: di
         host = hosts.get(rank)
         where = f" on host {host}" if host else ""
         count = f"{len(mine)} times" if len(mine) > 1 else "once"
+        period = stall_period(mine["step"].to_numpy(dtype="int64"))
+        if period is not None:
+            first_steps = ", ".join(str(int(x)) for x in sorted(mine["step"])[:3])
+            count += f", every {period} steps (steps {first_steps}, ...)"
         title = (f"rank {rank} stalled {count}, for up to {worst.stall_ns / 1e9:.1f} s (step {int(worst.step)}), "
                  f"while its peers waited: {lost / 1e9:.1f} s lost"
                  + (f", {share:.1%} of the run" if share is not None else ""))
@@ -367,8 +390,13 @@ def detect_rank_stalls(stalls: pd.DataFrame, *, wall_ns: float | None, hosts: di
             advice = (f"Rank {rank} reached its group's collective {worst.stall_ns / 1e9:.1f} s late{in_phase}"
                       f"{where}: look for a pause of its process (swapping, SIGSTOP, a long garbage collection) or "
                       "work that rank alone did (slow storage reads, a recompilation, evaluation, logging).")
+        if period is not None:
+            advice = (f"Its stalls recur every {period} steps: work that rank alone does on a schedule (evaluation, "
+                      "logging or metrics, a checkpoint or file it writes alone); run it on every rank, in the "
+                      "background, or less often. " + advice)
         evidence = {
-            "rank": rank, "host": host, "num_stalls": int(len(mine)), "lost_ms": round(lost / 1e6, 3),
+            "rank": rank, "host": host, "num_stalls": int(len(mine)), "period_steps": period,
+            "lost_ms": round(lost / 1e6, 3),
             "lost_frac": round(share, 4) if share is not None else None, "liveness": liveness,
             "median_step_ms": round(float(worst.median_step_ns) / 1e6, 3),
             "stalls": [{"step": int(s.step), "kind": s.kind, "pg": s.pg, "pg_ranks": s.pg_ranks,

@@ -62,7 +62,7 @@ class ScriptSteps:
         self._handles: list[RemovableHandle] = []
         self._global_fwd: list[RemovableHandle] = []
         self._scaler_originals: dict[str, Any] = {}
-        self._loader_next: Any = None       # the DataLoader iterators' own __next__, while wrapped
+        self._batches = DataLoaderTimer(self._data_step)
         self._main_thread = threading.main_thread()
 
     # ---- install / close ----
@@ -76,7 +76,7 @@ class ScriptSteps:
         self._global_fwd = [nn_module.register_module_forward_pre_hook(self._on_fwd_pre),
                             nn_module.register_module_forward_hook(self._on_fwd_post, always_call=True)]
         self._wrap_grad_scaler()
-        self._wrap_data_loader()
+        self._batches.install()
 
     def close(self) -> None:
         """Remove every hook; an open step (no optimizer step in it) is dropped."""
@@ -88,11 +88,7 @@ class ScriptSteps:
         for name, original in self._scaler_originals.items():
             setattr(grad_scaler.GradScaler, name, original)
         self._scaler_originals = {}
-        if self._loader_next is not None:
-            from torch.utils.data import dataloader
-
-            dataloader._BaseDataLoaderIter.__next__ = self._loader_next
-            self._loader_next = None
+        self._batches.close()
         if self._step is not None:
             self.probe.discard_step(self._step)
             self._step = None
@@ -225,22 +221,47 @@ class ScriptSteps:
         grad_scaler.GradScaler.step = step
 
 
-    def _wrap_data_loader(self) -> None:
-        """Time every batch a DataLoader iterator hands the main thread outside fwd/bwd/opt as the ``data`` phase."""
+    def _data_step(self) -> Any:
+        """The step a batch fetched now belongs to (opened by it), or None inside fwd/bwd/opt."""
+        if self._fwd_depth or self._opt_depth or self._bwd_phase is not None:
+            return None
+        return self._open()
+
+
+class DataLoaderTimer:
+    """Times every batch a ``torch.utils.data.DataLoader`` iterator hands the main thread (its ``__next__``: the
+    batch read and collated in the process, or waited for from its worker processes) as the ``data`` phase of the
+    step ``step_of()`` returns (None: not timed). ``install`` wraps the iterators' ``__next__`` (one class for
+    every DataLoader), ``close`` puts it back. Used by ``dtprobe launch``'s steps and the framework callbacks'."""
+
+    def __init__(self, step_of: Any) -> None:
+        self.step_of = step_of
+        self._original: Any = None
+        self._main_thread = threading.main_thread()
+
+    def install(self) -> None:
         from torch.utils.data import dataloader
 
-        original = dataloader._BaseDataLoaderIter.__next__
-        steps = self
+        if self._original is not None:
+            return
+        original = self._original = dataloader._BaseDataLoaderIter.__next__
+        timer = self
 
         def __next__(iterator: Any) -> Any:
-            if (threading.current_thread() is not steps._main_thread or steps._fwd_depth or steps._opt_depth
-                    or steps._bwd_phase is not None):
+            step = timer.step_of() if threading.current_thread() is timer._main_thread else None
+            if step is None:
                 return original(iterator)
-            with steps._open().phase("data"):
+            with step.phase("data"):
                 return original(iterator)
 
-        self._loader_next = original
         dataloader._BaseDataLoaderIter.__next__ = __next__
+
+    def close(self) -> None:
+        if self._original is not None:
+            from torch.utils.data import dataloader
+
+            dataloader._BaseDataLoaderIter.__next__ = self._original
+            self._original = None
 
 
 def _first_grad_tensor(output: Any) -> torch.Tensor | None:

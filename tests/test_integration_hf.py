@@ -106,6 +106,21 @@ def test_hf_callback_writes_one_step_per_optimizer_step_with_the_logged_loss_and
 
 
 @pytest.mark.multiproc
+def test_hf_callback_steps_run_end_to_end_with_their_batches_and_the_collectives_between_them(ddp_run):
+    # the Trainer calls on_step_begin after it fetched the step's batches and the ranks exchanged their token
+    # counts: a step starts where the previous one ended, so that work, its data phase and that exchange are in it
+    run, _ = ddp_run
+    store = RunStore.open(run)
+    steps = store.table("steps").sort_values(["rank", "step"])
+    for _, g in steps.groupby("rank"):
+        assert g["start_ns"].iloc[1:].tolist() == g["end_ns"].iloc[:-1].tolist()
+    assert (steps["data_ns"] > 0).all()                 # the DataLoader's batches, timed
+    coll = store.table("collectives")
+    between = coll[coll["enqueue_ns"].between(steps["end_ns"].min(), steps["end_ns"].max()) & (coll["step"] < 0)]
+    assert between.empty, between[["rank", "op", "num_bytes", "step"]]
+
+
+@pytest.mark.multiproc
 def test_hf_callback_counts_each_ranks_input_ids_matching_the_trainers_token_count(ddp_run):
     run, trainer = ddp_run
     steps = RunStore.open(run).table("steps")

@@ -20,9 +20,12 @@ Install and use (``pip install 'dtprobe[hf]'``)::
   (``trainer.add_callback``) attaches at ``on_train_begin``, after the wrapping, and warns that the wrapper's
   collectives may be missing. A probe already open in the process (``dtprobe launch``, the script's own
   ``dtprobe.attach``) is reused, not attached again (``optimizer_steps``).
-- **Steps**: one ``steps`` row per optimizer step, numbered by ``state.global_step`` from 0; a step spans
-  ``on_step_begin`` (its first micro-batch) to ``on_step_end`` (after the optimizer and scheduler step), and its
-  ``opt_ns`` phase is ``optimizer.step()`` (``on_pre_optimizer_step`` to ``on_optimizer_step``).
+- **Steps**: one ``steps`` row per optimizer step, numbered by ``state.global_step`` from 0; a step spans the
+  end of the previous one (the first: ``on_step_begin``) to ``on_step_end`` (after the optimizer and scheduler
+  step): the Trainer fetches a step's batches and exchanges the ranks' token counts before ``on_step_begin``, and
+  that belongs to the step (``OptimizerStepMarker``). Its ``data_ns`` phase is the time the DataLoader took to hand
+  over its batches, its ``opt_ns`` phase ``optimizer.step()`` (``on_pre_optimizer_step`` to
+  ``on_optimizer_step``).
 - **Loss**: the Trainer exposes no per-rank loss to callbacks, only its logged ``logs["loss"]``: the mean over
   all ranks of the loss since the previous log. A step records it when that log covers this step alone (with
   ``logging_steps=1``, every step; every rank records the same value); other steps have no loss, and a warning

@@ -17,8 +17,10 @@ Install and use (``pip install 'dtprobe[lightning]'``)::
   has not yet wrapped the model (DDP, FSDP), so the wrapper's collectives go through the group attach records.
   A probe already open in the process (``dtprobe launch``, the script's own ``dtprobe.attach``) is reused, not
   attached again (``optimizer_steps``).
-- **Steps**: one ``steps`` row per optimizer step, numbered by ``trainer.global_step`` from 0. A step opens at
-  the ``on_train_batch_start`` of its first micro-batch and closes at the ``on_train_batch_end`` of the batch in
+- **Steps**: one ``steps`` row per optimizer step, numbered by ``trainer.global_step`` from 0. A step opens where
+  the previous one ended (the first: at the ``on_train_batch_start`` of its first micro-batch, which Lightning calls
+  after fetching the batch: its ``data_ns`` phase times the DataLoader's batches, ``OptimizerStepMarker``) and
+  closes at the ``on_train_batch_end`` of the batch in
   which ``trainer.global_step`` advanced: with ``accumulate_grad_batches=k`` it spans k batches (fewer for the
   last group of an epoch, which Lightning steps anyway); in manual optimization, a batch that stepped.
 - **Loss**: this rank's mean over the step's micro-batches of ``training_step``'s loss. Lightning hands

@@ -2,8 +2,15 @@
 the Hugging Face and Lightning callbacks (``dtprobe.integrations.hf``, ``.lightning``) drive it from their hooks.
 
 A framework calls back at the start and end of a step instead of running a ``with probe.step(n)`` block, so the
-marker enters and exits the step context itself. Tokens are summed over the step's micro-batches and kept only
-when every micro-batch gave its count: a partial sum would be a guess, so the step then has none.
+marker enters and exits the step context itself. A step starts where the previous one ended, as in ``dtprobe
+launch``: the frameworks call their step's start after its batches were fetched (and, in the Hugging Face
+Trainer, after the ranks exchanged their token counts), so the data loading and whatever else runs between two
+optimizer steps belongs to the next step, and so do the collectives issued there. The batches a ``DataLoader``
+hands the main thread are timed as the step's ``data`` phase (``launch_steps.DataLoaderTimer``). The marker opens
+the next step when one ends (numbered one more); a framework's start of a step with another number replaces it,
+from the same start, and one still open at ``close`` (evaluation after the last step) is dropped. Tokens are summed
+over the step's micro-batches and kept only when every micro-batch gave its count: a partial sum would be a guess,
+so the step then has none.
 
 One probe per process: when a probe is already open (``dtprobe launch`` attached in the worker, or the script
 called ``dtprobe.attach``), the marker records through it instead of attaching again, marks the framework's steps
@@ -37,11 +44,14 @@ class OptimizerStepMarker:
         self.owns_probe = False
         """True when ``attach`` opened the probe (then ``close`` closes it); False when it found one open."""
         self._step: Any = None
+        self._next: Any = None
+        """The step opened when the previous one ended, until the framework starts it (``begin``)."""
         self._opt_phase: Any = None
         self._num_batches = 0
         self._num_counted_batches = 0
         self._tokens = 0
         self._closed = False
+        self._batches: Any = None
 
     def attach(self, *, framework: str) -> Any:
         """On the first call, the probe already open in this process (see the module docstring), else
@@ -57,6 +67,7 @@ class OptimizerStepMarker:
         if existing is None:
             self.probe = dtprobe.attach(self.run_dir, **self.attach_options)
             self.owns_probe = True
+            self._time_batches()
             return self.probe
         if existing.run_dir.resolve() != self.run_dir.resolve():
             warnings.warn(
@@ -66,7 +77,14 @@ class OptimizerStepMarker:
                 stacklevel=3)
         existing.stop_step_hooks()                 # dtprobe launch's steps: the framework's replace them
         self.probe = existing
+        self._time_batches()
         return self.probe
+
+    def _time_batches(self) -> None:
+        from dtprobe.collectors.launch_steps import DataLoaderTimer
+
+        self._batches = DataLoaderTimer(lambda: self._step if self._step is not None else self._next)
+        self._batches.install()
 
     @property
     def step_is_open(self) -> bool:
@@ -74,12 +92,23 @@ class OptimizerStepMarker:
         return self._step is not None
 
     def begin(self, step: int) -> None:
-        """Open step ``step`` (ending an open one first, without values: its framework never closed it)."""
+        """Open step ``step`` (ending an open one first, without values: its framework never closed it), from the
+        end of the previous step when one ended."""
         if self._step is not None:
             self.end()
         self._num_batches = self._num_counted_batches = self._tokens = 0
+        pending, self._next = self._next, None
+        if pending is not None and pending.step == step:
+            self._step = pending
+            return
+        start_ns = None
+        if pending is not None:                  # another number than the one expected: from the same start
+            self.probe.discard_step(pending)
+            start_ns = getattr(pending, "start_ns", None)
         self._step = self.probe.step(step)
         self._step.__enter__()
+        if start_ns is not None:
+            self._step.start_ns = start_ns
 
     def count_tokens(self, num_tokens: int | None) -> None:
         """Add one micro-batch of the open step: its token count, or None when the batch does not say."""
@@ -111,6 +140,11 @@ class OptimizerStepMarker:
         known = self._num_batches > 0 and self._num_counted_batches == self._num_batches
         step.record(loss=loss, lr=lr, tokens=self._tokens if known else None)
         step.__exit__(None, None, None)
+        if not self._closed:
+            self._next = self.probe.step(step.step + 1)
+            self._next.__enter__()
+            if getattr(step, "end_ns", None) is not None:     # (a disabled probe's steps have no times)
+                self._next.start_ns = step.end_ns
 
     def close(self, status: str = "finished", *, reason: str | None = None) -> None:
         """End an open step and close the probe (``Probe.close``: the run's last rows, its status) when this marker
@@ -119,5 +153,10 @@ class OptimizerStepMarker:
             return
         self._closed = True
         self.end()
+        if self._batches is not None:
+            self._batches.close()
+        if self._next is not None:
+            self.probe.discard_step(self._next)
+            self._next = None
         if self.probe is not None and self.owns_probe:
             self.probe.close(status, reason=reason)

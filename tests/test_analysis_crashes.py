@@ -133,6 +133,28 @@ def test_a_rank_whose_dataloader_worker_died_is_classed_by_how_the_worker_died(t
     assert f.recommendation.startswith(advice), f.recommendation
 
 
+def test_a_rank_silent_in_a_stall_whose_peers_an_operator_stopped_is_no_crash(tmp_path):
+    # 2 nodes, no host sampler (--no-devices); the link between them is cut: both ranks are in all-reduce #4 from
+    # 360 ms. Node 0's launcher is stopped by its operator at 60 s (its attempt recorded interrupted; rank 0 closes
+    # on that SIGTERM); node 1's launcher never records (killed), and rank 1 never closes. That SIGTERM came from
+    # the operator, not from torchrun after a death: rank 1 did not die first, and the stall is a HANG
+    rows = lockstep_tables(world=2, num_steps=6)
+    rows["devices"] = []
+    cut_rank(rows, 1, T0 + 330 * MS)
+    rows["lifecycle"] = [x for x in rows["lifecycle"] if not (x["rank"] == 0 and x["event"] == "close")]
+    rows["lifecycle"].append({"rank": 0, "restart": 0, "time_ns": T0 + 60 * S, "event": "close",
+                              "status": "crashed", "reason": "SIGTERM", "pid": 100})
+    rows["collectives"] = [x for x in rows["collectives"] if x["enqueue_ns"] < T0 + 330 * MS]
+    rows["pending"] = [pending_row(r, step=3, seq=4, t_ns=T0 + (360 + r) * MS) for r in (0, 1)]
+    att = [_attempt(0, "interrupted", [{"rank": 0, "exit_code": -15, "signal": "SIGTERM", "time_ns": T0 + 60 * S}],
+                    ended=T0 + 60 * S)]
+    a = RunAnalysis.open(write_rows_run(tmp_path / "run", rows, world_size=2, status="crashed", attempts=att,
+                                        node_of={0: 0, 1: 1}))
+    assert _codes(a, "RANK_CRASH") == []
+    [hang] = _codes(a, "HANG")
+    assert hang.ranks == (0, 1) and hang.evidence["liveness"] == {"0": "waiting", "1": "stopped"}
+
+
 def test_a_killed_rank_whose_exit_status_torchrun_never_reported_is_still_the_crash_not_a_hang(tmp_path):
     # the launcher saw rank 1's process go (its exit time) but torchrun reported no status for it and named no
     # first failure; rank 0 raised on the dead peer (closed crashed, "exception") before torchrun's SIGTERM

@@ -23,7 +23,8 @@ LIVE_GRACE_NS = 1_000_000_000
 just after it may have been produced before it)."""
 
 EXIT_COLUMNS = ["rank", "restart", "exit_ns", "exit_code", "signal", "first_failure", "status", "reason",
-                "error_type", "error_message", "traceback", "stderr_tail", "oom_kill", "closed", "close_ns", "source"]
+                "error_type", "error_message", "traceback", "stderr_tail", "oom_kill", "closed", "close_ns", "source",
+                "interrupted"]
 LIVENESS = ("dead", "stopped", "waiting", "alive", "unknown")
 EXITED_AT_STALL_NS = 1_000_000_000
 """A rank whose process exited (launcher's exit time) without closing at most this long after a stall began died
@@ -46,7 +47,9 @@ def rank_exits(attempts: list[dict], lifecycle: pd.DataFrame) -> pd.DataFrame:
     """Per (rank, restart): how that incarnation ended. From ``attempts`` when the launcher recorded them (exit
     code, signal, ``first_failure``, the Python error), with the ``lifecycle`` close row's status/reason merged in;
     else from ``lifecycle`` alone (a rank with an ``attach`` row and no ``close`` row: ``closed`` False).
-    ``source``: ``attempts`` or ``lifecycle``. Columns: ``EXIT_COLUMNS``."""
+    ``source``: ``attempts`` or ``lifecycle``; ``interrupted``: its node's launcher recorded the attempt as
+    stopped on an interrupt (Ctrl-C or SIGTERM to the launcher: whatever SIGTERM its ranks got came from there).
+    Columns: ``EXIT_COLUMNS``."""
     rows: dict[tuple[int, int], dict] = {}
     for a in attempts:
         restart = int(a.get("attempt") or 0)
@@ -58,7 +61,8 @@ def rank_exits(attempts: list[dict], lifecycle: pd.DataFrame) -> pd.DataFrame:
                 "first_failure": bool(r.get("first_failure")), "status": None, "reason": None,
                 "error_type": err.get("type"), "error_message": err.get("message"),
                 "traceback": err.get("traceback"), "stderr_tail": r.get("stderr_tail"),
-                "oom_kill": r.get("oom_kill"), "closed": None, "close_ns": None, "source": "attempts"}
+                "oom_kill": r.get("oom_kill"), "closed": None, "close_ns": None, "source": "attempts",
+                "interrupted": a.get("result") == "interrupted"}
     if lifecycle is not None and not lifecycle.empty:
         lc = lifecycle.assign(restart=lifecycle["restart"].fillna(0).astype("int64"))
         for (rank, restart), g in lc.groupby(["rank", "restart"]):
@@ -69,7 +73,7 @@ def rank_exits(attempts: list[dict], lifecycle: pd.DataFrame) -> pd.DataFrame:
                 "rank": key[0], "restart": key[1], "exit_ns": None, "exit_code": None, "signal": None,
                 "first_failure": False, "status": None, "reason": None, "error_type": None, "error_message": None,
                 "traceback": None, "stderr_tail": None, "oom_kill": None, "closed": None, "close_ns": None,
-                "source": "lifecycle"})
+                "source": "lifecycle", "interrupted": False})
             row["closed"] = c is not None
             if c is not None:
                 row["status"], row["reason"] = _str(c["status"]), _str(c["reason"])
@@ -193,7 +197,8 @@ def liveness(rank: int, since_ns: int, *, in_collective: bool, activity: Activit
     """The liveness verdict of a rank stuck since ``since_ns``: ``waiting`` (rows continue after the stall and it
     is inside the stuck collective: alive, blocked), ``alive`` (rows continue, it is elsewhere), ``dead`` (no row
     after the stall and its process failed on its own: attempts' first failure / own exit, a probe closed
-    crashed, or no close while its ``peers`` were SIGTERMed, which torchrun does when a worker exits, or raised in
+    crashed, or no close while its ``peers`` were SIGTERMed, which torchrun does when a worker exits (not when an
+    operator stops the launcher: an ``interrupted`` peer's SIGTERM says nothing of a death), or raised in
     the collective within ``EXITED_AT_STALL_NS`` of the stall: a broken connection, where a frozen rank's peers
     wait out their timeout; or it exited unclosed or closed on SIGTERM within ``EXITED_AT_STALL_NS`` of the stall:
     torchrun ended it because another rank had died, where a frozen or stuck rank is ended only once its peers
@@ -215,7 +220,8 @@ def liveness(rank: int, since_ns: int, *, in_collective: bool, activity: Activit
         return "dead"                     # closed on torchrun's SIGTERM as the stall began: another rank had died
     if ex is not None and ex.get("closed") is False:
         peer_exits = [exit_of(exits, p, restart) or {} for p in peers]
-        peer_reasons = {x.get("reason") for x in peer_exits}
+        # a SIGTERM from an interrupted launcher (an operator's stop) says nothing of a death
+        peer_reasons = {x.get("reason") for x in peer_exits if not x.get("interrupted")}
         if ("SIGTERM" in peer_reasons and "watchdog" not in peer_reasons
                 and not exited_after(ex, first_sigterm_ns(peer_exits))):
             return "dead"                 # torchrun SIGTERMs the others only after a worker exited

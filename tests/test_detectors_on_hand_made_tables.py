@@ -419,6 +419,11 @@ def test_exposed_comm_finding_when_the_tail_is_long():
     [f] = exposed_comm.detect_exposed_comm(by_rank)
     assert f.code == "EXPOSED_COMM" and f.ranks == (0, 1, 2, 3)
     assert f.predicted_gain.frac == pytest.approx(40 / 136, abs=0.02)
+    assert f.evidence["slow_links"] == [] and f.recommendation.startswith("Hide communication behind compute")
+    # a link that slowed down comes first in the advice: overlap does not undo it
+    [f] = exposed_comm.detect_exposed_comm(by_rank, slow_links=[{"nodes": ["n0", "n1"], "changed_at_step": 3}])
+    assert f.evidence["slow_links"] == [{"nodes": ["n0", "n1"], "changed_at_step": 3}]
+    assert f.recommendation.startswith("The link n0 <-> n1 slowed down from step 3 (SLOW_LINK)")
 
 
 def test_a_collective_missed_by_a_crashed_rank_is_reported_as_rank_crash_not_hang():

@@ -141,14 +141,16 @@ def kernel_exposure_by_rank(overlap: pd.DataFrame, temporal: pd.DataFrame) -> pd
 
 
 def detect_exposed_comm_of(host: pd.DataFrame, kernels: pd.DataFrame, *, min_exposed_frac: float,
-                           host_clock: str = HOST) -> list[Finding]:
+                           host_clock: str = HOST, slow_links: list[dict] = ()) -> list[Finding]:
     """EXPOSED_COMM judged on the kernel-level exposure when kernels are known (device clock), else on the
     collectives' tail estimate (``host_clock``: the clock of its arrivals and completions; ``device`` on a CUDA
-    run whose collectives carry device arrivals)."""
+    run whose collectives carry device arrivals). ``slow_links``: see ``detect_exposed_comm``."""
     if not kernels.empty:
-        return detect_exposed_comm(kernels, min_exposed_frac=min_exposed_frac, source=KERNEL_SOURCE, clock=DEVICE)
+        return detect_exposed_comm(kernels, min_exposed_frac=min_exposed_frac, source=KERNEL_SOURCE, clock=DEVICE,
+                                   slow_links=slow_links)
     source = "host collectives tail" if host_clock == HOST else "collectives tail (device arrivals and ends)"
-    return detect_exposed_comm(host, min_exposed_frac=min_exposed_frac, source=source, clock=host_clock)
+    return detect_exposed_comm(host, min_exposed_frac=min_exposed_frac, source=source, clock=host_clock,
+                               slow_links=slow_links)
 
 
 def mean_exposed_frac(host: pd.DataFrame, kernels: pd.DataFrame, *, clock_aligned: bool) -> float | None:
@@ -159,10 +161,13 @@ def mean_exposed_frac(host: pd.DataFrame, kernels: pd.DataFrame, *, clock_aligne
 
 
 def detect_exposed_comm(by_rank: pd.DataFrame, *, min_exposed_frac: float = 0.10,
-                        source: str = "host collectives tail", clock: str = HOST) -> list[Finding]:
+                        source: str = "host collectives tail", clock: str = HOST,
+                        slow_links: list[dict] = ()) -> list[Finding]:
     """EXPOSED_COMM when the ranks' mean exposed communication (net of straggler wait) is at least
     ``min_exposed_frac`` of the step; names the ranks above the threshold. Gain bound: full overlap. ``clock``:
-    the clock the exposure was measured on (``clocks``), told in ``evidence.clock``."""
+    the clock the exposure was measured on (``clocks``), told in ``evidence.clock``. ``slow_links``: the run's
+    SLOW_LINK findings' ``nodes`` and ``changed_at_step``, in evidence and first in the advice (overlap does not
+    undo a link that slowed down)."""
     require_columns(by_rank, BY_RANK_COLUMNS, table="exposure_by_rank")
     if by_rank.empty:
         return []
@@ -182,10 +187,16 @@ def detect_exposed_comm(by_rank: pd.DataFrame, *, min_exposed_frac: float = 0.10
                           "overlap_frac": None if pd.isna(r.overlap_frac) else float(r.overlap_frac)}
                          for r in by_rank.itertuples(index=False)],
             "source": source, "clock": clock,
+            "slow_links": [{"nodes": list(link["nodes"]), "changed_at_step": int(link["changed_at_step"])}
+                           for link in slow_links],
         },
-        recommendation=("Hide communication behind compute: let DDP start all-reduces earlier (smaller first "
-                        "bucket, gradient_as_bucket_view), prefetch FSDP all-gathers, or shrink the traffic "
-                        "(gradient compression, larger micro-batches so compute covers the same bytes)."),
+        recommendation="".join(
+            f"The link {' <-> '.join(link['nodes'])} slowed down from step {link['changed_at_step']} (SLOW_LINK): "
+            "the communication crossing it takes longer since then, which no overlap undoes; fix the link first. "
+            for link in slow_links) + (
+            "Hide communication behind compute: let DDP start all-reduces earlier (smaller first "
+            "bucket, gradient_as_bucket_view), prefetch FSDP all-gathers, or shrink the traffic "
+            "(gradient compression, larger micro-batches so compute covers the same bytes)."),
         predicted_gain=PredictedGain(metric="step_time", frac=mean),
         rows=by_rank,
     )]

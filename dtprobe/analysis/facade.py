@@ -552,10 +552,11 @@ class RunAnalysis:
 
     def exposed_comm(self) -> list[Finding]:
         """EXPOSED_COMM from kernels when known (exposed comm kernel time), else from the host collectives tail over
-        the analysed steps no rank stalled in (``_exposure_without_stalls``)."""
+        the analysed steps no rank stalled in (``_exposure_without_stalls``); a SLOW_LINK comes first in its advice."""
         return self._memo("f:exposed", lambda: _exposed.detect_exposed_comm_of(
             self._exposure_without_stalls(), self.kernel_exposure_by_rank(),
-            min_exposed_frac=self.options.min_exposed_frac, host_clock=self.arrival_clock()))
+            min_exposed_frac=self.options.min_exposed_frac, host_clock=self.arrival_clock(),
+            slow_links=[f.evidence for f in self.slow_links()]))
 
     def _exposure_without_stalls(self) -> pd.DataFrame:
         # ``exposure_by_rank`` without the steps a rank stalled in (``rank_stalls``): a rank frozen inside a

@@ -76,7 +76,7 @@ def classify_cause(*, exit_code: Any, signal: Any, error_type: Any, error_messag
     Python error, from the error lines of its stderr excerpt (``stderr_errors``) when it ended on its own (a
     non-zero exit code or a ``SELF_SIGNALS`` signal: a kill's stderr says nothing of the kill). ``oom_kill``: the
     launcher's evidence that the kernel's OOM killer sent its SIGKILL (``runtime.oom_kills``)."""
-    if not is_missing(oom_kill) and oom_kill:
+    if _oom_killed(oom_kill):
         return "out_of_memory"
     died = DATALOADER_WORKER_DIED.search(" ".join(str(x) for x in (error_type, error_message) if not is_missing(x)))
     if died and died.group("signal") in ("Killed", "Bus error"):
@@ -305,7 +305,7 @@ def how(e: Any) -> str:
         msg = "" if is_missing(e.error_message) else f": {str(e.error_message).splitlines()[0][:120]}"
         return f"{e.error_type}{msg}"
     if not is_missing(e.signal):
-        if not is_missing(e.oom_kill) and e.oom_kill:
+        if _oom_killed(e.oom_kill):
             return f"{e.signal} from the kernel's OOM killer"
         if str(e.signal) not in SELF_SIGNALS:
             return str(e.signal)
@@ -382,12 +382,17 @@ def detect_crashes(events: pd.DataFrame, *, num_restarts: int = 0, missing: pd.D
                 "time_to_recover_s": e.time_to_recover_s, "num_restarts": int(num_restarts), "waited_at": waited_at,
                 "source": e.source, "injected": int(e.rank) in injected_ranks,
             },
-            recommendation=_advice(e.cause, int(e.rank), signal=e.signal, oom_killed=not is_missing(e.oom_kill)
-                                   and bool(e.oom_kill), said=" ".join(
+            recommendation=_advice(e.cause, int(e.rank), signal=e.signal, oom_killed=_oom_killed(e.oom_kill),
+                                   said=" ".join(
                 str(x) for x in (e.error_message, stderr_errors(e.stderr_tail)) if not is_missing(x))),
             predicted_gain=None,
         ))
     return findings
+
+
+def _oom_killed(oom_kill: Any) -> bool:
+    """The launcher recorded evidence that the kernel's OOM killer ended the rank or its DataLoader worker."""
+    return not is_missing(oom_kill) and bool(oom_kill)
 
 
 def _advice(cause: str, rank: int, *, signal: Any = None, said: str = "", oom_killed: bool = False) -> str:

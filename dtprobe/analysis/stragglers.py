@@ -205,8 +205,8 @@ def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | No
     Columns: ``SCORE_COLUMNS`` + ``NOISE_COLUMNS`` (+ ``THROTTLE_SCORE_COLUMNS`` with ``cpu_throttled``, +
     ``WAIT_SCORE_COLUMNS`` with ``cpu_wait``: evidence, no view reads it)."""
     require_columns(lateness, [c for c in LATENESS_COLUMNS if c not in LATENESS_OPTIONAL], table="rank_lateness")
-    if "comm_excess_frac" not in lateness:
-        lateness = lateness.assign(comm_excess_frac=np.nan)
+    missing = {c: np.nan for c in LATENESS_OPTIONAL if c not in lateness}
+    lateness = lateness.assign(**missing) if missing else lateness
     keys = ["pg", "pg_ranks", "rank"]
     lat = lateness.dropna(subset=keys) if lateness[keys].isna().any(axis=None) else lateness
     # (pg, pg_ranks) coded once, in their sorted order: the groupings below read the codes, not the long strings
@@ -386,9 +386,8 @@ def _window_figures(column: Callable[[str, str], np.ndarray], win_start: np.ndar
     shares of its steps (``med``, ``pos``, ``pmed``, ``ppos``), the persistence t and its peers' largest
     (``pre_t``, ``peer_t``), its mean excess, share positive, spread and count (``emean``, ``epos``, ``own_sd``,
     ``k_exc``), the median of its communication excess (``cmed``), and its CPU throttle and wait shares and the
-    peers' largest. ``column(name, dtype)``: the lateness
-    column in (group, rank, step) order; ``span``: each window's (group, steps) code (``todo`` holds every window
-    of a span or none)."""
+    peers' largest. ``column(name, dtype)``: the lateness column in (group, rank, step) order; ``span``: each
+    window's (group, steps) code (``todo`` holds every window of a span or none)."""
     sel = np.flatnonzero(todo)
     out = {name: np.full(len(todo), np.nan) for name in ("med", "pos", "pmed", "ppos", "pre_t", "peer_t", "emean",
                                                            "epos", "own_sd", "k_exc", "cmed", "thr", "peer_thr",

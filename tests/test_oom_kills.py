@@ -186,3 +186,12 @@ def test_the_dataloader_worker_message_gives_its_pids_and_signal():
     assert dataloader_worker_pids("RuntimeError: CUDA error") == [] and dataloader_worker_pids(None) == []
     said = DATALOADER_WORKER_DIED.search("DataLoader worker (pid 9) is killed by signal: Bus error. ")
     assert said.group("signal") == "Bus error"
+
+
+def test_the_kernel_log_is_read_once_for_several_pids(tmp_path):
+    now = time.time_ns()
+    kmsg = tmp_path / "kmsg"
+    kmsg.write_text(_record(now - 10**9, _kill_line(11), 1) + _record(now - 10**9, _kill_line(12), 2))
+    assert oom_kills.kernel_oom_kills([11, 12, 13], since_ns=now - 60 * 10**9, kmsg=kmsg) == {
+        11: _kill_line(11), 12: _kill_line(12)}
+    assert oom_kills.kernel_oom_kills([11], kmsg=tmp_path / "unreadable") == {}

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dtprobe.runtime.oom_kills import kernel_oom_kill, memory_cgroup, oom_evidence, oom_kill_count
+from dtprobe.runtime.oom_kills import kernel_oom_kill, kernel_oom_kills, memory_cgroup, oom_evidence, oom_kill_count
 from dtprobe.stack_frames import FRAME, dataloader_worker_pids, is_library
 
 WORKER_FILE = "worker.json"
@@ -212,8 +212,8 @@ class ExitWatcher:
     newest attempt has written its pid, and again once none of them is alive (a restart brings a new attempt).
     Without pidfds (another OS, an old kernel) it checks each worker in ``/proc`` every ``interval_s``.
     ``oom_kills()``: pid -> what says the kernel's OOM killer ended it or a process of its cgroup (its DataLoader
-    workers) while it ran (``oom_kills.oom_evidence``), for the workers that exited with a failure: the memory
-    cgroup of each worker and its ``oom_kill`` count are read when it is found."""
+    workers) while it ran (``oom_kills.oom_evidence``), for the workers that exited on SIGKILL or with an error
+    code: the memory cgroup of each worker and its ``oom_kill`` count are read when it is found."""
 
     def __init__(self, log_dir: Path, *, interval_s: float = 0.05, scan_interval_s: float = 0.25) -> None:
         self.log_dir = log_dir
@@ -323,7 +323,9 @@ class ExitWatcher:
             if exited:
                 self._alive.discard(pid)
                 oom = None
-                if code not in (None, 0):           # a SIGKILL, or an error over a killed DataLoader worker
+                # the OOM killer's SIGKILL, or an error raised over a DataLoader worker it killed (a SIGTERM, an
+                # abort or a fault is neither)
+                if code is not None and (code == -signal.SIGKILL or code > 0):
                     since_ns, cgroup = self._memory.get(pid, (None, None))
                     oom = oom_evidence(pid, since_ns=since_ns, cgroup=cgroup)
                 with self._lock:
@@ -464,8 +466,8 @@ def _rank_entry(local_rank: int, info: dict[str, Any] | None, error: dict[str, s
         oom = seen_oom or kernel_oom_kill(pid, since_ns=since_ns)
     elif error is not None and exit_code not in (None, 0):
         data_workers = dataloader_worker_pids(f"{error.get('type')}: {error.get('message')}")
-        said = [(w, kernel_oom_kill(w, since_ns=since_ns)) for w in data_workers]
-        said = [f"its DataLoader worker {w}: {line}" for w, line in said if line]
+        lines = kernel_oom_kills(data_workers, since_ns=since_ns) if data_workers else {}
+        said = [f"its DataLoader worker {w}: {lines[w]}" for w in data_workers if w in lines]
         if said:
             oom = "; ".join(said)
         elif data_workers and seen_oom:

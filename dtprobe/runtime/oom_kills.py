@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 KMSG = "/dev/kmsg"
@@ -29,15 +30,22 @@ _KILLED = re.compile(r"Killed process (\d+) \(")
 
 
 def kernel_oom_kill(pid: int, *, since_ns: int | None = None, kmsg: str | os.PathLike | None = None) -> str | None:
-    """The OOM killer's line about ``pid`` in the kernel log (``kmsg``, default ``KMSG``), logged at or after
-    ``since_ns`` (wall clock; a pid reused since an older kill is not mistaken for it), else None (also when the
-    log cannot be read)."""
+    """The OOM killer's line about ``pid`` (``kernel_oom_kills``), else None."""
+    return kernel_oom_kills([pid], since_ns=since_ns, kmsg=kmsg).get(pid)
+
+
+def kernel_oom_kills(pids: Iterable[int], *, since_ns: int | None = None, kmsg: str | os.PathLike | None = None
+                     ) -> dict[int, str]:
+    """pid -> the OOM killer's line about it in the kernel log (``kmsg``, default ``KMSG``, read once), logged at
+    or after ``since_ns`` (wall clock; a pid reused since an older kill is not mistaken for it), for the ``pids``
+    it names (none when the log cannot be read)."""
+    wanted = set(pids)
     try:
         fd = os.open(kmsg or KMSG, os.O_RDONLY | os.O_NONBLOCK)
     except OSError:
-        return None
+        return {}
     boot_ns = time.time_ns() - time.monotonic_ns()   # the log's timestamps count from boot (the monotonic clock)
-    found = None
+    found: dict[int, str] = {}
     try:
         chunks = []
         for _ in range(MAX_KMSG_RECORDS):            # /dev/kmsg gives one record per read; a file, blocks
@@ -55,14 +63,14 @@ def kernel_oom_kill(pid: int, *, since_ns: int | None = None, kmsg: str | os.Pat
     for line in b"".join(chunks).decode(errors="replace").splitlines():
         head, sep, message = line.partition(";")      # "<prio>,<seq>,<usec since boot>,<flags>;<message>"
         match = _KILLED.search(message) if sep else None
-        if match is None or int(match.group(1)) != pid:
+        if match is None or int(match.group(1)) not in wanted:
             continue
         fields = head.split(",")
         if since_ns is not None and len(fields) > 2 and fields[2].isdigit():
             if boot_ns + int(fields[2]) * 1000 < since_ns:
                 continue
-        found = message.strip()
-    return found[:300] if found else None
+        found[int(match.group(1))] = message.strip()[:300]
+    return found
 
 
 def memory_cgroup(pid: int, *, root: str | os.PathLike | None = None) -> Path | None:

@@ -40,19 +40,17 @@ def busy_loop(request) -> Callable[[int], BusyLoop]:
     return start
 
 
+def _made(request, cgroup: V1Cgroup) -> V1Cgroup:
+    """``cgroup`` created, and removed when the test ends."""
+    request.addfinalizer(cgroup.remove)
+    return cgroup.create()
+
+
 @pytest.fixture
 def cpu_quota(request) -> Callable[[float], V1Cgroup]:
-    def create(frac: float) -> V1Cgroup:
-        quota = cpu_quota_cgroup(frac)
-        request.addfinalizer(quota.remove)
-        return quota.create()
-    return create
+    return lambda frac: _made(request, cpu_quota_cgroup(frac))
 
 
 @pytest.fixture
 def memory_limit(request) -> Callable[[int], V1Cgroup]:
-    def create(limit_bytes: int) -> V1Cgroup:
-        limit = memory_limit_cgroup(limit_bytes)
-        request.addfinalizer(limit.remove)
-        return limit.create()
-    return create
+    return lambda limit_bytes: _made(request, memory_limit_cgroup(limit_bytes))

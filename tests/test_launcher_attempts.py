@@ -205,6 +205,29 @@ def test_the_stderr_excerpt_of_a_native_abort_keeps_its_message_and_the_scripts_
     assert stderr_excerpt("\n\n") is None
 
 
+def test_the_stderr_excerpt_of_an_abort_in_a_native_thread_gives_the_main_threads_frame():
+    # gloo's size check throws in its own I/O thread, which has no Python frames: faulthandler marks no thread
+    # current, and the main thread (listed last) is where the script waits in the collective
+    stdlib = sysconfig.get_paths()["stdlib"]
+    site = sysconfig.get_paths()["purelib"]
+    text = "\n".join(
+        ["terminate called after throwing an instance of 'gloo::EnforceNotMet'",
+         "  what():  [enforce fail at gloo/transport/tcp/pair.cc:456] op.preamble.length <= op.nbytes. 270864 vs 4.",
+         "Fatal Python error: Aborted", "",
+         "Thread 0x00007f91d4e036c0 (most recent call first):",
+         f'  File "{stdlib}/threading.py", line 331 in wait',
+         '  File "/home/u/proj/logger.py", line 12 in run', "",
+         "Thread 0x00007f92045f6b80 (most recent call first):",
+         f'  File "{site}/torch/distributed/distributed_c10d.py", line 3252 in all_reduce',
+         '  File "/home/u/proj/train.py", line 45 in <module>',
+         f'  File "{stdlib}/runpy.py", line 88 in _run_code', "",
+         "Extension modules: torch._C (total: 1)"])
+    assert stderr_excerpt(text).splitlines()[2:] == [
+        "Fatal Python error: Aborted",
+        f'File "{site}/torch/distributed/distributed_c10d.py", line 3252 in all_reduce',
+        'File "/home/u/proj/train.py", line 45 in <module>']
+
+
 def test_glog_time_reads_the_local_time_prefix_and_rejects_other_lines():
     t = 1_790_000_000_123_456_000
     assert glog_time_ns(_glog(t) + " 1 x.py:1] failed", now_ns=t + 10**9) == t

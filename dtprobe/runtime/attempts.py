@@ -522,17 +522,19 @@ MESSAGE_LINE_CHARS = 1000
 
 
 def _fatal_lines(dump: list[str]) -> list[str]:
-    """The header of a faulthandler dump and the failing thread's frames ``stderr_excerpt`` keeps."""
+    """The header of a faulthandler dump and the frames ``stderr_excerpt`` keeps: the failing thread's, or, when
+    a thread without Python frames failed (a C++ exception in gloo's or NCCL's own thread: faulthandler then marks
+    no thread current), the main thread's, which it lists last (where the script waited, e.g. in the collective
+    whose peer sent the failing message)."""
     if not dump:
         return []
-    frames, current = [], False
+    blocks: list[tuple[bool, list[str]]] = []           # (current, frames) per thread, in the dump's order
     for line in dump[1:]:
-        if line.startswith("Current thread"):
-            current = True
-        elif current and line.lstrip().startswith('File "'):
-            frames.append(line.strip())
-        elif current:
-            break
+        if line.startswith(("Current thread", "Thread ")):
+            blocks.append((line.startswith("Current thread"), []))
+        elif blocks and line.lstrip().startswith('File "'):
+            blocks[-1][1].append(line.strip())
+    frames = next((f for current, f in blocks if current), blocks[-1][1] if blocks else [])
     out = [dump[0]]
     if frames:
         out.append(frames[0])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from analysis_synth import (MS, T0, frames, lockstep_tables, pending_row, stall_rank, write_rows_run)
+from analysis_synth import (MS, T0, cut_rank, frames, lockstep_tables, pending_row, stall_rank, write_rows_run)
 
 from dtprobe.analysis import RunAnalysis
 from dtprobe.analysis.findings import Finding, PredictedGain, info_without_gain
@@ -187,3 +187,61 @@ def test_all_to_all_with_uneven_splits_is_no_mismatch():
         x["op"], x["num_bytes"] = "alltoall", (1 << 20) * (1 + x["rank"])    # each rank sends its own split
     f = frames(rows)
     assert collective_mismatches(f["collectives"], f["steps"]).empty
+
+
+def _ended_early_job(*, close: tuple[str, str] | None = ("finished", "exit")) -> dict:
+    """3 ranks all-reduce once per step; rank 2 runs out of data after step 3 and its script returns (its probe
+    closes ``close``), while ranks 0 and 1 enter step 4's all-reduce (seq 5) and fail 0.4 s later when the
+    connection to rank 2 closes."""
+    rows = lockstep_tables(world=3, num_steps=6)
+    t = T0 + 4 * 100 * MS
+    cut_rank(rows, 2, t)
+    if close is not None:
+        rows["lifecycle"].append({"rank": 2, "restart": 0, "time_ns": t + 2 * MS, "event": "close",
+                                  "status": close[0], "reason": close[1], "pid": 102})
+    rows["pending"] = []
+    for r in (0, 1):
+        stall_rank(rows, r, t + 60 * MS, until_ns=t + 460 * MS, close=("crashed", "exception"))
+        rows["pending"].append(pending_row(r, step=4, seq=5, t_ns=t + (60 + r) * MS, world=3))
+    return rows
+
+
+def _closed_peer_attempt(end_code: int | None) -> list[dict]:
+    err = {"type": "RuntimeError", "message": "[gloo] Connection closed by peer [127.0.0.1]:4242", "traceback": "..."}
+    ranks = [{"rank": r, "exit_code": 1, "signal": None, "first_failure": r == 0, "time_ns": T0 + 870 * MS,
+              "error": err} for r in (0, 1)]
+    ranks.append({"rank": 2, "exit_code": end_code, "signal": None, "first_failure": False,
+                  "time_ns": T0 + 405 * MS, "error": None})
+    return [{"attempt": 0, "node_rank": 0, "result": "failed", "ranks": ranks}]
+
+
+@pytest.mark.parametrize("launcher", [True, False])
+def test_a_rank_that_ended_while_its_peers_waited_is_a_mismatch_not_a_hang_or_crash(tmp_path, launcher):
+    # under dtprobe launch the launcher saw it exit with code 0; under plain torchrun its probe's close says it
+    rows = _ended_early_job()
+    a = RunAnalysis.open(write_rows_run(tmp_path / "run", rows, world_size=3, status="crashed",
+                                        attempts=_closed_peer_attempt(0) if launcher else None))
+    [f] = _codes(a, "COLLECTIVE_MISMATCH")
+    ev = f.evidence
+    assert (f.ranks, f.severity, ev["kind"], ev["seq"], ev["step"], ev["odd_ranks"]) == (
+        (2,), "critical", "ended", 5, 4, [2])
+    assert ev["issued"] == {str(r): {"op": "allreduce", "dtype": "float32", "num_bytes": 4 << 20, "step": 4}
+                            for r in (0, 1)}
+    assert ev["ended"]["2"]["last_step"] == 3
+    assert ev["ended"]["2"]["exit_code"] == (0 if launcher else None)
+    assert "rank 2 " + ("exited with code 0" if launcher else "closed normally") + " after step 3" in f.title
+    assert "uneven data" in f.recommendation
+    assert _codes(a, "HANG", "STRAGGLER", "RANK_CRASH") == []
+
+
+@pytest.mark.parametrize("close,end_code", [(None, -9), (("crashed", "SIGTERM"), -15), (None, None)])
+def test_a_rank_that_did_not_end_on_its_own_is_no_ended_mismatch(tmp_path, close, end_code):
+    # killed (no close), SIGTERMed from outside, or gone without a word: its record may be cut short, so nothing
+    # says it never issued the collective
+    rows = _ended_early_job(close=close)
+    attempts = _closed_peer_attempt(end_code)
+    if end_code is not None and end_code < 0:
+        attempts[0]["ranks"][-1].update(exit_code=None, signal="SIGKILL" if end_code == -9 else "SIGTERM")
+    a = RunAnalysis.open(write_rows_run(tmp_path / "run", rows, world_size=3, status="crashed", attempts=attempts))
+    assert _codes(a, "COLLECTIVE_MISMATCH") == []
+    assert _codes(a, "HANG", "RANK_CRASH")

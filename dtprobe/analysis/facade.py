@@ -758,9 +758,12 @@ class RunAnalysis:
             stale_ns=int(self.options.hang_timeout_s * 1e9), now_ns=self.now_ns(), stalls=self.stalls()))
 
     def collective_mismatches(self) -> pd.DataFrame:
-        """Per group and attempt: the first collective its members issued differently (or one skipped)."""
-        return self._memo("mismatches", lambda: _mismatch.collective_mismatches(self._mismatch_calls(),
-                                                                                 self.table("steps")))
+        """Per group and attempt: the first collective its members issued differently (or one skipped, or one
+        ended its program while the others waited in it)."""
+        return self._memo("mismatches", lambda: _mismatch.with_ended(
+            _mismatch.collective_mismatches(self._mismatch_calls(), self.table("steps")),
+            _mismatch.ended_mismatches(self.stalls(), self._failure_collectives("unfinished"), self.rank_exits(),
+                                       self.table("steps"), self.attempt_starts())))
 
     def _mismatch_calls(self) -> pd.DataFrame:
         # the calls compared: of a run whose suspect collectives were kept at compaction only their groups' rows

@@ -104,7 +104,7 @@ def missing_arrivals(skew: pd.DataFrame, collectives: pd.DataFrame, *, now_ns: i
         waited = now_ns - int(r.first_enqueue_ns)
         if waited >= min_wait_ns:
             rows.append({"pg": r.pg, "pg_ranks": r.pg_ranks, "seq": int(r.seq), "op": r.op,
-                         "step": _int_or_none(r.step), "arrived_ranks": ",".join(map(str, arrived)),
+                         "step": int_or_none(r.step), "arrived_ranks": ",".join(map(str, arrived)),
                          "missing_ranks": ",".join(map(str, missing)),
                          "first_enqueue_ns": int(r.first_enqueue_ns), "waited_ns": int(waited)})
     if not rows:
@@ -136,7 +136,7 @@ def p2p_stalls(collectives: pd.DataFrame, *, now_ns: int, min_wait_ns: int) -> p
         waited = now_ns - int(r.enqueue_ns) if pd.notna(r.enqueue_ns) else 0
         if reached < r.seq and waited >= min_wait_ns:
             rows.append({"pg": r.pg, "pg_ranks": r.pg_ranks, "seq": int(r.seq), "op": r.op,
-                         "step": _int_or_none(r.step), "arrived_ranks": str(r.rank), "missing_ranks": str(r.peer),
+                         "step": int_or_none(r.step), "arrived_ranks": str(r.rank), "missing_ranks": str(r.peer),
                          "first_enqueue_ns": int(r.enqueue_ns), "waited_ns": int(waited), "peer": int(r.peer)})
     return pd.DataFrame(rows)[STALL_COLUMNS] if rows else empty
 
@@ -159,7 +159,8 @@ def unfinished_since(collectives: pd.DataFrame) -> dict[int, list[int]]:
     return {int(r): [int(t) for t in g] for r, g in open_.groupby("rank")["enqueue_ns"]}
 
 
-def _ints(value) -> list[int]:
+def ranks_of(value) -> list[int]:
+    """A stall's rank list (``"0,2"``, a number or a sequence) as ints."""
     if value is None or value is pd.NA:
         return []
     if isinstance(value, (int, float)):
@@ -177,7 +178,7 @@ def waited_until_given_up(stall: Any, activity: Activity | None, starts: list[in
     if activity is None:
         return waited_ns
     until = attempt_at(starts, since)[1]
-    ends = [activity.last_ns(w, before_ns=until) for w in _ints(stall.arrived_ranks)]
+    ends = [activity.last_ns(w, before_ns=until) for w in ranks_of(stall.arrived_ranks)]
     ends = [t - since for t in ends if t is not None and t > since]
     return min(waited_ns, max(ends)) if ends else waited_ns
 
@@ -210,7 +211,7 @@ def detect_hangs(missing: pd.DataFrame, faults: pd.DataFrame | None, *, last_see
     last = {int(r.rank): r for r in last_seen.itertuples(index=False)} if last_seen is not None else {}
     observed, injected = _fault_rows(faults)
     rows = list(missing.itertuples(index=False))
-    waiters_of = [set(_ints(r.arrived_ranks)) for r in rows]
+    waiters_of = [set(ranks_of(r.arrived_ranks)) for r in rows]
     blocked = set().union(*waiters_of)
     verdicts: list[dict[int, str]] = []
     def inside(m: int, r) -> bool:            # entered an unfinished collective before this stall's wait ended
@@ -218,7 +219,7 @@ def detect_hangs(missing: pd.DataFrame, faults: pd.DataFrame | None, *, last_see
         return any(t <= end for t in (open_since or {}).get(m, ()))
 
     for r, waiters in zip(rows, waiters_of):
-        miss = _ints(r.missing_ranks)
+        miss = ranks_of(r.missing_ranks)
         everyone = sorted(waiters | set(miss))
         verdicts.append({m: liveness(m, int(r.first_enqueue_ns), in_collective=m in waiters or m in blocked
                                      or inside(m, r),
@@ -232,14 +233,14 @@ def detect_hangs(missing: pd.DataFrame, faults: pd.DataFrame | None, *, last_see
         return (ex is not None and t is not None and is_own_failure(ex)
                 and since <= int(t) <= since + own_failure_within_ns)
 
-    roots = [i for i, r in enumerate(rows) if set(_ints(r.missing_ranks)) - blocked]
+    roots = [i for i, r in enumerate(rows) if set(ranks_of(r.missing_ranks)) - blocked]
     # Ranks of a stall whose missing rank is stopped or busy (neither waiting nor dead): every collective
     # they entered afterwards and nobody finished is stuck behind it (the members that could finish it wait in
     # the root, or are the stopped rank), not a hang of its own.
-    behind_root = set().union(*(waiters_of[i] | set(_ints(r.missing_ranks)) for i, r in enumerate(rows)
-                                if any(verdicts[i][m] not in ("waiting", "dead") for m in _ints(r.missing_ranks))))
+    behind_root = set().union(*(waiters_of[i] | set(ranks_of(r.missing_ranks)) for i, r in enumerate(rows)
+                                if any(verdicts[i][m] not in ("waiting", "dead") for m in ranks_of(r.missing_ranks))))
     for i, r in enumerate(rows):
-        miss, waiters, live = _ints(r.missing_ranks), sorted(waiters_of[i]), verdicts[i]
+        miss, waiters, live = ranks_of(r.missing_ranks), sorted(waiters_of[i]), verdicts[i]
         if (r.pg, r.pg_ranks) in skip_groups:
             continue
         if miss and all(live[m] == "dead" or (live[m] == "alive" and failed_soon(m, r)) for m in miss):
@@ -291,7 +292,7 @@ def detect_hangs(missing: pd.DataFrame, faults: pd.DataFrame | None, *, last_see
                 "op": r.op, "peer": int(r.peer) if is_p2p else None, "step": r.step,
                 "arrived_ranks": waiters, "missing_ranks": miss, "waited_s": waited_ns / 1e9,
                 "cause": cause, "sides": sides, "liveness": {str(m): live[m] for m in everyone},
-                "missing_last_seen": {str(m): ({"step": _int_or_none(last[m].last_step),
+                "missing_last_seen": {str(m): ({"step": int_or_none(last[m].last_step),
                                                 "last_collective": last[m].last_collective}
                                                if m in last else None) for m in miss},
                 "stacks": stacks,
@@ -405,5 +406,6 @@ def last_seen(steps: pd.DataFrame, collectives: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(list(out.values()))[["rank", "last_step", "last_collective"]]
 
 
-def _int_or_none(v):
+def int_or_none(v) -> int | None:
+    """``v`` as an int, None when null."""
     return None if v is None or pd.isna(v) else int(v)

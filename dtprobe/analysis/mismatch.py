@@ -1,6 +1,7 @@
 """Collective mismatches: members of a group that issued different operations, dtypes or sizes at the same
-sequence number, or one member that skipped a collective (or issued an extra one) so that everything after is
-shifted; detector COLLECTIVE_MISMATCH. Read by the facade (which also silences the HANG and STRAGGLER findings
+sequence number, one member that skipped a collective (or issued an extra one) so that everything after is
+shifted, or one that ended its program while the others waited in a collective (``ended_mismatches``);
+detector COLLECTIVE_MISMATCH. Read by the facade (which also silences the HANG and STRAGGLER findings
 of a mismatched group: their waits are this mismatch's consequence)."""
 
 from __future__ import annotations
@@ -13,15 +14,20 @@ import pandas as pd
 
 from dtprobe.analysis.arrivals import ATTEMPT_SEQ_STRIDE
 from dtprobe.analysis.findings import Finding
+from dtprobe.analysis.hangs import int_or_none, ranks_of
+from dtprobe.analysis.liveness import CONSEQUENCE_REASONS, attempt_at, exit_of
 from dtprobe.analysis.phases import phase_at
 from dtprobe.analysis.tables import P2P_OPS, axis_of, group_members, group_phrase, size_label, text_or
 from dtprobe.store.columns import require_columns
 
-MISMATCH_COLUMNS = ["pg", "pg_ranks", "restart", "seq", "kind", "odd_ranks", "issued", "expected", "step", "phase"]
+MISMATCH_COLUMNS = ["pg", "pg_ranks", "restart", "seq", "kind", "odd_ranks", "issued", "expected", "step", "phase",
+                    "ended"]
 """``collective_mismatches()``: per mismatched group and attempt, its first mismatch. ``kind``: ``different``
 (other op/dtype/size at the same seq), ``skipped`` (the odd rank's calls from this seq are the others' from the
-next one), ``extra`` (the reverse); ``issued``: rank -> {op, dtype, num_bytes, step}; ``expected``: what the
-other members issued (null when the odd rank cannot be told); ``step``/``phase``: where the odd rank issued it."""
+next one), ``extra`` (the reverse), ``ended`` (the odd ranks ended their program normally without it:
+``ended_mismatches``); ``issued``: rank -> {op, dtype, num_bytes, step}; ``expected``: what the other members
+issued (null when the odd rank cannot be told); ``step``/``phase``: where the odd rank issued it (of ``ended``,
+the others' step, no phase); ``ended``: of ``ended``, odd rank -> {last_step, exit_code, time_ns}, else null."""
 UNEVEN_OPS = frozenset({"alltoall"})
 """Ops whose members may legally send different sizes (all-to-all with split sizes): their sizes are not compared."""
 
@@ -84,9 +90,104 @@ def collective_mismatches(collectives: pd.DataFrame, steps: pd.DataFrame) -> pd.
             found = _judge(calls, int(s), steps)
             if found is not None:
                 rows.append({"pg": pg, "pg_ranks": pr, "restart": int(attempt), "seq": int(s) % ATTEMPT_SEQ_STRIDE,
-                             **found})
+                             **found, "ended": None})
                 break
     return pd.DataFrame(rows)[MISMATCH_COLUMNS] if rows else empty
+
+
+def ended_mismatches(stalls: pd.DataFrame, unfinished: pd.DataFrame, exits: pd.DataFrame, steps: pd.DataFrame,
+                     starts: list[int] = ()) -> pd.DataFrame:
+    """Kind ``ended``: a stuck collective (``hangs.stalls``) whose missing members all ended their program
+    normally in that attempt (``ended_normally``) without finishing the step the others issued it in. Their
+    records are whole, so they never issued it: they ran fewer steps than the others (uneven data per rank, a stop
+    one rank decided alone). A member that finished that step and later ones skipped the call instead (HANG or a
+    mismatch of the rows says so). The first
+    such stall of each group and attempt; ``issued``/``expected``: the waiting members' call (``unfinished``:
+    the stuck rows); ``step``: where the first of them issued it (``phase`` null: the odd ranks issued nothing, and
+    the others' step never ended). Columns: ``MISMATCH_COLUMNS``."""
+    rows: dict[tuple, dict] = {}
+    for st in stalls.itertuples(index=False):
+        missing, arrived = ranks_of(st.missing_ranks), ranks_of(st.arrived_ranks)
+        if not missing or not arrived or pd.isna(st.first_enqueue_ns):
+            continue
+        restart, _ = attempt_at(list(starts), int(st.first_enqueue_ns))
+        ended = {m: exit_of(exits, m, restart) for m in missing}
+        if not all(ended_normally(ex) for ex in ended.values()):
+            continue
+        last = {m: _last_step(steps, m, restart) for m in missing}
+        if pd.isna(st.step) or any(s is not None and s >= int(st.step) for s in last.values()):
+            continue                    # it stepped on past the others' step: it skipped the call, then ended
+        key = (st.pg, str(st.pg_ranks), restart)
+        if key in rows:
+            continue
+        issued = _stuck_calls(unfinished, st, arrived)
+        if not issued:
+            continue
+        entered = {r: call.pop("_enqueue_ns") for r, call in issued.items()}
+        first = min(entered, key=entered.get)
+        rows[key] = {"pg": st.pg, "pg_ranks": str(st.pg_ranks), "restart": restart, "seq": int(st.seq),
+                     "kind": "ended", "odd_ranks": sorted(missing),
+                     "issued": {str(r): call for r, call in sorted(issued.items())},
+                     "expected": issued[first], "step": issued[first]["step"], "phase": None,
+                     "ended": {str(m): {"last_step": last[m],
+                                        "exit_code": int_or_none(ex.get("exit_code")),
+                                        "time_ns": int_or_none(ex.get("exit_ns"))}
+                               for m, ex in sorted(ended.items())}}
+    if not rows:
+        return pd.DataFrame({k: [] for k in MISMATCH_COLUMNS})
+    return pd.DataFrame(list(rows.values()))[MISMATCH_COLUMNS]
+
+
+def ended_normally(ex: dict | None) -> bool:
+    """True when this exit (``liveness.exit_of``) is the program's own normal end: its probe closed ``finished``
+    (every row it wrote reached disk), or, without a close row, the launcher saw exit code 0; not an end forced
+    from outside (SIGTERM, the hang watchdog)."""
+    if ex is None or ex.get("reason") in CONSEQUENCE_REASONS or ex.get("signal"):
+        return False
+    if ex.get("closed") is True:
+        return ex.get("status") == "finished"
+    code = ex.get("exit_code")
+    return ex.get("closed") is None and code is not None and not pd.isna(code) and int(code) == 0
+
+
+def with_ended(mismatches: pd.DataFrame, ended: pd.DataFrame) -> pd.DataFrame:
+    """``mismatches`` (``collective_mismatches``) plus the ``ended`` rows of groups and attempts it has none of."""
+    if ended.empty:
+        return mismatches
+    if mismatches.empty:
+        return ended
+    have = set(zip(mismatches["pg"], mismatches["pg_ranks"].astype(str), mismatches["restart"].astype("int64")))
+    new = ended[[k not in have for k in zip(ended["pg"], ended["pg_ranks"].astype(str),
+                                            ended["restart"].astype("int64"))]]
+    return pd.concat([mismatches, new], ignore_index=True) if not new.empty else mismatches
+
+
+def _stuck_calls(unfinished: pd.DataFrame, stall, ranks: list[int]) -> dict[int, dict]:
+    """rank -> its call at the stall's group and seq ({op, dtype, num_bytes, step}, as ``_call`` gives it, plus
+    ``_enqueue_ns``), of those of ``ranks`` that have one."""
+    if unfinished.empty:
+        return {}
+    u = unfinished[(unfinished["pg"] == stall.pg) & (unfinished["seq"] == stall.seq)
+                   & unfinished["rank"].isin(ranks)]
+    u = u[text_or(u["pg_ranks"]).astype(str) == str(stall.pg_ranks)]
+    out = {}
+    for _, row in u.sort_values("enqueue_ns").iterrows():
+        r = int(row["rank"])
+        if r not in out:
+            out[r] = {"op": row["op"], "dtype": None if pd.isna(row["dtype"]) else row["dtype"],
+                      "num_bytes": int_or_none(row["num_bytes"]), "step": int_or_none(row["step"]),
+                      "_enqueue_ns": int_or_none(row["enqueue_ns"]) or 0}
+    return out
+
+
+def _last_step(steps: pd.DataFrame, rank: int, restart: int) -> int | None:
+    """The last step ``rank`` finished in attempt ``restart`` (None if none)."""
+    if steps.empty:
+        return None
+    mine = steps[(steps["rank"] == rank) & steps["step"].notna()]
+    if "restart" in mine.columns:
+        mine = mine[mine["restart"].fillna(0).astype("int64") == restart]
+    return int(mine["step"].max()) if not mine.empty else None
 
 
 def _judge(calls: dict[int, pd.DataFrame], s: int, steps: pd.DataFrame) -> dict | None:
@@ -210,10 +311,16 @@ def detect_mismatches(mismatches: pd.DataFrame, *, axis_of_pg: Callable[[str], s
     for m in mismatches.itertuples(index=False):
         members = list(group_members(m.pg_ranks))
         odd = list(m.odd_ranks)
-        mine = m.issued[str(odd[0])] if odd else None
+        mine = m.issued.get(str(odd[0])) if odd else None
         where = (f"#{m.seq} on {group_phrase(m.pg, members)} (step {m.step}" + (f", {m.phase}" if m.phase else "")
                  + ")")
-        if m.kind == "skipped":
+        ended = m.ended if isinstance(m.ended, dict) else {}
+        if m.kind == "ended":
+            waiting = [r for r in members if r not in odd and str(r) in m.issued]
+            how = "; ".join(_ended_phrase(r, ended.get(str(r)) or {}) for r in odd)
+            title = (f"rank(s) {odd} ended ({how}) without the {_say(m.expected)} that rank(s) {waiting} issued "
+                     f"{where}: the ranks ran different numbers of steps or collectives")
+        elif m.kind == "skipped":
             title = f"rank(s) {odd} skipped {_say(m.expected)} {where}: every later call is shifted"
         elif m.kind == "extra":
             title = f"rank(s) {odd} issued an extra {_say(mine)} {where}: every later call is shifted"
@@ -227,14 +334,31 @@ def detect_mismatches(mismatches: pd.DataFrame, *, axis_of_pg: Callable[[str], s
             code="COLLECTIVE_MISMATCH", severity="critical", ranks=tuple(odd), group=axis_of_pg(m.pg), title=title,
             evidence={"pg": m.pg, "pg_ranks": members, "restart": m.restart, "seq": m.seq, "kind": m.kind,
                       "odd_ranks": odd, "issued": m.issued, "expected": m.expected, "step": m.step,
-                      "phase": m.phase},
-            recommendation=(f"Make every member of group {m.pg} issue the same collectives in the same order: look "
-                            f"for a rank-dependent branch (if rank == ...), an early exit or a conditional "
-                            f"all-reduce around step {m.step} in rank(s) {odd}'s code path. The job otherwise "
-                            f"hangs until the collective timeout."),
+                      "phase": m.phase, "ended": ended or None},
+            recommendation=_ENDED_ADVICE.format(odd=odd) if m.kind == "ended" else (
+                f"Make every member of group {m.pg} issue the same collectives in the same order: look "
+                f"for a rank-dependent branch (if rank == ...), an early exit or a conditional "
+                f"all-reduce around step {m.step} in rank(s) {odd}'s code path. The job otherwise "
+                f"hangs until the collective timeout."),
             predicted_gain=None,
         ))
     return out
+
+
+_ENDED_ADVICE = (
+    "Rank(s) {odd} finished the script while the others still trained: every rank must run the same steps and "
+    "collectives. The usual cause is uneven data per rank (a dataset split by hand, an IterableDataset without equal "
+    "shards, a sampler without padding), or a stop that one rank decides alone (early stopping, a time or step "
+    "limit read per rank). Cap every rank at the smallest rank's number of batches, make the ranks agree on "
+    "stopping (all-reduce the stop flag), or run the loop inside DDP's join() context for uneven inputs. The "
+    "others otherwise wait until the collective timeout.")
+
+
+def _ended_phrase(rank: int, ended: dict) -> str:
+    """``rank 1 exited with code 0 after step 59`` (what is known of it)."""
+    how = "exited with code 0" if ended.get("exit_code") == 0 else "closed normally"
+    last = ended.get("last_step")
+    return f"rank {rank} {how}" + (f" after step {last}" if last is not None else " before any step")
 
 
 def without_explained_stragglers(findings: list[Finding]) -> list[Finding]:

@@ -2,7 +2,9 @@
 
 Every rank all_reduces its flattened gradients each step (hand-written data parallelism, with ``dtprobe.attach``);
 at ``--odd-step`` the ``--odd-rank`` all_gathers them instead ("incorrect ordering of collective operations").
-gloo then waits on both sides until the process-group timeout and every rank dies of it.
+gloo then waits on both sides until the process-group timeout and every rank dies of it. With ``--odd-end`` the
+odd rank instead runs out of data before ``--odd-step`` and its script ends normally (uneven inputs), while its
+peers enter that step's all-reduce; they fail once the connection to it closes.
 
     torchrun --standalone --nproc-per-node 3 tests/chaos/mismatch_job.py RUN_DIR --odd-rank 2 --odd-step 4
 """
@@ -20,6 +22,7 @@ def main() -> None:
     parser.add_argument("run_dir")
     parser.add_argument("--odd-rank", type=int, default=1, help="the rank that issues the wrong collective")
     parser.add_argument("--odd-step", type=int, default=4, help="the step at which it does")
+    parser.add_argument("--odd-end", action="store_true", help="the odd rank's data ends before --odd-step instead")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--pg-timeout-s", type=float, default=10.0, help="process-group timeout (the job's end)")
     args = parser.parse_args()
@@ -31,6 +34,8 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(probe.rank)
     for step in range(args.steps):
+        if is_odd_rank and args.odd_end and step == args.odd_step:
+            break                                             # the bug: its shard had fewer batches
         with probe.step(step) as s:
             with s.phase("data"):
                 x = torch.randn(8, 32, generator=gen)

@@ -357,3 +357,21 @@ def test_rank_issuing_a_different_collective_is_a_collective_mismatch_not_a_hang
     assert_only_confirmed_stragglers(run, doc, ("STRAGGLER",))
     # the peers' deaths on the timeout it caused are not crashes of theirs (a false positive on another rank)
     assert not [f for f in verdicts_on(doc, ("RANK_CRASH",)) if set(f["ranks"]) - {2}], summary(doc)
+
+
+def test_rank_whose_script_ended_while_its_peers_trained_is_a_collective_mismatch(run_dir, launch):
+    run = run_dir("ended_early")
+    # rank 1's data ends before step 4: its script returns and closes its probe while ranks 0 and 2 enter step 4's
+    # all-reduce; they fail when its connection closes (or on the 8 s timeout)
+    job = launch(torchrun_cmd(HERE / "mismatch_job.py", str(run), "--odd-rank", "1", "--odd-step", "4", "--odd-end",
+                              "--pg-timeout-s", "8", nproc=3), run, timeout_s=JOB_TIMEOUT_S)
+    assert job.wait() != 0
+
+    doc = analyze(run)
+    mismatches = findings_of(doc, "COLLECTIVE_MISMATCH")
+    assert [(f["severity"], f["ranks"]) for f in mismatches] == [("critical", [1])], summary(doc)
+    ev = mismatches[0]["evidence"]
+    assert (ev["kind"], ev["step"], ev["ended"]["1"]["last_step"]) == ("ended", 4, 3), ev
+    assert ev["expected"]["op"] == "allreduce", ev
+    assert not verdicts_on(doc, ("HANG", "RANK_CRASH")), summary(doc)
+    assert_only_confirmed_stragglers(run, doc, ("STRAGGLER",))

@@ -121,3 +121,27 @@ def test_a_hang_title_places_a_missing_rank_at_its_own_line_not_in_the_library_i
     assert _at(stack) == ", at train.py:120"
     assert _at(f'Thread MainThread (1):\n  File "{lib}/threading.py", line 331, in wait\n') == ", at threading.py:331"
     assert _at(None) == "" and _at("no frames") == ""
+
+
+def test_a_rank_waiting_inside_its_dataloader_for_a_batch_is_said_to_wait_for_it():
+    # with worker processes the main thread waits on their queue inside torch's DataLoader iterator, below the
+    # script's line; without workers the dataset's own code is innermost and is the place named
+    import sysconfig
+
+    from dtprobe.analysis.hangs import _at, waits_for_batch
+
+    lib, site = sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"]
+    loader = f'  File "{site}/torch/utils/data/dataloader.py", line 725, in __next__\n    data = self._next_data()\n'
+    workers = ("Thread MainThread (1):\n"
+               '  File "/home/u/train.py", line 58, in <module>\n    for step, (x, y) in enumerate(loader):\n'
+               + loader + f'  File "{lib}/selectors.py", line 415, in select\n    fd_event_list = poll(t)\n')
+    in_dataset = ("Thread MainThread (1):\n"
+                  '  File "/home/u/train.py", line 58, in <module>\n    for step, (x, y) in enumerate(loader):\n'
+                  + loader + '  File "/home/u/data.py", line 41, in __getitem__\n    time.sleep(3600)\n')
+    elsewhere = ("Thread MainThread (1):\n"
+                 '  File "/home/u/train.py", line 70, in <module>\n    loss.backward()\n'
+                 f'  File "{site}/torch/_tensor.py", line 623, in backward\n    torch.autograd.backward(\n'
+                 "\nThread pin (2):\n" + loader)
+    assert waits_for_batch(workers) and _at(workers) == ", at train.py:58, waiting for a batch from its DataLoader"
+    assert not waits_for_batch(in_dataset) and _at(in_dataset) == ", at data.py:41"
+    assert not waits_for_batch(elsewhere) and not waits_for_batch(None)

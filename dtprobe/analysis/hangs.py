@@ -270,6 +270,7 @@ def detect_hangs(missing: pd.DataFrame, faults: pd.DataFrame | None, *, last_see
         what = op_no + (f" with peer {int(r.peer)}" if is_p2p else "") + f" {where}"
         waiters = list(group_members(str(r.arrived_ranks)))
         stacks = _stacks(observed, everyone)
+        data_waits = [m for m in culprits if m in miss and waits_for_batch(stacks.get(str(m)))]
         states = f" ({', '.join(f'rank {m} {live[m]}' + _at(stacks.get(str(m))) for m in miss)})"
         if cause == "network":
             title = (f"ranks on {' and '.join(f'{k} {ranks_phrase(v)}' for k, v in sides.items())} wait for each other at "
@@ -295,7 +296,7 @@ def detect_hangs(missing: pd.DataFrame, faults: pd.DataFrame | None, *, last_see
                 "missing_last_seen": {str(m): ({"step": int_or_none(last[m].last_step),
                                                 "last_collective": last[m].last_collective}
                                                if m in last else None) for m in miss},
-                "stacks": stacks,
+                "stacks": stacks, "data_wait_ranks": data_waits,
                 "watchdog_report": report, "also_stuck": [],
                 "injected": bool(injected is not None and not injected.empty and (
                     injected[(injected["kind"] == "hang")]["rank"].astype("int64").isin(culprits).any())),
@@ -303,6 +304,7 @@ def detect_hangs(missing: pd.DataFrame, faults: pd.DataFrame | None, *, last_see
             recommendation=(
                 "Check the link between the two sides (ip link, switch port, firewall) and set a finite collective "
                 "timeout so the job fails fast and torchrun can restart it." if cause == "network" else
+                _data_wait_advice(data_waits) if data_waits else
                 f"Look at what rank(s) {culprits} were doing at step {r.step}: their stacks in the evidence (or "
                 f"py-spy dump --pid on their host), their stderr, a dataloader or checkpoint stuck. Set a finite "
                 f"collective timeout (init_process_group(timeout=...)) so the job fails fast and torchrun can "
@@ -310,6 +312,14 @@ def detect_hangs(missing: pd.DataFrame, faults: pd.DataFrame | None, *, last_see
             predicted_gain=None, rows=missing,
         )))
     return _one_per_culprits(findings)
+
+
+def _data_wait_advice(ranks: list[int]) -> str:
+    return (f"Rank(s) {ranks} wait for a batch from their DataLoader: its worker processes are stuck or very slow (a "
+            f"read from storage that stopped answering, a lock or a deadlock in the dataset's code). Dump the "
+            f"workers' stacks (py-spy dump --pid on the rank's child processes) and set DataLoader(timeout=...) so a "
+            f"stuck worker raises instead of hanging the job; a finite collective timeout "
+            f"(init_process_group(timeout=...)) also lets torchrun restart it.")
 
 
 def _one_per_culprits(found: list[tuple[int, Finding]]) -> list[Finding]:
@@ -359,18 +369,38 @@ def _watchdog_report(observed: pd.DataFrame | None, stall) -> dict | None:
     return None
 
 
-def _at(stack: str | None) -> str:
-    """``, at train.py:88``: where a rank's main thread was in its watchdog's stack (``hang.thread_stacks``: the
-    main thread first, innermost call last): its innermost frame outside the Python installation and dtprobe,
-    else its innermost frame; empty without a stack."""
+DATALOADER_FILE = "/torch/utils/data/dataloader.py"
+"""torch's DataLoader iterator: a main thread inside it, below the script's last frame, waits for a batch."""
+
+
+def _main_frames(stack: str | None) -> list:
+    """The ``FRAME`` matches of the main thread in a watchdog's stack (``hang.thread_stacks``: the main thread
+    first, innermost call last); empty without a stack."""
     if not stack:
-        return ""
-    main = stack.split("\n\nThread ", 1)[0]
-    frames = [m for m in map(FRAME.match, main.splitlines()) if m]
+        return []
+    return [m for m in map(FRAME.match, stack.split("\n\nThread ", 1)[0].splitlines()) if m]
+
+
+def _at(stack: str | None) -> str:
+    """``, at train.py:88``: where a rank's main thread was in its watchdog's stack: its innermost frame outside
+    the Python installation and dtprobe, else its innermost frame; empty without a stack. ``, at train.py:58,
+    waiting for a batch from its DataLoader`` when it was inside the DataLoader's iterator below that frame."""
+    frames = _main_frames(stack)
     if not frames:
         return ""
     own = [m for m in frames if not is_library(m["path"], own=True)]
-    return f", at {location((own or frames)[-1])}"
+    return f", at {location((own or frames)[-1])}" + (
+        ", waiting for a batch from its DataLoader" if waits_for_batch(stack) else "")
+
+
+def waits_for_batch(stack: str | None) -> bool:
+    """True when the main thread of a watchdog's stack waits inside torch's DataLoader iterator: below its
+    innermost frame outside the Python installation and dtprobe there are only library frames, one of them the
+    DataLoader's (with worker processes the thread waits on their queue; without, the dataset's own code, which
+    is the script's, is innermost and says where it is)."""
+    frames = _main_frames(stack)
+    last_own = max((i for i, m in enumerate(frames) if not is_library(m["path"], own=True)), default=-1)
+    return any(m["path"].endswith(DATALOADER_FILE) for m in frames[last_own + 1:])
 
 
 def _stacks(observed: pd.DataFrame | None, ranks: list[int]) -> dict[str, str]:

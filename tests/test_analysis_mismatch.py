@@ -10,7 +10,7 @@ from analysis_synth import (MS, T0, cut_rank, frames, lockstep_tables, pending_r
 
 from dtprobe.analysis import RunAnalysis
 from dtprobe.analysis.findings import Finding, PredictedGain, info_without_gain
-from dtprobe.analysis.mismatch import collective_mismatches
+from dtprobe.analysis.mismatch import collective_mismatches, detect_mismatches
 
 
 def _codes(a: RunAnalysis, *codes: str) -> list:
@@ -81,6 +81,7 @@ def test_a_rank_that_skipped_a_collective_is_named_and_the_shift_is_seen():
     [m] = collective_mismatches(f["collectives"], f["steps"]).itertuples()
     assert (m.kind, m.odd_ranks, m.seq, m.expected["op"], m.issued["1"]["op"]) == ("skipped", [1], 8, "allgather",
                                                                                   "allreduce")
+    assert m.step == 3                # where the others issued the all-gather it skipped, not its step-4 call
 
 
 def test_a_skip_among_identical_calls_is_found_from_the_step_counts():
@@ -91,7 +92,9 @@ def test_a_skip_among_identical_calls_is_found_from_the_step_counts():
             x["seq"] -= 1                                 # rank 1 numbers its later calls one lower
     f = frames({**rows, "collectives": coll})
     [m] = collective_mismatches(f["collectives"], f["steps"]).itertuples()
-    assert (m.kind, m.odd_ranks, m.seq) == ("skipped", [1], 4)
+    assert (m.kind, m.odd_ranks, m.seq, m.step) == ("skipped", [1], 4, 3)
+    [finding] = detect_mismatches(collective_mismatches(f["collectives"], f["steps"]))
+    assert "(step 3" in finding.title and "find_unused_parameters=True" in finding.recommendation
 
 
 def test_a_call_at_a_step_boundary_numbered_one_step_apart_is_no_mismatch():

@@ -26,8 +26,9 @@ MISMATCH_COLUMNS = ["pg", "pg_ranks", "restart", "seq", "kind", "odd_ranks", "is
 (other op/dtype/size at the same seq), ``skipped`` (the odd rank's calls from this seq are the others' from the
 next one), ``extra`` (the reverse), ``ended`` (the odd ranks ended their program normally without it:
 ``ended_mismatches``); ``issued``: rank -> {op, dtype, num_bytes, step}; ``expected``: what the other members
-issued (null when the odd rank cannot be told); ``step``/``phase``: where the odd rank issued it (of ``ended``,
-the others' step, no phase); ``ended``: of ``ended``, odd rank -> {last_step, exit_code, time_ns}, else null."""
+issued (null when the odd rank cannot be told); ``step``/``phase``: where the odd rank issued it (of ``skipped``,
+where the others issued the call it skipped; of ``ended``, the others' step, no phase); ``ended``: of ``ended``,
+odd rank -> {last_step, exit_code, time_ns}, else null."""
 UNEVEN_OPS = frozenset({"alltoall"})
 """Ops whose members may legally send different sizes (all-to-all with split sizes): their sizes are not compared."""
 
@@ -208,10 +209,12 @@ def _judge(calls: dict[int, pd.DataFrame], s: int, steps: pd.DataFrame) -> dict 
         odd = sorted(at) if normal_sig is None else sorted(r for r, sig in sigs.items() if sig != normal_sig)
         kind = _shift(calls, odd, [r for r in at if r not in odd], s)
     normal = sorted(r for r in at if r not in odd)
-    first_odd = at[odd[0]]
-    step = None if pd.isna(first_odd["step"]) else int(first_odd["step"])
-    phase = (phase_at(steps, odd[0], step, int(first_odd["enqueue_ns"]))
-             if step is not None and not pd.isna(first_odd["enqueue_ns"]) else None)
+    # where the odd rank issued its call; of a skip, where the others issued the call it skipped (the odd rank's
+    # call at this seq is already of a later place)
+    by, where = (normal[0], at[normal[0]]) if kind == "skipped" and normal else (odd[0], at[odd[0]])
+    step = None if pd.isna(where["step"]) else int(where["step"])
+    phase = (phase_at(steps, by, step, int(where["enqueue_ns"]))
+             if step is not None and not pd.isna(where["enqueue_ns"]) else None)
     expected = _call(at[normal[0]]) if normal else None
     if kind == "skipped" and normal:   # what the odd rank skipped: the others' call at this seq
         expected = _call(at[normal[0]])
@@ -321,7 +324,8 @@ def detect_mismatches(mismatches: pd.DataFrame, *, axis_of_pg: Callable[[str], s
             title = (f"rank(s) {odd} ended ({how}) without the {_say(m.expected)} that rank(s) {waiting} issued "
                      f"{where}: the ranks ran different numbers of steps or collectives")
         elif m.kind == "skipped":
-            title = f"rank(s) {odd} skipped {_say(m.expected)} {where}: every later call is shifted"
+            title = (f"rank(s) {odd} skipped {_say(m.expected)} {where}: every later call is shifted (each pairs "
+                     f"with the others' next one)")
         elif m.kind == "extra":
             title = f"rank(s) {odd} issued an extra {_say(mine)} {where}: every later call is shifted"
         elif m.expected is not None:
@@ -339,12 +343,19 @@ def detect_mismatches(mismatches: pd.DataFrame, *, axis_of_pg: Callable[[str], s
                 f"Make every member of group {m.pg} issue the same collectives in the same order: look "
                 f"for a rank-dependent branch (if rank == ...), an early exit or a conditional "
                 f"all-reduce around step {m.step} in rank(s) {odd}'s code path. The job otherwise "
-                f"hangs until the collective timeout."),
+                f"hangs until the collective timeout." + (_SKIPPED_GRADIENT_ADVICE if m.kind == "skipped"
+                                                          and (m.expected or {}).get("op") == "allreduce"
+                                                          else "")),
             predicted_gain=None,
         ))
     return out
 
 
+_SKIPPED_GRADIENT_ADVICE = (
+    " If it is a gradient all-reduce (DDP's, in the backward): a parameter that got no gradient on that rank in that "
+    "step (a branch on the data, a layer used only sometimes) keeps its bucket, and every bucket after it, from "
+    "being reduced, and while the sizes still match the job goes on with gradients paired across steps. Pass "
+    "find_unused_parameters=True to DistributedDataParallel, or make every rank use every parameter in every step.")
 _ENDED_ADVICE = (
     "Rank(s) {odd} finished the script while the others still trained: every rank must run the same steps and "
     "collectives. The usual cause is uneven data per rank (a dataset split by hand, an IterableDataset without equal "

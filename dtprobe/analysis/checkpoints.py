@@ -18,14 +18,22 @@ DEFAULT_MTBF_HOURS = 24.0
 
 def checkpoint_events(checkpoints: pd.DataFrame) -> pd.DataFrame:
     """One row per checkpoint (step, kind): the slowest rank's blocking / async / total time, the mean blocking
-    time, total bytes, whether every rank succeeded. Columns: ``SAVE_COLUMNS``."""
+    time, total bytes, whether every rank succeeded. A rank's several rows of one checkpoint (a script's
+    ``torch.save`` of the model, then of the optimizer: ``collectors.launch_checkpoints``) are summed first.
+    Columns: ``SAVE_COLUMNS``."""
     require_columns(checkpoints, ["rank", "step", "kind", "blocking_ns", "async_ns", "total_ns", "num_bytes", "ok"],
                     table="checkpoints")
     c = checkpoints.dropna(subset=["step"])
     if c.empty:
         return pd.DataFrame({col: [] for col in SAVE_COLUMNS})
+    c = c.assign(kind=c["kind"].fillna("save"))
+    if c.duplicated(["step", "kind", "rank"]).any():
+        sums = {col: (col, lambda x: x.astype("float64").sum(min_count=1))
+                for col in ("blocking_ns", "async_ns", "total_ns", "num_bytes")}
+        c = c.groupby(["step", "kind", "rank"], as_index=False).agg(
+            **sums, ok=("ok", lambda x: bool(x.fillna(True).all())))
     rows = []
-    for (step, kind), g in c.groupby(["step", c["kind"].fillna("save")], sort=True):
+    for (step, kind), g in c.groupby(["step", "kind"], sort=True):
         blocking = g["blocking_ns"].astype("float64")
         if blocking.isna().all():
             blocking = g["total_ns"].astype("float64")

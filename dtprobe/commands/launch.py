@@ -21,7 +21,8 @@ shown after a launch (``dtprobe analyze`` shows everything the run holds)."""
 _DESCRIPTION = """\
 Run SCRIPT (or -m MODULE) unchanged under torchrun (torch.distributed.run), with dtprobe attached in every worker
 right after the script's own init_process_group: the default group and every group, DeviceMesh, DDP, FSDP2 or
-DTensor layout created after it are recorded (collectives table), as are devices, profiler windows and steps.
+DTensor layout created after it are recorded (collectives table), as are devices, profiler windows, steps and
+the script's checkpoint saves and loads (torch.distributed.checkpoint, torch.save to a file).
 
 A step is an optimizer step attempt (torch.optim's global step hooks; with gradient accumulation, one per optimizer
 step; a step that GradScaler skips still counts, marked skipped in the amp table). Forward, backward and optimizer
@@ -29,8 +30,8 @@ phases come from module, autograd and optimizer hooks. Loss and tokens are recor
 dtprobe.record(loss=..., tokens=...) (a no-op when not run by dtprobe): otherwise they are absent, never guessed.
 
 Shows progress (optimizer steps on rank 0), then the findings that need no knowledge of the model (stragglers,
-stalls, exposed or inefficient communication, hangs, crashes, collective mismatches, device problems; pipeline,
-AMP and checkpoint findings when the telemetry holds those rows), and prints the run directory on stdout. The
+stalls, exposed or inefficient communication, hangs, crashes, collective mismatches, checkpoint stalls, device
+problems; pipeline and AMP findings when the telemetry holds those rows), and prints the run directory on stdout. The
 workers' output goes to RUN/logs/. Exit code: the script's (that of the first rank that failed), 130 when interrupted,
 2 for a bad command line."""
 

@@ -9,7 +9,9 @@ its arguments, the ``[collect]`` options, the process-group timeout), then:
    created later are recorded, ``collectors.attach``) and the step hooks are installed
    (``collectors.launch_steps``: a step per optimizer step attempt, fwd/bwd/opt phases, ``dtprobe.record``), and
    every ``torch.distributed.pipelining`` stage the script then builds is timed (``parallel.pp.ScriptPipelineTimers``:
-   ``pipeline`` rows, when the script imported ``torch.distributed.pipelining`` before its init);
+   ``pipeline`` rows, when the script imported ``torch.distributed.pipelining`` before its init), and so are its
+   checkpoint saves and loads (``collectors.launch_checkpoints``: DCP, ``torch.save`` to a file; ``checkpoints``
+   rows), whose functions are wrapped before the script runs;
    a script that never initializes torch.distributed is still run, and nothing is recorded; with collectives
    recorded, a watchdog that only reports (``runtime.hang.Watchdog``, ``leave=False``) writes every rank's
    Python stack into the run once one of its collectives or send/recvs has been pending ``stacks_after_s``
@@ -84,6 +86,7 @@ class LaunchSession:
         self.steps: Any = None
         self.pipeline: Any = None
         self.watchdog: Any = None
+        self.checkpoints: Any = None
         self._patched: list[tuple[Any, Any]] = []
 
     def install(self) -> None:
@@ -105,6 +108,11 @@ class LaunchSession:
             if getattr(module, "init_process_group", None) is original:
                 self._patched.append((module, original))
                 module.init_process_group = init_process_group
+        if self.spec["collect"].get("enabled", True):
+            from dtprobe.collectors.launch_checkpoints import CheckpointTimer
+
+            self.checkpoints = CheckpointTimer()     # before the script imports DCP: it gets the timed functions
+            self.checkpoints.install()
 
     def attach(self, *, pg_timeout_s: float | None = None) -> None:
         """``dtprobe.attach`` (after init), the step hooks and the stack watchdog; once."""
@@ -124,6 +132,9 @@ class LaunchSession:
             self.pipeline.install()
             self.probe.step_hooks = self.steps      # a second attach or a framework callback stops them
             dtprobe._record_sink = self.steps.record
+            if self.checkpoints is not None:
+                steps = self.steps
+                self.checkpoints.start(self.probe.record, lambda: steps.num_steps, self.probe.rank)
             after = stacks_after(spec, pg_timeout_s)
             if after > 0 and self.probe.config.collectives:
                 import torch.distributed as dist
@@ -145,6 +156,8 @@ class LaunchSession:
         dtprobe._record_sink = None
         if self.watchdog is not None:
             self.watchdog.stop()
+        if self.checkpoints is not None:
+            self.checkpoints.close()
         if self.pipeline is not None:
             self.pipeline.close()
         if self.steps is not None:

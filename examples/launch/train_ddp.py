@@ -11,6 +11,8 @@ rank R raise at step S (``--fail-exit N``: call ``sys.exit(N)`` instead); ``--sl
 decode); ``--alloc-rank R --alloc-step S --alloc-mb N`` makes rank R allocate and hold N MiB at step S (a batch
 far larger than the others': under a memory limit, a container's or a cgroup's, the kernel's OOM killer ends it;
 with ``--alloc-in-data-worker`` and ``--num-workers K``, a worker process of its DataLoader does, at its S-th batch).
+``--ckpt-every N --ckpt-dir DIR`` saves the model and optimizer with torch.distributed.checkpoint every N optimizer
+steps (``--ckpt-async``: ``async_save`` on a group of its own, as DCP asks, the previous save awaited first).
 ``--record`` reports loss and tokens.
 ``--hidden``/``--layers`` size the MLP (the default is tiny; the benchmark uses a step of realistic length).
 ``--report FILE``: rank 0 writes ``{"optimizer_steps", "loop_s"}`` there (the training loop's wall time, what
@@ -26,6 +28,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset, default_collate
@@ -55,6 +58,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--alloc-in-data-worker", action="store_true",
                         help="allocate in a DataLoader worker process, from its --alloc-step'th batch")
     parser.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")
+    parser.add_argument("--ckpt-every", type=int, default=0, help="checkpoint every N optimizer steps (0: never)")
+    parser.add_argument("--ckpt-dir", default="checkpoints")
+    parser.add_argument("--ckpt-async", action="store_true")
     parser.add_argument("--record", action="store_true")
     parser.add_argument("--report", default=None)
     return parser.parse_args()
@@ -97,6 +103,7 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     scaler = torch.amp.GradScaler("cpu", enabled=args.amp)
     held = []
+    saving, ckpt_group = None, dist.new_group(backend="gloo") if args.ckpt_async else None
     step = 0
     start = time.perf_counter()
     for epoch in range(args.epochs):
@@ -122,6 +129,17 @@ def main() -> None:
                 scaler.update()
                 optimizer.zero_grad()
                 step += 1
+                if args.ckpt_every and step % args.ckpt_every == 0:
+                    state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+                    where = f"{args.ckpt_dir}/step{step}"
+                    if saving is not None:
+                        saving.result()
+                    if args.ckpt_async:
+                        saving = dcp.async_save(state, checkpoint_id=where, process_group=ckpt_group)
+                    else:
+                        dcp.save(state, checkpoint_id=where)
+    if saving is not None:
+        saving.result()
     dist.barrier()
     loop_s = time.perf_counter() - start
     if rank == 0:

@@ -1,0 +1,236 @@
+"""Checkpoint saves and loads of an unmodified script (``dtprobe launch``), as ``checkpoints`` rows, so that
+CHECKPOINT_STALL judges a script's own checkpoints as it does ``dtprobe run``'s.
+
+What is timed (``CheckpointTimer``):
+- ``torch.distributed.checkpoint``'s ``save``, ``async_save`` and ``load`` (DCP: every rank writes or reads its
+  shards). The package is patched when the script imports it (an import hook, ``install`` before the script
+  runs), so ``import torch.distributed.checkpoint as dcp`` and ``from torch.distributed.checkpoint import save``
+  both get the timed functions (not an import from its inner modules, ``state_dict_saver``);
+- ``torch.save`` and ``safetensors.torch.save_file`` to a file path (the way single-file checkpoints are written,
+  often by one rank; a save into a buffer, e.g. Lightning's before it writes the bytes, is not seen).
+
+One row per call and rank: ``step`` (the step the call falls in, ``step_of()``), ``kind`` (``save``/``load``),
+``start_ns``, ``blocking_ns`` (the call's time on the main thread; 0 for a save made on another thread, which
+does not hold the training loop), ``async_ns`` (an ``async_save``'s time from its return to its completion, and a
+save on another thread: its whole time), ``total_ns``, ``num_bytes`` (the file's size; of DCP, the ``.distcp``
+files this rank's name prefix marks in the checkpoint folder; null when unknown), ``ok`` (False when it raised or its
+future failed) and ``path``. A call inside another timed one (DCP writing through ``torch.save``) is not timed
+again. Nothing is recorded before ``start`` (the probe attached) or after ``close``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+DCP_MODULE = "torch.distributed.checkpoint"
+SAFETENSORS_MODULE = "safetensors.torch"
+_DCP_FUNCTIONS = {"save": "save", "async_save": "save", "load": "load"}
+"""DCP function -> the ``kind`` of its rows."""
+
+
+class CheckpointTimer:
+    """Wraps the checkpoint functions (module docstring); ``install`` before the script runs, ``start`` once its
+    probe records, ``close`` at its end."""
+
+    def __init__(self) -> None:
+        self.record: Callable[[str, dict], None] | None = None
+        self.step_of: Callable[[], int | None] = lambda: None
+        self.rank = 0
+        self._originals: list[tuple[Any, str, Any]] = []
+        self._finder: _PatchOnImport | None = None
+        self._inside = threading.local()
+        self._main_thread = threading.main_thread()
+
+    def install(self) -> None:
+        import torch
+
+        original = torch.save
+        wrapper = self._file_save(original)
+        self._patch(torch, "save", wrapper)
+        if torch.serialization.save is original:
+            self._patch(torch.serialization, "save", wrapper)
+        self._finder = _PatchOnImport({DCP_MODULE: self._patch_dcp, SAFETENSORS_MODULE: self._patch_safetensors})
+        for name, patch in self._finder.patches.items():
+            if name in sys.modules:
+                patch(sys.modules[name])
+        sys.meta_path.insert(0, self._finder)
+
+    def start(self, record: Callable[[str, dict], None], step_of: Callable[[], int | None], rank: int) -> None:
+        """Record from now on through ``record(table, row)``, each call in step ``step_of()``."""
+        self.record, self.step_of, self.rank = record, step_of, rank
+
+    def close(self) -> None:
+        self.record = None
+        if self._finder is not None and self._finder in sys.meta_path:
+            sys.meta_path.remove(self._finder)
+        for owner, name, original in reversed(self._originals):
+            setattr(owner, name, original)
+        self._originals = []
+
+    # ------------------------------------------------------------------------------------------------- patches
+
+    def _patch(self, owner: Any, name: str, wrapper: Any) -> None:
+        self._originals.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, wrapper)
+
+    def _patch_dcp(self, dcp: Any) -> None:
+        # the package's names only: async_save's background thread calls its own module's save, which is then
+        # not timed again
+        for name, kind in _DCP_FUNCTIONS.items():
+            original = getattr(dcp, name, None)
+            if original is not None:
+                self._patch(dcp, name, self._dcp_call(original, kind, is_async=name == "async_save"))
+
+    def _patch_safetensors(self, module: Any) -> None:
+        if getattr(module, "save_file", None) is not None:
+            self._patch(module, "save_file", self._file_save(module.save_file, path_arg=1))
+
+    # ------------------------------------------------------------------------------------------------ wrappers
+
+    def _file_save(self, original: Any, *, path_arg: int = 1) -> Any:
+        timer = self
+
+        @functools.wraps(original)
+        def save(*args: Any, **kwargs: Any) -> Any:
+            target = args[path_arg] if len(args) > path_arg else kwargs.get("f", kwargs.get("filename"))
+            if not isinstance(target, (str, os.PathLike)) or not timer._recording():
+                return original(*args, **kwargs)
+            with timer._timed("save", Path(target), lambda: _size(Path(target))):
+                return original(*args, **kwargs)
+        return save
+
+    def _dcp_call(self, original: Any, kind: str, *, is_async: bool) -> Any:
+        timer = self
+
+        @functools.wraps(original)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if not timer._recording():
+                return original(*args, **kwargs)
+            folder = _dcp_folder(kwargs)
+            if not is_async:
+                with timer._timed(kind, folder, lambda: _dcp_bytes(folder, timer.rank)):
+                    return original(*args, **kwargs)
+            step, start_ns, t0 = timer.step_of(), time.time_ns(), time.perf_counter_ns()
+            try:
+                result = original(*args, **kwargs)
+            except BaseException:
+                timer._write(step, kind, start_ns, time.perf_counter_ns() - t0, 0, folder, None, ok=False)
+                raise
+            blocking = time.perf_counter_ns() - t0
+            future = result if hasattr(result, "add_done_callback") else getattr(result, "upload_completion", None)
+            if future is None or not hasattr(future, "add_done_callback"):
+                timer._write(step, kind, start_ns, blocking, 0, folder, None, ok=True)
+                return result
+
+            def done(f: Any) -> None:
+                total = time.perf_counter_ns() - t0
+                timer._write(step, kind, start_ns, blocking, total - blocking, folder,
+                             _dcp_bytes(folder, timer.rank), ok=f.exception() is None)
+            future.add_done_callback(done)
+            return result
+        return call
+
+    # --------------------------------------------------------------------------------------------------- rows
+
+    def _recording(self) -> bool:
+        return self.record is not None and not getattr(self._inside, "depth", 0)
+
+    def _timed(self, kind: str, path: Path | None, size: Callable[[], int | None]) -> "_Timed":
+        return _Timed(self, kind, path, size)
+
+    def _write(self, step: int | None, kind: str, start_ns: int, blocking_ns: int, async_ns: int, path: Path | None,
+               num_bytes: int | None, *, ok: bool) -> None:
+        record = self.record
+        if record is None:
+            return
+        record("checkpoints", {"step": step, "kind": kind, "start_ns": start_ns, "blocking_ns": blocking_ns,
+                               "async_ns": async_ns, "total_ns": blocking_ns + async_ns, "num_bytes": num_bytes,
+                               "ok": ok, "path": None if path is None else str(path)})
+
+
+class _Timed:
+    """One timed call (a context manager): its row is written when it returns or raises."""
+
+    def __init__(self, timer: CheckpointTimer, kind: str, path: Path | None, size: Callable[[], int | None]) -> None:
+        self.timer, self.kind, self.path, self.size = timer, kind, path, size
+
+    def __enter__(self) -> None:
+        inside = self.timer._inside
+        inside.depth = getattr(inside, "depth", 0) + 1
+        self.step, self.start_ns, self.t0 = self.timer.step_of(), time.time_ns(), time.perf_counter_ns()
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        took = time.perf_counter_ns() - self.t0
+        self.timer._inside.depth -= 1
+        on_main = threading.current_thread() is self.timer._main_thread
+        blocking, background = (took, 0) if on_main else (0, took)
+        self.timer._write(self.step, self.kind, self.start_ns, blocking, background, self.path,
+                          self.size() if exc_type is None else None, ok=exc_type is None)
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Runs ``patches[name](module)`` right after module ``name`` is first imported (before the importer gets it)."""
+
+    def __init__(self, patches: dict[str, Callable[[Any], None]]) -> None:
+        self.patches = dict(patches)
+        self._busy: set[str] = set()
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        patch = self.patches.get(fullname)
+        if patch is None or fullname in self._busy:
+            return None
+        self._busy.add(fullname)
+        try:
+            spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        finally:
+            self._busy.discard(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        loader, finder = spec.loader, self
+
+        class _Loader(importlib.abc.Loader):
+            def create_module(self, spec: Any) -> Any:
+                return loader.create_module(spec)
+
+            def exec_module(self, module: Any) -> None:
+                loader.exec_module(module)
+                finder.patches.pop(fullname, None)
+                patch(module)
+
+        spec.loader = _Loader()
+        return spec
+
+
+def _dcp_folder(kwargs: dict[str, Any]) -> Path | None:
+    """The folder a DCP call writes or reads: ``checkpoint_id``, else its storage writer's or reader's path."""
+    where = kwargs.get("checkpoint_id")
+    if where is None:
+        storage = kwargs.get("storage_writer") or kwargs.get("storage_reader")
+        where = getattr(storage, "path", None)
+    return Path(where) if isinstance(where, (str, os.PathLike)) else None
+
+
+def _dcp_bytes(folder: Path | None, rank: int) -> int | None:
+    """The size of the ``.distcp`` files of ``rank`` (DCP names them ``__<rank>_<n>.distcp``) in ``folder``."""
+    if folder is None:
+        return None
+    try:
+        sizes = [p.stat().st_size for p in folder.glob(f"__{rank}_*.distcp")]
+    except OSError:
+        return None
+    return sum(sizes) if sizes else None
+
+
+def _size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return None

@@ -248,3 +248,22 @@ def test_a_rank_that_did_not_end_on_its_own_is_no_ended_mismatch(tmp_path, close
     a = RunAnalysis.open(write_rows_run(tmp_path / "run", rows, world_size=3, status="crashed", attempts=attempts))
     assert _codes(a, "COLLECTIVE_MISMATCH") == []
     assert _codes(a, "HANG", "RANK_CRASH")
+
+
+def test_calls_that_line_up_unshifted_are_no_skip_whatever_the_step_counts():
+    # an asynchronous checkpoint's group: its calls are numbered with whatever step the training thread is in.
+    # Rank 1 numbered its second call one step later (behind from step 4 on), then its script returned without
+    # awaiting its last save: its gather #4 ran outside any step (-1), and it never issued broadcast #5, where
+    # rank 0 waits. Its calls are rank 0's, call for call: nothing was skipped, it ended
+    rows = lockstep_tables(world=2, num_steps=6)
+    calls = {0: ((3, "allgather"), (4, "gather"), (5, "allgather"), (5, "gather"), (5, "broadcast")),
+             1: ((3, "allgather"), (5, "gather"), (5, "allgather"), (-1, "gather"))}
+    for r, made in calls.items():
+        for seq, (step, op) in enumerate(made, start=1):
+            at = T0 + (step * 100 + 90 if step >= 0 else 590) * MS
+            rows["collectives"].append({"rank": r, "pg": "ckpt", "pg_ranks": "0,1", "pg_size": 2, "seq": seq,
+                                        "op": op, "num_bytes": 16, "dtype": "uint8", "enqueue_ns": at + r * MS,
+                                        "end_ns": None if seq == 5 else at + 3 * MS, "step": step, "timing": "host",
+                                        "restart": 0})
+    f = frames(rows)
+    assert collective_mismatches(f["collectives"], f["steps"]).empty

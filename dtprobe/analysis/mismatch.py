@@ -201,7 +201,7 @@ def _judge(calls: dict[int, pd.DataFrame], s: int, steps: pd.DataFrame) -> dict 
     counts = Counter(sigs.values()).most_common()
     if len(counts) == 1:
         odd = _skipper(calls, at)
-        if odd is None:
+        if odd is None or not _shift_fits(calls, odd, [r for r in at if r not in odd], s):
             return None
         kind = "skipped"
     else:
@@ -239,6 +239,18 @@ def _shift(calls: dict[int, pd.DataFrame], odd: list[int], normal: list[int], s:
     return "different"
 
 
+def _shift_fits(calls: dict[int, pd.DataFrame], odd: list[int], normal: list[int], s: int) -> bool:
+    """The odd rank's calls from ``s`` on are the others' from ``s + n`` on, for some n >= 1: what a skip of n
+    calls leaves (with calls that repeat every n, e.g. DDP's buckets, a shift looks like none, which is why the
+    step counts judge). False when no shift fits: its calls line up with the others' unshifted, e.g. the last
+    calls of an asynchronous checkpoint, numbered with other steps, whose script ended before the rest."""
+    if not normal:
+        return True
+    mine = list(calls[odd[0]].loc[calls[odd[0]]["_seq"] >= s, "_sig"])
+    theirs = list(calls[normal[0]].loc[calls[normal[0]]["_seq"] >= s, "_sig"])
+    return any(mine[:k] == theirs[n:n + k] for n in range(1, len(theirs)) if (k := min(len(mine), len(theirs) - n)))
+
+
 def _skipper(calls: dict[int, pd.DataFrame], at: dict) -> list[int] | None:
     """With the same calls at a seq but different steps: the rank(s) that made fewer calls than the others by the
     end of some earlier step every member has rows around, and stayed behind at the end of every later such step,
@@ -247,7 +259,9 @@ def _skipper(calls: dict[int, pd.DataFrame], at: dict) -> list[int] | None:
     checkpoint's are, while its training thread moved on) is behind at one step's end and even again at the next
     (at the last step, nothing shows which it is: no verdict), and in all it made as many calls as the others, so
     a skipper must also have made fewer calls in all."""
-    per_step = {r: d[d["step"].notna()].groupby("step").size() for r, d in calls.items() if r in at}
+    # calls outside any step (-1: e.g. those of a thread still running after the script's last step ended) are
+    # in no step's count
+    per_step = {r: d[d["step"].notna() & (d["step"] >= 0)].groupby("step").size() for r, d in calls.items() if r in at}
     if any(c.empty for c in per_step.values()):
         return None
     ahead = max(int(row["step"]) for row in at.values() if not pd.isna(row["step"]))

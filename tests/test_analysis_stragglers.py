@@ -485,3 +485,32 @@ def test_a_slowdown_that_lengthens_the_steps_is_named_from_the_first_window_that
                 if f.severity != "info"]
     assert [f.ranks for f in findings] == [(1,)]
     assert findings[0].evidence["detected_at_step"] == row["detected_at_step"] <= 79
+
+
+def _episode(*, slow_steps: int, after_steps: int) -> dict:
+    """dp4: rank 1's backward 20 ms slower for its first ``slow_steps`` steps, then ``after_steps`` steps of none."""
+    from analysis_synth import DataParallelTimeline
+
+    timeline = DataParallelTimeline(straggler=1, delay_ms=20, phase="bwd")
+    rows = timeline.next_rows(slow_steps)
+    timeline.straggler = None
+    for table, later in timeline.next_rows(after_steps).items():
+        rows[table] += later
+    return {table: frame_from_rows(table, table_rows) for table, table_rows in rows.items()}
+
+
+@pytest.mark.parametrize("after_steps,passed", [(60, True), (5, False), (0, False)])
+def test_a_straggler_whose_lateness_then_passed_is_info_and_says_so(after_steps, passed):
+    # the arrival view names rank 1 in its first window; the steps after that window, mostly without the delay,
+    # show the lateness gone (an episode: a host that favoured the others for a while); fewer steps after it than
+    # the window has are too few to tell, and a run that ends slow is a straggler to the end
+    [f] = _findings(_episode(slow_steps=30, after_steps=after_steps))
+    assert f.ranks == (1,) and f.evidence["detected_by"] == "arrival"
+    assert f.severity == ("info" if passed else "warning")
+    ev, last = f.evidence["passed"], f.evidence["window"][1]
+    if passed:
+        assert last < 29 and ev["steps"] == [last + 1, 89] and ev["num_steps"] == 89 - last
+        assert abs(ev["median_lateness_frac"]) < 0.02
+        assert "an episode that passed" in f.title
+    else:
+        assert ev is None and "passed" not in f.title

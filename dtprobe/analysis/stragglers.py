@@ -1368,7 +1368,10 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
         # A rank late only because it waited on others (p2p, other groups) is a victim whose culprit no view
         # named (e.g. a pipeline stage waiting on a slowed upstream stage), and of a late pipeline whose ranks
         # none stands out from the other pipelines' the origin is not known: told, as info, not blamed.
-        severity = ("info" if cause == "communication" or how == "unconfirmed" else
+        passed = (_episode_passed(evidence_rows, row, min_lateness_frac=min_lateness_frac, min_window_s=min_window_s)
+                  if row.detected_by == "arrival" else None)
+        evidence["passed"] = passed
+        severity = ("info" if cause == "communication" or how == "unconfirmed" or passed else
                     "critical" if gain_frac >= critical_wait_frac else "warning")
         quota_held, core_shared = _cpu_quota_held(row), _core_shared(row)
         busy, peer_busy = _busy_figures(cpu_busy, int(row.rank), members, int(row.window_first_step),
@@ -1410,7 +1413,10 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
                       f"{', '.join(map(str, pipeline_victims))} arrive{'' if len(pipeline_victims) > 1 else 's'} "
                       f"late only by waiting on it" if how == "victim_waits" and pipeline_victims else "")
                    + f"; cause: {cause}")
-                   + _schedule_phrase(wait_frac, sched_frac)),
+                   + _schedule_phrase(wait_frac, sched_frac)
+                   + (f"; then no more: {passed['median_lateness_frac']:.0%} of the step (median) over its "
+                      f"{passed['num_steps']} steps after (steps {passed['steps'][0]}-{passed['steps'][1]}), an "
+                      f"episode that passed" if passed else "")),
             evidence=evidence,
             recommendation=_advice(cause, int(row.rank), cpu_quota=quota_held, core_shared=core_shared,
                                    cpu_counted=_cpu_counted(row), off_cpu=bool(off_cpu)),
@@ -1418,6 +1424,28 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
             rows=evidence_rows,
         ))
     return findings
+
+
+def _episode_passed(lateness: pd.DataFrame | None, row, *, min_lateness_frac: float,
+                    min_window_s: float) -> dict | None:
+    """For a window the arrival view judged: the steps of the rank's group after it, when they show the lateness
+    gone (a host's passing hiccup, not a slow rank): at least as many steps as the window, spanning ``min_window_s``,
+    whose median lateness is below ``min_lateness_frac`` and half the window's. ``{steps, num_steps,
+    median_lateness_frac}``, else None (also when the run ends too soon after the window to tell)."""
+    if lateness is None or lateness.empty:
+        return None
+    after = lateness[(lateness["rank"] == row.rank) & (lateness["step"] > row.window_last_step)]
+    values = after["lateness_frac"].to_numpy(dtype="float64", na_value=np.nan)
+    values = values[~np.isnan(values)]
+    if len(values) < max(int(row.window_steps), 1) or not row.mean_step_ns > 0 \
+            or len(values) * float(row.mean_step_ns) < min_window_s * 1e9:
+        return None
+    median = float(np.median(values))
+    if median >= min(min_lateness_frac, 0.5 * float(row.median_lateness_frac)):
+        return None
+    steps = after["step"].to_numpy(dtype="int64")
+    return {"steps": [int(steps.min()), int(steps.max())], "num_steps": int(len(values)),
+            "median_lateness_frac": median}
 
 
 def _first_step(*steps) -> int | None:

@@ -119,11 +119,15 @@ class CheckpointTimer:
                 with timer._timed(kind, folder, lambda: _dcp_bytes(folder, timer.rank)):
                     return original(*args, **kwargs)
             step, start_ns, t0 = timer.step_of(), time.time_ns(), time.perf_counter_ns()
+            inside = timer._inside
+            inside.depth = getattr(inside, "depth", 0) + 1      # its staging is not timed again
             try:
                 result = original(*args, **kwargs)
             except BaseException:
                 timer._write(step, kind, start_ns, time.perf_counter_ns() - t0, 0, folder, None, ok=False)
                 raise
+            finally:
+                inside.depth -= 1
             blocking = time.perf_counter_ns() - t0
             future = result if hasattr(result, "add_done_callback") else getattr(result, "upload_completion", None)
             if future is None or not hasattr(future, "add_done_callback"):

@@ -194,7 +194,8 @@ def _assert_steps_are_the_callbacks(run, trainer) -> None:
 @pytest.mark.multiproc
 def test_hf_callback_under_dtprobe_launch_records_through_the_workers_probe_and_leaves_closing_to_it(
         tmp_path, run_cli, child_env):
-    (tmp_path / "worker.py").write_text(WORKER)
+    # the Trainer also saves a checkpoint every 3 steps (its files through safetensors and torch.save)
+    (tmp_path / "worker.py").write_text(WORKER.replace('save_strategy="no"', 'save_strategy="steps", save_steps=3'))
     (tmp_path / "out").mkdir()
     run = tmp_path / "launch-run"
     launch_with_callback(run_cli, _hf_env(child_env), tmp_path / "worker.py", run, tmp_path / "callback-run",
@@ -203,6 +204,14 @@ def test_hf_callback_under_dtprobe_launch_records_through_the_workers_probe_and_
     assert trainer["backend"] == "gloo"
     # the launch's hook-driven steps gave way to the callback's: each step once, with the logged loss and tokens
     _assert_steps_are_the_callbacks(run, trainer)
+    # each checkpoint's files are rows of the step the Trainer saved after (its global step: the callback's next)
+    saves = RunStore.open(run).table("checkpoints")
+    written = saves[saves["rank"] == 0].set_index("path")
+    for step in (3, 6):
+        model = str(tmp_path / "out" / f"checkpoint-{step}" / "model.safetensors")
+        assert written.loc[model, "step"] == step and written.loc[model, "num_bytes"] > 0
+        assert written.loc[model, "blocking_ns"] > 0 and written.loc[model, "ok"]
+    assert set(saves["step"]) == {3, 6} and (saves["kind"] == "save").all()
 
 
 @pytest.mark.multiproc

@@ -133,8 +133,7 @@ class LaunchSession:
             self.probe.step_hooks = self.steps      # a second attach or a framework callback stops them
             dtprobe._record_sink = self.steps.record
             if self.checkpoints is not None:
-                steps = self.steps
-                self.checkpoints.start(self.probe.record, lambda: steps.num_steps, self.probe.rank)
+                self.checkpoints.start(self.probe.record, self._current_step, self.probe.rank)
             after = stacks_after(spec, pg_timeout_s)
             if after > 0 and self.probe.config.collectives:
                 import torch.distributed as dist
@@ -148,6 +147,15 @@ class LaunchSession:
                                          store=dist.distributed_c10d._get_default_store(), rank=self.probe.rank,
                                          restart=int(getattr(self.probe, "restart", 0)), probe=self.probe,
                                          leave=False).start()
+
+    def _current_step(self) -> int | None:
+        """The step a checkpoint call falls in: the open step (the hook-driven steps', or a framework callback's,
+        which replaces them), else, between the hook-driven steps, the next one (a step starts where the previous
+        ended); None when neither is known."""
+        step = self.probe.current_step
+        if step >= 0:
+            return step
+        return self.steps.num_steps if self.probe.step_hooks is self.steps else None
 
     def close(self, status: str) -> None:
         for module, original in self._patched:

@@ -7,7 +7,9 @@ What is timed (``CheckpointTimer``):
   runs), so ``import torch.distributed.checkpoint as dcp`` and ``from torch.distributed.checkpoint import save``
   both get the timed functions (not an import from its inner modules, ``state_dict_saver``);
 - ``torch.save`` and ``safetensors.torch.save_file`` to a file path (the way single-file checkpoints are written,
-  often by one rank; a save into a buffer, e.g. Lightning's before it writes the bytes, is not seen).
+  often by one rank, e.g. by the Hugging Face Trainer; a save into a buffer is not seen);
+- Lightning's ``TorchCheckpointIO.save_checkpoint`` (its ``ModelCheckpoint``'s saves: a ``torch.save`` into a
+  buffer, then written through fsspec, also to object storage).
 
 One row per call and rank: ``step`` (the step the call falls in, ``step_of()``), ``kind`` (``save``/``load``),
 ``start_ns``, ``blocking_ns`` (the call's time on the main thread; 0 for a save made on another thread, which
@@ -32,6 +34,9 @@ from typing import Any, Callable
 
 DCP_MODULE = "torch.distributed.checkpoint"
 SAFETENSORS_MODULE = "safetensors.torch"
+LIGHTNING_IO_MODULES = ("lightning.fabric.plugins.io.torch_io", "lightning_fabric.plugins.io.torch_io")
+"""Where Lightning keeps ``TorchCheckpointIO`` (the ``lightning`` package, and the standalone ``lightning_fabric``
+that ``pytorch_lightning`` uses)."""
 _DCP_FUNCTIONS = {"save": "save", "async_save": "save", "load": "load"}
 """DCP function -> the ``kind`` of its rows."""
 
@@ -57,7 +62,8 @@ class CheckpointTimer:
         self._patch(torch, "save", wrapper)
         if torch.serialization.save is original:
             self._patch(torch.serialization, "save", wrapper)
-        self._finder = _PatchOnImport({DCP_MODULE: self._patch_dcp, SAFETENSORS_MODULE: self._patch_safetensors})
+        self._finder = _PatchOnImport({DCP_MODULE: self._patch_dcp, SAFETENSORS_MODULE: self._patch_safetensors,
+                                       **dict.fromkeys(LIGHTNING_IO_MODULES, self._patch_lightning)})
         for name, patch in self._finder.patches.items():
             if name in sys.modules:
                 patch(sys.modules[name])
@@ -93,6 +99,11 @@ class CheckpointTimer:
         if getattr(module, "save_file", None) is not None:
             self._patch(module, "save_file", self._file_save(module.save_file, path_arg=1))
 
+    def _patch_lightning(self, module: Any) -> None:
+        io = getattr(module, "TorchCheckpointIO", None)
+        if io is not None:           # save_checkpoint(self, checkpoint, path, storage_options=None)
+            self._patch(io, "save_checkpoint", self._file_save(io.save_checkpoint, path_arg=2))
+
     # ------------------------------------------------------------------------------------------------ wrappers
 
     def _file_save(self, original: Any, *, path_arg: int = 1) -> Any:
@@ -100,7 +111,8 @@ class CheckpointTimer:
 
         @functools.wraps(original)
         def save(*args: Any, **kwargs: Any) -> Any:
-            target = args[path_arg] if len(args) > path_arg else kwargs.get("f", kwargs.get("filename"))
+            target = args[path_arg] if len(args) > path_arg else kwargs.get("f", kwargs.get("filename",
+                                                                                          kwargs.get("path")))
             if not isinstance(target, (str, os.PathLike)) or not timer._recording():
                 return original(*args, **kwargs)
             with timer._timed("save", Path(target), lambda: _size(Path(target))):

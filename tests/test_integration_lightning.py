@@ -227,7 +227,9 @@ def _assert_steps_are_the_callbacks(run, ranks) -> None:
 @pytest.mark.multiproc
 def test_lightning_callback_under_dtprobe_launch_records_through_the_workers_probe_and_leaves_closing_to_it(
         tmp_path, run_cli, child_env):
-    (tmp_path / "worker.py").write_text(WORKER)
+    # Lightning's default ModelCheckpoint also saves at each epoch's end (rank 0: a torch.save into a buffer, then
+    # written through fsspec)
+    (tmp_path / "worker.py").write_text(WORKER.replace("enable_checkpointing=False", "enable_checkpointing=True"))
     (tmp_path / "out").mkdir()
     run = tmp_path / "launch-run"
     launch_with_callback(run_cli, child_env(), tmp_path / "worker.py", run, tmp_path / "callback-run",
@@ -235,6 +237,11 @@ def test_lightning_callback_under_dtprobe_launch_records_through_the_workers_pro
     _, ranks, _ = _read_outputs(tmp_path)
     # the launch's hook-driven steps gave way to the callback's: each step once, with the callback's tokens
     _assert_steps_are_the_callbacks(run, ranks)
+    saves = RunStore.open(run).table("checkpoints").sort_values("start_ns")
+    assert saves["rank"].tolist() == [0, 0] and (saves["kind"] == "save").all() and saves["ok"].all()
+    assert all(p.endswith(".ckpt") and p.startswith(str(tmp_path / "out")) for p in saves["path"])
+    assert (saves["blocking_ns"] > 0).all() and (saves["num_bytes"] > 0).all()
+    assert saves["step"].tolist() == sorted(saves["step"]) and saves["step"].between(1, NUM_STEPS).all()
 
 
 @pytest.mark.multiproc

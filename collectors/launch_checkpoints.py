@@ -3,13 +3,18 @@ CHECKPOINT_STALL judges a script's own checkpoints as it does ``dtprobe run``'s.
 
 What is timed (``CheckpointTimer``):
 - ``torch.distributed.checkpoint``'s ``save``, ``async_save`` and ``load`` (DCP: every rank writes or reads its
-  shards). The package is patched when the script imports it (an import hook, ``install`` before the script
-  runs), so ``import torch.distributed.checkpoint as dcp`` and ``from torch.distributed.checkpoint import save``
-  both get the timed functions (not an import from its inner modules, ``state_dict_saver``);
+  shards), called as the package's attributes (``dcp.save``: a name bound by ``from ... import save`` before the
+  probe attached keeps the untimed function);
 - ``torch.save`` and ``safetensors.torch.save_file`` to a file path (the way single-file checkpoints are written,
   often by one rank, e.g. by the Hugging Face Trainer; a save into a buffer is not seen);
 - Lightning's ``TorchCheckpointIO.save_checkpoint`` (its ``ModelCheckpoint``'s saves: a ``torch.save`` into a
   buffer, then written through fsspec, also to object storage).
+
+``torch.save`` and ``safetensors.torch`` (imported then: it costs nothing) are wrapped before the script runs
+(``install``), so that names bound at import (transformers' ``from safetensors.torch import save_file``) are the
+timed functions; DCP and Lightning when the probe starts recording (``start``) if the script imported them by
+then, else at the first optimizer step after it did (a global optimizer step hook checks ``sys.modules``: no import
+hook; DCP is not imported for the script, which costs a second).
 
 One row per call and rank: ``step`` (the step the call falls in, ``step_of()``), ``kind`` (``save``/``load``),
 ``start_ns``, ``blocking_ns`` (the call's time on the main thread; 0 for a save made on another thread, which
@@ -23,8 +28,6 @@ again. Nothing is recorded before ``start`` (the probe attached) or after ``clos
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import importlib.machinery
 import os
 import sys
 import threading
@@ -50,7 +53,10 @@ class CheckpointTimer:
         self.step_of: Callable[[], int | None] = lambda: None
         self.rank = 0
         self._originals: list[tuple[Any, str, Any]] = []
-        self._finder: _PatchOnImport | None = None
+        self._pending = {DCP_MODULE: self._patch_dcp, SAFETENSORS_MODULE: self._patch_safetensors,
+                         **dict.fromkeys(LIGHTNING_IO_MODULES, self._patch_lightning)}
+        """Modules not patched yet -> what patches them."""
+        self._step_hook: Any = None
         self._inside = threading.local()
         self._main_thread = threading.main_thread()
 
@@ -62,21 +68,33 @@ class CheckpointTimer:
         self._patch(torch, "save", wrapper)
         if torch.serialization.save is original:
             self._patch(torch.serialization, "save", wrapper)
-        self._finder = _PatchOnImport({DCP_MODULE: self._patch_dcp, SAFETENSORS_MODULE: self._patch_safetensors,
-                                       **dict.fromkeys(LIGHTNING_IO_MODULES, self._patch_lightning)})
-        for name, patch in self._finder.patches.items():
-            if name in sys.modules:
-                patch(sys.modules[name])
-        sys.meta_path.insert(0, self._finder)
+        # safetensors costs nothing to import: wrapped now, so that a library binding its name at import
+        # (transformers' `from safetensors.torch import save_file`) gets the timed function
+        import importlib.util
+
+        if importlib.util.find_spec("safetensors") is not None:
+            import safetensors.torch  # noqa: F401
+
+            self.patch_imported()
 
     def start(self, record: Callable[[str, dict], None], step_of: Callable[[], int | None], rank: int) -> None:
         """Record from now on through ``record(table, row)``, each call in step ``step_of()``."""
+        from torch.optim import optimizer
+
         self.record, self.step_of, self.rank = record, step_of, rank
+        self.patch_imported()
+        self._step_hook = optimizer.register_optimizer_step_post_hook(lambda *args: self.patch_imported())
+
+    def patch_imported(self) -> None:
+        """Patch the modules of the module docstring the script has imported since the last call."""
+        for name in [n for n in self._pending if n in sys.modules]:
+            self._pending.pop(name)(sys.modules[name])
 
     def close(self) -> None:
         self.record = None
-        if self._finder is not None and self._finder in sys.meta_path:
-            sys.meta_path.remove(self._finder)
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
         for owner, name, original in reversed(self._originals):
             setattr(owner, name, original)
         self._originals = []
@@ -190,39 +208,6 @@ class _Timed:
         blocking, background = (took, 0) if on_main else (0, took)
         self.timer._write(self.step, self.kind, self.start_ns, blocking, background, self.path,
                           self.size() if exc_type is None else None, ok=exc_type is None)
-
-
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Runs ``patches[name](module)`` right after module ``name`` is first imported (before the importer gets it)."""
-
-    def __init__(self, patches: dict[str, Callable[[Any], None]]) -> None:
-        self.patches = dict(patches)
-        self._busy: set[str] = set()
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        patch = self.patches.get(fullname)
-        if patch is None or fullname in self._busy:
-            return None
-        self._busy.add(fullname)
-        try:
-            spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
-        finally:
-            self._busy.discard(fullname)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        loader, finder = spec.loader, self
-
-        class _Loader(importlib.abc.Loader):
-            def create_module(self, spec: Any) -> Any:
-                return loader.create_module(spec)
-
-            def exec_module(self, module: Any) -> None:
-                loader.exec_module(module)
-                finder.patches.pop(fullname, None)
-                patch(module)
-
-        spec.loader = _Loader()
-        return spec
 
 
 def _dcp_folder(kwargs: dict[str, Any]) -> Path | None:

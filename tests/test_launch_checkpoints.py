@@ -11,9 +11,10 @@ import time
 import pandas as pd
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp   # imported by the script before its probe starts, as scripts do
 
 from dtprobe.analysis.checkpoints import checkpoint_events
-from dtprobe.collectors.launch_checkpoints import CheckpointTimer, _PatchOnImport
+from dtprobe.collectors.launch_checkpoints import CheckpointTimer
 from dtprobe.store import RunStore
 
 LAUNCH_TIMEOUT_S = 240
@@ -65,8 +66,6 @@ def test_a_save_on_another_thread_does_not_block_training(timer, tmp_path):
 
 
 def test_dcp_save_async_save_and_load_are_one_row_each_with_this_rank_s_shard_bytes(timer, tmp_path):
-    import torch.distributed.checkpoint as dcp
-
     _, rows = timer
     state = {"w": torch.ones(10_000)}
     dcp.save(state, checkpoint_id=tmp_path / "a", no_dist=True)
@@ -97,19 +96,34 @@ def test_nothing_is_recorded_before_start_or_after_close(tmp_path):
     assert [r["path"] for r in rows] == [str(tmp_path / "during.pt")]
 
 
-def test_a_module_imported_after_install_is_patched_before_the_importer_gets_it(tmp_path, monkeypatch):
-    (tmp_path / "ckpt_lib_for_test.py").write_text("def save(x):\n    return ('saved', x)\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    seen = []
-    finder = _PatchOnImport({"ckpt_lib_for_test": lambda module: seen.append(module.save(1))
-                             or setattr(module, "save", lambda x: ("timed", x))})
-    sys.meta_path.insert(0, finder)
+def test_a_checkpoint_module_imported_after_start_is_timed_from_the_next_optimizer_step(tmp_path, monkeypatch):
+    # Lightning's checkpoint writer, imported by the script after the probe attached: patched at the next step
+    import types
+
+    class TorchCheckpointIO:
+        def save_checkpoint(self, checkpoint, path, storage_options=None):
+            torch.save(checkpoint, io.BytesIO())             # Lightning's way: a buffer, then written by fsspec
+            with open(path, "wb") as f:
+                f.write(b"x" * 100)
+
+    module = types.ModuleType("lightning_fabric.plugins.io.torch_io")
+    module.TorchCheckpointIO = TorchCheckpointIO
+    original = TorchCheckpointIO.save_checkpoint
+    rows: list[dict] = []
+    t = CheckpointTimer()
+    t.install()
+    t.start(lambda table, row: rows.append(row), lambda: 3, 0)
     try:
-        from ckpt_lib_for_test import save
+        monkeypatch.setitem(sys.modules, "lightning_fabric.plugins.io.torch_io", module)
+        TorchCheckpointIO().save_checkpoint({}, tmp_path / "before.ckpt")        # no step yet since the import
+        weight = torch.nn.Parameter(torch.ones(2))
+        weight.grad = torch.ones(2)
+        torch.optim.SGD([weight], lr=0.1).step()
+        TorchCheckpointIO().save_checkpoint({}, tmp_path / "after.ckpt")
     finally:
-        sys.meta_path.remove(finder)
-        sys.modules.pop("ckpt_lib_for_test", None)
-    assert seen == [("saved", 1)] and save(2) == ("timed", 2)
+        t.close()
+    assert [(r["path"], r["num_bytes"], r["step"]) for r in rows] == [(str(tmp_path / "after.ckpt"), 100, 3)]
+    assert TorchCheckpointIO.save_checkpoint is original
 
 
 def test_a_rank_s_several_files_of_one_checkpoint_are_summed_before_the_slowest_rank_is_taken():

@@ -11,7 +11,7 @@ its arguments, the ``[collect]`` options, the process-group timeout), then:
    every ``torch.distributed.pipelining`` stage the script then builds is timed (``parallel.pp.ScriptPipelineTimers``:
    ``pipeline`` rows, when the script imported ``torch.distributed.pipelining`` before its init), and so are its
    checkpoint saves and loads (``collectors.launch_checkpoints``: DCP, ``torch.save`` to a file; ``checkpoints``
-   rows), whose functions are wrapped before the script runs;
+   rows: torch.save wrapped before the script runs, the other modules once imported);
    a script that never initializes torch.distributed is still run, and nothing is recorded; with collectives
    recorded, a watchdog that only reports (``runtime.hang.Watchdog``, ``leave=False``) writes every rank's
    Python stack into the run once one of its collectives or send/recvs has been pending ``stacks_after_s``
@@ -111,7 +111,7 @@ class LaunchSession:
         if self.spec["collect"].get("enabled", True):
             from dtprobe.collectors.launch_checkpoints import CheckpointTimer
 
-            self.checkpoints = CheckpointTimer()     # before the script imports DCP: it gets the timed functions
+            self.checkpoints = CheckpointTimer()     # torch.save timed before the script binds it
             self.checkpoints.install()
 
     def attach(self, *, pg_timeout_s: float | None = None) -> None:

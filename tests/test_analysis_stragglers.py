@@ -514,3 +514,16 @@ def test_a_straggler_whose_lateness_then_passed_is_info_and_says_so(after_steps,
         assert "an episode that passed" in f.title
     else:
         assert ev is None and "passed" not in f.title
+
+
+def test_a_member_that_finished_no_step_is_no_peer_to_be_late_against():
+    # DDP's join(): rank 1's data ran out, and it keeps answering rank 0's all-reduces at once without training
+    # (no steps rows of its own from step 20 on); rank 0, which still computes (20 ms more from then on, as a
+    # member with no work of its own sees it), is not late against it
+    t = dp_tables(world=2, num_steps=60, straggler=0, delay_ms=20, phase="bwd", from_step=20)
+    assert [f.ranks for f in _findings(t)] == [(0,)]                 # with rank 1 training alongside: a straggler
+    steps = t["steps"]
+    t["steps"] = steps[~((steps["rank"] == 1) & (steps["step"] >= 20))].reset_index(drop=True)
+    lateness = st.rank_lateness(t["collectives"], t["steps"])
+    assert lateness["step"].max() == 19 and set(lateness["rank"]) == {0, 1}
+    assert _findings(t) == []

@@ -312,8 +312,11 @@ def rank_lateness(collectives: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFram
     step time; the mean wait it imposed on its peers there (``victims_wait_ns``); whether it was the last to
     arrive; and its time in the group's collectives of that step (their durations summed) minus its peers' median
     (``comm_excess_frac``, a share of the step: negative for a rank its peers wait for, which waits less than they
-    do; NaN when a member has a collective without an end). Complete non-p2p collectives of steps >= 0 only; a step redone after a torchrun restart is read from
-    the attempt that redid it (``completing_attempts``). Columns: ``LATENESS_COLUMNS``."""
+    do; NaN when a member has a collective without an end). Complete non-p2p collectives of steps >= 0 only, whose
+    every member issued it in a step it finished (a ``steps`` row): a member whose loop has ended, e.g. one that
+    DDP's ``join()`` keeps answering its peers' all-reduces after its data ran out, is no peer to be late against.
+    A step redone after a torchrun restart is read from the attempt that redid it (``completing_attempts``).
+    Columns: ``LATENESS_COLUMNS``."""
     require_columns(collectives, _COLL_COLUMNS, table="collectives")
     collectives, steps = completing_attempts(collectives), completing_attempts(steps)
     c, code, pg_names, pr_names = coded_rows(
@@ -323,6 +326,7 @@ def rank_lateness(collectives: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFram
         return pd.DataFrame({col: [] for col in LATENESS_COLUMNS})
     seq, rank = c["seq"].to_numpy(dtype="int64"), c["rank"].to_numpy(dtype="int64")
     keep = ~pd.DataFrame({"code": code, "seq": seq, "rank": rank}).duplicated().to_numpy()   # first row per member
+    keep &= _in_finished_steps(rank, c["step"].to_numpy(dtype="int64"), steps)
     enq, step = c["enqueue_ns"].to_numpy(dtype="int64")[keep], c["step"].to_numpy(dtype="int64")[keep]
     ended = c["end_ns"].notna().to_numpy()[keep]
     end = c["end_ns"].to_numpy(dtype="int64", na_value=0)[keep]
@@ -363,6 +367,19 @@ def rank_lateness(collectives: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFram
         "comm_excess_frac": comm_excess / step_ns,
     })
     return out[LATENESS_COLUMNS]
+
+
+def _in_finished_steps(rank: np.ndarray, step: np.ndarray, steps: pd.DataFrame) -> np.ndarray:
+    """Per collective row (``rank``, ``step``): its rank has a ``steps`` row of that step (all true without a
+    steps table: nothing to tell)."""
+    if steps.empty:
+        return np.ones(len(rank), dtype=bool)
+    done = steps[["rank", "step"]].dropna().to_numpy(dtype="int64")
+    done = np.unique((done[:, 0] << 32) + done[:, 1])
+    if not len(done):
+        return np.zeros(len(rank), dtype=bool)
+    key = (rank << 32) + step
+    return done[np.minimum(np.searchsorted(done, key), len(done) - 1)] == key
 
 
 def _median_of_others_sorted(x: np.ndarray, start: np.ndarray, pos: np.ndarray, n: np.ndarray) -> np.ndarray:

@@ -145,30 +145,12 @@ class CheckpointTimer:
             if not timer._recording():
                 return original(*args, **kwargs)
             folder = _dcp_folder(kwargs)
-            if not is_async:
-                with timer._timed(kind, folder, lambda: _dcp_bytes(folder, timer.rank)):
-                    return original(*args, **kwargs)
-            step, start_ns, t0 = timer.step_of(), time.time_ns(), time.perf_counter_ns()
-            inside = timer._inside
-            inside.depth = getattr(inside, "depth", 0) + 1      # its staging is not timed again
-            try:
+            with timer._timed(kind, folder, lambda: _dcp_bytes(folder, timer.rank)) as timed:
                 result = original(*args, **kwargs)
-            except BaseException:
-                timer._write(step, kind, start_ns, time.perf_counter_ns() - t0, 0, folder, None, ok=False)
-                raise
-            finally:
-                inside.depth -= 1
-            blocking = time.perf_counter_ns() - t0
-            future = result if hasattr(result, "add_done_callback") else getattr(result, "upload_completion", None)
-            if future is None or not hasattr(future, "add_done_callback"):
-                timer._write(step, kind, start_ns, blocking, 0, folder, None, ok=True)
-                return result
-
-            def done(f: Any) -> None:
-                total = time.perf_counter_ns() - t0
-                timer._write(step, kind, start_ns, blocking, total - blocking, folder,
-                             _dcp_bytes(folder, timer.rank), ok=f.exception() is None)
-            future.add_done_callback(done)
+                if is_async:      # the row waits for the save's future: its background time, its bytes
+                    future = result if hasattr(result, "add_done_callback") else getattr(result, "upload_completion",
+                                                                                         None)
+                    timed.finish_with(future if hasattr(future, "add_done_callback") else None)
             return result
         return call
 
@@ -191,23 +173,36 @@ class CheckpointTimer:
 
 
 class _Timed:
-    """One timed call (a context manager): its row is written when it returns or raises."""
+    """One timed call (a context manager): its row is written when it returns or raises, or, after
+    ``finish_with(future)``, when that future completes (an async save: the call's time blocked, the rest in the
+    background). A call on another thread than the main one blocks nothing: its time is background time."""
 
     def __init__(self, timer: CheckpointTimer, kind: str, path: Path | None, size: Callable[[], int | None]) -> None:
         self.timer, self.kind, self.path, self.size = timer, kind, path, size
+        self.future: Any = None
 
-    def __enter__(self) -> None:
+    def finish_with(self, future: Any) -> None:
+        self.future = future
+
+    def __enter__(self) -> "_Timed":
         inside = self.timer._inside
-        inside.depth = getattr(inside, "depth", 0) + 1
+        inside.depth = getattr(inside, "depth", 0) + 1       # a save inside this call is not timed again
         self.step, self.start_ns, self.t0 = self.timer.step_of(), time.time_ns(), time.perf_counter_ns()
+        return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         took = time.perf_counter_ns() - self.t0
         self.timer._inside.depth -= 1
-        on_main = threading.current_thread() is self.timer._main_thread
-        blocking, background = (took, 0) if on_main else (0, took)
-        self.timer._write(self.step, self.kind, self.start_ns, blocking, background, self.path,
-                          self.size() if exc_type is None else None, ok=exc_type is None)
+        blocking = took if threading.current_thread() is self.timer._main_thread else 0
+        if exc_type is None and self.future is not None:
+            self.future.add_done_callback(
+                lambda f: self._write(blocking, time.perf_counter_ns() - self.t0, f.exception() is None))
+        else:
+            self._write(blocking, took, exc_type is None)
+
+    def _write(self, blocking: int, total: int, ok: bool) -> None:
+        self.timer._write(self.step, self.kind, self.start_ns, blocking, total - blocking, self.path,
+                          self.size() if ok else None, ok=ok)
 
 
 def _dcp_folder(kwargs: dict[str, Any]) -> Path | None:

@@ -373,24 +373,25 @@ DATALOADER_FILE = "/torch/utils/data/dataloader.py"
 """torch's DataLoader iterator: a main thread inside it, below the script's last frame, waits for a batch."""
 
 
-def _main_frames(stack: str | None) -> list:
+def _main_frames(stack: str | None) -> tuple[list, int]:
     """The ``FRAME`` matches of the main thread in a watchdog's stack (``hang.thread_stacks``: the main thread
-    first, innermost call last); empty without a stack."""
+    first, innermost call last; empty without a stack) and the index of its innermost frame outside the Python
+    installation and dtprobe (-1 when none is)."""
     if not stack:
-        return []
-    return [m for m in map(FRAME.match, stack.split("\n\nThread ", 1)[0].splitlines()) if m]
+        return [], -1
+    frames = [m for m in map(FRAME.match, stack.split("\n\nThread ", 1)[0].splitlines()) if m]
+    return frames, max((i for i, m in enumerate(frames) if not is_library(m["path"], own=True)), default=-1)
 
 
 def _at(stack: str | None) -> str:
     """``, at train.py:88``: where a rank's main thread was in its watchdog's stack: its innermost frame outside
     the Python installation and dtprobe, else its innermost frame; empty without a stack. ``, at train.py:58,
     waiting for a batch from its DataLoader`` when it was inside the DataLoader's iterator below that frame."""
-    frames = _main_frames(stack)
+    frames, own = _main_frames(stack)
     if not frames:
         return ""
-    own = [m for m in frames if not is_library(m["path"], own=True)]
-    return f", at {location((own or frames)[-1])}" + (
-        ", waiting for a batch from its DataLoader" if waits_for_batch(stack) else "")
+    return f", at {location(frames[own])}" + (", waiting for a batch from its DataLoader"
+                                              if waits_for_batch(stack) else "")
 
 
 def waits_for_batch(stack: str | None) -> bool:
@@ -398,9 +399,8 @@ def waits_for_batch(stack: str | None) -> bool:
     innermost frame outside the Python installation and dtprobe there are only library frames, one of them the
     DataLoader's (with worker processes the thread waits on their queue; without, the dataset's own code, which
     is the script's, is innermost and says where it is)."""
-    frames = _main_frames(stack)
-    last_own = max((i for i, m in enumerate(frames) if not is_library(m["path"], own=True)), default=-1)
-    return any(m["path"].endswith(DATALOADER_FILE) for m in frames[last_own + 1:])
+    frames, own = _main_frames(stack)
+    return any(m["path"].endswith(DATALOADER_FILE) for m in frames[own + 1:])
 
 
 def _stacks(observed: pd.DataFrame | None, ranks: list[int]) -> dict[str, str]:

@@ -98,6 +98,18 @@ def is_own_failure(exit_row: Any) -> bool:
     return exit_row.get("status") == "crashed" and exit_row.get("reason") not in CONSEQUENCE_REASONS
 
 
+def ended_normally(ex: dict | None) -> bool:
+    """True when this exit (``exit_of``) is the program's own normal end: its probe closed ``finished``
+    (every row it wrote reached disk), or, without a close row, the launcher saw exit code 0; not an end forced
+    from outside (SIGTERM, the hang watchdog)."""
+    if ex is None or ex.get("reason") in CONSEQUENCE_REASONS or ex.get("signal"):
+        return False
+    if ex.get("closed") is True:
+        return ex.get("status") == "finished"
+    code = ex.get("exit_code")
+    return ex.get("closed") is None and code is not None and not pd.isna(code) and int(code) == 0
+
+
 class Activity:
     """Every timestamp a rank wrote (its signs of life), per rank, sorted: sampler rows, steps, collectives
     (incl. pending), non-injected faults (the watchdog's reports and stacks) and lifecycle rows.

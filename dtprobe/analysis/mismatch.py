@@ -15,7 +15,7 @@ import pandas as pd
 from dtprobe.analysis.arrivals import ATTEMPT_SEQ_STRIDE
 from dtprobe.analysis.findings import Finding
 from dtprobe.analysis.hangs import int_or_none, ranks_of
-from dtprobe.analysis.liveness import CONSEQUENCE_REASONS, attempt_at, exit_of
+from dtprobe.analysis.liveness import attempt_at, ended_normally, exit_of
 from dtprobe.analysis.phases import phase_at
 from dtprobe.analysis.tables import P2P_OPS, axis_of, group_members, group_phrase, size_label, text_or
 from dtprobe.store.columns import require_columns
@@ -139,18 +139,6 @@ def ended_mismatches(stalls: pd.DataFrame, unfinished: pd.DataFrame, exits: pd.D
     return pd.DataFrame(list(rows.values()))[MISMATCH_COLUMNS]
 
 
-def ended_normally(ex: dict | None) -> bool:
-    """True when this exit (``liveness.exit_of``) is the program's own normal end: its probe closed ``finished``
-    (every row it wrote reached disk), or, without a close row, the launcher saw exit code 0; not an end forced
-    from outside (SIGTERM, the hang watchdog)."""
-    if ex is None or ex.get("reason") in CONSEQUENCE_REASONS or ex.get("signal"):
-        return False
-    if ex.get("closed") is True:
-        return ex.get("status") == "finished"
-    code = ex.get("exit_code")
-    return ex.get("closed") is None and code is not None and not pd.isna(code) and int(code) == 0
-
-
 def with_ended(mismatches: pd.DataFrame, ended: pd.DataFrame) -> pd.DataFrame:
     """``mismatches`` (``collective_mismatches``) plus the ``ended`` rows of groups and attempts it has none of."""
     if ended.empty:
@@ -164,8 +152,8 @@ def with_ended(mismatches: pd.DataFrame, ended: pd.DataFrame) -> pd.DataFrame:
 
 
 def _stuck_calls(unfinished: pd.DataFrame, stall, ranks: list[int]) -> dict[int, dict]:
-    """rank -> its call at the stall's group and seq ({op, dtype, num_bytes, step}, as ``_call`` gives it, plus
-    ``_enqueue_ns``), of those of ``ranks`` that have one."""
+    """rank -> its call at the stall's group and seq (``_call``, plus ``_enqueue_ns``), of those of ``ranks`` that
+    have one."""
     if unfinished.empty:
         return {}
     u = unfinished[(unfinished["pg"] == stall.pg) & (unfinished["seq"] == stall.seq)
@@ -175,8 +163,7 @@ def _stuck_calls(unfinished: pd.DataFrame, stall, ranks: list[int]) -> dict[int,
     for _, row in u.sort_values("enqueue_ns").iterrows():
         r = int(row["rank"])
         if r not in out:
-            out[r] = {"op": row["op"], "dtype": None if pd.isna(row["dtype"]) else row["dtype"],
-                      "num_bytes": int_or_none(row["num_bytes"]), "step": int_or_none(row["step"]),
+            out[r] = {**_call(row.fillna({"dtype": "?", "num_bytes": -1})),   # _calls' marks of unknowns
                       "_enqueue_ns": int_or_none(row["enqueue_ns"]) or 0}
     return out
 

@@ -330,6 +330,21 @@ def test_a_frozen_rank_is_a_hang_with_liveness_stopped_and_the_waiter_waiting_no
     assert ev["waited_s"] == pytest.approx(10.4 - 0.36, abs=0.2)
 
 
+def test_a_missing_rank_whose_program_ended_normally_is_exited_not_stopped(tmp_path):
+    # rank 1 freezes, rank 2's script returned after step 2 (its probe closed finished): rank 0 waits in #4 for
+    # both. Rank 2 left no row after the stall either, but it is not frozen
+    rows, _ = _frozen_rank1(attempts=False, world=3)
+    cut_rank(rows, 2, T0 + 300 * MS)
+    rows["lifecycle"].append({"rank": 2, "restart": 0, "time_ns": T0 + 302 * MS, "event": "close",
+                              "status": "finished", "reason": "exit", "pid": 102})
+    rows["pending"] = [x for x in rows["pending"] if x["rank"] != 2]
+    a = RunAnalysis.open(write_rows_run(tmp_path / "run", rows, world_size=3, status="crashed"))
+    [f] = _codes(a, "HANG")
+    assert f.evidence["liveness"] == {"0": "waiting", "1": "stopped", "2": "exited"}
+    assert "rank 1 stopped" in f.title and "rank 2 exited" in f.title
+    assert _codes(a, "COLLECTIVE_MISMATCH") == []      # a frozen rank's record is cut: nothing says it ended
+
+
 def test_a_frozen_rank_killed_when_the_operator_stopped_the_hung_job_is_a_hang_not_a_crash(tmp_path):
     # Rank 1 freezes at 330 ms; rank 0 waits in all-reduce #4 from 360 ms until the operator interrupts the job at
     # 40 s: rank 0 closes on torchrun's SIGTERM, the frozen rank 1 cannot, and is SIGKILLed 15 s later.
@@ -637,9 +652,13 @@ def test_a_rank_that_gloo_aborted_on_an_oversized_message_is_told_to_look_for_a_
     [aborted] = [r for r in att[0]["ranks"] if r["rank"] == 1]
     aborted.update(exit_code=-6, signal="SIGABRT", stderr_tail=(
         "terminate called after throwing an instance of 'gloo::EnforceNotMet'\n  what():  [enforce fail at "
-        "gloo/transport/tcp/pair.cc:456] op.preamble.length <= op.nbytes. 1024 vs 256\nFatal Python error: Aborted"))
+        "gloo/transport/tcp/pair.cc:456] op.preamble.length <= op.nbytes. 1024 vs 256. Received data size doesn't "
+        "match expected size. Is there a distributed collective mismatch in your code?\nFatal Python error: Aborted"))
     a = RunAnalysis.open(write_rows_run(tmp_path / "run", rows, world_size=2, status="crashed", attempts=att,
                                         faults=faults))
     [f] = _codes(a, "RANK_CRASH")
     assert f.ranks == (1,) and f.evidence["cause"] == "communication"
     assert "skipped or reordered a collective" in f.recommendation and "network is not at fault" in f.recommendation
+    # the title quotes gloo's message, not the source file it was thrown in
+    assert 'its stderr: "op.preamble.length <= op.nbytes. 1024 vs 256. Received data size doesn\'t match' in f.title
+    assert "enforce fail" not in f.title

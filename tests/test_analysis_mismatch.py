@@ -53,6 +53,17 @@ def test_a_rank_issuing_another_collective_is_a_mismatch_not_a_hang_straggler_or
     assert _codes(a, "HANG", "STRAGGLER", "RANK_CRASH") == []
 
 
+def test_of_two_ranks_the_one_whose_call_falls_between_steps_is_odd_against_the_one_repeating_its_step(tmp_path):
+    # rank 0 logs with a barrier under `if rank == 0:` after step 2; rank 1 went on into step 3's all-reduce,
+    # the call it made at that place of step 2. Rank 0 is the odd one, though its call has no step to compare
+    rows = _wrong_op_job(world=2, odd=0, op="barrier", num_bytes=0, step=-1)
+    a = RunAnalysis.open(write_rows_run(tmp_path / "run", rows, world_size=2, status="crashed",
+                                        attempts=_timeout_attempt(2)))
+    [f] = _codes(a, "COLLECTIVE_MISMATCH")
+    assert (f.ranks, f.evidence["step"], f.evidence["expected"]["op"]) == ((0,), -1, "allreduce")
+    assert "(outside any step)" in f.title and "outside the training steps" in f.recommendation
+
+
 @pytest.mark.parametrize("row,what", [(dict(dtype="float16"), "dtype"), (dict(num_bytes=1 << 20), "num_bytes")])
 def test_the_minority_member_is_the_odd_rank_when_dtype_or_size_differs(tmp_path, row, what):
     rows = _wrong_op_job(world=4, odd=2, **row)
@@ -230,11 +241,58 @@ def test_a_rank_that_ended_while_its_peers_waited_is_a_mismatch_not_a_hang_or_cr
         (2,), "critical", "ended", 5, 4, [2])
     assert ev["issued"] == {str(r): {"op": "allreduce", "dtype": "float32", "num_bytes": 4 << 20, "step": 4}
                             for r in (0, 1)}
-    assert ev["ended"]["2"]["last_step"] == 3
+    assert ev["ended"]["2"]["last_step"] == 3 and ev["ended"]["2"]["steps_behind"] == 1
     assert ev["ended"]["2"]["exit_code"] == (0 if launcher else None)
     assert "rank 2 " + ("exited with code 0" if launcher else "closed normally") + " after step 3" in f.title
     assert "uneven data" in f.recommendation
     assert _codes(a, "HANG", "STRAGGLER", "RANK_CRASH") == []
+
+
+def _after_the_loop_job(*, odd_steps: int) -> dict:
+    """2 ranks all-reduce once per step for 6 steps; rank 1 runs ``odd_steps`` of them and its script returns
+    (probe closed finished), while rank 0, after its last step, all-reduces a metric outside any step (step -1,
+    seq 7: the collective under ``if rank == 0:``) and fails when the connection to rank 1 closes."""
+    rows = lockstep_tables(world=2, num_steps=6)
+    t_end = T0 + odd_steps * 100 * MS
+    cut_rank(rows, 1, t_end)
+    rows["lifecycle"].append({"rank": 1, "restart": 0, "time_ns": t_end + 2 * MS, "event": "close",
+                              "status": "finished", "reason": "exit", "pid": 101})
+    stall_rank(rows, 0, T0 + 601 * MS, until_ns=T0 + 1000 * MS, close=("crashed", "exception"))
+    rows["pending"] = [pending_row(0, step=-1, seq=7, t_ns=T0 + 605 * MS, num_bytes=4)]
+    return rows
+
+
+@pytest.mark.parametrize("odd_steps,behind", [(6, 0), (5, 1)])
+def test_a_rank_that_ended_while_a_peer_waited_in_a_collective_after_the_loop_is_an_ended_mismatch(
+        tmp_path, odd_steps, behind):
+    # rank 1 ran every step (or one fewer) and returned; rank 0's all-reduce after the loop is in no step: the
+    # others' place is the step after their last one, which rank 1 never began. Not a HANG naming a frozen rank
+    a = RunAnalysis.open(write_rows_run(tmp_path / "run", _after_the_loop_job(odd_steps=odd_steps), world_size=2,
+                                        status="crashed"))
+    [f] = _codes(a, "COLLECTIVE_MISMATCH")
+    ev = f.evidence
+    assert (f.ranks, ev["kind"], ev["seq"], ev["step"]) == ((1,), "ended", 7, -1)
+    assert ev["ended"]["1"]["last_step"] == odd_steps - 1 and ev["ended"]["1"]["steps_behind"] == behind
+    assert "(outside any step)" in f.title and "step -1" not in f.title
+    # the same steps: a collective only rank 0 reaches; fewer steps: uneven data
+    assert ("if rank == 0:" in f.recommendation) == (behind == 0)
+    assert ("uneven data" in f.recommendation) == (behind > 0)
+    assert _codes(a, "HANG", "STRAGGLER", "RANK_CRASH") == []
+
+
+def test_a_rank_that_finished_the_step_of_a_collective_only_a_peer_issued_and_ended_is_an_ended_mismatch(tmp_path):
+    # rank 0 all-reduces a metric on the "log" group in its last step under `if rank == 0:`; rank 1 finished that
+    # step too and returned: it went past the others' step, and never issued the call
+    rows = lockstep_tables(world=2, num_steps=6)
+    stall_rank(rows, 0, T0 + 571 * MS, until_ns=T0 + 3000 * MS, close=("crashed", "exception"))
+    rows["pending"] = [pending_row(0, step=5, seq=1, t_ns=T0 + 575 * MS, pg="log", num_bytes=4)]
+    a = RunAnalysis.open(write_rows_run(tmp_path / "run", rows, world_size=2, status="crashed"))
+    [f] = _codes(a, "COLLECTIVE_MISMATCH")
+    ev = f.evidence
+    assert (f.ranks, ev["kind"], ev["pg"], ev["step"]) == ((1,), "ended", "log", 5)
+    assert ev["ended"]["1"]["last_step"] == 5 and ev["ended"]["1"]["steps_behind"] == 0
+    assert "if rank == 0:" in f.recommendation and "(step 5)" in f.title
+    assert _codes(a, "HANG", "RANK_CRASH") == []
 
 
 @pytest.mark.parametrize("close,end_code", [(None, -9), (("crashed", "SIGTERM"), -15), (None, None)])

@@ -55,14 +55,19 @@ def stderr_errors(tail: Any) -> str:
     return " ".join(_error_lines(tail))
 
 
+_SOURCE_PREFIX = re.compile(r"^\[(?:enforce fail at )?[^\]]*\.(?:cc|cpp|cu|h|hpp):\d+\]\s*")
+"""The native source location a C++ exception's message starts with (``[enforce fail at .../pair.cc:456] ``):
+no help to the user, and it would push the message out of a title's quote."""
+
+
 def stderr_quote(tail: Any) -> tuple[str | None, str | None]:
     """(the message, where) a self-inflicted death's stderr excerpt names: the last ``what():`` text (a C++
-    exception's message), else the last error line (``stderr_errors``); the innermost frame outside the Python
-    installation as ``file.py:line`` (the excerpt's last frame)."""
+    exception's message, without its native source location), else the last error line (``stderr_errors``); the
+    innermost frame outside the Python installation as ``file.py:line`` (the excerpt's last frame)."""
     if is_missing(tail):
         return None, None
     lines = str(tail).splitlines()
-    whats = [line.split("what():", 1)[1].strip() for line in lines if "what():" in line]
+    whats = [_SOURCE_PREFIX.sub("", line.split("what():", 1)[1].strip()) for line in lines if "what():" in line]
     errors = _error_lines(tail)
     message = whats[-1] if whats else errors[-1] if errors else None
     frames = [m for m in map(FRAME.match, lines) if m]

@@ -19,7 +19,8 @@ from dtprobe.analysis.fault_detail import fault_detail, split_injected
 from dtprobe.analysis.findings import Finding
 from dtprobe.analysis.liveness import Activity, attempt_at, exit_of, is_own_failure, liveness
 from dtprobe.analysis.stragglers import SKEW_COLUMNS
-from dtprobe.analysis.tables import P2P_OPS, axis_of, coded_rows, group_members, group_phrase, ranks_phrase, text_or
+from dtprobe.analysis.tables import (P2P_OPS, axis_of, coded_rows, group_members, group_phrase, ranks_phrase,
+                                     step_phrase, text_or)
 from dtprobe.stack_frames import FRAME, is_library, location
 from dtprobe.store.columns import require_columns
 
@@ -266,7 +267,7 @@ def detect_hangs(missing: pd.DataFrame, faults: pd.DataFrame | None, *, last_see
                  if cause == "network" else None)
         is_p2p = getattr(r, "peer", None) is not None and not pd.isna(getattr(r, "peer", None))
         op_no = f"{r.op} #{r.seq % ATTEMPT_SEQ_STRIDE}"
-        where = f"on {group_phrase(r.pg, group_members(r.pg_ranks))} (step {r.step})"
+        where = f"on {group_phrase(r.pg, group_members(r.pg_ranks))} ({step_phrase(r.step)})"
         what = op_no + (f" with peer {int(r.peer)}" if is_p2p else "") + f" {where}"
         waiters = list(group_members(str(r.arrived_ranks)))
         stacks = _stacks(observed, everyone)

@@ -1,7 +1,7 @@
 """How each rank's attempts ended and whether it was alive at a moment: per-rank exits (from the launcher's
 ``attempts`` in run.json, else the probe's ``lifecycle`` rows), signs of life (any row a rank wrote), and the
-liveness verdict of a stuck rank (``dead``, ``stopped``, ``waiting``, ``alive``). Read by the HANG and RANK_CRASH
-detectors (``hangs.py``, ``crashes.py``) through the facade."""
+liveness verdict of a stuck rank (``dead``, ``exited``, ``stopped``, ``waiting``, ``alive``). Read by the HANG
+and RANK_CRASH detectors (``hangs.py``, ``crashes.py``) through the facade."""
 
 from __future__ import annotations
 
@@ -25,10 +25,10 @@ just after it may have been produced before it)."""
 EXIT_COLUMNS = ["rank", "restart", "exit_ns", "exit_code", "signal", "first_failure", "status", "reason",
                 "error_type", "error_message", "traceback", "stderr_tail", "oom_kill", "closed", "close_ns", "source",
                 "interrupted"]
-LIVENESS = ("dead", "stopped", "waiting", "alive", "unknown")
 EXITED_AT_STALL_NS = 1_000_000_000
 """A rank whose process exited (launcher's exit time) without closing at most this long after a stall began died
 then; one that exits later was frozen in the stall (a stopped rank is killed once the others give up)."""
+LIVENESS = ("dead", "exited", "stopped", "waiting", "alive", "unknown")
 """Liveness verdicts of a stuck rank (docs/findings.md, HANG)."""
 
 
@@ -215,7 +215,8 @@ def liveness(rank: int, since_ns: int, *, in_collective: bool, activity: Activit
     wait out their timeout; or it exited unclosed or closed on SIGTERM within ``EXITED_AT_STALL_NS`` of the stall:
     torchrun ended it because another rank had died, where a frozen or stuck rank is ended only once its peers
     gave up),
-    ``stopped`` (no row after the stall and no own death: frozen, e.g. SIGSTOP), ``unknown`` (no sampler and no
+    ``exited`` (no row after the stall and its program ended normally, ``ended_normally``: it never issued the
+    call), ``stopped`` (no row after the stall and no own death: frozen, e.g. SIGSTOP), ``unknown`` (no sampler and no
     lifecycle rows to tell). ``starts``: ``attempt_starts`` (the verdict is about the incarnation alive at
     ``since_ns``)."""
     restart, until = attempt_at(starts, since_ns)
@@ -224,6 +225,8 @@ def liveness(rank: int, since_ns: int, *, in_collective: bool, activity: Activit
     ex = exit_of(exits, rank, restart)
     if ex is not None and is_own_failure(ex):
         return "dead"
+    if ended_normally(ex):
+        return "exited"                   # its program returned: whole records, no call missing from them
     if (ex is not None and ex.get("closed") is False and ex.get("exit_ns") is not None
             and int(ex["exit_ns"]) <= since_ns + EXITED_AT_STALL_NS):
         return "dead"                     # seen exiting unclosed as the stall began: killed, not frozen in it

@@ -17,7 +17,8 @@ from dtprobe.analysis.findings import Finding
 from dtprobe.analysis.hangs import int_or_none, ranks_of
 from dtprobe.analysis.liveness import attempt_at, ended_normally, exit_of
 from dtprobe.analysis.phases import phase_at
-from dtprobe.analysis.tables import P2P_OPS, axis_of, group_members, group_phrase, size_label, text_or
+from dtprobe.analysis.tables import (P2P_OPS, axis_of, group_members, group_phrase, size_label, step_phrase,
+                                     text_or)
 from dtprobe.store.columns import require_columns
 
 MISMATCH_COLUMNS = ["pg", "pg_ranks", "restart", "seq", "kind", "odd_ranks", "issued", "expected", "step", "phase",
@@ -99,11 +100,12 @@ def collective_mismatches(collectives: pd.DataFrame, steps: pd.DataFrame) -> pd.
 def ended_mismatches(stalls: pd.DataFrame, unfinished: pd.DataFrame, exits: pd.DataFrame, steps: pd.DataFrame,
                      starts: list[int] = ()) -> pd.DataFrame:
     """Kind ``ended``: a stuck collective (``hangs.stalls``) whose missing members all ended their program
-    normally in that attempt (``ended_normally``) without finishing the step the others issued it in. Their
-    records are whole, so they never issued it: they ran fewer steps than the others (uneven data per rank, a stop
-    one rank decided alone). A member that finished that step and later ones skipped the call instead (HANG or a
-    mismatch of the rows says so). The first
-    such stall of each group and attempt; ``issued``/``expected``: the waiting members' call (``unfinished``:
+    normally in that attempt (``ended_normally``). Their records are whole, so they never issued it. ``ended``
+    says per member how many steps it ran fewer than the others had reached when they issued it
+    (``steps_behind``, from ``_reached_step``): more than 0, uneven data per rank or a stop one rank decided
+    alone; 0 or less (it ran them all), a collective only some ranks reach. A send/recv whose peer ran that far
+    is left to HANG (which says who never sent).
+    The first such stall of each group and attempt; ``issued``/``expected``: the waiting members' call (``unfinished``:
     the stuck rows); ``step``: where the first of them issued it (``phase`` null: the odd ranks issued nothing, and
     the others' step never ended). Columns: ``MISMATCH_COLUMNS``."""
     rows: dict[tuple, dict] = {}
@@ -116,8 +118,10 @@ def ended_mismatches(stalls: pd.DataFrame, unfinished: pd.DataFrame, exits: pd.D
         if not all(ended_normally(ex) for ex in ended.values()):
             continue
         last = {m: _last_step(steps, m, restart) for m in missing}
-        if pd.isna(st.step) or any(s is not None and s >= int(st.step) for s in last.values()):
-            continue                    # it stepped on past the others' step: it skipped the call, then ended
+        reached = _reached_step(st, steps, arrived, restart)
+        p2p = not pd.isna(getattr(st, "peer", None))
+        if p2p and any(s is not None and s >= reached for s in last.values()):
+            continue                    # a peer that went on past the step without the send: HANG names it
         key = (st.pg, str(st.pg_ranks), restart)
         if key in rows:
             continue
@@ -131,6 +135,7 @@ def ended_mismatches(stalls: pd.DataFrame, unfinished: pd.DataFrame, exits: pd.D
                      "issued": {str(r): call for r, call in sorted(issued.items())},
                      "expected": issued[first], "step": issued[first]["step"], "phase": None,
                      "ended": {str(m): {"last_step": last[m],
+                                        "steps_behind": reached - (-1 if last[m] is None else last[m]),
                                         "exit_code": int_or_none(ex.get("exit_code")),
                                         "time_ns": int_or_none(ex.get("exit_ns"))}
                                for m, ex in sorted(ended.items())}}
@@ -168,14 +173,27 @@ def _stuck_calls(unfinished: pd.DataFrame, stall, ranks: list[int]) -> dict[int,
     return out
 
 
-def _last_step(steps: pd.DataFrame, rank: int, restart: int) -> int | None:
-    """The last step ``rank`` finished in attempt ``restart`` (None if none)."""
+def _last_step(steps: pd.DataFrame, rank: int, restart: int, *, before_ns: int | None = None) -> int | None:
+    """The last step ``rank`` finished in attempt ``restart`` (None if none); only of steps that ended by
+    ``before_ns`` when given."""
     if steps.empty:
         return None
     mine = steps[(steps["rank"] == rank) & steps["step"].notna()]
     if "restart" in mine.columns:
         mine = mine[mine["restart"].fillna(0).astype("int64") == restart]
+    if before_ns is not None:
+        mine = mine[mine["end_ns"].fillna(before_ns + 1) <= before_ns]
     return int(mine["step"].max()) if not mine.empty else None
+
+
+def _reached_step(stall, steps: pd.DataFrame, arrived: list[int], restart: int) -> int:
+    """How far the waiting members had come when they issued the stuck call: the step they issued it in, or for a
+    call outside any step (step null or -1: before the loop, between steps, after it) the last step they had
+    finished by then (-1 if none)."""
+    if not pd.isna(stall.step) and int(stall.step) >= 0:
+        return int(stall.step)
+    done = [_last_step(steps, r, restart, before_ns=int(stall.first_enqueue_ns)) for r in arrived]
+    return max((s for s in done if s is not None), default=-1)
 
 
 def _judge(calls: dict[int, pd.DataFrame], s: int, steps: pd.DataFrame) -> dict | None:
@@ -276,23 +294,29 @@ def _skipper(calls: dict[int, pd.DataFrame], at: dict) -> list[int] | None:
 
 def _usual_sig(calls: dict[int, pd.DataFrame], at: dict, s: int) -> str | None:
     """With no majority (e.g. two ranks), the call the group made at the same place of the previous step: the
-    members agreed then, so the member that repeats it is the normal one. None when that cannot be told."""
-    ref_rank = min(at)
-    row = at[ref_rank]
-    if pd.isna(row["step"]):
+    members agreed then, so the member that repeats it is the normal one. The place is the lowest member's, or, when
+    its call is outside any step or its previous step is unknown, the next member's that has one (a rank whose
+    call under ``if rank == 0:`` falls between two steps is odd against a peer repeating its step's calls). None
+    when that cannot be told."""
+    for ref_rank in sorted(at):
+        usual = _previous_step_sig(calls[ref_rank], at[ref_rank], s)
+        if usual is not None:
+            same = [r for r, x in at.items() if x["_sig"] == usual]
+            return usual if same and len(same) < len(at) else None
+    return None
+
+
+def _previous_step_sig(d: pd.DataFrame, row: pd.Series, s: int) -> str | None:
+    """The call a member (its calls ``d``) made in its previous step at the place its call ``row`` at seq ``s``
+    has in its step; None for a call outside any step or without that previous call."""
+    if pd.isna(row["step"]) or int(row["step"]) < 0:
         return None
-    prev_step = int(row["step"]) - 1
-    d = calls[ref_rank]
     this_step = d[d["step"] == row["step"]]
-    prev = d[d["step"] == prev_step]
+    prev = d[d["step"] == int(row["step"]) - 1]
     if prev.empty or this_step.empty:
         return None
     pos = int((this_step["_seq"] < s).sum())
-    if pos >= len(prev):
-        return None
-    usual = prev.iloc[pos]["_sig"]
-    same = [r for r, x in at.items() if x["_sig"] == usual]
-    return usual if same and len(same) < len(at) else None
+    return prev.iloc[pos]["_sig"] if pos < len(prev) else None
 
 
 def _call(row: pd.Series) -> dict:
@@ -316,8 +340,8 @@ def detect_mismatches(mismatches: pd.DataFrame, *, axis_of_pg: Callable[[str], s
         members = list(group_members(m.pg_ranks))
         odd = list(m.odd_ranks)
         mine = m.issued.get(str(odd[0])) if odd else None
-        where = (f"#{m.seq} on {group_phrase(m.pg, members)} (step {m.step}" + (f", {m.phase}" if m.phase else "")
-                 + ")")
+        where = (f"#{m.seq} on {group_phrase(m.pg, members)} ({step_phrase(m.step)}"
+                 + (f", {m.phase}" if m.phase else "") + ")")
         ended = m.ended if isinstance(m.ended, dict) else {}
         if m.kind == "ended":
             waiting = [r for r in members if r not in odd and str(r) in m.issued]
@@ -340,10 +364,10 @@ def detect_mismatches(mismatches: pd.DataFrame, *, axis_of_pg: Callable[[str], s
             evidence={"pg": m.pg, "pg_ranks": members, "restart": m.restart, "seq": m.seq, "kind": m.kind,
                       "odd_ranks": odd, "issued": m.issued, "expected": m.expected, "step": m.step,
                       "phase": m.phase, "ended": ended or None},
-            recommendation=_ENDED_ADVICE.format(odd=odd) if m.kind == "ended" else (
+            recommendation=_ended_advice(odd, ended, m.expected) if m.kind == "ended" else (
                 f"Make every member of group {m.pg} issue the same collectives in the same order: look "
                 f"for a rank-dependent branch (if rank == ...), an early exit or a conditional "
-                f"all-reduce around step {m.step} in rank(s) {odd}'s code path. The job otherwise "
+                f"all-reduce {_around(m.step)} in rank(s) {odd}'s code path. The job otherwise "
                 f"hangs until the collective timeout." + (_SKIPPED_GRADIENT_ADVICE if m.kind == "skipped"
                                                           and (m.expected or {}).get("op") == "allreduce"
                                                           else "")),
@@ -360,10 +384,31 @@ _SKIPPED_GRADIENT_ADVICE = (
 _ENDED_ADVICE = (
     "Rank(s) {odd} finished the script while the others still trained: every rank must run the same steps and "
     "collectives. The usual cause is uneven data per rank (a dataset split by hand, an IterableDataset without equal "
-    "shards, a sampler without padding), or a stop that one rank decides alone (early stopping, a time or step "
-    "limit read per rank). Cap every rank at the smallest rank's number of batches, make the ranks agree on "
-    "stopping (all-reduce the stop flag), or run the loop inside DDP's join() context for uneven inputs. The "
-    "others otherwise wait until the collective timeout.")
+    "shards, a sampler without padding), a stop that one rank decides alone (early stopping, a time or step "
+    "limit read per rank), or more micro-batches per optimizer step on some ranks (a gradient accumulation count "
+    "read per rank: the same batches make fewer steps). Cap every rank at the smallest rank's number of batches, "
+    "make the ranks agree on stopping (all-reduce the stop flag), or run the loop inside DDP's join() context for "
+    "uneven inputs. The others otherwise wait until the collective timeout.")
+_ENDED_SAME_STEPS_ADVICE = (
+    "Rank(s) {odd} ran every step the others had run and ended without the {call} the others issued: a "
+    "collective that only some ranks reach. Look for a rank-dependent branch: logging, evaluation or a checkpoint "
+    "save under `if rank == 0:` that calls a collective, or a background save (`async_save`) whose future the "
+    "script did not wait for before returning. Issue the collective on every rank of the group, or keep rank-local "
+    "work free of collectives. The others otherwise wait until the collective timeout.")
+
+
+def _around(step) -> str:
+    """Where the advice sends the user: ``around step 30``, or outside the steps for a call in none."""
+    return "outside the training steps" if step_phrase(step) == "outside any step" else f"around step {int(step)}"
+
+
+def _ended_advice(odd: list[int], ended: dict, expected: dict | None) -> str:
+    """The advice of kind ``ended``: about uneven steps when an odd rank ran fewer steps than the others had
+    finished, else about a collective only some ranks issue."""
+    behind = [(ended.get(str(r)) or {}).get("steps_behind") for r in odd]
+    if all(b is not None and b <= 0 for b in behind):
+        return _ENDED_SAME_STEPS_ADVICE.format(odd=odd, call=_say(expected))
+    return _ENDED_ADVICE.format(odd=odd)
 
 
 def _ended_phrase(rank: int, ended: dict) -> str:

@@ -143,6 +143,14 @@ def group_phrase(name: str, members: Any) -> str:
     return f"{name} group of {len(members)} ranks"
 
 
+def step_phrase(step: Any) -> str:
+    """How a title names the step of a call: ``"step 60"``, or ``"outside any step"`` for a call made before the
+    first step, between steps or after the last one (step null or -1)."""
+    if step is None or pd.isna(step) or int(step) < 0:
+        return "outside any step"
+    return f"step {int(step)}"
+
+
 def ranks_phrase(ranks: Any) -> str:
     """A list of ranks in a title: ``"[0, 2]"``, or ``"(128 ranks)"`` above ``LISTED_MEMBERS_MAX``."""
     ranks = list(ranks)

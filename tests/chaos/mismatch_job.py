@@ -4,7 +4,9 @@ Every rank all_reduces its flattened gradients each step (hand-written data para
 at ``--odd-step`` the ``--odd-rank`` all_gathers them instead ("incorrect ordering of collective operations").
 gloo then waits on both sides until the process-group timeout and every rank dies of it. With ``--odd-end`` the
 odd rank instead runs out of data before ``--odd-step`` and its script ends normally (uneven inputs), while its
-peers enter that step's all-reduce; they fail once the connection to it closes.
+peers enter that step's all-reduce; they fail once the connection to it closes. With ``--rank0-metric`` every rank
+runs every step and rank 0 alone all-reduces a metric after the loop (a collective under ``if rank == 0:``), while
+the others' scripts end; it fails once their connections close.
 
     torchrun --standalone --nproc-per-node 3 tests/chaos/mismatch_job.py RUN_DIR --odd-rank 2 --odd-step 4
 """
@@ -23,12 +25,14 @@ def main() -> None:
     parser.add_argument("--odd-rank", type=int, default=1, help="the rank that issues the wrong collective")
     parser.add_argument("--odd-step", type=int, default=4, help="the step at which it does")
     parser.add_argument("--odd-end", action="store_true", help="the odd rank's data ends before --odd-step instead")
+    parser.add_argument("--rank0-metric", action="store_true",
+                        help="no odd rank: rank 0 alone all-reduces a metric after the loop instead")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--pg-timeout-s", type=float, default=10.0, help="process-group timeout (the job's end)")
     args = parser.parse_args()
 
     probe = dtprobe.attach(args.run_dir, timeout_s=args.pg_timeout_s, devices=False)
-    is_odd_rank = probe.rank == args.odd_rank
+    is_odd_rank = probe.rank == args.odd_rank and not args.rank0_metric
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -58,6 +62,8 @@ def main() -> None:
                 opt.step()
                 opt.zero_grad()
             s.record(loss=loss.item(), tokens=x.numel())
+    if args.rank0_metric and probe.rank == 0:
+        dist.all_reduce(loss.detach())                        # the bug: only rank 0 reaches it
     probe.close()
 
 

@@ -359,6 +359,24 @@ def test_rank_issuing_a_different_collective_is_a_collective_mismatch_not_a_hang
     assert not [f for f in verdicts_on(doc, ("RANK_CRASH",)) if set(f["ranks"]) - {2}], summary(doc)
 
 
+def test_a_collective_only_rank_0_issues_after_the_loop_is_a_collective_mismatch_naming_the_others(run_dir, launch):
+    run = run_dir("rank0_metric")
+    # every rank runs all 8 steps; then rank 0 alone all-reduces a metric, while ranks 1 and 2 return: rank 0
+    # fails when their connections close. Not a HANG of frozen ranks
+    job = launch(torchrun_cmd(HERE / "mismatch_job.py", str(run), "--rank0-metric", "--pg-timeout-s", "8", nproc=3),
+                 run, timeout_s=JOB_TIMEOUT_S)
+    assert job.wait() != 0
+
+    doc = analyze(run)
+    mismatches = findings_of(doc, "COLLECTIVE_MISMATCH")
+    assert [(f["severity"], f["ranks"]) for f in mismatches] == [("critical", [1, 2])], summary(doc)
+    ev = mismatches[0]["evidence"]
+    assert (ev["kind"], ev["expected"]["op"]) == ("ended", "allreduce"), ev
+    assert {r: (e["last_step"], e["steps_behind"]) for r, e in ev["ended"].items()} == {"1": (7, 0), "2": (7, 0)}
+    assert "outside any step" in mismatches[0]["title"] and "if rank == 0:" in mismatches[0]["recommendation"]
+    assert not verdicts_on(doc, ("HANG", "RANK_CRASH")), summary(doc)
+
+
 def test_rank_whose_script_ended_while_its_peers_trained_is_a_collective_mismatch(run_dir, launch):
     run = run_dir("ended_early")
     # rank 1's data ends before step 4: its script returns and closes its probe while ranks 0 and 2 enter step 4's

@@ -397,3 +397,47 @@ def test_a_rank_frozen_in_a_dp_all_reduce_is_one_stall_and_its_held_dp_peer_is_n
     [f] = [f for f in a.findings() if f.code == "RANK_STALL"]
     assert f.ranks == (3,) and f.evidence["num_stalls"] == 1
     assert f.evidence["lost_ms"] == pytest.approx(400, abs=10)
+
+
+def _between_steps_barrier_run(tmp_path, *, spanned: bool) -> RunAnalysis:
+    """2 ranks, 30 steps of 100 ms. Before step 15, rank 0 works 2 s alone (it prepares the next epoch's data)
+    while rank 1 waits in a barrier that no step numbers (step -1). ``spanned``: step 15's rows start where step 14
+    ended, as ``dtprobe launch`` writes them, so they span the barrier; else they start after it (a script
+    timing its own steps)."""
+    rows = lockstep_tables(world=2, num_steps=30)
+    gap, t15 = 2000 * MS, T0 + 15 * 100 * MS
+    for table, cols in (("steps", ("start_ns", "end_ns")), ("collectives", ("enqueue_ns", "start_ns", "end_ns"))):
+        for x in rows[table]:
+            if x["step"] >= 15:
+                for col in cols:
+                    x[col] += gap
+                if table == "steps" and x["step"] == 15 and spanned:
+                    x["start_ns"] = t15
+    for r, at in ((0, t15 + gap - MS), (1, t15 + MS)):
+        rows["collectives"].append({"rank": r, "pg": "dp", "pg_ranks": "0,1", "pg_size": 2, "seq": 1000,
+                                    "op": "barrier", "num_bytes": 0, "dtype": None, "enqueue_ns": at,
+                                    "start_ns": at, "end_ns": t15 + gap, "step": -1, "timing": "host",
+                                    "restart": 0})
+    rows["devices"] = sampler_rows(0, T0, T0 + 3000 * MS + gap) + sampler_rows(1, T0, T0 + 3000 * MS + gap)
+    for x in rows["lifecycle"]:
+        if x["event"] == "close":
+            x["time_ns"] += gap
+    return RunAnalysis.open(write_rows_run(tmp_path / "run", rows, world_size=2, status="finished"))
+
+
+def test_a_rank_the_others_waited_for_in_a_barrier_between_two_steps_is_a_rank_stall_of_the_next_step(tmp_path):
+    # dtprobe launch: no step is open between an optimizer step and the next forward, but the next step's row
+    # starts where the last one ended; a barrier there, where rank 0 came 2 s late, is that step's stall
+    a = _between_steps_barrier_run(tmp_path, spanned=True)
+    [f] = [f for f in a.findings() if f.code == "RANK_STALL"]
+    [stall] = f.evidence["stalls"]
+    assert (f.ranks, stall["step"], stall["op"], stall["kind"]) == ((0,), 15, "barrier", "late_arrival")
+    assert stall["stall_ms"] == pytest.approx(2000 - 2, abs=1)
+    assert f.evidence["liveness"] == "running" and f.severity == "critical"    # 2 s of a 5 s run
+
+
+def test_a_barrier_between_steps_that_no_step_row_spans_is_no_rank_stall(tmp_path):
+    # steps a script times itself: the time between them is in no step, so no step's stall
+    a = _between_steps_barrier_run(tmp_path, spanned=False)
+    assert "RANK_STALL" not in [f.code for f in a.findings()]
+    assert a.rank_stalls().empty

@@ -238,6 +238,59 @@ def late_rank_per_step(skew: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     return top[LATE_RANK_COLUMNS].sort_values(["pg", "pg_ranks", "step"], kind="stable").reset_index(drop=True)
 
 
+def late_between_steps(collectives: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
+    """``late_rank_per_step``'s rows for the collectives issued outside any step (``step`` null or -1) whose last
+    arrival falls inside one of the late rank's steps: under ``dtprobe launch`` a step starts where the previous
+    one ended, so a barrier between two optimizer steps (rank 0 preparing the next epoch's data while the others
+    wait) is in the next step's time, though no step was open when it was called. Per (group, step) the one with
+    the largest margin. Collectives before the first step or after the last, or between the steps of a script
+    that times its own (no step row spans them), stay out. Each attempt's rows are paired on their own.
+    Columns: ``LATE_RANK_COLUMNS``."""
+    empty = pd.DataFrame({col: [] for col in LATE_RANK_COLUMNS})
+    need = ["start_ns", "end_ns", "step", "rank"]
+    if collectives.empty or steps.empty or not set(need) <= set(steps.columns):
+        return empty
+    outside = collectives["step"].isna().to_numpy(dtype=bool) | (collectives["step"].fillna(-1) < 0).to_numpy()
+    c = collectives[outside]
+    if c.empty:
+        return empty
+    steps = completing_attempts(steps).dropna(subset=need)
+    parts = []
+    for attempt in np.unique(attempts_of(c)):
+        skew = collective_skew(c[attempts_of(c) == attempt])
+        done = skew[skew["complete"].astype(bool) & (skew["num_members"] > 1)]
+        mine = steps[attempts_of(steps) == attempt]
+        if done.empty or mine.empty:
+            continue
+        step = _step_spanning(mine, done["late_rank"].to_numpy(dtype="int64"),
+                              done["last_enqueue_ns"].to_numpy(dtype="int64"))
+        parts.append(done.assign(step=step)[step >= 0])
+    done = pd.concat(parts, ignore_index=True) if parts else empty
+    if done.empty:
+        return empty
+    top = done.loc[done.groupby(["pg", "pg_ranks", "step"], sort=True, observed=True)["margin_ns"].idxmax()].copy()
+    codes, pg_ranks = pd.factorize(top["pg_ranks"])
+    top["step_ns"] = _group_step_ns(pg_ranks, codes, top["step"].to_numpy(dtype="int64"), steps)
+    top["margin_frac"] = top["margin_ns"] / top["step_ns"]
+    return top[LATE_RANK_COLUMNS].sort_values(["pg", "pg_ranks", "step"], kind="stable").reset_index(drop=True)
+
+
+def _step_spanning(steps: pd.DataFrame, rank: np.ndarray, t_ns: np.ndarray) -> np.ndarray:
+    """Per (``rank``, ``t_ns``): the step of ``rank`` whose row spans ``t_ns`` (start <= t <= end), else -1."""
+    out = np.full(len(rank), -1, dtype="int64")
+    r_all = steps["rank"].to_numpy(dtype="int64")
+    for r in np.unique(rank):
+        mine = steps[r_all == r].sort_values("start_ns", kind="stable")
+        if mine.empty:
+            continue
+        start, end = mine["start_ns"].to_numpy(dtype="int64"), mine["end_ns"].to_numpy(dtype="int64")
+        at = np.flatnonzero(rank == r)
+        i = np.searchsorted(start, t_ns[at], side="right") - 1      # the last step started by then
+        ok = (i >= 0) & (t_ns[at] <= end[np.clip(i, 0, None)])
+        out[at[ok]] = mine["step"].to_numpy(dtype="int64")[i[ok]]
+    return out
+
+
 def late_p2p_per_step(collectives: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     """``late_rank_per_step``'s rows for point-to-point links: per (group, link, step), the send/recv pair whose
     later side came the most after the other (the k-th send from A to B is B's k-th recv from A: the same ``seq``,

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pandas as pd
+import pyarrow.compute as pc
 
 from dtprobe.analysis import amp as _amp
 from dtprobe.analysis import arrivals as _arrivals
@@ -342,10 +343,25 @@ class RunAnalysis:
         """Per (rank, step) where a rank stalled for seconds while its groups waited for it (late to a collective,
         or frozen inside one: ``rank_stalls.rank_stalls``); empty without aligned clocks (a trace folder)."""
         return self._memo("rank_stalls", lambda: _rank_stalls.rank_stalls(
-            self.late_rank_per_step(), bandwidth=self.collective_bandwidth(), exposure=self.comm_exposure(),
+            self._late_rank_with_between_steps(), bandwidth=self.collective_bandwidth(),
+            exposure=self.comm_exposure(),
             steps=self.table("steps"), devices=self.table("devices"), checkpoints=self.table("checkpoints"),
             step_ns=self.step_time_ns())
             if self.info.clock_aligned else pd.DataFrame({c: [] for c in _rank_stalls.STALL_COLUMNS}))
+
+    def _late_rank_with_between_steps(self) -> pd.DataFrame:
+        # late_rank_per_step plus the collectives issued between two steps in a step's time (arrivals.
+        # late_between_steps), read with the filter pushed down: few rows, never the whole table
+        late = self.late_rank_per_step()
+        read = getattr(self.source, "arrow", None)
+        if read is None:
+            rows = self.table("collectives")
+        else:
+            rows = _failure_reads.collectives_frame(read("collectives", filter=pc.field("step").is_null()
+                                                         | (pc.field("step") < 0)))
+        between = _tables.only_steps(_arrivals.late_between_steps(
+            _tables.step_collectives(_arrivals.on_arrival_clock(rows)), self.table("steps")), self.steps_analyzed())
+        return late if between.empty else pd.concat([late, between], ignore_index=True)
 
     def rank_stall_findings(self) -> list[Finding]:
         """RANK_STALL: one per rank that stalled (``rank_stalls``)."""

@@ -80,7 +80,7 @@ def read_failure_rows(source: Any, steps: pd.DataFrame) -> FailureRows | None:
         return None
 
     def frame(expr: pc.Expression | None = None, columns: list[str] | None = None, **kw) -> pd.DataFrame:
-        return _frame(read("collectives", columns=columns, filter=expr, **kw))
+        return collectives_frame(read("collectives", columns=columns, filter=expr, **kw))
 
     starts = (steps.dropna(subset=["start_ns"]).groupby("rank")["start_ns"].max()
               if not steps.empty else pd.Series(dtype="int64"))
@@ -93,7 +93,7 @@ def read_failure_rows(source: Any, steps: pd.DataFrame) -> FailureRows | None:
                 | pc.field("peer").is_valid())
     first = read("collectives", columns=RECENT_COLUMNS,
                  filter=odd_expr if newest_t is None else odd_expr | _since(newest_t))
-    odd = _frame(first.filter(odd_expr))
+    odd = collectives_frame(first.filter(odd_expr))
     if (odd["restart"].isna() | (odd["restart"] != 0)).any():
         return None
     p2p = odd[(odd["peer"].notna() & odd["op"].isin(P2P_OPS)).to_numpy(dtype=bool)].reset_index(drop=True)
@@ -106,7 +106,7 @@ def read_failure_rows(source: Any, steps: pd.DataFrame) -> FailureRows | None:
     unfinished = unfinished_rows(merged)
     if not added.empty:
         p2p = pd.concat([p2p, added[added["op"].isin(P2P_OPS) & added["peer"].notna()]], ignore_index=True)
-    newest = None if newest_t is None else (newest_t, _frame(first.filter(_since(newest_t))))
+    newest = None if newest_t is None else (newest_t, collectives_frame(first.filter(_since(newest_t))))
     recent, recent_from = _recent_rows(lambda expr=None, **kw: frame(expr, RECENT_COLUMNS, **kw), starts, ranks,
                                        newest=newest)
     if not added.empty:
@@ -175,7 +175,7 @@ def _recent_rows(frame: Callable[..., pd.DataFrame], starts: dict[int, int], ran
     return recent.sort_values("rank", kind="stable", ignore_index=True), since
 
 
-def _frame(rows: pa.Table) -> pd.DataFrame:
+def collectives_frame(rows: pa.Table) -> pd.DataFrame:
     """The collectives frame (schema dtypes) of Arrow rows holding some of its columns (the others null)."""
     if not rows.num_rows:
         return empty_frame("collectives")

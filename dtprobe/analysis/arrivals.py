@@ -230,8 +230,13 @@ def late_rank_per_step(skew: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
         last = pd.Series(attempt).groupby([done["pg"].to_numpy(), done["pg_ranks"].to_numpy(),
                                            done["step"].to_numpy()]).transform("max").to_numpy()
         done = done[attempt == last]
-    steps = completing_attempts(steps)
-    top = done.loc[done.groupby(["pg", "pg_ranks", "step"], sort=True)["margin_ns"].idxmax()].copy()
+    return _largest_margin_per_step(done, completing_attempts(steps))
+
+
+def _largest_margin_per_step(skew: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
+    """Of ``skew`` rows (``collective_skew``'s, ``step`` set): per (group, step) the one with the largest margin,
+    with the group's step time and the margin's share of it. Columns: ``LATE_RANK_COLUMNS``."""
+    top = skew.loc[skew.groupby(["pg", "pg_ranks", "step"], sort=True, observed=True)["margin_ns"].idxmax()].copy()
     codes, pg_ranks = pd.factorize(top["pg_ranks"])
     top["step_ns"] = _group_step_ns(pg_ranks, codes, top["step"].to_numpy(dtype="int64"), steps)
     top["margin_frac"] = top["margin_ns"] / top["step_ns"]
@@ -266,13 +271,7 @@ def late_between_steps(collectives: pd.DataFrame, steps: pd.DataFrame) -> pd.Dat
                               done["last_enqueue_ns"].to_numpy(dtype="int64"))
         parts.append(done.assign(step=step)[step >= 0])
     done = pd.concat(parts, ignore_index=True) if parts else empty
-    if done.empty:
-        return empty
-    top = done.loc[done.groupby(["pg", "pg_ranks", "step"], sort=True, observed=True)["margin_ns"].idxmax()].copy()
-    codes, pg_ranks = pd.factorize(top["pg_ranks"])
-    top["step_ns"] = _group_step_ns(pg_ranks, codes, top["step"].to_numpy(dtype="int64"), steps)
-    top["margin_frac"] = top["margin_ns"] / top["step_ns"]
-    return top[LATE_RANK_COLUMNS].sort_values(["pg", "pg_ranks", "step"], kind="stable").reset_index(drop=True)
+    return empty if done.empty else _largest_margin_per_step(done, steps)
 
 
 def _step_spanning(steps: pd.DataFrame, rank: np.ndarray, t_ns: np.ndarray) -> np.ndarray:

@@ -17,8 +17,8 @@ from dtprobe.analysis.findings import Finding
 from dtprobe.analysis.hangs import int_or_none, ranks_of
 from dtprobe.analysis.liveness import attempt_at, ended_normally, exit_of
 from dtprobe.analysis.phases import phase_at
-from dtprobe.analysis.tables import (P2P_OPS, axis_of, group_members, group_phrase, size_label, step_phrase,
-                                     text_or)
+from dtprobe.analysis.tables import (P2P_OPS, axis_of, group_members, group_phrase, in_no_step, size_label,
+                                     step_phrase, text_or)
 from dtprobe.store.columns import require_columns
 
 MISMATCH_COLUMNS = ["pg", "pg_ranks", "restart", "seq", "kind", "odd_ranks", "issued", "expected", "step", "phase",
@@ -190,7 +190,7 @@ def _reached_step(stall, steps: pd.DataFrame, arrived: list[int], restart: int) 
     """How far the waiting members had come when they issued the stuck call: the step they issued it in, or for a
     call outside any step (step null or -1: before the loop, between steps, after it) the last step they had
     finished by then (-1 if none)."""
-    if not pd.isna(stall.step) and int(stall.step) >= 0:
+    if not in_no_step(stall.step):
         return int(stall.step)
     done = [_last_step(steps, r, restart, before_ns=int(stall.first_enqueue_ns)) for r in arrived]
     return max((s for s in done if s is not None), default=-1)
@@ -309,7 +309,7 @@ def _usual_sig(calls: dict[int, pd.DataFrame], at: dict, s: int) -> str | None:
 def _previous_step_sig(d: pd.DataFrame, row: pd.Series, s: int) -> str | None:
     """The call a member (its calls ``d``) made in its previous step at the place its call ``row`` at seq ``s``
     has in its step; None for a call outside any step or without that previous call."""
-    if pd.isna(row["step"]) or int(row["step"]) < 0:
+    if in_no_step(row["step"]):
         return None
     this_step = d[d["step"] == row["step"]]
     prev = d[d["step"] == int(row["step"]) - 1]
@@ -399,7 +399,7 @@ _ENDED_SAME_STEPS_ADVICE = (
 
 def _around(step) -> str:
     """Where the advice sends the user: ``around step 30``, or outside the steps for a call in none."""
-    return "outside the training steps" if step_phrase(step) == "outside any step" else f"around step {int(step)}"
+    return "outside the training steps" if in_no_step(step) else f"around step {int(step)}"
 
 
 def _ended_advice(odd: list[int], ended: dict, expected: dict | None) -> str:

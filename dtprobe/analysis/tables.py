@@ -143,12 +143,15 @@ def group_phrase(name: str, members: Any) -> str:
     return f"{name} group of {len(members)} ranks"
 
 
+def in_no_step(step: Any) -> bool:
+    """True for a row's ``step`` that names no step (null or -1): a call made before the first step, between
+    steps or after the last one."""
+    return step is None or pd.isna(step) or int(step) < 0
+
+
 def step_phrase(step: Any) -> str:
-    """How a title names the step of a call: ``"step 60"``, or ``"outside any step"`` for a call made before the
-    first step, between steps or after the last one (step null or -1)."""
-    if step is None or pd.isna(step) or int(step) < 0:
-        return "outside any step"
-    return f"step {int(step)}"
+    """How a title names the step of a call: ``"step 60"``, or ``"outside any step"`` (``in_no_step``)."""
+    return "outside any step" if in_no_step(step) else f"step {int(step)}"
 
 
 def ranks_phrase(ranks: Any) -> str:

@@ -15,6 +15,7 @@ from analysis_synth import (MS, T0, cut_rank, frames, lockstep_tables, pending_r
 from dtprobe.analysis import RunAnalysis
 from dtprobe.analysis.crashes import classify_cause, how
 from dtprobe.analysis.hangs import merge_pending
+from dtprobe.analysis.render import event_lines
 
 S = 1000 * MS
 
@@ -662,3 +663,31 @@ def test_a_rank_that_gloo_aborted_on_an_oversized_message_is_told_to_look_for_a_
     # the title quotes gloo's message, not the source file it was thrown in
     assert 'its stderr: "op.preamble.length <= op.nbytes. 1024 vs 256. Received data size doesn\'t match' in f.title
     assert "enforce fail" not in f.title
+
+
+def test_the_timeout_a_hang_ended_in_heads_the_report_as_its_consequence_not_as_a_crash_finding(tmp_path):
+    # rank 1 froze (SIGSTOP: no rows from 330 ms); rank 0 waited in all-reduce #4 and raised on the 90-s timeout,
+    # torchrun's first failure. The verdict is the HANG on rank 1; rank 0's death is no RANK_CRASH, but the header
+    # still names how the attempt ended, as the HANG's consequence
+    rows = lockstep_tables(world=2, num_steps=6)
+    rows["devices"] = [d for d in rows["devices"] if not (d["rank"] == 1 and d["time_ns"] > T0 + 330 * MS)]
+    cut_rank(rows, 1, T0 + 330 * MS)
+    fail_ns = T0 + 360 * MS + 90 * S
+    stall_rank(rows, 0, T0 + 360 * MS, until_ns=fail_ns, close=("crashed", "exception"))
+    rows["pending"] = [pending_row(0, step=3, seq=4, t_ns=T0 + 360 * MS)]
+    error = {"type": "torch.distributed.DistBackendError", "message": "[gloo] Timed out waiting 90000ms for recv",
+             "traceback": None}
+    att = [_attempt(0, "failed", [{"rank": 0, "exit_code": 1, "first_failure": True, "error": error,
+                                   "time_ns": fail_ns},
+                                  {"rank": 1, "exit_code": -15, "signal": "SIGTERM", "time_ns": fail_ns + 200 * MS}],
+                    ended=fail_ns + 200 * MS)]
+    a = RunAnalysis.open(write_rows_run(tmp_path / "run", rows, world_size=2, status="crashed", attempts=att))
+    [hang] = _codes(a, "HANG")
+    assert hang.ranks == (1,) and hang.evidence["liveness"] == {"0": "waiting", "1": "stopped"}
+    assert _codes(a, "RANK_CRASH") == []
+    [c] = a.report()["metrics"]["run"]["crashes"]
+    assert (c["rank"], c["step"], c["cause"], c["recovered"], c["explained_by"]) == (0, 3, "communication", False,
+                                                                                     "HANG")
+    assert c["title"].startswith("rank 0 died at step 3 in allreduce #4") and c["title"].endswith(
+        "the job did not recover (a consequence of the HANG)")
+    assert event_lines(a.report())[0] == f"crash: {c['title']}"

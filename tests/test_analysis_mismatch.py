@@ -325,3 +325,45 @@ def test_calls_that_line_up_unshifted_are_no_skip_whatever_the_step_counts():
                                         "restart": 0})
     f = frames(rows)
     assert collective_mismatches(f["collectives"], f["steps"]).empty
+
+
+def _aborted_receiver_attempt(world: int, aborted: int) -> list[dict]:
+    """gloo's size check aborted ``aborted`` (SIGABRT) first; the others then failed on the closed connection."""
+    err = {"type": "RuntimeError", "message": "[gloo] Connection closed by peer", "traceback": "..."}
+    return [{"attempt": 0, "node_rank": 0, "result": "failed", "ranks": [
+        {"rank": r, "exit_code": None if r == aborted else 1, "signal": 6 if r == aborted else None,
+         "first_failure": r == aborted, "time_ns": T0 + (360 if r == aborted else 900) * MS,
+         "error": None if r == aborted else err} for r in range(world)]}]
+
+
+def test_a_size_mismatch_the_labels_round_alike_names_bytes_the_silent_member_and_the_abort_it_caused(tmp_path):
+    # rank 2 all-reduces 4 KiB more than its peers at step 3; rank 1, receiving the larger message, aborted inside
+    # the call before its row reached disk. The title gives exact sizes (both read "4.0 MiB"), names the member
+    # with no record, and the header tells rank 1's abort as this mismatch's consequence, not as a second fault
+    rows = _wrong_op_job(world=4, odd=2, num_bytes=(4 << 20) + 4096)
+    rows["pending"] = [p for p in rows["pending"] if p["rank"] != 1]
+    a = RunAnalysis.open(write_rows_run(tmp_path / "run", rows, world_size=4, status="crashed",
+                                        attempts=_aborted_receiver_attempt(4, aborted=1)))
+    [f] = _codes(a, "COLLECTIVE_MISMATCH")
+    assert f.ranks == (2,) and f.evidence["kind"] == "different"
+    assert "issued allreduce (float32, 4,198,400 B) where rank(s) [0, 3] issued allreduce (float32, 4,194,304 B)" \
+        in f.title
+    assert f.title.endswith("; rank(s) [1] left no record of it")
+    assert "4,096 bytes more" in f.recommendation and "Received data size" in f.recommendation
+    assert _codes(a, "HANG", "STRAGGLER", "RANK_CRASH") == []
+    [c] = a.report()["metrics"]["run"]["crashes"]
+    assert (c["rank"], c["signal"], c["restart"], c["explained_by"]) == (1, 6, 0, "COLLECTIVE_MISMATCH")
+    assert c["title"].startswith("rank 1 died") and c["title"].endswith("(a consequence of the COLLECTIVE_MISMATCH)")
+
+
+def test_a_size_mismatch_whose_labels_differ_keeps_them_rounded():
+    import pandas as pd
+
+    mine = {"op": "allreduce", "dtype": "float32", "num_bytes": 2 << 20, "step": 3}
+    theirs = {**mine, "num_bytes": 1 << 20}
+    m = pd.DataFrame([{"pg": "0", "pg_ranks": "0,1", "restart": 0, "seq": 4, "kind": "different", "odd_ranks": [1],
+                       "issued": {"0": theirs, "1": mine}, "expected": theirs, "step": 3, "phase": "bwd",
+                       "ended": None}])
+    [f] = detect_mismatches(m)
+    assert "issued allreduce (float32, 2 MiB) where rank(s) [0] issued allreduce (float32, 1 MiB)" in f.title
+    assert "left no record" not in f.title and "1,048,576 bytes more" in f.recommendation

@@ -395,6 +395,51 @@ def detect_crashes(events: pd.DataFrame, *, num_restarts: int = 0, missing: pd.D
     return findings
 
 
+CRASH_KEYS = ("restart", "step", "cause", "signal", "exit_code", "error_type", "recovered", "resumed_from_step",
+              "steps_lost", "time_to_recover_s")
+"""The keys of a ``metrics.run.crashes`` entry besides ``rank``, ``title`` and ``explained_by``."""
+
+
+def crash_entries(events: pd.DataFrame, findings: list[Finding]) -> list[dict]:
+    """``metrics.run.crashes``: one entry per RANK_CRASH finding, then one per crash event (``crash_events``) that
+    no RANK_CRASH names because a HANG or COLLECTIVE_MISMATCH of ``findings`` explains it (the rank that failed
+    first was waiting in it, or aborted on it), with ``explained_by`` that finding's code and the title saying so:
+    the header names how every failed attempt ended."""
+    named = [f for f in findings if f.code == "RANK_CRASH"]
+    out = [{"rank": f.ranks[0], **{k: f.evidence.get(k) for k in CRASH_KEYS}, "title": f.title,
+            "explained_by": None} for f in named]
+    told = {(f.ranks[0], int(f.evidence["restart"])) for f in named}
+    for e in events.itertuples(index=False):
+        if (int(e.rank), int(e.restart)) in told:
+            continue
+        code = _explaining_code(int(e.rank), int(e.restart), findings)
+        if code is None:    # a crash no finding reports (e.g. at the edge of a profiler window): not a failure seen
+            continue
+        out.append({"rank": int(e.rank), **{k: _plain(getattr(e, k)) for k in CRASH_KEYS},
+                    "title": f"{crash_title(e)} (a consequence of the {code})", "explained_by": code})
+    return sorted(out, key=lambda c: (int(c["restart"]), c["explained_by"] is not None))
+
+
+def _explaining_code(rank: int, restart: int, findings: list[Finding]) -> str | None:
+    """COLLECTIVE_MISMATCH when ``rank`` is a member of a group one names in attempt ``restart``, else HANG when
+    one names the rank or holds it waiting (as ``failures.detect_failures`` leaves the crash out), else None."""
+    for f in findings:
+        if (f.code == "COLLECTIVE_MISMATCH" and int(f.evidence.get("restart") or 0) == restart
+                and rank in f.evidence["pg_ranks"]):
+            return f.code
+    for f in findings:
+        if f.code == "HANG" and (rank in f.ranks or rank in f.evidence["arrived_ranks"]):
+            return f.code
+    return None
+
+
+def _plain(value: Any) -> Any:
+    """A JSON value of a crash event's field (numpy scalars as Python ones, missing as None)."""
+    if is_missing(value):
+        return None
+    return value.item() if hasattr(value, "item") else value
+
+
 def _oom_killed(oom_kill: Any) -> bool:
     """The launcher recorded evidence that the kernel's OOM killer ended the rank or its DataLoader worker."""
     return not is_missing(oom_kill) and bool(oom_kill)

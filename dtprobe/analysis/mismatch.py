@@ -325,11 +325,33 @@ def _call(row: pd.Series) -> dict:
             "step": None if pd.isna(row["step"]) else int(row["step"])}
 
 
-def _say(call: dict | None) -> str:
+def _say(call: dict | None, exact: bool = False) -> str:
+    """``allreduce (float32, 1.0 MiB)``; with ``exact``, the size in bytes (``1,052,672 B``)."""
     if call is None:
         return "?"
-    size = size_label(call["num_bytes"]) if call["num_bytes"] is not None else "? B"
+    n = call["num_bytes"]
+    size = "? B" if n is None else f"{n:,} B" if exact else size_label(n)
     return f"{call['op']} ({call['dtype'] or '?'}, {size})"
+
+
+def _sizes_only(mine: dict | None, expected: dict | None) -> bool:
+    """The two calls are the same operation on the same dtype with different sizes (known)."""
+    return (mine is not None and expected is not None and mine["op"] == expected["op"]
+            and mine["dtype"] == expected["dtype"] and None not in (mine["num_bytes"], expected["num_bytes"])
+            and mine["num_bytes"] != expected["num_bytes"])
+
+
+def _say_both(mine: dict | None, expected: dict | None) -> tuple[str, str]:
+    """Both calls as ``_say`` gives them, in bytes when the rounded sizes would read alike (``4.0 MiB`` and
+    ``4 MiB``)."""
+    exact = _sizes_only(mine, expected) and _read_alike(mine["num_bytes"], expected["num_bytes"])
+    return _say(mine, exact), _say(expected, exact)
+
+
+def _read_alike(a: int, b: int) -> bool:
+    """``size_label`` gives the two sizes the same number and unit, to its one decimal."""
+    (x, unit_x), (y, unit_y) = (size_label(n).split() for n in (a, b))
+    return unit_x == unit_y and round(float(x), 1) == round(float(y), 1)
 
 
 def detect_mismatches(mismatches: pd.DataFrame, *, axis_of_pg: Callable[[str], str | None] = axis_of) -> list[Finding]:
@@ -355,7 +377,10 @@ def detect_mismatches(mismatches: pd.DataFrame, *, axis_of_pg: Callable[[str], s
             title = f"rank(s) {odd} issued an extra {_say(mine)} {where}: every later call is shifted"
         elif m.expected is not None:
             others = [r for r in members if r not in odd and str(r) in m.issued]
-            title = f"rank(s) {odd} issued {_say(mine)} where rank(s) {others} issued {_say(m.expected)} {where}"
+            unrecorded = [r for r in members if r not in odd and str(r) not in m.issued]
+            said_mine, said_expected = _say_both(mine, m.expected)
+            title = (f"rank(s) {odd} issued {said_mine} where rank(s) {others} issued {said_expected} {where}"
+                     + (f"; rank(s) {unrecorded} left no record of it" if unrecorded else ""))
         else:
             title = ("members issued different collectives " + where + ": "
                      + "; ".join(f"rank {r} {_say(c)}" for r, c in m.issued.items()))
@@ -364,7 +389,8 @@ def detect_mismatches(mismatches: pd.DataFrame, *, axis_of_pg: Callable[[str], s
             evidence={"pg": m.pg, "pg_ranks": members, "restart": m.restart, "seq": m.seq, "kind": m.kind,
                       "odd_ranks": odd, "issued": m.issued, "expected": m.expected, "step": m.step,
                       "phase": m.phase, "ended": ended or None},
-            recommendation=_ended_advice(odd, ended, m.expected) if m.kind == "ended" else (
+            recommendation=_ended_advice(odd, ended, m.expected) if m.kind == "ended" else _size_advice(
+                odd, mine, m.expected, m.pg) if m.kind == "different" and _sizes_only(mine, m.expected) else (
                 f"Make every member of group {m.pg} issue the same collectives in the same order: look "
                 f"for a rank-dependent branch (if rank == ...), an early exit or a conditional "
                 f"all-reduce {_around(m.step)} in rank(s) {odd}'s code path. The job otherwise "
@@ -395,6 +421,23 @@ _ENDED_SAME_STEPS_ADVICE = (
     "save under `if rank == 0:` that calls a collective, or a background save (`async_save`) whose future the "
     "script did not wait for before returning. Issue the collective on every rank of the group, or keep rank-local "
     "work free of collectives. The others otherwise wait until the collective timeout.")
+
+
+_SIZE_ADVICE = (
+    "Rank(s) {odd} passed {mine:,} bytes where the other members of group {pg} passed {expected:,} ({diff}): the "
+    "same collective with a tensor whose size depends on the rank. Look for a buffer built from a list that differs "
+    "per rank (a flat gradient buffer over the parameters that have a gradient, with a layer frozen or unused on "
+    "some ranks; buffers or optimizer state gathered by hand), a batch or sequence length read per rank (an unpadded "
+    "last batch, a gather of variable-length outputs: pad them, or send the sizes first), or a shape computed from "
+    "the rank. On gloo the member receiving the larger message aborts (\"Received data size doesn't match expected "
+    "size\"); NCCL does not check sizes: the job hangs or reduces mismatched elements.")
+
+
+def _size_advice(odd: list[int], mine: dict, expected: dict, pg: str) -> str:
+    """The advice when the calls differ in size alone."""
+    diff = int(mine["num_bytes"]) - int(expected["num_bytes"])
+    return _SIZE_ADVICE.format(odd=odd, pg=pg, mine=int(mine["num_bytes"]), expected=int(expected["num_bytes"]),
+                               diff=f"{abs(diff):,} bytes {'more' if diff > 0 else 'fewer'}")
 
 
 def _around(step) -> str:

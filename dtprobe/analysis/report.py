@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import pandas as pd
 
 from dtprobe.analysis.bubble import PipelineShape, ideal_bubble
-from dtprobe.analysis.crashes import restart_summary
+from dtprobe.analysis.crashes import crash_entries, restart_summary
 from dtprobe.analysis.findings import Finding, jsonable
 from dtprobe.store.source import SourceInfo
 
@@ -51,6 +51,8 @@ class MetricsInputs(Protocol):
     def loss_gap(self) -> pd.DataFrame: ...
     def device_health(self) -> pd.DataFrame: ...
     def hangs(self) -> list[Finding]: ...
+    def mismatch_findings(self) -> list[Finding]: ...
+    def crash_events(self) -> pd.DataFrame: ...
     def restarts(self) -> list[dict]: ...
     def attempts(self) -> list[dict]: ...
     def clock_alignment(self) -> str: ...
@@ -162,14 +164,11 @@ def device_clock_metrics(a: MetricsInputs) -> dict[str, Any]:
 
 
 def run_events(a: MetricsInputs) -> dict[str, Any]:
-    """``crashes`` (one per RANK_CRASH finding: rank, restart, step, cause, how, recovered, resumed_from_step,
-    steps_lost, time_to_recover_s, title) and ``restarts`` (restart, time_ns, from_step, checkpoint_step,
+    """``crashes`` (``crashes.crash_entries``: one per RANK_CRASH finding, then one per failed attempt whose first
+    failure a HANG or COLLECTIVE_MISMATCH explains) and ``restarts`` (restart, time_ns, from_step, checkpoint_step,
     steps_lost) of ``metrics.run``, empty lists for a source without either (a trace folder has neither); and
     ``interrupted``: the launcher stopped the job's last attempt on an interrupt (``interrupted_attempt``)."""
-    crashes = [{"rank": f.ranks[0], **{k: f.evidence.get(k) for k in (
-                   "restart", "step", "cause", "signal", "exit_code", "error_type", "recovered", "resumed_from_step",
-                   "steps_lost", "time_to_recover_s")}, "title": f.title}
-               for f in a.hangs() if f.code == "RANK_CRASH"]
+    crashes = crash_entries(a.crash_events(), a.hangs() + a.mismatch_findings())
     return {"crashes": crashes, "restarts": restart_summary(a.restarts()),
             "interrupted": interrupted_attempt(a.attempts(), status=a.status)}
 

@@ -6,7 +6,9 @@ gloo then waits on both sides until the process-group timeout and every rank die
 odd rank instead runs out of data before ``--odd-step`` and its script ends normally (uneven inputs), while its
 peers enter that step's all-reduce; they fail once the connection to it closes. With ``--rank0-metric`` every rank
 runs every step and rank 0 alone all-reduces a metric after the loop (a collective under ``if rank == 0:``), while
-the others' scripts end; it fails once their connections close.
+the others' scripts end; it fails once their connections close. With ``--odd-extra N`` the odd rank all_reduces N
+more elements than its peers at ``--odd-step`` (a flat buffer over a parameter list that differs per rank); gloo's
+size check then aborts the member that receives the larger message.
 
     torchrun --standalone --nproc-per-node 3 tests/chaos/mismatch_job.py RUN_DIR --odd-rank 2 --odd-step 4
 """
@@ -27,6 +29,8 @@ def main() -> None:
     parser.add_argument("--odd-end", action="store_true", help="the odd rank's data ends before --odd-step instead")
     parser.add_argument("--rank0-metric", action="store_true",
                         help="no odd rank: rank 0 alone all-reduces a metric after the loop instead")
+    parser.add_argument("--odd-extra", type=int, default=0,
+                        help="the odd rank all_reduces this many more elements instead of another collective")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--pg-timeout-s", type=float, default=10.0, help="process-group timeout (the job's end)")
     args = parser.parse_args()
@@ -48,7 +52,9 @@ def main() -> None:
             with s.phase("bwd"):
                 loss.backward()
                 grads = torch.cat([p.grad.flatten() for p in model.parameters()])
-                if is_odd_rank and step == args.odd_step:
+                if is_odd_rank and step == args.odd_step and args.odd_extra:
+                    dist.all_reduce(torch.cat([grads, torch.zeros(args.odd_extra)]))   # the bug: a longer buffer
+                elif is_odd_rank and step == args.odd_step:
                     gathered = [torch.empty_like(grads) for _ in range(dist.get_world_size())]
                     dist.all_gather(gathered, grads)          # the bug: its peers all_reduce here
                 else:

@@ -359,6 +359,27 @@ def test_rank_issuing_a_different_collective_is_a_collective_mismatch_not_a_hang
     assert not [f for f in verdicts_on(doc, ("RANK_CRASH",)) if set(f["ranks"]) - {2}], summary(doc)
 
 
+def test_a_rank_reducing_a_longer_buffer_is_a_size_mismatch_and_the_receiver_s_abort_its_consequence(run_dir, launch):
+    run = run_dir("size_mismatch")
+    # rank 2 all_reduces 16 more floats than its peers at step 4; gloo's size check aborts the member receiving its
+    # larger message (SIGABRT, before that member's row reaches disk). The verdict is on rank 2, not on the aborted
+    # rank, whose death the header tells as the mismatch's consequence
+    job = launch(torchrun_cmd(HERE / "mismatch_job.py", str(run), "--odd-rank", "2", "--odd-step", "4",
+                              "--odd-extra", "16", "--pg-timeout-s", "8", nproc=3), run, timeout_s=JOB_TIMEOUT_S)
+    assert job.wait() != 0
+
+    doc = analyze(run)
+    [m] = findings_of(doc, "COLLECTIVE_MISMATCH")
+    assert (m["severity"], m["ranks"], m["evidence"]["kind"], m["evidence"]["step"]) == (
+        "critical", [2], "different", 4), summary(doc)
+    grads = 4 * (32 * 64 + 64 + 64 * 32 + 32)
+    assert f"issued allreduce (float32, {grads + 64:,} B) where" in m["title"], m["title"]
+    assert "64 bytes more" in m["recommendation"] and "Received data size" in m["recommendation"]
+    assert not verdicts_on(doc, ("HANG", "RANK_CRASH")), summary(doc)
+    crashes = doc["metrics"]["run"]["crashes"]
+    assert crashes and all(c["explained_by"] == "COLLECTIVE_MISMATCH" and c["rank"] != 2 for c in crashes), crashes
+
+
 def test_a_collective_only_rank_0_issues_after_the_loop_is_a_collective_mismatch_naming_the_others(run_dir, launch):
     run = run_dir("rank0_metric")
     # every rank runs all 8 steps; then rank 0 alone all-reduces a metric, while ranks 1 and 2 return: rank 0

@@ -527,3 +527,49 @@ def test_a_member_that_finished_no_step_is_no_peer_to_be_late_against():
     lateness = st.rank_lateness(t["collectives"], t["steps"])
     assert lateness["step"].max() == 19 and set(lateness["rank"]) == {0, 1}
     assert _findings(t) == []
+
+
+def _between_steps(t: dict, rank: int, delay_ms: float) -> dict:
+    """``dp_tables`` with ``phase="data"``: ``rank``'s extra time taken out of its data phase, so that it is spent
+    at the start of its steps in none of them (work after its optimizer step, as rank-0-only logging)."""
+    steps = t["steps"].copy()
+    mine = steps["rank"] == rank
+    steps.loc[mine, "data_ns"] = steps.loc[mine, "data_ns"] - int(delay_ms * MS)
+    return {**t, "steps": steps}
+
+
+def _waits_outside_backward(t: dict) -> dict:
+    """The tables with every backward cut to its own compute, the wait for the last bucket left in no phase (as
+    ``dtprobe launch`` times a DDP backward): 50 ms + jitter, the synthetic timeline's backward."""
+    steps = t["steps"].copy()
+    steps["bwd_ns"] = steps["bwd_ns"].clip(upper=int(51 * MS))
+    return {**t, "steps": steps}
+
+
+@pytest.mark.parametrize("waits_in_backward", [True, False])
+def test_a_straggler_whose_extra_time_lies_between_its_steps_is_told_to_look_for_work_only_it_runs(
+        waits_in_backward):
+    t = _between_steps(dp_tables(straggler=2, delay_ms=15, phase="data", num_steps=21), 2, 15)
+    [f] = _findings(t if waits_in_backward else _waits_outside_backward(t))
+    ev = f.evidence
+    assert (f.ranks, ev["cause"], ev["outside_phases"]) == ((2,), "compute", True)
+    assert abs(ev["forward_excess_ms"]) < 1.5
+    # peers that wait inside their backward have it longer by the lateness; else it is as theirs
+    assert ev["backward_excess_ms"] < -10 if waits_in_backward else abs(ev["backward_excess_ms"]) < 1.5
+    assert "if rank == 0:" in f.recommendation and "between its optimizer step and its next forward" in \
+        f.recommendation
+
+
+@pytest.mark.parametrize("phase", ["fwd", "bwd"])
+@pytest.mark.parametrize("waits_in_backward", [True, False])
+def test_a_straggler_slower_in_its_forward_or_backward_is_not_sent_to_work_outside_them(phase, waits_in_backward):
+    t = dp_tables(straggler=2, delay_ms=15, phase=phase, num_steps=21)
+    if not waits_in_backward:   # (the culprit's longer backward kept: only the peers' waits leave it)
+        t = _waits_outside_backward(t)
+        if phase == "bwd":
+            steps = t["steps"].copy()
+            steps.loc[steps["rank"] == 2, "bwd_ns"] += int(15 * MS)
+            t = {**t, "steps": steps}
+    [f] = _findings(t)
+    assert (f.ranks, f.evidence["cause"], f.evidence["outside_phases"]) == ((2,), "compute", False)
+    assert "if rank == 0:" not in f.recommendation

@@ -60,6 +60,9 @@ its peers' over the same steps."""
 CAUSE_COLUMNS = [
     "pg", "pg_ranks", "rank", "data_excess_ns", "compute_excess_ns", "comm_excess_ns", "throttled_frac", "cause",
 ]
+PHASE_EXCESS_COLUMNS = ["fwd_excess_ns", "bwd_excess_ns", "peer_unphased_ns"]
+"""Extra columns of ``straggler_causes``: the rank's forward and backward against its peers' (signed) and its
+peers' time in no phase, for ``_outside_phases`` (a causes frame without them: not judged)."""
 CAUSES = ("data", "compute", "communication", "device", "unknown")
 """Cause classes of a straggler."""
 
@@ -160,6 +163,11 @@ time its process used per step exceeded its peers' median, plus the time its mai
 its peers', by less than this share of its lateness: a rank that computes longer uses about its lateness more (a
 slow core as well), one that sleeps, waits for a lock or for I/O uses none of it. On a GPU the host thread of a
 rank waiting for a slow device may sleep too: not judged there."""
+PHASES_SHARE_OF_COMPUTE = 0.25
+"""A ``compute`` straggler is late for work outside its forward and backward (``outside_phases``) when they are
+longer than its peers' by less than this share of its compute excess: a slower core or device, or more data,
+lengthens them as well, while work only that rank runs between its optimizer step and its next forward leaves them
+as its peers'. See ``_outside_phases`` for peers whose backward holds their wait for it."""
 
 THROTTLE_MASK = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
 """NVML clock-throttle reasons that slow a GPU: SW power cap, HW slowdown, SW/HW thermal, power brake."""
@@ -885,7 +893,7 @@ def straggler_causes(scores: pd.DataFrame, lateness: pd.DataFrame, steps: pd.Dat
     ``min_lateness_frac`` (0: every late rank) or that a view qualified (``detected_at_step``: the persistence view
     names ranks whose median lateness is below it) are examined. The waits come from ``blocked``
     (``blocked_outside_groups`` of the collectives and their waits, or of the candidates' rows only:
-    ``window_blocked``; kept at compaction). Columns: ``CAUSE_COLUMNS``."""
+    ``window_blocked``; kept at compaction). Columns: ``CAUSE_COLUMNS`` + ``PHASE_EXCESS_COLUMNS``."""
     require_columns(steps, ["rank", "step", "start_ns", "end_ns", "data_ns", "fwd_ns", "bwd_ns", "opt_ns"],
                     table="steps")
     require_columns(blocked, BLOCKED_COLUMNS, table="blocked_outside_groups")
@@ -912,12 +920,18 @@ def straggler_causes(scores: pd.DataFrame, lateness: pd.DataFrame, steps: pd.Dat
             [blocked_rank[mine], blocked_step[mine], _as_text(blocked["outside_pg_ranks"][mine])]))
         p["comm_ns"] = _comm_ns(by_group, p.index, s.pg_ranks)
         p = p.reset_index()
-        diffs = {}
-        for col in ("data_ns", "comm_ns"):
+        p["unphased_ns"] = (p["end_ns"] - p["start_ns"]).astype("float64") - p[
+            ["data_ns", "fwd_ns", "bwd_ns", "opt_ns"]].sum(axis=1)
+        diffs, signed = {}, {}
+        for col in ("data_ns", "comm_ns", "fwd_ns", "bwd_ns"):
             mine = p[p["rank"] == s.rank].set_index("step")[col]
             theirs = p[p["rank"].isin(peers)].groupby("step")[col].median()
             diff = (mine - theirs.reindex(mine.index)).dropna()
-            diffs[col] = max(0.0, float(diff.mean())) if len(diff) else 0.0
+            signed[col] = float(diff.mean()) if len(diff) else 0.0
+            diffs[col] = max(0.0, signed[col])
+        peer_unphased = p[p["rank"].isin(peers)].groupby("step")["unphased_ns"].median()
+        if not (p[["fwd_ns", "bwd_ns"]].to_numpy() > 0).any():    # no forward or backward timed: not compared
+            signed["fwd_ns"] = signed["bwd_ns"] = np.nan
         lateness_ns = float(late["lateness_ns"].mean()) if len(late) else 0.0
         # Whatever of its lateness neither slower data loading nor waiting on other peers (p2p, other groups'
         # collectives) explains is its own compute: phases after the first collective cannot be compared
@@ -940,11 +954,13 @@ def straggler_causes(scores: pd.DataFrame, lateness: pd.DataFrame, steps: pd.Dat
             cause = "unknown"
         rows.append({"pg": s.pg, "pg_ranks": s.pg_ranks, "rank": int(s.rank),
                      "data_excess_ns": excess["data"], "compute_excess_ns": excess["compute"],
-                     "comm_excess_ns": excess["communication"],
+                     "comm_excess_ns": excess["communication"], "fwd_excess_ns": signed["fwd_ns"],
+                     "bwd_excess_ns": signed["bwd_ns"],
+                     "peer_unphased_ns": float(peer_unphased.mean()) if len(peer_unphased) else np.nan,
                      "throttled_frac": np.nan if throttled is None else throttled, "cause": cause})
     if not rows:
-        return pd.DataFrame({col: [] for col in CAUSE_COLUMNS})
-    return pd.DataFrame(rows)[CAUSE_COLUMNS]
+        return pd.DataFrame({col: [] for col in CAUSE_COLUMNS + PHASE_EXCESS_COLUMNS})
+    return pd.DataFrame(rows)[CAUSE_COLUMNS + PHASE_EXCESS_COLUMNS]
 
 
 def _throttled_frac(devices: pd.DataFrame, rank: int, steps: pd.DataFrame, step_ids: Iterable[int]) -> float | None:
@@ -1383,7 +1399,12 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
             wait, peer_wait = (_opt_float(getattr(row, c, None)) for c in WAIT_SCORE_COLUMNS)
             waited = max(0.0, wait - peer_wait) if wait is not None and peer_wait is not None else 0.0
             off_cpu = bool(busy - peer_busy + waited < OFF_CPU_SHARE_OF_LATENESS * late_frac)
-        evidence.update(cpu_busy_frac=busy, peer_cpu_busy_frac=peer_busy, off_cpu=off_cpu)
+        outside = (_outside_phases(c) if c is not None and cause == "compute" and how is None and not quota_held
+                   and not core_shared else None)
+        evidence.update(cpu_busy_frac=busy, peer_cpu_busy_frac=peer_busy, off_cpu=off_cpu,
+                        forward_excess_ms=ms(_phase_excess(c)[0]) if c is not None else None,
+                        backward_excess_ms=ms(_phase_excess(c)[1]) if c is not None else None,
+                        outside_phases=outside)
         findings.append(Finding(
             code="STRAGGLER",
             severity=severity,
@@ -1419,11 +1440,36 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
                       f"episode that passed" if passed else "")),
             evidence=evidence,
             recommendation=_advice(cause, int(row.rank), cpu_quota=quota_held, core_shared=core_shared,
-                                   cpu_counted=_cpu_counted(row), off_cpu=bool(off_cpu)),
+                                   cpu_counted=_cpu_counted(row), off_cpu=bool(off_cpu),
+                                   outside_phases=(ms(sum(max(0.0, x) for x in _phase_excess(c)[:2])),
+                                                   ms(c.compute_excess_ns)) if outside else None),
             predicted_gain=PredictedGain(metric="step_time", frac=gain_frac),
             rows=evidence_rows,
         ))
     return findings
+
+
+def _outside_phases(c) -> bool | None:
+    """Whether a compute straggler's lateness (``compute_excess_ns`` of its ``straggler_causes`` row) lies outside
+    its forward and backward. Its forward must be as its peers'. Where its peers' waits for it fall outside their
+    phases (their unphased time, step minus data, fwd, bwd and opt, is at least half that lateness: as under ``dtprobe
+    launch``), so must its backward's excess be (``PHASES_SHARE_OF_COMPUTE``). Where their phases span their steps,
+    their backward holds their wait (DDP waits for the all-reduce inside it), and a rank slower in its backward alone
+    has a backward as long as theirs: outside only when its own is shorter by half the lateness or more. None without
+    a positive compute excess."""
+    compute, fwd, bwd, unphased = c.compute_excess_ns, *_phase_excess(c)
+    if not compute > 0 or pd.isna(fwd) or pd.isna(bwd):
+        return None
+    if fwd >= PHASES_SHARE_OF_COMPUTE * compute:
+        return False
+    if not pd.isna(unphased) and unphased >= 0.5 * compute:
+        return bool(max(0.0, fwd) + max(0.0, bwd) < PHASES_SHARE_OF_COMPUTE * compute)
+    return bool(bwd <= -0.5 * compute)
+
+
+def _phase_excess(c) -> tuple[float, float, float]:
+    """The ``PHASE_EXCESS_COLUMNS`` of a causes row (NaN where the frame has none)."""
+    return tuple(float(getattr(c, col, np.nan)) for col in PHASE_EXCESS_COLUMNS)
 
 
 def _episode_passed(lateness: pd.DataFrame | None, row, *, min_lateness_frac: float,
@@ -1629,7 +1675,10 @@ def _busy_figures(cpu_busy: pd.DataFrame | None, rank: int, members: list[int], 
 
 
 def _advice(cause: str, rank: int, *, cpu_quota: bool = False, core_shared: bool = False,
-            cpu_counted: bool = False, off_cpu: bool = False) -> str:
+            cpu_counted: bool = False, off_cpu: bool = False,
+            outside_phases: tuple[float, float] | None = None) -> str:
+    """The recommendation of a STRAGGLER of ``cause``; ``outside_phases``: (its forward's and backward's excess,
+    its compute excess) in ms when they explain little of it (``PHASES_SHARE_OF_COMPUTE``)."""
     if cause == "compute" and cpu_quota:
         return (f"Rank {rank}'s CPU cgroup hits its CPU quota (the kernel throttles it for part of every period): "
                 f"raise or remove the CPU limit of its container (cpu.cfs_quota_us / cpu.max; Kubernetes "
@@ -1642,7 +1691,19 @@ def _advice(cause: str, rank: int, *, cpu_quota: bool = False, core_shared: bool
         return (f"Rank {rank} is late without using more CPU than its peers: its process was off the CPU, not "
                 f"computing slower, waiting for something outside the collectives (a sleep, a lock, file or network "
                 f"I/O, another process). Find where its main thread waits (py-spy dump --pid <its pid>, or dtprobe "
-                f"run --profile-steps A-B) and take that wait out of the step.")
+                f"run --profile-steps A-B) and take that wait out of the step." + (
+                    " Its forward and backward take about as long as its peers', so the wait is outside them: "
+                    "most often between its optimizer step and its next forward, in code only this rank runs (if "
+                    "rank == 0: around logging, a save or an upload)." if outside_phases else ""))
+    if cause == "compute" and outside_phases:
+        phases, compute = outside_phases
+        return (f"Rank {rank}'s forward and backward take about as long as its peers' (+{phases:.1f} ms against "
+                f"{compute:.1f} ms of lateness it causes itself), which a slower core or device, or a larger batch, "
+                f"would lengthen too: it does work its peers do not, outside them. Most often that is between its "
+                f"optimizer step and its next forward, in code only this rank runs: logging, metrics, an "
+                f"evaluation, a save or an upload under if rank == 0: (or a callback or hook registered on it "
+                f"alone). Run that work every N steps, in a background thread or process, or split it over the "
+                f"ranks; dtprobe launch --profile-steps A-B shows what the rank runs there.")
     if cause == "compute" and cpu_counted:
         return (f"Rank {rank} computes slower than its peers, and the kernel's counts do not explain it (no CPU "
                 f"quota held it back, and waiting for a CPU is not what makes it late): its core or device itself "

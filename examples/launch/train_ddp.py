@@ -8,7 +8,9 @@ or with dtprobe attached:  dtprobe launch --nproc 2 examples/launch/train_ddp.py
 ``--overflow-step S`` makes step S's loss overflow (the scaler skips it); ``--fail-rank R --fail-step S`` makes
 rank R raise at step S (``--fail-exit N``: call ``sys.exit(N)`` instead); ``--slow-data-rank R --slow-data-ms M
 --slow-data-from B`` makes rank R's data pipeline M ms slower per batch from its batch B on (a slow disk or
-decode); ``--alloc-rank R --alloc-step S --alloc-mb N`` makes rank R allocate and hold N MiB at step S (a batch
+decode); ``--rank0-work-ms M --rank0-work-from S`` makes rank 0 alone compute about M ms more after each optimizer
+step from step S on (logging a weight spectrum every step: work only rank 0 runs), ``--rank0-batch-factor K``
+makes its batches K times larger from step S on instead (uneven work in its forward and backward); ``--alloc-rank R --alloc-step S --alloc-mb N`` makes rank R allocate and hold N MiB at step S (a batch
 far larger than the others': under a memory limit, a container's or a cgroup's, the kernel's OOM killer ends it;
 with ``--alloc-in-data-worker`` and ``--num-workers K``, a worker process of its DataLoader does, at its S-th batch).
 ``--ckpt-every N --ckpt-dir DIR`` saves the model and optimizer with torch.distributed.checkpoint every N optimizer
@@ -52,6 +54,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--slow-data-rank", type=int, default=-1)
     parser.add_argument("--slow-data-ms", type=float, default=0.0)
     parser.add_argument("--slow-data-from", type=int, default=0, help="the first batch it slows (0-based)")
+    parser.add_argument("--rank0-work-ms", type=float, default=0.0,
+                        help="rank 0 computes about this long after each optimizer step (0: never)")
+    parser.add_argument("--rank0-batch-factor", type=int, default=1,
+                        help="rank 0's batches are this many times larger (from --rank0-work-from on)")
+    parser.add_argument("--rank0-work-from", type=int, default=0, help="the first optimizer step it does")
     parser.add_argument("--alloc-rank", type=int, default=-1)
     parser.add_argument("--alloc-step", type=int, default=-1)
     parser.add_argument("--alloc-mb", type=int, default=0)
@@ -64,6 +71,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--record", action="store_true")
     parser.add_argument("--report", default=None)
     return parser.parse_args()
+
+
+def _log_spectrum(model: nn.Module, seconds: float) -> None:
+    """What a rank-0-only metric costs: singular values of the first weight, again until ``seconds`` of CPU pass."""
+    weight = next(model.parameters()).detach()
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        torch.linalg.svdvals(weight)
 
 
 class _Collate:
@@ -109,6 +124,8 @@ def main() -> None:
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         for i, (x, y) in enumerate(loader):
+            if rank == 0 and args.rank0_batch_factor > 1 and step >= args.rank0_work_from:
+                x, y = x.repeat(args.rank0_batch_factor, 1), y.repeat(args.rank0_batch_factor, 1)
             with torch.autocast("cpu", dtype=torch.float16, enabled=args.amp):
                 loss = nn.functional.mse_loss(model(x), y)
             if step == args.overflow_step:
@@ -129,6 +146,8 @@ def main() -> None:
                 scaler.update()
                 optimizer.zero_grad()
                 step += 1
+                if rank == 0 and args.rank0_work_ms and step > args.rank0_work_from:
+                    _log_spectrum(model, args.rank0_work_ms / 1e3)
                 if args.ckpt_every and step % args.ckpt_every == 0:
                     state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
                     where = f"{args.ckpt_dir}/step{step}"

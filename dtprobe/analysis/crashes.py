@@ -428,7 +428,7 @@ def _explaining_code(rank: int, restart: int, findings: list[Finding]) -> str | 
                 and rank in f.evidence["pg_ranks"]):
             return f.code
     for f in findings:
-        if f.code == "HANG" and (rank in f.ranks or rank in f.evidence["arrived_ranks"]):
+        if f.code == "HANG" and (rank in f.ranks or rank in (f.evidence.get("arrived_ranks") or [])):
             return f.code
     return None
 

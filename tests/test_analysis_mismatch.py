@@ -367,3 +367,21 @@ def test_a_size_mismatch_whose_labels_differ_keeps_them_rounded():
     [f] = detect_mismatches(m)
     assert "issued allreduce (float32, 2 MiB) where rank(s) [0] issued allreduce (float32, 1 MiB)" in f.title
     assert "left no record" not in f.title and "1,048,576 bytes more" in f.recommendation
+
+
+def test_an_all_gather_against_a_reduce_scatter_names_the_rank_still_gathering_as_running_more_sharded_modules():
+    import pandas as pd
+
+    # an FSDP2 job whose rank 1 built one block more: at call #6 of step 0 it still all-gathers a block's
+    # parameters where rank 0 reduce-scatters its first gradients; two ranks, so no majority names the odd one
+    gather = {"op": "allgather", "dtype": "float32", "num_bytes": 33664, "step": 0}
+    reduce = {**gather, "op": "reduce_scatter"}
+    m = pd.DataFrame([{"pg": "world", "pg_ranks": "0,1", "restart": 0, "seq": 6, "kind": "different",
+                       "odd_ranks": [0, 1], "issued": {"0": reduce, "1": gather}, "expected": None, "step": 0,
+                       "phase": None, "ended": None}])
+    [f] = detect_mismatches(m)
+    assert "rank 0 reduce_scatter (float32, 32.9 KiB); rank 1 allgather (float32, 32.9 KiB)" in f.title
+    assert ("Rank(s) [1] still gathered parameters" in f.recommendation
+            and "more on rank(s) [1] or fewer on rank(s) [0]" in f.recommendation)
+    other = m.assign(issued=[{"0": {**gather, "op": "broadcast"}, "1": gather}])
+    assert "still gathered" not in detect_mismatches(other)[0].recommendation

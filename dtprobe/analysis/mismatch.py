@@ -396,7 +396,7 @@ def detect_mismatches(mismatches: pd.DataFrame, *, axis_of_pg: Callable[[str], s
                 f"all-reduce {_around(m.step)} in rank(s) {odd}'s code path. The job otherwise "
                 f"hangs until the collective timeout." + (_SKIPPED_GRADIENT_ADVICE if m.kind == "skipped"
                                                           and (m.expected or {}).get("op") == "allreduce"
-                                                          else "")),
+                                                          else _sharded_model_advice(m))),
             predicted_gain=None,
         ))
     return out
@@ -407,6 +407,26 @@ _SKIPPED_GRADIENT_ADVICE = (
     "step (a branch on the data, a layer used only sometimes) keeps its bucket, and every bucket after it, from "
     "being reduced, and while the sizes still match the job goes on with gradients paired across steps. Pass "
     "find_unused_parameters=True to DistributedDataParallel, or make every rank use every parameter in every step.")
+_SHARDED_MODEL_ADVICE = (
+    " Rank(s) {gathering} still gathered parameters (a sharded model's forward or its backward's re-gather, as FSDP "
+    "does per module) where rank(s) {reducing} had begun to reduce gradients: the ranks' models differ in how many "
+    "sharded modules they run through, more on rank(s) {gathering} or fewer on rank(s) {reducing} (a config, a layer "
+    "count or a condition read per rank; fully_shard applied to different modules; a forward that skips or repeats "
+    "blocks depending on the data). Build the model from the same config on every rank and make every rank's "
+    "forward visit the same modules.")
+
+
+def _sharded_model_advice(m) -> str:
+    """``_SHARDED_MODEL_ADVICE`` when the members issued all-gathers against reduce-scatters at that sequence
+    number (FSDP's two directions), else ''."""
+    ops = {int(r): c["op"] for r, c in m.issued.items() if c}
+    gathering = sorted(r for r, op in ops.items() if "gather" in op)
+    reducing = sorted(r for r, op in ops.items() if "reduce_scatter" in op)
+    if not gathering or not reducing or len(gathering) + len(reducing) != len(ops):
+        return ""
+    return _SHARDED_MODEL_ADVICE.format(gathering=gathering, reducing=reducing)
+
+
 _ENDED_ADVICE = (
     "Rank(s) {odd} finished the script while the others still trained: every rank must run the same steps and "
     "collectives. The usual cause is uneven data per rank (a dataset split by hand, an IterableDataset without equal "

@@ -10,9 +10,10 @@ rank R raise at step S (``--fail-exit N``: call ``sys.exit(N)`` instead); ``--sl
 --slow-data-from B`` makes rank R's data pipeline M ms slower per batch from its batch B on (a slow disk or
 decode); ``--rank0-work-ms M --rank0-work-from S`` makes rank 0 alone compute about M ms more after each optimizer
 step from step S on (logging a weight spectrum every step: work only rank 0 runs), ``--rank0-batch-factor K``
-makes its batches K times larger from step S on instead (uneven work in its forward and backward); ``--alloc-rank R --alloc-step S --alloc-mb N`` makes rank R allocate and hold N MiB at step S (a batch
-far larger than the others': under a memory limit, a container's or a cgroup's, the kernel's OOM killer ends it;
-with ``--alloc-in-data-worker`` and ``--num-workers K``, a worker process of its DataLoader does, at its S-th batch).
+makes its batches K times larger from step S on instead (uneven work in its forward and backward);
+``--alloc-rank R --alloc-step S --alloc-mb N`` makes rank R allocate and hold N MiB at step S (a batch far larger
+than the others': under a memory limit, a container's or a cgroup's, the kernel's OOM killer ends it; with
+``--alloc-in-data-worker`` and ``--num-workers K``, a worker process of its DataLoader does, at its S-th batch).
 ``--ckpt-every N --ckpt-dir DIR`` saves the model and optimizer with torch.distributed.checkpoint every N optimizer
 steps (``--ckpt-async``: ``async_save`` on a group of its own, as DCP asks, the previous save awaited first).
 ``--record`` reports loss and tokens.

@@ -12,7 +12,7 @@ import pandas as pd
 
 from dtprobe.analysis.arrivals import ATTEMPT_SEQ_STRIDE
 from dtprobe.analysis.fault_detail import fault_detail, is_injected
-from dtprobe.analysis.findings import Finding
+from dtprobe.analysis.findings import Finding, jsonable
 from dtprobe.analysis.liveness import (CONSEQUENCE_REASONS, WATCHDOG_EXIT_CODE, Activity, exited_after,
                                       first_sigterm_ns, is_missing, is_own_failure)
 from dtprobe.analysis.phases import phase_at
@@ -415,7 +415,7 @@ def crash_entries(events: pd.DataFrame, findings: list[Finding]) -> list[dict]:
         code = _explaining_code(int(e.rank), int(e.restart), findings)
         if code is None:    # a crash no finding reports (e.g. at the edge of a profiler window): not a failure seen
             continue
-        out.append({"rank": int(e.rank), **{k: _plain(getattr(e, k)) for k in CRASH_KEYS},
+        out.append({"rank": int(e.rank), **{k: jsonable(getattr(e, k)) for k in CRASH_KEYS},
                     "title": f"{crash_title(e)} (a consequence of the {code})", "explained_by": code})
     return sorted(out, key=lambda c: (int(c["restart"]), c["explained_by"] is not None))
 
@@ -431,13 +431,6 @@ def _explaining_code(rank: int, restart: int, findings: list[Finding]) -> str | 
         if f.code == "HANG" and (rank in f.ranks or rank in (f.evidence.get("arrived_ranks") or [])):
             return f.code
     return None
-
-
-def _plain(value: Any) -> Any:
-    """A JSON value of a crash event's field (numpy scalars as Python ones, missing as None)."""
-    if is_missing(value):
-        return None
-    return value.item() if hasattr(value, "item") else value
 
 
 def _oom_killed(oom_kill: Any) -> bool:

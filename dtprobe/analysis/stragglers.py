@@ -1399,12 +1399,11 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
             wait, peer_wait = (_opt_float(getattr(row, c, None)) for c in WAIT_SCORE_COLUMNS)
             waited = max(0.0, wait - peer_wait) if wait is not None and peer_wait is not None else 0.0
             off_cpu = bool(busy - peer_busy + waited < OFF_CPU_SHARE_OF_LATENESS * late_frac)
+        fwd_excess, bwd_excess, _ = _phase_excess(c) if c is not None else (None, None, None)
         outside = (_outside_phases(c) if c is not None and cause == "compute" and how is None and not quota_held
                    and not core_shared else None)
         evidence.update(cpu_busy_frac=busy, peer_cpu_busy_frac=peer_busy, off_cpu=off_cpu,
-                        forward_excess_ms=ms(_phase_excess(c)[0]) if c is not None else None,
-                        backward_excess_ms=ms(_phase_excess(c)[1]) if c is not None else None,
-                        outside_phases=outside)
+                        forward_excess_ms=ms(fwd_excess), backward_excess_ms=ms(bwd_excess), outside_phases=outside)
         findings.append(Finding(
             code="STRAGGLER",
             severity=severity,
@@ -1441,7 +1440,7 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
             evidence=evidence,
             recommendation=_advice(cause, int(row.rank), cpu_quota=quota_held, core_shared=core_shared,
                                    cpu_counted=_cpu_counted(row), off_cpu=bool(off_cpu),
-                                   outside_phases=(ms(sum(max(0.0, x) for x in _phase_excess(c)[:2])),
+                                   outside_phases=(ms(max(0.0, fwd_excess) + max(0.0, bwd_excess)),
                                                    ms(c.compute_excess_ns)) if outside else None),
             predicted_gain=PredictedGain(metric="step_time", frac=gain_frac),
             rows=evidence_rows,

@@ -236,6 +236,38 @@ def test_rank_crash_is_a_warning_when_the_run_recovered():
     assert f.severity == "critical"
 
 
+def test_crash_verdicts_read_the_liveness_tables_only_when_an_attempt_may_have_failed():
+    # a large run's signs of life (every sampler row) are read only when a rank may be lost, never on a clean end
+    from dtprobe.analysis import crashes, liveness
+
+    steps = frame_from_rows("steps", [{"rank": r, "step": s, "start_ns": T0 + s * 100 * MS,
+                                       "end_ns": T0 + (s + 1) * 100 * MS, "restart": 0}
+                                      for r in range(2) for s in range(10 - r)])
+    reads = []
+
+    def tables():
+        reads.append("activity")
+        return {"steps": steps, "lifecycle": lifecycle}
+
+    def devices():
+        reads.append("devices")
+        return frame_from_rows("devices", [{"rank": 1, "time_ns": T0 + 950 * MS, "xid": 79}])
+
+    def events(status):
+        return crashes.crash_events(liveness.rank_exits([], lifecycle), activity=liveness.Activity(tables),
+                                    collectives=frame_from_rows("collectives", []), steps=steps, devices=devices,
+                                    restarts=[], status=status, attempts_known=False, stale_ns=60 * 10**9,
+                                    now_ns=T0 + 2 * 10**9)
+    lifecycle = frame_from_rows("lifecycle", [
+        {"rank": r, "restart": 0, "time_ns": t, "event": e, "status": "finished" if e == "close" else None}
+        for r in range(2) for t, e in ((T0, "attach"), (T0 + 1100 * MS, "close"))])
+    assert events("finished").empty and reads == []
+    lifecycle = lifecycle[~((lifecycle["rank"] == 1) & (lifecycle["event"] == "close"))]    # rank 1 never closed
+    [crash] = events("finished").to_dict("records")
+    assert (crash["rank"], crash["step"], crash["cause"]) == (1, 9, "device")
+    assert reads == ["activity", "devices"]
+
+
 # ---------------------------------------------------------------------------------------------------- comm
 
 

@@ -5,6 +5,7 @@ report header and the dashboard's Overview."""
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any, Callable
 
@@ -108,8 +109,8 @@ def classify_cause(*, exit_code: Any, signal: Any, error_type: Any, error_messag
 
 
 def crash_events(exits: pd.DataFrame, *, activity: Activity, collectives: pd.DataFrame, steps: pd.DataFrame,
-                 devices: pd.DataFrame, restarts: list[dict], status: str, attempts_known: bool,
-                 stale_ns: int, now_ns: int, stalls: pd.DataFrame | None = None,
+                 devices: pd.DataFrame | Callable[[], pd.DataFrame], restarts: list[dict], status: str,
+                 attempts_known: bool, stale_ns: int, now_ns: int, stalls: pd.DataFrame | None = None,
                  starts: list[int] = ()) -> pd.DataFrame:
     """Per failed attempt, its first failure. Which attempts failed: with the launcher's ``attempts``
     (``attempts_known``) the ranks' exits say it (the ``first_failure`` rank; a watchdog exit is a hang, not a
@@ -119,7 +120,8 @@ def crash_events(exits: pd.DataFrame, *, activity: Activity, collectives: pd.Dat
     rows) is a failure too. The first to die is the first failure, else the lost rank whose rows stopped first;
     the others lost in that attempt are ``also_lost`` (consequences: torchrun ends the survivors). ``stalls``
     (``hangs.stalls``): a collective the others entered and the dead rank never did bounds its step from below
-    (its last rows may have been lost with it). ``starts``: ``liveness.attempt_starts`` (a rank's rows of an
+    (its last rows may have been lost with it). ``devices`` (or a function giving it: read only when an attempt failed)
+    says whether the culprit's device reported an Xid. ``starts``: ``liveness.attempt_starts`` (a rank's rows of an
     attempt end where the next one starts). Columns: ``CRASH_COLUMNS``."""
     # the attempt of a collective row: its restart column, else (older runs) the attempt unique_seq numbered
     require_columns(collectives, ["rank", "pg", "seq", "op", "peer", "step", "enqueue_ns", "end_ns", "restart"],
@@ -156,6 +158,8 @@ def crash_events(exits: pd.DataFrame, *, activity: Activity, collectives: pd.Dat
                   if stalls is not None and not stalls.empty else [])
         if waited and (step is None or min(waited) > step):
             step = min(waited)
+        if callable(devices):
+            devices = devices()
         xid = bool(not devices.empty and "xid" in devices.columns and
                    (devices[(devices["rank"] == culprit)]["xid"].fillna(0) > 0).any())
         cause = classify_cause(exit_code=ex.get("exit_code"), signal=ex.get("signal"),
@@ -222,15 +226,17 @@ def _failed_attempts(exits: pd.DataFrame, *, activity: Activity, restarts: list[
                 # SIGTERMs): judge the attempt from the telemetry below, as without attempts
             if any(r.get("reason") == "watchdog" for r in recs):
                 continue                           # the attempt ended on a hang: HANG reports it
-            others_last = [last_ns(r["rank"]) or 0 for r in recs]
-            newest = max(others_last) if others_last else 0
+
+            @functools.cache
+            def newest() -> int:   # the attempt's newest row: read only when a rank may have gone silent
+                return max((last_ns(r["rank"]) or 0 for r in recs), default=0)
             # a peer closed crashed (SIGTERMed, an exception): the attempt is ending, also when the run.json of a
             # plain torchrun job still says running because its leader was the rank killed
             ending = any(r.get("closed") and r.get("status") == "crashed" for r in recs)
             # a rank the launcher saw exit after a peer closed on SIGTERM was ended with the job, not lost first
             sigterm_ns = first_sigterm_ns(recs)
             lost = [r for r in recs if (r.get("closed") is False and not exited_after(r, sigterm_ns) and (
-                        over or ending or newest - (last_ns(r["rank"]) or 0) > stale_ns))
+                        over or ending or newest() - (last_ns(r["rank"]) or 0) > stale_ns))
                     or (r.get("closed") and r.get("status") == "crashed"
                         and r.get("reason") not in CONSEQUENCE_REASONS)]
             if not lost:

@@ -750,8 +750,8 @@ class RunAnalysis:
     def activity(self) -> _liveness.Activity:
         """Every rank's signs of life (the timestamps of all its rows), for liveness verdicts."""
         rows = self._failure_rows()
-        return self._memo("activity", lambda: _liveness.Activity(
-            {t: self.table(t) for t in ("devices", "steps", "faults", "lifecycle")}
+        return self._memo("activity", lambda: _liveness.Activity(     # its tables read at its first question
+            lambda: {t: self.table(t) for t in ("devices", "steps", "faults", "lifecycle")}
             | {"collectives": self._failure_collectives("recent")},
             collectives_from=rows.recent_from if rows else None, older_collectives=rows.rank_rows if rows else None))
 
@@ -769,7 +769,7 @@ class RunAnalysis:
         """Per failed attempt: the rank that died first, step, how, cause, what it was doing, recovery."""
         return self._memo("crash_events", lambda: _crashes.crash_events(
             self.rank_exits(), activity=self.activity(), collectives=self._failure_collectives("doing"),
-            steps=self.table("steps"), devices=self.table("devices"), restarts=self.restarts(),
+            steps=self.table("steps"), devices=lambda: self.table("devices"), restarts=self.restarts(),
             status=self.status, attempts_known=bool(self.attempts()), starts=self.attempt_starts(),
             stale_ns=int(self.options.hang_timeout_s * 1e9), now_ns=self.now_ns(), stalls=self.stalls()))
 

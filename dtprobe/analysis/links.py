@@ -87,9 +87,14 @@ def changes_of_links(bw: pd.DataFrame, node_of: dict[int, str], *, min_steps: in
     if bw.empty or len(set(node_of.values())) < 2:
         return empty
     # the member lists as categories: the rows are filtered and copied below, and copies of a long string per row
-    # cost more than the rest (no output column holds them)
-    ok, links_of = _crossing(bw.assign(pg_ranks=pd.Categorical(bw["pg_ranks"])), node_of)
-    # rows of a group listing no members never equal its class in link_bandwidth either: none of them count
+    # cost more than the rest (no output column holds them). Only the rows of groups with members on two nodes or
+    # more are kept (a tp x dp run's tp groups lie within a node: most of its rows), before any other work; rows
+    # of a group listing no members never equal its class in link_bandwidth either: none of them count
+    groups = pd.Categorical(bw["pg_ranks"])
+    spans = np.array([len({node_of[m] for m in group_members(g) if m in node_of}) > 1 for g in groups.categories]
+                     + [False], dtype=bool)        # (code -1, a missing member list: last)
+    bw = bw[spans[groups.codes]].assign(pg_ranks=groups[spans[groups.codes]])
+    ok, links_of = _crossing(bw, node_of)
     classes = [k for k, links in links_of.items() if links and not pd.isna(k[0])]
     if not classes:
         return empty

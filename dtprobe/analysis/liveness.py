@@ -114,15 +114,25 @@ class Activity:
     """Every timestamp a rank wrote (its signs of life), per rank, sorted: sampler rows, steps, collectives
     (incl. pending), non-injected faults (the watchdog's reports and stacks) and lifecycle rows.
 
+    ``tables`` (table name -> frame) may be a function giving them: then they are read, and the timestamps sorted,
+    at the first question, which a clean run's verdicts never ask (its four tables are not read).
     ``tables["collectives"]`` may hold only each rank's latest rows: all of its timestamps from
     ``collectives_from[rank]`` on (``failure_reads.FailureRows.recent``); a question about an earlier time then
     reads the rank's other rows once through ``older_collectives(rank)`` (a frame with ``enqueue_ns``,
     ``end_ns``)."""
 
-    def __init__(self, tables: dict[str, pd.DataFrame], *, collectives_from: dict[int, int] | None = None,
+    def __init__(self, tables: dict[str, pd.DataFrame] | Callable[[], dict[str, pd.DataFrame]], *,
+                 collectives_from: dict[int, int] | None = None,
                  older_collectives: Callable[[int], pd.DataFrame] | None = None) -> None:
         self._from = dict(collectives_from or {})
         self._older = older_collectives
+        self._tables = tables
+        self._built: tuple[set[int], set[int], dict[int, np.ndarray]] | None = None
+
+    def _build(self) -> tuple[set[int], set[int], dict[int, np.ndarray]]:
+        if self._built is not None:
+            return self._built
+        tables = self._tables() if callable(self._tables) else self._tables
         parts: list[pd.DataFrame] = []
         for name, cols in (("devices", ["time_ns"]), ("steps", ["start_ns", "end_ns"]),
                            ("collectives", ["enqueue_ns", "end_ns"]), ("faults", ["time_ns"]),
@@ -136,19 +146,32 @@ class Activity:
                 part = df[["rank", col]].dropna()
                 parts.append(pd.DataFrame({"rank": part["rank"].astype("int64"),
                                            "time_ns": part[col].astype("int64")}))
-        self.has_sampler = {int(r) for r in tables["devices"]["rank"].unique()} if (
+        has_sampler = {int(r) for r in tables["devices"]["rank"].unique()} if (
             tables.get("devices") is not None and not tables["devices"].empty) else set()
-        """Ranks with sampler rows (the only rows a rank blocked in a collective keeps writing)."""
-        self.has_lifecycle = {int(r) for r in tables["lifecycle"]["rank"].unique()} if (
+        has_lifecycle = {int(r) for r in tables["lifecycle"]["rank"].unique()} if (
             tables.get("lifecycle") is not None and not tables["lifecycle"].empty) else set()
-        """Ranks with lifecycle rows."""
         ranks = np.concatenate([p["rank"].to_numpy(dtype="int64") for p in parts]) if parts else np.empty(0, "int64")
         times = np.concatenate([p["time_ns"].to_numpy(dtype="int64") for p in parts]) if parts else ranks
         order = np.lexsort((times, ranks))                     # by rank, then time: one sort for every rank
         ranks, times = ranks[order], times[order]
         cuts = np.flatnonzero(np.diff(ranks)) + 1
-        self._times = ({int(r): t for r, t in zip(ranks[np.r_[0, cuts]], np.split(times, cuts))}
-                       if len(ranks) else {})
+        by_rank = ({int(r): t for r, t in zip(ranks[np.r_[0, cuts]], np.split(times, cuts))} if len(ranks) else {})
+        self._tables, self._built = {}, (has_sampler, has_lifecycle, by_rank)   # (the frames let go)
+        return self._built
+
+    @property
+    def has_sampler(self) -> set[int]:
+        """Ranks with sampler rows (the only rows a rank blocked in a collective keeps writing)."""
+        return self._build()[0]
+
+    @property
+    def has_lifecycle(self) -> set[int]:
+        """Ranks with lifecycle rows."""
+        return self._build()[1]
+
+    @property
+    def _times(self) -> dict[int, np.ndarray]:
+        return self._build()[2]
 
     def last_ns(self, rank: int, *, before_ns: int | None = None) -> int | None:
         """The rank's last timestamp (before ``before_ns`` if given), None if it wrote nothing (then)."""

@@ -144,6 +144,24 @@ def test_checkpoint_stall_on_slow_blocking_saves_with_young_daly_interval():
     assert f.predicted_gain.metric == "wall_time" and f.predicted_gain.frac == pytest.approx(8 / 12 - 1 / 415.69, abs=1e-3)
 
 
+def test_checkpoint_stall_of_a_save_rank_0_alone_makes_says_its_peers_wait_for_it():
+    one = _ckpt(300, every=5, ranks=1, slow_rank=-1)       # a torch.save under `if rank == 0:`
+    events = checkpoints.checkpoint_events(one)
+    summary = checkpoints.checkpoint_summary(events, wall_ns=40 * 100 * MS + 8 * 300 * MS, step_ns=100 * MS,
+                                             checkpoints=one)
+    [f] = checkpoints.detect_checkpoint_stall(events, summary, world_size=4)
+    assert f.ranks == (0,)
+    assert "Rank 0 alone saves" in f.recommendation and "other 3 rank(s) wait" in f.recommendation
+    assert "storage path" not in f.recommendation
+    # a rank that blocks longest among savers, or a single-rank job, keeps the storage advice
+    for rows, world in ((_ckpt(300, every=5, ranks=4, slow_rank=2), 4), (one, 1)):
+        events = checkpoints.checkpoint_events(rows)
+        summary = checkpoints.checkpoint_summary(events, wall_ns=40 * 100 * MS + 8 * 600 * MS, step_ns=100 * MS,
+                                                 checkpoints=rows)
+        [f] = checkpoints.detect_checkpoint_stall(events, summary, world_size=world)
+        assert "alone saves" not in f.recommendation and "storage path" in f.recommendation
+
+
 def test_checkpoint_stall_absent_when_saves_are_cheap():
     events = checkpoints.checkpoint_events(_ckpt(1, every=20))
     summary = checkpoints.checkpoint_summary(events, wall_ns=40 * 100 * MS, step_ns=100 * MS)

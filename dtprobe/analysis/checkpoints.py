@@ -91,9 +91,12 @@ def _per_rank_blocking_ms(checkpoints: pd.DataFrame | None) -> dict[str, float]:
 
 
 def detect_checkpoint_stall(events: pd.DataFrame, summary: dict, *, warn_share: float = 0.05,
-                            critical_share: float = 0.25, injected: dict[int, dict] | None = None) -> list[Finding]:
+                            critical_share: float = 0.25, injected: dict[int, dict] | None = None,
+                            world_size: int | None = None) -> list[Finding]:
     """CHECKPOINT_STALL when blocking checkpoint time is at least ``warn_share`` of the wall time (critical from
-    ``critical_share``). Gain: moving to the Young/Daly interval (when saving more often than it) and/or async."""
+    ``critical_share``). Gain: moving to the Young/Daly interval (when saving more often than it) and/or async.
+    When one rank of ``world_size`` alone saved (a whole-model ``torch.save`` under ``if rank == 0:``) the advice
+    says so: its peers wait for it at their next collective, and the save can be spread over them."""
     share = summary.get("blocking_share_of_wall")
     if not summary or share is None or share < warn_share:
         return []
@@ -113,7 +116,12 @@ def detect_checkpoint_stall(events: pd.DataFrame, summary: dict, *, warn_share: 
     if not summary["is_async"]:
         advice.append("Use asynchronous saves (torch.distributed.checkpoint.async_save on its own process "
                       "group): only the staging copy blocks training.")
-    if len(ranks) == 1:
+    if len(per_rank) == 1 and (world_size or 0) > 1:
+        advice.append(f"Rank {ranks[0]} alone saves (a whole-model torch.save under `if rank == 0:`), and the "
+                      f"other {world_size - 1} rank(s) wait for it at their next collective: let every rank write "
+                      f"a part (torch.distributed.checkpoint.save spreads replicated tensors over the ranks), or "
+                      f"copy the state to CPU and write it from a background thread.")
+    elif len(ranks) == 1:
         advice.append(f"Rank {ranks[0]} blocks longest; check its storage path and bandwidth.")
     else:
         advice.append("Every rank blocks about as long (a collective save waits for its slowest writer): check the "

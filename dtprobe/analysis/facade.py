@@ -635,7 +635,8 @@ class RunAnalysis:
     def checkpoint_findings(self) -> list[Finding]:
         """CHECKPOINT_STALL."""
         return self._memo("f:ckpt", lambda: _ckpt.detect_checkpoint_stall(
-            self.checkpoint_events(), self.checkpoint_summary(), injected=self.injected_faults("slow-ckpt")))
+            self.checkpoint_events(), self.checkpoint_summary(), injected=self.injected_faults("slow-ckpt"),
+            world_size=self.world_size))
 
     # ------------------------------------------------------------------------------------------ comm efficiency
 

@@ -30,6 +30,10 @@ BUSY_COLUMNS = ["rank", "step", "cpu_busy_frac"]
 time: cores' worth, above 1 for a process computing on several cores at once."""
 
 
+SAMPLE_COLUMNS = ["rank", "time_ns", "cpu_throttled_ns", "cpu_wait_ns", "cpu_time_ns"]
+"""The ``devices`` columns the per-step shares below read (the host sampler's cumulative counters)."""
+
+
 def cpu_throttled_per_step(devices: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     """Per (rank, step) inside the span the rank's samples cover: ``cpu_throttled_frac`` (``counter_per_step`` of
     ``cpu_throttled_ns``). Empty when no sample carries the counter (no cgroup CPU controller, an older run).

@@ -20,11 +20,15 @@ HEALTH_COLUMNS = ["rank", "gpu", "num_samples", "throttled_frac", "reasons", "po
                   "mean_util_frac", "max_mem_frac", "xids", "max_rss_bytes"]
 
 
+HEALTH_INPUT_COLUMNS = ["rank", "gpu", "time_ns", "throttle_reasons", "power_w", "power_limit_w", "temp_c",
+                        "util_frac", "mem_used_bytes", "mem_total_bytes", "xid", "rss_bytes"]
+"""The ``devices`` columns ``device_health`` reads."""
+
+
 def device_health(devices: pd.DataFrame, *, power_cap_ratio: float = 0.97) -> pd.DataFrame:
     """Per (rank, gpu): share of samples throttled by a slowing reason (and which), share at the power limit,
     max temperature, mean utilisation, peak memory use share, XIDs seen, peak host RSS. Columns: ``HEALTH_COLUMNS``."""
-    require_columns(devices, ["rank", "gpu", "time_ns", "throttle_reasons", "power_w", "power_limit_w", "temp_c",
-                              "util_frac", "mem_used_bytes", "mem_total_bytes", "xid", "rss_bytes"], table="devices")
+    require_columns(devices, HEALTH_INPUT_COLUMNS, table="devices")
     if devices.empty:
         return pd.DataFrame({col: [] for col in HEALTH_COLUMNS})
     reasons = devices["throttle_reasons"].astype("Int64")

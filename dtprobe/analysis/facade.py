@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pandas as pd
+import pyarrow as pa
 import pyarrow.compute as pc
 
 from dtprobe.analysis import amp as _amp
@@ -335,9 +336,22 @@ class RunAnalysis:
                       ) -> pd.DataFrame | None:
         # a host sampler counter per (rank, step) of the completed steps, memoized; None when no sample carries it
         def compute() -> pd.DataFrame | None:
-            frame = per_step(self.table("devices"), self.completed_table("steps"))
+            frame = per_step(self._sampler_rows(), self.completed_table("steps"))
             return None if frame.empty else frame
         return self._memo(key, compute)
+
+    def _sampler_rows(self) -> pd.DataFrame:
+        # the devices columns the verdicts read (device health; each sample's rank and time, the host counters and
+        # the throttle reasons for STRAGGLER and RANK_STALL): of a source that reads some columns of a table (a
+        # run's store) only those, unless the whole table is held already (a large run's costs several times more)
+        def compute() -> pd.DataFrame:
+            read = getattr(self.source, "arrow", None)
+            if read is None or "table:devices" in self._cache:
+                return self.table("devices")
+            columns = list(dict.fromkeys(_devices.HEALTH_INPUT_COLUMNS + _cpu_throttle.SAMPLE_COLUMNS))
+            rows = read("devices", columns=columns)     # (in the table's order: sums over it stay exact)
+            return rows.to_pandas(types_mapper={pa.int64(): pd.Int64Dtype(), pa.int32(): pd.Int32Dtype()}.get)
+        return self._memo("sampler_rows", compute)
 
     def rank_stalls(self) -> pd.DataFrame:
         """Per (rank, step) where a rank stalled for seconds while its groups waited for it (late to a collective,
@@ -345,7 +359,7 @@ class RunAnalysis:
         return self._memo("rank_stalls", lambda: _rank_stalls.rank_stalls(
             self._late_rank_with_between_steps(), bandwidth=self.collective_bandwidth(),
             exposure=self.comm_exposure(),
-            steps=self.table("steps"), devices=self.table("devices"), checkpoints=self.table("checkpoints"),
+            steps=self.table("steps"), devices=self._sampler_rows(), checkpoints=self.table("checkpoints"),
             step_ns=self.step_time_ns())
             if self.info.clock_aligned else pd.DataFrame({c: [] for c in _rank_stalls.STALL_COLUMNS}))
 
@@ -373,7 +387,7 @@ class RunAnalysis:
         """Per (group, rank) late enough to be a straggler candidate: excess data/compute/communication time in its
         late steps, throttling, cause."""
         return self._memo("causes", lambda: _stragglers.straggler_causes(
-            self.straggler_scores(), self.rank_lateness(), self.completed_table("steps"), self.table("devices"),
+            self.straggler_scores(), self.rank_lateness(), self.completed_table("steps"), self._sampler_rows(),
             blocked=self._blocked(), min_lateness_frac=self.options.min_lateness_frac))
 
     def _blocked(self) -> pd.DataFrame:
@@ -696,7 +710,7 @@ class RunAnalysis:
 
     def device_health(self) -> pd.DataFrame:
         """Per (rank, gpu): throttling, power cap, temperature, memory pressure, XIDs."""
-        return self._memo("health", lambda: _devices.device_health(self.table("devices")))
+        return self._memo("health", lambda: _devices.device_health(self._sampler_rows()))
 
     def device_findings(self) -> list[Finding]:
         """DEVICE_THROTTLE, DEVICE_XID, MEMORY_PRESSURE."""

@@ -120,9 +120,9 @@ def crash_events(exits: pd.DataFrame, *, activity: Activity, collectives: pd.Dat
     rows) is a failure too. The first to die is the first failure, else the lost rank whose rows stopped first;
     the others lost in that attempt are ``also_lost`` (consequences: torchrun ends the survivors). ``stalls``
     (``hangs.stalls``): a collective the others entered and the dead rank never did bounds its step from below
-    (its last rows may have been lost with it). ``devices`` (or a function giving it: read only when an attempt failed)
-    says whether the culprit's device reported an Xid. ``starts``: ``liveness.attempt_starts`` (a rank's rows of an
-    attempt end where the next one starts). Columns: ``CRASH_COLUMNS``."""
+    (its last rows may have been lost with it). ``devices`` (or a function giving it: read only when an attempt
+    failed) says whether the culprit's device reported an Xid. ``starts``: ``liveness.attempt_starts`` (a rank's
+    rows of an attempt end where the next one starts). Columns: ``CRASH_COLUMNS``."""
     # the attempt of a collective row: its restart column, else (older runs) the attempt unique_seq numbered
     require_columns(collectives, ["rank", "pg", "seq", "op", "peer", "step", "enqueue_ns", "end_ns", "restart"],
                     table="collectives")

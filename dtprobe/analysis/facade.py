@@ -341,9 +341,10 @@ class RunAnalysis:
         return self._memo(key, compute)
 
     def _sampler_rows(self) -> pd.DataFrame:
-        # the devices columns the verdicts read (device health; each sample's rank and time, the host counters and
-        # the throttle reasons for STRAGGLER and RANK_STALL): of a source that reads some columns of a table (a
-        # run's store) only those, unless the whole table is held already (a large run's costs several times more)
+        # the devices columns the verdicts read (device health and Xids; each sample's rank and time, the host
+        # counters and the throttle reasons for STRAGGLER, RANK_STALL and liveness): of a source that reads some
+        # columns of a table (a run's store) only those, unless the whole table is held already (a large run's
+        # costs several times more)
         def compute() -> pd.DataFrame:
             read = getattr(self.source, "arrow", None)
             if read is None or "table:devices" in self._cache:
@@ -766,8 +767,8 @@ class RunAnalysis:
         """Every rank's signs of life (the timestamps of all its rows), for liveness verdicts."""
         rows = self._failure_rows()
         return self._memo("activity", lambda: _liveness.Activity(     # its tables read at its first question
-            lambda: {t: self.table(t) for t in ("devices", "steps", "faults", "lifecycle")}
-            | {"collectives": self._failure_collectives("recent")},
+            lambda: {t: self.table(t) for t in ("steps", "faults", "lifecycle")}
+            | {"devices": self._sampler_rows(), "collectives": self._failure_collectives("recent")},
             collectives_from=rows.recent_from if rows else None, older_collectives=rows.rank_rows if rows else None))
 
     def attempt_starts(self) -> list[int]:
@@ -784,7 +785,7 @@ class RunAnalysis:
         """Per failed attempt: the rank that died first, step, how, cause, what it was doing, recovery."""
         return self._memo("crash_events", lambda: _crashes.crash_events(
             self.rank_exits(), activity=self.activity(), collectives=self._failure_collectives("doing"),
-            steps=self.table("steps"), devices=lambda: self.table("devices"), restarts=self.restarts(),
+            steps=self.table("steps"), devices=self._sampler_rows, restarts=self.restarts(),
             status=self.status, attempts_known=bool(self.attempts()), starts=self.attempt_starts(),
             stale_ns=int(self.options.hang_timeout_s * 1e9), now_ns=self.now_ns(), stalls=self.stalls()))
 

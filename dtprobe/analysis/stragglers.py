@@ -1414,8 +1414,7 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
                       f"its stage-mates meet it in its {group_phrase(axis or row.pg, members)}; cause: {cause}"
                       if row.detected_by == "stage" and stage_fig is not None else
                    f"rank {row.rank} arrives late at its {group_phrase(axis or row.pg, members)} collectives: "
-                   f"+{ms(row.mean_lateness_ns)} ms ({row.median_lateness_frac:.0%} of the step, median) in "
-                   f"{row.positive_frac:.0%} of steps {row.window_first_step}-{row.window_last_step}"
+                   + _lateness_phrase(row)
                    + (f"; its data+fwd is {row.median_pre_excess_frac:.0%} of the step longer than its peers' "
                       f"(median, {row.pre_excess_t:.1f} standard errors)" if row.detected_by == "persistence" else "")
                    + (f"; on average {row.mean_excess_frac:.0%} of the step later than its group's median "
@@ -1524,8 +1523,14 @@ def _arrival_phrase(victim, axis_of_pg: Callable[[str], str | None]) -> str:
     """How the ``victim`` (a score row) of a culprit named by no view of its own arrives late."""
     axis = axis_of_pg(victim.pg)
     return (f"rank {victim.rank} arrives late at its {group_phrase(axis or victim.pg, group_members(victim.pg_ranks))} "
-            f"collectives: +{ms(victim.mean_lateness_ns)} ms ({victim.median_lateness_frac:.0%} of the step, median) "
-            f"in {victim.positive_frac:.0%} of steps {victim.window_first_step}-{victim.window_last_step}")
+            f"collectives: " + _lateness_phrase(victim))
+
+
+def _lateness_phrase(row) -> str:
+    """A score row's lateness over its window: the mean in ms and the median as a share of the step, said apart
+    (a lateness in bursts, e.g. a CPU quota's, has a mean far above its median), and how often it came late."""
+    return (f"+{ms(row.mean_lateness_ns)} ms on average (median {row.median_lateness_frac:.0%} of the step), later "
+            f"than its peers in {row.positive_frac:.0%} of steps {row.window_first_step}-{row.window_last_step}")
 
 
 def _unconfirmed_phrase(fig: dict | None, how: str | None) -> str:

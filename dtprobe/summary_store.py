@@ -142,21 +142,24 @@ def state_of(path: str | os.PathLike) -> str:
     entries = []
     for root in roots:
         if root.is_file():
-            entries.append(_stat_line(path, root))
+            entries.append(_stat_line(str(root), root.name))
             continue
+        # plain strings, not a Path per file: a compacted 1,024-rank run has tens of thousands of files
         for folder, dirs, files in os.walk(root):
             dirs.sort()
+            rel = os.path.relpath(folder, path)
+            prefix = "" if rel == os.curdir else rel + os.sep
             for name in sorted(files):
-                entries.append(_stat_line(path, Path(folder) / name))
+                entries.append(_stat_line(os.path.join(folder, name), prefix + name))
     return hashlib.sha256("\n".join(e for e in entries if e).encode()).hexdigest()
 
 
-def _stat_line(base: Path, file: Path) -> str:
+def _stat_line(file: str, relative: str) -> str:
     try:
-        st = file.stat()
+        st = os.stat(file)
     except FileNotFoundError:  # removed while listed (a compaction swapping tables/): part of another state
         return ""
-    return f"{file.relative_to(base)}\t{st.st_size}\t{st.st_mtime_ns}"
+    return f"{relative}\t{st.st_size}\t{st.st_mtime_ns}"
 
 
 @functools.cache

@@ -87,6 +87,10 @@ def test_stragglers_names_only_the_culprit_in_dp4_at_ten_percent_delay(culprit):
     assert ev["cause"] == "compute"
     assert findings[0].predicted_gain.metric == "step_time"
     assert 0.07 < findings[0].predicted_gain.frac < 0.15
+    # the title says the mean in ms and the median share apart (they differ when the lateness comes in bursts)
+    assert (f"+{ev['mean_lateness_ms']} ms on average (median {ev['median_lateness_frac']:.0%} of the step), later "
+            f"than its peers in {ev['positive_frac']:.0%} of steps {ev['window'][0]}-{ev['window'][1]}"
+            in findings[0].title), findings[0].title
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

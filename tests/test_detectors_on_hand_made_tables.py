@@ -144,7 +144,7 @@ def test_checkpoint_stall_on_slow_blocking_saves_with_young_daly_interval():
     assert f.predicted_gain.metric == "wall_time" and f.predicted_gain.frac == pytest.approx(8 / 12 - 1 / 415.69, abs=1e-3)
 
 
-def test_checkpoint_stall_of_a_save_rank_0_alone_makes_says_its_peers_wait_for_it():
+def test_checkpoint_stall_of_a_save_only_rank_0_makes_says_its_peers_wait_for_it():
     one = _ckpt(300, every=5, ranks=1, slow_rank=-1)       # a torch.save under `if rank == 0:`
     events = checkpoints.checkpoint_events(one)
     summary = checkpoints.checkpoint_summary(events, wall_ns=40 * 100 * MS + 8 * 300 * MS, step_ns=100 * MS,

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pandas as pd
-import pyarrow as pa
 import pyarrow.compute as pc
 
 from dtprobe.analysis import amp as _amp
@@ -63,6 +62,7 @@ from dtprobe.analysis.key_figures import KeyFigures, key_figures
 from dtprobe.analysis.options import AnalysisOptions
 from dtprobe.analysis.report import SCHEMA
 from dtprobe.analysis.score_memo import ScoreMemo
+from dtprobe.store.frames import arrow_to_frame
 from dtprobe.store.kineto import CollectiveParts
 from dtprobe.store.manifest import Manifest
 from dtprobe.store.resolve import open_source
@@ -350,8 +350,8 @@ class RunAnalysis:
             if read is None or "table:devices" in self._cache:
                 return self.table("devices")
             columns = list(dict.fromkeys(_devices.HEALTH_INPUT_COLUMNS + _cpu_throttle.SAMPLE_COLUMNS))
-            rows = read("devices", columns=columns)     # (in the table's order: sums over it stay exact)
-            return rows.to_pandas(types_mapper={pa.int64(): pd.Int64Dtype(), pa.int32(): pd.Int32Dtype()}.get)
+            # (in the table's order: sums over it stay exact)
+            return arrow_to_frame(read("devices", columns=columns), "devices")
         return self._memo("sampler_rows", compute)
 
     def rank_stalls(self) -> pd.DataFrame:

@@ -93,7 +93,8 @@ def changes_of_links(bw: pd.DataFrame, node_of: dict[int, str], *, min_steps: in
     groups = pd.Categorical(bw["pg_ranks"])
     spans = np.array([len({node_of[m] for m in group_members(g) if m in node_of}) > 1 for g in groups.categories]
                      + [False], dtype=bool)        # (code -1, a missing member list: last)
-    bw = bw[spans[groups.codes]].assign(pg_ranks=groups[spans[groups.codes]])
+    keep = spans[groups.codes]
+    bw = bw[keep].assign(pg_ranks=groups[keep])
     ok, links_of = _crossing(bw, node_of)
     classes = [k for k, links in links_of.items() if links and not pd.isna(k[0])]
     if not classes:

@@ -104,14 +104,16 @@ def _empty_dtype(dtype: str) -> Any:
 
 
 def arrow_to_frame(data: pa.Table, table: str) -> pd.DataFrame:
-    """Convert an Arrow table holding exactly ``table``'s columns into a schema-typed frame."""
+    """Convert an Arrow table holding ``table``'s columns, or some of them (a projected read), into a frame of
+    those columns in their schema dtypes."""
     if not len(data.column_names):
         return empty_frame(table)
     df = dictionary_encoded(data, table).to_pandas(types_mapper=_TYPES_MAPPER.get)
     dtypes = pandas_dtypes(table)
-    df = df.astype({col: dtype for col, dtype in dtypes.items() if dtype != "category"})
+    df = df.astype({col: dtype for col, dtype in dtypes.items() if dtype != "category" and col in df.columns})
     for col in DICTIONARY_COLUMNS.get(table, ()):
-        df[col] = _sorted_categories(df[col])
+        if col in df.columns:
+            df[col] = _sorted_categories(df[col])
     return df
 
 

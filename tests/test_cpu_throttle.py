@@ -300,6 +300,55 @@ def test_a_throttled_rank_a_few_percent_late_at_each_steps_latest_collective_is_
     assert first < ev["detected_at_step"] <= first + 20
 
 
+def _frozen_inside_collectives(n: int, first: int, *, stall_every: int | None = 3) -> pd.DataFrame:
+    """Two ranks of an FSDP-like job; from step ``first`` rank 1's quota freezes it for whole steps, inside
+    collectives it had reached: every ``stall_every``-th step lasts 3 steps (None: none does), while its arrivals
+    stay within a few tenths of a percent of its peer's (later by 0.4% of the step in every fourth step)."""
+    late = [0.004 if (i >= first and i % 4 == 0) else 0.0 for i in range(n)]
+    lateness = _lateness({0: [-x for x in late], 1: late})
+    stalled = (lateness["step"] - 1 >= first) & (stall_every is not None
+                                                  and (lateness["step"] % (stall_every or 1) == 0))
+    step_ns = np.where(stalled, 3 * STEP_NS, STEP_NS).astype("float64")
+    return lateness.assign(step_ns=step_ns, lateness_ns=lateness["lateness_frac"] * step_ns,
+                           victims_wait_ns=lateness["lateness_frac"].clip(lower=0) * step_ns)
+
+
+def test_a_rank_its_quota_froze_inside_collectives_is_named_by_the_steps_its_group_stalled():
+    # The steps it froze in took 3 steps' time: a third of the steps 3x long is a mean of 5/3 steps, 40% of the
+    # time beyond the median step, as long as the kernel held it back
+    n, first = 60, 10
+    lateness = _frozen_inside_collectives(n, first)
+    held = _throttled({0: [0.0] * n, 1: [0.0] * first + [0.4] * (n - first)})
+    assert _findings(lateness, None) == []                      # its arrivals alone name nobody
+    (f,) = _findings(lateness, held)
+    ev = f.evidence
+    assert (f.ranks, ev["detected_by"], ev["cause"]) == ((1,), "cpu_throttle", "compute")
+    assert ev["mean_excess_frac"] < st.MIN_THROTTLED_EXCESS_SHARE * 0.05 and ev["victims_wait_frac"] < 0.01
+    # its first window holds some steps before the quota: both shares below their 40%, within a factor 2
+    assert 0.05 <= ev["step_stall_frac"] <= 0.45 and 0.05 <= ev["cpu_throttled_frac"] <= 0.4
+    assert ev["cpu_throttled_frac"] * st.STALL_THROTTLE_RATIO >= ev["step_stall_frac"]
+    assert first < ev["detected_at_step"] <= first + 25
+    # the job's loss is the stall, not the wait at its arrivals: critical
+    assert f.predicted_gain.frac == pytest.approx(ev["step_stall_frac"]) and f.severity == "critical"
+    assert "steps stalled" in f.title and "CPU limit" in f.recommendation
+
+
+def test_a_stall_the_quota_does_not_explain_or_a_quota_without_a_stall_names_nobody():
+    n, first = 60, 10
+    # throttled 40% while the steps kept their length: its quota took its slack
+    steady = _frozen_inside_collectives(n, first, stall_every=None)
+    assert _findings(steady, _throttled({0: [0.0] * n, 1: [0.0] * first + [0.4] * (n - first)})) == []
+    # the steps stalled 40% (a checkpoint save, another process) while rank 1 was throttled 5% of the time: the
+    # stall is 8x what its quota held it back, not its quota's; throttled 25%, the stall is its quota's
+    stalled = _frozen_inside_collectives(n, first)
+    assert _findings(stalled, _throttled({0: [0.0] * n, 1: [0.0] * first + [0.05] * (n - first)})) == []
+    (f,) = _findings(stalled, _throttled({0: [0.0] * n, 1: [0.0] * first + [0.25] * (n - first)}))
+    assert f.ranks == (1,) and f.evidence["detected_by"] == "cpu_throttle"
+    # the same stall with no rank throttled: nobody (the stall is not computed there)
+    assert np.isnan(st.straggler_scores(stalled, cpu_throttled=_throttled({0: [0.0] * n, 1: [0.0] * n}))
+                    ["step_stall_frac"]).all()
+
+
 def test_scores_carry_the_throttle_columns_only_when_given():
     lateness = _lateness(_bursty(30, 5, seed=3))
     assert "cpu_throttled_frac" not in st.straggler_scores(lateness)

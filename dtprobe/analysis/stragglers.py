@@ -50,9 +50,11 @@ its mean over the window (``mean_excess_frac``), the share of steps it is positi
 its mean over its standard error (``excess_t``) and the largest such value among the peers (``peer_excess_t``);
 the median of its time in the group's collectives minus its peers' (``median_comm_excess_frac``, a share of the
 step: negative for a rank its peers wait for)."""
-THROTTLE_SCORE_COLUMNS = ["cpu_throttled_frac", "peer_cpu_throttled_frac"]
+THROTTLE_SCORE_COLUMNS = ["cpu_throttled_frac", "peer_cpu_throttled_frac", "step_stall_frac"]
 """Extra columns of ``straggler_scores`` (last) when it is given the ranks' CPU throttling (``cpu_throttle``): the
-rank's mean ``cpu_throttled_frac`` over the chosen window and the largest of its peers' over the same steps."""
+rank's mean ``cpu_throttled_frac`` over the chosen window and the largest of its peers' over the same steps; and,
+where the rank was throttled (``MIN_CPU_THROTTLED_FRAC``), how much of the group's time in the window went to
+stalled steps: 1 - its median step / its mean step (NaN elsewhere)."""
 WAIT_SCORE_COLUMNS = ["cpu_wait_frac", "peer_cpu_wait_frac"]
 """Extra columns of ``straggler_scores`` (after the throttle ones) when it is given the ranks' run-queue waits
 (``cpu_throttle.cpu_wait_per_step``): the rank's mean ``cpu_wait_frac`` over the chosen window and the largest of
@@ -148,6 +150,17 @@ later than its peers, but a host's slow spells make neighbouring steps alike: th
 clean runs never show, is what singles the rank out). On a busy host whose peers scatter widely the t can stay
 below ``MIN_THROTTLED_T`` for a rank late in every step: a 4-rank run on 2 cores whose rank 1 was held to 1/1.1 of
 its CPU was the last in all 20 steps of a window, its excess 8% of the step, at t 2.46."""
+
+STALL_THROTTLE_RATIO = 2.0
+"""CPU-throttle view, the third way to show that the job waited for the rank: its group's steps stalled
+(``step_stall_frac``, the share of the window's time beyond its median step) by at least ``min_lateness_frac``,
+the stall and the rank's throttled share within this factor of each other, and the rank later than its group's
+median on average. A quota whose period is longer than the step freezes the rank for whole steps at a time, often
+inside a collective it had already arrived at: its peers then wait inside that collective, not for its arrival, so
+its lateness hardly moves, while the steps it froze in grow by the time it was frozen. Where peers wait for the rank
+at once (a collective every few milliseconds: FSDP, tensor parallel) the job loses about the frozen time; a rank
+whose quota took only its slack stalls nothing, and a stall far longer than the rank was frozen (a checkpoint save,
+another rank's hiccup) is not its quota's."""
 
 MIN_CPU_WAIT_EXCESS_FRAC = 0.03
 """A straggler's core counts as shared when its main thread waited for a CPU (run queue, ``cpu_wait_frac``) at
@@ -277,7 +290,7 @@ def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | No
     med, pos, pmed, ppos, pre_t, peer_t, cmed = (fig[k] for k in ("med", "pos", "pmed", "ppos", "pre_t", "peer_t",
                                                                   "cmed"))
     emean, epos, own_sd, k_exc = (fig[k] for k in ("emean", "epos", "own_sd", "k_exc"))
-    thr, peer_thr, waited, peer_waited = (fig[k] for k in ("thr", "peer_thr", "waited", "peer_waited"))
+    thr, peer_thr, waited, peer_waited, stall = (fig[k] for k in ("thr", "peer_thr", "waited", "peer_waited", "stall"))
     # The peers' noise (the costly part: a pool of the peers' values per window) is needed only where a view's
     # other conditions hold (unknown noise does not block, so those windows are a superset of the qualifying ones)
     # and at each (group, rank)'s chosen window; the steady view's peer_et also needs its peers' windows of the
@@ -310,7 +323,8 @@ def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | No
                                      min_t=min_pre_excess_t, min_t_over_peers=min_pre_excess_t_over_peers,
                                      min_over_noise=min_persistent_pre_over_noise)
         by_steady = _steady(emean, epos, et, peer_et, min_lateness_frac=min_lateness_frac, min_t=min_steady_t)
-        by_throttle = _cpu_throttled(emean, epos, et, peer_et, thr, peer_thr, min_lateness_frac=min_lateness_frac)
+        by_throttle = _cpu_throttled(emean, epos, et, peer_et, thr, peer_thr, stall,
+                                     min_lateness_frac=min_lateness_frac)
         return over, pover, et, peer_et, by_arrival, by_phases, by_persistence, by_steady, by_throttle
 
     def fill(where_noise: np.ndarray, where_pnoise: np.ndarray, where_esd: np.ndarray) -> None:
@@ -370,7 +384,7 @@ def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | No
         "pre_excess_t": pre_t[best], "peer_pre_excess_t": peer_t[best],
         "mean_excess_frac": emean[best], "excess_positive_frac": epos[best], "excess_t": et[best],
         "peer_excess_t": peer_et[best], "median_comm_excess_frac": cmed[best], "cpu_throttled_frac": thr[best],
-        "peer_cpu_throttled_frac": peer_thr[best],
+        "peer_cpu_throttled_frac": peer_thr[best], "step_stall_frac": stall[best],
         "cpu_wait_frac": waited[best], "peer_cpu_wait_frac": peer_waited[best],
     })
     return out[columns]
@@ -399,7 +413,7 @@ def _window_figures(column: Callable[[str, str], np.ndarray], win_start: np.ndar
     sel = np.flatnonzero(todo)
     out = {name: np.full(len(todo), np.nan) for name in ("med", "pos", "pmed", "ppos", "pre_t", "peer_t", "emean",
                                                            "epos", "own_sd", "k_exc", "cmed", "thr", "peer_thr",
-                                                           "waited", "peer_waited")}
+                                                           "waited", "peer_waited", "stall")}
     if not len(sel):
         return out
     starts, lengths, key = win_start[sel], wlen[sel], span[sel]
@@ -418,6 +432,14 @@ def _window_figures(column: Callable[[str, str], np.ndarray], win_start: np.ndar
             source = "cpu_throttled_frac" if name == "thr" else "cpu_wait_frac"
             part[name] = _nanmean_rows(_windows(column(source, "float64"), starts, lengths))
             part[peer] = _peer_max(part[name], None, key=key)
+    if with_throttle:       # the steps' stall, where the rank was throttled alone (clean runs: nowhere)
+        part["stall"] = np.full(len(sel), np.nan)
+        held = part["thr"] >= MIN_CPU_THROTTLED_FRAC
+        if held.any():
+            step = _windows(column("step_ns", "float64"), starts[held], lengths[held])
+            mean = _nanmean_rows(step)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                part["stall"][held] = np.where(mean > 0, 1.0 - _nanmedian_rows(step) / mean, np.nan)
     for name, values in part.items():
         out[name][sel] = values
     return out
@@ -491,15 +513,25 @@ def _steady(mean: np.ndarray, pos: np.ndarray, t: np.ndarray, peer_t: np.ndarray
 
 
 def _cpu_throttled(mean: np.ndarray, pos: np.ndarray, t: np.ndarray, peer_t: np.ndarray, throttled: np.ndarray,
-                   peer_throttled: np.ndarray, *, min_lateness_frac: float) -> np.ndarray:
+                   peer_throttled: np.ndarray, stall: np.ndarray, *, min_lateness_frac: float) -> np.ndarray:
     """The CPU-throttle view: the rank's cgroup throttled at least ``MIN_CPU_THROTTLED_FRAC`` of the window, no peer
-    a ``MAX_PEER_THROTTLED_SHARE`` of that (unknown peers do not block), and its mean lateness excess at least
-    ``min_lateness_frac``, ``MIN_THROTTLED_T`` standard errors above zero or positive in
-    ``MIN_THROTTLED_POSITIVE_FRAC`` of the steps (``pos``), and ``MIN_STEADY_T_OVER_PEERS`` x any peer's t."""
-    shown = (t >= MIN_THROTTLED_T) | (pos >= MIN_THROTTLED_POSITIVE_FRAC)
-    return (_held_by_quota(throttled, peer_throttled) & (mean >= MIN_THROTTLED_EXCESS_SHARE * min_lateness_frac)
-            & shown
+    a ``MAX_PEER_THROTTLED_SHARE`` of that (unknown peers do not block), ``MIN_STEADY_T_OVER_PEERS`` x any peer's t,
+    and the job shown to wait for it: its mean lateness excess at least ``MIN_THROTTLED_EXCESS_SHARE`` x
+    ``min_lateness_frac`` and ``MIN_THROTTLED_T`` standard errors above zero or positive in
+    ``MIN_THROTTLED_POSITIVE_FRAC`` of the steps (``pos``); or its mean excess positive and the group's steps
+    stalled (``_stalled``)."""
+    late = ((mean >= MIN_THROTTLED_EXCESS_SHARE * min_lateness_frac)
+            & ((t >= MIN_THROTTLED_T) | (pos >= MIN_THROTTLED_POSITIVE_FRAC)))
+    late |= (mean > 0) & _stalled(stall, throttled, min_lateness_frac=min_lateness_frac)
+    return (_held_by_quota(throttled, peer_throttled) & late
             & ~(t < MIN_STEADY_T_OVER_PEERS * np.maximum(peer_t, 0)))
+
+
+def _stalled(stall: np.ndarray, throttled: np.ndarray, *, min_lateness_frac: float) -> np.ndarray:
+    """The group's steps stalled (``step_stall_frac``) by at least ``min_lateness_frac``, within
+    ``STALL_THROTTLE_RATIO`` of the rank's throttled share either way (NaN: not shown)."""
+    return ((stall >= min_lateness_frac) & (stall * STALL_THROTTLE_RATIO >= throttled)
+            & (throttled * STALL_THROTTLE_RATIO >= stall))
 
 
 def _held_by_quota(throttled: np.ndarray, peer_throttled: np.ndarray) -> np.ndarray:
@@ -1207,7 +1239,9 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
     if "cpu_throttled_frac" in scores:
         ok |= pd.Series(_cpu_throttled(
             col("mean_excess_frac"), col("excess_positive_frac"), col("excess_t"), col("peer_excess_t"),
-            col("cpu_throttled_frac"), col("peer_cpu_throttled_frac"), min_lateness_frac=min_lateness_frac),
+            col("cpu_throttled_frac"), col("peer_cpu_throttled_frac"),
+            col("step_stall_frac") if "step_stall_frac" in scores else np.full(len(scores), np.nan),
+            min_lateness_frac=min_lateness_frac),
             index=scores.index)
     long_enough = ~(scores["window_steps"] * scores["mean_step_ns"].astype("float64") < min_window_s * 1e9)
     flagged = scores[ok & (scores["window_steps"] >= min_steps) & long_enough]
@@ -1330,9 +1364,17 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
             continue
         axis = axis_of_pg(row.pg)
         wait_frac = row.mean_victims_wait_ns / row.mean_step_ns if row.mean_step_ns else 0.0
+        quota_held, core_shared = _cpu_quota_held(row), _core_shared(row)
+        # frozen by its quota inside collectives it had reached, the rank made its peers wait there, not for its
+        # arrival: the job's loss is its steps' stall
+        stall = _opt_float(getattr(row, "step_stall_frac", None)) if quota_held else None
+        if stall is not None and not _stalled(np.float64(stall), np.float64(row.cpu_throttled_frac),
+                                              min_lateness_frac=min_lateness_frac):
+            stall = None
         sched = schedule_gain(int(row.rank), first, last) if schedule_gain is not None else None
         sched_frac = sched / row.mean_step_ns if sched is not None and row.mean_step_ns else None
-        gain_frac = min(max(wait_frac if sched_frac is None else min(wait_frac, sched_frac), 0.0), 1.0)
+        lost_frac = wait_frac if stall is None else max(wait_frac, stall)
+        gain_frac = min(max(lost_frac if sched_frac is None else min(lost_frac, sched_frac), 0.0), 1.0)
         members = list(group_members(row.pg_ranks))
         evidence = {
             "rank": int(row.rank), "pg": row.pg, "pg_ranks": members, "victims": [m for m in members if m != row.rank],
@@ -1366,6 +1408,7 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
             "median_comm_excess_frac": _opt_float(getattr(row, "median_comm_excess_frac", None)),
             "cpu_throttled_frac": _opt_float(getattr(row, "cpu_throttled_frac", None)),
             "peer_cpu_throttled_frac": _opt_float(getattr(row, "peer_cpu_throttled_frac", None)),
+            "step_stall_frac": stall,
             "cpu_wait_frac": _opt_float(getattr(row, "cpu_wait_frac", None)),
             "peer_cpu_wait_frac": _opt_float(getattr(row, "peer_cpu_wait_frac", None)),
             "propagated_to": sorted(propagated.get(int(row.rank), [])),
@@ -1389,7 +1432,6 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
         evidence["passed"] = passed
         severity = ("info" if cause == "communication" or how == "unconfirmed" or passed else
                     "critical" if gain_frac >= critical_wait_frac else "warning")
-        quota_held, core_shared = _cpu_quota_held(row), _core_shared(row)
         busy, peer_busy = _busy_figures(cpu_busy, int(row.rank), members, int(row.window_first_step),
                                         int(row.window_last_step))
         late_frac = row.mean_lateness_ns / row.mean_step_ns if row.mean_step_ns else None
@@ -1422,6 +1464,9 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
                       else "")
                    + (f"; its CPU cgroup was throttled by its quota for {row.cpu_throttled_frac:.0%} of the time"
                       if quota_held else "")
+                   + (f", and its group's steps stalled: {ms(row.mean_step_ns)} ms on average where the median "
+                      f"step took {ms(row.mean_step_ns * (1 - stall))} ms (frozen inside collectives it had reached, "
+                      f"it kept its peers waiting there)" if stall is not None else "")
                    + (f"; its main thread waited for a CPU {row.cpu_wait_frac:.0%} of the time (its peers at most "
                       f"{row.peer_cpu_wait_frac:.0%})" if core_shared else "")
                    + (f"; its process used {busy:.2f} cores' worth of CPU over the steps, its peers {peer_busy:.2f}: "
@@ -1636,7 +1681,7 @@ def _later_in_shared_groups(scores: pd.DataFrame) -> dict[tuple[int, int], bool]
 
 def _cpu_quota_held(row) -> bool:
     """The score row's rank was held back by its cgroup's CPU quota in its window while its peers were not."""
-    thr, peer = (_opt_float(getattr(row, c, None)) for c in THROTTLE_SCORE_COLUMNS)
+    thr, peer = (_opt_float(getattr(row, c, None)) for c in ("cpu_throttled_frac", "peer_cpu_throttled_frac"))
     return thr is not None and bool(_held_by_quota(np.float64(thr), np.float64(np.nan if peer is None else peer)))
 
 
@@ -1655,7 +1700,8 @@ def _core_shared(row) -> bool:
 
 def _cpu_counted(row) -> bool:
     """The kernel's counts of the rank's lost CPU (quota throttling, run-queue wait) are known in its window."""
-    return all(_opt_float(getattr(row, c, None)) is not None for c in THROTTLE_SCORE_COLUMNS + WAIT_SCORE_COLUMNS)
+    return all(_opt_float(getattr(row, c, None)) is not None
+               for c in ["cpu_throttled_frac", "peer_cpu_throttled_frac"] + WAIT_SCORE_COLUMNS)
 
 
 def _opt_float(x) -> float | None:

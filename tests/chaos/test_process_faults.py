@@ -272,8 +272,9 @@ def test_busy_process_on_one_ranks_core_makes_it_a_compute_straggler(run_dir, la
     assert job.wait() == 0, job.output()[-3000:]
     finding = _straggler_verdict(analyze(run), 1)
     # the kernel's run-queue count: the hog holds rank 1's core 80% of the time, rank 0 has its core to itself
+    # (its own gloo and sampler threads, and whatever else the test host runs there, cost it a fraction of that)
     ev = finding["evidence"]
-    assert ev["cpu_wait_frac"] >= 0.4 and ev["peer_cpu_wait_frac"] < 0.1, ev
+    assert ev["cpu_wait_frac"] >= 0.4 and ev["peer_cpu_wait_frac"] < 0.25 * ev["cpu_wait_frac"], ev
     assert "waited for a CPU" in finding["title"] and "Another process" in finding["recommendation"], finding
     assert ev["off_cpu"] is None, ev          # its lost time is the hog's: not called off the CPU
 

@@ -333,6 +333,32 @@ def test_cpu_quota_on_a_pipeline_stage_of_a_launched_script_names_it_against_its
     assert held_from < ev["detected_at_step"] <= held_from + 50, (held_from, ev)
 
 
+@pytest.mark.exclusive
+def test_cpu_quota_on_a_rank_of_a_launched_fsdp2_script_is_named_by_the_steps_it_stalled(run_dir, launch, cpu_quota):
+    assert cgroup_v1_cpu_available(), ("needs a writable cgroup v1 cpu controller at /sys/fs/cgroup/cpu: run the "
+                                       "tests as root on a host that mounts it")
+    run = run_dir("cpu_quota_fsdp2_launch")
+    # a user's FSDP2 script (examples/launch/train_fsdp2.py) under dtprobe launch, rank 1 held to 40% of a core
+    # after 30 of its 200 steps: a steps' worth of its CPU every quota period, then frozen for the rest of it,
+    # mostly inside a collective it had reached
+    script = Path(__file__).resolve().parents[2] / "examples" / "launch" / "train_fsdp2.py"
+    cmd = [sys.executable, "-m", "dtprobe.cli", "launch", "--nproc", "2", "--run-dir", str(run),
+           "--device-interval", "0.5", str(script), "--steps", "200"]
+    job = launch(cmd, run, timeout_s=JOB_TIMEOUT_S)
+    pid = job.worker_pid(1)
+    job.wait_steps(1, 30)
+    cpu_quota(0.4).add(pid)
+    held_from = steps_done(run, 1)
+    assert job.wait() == 0, job.output()[-3000:]
+    finding = _straggler_verdict(analyze(run), 1)
+    ev = finding["evidence"]
+    # the kernel held it back, its peer never; the group's steps stalled about as long, which is what named it
+    assert ev["detected_by"] == "cpu_throttle" and ev["peer_cpu_throttled_frac"] == 0.0, ev
+    assert ev["step_stall_frac"] is not None and ev["step_stall_frac"] >= 0.05, ev
+    assert held_from < ev["detected_at_step"], (held_from, ev)
+    assert "CPU quota" in finding["recommendation"], finding
+
+
 # ------------------------------------------------------------------------- checkpoint damaged before a restart
 
 

@@ -568,15 +568,21 @@ def _peer_max(values: np.ndarray, windows: pd.DataFrame | None, *, key: np.ndarr
     if key is None:
         key = windows.groupby(["pg", "pg_ranks", "first_step", "last_step"], sort=False).ngroup().to_numpy()
     v = np.where(np.isnan(values), -np.inf, values)
-    order = np.lexsort((-v, key))                               # by key, largest first
-    k, vs = key[order], v[order]
-    first = np.r_[True, k[1:] != k[:-1]]
+    if not len(v):
+        return np.full(0, np.nan)
+    order = np.argsort(key, kind="stable")                      # by key, each key's windows in their order
+    vs = v[order]
+    first = np.r_[True, key[order][1:] != key[order][:-1]]
     starts = np.flatnonzero(first)
-    top1 = vs[starts][np.cumsum(first) - 1]
-    has2 = np.r_[~first[1:], False][starts]                     # key has a second member
-    top2 = np.where(has2, vs[np.minimum(starts + 1, len(vs) - 1)], -np.inf)[np.cumsum(first) - 1]
+    gid = np.cumsum(first) - 1
+    top1 = np.maximum.reduceat(vs, starts)
+    pos = np.arange(len(vs))
+    holder = np.minimum.reduceat(np.where(vs == top1[gid], pos, len(vs)), starts)   # first window holding it
+    rest = vs.copy()
+    rest[holder] = -np.inf
+    top2 = np.maximum.reduceat(rest, starts)                    # the largest of the others (-inf: no other)
     out = np.empty(len(v))
-    out[order] = np.where(first, top2, top1)                    # the largest member gets the second largest
+    out[order] = np.where(pos == holder[gid], top2[gid], top1[gid])   # the largest member gets the second largest
     return np.where(np.isneginf(out), np.nan, out)
 
 
@@ -760,6 +766,9 @@ def window_length(window_steps: int, step_ns: pd.Series, min_window_s: float = M
 def _windows(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Rows ``values[start:start + length]``, right-padded with NaN to the longest length."""
     width = int(lengths.max()) if len(lengths) else 1
+    values = np.asarray(values, dtype="float64")
+    if len(starts) and bool((lengths == width).all()) and int(starts.max()) + width <= len(values):
+        return np.lib.stride_tricks.sliding_window_view(values, width)[starts]   # all whole: a copy, no padding
     padded = np.concatenate([values.astype("float64"), np.full(width, np.nan)])
     out = np.lib.stride_tricks.sliding_window_view(padded, width)[starts]
     return np.where(np.arange(width) < lengths[:, None], out, np.nan)

@@ -204,8 +204,9 @@ def _bursty(n: int, first: int, *, seed: int) -> dict[int, list[float]]:
     return {0: [-x for x in late], 1: late}
 
 
-def _findings(lateness: pd.DataFrame, throttled: pd.DataFrame | None, waited: pd.DataFrame | None = None) -> list:
-    scores = st.straggler_scores(lateness, cpu_throttled=throttled, cpu_wait=waited)
+def _findings(lateness: pd.DataFrame, throttled: pd.DataFrame | None, waited: pd.DataFrame | None = None,
+              busy: pd.DataFrame | None = None) -> list:
+    scores = st.straggler_scores(lateness, cpu_throttled=throttled, cpu_wait=waited, cpu_busy=busy)
     causes = st.straggler_causes(scores, lateness, _phase_steps(lateness), pd.DataFrame(),
                                  blocked=pd.DataFrame({c: [] for c in st.BLOCKED_COLUMNS}))
     return st.detect_stragglers(scores, causes, lateness=lateness)
@@ -388,3 +389,62 @@ def test_a_straggler_whose_main_thread_waits_for_its_core_is_told_its_core_is_sh
     (h,) = _findings(lateness, held, _waited({0: 0.03, 1: 0.45}, n))
     assert "waited for a CPU" not in h.title and "CPU limit" in h.recommendation
 
+
+# ------------------------------------------------------------------------------------- the run-queue view
+
+
+def _per_step(column: str, series: dict[int, list[float]]) -> pd.DataFrame:
+    return pd.DataFrame([{"rank": r, "step": i + 1, column: x} for r, values in series.items()
+                         for i, x in enumerate(values)])
+
+
+def _core_taken_from(first: int, n: int, *, wait: float = 0.37, peer_busy: float = 0.55,
+                     throttled: float = 0.0) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """Two ranks' host counters per step (throttled, waited, busy); from step ``first`` another process shares
+    rank 1's core: its main thread waits for a CPU ``wait`` of the time (its peer 14%, as before), and rank 0's
+    process uses ``peer_busy`` of a core (87% before): it sits idle the rest, blocked in collectives."""
+    before, after = [0.0] * first, [1.0] * (n - first)
+    waited = _per_step("cpu_wait_frac", {0: [0.14] * n, 1: [0.14] * first + [wait] * (n - first)})
+    busy = _per_step("cpu_busy_frac", {0: [0.86] * first + [peer_busy] * (n - first),
+                                       1: [0.86] * first + [0.45] * (n - first)})
+    held = _throttled({0: [0.0] * n, 1: [x * throttled for x in before + after]})
+    return held, waited, busy
+
+
+def test_a_rank_whose_core_another_process_takes_while_its_peers_sit_idle_is_named_by_the_run_queue_view():
+    # FSDP2 on gloo with a busy process on rank 1's core: the kernel takes its core inside collectives as often as
+    # between them, so its arrivals hardly differ from its peer's (here: earlier in odd steps, later in even ones)
+    n, first = 60, 10
+    lateness = _lateness({0: [0.01 * (-1) ** i for i in range(n)], 1: [-0.01 * (-1) ** i for i in range(n)]})
+    held, waited, busy = _core_taken_from(first, n)
+    assert _findings(lateness, held, waited) == []              # without the CPU use: nothing to say the job waited
+    (f,) = _findings(lateness, held, waited, busy)
+    ev = f.evidence
+    assert (f.ranks, ev["detected_by"], ev["cause"]) == ((1,), "cpu_wait", "compute")
+    assert first < ev["detected_at_step"] <= first + 20
+    # its extra wait (23 points) and its peer's idle time (1 - 0.55 - 0.14 = 31%) in the first window that shows
+    # them, which holds some steps before the other process came
+    extra, idle = ev["cpu_wait_frac"] - ev["peer_cpu_wait_frac"], ev["peer_idle_frac"]
+    assert st.MIN_WAIT_VIEW_EXCESS_FRAC <= extra <= 0.23 + 1e-9 and st.PEER_IDLE_SHARE_OF_WAIT * extra <= idle <= 0.31
+    gain = f.predicted_gain.frac
+    assert gain == pytest.approx(min(extra, idle)) and gain > ev["victims_wait_frac"]
+    assert f.severity == ("critical" if gain >= 0.2 else "warning")
+    assert f"peers sat idle {idle:.0%}" in f.title and "waited for a CPU" in f.title
+    assert "Another process" in f.recommendation
+
+
+def test_the_run_queue_view_names_nobody_for_a_clean_host_a_rank_with_slack_or_a_quota():
+    n, first = 60, 10
+    lateness = _lateness({0: [0.01 * (-1) ** i for i in range(n)], 1: [-0.01 * (-1) ** i for i in range(n)]})
+    # a clean host: one core's rank waits 6 points more than the other's (the most seen in clean runs)
+    held, waited, busy = _core_taken_from(first, n, wait=0.20)
+    assert _findings(lateness, held, waited, busy) == []
+    # the core shared, but its peer computes all along (idle 1 - 0.84 - 0.14 = 2%): it had slack
+    held, waited, busy = _core_taken_from(first, n, peer_busy=0.84)
+    assert _findings(lateness, held, waited, busy) == []
+    # a quota: the kernel counts its throttled time as run-queue wait too; the throttle view judges it
+    held, waited, busy = _core_taken_from(first, n, throttled=0.3)
+    assert _findings(lateness, held, waited, busy) == []
+    scores = st.straggler_scores(lateness, cpu_throttled=held, cpu_wait=waited, cpu_busy=busy)
+    assert list(scores.columns) == (st.SCORE_COLUMNS + st.NOISE_COLUMNS + st.THROTTLE_SCORE_COLUMNS
+                                    + st.WAIT_SCORE_COLUMNS + st.IDLE_SCORE_COLUMNS)

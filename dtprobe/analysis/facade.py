@@ -303,6 +303,7 @@ class RunAnalysis:
             with memo.lock if memo is not None else contextlib.nullcontext():
                 return _stragglers.straggler_scores(
                     self.rank_lateness(), cpu_throttled=self.cpu_throttled(), cpu_wait=self.cpu_wait(),
+                    cpu_busy=self.cpu_busy(),
                     window_steps=o.window_steps, min_lateness_frac=o.min_lateness_frac,
                     min_positive_frac=o.min_positive_frac, memo=memo)
         return self._memo("scores", compute)

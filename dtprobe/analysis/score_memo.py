@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 FINGERPRINT_COLUMNS = ["rank", "step", "lateness_ns", "victims_wait_ns", "is_last", "step_ns", "lateness_frac",
-                       "pre_excess_frac", "cpu_throttled_frac", "cpu_wait_frac"]
+                       "pre_excess_frac", "cpu_throttled_frac", "cpu_wait_frac", "cpu_busy_frac"]
 """The lateness columns a window's figures read (those present)."""
 _STEP_BITS = 32
 """Bits of a step in a (group, step) key."""

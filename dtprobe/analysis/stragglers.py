@@ -59,6 +59,11 @@ WAIT_SCORE_COLUMNS = ["cpu_wait_frac", "peer_cpu_wait_frac"]
 """Extra columns of ``straggler_scores`` (after the throttle ones) when it is given the ranks' run-queue waits
 (``cpu_throttle.cpu_wait_per_step``): the rank's mean ``cpu_wait_frac`` over the chosen window and the largest of
 its peers' over the same steps."""
+IDLE_SCORE_COLUMNS = ["peer_idle_frac"]
+"""Extra column of ``straggler_scores`` (after the wait ones) when it is given both the ranks' run-queue waits and
+their CPU use (``cpu_throttle.cpu_busy_per_step``): the smallest share of the chosen window any peer's process
+spent neither on a CPU nor waiting for one (1 - its ``cpu_busy_frac`` - its ``cpu_wait_frac``, at least 0): the
+time it sat idle, blocked (in a collective, waiting for the rank)."""
 CAUSE_COLUMNS = [
     "pg", "pg_ranks", "rank", "data_excess_ns", "compute_excess_ns", "comm_excess_ns", "throttled_frac", "cause",
 ]
@@ -162,6 +167,18 @@ at once (a collective every few milliseconds: FSDP, tensor parallel) the job los
 whose quota took only its slack stalls nothing, and a stall far longer than the rank was frozen (a checkpoint save,
 another rank's hiccup) is not its quota's."""
 
+MIN_WAIT_VIEW_EXCESS_FRAC = 0.15
+"""Run-queue view: a rank whose main thread waited for a CPU (``cpu_wait_frac``) at least this share of the window
+more than any peer's, while every peer sat idle (``peer_idle_frac``) at least ``PEER_IDLE_SHARE_OF_WAIT`` of that
+extra wait, is named: another process (or thread) took its core, and its peers had nothing to do but wait for it.
+Its arrivals need not show it: in a job whose steps are mostly collectives (FSDP of a small model on gloo), the
+kernel takes its core inside collectives as often as between them, and its peers wait inside them. Clean runs
+differ by at most about 6 points between ranks with a core each and 2 between ranks sharing cores alike (40 clean
+runs of ``benchmarks/verdicts.py``'s layouts); a busy process on one rank's core makes 25-40."""
+PEER_IDLE_SHARE_OF_WAIT = 0.5
+"""Run-queue view: the share of the rank's extra wait every peer must have sat idle: a rank whose core is shared
+while its peers compute anyway (it had slack) costs the job nothing."""
+
 MIN_CPU_WAIT_EXCESS_FRAC = 0.03
 """A straggler's core counts as shared when its main thread waited for a CPU (run queue, ``cpu_wait_frac``) at
 least this share of its window more than any peer's: ranks with a core each still wait a few % of the time (their
@@ -186,7 +203,7 @@ THROTTLE_MASK = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
 """NVML clock-throttle reasons that slow a GPU: SW power cap, HW slowdown, SW/HW thermal, power brake."""
 
 def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | None = None,
-                     cpu_wait: pd.DataFrame | None = None,
+                     cpu_wait: pd.DataFrame | None = None, cpu_busy: pd.DataFrame | None = None,
                      window_steps: int = 20, min_lateness_frac: float = 0.05,
                      min_positive_frac: float = 0.8,
                      min_lateness_over_noise: float = MIN_LATENESS_OVER_NOISE,
@@ -224,7 +241,9 @@ def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | No
     windows x steps matrix), so the cost grows with the rows; with ``memo`` (``score_memo.ScoreMemo``: a live run
     scored again after a refresh) only the windows over steps whose rows changed are, with the same result.
     Columns: ``SCORE_COLUMNS`` + ``NOISE_COLUMNS`` (+ ``THROTTLE_SCORE_COLUMNS`` with ``cpu_throttled``, +
-    ``WAIT_SCORE_COLUMNS`` with ``cpu_wait``: evidence, no view reads it)."""
+    ``WAIT_SCORE_COLUMNS`` with ``cpu_wait``, + ``IDLE_SCORE_COLUMNS`` with ``cpu_wait`` and ``cpu_busy``). With
+    both, the run-queue view (``_core_taken``) qualifies a window where the rank's main thread waited for a CPU at
+    least ``MIN_WAIT_VIEW_EXCESS_FRAC`` longer than any peer's while every peer sat idle."""
     require_columns(lateness, [c for c in LATENESS_COLUMNS if c not in LATENESS_OPTIONAL], table="rank_lateness")
     missing = {c: np.nan for c in LATENESS_OPTIONAL if c not in lateness}
     lateness = lateness.assign(**missing) if missing else lateness
@@ -234,14 +253,17 @@ def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | No
     group, pg_names, pr_names = group_codes(lat["pg"], lat["pg_ranks"])
     lat = lat.assign(excess_frac=_excess_over_group(lat, group))
     with_throttle, with_wait = cpu_throttled is not None, cpu_wait is not None
+    with_idle = with_wait and cpu_busy is not None
     columns = (SCORE_COLUMNS + NOISE_COLUMNS + (THROTTLE_SCORE_COLUMNS if with_throttle else [])
-               + (WAIT_SCORE_COLUMNS if with_wait else []))
+               + (WAIT_SCORE_COLUMNS if with_wait else []) + (IDLE_SCORE_COLUMNS if with_idle else []))
     if lat.empty:
         return pd.DataFrame({col: [] for col in columns})
     if with_throttle:
         lat = lat.assign(cpu_throttled_frac=_per_step_of_rows(lat, cpu_throttled, "cpu_throttled_frac"))
     if with_wait:
         lat = lat.assign(cpu_wait_frac=_per_step_of_rows(lat, cpu_wait, "cpu_wait_frac"))
+    if with_idle:
+        lat = lat.assign(cpu_busy_frac=_per_step_of_rows(lat, cpu_busy, "cpu_busy_frac"))
     rank_of_row = lat["rank"].to_numpy(dtype="int64")
     gid = pd.factorize(group * (int(rank_of_row.max()) + 1) + rank_of_row, sort=True)[0].astype("int64")
     order = np.lexsort((lat["step"].to_numpy(), gid))          # by (group, rank), then step
@@ -272,7 +294,7 @@ def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | No
     span = windows.groupby(["pg", "pg_ranks", "first_step", "last_step"], sort=False).ngroup().to_numpy()
     # each window's figures (of its group's rows in its steps alone): from the memo where they still hold, the
     # others computed (every window of a span together: peer maxima read them all)
-    settings = (window_steps, with_throttle, with_wait)
+    settings = (window_steps, with_throttle, with_wait, with_idle)
     reused, remember = np.full(len(windows), -1, dtype=np.int64), None
     if memo is not None:
         group_code = memo.group_codes(first_key["pg"], first_key["pg_ranks"])     # per (group, rank)
@@ -283,14 +305,16 @@ def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | No
                                                    win_first, win_last)
             remember = (step_keys, prints, wkeys)
     todo = np.isin(span, span[reused < 0])
-    fig = _window_figures(column, win_start, wlen, span, todo, with_throttle=with_throttle, with_wait=with_wait)
+    fig = _window_figures(column, win_start, wlen, span, todo, with_throttle=with_throttle, with_wait=with_wait,
+                          with_idle=with_idle)
     if not todo.all():
         for name, values in fig.items():
             values[~todo] = memo.figures[name][reused[~todo]]
     med, pos, pmed, ppos, pre_t, peer_t, cmed = (fig[k] for k in ("med", "pos", "pmed", "ppos", "pre_t", "peer_t",
                                                                   "cmed"))
     emean, epos, own_sd, k_exc = (fig[k] for k in ("emean", "epos", "own_sd", "k_exc"))
-    thr, peer_thr, waited, peer_waited, stall = (fig[k] for k in ("thr", "peer_thr", "waited", "peer_waited", "stall"))
+    thr, peer_thr, waited, peer_waited, stall, peer_idle = (fig[k] for k in ("thr", "peer_thr", "waited",
+                                                                             "peer_waited", "stall", "peer_idle"))
     # The peers' noise (the costly part: a pool of the peers' values per window) is needed only where a view's
     # other conditions hold (unknown noise does not block, so those windows are a superset of the qualifying ones)
     # and at each (group, rank)'s chosen window; the steady view's peer_et also needs its peers' windows of the
@@ -325,6 +349,7 @@ def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | No
         by_steady = _steady(emean, epos, et, peer_et, min_lateness_frac=min_lateness_frac, min_t=min_steady_t)
         by_throttle = _cpu_throttled(emean, epos, et, peer_et, thr, peer_thr, stall,
                                      min_lateness_frac=min_lateness_frac)
+        by_throttle |= _core_taken(waited, peer_waited, peer_idle) & ~_held_by_quota(thr, peer_thr)
         return over, pover, et, peer_et, by_arrival, by_phases, by_persistence, by_steady, by_throttle
 
     def fill(where_noise: np.ndarray, where_pnoise: np.ndarray, where_esd: np.ndarray) -> None:
@@ -377,7 +402,8 @@ def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | No
         "detected_at_step": pd.array([int(steps_[win_start[d] + w[g] - 1]) if d >= 0 else None
                                       for g, d in enumerate(detected)], dtype="Int64"),
         "detected_by": [None if d < 0 else "arrival" if by_arrival[d] else "arrival+phases" if by_phases[d]
-                        else "persistence" if by_persistence[d] else "steady" if by_steady[d] else "cpu_throttle"
+                        else "persistence" if by_persistence[d] else "steady" if by_steady[d]
+                        else "cpu_wait" if _core_taken(waited[d], peer_waited[d], peer_idle[d]) else "cpu_throttle"
                         for d in detected],
         "noise_frac": noise[best], "lateness_over_noise": over[best],
         "phase_noise_frac": pnoise[best], "pre_excess_over_noise": pover[best],
@@ -385,7 +411,7 @@ def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | No
         "mean_excess_frac": emean[best], "excess_positive_frac": epos[best], "excess_t": et[best],
         "peer_excess_t": peer_et[best], "median_comm_excess_frac": cmed[best], "cpu_throttled_frac": thr[best],
         "peer_cpu_throttled_frac": peer_thr[best], "step_stall_frac": stall[best],
-        "cpu_wait_frac": waited[best], "peer_cpu_wait_frac": peer_waited[best],
+        "cpu_wait_frac": waited[best], "peer_cpu_wait_frac": peer_waited[best], "peer_idle_frac": peer_idle[best],
     })
     return out[columns]
 
@@ -402,8 +428,8 @@ def _spans(step_ns: np.ndarray, win_start: np.ndarray, wlen: np.ndarray, min_win
 
 
 def _window_figures(column: Callable[[str, str], np.ndarray], win_start: np.ndarray, wlen: np.ndarray,
-                    span: np.ndarray, todo: np.ndarray, *, with_throttle: bool, with_wait: bool
-                    ) -> dict[str, np.ndarray]:
+                    span: np.ndarray, todo: np.ndarray, *, with_throttle: bool, with_wait: bool,
+                    with_idle: bool = False) -> dict[str, np.ndarray]:
     """``straggler_scores``' figures of the windows where ``todo`` holds (NaN elsewhere): each window's medians and
     shares of its steps (``med``, ``pos``, ``pmed``, ``ppos``), the persistence t and its peers' largest
     (``pre_t``, ``peer_t``), its mean excess, share positive, spread and count (``emean``, ``epos``, ``own_sd``,
@@ -413,7 +439,7 @@ def _window_figures(column: Callable[[str, str], np.ndarray], win_start: np.ndar
     sel = np.flatnonzero(todo)
     out = {name: np.full(len(todo), np.nan) for name in ("med", "pos", "pmed", "ppos", "pre_t", "peer_t", "emean",
                                                            "epos", "own_sd", "k_exc", "cmed", "thr", "peer_thr",
-                                                           "waited", "peer_waited", "stall")}
+                                                           "waited", "peer_waited", "stall", "peer_idle")}
     if not len(sel):
         return out
     starts, lengths, key = win_start[sel], wlen[sel], span[sel]
@@ -440,6 +466,10 @@ def _window_figures(column: Callable[[str, str], np.ndarray], win_start: np.ndar
             mean = _nanmean_rows(step)
             with np.errstate(divide="ignore", invalid="ignore"):
                 part["stall"][held] = np.where(mean > 0, 1.0 - _nanmedian_rows(step) / mean, np.nan)
+    if with_idle:           # every peer's idle share: the smallest of them (the negated largest negated one)
+        idle = np.clip(1.0 - _nanmean_rows(_windows(column("cpu_busy_frac", "float64"), starts, lengths))
+                       - part["waited"], 0.0, None)
+        part["peer_idle"] = -_peer_max(-idle, None, key=key)
     for name, values in part.items():
         out[name][sel] = values
     return out
@@ -532,6 +562,14 @@ def _stalled(stall: np.ndarray, throttled: np.ndarray, *, min_lateness_frac: flo
     ``STALL_THROTTLE_RATIO`` of the rank's throttled share either way (NaN: not shown)."""
     return ((stall >= min_lateness_frac) & (stall * STALL_THROTTLE_RATIO >= throttled)
             & (throttled * STALL_THROTTLE_RATIO >= stall))
+
+
+def _core_taken(waited: np.ndarray, peer_waited: np.ndarray, peer_idle: np.ndarray) -> np.ndarray:
+    """The run-queue view: the rank's main thread waited for a CPU at least ``MIN_WAIT_VIEW_EXCESS_FRAC`` of the
+    window longer than any peer's, and every peer sat idle at least ``PEER_IDLE_SHARE_OF_WAIT`` of that (NaN: not
+    shown)."""
+    extra = waited - peer_waited
+    return (extra >= MIN_WAIT_VIEW_EXCESS_FRAC) & (peer_idle >= PEER_IDLE_SHARE_OF_WAIT * extra)
 
 
 def _held_by_quota(throttled: np.ndarray, peer_throttled: np.ndarray) -> np.ndarray:
@@ -1252,6 +1290,9 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
             col("step_stall_frac") if "step_stall_frac" in scores else np.full(len(scores), np.nan),
             min_lateness_frac=min_lateness_frac),
             index=scores.index)
+    if "peer_idle_frac" in scores:
+        ok |= pd.Series([_core_taken_row(r) for r in scores.itertuples(index=False)], index=scores.index,
+                        dtype=bool)
     long_enough = ~(scores["window_steps"] * scores["mean_step_ns"].astype("float64") < min_window_s * 1e9)
     flagged = scores[ok & (scores["window_steps"] >= min_steps) & long_enough]
     judge = (_PipelineJudge(stage_excess, min_lateness_frac=min_lateness_frac)
@@ -1383,6 +1424,8 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
         sched = schedule_gain(int(row.rank), first, last) if schedule_gain is not None else None
         sched_frac = sched / row.mean_step_ns if sched is not None and row.mean_step_ns else None
         lost_frac = wait_frac if stall is None else max(wait_frac, stall)
+        if _core_taken_row(row):        # its peers sat idle while it waited for its core: that is the job's loss
+            lost_frac = max(lost_frac, min(row.cpu_wait_frac - row.peer_cpu_wait_frac, row.peer_idle_frac))
         gain_frac = min(max(lost_frac if sched_frac is None else min(lost_frac, sched_frac), 0.0), 1.0)
         members = list(group_members(row.pg_ranks))
         evidence = {
@@ -1419,6 +1462,7 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
             "peer_cpu_throttled_frac": _opt_float(getattr(row, "peer_cpu_throttled_frac", None)),
             "step_stall_frac": stall,
             "cpu_wait_frac": _opt_float(getattr(row, "cpu_wait_frac", None)),
+            "peer_idle_frac": _opt_float(getattr(row, "peer_idle_frac", None)),
             "peer_cpu_wait_frac": _opt_float(getattr(row, "peer_cpu_wait_frac", None)),
             "propagated_to": sorted(propagated.get(int(row.rank), [])),
             "injected": (injected or {}).get(int(row.rank)),
@@ -1464,8 +1508,12 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
                       if int(row.rank) in upstream_of else
                       f"its stage-mates meet it in its {group_phrase(axis or row.pg, members)}; cause: {cause}"
                       if row.detected_by == "stage" and stage_fig is not None else
-                   f"rank {row.rank} arrives late at its {group_phrase(axis or row.pg, members)} collectives: "
-                   + _lateness_phrase(row)
+                   (f"rank {row.rank} holds up its {group_phrase(axis or row.pg, members)}: its peers sat idle "
+                    f"{row.peer_idle_frac:.0%} of the time over steps {row.window_first_step}-{row.window_last_step}, "
+                    f"waiting for it (its arrivals: {_lateness_phrase(row).replace(', later', '; later')})"
+                    if row.detected_by == "cpu_wait" else
+                    f"rank {row.rank} arrives late at its {group_phrase(axis or row.pg, members)} collectives: "
+                    + _lateness_phrase(row))
                    + (f"; its data+fwd is {row.median_pre_excess_frac:.0%} of the step longer than its peers' "
                       f"(median, {row.pre_excess_t:.1f} standard errors)" if row.detected_by == "persistence" else "")
                    + (f"; on average {row.mean_excess_frac:.0%} of the step later than its group's median "
@@ -1703,8 +1751,18 @@ def _core_shared(row) -> bool:
     wait, peer = (_opt_float(getattr(row, c, None)) for c in WAIT_SCORE_COLUMNS)
     if wait is None or peer is None or _cpu_quota_held(row):
         return False
+    if _core_taken_row(row):
+        return True
     late = _opt_float(getattr(row, "median_lateness_frac", None)) or 0.0
     return wait - peer >= max(MIN_CPU_WAIT_EXCESS_FRAC, CPU_WAIT_SHARE_OF_LATENESS * late)
+
+
+def _core_taken_row(row) -> bool:
+    """The score row's window passes the run-queue view (``_core_taken``) and its quota did not hold it back."""
+    wait, peer, idle = (_opt_float(getattr(row, c, None)) for c in WAIT_SCORE_COLUMNS + IDLE_SCORE_COLUMNS)
+    if wait is None or peer is None or idle is None or _cpu_quota_held(row):
+        return False
+    return bool(_core_taken(np.float64(wait), np.float64(peer), np.float64(idle)))
 
 
 def _cpu_counted(row) -> bool:

@@ -280,6 +280,31 @@ def test_busy_process_on_one_ranks_core_makes_it_a_compute_straggler(run_dir, la
 
 
 @pytest.mark.exclusive
+def test_busy_process_on_one_ranks_core_of_a_launched_fsdp2_script_is_named_by_its_idle_peer(run_dir, launch,
+                                                                                           busy_loop):
+    run = run_dir("cpu_hog_fsdp2_launch")
+    # a user's FSDP2 script under dtprobe launch (host sampler every 0.5 s), each rank on its own core; after 50
+    # steps an ordinary process spins on rank 1's core and the kernel shares it between the two
+    script = Path(__file__).resolve().parents[2] / "examples" / "launch" / "train_fsdp2.py"
+    cmd = [sys.executable, "-m", "dtprobe.cli", "launch", "--nproc", "2", "--run-dir", str(run),
+           "--device-interval", "0.5", str(script), "--steps", "300"]
+    job = launch(cmd, run, timeout_s=JOB_TIMEOUT_S)
+    for rank in (0, 1):
+        pin(job.worker_pid(rank), rank)
+    job.wait_steps(1, 50)
+    busy_loop(1, duty=1.0, realtime=False)
+    shared_from = steps_done(run, 1)
+    assert job.wait() == 0, job.output()[-3000:]
+    finding = _straggler_verdict(analyze(run), 1)
+    ev = finding["evidence"]
+    # its steps are mostly collectives, where the kernel takes its core as often as between them: its arrivals do
+    # not single it out, the kernel's counts do (its run-queue wait, its peer's idle time)
+    assert ev["detected_by"] == "cpu_wait" and ev["detected_at_step"] > shared_from - 20, (shared_from, ev)
+    assert ev["cpu_wait_frac"] - ev["peer_cpu_wait_frac"] >= 0.15 and ev["peer_idle_frac"] >= 0.1, ev
+    assert "waited for a CPU" in finding["title"] and "Another process" in finding["recommendation"], finding
+
+
+@pytest.mark.exclusive
 def test_cpu_quota_of_one_rank_among_more_ranks_than_cores_makes_it_a_compute_straggler(run_dir, launch, cpu_quota):
     assert cgroup_v1_cpu_available(), ("needs a writable cgroup v1 cpu controller at /sys/fs/cgroup/cpu: run the "
                                        "tests as root on a host that mounts it")

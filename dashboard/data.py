@@ -167,7 +167,9 @@ def load_overview(source: Source, *, whole_run: bool = False) -> Overview:
         entry = _entry(path, None if source.kind == "run" else ("traces", _mtime(source.path)))
         with entry.lock:   # one summary made at a time: a second session (or the background's) waits for it
             token = _stored_token(source)
-            key = summary_store.key_of(path)  # before the source is read: a change meanwhile makes it stale
+            # before the source is read: a change meanwhile makes it stale (memoized while the files' token holds:
+            # _stored_overview made it just now)
+            key = _summary_key(source)
             stored = summary_store.load(path, key=key)   # made while this call waited for the lock
             if stored is None:
                 analysis = load_analysis(source, whole_run=whole_run)

@@ -95,3 +95,38 @@ def test_the_middle_stage_of_three_is_named_and_its_neighbours_are_not():
     run, step = _run(slow_from=30, stages=3, factor=1.5)
     trends = tr.stage_trends(*_pipeline(run, step_ms=step))
     assert [f.ranks for f in tr.detect_stage_trends(trends)] == [(1,)]
+
+
+def _counter(column: str, n: int, *, rank1_from: int, before: float, after: float, peer: float) -> pd.DataFrame:
+    """Per-step host counter shares of a 2-stage pipeline: rank 0 at ``peer`` throughout, rank 1 at ``before``
+    until step ``rank1_from``, then ``after``."""
+    return pd.DataFrame([{"rank": r, "step": s, column: peer if r == 0 else before if s < rank1_from else after}
+                         for r in (0, 1) for s in range(n)])
+
+
+def test_the_stage_trend_finding_names_the_quota_or_the_shared_core_the_kernel_counted():
+    run, step = _run(slow_from=40)
+    trends = tr.stage_trends(*_pipeline(run, step_ms=step)).reset_index(drop=True)
+    n, clean_wait = len(step), _counter("cpu_wait_frac", len(step), rank1_from=40, before=0.02, after=0.02, peer=0.02)
+    # without the counters, or with counters that explain nothing: the general advice
+    [plain] = tr.detect_stage_trends(trends)
+    [counted] = tr.detect_stage_trends(trends, cpu_throttled=_counter("cpu_throttled_frac", n, rank1_from=40,
+                                                                        before=0.0, after=0.0, peer=0.0),
+                                       cpu_wait=clean_wait)
+    assert counted.recommendation == plain.recommendation and "what changed on its host" in plain.recommendation
+    assert plain.evidence["cpu_wait_frac"] is None and counted.evidence["cpu_wait_frac"] == pytest.approx(0.02)
+    # its cgroup throttled from step 40 on (the kernel counts that as run-queue wait too): the quota
+    [quota] = tr.detect_stage_trends(trends, cpu_throttled=_counter("cpu_throttled_frac", n, rank1_from=40,
+                                                                      before=0.0, after=0.4, peer=0.0),
+                                     cpu_wait=_counter("cpu_wait_frac", n, rank1_from=40, before=0.02, after=0.4,
+                                                       peer=0.02))
+    assert "throttled by its quota" in quota.title and "CPU quota" in quota.recommendation
+    assert quota.evidence["cpu_throttled_frac"] > 0.1 and quota.evidence["peer_cpu_throttled_frac"] == 0.0
+    # its main thread waits for a CPU from step 40 on, its peer's does not: another process on its core
+    [shared] = tr.detect_stage_trends(trends, cpu_wait=_counter("cpu_wait_frac", n, rank1_from=40, before=0.02,
+                                                                after=0.3, peer=0.02))
+    assert "waited for a CPU" in shared.title and "Another process" in shared.recommendation
+    # the same wait from the start (its core shared before the slowdown too): not what slowed it
+    [always] = tr.detect_stage_trends(trends, cpu_wait=_counter("cpu_wait_frac", n, rank1_from=0, before=0.3,
+                                                                after=0.3, peer=0.02))
+    assert always.recommendation == plain.recommendation

@@ -454,7 +454,9 @@ class RunAnalysis:
                 host_compute=self.info.device_name == "cpu")
             named = {r for f in found if f.severity != "info" for r in f.ranks}
             clock = _clock_names.clock_of(self.table("pipeline")["clock"])
-            return found + _stage_trend.detect_stage_trends(self.stage_trends(), named=named, clock=clock)
+            return found + _stage_trend.detect_stage_trends(self.stage_trends(), named=named, clock=clock,
+                                                            cpu_throttled=self.cpu_throttled(),
+                                                            cpu_wait=self.cpu_wait())
         return self._memo("f:stragglers", compute)
 
     def stage_trends(self) -> pd.DataFrame:

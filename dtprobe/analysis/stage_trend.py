@@ -15,7 +15,8 @@ import pandas as pd
 
 from dtprobe.analysis.findings import Finding, PredictedGain
 from dtprobe.analysis.pipeline_delay import STAGE_EXCESS_COLUMNS
-from dtprobe.analysis.stragglers import MIN_WINDOW_S, medians_and_se, window_length
+from dtprobe.analysis.stragglers import (MAX_PEER_THROTTLED_SHARE, MIN_CPU_THROTTLED_FRAC, MIN_CPU_WAIT_EXCESS_FRAC,
+                                         MIN_WINDOW_S, medians_and_se, straggler_advice, window_length)
 from dtprobe.analysis.tables import step_durations
 from dtprobe.store.columns import require_columns
 
@@ -100,11 +101,14 @@ def _first_rise(steps: np.ndarray, rel: np.ndarray, run: np.ndarray, step_of: np
             "step_ns_after": float(step_after[k]), "detected_at_step": int(steps[start + w - 1]) if found else None}
 
 
-def detect_stage_trends(trends: pd.DataFrame, *, named: set[int] = frozenset(), clock: str | None = None
+def detect_stage_trends(trends: pd.DataFrame, *, named: set[int] = frozenset(), clock: str | None = None,
+                        cpu_throttled: pd.DataFrame | None = None, cpu_wait: pd.DataFrame | None = None
                         ) -> list[Finding]:
     """STRAGGLER (``detected_by: stage_trend``, group ``pp``, cause ``compute``) for each detected row of
     ``stage_trends`` whose rank no other straggler finding names (``named``). The predicted gain: the rank's own
-    actions' run time back to the first window's, at most what the step grew, as a share of the window's step."""
+    actions' run time back to the first window's, at most what the step grew, as a share of the window's step.
+    With the host counters per step (``cpu_throttle.cpu_throttled_per_step``, ``cpu_wait_per_step``), the title and
+    advice name what the kernel counted in its window against its baseline (``_kernel_reason``)."""
     require_columns(trends, TREND_COLUMNS, table="stage_trends")
     out = []
     for r in trends[trends["detected_at_step"].notna()].itertuples(index=False):
@@ -113,6 +117,19 @@ def detect_stage_trends(trends: pd.DataFrame, *, named: set[int] = frozenset(), 
         gain_ns = max(0.0, min(r.run_ns_after - r.run_ns_before, r.step_ns_after - r.step_ns_before))
         gain = gain_ns / r.step_ns_after if r.step_ns_after > 0 else 0.0
         first, last = int(r.window_first_step), int(r.window_last_step)
+        base = (int(r.baseline_first_step), int(r.baseline_last_step))
+        thr, peer_thr = _window_shares(cpu_throttled, "cpu_throttled_frac", int(r.rank), (first, last))
+        wait, peer_wait = _window_shares(cpu_wait, "cpu_wait_frac", int(r.rank), (first, last))
+        base_wait, base_peer_wait = _window_shares(cpu_wait, "cpu_wait_frac", int(r.rank), base)
+        quota = thr is not None and thr >= MIN_CPU_THROTTLED_FRAC and not (
+            peer_thr is not None and peer_thr >= MAX_PEER_THROTTLED_SHARE * thr)
+        # its extra wait for a CPU came with the slowdown (the kernel counts a quota's throttling as wait too)
+        shared = (not quota and None not in (wait, peer_wait, base_wait, base_peer_wait)
+                  and wait - peer_wait >= MIN_CPU_WAIT_EXCESS_FRAC
+                  and (wait - peer_wait) - (base_wait - base_peer_wait) >= MIN_CPU_WAIT_EXCESS_FRAC)
+        reason = (f"; its CPU cgroup was throttled by its quota for {thr:.0%} of the time" if quota else
+                  f"; its main thread waited for a CPU {wait:.0%} of the time (its peers at most {peer_wait:.0%}; "
+                  f"{base_wait:.0%} and {base_peer_wait:.0%} before)" if shared else "")
         out.append(Finding(
             code="STRAGGLER", severity="critical" if gain >= CRITICAL_GAIN_FRAC else "warning",
             ranks=(int(r.rank),), group="pp",
@@ -120,7 +137,7 @@ def detect_stage_trends(trends: pd.DataFrame, *, named: set[int] = frozenset(), 
                    f"{r.run_ns_before / 1e6:.1f} to {r.run_ns_after / 1e6:.1f} ms per step (steps {first}-{last} "
                    f"against {int(r.baseline_first_step)}-{int(r.baseline_last_step)}; {r.rise:+.0%} relative to its "
                    f"pipeline peers, {r.rise_t:.1f} standard errors), and the step from "
-                   f"{r.step_ns_before / 1e6:.1f} to {r.step_ns_after / 1e6:.1f} ms; cause: compute"),
+                   f"{r.step_ns_before / 1e6:.1f} to {r.step_ns_after / 1e6:.1f} ms{reason}; cause: compute"),
             evidence={
                 "rank": int(r.rank), "pg": "pp", "stage": int(r.stage), "pipeline": int(r.pipeline),
                 "clock": clock, "detected_by": "stage_trend", "cause": "compute",
@@ -131,11 +148,28 @@ def detect_stage_trends(trends: pd.DataFrame, *, named: set[int] = frozenset(), 
                 "relative_to_peers_before": float(r.baseline_rel), "relative_to_peers_after": float(r.window_rel),
                 "rise": float(r.rise), "rise_t": float(r.rise_t),
                 "step_ms_before": round(r.step_ns_before / 1e6, 3), "step_ms_after": round(r.step_ns_after / 1e6, 3),
+                "cpu_throttled_frac": thr, "peer_cpu_throttled_frac": peer_thr, "cpu_wait_frac": wait,
+                "peer_cpu_wait_frac": peer_wait,
             },
-            recommendation=(f"Rank {r.rank}'s stage became slower during the run while the other stages did not: "
+            recommendation=(straggler_advice("compute", int(r.rank), cpu_quota=quota, core_shared=shared)
+                            if quota or shared else
+                            f"Rank {r.rank}'s stage became slower during the run while the other stages did not: "
                             "look at what changed on its host or device then (another process on its cores, a CPU "
                             "quota, clocks or thermal throttling, a failing device). No other pipeline runs its "
                             "stage, so only its own earlier steps are there to compare it with."),
             predicted_gain=PredictedGain(metric="step_time", frac=float(gain)),
         ))
     return out
+
+
+def _window_shares(per_step: pd.DataFrame | None, column: str, rank: int, steps: tuple[int, int]
+                   ) -> tuple[float | None, float | None]:
+    """``rank``'s mean ``column`` over ``steps`` (inclusive) and the largest of the other ranks' means; None where
+    unknown (no counter, no sampled step)."""
+    if per_step is None or per_step.empty:
+        return None, None
+    inside = per_step[per_step["step"].between(*steps)]
+    means = inside.groupby("rank")[column].mean().dropna()
+    own = float(means[rank]) if rank in means.index else None
+    others = means.drop(rank, errors="ignore")
+    return own, float(others.max()) if len(others) else None

@@ -1539,7 +1539,7 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
                       f"{passed['num_steps']} steps after (steps {passed['steps'][0]}-{passed['steps'][1]}), an "
                       f"episode that passed" if passed else "")),
             evidence=evidence,
-            recommendation=_advice(cause, int(row.rank), cpu_quota=quota_held, core_shared=core_shared,
+            recommendation=straggler_advice(cause, int(row.rank), cpu_quota=quota_held, core_shared=core_shared,
                                    cpu_counted=_cpu_counted(row), off_cpu=bool(off_cpu),
                                    outside_phases=(ms(max(0.0, fwd_excess) + max(0.0, bwd_excess)),
                                                    ms(c.compute_excess_ns)) if outside else None),
@@ -1791,7 +1791,7 @@ def _busy_figures(cpu_busy: pd.DataFrame | None, rank: int, members: list[int], 
     return float(enough[rank]), float(peers.median())
 
 
-def _advice(cause: str, rank: int, *, cpu_quota: bool = False, core_shared: bool = False,
+def straggler_advice(cause: str, rank: int, *, cpu_quota: bool = False, core_shared: bool = False,
             cpu_counted: bool = False, off_cpu: bool = False,
             outside_phases: tuple[float, float] | None = None) -> str:
     """The recommendation of a STRAGGLER of ``cause``; ``outside_phases``: (its forward's and backward's excess,

@@ -403,7 +403,8 @@ def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | No
                                       for g, d in enumerate(detected)], dtype="Int64"),
         "detected_by": [None if d < 0 else "arrival" if by_arrival[d] else "arrival+phases" if by_phases[d]
                         else "persistence" if by_persistence[d] else "steady" if by_steady[d]
-                        else "cpu_wait" if _core_taken(waited[d], peer_waited[d], peer_idle[d]) else "cpu_throttle"
+                        else "cpu_wait" if _core_taken(waited[d], peer_waited[d], peer_idle[d])
+                        and not _held_by_quota(thr[d], peer_thr[d]) else "cpu_throttle"
                         for d in detected],
         "noise_frac": noise[best], "lateness_over_noise": over[best],
         "phase_noise_frac": pnoise[best], "pre_excess_over_noise": pover[best],

@@ -445,6 +445,11 @@ def test_the_run_queue_view_names_nobody_for_a_clean_host_a_rank_with_slack_or_a
     # a quota: the kernel counts its throttled time as run-queue wait too; the throttle view judges it
     held, waited, busy = _core_taken_from(first, n, throttled=0.3)
     assert _findings(lateness, held, waited, busy) == []
+    # a quota whose throttle count shows 20 steps after the wait it causes (a process moved into a quota'd cgroup:
+    # the sampler's first sample there only sets the counter's base): not called another process's
+    late_count = _throttled({0: [0.0] * n, 1: [0.0] * (first + 20) + [0.4] * (n - first - 20)})
+    assert all(f.evidence["detected_by"] != "cpu_wait" and "Another process" not in f.recommendation
+               for f in _findings(lateness, late_count, waited, busy))
     scores = st.straggler_scores(lateness, cpu_throttled=held, cpu_wait=waited, cpu_busy=busy)
     assert list(scores.columns) == (st.SCORE_COLUMNS + st.NOISE_COLUMNS + st.THROTTLE_SCORE_COLUMNS
                                     + st.WAIT_SCORE_COLUMNS + st.IDLE_SCORE_COLUMNS)

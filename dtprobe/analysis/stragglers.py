@@ -63,7 +63,8 @@ IDLE_SCORE_COLUMNS = ["peer_idle_frac"]
 """Extra column of ``straggler_scores`` (after the wait ones) when it is given both the ranks' run-queue waits and
 their CPU use (``cpu_throttle.cpu_busy_per_step``): the smallest share of the chosen window any peer's process
 spent neither on a CPU nor waiting for one (1 - its ``cpu_busy_frac`` - its ``cpu_wait_frac``, at least 0): the
-time it sat idle, blocked (in a collective, waiting for the rank)."""
+time it sat idle, blocked (in a collective, waiting for the rank). NaN (not judged) for a rank whose cgroup was
+throttled (``MIN_CPU_THROTTLED_FRAC``) in any window: its waits may be its quota's."""
 CAUSE_COLUMNS = [
     "pg", "pg_ranks", "rank", "data_excess_ns", "compute_excess_ns", "comm_excess_ns", "throttled_frac", "cause",
 ]
@@ -315,6 +316,11 @@ def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | No
     emean, epos, own_sd, k_exc = (fig[k] for k in ("emean", "epos", "own_sd", "k_exc"))
     thr, peer_thr, waited, peer_waited, stall, peer_idle = (fig[k] for k in ("thr", "peer_thr", "waited",
                                                                              "peer_waited", "stall", "peer_idle"))
+    # a rank whose cgroup hit its quota in any window: its run-queue waits may be the quota's (the kernel counts
+    # throttled time as wait, and a process moved into a quota'd cgroup shows the throttle a sample later than the
+    # wait), so the run-queue view does not judge it (the throttle view does)
+    quota_ever = np.maximum.reduceat(np.nan_to_num(thr, nan=0.0), first_window) >= MIN_CPU_THROTTLED_FRAC
+    peer_idle = np.where(quota_ever[win_gid], np.nan, peer_idle)
     # The peers' noise (the costly part: a pool of the peers' values per window) is needed only where a view's
     # other conditions hold (unknown noise does not block, so those windows are a superset of the qualifying ones)
     # and at each (group, rank)'s chosen window; the steady view's peer_et also needs its peers' windows of the

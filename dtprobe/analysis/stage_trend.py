@@ -108,7 +108,10 @@ def detect_stage_trends(trends: pd.DataFrame, *, named: set[int] = frozenset(), 
     ``stage_trends`` whose rank no other straggler finding names (``named``). The predicted gain: the rank's own
     actions' run time back to the first window's, at most what the step grew, as a share of the window's step.
     With the host counters per step (``cpu_throttle.cpu_throttled_per_step``, ``cpu_wait_per_step``), the title and
-    advice name what the kernel counted in its window against its baseline (``_kernel_reason``)."""
+    advice name what the kernel counted over its window (``_window_shares``): its cgroup's quota (throttled at least
+    ``MIN_CPU_THROTTLED_FRAC``, no other rank a ``MAX_PEER_THROTTLED_SHARE`` of that), else a shared core (its
+    run-queue wait beyond the other ranks' at least ``MIN_CPU_WAIT_EXCESS_FRAC``, and grown by as much since its
+    baseline window)."""
     require_columns(trends, TREND_COLUMNS, table="stage_trends")
     out = []
     for r in trends[trends["detected_at_step"].notna()].itertuples(index=False):

@@ -15,8 +15,8 @@ import pandas as pd
 
 from dtprobe.analysis.findings import Finding, PredictedGain
 from dtprobe.analysis.pipeline_delay import STAGE_EXCESS_COLUMNS
-from dtprobe.analysis.stragglers import (MAX_PEER_THROTTLED_SHARE, MIN_CPU_THROTTLED_FRAC, MIN_CPU_WAIT_EXCESS_FRAC,
-                                         MIN_WINDOW_S, medians_and_se, straggler_advice, window_length)
+from dtprobe.analysis.stragglers import (MIN_CPU_WAIT_EXCESS_FRAC, MIN_WINDOW_S, held_by_quota, medians_and_se,
+                                         straggler_advice, window_length)
 from dtprobe.analysis.tables import step_durations
 from dtprobe.store.columns import require_columns
 
@@ -108,8 +108,8 @@ def detect_stage_trends(trends: pd.DataFrame, *, named: set[int] = frozenset(), 
     ``stage_trends`` whose rank no other straggler finding names (``named``). The predicted gain: the rank's own
     actions' run time back to the first window's, at most what the step grew, as a share of the window's step.
     With the host counters per step (``cpu_throttle.cpu_throttled_per_step``, ``cpu_wait_per_step``), the title and
-    advice name what the kernel counted over its window (``_window_shares``): its cgroup's quota (throttled at least
-    ``MIN_CPU_THROTTLED_FRAC``, no other rank a ``MAX_PEER_THROTTLED_SHARE`` of that), else a shared core (its
+    advice name what the kernel counted over its window (``_window_shares``): its cgroup's quota
+    (``stragglers.held_by_quota`` against the largest of the other ranks' throttled shares), else a shared core (its
     run-queue wait beyond the other ranks' at least ``MIN_CPU_WAIT_EXCESS_FRAC``, and grown by as much since its
     baseline window)."""
     require_columns(trends, TREND_COLUMNS, table="stage_trends")
@@ -124,8 +124,8 @@ def detect_stage_trends(trends: pd.DataFrame, *, named: set[int] = frozenset(), 
         thr, peer_thr = _window_shares(cpu_throttled, "cpu_throttled_frac", int(r.rank), (first, last))
         wait, peer_wait = _window_shares(cpu_wait, "cpu_wait_frac", int(r.rank), (first, last))
         base_wait, base_peer_wait = _window_shares(cpu_wait, "cpu_wait_frac", int(r.rank), base)
-        quota = thr is not None and thr >= MIN_CPU_THROTTLED_FRAC and not (
-            peer_thr is not None and peer_thr >= MAX_PEER_THROTTLED_SHARE * thr)
+        quota = thr is not None and bool(held_by_quota(np.float64(thr),
+                                                       np.float64(np.nan if peer_thr is None else peer_thr)))
         # its extra wait for a CPU came with the slowdown (the kernel counts a quota's throttling as wait too)
         shared = (not quota and None not in (wait, peer_wait, base_wait, base_peer_wait)
                   and wait - peer_wait >= MIN_CPU_WAIT_EXCESS_FRAC

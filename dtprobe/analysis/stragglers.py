@@ -321,6 +321,7 @@ def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | No
     # wait), so the run-queue view does not judge it (the throttle view does)
     quota_ever = np.maximum.reduceat(np.nan_to_num(thr, nan=0.0), first_window) >= MIN_CPU_THROTTLED_FRAC
     peer_idle = np.where(quota_ever[win_gid], np.nan, peer_idle)
+    by_core = _core_taken(waited, peer_waited, peer_idle) & ~held_by_quota(thr, peer_thr)   # no noise in it
     # The peers' noise (the costly part: a pool of the peers' values per window) is needed only where a view's
     # other conditions hold (unknown noise does not block, so those windows are a superset of the qualifying ones)
     # and at each (group, rank)'s chosen window; the steady view's peer_et also needs its peers' windows of the
@@ -355,7 +356,7 @@ def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | No
         by_steady = _steady(emean, epos, et, peer_et, min_lateness_frac=min_lateness_frac, min_t=min_steady_t)
         by_throttle = _cpu_throttled(emean, epos, et, peer_et, thr, peer_thr, stall,
                                      min_lateness_frac=min_lateness_frac)
-        by_throttle |= _core_taken(waited, peer_waited, peer_idle) & ~_held_by_quota(thr, peer_thr)
+        by_throttle |= by_core
         return over, pover, et, peer_et, by_arrival, by_phases, by_persistence, by_steady, by_throttle
 
     def fill(where_noise: np.ndarray, where_pnoise: np.ndarray, where_esd: np.ndarray) -> None:
@@ -409,8 +410,7 @@ def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | No
                                       for g, d in enumerate(detected)], dtype="Int64"),
         "detected_by": [None if d < 0 else "arrival" if by_arrival[d] else "arrival+phases" if by_phases[d]
                         else "persistence" if by_persistence[d] else "steady" if by_steady[d]
-                        else "cpu_wait" if _core_taken(waited[d], peer_waited[d], peer_idle[d])
-                        and not _held_by_quota(thr[d], peer_thr[d]) else "cpu_throttle"
+                        else "cpu_wait" if by_core[d] else "cpu_throttle"
                         for d in detected],
         "noise_frac": noise[best], "lateness_over_noise": over[best],
         "phase_noise_frac": pnoise[best], "pre_excess_over_noise": pover[best],
@@ -560,7 +560,7 @@ def _cpu_throttled(mean: np.ndarray, pos: np.ndarray, t: np.ndarray, peer_t: np.
     late = ((mean >= MIN_THROTTLED_EXCESS_SHARE * min_lateness_frac)
             & ((t >= MIN_THROTTLED_T) | (pos >= MIN_THROTTLED_POSITIVE_FRAC)))
     late |= (mean > 0) & _stalled(stall, throttled, min_lateness_frac=min_lateness_frac)
-    return (_held_by_quota(throttled, peer_throttled) & late
+    return (held_by_quota(throttled, peer_throttled) & late
             & ~(t < MIN_STEADY_T_OVER_PEERS * np.maximum(peer_t, 0)))
 
 
@@ -579,7 +579,7 @@ def _core_taken(waited: np.ndarray, peer_waited: np.ndarray, peer_idle: np.ndarr
     return (extra >= MIN_WAIT_VIEW_EXCESS_FRAC) & (peer_idle >= PEER_IDLE_SHARE_OF_WAIT * extra)
 
 
-def _held_by_quota(throttled: np.ndarray, peer_throttled: np.ndarray) -> np.ndarray:
+def held_by_quota(throttled: np.ndarray, peer_throttled: np.ndarray) -> np.ndarray:
     """The rank's cgroup throttled at least ``MIN_CPU_THROTTLED_FRAC`` while no peer's was a
     ``MAX_PEER_THROTTLED_SHARE`` of that (NaN: unknown, a rank's does not pass, a peer's does not block)."""
     return (throttled >= MIN_CPU_THROTTLED_FRAC) & ~(peer_throttled >= MAX_PEER_THROTTLED_SHARE * throttled)
@@ -814,7 +814,7 @@ def _windows(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.
     values = np.asarray(values, dtype="float64")
     if len(starts) and bool((lengths == width).all()) and int(starts.max()) + width <= len(values):
         return np.lib.stride_tricks.sliding_window_view(values, width)[starts]   # all whole: a copy, no padding
-    padded = np.concatenate([values.astype("float64"), np.full(width, np.nan)])
+    padded = np.concatenate([values, np.full(width, np.nan)])
     out = np.lib.stride_tricks.sliding_window_view(padded, width)[starts]
     return np.where(np.arange(width) < lengths[:, None], out, np.nan)
 
@@ -1298,8 +1298,11 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
             min_lateness_frac=min_lateness_frac),
             index=scores.index)
     if "peer_idle_frac" in scores:
-        ok |= pd.Series([_core_taken_row(r) for r in scores.itertuples(index=False)], index=scores.index,
-                        dtype=bool)
+        unknown = np.full(len(scores), np.nan)
+        ok |= pd.Series(_core_taken(col("cpu_wait_frac"), col("peer_cpu_wait_frac"), col("peer_idle_frac"))
+                        & ~held_by_quota(*(col(c) if c in scores else unknown
+                                            for c in ("cpu_throttled_frac", "peer_cpu_throttled_frac"))),
+                        index=scores.index)
     long_enough = ~(scores["window_steps"] * scores["mean_step_ns"].astype("float64") < min_window_s * 1e9)
     flagged = scores[ok & (scores["window_steps"] >= min_steps) & long_enough]
     judge = (_PipelineJudge(stage_excess, min_lateness_frac=min_lateness_frac)
@@ -1547,9 +1550,9 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
                       f"episode that passed" if passed else "")),
             evidence=evidence,
             recommendation=straggler_advice(cause, int(row.rank), cpu_quota=quota_held, core_shared=core_shared,
-                                   cpu_counted=_cpu_counted(row), off_cpu=bool(off_cpu),
-                                   outside_phases=(ms(max(0.0, fwd_excess) + max(0.0, bwd_excess)),
-                                                   ms(c.compute_excess_ns)) if outside else None),
+                                            cpu_counted=_cpu_counted(row), off_cpu=bool(off_cpu),
+                                            outside_phases=(ms(max(0.0, fwd_excess) + max(0.0, bwd_excess)),
+                                                            ms(c.compute_excess_ns)) if outside else None),
             predicted_gain=PredictedGain(metric="step_time", frac=gain_frac),
             rows=evidence_rows,
         ))
@@ -1746,7 +1749,7 @@ def _later_in_shared_groups(scores: pd.DataFrame) -> dict[tuple[int, int], bool]
 def _cpu_quota_held(row) -> bool:
     """The score row's rank was held back by its cgroup's CPU quota in its window while its peers were not."""
     thr, peer = (_opt_float(getattr(row, c, None)) for c in ("cpu_throttled_frac", "peer_cpu_throttled_frac"))
-    return thr is not None and bool(_held_by_quota(np.float64(thr), np.float64(np.nan if peer is None else peer)))
+    return thr is not None and bool(held_by_quota(np.float64(thr), np.float64(np.nan if peer is None else peer)))
 
 
 def _core_shared(row) -> bool:
@@ -1799,8 +1802,8 @@ def _busy_figures(cpu_busy: pd.DataFrame | None, rank: int, members: list[int], 
 
 
 def straggler_advice(cause: str, rank: int, *, cpu_quota: bool = False, core_shared: bool = False,
-            cpu_counted: bool = False, off_cpu: bool = False,
-            outside_phases: tuple[float, float] | None = None) -> str:
+                     cpu_counted: bool = False, off_cpu: bool = False,
+                     outside_phases: tuple[float, float] | None = None) -> str:
     """The recommendation of a STRAGGLER of ``cause``; ``outside_phases``: (its forward's and backward's excess,
     its compute excess) in ms when they explain little of it (``PHASES_SHARE_OF_COMPUTE``)."""
     if cause == "compute" and cpu_quota:

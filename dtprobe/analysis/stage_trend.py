@@ -15,7 +15,7 @@ import pandas as pd
 
 from dtprobe.analysis.findings import Finding, PredictedGain
 from dtprobe.analysis.pipeline_delay import STAGE_EXCESS_COLUMNS
-from dtprobe.analysis.stragglers import (MIN_CPU_WAIT_EXCESS_FRAC, MIN_WINDOW_S, held_by_quota, medians_and_se,
+from dtprobe.analysis.stragglers import (MIN_CPU_WAIT_EXCESS_FRAC, MIN_WINDOW_S, medians_and_se, quota_held,
                                          straggler_advice, window_length)
 from dtprobe.analysis.tables import step_durations
 from dtprobe.store.columns import require_columns
@@ -109,7 +109,7 @@ def detect_stage_trends(trends: pd.DataFrame, *, named: set[int] = frozenset(), 
     actions' run time back to the first window's, at most what the step grew, as a share of the window's step.
     With the host counters per step (``cpu_throttle.cpu_throttled_per_step``, ``cpu_wait_per_step``), the title and
     advice name what the kernel counted over its window (``_window_shares``): its cgroup's quota
-    (``stragglers.held_by_quota`` against the largest of the other ranks' throttled shares), else a shared core (its
+    (``stragglers.quota_held`` against the largest of the other ranks' throttled shares), else a shared core (its
     run-queue wait beyond the other ranks' at least ``MIN_CPU_WAIT_EXCESS_FRAC``, and grown by as much since its
     baseline window)."""
     require_columns(trends, TREND_COLUMNS, table="stage_trends")
@@ -124,8 +124,7 @@ def detect_stage_trends(trends: pd.DataFrame, *, named: set[int] = frozenset(), 
         thr, peer_thr = _window_shares(cpu_throttled, "cpu_throttled_frac", int(r.rank), (first, last))
         wait, peer_wait = _window_shares(cpu_wait, "cpu_wait_frac", int(r.rank), (first, last))
         base_wait, base_peer_wait = _window_shares(cpu_wait, "cpu_wait_frac", int(r.rank), base)
-        quota = thr is not None and bool(held_by_quota(np.float64(thr),
-                                                       np.float64(np.nan if peer_thr is None else peer_thr)))
+        quota = quota_held(thr, peer_thr)
         # its extra wait for a CPU came with the slowdown (the kernel counts a quota's throttling as wait too)
         shared = (not quota and None not in (wait, peer_wait, base_wait, base_peer_wait)
                   and wait - peer_wait >= MIN_CPU_WAIT_EXCESS_FRAC

@@ -585,6 +585,12 @@ def held_by_quota(throttled: np.ndarray, peer_throttled: np.ndarray) -> np.ndarr
     return (throttled >= MIN_CPU_THROTTLED_FRAC) & ~(peer_throttled >= MAX_PEER_THROTTLED_SHARE * throttled)
 
 
+def quota_held(throttled: float | None, peer_throttled: float | None) -> bool:
+    """``held_by_quota`` of one rank's throttled share and its peers' largest (None: unknown)."""
+    return throttled is not None and bool(held_by_quota(
+        np.float64(throttled), np.float64(np.nan if peer_throttled is None else peer_throttled)))
+
+
 def medians_and_se(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per row of ``x`` (NaN ignored): its median and that median's standard error (``_median_se``)."""
     med = _nanmedian_rows(x)
@@ -1748,8 +1754,7 @@ def _later_in_shared_groups(scores: pd.DataFrame) -> dict[tuple[int, int], bool]
 
 def _cpu_quota_held(row) -> bool:
     """The score row's rank was held back by its cgroup's CPU quota in its window while its peers were not."""
-    thr, peer = (_opt_float(getattr(row, c, None)) for c in ("cpu_throttled_frac", "peer_cpu_throttled_frac"))
-    return thr is not None and bool(held_by_quota(np.float64(thr), np.float64(np.nan if peer is None else peer)))
+    return quota_held(*(_opt_float(getattr(row, c, None)) for c in ("cpu_throttled_frac", "peer_cpu_throttled_frac")))
 
 
 def _core_shared(row) -> bool:

@@ -9,6 +9,8 @@ import pandas as pd
 import pytest
 from analysis_synth import MS, T0
 
+from dtprobe.analysis import straggler_causes as sc
+from dtprobe.analysis import straggler_scores as ss
 from dtprobe.analysis import links
 from dtprobe.analysis import stragglers as st
 from dtprobe.analysis.comm_efficiency import collective_bandwidth
@@ -138,10 +140,10 @@ def test_node_names_fall_back_to_node_rank_when_hosts_repeat():
 def _stragglers(t: dict, slow_link_ranks: dict[int, int] | None) -> list:
     lateness = st.rank_lateness(t["collectives"], t["steps"])
     lateness = lateness[lateness["step"] >= 1]
-    scores = st.straggler_scores(lateness)
+    scores = ss.straggler_scores(lateness)
     waits = st.collective_waits(t["collectives"], st.collective_skew(t["collectives"]))
-    causes = st.straggler_causes(scores, lateness, t["steps"], pd.DataFrame(),
-                                 blocked=st.blocked_outside_groups(t["collectives"], waits))
+    causes = sc.straggler_causes(scores, lateness, t["steps"], pd.DataFrame(),
+                                 blocked=sc.blocked_outside_groups(t["collectives"], waits))
     return st.detect_stragglers(scores, causes, links=st.linked_ranks(t["collectives"]), lateness=lateness,
                                 slow_link_ranks=slow_link_ranks)
 
@@ -151,7 +153,7 @@ def test_a_node_late_behind_a_slow_link_is_not_a_compute_straggler():
     found = _slow_links(t)
     assert [f.code for f in found] == ["SLOW_LINK"]
     # the metric does see node-b's ranks arrive late (their all-reduces end later) ...
-    scores = st.straggler_scores(st.rank_lateness(t["collectives"], t["steps"]))
+    scores = ss.straggler_scores(st.rank_lateness(t["collectives"], t["steps"]))
     assert (scores.set_index("rank").loc[[2, 3], "median_lateness_frac"] > 0.05).all()
     # ... but with the slow link known, no rank's compute is blamed
     assert _stragglers(t, links.slow_link_ranks(found)) == []

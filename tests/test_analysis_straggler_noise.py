@@ -9,6 +9,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from dtprobe.analysis import straggler_causes as sc
+from dtprobe.analysis import straggler_scores as ss
 from dtprobe.analysis import RunAnalysis
 from dtprobe.analysis import stragglers as st
 
@@ -30,8 +32,8 @@ def _lateness(fracs: dict[int, list[float]], *, pg: str = "dp", pre: dict[int, l
 
 
 def _detect(lateness: pd.DataFrame, **kw) -> list:
-    scores = st.straggler_scores(lateness, **kw)
-    return st.detect_stragglers(scores, pd.DataFrame({c: [] for c in st.CAUSE_COLUMNS}), lateness=lateness, **kw)
+    scores = ss.straggler_scores(lateness, **kw)
+    return st.detect_stragglers(scores, pd.DataFrame({c: [] for c in sc.CAUSE_COLUMNS}), lateness=lateness, **kw)
 
 
 def _reference_noise(lateness: pd.DataFrame, rank: int, first: int, last: int) -> float:
@@ -45,7 +47,7 @@ def test_peer_noise_pools_the_other_ranks_over_the_window_steps():
     lateness = _lateness({r: list(rng.normal(0.0, 0.05 * (r + 1), 12)) for r in range(4)})
     windows = pd.DataFrame({"pg": "dp", "pg_ranks": "0,1,2,3", "rank": [0, 2, 3], "first_step": [1, 4, 3],
                             "last_step": [12, 9, 3]})
-    got = st.peer_noise(lateness, windows)
+    got = ss.peer_noise(lateness, windows)
     want = [_reference_noise(lateness, r, a, b) for r, a, b in zip(windows["rank"], windows["first_step"],
                                                                    windows["last_step"])]
     assert got.tolist() == pytest.approx(want, rel=1e-12)
@@ -53,12 +55,12 @@ def test_peer_noise_pools_the_other_ranks_over_the_window_steps():
 
 def test_peer_noise_of_a_large_group_pools_every_member_once_per_step_span():
     rng = np.random.default_rng(5)
-    n_ranks = st.MAX_PEERS_EXCLUDED + 4
+    n_ranks = ss.MAX_PEERS_EXCLUDED + 4
     lateness = _lateness({r: list(rng.normal(0.0, 0.05, 30)) for r in range(n_ranks)})
     members = ",".join(map(str, range(n_ranks)))
     windows = pd.DataFrame({"pg": "dp", "pg_ranks": members, "rank": [0, 5, 7, 9], "first_step": [1, 3, 1, 11],
                             "last_step": [20, 22, 20, 30]})
-    got = st.peer_noise(lateness, windows)
+    got = ss.peer_noise(lateness, windows)
 
     def everyone(a: int, b: int) -> float:
         v = lateness[lateness["step"].between(a, b)]["lateness_frac"].to_numpy()
@@ -76,7 +78,7 @@ def test_a_rank_late_by_chance_as_its_peers_are_is_no_straggler():
     lateness = _lateness(fracs)
     assert [f.ranks for f in _detect(lateness, min_lateness_over_noise=0.0)] == [(0,)]
     assert _detect(lateness) == []
-    score = st.straggler_scores(lateness).set_index("rank").loc[0]
+    score = ss.straggler_scores(lateness).set_index("rank").loc[0]
     # peers pooled: 20 x 0.25, 20 x -0.3, 10 x 0.05, 10 x -0.1; median -0.025, every |deviation| 0.275 or 0.075
     assert score["noise_frac"] == pytest.approx(1.4826 * 0.275)
     assert score["lateness_over_noise"] == pytest.approx(0.15 / (1.4826 * 0.275))
@@ -94,7 +96,7 @@ def test_a_rank_late_well_above_its_quiet_peers_is_a_straggler_with_its_noise_in
     want = _reference_noise(lateness, 0, 1, 20)
     assert ev["noise_frac"] == pytest.approx(want)
     assert ev["lateness_over_noise"] == pytest.approx(ev["median_lateness_frac"] / want)
-    assert ev["lateness_over_noise"] >= st.MIN_LATENESS_OVER_NOISE
+    assert ev["lateness_over_noise"] >= ss.MIN_LATENESS_OVER_NOISE
 
 
 def test_a_rank_whose_forward_stands_out_of_its_peers_phase_noise_is_found_by_the_phases_view():
@@ -110,12 +112,12 @@ def test_a_rank_whose_forward_stands_out_of_its_peers_phase_noise_is_found_by_th
     [f] = _detect(lateness)
     ev = f.evidence
     assert (f.ranks, ev["detected_by"]) == ((0,), "arrival+phases")
-    assert ev["lateness_over_noise"] < st.MIN_LATENESS_OVER_NOISE        # the arrival view alone: no verdict
+    assert ev["lateness_over_noise"] < ss.MIN_LATENESS_OVER_NOISE        # the arrival view alone: no verdict
     peers = np.concatenate([pre[r] for r in (1, 2, 3)])
     want = max(1.4826 * np.median(np.abs(peers - np.median(peers))), float(np.quantile(peers, 0.9)))
     assert ev["phase_noise_frac"] == pytest.approx(want)
     assert ev["pre_excess_over_noise"] == pytest.approx(ev["median_pre_excess_frac"] / want)
-    assert ev["pre_excess_over_noise"] >= st.MIN_PRE_EXCESS_OVER_NOISE
+    assert ev["pre_excess_over_noise"] >= ss.MIN_PRE_EXCESS_OVER_NOISE
     # the same excess inside the peers' phase noise: no verdict
     noisy = {r: list(rng.uniform(-0.1, 0.1, n)) for r in (1, 2, 3)} | {0: pre[0]}
     assert _detect(_lateness(fracs, pre=noisy)) == []
@@ -132,8 +134,8 @@ def test_in_a_group_where_every_member_is_always_a_little_late_the_later_one_is_
 
 def test_scores_without_noise_columns_are_judged_by_the_fixed_thresholds():
     lateness = _lateness({0: [0.15] * 20, 1: [0.25] * 10 + [-0.3] * 10, 2: [-0.3] * 10 + [0.25] * 10})
-    scores = st.straggler_scores(lateness)[st.SCORE_COLUMNS]
-    assert [f.ranks for f in st.detect_stragglers(scores, pd.DataFrame({c: [] for c in st.CAUSE_COLUMNS}))] == [(0,)]
+    scores = ss.straggler_scores(lateness)[ss.SCORE_COLUMNS]
+    assert [f.ranks for f in st.detect_stragglers(scores, pd.DataFrame({c: [] for c in sc.CAUSE_COLUMNS}))] == [(0,)]
 
 
 def test_clean_dp4_scenario_has_no_straggler_and_the_straggler_scenario_keeps_rank2():
@@ -141,11 +143,11 @@ def test_clean_dp4_scenario_has_no_straggler_and_the_straggler_scenario_keeps_ra
     assert [f for f in clean.findings() if f.code == "STRAGGLER"] == []
     # the fixed thresholds alone named rank 3 here: 6% median lateness, inside its peers' noise
     row = clean.straggler_scores().set_index("rank").loc[3]
-    assert row["median_lateness_frac"] >= 0.05 and row["lateness_over_noise"] < st.MIN_LATENESS_OVER_NOISE
+    assert row["median_lateness_frac"] >= 0.05 and row["lateness_over_noise"] < ss.MIN_LATENESS_OVER_NOISE
     slow = RunAnalysis.open(SAMPLES / "dp4_straggler_rank2")
     [f] = [f for f in slow.findings() if f.code == "STRAGGLER"]
     assert (f.ranks, f.group) == ((2,), "dp")
-    assert f.evidence["lateness_over_noise"] >= st.MIN_LATENESS_OVER_NOISE
+    assert f.evidence["lateness_over_noise"] >= ss.MIN_LATENESS_OVER_NOISE
     assert 0 < f.evidence["noise_frac"] < f.evidence["median_lateness_frac"]
 
 
@@ -153,7 +155,7 @@ def test_median_t_is_the_median_over_its_standard_error():
     x = np.array([[0.1, 0.2, 0.3, 0.4, np.nan], [0.1, 0.1, 0.1, np.nan, np.nan], [0.5, np.nan, 0.5, np.nan, np.nan],
                   [0.0, 0.0, 0.0, 0.0, 0.0]])
     med = np.nanmedian(x, axis=1)
-    got = st._median_t(x, med)
+    got = ss._median_t(x, med)
     # row 0: median 0.25, |deviations| 0.15 0.05 0.05 0.15 -> MAD 0.1; standard error 1.4826 x 0.1 / 2
     assert got[0] == pytest.approx(0.25 / (1.4826 * 0.1 / 2))
     assert got[1] == np.inf                                     # steady positive excess without spread
@@ -165,7 +167,7 @@ def test_peer_max_is_the_largest_value_of_the_other_members_over_the_same_steps(
     windows = pd.DataFrame({"pg": "dp", "pg_ranks": "0,1,2", "rank": [0, 1, 2, 0, 1, 2],
                             "first_step": [1, 1, 1, 2, 2, 9], "last_step": [20, 20, 20, 21, 21, 28]})
     values = np.array([7.0, 3.0, np.nan, 1.0, 4.0, 9.0])
-    got = st._peer_max(values, windows)
+    got = ss._peer_max(values, windows)
     # steps 1-20: 0 sees max(3, NaN) = 3, 1 sees 7, 2 sees 7; steps 2-21: 0 sees 4, 1 sees 1; steps 9-28 alone
     assert got[:5].tolist() == [3.0, 7.0, 7.0, 4.0, 1.0]
     assert np.isnan(got[5])
@@ -191,14 +193,14 @@ def test_a_steady_data_fwd_excess_inside_noisy_arrivals_is_found_by_the_persiste
     [f] = _detect(lateness)
     ev = f.evidence
     assert (f.ranks, ev["detected_by"]) == ((0,), "persistence")
-    assert ev["lateness_over_noise"] < st.MIN_LATENESS_OVER_NOISE
+    assert ev["lateness_over_noise"] < ss.MIN_LATENESS_OVER_NOISE
     assert 0 < ev["median_lateness_frac"] < 0.05
-    assert st.MIN_PERSISTENT_PRE_OVER_NOISE <= ev["pre_excess_over_noise"] < st.MIN_PRE_EXCESS_OVER_NOISE
+    assert ss.MIN_PERSISTENT_PRE_OVER_NOISE <= ev["pre_excess_over_noise"] < ss.MIN_PRE_EXCESS_OVER_NOISE
     mine = np.array(pre[0])
     med = np.median(mine)
     assert ev["pre_excess_t"] == pytest.approx(med / (1.4826 * np.median(np.abs(mine - med)) / np.sqrt(20)))
-    assert ev["pre_excess_t"] >= st.MIN_PRE_EXCESS_T
-    assert ev["peer_pre_excess_t"] < ev["pre_excess_t"] / st.MIN_PRE_EXCESS_T_OVER_PEERS
+    assert ev["pre_excess_t"] >= ss.MIN_PRE_EXCESS_T
+    assert ev["peer_pre_excess_t"] < ev["pre_excess_t"] / ss.MIN_PRE_EXCESS_T_OVER_PEERS
     assert "data+fwd" in f.title and "standard errors" in f.title
     # without the persistence view (threshold out of reach): no verdict
     assert _detect(lateness, min_pre_excess_t=np.inf) == []
@@ -213,11 +215,11 @@ def test_a_longer_forward_spent_waiting_inside_it_for_a_later_tensor_parallel_pe
     fracs = {2: list(rng.normal(0.04, 0.01, n)), 3: list(rng.normal(0.25, 0.05, n))}
     pre2 = rng.normal(0.15, 0.02, n)
     lateness = _lateness(fracs, pg="tp", pre={2: list(pre2), 3: list(-pre2)})
-    scores = st.straggler_scores(lateness).set_index("rank")
-    assert scores.loc[2, "pre_excess_t"] >= st.MIN_PRE_EXCESS_T and scores.loc[2, "median_lateness_frac"] > 0
+    scores = ss.straggler_scores(lateness).set_index("rank")
+    assert scores.loc[2, "pre_excess_t"] >= ss.MIN_PRE_EXCESS_T and scores.loc[2, "median_lateness_frac"] > 0
     # below the group's median lateness on average and above it in fewer than half the steps: not who waits
     assert scores.loc[2, "mean_excess_frac"] < 0
-    assert scores.loc[2, "excess_positive_frac"] < st.MIN_PERSISTENT_LATER_FRAC
+    assert scores.loc[2, "excess_positive_frac"] < ss.MIN_PERSISTENT_LATER_FRAC
     assert pd.isna(scores.loc[2, "detected_at_step"])           # no view qualifies any window of rank 2
     assert [f.ranks for f in _detect(lateness)] == [(3,)]       # alone here: no other group shows whom it waited for
     # the same rank, now a little later than rank 3 on average (+1% of the step), its forward as long: named by
@@ -235,8 +237,8 @@ def test_a_steady_data_fwd_excess_while_waiting_longer_than_the_peers_in_the_gro
     fracs, pre = _busy_host(8)
     rng = np.random.default_rng(11)
     waits_longer = {r: list(rng.normal(0.01 if r == 0 else -0.01 / 3, 0.004, 20)) for r in fracs}
-    scores = st.straggler_scores(_lateness(fracs, pre=pre, comm=waits_longer)).set_index("rank")
-    assert scores.loc[0, "pre_excess_t"] >= st.MIN_PRE_EXCESS_T and scores.loc[0, "median_comm_excess_frac"] > 0
+    scores = ss.straggler_scores(_lateness(fracs, pre=pre, comm=waits_longer)).set_index("rank")
+    assert scores.loc[0, "pre_excess_t"] >= ss.MIN_PRE_EXCESS_T and scores.loc[0, "median_comm_excess_frac"] > 0
     assert _detect(_lateness(fracs, pre=pre, comm=waits_longer)) == []
     waited_for = {r: list(rng.normal(-0.02 if r == 0 else 0.02 / 3, 0.004, 20)) for r in fracs}
     [f] = _detect(_lateness(fracs, pre=pre, comm=waited_for))
@@ -250,9 +252,9 @@ def test_two_ranks_with_the_same_steady_excess_are_the_host_not_a_straggler():
     pre[1] = list(np.random.default_rng(80).normal(0.06, 0.015, 20))
     lateness = _lateness(fracs, pre=pre)
     assert _detect(lateness) == []
-    scores = st.straggler_scores(lateness).set_index("rank")
-    assert scores.loc[0, "pre_excess_t"] >= st.MIN_PRE_EXCESS_T
-    assert scores.loc[0, "pre_excess_t"] < st.MIN_PRE_EXCESS_T_OVER_PEERS * scores.loc[0, "peer_pre_excess_t"]
+    scores = ss.straggler_scores(lateness).set_index("rank")
+    assert scores.loc[0, "pre_excess_t"] >= ss.MIN_PRE_EXCESS_T
+    assert scores.loc[0, "pre_excess_t"] < ss.MIN_PRE_EXCESS_T_OVER_PEERS * scores.loc[0, "peer_pre_excess_t"]
 
 
 def test_a_real_dp2_run_slowed_20_percent_on_a_busy_host_is_found_within_20_steps_of_the_fault():
@@ -272,10 +274,10 @@ def test_a_real_dp2_run_slowed_20_percent_on_a_busy_host_is_found_within_20_step
     med = np.median(mine)
     assert ev["median_pre_excess_frac"] == pytest.approx(med)
     assert ev["pre_excess_t"] == pytest.approx(med / (1.4826 * np.median(np.abs(mine - med)) / np.sqrt(len(mine))))
-    assert ev["pre_excess_t"] >= st.MIN_PRE_EXCESS_T
-    assert ev["pre_excess_over_noise"] >= st.MIN_PERSISTENT_PRE_OVER_NOISE
+    assert ev["pre_excess_t"] >= ss.MIN_PRE_EXCESS_T
+    assert ev["pre_excess_over_noise"] >= ss.MIN_PERSISTENT_PRE_OVER_NOISE
     # the rule of the arrival and phases views alone (persistence out of reach) misses it
-    scores = st.straggler_scores(lat, min_pre_excess_t=np.inf)
+    scores = ss.straggler_scores(lat, min_pre_excess_t=np.inf)
     assert st.detect_stragglers(scores, a.straggler_causes(), min_pre_excess_t=np.inf) == []
 
 
@@ -294,15 +296,15 @@ def test_a_slowdown_in_bursts_is_found_by_the_steady_view_where_the_median_views
     fracs = {0: [(0.3 if i % 5 in (1, 3) else 0.0) + rng.normal(0.0, 0.02) for i in range(n)],
              **_quiet_peers(rng, n)}
     lateness = _lateness(fracs)
-    scores = st.straggler_scores(lateness, window_steps=n)
-    none = pd.DataFrame({c: [] for c in st.CAUSE_COLUMNS})
+    scores = ss.straggler_scores(lateness, window_steps=n)
+    none = pd.DataFrame({c: [] for c in sc.CAUSE_COLUMNS})
     assert st.detect_stragglers(scores, none, min_steady_t=np.inf) == []       # the median views miss it
     [f] = st.detect_stragglers(scores, none, lateness=lateness)
     ev = f.evidence
     assert f.ranks == (0,) and ev["detected_by"] == "steady", ev
     x = np.array(fracs[0]) - np.median(np.array([fracs[r] for r in range(4)]), axis=0)
     assert ev["mean_excess_frac"] == pytest.approx(x.mean())
-    assert ev["excess_t"] >= st.MIN_STEADY_T and ev["positive_frac"] < 0.8
+    assert ev["excess_t"] >= ss.MIN_STEADY_T and ev["positive_frac"] < 0.8
     assert "standard errors" in f.title and "later than its group's median" in f.title
 
 
@@ -310,12 +312,12 @@ def test_a_one_off_stall_or_a_steady_offset_below_the_floor_is_no_straggler():
     rng = np.random.default_rng(12)
     n = 20
     stall = {0: [3.0 if i == 7 else rng.normal(0.0, 0.03) for i in range(n)], **_quiet_peers(rng, n)}
-    score = st.straggler_scores(_lateness(stall)).set_index("rank").loc[0]
+    score = ss.straggler_scores(_lateness(stall)).set_index("rank").loc[0]
     assert score["mean_excess_frac"] > 0.1 and score["excess_t"] < 1.5      # the stall inflates the error too
     assert _detect(_lateness(stall)) == []
     offset = {0: list(0.04 + rng.normal(0.0, 0.005, n)), **_quiet_peers(rng, n, sd=0.005)}
-    score = st.straggler_scores(_lateness(offset)).set_index("rank").loc[0]
-    assert score["excess_t"] > 20 and score["mean_excess_frac"] < st.MIN_STEADY_EXCESS_FRAC
+    score = ss.straggler_scores(_lateness(offset)).set_index("rank").loc[0]
+    assert score["excess_t"] > 20 and score["mean_excess_frac"] < ss.MIN_STEADY_EXCESS_FRAC
     assert _detect(_lateness(offset)) == []
 
 
@@ -330,8 +332,8 @@ def test_a_tp_peer_late_in_its_dp_group_only_because_it_waited_inside_their_tp_c
     parts = [_lateness({0: late(0.15), 2: late(-0.15)}, pg="dp"), _lateness({1: late(0.15), 3: late(-0.15)}, pg="dp"),
              _lateness({0: late(0.10), 1: late(-0.10)}, pg="tp"), _lateness({2: late(0.0), 3: late(0.0)}, pg="tp")]
     lateness = pd.concat(parts, ignore_index=True)
-    scores = st.straggler_scores(lateness)
-    none = pd.DataFrame({c: [] for c in st.CAUSE_COLUMNS})
+    scores = ss.straggler_scores(lateness)
+    none = pd.DataFrame({c: [] for c in sc.CAUSE_COLUMNS})
     links = {frozenset(p) for p in ((0, 2), (1, 3), (0, 1), (2, 3))}
     found = st.detect_stragglers(scores, none, links=links, axis_of_pg=lambda pg: pg, lateness=lateness)
     assert [(f.ranks, f.group, f.evidence["propagated_to"]) for f in found] == [((0,), "dp", [1])]
@@ -345,10 +347,10 @@ def test_a_rank_late_only_because_it_waited_on_others_is_told_as_info_not_blamed
     # communication, and with no culprit named it stays a hint, not a verdict
     rng = np.random.default_rng(14)
     lateness = _lateness({0: list(0.2 + rng.normal(0, 0.01, 20)), 1: list(-0.2 + rng.normal(0, 0.01, 20))})
-    scores = st.straggler_scores(lateness)
+    scores = ss.straggler_scores(lateness)
     causes = pd.DataFrame([{"pg": "dp", "pg_ranks": "0,1", "rank": 0, "data_excess_ns": 0.0,
                             "compute_excess_ns": 2e6, "comm_excess_ns": 18e6, "throttled_frac": np.nan,
-                            "cause": "communication"}])[st.CAUSE_COLUMNS]
+                            "cause": "communication"}])[sc.CAUSE_COLUMNS]
     [f] = st.detect_stragglers(scores, causes)
     assert (f.ranks, f.severity, f.evidence["cause"]) == ((0,), "info", "communication")
     [g] = st.detect_stragglers(scores, causes.assign(cause="compute"))
@@ -368,10 +370,10 @@ def test_a_flagged_rank_that_waited_on_an_unflagged_tp_peer_moves_the_blame_to_t
                        pg="tp"),                     # later in TP, by less than any view names
              _lateness({2: list(rng.normal(0.0, 0.01, n)), 3: list(rng.normal(0.0, 0.01, n))}, pg="tp")]
     lateness = pd.concat(parts, ignore_index=True)
-    scores = st.straggler_scores(lateness)
+    scores = ss.straggler_scores(lateness)
     assert pd.isna(scores.set_index(["pg", "pg_ranks", "rank"]).loc[("tp", "0,1", 0), "detected_by"])
     assert pd.isna(scores.set_index(["pg", "pg_ranks", "rank"]).loc[("dp", "0,2", 0), "detected_by"])
-    none = pd.DataFrame({c: [] for c in st.CAUSE_COLUMNS})
+    none = pd.DataFrame({c: [] for c in sc.CAUSE_COLUMNS})
     links = {frozenset(p) for p in ((0, 2), (1, 3), (0, 1), (2, 3))}
     [f] = st.detect_stragglers(scores, none, links=links, axis_of_pg=lambda pg: pg, lateness=lateness)
     ev = f.evidence
@@ -391,11 +393,11 @@ def test_a_rank_later_in_the_same_group_as_the_flagged_rank_takes_no_blame_from_
              1: list(-0.2 + rng.normal(0.0, 0.02, n)), 2: list(0.2 + rng.normal(0.0, 0.02, n)),
              3: list(-0.2 + rng.normal(0.0, 0.02, n))}
     lateness = _lateness(fracs)
-    scores = st.straggler_scores(lateness)
+    scores = ss.straggler_scores(lateness)
     by_rank = scores.set_index("rank")
     assert pd.isna(by_rank.loc[0, "detected_by"]) and not pd.isna(by_rank.loc[2, "detected_by"])
     assert by_rank.loc[0, "mean_excess_frac"] > by_rank.loc[2, "mean_excess_frac"]      # rank 0 arrives later
-    none = pd.DataFrame({c: [] for c in st.CAUSE_COLUMNS})
+    none = pd.DataFrame({c: [] for c in sc.CAUSE_COLUMNS})
     links = {frozenset(p) for p in ((0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3))}
     [f] = st.detect_stragglers(scores, none, links=links, axis_of_pg=lambda pg: pg, lateness=lateness)
     assert (f.ranks, f.evidence["detected_by"], f.evidence["propagated_to"]) == ((2,), "arrival", [])

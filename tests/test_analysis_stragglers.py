@@ -6,6 +6,8 @@ import pandas as pd
 import pytest
 from analysis_synth import MS, T0, dp_pp_tables, dp_tables
 
+from dtprobe.analysis import straggler_causes as sc
+from dtprobe.analysis import straggler_scores as ss
 from dtprobe.analysis import stragglers as st
 from dtprobe.store.errors import TraceError
 from dtprobe.store.frames import frame_from_rows
@@ -15,10 +17,10 @@ def _findings(t: dict, detect: dict | None = None, **kw) -> list:
     skew = st.collective_skew(t["collectives"])
     lateness = st.rank_lateness(t["collectives"], t["steps"])
     lateness = lateness[lateness["step"] >= 1]          # warm-up step skipped, as the facade does
-    scores = st.straggler_scores(lateness, **kw)
+    scores = ss.straggler_scores(lateness, **kw)
     waits = st.collective_waits(t["collectives"], skew)
-    causes = st.straggler_causes(scores, lateness, t["steps"], t.get("devices", pd.DataFrame()),
-                                 blocked=st.blocked_outside_groups(t["collectives"], waits))
+    causes = sc.straggler_causes(scores, lateness, t["steps"], t.get("devices", pd.DataFrame()),
+                                 blocked=sc.blocked_outside_groups(t["collectives"], waits))
     return st.detect_stragglers(scores, causes, links=st.linked_ranks(t["collectives"]), lateness=lateness,
                                 **(detect or {}))
 
@@ -209,7 +211,7 @@ def test_stragglers_does_not_judge_pipeline_groups_where_the_schedule_sets_the_a
             steps.append({"rank": r, "step": step, "start_ns": t, "end_ns": t + 270 * MS, "fwd_ns": 100 * MS})
     t = {"collectives": frame_from_rows("collectives", rows), "steps": frame_from_rows("steps", steps)}
     lateness = st.rank_lateness(t["collectives"], t["steps"])
-    scores = st.straggler_scores(lateness)
+    scores = ss.straggler_scores(lateness)
     assert scores.set_index("rank").loc[0, "median_lateness_frac"] > 0.1      # the metric sees it ...
     assert _findings(t) == []                                                 # ... the detector does not judge it
 
@@ -275,8 +277,8 @@ def test_stragglers_linked_by_a_pipeline_keep_the_one_with_the_larger_own_delay(
          "window_last_step": 20, "median_lateness_frac": 0.15, "positive_frac": 0.9, "median_pre_excess_frac": 0.0,
          "pre_positive_frac": 0.5, "last_frac": 0.9, "mean_lateness_ns": 1e8, "mean_victims_wait_ns": 1e8,
          "mean_step_ns": 1e9, "detected_at_step": 20, "detected_by": "arrival"}
-        for pr, r in (("0,1", 0), ("2,3", 2))])[st.SCORE_COLUMNS]
-    causes = pd.DataFrame({c: [] for c in st.CAUSE_COLUMNS})
+        for pr, r in (("0,1", 0), ("2,3", 2))])[ss.SCORE_COLUMNS]
+    causes = pd.DataFrame({c: [] for c in sc.CAUSE_COLUMNS})
     links = {frozenset((0, 2))}
     f = st.detect_stragglers(scores, causes, links=links, own_delay_ns={0: 4e7, 2: 1.6e8, 1: 3e7, 3: 5e7})
     assert [(x.ranks, x.evidence["propagated_to"]) for x in f] == [((2,), [0])]
@@ -350,8 +352,8 @@ def test_a_step_redone_after_a_restart_is_judged_on_the_attempt_that_redid_it():
     by = exposure.set_index(["rank", "step"])
     assert by.loc[(0, 4), "step_ns"] == 80 * MS and by.loc[(0, 4), "comm_ns"] == 6 * MS   # waited 2 ms, ran 4
     assert by.loc[(1, 4), "comm_ns"] == 4 * MS
-    blocked = st.blocked_outside_groups(coll, st.collective_waits(coll, skew))
-    blocked = blocked[blocked["outside_pg_ranks"] == st.OUTSIDE_NONE].set_index(["rank", "step"])["blocked_ns"]
+    blocked = sc.blocked_outside_groups(coll, st.collective_waits(coll, skew))
+    blocked = blocked[blocked["outside_pg_ranks"] == sc.OUTSIDE_NONE].set_index(["rank", "step"])["blocked_ns"]
     assert blocked.to_dict() == {(0, 3): 1 * MS, (0, 4): 2 * MS}          # rank 1's 3 ms wait was attempt 0's
 
 
@@ -384,7 +386,7 @@ def _scores_one_group_at_a_time(lateness: pd.DataFrame, window_steps: int) -> pd
         best = int(np.nanargmax(med)) if np.isfinite(med).any() else 0
         rows.append({"pg": pg, "rank": int(rank), "window_steps": w, "window_first_step": int(grp["step"].iloc[best]),
                      "median_lateness_frac": med[best], "median_pre_excess_frac": pmed[best],
-                     "positive_frac": float((win[best] > st.LATE_TIE_FRAC).mean()),
+                     "positive_frac": float((win[best] > ss.LATE_TIE_FRAC).mean()),
                      "mean_lateness_ns": float(grp["lateness_ns"].iloc[best:best + w].mean())})
     return pd.DataFrame(rows)
 
@@ -404,7 +406,7 @@ def test_straggler_scores_scores_each_rank_alone_when_ranks_have_different_step_
                              else float("nan"), "pre_excess_frac": float("nan") if rng.random() < 0.3 else 0.0})
     lateness = pd.DataFrame(rows).sample(frac=1.0, random_state=1)   # any row order
     # thresholds no window reaches: every rank's window is the one with the largest median
-    got = st.straggler_scores(lateness, window_steps=10, min_lateness_frac=1.0)
+    got = ss.straggler_scores(lateness, window_steps=10, min_lateness_frac=1.0)
     want = _scores_one_group_at_a_time(lateness, 10)
     assert got["window_steps"].tolist() == want["window_steps"].tolist() == [10, 10, 10, 6, 5, 4]
     pd.testing.assert_frame_equal(got[want.columns].reset_index(drop=True), want, check_dtype=False, rtol=1e-12)
@@ -419,9 +421,9 @@ def test_a_tie_with_the_peers_median_is_not_a_late_step():
              "victims_wait_ns": max(sign * f, 0.0) * 4e7, "is_last": sign * f > 0, "step_ns": 4e7,
              "lateness_frac": sign * f, "pre_excess_frac": 0.0}
             for s, f in enumerate(fracs) for r, sign in ((0, 1.0), (1, -1.0))]
-    scores = st.straggler_scores(pd.DataFrame(rows), window_steps=20)
+    scores = ss.straggler_scores(pd.DataFrame(rows), window_steps=20)
     assert scores.set_index("rank").loc[0, "positive_frac"] == pytest.approx(0.6)     # 3 of 5: the tie is not late
-    findings = st.detect_stragglers(scores, pd.DataFrame(columns=st.CAUSE_COLUMNS))
+    findings = st.detect_stragglers(scores, pd.DataFrame(columns=sc.CAUSE_COLUMNS))
     assert [f for f in findings if f.severity != "info"] == []
 
 
@@ -441,9 +443,9 @@ def test_a_window_spans_a_second_so_a_spell_of_a_few_steps_of_milliseconds_is_no
             rows.append({"pg": "world", "pg_ranks": "0,1", "step": step, "rank": rank,
                          "lateness_ns": frac * step_ns, "victims_wait_ns": max(frac, 0.0) * step_ns,
                          "is_last": frac > 0, "step_ns": step_ns, "lateness_frac": frac, "pre_excess_frac": 0.0})
-    scores = st.straggler_scores(pd.DataFrame(rows), window_steps=20)
+    scores = ss.straggler_scores(pd.DataFrame(rows), window_steps=20)
     assert scores["window_steps"].tolist() == ([250, 250] if not named else [20, 20])
-    findings = [f for f in st.detect_stragglers(scores, pd.DataFrame(columns=st.CAUSE_COLUMNS))
+    findings = [f for f in st.detect_stragglers(scores, pd.DataFrame(columns=sc.CAUSE_COLUMNS))
                 if f.severity != "info"]
     assert [f.ranks for f in findings] == ([(0,)] if named else [])
     if named:                                               # the first window with 10 of the spell's late steps
@@ -460,8 +462,8 @@ def test_a_run_shorter_than_a_window_of_time_is_not_judged(step_ms, named):
              "victims_wait_ns": max(frac, 0.0) * step_ns, "is_last": frac > 0, "step_ns": step_ns,
              "lateness_frac": frac, "pre_excess_frac": 0.0}
             for step in range(1, 7) for rank, frac in ((0, -0.3 - step / 1000), (1, 0.3 + step / 1000))]
-    scores = st.straggler_scores(pd.DataFrame(rows), window_steps=20)
-    findings = st.detect_stragglers(scores, pd.DataFrame(columns=st.CAUSE_COLUMNS))
+    scores = ss.straggler_scores(pd.DataFrame(rows), window_steps=20)
+    findings = st.detect_stragglers(scores, pd.DataFrame(columns=sc.CAUSE_COLUMNS))
     assert [f.ranks for f in findings if f.severity != "info"] == ([(1,)] if named else [])
 
 
@@ -481,11 +483,11 @@ def test_a_slowdown_that_lengthens_the_steps_is_named_from_the_first_window_that
             rows.append({"pg": "world", "pg_ranks": "0,1", "step": step, "rank": rank,
                          "lateness_ns": frac * step_ns, "victims_wait_ns": max(frac, 0.0) * step_ns,
                          "is_last": frac > 0, "step_ns": step_ns, "lateness_frac": frac, "pre_excess_frac": 0.0})
-    scores = st.straggler_scores(pd.DataFrame(rows), window_steps=20)
+    scores = ss.straggler_scores(pd.DataFrame(rows), window_steps=20)
     row = scores.set_index("rank").loc[1]
     assert row["window_steps"] == 20 and row["window_steps"] * row["mean_step_ns"] >= 0.5e9
     assert 56 <= row["window_first_step"] < 60, row      # a few fast steps: the window's mean step is long enough
-    findings = [f for f in st.detect_stragglers(scores, pd.DataFrame(columns=st.CAUSE_COLUMNS))
+    findings = [f for f in st.detect_stragglers(scores, pd.DataFrame(columns=sc.CAUSE_COLUMNS))
                 if f.severity != "info"]
     assert [f.ranks for f in findings] == [(1,)]
     assert findings[0].evidence["detected_at_step"] == row["detected_at_step"] <= 79

@@ -16,6 +16,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from dtprobe.analysis import straggler_causes as sc
+from dtprobe.analysis import straggler_scores as ss
 from dtprobe.analysis import cpu_throttle as ct
 from dtprobe.analysis import stragglers as st
 from dtprobe.collectors.devices import CpuThrottle, RunQueueWait
@@ -206,9 +208,9 @@ def _bursty(n: int, first: int, *, seed: int) -> dict[int, list[float]]:
 
 def _findings(lateness: pd.DataFrame, throttled: pd.DataFrame | None, waited: pd.DataFrame | None = None,
               busy: pd.DataFrame | None = None) -> list:
-    scores = st.straggler_scores(lateness, cpu_throttled=throttled, cpu_wait=waited, cpu_busy=busy)
-    causes = st.straggler_causes(scores, lateness, _phase_steps(lateness), pd.DataFrame(),
-                                 blocked=pd.DataFrame({c: [] for c in st.BLOCKED_COLUMNS}))
+    scores = ss.straggler_scores(lateness, cpu_throttled=throttled, cpu_wait=waited, cpu_busy=busy)
+    causes = sc.straggler_causes(scores, lateness, _phase_steps(lateness), pd.DataFrame(),
+                                 blocked=pd.DataFrame({c: [] for c in sc.BLOCKED_COLUMNS}))
     return st.detect_stragglers(scores, causes, lateness=lateness)
 
 
@@ -272,14 +274,14 @@ def test_a_throttled_rank_later_than_its_group_in_nearly_every_step_is_named_tho
     (f,) = _findings(lateness, held)
     ev = f.evidence
     assert f.ranks == (1,) and ev["detected_by"] == "cpu_throttle" and ev["cause"] == "compute"
-    assert ev["excess_t"] < st.MIN_THROTTLED_T                  # the t alone would not name it
-    assert ev["excess_positive_frac"] >= st.MIN_THROTTLED_POSITIVE_FRAC and ev["mean_excess_frac"] >= 0.05
+    assert ev["excess_t"] < ss.MIN_THROTTLED_T                  # the t alone would not name it
+    assert ev["excess_positive_frac"] >= ss.MIN_THROTTLED_POSITIVE_FRAC and ev["mean_excess_frac"] >= 0.05
     assert first < ev["detected_at_step"] <= first + 20
     # later than its group in only 2 of 3 steps, at the same mean excess and t: a quota'd rank with slack
     sometimes = _lateness(_last_among_scattered_peers(n, first, late_every=3))
-    scores = st.straggler_scores(sometimes, cpu_throttled=held).set_index("rank").loc[1]
-    assert scores["mean_excess_frac"] >= 0.05 and scores["excess_t"] < st.MIN_THROTTLED_T
-    assert scores["excess_positive_frac"] < st.MIN_THROTTLED_POSITIVE_FRAC
+    scores = ss.straggler_scores(sometimes, cpu_throttled=held).set_index("rank").loc[1]
+    assert scores["mean_excess_frac"] >= 0.05 and scores["excess_t"] < ss.MIN_THROTTLED_T
+    assert scores["excess_positive_frac"] < ss.MIN_THROTTLED_POSITIVE_FRAC
     assert _findings(sometimes, held) == []
 
 
@@ -297,7 +299,7 @@ def test_a_throttled_rank_a_few_percent_late_at_each_steps_latest_collective_is_
     (f,) = _findings(lateness, held)
     ev = f.evidence
     assert (f.ranks, ev["detected_by"], ev["cause"]) == ((2,), "cpu_throttle", "compute")
-    assert st.MIN_THROTTLED_EXCESS_SHARE * 0.05 <= ev["mean_excess_frac"] < 0.05
+    assert ss.MIN_THROTTLED_EXCESS_SHARE * 0.05 <= ev["mean_excess_frac"] < 0.05
     assert first < ev["detected_at_step"] <= first + 20
 
 
@@ -324,10 +326,10 @@ def test_a_rank_its_quota_froze_inside_collectives_is_named_by_the_steps_its_gro
     (f,) = _findings(lateness, held)
     ev = f.evidence
     assert (f.ranks, ev["detected_by"], ev["cause"]) == ((1,), "cpu_throttle", "compute")
-    assert ev["mean_excess_frac"] < st.MIN_THROTTLED_EXCESS_SHARE * 0.05 and ev["victims_wait_frac"] < 0.01
+    assert ev["mean_excess_frac"] < ss.MIN_THROTTLED_EXCESS_SHARE * 0.05 and ev["victims_wait_frac"] < 0.01
     # its first window holds some steps before the quota: both shares below their 40%, within a factor 2
     assert 0.05 <= ev["step_stall_frac"] <= 0.45 and 0.05 <= ev["cpu_throttled_frac"] <= 0.4
-    assert ev["cpu_throttled_frac"] * st.STALL_THROTTLE_RATIO >= ev["step_stall_frac"]
+    assert ev["cpu_throttled_frac"] * ss.STALL_THROTTLE_RATIO >= ev["step_stall_frac"]
     assert first < ev["detected_at_step"] <= first + 25
     # the job's loss is the stall, not the wait at its arrivals: critical
     assert f.predicted_gain.frac == pytest.approx(ev["step_stall_frac"]) and f.severity == "critical"
@@ -346,15 +348,15 @@ def test_a_stall_the_quota_does_not_explain_or_a_quota_without_a_stall_names_nob
     (f,) = _findings(stalled, _throttled({0: [0.0] * n, 1: [0.0] * first + [0.25] * (n - first)}))
     assert f.ranks == (1,) and f.evidence["detected_by"] == "cpu_throttle"
     # the same stall with no rank throttled: nobody (the stall is not computed there)
-    assert np.isnan(st.straggler_scores(stalled, cpu_throttled=_throttled({0: [0.0] * n, 1: [0.0] * n}))
+    assert np.isnan(ss.straggler_scores(stalled, cpu_throttled=_throttled({0: [0.0] * n, 1: [0.0] * n}))
                     ["step_stall_frac"]).all()
 
 
 def test_scores_carry_the_throttle_columns_only_when_given():
     lateness = _lateness(_bursty(30, 5, seed=3))
-    assert "cpu_throttled_frac" not in st.straggler_scores(lateness)
-    held = st.straggler_scores(lateness, cpu_throttled=_throttled({0: [0.0] * 30, 1: [0.25] * 30}))
-    assert list(held.columns) == st.SCORE_COLUMNS + st.NOISE_COLUMNS + st.THROTTLE_SCORE_COLUMNS
+    assert "cpu_throttled_frac" not in ss.straggler_scores(lateness)
+    held = ss.straggler_scores(lateness, cpu_throttled=_throttled({0: [0.0] * 30, 1: [0.25] * 30}))
+    assert list(held.columns) == ss.SCORE_COLUMNS + ss.NOISE_COLUMNS + ss.THROTTLE_SCORE_COLUMNS
     assert held.set_index("rank").loc[1, "cpu_throttled_frac"] == pytest.approx(0.25)
 
 
@@ -425,7 +427,7 @@ def test_a_rank_whose_core_another_process_takes_while_its_peers_sit_idle_is_nam
     # its extra wait (23 points) and its peer's idle time (1 - 0.55 - 0.14 = 31%) in the first window that shows
     # them, which holds some steps before the other process came
     extra, idle = ev["cpu_wait_frac"] - ev["peer_cpu_wait_frac"], ev["peer_idle_frac"]
-    assert st.MIN_WAIT_VIEW_EXCESS_FRAC <= extra <= 0.23 + 1e-9 and st.PEER_IDLE_SHARE_OF_WAIT * extra <= idle <= 0.31
+    assert ss.MIN_WAIT_VIEW_EXCESS_FRAC <= extra <= 0.23 + 1e-9 and ss.PEER_IDLE_SHARE_OF_WAIT * extra <= idle <= 0.31
     gain = f.predicted_gain.frac
     assert gain == pytest.approx(min(extra, idle)) and gain > ev["victims_wait_frac"]
     assert f.severity == ("critical" if gain >= 0.2 else "warning")
@@ -450,6 +452,6 @@ def test_the_run_queue_view_names_nobody_for_a_clean_host_a_rank_with_slack_or_a
     late_count = _throttled({0: [0.0] * n, 1: [0.0] * (first + 20) + [0.4] * (n - first - 20)})
     assert all(f.evidence["detected_by"] != "cpu_wait" and "Another process" not in f.recommendation
                for f in _findings(lateness, late_count, waited, busy))
-    scores = st.straggler_scores(lateness, cpu_throttled=held, cpu_wait=waited, cpu_busy=busy)
-    assert list(scores.columns) == (st.SCORE_COLUMNS + st.NOISE_COLUMNS + st.THROTTLE_SCORE_COLUMNS
-                                    + st.WAIT_SCORE_COLUMNS + st.IDLE_SCORE_COLUMNS)
+    scores = ss.straggler_scores(lateness, cpu_throttled=held, cpu_wait=waited, cpu_busy=busy)
+    assert list(scores.columns) == (ss.SCORE_COLUMNS + ss.NOISE_COLUMNS + ss.THROTTLE_SCORE_COLUMNS
+                                    + ss.WAIT_SCORE_COLUMNS + ss.IDLE_SCORE_COLUMNS)

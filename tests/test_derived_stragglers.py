@@ -10,6 +10,7 @@ import orjson
 import pandas as pd
 import pytest
 
+from dtprobe.analysis import straggler_causes as sc
 from dtprobe.analysis import RunAnalysis
 from dtprobe.analysis import stragglers as st
 from dtprobe.analysis.arrivals import arrival_clocks, group_rows
@@ -51,7 +52,7 @@ def test_group_rows_give_the_clocks_links_and_pipelines_of_every_row(name):
 
 def _blocked_reference(collectives: pd.DataFrame, waits: pd.DataFrame) -> dict[tuple[int, int, str], float]:
     """One (rank, step, group) at a time: the union of the rank's blocking intervals at that step, that group's
-    left out (st.OUTSIDE_NONE: none left out)."""
+    left out (sc.OUTSIDE_NONE: none left out)."""
     rows = []
     p2p = collectives[collectives["op"].isin(["send", "recv"]) & collectives["end_ns"].notna()]
     rows += [(int(r.rank), int(r.step), "p2p", int(r.enqueue_ns), int(r.end_ns)) for r in p2p.itertuples()]
@@ -60,7 +61,7 @@ def _blocked_reference(collectives: pd.DataFrame, waits: pd.DataFrame) -> dict[t
     out = {}
     for rank, step in {(r[0], r[1]) for r in rows}:
         mine = [r for r in rows if r[:2] == (rank, step)]
-        for left_out in [st.OUTSIDE_NONE, *{r[2] for r in mine if r[2] != "p2p"}]:
+        for left_out in [sc.OUTSIDE_NONE, *{r[2] for r in mine if r[2] != "p2p"}]:
             covered, reach = 0, None
             for a, b in sorted((r[3], r[4]) for r in mine if r[2] != left_out):
                 if reach is None or a > reach:
@@ -75,7 +76,7 @@ def _blocked_reference(collectives: pd.DataFrame, waits: pd.DataFrame) -> dict[t
 def test_blocked_outside_groups_equals_the_union_of_each_ranks_other_intervals(name):
     coll = TABLES[name]()["collectives"]
     waits = st.collective_waits(coll, st.collective_skew(coll))
-    blocked = st.blocked_outside_groups(coll, waits)
+    blocked = sc.blocked_outside_groups(coll, waits)
     got = {(int(r.rank), int(r.step), str(r.outside_pg_ranks)): r.blocked_ns for r in blocked.itertuples()}
     assert got == _blocked_reference(coll, waits) and len(got) > 0
     if name == "dp_pp_p2p":     # a rank in a dp and a pp group waits outside each

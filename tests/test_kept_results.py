@@ -18,6 +18,8 @@ from dtprobe.analysis import comm_efficiency as comm_module
 from dtprobe.analysis import exposed_comm as exposed_module
 from dtprobe.analysis import kept
 from dtprobe.analysis import links as links_module
+from dtprobe.analysis import straggler_causes as causes_module
+from dtprobe.analysis import straggler_scores as scores_module
 from dtprobe.analysis import stragglers as stragglers_module
 from dtprobe.analysis.options import AnalysisOptions
 from dtprobe.store.resolve import open_source
@@ -38,8 +40,8 @@ def _no_compute(monkeypatch) -> None:
     """Computing the kept results fails from here on: what follows can only have read them."""
     def refuse(*args, **kwargs):
         raise AssertionError("computed, not read from the kept results")
-    monkeypatch.setattr(stragglers_module, "straggler_scores", refuse)
-    monkeypatch.setattr(stragglers_module, "straggler_causes", refuse)
+    monkeypatch.setattr(scores_module, "straggler_scores", refuse)
+    monkeypatch.setattr(causes_module, "straggler_causes", refuse)
     monkeypatch.setattr(stragglers_module, "detect_stragglers", refuse)
     monkeypatch.setattr(links_module, "find_slow_links", refuse)
     monkeypatch.setattr(comm_module, "bandwidth_by_size", refuse)
@@ -102,7 +104,7 @@ def test_kept_results_of_another_state_or_other_options_are_never_read(straggler
     steps = straggler_run / "tables" / "steps.parquet"
     os.utime(steps, ns=(steps.stat().st_atime_ns, steps.stat().st_mtime_ns + 1_000_000))
     assert summary_store.load_kept(straggler_run) is None
-    monkeypatch.setattr(stragglers_module, "straggler_scores", lambda *a, **k: pd.DataFrame({"computed": [1]}))
+    monkeypatch.setattr(scores_module, "straggler_scores", lambda *a, **k: pd.DataFrame({"computed": [1]}))
     assert list(_reading(straggler_run).straggler_scores().columns) == ["computed"]
 
 
@@ -112,7 +114,7 @@ def test_a_damaged_kept_file_is_computed_again_and_the_others_still_read(straggl
     scores_file = folder / entries["scores"]["frame"]
     scores_file.write_bytes(scores_file.read_bytes()[:100])
     computed = RunAnalysis(open_source(straggler_run)).straggler_scores()
-    monkeypatch.setattr(stragglers_module, "straggler_causes", lambda *a, **k: pytest.fail("causes not read"))
+    monkeypatch.setattr(causes_module, "straggler_causes", lambda *a, **k: pytest.fail("causes not read"))
     read = _reading(straggler_run)
     pd.testing.assert_frame_equal(read.straggler_scores(), computed)
     assert not read.straggler_causes().empty

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from dtprobe.analysis.stragglers import _step_rank_grid
+from dtprobe.analysis.straggler_scores import _step_rank_grid
 
 
 def test_grid_equals_pivot_table_with_missing_cells_nulls_and_repeated_rows():

@@ -9,7 +9,7 @@ import pytest
 
 from dtprobe.analysis.arrivals import LATENESS_COLUMNS
 from dtprobe.analysis.score_memo import ScoreMemo
-from dtprobe.analysis.stragglers import straggler_scores
+from dtprobe.analysis.straggler_scores import straggler_scores
 
 WORLD, TP = 32, 8
 STRAGGLER, LATE_FROM = 13, 40
@@ -61,11 +61,11 @@ def test_scores_with_a_memo_equal_scores_without_one_as_the_window_slides(with_t
 
 
 def test_memo_reuses_the_windows_of_unchanged_steps_only(monkeypatch):
-    from dtprobe.analysis import stragglers
+    from dtprobe.analysis import straggler_scores as scores_module
 
     computed = []
-    figures = stragglers._window_figures
-    monkeypatch.setattr(stragglers, "_window_figures",
+    figures = scores_module._window_figures
+    monkeypatch.setattr(scores_module, "_window_figures",
                         lambda column, win_start, wlen, span, todo, **kw: computed.append(int(todo.sum()))
                         or figures(column, win_start, wlen, span, todo, **kw))
     memo = ScoreMemo()

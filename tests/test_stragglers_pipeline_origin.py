@@ -10,6 +10,8 @@ from dataclasses import replace
 import pandas as pd
 import pytest
 
+from dtprobe.analysis import straggler_causes as sc
+from dtprobe.analysis import straggler_scores as ss
 from dtprobe.analysis import stragglers as st
 from dtprobe.analysis.bubble import pipeline_shape
 from dtprobe.analysis.findings import info_without_gain
@@ -108,10 +110,10 @@ def _findings(t: dict) -> list:
     coll, steps = t["collectives"], t["steps"]
     lateness = st.rank_lateness(coll, steps)
     lateness = lateness[lateness["step"] >= 1]
-    scores = st.straggler_scores(lateness)
+    scores = ss.straggler_scores(lateness)
     waits = st.collective_waits(coll, st.collective_skew(coll))
-    causes = st.straggler_causes(scores, lateness, steps, pd.DataFrame(),
-                                 blocked=st.blocked_outside_groups(coll, waits))
+    causes = sc.straggler_causes(scores, lateness, steps, pd.DataFrame(),
+                                 blocked=sc.blocked_outside_groups(coll, waits))
     groups = st.pipeline_groups(coll)
     own = st.pipeline_own_delay(t["pipeline"], steps, groups)
     own = own[own["step"] >= 1]
@@ -270,8 +272,8 @@ def test_a_straggler_whose_wait_the_schedule_does_not_put_on_the_step_has_that_s
         return {0: 0.03e9}.get(rank)        # 3% of the 1 s step, where its peers wait 15%
 
     scores = pd.DataFrame([_score(0, "0,1", late=0.15), _score(1, "0,1", late=-0.15), _score(2, "2,3", late=0.0),
-                           _score(3, "2,3", late=0.0)])[st.SCORE_COLUMNS]
-    f = st.detect_stragglers(scores, pd.DataFrame(columns=st.CAUSE_COLUMNS), stage_excess=stage,
+                           _score(3, "2,3", late=0.0)])[ss.SCORE_COLUMNS]
+    f = st.detect_stragglers(scores, pd.DataFrame(columns=sc.CAUSE_COLUMNS), stage_excess=stage,
                              schedule_gain=gain)
     assert [(x.ranks, x.severity) for x in f] == [((0,), "warning")]
     assert f[0].predicted_gain.frac == pytest.approx(0.03)
@@ -280,11 +282,11 @@ def test_a_straggler_whose_wait_the_schedule_does_not_put_on_the_step_has_that_s
     assert "the step would be only 3% shorter without it" in f[0].title
     assert asked == [(0, 1, 20)]
     # a gain that rounds to 0%: info; a larger schedule gain than the wait: the wait
-    none = st.detect_stragglers(scores, pd.DataFrame(columns=st.CAUSE_COLUMNS), stage_excess=stage,
+    none = st.detect_stragglers(scores, pd.DataFrame(columns=sc.CAUSE_COLUMNS), stage_excess=stage,
                                 schedule_gain=lambda r, a, b: 0.002e9)
     assert [(x.ranks, x.predicted_gain.frac) for x in none] == [((0,), pytest.approx(0.002))]
     assert [x.severity for x in info_without_gain(none)] == ["info"]
-    more = st.detect_stragglers(scores, pd.DataFrame(columns=st.CAUSE_COLUMNS), stage_excess=stage,
+    more = st.detect_stragglers(scores, pd.DataFrame(columns=sc.CAUSE_COLUMNS), stage_excess=stage,
                                 schedule_gain=lambda r, a, b: 0.5e9)
     assert more[0].predicted_gain.frac == pytest.approx(0.15) and "shorter without it" not in more[0].title
 
@@ -318,8 +320,8 @@ def test_a_rank_flagged_in_two_groups_was_detected_when_the_first_of_them_flagge
     tp_peer = {**_score(0, "0,1", late=-0.13, first=20, last=39), "pg": "tp"}
     dp = {**_score(1, "1,3", late=0.06, first=1, last=20), "detected_at_step": 20}
     dp_peer = _score(3, "1,3", late=-0.06)
-    scores = pd.DataFrame([tp, tp_peer, dp, dp_peer])[st.SCORE_COLUMNS]
-    [f] = st.detect_stragglers(scores, pd.DataFrame(columns=st.CAUSE_COLUMNS))
+    scores = pd.DataFrame([tp, tp_peer, dp, dp_peer])[ss.SCORE_COLUMNS]
+    [f] = st.detect_stragglers(scores, pd.DataFrame(columns=sc.CAUSE_COLUMNS))
     assert (f.ranks, f.evidence["pg"], f.evidence["window"]) == ((1,), "tp", [20, 39])
     assert f.evidence["detected_at_step"] == 20
 
@@ -332,8 +334,8 @@ def test_a_pipeline_rank_confirmed_by_its_stage_before_any_arrival_view_was_dete
                     3: [-w for w in wobble]})
     scores = pd.DataFrame([{**_score(0, "0,1", late=0.06, first=11, last=30), "detected_at_step": 30},
                            _score(1, "0,1", late=-0.06, first=11, last=30), _score(2, "2,3", late=0.0),
-                           _score(3, "2,3", late=0.0)])[st.SCORE_COLUMNS]
-    [f] = [x for x in st.detect_stragglers(scores, pd.DataFrame(columns=st.CAUSE_COLUMNS), stage_excess=stage)
+                           _score(3, "2,3", late=0.0)])[ss.SCORE_COLUMNS]
+    [f] = [x for x in st.detect_stragglers(scores, pd.DataFrame(columns=sc.CAUSE_COLUMNS), stage_excess=stage)
            if x.severity != "info"]
     assert (f.ranks, f.evidence["window"], f.evidence["stage_window"]) == ((0,), [11, 30], [1, 20])
     assert f.evidence["detected_at_step"] == 20
@@ -350,12 +352,12 @@ def _stage(excess: dict[int, list[float]], stage_share: float = 0.5) -> pd.DataF
 def _victim_only(stage: pd.DataFrame) -> list:
     """Rank 2 late at dp [2,3] by its waits (cause communication); rank 0 on time at dp [0,1]."""
     scores = pd.DataFrame([_score(0, "0,1", late=0.0), _score(1, "0,1", late=0.0), _score(2, "2,3", late=0.15),
-                           _score(3, "2,3", late=-0.15)])[st.SCORE_COLUMNS]
+                           _score(3, "2,3", late=-0.15)])[ss.SCORE_COLUMNS]
     causes = pd.DataFrame([{"pg": "dp", "pg_ranks": "2,3", "rank": 2, "data_excess_ns": 0.0, "compute_excess_ns": 0.0,
                             "comm_excess_ns": 1.5e8, "throttled_frac": float("nan"), "cause": "communication"}])
     links = st.LinkedRanks({0: frozenset({"0,1"}), 1: frozenset({"0,1"}), 2: frozenset({"2,3"}),
                             3: frozenset({"2,3"})}, frozenset({frozenset((0, 2)), frozenset((1, 3))}))
-    return st.detect_stragglers(scores, causes[st.CAUSE_COLUMNS], links=links, stage_excess=stage)
+    return st.detect_stragglers(scores, causes[sc.CAUSE_COLUMNS], links=links, stage_excess=stage)
 
 
 def test_stragglers_follows_a_waiting_victim_upstream_to_the_rank_confirmed_slower_on_its_stage():

@@ -3,8 +3,8 @@
 
 - ``cpu_throttled_ns`` (``CpuThrottle``): time the rank's cgroup was held back by its CPU quota. A rank whose
   container hits its CPU limit is frozen for the rest of every quota period: it computes slower, in bursts, for a
-  reason outside the job. The straggler detector reads it beside the rank's lateness (``stragglers``' CPU-throttle
-  view), as it reads NVML's throttle reasons for a GPU.
+  reason outside the job. The straggler detector reads it beside the rank's lateness (``straggler_scores``'
+  CPU-throttle view), as it reads NVML's throttle reasons for a GPU.
 - ``cpu_wait_ns`` (``RunQueueWait``): time the rank's main thread was runnable but waited for a CPU: taken by
   another process or thread on its core, or withheld by its quota (the kernel counts both). The straggler finding
   reports it as evidence and names a shared core as the reason when it explains the rank's lateness and the quota

@@ -1,7 +1,7 @@
 """The per-step frames the analysis keeps at compaction, one step block at a time (``LatenessExposure``, a
 ``store.derived.Deriver``): ``lateness`` (``arrivals.rank_lateness``, per group, step and rank), ``exposure``
 (``exposed_comm.comm_exposure``, per rank and step), ``late_rank`` (``arrivals.late_per_step``, per group or
-point-to-point link, and step), ``blocked`` (``stragglers.blocked_outside_groups``, per rank, step and group: the
+point-to-point link, and step), ``blocked`` (``straggler_causes.blocked_outside_groups``, per rank, step and group: the
 waits the STRAGGLER causes read), ``bandwidth`` (``comm_efficiency.collective_bandwidth``, per collective: its
 rows are all in one block, and its output order is explicit, not the table's) and ``groups``
 (``arrivals.group_rows``: one row per group and p2p link, for the group clocks, linked ranks and pipelines) and
@@ -40,7 +40,7 @@ from dtprobe.analysis.comm_efficiency import BANDWIDTH_COLUMNS, BANDWIDTH_ORDER,
 from dtprobe.analysis.exposed_comm import EXPOSURE_COLUMNS, comm_exposure
 from dtprobe.analysis.hangs import merge_pending
 from dtprobe.analysis.mismatch import SUSPECT_COLUMNS, suspect_calls
-from dtprobe.analysis.stragglers import BLOCKED_COLUMNS, blocked_outside_groups
+from dtprobe.analysis.straggler_causes import BLOCKED_COLUMNS, blocked_outside_groups
 from dtprobe.analysis.tables import P2P_OPS, group_codes, step_collectives
 
 VERSION = 8

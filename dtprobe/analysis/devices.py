@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 
 from dtprobe.analysis.findings import Finding
-from dtprobe.analysis.stragglers import THROTTLE_MASK
+from dtprobe.analysis.straggler_causes import THROTTLE_MASK
 from dtprobe.analysis.tables import run_starts
 from dtprobe.store.columns import require_columns
 

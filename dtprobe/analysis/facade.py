@@ -51,6 +51,8 @@ from dtprobe.analysis import pipeline_delay as _pipeline_delay
 from dtprobe.analysis import rank_stalls as _rank_stalls
 from dtprobe.analysis import report as _report
 from dtprobe.analysis import stage_trend as _stage_trend
+from dtprobe.analysis import straggler_causes as _causes
+from dtprobe.analysis import straggler_scores as _scores
 from dtprobe.analysis import stragglers as _stragglers
 from dtprobe.analysis import tables as _tables
 from dtprobe.analysis import throughput as _throughput
@@ -301,7 +303,7 @@ class RunAnalysis:
         def compute() -> pd.DataFrame:
             memo = self._score_memo()
             with memo.lock if memo is not None else contextlib.nullcontext():
-                return _stragglers.straggler_scores(
+                return _scores.straggler_scores(
                     self.rank_lateness(), cpu_throttled=self.cpu_throttled(), cpu_wait=self.cpu_wait(),
                     cpu_busy=self.cpu_busy(),
                     window_steps=o.window_steps, min_lateness_frac=o.min_lateness_frac,
@@ -388,14 +390,14 @@ class RunAnalysis:
     def straggler_causes(self) -> pd.DataFrame:
         """Per (group, rank) late enough to be a straggler candidate: excess data/compute/communication time in its
         late steps, throttling, cause."""
-        return self._memo("causes", lambda: _stragglers.straggler_causes(
+        return self._memo("causes", lambda: _causes.straggler_causes(
             self.straggler_scores(), self.rank_lateness(), self.completed_table("steps"), self._sampler_rows(),
             blocked=self._blocked(), min_lateness_frac=self.options.min_lateness_frac))
 
     def _blocked(self) -> pd.DataFrame:
         # per (rank, step, group): time blocked on peers outside it (kept at compaction), else from the rows of the
         # candidates' windows only
-        return self._memo("blocked", lambda: self._derived(_derived.BLOCKED, lambda: _stragglers.window_blocked(
+        return self._memo("blocked", lambda: self._derived(_derived.BLOCKED, lambda: _causes.window_blocked(
             self.arrival_collectives(), self.straggler_scores(), min_lateness_frac=self.options.min_lateness_frac)))
 
     def pipeline_own_delay(self) -> pd.DataFrame:

@@ -1,5 +1,5 @@
-"""``ScoreMemo``: the per-window figures of ``stragglers.straggler_scores`` kept between its calls on one live run, so
-that scoring a step window again after a refresh computes the windows of the steps it added, not every window.
+"""``ScoreMemo``: the per-window figures of ``straggler_scores.straggler_scores`` kept between its calls on one live
+run, so that scoring a step window again after a refresh computes the windows of the steps it added, not every window.
 
 Every figure of a window (its medians, shares, standard errors, the largest of its peers' over the same steps, the
 peers' noise) depends on its group's lateness rows in its steps alone. A window of the previous call is reused

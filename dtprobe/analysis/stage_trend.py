@@ -15,8 +15,9 @@ import pandas as pd
 
 from dtprobe.analysis.findings import Finding, PredictedGain
 from dtprobe.analysis.pipeline_delay import STAGE_EXCESS_COLUMNS
-from dtprobe.analysis.stragglers import (MIN_CPU_WAIT_EXCESS_FRAC, MIN_WINDOW_S, medians_and_se, quota_held,
-                                         straggler_advice, window_length)
+from dtprobe.analysis.straggler_scores import (MIN_CPU_WAIT_EXCESS_FRAC, MIN_WINDOW_S, medians_and_se, quota_held,
+                                               window_length)
+from dtprobe.analysis.stragglers import straggler_advice
 from dtprobe.analysis.tables import step_durations
 from dtprobe.store.columns import require_columns
 
@@ -41,7 +42,7 @@ def stage_trends(stage_excess: pd.DataFrame, steps: pd.DataFrame, *,
                  window_steps: int = 20, min_window_s: float = MIN_WINDOW_S) -> pd.DataFrame:
     """Per pipeline rank with no other pipeline on its stage (``own_excess_rel`` of ``stage_excess`` null in each
     of its rows) and at least one peer in its pipeline: the first window after the run's first one (``baseline``;
-    windows of ``stragglers.window_length`` steps of ``steps_analyzed`` (None: all), sliding by one) where its
+    windows of ``straggler_scores.window_length`` steps of ``steps_analyzed`` (None: all), sliding by one) where its
     actions' run time per step (``run_ns``) relative to the median of its pipeline peers' qualifies:
     ``rise`` (window median over baseline median, minus 1) >= ``MIN_STAGE_RISE``, ``rise_t`` >=
     ``MIN_STAGE_RISE_T`` and the median step ``MIN_STEP_RISE`` longer; else the window with the largest rise,
@@ -109,7 +110,7 @@ def detect_stage_trends(trends: pd.DataFrame, *, named: set[int] = frozenset(), 
     actions' run time back to the first window's, at most what the step grew, as a share of the window's step.
     With the host counters per step (``cpu_throttle.cpu_throttled_per_step``, ``cpu_wait_per_step``), the title and
     advice name what the kernel counted over its window (``_window_shares``): its cgroup's quota
-    (``stragglers.quota_held`` against the largest of the other ranks' throttled shares), else a shared core (its
+    (``straggler_scores.quota_held`` against the largest of the other ranks' throttled shares), else a shared core (its
     run-queue wait beyond the other ranks' at least ``MIN_CPU_WAIT_EXCESS_FRAC``, and grown by as much since its
     baseline window)."""
     require_columns(trends, TREND_COLUMNS, table="stage_trends")

@@ -213,6 +213,7 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
     one whose cause is communication: it is reported inside the culprit's finding, not as its own. A flagged rank
     earlier than an unflagged one in every group they share, while that one is late in its own group, is such a
     victim too: the later rank is reported (``detected_by`` ``via_victim``, ``_with_culprits_of_victims``).
+    A victim's own victims are passed to its culprit, up to the chain's end (``_follow_chains``).
     Critical when the victims wait ``critical_wait_frac`` of the step or more; ``info`` when its cause is
     communication (it waited on others: a victim whose culprit was not found). ``axis_of_pg`` maps a process
     group name to ``dp``/``tp``/``pp``; groups of ``skip_axes`` are not judged (in a pipeline group the arrival
@@ -377,6 +378,7 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
             propagated.setdefault(culprit, []).append(rank)
             origin_how[culprit] = "confirmed"
             stage_window[culprit] = (int(row.window_first_step), int(row.window_last_step))
+    _follow_chains(propagated)
     victims_of_others = {v for vs in propagated.values() for v in vs}
     behind_link = slow_link_ranks or {}
     findings = []
@@ -637,6 +639,34 @@ def _stage_view_rows(scores: pd.DataFrame, judge: "_PipelineJudge", *, min_steps
         top["detected_by"], top["detected_at_step"] = "stage", last
         out[rank] = (top, (first, last))
     return out
+
+
+def _follow_chains(propagated: dict[int, list[int]]) -> None:
+    """Pass a victim's victims up to its own culprit (``propagated``: culprit -> the ranks late because of it,
+    changed in place). A rank that waited on another is no culprit of the ranks that waited on it: when rank 1
+    waited on rank 3 in their dp group and rank 3 on rank 2 in their tp group (rank 2 held back by a CPU quota, its
+    whole replica late in the dp groups), rank 2 is the culprit of both. A victim of several culprits follows the
+    first that is no one's victim, if any. Ranks each other's victims (a cycle) with no such way out are left as
+    they are: the rules could not tell which one waited."""
+    victims_of_any = {v for vs in propagated.values() for v in vs}
+    culprit_of: dict[int, int] = {}
+    for culprit, victims in propagated.items():
+        for victim in victims:
+            if victim not in culprit_of or (culprit_of[victim] in victims_of_any and culprit not in victims_of_any):
+                culprit_of[victim] = culprit
+    for rank in list(propagated):
+        top, seen = rank, {rank}
+        while top in culprit_of:
+            top = culprit_of[top]
+            if top in seen:             # a cycle: no rank on it is the root
+                top = rank
+                break
+            seen.add(top)
+        if top == rank:
+            continue
+        for victim in propagated.pop(rank):
+            if victim != top and victim not in propagated[top]:
+                propagated[top].append(victim)
 
 
 def _with_culprits_of_victims(best: pd.DataFrame, scores: pd.DataFrame, later: dict[tuple[int, int], bool], *,

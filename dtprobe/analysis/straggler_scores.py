@@ -168,7 +168,6 @@ CPU_WAIT_SHARE_OF_LATENESS = 0.5
 of it)."""
 
 
-
 def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | None = None,
                      cpu_wait: pd.DataFrame | None = None, cpu_busy: pd.DataFrame | None = None,
                      window_steps: int = 20, min_lateness_frac: float = 0.05,
@@ -814,6 +813,7 @@ def _first_true(flags: np.ndarray, gid: np.ndarray, num_groups: int) -> np.ndarr
     groups, first = np.unique(gid[idx], return_index=True)
     out[groups] = idx[first]
     return out
+
 
 def row_quota_held(row) -> bool:
     """The score row's rank was held back by its cgroup's CPU quota in its window while its peers were not."""

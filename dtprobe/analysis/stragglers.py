@@ -42,6 +42,7 @@ its peers', by less than this share of its lateness: a rank that computes longer
 slow core as well), one that sleeps, waits for a lock or for I/O uses none of it. On a GPU the host thread of a
 rank waiting for a slow device may sleep too: not judged there."""
 
+
 @dataclass(frozen=True)
 class LinkedRanks:
     """Pairs of ranks that share a process group or a p2p link, asked with ``frozenset((a, b)) in links`` (as of a

@@ -58,11 +58,17 @@ kill, stop, mismatch and pause named.
 
 Faults are caused with the chaos suite's harness (tests/chaos/harness.py). The defaults start several hundred
 jobs; ``--quick`` runs one of each class on dp2 (slowdowns of 20% only) as a smoke test.
+
+Every job runs the dtprobe installed from this checkout (an editable install imports its files as they are when the
+job starts), so an edit to the checkout during a matrix changes the code of the runs after it: the matrix stops at
+the first run that ended with the sources (``SOURCE_DIRS``) changed since the start, prints the table of the runs
+before it, and exits with status 3.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import random
 import shutil
 import signal
@@ -95,6 +101,8 @@ WARMUP_STEPS = 3
 """Steps left out of the realized slowdown's before-the-fault window (``realized_slowdown``)."""
 REALIZED_MIN = 0.10
 """Realized slowdown from which a slowdown run counts in the ``real>=10%`` row."""
+SOURCE_DIRS = ("dtprobe", "dashboard", "collectors", "tests/chaos")
+"""The checkout's folders whose Python files the jobs and their analysis run (``source_fingerprint``)."""
 
 
 @dataclass(kw_only=True)
@@ -394,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{' '.join(f'{s:.0%}' for s in args.slowdowns)}, faults from step {args.fault_step}, seed {args.seed}",
           flush=True)
     outcomes: list[Outcome] = []
+    sources = source_fingerprint()
     for i, sc in enumerate(matrix, 1):
         run_dir = args.work_dir / f"{i:03d}-{sc.layout}-{sc.label}"
         if run_dir.exists():
@@ -405,6 +414,13 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:          # one broken run must not lose the hour's other results
             out = Outcome(scenario=sc, error=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
         out.wall_s = time.monotonic() - t0
+        if source_fingerprint() != sources:
+            print(f"[{i}/{len(matrix)}] stopped: dtprobe's sources under {ROOT} changed while the matrix ran, so "
+                  f"this run and the ones after it would not score the code the others did. The {i - 1} runs "
+                  "before it are scored below; run the matrix again on an unchanged checkout.", flush=True)
+            print()
+            print(report(outcomes))
+            return 3
         outcomes.append(out)
         verdict = ("error: " + out.error if out.error else
                    ("TP" if out.true_positive else ("FN" if sc.kind != "clean" else "ok"))
@@ -421,6 +437,19 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(report(outcomes))
     return 0
+
+
+def source_fingerprint(root: Path | None = None) -> str:
+    """A digest of the path, size and modification time of every Python file under the ``SOURCE_DIRS`` of
+    ``root`` (default: this checkout): it changes when a file of the code the jobs run is edited, added or
+    removed."""
+    root = ROOT if root is None else root
+    digest = hashlib.sha256()
+    for folder in SOURCE_DIRS:
+        for path in sorted((root / folder).rglob("*.py")):
+            stat = path.stat()
+            digest.update(f"{path.relative_to(root)}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
 
 
 if __name__ == "__main__":

@@ -133,3 +133,55 @@ def test_the_pause_scenarios_are_drawn_after_the_others_so_their_ranks_stay_as_t
     with_pause = matrix(list(verdicts.KINDS))
     assert [s for s in with_pause if s[0] != "pause"] == matrix([k for k in verdicts.KINDS if k != "pause"])
     assert [s[:2] for s in with_pause if s[0] == "pause"] == [("pause", "dp2"), ("pause", "dp4")]
+
+
+def _checkout(root: Path) -> None:
+    """A checkout's source folders, one Python file in each."""
+    for folder in verdicts.SOURCE_DIRS:
+        (root / folder).mkdir(parents=True)
+        (root / folder / "module.py").write_text("X = 1\n")
+
+
+def test_source_fingerprint_changes_when_a_source_file_is_edited_added_or_removed(tmp_path):
+    _checkout(tmp_path)
+    first = verdicts.source_fingerprint(tmp_path)
+    assert verdicts.source_fingerprint(tmp_path) == first
+    (tmp_path / "README.md").write_text("not code\n")               # outside the source folders: no change
+    (tmp_path / "dtprobe" / "data.json").write_text("{}\n")          # not Python: no change
+    assert verdicts.source_fingerprint(tmp_path) == first
+    (tmp_path / "dashboard" / "module.py").write_text("X = 22\n")
+    edited = verdicts.source_fingerprint(tmp_path)
+    assert edited != first
+    (tmp_path / "dtprobe" / "sub").mkdir()
+    (tmp_path / "dtprobe" / "sub" / "new.py").write_text("")
+    added = verdicts.source_fingerprint(tmp_path)
+    assert added != edited
+    (tmp_path / "dtprobe" / "sub" / "new.py").unlink()
+    assert verdicts.source_fingerprint(tmp_path) == edited
+
+
+def test_the_matrix_stops_at_the_first_run_during_which_the_sources_changed(tmp_path, monkeypatch, capsys):
+    root = tmp_path / "checkout"
+    _checkout(root)
+    monkeypatch.setattr(verdicts, "ROOT", root)
+    ran = []
+
+    def run_scenario(sc, run_dir, args):
+        ran.append(sc.label)
+        sc.fault_step = args.fault_step
+        if len(ran) == 2:                                   # someone edits the checkout during the second run
+            (root / "dtprobe" / "module.py").write_text("X = 2  # edited\n")
+
+    monkeypatch.setattr(verdicts, "run_scenario", run_scenario)
+    monkeypatch.setattr(verdicts, "analyze", lambda run_dir: {"findings": []})
+    monkeypatch.setattr(verdicts, "score", lambda sc, doc, run_dir, nominal_fault_step: verdicts.Outcome(scenario=sc))
+    status = verdicts.main(["--layouts", "dp2", "--repeats", "3", "--kinds", "clean", "--work-dir",
+                            str(tmp_path / "runs")])
+    out = capsys.readouterr().out
+    assert status == 3
+    assert ran == ["clean", "clean"]                        # the third run never started
+    assert "[2/3] stopped: dtprobe's sources under" in out
+    assert "The 1 runs before it are scored below" in out
+    table = out.split("\n\n")[-1]
+    assert [line.split()[:2] for line in table.splitlines() if line.startswith(("clean", "overall"))] == \
+        [["clean", "1"], ["overall", "1"]]

@@ -415,9 +415,9 @@ def main(argv: list[str] | None = None) -> int:
             out = Outcome(scenario=sc, error=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
         out.wall_s = time.monotonic() - t0
         if source_fingerprint() != sources:
-            print(f"[{i}/{len(matrix)}] stopped: dtprobe's sources under {ROOT} changed while the matrix ran, so "
-                  f"this run and the ones after it would not score the code the others did. The {i - 1} runs "
-                  "before it are scored below; run the matrix again on an unchanged checkout.", flush=True)
+            print(f"[{i}/{len(matrix)}] stopped: dtprobe's sources under {ROOT} changed while the matrix ran: "
+                  f"this run may have run other code than the runs before it. The {i - 1} runs before it are "
+                  "scored below; run the matrix again on an unchanged checkout.", flush=True)
             print()
             print(report(outcomes))
             return 3
@@ -447,7 +447,10 @@ def source_fingerprint(root: Path | None = None) -> str:
     digest = hashlib.sha256()
     for folder in SOURCE_DIRS:
         for path in sorted((root / folder).rglob("*.py")):
-            stat = path.stat()
+            try:
+                stat = path.stat()
+            except FileNotFoundError:     # removed since the listing (an editor's temporary file): not a source
+                continue
             digest.update(f"{path.relative_to(root)}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
     return digest.hexdigest()
 

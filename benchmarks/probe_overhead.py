@@ -272,7 +272,7 @@ def bound_thread_cpu(run_dir: Path, *, interval_s: float, seconds: float = 3.0, 
     import threading
     import time
 
-    from dtprobe.collectors.pg_wrapper import CollectiveRecorder
+    from dtprobe.collectors.collective_recorder import CollectiveRecorder
     from dtprobe.store.writer import RankWriter
 
     writer = RankWriter(run_dir, 0, flush_interval_s=interval_s, autoflush=True)
@@ -416,7 +416,7 @@ def _interleaved_costs(plain: Any, recorded: Any, *, mode: str, rounds: int,
 
     import torch
 
-    from dtprobe.collectors.pg_wrapper import RECORDER
+    from dtprobe.collectors.collective_recorder import RECORDER
 
     tensor = torch.ones(256)
     for group in (plain, recorded):       # warm-up: the recording group's first works learn how they are waited
@@ -444,7 +444,8 @@ def record_cost_worker(out: Path, *, rounds: int, block: int) -> None:
     import torch.distributed as dist
 
     import dtprobe
-    from dtprobe.collectors.pg_wrapper import GLOO_BACKEND, RECORDER, RecordingProcessGroup
+    from dtprobe.collectors.collective_recorder import RECORDER
+    from dtprobe.collectors.pg_wrapper import GLOO_BACKEND, RecordingProcessGroup
 
     torch.set_num_threads(1)
     results: dict[str, Any] = {"rounds": rounds, "block": block}

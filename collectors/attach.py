@@ -57,12 +57,13 @@ import torch.distributed as dist
 
 from dtprobe.collectors import nccl, sigterm, torch_internals, training
 from dtprobe.collectors.clock import RESYNC_TIMEOUT_S, ClockResync, measure_clock_sample, start_clock_resync
+from dtprobe.collectors.collective_recorder import RECORDER
 from dtprobe.collectors.config import CollectConfig
 from dtprobe.collectors.cuda_clock import clock_for
 from dtprobe.collectors.devices import DeviceSampler
 from dtprobe.collectors.kernels import ProfilerWindow
 from dtprobe.collectors.null import NullProbe
-from dtprobe.collectors.pg_wrapper import GLOO_BACKEND, NCCL_BACKEND, RECORDER, RecordingProcessGroup, register_backends
+from dtprobe.collectors.pg_wrapper import GLOO_BACKEND, NCCL_BACKEND, RecordingProcessGroup, register_backends
 from dtprobe.collectors.training import StepContext
 from dtprobe.store import manifest as store_manifest
 from dtprobe.store.errors import ConfigError

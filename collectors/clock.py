@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from dtprobe.collectors.pg_wrapper import RECORDER
+from dtprobe.collectors.collective_recorder import RECORDER
 
 BOOT_ID_FILE = Path("/proc/sys/kernel/random/boot_id")
 CLOCK_ID_ENV = "DTPROBE_CLOCK_ID"

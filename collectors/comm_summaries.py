@@ -1,15 +1,15 @@
 """Per-step, per-group summaries of one rank's own collectives: the ``comm_steps`` rows of ``store.schema``.
 
-``CollectiveRecorder.drain`` hands every drained row (a tuple of ``pg_wrapper.ROW_COLUMNS``, ``end_ns`` absent while
-it had no end, or a dict of the same keys) to ``StepSummaries.add``; a step's summary rows are written once the
-step ended (``end_step``) and none of its collectives is still in flight, at two drains in a row (a row moves from
-in flight to the drain queue in two steps, so one drain may see it in neither: the second sees it queued). At close,
-``rest`` gives what is left. Summaries of what the rank knows alone: counts, bytes, its own first and last enqueue,
-last completion, the union of its collectives' spans (``comm_ns``) and the longest one, per group, and over all
-groups (``pg`` left out) when the step used two or more; the row over the whole step (that one, or a one-group
-step's group row) says ``all_groups``. A checkpoint group's collectives (``schema.is_checkpoint_group``) run beside
-the steps: they get their group's row and are in no ``all_groups`` row. Cross-rank figures (lateness, waits) are
-the analysis' derived tables, made from the raw rows at compaction and per step by a live reader.
+``CollectiveRecorder.drain`` hands every drained row (a tuple of ``collective_recorder.ROW_COLUMNS``, ``end_ns``
+absent while it had no end, or a dict of the same keys) to ``StepSummaries.add``; a step's summary rows are written
+once the step ended (``end_step``) and none of its collectives is still in flight, at two drains in a row (a row
+moves from in flight to the drain queue in two steps, so one drain may see it in neither: the second sees it
+queued). At close, ``rest`` gives what is left. Summaries of what the rank knows alone: counts, bytes, its own first
+and last enqueue, last completion, the union of its collectives' spans (``comm_ns``) and the longest one, per group,
+and over all groups (``pg`` left out) when the step used two or more; the row over the whole step (that one, or a
+one-group step's group row) says ``all_groups``. A checkpoint group's collectives (``schema.is_checkpoint_group``)
+run beside the steps: they get their group's row and are in no ``all_groups`` row. Cross-rank figures (lateness,
+waits) are the analysis' derived tables, made from the raw rows at compaction and per step by a live reader.
 ``tests/comm_summary_checks.py`` holds the rows equal to the raw rows' aggregates on recorded runs.
 """
 
@@ -21,8 +21,8 @@ from dtprobe.intervals import union_of_spans
 from dtprobe.store.schema import is_checkpoint_group
 
 ROW_POSITIONS = {"pg": 0, "num_bytes": 3, "step": 5, "enqueue_ns": 7, "end_ns": 9}
-"""Positions of the columns read here in a tuple row (``pg_wrapper.ROW_COLUMNS``, which asserts them): numbers, so
-that this module does not import torch through pg_wrapper."""
+"""Positions of the columns read here in a tuple row (``collective_recorder.ROW_COLUMNS``, which asserts them):
+numbers, since ``collective_recorder`` imports this module."""
 _PG, _BYTES, _STEP, _ENQUEUE, _END = ROW_POSITIONS.values()
 _LATE_STEPS = 64
 """Steps back a late completion's row is still given the all-groups row its step was written with."""

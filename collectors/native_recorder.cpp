@@ -1,4 +1,4 @@
-// Native recording of gloo collectives: the rows collectors/pg_wrapper.py's drain thread reads in batches.
+// Native recording of gloo collectives: the rows collectors/collective_recorder.py's drain thread reads in batches.
 //
 // A RecordingBackend is a c10d Backend registered on a recording process group (pg_wrapper._NativeGlooGroup): it
 // forwards every collective to the real backend and records its row (pg, seq, op, bytes, dtype, step, enqueue time,
@@ -34,7 +34,7 @@ const char* const kOpNames[NUM_OPS] = {"allreduce", "broadcast", "reduce",  "all
                                        "alltoall",  "gather",    "scatter", "barrier"};
 constexpr int16_t kNoDtype = -1;
 
-struct Row {          // pg_wrapper.ROW_COLUMNS; timing is always "host"
+struct Row {          // collective_recorder.ROW_COLUMNS; timing is always "host"
   int32_t pg;
   int8_t op;
   int16_t dtype;
@@ -49,7 +49,7 @@ struct InFlight {
   bool spilled = false;   // already written to ``pending``
 };
 
-struct Progress {         // pg_wrapper._GroupProgress
+struct Progress {         // collective_recorder.GroupProgress
   bool issued = false;
   int64_t issued_seq = 0, issued_step = 0, issued_ns = 0;
   int8_t issued_op = 0;

@@ -8,44 +8,26 @@ all-gather/reduce-scatter, DTensor collectives and pipeline send/recv.
 Gloo collectives are recorded in C++ when the native recorder is built (``collectors/native_recorder.cpp``,
 ``native_module``; ``_NativeGlooGroup``): the row is taken at the issue, ``end_ns`` is stamped by a done-callback on
 the work's future on the thread that completed it (no GIL), or when ``wait()`` returns for works without a future,
-and the rows reach the drain thread below in batches. What follows is the Python path: point-to-point, NCCL, and gloo
-without the build (one stderr line says so).
+and the rows reach the recorder's drain thread (``collective_recorder``) in batches. The Python path records the
+rest: point-to-point, NCCL, and gloo without the build (one stderr line says so).
 
-Completion (``end_ns``), gloo: when the work completes. Blocking calls (torch's API with ``async_op=False``, which
-waits on the work as soon as it is returned) are waited by the group itself and stamped when that wait returns, on
-the caller's thread; the caller gets the completed backend Work. Otherwise, works whose callers wait on them
-before they complete (``async_op=True`` then ``wait()``, DTensor and FSDP waits, ``get_future().wait()``) are
-wrapped and stamped when the caller's ``wait()``, or that of the future the wrapper handed out, returns, on the
-caller's thread; works whose futures are taken and not waited from Python (DDP's C++ reducer, ``then()``) stay the
-backend's own Work with a done-callback, run by the gloo thread that finished it (a Python Work handed to the
-reducer costs GIL round trips on every ``getFuture`` and destruction); ``_WaitHabit`` picks between the two per
-(group, op) and goes back to the callback for callers that wait late. Works without a future (gloo send/recv,
-reduce-scatter) are wrapped and timed when ``wait()`` returns. A gloo collective's row is a tuple
-(``ROW_COLUMNS``; send/recv and NCCL rows are dicts), encoded by the drain thread in batches. On the caller's
-thread a collective costs the Python pass-through, the row and a queue append; ``benchmarks/probe_overhead.py``
-measures it per collective against plain gloo (its ``record_cost`` case: one process, no peer, so that the
-recording cost is not lost in a 2-rank collective's noise).
+The row of each collective goes to ``collective_recorder.RECORDER``, which writes it (and spills those in flight to
+``pending``); the ``Work`` handed back for a gloo collective and how its completion is stamped are in
+``recorded_work``.
 
 On NCCL ``wait()`` does not block the host: NCCL rows are issued and timed on the device by
-``collectors.nccl`` (arrival event, NCCL's own start/end, ``timing="cuda_event"``). Rows are written once
-the collective completes; collectives still in flight at close (a hang) are written with ``end_ns`` null.
-A collective still in flight after one drain tick is also spilled once to the ``pending`` table, so a rank
-killed inside it (SIGKILL: no close) still names it.
-Rows name their group by ``pg`` only (a key, ``dtprobe.store.groups``); the group's members go to the ``groups``
-table once, when the group first records, written to the writer before the row (``CollectiveRecorder.group_key``).
-Read by ``dtprobe.store`` (tables ``collectives``, ``pending``, ``groups``) and ``dtprobe.runtime.hang``
-(``RECORDER.progress()``, ``RECORDER.pending()``).
+``collectors.nccl`` (arrival event, NCCL's own start/end, ``timing="cuda_event"``).
+Read by ``collectors.attach`` (``register_backends``, the backend names) and torch's ``init_process_group`` /
+``new_group`` (the registered backends).
 """
 
 from __future__ import annotations
 
-import collections
 import functools
 import inspect
 import itertools
 import os
 import sys
-import threading
 import time
 import weakref
 from types import ModuleType
@@ -55,9 +37,8 @@ import torch
 import torch.distributed as dist
 
 from dtprobe.collectors import native_recorder, nccl, torch_internals
-from dtprobe.collectors.comm_summaries import ROW_POSITIONS, StepSummaries
-from dtprobe.store.groups import MEMBER_COLUMNS, GroupKeys
-from dtprobe.store.schema import SCHEMAS
+from dtprobe.collectors.collective_recorder import RECORDER, CollectiveRecorder, GroupProgress, row_dict
+from dtprobe.collectors.recorded_work import FutureDone, WaitHabit, wrap_work
 
 GLOO_BACKEND = "dtprobe_gloo"
 """Name of the recording gloo backend: ``init_process_group(backend="dtprobe_gloo")``."""
@@ -65,460 +46,6 @@ NCCL_BACKEND = "dtprobe_nccl"
 """Name of the recording NCCL backend (CUDA tensors)."""
 WORLD_GROUP = "world"
 """``pg`` value for the default group when nothing else names it."""
-_PENDING_COLUMNS = tuple(c for c in SCHEMAS["pending"] if c != "rank" and c not in MEMBER_COLUMNS)
-ROW_COLUMNS = ("pg", "seq", "op", "num_bytes", "dtype", "step", "timing", "enqueue_ns", "restart", "end_ns")
-"""Columns of a row kept as a tuple (a gloo collective, not send/recv), in order; an in-flight row lacks the last
-(``end_ns``). Rows kept as dicts (p2p, NCCL) have these keys in this order, with ``peer`` before ``end_ns``. ``pg``
-is the group's key in the ``groups`` table (``CollectiveRecorder.group_key``)."""
-_PG, _SEQ, _OP, _STEP = (ROW_COLUMNS.index(c) for c in ("pg", "seq", "op", "step"))
-assert set(ROW_COLUMNS) <= set(SCHEMAS["collectives"])
-assert all(ROW_COLUMNS[i] == c for c, i in ROW_POSITIONS.items())
-
-
-def row_dict(row: dict[str, Any] | tuple) -> dict[str, Any]:
-    """A row as a dict (a tuple row's columns named by ``ROW_COLUMNS``); dict rows are returned as they are."""
-    return row if type(row) is dict else dict(zip(ROW_COLUMNS, row))
-
-
-def _ended(row: dict[str, Any] | tuple, end_ns: int) -> dict[str, Any] | tuple:
-    """The finished row: a tuple row extended by ``end_ns``, a dict row with ``end_ns`` set."""
-    if type(row) is tuple:
-        return row + (end_ns,)
-    row["end_ns"] = end_ns
-    return row
-
-
-class _Mirrored:
-    """An attribute of ``CollectiveRecorder`` (kept in ``_<name>``) copied to its native recorder's ``native_name``
-    when set, as ``to_native(value)``."""
-
-    def __init__(self, native_name: str, to_native: Callable[[Any], Any] = lambda value: value) -> None:
-        self.native_name, self.to_native = native_name, to_native
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.private = f"_{name}"
-
-    def __get__(self, recorder: Any, owner: type) -> Any:
-        return self if recorder is None else getattr(recorder, self.private)
-
-    def __set__(self, recorder: Any, value: Any) -> None:
-        setattr(recorder, self.private, value)
-        if recorder._native is not None:
-            self.copy(recorder, recorder._native)
-
-    def copy(self, recorder: Any, native: Any) -> None:
-        setattr(native, self.native_name, self.to_native(getattr(recorder, self.private)))
-
-
-class CollectiveRecorder:
-    """Process-wide sink shared by every recording group: the writer, the current step, the timing mode.
-
-    The backends are created by ``torch.distributed`` (not by the probe), so they reach the probe through this
-    one module-level object (``RECORDER``). Until ``start`` sets a writer, rows are dropped.
-
-    Rows are queued (a deque append, well under a microsecond) and handed to the writer by a drain thread
-    every ``flush_interval_s``, by ``drain()`` and at ``stop()``: the writer's JSON encoding (tuple rows in one
-    batch per drain, dict rows one by one) stays off the training thread. Each tick of the drain thread
-    (``tick()``) drains the queue, spills to ``pending`` every collective that was already in flight at the
-    previous tick (each at most once), and flushes the writer: a completed row reaches the OS within one
-    interval, a collective pending for two intervals is on disk, even while the training thread is blocked.
-    """
-
-    def __init__(self) -> None:
-        self._native: Any = None
-        """The native recorder of this recorder's native gloo groups (``native_recorder.cpp``'s ``Recorder``), made
-        by the first one (``native``); None until then. Mirrors ``writer``, ``step``, ``timing`` and ``restart``."""
-        self._writer: Any = None
-        self._step = -1
-        self._timing = "wait"
-        self._restart = 0
-        self.nccl_timing = True
-        """Use the NCCL completion hook for device timings when ``TORCH_NCCL_ENABLE_TIMING=1``."""
-        self._paused = _PausedFlag()
-        self._in_flight: dict[int, dict[str, Any] | tuple] = {}
-        self._callbacks: weakref.WeakSet = weakref.WeakSet()   # done-callbacks a work's future still holds
-        self._ids = itertools.count()
-        self._progress: dict[str, _GroupProgress] = {}   # read by the hang watchdog: see progress()
-        self._queue: collections.deque = collections.deque()
-        self._drain_lock = threading.Lock()
-        self._stop_drain = threading.Event()
-        self._drainer: threading.Thread | None = None
-        self._flushing: Any = None               # the writer the drain tick flushes in its stead (start)
-        self._tick_lock = threading.Lock()
-        self._seen_at_tick: set[int] = set()     # in-flight keys at the previous tick
-        self._spilled: set[int] = set()          # in-flight keys already written to ``pending``
-        self._group_lock = threading.Lock()
-        self._group_keys = GroupKeys()
-        self._groups: dict[str, dict[str, Any]] = {}   # key -> the group's ``groups`` row (name, members)
-        self._summaries = StepSummaries()              # ``comm_steps`` rows in the making (used under _drain_lock)
-
-    writer = _Mirrored("writing", lambda writer: writer is not None)
-    """``RankWriter`` (or None: drop rows)."""
-    step = _Mirrored("step")
-    """Training step current at enqueue; -1 outside ``probe.step``."""
-    timing = _Mirrored("enqueue_timing", lambda timing: timing == "enqueue")
-    """``"wait"``: rows get ``end_ns`` at completion; ``"enqueue"``: rows are written at once, no end."""
-    restart = _Mirrored("restart")
-    """torchrun restart count of this worker (``TORCHELASTIC_RESTART_COUNT``), copied into every row."""
-
-    def native(self, module: ModuleType) -> Any:
-        """This recorder's native ``Recorder`` (of ``module``, the loaded ``native_recorder``), made at the first
-        call with the recorder's state."""
-        if self._native is None:
-            native = module.Recorder()
-            for mirrored in (CollectiveRecorder.writer, CollectiveRecorder.step, CollectiveRecorder.timing,
-                             CollectiveRecorder.restart):
-                mirrored.copy(self, native)
-            self._native = native
-        return self._native
-
-    def start(self, writer: Any, *, timing: str = "wait", nccl_timing: bool = True,
-              flush_interval_s: float = 1.0, restart: int = 0) -> None:
-        """Begin recording into ``writer`` (attach); ``restart`` is the worker's torchrun restart count."""
-        self.stop()
-        with self._group_lock:
-            self.writer = writer
-            self.restart = int(restart)
-            # Groups met before (an earlier attach of this process): their rows again, for this writer.
-            for group in self._groups.values():
-                writer.write("groups", {**group, "restart": self.restart})
-        self.timing = timing
-        self.nccl_timing = nccl_timing
-        self.step = -1
-        with self._drain_lock:
-            self._summaries = StepSummaries(self.restart)
-        self._seen_at_tick, self._spilled = set(), set()
-        if self._native is not None:
-            self._native.reset_ticks()
-        self._stop_drain = threading.Event()
-        # The drain tick flushes the writer anyway: the writer's own flusher stops meanwhile (one wake-up per
-        # interval instead of two on the rank's cores)
-        hand_over = getattr(writer, "hand_over_flushing", None)
-        self._flushing = writer if hand_over is not None and hand_over(flush_interval_s) else None
-        self._drainer = threading.Thread(target=self._drain_loop, args=(self._stop_drain, flush_interval_s),
-                                         name="dtprobe-collectives", daemon=True)
-        self._drainer.start()
-
-    def stop(self) -> None:
-        """Write in-flight rows (end null), drain the queue and stop recording (close). Idempotent."""
-        if self._drainer is not None:
-            self._stop_drain.set()
-            self._drainer.join(timeout=10)
-            self._drainer = None
-        if self.writer is not None:
-            # A work's done-callback runs just after its waiters wake: give just-finished ones a moment.
-            deadline = time.monotonic() + 0.2
-            while self._num_in_flight() and time.monotonic() < deadline:
-                time.sleep(0.005)
-            self.flush_in_flight()
-            self.drain()
-            with self._drain_lock:
-                for row in self._summaries.rest():
-                    self.writer.write("comm_steps", row)
-        self._give_back_flushing()
-        self.writer = None
-        self.step = -1
-
-    def _give_back_flushing(self) -> None:
-        """The writer whose flushing the drain thread took over (``start``) flushes on its own again."""
-        writer, self._flushing = self._flushing, None
-        if writer is not None:
-            writer.take_back_flushing()
-
-    def _num_in_flight(self) -> int:
-        return len(self._in_flight) + (self._native.num_in_flight() if self._native is not None else 0)
-
-    def step_ended(self, step: int) -> None:
-        """The training thread left step ``step``: its ``comm_steps`` rows are written once its collectives are
-        all drained (``comm_summaries``)."""
-        with self._drain_lock:
-            self._summaries.end_step(step)
-
-    def _in_flight_steps(self) -> list[int]:
-        """The steps of the rows in flight now (Python and native)."""
-        rows = list(self._in_flight.values())
-        steps = [row[_STEP] if type(row) is tuple else row.get("step") for row in rows]
-        if self._native is not None and self._native.num_in_flight():
-            steps += [row[_STEP] for row in self._native.in_flight()]
-        return steps
-
-    def drain(self) -> None:
-        """Hand every queued row to the writer now: tuple rows in batches through ``writer.write_values`` when it has
-        one (``RankWriter``), else each as a dict through ``writer.write``. The native recorder's rows come first.
-        Then the ``comm_steps`` rows of the steps that are over (``comm_summaries.StepSummaries``)."""
-        writer = self.writer
-        with self._drain_lock:
-            in_flight_steps = self._in_flight_steps() if writer is not None else []   # before the rows are taken
-            queue = self._queue
-            rows = self._native.take() if self._native is not None else []
-            while True:
-                try:
-                    rows.append(queue.popleft())
-                except IndexError:
-                    break
-            if writer is None:
-                return
-            summaries = self._summaries
-            summaries.add(rows)
-            write_values = getattr(writer, "write_values", None)
-            batch: list[tuple] = []
-            for row in rows:
-                if type(row) is tuple and write_values is not None:
-                    batch.append(row)
-                    continue
-                if batch:
-                    write_values("collectives", ROW_COLUMNS, batch)
-                    batch = []
-                writer.write("collectives", row_dict(row))
-            if batch:
-                write_values("collectives", ROW_COLUMNS, batch)
-            for summary in summaries.due(in_flight_steps):
-                writer.write("comm_steps", summary)
-
-    def tick(self) -> int:
-        """One drain-thread tick: drain the queue, spill to ``pending`` the collectives in flight since the previous
-        tick and not spilled yet, flush the writer. Returns how many rows were spilled."""
-        with self._tick_lock:
-            self.drain()
-            writer = self.writer
-            if writer is None:
-                return 0
-            in_flight = self._in_flight
-            now = set(in_flight)               # a C-level copy under the GIL: safe against concurrent track/untrack
-            spill = (now & self._seen_at_tick) - self._spilled
-            spilled = [in_flight.get(key) for key in sorted(spill)]   # keys grow with issue order: oldest first
-            if self._native is not None:
-                spilled += self._native.spill()
-            for row in spilled:
-                if row is not None:
-                    row = row_dict(row)
-                    writer.write("pending", {c: row[c] for c in _PENDING_COLUMNS if c in row})
-            self._spilled = (self._spilled | spill) & now   # keys never come back once completed
-            self._seen_at_tick = now
-            # Every table reaches the OS each tick, even while the training thread is blocked (in-memory sinks
-            # given to the recorder in tests have no flush).
-            flush = getattr(writer, "flush", None)
-            if flush is not None:
-                flush()
-            return sum(row is not None for row in spilled)
-
-    def _drain_loop(self, stop: threading.Event, interval_s: float) -> None:
-        try:
-            while not stop.wait(interval_s):
-                self.tick()
-        finally:
-            if not stop.is_set():    # ended by an error (threading reports it): the writer's rows still go out
-                self._give_back_flushing()
-
-    @property
-    def active(self) -> bool:
-        return self._writer is not None and not self._paused.on
-
-    def paused(self) -> "_Paused":
-        """Context manager: collectives issued by this thread inside it are not recorded (clock sync)."""
-        return _Paused(self._paused, self)
-
-    def group_key(self, name: str, pg_ranks: str, pg_size: int) -> str:
-        """The ``pg`` key of group (``name``, ``pg_ranks``) in rows. The first time, its ``groups`` row is handed to
-        the writer at once, so it precedes every row that names it (the writer flushes ``groups`` first)."""
-        with self._group_lock:
-            key, new = self._group_keys.key(name, pg_ranks)
-            if new:
-                group = self._groups[key] = {"pg": key, "name": name, "pg_ranks": pg_ranks, "pg_size": pg_size}
-                if self.writer is not None:
-                    self.writer.write("groups", {**group, "restart": self.restart})
-            return key
-
-    def with_members(self, row: dict[str, Any]) -> dict[str, Any]:
-        """``row`` (a dict) with its group's ``pg_ranks`` and ``pg_size`` after ``pg``, as readers show it."""
-        group = self._groups.get(row.get("pg"))
-        if group is None:
-            return row
-        out = {"pg": row["pg"], "pg_ranks": group["pg_ranks"], "pg_size": group["pg_size"]}
-        out.update(row)
-        return out
-
-    def emit(self, row: dict[str, Any] | tuple) -> None:
-        """Queue a finished row (a dict, or a tuple of ``ROW_COLUMNS``) for the drain thread."""
-        if self.writer is not None:
-            self._queue.append(row)
-
-    def track(self, row: dict[str, Any] | tuple) -> int:
-        """Register an issued row (a dict, or a tuple of ``ROW_COLUMNS`` but ``end_ns``) as in flight; returns its
-        key for ``untrack``."""
-        key = next(self._ids)              # next() and dict set/pop are atomic under the GIL: no lock
-        self._in_flight[key] = row
-        # Progress per group: collectives only (p2p rows, always dicts, have their own numbering).
-        if type(row) is tuple:
-            pg = row[_PG]
-        elif "peer" not in row:
-            pg = row["pg"]
-        else:
-            return key
-        p = self._progress.get(pg)
-        if p is None:
-            p = self.group_progress(pg)
-        p.issued = row
-        return key
-
-    def untrack(self, key: int) -> bool:
-        """Forget an in-flight row; False if it was already written (completed, or flushed at close)."""
-        row = self._in_flight.pop(key, None)
-        if row is None:
-            return False
-        if type(row) is tuple:
-            pg, seq, op = row[_PG], row[_SEQ], row[_OP]
-        elif "peer" not in row:
-            pg, seq, op = row["pg"], row["seq"], row["op"]
-        else:
-            return True
-        p = self._progress.get(pg)
-        if p is not None and seq > p.completed_seq:
-            p.completed_seq, p.completed_op = seq, op
-        return True
-
-    def complete(self, key: int, row: dict[str, Any] | tuple, end_ns: int | None) -> None:
-        """``untrack(key)`` and, unless it was already written, queue ``row`` finished at ``end_ns`` (None: no end)."""
-        if self.untrack(key) and self._writer is not None:     # ``emit``, inline: once per wrapped collective
-            self._queue.append(row if end_ns is None else row + (end_ns,) if type(row) is tuple
-                               else _ended(row, end_ns))
-
-    def group_progress(self, pg: str) -> "_GroupProgress":
-        """Group ``pg``'s progress on this rank (created at its first use; listed by ``progress`` once it issued)."""
-        p = self._progress.get(pg)
-        if p is None:
-            group = self._groups.get(pg)
-            p = self._progress.setdefault(pg, _GroupProgress(pg, group["pg_ranks"] if group else ""))
-        return p
-
-    def run_blocking(self, row: tuple, progress: "_GroupProgress", call: Callable[..., Any], args: tuple,
-                     kwargs: dict[str, Any]) -> Any:
-        """``call(*args, **kwargs)`` and wait on the work it returns, with ``row`` (a gloo collective's tuple, no
-        ``end_ns``; ``progress`` is its group's) in flight meanwhile; then queue it ended. ``track``, ``untrack``
-        and ``emit`` in one call, for torch's blocking API (see ``RecordingProcessGroup._issue``)."""
-        key = next(self._ids)              # next() and dict set/pop are atomic under the GIL: no lock
-        in_flight = self._in_flight
-        in_flight[key] = row
-        progress.issued = row
-        work = call(*args, **kwargs)
-        if work is not None:
-            work.wait()                    # raises if the collective failed: the row stays in flight
-        end_ns = time.time_ns()
-        if in_flight.pop(key, None) is not None:    # else already written at close, without an end
-            seq = row[_SEQ]
-            if seq > progress.completed_seq:
-                progress.completed_seq, progress.completed_op = seq, row[_OP]
-            if self._writer is not None:
-                self._queue.append(row + (end_ns,))
-        return work
-
-    def progress(self) -> dict[str, dict[str, Any]]:
-        """Per group name: ``pg_ranks``, ``last_issued_seq``/``_op``/``_step``/``_ns`` and ``last_completed_seq``/
-        ``_op`` of this rank's collectives (timing "wait" only); read by ``dtprobe.runtime.hang``'s watchdog."""
-        out = {pg: p.as_dict() for pg, p in list(self._progress.items()) if p.issued is not None}
-        for pg, seq, op, step, enqueue_ns, completed_seq, completed_op in (
-                self._native.progress() if self._native is not None else ()):
-            if pg in out and out[pg]["last_issued_seq"] >= seq:
-                continue                     # a group recorded in Python too (not made so): the further one
-            group = self._groups.get(pg)
-            out[pg] = {"pg_ranks": group["pg_ranks"] if group else "", "last_completed_seq": completed_seq,
-                       "last_completed_op": completed_op, "last_issued_seq": seq, "last_issued_op": op,
-                       "last_issued_step": step, "last_issued_ns": enqueue_ns}
-        return out
-
-    def pending(self) -> list[dict[str, Any]]:
-        """Rows of collectives issued but not completed yet, oldest first (what a hung rank waits on), each with its
-        group's ``pg_ranks`` and ``pg_size``."""
-        rows = [row_dict(r) for r in list(self._in_flight.values())]
-        if self._native is not None:
-            rows = sorted(rows + [row_dict(r) for r in self._native.in_flight()], key=lambda r: r["enqueue_ns"])
-        return [self.with_members(dict(r)) for r in rows]
-
-    def flush_in_flight(self) -> int:
-        """Write every in-flight row with ``end_ns`` null (at close: a hang or a crash); returns how many."""
-        rows = []
-        for key in list(self._in_flight):
-            row = self._in_flight.pop(key, None)
-            if row is not None:
-                rows.append(row)
-        for row in rows:
-            self.emit(row)
-        return len(rows) + (self._native.flush_in_flight() if self._native is not None else 0)
-
-    def on_done(self, future: Any, callback: "_FutureDone | _WorkDone") -> None:
-        """``future.add_done_callback(callback)``, the callback known to ``settle_callbacks``."""
-        callback.future = future
-        self._callbacks.add(callback)
-        future.add_done_callback(callback)
-
-    def settle_callbacks(self, timeout_s: float = 5.0) -> bool:
-        """Wait (sleeping, so without the GIL) until no future of a finished work still holds one of our
-        done-callbacks; False if some still did after ``timeout_s``. Called at interpreter exit.
-
-        The callbacks run on the gloo worker thread that finished the work, after the waiter was woken, and that
-        thread takes the GIL again to release the callback once it returned. A thread that needs the GIL once the
-        interpreter is finalizing is ended by CPython (``pthread_exit``), whose unwinding through torch's C++
-        frames aborts the process ("terminate called without an active exception", exit -6) after its work was
-        done. A callback is released when its object is freed, which empties its entry here; callbacks of works
-        still in flight (a hung collective) are not waited for."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            busy = any(cb.future.done() for cb in list(self._callbacks))
-            if not busy:
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.005)
-
-
-class _GroupProgress:
-    """One group's progress on this rank: the last issued row (kept as is; its fields are read only when the
-    watchdog asks; None until the group issues) and the highest completed collective."""
-
-    __slots__ = ("pg", "pg_ranks", "issued", "completed_seq", "completed_op")
-
-    def __init__(self, pg: str, pg_ranks: str) -> None:
-        self.pg = pg
-        self.pg_ranks = pg_ranks
-        self.issued: dict[str, Any] | tuple | None = None
-        self.completed_seq = 0
-        self.completed_op: str | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        issued = row_dict(self.issued)
-        return {"pg_ranks": self.pg_ranks, "last_completed_seq": self.completed_seq,
-                "last_completed_op": self.completed_op, "last_issued_seq": issued["seq"],
-                "last_issued_op": issued["op"], "last_issued_step": issued["step"],
-                "last_issued_ns": issued["enqueue_ns"]}
-
-
-class _PausedFlag(threading.local):
-    """Per thread: recording paused (``CollectiveRecorder.paused``). A class default, so reading it on the hot path is
-    a plain attribute lookup, not a caught AttributeError."""
-
-    on = False
-
-
-class _Paused:
-    def __init__(self, local: threading.local, recorder: CollectiveRecorder) -> None:
-        self._local = local
-        self._recorder = recorder
-
-    def __enter__(self) -> None:
-        self._prev = getattr(self._local, "on", False)
-        self._local.on = True
-        self._native = self._recorder._native      # its native recorder pauses per thread too
-        if self._native is not None:
-            self._native.set_paused(True)
-
-    def __exit__(self, *exc: object) -> None:
-        self._local.on = self._prev
-        if self._native is not None:
-            self._native.set_paused(False)
-
-
-RECORDER = CollectiveRecorder()
-"""The recorder every ``RecordingProcessGroup`` writes through; ``dtprobe.collectors.attach`` configures it."""
 
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
@@ -562,267 +89,6 @@ def _waits_now(args: tuple, kwargs: dict) -> bool:
     C++ callers (DDP's reducer, functional collectives) and calls without options keep the default, True."""
     opts = args[0] if args else kwargs.get("opts")
     return getattr(opts, "asyncOp", True) is False
-
-
-def _failed(future: Any) -> bool:
-    """True if a work's future finished with an error (a peer died, the group was aborted): that is no
-    completion, so the row stays in flight and is written at close with ``end_ns`` null, like a hang's."""
-    try:
-        future.value()
-    except Exception:  # noqa: BLE001 - any backend error means the collective never completed
-        return True
-    return False
-
-
-class _FutureDone:
-    """Done-callback of a work's future: stamps ``end_ns`` and writes the row (unless flushed at close or the
-    work failed). Registered through ``CollectiveRecorder.on_done``, which sets ``future``."""
-
-    __slots__ = ("recorder", "key", "row", "future", "__weakref__")
-
-    def __init__(self, recorder: CollectiveRecorder, key: int, row: dict[str, Any]) -> None:
-        self.recorder, self.key, self.row = recorder, key, row
-        self.future: Any = None
-
-    def __call__(self, future: Any) -> None:
-        if not _failed(future):
-            self.recorder.complete(self.key, self.row, time.time_ns())
-
-
-class _WorkDone:
-    """Done-callback of a ``RecordedWork``'s future: its ``_complete`` (an object, not a bound method, so that
-    ``CollectiveRecorder.settle_callbacks`` sees when the future lets go of it)."""
-
-    __slots__ = ("work", "future", "__weakref__")
-
-    def __init__(self, work: "RecordedWork") -> None:
-        self.work = work
-        self.future: Any = None
-
-    def __call__(self, future: Any) -> None:
-        self.work._complete(future)
-
-
-class _WaitHabit:
-    """How callers of one (group, op) use its works, learned from the works themselves; decides how ``end_ns`` is
-    taken for the next ones.
-
-    A done-callback on the work's future stamps the exact completion, but runs Python on the gloo thread that
-    finished the work: a GIL hand-over between two threads for every collective, the bulk of the recording cost
-    of a small collective. A caller that waits before the work completes (``dist.all_reduce`` without
-    ``async_op``, a DTensor or FSDP wait right after the issue, ``get_future().wait()``; or within
-    ``PROMPT_WAIT_NS`` of it) sees the completion itself: its ``wait()`` returns then, on its own thread, so the
-    wrapper stamps ``end_ns`` there, with no callback. A future handed out by the wrapper is the backend's own
-    future with an unwrap function (``RecordedWork._future_waited``), which torch runs on the caller's thread when
-    that future's ``wait()`` or ``value()`` returns.
-
-    The first work of a (group, op) goes back as the backend's own Work with the callback; the next ones are
-    wrapped, with the callback until ``PROMPT_WAITS`` of them in a row were waited promptly. A work found completed
-    well before its ``wait()`` starts, a future waited more than ``PROMPT_WAIT_NS`` after it was taken, a work
-    dropped unwaited, or a future released without a wait through it (DDP's reducer takes futures in C++;
-    ``then()``, ``wait_all``) brings the callback back, so a caller that overlaps the collective with other work
-    gets exact completion times. The works that reveal the change are stamped at their wait, an upper bound of
-    their completion: one work for a caller that waits each work before issuing the next, every work issued
-    without the callback before the first late wait for one that waits a batch at the end.
-    """
-
-    PROMPT_WAITS = 4
-    """Works waited before completion, in a row, after which a (group, op) goes without the done-callback."""
-    PROMPT_WAIT_NS = 50_000
-    """A wait that starts this soon after the backend handed the work back counts as prompt even if the work
-    already completed (a descheduled caller, a tiny collective): its end is stamped at most this late after the
-    issue returned, within a thread wake-up. Counted from the issue's return, not from ``enqueue_ns``: a caller
-    descheduled inside the backend's call (a busy machine) has not waited late. A future's wait counts as prompt
-    if the future was taken so (or before the work completed) and its ``wait()`` returned within this of that."""
-
-    __slots__ = ("issued", "prompt", "future_taken")
-
-    def __init__(self) -> None:
-        self.issued = False
-        """A work of this (group, op) was issued: the first one goes back as the backend's own Work."""
-        self.prompt = 0
-        """Works of this (group, op) waited promptly, in a row."""
-        self.future_taken = False
-        """A future taken from a work was released without being waited through it (DDP's reducer, ``then()``
-        users): the group hands back the backend's own Work with the done-callback, as a Python Work costs those
-        C++ callers GIL round trips."""
-
-    @property
-    def needs_callback(self) -> bool:
-        return self.prompt < self.PROMPT_WAITS
-
-    def waited(self, prompt: bool) -> None:
-        """Count one wait: prompt ones in a row, a late one starts the count again."""
-        if not prompt:
-            self.prompt = 0
-        elif self.prompt < self.PROMPT_WAITS:
-            self.prompt += 1
-
-
-_set_future_unwrap = torch_internals.set_future_unwrap
-"""torch's futures take an unwrap function (run when a Python ``wait()``/``value()`` returns; None: this torch has
-none): a wrapped work's future is then stamped at its wait (``RecordedWork._future_waited``)."""
-
-
-class RecordedWork(dist.Work):
-    """Wraps a real ``Work``: writes the row when ``wait()`` returns, when a future it handed out returns from its
-    Python ``wait()``/``value()`` (a work with a ``habit``: ``_future_waited``) or, if a done-callback was added
-    (``future``, while the habit is learned; a future taken from a work without a habit), when the work completes;
-    first wins.
-
-    Used for works without a future (gloo send/recv, reduce-scatter; timed at ``wait()``) and for gloo works whose
-    callers wait on them (see ``_WaitHabit``); ``habit`` is updated with how this work was used.
-    """
-
-    # One per wrapped collective: slots make it cheaper to build than an instance dict (torch's Work takes no
-    # attributes of its own either).
-    __slots__ = ("_inner", "_row", "_recorder", "_key", "_habit", "_handed_ns", "_future", "_callback", "_waiter",
-                 "_taken_ns")
-
-    def __init__(self, inner: dist.Work, row: dict[str, Any] | tuple, recorder: CollectiveRecorder, *,
-                 habit: _WaitHabit | None = None, future: Any = None) -> None:
-        super().__init__()
-        _wrap(inner, row, recorder, habit, future, self)
-
-    def _complete(self, future: Any = None) -> None:
-        row = self._row
-        if row is None or (future is not None and _failed(future)):
-            return
-        self._row = None
-        self._recorder.complete(self._key, row, time.time_ns())
-
-    def wait(self, timeout: Any = None) -> bool:
-        habit = self._habit
-        if habit is not None:
-            self._habit = None
-            if (self._row is not None and time.time_ns() - self._handed_ns > _WaitHabit.PROMPT_WAIT_NS
-                    and self._inner.is_completed()):   # the clock first: cheaper than asking the backend
-                habit.prompt = 0            # completed well before the wait: only a callback sees when
-            elif habit.prompt < _WaitHabit.PROMPT_WAITS:
-                habit.prompt += 1
-        ok = self._inner.wait() if timeout is None else self._inner.wait(timeout)
-        row = self._row
-        if row is not None:
-            self._row = None
-            self._recorder.complete(self._key, row, time.time_ns())
-        return ok
-
-    def get_future(self) -> torch.futures.Future:
-        habit = self._habit
-        if habit is not None and _set_future_unwrap is not None:
-            # The future's Python wait() stamps the end (``_future_waited``); released unwaited, the work's
-            # ``__del__`` brings the callback back. Not kept here: this work is the future's unwrap function, and
-            # a cycle through a C++ future is never collected.
-            self._habit = None
-            now = time.time_ns()
-            prompt = now - self._handed_ns <= _WaitHabit.PROMPT_WAIT_NS or not self._inner.is_completed()
-            self._taken_ns = now if prompt else None
-            self._waiter = habit
-        if self._waiter is not None:         # also a second get_future before the first future's wait
-            fut = self._inner.get_future()
-            _set_future_unwrap(fut, self._future_waited)
-            return fut
-        if self._future is None:
-            if habit is not None:            # a torch without unwrap functions: as a C++ caller
-                self._habit = None
-                habit.future_taken, habit.prompt = True, 0
-            fut = self._inner.get_future()
-            self._recorder.on_done(fut, _WorkDone(self))    # the done-callback stamps the completion
-            self._future = fut
-        return self._future
-
-    def _future_waited(self, value: Any) -> None:
-        """Unwrap function of the futures this work handed out while its habit was learned or known: torch calls it
-        on the caller's thread each time such a future's ``wait()`` or ``value()`` returns (never when the work
-        failed). The first call stamps ``end_ns`` (unless a done-callback wrote the row) and tells the habit
-        whether the wait was prompt."""
-        habit = self._waiter
-        if habit is None:                   # called before: a later wait() or value()
-            return
-        self._waiter = None
-        now = time.time_ns()
-        taken_ns = self._taken_ns
-        habit.waited(taken_ns is not None and now - taken_ns <= _WaitHabit.PROMPT_WAIT_NS)
-        row = self._row
-        if row is not None:
-            self._row = None
-            self._recorder.complete(self._key, row, now)
-
-    def is_completed(self) -> bool:
-        return self._inner.is_completed()
-
-    def is_success(self) -> bool:
-        return self._inner.is_success()
-
-    def exception(self) -> Any:
-        return self._inner.exception()
-
-    def source_rank(self) -> int:
-        return self._inner.source_rank()
-
-    def result(self) -> list[torch.Tensor]:
-        return self._inner.result()
-
-    def synchronize(self) -> None:
-        self._inner.synchronize()
-
-    def __del__(self) -> None:
-        try:
-            habit, waiter, row = self._habit, self._waiter, self._row
-        except AttributeError:              # built, but never filled
-            return
-        if waiter is not None:
-            # Its futures were released without a Python wait (DDP's reducer takes them in C++; then(), wait_all):
-            # the callback comes back for its (group, op) and, unless one holds the row, for this work (its end is
-            # then the completion, or now if the work completed before: an upper bound).
-            waiter.future_taken, waiter.prompt = True, 0
-            if row is not None and not self._callback:
-                self._row = None
-                self._recorder.on_done(self._inner.get_future(), _FutureDone(self._recorder, self._key, row))
-            return
-        # Never waited and no future taken (fire-and-forget). A work that has a future gets its end from a
-        # done-callback (added now if it was not), and its (group, op) gets the callback back; a work without
-        # one is written without an end time.
-        if habit is not None:
-            habit.prompt = 0
-        if row is None or self._future is not None:
-            return
-        self._row = None
-        if habit is not None:
-            future = self._inner.get_future()
-            self._recorder.on_done(future, _FutureDone(self._recorder, self._key, row))
-            return
-        self._recorder.complete(self._key, row, None)
-
-
-class _IssuedWork(RecordedWork):
-    """The ``RecordedWork`` of the group's hot path (``RecordingProcessGroup._issue``): built by torch's own Work
-    constructor (no Python ``__init__`` frame, no ``super()`` call, no keyword arguments), then filled by
-    ``_wrap``."""
-
-    __slots__ = ()
-    __init__ = dist.Work.__init__
-
-
-def _wrap(inner: dist.Work, row: tuple | dict[str, Any], recorder: CollectiveRecorder,
-          habit: _WaitHabit | None = None, future: Any = None, work: RecordedWork | None = None) -> RecordedWork:
-    """``RecordedWork(inner, row, recorder, habit=habit, future=future)``, built the cheap way (an
-    ``_IssuedWork``); or, given ``work`` (``RecordedWork.__init__``), its fields filled and ``row`` tracked."""
-    if work is None:
-        work = _IssuedWork()
-    work._inner = inner
-    work._row = row
-    work._recorder = recorder
-    work._key = recorder.track(row)
-    work._habit = habit
-    if habit is not None:
-        work._handed_ns = time.time_ns()     # the backend handed the work back (``PROMPT_WAIT_NS``)
-    work._future = None
-    work._waiter = None      # while a future taken from it has not returned from a Python wait: the habit to update
-    work._callback = future is not None
-    if future is not None:                   # exact completion time while the caller's habit is being learned
-        recorder.on_done(future, _WorkDone(work))
-    return work
 
 
 _SPLIT_DEVICE_TYPES_ARG = 5
@@ -909,8 +175,8 @@ class RecordingProcessGroup(dist.ProcessGroup):
         self._seq = itertools.count(1)     # next() is atomic under the GIL: no lock on the hot path
         self._p2p_seq: dict[tuple[int, str], Any] = {}
         self._no_future_ops: set[str] = set()
-        self._habits: dict[str, _WaitHabit] = {}    # per op: how its callers wait (see _WaitHabit)
-        self._progress: _GroupProgress | None = None
+        self._habits: dict[str, WaitHabit] = {}    # per op: how its callers wait (see WaitHabit)
+        self._progress: GroupProgress | None = None
         """The recorder's progress of the group whose key the last blocking call had (``run_blocking``)."""
         self._nccl: Any = nccl.UntimedNccl(self._recorder) if device_timing else None
         """NCCL only: issues and times the recorded collectives (``collectors.nccl``)."""
@@ -1063,27 +329,27 @@ class RecordingProcessGroup(dist.ProcessGroup):
             recorder.emit(row)
             return work
         habit = self._habits.get(op)
-        if habit is not None and habit.prompt >= _WaitHabit.PROMPT_WAITS and not habit.future_taken:
+        if habit is not None and habit.prompt >= WaitHabit.PROMPT_WAITS and not habit.future_taken:
             # Its callers wait before completion: the wrapper's wait(), or its future's, stamps end_ns on the
             # caller's thread.
-            return _wrap(work, row, recorder, habit)
+            return wrap_work(work, row, recorder, habit)
         if op in self._no_future_ops:
-            return _wrap(work, row, recorder)
+            return wrap_work(work, row, recorder)
         if habit is None:
-            habit = self._habits[op] = _WaitHabit()
+            habit = self._habits[op] = WaitHabit()
         try:
             future = work.get_future()
         except RuntimeError:               # gloo p2p and reduce-scatter works have no future
             self._no_future_ops.add(op)
-            return _wrap(work, row, recorder)
+            return wrap_work(work, row, recorder)
         if habit.future_taken or not habit.issued:
             habit.issued = True
             # The caller keeps the backend's own Work: a Python Work handed to C++ (DDP's reducer) costs GIL
             # round trips on every getFuture and destruction. The callback runs where the backend completes the
             # work (a gloo worker thread), so end_ns is the completion time.
-            recorder.on_done(future, _FutureDone(recorder, recorder.track(row), row))
+            recorder.on_done(future, FutureDone(recorder, recorder.track(row), row))
             return work
-        return _wrap(work, row, recorder, habit, future)
+        return wrap_work(work, row, recorder, habit, future)
 
     def _global_peer(self, group_peer: int) -> int:
         try:

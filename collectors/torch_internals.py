@@ -229,7 +229,7 @@ def queue_backward_callback(callback: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
-# ---- futures (used by collectors/pg_wrapper.py to stamp a future-waited collective on the caller's thread) ----
+# ---- futures (used by collectors/recorded_work.py to stamp a future-waited collective on the caller's thread) ----
 
 set_future_unwrap: Callable[[Any, Callable[[Any], None]], None] | None = getattr(
     torch.futures.Future, "_set_unwrap_func", None)

@@ -22,7 +22,9 @@ import torch
 from dtprobe.collectors.attach import Probe
 from dtprobe.collectors.config import CollectConfig
 from dtprobe.collectors.null import NullProbe
-from dtprobe.collectors.pg_wrapper import CollectiveRecorder, RecordedWork, RecordingProcessGroup
+from dtprobe.collectors.collective_recorder import CollectiveRecorder
+from dtprobe.collectors.pg_wrapper import RecordingProcessGroup
+from dtprobe.collectors.recorded_work import RecordedWork
 from dtprobe.store import RunStore
 from dtprobe.store.schema import SCHEMAS
 from dtprobe.store.writer import RankWriter

@@ -12,7 +12,9 @@ import pytest
 import torch
 import torch.distributed.distributed_c10d as c10d
 
-from dtprobe.collectors.pg_wrapper import CollectiveRecorder, RecordedWork, RecordingProcessGroup, _WaitHabit
+from dtprobe.collectors.collective_recorder import CollectiveRecorder
+from dtprobe.collectors.pg_wrapper import RecordingProcessGroup
+from dtprobe.collectors.recorded_work import RecordedWork, WaitHabit
 
 from collector_fakes import ListWriter
 
@@ -112,7 +114,7 @@ CASES = [
 @pytest.mark.parametrize("name,issue,fields", CASES, ids=[c[0] for c in CASES])
 def test_rows_are_identical_whichever_way_the_completion_is_seen(name, issue, fields):
     pg, recorder, writer, inner = _group()
-    num_works = _WaitHabit.PROMPT_WAITS + 4      # direct, then learning with a callback, then prompt waits
+    num_works = WaitHabit.PROMPT_WAITS + 4      # direct, then learning with a callback, then prompt waits
     for _ in range(num_works):
         work = issue(pg)
         work.wait()
@@ -173,19 +175,19 @@ def test_send_and_recv_rows_carry_the_peer_and_their_own_numbering():
 def test_a_work_waited_late_brings_the_done_callback_back_for_its_group_and_op():
     pg, recorder, writer, inner = _group()
     habit = pg._habits
-    for _ in range(_WaitHabit.PROMPT_WAITS + 1):       # the first work, then prompt waits
+    for _ in range(WaitHabit.PROMPT_WAITS + 1):       # the first work, then prompt waits
         pg.allreduce([torch.ones(4)]).wait()
         inner.works[-1].fut.set_result(None)
     assert not habit["allreduce"].needs_callback
     late = pg.allreduce([torch.ones(4)])
     inner.works[-1].done = True                        # completed ...
-    time.sleep(2 * _WaitHabit.PROMPT_WAIT_NS / 1e9)    # ... well before the caller waits
+    time.sleep(2 * WaitHabit.PROMPT_WAIT_NS / 1e9)    # ... well before the caller waits
     late.wait()
     assert habit["allreduce"].needs_callback
     recorder.stop()
     rows = writer.table("collectives")
-    assert [r["seq"] for r in rows] == list(range(1, _WaitHabit.PROMPT_WAITS + 3))
-    assert rows[-1]["end_ns"] - rows[-1]["enqueue_ns"] >= 2 * _WaitHabit.PROMPT_WAIT_NS   # an upper bound
+    assert [r["seq"] for r in rows] == list(range(1, WaitHabit.PROMPT_WAITS + 3))
+    assert rows[-1]["end_ns"] - rows[-1]["enqueue_ns"] >= 2 * WaitHabit.PROMPT_WAIT_NS   # an upper bound
 
 
 def _blocking(options_type):

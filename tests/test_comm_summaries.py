@@ -21,7 +21,7 @@ from comm_summary_checks import assert_summaries_equal_raw_rows
 
 
 def _tuple(pg: str, step: int, enqueue: int, end: int | None = None, num_bytes: int = 8) -> tuple:
-    """A gloo collective's row as the recorder queues it (``pg_wrapper.ROW_COLUMNS``; no ``end_ns`` when None)."""
+    """A gloo collective's row as the recorder queues it (``collective_recorder.ROW_COLUMNS``; no ``end_ns`` when None)."""
     row = (pg, 1, "allreduce", num_bytes, "float32", step, "host", enqueue, 0)
     return row if end is None else row + (end,)
 
@@ -131,7 +131,7 @@ def test_rest_gives_every_step_still_held_at_close():
 
 
 def test_the_recorder_writes_a_step_s_summaries_once_the_step_ended_and_its_collectives_completed():
-    from dtprobe.collectors.pg_wrapper import CollectiveRecorder
+    from dtprobe.collectors.collective_recorder import CollectiveRecorder
 
     recorder, writer = CollectiveRecorder(), ListWriter()
     recorder.start(writer, flush_interval_s=3600, restart=1)

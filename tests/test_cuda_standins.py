@@ -17,7 +17,8 @@ from torch._C._distributed_c10d import OpType
 
 from dtprobe.collectors import nccl
 from dtprobe.collectors.cuda_clock import DeviceClock
-from dtprobe.collectors.pg_wrapper import CollectiveRecorder, RecordingProcessGroup
+from dtprobe.collectors.collective_recorder import CollectiveRecorder
+from dtprobe.collectors.pg_wrapper import RecordingProcessGroup
 
 from collector_fakes import ListWriter
 from cuda_standin import BOOT_UNIX_NS, Device, HostClock, StandinCuda, StandinNcclGroup

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from dtprobe.collectors import native_recorder
-from dtprobe.collectors.pg_wrapper import GLOO_BACKEND, CollectiveRecorder, RecordingProcessGroup, _NativeGlooGroup
+from dtprobe.collectors.collective_recorder import CollectiveRecorder
+from dtprobe.collectors.pg_wrapper import GLOO_BACKEND, RecordingProcessGroup, _NativeGlooGroup
 
 from collector_fakes import ListWriter
 
@@ -180,7 +181,8 @@ def test_a_collective_in_flight_is_in_progress_pending_spilled_once_and_flushed_
 WORKER = textwrap.dedent("""
     import datetime, sys
     import torch, torch.distributed as dist
-    from dtprobe.collectors.pg_wrapper import GLOO_BACKEND, CollectiveRecorder, RecordingProcessGroup
+    from dtprobe.collectors.collective_recorder import CollectiveRecorder
+    from dtprobe.collectors.pg_wrapper import GLOO_BACKEND, RecordingProcessGroup
     sys.path.insert(0, sys.argv[1])
     from collector_fakes import ListWriter
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.distributed.distributed_c10d as c10d
 
-from dtprobe.collectors.pg_wrapper import ROW_COLUMNS, CollectiveRecorder, RecordingProcessGroup, _waits_now
+from dtprobe.collectors.collective_recorder import ROW_COLUMNS, CollectiveRecorder
+from dtprobe.collectors.pg_wrapper import RecordingProcessGroup, _waits_now
 from dtprobe.store.writer import RankWriter
 
 from collector_fakes import ListWriter

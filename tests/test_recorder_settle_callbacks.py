@@ -7,7 +7,8 @@ from __future__ import annotations
 import threading
 import time
 
-from dtprobe.collectors.pg_wrapper import CollectiveRecorder, _FutureDone
+from dtprobe.collectors.collective_recorder import CollectiveRecorder
+from dtprobe.collectors.recorded_work import FutureDone
 
 
 class _Future:
@@ -45,7 +46,7 @@ def _register(recorder: CollectiveRecorder) -> _Future:
     future = _Future()
     row = {"pg": "world", "seq": 1, "op": "allreduce", "num_bytes": 4, "dtype": "float32", "step": 0,
            "timing": "host", "enqueue_ns": time.time_ns(), "restart": 0}
-    recorder.on_done(future, _FutureDone(recorder, recorder.track(row), row))
+    recorder.on_done(future, FutureDone(recorder, recorder.track(row), row))
     return future
 
 

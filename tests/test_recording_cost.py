@@ -16,11 +16,13 @@ import pytest
 import torch
 from torch._C._distributed_c10d import _create_work_from_future
 
-from dtprobe.collectors.pg_wrapper import CollectiveRecorder, RecordedWork, RecordingProcessGroup, _WaitHabit
+from dtprobe.collectors.collective_recorder import CollectiveRecorder
+from dtprobe.collectors.pg_wrapper import RecordingProcessGroup
+from dtprobe.collectors.recorded_work import RecordedWork, WaitHabit
 
 from collector_fakes import ListWriter
 
-SLOW_ISSUE_S = 3 * _WaitHabit.PROMPT_WAIT_NS / 1e9
+SLOW_ISSUE_S = 3 * WaitHabit.PROMPT_WAIT_NS / 1e9
 """How long the slow backend's issue call takes: well past ``PROMPT_WAIT_NS``."""
 
 
@@ -64,11 +66,11 @@ def _group() -> tuple[RecordingProcessGroup, CollectiveRecorder, ListWriter]:
 
 def test_a_wait_right_after_a_slow_issue_call_counts_as_prompt():
     pg, recorder, writer = _group()
-    num_works = _WaitHabit.PROMPT_WAITS + 2
+    num_works = WaitHabit.PROMPT_WAITS + 2
     for _ in range(num_works):
         pg.allreduce([torch.ones(4)]).wait()
     habit = pg._habits["allreduce"]
-    assert not habit.needs_callback and habit.prompt == _WaitHabit.PROMPT_WAITS
+    assert not habit.needs_callback and habit.prompt == WaitHabit.PROMPT_WAITS
     recorder.stop()
     rows = writer.table("collectives")
     assert [r["seq"] for r in rows] == list(range(1, num_works + 1))
@@ -78,11 +80,11 @@ def test_a_wait_right_after_a_slow_issue_call_counts_as_prompt():
 
 def test_a_wait_long_after_the_issue_returned_still_brings_the_callback_back():
     pg, recorder, writer = _group()
-    for _ in range(_WaitHabit.PROMPT_WAITS + 1):
+    for _ in range(WaitHabit.PROMPT_WAITS + 1):
         pg.allreduce([torch.ones(4)]).wait()
     assert not pg._habits["allreduce"].needs_callback
     late = pg.allreduce([torch.ones(4)])
-    time.sleep(2 * _WaitHabit.PROMPT_WAIT_NS / 1e9)
+    time.sleep(2 * WaitHabit.PROMPT_WAIT_NS / 1e9)
     late.wait()
     assert pg._habits["allreduce"].needs_callback
     recorder.stop()
@@ -113,14 +115,14 @@ class FutureInner:
 
 
 PROMPT_WAIT_NS = 200_000_000
-"""``_WaitHabit.PROMPT_WAIT_NS`` in the future tests: a test thread descheduled on a busy machine still waits
+"""``WaitHabit.PROMPT_WAIT_NS`` in the future tests: a test thread descheduled on a busy machine still waits
 promptly."""
 
 
 def _future_group(monkeypatch) -> tuple[RecordingProcessGroup, CollectiveRecorder, ListWriter, FutureInner, list]:
     """A recording group on ``FutureInner`` whose recorder lists the done-callbacks it adds; its habit for
     all_reduce already learned that callers wait each future at once."""
-    monkeypatch.setattr(_WaitHabit, "PROMPT_WAIT_NS", PROMPT_WAIT_NS)
+    monkeypatch.setattr(WaitHabit, "PROMPT_WAIT_NS", PROMPT_WAIT_NS)
     recorder, writer, inner = CollectiveRecorder(), ListWriter(), FutureInner()
     recorder.start(writer, flush_interval_s=3600)
     callbacks: list = []
@@ -128,11 +130,11 @@ def _future_group(monkeypatch) -> tuple[RecordingProcessGroup, CollectiveRecorde
     recorder.on_done = lambda future, callback: (callbacks.append(callback), on_done(future, callback))
     pg = RecordingProcessGroup(inner, 0, 2, backend_name="dtprobe_gloo", recorder=recorder)
     pg.dtprobe_name = "tp"
-    for _ in range(_WaitHabit.PROMPT_WAITS + 1):      # the backend's own Work first, then learning with callbacks
+    for _ in range(WaitHabit.PROMPT_WAITS + 1):      # the backend's own Work first, then learning with callbacks
         work = pg.allreduce([torch.ones(4)])
         inner.futures[-1].set_result([torch.ones(4)])
         work.get_future().wait()
-    assert not pg._habits["allreduce"].needs_callback and len(callbacks) == _WaitHabit.PROMPT_WAITS + 1
+    assert not pg._habits["allreduce"].needs_callback and len(callbacks) == WaitHabit.PROMPT_WAITS + 1
     callbacks.clear()
     return pg, recorder, writer, inner, callbacks
 
@@ -151,7 +153,7 @@ def test_a_future_waited_at_once_is_stamped_at_its_wait_with_no_done_callback(mo
     assert callbacks == [] and recorder.pending() == []
     recorder.stop()
     rows = writer.table("collectives")
-    assert [r["seq"] for r in rows] == list(range(1, _WaitHabit.PROMPT_WAITS + 5))
+    assert [r["seq"] for r in rows] == list(range(1, WaitHabit.PROMPT_WAITS + 5))
     for row, done_ns in zip(rows[-3:], completed_ns):
         assert row["end_ns"] >= done_ns >= row["enqueue_ns"]       # stamped once the wait returned
     assert not pg._habits["allreduce"].needs_callback
@@ -161,14 +163,14 @@ def test_a_future_released_unwaited_brings_the_callback_back_and_ends_at_the_com
     pg, recorder, writer, inner, callbacks = _future_group(monkeypatch)
     pg.allreduce([torch.ones(4)]).get_future()       # taken and let go, as DDP's reducer does in C++
     assert len(callbacks) == 1 and pg._habits["allreduce"].future_taken
-    assert [r["seq"] for r in recorder.pending()] == [_WaitHabit.PROMPT_WAITS + 2]
+    assert [r["seq"] for r in recorder.pending()] == [WaitHabit.PROMPT_WAITS + 2]
     time.sleep(0.01)
     completed_ns = time.time_ns()
     inner.futures[-1].set_result([torch.ones(4)])    # the done-callback stamps the completion, not the release
     assert type(pg.allreduce([torch.ones(4)])) is torch.distributed.Work   # the backend's own Work from now on
     recorder.stop()
     row = writer.table("collectives")[-2]
-    assert row["seq"] == _WaitHabit.PROMPT_WAITS + 2 and row["end_ns"] >= completed_ns
+    assert row["seq"] == WaitHabit.PROMPT_WAITS + 2 and row["end_ns"] >= completed_ns
     assert row["end_ns"] - row["enqueue_ns"] >= 10_000_000
 
 
@@ -191,7 +193,7 @@ def test_a_failed_future_is_no_completion_and_stays_in_flight(monkeypatch):
     with pytest.raises(RuntimeError, match="closed by peer"):
         future.wait()
     del future                                       # released: a done-callback finds the failure
-    assert len(callbacks) == 1 and [r["seq"] for r in recorder.pending()] == [_WaitHabit.PROMPT_WAITS + 2]
+    assert len(callbacks) == 1 and [r["seq"] for r in recorder.pending()] == [WaitHabit.PROMPT_WAITS + 2]
     recorder.stop()
     assert "end_ns" not in writer.table("collectives")[-1]
 

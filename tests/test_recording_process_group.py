@@ -8,7 +8,9 @@ import time
 
 import torch
 
-from dtprobe.collectors.pg_wrapper import CollectiveRecorder, RecordedWork, RecordingProcessGroup
+from dtprobe.collectors.collective_recorder import CollectiveRecorder
+from dtprobe.collectors.pg_wrapper import RecordingProcessGroup
+from dtprobe.collectors.recorded_work import RecordedWork
 
 from collector_fakes import ListWriter
 

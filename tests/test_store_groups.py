@@ -14,7 +14,7 @@ import pyarrow as pa
 import pytest
 
 from dtprobe import synthetic
-from dtprobe.collectors.pg_wrapper import CollectiveRecorder
+from dtprobe.collectors.collective_recorder import CollectiveRecorder
 from dtprobe.store import RunStore, TraceError, compact
 from dtprobe.store import reader as reader_module
 from dtprobe.store import writer as writer_module

@@ -11,7 +11,8 @@ import pytest
 _PRELUDE = """
 import torch, torch.distributed as dist
 from dtprobe.collectors import torch_internals as ti
-from dtprobe.collectors.pg_wrapper import GLOO_BACKEND, RECORDER, RecordingProcessGroup, register_backends
+from dtprobe.collectors.collective_recorder import RECORDER
+from dtprobe.collectors.pg_wrapper import GLOO_BACKEND, RecordingProcessGroup, register_backends
 register_backends()
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 """

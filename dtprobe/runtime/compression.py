@@ -108,7 +108,7 @@ class CompressionHook:
         self.world_size = dist.get_world_size(process_group)
         self.step: int | None = None
         """Set by ``set_step``; when never set, the probe's current step
-        (``dtprobe.collectors.pg_wrapper.RECORDER``)."""
+        (``dtprobe.collectors.collective_recorder.RECORDER``)."""
         self._record = record or (lambda table, row: None)
         self._residuals: dict[int, torch.Tensor] = {}
         self._qs: dict[int, list[torch.Tensor]] = {}
@@ -279,7 +279,7 @@ def _layout(bucket: Any) -> tuple:
 
 def _probe_step() -> int:
     try:
-        from dtprobe.collectors.pg_wrapper import RECORDER
+        from dtprobe.collectors.collective_recorder import RECORDER
     except ImportError:
         return -1
     return int(RECORDER.step)

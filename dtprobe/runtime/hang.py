@@ -7,8 +7,8 @@ nothing is due):
    outlives the workers) under ``dtprobe/hang/<restart>/rank<r>``: JSON
    ``{"rank", "step", "time_ns", "groups": {pg: {"pg_ranks", "last_issued_seq", "last_issued_op",
    "last_completed_seq", "last_completed_op"}}}`` (from the recording process group,
-   ``dtprobe.collectors.pg_wrapper.RECORDER.progress()``; on NCCL every recorded collective counts as pending from
-   its issue until NCCL reports it done: the completion hook, or without NCCL timing a poll of the work's
+   ``dtprobe.collectors.collective_recorder.RECORDER.progress()``; on NCCL every recorded collective counts as
+   pending from its issue until NCCL reports it done: the completion hook, or without NCCL timing a poll of the work's
    ``is_completed()``, see ``dtprobe.collectors.nccl``);
 2. checks its own oldest operation issued but not completed, collective or point-to-point (a pipeline stage
    blocked in ``recv`` hangs too); once it has waited ``T`` seconds the watchdog fires: it reads every member's
@@ -165,7 +165,7 @@ class Watchdog:
                  pending: Callable[[], list[dict[str, Any]]] | None = None,
                  exit: Callable[[int], None] = os._exit, peer_exit_grace_s: float = 5.0,
                  store_timeout_s: float = 2.0, leave: bool = True) -> None:
-        from dtprobe.collectors.pg_wrapper import RECORDER
+        from dtprobe.collectors.collective_recorder import RECORDER
 
         self.config = config
         self.store = BoundedStore(store, timeout_s=store_timeout_s)

@@ -1,11 +1,15 @@
 """Verdict quality: precision, recall and time-to-detect of dtprobe's findings over a matrix of real faults.
 
     python benchmarks/verdicts.py [--repeats 10] [--layouts dp2 dp4 dp2xtp2 dp2xpp2] [--kinds clean inject ...]
-                                  [--seq-len 256] [--seed 0] [--quick]
+                                  [--seq-len 256] [--step-ms 200] [--seed 0] [--quick]
 
-Every run is ``dtprobe run`` of the tiny GPT with 2 sequences of ``--seq-len`` tokens per rank (``--cpu-bind auto``
-places each worker on its own share of the cores), its host sampler on as by default (every second: each rank's
-CPU, and the time its cgroup's CPU quota withheld).
+Every run is ``dtprobe run`` of the tiny GPT with micro-batches of ``--seq-len`` tokens per rank (``--cpu-bind
+auto`` places each worker on its own share of the cores), its host sampler on as by default (every second: each
+rank's CPU, and the time its cgroup's CPU quota withheld). Before the matrix, one short clean run per layout
+measures its step time at 2 sequences per micro-batch (a pipeline's 4 micro-batches: 4), and the matrix runs that
+layout with the whole multiple of that batch that brings its steps nearest ``--step-ms`` (``calibrate``): the
+host's few ms of scheduling noise per step are then the same small share of a step on a fast host as on a slow
+one, where a fixed batch gave 50 ms steps on one host and 200 ms on another.
 
 Scenario classes, on every layout (dp2, dp4, dp2xtp2, dp2xpp2) unless said otherwise:
 - ``clean``: ``--repeats`` undisturbed runs. Any verdict here is a false positive.
@@ -85,8 +89,12 @@ from harness import (Job, analyze, cgroup_v1_cpu_available, cpu_quota_cgroup, cp
                      dtprobe_run_cmd, job_step_ms, own_compute_ms, steps_done, straggler_confirmed, torchrun_cmd)
 
 LAYOUTS = {"dp2": ("--nproc", "2"), "dp4": ("--nproc", "4"), "dp2xtp2": ("--nproc", "4", "--tp", "2"),
-           "dp2xpp2": ("--nproc", "4", "--pp", "2", "--batch-size", "4")}
-"""Layout name -> ``dtprobe run`` flags (a pipeline of 2 stages runs 4 micro-batches: batch 4)."""
+           "dp2xpp2": ("--nproc", "4", "--pp", "2")}
+"""Layout name -> ``dtprobe run`` flags."""
+BASE_BATCH = {"dp2": 2, "dp4": 2, "dp2xtp2": 2, "dp2xpp2": 4}
+"""Layout name -> sequences per micro-batch before ``--step-ms`` scales it (a pipeline's 4 micro-batches: 4)."""
+CALIBRATION_STEPS = 12
+"""Steps of a layout's calibration run (``calibrate``): its step time is the median from ``WARMUP_STEPS`` on."""
 WORLD_SIZE = {"dp2": 2, "dp4": 4, "dp2xtp2": 4, "dp2xpp2": 4}
 VERDICT_CODES = ("STRAGGLER", "HANG", "RANK_CRASH", "COLLECTIVE_MISMATCH", "SLOW_LINK", "RANK_STALL")
 KINDS = ("clean", "inject", "quota", "kill", "stop", "mismatch", "pause")
@@ -145,10 +153,43 @@ class Outcome:
 # ---------------------------------------------------------------------------------------------- the runs
 
 
-def _run_dtprobe(sc: Scenario, run_dir: Path, args: argparse.Namespace, *flags: str) -> Job:
-    cmd = dtprobe_run_cmd(run_dir, *LAYOUTS[sc.layout], "--steps", str(args.steps), "--seq-len", str(args.seq_len),
-                          *flags, devices=True)
+def _run_dtprobe(sc: Scenario, run_dir: Path, args: argparse.Namespace, *flags: str, steps: int | None = None) -> Job:
+    cmd = dtprobe_run_cmd(run_dir, *LAYOUTS[sc.layout], "--steps", str(steps or args.steps),
+                          "--seq-len", str(args.seq_len), "--batch-size", str(args.batch[sc.layout]), *flags,
+                          devices=True)
     return Job(cmd=cmd, run_dir=run_dir, timeout_s=JOB_TIMEOUT_S).start()
+
+
+def scaled_batch(base: int, step_ms: float, target_ms: float) -> int:
+    """The batch that brings a layout whose steps take ``step_ms`` at batch ``base`` nearest to ``target_ms``: a
+    whole multiple of ``base`` (a step's compute grows with its sequences), never below it."""
+    return base * max(1, round(target_ms / step_ms)) if step_ms > 0 else base
+
+
+def calibrate(args: argparse.Namespace) -> dict[str, int]:
+    """Per layout of the matrix, the batch whose steps take about ``--step-ms`` (``scaled_batch``), from the
+    median step time of one clean run of ``CALIBRATION_STEPS`` steps at ``BASE_BATCH``; every layout at its base
+    batch when ``--step-ms`` is 0."""
+    batch = dict(BASE_BATCH)
+    if not args.step_ms:
+        return batch
+    args.batch = dict(BASE_BATCH)             # the calibration runs' batch
+    for layout in args.layouts:
+        run_dir = args.work_dir / f"calibrate-{layout}"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        job = _run_dtprobe(Scenario(kind="clean", layout=layout), run_dir, args, steps=CALIBRATION_STEPS)
+        try:
+            job.wait()
+        finally:
+            job.stop()
+        step_ms = job_step_ms(run_dir, WARMUP_STEPS, CALIBRATION_STEPS)
+        if step_ms is None:
+            raise RuntimeError(f"the calibration run of {layout} in {run_dir} recorded no steps: see its logs")
+        batch[layout] = scaled_batch(BASE_BATCH[layout], step_ms, args.step_ms)
+        print(f"[calibrate] {layout}: steps of {step_ms:.0f} ms at batch {BASE_BATCH[layout]} -> batch "
+              f"{batch[layout]} (about {step_ms * batch[layout] / BASE_BATCH[layout]:.0f} ms)", flush=True)
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return batch
 
 
 def run_scenario(sc: Scenario, run_dir: Path, args: argparse.Namespace) -> None:
@@ -374,9 +415,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="compute slowdowns of the inject and quota classes (default 0.05 0.1 0.2)")
     parser.add_argument("--steps", type=int, default=40, help="steps per dtprobe run (default 40)")
     parser.add_argument("--fault-step", type=int, default=10, help="step at which faults start (default 10)")
-    parser.add_argument("--seq-len", type=int, default=256,
-                        help="tokens per sequence (default 256: steps of 0.15-0.3 s here, where the host scheduler's "
-                             "few ms of noise per step are small against a 10%% slowdown)")
+    parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256, the tiny "
+                        "model's longest)")
+    parser.add_argument("--step-ms", type=float, default=200.0,
+                        help="step time each layout is brought near by a larger batch, measured in a short clean "
+                             "run per layout first (default 200: the host's few ms of noise per step stay small "
+                             "against a 10%% slowdown whatever the host's speed; 0: batch 2, a pipeline's 4)")
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS),
                         help="scenario classes to run (default all)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the faulted-rank draws (default 0)")
@@ -397,12 +441,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.reanalyze is not None:
         print(report(reanalyze(args.reanalyze, args.work_dir, nominal_fault_step=args.fault_step)))
         return 0
+    if args.step_ms < 0:
+        parser.error(f"--step-ms {args.step_ms:g} must be >= 0 (0: no calibration)")
     matrix = build_matrix(args)
-    print(f"{len(matrix)} runs: layouts {' '.join(args.layouts)}, {args.repeats} clean each, slowdowns "
-          f"{' '.join(f'{s:.0%}' for s in args.slowdowns)}, faults from step {args.fault_step}, seed {args.seed}",
-          flush=True)
-    outcomes: list[Outcome] = []
     sources = source_fingerprint()
+    args.batch = calibrate(args)
+    print(f"{len(matrix)} runs: layouts {' '.join(args.layouts)}, {args.repeats} clean each, slowdowns "
+          f"{' '.join(f'{s:.0%}' for s in args.slowdowns)}, faults from step {args.fault_step}, seed {args.seed}, "
+          f"batch {' '.join(f'{k} {args.batch[k]}' for k in args.layouts)} x {args.seq_len} tokens", flush=True)
+    outcomes: list[Outcome] = []
     for i, sc in enumerate(matrix, 1):
         run_dir = args.work_dir / f"{i:03d}-{sc.layout}-{sc.label}"
         if run_dir.exists():

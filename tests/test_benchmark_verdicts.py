@@ -175,8 +175,8 @@ def test_the_matrix_stops_at_the_first_run_during_which_the_sources_changed(tmp_
     monkeypatch.setattr(verdicts, "run_scenario", run_scenario)
     monkeypatch.setattr(verdicts, "analyze", lambda run_dir: {"findings": []})
     monkeypatch.setattr(verdicts, "score", lambda sc, doc, run_dir, nominal_fault_step: verdicts.Outcome(scenario=sc))
-    status = verdicts.main(["--layouts", "dp2", "--repeats", "3", "--kinds", "clean", "--work-dir",
-                            str(tmp_path / "runs")])
+    status = verdicts.main(["--layouts", "dp2", "--repeats", "3", "--kinds", "clean", "--step-ms", "0",
+                            "--work-dir", str(tmp_path / "runs")])
     out = capsys.readouterr().out
     assert status == 3
     assert ran == ["clean", "clean"]                        # the third run never started
@@ -185,3 +185,66 @@ def test_the_matrix_stops_at_the_first_run_during_which_the_sources_changed(tmp_
     table = out.split("\n\n")[-1]
     assert [line.split()[:2] for line in table.splitlines() if line.startswith(("clean", "overall"))] == \
         [["clean", "1"], ["overall", "1"]]
+
+
+def test_the_batch_is_the_whole_multiple_of_the_base_nearest_the_target_step_time():
+    assert verdicts.scaled_batch(2, 48.0, 200.0) == 8           # 4 x 48 ms = 192 ms
+    assert verdicts.scaled_batch(2, 215.0, 200.0) == 2
+    assert verdicts.scaled_batch(4, 70.0, 200.0) == 12          # 3 x 70 ms = 210 ms
+    assert verdicts.scaled_batch(2, 450.0, 200.0) == 2          # slower than the target: never below the base
+    assert verdicts.scaled_batch(2, 0.0, 200.0) == 2
+
+
+def test_each_layouts_runs_get_its_calibrated_batch(tmp_path):
+    args = verdicts.argparse.Namespace(steps=40, seq_len=256, batch={"dp2": 8, "dp2xpp2": 12})
+    captured = {}
+
+    class FakeJob:
+        def __init__(self, *, cmd, run_dir, timeout_s):
+            captured[run_dir.name] = cmd
+
+        def start(self):
+            return self
+
+    original = verdicts.Job
+    verdicts.Job = FakeJob
+    try:
+        verdicts._run_dtprobe(verdicts.Scenario(kind="clean", layout="dp2"), tmp_path / "a", args)
+        verdicts._run_dtprobe(verdicts.Scenario(kind="clean", layout="dp2xpp2"), tmp_path / "b", args, steps=12)
+    finally:
+        verdicts.Job = original
+
+    def flag(cmd, name):     # the last occurrence wins, as argparse reads it
+        return cmd[len(cmd) - 1 - cmd[::-1].index(name) + 1]
+
+    assert flag(captured["a"], "--batch-size") == "8" and flag(captured["a"], "--steps") == "40"
+    assert flag(captured["b"], "--batch-size") == "12" and flag(captured["b"], "--steps") == "12"
+    assert flag(captured["b"], "--pp") == "2" and flag(captured["a"], "--seq-len") == "256"
+
+
+def test_calibration_measures_each_layout_at_its_base_batch_and_scales_it(tmp_path, monkeypatch, capsys):
+    started = []
+
+    class FakeJob:
+        def __init__(self, *, cmd, run_dir, timeout_s):
+            started.append((run_dir.name, cmd[len(cmd) - 1 - cmd[::-1].index("--batch-size") + 1]))
+
+        def start(self):
+            return self
+
+        def wait(self):
+            pass
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(verdicts, "Job", FakeJob)
+    measured = {"calibrate-dp2": 48.0, "calibrate-dp2xpp2": 70.0}
+    monkeypatch.setattr(verdicts, "job_step_ms", lambda run_dir, first, last: measured[run_dir.name])
+    args = verdicts.argparse.Namespace(steps=40, seq_len=256, step_ms=200.0, layouts=["dp2", "dp2xpp2"],
+                                       work_dir=tmp_path)
+    assert verdicts.calibrate(args) == {**verdicts.BASE_BATCH, "dp2": 8, "dp2xpp2": 12}
+    assert started == [("calibrate-dp2", "2"), ("calibrate-dp2xpp2", "4")]
+    assert "[calibrate] dp2: steps of 48 ms at batch 2 -> batch 8 (about 192 ms)" in capsys.readouterr().out
+    args.step_ms = 0
+    assert verdicts.calibrate(args) == verdicts.BASE_BATCH

@@ -75,6 +75,9 @@ class _Chunk:
     """Lowest and highest step block of the rows when known (``_block_span``)."""
     steps: tuple[int, int] | None = None
     """Lowest and highest ``step`` of the rows when known (rows with a step in one block: ``_append``)."""
+    ranks: np.ndarray | None = field(default=None, repr=False, compare=False)
+    """The rows' distinct ranks, sorted, once ``_align`` needed them (rows never change: a live window's held
+    chunks are aligned again at every read, and finding a long chunk's ranks costs more than the rest)."""
 
 
 @dataclass
@@ -820,8 +823,9 @@ def _align(chunk: _Chunk, name: str, model: ClockModel, run_dir: Path) -> pa.Tab
     cols = [c for c in time_columns(name) if c in rows.column_names]   # ``arrow()`` reads only some columns
     if not cols or not rows.num_rows:
         return rows
-    ranks = rows.column("rank").to_numpy(zero_copy_only=False)
-    present = np.unique(ranks)
+    if chunk.ranks is None:
+        chunk.ranks = np.unique(rows.column("rank").to_numpy(zero_copy_only=False))
+    present = chunk.ranks
     known = model.ranks
     missing = [int(r) for r in present if int(r) not in known]
     if missing:
@@ -837,7 +841,7 @@ def _align(chunk: _Chunk, name: str, model: ClockModel, run_dir: Path) -> pa.Tab
         lookup = np.zeros(int(present.max()) + 1, dtype=np.int64)
         for r, d in deltas.items():
             lookup[r] = d
-        shift = pa.array(lookup[ranks], type=pa.int64())
+        shift = pa.array(lookup[rows.column("rank").to_numpy(zero_copy_only=False)], type=pa.int64())
         for col in cols:
             i = rows.schema.get_field_index(col)
             rows = rows.set_column(i, col, pc.add(rows.column(col), shift))
@@ -861,8 +865,11 @@ def _sort(rows: pa.Table, keys: tuple[str, ...]) -> pa.Table:
 def _in_steps(chunk: _Chunk, expr: pc.Expression | None, steps: tuple[int | None, int | None] | None,
               ranks: frozenset[int] | None) -> _Chunk:
     """``chunk``'s rows that pass ``expr`` (``row_filter(steps, ranks)``): the chunk itself when its known step
-    span lies inside ``steps`` and no rank is selected (a live window's held blocks: no filter to run)."""
-    if expr is not None and ranks is None and chunk.steps is not None:
+    span lies inside ``steps`` and no rank is selected (a live window's held blocks: no filter to run), or when
+    there is no filter."""
+    if expr is None:
+        return chunk
+    if ranks is None and chunk.steps is not None:
         first, last = steps
         if (first is None or chunk.steps[0] >= first) and (last is None or chunk.steps[1] <= last):
             return chunk

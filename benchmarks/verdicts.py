@@ -445,7 +445,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--step-ms {args.step_ms:g} must be >= 0 (0: no calibration)")
     matrix = build_matrix(args)
     sources = source_fingerprint()
-    args.batch = calibrate(args)
+    try:
+        args.batch = calibrate(args)
+    except RuntimeError as exc:     # (the harness's ChaosError too) a layout that does not run here
+        print(f"calibration failed: {exc}", file=sys.stderr)
+        return 2
     print(f"{len(matrix)} runs: layouts {' '.join(args.layouts)}, {args.repeats} clean each, slowdowns "
           f"{' '.join(f'{s:.0%}' for s in args.slowdowns)}, faults from step {args.fault_step}, seed {args.seed}, "
           f"batch {' '.join(f'{k} {args.batch[k]}' for k in args.layouts)} x {args.seq_len} tokens", flush=True)

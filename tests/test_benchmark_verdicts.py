@@ -248,3 +248,25 @@ def test_calibration_measures_each_layout_at_its_base_batch_and_scales_it(tmp_pa
     assert "[calibrate] dp2: steps of 48 ms at batch 2 -> batch 8 (about 192 ms)" in capsys.readouterr().out
     args.step_ms = 0
     assert verdicts.calibrate(args) == verdicts.BASE_BATCH
+
+
+def test_a_calibration_run_without_steps_ends_the_matrix_with_its_reason(tmp_path, monkeypatch, capsys):
+    class NoStepsJob:
+        def __init__(self, *, cmd, run_dir, timeout_s):
+            pass
+
+        def start(self):
+            return self
+
+        def wait(self):
+            pass
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(verdicts, "Job", NoStepsJob)
+    monkeypatch.setattr(verdicts, "job_step_ms", lambda run_dir, first, last: None)
+    monkeypatch.setattr(verdicts, "run_scenario", lambda *a: pytest.fail("no scenario may run"))
+    status = verdicts.main(["--layouts", "dp4", "--kinds", "clean", "--work-dir", str(tmp_path)])
+    assert status == 2
+    assert "calibration failed: the calibration run of dp4 in" in capsys.readouterr().err

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from dtprobe.lexsort import lexsort
+
 
 def merge_intervals(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Union of [start, end) intervals as sorted disjoint (start, end) arrays; touching intervals merge."""
@@ -62,7 +64,7 @@ def merge_intervals_by_group(group: np.ndarray, start: np.ndarray, end: np.ndarr
     group, start, end = np.asarray(group, dtype=np.int64), np.asarray(start), np.asarray(end)
     if not len(group):
         return group, start, end
-    order = np.lexsort((start, group))
+    order = lexsort((start, group))
     g, s, e = group[order], start[order], end[order]
     new_group = np.empty(len(g), dtype=bool)
     new_group[0] = True

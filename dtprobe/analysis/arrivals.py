@@ -17,6 +17,7 @@ from dtprobe.analysis.clocks import DEVICE, HOST
 from dtprobe.analysis.tables import (P2P_OPS, attempts_of, coded_rows, coded_text, completing_attempts,
                                      frame_group_codes, group_members, lookup_group_codes, p2p_pairs, run_starts,
                                      step_durations)
+from dtprobe.lexsort import lexsort
 from dtprobe.store.columns import require_columns
 
 CLOCK_COLUMNS = ["pg", "pg_ranks", "clock"]
@@ -117,7 +118,7 @@ def unique_seq(collectives: pd.DataFrame) -> pd.DataFrame:
         return collectives
     d, code, _, _ = coded_rows(c, mask, ["rank", "seq", "enqueue_ns"])
     rank = d["rank"].to_numpy(dtype="int64")
-    order = np.lexsort((d["enqueue_ns"].to_numpy(dtype="int64"), code, rank))   # by rank, group, arrival
+    order = lexsort((d["enqueue_ns"].to_numpy(dtype="int64"), code, rank))   # by rank, group, arrival
     seq = d["seq"].to_numpy(dtype="int64")[order]
     first = run_starts(rank[order], code[order])
     restart = np.zeros(len(seq), dtype=bool)
@@ -155,13 +156,13 @@ def collective_skew(collectives: pd.DataFrame) -> pd.DataFrame:
     if c.empty:
         return pd.DataFrame({col: [] for col in SKEW_COLUMNS})
     seq, enq = c["seq"].to_numpy(dtype="int64"), c["enqueue_ns"].to_numpy(dtype="int64")
-    order = np.lexsort((enq, seq, code))             # by collective, then arrival (stable: ties keep table order)
+    order = lexsort((enq, seq, code))             # by collective, then arrival (stable: ties keep table order)
     code, seq, enq = code[order], seq[order], enq[order]
     rank = c["rank"].to_numpy(dtype="int64")[order]
     first = np.flatnonzero(run_starts(code, seq))    # first and last arrival of each collective
     last = np.append(first[1:], len(code)) - 1
     coll = np.repeat(np.arange(len(first)), last - first + 1)
-    rank_sorted = np.lexsort((rank, coll))
+    rank_sorted = lexsort((rank, coll))
     new_rank = run_starts(coll[rank_sorted], rank[rank_sorted])
     num_arrived = np.bincount(coll[rank_sorted][new_rank], minlength=len(first))
     size_of = np.array([len(group_members(p)) for p in pr_names], dtype="int64")[code[first]]
@@ -383,7 +384,7 @@ def rank_lateness(collectives: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFram
     ended = c["end_ns"].notna().to_numpy()[keep]
     end = c["end_ns"].to_numpy(dtype="int64", na_value=0)[keep]
     code, seq, rank = code[keep], seq[keep], rank[keep]
-    order = np.lexsort((enq, seq, code))                 # by collective, then arrival
+    order = lexsort((enq, seq, code))                 # by collective, then arrival
     code, seq, rank, enq, step = code[order], seq[order], rank[order], enq[order], step[order]
     dur = np.where(ended[order], np.clip(end[order] - enq, 0, None), np.nan)    # exact in int64, then float
     coll = np.cumsum(run_starts(code, seq)) - 1
@@ -403,12 +404,12 @@ def rank_lateness(collectives: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFram
     victims = (pos * x - before) / (n - 1)
     # Per (group, step, rank): its collective with the largest lateness (the first of equals), and its time in the
     # group's collectives: their durations summed (NaN when one has no end: still in it, or lost with its rank)
-    by_key = np.lexsort((np.arange(len(code)), -lateness, rank, step, code))
+    by_key = lexsort((np.arange(len(code)), -lateness, rank, step, code))
     first = run_starts(code[by_key], step[by_key], rank[by_key])
     top = by_key[first]
     comm = np.add.reduceat(dur[by_key], np.flatnonzero(first))
     comm_excess = comm - _median_of_others_grouped(comm, np.cumsum(run_starts(code[top], step[top])) - 1)
-    by_rank = np.lexsort((step[top], rank[top], code[top]))
+    by_rank = lexsort((step[top], rank[top], code[top]))
     top, comm_excess = top[by_rank], comm_excess[by_rank]
     step_ns = _group_step_ns(pr_names, code[top], step[top], steps)
     out = pd.DataFrame({
@@ -498,7 +499,7 @@ def _pre_collective_excess(code: np.ndarray, step: np.ndarray, rank: np.ndarray,
         "pre": ph["data_ns"].astype("float64").fillna(0).to_numpy() + ph["fwd_ns"].to_numpy(dtype="float64"),
     }).drop_duplicates(["rank", "step"], keep="last")
     mine = pd.DataFrame({"rank": rank, "step": step}).merge(pre, on=["rank", "step"], how="left")["pre"].to_numpy()
-    order = np.lexsort((step, code))
+    order = lexsort((step, code))
     group = np.empty(len(code), dtype="int64")
     group[order] = np.cumsum(run_starts(code[order], step[order])) - 1     # per (group, step)
     return mine - _median_of_others_grouped(mine, group)

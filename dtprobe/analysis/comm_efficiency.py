@@ -15,6 +15,7 @@ import pandas as pd
 from dtprobe.analysis.clocks import clock_of_timing
 from dtprobe.analysis.findings import Finding, PredictedGain
 from dtprobe.analysis.tables import P2P_OPS, coded_rows, run_starts, size_label
+from dtprobe.lexsort import lexsort
 from dtprobe.store.columns import require_columns
 
 BANDWIDTH_COLUMNS = ["pg", "pg_ranks", "seq", "op", "step", "num_bytes", "num_members", "duration_ns",
@@ -51,10 +52,10 @@ def collective_bandwidth(collectives: pd.DataFrame) -> pd.DataFrame:
     if c.empty:
         return pd.DataFrame({col: [] for col in BANDWIDTH_COLUMNS})
     seq, rank = c["seq"].to_numpy(dtype="int64"), c["rank"].to_numpy(dtype="int64")
-    order = np.lexsort((np.arange(len(c)), seq, code))      # by collective, then table order
+    order = lexsort((np.arange(len(c)), seq, code))      # by collective, then table order
     new = run_starts(code[order], seq[order])
     starts, coll = np.flatnonzero(new), np.cumsum(new) - 1
-    by_rank = np.lexsort((rank[order], coll))
+    by_rank = lexsort((rank[order], coll))
     num_members = np.bincount(coll[by_rank][run_starts(coll[by_rank], rank[order][by_rank])], minlength=len(starts))
     pg_size = np.fmax.reduceat(c["pg_size"].to_numpy(dtype="float64", na_value=np.nan)[order], starts)
     whole = num_members >= np.where(np.isnan(pg_size), num_members, pg_size)

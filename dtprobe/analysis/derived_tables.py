@@ -42,6 +42,7 @@ from dtprobe.analysis.hangs import merge_pending
 from dtprobe.analysis.mismatch import SUSPECT_COLUMNS, suspect_calls
 from dtprobe.analysis.straggler_causes import BLOCKED_COLUMNS, blocked_outside_groups
 from dtprobe.analysis.tables import P2P_OPS, group_codes, step_collectives
+from dtprobe.lexsort import lexsort
 
 VERSION = 8
 """Bumped whenever the derived tables or what ``rank_lateness``, ``comm_exposure``, ``collective_bandwidth``,
@@ -206,7 +207,7 @@ def _step_facts(collectives: pd.DataFrame, codes: dict[tuple[str, str], int]) ->
     timed = ordered & collectives["enqueue_ns"].notna().to_numpy(dtype=bool)
     t = collectives["enqueue_ns"].to_numpy(dtype="int64", na_value=0)[timed]
     pair = collectives["rank"].to_numpy(dtype="int64")[timed] * (1 << 32) + code[timed]
-    by = np.lexsort((t, pair))
+    by = lexsort((t, pair))
     pair, t, seq_t = pair[by], t[by], seq[timed][by]
     new = np.r_[True, pair[1:] != pair[:-1]] if len(pair) else np.empty(0, dtype=bool)
     reason = None

@@ -13,6 +13,7 @@ from dtprobe.analysis.arrivals import collective_skew, collective_waits
 from dtprobe.analysis.straggler_scores import LATE_TIE_FRAC, row_core_shared, row_quota_held
 from dtprobe.analysis.tables import P2P_OPS, coded_rows, completing_attempts, group_members, run_starts
 from dtprobe.intervals import union_length_by_group
+from dtprobe.lexsort import lexsort
 from dtprobe.store.columns import require_columns
 
 CAUSE_COLUMNS = [
@@ -75,7 +76,7 @@ def blocked_outside_groups(collectives: pd.DataFrame, waits: pd.DataFrame) -> pd
     rank, step = b["rank"].to_numpy(dtype="int64"), b["step"].to_numpy(dtype="int64")
     group = b["pg_ranks"].cat.codes.to_numpy().astype("int64")           # 0: p2p, never left out
     start, end = b["a_ns"].to_numpy(dtype="int64"), b["b_ns"].to_numpy(dtype="int64")
-    order = np.lexsort((group, step, rank))
+    order = lexsort((group, step, rank))
     rank, step, group, start, end = rank[order], step[order], group[order], start[order], end[order]
     new = run_starts(rank, step)
     rs = np.cumsum(new) - 1                                              # (rank, step) id of each interval

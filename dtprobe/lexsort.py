@@ -26,12 +26,12 @@ def lexsort(keys: Sequence[np.ndarray]) -> np.ndarray:
         key = keys[rest - 1]
         if key.dtype.kind not in "biu":
             break
-        key = key.astype(np.int64, copy=False)
-        low = int(key.min())
-        bits = (int(key.max()) - low).bit_length()
+        low, high = int(key.min()), int(key.max())
+        bits = (high - low).bit_length()
         if used + bits > _BITS:
             break
-        part = key - low
+        # minus the minimum without wrapping: a uint64 in its own type (it may exceed int64), the rest as int64
+        part = (key - np.uint64(low)).astype(np.int64) if key.dtype == np.uint64 else key.astype(np.int64) - low
         packed = part if packed is None else (packed << bits) | part
         used += bits
         rest -= 1

@@ -37,6 +37,10 @@ def test_keys_whose_ranges_do_not_fit_one_int64_are_sorted_apart():
     code = np.array([1, 0, 1, 0, 1])
     np.testing.assert_array_equal(lexsort((wide, code)), np.lexsort((wide, code)))
     np.testing.assert_array_equal(lexsort((code, wide)), np.lexsort((code, wide)))
+    big = np.array([2**64 - 1, 2**63, 2**63 + 7, 2**63], dtype=np.uint64)  # beyond int64, a small range
+    np.testing.assert_array_equal(lexsort((big, np.array([0, 1, 0, 1]))), [2, 0, 1, 3])
+    narrow = np.array([2**31 - 1, -2**31, 0, -2**31], dtype=np.int32)       # a range wider than int32 holds
+    np.testing.assert_array_equal(lexsort((narrow, np.array([1, 1, 0, 0]))), [3, 2, 1, 0])
     times = np.array([0, 2**62, 5, 2**62 - 1], dtype=np.int64)            # 62 bits of range: the code's bit is one more
     np.testing.assert_array_equal(lexsort((times, np.array([1, 1, 0, 0]))), [2, 3, 0, 1])
 

@@ -118,7 +118,7 @@ def unique_seq(collectives: pd.DataFrame) -> pd.DataFrame:
         return collectives
     d, code, _, _ = coded_rows(c, mask, ["rank", "seq", "enqueue_ns"])
     rank = d["rank"].to_numpy(dtype="int64")
-    order = lexsort((d["enqueue_ns"].to_numpy(dtype="int64"), code, rank))   # by rank, group, arrival
+    order = lexsort((d["enqueue_ns"].to_numpy(dtype="int64"), code, rank))      # by rank, group, arrival
     seq = d["seq"].to_numpy(dtype="int64")[order]
     first = run_starts(rank[order], code[order])
     restart = np.zeros(len(seq), dtype=bool)
@@ -156,7 +156,7 @@ def collective_skew(collectives: pd.DataFrame) -> pd.DataFrame:
     if c.empty:
         return pd.DataFrame({col: [] for col in SKEW_COLUMNS})
     seq, enq = c["seq"].to_numpy(dtype="int64"), c["enqueue_ns"].to_numpy(dtype="int64")
-    order = lexsort((enq, seq, code))             # by collective, then arrival (stable: ties keep table order)
+    order = lexsort((enq, seq, code))                # by collective, then arrival (stable: ties keep table order)
     code, seq, enq = code[order], seq[order], enq[order]
     rank = c["rank"].to_numpy(dtype="int64")[order]
     first = np.flatnonzero(run_starts(code, seq))    # first and last arrival of each collective
@@ -384,7 +384,7 @@ def rank_lateness(collectives: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFram
     ended = c["end_ns"].notna().to_numpy()[keep]
     end = c["end_ns"].to_numpy(dtype="int64", na_value=0)[keep]
     code, seq, rank = code[keep], seq[keep], rank[keep]
-    order = lexsort((enq, seq, code))                 # by collective, then arrival
+    order = lexsort((enq, seq, code))                    # by collective, then arrival
     code, seq, rank, enq, step = code[order], seq[order], rank[order], enq[order], step[order]
     dur = np.where(ended[order], np.clip(end[order] - enq, 0, None), np.nan)    # exact in int64, then float
     coll = np.cumsum(run_starts(code, seq)) - 1

@@ -52,7 +52,7 @@ def collective_bandwidth(collectives: pd.DataFrame) -> pd.DataFrame:
     if c.empty:
         return pd.DataFrame({col: [] for col in BANDWIDTH_COLUMNS})
     seq, rank = c["seq"].to_numpy(dtype="int64"), c["rank"].to_numpy(dtype="int64")
-    order = lexsort((np.arange(len(c)), seq, code))      # by collective, then table order
+    order = lexsort((np.arange(len(c)), seq, code))         # by collective, then table order
     new = run_starts(code[order], seq[order])
     starts, coll = np.flatnonzero(new), np.cumsum(new) - 1
     by_rank = lexsort((rank[order], coll))

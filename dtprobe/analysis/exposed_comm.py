@@ -48,7 +48,7 @@ def comm_exposure(collectives: pd.DataFrame, steps: pd.DataFrame, skew: pd.DataF
         return pd.DataFrame({col: [] for col in EXPOSURE_COLUMNS})
     rank, step = c["rank"].to_numpy(dtype="int64"), c["step"].to_numpy(dtype="int64")
     enq = c["enqueue_ns"].to_numpy(dtype="int64")
-    order = lexsort((enq, step, rank))                # per (rank, step), in arrival order
+    order = lexsort((enq, step, rank))                   # per (rank, step), in arrival order
     rank, step, enq = rank[order], step[order], enq[order]
     end = np.maximum(c["end_ns"].to_numpy(dtype="int64")[order], enq)
     new = run_starts(rank, step)

@@ -233,7 +233,7 @@ def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | No
         lat = lat.assign(cpu_busy_frac=_per_step_of_rows(lat, cpu_busy, "cpu_busy_frac"))
     rank_of_row = lat["rank"].to_numpy(dtype="int64")
     gid = pd.factorize(group * (int(rank_of_row.max()) + 1) + rank_of_row, sort=True)[0].astype("int64")
-    order = lexsort((lat["step"].to_numpy(), gid))          # by (group, rank), then step
+    order = lexsort((lat["step"].to_numpy(), gid))             # by (group, rank), then step
 
     def column(name: str, dtype: str) -> np.ndarray:
         """The column in (group, rank, step) order."""

@@ -161,8 +161,9 @@ def _run_dtprobe(sc: Scenario, run_dir: Path, args: argparse.Namespace, *flags: 
 
 
 def scaled_batch(base: int, step_ms: float, target_ms: float) -> int:
-    """The batch that brings a layout whose steps take ``step_ms`` at batch ``base`` nearest to ``target_ms``: a
-    whole multiple of ``base`` (a step's compute grows with its sequences), never below it."""
+    """The batch that brings a layout whose steps take ``step_ms`` at batch ``base`` nearest to ``target_ms`` were
+    the step in proportion to the batch: a whole multiple of ``base``, never below it. A step grows less than its
+    batch (its fixed costs stay), so the steps come out somewhat shorter than ``target_ms``."""
     return base * max(1, round(target_ms / step_ms)) if step_ms > 0 else base
 
 
@@ -187,7 +188,7 @@ def calibrate(args: argparse.Namespace) -> dict[str, int]:
             raise RuntimeError(f"the calibration run of {layout} in {run_dir} recorded no steps: see its logs")
         batch[layout] = scaled_batch(BASE_BATCH[layout], step_ms, args.step_ms)
         print(f"[calibrate] {layout}: steps of {step_ms:.0f} ms at batch {BASE_BATCH[layout]} -> batch "
-              f"{batch[layout]} (about {step_ms * batch[layout] / BASE_BATCH[layout]:.0f} ms)", flush=True)
+              f"{batch[layout]}", flush=True)
         shutil.rmtree(run_dir, ignore_errors=True)
     return batch
 

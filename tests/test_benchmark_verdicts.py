@@ -195,76 +195,62 @@ def test_the_batch_is_the_whole_multiple_of_the_base_nearest_the_target_step_tim
     assert verdicts.scaled_batch(2, 0.0, 200.0) == 2
 
 
-def test_each_layouts_runs_get_its_calibrated_batch(tmp_path):
+class _StubJob:
+    """Stands in for ``harness.Job``: starts nothing, ends at once, and records each job's run folder and command
+    (``started``, reset by ``recording``)."""
+
+    started: list[tuple[str, list[str]]] = []
+
+    def __init__(self, *, cmd, run_dir, timeout_s):
+        _StubJob.started.append((run_dir.name, cmd))
+
+    @classmethod
+    def recording(cls) -> type[_StubJob]:
+        cls.started = []
+        return cls
+
+    def start(self):
+        return self
+
+    def wait(self):
+        pass
+
+    def stop(self):
+        pass
+
+
+def _flag(cmd: list[str], name: str) -> str:
+    """The value of flag ``name`` in ``cmd``: its last occurrence, as argparse reads it."""
+    return cmd[len(cmd) - 1 - cmd[::-1].index(name) + 1]
+
+
+def test_each_layouts_runs_get_its_calibrated_batch(tmp_path, monkeypatch):
+    monkeypatch.setattr(verdicts, "Job", _StubJob.recording())
     args = verdicts.argparse.Namespace(steps=40, seq_len=256, batch={"dp2": 8, "dp2xpp2": 12})
-    captured = {}
-
-    class FakeJob:
-        def __init__(self, *, cmd, run_dir, timeout_s):
-            captured[run_dir.name] = cmd
-
-        def start(self):
-            return self
-
-    original = verdicts.Job
-    verdicts.Job = FakeJob
-    try:
-        verdicts._run_dtprobe(verdicts.Scenario(kind="clean", layout="dp2"), tmp_path / "a", args)
-        verdicts._run_dtprobe(verdicts.Scenario(kind="clean", layout="dp2xpp2"), tmp_path / "b", args, steps=12)
-    finally:
-        verdicts.Job = original
-
-    def flag(cmd, name):     # the last occurrence wins, as argparse reads it
-        return cmd[len(cmd) - 1 - cmd[::-1].index(name) + 1]
-
-    assert flag(captured["a"], "--batch-size") == "8" and flag(captured["a"], "--steps") == "40"
-    assert flag(captured["b"], "--batch-size") == "12" and flag(captured["b"], "--steps") == "12"
-    assert flag(captured["b"], "--pp") == "2" and flag(captured["a"], "--seq-len") == "256"
+    verdicts._run_dtprobe(verdicts.Scenario(kind="clean", layout="dp2"), tmp_path / "a", args)
+    verdicts._run_dtprobe(verdicts.Scenario(kind="clean", layout="dp2xpp2"), tmp_path / "b", args, steps=12)
+    captured = dict(_StubJob.started)
+    assert _flag(captured["a"], "--batch-size") == "8" and _flag(captured["a"], "--steps") == "40"
+    assert _flag(captured["b"], "--batch-size") == "12" and _flag(captured["b"], "--steps") == "12"
+    assert _flag(captured["b"], "--pp") == "2" and _flag(captured["a"], "--seq-len") == "256"
 
 
 def test_calibration_measures_each_layout_at_its_base_batch_and_scales_it(tmp_path, monkeypatch, capsys):
-    started = []
-
-    class FakeJob:
-        def __init__(self, *, cmd, run_dir, timeout_s):
-            started.append((run_dir.name, cmd[len(cmd) - 1 - cmd[::-1].index("--batch-size") + 1]))
-
-        def start(self):
-            return self
-
-        def wait(self):
-            pass
-
-        def stop(self):
-            pass
-
-    monkeypatch.setattr(verdicts, "Job", FakeJob)
+    monkeypatch.setattr(verdicts, "Job", _StubJob.recording())
     measured = {"calibrate-dp2": 48.0, "calibrate-dp2xpp2": 70.0}
     monkeypatch.setattr(verdicts, "job_step_ms", lambda run_dir, first, last: measured[run_dir.name])
     args = verdicts.argparse.Namespace(steps=40, seq_len=256, step_ms=200.0, layouts=["dp2", "dp2xpp2"],
                                        work_dir=tmp_path)
     assert verdicts.calibrate(args) == {**verdicts.BASE_BATCH, "dp2": 8, "dp2xpp2": 12}
-    assert started == [("calibrate-dp2", "2"), ("calibrate-dp2xpp2", "4")]
+    assert [(name, _flag(cmd, "--batch-size")) for name, cmd in _StubJob.started] == \
+        [("calibrate-dp2", "2"), ("calibrate-dp2xpp2", "4")]
     assert "[calibrate] dp2: steps of 48 ms at batch 2 -> batch 8\n" in capsys.readouterr().out
     args.step_ms = 0
     assert verdicts.calibrate(args) == verdicts.BASE_BATCH
 
 
 def test_a_calibration_run_without_steps_ends_the_matrix_with_its_reason(tmp_path, monkeypatch, capsys):
-    class NoStepsJob:
-        def __init__(self, *, cmd, run_dir, timeout_s):
-            pass
-
-        def start(self):
-            return self
-
-        def wait(self):
-            pass
-
-        def stop(self):
-            pass
-
-    monkeypatch.setattr(verdicts, "Job", NoStepsJob)
+    monkeypatch.setattr(verdicts, "Job", _StubJob.recording())
     monkeypatch.setattr(verdicts, "job_step_ms", lambda run_dir, first, last: None)
     monkeypatch.setattr(verdicts, "run_scenario", lambda *a: pytest.fail("no scenario may run"))
     status = verdicts.main(["--layouts", "dp4", "--kinds", "clean", "--work-dir", str(tmp_path)])

@@ -132,6 +132,43 @@ def test_in_a_group_where_every_member_is_always_a_little_late_the_later_one_is_
     assert _detect(lateness) == []
 
 
+def test_a_rank_standing_on_its_peers_level_is_named_at_the_levelled_multiple():
+    # TP-like: the peer's worst lateness of a step is 2% (+-0.4%), rank 1's 5.5%: the noise (the peer's 90th
+    # percentile, 2.5%) holds the peer's level, and rank 1's median is about 2.2x it: under the arrival view's 2.5x,
+    # over the 1.5x asked where the peers' median is at least half their noise
+    rng = np.random.default_rng(7)
+    n = 20
+    fracs = {0: list(0.02 + rng.normal(0.0, 0.004, n)), 1: list(0.055 + rng.normal(0.0, 0.004, n))}
+    lateness = _lateness(fracs, pg="tp")
+    [f] = _detect(lateness)
+    ev = f.evidence
+    assert (f.ranks, ev["detected_by"]) == ((1,), "arrival")
+    assert ev["peer_level_frac"] == pytest.approx(np.median(fracs[0]))
+    assert ev["noise_frac"] == pytest.approx(_reference_noise(lateness, 1, 1, 20))
+    assert ev["peer_level_frac"] >= ss.LEVELLED_PEERS_SHARE * ev["noise_frac"]
+    assert (ss.LEVELLED_NOISE_SHARE * ss.MIN_LATENESS_OVER_NOISE <= ev["lateness_over_noise"]
+            < ss.MIN_LATENESS_OVER_NOISE)
+    # a group of two with one collective per step: the peer's lateness mirrors the rank's, its median is below
+    # zero, and the noise is the rank's own spread; at about 2.2x that noise the full multiple is asked: no verdict
+    late = list(0.055 + rng.normal(0.0, 0.025, n))
+    mirrored = _lateness({0: [-x for x in late], 1: late})
+    row = ss.straggler_scores(mirrored).set_index("rank").loc[1]
+    assert row["peer_level_frac"] == pytest.approx(-np.median(late))
+    assert row["median_lateness_frac"] >= 0.05 and row["positive_frac"] == 1.0
+    assert ss.LEVELLED_NOISE_SHARE * ss.MIN_LATENESS_OVER_NOISE <= row["lateness_over_noise"] \
+        < ss.MIN_LATENESS_OVER_NOISE
+    assert _detect(mirrored) == []
+
+
+def test_the_arrival_noise_multiple_is_lowered_only_where_the_peers_level_is_half_their_noise():
+    noise = np.array([0.02, 0.02, 0.02, np.nan, 0.02, 0.0])
+    level = np.array([0.01, 0.0099, -0.03, 0.01, np.nan, 0.0])
+    got = ss.arrival_noise_multiple(noise, level, 2.5)
+    assert got.tolist() == pytest.approx([2.5 * ss.LEVELLED_NOISE_SHARE, 2.5, 2.5, 2.5, 2.5,
+                                          2.5 * ss.LEVELLED_NOISE_SHARE])
+    assert ss.arrival_noise_multiple(noise, level, 0.0).tolist() == [0.0] * 6
+
+
 def test_scores_without_noise_columns_are_judged_by_the_fixed_thresholds():
     lateness = _lateness({0: [0.15] * 20, 1: [0.25] * 10 + [-0.3] * 10, 2: [-0.3] * 10 + [0.25] * 10})
     scores = ss.straggler_scores(lateness)[ss.SCORE_COLUMNS]

@@ -30,8 +30,9 @@ from dtprobe.analysis.straggler_causes import outside_phases, phase_excess
 from dtprobe.analysis.straggler_scores import (
     MIN_LATENESS_OVER_NOISE, MIN_PERSISTENT_PRE_OVER_NOISE, MIN_PRE_EXCESS_OVER_NOISE, MIN_PRE_EXCESS_T,
     MIN_PRE_EXCESS_T_OVER_PEERS, MIN_STEADY_EXCESS_FRAC, MIN_STEADY_T, MIN_STEADY_T_OVER_PEERS, MIN_WINDOW_S,
-    SCORE_COLUMNS, WAIT_SCORE_COLUMNS, held_by_quota, opt_float, persistent_view, row_core_shared, row_core_taken,
-    row_cpu_counted, row_quota_held, run_queue_view, stalled_view, steady_view, t_of_count, throttle_view)
+    SCORE_COLUMNS, WAIT_SCORE_COLUMNS, arrival_noise_multiple, held_by_quota, opt_float, persistent_view,
+    row_core_shared, row_core_taken, row_cpu_counted, row_quota_held, run_queue_view, stalled_view, steady_view,
+    t_of_count, throttle_view)
 from dtprobe.analysis.tables import P2P_OPS, axis_of, group_members, group_phrase, ms, run_starts
 from dtprobe.store.columns import require_columns
 
@@ -246,7 +247,9 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
     by_phases = (scores["median_pre_excess_frac"].fillna(-1) >= min_lateness_frac) & (
         scores["pre_positive_frac"] >= min_positive_frac)
     if "lateness_over_noise" in scores:                         # NaN (noise unknown) does not block
-        by_arrival &= ~(scores["lateness_over_noise"] < min_lateness_over_noise)
+        need = (arrival_noise_multiple(scores["noise_frac"], scores["peer_level_frac"], min_lateness_over_noise)
+                if "peer_level_frac" in scores else min_lateness_over_noise)
+        by_arrival &= ~(scores["lateness_over_noise"] < need)
         by_phases &= ~(scores["pre_excess_over_noise"] < min_pre_excess_over_noise)
     ok = (scores["median_lateness_frac"] >= min_lateness_frac) & (by_arrival | by_phases)
 
@@ -435,6 +438,7 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
             "throttled_frac": (None if c is None or pd.isna(c.throttled_frac) else float(c.throttled_frac)),
             "noise_frac": opt_float(getattr(row, "noise_frac", None)),
             "lateness_over_noise": opt_float(getattr(row, "lateness_over_noise", None)),
+            "peer_level_frac": opt_float(getattr(row, "peer_level_frac", None)),
             "phase_noise_frac": opt_float(getattr(row, "phase_noise_frac", None)),
             "pre_excess_over_noise": opt_float(getattr(row, "pre_excess_over_noise", None)),
             "pre_excess_t": opt_float(getattr(row, "pre_excess_t", None)),

@@ -135,7 +135,7 @@ def test_in_a_group_where_every_member_is_always_a_little_late_the_later_one_is_
 def test_a_rank_standing_on_its_peers_level_is_named_at_the_levelled_multiple():
     # TP-like: the peer's worst lateness of a step is 2% (+-0.4%), rank 1's 5.5%: the noise (the peer's 90th
     # percentile, 2.5%) holds the peer's level, and rank 1's median is about 2.2x it: under the arrival view's 2.5x,
-    # over the 1.5x asked where the peers' median is at least half their noise
+    # over the 1.5x asked where the peers' median is at least half their noise (a levelled group)
     rng = np.random.default_rng(7)
     n = 20
     fracs = {0: list(0.02 + rng.normal(0.0, 0.004, n)), 1: list(0.055 + rng.normal(0.0, 0.004, n))}
@@ -160,13 +160,38 @@ def test_a_rank_standing_on_its_peers_level_is_named_at_the_levelled_multiple():
     assert _detect(mirrored) == []
 
 
-def test_the_arrival_noise_multiple_is_lowered_only_where_the_peers_level_is_half_their_noise():
+def test_the_arrival_view_asks_less_only_where_the_peers_level_is_half_their_noise():
     noise = np.array([0.02, 0.02, 0.02, np.nan, 0.02, 0.0])
     level = np.array([0.01, 0.0099, -0.03, 0.01, np.nan, 0.0])
-    got = ss.arrival_noise_multiple(noise, level, 2.5)
-    assert got.tolist() == pytest.approx([2.5 * ss.LEVELLED_NOISE_SHARE, 2.5, 2.5, 2.5, 2.5,
-                                          2.5 * ss.LEVELLED_NOISE_SHARE])
-    assert ss.arrival_noise_multiple(noise, level, 0.0).tolist() == [0.0] * 6
+    levelled = np.array([True, False, False, False, False, True])
+    floor = np.where(levelled, ss.LEVELLED_LATENESS_SHARE * 0.05, 0.05)
+    multiple = np.where(levelled, ss.LEVELLED_NOISE_SHARE * 2.5, 2.5)
+
+    def view(med, over, pos=1.0):
+        return ss.arrival_view(np.full(6, med), np.full(6, pos), over, noise, level, min_lateness_frac=0.05,
+                               min_positive_frac=0.8, min_lateness_over_noise=2.5)
+    # each bound met exactly passes, just under it fails; the other bound met with room
+    assert view(floor, np.full(6, 10.0)).tolist() == [True] * 6
+    assert view(floor - 1e-9, np.full(6, 10.0)).tolist() == [False] * 6
+    assert view(0.1, multiple).tolist() == [True] * 6
+    assert view(0.1, multiple - 1e-9).tolist() == [False] * 6
+    assert view(0.1, np.full(6, np.nan)).tolist() == [True] * 6            # unknown noise does not block
+    assert view(0.1, np.full(6, 10.0), pos=0.75).tolist() == [False] * 6
+
+
+def test_in_a_levelled_group_a_median_under_the_levelled_floor_is_no_straggler():
+    # rank 1 at 3.5% (+-0.4%) over a peer at 0.8% (+-0.2%): far out of the peer's noise, but under 4% of the step
+    rng = np.random.default_rng(11)
+    n = 20
+    fracs = {0: list(0.008 + rng.normal(0.0, 0.002, n)), 1: list(0.035 + rng.normal(0.0, 0.004, n))}
+    row = ss.straggler_scores(_lateness(fracs, pg="tp")).set_index("rank").loc[1]
+    assert row["peer_level_frac"] >= ss.LEVELLED_PEERS_SHARE * row["noise_frac"]
+    assert row["lateness_over_noise"] >= ss.MIN_LATENESS_OVER_NOISE
+    assert row["median_lateness_frac"] < ss.LEVELLED_LATENESS_SHARE * 0.05
+    assert _detect(_lateness(fracs, pg="tp")) == []
+    shifted = {0: fracs[0], 1: [x + 0.01 for x in fracs[1]]}             # 4.5%: over the levelled floor
+    [f] = _detect(_lateness(shifted, pg="tp"))
+    assert (f.ranks, f.evidence["detected_by"]) == ((1,), "arrival")
 
 
 def test_scores_without_noise_columns_are_judged_by_the_fixed_thresholds():

@@ -30,7 +30,7 @@ from dtprobe.analysis.straggler_causes import outside_phases, phase_excess
 from dtprobe.analysis.straggler_scores import (
     MIN_LATENESS_OVER_NOISE, MIN_PERSISTENT_PRE_OVER_NOISE, MIN_PRE_EXCESS_OVER_NOISE, MIN_PRE_EXCESS_T,
     MIN_PRE_EXCESS_T_OVER_PEERS, MIN_STEADY_EXCESS_FRAC, MIN_STEADY_T, MIN_STEADY_T_OVER_PEERS, MIN_WINDOW_S,
-    SCORE_COLUMNS, WAIT_SCORE_COLUMNS, arrival_noise_multiple, held_by_quota, opt_float, persistent_view,
+    SCORE_COLUMNS, WAIT_SCORE_COLUMNS, arrival_view, held_by_quota, opt_float, persistent_view,
     row_core_shared, row_core_taken, row_cpu_counted, row_quota_held, run_queue_view, stalled_view, steady_view,
     t_of_count, throttle_view)
 from dtprobe.analysis.tables import P2P_OPS, axis_of, group_members, group_phrase, ms, run_starts
@@ -243,18 +243,22 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
     if scores.empty:
         return []
     scores = scores.loc[np.array([axis_of_pg(pg) not in skip_axes for pg in scores["pg"]], dtype=bool)]
-    by_arrival = scores["positive_frac"] >= min_positive_frac
-    by_phases = (scores["median_pre_excess_frac"].fillna(-1) >= min_lateness_frac) & (
-        scores["pre_positive_frac"] >= min_positive_frac)
-    if "lateness_over_noise" in scores:                         # NaN (noise unknown) does not block
-        need = (arrival_noise_multiple(scores["noise_frac"], scores["peer_level_frac"], min_lateness_over_noise)
-                if "peer_level_frac" in scores else min_lateness_over_noise)
-        by_arrival &= ~(scores["lateness_over_noise"] < need)
-        by_phases &= ~(scores["pre_excess_over_noise"] < min_pre_excess_over_noise)
-    ok = (scores["median_lateness_frac"] >= min_lateness_frac) & (by_arrival | by_phases)
 
     def col(name: str) -> np.ndarray:
         return scores[name].to_numpy(dtype="float64", na_value=np.nan)
+    unknown = np.full(len(scores), np.nan)
+    late = col("median_lateness_frac")
+    by_phases = (late >= min_lateness_frac) & (col("median_pre_excess_frac") >= min_lateness_frac) & (
+        col("pre_positive_frac") >= min_positive_frac)
+    if "lateness_over_noise" in scores:                         # NaN (noise unknown) does not block
+        by_arrival = arrival_view(late, col("positive_frac"), col("lateness_over_noise"), col("noise_frac"),
+                                  col("peer_level_frac") if "peer_level_frac" in scores else unknown,
+                                  min_lateness_frac=min_lateness_frac, min_positive_frac=min_positive_frac,
+                                  min_lateness_over_noise=min_lateness_over_noise)
+        by_phases &= ~(col("pre_excess_over_noise") < min_pre_excess_over_noise)
+    else:
+        by_arrival = (late >= min_lateness_frac) & (col("positive_frac") >= min_positive_frac)
+    ok = pd.Series(by_arrival | by_phases, index=scores.index)
     if "pre_excess_t" in scores:
         ok |= pd.Series(persistent_view(
             col("median_lateness_frac"), col("median_pre_excess_frac"), col("pre_excess_t"),
@@ -276,7 +280,6 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
             min_lateness_frac=min_lateness_frac),
             index=scores.index)
     if "peer_idle_frac" in scores:
-        unknown = np.full(len(scores), np.nan)
         ok |= pd.Series(run_queue_view(col("cpu_wait_frac"), col("peer_cpu_wait_frac"), col("peer_idle_frac"))
                         & ~held_by_quota(*(col(c) if c in scores else unknown
                                             for c in ("cpu_throttled_frac", "peer_cpu_throttled_frac"))),

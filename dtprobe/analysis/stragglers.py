@@ -222,7 +222,9 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
     order follows the schedule: the first stage finishes its last backward last; a slow stage shows up as
     stage imbalance in PIPELINE_BUBBLE and as a straggler of its dp group).
     Noise rule (when ``scores`` has ``NOISE_COLUMNS``): the arrival view also needs the median lateness to be at
-    least ``min_lateness_over_noise`` x the peers' lateness noise in the same window, the phases view the median
+    least ``min_lateness_over_noise`` x the peers' lateness noise in the same window (in a levelled group, whose
+    peers are late at their worst collective themselves, less of both bounds: ``straggler_scores.arrival_view``),
+    the phases view the median
     data+fwd excess to be ``min_pre_excess_over_noise`` x the peers' excess noise, so a busy host's chance
     lateness is not a verdict; the persistence view (``persistent_view``, with ``pre_excess_t`` in ``scores``) names a
     rank whose data+fwd excess is steady where the other views' noise hides it. ``slow_link_ranks`` (rank -> step

@@ -319,12 +319,15 @@ def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | No
     rows_of = {(pg_names[group[by_group[a]]], pr_names[group[by_group[a]]]): by_group[a:b]
                for a, b in zip(bounds[:-1], bounds[1:])}
     grids = _GroupGrids(lat, ["lateness_frac", "pre_excess_frac", "excess_frac"], rows_of=rows_of)
-    noise_of = {"noise": _PeerNoise(lat, windows, column="lateness_frac", grids=grids),
+    # the arrival view's noise and the peers' level (their median) come from one pool: two columns of "noise"
+    noise_of = {"noise": _PeerNoise(lat, windows, column="lateness_frac", reduce=_noise_and_level_rows, columns=2,
+                                    grids=grids),
                 "pnoise": _PeerNoise(lat, windows, column="pre_excess_frac", grids=grids),
-                "esd": _PeerNoise(lat, windows, column="excess_frac", reduce=_std_rows, grids=grids),
-                "plevel": _PeerNoise(lat, windows, column="lateness_frac", reduce=_nanmedian_rows, grids=grids)}
-    noise, pnoise, esd, plevel = unknown.copy(), unknown.copy(), unknown.copy(), unknown.copy()
-    cached = {name: (unknown.copy(), np.zeros(len(windows), dtype=bool)) for name in noise_of}
+                "esd": _PeerNoise(lat, windows, column="excess_frac", reduce=_std_rows, grids=grids)}
+    noise_level, pnoise, esd = np.full((len(windows), 2), np.nan), unknown.copy(), unknown.copy()
+    noise, plevel = noise_level[:, 0], noise_level[:, 1]       # views: filled in place with noise_level
+    cached = {name: (np.full_like(values, np.nan), np.zeros(len(windows), dtype=bool))
+              for name, values in (("noise", noise_level), ("pnoise", pnoise), ("esd", esd))}
     if not todo.all():
         for name, (values, known) in cached.items():
             values[~todo], known[~todo] = (memo.noise[name][0][reused[~todo]], memo.noise[name][1][reused[~todo]])
@@ -350,8 +353,8 @@ def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | No
         return over, pover, et, peer_et, by_arrival, by_phases, by_persistence, by_steady, by_throttle
 
     def fill(where_noise: np.ndarray, where_pnoise: np.ndarray, where_esd: np.ndarray) -> None:
-        for name, values, where in (("noise", noise, where_noise), ("plevel", plevel, where_noise),
-                                    ("pnoise", pnoise, where_pnoise), ("esd", esd, np.isin(span, span[where_esd]))):
+        for name, values, where in (("noise", noise_level, where_noise), ("pnoise", pnoise, where_pnoise),
+                                    ("esd", esd, np.isin(span, span[where_esd]))):
             known_values, known = cached[name]
             values[where & known] = known_values[where & known]
             need = where & ~known
@@ -735,9 +738,11 @@ class _PeerNoise:
     ``windows`` (the same pool, padded to the same width), each group's step x rank grid built once."""
 
     def __init__(self, lateness: pd.DataFrame, windows: pd.DataFrame, *, column: str,
-                 reduce: Callable[[np.ndarray], np.ndarray] | None = None, grids: _GroupGrids | None = None) -> None:
-        """``grids``: the groups' grids of ``column`` (and others), shared between columns."""
-        self._column, self._reduce = column, reduce or _noise_rows
+                 reduce: Callable[[np.ndarray], np.ndarray] | None = None, columns: int = 1,
+                 grids: _GroupGrids | None = None) -> None:
+        """``grids``: the groups' grids of ``column`` (and others), shared between columns. ``columns``: how many
+        figures ``reduce`` gives per row (``at`` then gives one row of them per window)."""
+        self._column, self._reduce, self._columns = column, reduce or _noise_rows, columns
         self._windows = windows
         self._wkey: np.ndarray | None = None    # each window's group code, on first use
         self._of_group: dict[int, np.ndarray] = {}   # group code -> its windows, in order
@@ -745,7 +750,8 @@ class _PeerNoise:
 
     def at(self, select: np.ndarray) -> np.ndarray:
         """The noise of the windows where ``select`` is true (NaN elsewhere)."""
-        windows, out = self._windows, np.full(len(self._windows), np.nan)
+        shape = (len(self._windows),) if self._columns == 1 else (len(self._windows), self._columns)
+        windows, out = self._windows, np.full(shape, np.nan)
         if windows.empty or not select.any():
             return out
         if self._wkey is None:
@@ -798,6 +804,12 @@ class _PeerNoise:
 def _noise_rows(x: np.ndarray) -> np.ndarray:
     """Per row, NaN ignored: the larger of 1.4826 x the median absolute deviation (robust spread) and the 90th
     percentile (how late the values get); NaN for rows of fewer than two values."""
+    return _noise_and_level_rows(x)[:, 0]
+
+
+def _noise_and_level_rows(x: np.ndarray) -> np.ndarray:
+    """Per row, as two columns: ``_noise_rows`` and the median the spread is taken around (the level the values
+    stand on; NaN for a row without values)."""
     med = _nanmedian_rows(x)
     mad = 1.4826 * _nanmedian_rows(np.abs(x - med[:, None]))
     k = (~np.isnan(x)).sum(axis=1)
@@ -807,7 +819,7 @@ def _noise_rows(x: np.ndarray) -> np.ndarray:
     hi = np.minimum(lo + 1, np.maximum(k - 1, 0))
     rows = np.arange(len(x))
     q90 = srt[rows, lo] + (pos - lo) * (srt[rows, hi] - srt[rows, lo])
-    return np.where(k >= 2, np.maximum(mad, q90), np.nan)
+    return np.stack([np.where(k >= 2, np.maximum(mad, q90), np.nan), med], axis=1)
 
 
 def window_length(window_steps: int, step_ns: pd.Series, min_window_s: float = MIN_WINDOW_S) -> int:

@@ -265,7 +265,7 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
         ok |= pd.Series(persistent_view(
             col("median_lateness_frac"), col("median_pre_excess_frac"), col("pre_excess_t"),
             col("peer_pre_excess_t"), col("pre_excess_over_noise"),
-            *(col(c) if c in scores else np.full(len(scores), np.nan)
+            *(col(c) if c in scores else unknown
               for c in ("mean_excess_frac", "excess_positive_frac", "median_comm_excess_frac")),
             min_lateness_frac=min_lateness_frac,
             min_t=min_pre_excess_t, min_t_over_peers=min_pre_excess_t_over_peers,
@@ -278,7 +278,7 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
         ok |= pd.Series(throttle_view(
             col("mean_excess_frac"), col("excess_positive_frac"), col("excess_t"), col("peer_excess_t"),
             col("cpu_throttled_frac"), col("peer_cpu_throttled_frac"),
-            col("step_stall_frac") if "step_stall_frac" in scores else np.full(len(scores), np.nan),
+            col("step_stall_frac") if "step_stall_frac" in scores else unknown,
             min_lateness_frac=min_lateness_frac),
             index=scores.index)
     if "peer_idle_frac" in scores:

@@ -4,6 +4,7 @@ same stage's in the other pipeline (``pipeline_delay.stage_excess``, ``straggler
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import replace
 
@@ -291,6 +292,26 @@ def test_a_straggler_whose_wait_the_schedule_does_not_put_on_the_step_has_that_s
     assert more[0].predicted_gain.frac == pytest.approx(0.15) and "shorter without it" not in more[0].title
 
 
+def test_the_schedule_caps_the_victims_wait_over_the_steps_that_wait_was_measured_on():
+    # the stage view confirms rank 0 over steps 1-20 (its slowdown began at step 11); its peers' wait is measured
+    # over 21-40, where it is slow throughout: the schedule is asked about those steps, not the stage view's
+    late = [0.0] * 10 + [0.12 + 0.01 * (-1) ** i for i in range(30)]
+    stage = _stage({0: late, 1: [-x for x in late], 2: [0.003 * (-1) ** i for i in range(40)],
+                    3: [-0.003 * (-1) ** i for i in range(40)]})
+    asked = []
+
+    def gain(rank: int, first: int, last: int) -> float | None:
+        asked.append((rank, first, last))
+        return 0.03e9 if first > 10 else 0.001e9   # the steps before the slowdown dilute what the schedule loses
+
+    scores = pd.DataFrame([_score(0, "0,1", late=0.15, first=21, last=40), _score(1, "0,1", late=-0.15),
+                           _score(2, "2,3", late=0.0), _score(3, "2,3", late=0.0)])[ss.SCORE_COLUMNS]
+    f = st.detect_stragglers(scores, pd.DataFrame(columns=sc.CAUSE_COLUMNS), stage_excess=stage, schedule_gain=gain)
+    assert [(x.ranks, x.severity) for x in f] == [((0,), "warning")]
+    assert f[0].evidence["stage_window"][0] < 11 and f[0].evidence["window"] == [21, 40]
+    assert asked == [(0, 21, 40)] and f[0].predicted_gain.frac == pytest.approx(0.03)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_stragglers_gives_no_verdict_when_a_pipelines_ranks_are_slowed_alike(seed):
     # a slower core under both ranks of pipeline 0: each is late at its dp group, neither stands out of the other
@@ -391,9 +412,26 @@ def test_the_stage_view_judges_a_rank_s_excess_against_its_stage_s_time_not_the_
         assert f[0].evidence["stage_excess_frac"] == pytest.approx(0.05)
 
 
+@pytest.mark.parametrize("t,named", [(5.0, True), (3.5, False)])
+def test_the_stage_view_names_a_rank_whose_excess_stands_four_standard_errors_above_zero(t, named):
+    # rank 0 10% slower on its stage (5% of the step) every step, its steps swinging by +-amp: its mean stands
+    # t = 0.05 x sqrt(19) / amp standard errors above zero. 5 (under the steady view's 6) is named, 3.5 is not.
+    amp = 0.05 * math.sqrt(19) / t
+    swing = [amp * (-1) ** i for i in range(20)]
+    stage = _stage({0: [0.05 + w for w in swing], 1: [-0.05 - w for w in swing], 2: [0.003 * w / amp for w in swing],
+                    3: [-0.003 * w / amp for w in swing]})
+    f = [x for x in _victim_only(stage) if x.severity != "info"]
+    assert [(x.ranks, x.evidence["detected_by"]) for x in f] == ([((0,), "stage")] if named else [])
+    if named:
+        assert ss.MIN_STAGE_T < 5.0 < ss.MIN_STEADY_T
+        assert f[0].evidence["stage_excess_t"] == pytest.approx(5.0)
+        assert f[0].evidence["stage_excess_rel"] == pytest.approx(0.10)
+
+
 def test_stragglers_keeps_a_waiting_victim_at_info_when_no_upstream_rank_stands_out_of_the_noise():
-    # rank 0's own time is 6% longer, but rank 3's swings by as much: not confirmed
-    noisy = [0.06 * (-1) ** i for i in range(20)]
+    # rank 0's own time is 6% longer, but rank 3's swings by half as much again: rank 0 stands 2.9 standard errors
+    # of the run's noise above zero, not confirmed
+    noisy = [0.09 * (-1) ** i for i in range(20)]
     stage = _stage({0: [0.06 + 0.02 * (-1) ** i for i in range(20)], 1: [-0.06] * 20, 2: noisy,
                     3: [-x for x in noisy]})
     f = _victim_only(stage)
@@ -420,7 +458,7 @@ def test_a_slow_pipeline_rank_no_arrival_shows_late_is_found_by_its_own_time_on_
     # the first window (of 20 steps, after the warm-up) over which its excess is confirmed: at or soon after 1-20
     assert 20 <= ev["detected_at_step"] <= 22 and ev["stage_window"] == [ev["detected_at_step"] - 19,
                                                                           ev["detected_at_step"]]
-    assert ev["stage_excess_rel"] >= 0.06 and ev["stage_excess_t"] >= 6
+    assert ev["stage_excess_rel"] >= 0.06 and ev["stage_excess_t"] >= ss.MIN_STAGE_T
     assert "own time on its pipeline stage" in findings[0].title
 
 

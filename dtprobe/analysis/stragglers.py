@@ -29,8 +29,8 @@ from dtprobe.analysis.pipeline_delay import OWN_DELAY_COLUMNS, pipeline_groups, 
 from dtprobe.analysis.straggler_causes import outside_phases, phase_excess
 from dtprobe.analysis.straggler_scores import (
     MIN_LATENESS_OVER_NOISE, MIN_PERSISTENT_PRE_OVER_NOISE, MIN_PRE_EXCESS_OVER_NOISE, MIN_PRE_EXCESS_T,
-    MIN_PRE_EXCESS_T_OVER_PEERS, MIN_STEADY_EXCESS_FRAC, MIN_STEADY_T, MIN_STEADY_T_OVER_PEERS, MIN_WINDOW_S,
-    SCORE_COLUMNS, WAIT_SCORE_COLUMNS, arrival_view, held_by_quota, opt_float, persistent_view,
+    MIN_PRE_EXCESS_T_OVER_PEERS, MIN_STAGE_T, MIN_STEADY_EXCESS_FRAC, MIN_STEADY_T, MIN_STEADY_T_OVER_PEERS,
+    MIN_WINDOW_S, SCORE_COLUMNS, WAIT_SCORE_COLUMNS, arrival_view, held_by_quota, opt_float, persistent_view,
     row_core_shared, row_core_taken, row_cpu_counted, row_quota_held, run_queue_view, stalled_view, steady_view,
     t_of_count, throttle_view)
 from dtprobe.analysis.tables import P2P_OPS, axis_of, group_members, group_phrase, ms, run_starts
@@ -83,7 +83,7 @@ PIPELINE_ORIGIN_COLUMNS = ["rank", "pipeline", "stage_excess_frac", "stage_exces
 
 
 def pipeline_origin_scores(stage: pd.DataFrame, first_step: int, last_step: int, *,
-                           min_lateness_frac: float = 0.05, min_t: float = MIN_STEADY_T) -> pd.DataFrame:
+                           min_lateness_frac: float = 0.05, min_t: float = MIN_STAGE_T) -> pd.DataFrame:
     """Per pipelined rank over steps ``first_step``..``last_step`` of ``stage`` (``pipeline_delay.stage_excess``):
     the mean excess of its own time on its stage over the same stage of the other pipelines
     (``stage_excess_frac``, share of the step; ``stage_excess_rel``, share of the other pipelines' own time on
@@ -235,8 +235,9 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
     time's excess over its stage's in the other pipelines (``pipeline_delay.stage_excess``); None or empty: the
     pipeline rules above are not applied. Predicted gain: the victims' mean wait per step time; for a pipelined
     rank, when ``schedule_gain`` (rank, first step, last step -> ns per step, ``pipeline_delay.schedule_gain_ns``,
-    None where unknown) gives less over the window its stage was judged on, that: a wait the schedule does not put
-    on the step's critical path is not a gain. Critical when the gain is ``critical_wait_frac`` or more.
+    None where unknown) gives less over the finding's window (the steps the victims' wait is measured on; not the
+    stage view's window, which may start before a slowdown did), that: a wait the schedule does not put on the
+    step's critical path is not a gain. Critical when the gain is ``critical_wait_frac`` or more.
     ``cpu_busy`` (``cpu_throttle.cpu_busy_per_step``): the rank's and its peers' CPU use per step over the window,
     in evidence; with ``host_compute`` (the ranks compute on the CPU), a rank late by compute while its process used
     no more CPU than its peers (``OFF_CPU_SHARE_OF_LATENESS``) is said to be off the CPU (``off_cpu``), with advice
@@ -415,7 +416,9 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
         if stall is not None and not stalled_view(np.float64(stall), np.float64(row.cpu_throttled_frac),
                                               min_lateness_frac=min_lateness_frac):
             stall = None
-        sched = schedule_gain(int(row.rank), first, last) if schedule_gain is not None else None
+        # the schedule's cap on the victims' wait, over the steps that wait was measured on
+        sched = (schedule_gain(int(row.rank), int(row.window_first_step), int(row.window_last_step))
+                 if schedule_gain is not None else None)
         sched_frac = sched / row.mean_step_ns if sched is not None and row.mean_step_ns else None
         lost_frac = wait_frac if stall is None else max(wait_frac, stall)
         if row_core_taken(row):        # its peers sat idle while it waited for its core: that is the job's loss

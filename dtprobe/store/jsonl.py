@@ -29,6 +29,12 @@ _READ_BYTES = 64 << 20
 
 _SCAN_BYTES = 1 << 20
 """Bytes read per step when scanning an events file backwards for its tail."""
+_PROBE_BYTES = 64 << 10
+"""Bytes read per probe when bisecting an events file for its tail."""
+_TAIL_SLACK_STEPS = 2
+"""Steps a row of an events file may lag the rows written before it (a collective's row is written when it
+completes, a step row when its step ends): ``tail_cursor`` looks for the tail's start this far behind the first
+line it finds of a later step."""
 _STEP_KEY = re.compile(rb'"step":\s*(-?\d+)')
 """The ``step`` key of a row (a string value cannot hold it: its quotes would be escaped)."""
 
@@ -196,30 +202,87 @@ def _check_rank(rows: pa.Table, rank: int, path: Path, *, first_line: int) -> pa
 
 def tail_cursor(path: Path, first_step: int) -> FileCursor:
     """The cursor just after the last complete line of ``path`` whose ``step`` is in ``[0, first_step)``, so that
-    reading from it gives the newest steps; the start of the file if no such line exists. Scans backwards, so
-    it costs the tail, not the file (plus a newline count of the part skipped, for exact line numbers)."""
+    reading from it gives the newest steps; the start of the file if no such line exists. A rank's lines follow
+    its steps, a row at most ``_TAIL_SLACK_STEPS`` behind the rows written before it, so the file is bisected by
+    byte offset for the first line of step ``first_step + _TAIL_SLACK_STEPS`` or later and scanned backwards from
+    there: it costs a few reads and the last steps before the tail, not the tail (plus a newline count of the
+    part skipped, for exact line numbers)."""
+    bound = first_step + _TAIL_SLACK_STEPS
     with open(path, "rb") as f:
         size = f.seek(0, io.SEEK_END)
-        pos, carry, newest = size, b"", True
-        while pos > 0:
-            n = min(_SCAN_BYTES, pos)
-            pos -= n
-            f.seek(pos)
-            chunk = f.read(n) + carry
-            cut = chunk.find(b"\n") + 1 if pos > 0 else 0  # bytes before it continue a line that starts earlier
-            carry, body, start = chunk[:cut], chunk[cut:], pos + cut
-            if newest:  # a torn last line is not a line yet
-                body = body[: body.rfind(b"\n") + 1]
-                newest = False
-            end = len(body)
-            while end > 0:
-                begin = body.rfind(b"\n", 0, end - 1) + 1
-                match = _STEP_KEY.search(body, begin, end)
-                if match is not None and 0 <= int(match.group(1)) < first_step:
-                    offset = start + end
-                    return FileCursor(offset_bytes=offset, lines=_count_lines(f, offset))
-                end = begin
-    return FileCursor()
+        lo, hi = 0, size            # the first step-bearing line starting at or after ``hi`` has a step >= bound
+        if _ahead(f, 0, bound):
+            return FileCursor()
+        while hi - lo > _PROBE_BYTES:
+            mid = (lo + hi) // 2
+            if _ahead(f, mid, bound):
+                hi = mid
+            else:
+                lo = mid
+        offset = _last_line_before(f, _line_end_at(f, hi, size), first_step)
+        return FileCursor() if offset is None else FileCursor(offset_bytes=offset, lines=_count_lines(f, offset))
+
+
+def _ahead(f, offset: int, bound: int) -> bool:
+    """True when the first complete line starting at or after byte ``offset`` that has a ``step`` of 0 or more has
+    one of ``bound`` or more, or there is no such line."""
+    pos = offset - 1 if offset > 0 else 0
+    f.seek(pos)
+    data, skip = b"", offset > 0    # from ``offset - 1``: a line that starts at ``offset`` is not skipped
+    while True:
+        block = f.read(_PROBE_BYTES)
+        if not block:
+            return True             # no step-bearing line after the offset (a torn last line is not a line)
+        data += block
+        if skip:
+            cut = data.find(b"\n")
+            if cut < 0:
+                continue
+            data, skip = data[cut + 1:], False
+        end = data.rfind(b"\n") + 1
+        for match in _STEP_KEY.finditer(data, 0, end):
+            if int(match.group(1)) >= 0:
+                return int(match.group(1)) >= bound
+        data = data[end:]
+
+
+def _line_end_at(f, offset: int, size: int) -> int:
+    """The first line boundary at or after byte ``offset`` (``size`` if none)."""
+    if offset == 0:
+        return 0
+    f.seek(offset - 1)
+    pos = offset - 1
+    while pos < size:
+        block = f.read(_PROBE_BYTES)
+        cut = block.find(b"\n")
+        if cut >= 0:
+            return pos + cut + 1
+        pos += len(block)
+    return size
+
+
+def _last_line_before(f, end: int, first_step: int) -> int | None:
+    """The offset just after the last complete line before byte ``end`` (a line boundary, or the file's size when
+    its last line may be torn) whose ``step`` is in ``[0, first_step)``; None if none. Scans backwards."""
+    pos, carry, newest = end, b"", True
+    while pos > 0:
+        n = min(_SCAN_BYTES, pos)
+        pos -= n
+        f.seek(pos)
+        chunk = f.read(n) + carry
+        cut = chunk.find(b"\n") + 1 if pos > 0 else 0  # bytes before it continue a line that starts earlier
+        carry, body, start = chunk[:cut], chunk[cut:], pos + cut
+        if newest:  # a torn last line is not a line yet
+            body = body[: body.rfind(b"\n") + 1]
+            newest = False
+        line_end = len(body)
+        while line_end > 0:
+            begin = body.rfind(b"\n", 0, line_end - 1) + 1
+            match = _STEP_KEY.search(body, begin, line_end)
+            if match is not None and 0 <= int(match.group(1)) < first_step:
+                return start + line_end
+            line_end = begin
+    return None
 
 
 def last_step_in_file(path: Path) -> int | None:

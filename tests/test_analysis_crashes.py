@@ -646,6 +646,19 @@ def test_a_stopped_pipeline_rank_is_one_hang_not_one_per_group_it_froze():
 
 
 
+def test_a_rank_missing_from_its_dp_group_because_it_waits_inside_the_frozen_rank_s_collective_is_no_hang():
+    # real run (tests/data/dp2xpp2_rank0_frozen_in_pp/README.md): rank 0 froze inside a pipeline-group all-reduce
+    # rank 2 had entered too, so rank 2 never reached its dp all-reduce and rank 3 waited there for it: that stall
+    # is rank 0's consequence, not a second HANG naming ranks 2 and 3
+    a = RunAnalysis.open(Path(__file__).resolve().parent / "data" / "dp2xpp2_rank0_frozen_in_pp")
+    [f] = _codes(a, "HANG")
+    ev = f.evidence
+    assert (f.ranks, ev["pg"], ev["pg_ranks"], ev["step"], ev["cause"]) == ((0,), "dp", [0, 1], 11, "missing_rank")
+    assert ev["liveness"] == {"0": "stopped", "1": "waiting"}
+    assert not [x for x in a.findings() if x.code in ("RANK_CRASH", "STRAGGLER", "COLLECTIVE_MISMATCH")
+                and x.severity != "info"]
+
+
 def test_a_rank_that_gloo_aborted_on_an_oversized_message_is_told_to_look_for_a_skipped_collective(tmp_path):
     # rank 1 skipped a collective, so rank 0's next one received rank 1's larger one: gloo's size check aborted
     # rank 0 within milliseconds, its last rows lost. The network advice would send the user the wrong way

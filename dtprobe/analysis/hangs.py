@@ -240,6 +240,11 @@ def detect_hangs(missing: pd.DataFrame, faults: pd.DataFrame | None, *, last_see
     # the root, or are the stopped rank), not a hang of its own.
     behind_root = set().union(*(waiters_of[i] | set(ranks_of(r.missing_ranks)) for i, r in enumerate(rows)
                                 if any(verdicts[i][m] not in ("waiting", "dead") for m in ranks_of(r.missing_ranks))))
+    # Ranks inside a collective every member entered and nobody finished, because a member froze inside it: a
+    # stall elsewhere whose missing ranks all wait there is that rank's consequence, and the frozen rank's own
+    # stall (that collective, or one where it is missing) is reported.
+    frozen_in = set().union(*(waiters_of[i] for i, r in enumerate(rows) if not ranks_of(r.missing_ranks)
+                              and any(v not in ("waiting", "dead") for v in verdicts[i].values())))
     for i, r in enumerate(rows):
         miss, waiters, live = ranks_of(r.missing_ranks), sorted(waiters_of[i]), verdicts[i]
         if (r.pg, r.pg_ranks) in skip_groups:
@@ -252,6 +257,8 @@ def detect_hangs(missing: pd.DataFrame, faults: pd.DataFrame | None, *, last_see
             continue                                  # stuck behind a root stall: that one is reported
         if miss and not set(miss) - blocked and roots and i not in roots:
             continue                                  # the missing ranks wait elsewhere: the root is reported
+        if miss and all(live[m] == "waiting" and m in frozen_in for m in miss):
+            continue                                  # they wait inside a frozen rank's collective: that is reported
         everyone = sorted(set(waiters) | set(miss))
         waited_ns = waited_until_given_up(r, activity, starts)
         node_of = nodes or {}

@@ -428,6 +428,41 @@ def test_the_stage_view_names_a_rank_whose_excess_stands_four_standard_errors_ab
         assert f[0].evidence["stage_excess_rel"] == pytest.approx(0.10)
 
 
+def _dp_lateness(pipeline0_late: float, steps: int = 20) -> pd.DataFrame:
+    """rank_lateness rows of the dp groups [0, 1] and [2, 3]: pipeline 0's ranks (0, 2) that much of the step later
+    than their dp peer every step (+-1%), pipeline 1's as much earlier."""
+    rows = []
+    for i in range(steps):
+        x = pipeline0_late + 0.01 * (-1) ** (i // 2)
+        for pg_ranks, ours, theirs in (("0,1", 0, 1), ("2,3", 2, 3)):
+            for rank, frac in ((ours, x), (theirs, -x)):
+                rows.append({"pg": "dp", "pg_ranks": pg_ranks, "step": i + 1, "rank": rank, "lateness_ns": frac * 1e9,
+                             "victims_wait_ns": max(frac, 0.0) * 1e9, "is_last": frac > 0, "step_ns": 1e9,
+                             "lateness_frac": frac, "pre_excess_frac": 0.0, "comm_excess_frac": float("nan")})
+    return pd.DataFrame(rows)
+
+
+@pytest.mark.parametrize("pipeline_late,named", [(0.03, True), (0.0, False)])
+def test_a_rank_of_a_pipeline_late_at_its_dp_groups_is_named_at_a_lower_stage_t(pipeline_late, named):
+    # rank 0's own time on its stage stands 3 standard errors above its stage-mate's: under MIN_STAGE_T, so named
+    # only when its pipeline arrives late at its dp groups (it holds them back), not when the pipelines arrive
+    # together. The scores are the same in both cases; only the per-step lateness the pipeline view reads differs.
+    amp = 0.05 * math.sqrt(19) / 3.0
+    swing = [amp * (-1) ** i for i in range(20)]
+    stage = _stage({0: [0.05 + w for w in swing], 1: [-0.05 - w for w in swing], 2: [0.003 * w / amp for w in swing],
+                    3: [-0.003 * w / amp for w in swing]})
+    scores = pd.DataFrame([_score(0, "0,1", late=0.03), _score(1, "0,1", late=-0.03), _score(2, "2,3", late=0.03),
+                           _score(3, "2,3", late=-0.03)])[ss.SCORE_COLUMNS]
+    f = [x for x in st.detect_stragglers(scores, pd.DataFrame(columns=sc.CAUSE_COLUMNS), stage_excess=stage,
+                                         lateness=_dp_lateness(pipeline_late)) if x.severity != "info"]
+    assert [(x.ranks, x.evidence["detected_by"]) for x in f] == ([((0,), "stage")] if named else [])
+    if named:
+        ev = f[0].evidence
+        assert ss.MIN_STAGE_T_IN_LATE_PIPELINE < 3.0 < ss.MIN_STAGE_T
+        assert ev["stage_excess_t"] == pytest.approx(3.0) and ev["pipeline_late_t"] >= ss.MIN_LATE_PIPELINE_T
+        assert ev["pipeline_origin"] == "confirmed" and ev["cause"] == "compute"
+
+
 def test_stragglers_keeps_a_waiting_victim_at_info_when_no_upstream_rank_stands_out_of_the_noise():
     # rank 0's own time is 6% longer, but rank 3's swings by half as much again: rank 0 stands 2.9 standard errors
     # of the run's noise above zero, not confirmed

@@ -132,6 +132,18 @@ largest t was 3.3 and no window with a mean excess of 6% reached 2.8; over the 2
 start (29 runs) the slowed rank's t was 3.1 to 10.4, and a bound of 6 named a third of them later than 20 steps
 after it, 4 all within 19."""
 
+MIN_LATE_PIPELINE_T = 3.0
+"""Stage view, in a late pipeline: a pipeline whose ranks arrive late at their dp groups (the mean over its ranks of
+their lateness excess over their group's median, per step: ``pipeline_late_t``, its mean over its standard error
+over the window) at least this many standard errors above zero holds its dp peers back, and one of its ranks is
+the cause; its rank whose own time on its stage stands out from the other pipelines' by ``MIN_STEADY_EXCESS_FRAC``
+of the stage's time, ``MIN_STAGE_T_IN_LATE_PIPELINE`` standard errors and ``MIN_STEADY_T_OVER_PEERS`` x every
+other pipeline rank's t is named (where ``MIN_STAGE_T`` alone would wait for more steps). On 100 clean dp2 x pp2
+runs of a 2-core VM no window had both: the 3 windows whose stage figures passed had a pipeline t of at most
+2.2."""
+MIN_STAGE_T_IN_LATE_PIPELINE = 2.5
+"""Stage view, in a late pipeline (``MIN_LATE_PIPELINE_T``): the stage excess's t asked of the rank named."""
+
 MIN_PERSISTENT_PRE_OVER_NOISE = 1.3
 """Persistence view: the median data+fwd excess must also reach the peers' excess noise (``pre_excess_over_noise``
 >= this; the phases view alone needs ``MIN_PRE_EXCESS_OVER_NOISE``): a steady excess smaller than what peers reach

@@ -29,10 +29,10 @@ from dtprobe.analysis.pipeline_delay import OWN_DELAY_COLUMNS, pipeline_groups, 
 from dtprobe.analysis.straggler_causes import outside_phases, phase_excess
 from dtprobe.analysis.straggler_scores import (
     MIN_LATENESS_OVER_NOISE, MIN_PERSISTENT_PRE_OVER_NOISE, MIN_PRE_EXCESS_OVER_NOISE, MIN_PRE_EXCESS_T,
-    MIN_PRE_EXCESS_T_OVER_PEERS, MIN_STAGE_T, MIN_STEADY_EXCESS_FRAC, MIN_STEADY_T, MIN_STEADY_T_OVER_PEERS,
-    MIN_WINDOW_S, SCORE_COLUMNS, WAIT_SCORE_COLUMNS, arrival_view, held_by_quota, opt_float, persistent_view,
-    row_core_shared, row_core_taken, row_cpu_counted, row_quota_held, run_queue_view, stalled_view, steady_view,
-    t_of_count, throttle_view)
+    MIN_PRE_EXCESS_T_OVER_PEERS, MIN_LATE_PIPELINE_T, MIN_STAGE_T, MIN_STAGE_T_IN_LATE_PIPELINE,
+    MIN_STEADY_EXCESS_FRAC, MIN_STEADY_T, MIN_STEADY_T_OVER_PEERS, MIN_WINDOW_S, SCORE_COLUMNS, WAIT_SCORE_COLUMNS,
+    arrival_view, held_by_quota, opt_float, persistent_view, row_core_shared, row_core_taken, row_cpu_counted,
+    row_quota_held, run_queue_view, stalled_view, steady_view, t_of_count, throttle_view)
 from dtprobe.analysis.tables import P2P_OPS, axis_of, group_members, group_phrase, ms, run_starts
 from dtprobe.store.columns import require_columns
 
@@ -79,22 +79,49 @@ def linked_ranks(collectives: pd.DataFrame) -> LinkedRanks:
 
 
 PIPELINE_ORIGIN_COLUMNS = ["rank", "pipeline", "stage_excess_frac", "stage_excess_rel", "stage_excess_t",
-                           "peer_stage_excess_t", "confirmed"]
+                           "peer_stage_excess_t", "pipeline_late_t", "confirmed"]
+PIPELINE_LATENESS_COLUMNS = ["pipeline", "step", "excess_frac"]
+
+
+def pipeline_lateness(lateness: pd.DataFrame | None, stage: pd.DataFrame,
+                      axis_of_pg: Callable[[str], str | None] = axis_of) -> pd.DataFrame:
+    """Per (pipeline, step) of a pipelined run: the mean over the pipeline's ranks of their lateness excess over
+    their ``dp`` group's median at that step (``lateness``: ``arrivals.rank_lateness``; share of the step). The dp
+    all-reduces of a pipeline wait for its slowest stage, so a pipeline held back by one of its ranks arrives late
+    at every dp group it is in. ``stage``: ``pipeline_delay.stage_excess`` (who is in which pipeline). Columns:
+    ``PIPELINE_LATENESS_COLUMNS``."""
+    empty = pd.DataFrame({col: [] for col in PIPELINE_LATENESS_COLUMNS})
+    if lateness is None or lateness.empty or stage.empty:
+        return empty
+    pipe = dict(zip(stage["rank"].astype("int64"), stage["pipeline"].astype("int64")))
+    dp_names = {pg for pg in lateness["pg"].unique() if axis_of_pg(pg) == "dp"}    # per group name, not per row
+    d = lateness[lateness["pg"].isin(dp_names) & lateness["rank"].isin(pipe)]
+    if d.empty:
+        return empty
+    excess = d["lateness_frac"] - d.groupby(["pg", "pg_ranks", "step"], sort=False)["lateness_frac"].transform(
+        "median")
+    out = pd.DataFrame({"pipeline": d["rank"].map(pipe).to_numpy(), "step": d["step"].to_numpy(dtype="int64"),
+                        "excess_frac": excess.to_numpy(dtype="float64")})
+    return out.groupby(["pipeline", "step"], as_index=False)["excess_frac"].mean()[PIPELINE_LATENESS_COLUMNS]
 
 
 def pipeline_origin_scores(stage: pd.DataFrame, first_step: int, last_step: int, *,
-                           min_lateness_frac: float = 0.05, min_t: float = MIN_STAGE_T) -> pd.DataFrame:
+                           min_lateness_frac: float = 0.05, min_t: float = MIN_STAGE_T,
+                           late: pd.DataFrame | None = None) -> pd.DataFrame:
     """Per pipelined rank over steps ``first_step``..``last_step`` of ``stage`` (``pipeline_delay.stage_excess``):
     the mean excess of its own time on its stage over the same stage of the other pipelines
     (``stage_excess_frac``, share of the step; ``stage_excess_rel``, share of the other pipelines' own time on
     the stage), that mean over its standard error (``stage_excess_t``; the error from the larger of its own spread
     and the largest of the other ranks' in the same steps: the run's own noise), and the largest such t among the
-    other ranks of any stage (``peer_stage_excess_t``). ``confirmed``: its own time stands out beyond that noise
-    as the steady view judges lateness, with the stage's time in the place of the step (a stage is a share of
-    the step: a rank computing 10% slower on a stage that is half the step is 5% of the step later): a mean
-    excess of at least ``min_lateness_frac`` and ``MIN_STEADY_EXCESS_FRAC`` of the stage's time, ``min_t``
-    standard errors above zero and ``MIN_STEADY_T_OVER_PEERS`` x any other rank's (when the host slows a whole
-    pipeline's ranks alike, none of them is singled out). Columns: ``PIPELINE_ORIGIN_COLUMNS``."""
+    other ranks of any stage (``peer_stage_excess_t``). ``pipeline_late_t``: how many standard errors above zero
+    its pipeline's mean lateness excess at its dp groups is over the window (``late``: ``pipeline_lateness``; NaN
+    without it). ``confirmed``: its own time stands out beyond that noise as the steady view judges lateness, with
+    the stage's time in the place of the step (a stage is a share of the step: a rank computing 10% slower on a
+    stage that is half the step is 5% of the step later): a mean excess of at least ``min_lateness_frac`` and
+    ``MIN_STEADY_EXCESS_FRAC`` of the stage's time, ``min_t`` standard errors above zero (``MIN_STAGE_T_IN_LATE_
+    PIPELINE`` when ``pipeline_late_t`` is at least ``MIN_LATE_PIPELINE_T``: its pipeline holds the others back)
+    and ``MIN_STEADY_T_OVER_PEERS`` x any other rank's (when the host slows a whole pipeline's ranks alike, none
+    of them is singled out). Columns: ``PIPELINE_ORIGIN_COLUMNS``."""
     w = stage[stage["step"].between(first_step, last_step)].dropna(subset=["own_excess_frac"])
     if w.empty:
         return pd.DataFrame({col: [] for col in PIPELINE_ORIGIN_COLUMNS})
@@ -106,10 +133,24 @@ def pipeline_origin_scores(stage: pd.DataFrame, first_step: int, last_step: int,
     other_sd = _max_of_others(sd)
     t = t_of_count(mean, out["k"].to_numpy(), np.fmax(sd, other_sd))
     out["stage_excess_t"], out["peer_stage_excess_t"] = t, _max_of_others(t)
+    out["pipeline_late_t"] = out["pipeline"].map(_late_t(late, first_step, last_step)).astype("float64")
     rel = out["stage_excess_rel"].to_numpy(dtype="float64")
-    out["confirmed"] = ((rel >= max(min_lateness_frac, MIN_STEADY_EXCESS_FRAC)) & (t >= min_t)
+    in_late = out["pipeline_late_t"].to_numpy() >= MIN_LATE_PIPELINE_T
+    out["confirmed"] = ((rel >= max(min_lateness_frac, MIN_STEADY_EXCESS_FRAC))
+                        & (t >= np.where(in_late, min(min_t, MIN_STAGE_T_IN_LATE_PIPELINE), min_t))
                         & ~(t < MIN_STEADY_T_OVER_PEERS * np.maximum(out["peer_stage_excess_t"].to_numpy(), 0)))
     return out.reset_index()[PIPELINE_ORIGIN_COLUMNS]
+
+
+def _late_t(late: pd.DataFrame | None, first_step: int, last_step: int) -> dict[int, float]:
+    """pipeline -> its mean lateness excess over the window over its standard error (``pipeline_lateness`` rows)."""
+    if late is None or late.empty:
+        return {}
+    w = late[late["step"].between(first_step, last_step)].dropna(subset=["excess_frac"])
+    g = w.groupby("pipeline")["excess_frac"]
+    stats = pd.DataFrame({"mean": g.mean(), "sd": g.std(), "k": g.count()})
+    t = t_of_count(stats["mean"].to_numpy(), stats["k"].to_numpy(), stats["sd"].to_numpy(dtype="float64"))
+    return dict(zip(stats.index.astype("int64"), t))
 
 
 def _max_of_others(x: np.ndarray) -> np.ndarray:
@@ -127,8 +168,8 @@ class _PipelineJudge:
     """``pipeline_origin_scores`` of a run's ``stage_excess`` rows, per window on first use: who shares a pipeline,
     and whose own time on its stage is confirmed slower than its stage's in the other pipelines."""
 
-    def __init__(self, stage: pd.DataFrame, *, min_lateness_frac: float) -> None:
-        self._stage, self._min_lateness_frac = stage, min_lateness_frac
+    def __init__(self, stage: pd.DataFrame, *, min_lateness_frac: float, late: pd.DataFrame | None = None) -> None:
+        self._stage, self._min_lateness_frac, self._late = stage, min_lateness_frac, late
         self._pipeline = dict(zip(stage["rank"].astype("int64"), stage["pipeline"].astype("int64")))
         self._scores: dict[tuple[int, int], pd.DataFrame] = {}
 
@@ -143,8 +184,8 @@ class _PipelineJudge:
         """``rank``'s row of ``pipeline_origin_scores`` over the window, as a dict; None when it has none."""
         key = (int(first_step), int(last_step))
         if key not in self._scores:
-            self._scores[key] = pipeline_origin_scores(self._stage, *key, min_lateness_frac=self._min_lateness_frac
-                                                       ).set_index("rank")
+            self._scores[key] = pipeline_origin_scores(self._stage, *key, min_lateness_frac=self._min_lateness_frac,
+                                                       late=self._late).set_index("rank")
         scores = self._scores[key]
         return scores.loc[rank].to_dict() if rank in scores.index else None
 
@@ -289,7 +330,8 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
                         index=scores.index)
     long_enough = ~(scores["window_steps"] * scores["mean_step_ns"].astype("float64") < min_window_s * 1e9)
     flagged = scores[ok & (scores["window_steps"] >= min_steps) & long_enough]
-    judge = (_PipelineJudge(stage_excess, min_lateness_frac=min_lateness_frac)
+    judge = (_PipelineJudge(stage_excess, min_lateness_frac=min_lateness_frac,
+                            late=pipeline_lateness(lateness, stage_excess, axis_of_pg))
              if stage_excess is not None and not stage_excess.empty else None)
     by_stage = _stage_view_rows(scores, judge, min_steps=min_steps) if judge is not None else {}
     if flagged.empty and not by_stage:
@@ -470,6 +512,7 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
             "stage_excess_rel": None if stage_fig is None else opt_float(stage_fig["stage_excess_rel"]),
             "stage_excess_t": None if stage_fig is None else opt_float(stage_fig["stage_excess_t"]),
             "peer_stage_excess_t": None if stage_fig is None else opt_float(stage_fig["peer_stage_excess_t"]),
+            "pipeline_late_t": None if stage_fig is None else opt_float(stage_fig["pipeline_late_t"]),
             "schedule_gain_frac": opt_float(sched_frac),
         }
         evidence_rows = None

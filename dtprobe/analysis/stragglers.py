@@ -118,10 +118,10 @@ def pipeline_origin_scores(stage: pd.DataFrame, first_step: int, last_step: int,
     without it). ``confirmed``: its own time stands out beyond that noise as the steady view judges lateness, with
     the stage's time in the place of the step (a stage is a share of the step: a rank computing 10% slower on a
     stage that is half the step is 5% of the step later): a mean excess of at least ``min_lateness_frac`` and
-    ``MIN_STEADY_EXCESS_FRAC`` of the stage's time, ``min_t`` standard errors above zero (``MIN_STAGE_T_IN_LATE_
-    PIPELINE`` when ``pipeline_late_t`` is at least ``MIN_LATE_PIPELINE_T``: its pipeline holds the others back)
-    and ``MIN_STEADY_T_OVER_PEERS`` x any other rank's (when the host slows a whole pipeline's ranks alike, none
-    of them is singled out). Columns: ``PIPELINE_ORIGIN_COLUMNS``."""
+    ``MIN_STEADY_EXCESS_FRAC`` of the stage's time, ``min_t`` standard errors above zero
+    (``MIN_STAGE_T_IN_LATE_PIPELINE`` when ``pipeline_late_t`` is at least ``MIN_LATE_PIPELINE_T``: its pipeline
+    holds the others back) and ``MIN_STEADY_T_OVER_PEERS`` x any other rank's (when the host slows a whole
+    pipeline's ranks alike, none of them is singled out). Columns: ``PIPELINE_ORIGIN_COLUMNS``."""
     w = stage[stage["step"].between(first_step, last_step)].dropna(subset=["own_excess_frac"])
     if w.empty:
         return pd.DataFrame({col: [] for col in PIPELINE_ORIGIN_COLUMNS})

@@ -425,6 +425,23 @@ def test_all_entered_on_one_node_is_not_called_network(tmp_path):
     assert f.evidence["cause"] == "mutual_wait" and f.evidence["sides"] is None
 
 
+
+def test_a_mutual_wait_names_as_never_arrived_only_the_ranks_that_did_not_arrive(tmp_path):
+    # a cycle: rank 0 waits for rank 1 in group a, rank 1 for rank 2 in group b, rank 2 for rank 0 in group c, all
+    # alive. Each stall names both its ranks (neither can go on), but only the missing one never arrived
+    rows = lockstep_tables(world=3, num_steps=6)
+    rows["pending"] = []
+    for r, (pg, members) in enumerate([("a", "0,1"), ("b", "1,2"), ("c", "0,2")]):
+        stall_rank(rows, r, T0 + 360 * MS, until_ns=T0 + 10_400 * MS, close=("crashed", "watchdog"))
+        rows["pending"].append(pending_row(r, step=3, seq=1, t_ns=T0 + (360 + r) * MS, pg=pg, pg_ranks=members))
+    a = RunAnalysis.open(write_rows_run(tmp_path / "run", rows, world_size=3, status="crashed"))
+    hangs = sorted(_codes(a, "HANG"), key=lambda f: f.evidence["pg"])
+    assert [(f.evidence["pg"], f.ranks, f.evidence["cause"], f.evidence["missing_ranks"]) for f in hangs] == [
+        ("a", (0, 1), "mutual_wait", [1]), ("b", (1, 2), "mutual_wait", [2]), ("c", (0, 2), "mutual_wait", [0])]
+    assert [f.title.split(" never arrived")[0] for f in hangs] == ["rank(s) [1]", "rank(s) [2]", "rank(s) [0]"]
+    assert hangs[0].title.startswith("rank(s) [1] never arrived at allreduce #1 on a group [0, 1] (step 3); "
+                                     "rank(s) [0] waited ")
+
 def _pipeline(world: int = 3) -> dict:
     """A pipeline 0 -> 1 -> ...: each step stage s sends to s+1 (the k-th send = the peer's k-th recv)."""
     rows = lockstep_tables(world=world, num_steps=6)

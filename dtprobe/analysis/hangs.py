@@ -284,11 +284,11 @@ def detect_hangs(missing: pd.DataFrame, faults: pd.DataFrame | None, *, last_see
             title = (f"ranks on {' and '.join(f'{k} {ranks_phrase(v)}' for k, v in sides.items())} wait for each other at "
                      f"{what} for {waited_ns / 1e9:.1f} s, all alive: the network between the nodes")
         elif miss and is_p2p:           # r is the waiting side's op: name what it waited for, and from whom
-            title = (f"rank(s) {culprits} never {'sent' if r.op == 'recv' else 'received'}: rank(s) {waiters} waited "
+            title = (f"rank(s) {miss} never {'sent' if r.op == 'recv' else 'received'}: rank(s) {waiters} waited "
                      f"{waited_ns / 1e9:.1f} s in {op_no} {'from' if r.op == 'recv' else 'to'} rank {int(r.peer)} "
                      f"{where}{states}")
-        elif miss:
-            title = (f"rank(s) {culprits} never arrived at {what}; rank(s) {waiters} waited {waited_ns / 1e9:.1f} s"
+        elif miss:                      # in a mutual wait the finding names the waiters too; they did arrive
+            title = (f"rank(s) {miss} never arrived at {what}; rank(s) {waiters} waited {waited_ns / 1e9:.1f} s"
                      f"{states}")
         else:
             title = f"ranks {everyone} all entered {what} and none finished it in {waited_ns / 1e9:.1f} s"

@@ -425,7 +425,6 @@ def test_all_entered_on_one_node_is_not_called_network(tmp_path):
     assert f.evidence["cause"] == "mutual_wait" and f.evidence["sides"] is None
 
 
-
 def test_a_mutual_wait_names_as_never_arrived_only_the_ranks_that_did_not_arrive(tmp_path):
     # a cycle: rank 0 waits for rank 1 in group a, rank 1 for rank 2 in group b, rank 2 for rank 0 in group c, all
     # alive. Each stall names both its ranks (neither can go on), but only the missing one never arrived
@@ -441,6 +440,7 @@ def test_a_mutual_wait_names_as_never_arrived_only_the_ranks_that_did_not_arrive
     assert [f.title.split(" never arrived")[0] for f in hangs] == ["rank(s) [1]", "rank(s) [2]", "rank(s) [0]"]
     assert hangs[0].title.startswith("rank(s) [1] never arrived at allreduce #1 on a group [0, 1] (step 3); "
                                      "rank(s) [0] waited ")
+
 
 def _pipeline(world: int = 3) -> dict:
     """A pipeline 0 -> 1 -> ...: each step stage s sends to s+1 (the k-th send = the peer's k-th recv)."""
@@ -660,7 +660,6 @@ def test_a_stopped_pipeline_rank_is_one_hang_not_one_per_group_it_froze():
     assert ev["liveness"] == {"0": "stopped", "1": "waiting"}
     assert not [x for x in a.findings() if x.code in ("RANK_CRASH", "STRAGGLER", "COLLECTIVE_MISMATCH")
                 and x.severity != "info"]
-
 
 
 def test_a_rank_missing_from_its_dp_group_because_it_waits_inside_the_frozen_rank_s_collective_is_no_hang():

@@ -261,7 +261,7 @@ def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | No
     lat = lateness.dropna(subset=keys) if lateness[keys].isna().any(axis=None) else lateness
     # (pg, pg_ranks) coded once, in their sorted order: the groupings below read the codes, not the long strings
     group, pg_names, pr_names = group_codes(lat["pg"], lat["pg_ranks"])
-    lat = lat.assign(excess_frac=_excess_over_group(lat, group))
+    lat = lat.assign(excess_frac=excess_over_group(lat, group))
     with_throttle, with_wait = cpu_throttled is not None, cpu_wait is not None
     with_idle = with_wait and cpu_busy is not None
     columns = (SCORE_COLUMNS + NOISE_COLUMNS + (THROTTLE_SCORE_COLUMNS if with_throttle else [])
@@ -525,7 +525,7 @@ def _per_step_of_rows(lat: pd.DataFrame, per_step: pd.DataFrame, name: str) -> n
     return known.reindex(where).to_numpy(dtype="float64")
 
 
-def _excess_over_group(lat: pd.DataFrame, group: np.ndarray | None = None) -> np.ndarray:
+def excess_over_group(lat: pd.DataFrame, group: np.ndarray | None = None) -> np.ndarray:
     """Per row of ``rank_lateness``: its ``lateness_frac`` minus the median ``lateness_frac`` of its group's members
     (itself included) at the same step. In a group of two that is the lateness itself; in a group with many
     collectives per step, where every member's worst lateness is positive, it removes that common part.

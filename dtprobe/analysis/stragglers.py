@@ -31,8 +31,8 @@ from dtprobe.analysis.straggler_scores import (
     MIN_LATENESS_OVER_NOISE, MIN_PERSISTENT_PRE_OVER_NOISE, MIN_PRE_EXCESS_OVER_NOISE, MIN_PRE_EXCESS_T,
     MIN_PRE_EXCESS_T_OVER_PEERS, MIN_LATE_PIPELINE_T, MIN_STAGE_T, MIN_STAGE_T_IN_LATE_PIPELINE,
     MIN_STEADY_EXCESS_FRAC, MIN_STEADY_T, MIN_STEADY_T_OVER_PEERS, MIN_WINDOW_S, SCORE_COLUMNS, WAIT_SCORE_COLUMNS,
-    arrival_view, held_by_quota, opt_float, persistent_view, row_core_shared, row_core_taken, row_cpu_counted,
-    row_quota_held, run_queue_view, stalled_view, steady_view, t_of_count, throttle_view)
+    arrival_view, excess_over_group, held_by_quota, opt_float, persistent_view, row_core_shared, row_core_taken,
+    row_cpu_counted, row_quota_held, run_queue_view, stalled_view, steady_view, t_of_count, throttle_view)
 from dtprobe.analysis.tables import P2P_OPS, axis_of, group_members, group_phrase, ms, run_starts
 from dtprobe.store.columns import require_columns
 
@@ -98,10 +98,8 @@ def pipeline_lateness(lateness: pd.DataFrame | None, stage: pd.DataFrame,
     d = lateness[lateness["pg"].isin(dp_names) & lateness["rank"].isin(pipe)]
     if d.empty:
         return empty
-    excess = d["lateness_frac"] - d.groupby(["pg", "pg_ranks", "step"], sort=False)["lateness_frac"].transform(
-        "median")
     out = pd.DataFrame({"pipeline": d["rank"].map(pipe).to_numpy(), "step": d["step"].to_numpy(dtype="int64"),
-                        "excess_frac": excess.to_numpy(dtype="float64")})
+                        "excess_frac": excess_over_group(d)})
     return out.groupby(["pipeline", "step"], as_index=False)["excess_frac"].mean()[PIPELINE_LATENESS_COLUMNS]
 
 

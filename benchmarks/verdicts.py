@@ -48,8 +48,12 @@ straggler verdict with a gain is due. So every slowdown and clean run also repor
 from the raw step rows (``harness.job_step_ms``: per step the median over ranks of a step row's length, then the
 median over steps) over the steps after ``--fault-step`` against the steps before it (from step 3), minus 1; a clean
 run's is taken at ``--fault-step`` too, which shows the host's own spread. The table prints each class's range (``job
-%``). It scores nothing: where the clean runs' spread is as wide as the slowdowns (a host whose other guests come and
-go), a threshold on it would sort runs by the host's noise.
+%``) and median (``job med%``). It scores nothing: where the clean runs' spread is as wide as the slowdowns (a host
+whose other guests come and go), a threshold on it would sort runs by the host's noise.
+Predicted gain. Beside it the table prints the median of the true positives' ``predicted_gain`` (``gain med%``: the
+share of the step dtprobe says the fix would save). Removing a fault that made the job's steps ``job`` longer saves
+job / (1 + job) of them, so over a class's runs the two medians show whether the predicted gains are of the size
+the faults cost (a single run's job effect is as noisy as the clean runs' spread).
 A STRAGGLER false positive is also checked against the run's raw step and collective rows (the chaos harness's
 ``straggler_confirmed``): ``FP conf`` counts those whose rank's own work between synchronization points (from the
 end of its backward to its next step's first collective; a pipeline rank's summed actions) over the finding's window
@@ -146,6 +150,9 @@ class Outcome:
     """For inject/quota: the slowdown the fault realized (``realized_slowdown``); None when not measurable."""
     job: float | None = None
     """For clean, inject and quota runs: the job's step-time change after the fault step (``job_effect``)."""
+    gain: float | None = None
+    """The true positive's predicted gain (``predicted_gain.frac``: the share of the step its fix would save);
+    None without a true positive or without a predicted gain."""
     error: str | None = None
     wall_s: float = 0.0
 
@@ -266,6 +273,7 @@ def score(sc: Scenario, doc: dict, run_dir: Path, *, nominal_fault_step: int) ->
                      and (expected != "STRAGGLER" or ev.get("cause") == SLOWDOWN_CAUSE))
             if right and not out.true_positive:
                 out.true_positive = True
+                out.gain = (f.get("predicted_gain") or {}).get("frac")
                 if ev.get("detected_at_step") is not None and sc.fault_step is not None:
                     out.detect_steps = int(ev["detected_at_step"]) - sc.fault_step
             elif not right:
@@ -341,7 +349,8 @@ def _fmt(x: float | None, spec: str = ".2f") -> str:
 
 def report(outcomes: list[Outcome]) -> str:
     """The table: per scenario class and overall, runs, TP, FN, FP, precision, recall, time-to-detect, the median
-    realized slowdown of the class's slowdown runs and the range of its runs' job effects."""
+    realized slowdown of the class's slowdown runs, the range and median of its runs' job effects, and the median
+    predicted gain of its true positives."""
     def row(name: str, group: list[Outcome]) -> str:
         faulted = [o for o in group if o.scenario.kind != "clean" and o.error is None]
         tp = sum(o.true_positive for o in faulted)
@@ -357,12 +366,17 @@ def report(outcomes: list[Outcome]) -> str:
         real_med = _fmt(100 * statistics.median(realized) if realized else None, '+.0f')
         job = [o.job for o in group if o.job is not None and o.error is None]
         job_range = "-" if not job else f"{100 * min(job):+.0f}..{100 * max(job):+.0f}"
+        job_med = _fmt(100 * statistics.median(job) if job else None, '+.1f')
+        gains = [o.gain for o in faulted if o.gain is not None]
+        gain_med = _fmt(100 * statistics.median(gains) if gains else None, '.1f')
         return (f"{name:<14} {len(group):>4} {tp:>4} {len(faulted) - tp:>4} {fp:>4} {fp_conf:>7} {other:>5} "
                 f"{errors:>4} {_fmt(precision):>9} {_fmt(recall):>6} {ttd_med:>8} "
-                f"{_fmt(max(ttd) if ttd else None, '.0f'):>8} {real_med:>9} {job_range:>10}")
+                f"{_fmt(max(ttd) if ttd else None, '.0f'):>8} {real_med:>9} {job_range:>10} {job_med:>9} "
+                f"{gain_med:>9}")
 
     lines = [f"{'class':<14} {'runs':>4} {'TP':>4} {'FN':>4} {'FP':>4} {'FP conf':>7} {'other':>5} {'err':>4} "
-             f"{'precision':>9} {'recall':>6} {'ttd med':>8} {'ttd max':>8} {'real med%':>9} {'job %':>10}"]
+             f"{'precision':>9} {'recall':>6} {'ttd med':>8} {'ttd max':>8} {'real med%':>9} {'job %':>10} "
+             f"{'job med%':>9} {'gain med%':>9}"]
     labels = sorted({o.scenario.label for o in outcomes},
                     key=lambda s: (list(EXPECTED_CODE).index(s.split("-")[0]) + 1 if s != "clean" else 0, s))
     for label in labels:
@@ -380,7 +394,8 @@ def report(outcomes: list[Outcome]) -> str:
 
 def _realized_text(out: Outcome) -> str:
     parts = ([] if out.realized is None else [f"realized {out.realized:+.0%}"]) + \
-        ([] if out.job is None else [f"job {out.job:+.0%}"])
+        ([] if out.job is None else [f"job {out.job:+.0%}"]) + \
+        ([] if out.gain is None else [f"predicted gain {out.gain:.1%}"])
     return f" ({', '.join(parts)})" if parts else ""
 
 

@@ -65,6 +65,7 @@ def test_report_scores_the_runs_that_realized_ten_percent_apart_from_the_nominal
                 verdicts.Outcome(scenario=verdicts.Scenario(kind="clean", layout="dp2"))]
     rows = {line.split()[0]: line.split() for line in verdicts.report(outcomes).splitlines()[1:]}
     # columns: class runs TP FN FP FPconf other err precision recall ttd-med ttd-max real-med% job-range
+    # job-med% gain-med%
     assert rows["slow>=10%"][1:4] == ["3", "2", "1"] and rows["slow>=10%"][9] == "0.67"
     assert rows["real>=10%"][1:4] == ["3", "3", "0"] and rows["real>=10%"][9] == "1.00"
     assert rows["real>=10%"][12] == "+12"                                 # median of 12, 30 and 11%
@@ -111,6 +112,27 @@ def test_report_prints_the_range_of_each_classs_job_effects():
     assert rows["clean"][13] == "-2..+7"
     assert rows["overall"][13] == "-5..+8"
     assert rows["slow>=10%"][13] == "-5..+8"
+
+
+def test_the_true_positives_predicted_gain_is_kept_and_its_class_median_printed_beside_the_job_effects(tmp_path):
+    sc = verdicts.Scenario(kind="inject", layout="dp2", rank=1, slowdown=0.2, fault_step=10)
+    finding = {"code": "STRAGGLER", "severity": "warning", "ranks": [1], "evidence": {"cause": "compute"},
+               "predicted_gain": {"metric": "step_time", "frac": 0.083}}
+    other = {**finding, "ranks": [0], "predicted_gain": {"metric": "step_time", "frac": 0.5}}
+    scored = verdicts.score(sc, {"findings": [other, finding]}, tmp_path, nominal_fault_step=10)
+    assert scored.true_positive and scored.gain == 0.083                  # the true positive's, not the other's
+    assert verdicts.score(sc, {"findings": [{**finding, "predicted_gain": None}]}, tmp_path,
+                          nominal_fault_step=10).gain is None
+
+    def run(job: float, gain: float | None) -> verdicts.Outcome:
+        return verdicts.Outcome(scenario=sc, true_positive=gain is not None, job=job, gain=gain)
+
+    outcomes = [run(0.02, 0.01), run(0.30, 0.12), run(0.10, 0.04), run(0.50, None)]
+    rows = {line.split()[0]: line.split() for line in verdicts.report(outcomes).splitlines()[1:]}
+    # columns: ... real-med% job-range job-med% gain-med%
+    assert rows["inject-20"][13:] == ["+2..+50", "+20.0", "4.0"]    # gains of the true positives only
+    assert rows["overall"][14:] == ["+20.0", "4.0"]
+    assert "predicted gain 8.3%" in verdicts._realized_text(scored)
 
 
 def test_a_rank_stall_is_the_pause_scenarios_verdict_and_a_false_positive_anywhere_else(tmp_path):

@@ -350,6 +350,25 @@ def _quiet_peers(rng: np.random.Generator, n: int, ranks=(1, 2, 3), sd: float = 
     return {r: list(rng.normal(0.0, sd, n)) for r in ranks}
 
 
+def test_the_predicted_gain_is_the_wait_over_a_qualifying_window_of_the_slowdown_not_the_first_one():
+    # rank 2 late by 20% of the step from step 11 of 40: the first window that names it (steps 4-23) holds 7 clean
+    # steps, where its peers waited for nothing; its fix saves the 20% its peers wait once it is slow
+    rng = np.random.default_rng(7)
+    fracs = _quiet_peers(rng, 40, ranks=(0, 1, 3), sd=0.01)
+    fracs[2] = [float(x) + (0.2 if i >= 10 else 0.0) for i, x in enumerate(rng.normal(0.0, 0.01, 40))]
+    lateness = _lateness(dict(sorted(fracs.items())))
+    [finding] = _detect(lateness)
+    ev = finding.evidence
+    first, last = ev["window"]
+    assert finding.ranks == (2,) and first < 11 <= ev["detected_at_step"]
+    mine = lateness[lateness["rank"] == 2].set_index("step")["victims_wait_ns"] / STEP_NS
+    assert mine.loc[first:last].mean() < 0.15                     # what the first window's wait would have said
+    gain_first, gain_last = ev["gain_window"]
+    assert gain_first >= 11 and gain_last - gain_first == last - first
+    assert finding.predicted_gain.frac == pytest.approx(mine.loc[gain_first:gain_last].mean(), rel=1e-9)
+    assert finding.predicted_gain.frac == pytest.approx(0.2, abs=0.01)
+
+
 def test_a_slowdown_in_bursts_is_found_by_the_steady_view_where_the_median_views_miss_it():
     # rank 0 loses 30% of two steps in five (a CPU quota throttling it for part of some periods): its median
     # lateness stays near zero and it is late in only ~70% of the steps, but the window's mean rises

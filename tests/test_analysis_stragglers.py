@@ -276,7 +276,8 @@ def test_stragglers_linked_by_a_pipeline_keep_the_one_with_the_larger_own_delay(
         {"pg": "dp", "pg_ranks": pr, "rank": r, "num_steps": 20, "window_steps": 20, "window_first_step": 1,
          "window_last_step": 20, "median_lateness_frac": 0.15, "positive_frac": 0.9, "median_pre_excess_frac": 0.0,
          "pre_positive_frac": 0.5, "last_frac": 0.9, "mean_lateness_ns": 1e8, "mean_victims_wait_ns": 1e8,
-         "mean_step_ns": 1e9, "detected_at_step": 20, "detected_by": "arrival"}
+         "mean_step_ns": 1e9, "detected_at_step": 20, "detected_by": "arrival", "gain_first_step": 1,
+         "gain_last_step": 20, "gain_victims_wait_ns": 1e8, "gain_step_ns": 1e9}
         for pr, r in (("0,1", 0), ("2,3", 2))])[ss.SCORE_COLUMNS]
     causes = pd.DataFrame({c: [] for c in sc.CAUSE_COLUMNS})
     links = {frozenset((0, 2))}

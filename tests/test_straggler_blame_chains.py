@@ -32,7 +32,9 @@ def _score(pg: str, pg_ranks: str, rank: int, late: float) -> dict:
             "positive_frac": 0.9 if late > 0 else 0.1, "median_pre_excess_frac": 0.0, "pre_positive_frac": 0.5,
             "last_frac": 0.9 if late > 0 else 0.1, "mean_lateness_ns": late * 1e9,
             "mean_victims_wait_ns": max(late, 0.0) * 1e9, "mean_step_ns": 1e9,
-            "detected_at_step": 20 if flagged else None, "detected_by": "arrival" if flagged else None}
+            "detected_at_step": 20 if flagged else None, "detected_by": "arrival" if flagged else None,
+            "gain_first_step": 1, "gain_last_step": 20, "gain_victims_wait_ns": max(late, 0.0) * 1e9,
+            "gain_step_ns": 1e9}
 
 
 def test_the_tp_peer_of_a_rank_under_a_cpu_quota_is_its_victim_not_a_second_straggler():

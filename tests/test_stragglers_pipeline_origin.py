@@ -331,7 +331,8 @@ def _score(rank: int, pg_ranks: str, *, late: float, first: int = 1, last: int =
             "positive_frac": 0.9 if late > 0 else 0.1, "median_pre_excess_frac": 0.0, "pre_positive_frac": 0.5,
             "last_frac": 0.9 if late > 0 else 0.1, "mean_lateness_ns": late * 1e9, "mean_victims_wait_ns": late * 1e9,
             "mean_step_ns": 1e9, "detected_at_step": 20 if late >= 0.05 else None,
-            "detected_by": "arrival" if late >= 0.05 else None}
+            "detected_by": "arrival" if late >= 0.05 else None, "gain_first_step": first, "gain_last_step": last,
+            "gain_victims_wait_ns": late * 1e9, "gain_step_ns": 1e9}
 
 
 def test_a_rank_flagged_in_two_groups_was_detected_when_the_first_of_them_flagged_it():

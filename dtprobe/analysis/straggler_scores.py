@@ -26,6 +26,7 @@ SCORE_COLUMNS = [
     "pg", "pg_ranks", "rank", "num_steps", "window_steps", "window_first_step", "window_last_step",
     "median_lateness_frac", "positive_frac", "median_pre_excess_frac", "pre_positive_frac", "last_frac",
     "mean_lateness_ns", "mean_victims_wait_ns", "mean_step_ns", "detected_at_step", "detected_by",
+    "gain_first_step", "gain_last_step", "gain_victims_wait_ns", "gain_step_ns",
 ]
 NOISE_COLUMNS = ["noise_frac", "lateness_over_noise", "phase_noise_frac", "pre_excess_over_noise", "pre_excess_t",
                  "peer_pre_excess_t", "mean_excess_frac", "excess_positive_frac", "excess_t", "peer_excess_t",
@@ -228,7 +229,10 @@ def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | No
     arrived after its peers' median in at least ``min_positive_frac`` of the steps (else the window with the
     largest median lateness), that median, the share of the window's
     steps it arrived after the median of its peers (``positive_frac``) and was last (``last_frac``), its mean
-    lateness and the mean wait it imposed on peers. ``detected_at_step``: the last step of the first window with
+    lateness and the mean wait it imposed on peers; the same wait and the mean step over its qualifying window of
+    median wait (the chosen one when none qualifies), steps ``gain_first_step``-``gain_last_step``
+    (``gain_victims_wait_ns``, ``gain_step_ns``: what its fix would save, where the first window may straddle the
+    fault's start). ``detected_at_step``: the last step of the first window with
     median lateness >= ``min_lateness_frac`` and positive share >= ``min_positive_frac`` (null if none).
     Medians ignore NaN (phases not recorded). ``noise_frac``: the run's own noise in that window, how late its
     peers got by chance (robust spread or 90th percentile of their lateness over the window, ``peer_noise``); the
@@ -411,6 +415,16 @@ def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | No
         memo.keep(settings, remember[0], remember[1], remember[2], fig, cached)
     sel_start = win_start[best]                                 # first row of each (group, rank)'s chosen window
     victims = np.clip(column("victims_wait_ns", "float64"), 0, None)
+    # what fixing the rank would save: the wait it imposed over its qualifying window of median wait (the first one,
+    # which names the straggler soonest, may begin before the fault and average its cost with clean steps; the last
+    # may hold the run's last steps, whose waits differ)
+    qualifying = np.flatnonzero(ok)
+    typical = _median_index(_nanmean_rows(_windows(victims, win_start[qualifying], wlen[qualifying])),
+                            win_gid[qualifying], len(n))
+    gain_at = best.copy()
+    gain_at[typical >= 0] = qualifying[typical[typical >= 0]]
+    gain_start = win_start[gain_at]
+    step_ns = column("step_ns", "float64")
     out = lat[keys].iloc[order[first_row]].reset_index(drop=True)
     out = pd.DataFrame({
         "pg": list(out["pg"]), "pg_ranks": list(out["pg_ranks"]), "rank": out["rank"].astype("int64"),
@@ -421,13 +435,16 @@ def straggler_scores(lateness: pd.DataFrame, *, cpu_throttled: pd.DataFrame | No
         "last_frac": np.nansum(_windows(column("is_last", "bool"), sel_start, w), axis=1) / w,
         "mean_lateness_ns": _nanmean_rows(_windows(column("lateness_ns", "float64"), sel_start, w)),
         "mean_victims_wait_ns": _nanmean_rows(_windows(victims, sel_start, w)),
-        "mean_step_ns": _nanmean_rows(_windows(column("step_ns", "float64"), sel_start, w)),
+        "mean_step_ns": _nanmean_rows(_windows(step_ns, sel_start, w)),
         "detected_at_step": pd.array([int(steps_[win_start[d] + w[g] - 1]) if d >= 0 else None
                                       for g, d in enumerate(detected)], dtype="Int64"),
         "detected_by": [None if d < 0 else "arrival" if by_arrival[d] else "arrival+phases" if by_phases[d]
                         else "persistence" if by_persistence[d] else "steady" if by_steady[d]
                         else "cpu_wait" if by_core[d] else "cpu_throttle"
                         for d in detected],
+        "gain_first_step": steps_[gain_start], "gain_last_step": steps_[gain_start + w - 1],
+        "gain_victims_wait_ns": _nanmean_rows(_windows(victims, gain_start, w)),
+        "gain_step_ns": _nanmean_rows(_windows(step_ns, gain_start, w)),
         "noise_frac": noise[best], "lateness_over_noise": over[best],
         "phase_noise_frac": pnoise[best], "pre_excess_over_noise": pover[best],
         "pre_excess_t": pre_t[best], "peer_pre_excess_t": peer_t[best],
@@ -887,6 +904,18 @@ def _first_true(flags: np.ndarray, gid: np.ndarray, num_groups: int) -> np.ndarr
     idx = np.flatnonzero(flags)
     groups, first = np.unique(gid[idx], return_index=True)
     out[groups] = idx[first]
+    return out
+
+
+def _median_index(values: np.ndarray, gid: np.ndarray, num_groups: int) -> np.ndarray:
+    """Per group (``gid`` sorted): the index of its median value (the lower one of an even count; NaN sorts last),
+    -1 for a group without values."""
+    out = np.full(num_groups, -1, dtype="int64")
+    if not len(values):
+        return out
+    order = np.lexsort((values, gid))
+    groups, first, count = np.unique(gid[order], return_index=True, return_counts=True)
+    out[groups] = order[first + (count - 1) // 2]
     return out
 
 

@@ -448,7 +448,9 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
                 and cause not in ("data", "device")):
             continue
         axis = axis_of_pg(row.pg)
-        wait_frac = row.mean_victims_wait_ns / row.mean_step_ns if row.mean_step_ns else 0.0
+        # what its fix saves: the wait it imposed over its qualifying window of median wait (gain_*)
+        gain_first, gain_last = int(row.gain_first_step), int(row.gain_last_step)
+        wait_frac = row.gain_victims_wait_ns / row.gain_step_ns if row.gain_step_ns else 0.0
         quota_held, core_shared = row_quota_held(row), row_core_shared(row)
         # frozen by its quota inside collectives it had reached, the rank made its peers wait there, not for its
         # arrival: the job's loss is its steps' stall
@@ -457,9 +459,8 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
                                               min_lateness_frac=min_lateness_frac):
             stall = None
         # the schedule's cap on the victims' wait, over the steps that wait was measured on
-        sched = (schedule_gain(int(row.rank), int(row.window_first_step), int(row.window_last_step))
-                 if schedule_gain is not None else None)
-        sched_frac = sched / row.mean_step_ns if sched is not None and row.mean_step_ns else None
+        sched = schedule_gain(int(row.rank), gain_first, gain_last) if schedule_gain is not None else None
+        sched_frac = sched / row.gain_step_ns if sched is not None and row.gain_step_ns else None
         lost_frac = wait_frac if stall is None else max(wait_frac, stall)
         if row_core_taken(row):        # its peers sat idle while it waited for its core: that is the job's loss
             lost_frac = max(lost_frac, min(row.cpu_wait_frac - row.peer_cpu_wait_frac, row.peer_idle_frac))
@@ -474,8 +475,8 @@ def detect_stragglers(scores: pd.DataFrame, causes: pd.DataFrame, *, links: Cont
             "median_pre_excess_frac": None if pd.isna(row.median_pre_excess_frac) else row.median_pre_excess_frac,
             "pre_positive_frac": row.pre_positive_frac, "detected_by": row.detected_by,
             "last_frac": row.last_frac, "mean_lateness_ms": ms(row.mean_lateness_ns),
-            "victims_mean_wait_ms": ms(row.mean_victims_wait_ns), "step_time_ms": ms(row.mean_step_ns),
-            "victims_wait_frac": wait_frac,
+            "victims_mean_wait_ms": ms(row.gain_victims_wait_ns), "step_time_ms": ms(row.gain_step_ns),
+            "victims_wait_frac": wait_frac, "gain_window": [gain_first, gain_last],
             "detected_at_step": _first_step(row.detected_at_step, first_flagged.get(int(row.rank))),
             "cause": cause,
             "cause_excess_ms": {

@@ -13,16 +13,17 @@ from dtprobe.store import jsonl
 from dtprobe.store.jsonl import FileCursor, tail_cursor
 
 
-def _reference(path: Path, first_step: int) -> FileCursor:
-    """Every complete line read: the cursor after the last one whose step is in [0, first_step)."""
+def _reference(path: Path, first_step: int) -> tuple[FileCursor, int]:
+    """Every complete line read: the cursor after the last one whose step is in [0, first_step) (the lines before
+    it its uncounted head), and how many lines that is."""
     data = path.read_bytes()
     data = data[: data.rfind(b"\n") + 1]
-    found, offset = FileCursor(), 0
+    found, offset = (FileCursor(), 0), 0
     for number, line in enumerate(data.splitlines(keepends=True), start=1):
         offset += len(line)
         m = re.search(rb'"step":\s*(-?\d+)', line)
         if m is not None and 0 <= int(m.group(1)) < first_step:
-            found = FileCursor(offset_bytes=offset, lines=number)
+            found = (FileCursor(offset_bytes=offset, head_bytes=offset), number)
     return found
 
 
@@ -57,7 +58,9 @@ def test_the_bisected_tail_cursor_is_where_a_scan_of_every_line_puts_it(tmp_path
     path = tmp_path / "rank00000.jsonl"
     _write(path, _lagging_steps(120, 4, seed), seed, torn)
     for first_step in range(0, 125):
-        assert tail_cursor(path, first_step) == _reference(path, first_step), first_step
+        cursor, lines = _reference(path, first_step)
+        assert tail_cursor(path, first_step) == cursor, first_step
+        assert tail_cursor(path, first_step).line_count(path) == lines, first_step
 
 
 def test_a_file_that_starts_in_the_tail_or_ends_before_it(tmp_path, monkeypatch):
@@ -65,9 +68,10 @@ def test_a_file_that_starts_in_the_tail_or_ends_before_it(tmp_path, monkeypatch)
     path = tmp_path / "rank00000.jsonl"
     _write(path, [None, None] + [s for s in range(40, 60) for _ in range(3)], 0, torn=True)
     assert tail_cursor(path, 40) == FileCursor()                 # nothing older than the tail: read it all
-    assert tail_cursor(path, 45) == _reference(path, 45) != FileCursor()
-    last = _reference(path, 1000)
+    assert tail_cursor(path, 45) == _reference(path, 45)[0] != FileCursor()
+    last, lines = _reference(path, 1000)
     assert tail_cursor(path, 1000) == last and last.offset_bytes == path.read_bytes().rfind(b"\n") + 1
+    assert tail_cursor(path, 1000).line_count(path) == lines == 62
     _write(path, [None, -1, None], 0, torn=False)                 # no step at all
     assert tail_cursor(path, 5) == FileCursor()
 
@@ -84,6 +88,28 @@ def test_a_restarted_rank_s_steps_going_back_move_the_cursor_no_later_than_a_sca
     data = path.read_bytes()
     for first_step in range(0, 72):
         cursor = tail_cursor(path, first_step)
-        assert cursor.offset_bytes <= _reference(path, first_step).offset_bytes, first_step
-        assert cursor.lines == data[:cursor.offset_bytes].count(b"\n")
+        assert cursor.offset_bytes <= _reference(path, first_step)[0].offset_bytes, first_step
+        assert cursor.line_count(path) == data[:cursor.offset_bytes].count(b"\n")
         assert cursor.offset_bytes == 0 or data[cursor.offset_bytes - 1:cursor.offset_bytes] == b"\n"
+
+
+def test_the_tail_open_reads_no_byte_of_the_head_it_skips_until_an_error_names_a_line_after_it(tmp_path, monkeypatch):
+    # the head's newlines are counted only for a line number: a damaged line in the tail is named by the file's own
+    # line number, as a whole read names it
+    path = tmp_path / "rank00000.jsonl"
+    _write(path, [s for s in range(60) for _ in range(3)], 0, torn=False)
+    counted = []
+    count_lines = jsonl._count_lines
+    monkeypatch.setattr(jsonl, "_count_lines", lambda f, offset: counted.append(offset) or count_lines(f, offset))
+    cursor = tail_cursor(path, 50)
+    assert cursor.head_bytes == cursor.offset_bytes > 0 and counted == []
+    assert jsonl.read_new_rows(path, cursor, "collectives", 0).num_rows == 30 and counted == []
+    assert cursor.line_count(path) == 180 and counted == [cursor.head_bytes]
+    with path.open("ab") as f:                            # a damaged line after the tail's rows: line 182
+        f.write(b'{"op": "all_reduce", "step": 60}\n{"op": "all_reduce", "step": oops}\n')
+    tail = tail_cursor(path, 50)
+    with pytest.raises(jsonl.TraceError, match=r"line 182 is not valid JSON"):
+        jsonl.read_new_rows(path, tail, "collectives", 0)
+    with pytest.raises(jsonl.TraceError, match=r"line 182 is not valid JSON"):
+        jsonl.read_new_rows(path, FileCursor(), "collectives", 0)
+    assert tail == tail_cursor(path, 50)                  # left where it was

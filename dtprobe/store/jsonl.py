@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import io
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -46,7 +46,20 @@ class FileCursor:
     offset_bytes: int = 0
     """Bytes consumed; always just after a newline."""
     lines: int = 0
-    """Complete lines consumed (for error messages)."""
+    """Complete lines consumed after the first ``head_bytes`` (for error messages: ``line_count``)."""
+    head_bytes: int = 0
+    """A head of the file (a line boundary) whose lines ``lines`` does not count: a tail open skips it unread, and
+    its newlines are counted only when a line number is asked for (``line_count``)."""
+    _head_lines: int | None = field(default=None, repr=False, compare=False)
+
+    def line_count(self, path: Path) -> int:
+        """Complete lines consumed, the head's included (``path``: the file; its head is counted once)."""
+        if not self.head_bytes:
+            return self.lines
+        if self._head_lines is None:
+            with open(path, "rb") as f:
+                self._head_lines = _count_lines(f, self.head_bytes)
+        return self._head_lines + self.lines
 
 
 def read_new_rows(path: Path, cursor: FileCursor, table: str, rank: int, *, end: int | None = None
@@ -76,8 +89,17 @@ def read_new_rows(path: Path, cursor: FileCursor, table: str, rank: int, *, end:
             if end < 0:
                 continue  # a line longer than one read (or a torn last line): read on
             block, data = data[: end + 1], data[end + 1:]
-            rows = parse_lines(block, table, path=path, first_line=lines + 1)
-            parts.append(_check_rank(rows, rank, path, first_line=lines + 1))
+            try:
+                rows = parse_lines(block, table, path=path, first_line=lines + 1)
+                parts.append(_check_rank(rows, rank, path, first_line=lines + 1))
+            except TraceError:
+                if not cursor.head_bytes:
+                    raise
+                # the error names the line within the lines read after an uncounted head: the same read with
+                # the head counted raises it with the file's own line number
+                first = cursor.line_count(path) - cursor.lines + lines + 1
+                _check_rank(parse_lines(block, table, path=path, first_line=first), rank, path, first_line=first)
+                raise
             offset += end + 1
             lines += block.count(b"\n")
     cursor.offset_bytes, cursor.lines = offset, lines
@@ -205,8 +227,8 @@ def tail_cursor(path: Path, first_step: int) -> FileCursor:
     reading from it gives the newest steps; the start of the file if no such line exists. A rank's lines follow
     its steps, a row at most ``_TAIL_SLACK_STEPS`` behind the rows written before it, so the file is bisected by
     byte offset for the first line of step ``first_step + _TAIL_SLACK_STEPS`` or later and scanned backwards from
-    there: it costs a few reads and the last steps before the tail, not the tail (plus a newline count of the
-    part skipped, for exact line numbers)."""
+    there: it costs a few reads and the last steps before the tail, not the tail; the part skipped is not read
+    (``FileCursor.head_bytes``: its lines are counted only when an error names a line)."""
     bound = first_step + _TAIL_SLACK_STEPS
     with open(path, "rb") as f:
         size = f.seek(0, io.SEEK_END)
@@ -220,7 +242,7 @@ def tail_cursor(path: Path, first_step: int) -> FileCursor:
             else:
                 lo = mid
         offset = _last_line_before(f, _line_end_at(f, hi, size), first_step)
-        return FileCursor() if offset is None else FileCursor(offset_bytes=offset, lines=_count_lines(f, offset))
+        return FileCursor() if offset is None else FileCursor(offset_bytes=offset, head_bytes=offset)
 
 
 def _ahead(f, offset: int, bound: int) -> bool:

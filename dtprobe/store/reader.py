@@ -375,7 +375,7 @@ class RunStore:
         with self._lock:
             state = self._counted(_check_table_name(name))
             cols = [c.rows.column("step") for c in state.chunks if c.rows.num_rows]
-            head = max((h.lines for h in state.heads.values()), default=0)
+            head = max((h.line_count(self._path / rel) for rel, h in state.heads.items()), default=0)
             # compacted files not held: their step blocks' counts from the marker, and the held rows' steps
             # outside those blocks (a block is never partly held: its files are read together)
             blocks = {f.step_block for f in state.unread + state.head_files} - {None, NO_STEP_BLOCK}
@@ -441,7 +441,8 @@ class RunStore:
     def cursors(self) -> dict[str, tuple[int, int]]:
         """Events file (relative path) -> (bytes, lines) consumed so far, for every loaded table."""
         with self._lock:
-            return {rel: (c.offset_bytes, c.lines) for s in self._states.values() for rel, c in s.cursors.items()}
+            return {rel: (c.offset_bytes, c.line_count(self._path / rel)) for s in self._states.values()
+                    for rel, c in s.cursors.items()}
 
     # ------------------------------------------------------------------------------------------------ internals
 
@@ -602,7 +603,8 @@ class RunStore:
                 if self._tail_from_step is not None and name in STEP_TABLES:
                     head = tail_cursor(path, self._tail_from_step)
                     if head.offset_bytes:
-                        cursor.offset_bytes, cursor.lines = head.offset_bytes, head.lines
+                        cursor.offset_bytes, cursor.lines, cursor.head_bytes = (head.offset_bytes, head.lines,
+                                                                               head.head_bytes)
                         state.heads[rel] = head
             size = path.stat().st_size
             if size == cursor.offset_bytes:
